@@ -1,0 +1,1 @@
+"""The training engine: pure Python + torch; never imports ComfyUI."""

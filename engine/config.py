@@ -1,0 +1,117 @@
+"""Plain configuration dataclasses for the engine.
+
+Nodes and the CLI translate their widgets into these; the engine never sees a graph.
+Each default is the one a first-time user should keep, with the reason beside it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    """Where the base model comes from."""
+
+    # A diffusers pipeline folder, its transformer/ subfolder, or a single-file
+    # checkpoint with original BFL names (ComfyUI's models/diffusion_models/*.safetensors).
+    transformer_path: str = ""
+    # Family id from the registry ("flux1"); "auto" detects it from the files.
+    family: str = "auto"
+    # Diffusers pipeline folder holding text_encoder*/tokenizer*/vae (needed for caching).
+    # Empty: use transformer_path when it is a pipeline folder.
+    pipeline_path: str = ""
+    # Compute dtype of the frozen base weights: bf16 halves memory; fp32 is for CPU tests.
+    dtype: str = "auto"  # auto -> bf16 on CUDA, fp32 on CPU
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "bf16", "fp16", "fp32"):
+            raise ConfigError(f"dtype={self.dtype!r} is not one of auto, bf16, fp16, fp32")
+
+
+@dataclass
+class DataConfig:
+    """A folder of images with same-stem .txt captions."""
+
+    path: str = ""
+    # Target side length; buckets keep about resolution**2 pixels at other aspect ratios.
+    resolution: int = 1024
+    # Prepended to every caption ("ohwx, a photo of ..."), so the LoRA learns a handle.
+    trigger_word: str = ""
+    # Used for images with no .txt; None makes a missing caption an error (safer).
+    default_caption: Optional[str] = None
+    # How many times each image appears per epoch (balances small datasets).
+    repeats: int = 1
+    # Bucket sides are multiples of this (VAE /8 then 2x2 packing needs 16; 64 is safer).
+    bucket_step: int = 64
+    # Widest aspect ratio a bucket may have (long side / short side).
+    max_aspect: float = 2.0
+    # Also cache a horizontally flipped latent and pick one of the two at random.
+    flip: bool = False
+    caption_extension: str = ".txt"
+
+    def __post_init__(self) -> None:
+        if self.resolution < 64 or self.resolution % 16:
+            raise ConfigError(f"resolution={self.resolution} must be >= 64 and a multiple of 16")
+        if self.repeats < 1:
+            raise ConfigError(f"repeats={self.repeats} must be >= 1")
+        if self.bucket_step < 16 or self.bucket_step % 16:
+            raise ConfigError(f"bucket_step={self.bucket_step} must be a multiple of 16")
+        if self.max_aspect < 1.0:
+            raise ConfigError(f"max_aspect={self.max_aspect} must be >= 1.0")
+
+
+@dataclass
+class LoraSettings:
+    """Shape of the adapter."""
+
+    rank: int = 16
+    # Scale = alpha / rank. alpha == rank gives scale 1, which every loader agrees on.
+    alpha: float = 16.0
+    dropout: float = 0.0
+    # "default" = the family's attention + projection set; or explicit module names.
+    target_modules: Optional[list[str]] = None
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ConfigError(f"rank={self.rank} must be >= 1")
+        if self.alpha <= 0:
+            raise ConfigError(f"alpha={self.alpha} must be > 0")
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation loop."""
+
+    steps: int = 1000
+    learning_rate: float = 1e-4
+    batch_size: int = 1
+    gradient_accumulation: int = 1
+    lr_scheduler: str = "constant"  # constant | cosine
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    weight_decay: float = 0.0
+    seed: int = 42
+    # Flux.1-dev is guidance-distilled; training at guidance 1.0 is the common recipe.
+    guidance: float = 1.0
+    # Logit-normal timestep sampling (SD3/Flux), then Flux's resolution-dependent shift.
+    timestep_mean: float = 0.0
+    timestep_std: float = 1.0
+    shift_timesteps: bool = True
+    # Recompute block activations in backward: big VRAM saving for ~30% more compute.
+    gradient_checkpointing: bool = True
+    device: str = "auto"  # auto -> cuda if available, else cpu
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ConfigError(f"steps={self.steps} must be >= 1")
+        if self.learning_rate <= 0:
+            raise ConfigError(f"learning_rate={self.learning_rate} must be > 0")
+        if self.batch_size < 1 or self.gradient_accumulation < 1:
+            raise ConfigError("batch_size and gradient_accumulation must be >= 1")
+        if self.lr_scheduler not in ("constant", "cosine"):
+            raise ConfigError(f"lr_scheduler={self.lr_scheduler!r} is not one of constant, cosine")
+        if self.warmup_steps < 0 or self.warmup_steps >= self.steps and self.warmup_steps > 0:
+            raise ConfigError(f"warmup_steps={self.warmup_steps} must be in [0, steps)")

@@ -1,0 +1,29 @@
+"""Exceptions the engine raises for bad input.
+
+Every message names the offending argument or file and says how to fix it, because
+these reach users through a node's error popup or the headless runner's stderr.
+"""
+
+
+class LowVRAMError(Exception):
+    """Base class: a problem the user can fix (bad path, wrong model, bad setting)."""
+
+
+class ConfigError(LowVRAMError, ValueError):
+    """A setting is out of range or inconsistent with another."""
+
+
+class ModelLoadError(LowVRAMError):
+    """A checkpoint is missing, of the wrong family, or has mismatching tensors."""
+
+
+class DatasetError(LowVRAMError):
+    """The dataset folder is missing, empty, or has images without captions."""
+
+
+class CacheError(LowVRAMError):
+    """The on-disk cache is unreadable or inconsistent."""
+
+
+class LoraFormatError(LowVRAMError):
+    """A LoRA file cannot be written or read in the requested format."""

@@ -1,0 +1,1 @@
+"""Runs our graphs without ComfyUI (the executor behind ``lowvram-lora run``)."""
