@@ -1,0 +1,231 @@
+"""The on-disk dataset cache: text embeddings and VAE latents, computed once.
+
+Layout under ``cache_dir``::
+
+    text/<key>.safetensors      one caption's embeddings (every encoder's output)
+    latents/<key>.safetensors   one image's latent at its bucket size (+ flipped)
+    datasets/<hash>.json        manifest: the items of one dataset + settings
+
+Each item's key hashes what it depends on (encoder files + caption + length;
+VAE files + image bytes + bucket + flip), so a rerun with the same inputs
+reuses everything and a changed caption, image or model rebuilds just that.
+Files are written to a temporary name and renamed, so an interrupted run never
+leaves a half-written entry that looks complete.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..callbacks import TrainingCallback
+from ..config import DataConfig, ModelConfig
+from ..data import assign_bucket, expand_repeats, load_image_tensor, make_buckets, scan_dataset
+from ..errors import CacheError, ModelLoadError
+from ..families import ModelFamily, family_for_class_name, get_family
+from ..models import resolve_device, resolve_dtype, resolve_transformer_source
+from ..models.transformer_loading import _variant_for_config
+from .hashing import path_identity, sha256_file, stable_hash
+from .text_encoding import encode_captions
+from .vae_encoding import encode_images
+
+MANIFEST_VERSION = 1
+
+
+@dataclass
+class CachedItem:
+    image: str
+    caption: str
+    bucket: tuple[int, int]  # (width, height) in pixels
+    text_key: str
+    latent_key: str
+
+
+@dataclass
+class DatasetCache:
+    """Handle to a built cache (what flows on the LOWVRAM_DATASET edge)."""
+
+    cache_dir: Path
+    manifest_path: Path
+    dataset_hash: str
+    family: str
+    variant: str
+    items: list[CachedItem]
+    repeats: int = 1
+    flip: bool = False
+    stats: dict = field(default_factory=dict)  # built/reused counts of the last build
+
+    def load_item(self, item: CachedItem, flipped: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(latent (C, h, w), {embedding name: tensor}) for one item."""
+        lat = load_file(str(self.cache_dir / "latents" / f"{item.latent_key}.safetensors"))
+        text = load_file(str(self.cache_dir / "text" / f"{item.text_key}.safetensors"))
+        latent = lat["latent_flipped"] if flipped and "latent_flipped" in lat else lat["latent"]
+        return latent, text
+
+    def training_items(self) -> list[CachedItem]:
+        return expand_repeats(self.items, self.repeats)
+
+
+def resolve_pipeline_folder(model_cfg: ModelConfig) -> Path:
+    """The diffusers pipeline folder whose text encoders, tokenizers and VAE we use."""
+    if model_cfg.pipeline_path:
+        folder = Path(model_cfg.pipeline_path).expanduser()
+        if not (folder / "model_index.json").exists():
+            raise ModelLoadError(
+                f"pipeline_path '{folder}' is not a diffusers pipeline folder (no model_index.json); "
+                f"it must hold text_encoder*/, tokenizer*/ and vae/"
+            )
+        return folder
+    source = resolve_transformer_source(model_cfg.transformer_path)
+    if source.pipeline_folder is None:
+        raise ModelLoadError(
+            f"'{model_cfg.transformer_path}' is a single transformer; caching also needs the text encoders and "
+            f"VAE: set pipeline_path to a diffusers pipeline folder (with text_encoder*/, tokenizer*/, vae/)"
+        )
+    return source.pipeline_folder
+
+
+def _family_and_variant(model_cfg: ModelConfig, pipeline: Path) -> tuple[ModelFamily, str]:
+    config_file = pipeline / "transformer" / "config.json"
+    if config_file.exists():
+        config = json.loads(config_file.read_text())
+        family = family_for_class_name(config.get("_class_name", ""))
+        if family is not None:
+            if model_cfg.family not in ("auto", family.id):
+                raise ModelLoadError(f"'{pipeline}' is a {family.display_name} pipeline, not {model_cfg.family}")
+            return family, _variant_for_config(family, config)
+    if model_cfg.family == "auto":
+        raise ModelLoadError(f"cannot tell the model family of '{pipeline}'; set family explicitly")
+    return get_family(model_cfg.family), "custom"
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+
+
+def build_dataset_cache(
+    model_cfg: ModelConfig,
+    data_cfg: DataConfig,
+    cache_dir: str | Path,
+    max_sequence_length: int = 0,
+    device: str = "auto",
+    callback: TrainingCallback | None = None,
+) -> DatasetCache:
+    """Scan the dataset, compute what is missing from the cache, write the manifest."""
+    cb = callback or TrainingCallback()
+    cache_dir = Path(cache_dir)
+    dev = resolve_device(device)
+    dtype = resolve_dtype(model_cfg.dtype, dev)
+    pipeline = resolve_pipeline_folder(model_cfg)
+    family, variant = _family_and_variant(model_cfg, pipeline)
+    records = scan_dataset(data_cfg)
+    buckets = make_buckets(data_cfg.resolution, data_cfg.bucket_step, data_cfg.max_aspect)
+    max_len = max_sequence_length or family.default_max_sequence_length(variant)
+
+    text_ident = stable_hash([[s.subfolder, path_identity(pipeline / s.subfolder),
+                               path_identity(pipeline / s.tokenizer_subfolder), s.output] for s in family.text_encoders]
+                             + [max_len, str(dtype)])
+    vae_ident = stable_hash([path_identity(pipeline / "vae"), str(dtype)])
+
+    items = []
+    for rec in records:
+        bucket = assign_bucket(rec.width, rec.height, buckets)
+        img_hash = sha256_file(rec.image_path)
+        items.append(CachedItem(
+            image=str(rec.image_path), caption=rec.caption, bucket=tuple(bucket),
+            text_key=stable_hash([text_ident, rec.caption]),
+            latent_key=stable_hash([vae_ident, img_hash, list(bucket), data_cfg.flip]),
+        ))
+
+    stats = {"text_built": 0, "text_reused": 0, "latents_built": 0, "latents_reused": 0}
+    _build_text(cache_dir, family, pipeline, items, dev, dtype, max_len, cb, stats)
+    _build_latents(cache_dir, pipeline, items, data_cfg.flip, dev, dtype, cb, stats)
+
+    dataset_hash = stable_hash([[i.text_key, i.latent_key] for i in items] + [data_cfg.repeats, data_cfg.flip])
+    manifest_path = cache_dir / "datasets" / f"{dataset_hash}.json"
+    manifest = {
+        "version": MANIFEST_VERSION, "dataset_hash": dataset_hash, "family": family.id, "variant": variant,
+        "source": str(Path(data_cfg.path).resolve()), "pipeline": str(pipeline.resolve()),
+        "settings": asdict(data_cfg), "max_sequence_length": max_len, "repeats": data_cfg.repeats,
+        "flip": data_cfg.flip, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "items": [asdict(i) for i in items],
+    }
+    manifest_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = manifest_path.with_name(f".{manifest_path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, manifest_path)
+    cb.log(
+        f"dataset cache {dataset_hash}: {len(items)} images; text {stats['text_built']} built / "
+        f"{stats['text_reused']} reused; latents {stats['latents_built']} built / {stats['latents_reused']} reused"
+    )
+    return DatasetCache(cache_dir, manifest_path, dataset_hash, family.id, variant, items,
+                        data_cfg.repeats, data_cfg.flip, stats)
+
+
+def _build_text(cache_dir, family, pipeline, items, device, dtype, max_len, cb, stats) -> None:
+    text_dir = cache_dir / "text"
+    todo: dict[str, str] = {}
+    for it in items:
+        if not (text_dir / f"{it.text_key}.safetensors").exists():
+            todo.setdefault(it.text_key, it.caption)
+    stats["text_reused"] = len({i.text_key for i in items}) - len(todo)
+    if not todo:
+        return
+    keys, captions = list(todo), list(todo.values())
+    per_encoder = {}
+    for spec in family.text_encoders:
+        length = spec.max_length if spec.output == "pooled" else max_len
+        stage = f"encode captions ({spec.subfolder})"
+        per_encoder[spec.cache_key] = encode_captions(
+            pipeline, spec, captions, device, dtype, length, progress=lambda d, t, s=stage: cb.on_progress(s, d, t)
+        )
+    for i, key in enumerate(keys):
+        _atomic_save({name: outs[i] for name, outs in per_encoder.items()}, text_dir / f"{key}.safetensors")
+    stats["text_built"] = len(keys)
+
+
+def _build_latents(cache_dir, pipeline, items, flip, device, dtype, cb, stats) -> None:
+    lat_dir = cache_dir / "latents"
+    todo = {}
+    for it in items:
+        if not (lat_dir / f"{it.latent_key}.safetensors").exists():
+            todo.setdefault(it.latent_key, it)
+    stats["latents_reused"] = len({i.latent_key for i in items}) - len(todo)
+    if not todo:
+        return
+    jobs = [(it, False) for it in todo.values()] + ([(it, True) for it in todo.values()] if flip else [])
+    images = (load_image_tensor(Path(it.image), it.bucket, flip=f) for it, f in jobs)
+    latents = encode_images(pipeline, images, len(jobs), device, dtype,
+                            progress=lambda d, t: cb.on_progress("encode images (vae)", d, t))
+    n = len(todo)
+    for i, (key, it) in enumerate(todo.items()):
+        tensors = {"latent": latents[i]}
+        if flip:
+            tensors["latent_flipped"] = latents[n + i]
+        _atomic_save(tensors, lat_dir / f"{key}.safetensors", metadata={"image": it.image})
+    stats["latents_built"] = n
+
+
+def open_dataset_cache(manifest_path: str | Path) -> DatasetCache:
+    """Re-open a built cache from its manifest (checks every entry is present)."""
+    path = Path(manifest_path)
+    try:
+        m = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CacheError(f"cannot read cache manifest '{path}' ({exc}); rebuild the cache") from exc
+    if m.get("version") != MANIFEST_VERSION:
+        raise CacheError(f"cache manifest '{path}' has version {m.get('version')}, expected {MANIFEST_VERSION}; rebuild it")
+    cache_dir = path.parent.parent
+    items = [CachedItem(**{**i, "bucket": tuple(i["bucket"])}) for i in m["items"]]
+    for it in items:
+        for sub, key in (("text", it.text_key), ("latents", it.latent_key)):
+            if not (cache_dir / sub / f"{key}.safetensors").exists():
+                raise CacheError(f"cache entry {sub}/{key} for '{it.image}' is missing; rebuild the cache")
+    return DatasetCache(cache_dir, path, m["dataset_hash"], m["family"], m["variant"], items, m["repeats"], m["flip"])

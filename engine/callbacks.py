@@ -1,0 +1,80 @@
+"""How the engine reports progress and is asked to stop.
+
+The engine never knows who is watching: ComfyUI's progress bar, the headless
+runner's tqdm bar, or a test. It calls one small object.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class StepInfo:
+    """What one optimizer step reports."""
+
+    step: int  # 1-based optimizer step
+    total_steps: int
+    loss: float  # mean loss over the step's micro-batches
+    lr: float
+    grad_norm: float  # before clipping
+    seconds_per_step: float
+    peak_vram_gb: float  # torch.cuda.max_memory_allocated since training started; 0 on CPU
+
+
+class TrainingCallback:
+    """Override what you need; the defaults do nothing and never stop."""
+
+    def on_progress(self, stage: str, done: int, total: int) -> None:
+        """Long non-training work (caching, loading): ``done`` of ``total`` units of ``stage``."""
+
+    def on_step(self, info: StepInfo) -> None:
+        """After every optimizer step."""
+
+    def log(self, message: str) -> None:
+        """A human-readable line (plans, cache hits, warnings)."""
+
+    def should_stop(self) -> bool:
+        """Polled every micro-step; True ends training cleanly after the current step."""
+        return False
+
+
+class ConsoleCallback(TrainingCallback):
+    """tqdm bars and printed lines, for the CLI and the headless runner."""
+
+    def __init__(self) -> None:
+        self._bars: dict[str, object] = {}
+        self.stop_requested = False
+
+    def _bar(self, stage: str, total: int):
+        from tqdm.auto import tqdm
+
+        bar = self._bars.get(stage)
+        if bar is None:
+            bar = self._bars[stage] = tqdm(total=total, desc=stage, dynamic_ncols=True)
+        return bar
+
+    def on_progress(self, stage: str, done: int, total: int) -> None:
+        bar = self._bar(stage, total)
+        bar.update(done - bar.n)
+        if done >= total:
+            bar.close()
+            self._bars.pop(stage, None)
+
+    def on_step(self, info: StepInfo) -> None:
+        bar = self._bar("train", info.total_steps)
+        bar.set_postfix(
+            loss=f"{info.loss:.4f}", lr=f"{info.lr:.2e}", s_it=f"{info.seconds_per_step:.2f}",
+            vram=f"{info.peak_vram_gb:.1f}G", refresh=False,
+        )
+        bar.update(info.step - bar.n)
+        if info.step >= info.total_steps:
+            bar.close()
+            self._bars.pop("train", None)
+
+    def log(self, message: str) -> None:
+        from tqdm.auto import tqdm
+
+        tqdm.write(message)
+
+    def should_stop(self) -> bool:
+        return self.stop_requested

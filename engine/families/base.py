@@ -1,0 +1,68 @@
+"""What every model family provides to the engine.
+
+A family (Flux.1, later Flux.2) is one small object: its diffusers class, its
+shipped configs, how to read its original single-file names, which modules get a
+LoRA, and how a training batch becomes the transformer's inputs. The loader, the
+trainer and LoRA export only talk to this interface.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from .flux1_names import BflParam
+
+
+@dataclass(frozen=True)
+class TextEncoderSpec:
+    """One text encoder of a pipeline folder and what we keep from it."""
+
+    subfolder: str  # "text_encoder_2"
+    tokenizer_subfolder: str  # "tokenizer_2"
+    output: str  # "pooled" (one vector per caption) or "sequence" (one per token)
+    max_length: int
+    cache_key: str  # name of the tensor in the cache ("pooled_prompt_embeds")
+
+
+def load_shipped_config(filename: str) -> dict[str, Any]:
+    """Small transformer config JSONs ship inside the package: no hub access, ever."""
+    text = resources.files(__package__).joinpath("configs", filename).read_text()
+    return json.loads(text)
+
+
+class ModelFamily(Protocol):
+    id: str
+    display_name: str
+    variants: dict[str, str]  # variant id -> shipped config file
+    diffusers_class_name: str
+    text_encoders: tuple[TextEncoderSpec, ...]
+
+    def transformer_class(self) -> type[nn.Module]: ...
+
+    def param_table(self, config: dict[str, Any]) -> list[BflParam]: ...
+
+    def looks_like_single_file(self, keys: set[str]) -> bool: ...
+
+    def block_lists(self, model: nn.Module) -> list[nn.ModuleList]: ...
+
+    def lora_target_modules(self, model: nn.Module) -> list[str]: ...
+
+    def default_max_sequence_length(self, variant: str) -> int: ...
+
+    def model_inputs(
+        self,
+        model: nn.Module,
+        latents: torch.Tensor,
+        embeds: dict[str, torch.Tensor],
+        timesteps: torch.Tensor,
+        guidance: float,
+    ) -> dict[str, Any]: ...
+
+    def unpack_prediction(self, pred: torch.Tensor, latents: torch.Tensor) -> torch.Tensor: ...
+
+    def timestep_shift_mu(self, latents: torch.Tensor) -> float: ...

@@ -1,0 +1,143 @@
+"""Flux.1 (dev and schnell) on diffusers' ``FluxTransformer2DModel``.
+
+Facts used here: 19 double + 38 single blocks at width 3072; T5-XXL sequence
+embeddings (4096) + CLIP-L pooled (768); a 16-channel VAE whose latents are
+packed 2x2 into 64-channel tokens; dev is guidance-distilled (a guidance
+embedding), schnell is not.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from .base import TextEncoderSpec
+from .flux1_names import BflParam, flux1_param_table
+
+# Linear modules that get a LoRA. Double blocks: attention q/k/v/out for the image
+# stream and the context (text) projections. Single blocks: their projections,
+# named exactly so the model's final ``proj_out`` is never matched.
+DOUBLE_BLOCK_TARGETS = (
+    "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+)
+SINGLE_BLOCK_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp", "proj_out")
+
+
+class Flux1Family:
+    id = "flux1"
+    display_name = "Flux.1"
+    variants = {
+        "flux1-dev": "flux1-dev.json",
+        "flux1-schnell": "flux1-schnell.json",
+        # Tiny random model for the demo and the tests (same architecture, small widths).
+        "flux1-tiny": "flux1-tiny.json",
+    }
+    diffusers_class_name = "FluxTransformer2DModel"
+    text_encoders = (
+        TextEncoderSpec("text_encoder", "tokenizer", "pooled", 77, "pooled_prompt_embeds"),
+        TextEncoderSpec("text_encoder_2", "tokenizer_2", "sequence", 512, "prompt_embeds"),
+    )
+
+    def transformer_class(self) -> type[nn.Module]:
+        from diffusers import FluxTransformer2DModel
+
+        return FluxTransformer2DModel
+
+    def param_table(self, config: dict[str, Any]) -> list[BflParam]:
+        hidden = config["num_attention_heads"] * config["attention_head_dim"]
+        return flux1_param_table(
+            num_double=config["num_layers"],
+            num_single=config["num_single_layers"],
+            hidden=hidden,
+            mlp_hidden=int(hidden * config.get("mlp_ratio", 4.0)),
+            head_dim=config["attention_head_dim"],
+            guidance=bool(config.get("guidance_embeds", False)),
+        )
+
+    def looks_like_single_file(self, keys: set[str]) -> bool:
+        return "img_in.weight" in keys and any(k.startswith("double_blocks.") for k in keys)
+
+    def block_lists(self, model: nn.Module) -> list[nn.ModuleList]:
+        return [model.transformer_blocks, model.single_transformer_blocks]
+
+    def lora_target_modules(self, model: nn.Module) -> list[str]:
+        names = []
+        for i in range(len(model.transformer_blocks)):
+            names += [f"transformer_blocks.{i}.{t}" for t in DOUBLE_BLOCK_TARGETS]
+        for i in range(len(model.single_transformer_blocks)):
+            names += [f"single_transformer_blocks.{i}.{t}" for t in SINGLE_BLOCK_TARGETS]
+        return names
+
+    def default_max_sequence_length(self, variant: str) -> int:
+        # What the diffusers pipelines use: dev 512, schnell 256. The tiny model keeps it short.
+        return {"flux1-schnell": 256, "flux1-tiny": 32}.get(variant, 512)
+
+    # --- training-time math -------------------------------------------------
+
+    @staticmethod
+    def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) -> (B, H/2 * W/2, 4C): 2x2 patches become tokens."""
+        b, c, h, w = latents.shape
+        x = latents.view(b, c, h // 2, 2, w // 2, 2)
+        x = x.permute(0, 2, 4, 1, 3, 5)  # (B, H/2, W/2, C, 2, 2)
+        return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+    @staticmethod
+    def unpack_latents(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+        """Inverse of pack_latents for latent height h and width w."""
+        b, _, c4 = tokens.shape
+        c = c4 // 4
+        x = tokens.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
+        return x.reshape(b, c, h, w)
+
+    @staticmethod
+    def image_ids(h: int, w: int, device, dtype) -> torch.Tensor:
+        """(H/2 * W/2, 3) position ids: (0, row, col) per packed token."""
+        ids = torch.zeros(h // 2, w // 2, 3, device=device, dtype=dtype)
+        ids[..., 1] = torch.arange(h // 2, device=device, dtype=dtype)[:, None]
+        ids[..., 2] = torch.arange(w // 2, device=device, dtype=dtype)[None, :]
+        return ids.reshape(-1, 3)
+
+    def model_inputs(
+        self,
+        model: nn.Module,
+        latents: torch.Tensor,
+        embeds: dict[str, torch.Tensor],
+        timesteps: torch.Tensor,
+        guidance: float,
+    ) -> dict[str, Any]:
+        """Keyword arguments for ``FluxTransformer2DModel.forward`` on noisy latents (B, C, H, W)."""
+        b, _, h, w = latents.shape
+        dtype = latents.dtype
+        prompt = embeds["prompt_embeds"].to(dtype)  # (B, L, 4096)
+        inputs = {
+            "hidden_states": self.pack_latents(latents),
+            "encoder_hidden_states": prompt,
+            "pooled_projections": embeds["pooled_prompt_embeds"].to(dtype),  # (B, 768)
+            "timestep": timesteps.to(dtype),  # sigma in [0, 1]; the model scales by 1000
+            "img_ids": self.image_ids(h, w, latents.device, dtype),
+            "txt_ids": torch.zeros(prompt.shape[1], 3, device=latents.device, dtype=dtype),
+            "return_dict": False,
+        }
+        if getattr(model.config, "guidance_embeds", False):
+            inputs["guidance"] = torch.full((b,), guidance, device=latents.device, dtype=dtype)
+        return inputs
+
+    def unpack_prediction(self, pred: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        return self.unpack_latents(pred, latents.shape[2], latents.shape[3])
+
+    def timestep_shift_mu(self, latents: torch.Tensor) -> float:
+        """Flux's resolution-dependent shift: mu grows linearly with the token count,
+        0.5 at 256 tokens to 1.15 at 4096 (the values in Flux's scheduler config)."""
+        seq_len = (latents.shape[2] // 2) * (latents.shape[3] // 2)
+        base_len, max_len, base_shift, max_shift = 256, 4096, 0.5, 1.15
+        slope = (max_shift - base_shift) / (max_len - base_len)
+        return seq_len * slope + (base_shift - slope * base_len)
+
+
+def shift_sigmas(sigmas: torch.Tensor, mu: float) -> torch.Tensor:
+    """Flux's time shift: e^mu / (e^mu + (1/t - 1)); pushes sampling towards noise at high res."""
+    return math.exp(mu) / (math.exp(mu) + (1.0 / sigmas - 1.0))

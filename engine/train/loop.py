@@ -1,0 +1,158 @@
+"""train_lora: the LoRA training loop, all weights resident on one device.
+
+bf16 frozen base (fp32 on CPU), fp32 LoRA weights under autocast, AdamW,
+constant or cosine schedule with warmup, gradient clipping and accumulation,
+gradient checkpointing, and a callback that sees every step and may stop it.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+
+import torch
+
+from ..callbacks import StepInfo, TrainingCallback
+from ..caching import DatasetCache
+from ..config import LoraSettings, ModelConfig, TrainConfig
+from ..errors import ConfigError
+from ..models import load_transformer, resolve_device, resolve_dtype
+from .batching import bucket_batches
+from .flow_matching import noisy_latents_and_target, sample_sigmas
+from .lora_attach import attach_lora, lora_state_dict
+from .trained_lora import TrainedLora
+
+
+def _attention_backends(device: torch.device):
+    """cuDNN's SDPA backward fails under gradient checkpointing on torch 2.11 + H100
+    (illegal memory access): train with flash / memory-efficient / math only. Scoped
+    to training rather than a process-wide flag."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def _make_scheduler(optimizer, cfg: TrainConfig):
+    from diffusers.optimization import get_scheduler
+
+    name = "constant_with_warmup" if cfg.lr_scheduler == "constant" else "cosine"
+    return get_scheduler(name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.steps)
+
+
+def _load_batch(dataset: DatasetCache, batch, device, dtype, rng: torch.Generator):
+    latents, embeds = [], {}
+    for item in batch:
+        flipped = dataset.flip and bool(torch.randint(0, 2, (1,), generator=rng).item())
+        lat, emb = dataset.load_item(item, flipped)
+        latents.append(lat)
+        for k, v in emb.items():
+            embeds.setdefault(k, []).append(v)
+    lat = torch.stack(latents).to(device, dtype)  # (B, C, h, w)
+    return lat, {k: torch.stack(v).to(device, dtype) for k, v in embeds.items()}
+
+
+def train_lora(
+    model_cfg: ModelConfig,
+    dataset: DatasetCache,
+    lora: LoraSettings,
+    train: TrainConfig,
+    callback: TrainingCallback | None = None,
+    preloaded: tuple | None = None,
+) -> TrainedLora:
+    """Train a LoRA on ``dataset`` and return its weights. ``preloaded`` = (model,
+    family, variant) skips loading (benchmarks build a random full-size model)."""
+    cb = callback or TrainingCallback()
+    device = resolve_device(train.device)
+    dtype = resolve_dtype(model_cfg.dtype, device)
+    if preloaded is None:
+        model, family, _, variant = load_transformer(model_cfg.transformer_path, model_cfg.family, dtype)
+    else:
+        model, family, variant = preloaded
+    if family.id != dataset.family:
+        raise ConfigError(
+            f"the dataset cache was built for {dataset.family} but the model is {family.id}; "
+            f"rebuild the cache with this model's text encoders"
+        )
+    model.to(device)
+    if train.gradient_checkpointing:
+        model.enable_gradient_checkpointing()
+    params = attach_lora(model, family, lora, train.seed)
+    model.to(device)
+    optimizer = torch.optim.AdamW(params, lr=train.learning_rate, weight_decay=train.weight_decay)
+    scheduler = _make_scheduler(optimizer, train)
+
+    gen = torch.Generator().manual_seed(train.seed)
+    batches = bucket_batches(dataset.training_items(), train.batch_size, train.seed, lambda it: it.bucket)
+    autocast = (torch.autocast("cuda", dtype=dtype) if device.type == "cuda" and dtype != torch.float32
+                else contextlib.nullcontext())
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    result = TrainedLora(
+        state_dict={}, rank=lora.rank, alpha=lora.alpha, family=family.id, variant=variant, steps=0,
+        requested_steps=train.steps, dataset_hash=dataset.dataset_hash, base_model=str(model_cfg.transformer_path),
+        settings={"lora": vars(lora), "train": vars(train)},
+    )
+    start = time.perf_counter()
+    model.train()
+    try:
+        with _attention_backends(device):
+            for step in range(1, train.steps + 1):
+                t0 = time.perf_counter()
+                loss_sum = 0.0
+                for _ in range(train.gradient_accumulation):
+                    latents, embeds = _load_batch(dataset, next(batches), device, dtype, gen)
+                    loss = _micro_step(model, family, latents, embeds, train, gen, autocast)
+                    (loss / train.gradient_accumulation).backward()
+                    loss_sum += loss.item()
+                grad_norm = _clip(params, train.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                result.loss_history.append(loss_sum / train.gradient_accumulation)
+                result.lr_history.append(scheduler.get_last_lr()[0])
+                result.steps = step
+                peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else 0.0
+                result.peak_vram_gb = peak
+                cb.on_step(StepInfo(step, train.steps, result.loss_history[-1], result.lr_history[-1],
+                                    grad_norm, time.perf_counter() - t0, peak))
+                if cb.should_stop() and step < train.steps:
+                    result.interrupted = True
+                    cb.log(f"stopped at step {step}/{train.steps} on request")
+                    break
+    except torch.cuda.OutOfMemoryError as exc:
+        raise torch.cuda.OutOfMemoryError(
+            f"CUDA out of memory while training {family.display_name} resident on {device}: {exc}. "
+            f"Lower the resolution or batch size, keep gradient checkpointing on, or use block streaming."
+        ) from exc
+    finally:
+        result.seconds = time.perf_counter() - start
+        result.state_dict = lora_state_dict(model) if result.steps else {}
+        model.to("cpu")
+        del optimizer
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return result
+
+
+def _micro_step(model, family, latents, embeds, cfg: TrainConfig, gen: torch.Generator, autocast):
+    b = latents.shape[0]
+    mu = family.timestep_shift_mu(latents) if cfg.shift_timesteps else None
+    sigmas = sample_sigmas(b, gen, cfg.timestep_mean, cfg.timestep_std, mu).to(latents.device)
+    noise = torch.randn(latents.shape, generator=gen).to(latents.device, latents.dtype)
+    noisy, target = noisy_latents_and_target(latents, noise, sigmas)
+    with autocast:
+        pred = model(**family.model_inputs(model, noisy, embeds, sigmas, cfg.guidance))[0]
+    pred = family.unpack_prediction(pred, latents)
+    return torch.nn.functional.mse_loss(pred.float(), target.float())
+
+
+def _clip(params, max_norm: float) -> float:
+    if max_norm and max_norm > 0:
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])))

@@ -1,0 +1,41 @@
+"""Attach a peft LoRA to a frozen transformer and read it back out."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import LoraSettings
+from ..families import ModelFamily
+
+ADAPTER = "default"
+
+
+def attach_lora(model: nn.Module, family: ModelFamily, settings: LoraSettings, seed: int) -> list[nn.Parameter]:
+    """Inject LoRA layers (via peft, through diffusers' add_adapter) and return the
+    trainable parameters, kept in fp32: bf16 LoRA weights lose small updates."""
+    from peft import LoraConfig
+
+    targets = settings.target_modules or family.lora_target_modules(model)
+    config = LoraConfig(
+        r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+        target_modules=targets, init_lora_weights=True,
+    )
+    # LoRA A is random-initialised from the global RNG: seed it without disturbing the caller's.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model.add_adapter(config, adapter_name=ADAPTER)
+    params = []
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.float()
+            p.requires_grad_(True)
+            params.append(p)
+    return params
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """LoRA weights with peft/diffusers module names (``...to_q.lora_A.weight``), fp32 on CPU."""
+    from peft.utils import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(model, adapter_name=ADAPTER)
+    return {k: v.detach().float().cpu().clone() for k, v in state.items()}
