@@ -94,6 +94,7 @@ def train_lora(
         state_dict={}, rank=lora.rank, alpha=lora.alpha, family=family.id, variant=variant, steps=0,
         requested_steps=train.steps, dataset_hash=dataset.dataset_hash, base_model=str(model_cfg.transformer_path),
         settings={"lora": vars(lora), "train": vars(train)},
+        model_config={k: v for k, v in dict(model.config).items() if not k.startswith("_")},
     )
     start = time.perf_counter()
     model.train()

@@ -23,6 +23,7 @@ class TrainedLora:
     seconds: float = 0.0
     peak_vram_gb: float = 0.0
     settings: dict = field(default_factory=dict)
+    model_config: dict = field(default_factory=dict)  # the transformer's config (LoRA export needs its shapes)
 
     @property
     def scale(self) -> float:

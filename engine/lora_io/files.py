@@ -1,0 +1,124 @@
+"""Write and read LoRA .safetensors files, atomically and with metadata."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..errors import LoraFormatError
+from ..families import get_family
+from ..train.trained_lora import TrainedLora
+from ..version import VERSION
+from .formats import fold_scale, from_comfyui, from_diffusers, lora_modules, to_comfyui, to_diffusers
+
+FORMATS = ("comfyui", "diffusers")
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_ARCH = {"flux1-dev": "flux-1-dev/lora", "flux1-schnell": "flux-1-schnell/lora"}
+
+
+@dataclass
+class LoadedLora:
+    state_dict: dict[str, torch.Tensor]  # folded peft names (scale 1)
+    format: str
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def rank(self) -> int:
+        return max(v.shape[0] for k, v in self.state_dict.items() if ".lora_A." in k)
+
+
+def _metadata(lora: TrainedLora, fmt: str) -> dict[str, str]:
+    final_loss = lora.loss_history[-1] if lora.loss_history else float("nan")
+    return {
+        "format": "pt",
+        "modelspec.architecture": _ARCH.get(lora.variant, f"{lora.family}/lora"),
+        "lowvram_lora.version": VERSION,
+        "lowvram_lora.format": fmt,
+        "lowvram_lora.family": lora.family,
+        "lowvram_lora.variant": lora.variant,
+        "lowvram_lora.rank": str(lora.rank),
+        "lowvram_lora.alpha": str(lora.alpha),
+        "lowvram_lora.scale_folded": "true",  # B already holds alpha/rank; files load at scale 1
+        "lowvram_lora.steps": str(lora.steps),
+        "lowvram_lora.dataset_hash": lora.dataset_hash,
+        "lowvram_lora.base_model": os.path.basename(lora.base_model.rstrip("/")),
+        "lowvram_lora.final_loss": f"{final_loss:.6f}",
+        "lowvram_lora.model_config": json.dumps(lora.model_config, sort_keys=True),
+    }
+
+
+def save_lora(lora: TrainedLora, path: str | Path, fmt: str = "comfyui", dtype: str = "bf16",
+              overwrite: bool = False) -> Path:
+    """Write ``lora`` to ``path``. Written to a temporary name, then renamed, so an existing
+    file is never half-overwritten; an existing file is kept unless ``overwrite``."""
+    if fmt not in FORMATS:
+        raise LoraFormatError(f"format={fmt!r} is not one of {', '.join(FORMATS)}")
+    if dtype not in _DTYPES:
+        raise LoraFormatError(f"dtype={dtype!r} is not one of {', '.join(_DTYPES)}")
+    if not lora.state_dict:
+        raise LoraFormatError("this LoRA has no weights (training stopped before the first step)")
+    path = Path(path)
+    if path.suffix != ".safetensors":
+        raise LoraFormatError(f"'{path}' must end in .safetensors")
+    if path.exists() and not overwrite:
+        raise LoraFormatError(f"'{path}' already exists; choose another name or allow overwriting")
+    folded = fold_scale(lora.state_dict, lora.scale)
+    if fmt == "comfyui":
+        family = get_family(lora.family)
+        tensors = to_comfyui(folded, family.param_table(lora.model_config))
+    else:
+        tensors = to_diffusers(folded)
+    tensors = {k: (v if k.endswith(".alpha") else v.to(_DTYPES[dtype])).contiguous() for k, v in tensors.items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        save_file(tensors, str(tmp), metadata=_metadata(lora, fmt))
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def load_lora(path: str | Path) -> LoadedLora:
+    """Read a LoRA we (or a kohya/diffusers-style tool) wrote, into folded peft names."""
+    path = Path(path)
+    if not path.is_file():
+        raise LoraFormatError(f"LoRA file '{path}' does not exist")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            sd = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as exc:
+        raise LoraFormatError(f"'{path}' is not a readable safetensors file ({exc})") from exc
+    if any(k.startswith("lora_unet_") for k in sd):
+        config = _model_config(meta, sd, path)
+        state = from_comfyui(sd, get_family(meta.get("lowvram_lora.family", "flux1")).param_table(config))
+        fmt = "comfyui"
+    elif any(".lora_A." in k for k in sd):
+        state = from_diffusers(sd)
+        fmt = "diffusers"
+    else:
+        raise LoraFormatError(f"'{path}' has no LoRA keys in a known layout (kohya lora_unet_* or peft lora_A/lora_B)")
+    if not lora_modules(state):
+        raise LoraFormatError(f"'{path}' holds no LoRA modules")
+    return LoadedLora(state, fmt, meta)
+
+
+def _model_config(meta: dict[str, str], sd: dict[str, torch.Tensor], path: Path) -> dict:
+    """Shapes needed to split fused modules: from our metadata, else from the tensors."""
+    if "lowvram_lora.model_config" in meta:
+        return json.loads(meta["lowvram_lora.model_config"])
+    proj = [v for k, v in sd.items() if k.endswith("img_attn_proj.lora_up.weight")]
+    if not proj:
+        raise LoraFormatError(f"cannot tell the model width of '{path}' (no img_attn.proj LoRA and no metadata)")
+    hidden = proj[0].shape[0]
+    blocks = lambda tag: 1 + max((int(k.split("_")[4 if tag == "double" else 4]) for k in sd
+                                  if k.startswith(f"lora_unet_{tag}_blocks_")), default=-1)
+    return {"num_attention_heads": hidden // 128, "attention_head_dim": 128, "num_layers": blocks("double"),
+            "num_single_layers": blocks("single"), "guidance_embeds": True}

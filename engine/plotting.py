@@ -1,0 +1,54 @@
+"""Loss-curve PNG with pillow alone (no matplotlib dependency for one chart)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _ema(values: list[float], beta: float = 0.9) -> list[float]:
+    out, avg = [], None
+    for v in values:
+        avg = v if avg is None else beta * avg + (1 - beta) * v
+        out.append(avg)
+    return out
+
+
+def render_loss_curve(losses: list[float], width: int = 640, height: int = 360, title: str = "training loss"):
+    """A PIL image: raw losses in light grey, their moving average in blue, min/max labels."""
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", (width, height), (255, 255, 255))
+    d = ImageDraw.Draw(img)
+    left, right, top, bottom = 56, width - 16, 28, height - 32
+    d.rectangle((left, top, right, bottom), outline=(180, 180, 180))
+    d.text((left, 8), f"{title} ({len(losses)} steps)", fill=(30, 30, 30))
+    if not losses:
+        d.text((left + 10, top + 10), "no steps yet", fill=(120, 120, 120))
+        return img
+    lo, hi = min(losses), max(losses)
+    span = (hi - lo) or 1.0
+    n = max(len(losses) - 1, 1)
+
+    def xy(i: int, v: float) -> tuple[float, float]:
+        return left + (right - left) * i / n, bottom - (bottom - top) * (v - lo) / span
+
+    for series, color, w in ((losses, (190, 190, 190), 1), (_ema(losses), (30, 90, 200), 2)):
+        pts = [xy(i, v) for i, v in enumerate(series)]
+        if len(pts) > 1:
+            d.line(pts, fill=color, width=w)
+        else:
+            d.ellipse((pts[0][0] - 2, pts[0][1] - 2, pts[0][0] + 2, pts[0][1] + 2), fill=color)
+    d.text((4, top - 4), f"{hi:.3f}", fill=(60, 60, 60))
+    d.text((4, bottom - 8), f"{lo:.3f}", fill=(60, 60, 60))
+    d.text((left, bottom + 8), "step 1", fill=(60, 60, 60))
+    d.text((right - 60, bottom + 8), f"step {len(losses)}", fill=(60, 60, 60))
+    return img
+
+
+def save_loss_curve(losses: list[float], path: str | Path, title: str = "training loss") -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")
+    render_loss_curve(losses, title=title).save(tmp)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,192 @@
+"""Run an API graph with our node classes, in dependency order, without ComfyUI.
+
+This is the headless counterpart of ComfyUI's executor, reduced to what our pack
+needs: nodes are plain classes (``INPUT_TYPES``, ``RETURN_TYPES``, ``FUNCTION``,
+``OUTPUT_NODE``), each node runs once, links pass one element of the source's
+output tuple. Not supported (our nodes use none of them): ``INPUT_IS_LIST`` /
+``OUTPUT_IS_LIST`` batching, lazy inputs, ``VALIDATE_INPUTS``, ``IS_CHANGED`` and
+result caching between runs, node expansion, and the ``DYNPROMPT`` hidden input.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from tqdm import tqdm
+
+from .workflow import hidden_inputs, input_specs, is_link, node_sort_key, validate_graph
+
+#: ``on_node(event, node_id, ui)``: event is "executing" (before, ui None) or
+#: "executed" (after, with the node's ui dict or None) -- ComfyUI's websocket names.
+NodeCallback = Callable[[str, str, "dict | None"], None]
+
+
+class NodeExecutionError(Exception):
+    """A node raised while running; names the node so the user knows where to look.
+
+    The original exception is chained (``__cause__``) and kept as ``original``.
+    """
+
+    def __init__(self, node_id: str, title: str, class_type: str, original: BaseException):
+        shown = f' "{title}"' if title and title != class_type else ""
+        super().__init__(f"node {node_id}{shown} ({class_type}) failed: {type(original).__name__}: {original}")
+        self.node_id = node_id
+        self.title = title
+        self.class_type = class_type
+        self.original = original
+
+
+class ExecutionResults(dict):
+    """Outputs of the nodes that ran: ``{node_id: output tuple}``, in execution order.
+
+    ``ui`` holds the ``{"ui": {...}}`` dicts that nodes returned (``{node_id: ui}``,
+    only for nodes that returned one), which is what ComfyUI would show in the
+    editor; ``order`` lists the node ids as they ran.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ui: dict[str, dict] = {}
+        self.order: list[str] = []
+
+
+def _is_output_node(cls: type) -> bool:
+    return bool(getattr(cls, "OUTPUT_NODE", False))
+
+
+def _dependencies(node: Mapping[str, Any]) -> set[str]:
+    return {str(v[0]) for v in node["inputs"].values() if is_link(v)}
+
+
+def _needed_nodes(graph: Mapping[str, dict], node_class_mappings: Mapping[str, type]) -> set[str]:
+    """Output nodes and everything they depend on; all nodes when there is no output node.
+
+    ComfyUI only runs what an output needs; running everything when the graph has no
+    output keeps "run this loader to check it" workflows useful.
+    """
+    outputs = [i for i, n in graph.items() if _is_output_node(node_class_mappings[n["class_type"]])]
+    if not outputs:
+        return set(graph)
+    needed: set[str] = set()
+    todo = list(outputs)
+    while todo:
+        node_id = todo.pop()
+        if node_id not in needed:
+            needed.add(node_id)
+            todo.extend(_dependencies(graph[node_id]))
+    return needed
+
+
+def execution_order(graph: Mapping[str, dict], node_class_mappings: Mapping[str, type]) -> list[str]:
+    """Node ids to run, sources before consumers, ties broken by node id (stable runs)."""
+    needed = _needed_nodes(graph, node_class_mappings)
+    waiting = {i: _dependencies(graph[i]) & needed for i in needed}
+    order: list[str] = []
+    while waiting:
+        ready = sorted((i for i, deps in waiting.items() if not deps), key=node_sort_key)
+        if not ready:  # validate_graph rejects cycles; this guards hand-built graphs
+            raise RuntimeError(f"cycle among nodes {sorted(waiting, key=node_sort_key)}")
+        node_id = ready[0]
+        order.append(node_id)
+        del waiting[node_id]
+        for deps in waiting.values():
+            deps.discard(node_id)
+    return order
+
+
+def _hidden_values(cls: type, node_id: str, graph: Mapping[str, dict]) -> dict[str, Any]:
+    """Values ComfyUI fills for ``hidden`` inputs; unknown kinds are left out."""
+    known = {"UNIQUE_ID": node_id, "PROMPT": graph, "EXTRA_PNGINFO": None}
+    return {name: known[kind] for name, kind in hidden_inputs(cls).items() if kind in known}
+
+
+def _kwargs(
+    node_id: str, cls: type, graph: Mapping[str, dict], results: Mapping[str, tuple]
+) -> dict[str, Any]:
+    """Declared inputs present in the graph, links replaced by the source's output element.
+
+    Optional inputs absent from the graph are not passed: the node method's defaults apply.
+    """
+    inputs = graph[node_id]["inputs"]
+    kwargs: dict[str, Any] = {}
+    for spec in input_specs(cls):
+        if spec.name not in inputs:
+            continue
+        value = inputs[spec.name]
+        if is_link(value):
+            src, slot = str(value[0]), value[1]
+            outputs = results[src]
+            if slot >= len(outputs):
+                raise ValueError(
+                    f'input "{spec.name}" needs output {slot} of node {src}, which returned {len(outputs)} value(s)'
+                )
+            value = outputs[slot]
+        kwargs[spec.name] = value
+    kwargs.update(_hidden_values(cls, node_id, graph))
+    return kwargs
+
+
+def _split_result(raw: Any) -> tuple[tuple, dict | None]:
+    """A node's return value as (outputs, ui): a tuple/list, None, or ``{"result": ..., "ui": ...}``."""
+    if isinstance(raw, Mapping):
+        result = raw.get("result", ())
+        return tuple(result or ()), raw.get("ui")
+    if raw is None:
+        return (), None
+    if isinstance(raw, (tuple, list)):
+        return tuple(raw), None
+    raise TypeError(f"returned {type(raw).__name__}; a node must return a tuple or {{'result': ..., 'ui': ...}}")
+
+
+def _run_node(node_id: str, cls: type, graph: Mapping[str, dict], results: Mapping[str, tuple]) -> tuple:
+    """Instantiate the class and call its FUNCTION; returns (outputs, ui)."""
+    kwargs = _kwargs(node_id, cls, graph, results)
+    method = getattr(cls(), cls.FUNCTION)
+    return _split_result(method(**kwargs))
+
+
+def _title(graph: Mapping[str, dict], node_id: str) -> str:
+    node = graph[node_id]
+    meta = node.get("_meta") or {}
+    return str(meta.get("title") or node["class_type"])
+
+
+def execute_graph(
+    graph: dict[str, dict],
+    node_class_mappings: Mapping[str, type],
+    *,
+    progress: bool = True,
+    on_node: NodeCallback | None = None,
+) -> ExecutionResults:
+    """Validate the API graph, then run the needed nodes in dependency order.
+
+    Returns an :class:`ExecutionResults` (a ``dict[str, tuple]`` of outputs by node
+    id, plus ``.ui`` and ``.order``). A node that raises is reported as
+    :class:`NodeExecutionError` (original chained); KeyboardInterrupt propagates
+    unchanged so the command can exit 130.
+    """
+    validate_graph(graph, node_class_mappings)
+    order = execution_order(graph, node_class_mappings)
+    results = ExecutionResults()
+    with tqdm(total=len(order), unit="node", disable=not progress, leave=True) as bar:
+        for index, node_id in enumerate(order, start=1):
+            class_type = graph[node_id]["class_type"]
+            title = _title(graph, node_id)
+            bar.set_description(f"node {index}/{len(order)}: {title}")
+            if on_node is not None:
+                on_node("executing", node_id, None)
+            try:
+                outputs, ui = _run_node(node_id, node_class_mappings[class_type], graph, results)
+            except Exception as exc:
+                raise NodeExecutionError(node_id, title, class_type, exc) from exc
+            results[node_id] = outputs
+            results.order.append(node_id)
+            if ui is not None:
+                results.ui[node_id] = ui
+            if on_node is not None:
+                on_node("executed", node_id, ui)
+            bar.update(1)
+    return results
+
+
+__all__ = ["NodeExecutionError", "ExecutionResults", "execute_graph", "execution_order"]

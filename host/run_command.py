@@ -1,0 +1,115 @@
+"""``lowvram-lora run WORKFLOW.json``: run a ComfyUI workflow headless, with no ComfyUI installed.
+
+Kept apart from ``cli.py`` so the command can be wired in with two calls:
+``add_run_parser(subparsers)`` and ``run_workflow_command(args, NODE_CLASS_MAPPINGS,
+configure_dirs=...)``. Expected failures (a bad workflow, a node that raised) print
+one message to stderr and exit 1, because users of a headless runner act on the
+message, not on a traceback; ``--traceback`` shows it when debugging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from .executor import ExecutionResults, NodeExecutionError, execute_graph
+from .workflow import WorkflowError, apply_overrides, load_workflow, to_api_graph
+
+DEFAULT_MODELS_DIR = "./models"
+DEFAULT_OUTPUT_DIR = "./output"
+EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
+
+#: ``configure_dirs(models_dir, output_dir)``: tells the nodes where models live and
+#: where outputs go (absolute paths), as ComfyUI's ``folder_paths`` would.
+ConfigureDirs = Callable[[str, str], None]
+
+
+def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register the ``run`` subcommand on an ``add_subparsers()`` object and return its parser."""
+    parser = subparsers.add_parser(
+        "run",
+        help="run a ComfyUI workflow JSON (UI or API format) without ComfyUI",
+        description="Run a ComfyUI workflow (UI or API format) with this pack's nodes, without ComfyUI.",
+    )
+    parser.add_argument("workflow", metavar="WORKFLOW.json", help="workflow file saved from ComfyUI")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="ID.INPUT=VALUE",
+        help="override a widget value, e.g. --set 5.steps=200 --set 5.learning_rate=1e-4 "
+        "(ID is a node id or a unique node title; repeatable)",
+    )
+    parser.add_argument("--models-dir", default=DEFAULT_MODELS_DIR,
+                        help=f"where model files are looked up (default {DEFAULT_MODELS_DIR})")
+    parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR,
+                        help=f"where outputs are written (default {DEFAULT_OUTPUT_DIR})")
+    parser.add_argument("--no-progress", action="store_true", help="do not show progress bars")
+    parser.add_argument("--traceback", action="store_true", help="print the full traceback on errors")
+    return parser
+
+
+def _absolute(path: str) -> str:
+    return str(Path(path).expanduser().resolve())
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    """A ui dict entry as one line, cut so long loss histories do not flood the terminal."""
+    text = json.dumps(value, default=str)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _print_summary(results: ExecutionResults, graph: Mapping[str, dict], seconds: float) -> None:
+    print(f"done: {len(results.order)} node(s) in {seconds:.1f} s")
+    for node_id, ui in results.ui.items():
+        title = (graph[node_id].get("_meta") or {}).get("title") or graph[node_id]["class_type"]
+        print(f"  node {node_id} ({title}): {_short(ui)}")
+
+
+def _report(exc: BaseException, show_traceback: bool) -> None:
+    if show_traceback:
+        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+    print(f"error: {exc}", file=sys.stderr)
+
+
+def _prepare(args: argparse.Namespace, node_class_mappings: Mapping[str, type],
+             display_names: Mapping[str, str] | None) -> dict[str, dict]:
+    """Load, convert, validate and apply ``--set`` overrides."""
+    workflow = load_workflow(args.workflow)
+    graph = to_api_graph(workflow, node_class_mappings, display_names)
+    return apply_overrides(graph, getattr(args, "overrides", None) or [], node_class_mappings)
+
+
+def run_workflow_command(
+    args: argparse.Namespace,
+    node_class_mappings: Mapping[str, type],
+    configure_dirs: ConfigureDirs | None = None,
+    display_names: Mapping[str, str] | None = None,
+) -> int:
+    """Run the workflow named by ``args``; returns the exit code (0 ok, 1 failed, 130 interrupted).
+
+    ``configure_dirs`` is called with the absolute models and output folders before
+    anything executes; ``display_names`` (``NODE_DISPLAY_NAME_MAPPINGS``) titles
+    nodes saved without a title.
+    """
+    show_traceback = bool(getattr(args, "traceback", False))
+    try:
+        graph = _prepare(args, node_class_mappings, display_names)
+        if configure_dirs is not None:
+            configure_dirs(_absolute(getattr(args, "models_dir", DEFAULT_MODELS_DIR)),
+                           _absolute(getattr(args, "output_dir", DEFAULT_OUTPUT_DIR)))
+        start = time.perf_counter()
+        results = execute_graph(graph, node_class_mappings, progress=not getattr(args, "no_progress", False))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except (WorkflowError, NodeExecutionError) as exc:
+        _report(exc, show_traceback)
+        return EXIT_FAILED
+    _print_summary(results, graph, time.perf_counter() - start)
+    return EXIT_OK
+
+
+__all__ = ["add_run_parser", "run_workflow_command", "DEFAULT_MODELS_DIR", "DEFAULT_OUTPUT_DIR"]
