@@ -19,7 +19,7 @@ from ..errors import ConfigError
 from ..models import load_transformer, resolve_device, resolve_dtype
 from .batching import bucket_batches
 from .flow_matching import noisy_latents_and_target, sample_sigmas
-from .lora_attach import attach_lora, lora_state_dict
+from .lora_attach import attach_lora, detach_lora, lora_state_dict
 from .trained_lora import TrainedLora
 
 
@@ -133,8 +133,14 @@ def train_lora(
     finally:
         result.seconds = time.perf_counter() - start
         result.state_dict = lora_state_dict(model) if result.steps else {}
-        model.to("cpu")
-        del optimizer
+        # Leave a preloaded model as we found it (benchmarks train it again); drop one we loaded.
+        detach_lora(model)
+        if train.gradient_checkpointing:
+            model.disable_gradient_checkpointing()
+        model.eval()
+        del optimizer, params
+        if preloaded is None:
+            del model
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

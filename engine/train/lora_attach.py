@@ -39,3 +39,18 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
     state = get_peft_model_state_dict(model, adapter_name=ADAPTER)
     return {k: v.detach().float().cpu().clone() for k, v in state.items()}
+
+
+def detach_lora(model: nn.Module) -> None:
+    """Put the original Linear layers back (peft has no public unload for models it was
+    injected into through diffusers' add_adapter), so a preloaded base can train again."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, BaseTunerLayer):
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, module.get_base_layer())
+    if hasattr(model, "peft_config"):
+        del model.peft_config
+    model._hf_peft_config_loaded = False
