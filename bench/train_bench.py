@@ -1,0 +1,300 @@
+"""LoRA training step time and peak VRAM of a full-size Flux transformer, per resolution and mode.
+
+The transformer is built from the shipped config with random weights directly on
+the device (no download, no checkpoint), the dataset is a synthetic cache of random
+latents and text embeddings, and training goes through the engine's ``train_lora``.
+Every (resolution, mode) appends one JSON row to ``--out``; ``bench/report.py``
+turns the rows into bench/RESULTS.md.
+
+On the GPU machine (see bench/gpu_env.sh)::
+
+    source bench/gpu_env.sh
+    python3 bench/train_bench.py --res 512 1024 2048 --out "$OUT/results.jsonl"
+
+On a CPU dev machine, a quick check of the script itself::
+
+    python bench/train_bench.py --variant flux1-tiny --device cpu --res 64 --warmup 1 --timed 2 --out /tmp/r.jsonl
+
+Modes: only ``resident`` (all weights on the GPU) exists in the engine today. A new
+mode is one function registered in ``MODES`` below: it gets the model (already on the
+device, in the compute dtype) and must leave it there, unchanged, when it returns, so
+the next resolution and mode reuse it. Rows of one invocation share a ``run_id``, and
+report.py prints each mode's step time as a ratio to ``resident`` of the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+BENCH_DIR = Path(__file__).resolve().parent
+DEFAULT_OUT = BENCH_DIR / "results.jsonl"
+GB, GIB = 1e9, 2 ** 30
+
+
+# ---------------------------------------------------------------------------- model
+
+def build_random_model(variant: str, device: torch.device, dtype: torch.dtype, std: float, seed: int):
+    """(model, family, config) with random weights, built on ``meta`` and materialised
+    straight on ``device`` in ``dtype``: no CPU init of 12B parameters."""
+    from lowvram_lora.engine.families import get_family, load_shipped_config
+
+    family = get_family("flux1")
+    cfg = load_shipped_config(family.variants[variant])
+    cls = family.transformer_class()
+    with torch.device("meta"):
+        model = cls.from_config(cfg)
+    torch.nn.Module.to(model, dtype=dtype)  # still on meta: free (nn.Module.to skips diffusers' fp32-module warning)
+    model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1 and "norm" in name and name.endswith(".weight"):
+                p.fill_(1.0)  # RMSNorm / LayerNorm scales: identity, as trained models are near
+            else:
+                p.normal_(0.0, std, generator=gen)
+        for name, b in model.named_buffers():
+            # FluxTransformer2DModel (diffusers 0.42) has none; anything that appears later
+            # would be garbage after to_empty, so fail loudly rather than time it.
+            raise RuntimeError(f"model has buffer {name!r}; initialise it in build_random_model")
+    model.requires_grad_(False)
+    model.eval()
+    bad = [n for n, p in model.named_parameters() if p.device.type == "meta" or not torch.isfinite(p).all()]
+    if bad:
+        raise RuntimeError(f"parameters left uninitialised or non-finite: {bad[:5]} ...")
+    return model, family, cfg
+
+
+# -------------------------------------------------------------------------- dataset
+
+def write_synthetic_cache(root: Path, family, variant: str, cfg: dict, res: int, n_items: int, seed: int):
+    """A DatasetCache of ``n_items`` random latents at res x res and random text embeddings,
+    in the engine's cache layout (no manifest: training does not read it)."""
+    from safetensors.torch import save_file
+
+    from lowvram_lora.engine.caching import CachedItem, DatasetCache
+
+    gen = torch.Generator().manual_seed(seed + res)
+    latent_ch = cfg["in_channels"] // 4  # 2x2 packing
+    seq_len = family.default_max_sequence_length(variant)
+    (root / "latents").mkdir(parents=True, exist_ok=True)
+    (root / "text").mkdir(parents=True, exist_ok=True)
+    items = []
+    for i in range(n_items):
+        key = f"bench-{res}-{i}"
+        latent = torch.randn(latent_ch, res // 8, res // 8, generator=gen)
+        save_file({"latent": latent.contiguous()}, str(root / "latents" / f"{key}.safetensors"))
+        text = {
+            "prompt_embeds": torch.randn(seq_len, cfg["joint_attention_dim"], generator=gen).to(torch.bfloat16),
+            "pooled_prompt_embeds": torch.randn(cfg["pooled_projection_dim"], generator=gen).to(torch.bfloat16),
+        }
+        save_file(text, str(root / "text" / f"{key}.safetensors"))
+        items.append(CachedItem(image=f"synthetic-{i}.png", caption=f"synthetic {i}", bucket=(res, res),
+                                text_key=key, latent_key=key))
+    return DatasetCache(root, root / "datasets" / f"bench-{res}.json", f"bench-{res}", family.id, variant, items)
+
+
+# --------------------------------------------------------------------------- timing
+
+class StepRecorder:
+    """Collects every step's wall time, loss and peak allocation; fails fast on a NaN loss."""
+
+    def __init__(self, label: str):
+        from lowvram_lora.engine.callbacks import TrainingCallback
+
+        class _CB(TrainingCallback):
+            def on_step(cb_self, info):
+                self.steps.append(info)
+                print(f"  [{label}] step {info.step}/{info.total_steps}: {info.seconds_per_step:.3f} s, "
+                      f"loss {info.loss:.4f}, peak alloc {info.peak_vram_gb:.2f} GB", flush=True)
+                if not math.isfinite(info.loss):
+                    raise FloatingPointError(f"non-finite loss {info.loss} at step {info.step}")
+
+            def log(cb_self, message):
+                print(f"  [{label}] {message}", flush=True)
+
+        self.steps = []
+        self.callback = _CB()
+
+
+# ---------------------------------------------------------------------------- modes
+
+def mode_resident(ctx: dict, dataset, steps: int, callback):
+    """All weights resident on the device, gradient checkpointing: the engine's only mode today."""
+    from lowvram_lora.engine.config import LoraSettings, ModelConfig, TrainConfig
+    from lowvram_lora.engine.train import train_lora
+
+    args = ctx["args"]
+    return train_lora(
+        ModelConfig(dtype=args.dtype, family="flux1"),
+        dataset,
+        LoraSettings(rank=args.rank, alpha=float(args.rank)),
+        TrainConfig(steps=steps, device=args.device, gradient_checkpointing=True, batch_size=args.batch,
+                    learning_rate=1e-4),
+        callback,
+        preloaded=(ctx["model"], ctx["family"], args.variant),
+    )
+
+
+# name -> fn(ctx, dataset, steps, callback) -> TrainedLora. Add offload modes here.
+MODES: dict[str, Callable] = {"resident": mode_resident}
+
+
+# ----------------------------------------------------------------------------- main
+
+def _versions() -> dict:
+    import diffusers
+    import peft
+
+    return {"torch": torch.__version__, "diffusers": diffusers.__version__, "peft": peft.__version__,
+            "cuda": torch.version.cuda, "python": platform.python_version()}
+
+
+def _gpu_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def _command() -> str:
+    argv = [Path(sys.executable).name if "python" in Path(sys.executable).name else sys.executable] + sys.argv
+    return shlex.join(argv)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variant", default="flux1-dev", help="shipped config: flux1-dev, flux1-schnell, flux1-tiny")
+    p.add_argument("--res", type=int, nargs="+", default=[512, 1024, 2048], help="square resolutions in pixels")
+    p.add_argument("--modes", nargs="+", default=["resident"], choices=sorted(MODES))
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=2, help="steps run but not timed")
+    p.add_argument("--timed", type=int, default=4, help="steps whose median is step_s (>= 4 for a real row)")
+    p.add_argument("--items", type=int, default=2, help="synthetic cache items per resolution")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--init-std", type=float, default=0.02)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None,
+                   help="jsonl to append rows to; default $OUT/results.jsonl when OUT is set, else bench/results.jsonl")
+    p.add_argument("--note", default="", help="free text stored in every row")
+    args = p.parse_args(argv)
+    if args.out is None:
+        args.out = str(Path(os.environ["OUT"]) / "results.jsonl") if os.environ.get("OUT") else str(DEFAULT_OUT)
+    for r in args.res:
+        if r % 16:
+            p.error(f"resolution {r} must be a multiple of 16")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from lowvram_lora.engine.models import resolve_device, resolve_dtype
+
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    run_id = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
+    versions = _versions()
+    command = _command()
+    gpu = _gpu_name(device)
+    print(f"run {run_id} on {gpu}: {versions}", flush=True)
+    print(f"command: {command}", flush=True)
+
+    t0 = time.perf_counter()
+    model, family, cfg = build_random_model(args.variant, device, dtype, args.init_std, args.seed)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(f"built {args.variant}: {n_params / 1e9:.2f}B params, {model_bytes / GB:.2f} GB {dtype} "
+          f"on {device} in {time.perf_counter() - t0:.1f} s", flush=True)
+
+    ctx = {"args": args, "model": model, "family": family, "config": cfg, "device": device}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    steps = args.warmup + args.timed
+    with tempfile.TemporaryDirectory(prefix="lowvram-bench-") as tmp:
+        for res in args.res:
+            dataset = write_synthetic_cache(Path(tmp) / str(res), family, args.variant, cfg, res, args.items,
+                                            args.seed)
+            for mode in args.modes:
+                label = f"{res}px {mode}"
+                rec = StepRecorder(label)
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats(device)
+                row = {
+                    "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                    "run_id": run_id, "gpu": gpu, **versions, "model": args.variant, "res": res, "mode": mode,
+                    "lora_rank": args.rank, "batch": args.batch, "dtype": args.dtype, "grad_ckpt": True,
+                    "model_params": n_params, "model_gb": round(model_bytes / GB, 3),
+                }
+                t_run = time.perf_counter()
+                try:
+                    result = MODES[mode](ctx, dataset, steps, rec.callback)
+                except torch.cuda.OutOfMemoryError as exc:
+                    row.update(step_s=None, error=f"OOM: {str(exc)[:300]}")
+                    result = None
+                    print(f"  [{label}] OOM", flush=True)
+                times = [s.seconds_per_step for s in rec.steps]
+                timed = times[args.warmup:]
+                if result is not None:
+                    if len(timed) < 1:
+                        raise RuntimeError(f"{label}: no timed steps ({len(times)} run)")
+                    row.update(
+                        step_s=round(statistics.median(timed), 4),
+                        step_s_mean=round(statistics.fmean(timed), 4),
+                        step_s_min=round(min(timed), 4), step_s_max=round(max(timed), 4),
+                        steps_warmup=args.warmup, steps_timed=len(timed),
+                        step_times=[round(t, 4) for t in times],
+                        losses=[round(s.loss, 5) for s in rec.steps],
+                        lora_params=sum(v.numel() for v in result.state_dict.values()),
+                    )
+                if device.type == "cuda":
+                    row.update(
+                        peak_alloc_gb=round(torch.cuda.max_memory_allocated(device) / GB, 3),
+                        peak_reserved_gb=round(torch.cuda.max_memory_reserved(device) / GB, 3),
+                        peak_alloc_gib=round(torch.cuda.max_memory_allocated(device) / GIB, 3),
+                        gpu_total_gb=round(torch.cuda.get_device_properties(device).total_memory / GB, 2),
+                    )
+                else:
+                    row.update(peak_alloc_gb=None, peak_reserved_gb=None)
+                row.update(wall_s=round(time.perf_counter() - t_run, 2), command=command, note=args.note)
+                if len(timed) < 4 and result is not None:
+                    row["note"] = (row["note"] + "; " if row["note"] else "") + f"only {len(timed)} timed steps"
+                rows.append(row)
+                with out.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+                if result is not None:
+                    print(f"  [{label}] median {row['step_s']:.3f} s/step over {len(timed)} steps; "
+                          f"peak alloc {row['peak_alloc_gb']} GB, reserved {row['peak_reserved_gb']} GB", flush=True)
+                del result
+
+    print(f"\nrows appended to {out}\n")
+    print(f"{'res':>5} {'mode':<12} {'step s':>8} {'alloc GB':>9} {'resv GB':>8} {'lora params':>12}")
+    for r in rows:
+        s = f"{r['step_s']:.3f}" if r.get("step_s") is not None else "OOM"
+        print(f"{r['res']:>5} {r['mode']:<12} {s:>8} {str(r.get('peak_alloc_gb')):>9} "
+              f"{str(r.get('peak_reserved_gb')):>8} {str(r.get('lora_params', '-')):>12}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""Shared tiny fixtures: built once per test session, offline, from configs."""
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_pipeline(tmp_path_factory):
+    from lowvram_lora.engine.testing import build_tiny_flux1_pipeline
+
+    return build_tiny_flux1_pipeline(tmp_path_factory.mktemp("pipe") / "flux1-tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_single_file(tiny_pipeline, tmp_path_factory):
+    from lowvram_lora.engine.testing import write_bfl_single_file
+
+    return write_bfl_single_file(tiny_pipeline, tmp_path_factory.mktemp("single") / "flux1-tiny.safetensors")
+
+
+@pytest.fixture
+def tiny_dataset(tmp_path):
+    from lowvram_lora.engine.testing import make_tiny_dataset
+
+    return make_tiny_dataset(tmp_path / "data", count=4)
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tiny_pipeline, tmp_path_factory):
+    """A built dataset cache (6 images, 3 buckets) for training tests."""
+    from lowvram_lora.engine.caching import build_dataset_cache
+    from lowvram_lora.engine.config import DataConfig, ModelConfig
+    from lowvram_lora.engine.testing import make_tiny_dataset
+
+    root = tmp_path_factory.mktemp("cached")
+    data = make_tiny_dataset(root / "data", count=6)
+    return build_dataset_cache(
+        ModelConfig(transformer_path=str(tiny_pipeline)),
+        DataConfig(path=str(data), resolution=128, bucket_step=32),
+        root / "cache",
+    )

@@ -1,0 +1,27 @@
+"""Small helpers shared by tests (not fixtures)."""
+import copy
+
+import torch
+
+from lowvram_lora.engine.families import get_family
+
+
+def model_inputs(model, seed=0, h=8, w=8, length=7, sigma=0.3):
+    g = torch.Generator().manual_seed(seed)
+    lat = torch.randn(1, 4, h, w, generator=g)
+    embeds = {"prompt_embeds": torch.randn(1, length, 32, generator=g), "pooled_prompt_embeds": torch.randn(1, 32, generator=g)}
+    return get_family("flux1").model_inputs(model, lat, embeds, torch.tensor([sigma]), 1.0)
+
+
+def merged(base, state, scale):
+    """A copy of ``base`` with W += scale * B @ A for every LoRA module in ``state``."""
+    model = copy.deepcopy(base)
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        for key, a in state.items():
+            if ".lora_A." not in key:
+                continue
+            name = key.split(".lora_A.")[0]
+            b = state[f"{name}.lora_B.weight"]
+            modules[name].weight += (scale * b.float() @ a.float()).to(modules[name].weight.dtype)
+    return model

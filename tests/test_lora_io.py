@@ -1,0 +1,147 @@
+"""LoRA files: diffusers reproduces the trained model, ComfyUI maps every key, errors."""
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from lowvram_lora.engine.config import LoraSettings, ModelConfig, TrainConfig
+from lowvram_lora.engine.errors import LoraFormatError
+from lowvram_lora.engine.families import get_family
+from lowvram_lora.engine.families.flux1_names import split_bfl_tensor
+from lowvram_lora.engine.lora_io import load_lora, save_lora
+from lowvram_lora.engine.models import load_transformer
+from lowvram_lora.engine.train import train_lora
+
+from comfyui_lora_reference import comfyui_apply_lora, comfyui_check_flux_lora, flux_bfl_model_keys
+from helpers import merged, model_inputs
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_pipeline, tiny_cache):
+    """A LoRA with alpha != rank, so a wrong scale would show."""
+    return train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), tiny_cache, LoraSettings(rank=4, alpha=8),
+                      TrainConfig(steps=8, learning_rate=2e-2, seed=1))
+
+
+@pytest.fixture(scope="module")
+def base(tiny_pipeline):
+    return load_transformer(tiny_pipeline, dtype=torch.float32)[0]
+
+
+def _reference_output(base, trained):
+    model = merged(base, trained.state_dict, trained.scale)
+    with torch.no_grad():
+        out = model(**model_inputs(model))[0]
+        plain = base(**model_inputs(base))[0]
+    assert (out - plain).abs().max() > 1e-3  # the LoRA really changes the output
+    return out
+
+
+def test_diffusers_file_reproduces_trained_output_in_diffusers(trained, base, tiny_pipeline, tmp_path):
+    from diffusers import FluxTransformer2DModel
+
+    path = save_lora(trained, tmp_path / "lora.safetensors", fmt="diffusers", dtype="fp32")
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+        assert "lora_adapter_metadata" not in meta  # diffusers refuses it beside alphas; we fold instead
+        assert all(k.startswith("transformer.") and (".lora_A." in k or ".lora_B." in k) for k in f.keys())
+    fresh = FluxTransformer2DModel.from_pretrained(tiny_pipeline / "transformer", local_files_only=True)
+    fresh.load_lora_adapter(str(path), prefix="transformer", adapter_name="trained")
+    with torch.no_grad():
+        got = fresh(**model_inputs(fresh))[0]
+    torch.testing.assert_close(got, _reference_output(base, trained), rtol=1e-4, atol=1e-5)
+
+
+def test_comfyui_file_maps_every_key_and_reproduces_output(trained, base, tiny_pipeline, tmp_path):
+    path = save_lora(trained, tmp_path / "lora_comfy.safetensors", fmt="comfyui", dtype="fp32")
+    sd = load_file(str(path))
+    cfg = trained.model_config
+    hidden = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    model_keys = flux_bfl_model_keys(cfg["num_layers"], cfg["num_single_layers"], hidden, 4 * hidden,
+                                     in_channels=cfg["in_channels"], context_in_dim=cfg["joint_attention_dim"],
+                                     vec_in_dim=cfg["pooled_projection_dim"])
+    for variant in ("latest", "legacy"):
+        patches, unmatched, not_loaded = comfyui_check_flux_lora(sd, model_keys, variant=variant)
+        assert not unmatched and not not_loaded and len(patches) == 2 * 4 + 2 * 2
+
+    # Apply it the way ComfyUI does, on the BFL weights, then convert back and compare outputs.
+    family = get_family("flux1")
+    table = family.param_table(cfg)
+    from lowvram_lora.engine.families.flux1_names import join_diffusers_tensors
+    state = base.state_dict()
+    bfl = {f"diffusion_model.{p.name}": join_diffusers_tensors(p, state) for p in table}
+    patched = comfyui_apply_lora(bfl, comfyui_check_flux_lora(sd, model_keys)[0])
+    new_state = {}
+    for p in table:
+        new_state.update(split_bfl_tensor(p, patched[f"diffusion_model.{p.name}"]))
+    model = load_transformer(tiny_pipeline, dtype=torch.float32)[0]
+    model.load_state_dict(new_state)
+    with torch.no_grad():
+        got = model(**model_inputs(model))[0]
+    torch.testing.assert_close(got, _reference_output(base, trained), rtol=1e-4, atol=1e-5)
+
+
+def test_comfyui_keys_are_exactly_those_derived_from_bfl_names(trained, tmp_path):
+    sd = load_file(str(save_lora(trained, tmp_path / "k.safetensors", fmt="comfyui")))
+    cfg = trained.model_config
+    modules = []
+    for i in range(cfg["num_layers"]):
+        modules += [f"double_blocks.{i}.{m}" for m in ("img_attn.qkv", "img_attn.proj", "txt_attn.qkv", "txt_attn.proj")]
+    for i in range(cfg["num_single_layers"]):
+        modules += [f"single_blocks.{i}.{m}" for m in ("linear1", "linear2")]
+    expected = {f"lora_unet_{m.replace('.', '_')}.{s}" for m in modules for s in ("lora_down.weight", "lora_up.weight", "alpha")}
+    assert set(sd) == expected
+    qkv = "lora_unet_double_blocks_0_img_attn_qkv"
+    assert sd[f"{qkv}.lora_down.weight"].shape == (3 * 4, 32) and sd[f"{qkv}.lora_up.weight"].shape == (3 * 32, 12)
+    assert sd[f"{qkv}.alpha"].dtype == torch.float32 and sd[f"{qkv}.alpha"].dim() == 0 and float(sd[f"{qkv}.alpha"]) == 12.0
+    assert sd["lora_unet_single_blocks_0_linear1.lora_down.weight"].shape == (16, 32)
+
+
+@pytest.mark.parametrize("fmt", ["comfyui", "diffusers"])
+def test_read_back_both_formats(trained, tmp_path, fmt):
+    path = save_lora(trained, tmp_path / f"{fmt}.safetensors", fmt=fmt, dtype="fp32")
+    loaded = load_lora(path)
+    assert loaded.format == fmt and loaded.rank == 4
+    meta = loaded.metadata
+    assert meta["lowvram_lora.rank"] == "4" and float(meta["lowvram_lora.alpha"]) == 8.0
+    assert meta["lowvram_lora.family"] == "flux1" and meta["lowvram_lora.steps"] == "8"
+    assert meta["lowvram_lora.dataset_hash"] == trained.dataset_hash and meta["lowvram_lora.version"]
+    assert json.loads(meta["lowvram_lora.model_config"])["num_layers"] == 2
+    for key, a in trained.state_dict.items():
+        if ".lora_A." in key:
+            m = key.split(".lora_A.")[0]
+            ref = trained.scale * trained.state_dict[f"{m}.lora_B.weight"] @ a
+            got = loaded.state_dict[f"{m}.lora_B.weight"] @ loaded.state_dict[f"{m}.lora_A.weight"]
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_save_never_clobbers_and_writes_atomically(trained, tmp_path):
+    path = tmp_path / "keep.safetensors"
+    path.write_bytes(b"precious")
+    with pytest.raises(LoraFormatError, match="already exists"):
+        save_lora(trained, path)
+    assert path.read_bytes() == b"precious"
+    save_lora(trained, path, overwrite=True)
+    assert load_lora(path).format == "comfyui"
+    assert [p.name for p in tmp_path.iterdir()] == ["keep.safetensors"]  # no temp files left
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"fmt": "ckpt"}, "comfyui, diffusers"), ({"dtype": "int4"}, "bf16"),
+])
+def test_save_bad_arguments(trained, tmp_path, kwargs, match):
+    with pytest.raises(LoraFormatError, match=match):
+        save_lora(trained, tmp_path / "x.safetensors", **kwargs)
+
+
+def test_save_bad_suffix_and_load_errors(trained, tmp_path):
+    with pytest.raises(LoraFormatError, match=".safetensors"):
+        save_lora(trained, tmp_path / "x.pt")
+    with pytest.raises(LoraFormatError, match="does not exist"):
+        load_lora(tmp_path / "missing.safetensors")
+    from safetensors.torch import save_file
+    save_file({"foo.weight": torch.zeros(2)}, str(tmp_path / "notlora.safetensors"))
+    with pytest.raises(LoraFormatError, match="no LoRA keys"):
+        load_lora(tmp_path / "notlora.safetensors")

@@ -1,0 +1,123 @@
+"""Training: the loss falls, only LoRA weights change, determinism, schedules, stopping."""
+import pytest
+import torch
+
+from lowvram_lora.engine.callbacks import TrainingCallback
+from lowvram_lora.engine.caching import build_dataset_cache
+from lowvram_lora.engine.config import DataConfig, LoraSettings, ModelConfig, TrainConfig
+from lowvram_lora.engine.errors import ConfigError
+from lowvram_lora.engine.families import get_family
+from lowvram_lora.engine.models import load_transformer
+from lowvram_lora.engine.testing import make_tiny_dataset
+from lowvram_lora.engine.train import train_lora
+from lowvram_lora.engine.train.flow_matching import noisy_latents_and_target, sample_sigmas
+
+from helpers import merged
+
+
+class Recorder(TrainingCallback):
+    def __init__(self, stop_after=None):
+        self.steps, self.stop_after = [], stop_after
+
+    def on_step(self, info):
+        self.steps.append(info)
+
+    def should_stop(self):
+        return self.stop_after is not None and len(self.steps) >= self.stop_after
+
+
+@pytest.fixture(scope="module")
+def one_image_cache(tiny_pipeline, tmp_path_factory):
+    root = tmp_path_factory.mktemp("one")
+    data = make_tiny_dataset(root / "data", count=1)
+    return build_dataset_cache(ModelConfig(transformer_path=str(tiny_pipeline)),
+                               DataConfig(path=str(data), resolution=128, bucket_step=32), root / "cache")
+
+
+def _eval_loss(model, dataset, n=16):
+    """Flow-matching loss at fixed noise and timesteps: comparable before/after training."""
+    family = get_family("flux1")
+    g = torch.Generator().manual_seed(123)
+    lat, emb = dataset.load_item(dataset.items[0])
+    lat, emb = lat[None], {k: v[None].float() for k, v in emb.items()}
+    total = 0.0
+    with torch.no_grad():
+        for _ in range(n):
+            sigma = sample_sigmas(1, g)
+            noisy, target = noisy_latents_and_target(lat, torch.randn(lat.shape, generator=g), sigma)
+            pred = family.unpack_prediction(model(**family.model_inputs(model, noisy, emb, sigma, 1.0))[0], lat)
+            total += torch.nn.functional.mse_loss(pred, target).item()
+    return total / n
+
+
+def test_loss_falls_on_a_repeated_batch_and_only_lora_changes(tiny_pipeline, one_image_cache):
+    base, family, _, variant = load_transformer(tiny_pipeline, dtype=torch.float32)
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    rec = Recorder()
+    result = train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), one_image_cache, LoraSettings(rank=8, alpha=8),
+                        TrainConfig(steps=30, learning_rate=5e-3, seed=0), rec, preloaded=(base, family, variant))
+    assert result.steps == 30 and len(rec.steps) == 30 and not result.interrupted
+    # base weights untouched, LoRA B moved away from its zero init
+    after = base.state_dict()
+    assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
+    b_norms = [v.norm().item() for k, v in result.state_dict.items() if ".lora_B." in k]
+    assert len(b_norms) == 2 * 8 + 2 * 5 and min(b_norms) > 0
+    # the trained model fits its one image better than the base, at fixed noise/timesteps
+    base_loss = _eval_loss(base, one_image_cache)
+    trained_loss = _eval_loss(merged(base, result.state_dict, result.scale), one_image_cache)
+    assert trained_loss < 0.8 * base_loss, (base_loss, trained_loss)
+    first5, last5 = sum(result.loss_history[:5]) / 5, sum(result.loss_history[-5:]) / 5
+    assert last5 < first5
+
+
+def test_same_seed_same_run_different_seed_differs(tiny_pipeline, tiny_cache):
+    mc = ModelConfig(transformer_path=str(tiny_pipeline))
+    runs = [train_lora(mc, tiny_cache, LoraSettings(rank=4), TrainConfig(steps=4, learning_rate=1e-3, seed=s)) for s in (7, 7, 8)]
+    assert runs[0].loss_history == runs[1].loss_history
+    assert all(torch.equal(runs[0].state_dict[k], runs[1].state_dict[k]) for k in runs[0].state_dict)
+    assert runs[0].loss_history != runs[2].loss_history
+
+
+def test_accumulation_batches_cosine_warmup_and_callback(tiny_single_file, tiny_cache):
+    rec = Recorder()
+    result = train_lora(ModelConfig(transformer_path=str(tiny_single_file)), tiny_cache, LoraSettings(rank=2, alpha=1),
+                        TrainConfig(steps=6, learning_rate=1e-3, batch_size=2, gradient_accumulation=2,
+                                    lr_scheduler="cosine", warmup_steps=2, max_grad_norm=0.5), rec)
+    assert [s.step for s in rec.steps] == list(range(1, 7))
+    lrs = result.lr_history
+    assert lrs[0] < lrs[1] and lrs[1] >= lrs[2] > lrs[-1]  # warmup, then cosine decay
+    assert all(s.grad_norm > 0 and s.seconds_per_step > 0 and s.peak_vram_gb == 0.0 for s in rec.steps)
+    assert result.scale == 0.5
+
+
+def test_callback_can_stop_training(tiny_pipeline, tiny_cache):
+    result = train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), tiny_cache, LoraSettings(rank=2),
+                        TrainConfig(steps=50), Recorder(stop_after=3))
+    assert result.steps == 3 and result.interrupted and result.state_dict
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"steps": 0}, "steps"), ({"learning_rate": 0}, "learning_rate"), ({"lr_scheduler": "linear"}, "constant, cosine"),
+    ({"warmup_steps": 10, "steps": 5}, "warmup_steps"), ({"batch_size": 0}, "batch_size"),
+])
+def test_bad_train_config(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        TrainConfig(**kwargs)
+
+
+def test_cuda_required_error_is_clear(tiny_pipeline, tiny_cache):
+    if torch.cuda.is_available():
+        pytest.skip("machine has CUDA")
+    with pytest.raises(ConfigError, match="CUDA"):
+        train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), tiny_cache, LoraSettings(), TrainConfig(device="cuda"))
+
+
+def test_flux_time_shift_pushes_toward_noise_at_high_resolution():
+    family = get_family("flux1")
+    small, large = torch.zeros(1, 16, 64, 64), torch.zeros(1, 16, 128, 128)
+    assert family.timestep_shift_mu(small) == pytest.approx(1.15 * 0 + 0.5 + (1024 - 256) * (0.65 / 3840), rel=1e-6)
+    g = torch.Generator().manual_seed(0)
+    s_small = sample_sigmas(4096, g, mu=family.timestep_shift_mu(small)).mean()
+    g = torch.Generator().manual_seed(0)
+    s_large = sample_sigmas(4096, g, mu=family.timestep_shift_mu(large)).mean()
+    assert 0.5 < s_small < s_large < 1.0
