@@ -66,7 +66,8 @@ def load_rows(path: Path) -> list[dict]:
 
 
 def _key(r: dict) -> tuple:
-    return (r.get("run_id"), r.get("model"), r.get("res"), r.get("lora_rank"), r.get("batch"))
+    return (r.get("run_id"), r.get("model"), r.get("res"), r.get("lora_rank"), r.get("batch"),
+            r.get("lora_targets", "default"))
 
 
 def _fmt(v, digits=3) -> str:
@@ -97,9 +98,11 @@ def render(rows: list[dict]) -> str:
             ratio = f"{step / base:.2f}" if step and base else "–"
             step_txt = _fmt(step) if step is not None else ("**" + (r.get("error") or "failed").split(":")[0] + "**")
             note = f" ({r['note']})" if r.get("note") else ""
+            mode = r.get("mode") + ("" if r.get("lora_targets", "default") == "default"
+                                    else f" · LoRA {r['lora_targets']}")
             out.append(
                 f"| {r.get('date', '')[:16].replace('T', ' ')} | {r.get('gpu', '?')} | {r.get('torch', '?')} | "
-                f"{r.get('diffusers', '?')} | {r.get('res')}² | {r.get('mode')} | {r.get('lora_rank')} | {step_txt} | "
+                f"{r.get('diffusers', '?')} | {r.get('res')}² | {mode} | {r.get('lora_rank')} | {step_txt} | "
                 f"{ratio} | {_fmt(r.get('peak_alloc_gb'), 2)} | {_fmt(r.get('peak_reserved_gb'), 2)} | "
                 f"{r.get('steps_timed', '–')} | {_fmt(r.get('lora_params'))} | `{r.get('command', '?')}`{note} |"
             )

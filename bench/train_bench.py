@@ -113,7 +113,7 @@ def write_synthetic_cache(root: Path, family, variant: str, cfg: dict, res: int,
 class StepRecorder:
     """Collects every step's wall time, loss and peak allocation; fails fast on a NaN loss."""
 
-    def __init__(self, label: str):
+    def __init__(self, label: str, hook: Callable | None = None):
         from lowvram_lora.engine.callbacks import TrainingCallback
 
         class _CB(TrainingCallback):
@@ -123,6 +123,8 @@ class StepRecorder:
                       f"loss {info.loss:.4f}, peak alloc {info.peak_vram_gb:.2f} GB", flush=True)
                 if not math.isfinite(info.loss):
                     raise FloatingPointError(f"non-finite loss {info.loss} at step {info.step}")
+                if hook is not None:
+                    hook(info)
 
             def log(cb_self, message):
                 print(f"  [{label}] {message}", flush=True)
@@ -142,7 +144,7 @@ def mode_resident(ctx: dict, dataset, steps: int, callback):
     return train_lora(
         ModelConfig(dtype=args.dtype, family="flux1"),
         dataset,
-        LoraSettings(rank=args.rank, alpha=float(args.rank)),
+        LoraSettings(rank=args.rank, alpha=float(args.rank), target_modules=lora_targets(ctx)),
         TrainConfig(steps=steps, device=args.device, gradient_checkpointing=True, batch_size=args.batch,
                     learning_rate=1e-4),
         callback,
@@ -150,11 +152,41 @@ def mode_resident(ctx: dict, dataset, steps: int, callback):
     )
 
 
+def lora_targets(ctx: dict) -> list[str] | None:
+    """None = the family's default set; "attention" keeps only attention projections
+    (no single-block proj_mlp / proj_out), the set of DESIGN.md's earlier reference."""
+    if ctx["args"].lora_targets == "default":
+        return None
+    return [n for n in ctx["family"].lora_target_modules(ctx["model"]) if ".attn." in n]
+
+
 # name -> fn(ctx, dataset, steps, callback) -> TrainedLora. Add offload modes here.
 MODES: dict[str, Callable] = {"resident": mode_resident}
 
 
 # ----------------------------------------------------------------------------- main
+
+def _start_profiler(args, steps: int):
+    """Records only the last step (the callback calls prof.step() after each one)."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    prof = profile(activities=acts, schedule=schedule(wait=max(steps - 2, 0), warmup=1, active=1, repeat=1))
+    prof.start()
+    return prof
+
+
+def _report_profile(prof, label: str, step_s: float, out_dir: Path) -> None:
+    ka = prof.key_averages()
+    busy_us = sum(e.self_device_time_total for e in ka)
+    text = ka.table(sort_by="self_device_time_total", row_limit=35, max_name_column_width=70)
+    by_cpu = ka.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70)
+    summary = (f"[{label}] profiled step: wall {step_s:.3f} s (with profiler), device busy {busy_us / 1e6:.3f} s "
+               f"({100 * busy_us / 1e6 / step_s:.0f}% of wall, kernels may overlap)")
+    print(summary + "\n" + text + "\n" + by_cpu, flush=True)
+    name = "profile_" + label.replace(" ", "_").replace("px", "") + ".txt"
+    (out_dir / name).write_text(summary + "\n" + text + "\n" + by_cpu)
+
 
 def _versions() -> dict:
     import diffusers
@@ -192,6 +224,11 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None,
                    help="jsonl to append rows to; default $OUT/results.jsonl when OUT is set, else bench/results.jsonl")
+    p.add_argument("--lora-targets", default="default", choices=["default", "attention"],
+                   help="default: the family's LoRA targets; attention: attention projections only")
+    p.add_argument("--profile", action="store_true",
+                   help="profile the last step with torch.profiler and print the top kernels "
+                        "(times include profiler overhead: keep these rows out of results.jsonl)")
     p.add_argument("--note", default="", help="free text stored in every row")
     args = p.parse_args(argv)
     if args.out is None:
@@ -235,7 +272,8 @@ def main(argv=None) -> int:
                                             args.seed)
             for mode in args.modes:
                 label = f"{res}px {mode}"
-                rec = StepRecorder(label)
+                prof = _start_profiler(args, steps) if args.profile else None
+                rec = StepRecorder(label, (lambda info, pr=prof: pr.step()) if prof else None)
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
@@ -243,7 +281,7 @@ def main(argv=None) -> int:
                 row = {
                     "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                     "run_id": run_id, "gpu": gpu, **versions, "model": args.variant, "res": res, "mode": mode,
-                    "lora_rank": args.rank, "batch": args.batch, "dtype": args.dtype, "grad_ckpt": True,
+                    "lora_rank": args.rank, "lora_targets": args.lora_targets, "batch": args.batch, "dtype": args.dtype, "grad_ckpt": True,
                     "model_params": n_params, "model_gb": round(model_bytes / GB, 3),
                 }
                 t_run = time.perf_counter()
@@ -277,6 +315,10 @@ def main(argv=None) -> int:
                 else:
                     row.update(peak_alloc_gb=None, peak_reserved_gb=None)
                 row.update(wall_s=round(time.perf_counter() - t_run, 2), command=command, note=args.note)
+                if prof is not None:
+                    prof.stop()
+                    _report_profile(prof, label, times[-1] if times else float("nan"), out.parent)
+                    row["note"] = (row["note"] + "; " if row["note"] else "") + "profiled"
                 if len(timed) < 4 and result is not None:
                     row["note"] = (row["note"] + "; " if row["note"] else "") + f"only {len(timed)} timed steps"
                 rows.append(row)
