@@ -1,4 +1,4 @@
-"""Command line: ``lowvram-lora demo`` (and ``python -m lowvram_lora ...``)."""
+"""Command line: ``lowvram-lora run | demo`` (and ``python -m lowvram_lora ...``)."""
 from __future__ import annotations
 
 import argparse
@@ -7,32 +7,36 @@ import sys
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    from .host.run_command import add_run_parser
+
     parser = argparse.ArgumentParser(prog="lowvram-lora", description="Low-VRAM LoRA training for Flux.")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="train a LoRA on a tiny Flux.1 model on CPU (about a minute)")
-    demo.add_argument("--dir", default="demo_output", help="where the tiny model, data and outputs go")
-    demo.add_argument("--steps", type=int, default=30)
+    add_run_parser(sub)
+    demo = sub.add_parser("demo", help="run the demo workflow: a tiny Flux.1 LoRA on CPU in about a minute")
+    demo.add_argument("--dir", default="demo_output", help="where the tiny model, dataset and outputs go")
+    demo.add_argument("--prepare-only", action="store_true",
+                      help="only write the tiny model and dataset (e.g. into a ComfyUI root), do not train")
+    demo.add_argument("--no-progress", action="store_true")
     return parser
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+    from .nodes.paths import configure_standalone_dirs
+    from .host.run_command import run_workflow_command
+
+    return run_workflow_command(args, NODE_CLASS_MAPPINGS, configure_dirs=configure_standalone_dirs,
+                                display_names=NODE_DISPLAY_NAME_MAPPINGS)
 
 
 def main(argv: list[str] | None = None) -> int:
     # We never reach a hub: every model comes from local files.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = _build_parser().parse_args(argv)
-    try:
-        if args.command == "demo":
-            from .demo import run_demo
+    if args.command == "run":
+        return _run(args)
+    if args.command == "demo":
+        from .demo import run_demo
 
-            run_demo(args.dir, args.steps)
-            return 0
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except Exception as exc:  # user-facing errors: one clear line, no traceback
-        from .engine.errors import LowVRAMError
-
-        if isinstance(exc, LowVRAMError):
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-        raise
-    return 0
+        return run_demo(args.dir, prepare_only=args.prepare_only, progress=not args.no_progress)
+    return 2

@@ -91,15 +91,16 @@ def run_workflow_command(
     """Run the workflow named by ``args``; returns the exit code (0 ok, 1 failed, 130 interrupted).
 
     ``configure_dirs`` is called with the absolute models and output folders before
-    anything executes; ``display_names`` (``NODE_DISPLAY_NAME_MAPPINGS``) titles
+    the workflow is validated (combo inputs list files from them); ``display_names`` (``NODE_DISPLAY_NAME_MAPPINGS``) titles
     nodes saved without a title.
     """
     show_traceback = bool(getattr(args, "traceback", False))
     try:
-        graph = _prepare(args, node_class_mappings, display_names)
+        # Folders first: combo inputs list the files found there, and validation checks them.
         if configure_dirs is not None:
             configure_dirs(_absolute(getattr(args, "models_dir", DEFAULT_MODELS_DIR)),
                            _absolute(getattr(args, "output_dir", DEFAULT_OUTPUT_DIR)))
+        graph = _prepare(args, node_class_mappings, display_names)
         start = time.perf_counter()
         results = execute_graph(graph, node_class_mappings, progress=not getattr(args, "no_progress", False))
     except KeyboardInterrupt:

@@ -1,4 +1,23 @@
-"""ComfyUI node classes (classic style). Populated by the nodes issue; empty until then."""
+"""ComfyUI node classes (classic style). They import nothing from ComfyUI or torch at
+module level: the standalone runner and the tests use the very same classes."""
+from .cache_embeds import LowVRAMCacheTextEmbeds
+from .load_model import LowVRAMLoadQuantizedSlab
+from .offload_config import LowVRAMOffloadConfig
+from .save_lora import LowVRAMSaveLoRA
+from .train_lora import LowVRAMTrainLoRA
 
-NODE_CLASS_MAPPINGS: dict = {}
-NODE_DISPLAY_NAME_MAPPINGS: dict = {}
+NODE_CLASS_MAPPINGS = {
+    "LowVRAMLoadQuantizedSlab": LowVRAMLoadQuantizedSlab,
+    "LowVRAMCacheTextEmbeds": LowVRAMCacheTextEmbeds,
+    "LowVRAMOffloadConfig": LowVRAMOffloadConfig,
+    "LowVRAMTrainLoRA": LowVRAMTrainLoRA,
+    "LowVRAMSaveLoRA": LowVRAMSaveLoRA,
+}
+
+NODE_DISPLAY_NAME_MAPPINGS = {
+    "LowVRAMLoadQuantizedSlab": "Load Quantized Slab",
+    "LowVRAMCacheTextEmbeds": "Cache Text Embeds",
+    "LowVRAMOffloadConfig": "Offload Config",
+    "LowVRAMTrainLoRA": "Train LoRA",
+    "LowVRAMSaveLoRA": "Save LoRA",
+}

@@ -1,0 +1,68 @@
+"""Reuse a finished training run when a graph is rerun with identical inputs.
+
+ComfyUI caches node outputs only within one server session, and the headless
+runner is a new process each time; retraining for an unchanged graph would waste
+hours. A completed (not interrupted) run is stored under a key that hashes the
+base weights' identity, the dataset cache hash and every training setting.
+Memory/offload settings are not in the key: they change speed, not the result.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, fields
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+from ..caching.hashing import stable_hash
+from ..config import LoraSettings, TrainConfig
+from .trained_lora import TrainedLora
+
+_KEEP_OUT = ("device", "gradient_checkpointing")  # settings that do not change the trained weights
+
+
+def training_key(model_identity: str, dataset_hash: str, lora: LoraSettings, train: TrainConfig) -> str:
+    settings = {k: v for k, v in asdict(train).items() if k not in _KEEP_OUT}
+    return stable_hash([model_identity, dataset_hash, asdict(lora), settings])
+
+
+def load_finished(cache_dir: Path, key: str) -> TrainedLora | None:
+    weights, info = cache_dir / "trained" / f"{key}.safetensors", cache_dir / "trained" / f"{key}.json"
+    if not (weights.exists() and info.exists()):
+        return None
+    meta = json.loads(info.read_text())
+    return TrainedLora(state_dict=load_file(str(weights)), **meta)
+
+
+def store_finished(cache_dir: Path, key: str, lora: TrainedLora) -> None:
+    if lora.interrupted or not lora.state_dict:
+        return
+    folder = cache_dir / "trained"
+    folder.mkdir(parents=True, exist_ok=True)
+    meta = {f.name: getattr(lora, f.name) for f in fields(lora) if f.name != "state_dict"}
+    tmp = folder / f".{key}.tmp-{os.getpid()}"
+    save_file({k: v.contiguous() for k, v in lora.state_dict.items()}, str(tmp) + ".safetensors")
+    os.replace(str(tmp) + ".safetensors", folder / f"{key}.safetensors")
+    Path(str(tmp) + ".json").write_text(json.dumps(meta, default=str))
+    os.replace(str(tmp) + ".json", folder / f"{key}.json")  # written last: marks the entry complete
+
+
+def train_or_reuse(model, dataset, lora: LoraSettings, train: TrainConfig, cache_dir: Path, callback=None,
+                   **train_kwargs) -> TrainedLora:
+    """Return the stored result of an identical finished run, else train (and store it).
+
+    ``model`` is a ModelInfo (engine.models.inspect), ``dataset`` a DatasetCache.
+    """
+    from .loop import train_lora
+
+    key = training_key(model.identity, dataset.dataset_hash, lora, train)
+    found = load_finished(Path(cache_dir), key)
+    if found is not None:
+        if callback is not None:
+            callback.log(f"reusing the finished run {key} (same model, dataset and settings); "
+                         f"change a setting or the seed to train again")
+        return found
+    result = train_lora(model.config, dataset, lora, train, callback, **train_kwargs)
+    store_finished(Path(cache_dir), key, result)
+    return result

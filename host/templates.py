@@ -1,0 +1,220 @@
+"""The shipped workflows, described once and written in both ComfyUI formats.
+
+``python -m lowvram_lora.host.templates`` (re)writes ``workflows/*.json`` (UI
+format, what the editor loads and lists as templates), ``workflows/api/*.json``
+(API format, what ``/prompt`` takes) and a ``<name>.jpg`` thumbnail of each graph.
+Tests check the shipped files equal what this module produces, so the two
+formats cannot drift apart.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from .workflow import input_specs, return_types
+
+WORKFLOWS_DIR = Path(__file__).resolve().parent.parent / "workflows"
+
+
+@dataclass
+class NodeSpec:
+    id: int
+    class_type: str
+    title: str
+    pos: tuple[int, int]
+    widgets: dict[str, Any] = field(default_factory=dict)
+    links: dict[str, tuple[int, int]] = field(default_factory=dict)  # input -> (source node id, output slot)
+    size: tuple[int, int] = (320, 200)
+
+
+@dataclass
+class NoteSpec:
+    id: int
+    text: str
+    pos: tuple[int, int]
+    size: tuple[int, int] = (420, 260)
+
+
+def _links(nodes: list[NodeSpec], mappings: Mapping[str, type]) -> list[list]:
+    """[link_id, from_node, from_slot, to_node, to_slot, type] for every connection."""
+    out, link_id = [], 0
+    for node in nodes:
+        specs = [s for s in input_specs(mappings[node.class_type]) if s.name in node.links]
+        for slot, spec in enumerate(specs):
+            src, src_slot = node.links[spec.name]
+            src_type = return_types(mappings[next(n.class_type for n in nodes if n.id == src)])[src_slot]
+            link_id += 1
+            out.append([link_id, src, src_slot, node.id, slot, src_type])
+    return out
+
+
+def to_ui(nodes: list[NodeSpec], notes: list[NoteSpec], mappings: Mapping[str, type],
+          display: Mapping[str, str]) -> dict:
+    links = _links(nodes, mappings)
+    ui_nodes = []
+    for order, node in enumerate(nodes):
+        cls = mappings[node.class_type]
+        specs = input_specs(cls)
+        inputs = [{"name": s.name, "type": s.type, "link": next(l[0] for l in links if l[3] == node.id and l[4] == i)}
+                  for i, s in enumerate(x for x in specs if x.name in node.links)]
+        outputs = [{"name": name, "type": t, "links": [l[0] for l in links if l[1] == node.id and l[2] == slot],
+                    "slot_index": slot}
+                   for slot, (t, name) in enumerate(zip(return_types(cls), getattr(cls, "RETURN_NAMES", return_types(cls))))]
+        values = []
+        for s in specs:
+            if s.name in node.links or not s.is_widget:
+                continue
+            values.append(node.widgets.get(s.name, s.options.get("default")))
+            # the "control after generate" widget(s) ComfyUI adds after seeds
+            values += ["fixed", ""][: s.control_slots]
+        ui_nodes.append({
+            "id": node.id, "type": node.class_type, "pos": list(node.pos), "size": list(node.size), "flags": {},
+            "order": order, "mode": 0, "inputs": inputs, "outputs": outputs, "title": node.title,
+            "properties": {"Node name for S&R": display.get(node.class_type, node.class_type)},
+            "widgets_values": values,
+        })
+    for note in notes:
+        ui_nodes.append({
+            "id": note.id, "type": "Note", "pos": list(note.pos), "size": list(note.size), "flags": {},
+            "order": len(ui_nodes), "mode": 0, "inputs": [], "outputs": [], "properties": {},
+            "widgets_values": [note.text], "color": "#432", "bgcolor": "#653",
+        })
+    return {
+        "last_node_id": max(n["id"] for n in ui_nodes), "last_link_id": len(links), "nodes": ui_nodes,
+        "links": links, "groups": [], "config": {}, "extra": {"ds": {"scale": 1.0, "offset": [0, 0]}}, "version": 0.4,
+    }
+
+
+def to_api(nodes: list[NodeSpec], mappings: Mapping[str, type]) -> dict:
+    graph = {}
+    for node in nodes:
+        inputs: dict[str, Any] = {}
+        for s in input_specs(mappings[node.class_type]):
+            if s.name in node.links:
+                src, slot = node.links[s.name]
+                inputs[s.name] = [str(src), slot]
+            elif s.is_widget:
+                inputs[s.name] = node.widgets.get(s.name, s.options.get("default"))
+        graph[str(node.id)] = {"class_type": node.class_type, "inputs": inputs, "_meta": {"title": node.title}}
+    return graph
+
+
+def render_thumbnail(ui: dict, path: Path, width: int = 640, height: int = 360) -> None:
+    """A small picture of the graph: boxes at the nodes' positions, links between them."""
+    from PIL import Image, ImageDraw
+
+    nodes = {n["id"]: n for n in ui["nodes"]}
+    xs = [n["pos"][0] for n in nodes.values()] + [n["pos"][0] + n["size"][0] for n in nodes.values()]
+    ys = [n["pos"][1] for n in nodes.values()] + [n["pos"][1] + n["size"][1] for n in nodes.values()]
+    x0, y0, x1, y1 = min(xs), min(ys), max(xs), max(ys)
+    scale = min((width - 20) / (x1 - x0), (height - 20) / (y1 - y0))
+
+    def box(n):
+        return (10 + (n["pos"][0] - x0) * scale, 10 + (n["pos"][1] - y0) * scale,
+                10 + (n["pos"][0] + n["size"][0] - x0) * scale, 10 + (n["pos"][1] + n["size"][1] - y0) * scale)
+
+    img = Image.new("RGB", (width, height), (32, 32, 36))
+    d = ImageDraw.Draw(img)
+    for link in ui["links"]:
+        a, b = box(nodes[link[1]]), box(nodes[link[3]])
+        d.line([(a[2], a[1] + 12), (b[0], b[1] + 12)], fill=(120, 170, 240), width=2)
+    for n in nodes.values():
+        b = box(n)
+        note = n["type"] == "Note"
+        d.rectangle(b, fill=(80, 64, 40) if note else (55, 55, 62), outline=(150, 150, 160))
+        d.rectangle((b[0], b[1], b[2], b[1] + 16), fill=(100, 80, 50) if note else (75, 75, 90))
+        d.text((b[0] + 4, b[1] + 3), n.get("title") or n["type"], fill=(235, 235, 235))
+    img.save(path, quality=90)
+
+
+# --- the shipped graphs ------------------------------------------------------------
+
+
+def demo_tiny_lora() -> tuple[list[NodeSpec], list[NoteSpec]]:
+    nodes = [
+        NodeSpec(1, "LowVRAMLoadQuantizedSlab", "Load Quantized Slab", (40, 80),
+                 {"checkpoint": "flux1-tiny.safetensors", "family": "auto", "precision": "bf16"}, size=(320, 130)),
+        NodeSpec(2, "LowVRAMCacheTextEmbeds", "Cache Text Embeds", (400, 80),
+                 {"text_encoders": "diffusers/flux1-tiny", "dataset_path": "demo_output/datasets/shapes",
+                  "resolution": 128, "trigger_word": "ohwx", "default_caption": "", "repeats": 1, "flip": False,
+                  "max_sequence_length": 0}, {"model": (1, 0)}, size=(340, 330)),
+        NodeSpec(3, "LowVRAMOffloadConfig", "Offload Config", (40, 260),
+                 {"mode": "resident", "gradient_checkpointing": True}, size=(320, 110)),
+        NodeSpec(4, "LowVRAMTrainLoRA", "Train LoRA", (780, 80),
+                 {"steps": 30, "learning_rate": 2e-3, "rank": 8, "alpha": 8.0, "batch_size": 1,
+                  "gradient_accumulation": 1, "lr_scheduler": "constant", "warmup_steps": 3, "seed": 0,
+                  "guidance": 1.0, "max_grad_norm": 1.0},
+                 {"model": (1, 0), "dataset": (2, 0), "offload": (3, 0)}, size=(330, 420)),
+        NodeSpec(5, "LowVRAMSaveLoRA", "Save LoRA", (1150, 80),
+                 {"filename_prefix": "loras/demo_tiny_lora", "format": "comfyui", "dtype": "bf16"},
+                 {"lora": (4, 0)}, size=(320, 150)),
+    ]
+    notes = [NoteSpec(6, (
+        "Demo: trains a LoRA on a tiny random Flux.1-architecture model, on CPU, in about a minute.\n\n"
+        "Prepare the files once with:\n  lowvram-lora demo --prepare-only --dir <ComfyUI root>\n"
+        "which writes models/diffusion_models/flux1-tiny.safetensors, models/diffusers/flux1-tiny/ and "
+        "demo_output/datasets/shapes/ (synthetic captioned images).\n\n"
+        "Headless: lowvram-lora run workflows/demo_tiny_lora.json --models-dir demo_output/models "
+        "--output-dir demo_output/output  (this is what `make demo` does)."), (40, 420))]
+    return nodes, notes
+
+
+def flux1_dev_lora() -> tuple[list[NodeSpec], list[NoteSpec]]:
+    nodes = [
+        NodeSpec(1, "LowVRAMLoadQuantizedSlab", "Load Quantized Slab", (40, 80),
+                 {"checkpoint": "flux1-dev.safetensors", "family": "flux1", "precision": "bf16"}, size=(320, 130)),
+        NodeSpec(2, "LowVRAMCacheTextEmbeds", "Cache Text Embeds", (400, 80),
+                 {"text_encoders": "diffusers/FLUX.1-dev", "dataset_path": "datasets/my_subject",
+                  "resolution": 1024, "trigger_word": "ohwx", "default_caption": "", "repeats": 1, "flip": False,
+                  "max_sequence_length": 0}, {"model": (1, 0)}, size=(340, 330)),
+        NodeSpec(3, "LowVRAMOffloadConfig", "Offload Config", (40, 260),
+                 {"mode": "resident", "gradient_checkpointing": True}, size=(320, 110)),
+        NodeSpec(4, "LowVRAMTrainLoRA", "Train LoRA", (780, 80),
+                 {"steps": 1500, "learning_rate": 1e-4, "rank": 16, "alpha": 16.0, "batch_size": 1,
+                  "gradient_accumulation": 1, "lr_scheduler": "constant", "warmup_steps": 50, "seed": 42,
+                  "guidance": 1.0, "max_grad_norm": 1.0},
+                 {"model": (1, 0), "dataset": (2, 0), "offload": (3, 0)}, size=(330, 420)),
+        NodeSpec(5, "LowVRAMSaveLoRA", "Save LoRA", (1150, 80),
+                 {"filename_prefix": "loras/flux1_dev_lora", "format": "comfyui", "dtype": "bf16"},
+                 {"lora": (4, 0)}, size=(320, 150)),
+    ]
+    notes = [NoteSpec(6, (
+        "Flux.1-dev LoRA at 1024x1024.\n\nFiles:\n"
+        "- models/diffusion_models/flux1-dev.safetensors: the transformer (BFL single file; bf16 or fp8), or pick "
+        "'diffusers/FLUX.1-dev' to use the folder's transformer.\n"
+        "- models/diffusers/FLUX.1-dev/: the diffusers pipeline folder (text_encoder, text_encoder_2, tokenizer, "
+        "tokenizer_2, vae) used to cache captions and latents. Single-file t5xxl/clip_l files carry no tokenizer.\n"
+        "- datasets/my_subject/: your images with same-name .txt captions.\n\n"
+        "Memory today: mode 'resident' keeps the 12B transformer on the GPU (measured 24.7 GB peak at 1024 and "
+        "23.2 GB at 512 on an H100); streaming modes for smaller cards come with the Offload Config update.\n"
+        "The LoRA is written to output/loras/; copy it to models/loras to use it."), (40, 420))]
+    return nodes, notes
+
+
+SHIPPED = {"demo_tiny_lora": demo_tiny_lora, "flux1_dev_lora": flux1_dev_lora}
+
+
+def build(name: str, mappings: Mapping[str, type], display: Mapping[str, str]) -> tuple[dict, dict]:
+    nodes, notes = SHIPPED[name]()
+    return to_ui(nodes, notes, mappings, display), to_api(nodes, mappings)
+
+
+def write_all(folder: Path = WORKFLOWS_DIR) -> list[Path]:
+    from ..nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+
+    written = []
+    (folder / "api").mkdir(parents=True, exist_ok=True)
+    for name in SHIPPED:
+        ui, api = build(name, NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS)
+        (folder / f"{name}.json").write_text(json.dumps(ui, indent=2) + "\n")
+        (folder / "api" / f"{name}.json").write_text(json.dumps(api, indent=2) + "\n")
+        render_thumbnail(ui, folder / f"{name}.jpg")
+        written += [folder / f"{name}.json", folder / "api" / f"{name}.json", folder / f"{name}.jpg"]
+    return written
+
+
+if __name__ == "__main__":
+    for p in write_all():
+        print(p)

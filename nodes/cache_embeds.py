@@ -1,0 +1,98 @@
+"""Cache Text Embeds: encode captions and images once, into an on-disk cache."""
+from __future__ import annotations
+
+import os
+
+from .load_model import CATEGORY
+from .paths import cache_dir, list_diffusers_folders, resolve_choice, resolve_dataset_path
+
+FROM_CHECKPOINT = "(from checkpoint)"
+
+
+class LowVRAMCacheTextEmbeds:
+    DESCRIPTION = (
+        "Encodes every caption with the text encoders and every image with the VAE, once, into a cache on disk. "
+        "Text encoders run layer by layer on the GPU, so they never need to fit it whole. Reruns reuse the cache; "
+        "a changed caption, image or setting re-encodes only what changed."
+    )
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("LOWVRAM_DATASET",)
+    RETURN_NAMES = ("dataset",)
+    OUTPUT_TOOLTIPS = ("A handle to the cached text embeddings and latents.",)
+    FUNCTION = "cache"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "model": ("LOWVRAM_MODEL", {"tooltip": "The base model from Load Quantized Slab."}),
+                "text_encoders": ([FROM_CHECKPOINT] + list_diffusers_folders(), {
+                    "default": FROM_CHECKPOINT,
+                    "tooltip": "Diffusers pipeline folder (models/diffusers) whose text encoders, tokenizers and "
+                               "VAE are used. '(from checkpoint)' works when the checkpoint is itself a pipeline "
+                               "folder. Single-file encoders carry no tokenizer, so a folder is needed.",
+                }),
+                "dataset_path": ("STRING", {
+                    "default": "",
+                    "tooltip": "Folder of images (png/jpg/webp) with same-name .txt captions. Relative paths are "
+                               "looked up from the working directory, then ComfyUI's input folder.",
+                }),
+                "resolution": ("INT", {
+                    "default": 1024, "min": 64, "max": 4096, "step": 64,
+                    "tooltip": "Training resolution. Images go to aspect-ratio buckets of about this many pixels "
+                               "squared. 1024 is Flux's native size; 512 trains ~3x faster.",
+                }),
+                "trigger_word": ("STRING", {
+                    "default": "",
+                    "tooltip": "Prepended to every caption, e.g. 'ohwx'. Use it in prompts to call the LoRA.",
+                }),
+                "default_caption": ("STRING", {
+                    "default": "",
+                    "tooltip": "Caption for images without a .txt file. Empty: such images are an error listing them.",
+                }),
+                "repeats": ("INT", {
+                    "default": 1, "min": 1, "max": 1000,
+                    "tooltip": "How often each image appears per epoch; balances several datasets.",
+                }),
+                "flip": ("BOOLEAN", {
+                    "default": False,
+                    "tooltip": "Also cache mirrored images and use one at random. Off for text, logos, faces with "
+                               "asymmetric features.",
+                }),
+                "max_sequence_length": ("INT", {
+                    "default": 0, "min": 0, "max": 512,
+                    "tooltip": "T5 tokens kept per caption. 0 = the model's default (512 for Flux.1-dev). Shorter "
+                               "is faster if your captions are short.",
+                }),
+            },
+            "hidden": {"unique_id": "UNIQUE_ID"},
+        }
+
+    @classmethod
+    def IS_CHANGED(cls, dataset_path="", **_):
+        # Rerun when files in the dataset folder change; the cache then re-encodes only those.
+        try:
+            folder = resolve_dataset_path(dataset_path)
+            return ";".join(f"{e.name}:{e.stat().st_size}:{e.stat().st_mtime_ns}"
+                            for e in sorted(os.scandir(folder), key=lambda e: e.name))
+        except OSError:
+            return dataset_path
+
+    def cache(self, model, text_encoders: str, dataset_path: str, resolution: int = 1024, trigger_word: str = "",
+              default_caption: str = "", repeats: int = 1, flip: bool = False, max_sequence_length: int = 0,
+              unique_id=None):
+        from dataclasses import replace
+
+        from ..engine.caching import build_dataset_cache
+        from ..engine.config import DataConfig
+        from .progress import make_callback
+
+        model_cfg = model.config
+        if text_encoders != FROM_CHECKPOINT:
+            model_cfg = replace(model_cfg, pipeline_path=str(resolve_choice(text_encoders)))
+        data = DataConfig(path=str(resolve_dataset_path(dataset_path)) if dataset_path else "", resolution=resolution,
+                          trigger_word=trigger_word.strip(), default_caption=default_caption.strip() or None,
+                          repeats=repeats, flip=flip)
+        dataset = build_dataset_cache(model_cfg, data, cache_dir(), max_sequence_length=max_sequence_length,
+                                      callback=make_callback(unique_id))
+        return (dataset,)

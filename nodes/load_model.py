@@ -1,0 +1,58 @@
+"""Load Quantized Slab: pick the base transformer; checks it, loads nothing yet."""
+from __future__ import annotations
+
+from .paths import list_transformer_choices, resolve_choice
+
+CATEGORY = "LowVRAM LoRA"
+
+
+class LowVRAMLoadQuantizedSlab:
+    DESCRIPTION = (
+        "Chooses the base diffusion transformer to train a LoRA on: a ComfyUI single file from "
+        "models/diffusion_models (BFL names; bf16, fp16 or fp8) or a diffusers folder from models/diffusers. "
+        "It only reads the file header to check the model family and shapes; weights are loaded when training starts."
+    )
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("LOWVRAM_MODEL",)
+    RETURN_NAMES = ("model",)
+    OUTPUT_TOOLTIPS = ("A handle to the checked checkpoint (family, variant, location); nothing is on the GPU yet.",)
+    FUNCTION = "load"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "checkpoint": (list_transformer_choices(), {
+                    "tooltip": "The base transformer: a .safetensors file from models/diffusion_models (or unet, "
+                               "checkpoints), or 'diffusers/<folder>' from models/diffusers.",
+                }),
+                "family": (["auto", "flux1"], {
+                    "default": "auto",
+                    "tooltip": "Model family. 'auto' detects it from the tensor names; set it to get a clearer "
+                               "error when a file is not what you expect.",
+                }),
+                "precision": (["bf16"], {
+                    "default": "bf16",
+                    "tooltip": "How the frozen base weights are held while training. bf16: 2 bytes per weight. "
+                               "(The int8 slab option arrives with slab support.)",
+                }),
+            }
+        }
+
+    @classmethod
+    def IS_CHANGED(cls, checkpoint, family, precision):
+        # Re-check when the file on disk changes (ComfyUI otherwise caches by widget values).
+        try:
+            st = resolve_choice(checkpoint).stat()
+            return f"{st.st_size}-{st.st_mtime_ns}"
+        except FileNotFoundError:
+            return checkpoint
+
+    def load(self, checkpoint: str, family: str = "auto", precision: str = "bf16"):
+        from ..engine.config import ModelConfig
+        from ..engine.models.inspect import inspect_transformer
+
+        info = inspect_transformer(ModelConfig(transformer_path=str(resolve_choice(checkpoint)), family=family,
+                                               dtype="auto"))
+        print(f"[lowvram-lora] {info.describe()}")
+        return (info,)

@@ -1,0 +1,105 @@
+"""Where model files are found and outputs go, inside ComfyUI or standalone.
+
+Inside ComfyUI we ask its ``folder_paths`` (imported lazily: this module must
+import without ComfyUI). Standalone, the headless runner calls
+``configure_standalone_dirs`` with ``--models-dir`` / ``--output-dir``; the
+sub-folders mirror ComfyUI's (diffusion_models, unet, checkpoints, diffusers,
+text_encoders, clip, vae).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# ComfyUI folder names per kind of file we offer in combos.
+TRANSFORMER_FOLDERS = ("diffusion_models", "unet", "checkpoints")
+DIFFUSERS_FOLDERS = ("diffusers",)
+DIFFUSERS_PREFIX = "diffusers/"  # combo entries naming a diffusers folder rather than a file
+
+_standalone = {"models_dir": Path("models").resolve(), "output_dir": Path("output").resolve()}
+
+
+def configure_standalone_dirs(models_dir: str, output_dir: str) -> None:
+    """Set by the headless runner (``lowvram-lora run --models-dir ... --output-dir ...``)."""
+    _standalone["models_dir"] = Path(models_dir)
+    _standalone["output_dir"] = Path(output_dir)
+
+
+def comfy_folder_paths():
+    """ComfyUI's folder_paths module, or None outside ComfyUI."""
+    try:
+        import folder_paths  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return folder_paths if hasattr(folder_paths, "get_folder_paths") else None
+
+
+def _roots(kinds: tuple[str, ...]) -> list[Path]:
+    fp = comfy_folder_paths()
+    roots: list[Path] = []
+    for kind in kinds:
+        if fp is not None:
+            try:
+                roots += [Path(p) for p in fp.get_folder_paths(kind)]
+            except Exception:  # a kind this ComfyUI version does not know
+                continue
+        else:
+            roots.append(_standalone["models_dir"] / kind)
+    return [r for r in roots if r.is_dir()]
+
+
+def list_transformer_choices() -> list[str]:
+    """Single .safetensors files and diffusers folders (``diffusers/<name>``), sorted."""
+    files = set()
+    for root in _roots(TRANSFORMER_FOLDERS):
+        for f in root.rglob("*.safetensors"):
+            if not f.name.endswith(".slab.safetensors"):
+                files.add(f.relative_to(root).as_posix())
+    return sorted(files) + list_diffusers_folders()
+
+
+def list_diffusers_folders() -> list[str]:
+    out = set()
+    for root in _roots(DIFFUSERS_FOLDERS):
+        for child in root.iterdir():
+            if (child / "model_index.json").exists() or (child / "config.json").exists():
+                out.add(DIFFUSERS_PREFIX + child.name)
+    return sorted(out)
+
+
+def resolve_choice(name: str) -> Path:
+    """A combo entry -> the absolute path of its file or folder."""
+    if name.startswith(DIFFUSERS_PREFIX):
+        kinds, rel = DIFFUSERS_FOLDERS, name[len(DIFFUSERS_PREFIX):]
+    else:
+        kinds, rel = TRANSFORMER_FOLDERS, name
+    for root in _roots(kinds):
+        if (root / rel).exists():
+            return (root / rel).resolve()
+    where = ", ".join(str(r) for r in _roots(kinds)) or f"models/{kinds[0]}/ (missing)"
+    raise FileNotFoundError(f"'{name}' was not found in {where}; put the file there or pick another entry")
+
+
+def output_dir() -> Path:
+    fp = comfy_folder_paths()
+    return Path(fp.get_output_directory()) if fp is not None else _standalone["output_dir"]
+
+
+def cache_dir() -> Path:
+    """Dataset caches and trained-LoRA reuse live under the output folder, which
+    survives restarts (ComfyUI's temp folder is wiped at start-up)."""
+    return output_dir() / "lowvram_cache"
+
+
+def resolve_dataset_path(path: str) -> Path:
+    """Absolute as given; relative paths against the working directory, then (in
+    ComfyUI) its input folder."""
+    p = Path(os.path.expanduser(path))
+    if p.is_absolute() or p.exists():
+        return p.resolve()
+    fp = comfy_folder_paths()
+    if fp is not None:
+        candidate = Path(fp.get_input_directory()) / p
+        if candidate.exists():
+            return candidate.resolve()
+    return p.resolve()

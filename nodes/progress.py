@@ -1,0 +1,82 @@
+"""Progress and interruption for nodes: ComfyUI's bar and stop button, or tqdm + Ctrl-C.
+
+ComfyUI is imported only when a node runs inside it. ``comfy run --wait`` treats
+120 s without a websocket event as a failure, so every step and every cached
+item reports progress, and step text (loss, lr, s/step, VRAM) is sent at least
+every few seconds.
+"""
+from __future__ import annotations
+
+import time
+
+from ..engine.callbacks import ConsoleCallback, StepInfo, TrainingCallback
+
+
+def _comfy():
+    try:
+        import comfy.model_management as mm  # type: ignore[import-not-found]
+        import comfy.utils as cu  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return cu, mm
+
+
+class ComfyCallback(TrainingCallback):
+    """Drives ComfyUI's progress bar, step text and interrupt button."""
+
+    text_interval_s = 2.0
+
+    def __init__(self, comfy_utils, model_management, node_id: str | None = None):
+        self._utils, self._mm, self.node_id = comfy_utils, model_management, node_id
+        self._bars: dict[str, object] = {}
+        self._last_text = 0.0
+
+    def _bar(self, stage: str, total: int):
+        bar = self._bars.get(stage)
+        if bar is None:
+            bar = self._bars[stage] = self._utils.ProgressBar(total)
+        return bar
+
+    def _send_text(self, text: str, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_text < self.text_interval_s:
+            return
+        self._last_text = now
+        try:  # newer ComfyUI: text under the node; older: console only
+            from server import PromptServer  # type: ignore[import-not-found]
+
+            PromptServer.instance.send_progress_text(text, self.node_id)
+        except Exception:
+            print(f"[lowvram-lora] {text}")
+
+    def on_progress(self, stage: str, done: int, total: int) -> None:
+        self._bar(stage, total).update_absolute(done, total)
+        self._send_text(f"{stage}: {done}/{total}", force=done >= total)
+
+    def on_step(self, info: StepInfo) -> None:
+        self._bar("train", info.total_steps).update_absolute(info.step, info.total_steps)
+        self._send_text(format_step(info), force=info.step in (1, info.total_steps))
+
+    def log(self, message: str) -> None:
+        print(f"[lowvram-lora] {message}")
+        self._send_text(message, force=True)
+
+    def should_stop(self) -> bool:
+        # Raises ComfyUI's InterruptProcessingException when the user pressed stop; the
+        # engine's finally-blocks free the GPU on the way out.
+        self._mm.throw_exception_if_processing_interrupted()
+        return False
+
+
+def format_step(info: StepInfo) -> str:
+    vram = f", VRAM {info.peak_vram_gb:.1f} GB" if info.peak_vram_gb else ""
+    return (f"step {info.step}/{info.total_steps}: loss {info.loss:.4f}, lr {info.lr:.2e}, "
+            f"{info.seconds_per_step:.2f} s/step{vram}")
+
+
+def make_callback(node_id: str | None = None) -> TrainingCallback:
+    """The right callback for where we run."""
+    comfy = _comfy()
+    if comfy is None:
+        return ConsoleCallback()
+    return ComfyCallback(comfy[0], comfy[1], node_id)

@@ -1,0 +1,95 @@
+"""Train LoRA: runs the engine's training loop; shows the loss curve."""
+from __future__ import annotations
+
+import uuid
+
+from .load_model import CATEGORY
+from .paths import cache_dir, comfy_folder_paths, output_dir
+
+
+class LowVRAMTrainLoRA:
+    DESCRIPTION = (
+        "Trains a LoRA on the cached dataset with flow matching (the objective Flux was trained with). "
+        "Shows progress with loss, learning rate, seconds per step and peak VRAM, and the loss curve when done. "
+        "Rerunning with identical inputs reuses the finished run instead of training again."
+    )
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("LOWVRAM_LORA", "IMAGE")
+    RETURN_NAMES = ("lora", "loss_curve")
+    OUTPUT_TOOLTIPS = ("The trained LoRA weights and their loss history.", "The loss curve as an image.")
+    FUNCTION = "train"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "model": ("LOWVRAM_MODEL", {"tooltip": "The base model from Load Quantized Slab."}),
+                "dataset": ("LOWVRAM_DATASET", {"tooltip": "The cached dataset from Cache Text Embeds."}),
+                "offload": ("LOWVRAM_OFFLOAD", {"tooltip": "Memory settings from Offload Config."}),
+                "steps": ("INT", {"default": 1000, "min": 1, "max": 1_000_000,
+                                  "tooltip": "Optimizer steps. 500-2000 is typical for a subject or style."}),
+                "learning_rate": ("FLOAT", {"default": 1e-4, "min": 1e-7, "max": 1.0, "step": 1e-5, "round": False,
+                                            "tooltip": "AdamW learning rate. 1e-4 is a safe start for Flux LoRAs."}),
+                "rank": ("INT", {"default": 16, "min": 1, "max": 256,
+                                 "tooltip": "LoRA rank: capacity and file size. 16 suits most subjects; 32-64 for styles."}),
+                "alpha": ("FLOAT", {"default": 16.0, "min": 0.01, "max": 1024.0, "step": 0.5,
+                                    "tooltip": "LoRA alpha; the update is scaled by alpha/rank. Equal to rank = scale 1."}),
+                "batch_size": ("INT", {"default": 1, "min": 1, "max": 64,
+                                       "tooltip": "Images per micro-batch (same aspect bucket). More uses more VRAM."}),
+                "gradient_accumulation": ("INT", {"default": 1, "min": 1, "max": 256,
+                                                  "tooltip": "Micro-batches per optimizer step: a larger effective "
+                                                             "batch without more VRAM."}),
+                "lr_scheduler": (["constant", "cosine"], {"default": "constant",
+                                                          "tooltip": "constant: flat after warmup; cosine: decays to 0."}),
+                "warmup_steps": ("INT", {"default": 0, "min": 0, "max": 100_000,
+                                         "tooltip": "Steps of linear learning-rate warmup at the start."}),
+                "seed": ("INT", {"default": 42, "min": 0, "max": 0xFFFFFFFF,
+                                 "tooltip": "Seeds LoRA init, noise, timesteps and data order: same seed, same run."}),
+                "guidance": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 10.0, "step": 0.1,
+                                       "tooltip": "Guidance value fed to guidance-distilled models (Flux.1-dev) while "
+                                                  "training; 1.0 is the usual recipe. Ignored by schnell."}),
+                "max_grad_norm": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 100.0, "step": 0.1,
+                                            "tooltip": "Gradient clipping; 0 disables it."}),
+            },
+            "hidden": {"unique_id": "UNIQUE_ID"},
+        }
+
+    def train(self, model, dataset, offload, steps: int = 1000, learning_rate: float = 1e-4, rank: int = 16,
+              alpha: float = 16.0, batch_size: int = 1, gradient_accumulation: int = 1, lr_scheduler: str = "constant",
+              warmup_steps: int = 0, seed: int = 42, guidance: float = 1.0, max_grad_norm: float = 1.0,
+              unique_id=None):
+        from ..engine.config import LoraSettings, TrainConfig
+        from ..engine.train.result_reuse import train_or_reuse
+        from .progress import make_callback
+
+        lora_cfg = LoraSettings(rank=rank, alpha=alpha)
+        train_cfg = TrainConfig(
+            steps=steps, learning_rate=learning_rate, batch_size=batch_size,
+            gradient_accumulation=gradient_accumulation, lr_scheduler=lr_scheduler, warmup_steps=warmup_steps,
+            seed=seed, guidance=guidance, max_grad_norm=max_grad_norm,
+            gradient_checkpointing=offload.gradient_checkpointing,
+        )
+        extra = {} if offload.mode == "resident" else {"offload": offload}
+        lora = train_or_reuse(model, dataset, lora_cfg, train_cfg, cache_dir(), make_callback(unique_id), **extra)
+        image, ui = _loss_curve_outputs(lora)
+        return {"ui": ui, "result": (lora, image)}
+
+
+def _loss_curve_outputs(lora):
+    """The curve as an IMAGE tensor (1, H, W, 3) in [0, 1] and a UI preview entry."""
+    import numpy as np
+    import torch
+
+    from ..engine.plotting import render_loss_curve
+
+    img = render_loss_curve(lora.loss_history, title=f"training loss, rank {lora.rank}")
+    tensor = torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0)[None]
+    fp = comfy_folder_paths()
+    name = f"lowvram_loss_{uuid.uuid4().hex[:8]}.png"
+    if fp is not None:
+        img.save(f"{fp.get_temp_directory()}/{name}")
+        ui = {"images": [{"filename": name, "subfolder": "", "type": "temp"}]}
+    else:
+        ui = {"final_loss": [round(lora.loss_history[-1], 6)] if lora.loss_history else [],
+              "steps": [lora.steps]}
+    return tensor, ui

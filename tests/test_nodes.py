@@ -1,0 +1,109 @@
+"""Node classes: registration, ComfyUI conventions, cheap import, progress bridge."""
+import subprocess
+import sys
+import types
+
+import pytest
+
+import lowvram_lora
+from lowvram_lora.nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+
+COMFY_BUILTIN_IDS = {"TrainLoraNode", "SaveLoRA", "LoraModelLoader", "LoadImage", "SaveImage", "CheckpointLoaderSimple"}
+
+
+def test_pack_exports_and_display_names():
+    assert lowvram_lora.NODE_CLASS_MAPPINGS is NODE_CLASS_MAPPINGS
+    assert lowvram_lora.WEB_DIRECTORY == "./web"
+    assert set(NODE_DISPLAY_NAME_MAPPINGS.values()) == {
+        "Load Quantized Slab", "Cache Text Embeds", "Offload Config", "Train LoRA", "Save LoRA"}
+    assert not set(NODE_CLASS_MAPPINGS) & COMFY_BUILTIN_IDS
+    assert all(k.startswith("LowVRAM") for k in NODE_CLASS_MAPPINGS)
+
+
+@pytest.mark.parametrize("node_id", sorted(NODE_CLASS_MAPPINGS))
+def test_node_class_follows_comfyui_conventions(node_id):
+    cls = NODE_CLASS_MAPPINGS[node_id]
+    spec = cls.INPUT_TYPES()
+    assert cls.CATEGORY == "LowVRAM LoRA" and cls.DESCRIPTION and callable(getattr(cls(), cls.FUNCTION))
+    for name, entry in spec["required"].items():
+        assert len(entry) == 2 and entry[1].get("tooltip"), f"{node_id}.{name} needs a tooltip"
+        t = entry[0]
+        assert isinstance(t, list) or t in ("INT", "FLOAT", "STRING", "BOOLEAN") or t.startswith("LOWVRAM_")
+    for t in cls.RETURN_TYPES:
+        assert t.startswith("LOWVRAM_") or t == "IMAGE"
+    assert len(getattr(cls, "RETURN_NAMES", cls.RETURN_TYPES)) == len(cls.RETURN_TYPES)
+    if cls.RETURN_TYPES:
+        assert len(cls.OUTPUT_TOOLTIPS) == len(cls.RETURN_TYPES)
+
+
+def test_importing_the_pack_does_not_import_torch():
+    code = ("import sys, time; t = time.perf_counter(); import lowvram_lora; dt = time.perf_counter() - t; "
+            "heavy = [m for m in ('torch', 'diffusers', 'transformers', 'peft') if m in sys.modules]; "
+            "print(dt, heavy); assert not heavy, heavy; assert dt < 1.0, dt")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def test_relative_imports_only():
+    import pathlib
+    import re
+
+    root = pathlib.Path(lowvram_lora.__file__).parent
+    bad = []
+    for sub in ("nodes", "engine", "host"):
+        for f in (root / sub).rglob("*.py"):
+            for line in f.read_text().splitlines():
+                if re.match(r"\s*(from|import)\s+(lowvram_lora|nodes|engine|host)\b", line):
+                    bad.append(f"{f.relative_to(root)}: {line.strip()}")
+    assert not bad, bad
+
+
+def test_comfy_callback_drives_progress_and_interrupt(monkeypatch):
+    from lowvram_lora.engine.callbacks import StepInfo
+    from lowvram_lora.nodes.progress import ComfyCallback, make_callback
+
+    bars, interrupted = [], {"flag": False}
+
+    class Bar:
+        def __init__(self, total):
+            self.calls = []
+            bars.append(self)
+
+        def update_absolute(self, value, total=None, preview=None):
+            self.calls.append((value, total))
+
+    class Interrupt(Exception):
+        pass
+
+    def check():
+        if interrupted["flag"]:
+            raise Interrupt()
+
+    cu = types.SimpleNamespace(ProgressBar=Bar)
+    mm = types.SimpleNamespace(throw_exception_if_processing_interrupted=check)
+    comfy = types.ModuleType("comfy")
+    comfy.utils, comfy.model_management = cu, mm
+    monkeypatch.setitem(sys.modules, "comfy", comfy)
+    monkeypatch.setitem(sys.modules, "comfy.utils", cu)
+    monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
+    cb = make_callback("7")
+    assert isinstance(cb, ComfyCallback)
+    cb.on_progress("encode images (vae)", 1, 3)
+    cb.on_step(StepInfo(1, 10, 0.5, 1e-4, 1.0, 0.2, 3.1))
+    cb.on_step(StepInfo(2, 10, 0.4, 1e-4, 1.0, 0.2, 3.1))
+    assert bars[0].calls == [(1, 3)] and bars[1].calls == [(1, 10), (2, 10)]
+    assert cb.should_stop() is False
+    interrupted["flag"] = True
+    with pytest.raises(Interrupt):
+        cb.should_stop()
+
+
+def test_save_path_never_escapes_output_and_counts_up(tmp_path):
+    from lowvram_lora.nodes.save_lora import next_free_path
+
+    first = next_free_path(tmp_path, "loras/x")
+    assert first == tmp_path / "loras" / "x_00001_.safetensors"
+    first.write_bytes(b"keep")
+    assert next_free_path(tmp_path, "loras/x").name == "x_00002_.safetensors"
+    with pytest.raises(ValueError, match="inside the output folder"):
+        next_free_path(tmp_path, "../../etc/x")

@@ -1,0 +1,126 @@
+"""Shipped workflows: valid in both formats, twins agree, the demo runs end to end."""
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from lowvram_lora.host.run_command import run_workflow_command
+from lowvram_lora.host.templates import SHIPPED, WORKFLOWS_DIR, build
+from lowvram_lora.host.workflow import WorkflowError, load_workflow, to_api_graph
+from lowvram_lora.nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+from lowvram_lora.nodes.paths import configure_standalone_dirs
+
+NAMES = sorted(SHIPPED)
+
+
+@pytest.fixture
+def models_with_placeholders(tmp_path):
+    """Combos list files from the models folder: make the names the workflows use exist."""
+    models = tmp_path / "models"
+    (models / "diffusion_models").mkdir(parents=True)
+    for name in ("flux1-dev.safetensors", "flux1-tiny.safetensors"):
+        (models / "diffusion_models" / name).write_bytes(b"")
+    for name in ("FLUX.1-dev", "flux1-tiny"):
+        (models / "diffusers" / name).mkdir(parents=True)
+        (models / "diffusers" / name / "model_index.json").write_text("{}")
+    configure_standalone_dirs(str(models), str(tmp_path / "out"))
+    return models
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_shipped_files_match_the_builder(name):
+    ui, api = build(name, NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS)
+    assert json.loads((WORKFLOWS_DIR / f"{name}.json").read_text()) == ui, "run python -m lowvram_lora.host.templates"
+    assert json.loads((WORKFLOWS_DIR / "api" / f"{name}.json").read_text()) == api
+    assert (WORKFLOWS_DIR / f"{name}.jpg").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_ui_and_api_twins_convert_to_the_same_valid_graph(name, models_with_placeholders):
+    ui = load_workflow(WORKFLOWS_DIR / f"{name}.json")
+    api = load_workflow(WORKFLOWS_DIR / "api" / f"{name}.json")
+    g_ui = to_api_graph(ui, NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS)
+    g_api = to_api_graph(api, NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS)
+    strip = lambda g: {k: {"class_type": v["class_type"], "inputs": v["inputs"]} for k, v in g.items()}
+    assert strip(g_ui) == strip(g_api)
+    assert {v["class_type"] for v in g_ui.values()} <= set(NODE_CLASS_MAPPINGS)
+    assert any(n["type"] == "Note" for n in ui["nodes"])  # explains the files, skipped when run
+
+
+def test_missing_model_file_is_named(tmp_path):
+    configure_standalone_dirs(str(tmp_path / "empty"), str(tmp_path / "out"))
+    with pytest.raises(WorkflowError) as e:
+        to_api_graph(load_workflow(WORKFLOWS_DIR / "flux1_dev_lora.json"), NODE_CLASS_MAPPINGS)
+    assert "checkpoint" in str(e.value) and "flux1-dev.safetensors" in str(e.value)
+
+
+def _args(workflow, models, out, overrides=()):
+    return argparse.Namespace(workflow=str(workflow), overrides=list(overrides), models_dir=str(models),
+                              output_dir=str(out), no_progress=True, traceback=True)
+
+
+def test_demo_workflow_runs_end_to_end_and_reruns_without_training(tmp_path, capsys):
+    from lowvram_lora.demo import ensure_demo_assets
+    from lowvram_lora.engine.lora_io import load_lora
+
+    assets = ensure_demo_assets(tmp_path / "demo")
+    args = _args(WORKFLOWS_DIR / "demo_tiny_lora.json", assets["models"], tmp_path / "out",
+                 [f"2.dataset_path={assets['dataset']}", "4.steps=6"])
+    code = run_workflow_command(args, NODE_CLASS_MAPPINGS, configure_dirs=configure_standalone_dirs)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    saved = sorted((tmp_path / "out" / "loras").glob("demo_tiny_lora_*_.safetensors"))
+    assert len(saved) == 1 and saved[0].with_name(saved[0].stem + "_loss.png").exists()
+    assert str(saved[0]) in out
+    lora = load_lora(saved[0])
+    assert lora.format == "comfyui" and lora.metadata["lowvram_lora.steps"] == "6"
+
+    # Same inputs again: the finished run is reused (no retraining), a new file is written beside.
+    code = run_workflow_command(args, NODE_CLASS_MAPPINGS, configure_dirs=configure_standalone_dirs)
+    assert code == 0 and "reusing the finished run" in capsys.readouterr().out
+    assert len(sorted((tmp_path / "out" / "loras").glob("*.safetensors"))) == 2
+
+    # A changed input trains again.
+    args.overrides.append("4.seed=1")
+    assert run_workflow_command(args, NODE_CLASS_MAPPINGS, configure_dirs=configure_standalone_dirs) == 0
+    assert "reusing" not in capsys.readouterr().out
+
+
+def test_demo_workflow_api_twin_runs(tmp_path):
+    from lowvram_lora.demo import ensure_demo_assets
+
+    assets = ensure_demo_assets(tmp_path / "demo")
+    args = _args(WORKFLOWS_DIR / "api" / "demo_tiny_lora.json", assets["models"], tmp_path / "out",
+                 [f"2.dataset_path={assets['dataset']}", "4.steps=2", "5.format=diffusers"])
+    assert run_workflow_command(args, NODE_CLASS_MAPPINGS, configure_dirs=configure_standalone_dirs) == 0
+    assert list((tmp_path / "out" / "loras").glob("*.safetensors"))
+
+
+def test_node_error_names_node_and_fix(tmp_path, capsys):
+    from lowvram_lora.demo import ensure_demo_assets
+
+    assets = ensure_demo_assets(tmp_path / "demo")
+    args = _args(WORKFLOWS_DIR / "demo_tiny_lora.json", assets["models"], tmp_path / "out",
+                 [f"2.dataset_path={tmp_path / 'no_such_folder'}"])
+    args.traceback = False
+    assert run_workflow_command(args, NODE_CLASS_MAPPINGS, configure_dirs=configure_standalone_dirs) == 1
+    err = capsys.readouterr().err
+    assert "Cache Text Embeds" in err and "no_such_folder" in err
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda ui: ui["nodes"][0].__setitem__("type", "NoSuchNode"), "NoSuchNode"),
+    (lambda ui: ui["links"].pop(0), "model"),
+    (lambda ui: ui["nodes"][3]["widgets_values"].__setitem__(0, "many"), "steps"),
+    (lambda ui: ui["links"][0].__setitem__(1, 77), "77"),
+])
+def test_bad_workflows_fail_with_named_message(tmp_path, models_with_placeholders, mutate, match, capsys):
+    ui = json.loads((WORKFLOWS_DIR / "demo_tiny_lora.json").read_text())
+    mutate(ui)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(ui))
+    args = _args(path, models_with_placeholders, tmp_path / "out")
+    args.traceback = False
+    assert run_workflow_command(args, NODE_CLASS_MAPPINGS, configure_dirs=configure_standalone_dirs) == 1
+    assert match.lower() in capsys.readouterr().err.lower()
