@@ -107,3 +107,28 @@ def test_save_path_never_escapes_output_and_counts_up(tmp_path):
     assert next_free_path(tmp_path, "loras/x").name == "x_00002_.safetensors"
     with pytest.raises(ValueError, match="inside the output folder"):
         next_free_path(tmp_path, "../../etc/x")
+
+
+def test_pack_loads_the_way_comfyui_loads_custom_nodes(monkeypatch):
+    """ComfyUI imports custom_nodes/<folder>/__init__.py under the folder's name (often with
+    a hyphen) and has its own top-level ``nodes`` module: our relative imports must not care."""
+    import importlib.util
+    import pathlib
+
+    root = pathlib.Path(lowvram_lora.__file__).parent
+    fake_comfy_nodes = types.ModuleType("nodes")
+    fake_comfy_nodes.NODE_CLASS_MAPPINGS = {"KSampler": object}
+    monkeypatch.setitem(sys.modules, "nodes", fake_comfy_nodes)
+    name = "lowvram-lora"
+    spec = importlib.util.spec_from_file_location(name, root / "__init__.py",
+                                                  submodule_search_locations=[str(root)])
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    assert set(module.NODE_CLASS_MAPPINGS) == set(NODE_CLASS_MAPPINGS)
+    assert module.WEB_DIRECTORY == "./web" and (root / "web" / "lowvram_lora.js").exists()
+    for cls in module.NODE_CLASS_MAPPINGS.values():
+        cls.INPUT_TYPES()  # ComfyUI calls this at start-up, with folder_paths absent here
+    assert sys.modules["nodes"] is fake_comfy_nodes
+    for key in [k for k in sys.modules if k.startswith(name + ".")]:
+        monkeypatch.delitem(sys.modules, key)
