@@ -16,7 +16,6 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/lowvram_lora
 export PYTHONPATH=/tmp/pkg:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-# engine/models/ is matched by the top-level .gitignore's `models/` pattern, so it only
-# travels to the GPU machine when carried: say so instead of failing on import later.
-[ -f engine/models/__init__.py ] || echo "gpu_env.sh: engine/models/ is missing here (ignored by .gitignore 'models/'): carry it" >&2
+# Only tracked and non-ignored files travel to the GPU machine: fail early if the engine is incomplete.
+[ -f engine/models/__init__.py ] || echo "gpu_env.sh: engine/models/ is missing here: is it ignored by git? carry it" >&2
 python3 -c "import torch, diffusers, peft; print('gpu_env:', torch.__version__, 'diffusers', diffusers.__version__, 'peft', peft.__version__, 'cuda', torch.cuda.is_available())"

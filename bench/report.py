@@ -28,19 +28,24 @@ step synchronised); peak alloc / reserved are `torch.cuda.max_memory_allocated` 
 `max_memory_reserved` over the run, in GB (1e9 bytes). `x resident` = step time over the
 `resident` row of the same run.
 
-How to run on the GPU machine (from the repository root; carry `.whl` and `engine/models`):
+How to run on the GPU machine (from the repository root; carry `.whl`, see `bench/gpu_env.sh`):
 
     source bench/gpu_env.sh
     set -o pipefail; PYTHONUNBUFFERED=1 python3 bench/train_bench.py --res 512 1024 2048 --out "$OUT/results.jsonl" 2>&1 | tee "$OUT/log"
 
 then append the returned rows to `bench/results.jsonl` and run `python bench/report.py`.
+`bench/NOTES.md` holds the analysis of these numbers (what the step time is made of);
+`bench/logs/` the raw logs and profiles. `--lora-targets attention` rows train only the
+attention projections (the earlier reference's set), for comparison.
 """
 
 # DESIGN.md §5, measured earlier on the same kind of machine (not through train_bench.py).
 REFERENCE = """## Earlier reference (DESIGN.md §5, H100 80GB, torch 2.11+cu130, diffusers 0.42.1, 2026-11-22)
 
 LoRA r16 (attention), gradient checkpointing, all weights resident, Flux.1-dev random weights;
-not produced by this script, units as written there.
+not produced by this script, units as written there. Its peaks match this script's
+attention-only rows in GiB (2^30 bytes: 25.01 GB = 23.3 GiB, 26.65 GB = 24.8 GiB), so read
+them as GiB; the rows above are in GB (1e9 bytes) and carry `peak_alloc_gib` in the jsonl.
 
 | res | step s | peak |
 |---|---|---|
@@ -78,6 +83,10 @@ def _fmt(v, digits=3) -> str:
     return str(v)
 
 
+def _millions(n) -> str:
+    return f"{n / 1e6:.1f}M" if isinstance(n, int) else "–"
+
+
 def render(rows: list[dict]) -> str:
     resident = {_key(r): r["step_s"] for r in rows if r.get("mode") == "resident" and r.get("step_s")}
     out = [HEADER]
@@ -104,7 +113,7 @@ def render(rows: list[dict]) -> str:
                 f"| {r.get('date', '')[:16].replace('T', ' ')} | {r.get('gpu', '?')} | {r.get('torch', '?')} | "
                 f"{r.get('diffusers', '?')} | {r.get('res')}² | {mode} | {r.get('lora_rank')} | {step_txt} | "
                 f"{ratio} | {_fmt(r.get('peak_alloc_gb'), 2)} | {_fmt(r.get('peak_reserved_gb'), 2)} | "
-                f"{r.get('steps_timed', '–')} | {_fmt(r.get('lora_params'))} | `{r.get('command', '?')}`{note} |"
+                f"{r.get('steps_timed', '–')} | {_millions(r.get('lora_params'))} | `{r.get('command', '?')}`{note} |"
             )
         out.append("")
     out.append(REFERENCE)
