@@ -72,7 +72,8 @@ def to_ui(nodes: list[NodeSpec], notes: list[NoteSpec], mappings: Mapping[str, t
         ui_nodes.append({
             "id": node.id, "type": node.class_type, "pos": list(node.pos), "size": list(node.size), "flags": {},
             "order": order, "mode": 0, "inputs": inputs, "outputs": outputs, "title": node.title,
-            "properties": {"Node name for S&R": display.get(node.class_type, node.class_type)},
+            # The frontend's convention: the class name (used for %Node.widget% lookups).
+            "properties": {"Node name for S&R": node.class_type},
             "widgets_values": values,
         })
     for note in notes:

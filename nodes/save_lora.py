@@ -60,4 +60,8 @@ class LowVRAMSaveLoRA:
         path = save_lora(lora, next_free_path(output_dir(), filename_prefix), fmt=format, dtype=dtype)
         curve = save_loss_curve(lora.loss_history, path.with_name(path.stem + "_loss.png"))
         print(f"[lowvram-lora] saved LoRA: {path}\n[lowvram-lora] loss curve: {curve}")
-        return {"ui": {"text": [str(path)], "loss_curve": [str(curve)]}, "result": ()}
+        # filename/subfolder/type entries are what ComfyUI clients (comfy run --wait) list as outputs.
+        root = output_dir().resolve()
+        files = [{"filename": p.name, "subfolder": p.parent.resolve().relative_to(root).as_posix(), "type": "output"}
+                 for p in (path, curve)]
+        return {"ui": {"text": [str(path)], "loss_curve": [str(curve)], "files": files}, "result": ()}

@@ -28,7 +28,7 @@ class LowVRAMTrainLoRA:
                 "offload": ("LOWVRAM_OFFLOAD", {"tooltip": "Memory settings from Offload Config."}),
                 "steps": ("INT", {"default": 1000, "min": 1, "max": 1_000_000,
                                   "tooltip": "Optimizer steps. 500-2000 is typical for a subject or style."}),
-                "learning_rate": ("FLOAT", {"default": 1e-4, "min": 1e-7, "max": 1.0, "step": 1e-5, "round": False,
+                "learning_rate": ("FLOAT", {"default": 1e-4, "min": 1e-6, "max": 1.0, "step": 1e-6, "round": False,
                                             "tooltip": "AdamW learning rate. 1e-4 is a safe start for Flux LoRAs."}),
                 "rank": ("INT", {"default": 16, "min": 1, "max": 256,
                                  "tooltip": "LoRA rank: capacity and file size. 16 suits most subjects; 32-64 for styles."}),

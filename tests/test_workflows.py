@@ -92,7 +92,7 @@ def test_demo_workflow_api_twin_runs(tmp_path):
 
     assets = ensure_demo_assets(tmp_path / "demo")
     args = _args(WORKFLOWS_DIR / "api" / "demo_tiny_lora.json", assets["models"], tmp_path / "out",
-                 [f"2.dataset_path={assets['dataset']}", "4.steps=2", "5.format=diffusers"])
+                 [f"2.dataset_path={assets['dataset']}", "4.steps=2", "4.warmup_steps=0", "5.format=diffusers"])
     assert run_workflow_command(args, NODE_CLASS_MAPPINGS, configure_dirs=configure_standalone_dirs) == 0
     assert list((tmp_path / "out" / "loras").glob("*.safetensors"))
 

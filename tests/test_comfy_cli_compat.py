@@ -1,0 +1,256 @@
+"""What ComfyUI's /object_info says about our nodes, and what `comfy run` makes of our UI workflows.
+
+`comfy run --workflow workflows/NAME.json --wait` (comfy-cli) converts a UI-format
+workflow client-side: it GETs /object_info, calls
+``comfy_cli.workflow_to_api.convert_ui_to_api(workflow, object_info)``, checks the
+result with ``comfy_cli.cql.engine.Graph.validate_workflow`` (its preflight) and POSTs
+``{"prompt": <result>, "client_id": ..., "extra_data": {...}}`` to /prompt.
+
+ComfyUI cannot be installed here, so /object_info comes from
+``comfyui_object_info.py`` (a port of ComfyUI's ``node_info``). The first tests
+check that port against our node classes and always run. The comfy-cli tests
+run comfy-cli's own converter and preflight in-process on the shipped UI
+workflows and are skipped where comfy-cli is not installed (CI does not install
+it; it is not a project dependency).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from comfyui_object_info import PACK_MODULE, node_info, object_info  # noqa: E402
+
+from lowvram_lora.host.templates import SHIPPED, WORKFLOWS_DIR  # noqa: E402
+from lowvram_lora.host.workflow import hidden_inputs, input_specs, return_types  # noqa: E402
+from lowvram_lora.nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: E402
+from lowvram_lora.nodes import paths  # noqa: E402
+from lowvram_lora.nodes.paths import configure_standalone_dirs  # noqa: E402
+
+NAMES = sorted(SHIPPED)
+#: The hidden input kinds ComfyUI's executor fills (execution.get_input_data).
+COMFY_HIDDEN_KINDS = {"PROMPT", "DYNPROMPT", "EXTRA_PNGINFO", "UNIQUE_ID", "AUTH_TOKEN_COMFY_ORG", "API_KEY_COMFY_ORG"}
+
+
+@pytest.fixture(autouse=True)
+def _restore_standalone_dirs():
+    saved = dict(paths._standalone)
+    yield
+    paths._standalone.update(saved)
+
+
+@pytest.fixture
+def models_with_placeholders(tmp_path):
+    """Combos list what is on disk: make the files the shipped workflows name exist."""
+    models = tmp_path / "models"
+    (models / "diffusion_models").mkdir(parents=True)
+    for name in ("flux1-dev.safetensors", "flux1-tiny.safetensors"):
+        (models / "diffusion_models" / name).write_bytes(b"")
+    for name in ("FLUX.1-dev", "flux1-tiny"):
+        (models / "diffusers" / name).mkdir(parents=True)
+        (models / "diffusers" / name / "model_index.json").write_text("{}")
+    configure_standalone_dirs(str(models), str(tmp_path / "out"))
+    return models
+
+
+@pytest.fixture
+def info(models_with_placeholders):
+    errors: list[str] = []
+    out = object_info(NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS, errors=errors)
+    assert errors == []
+    return out
+
+
+# --------------------------------------------------------------------------- /object_info
+
+
+def test_object_info_describes_every_node(info):
+    assert list(info) == list(NODE_CLASS_MAPPINGS)
+
+
+def test_object_info_without_any_model_files_still_describes_every_node(tmp_path):
+    configure_standalone_dirs(str(tmp_path / "nothing"), str(tmp_path / "out"))
+    errors: list[str] = []
+    out = object_info(NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS, errors=errors)
+    assert errors == [] and list(out) == list(NODE_CLASS_MAPPINGS)
+    assert out["LowVRAMLoadQuantizedSlab"]["input"]["required"]["checkpoint"][0] == []
+    assert out["LowVRAMCacheTextEmbeds"]["input"]["required"]["text_encoders"][0] == ["(from checkpoint)"]
+
+
+@pytest.mark.parametrize("class_type", list(NODE_CLASS_MAPPINGS))
+def test_inputs_outputs_and_flags_as_comfyui_sends_them(info, class_type):
+    cls = NODE_CLASS_MAPPINGS[class_type]
+    node = info[class_type]
+    declared = cls.INPUT_TYPES()
+
+    # Inputs: INPUT_TYPES as JSON (tuples become lists), sections and order kept.
+    assert node["input"] == json.loads(json.dumps(declared))
+    assert list(node["input"]) == list(declared)
+    assert set(declared) <= {"required", "optional", "hidden"} and "required" in declared
+    assert node["input_order"] == {section: list(entries) for section, entries in declared.items()}
+    # The order the headless runner reads widgets_values in is ComfyUI's required + optional order.
+    assert [s.name for s in input_specs(cls)] == (node["input_order"]["required"]
+                                                  + node["input_order"].get("optional", []))
+    hidden = node["input"].get("hidden", {})
+    assert hidden == hidden_inputs(cls) and set(hidden.values()) <= COMFY_HIDDEN_KINDS
+    for section in ("required", "optional"):
+        for name, spec in node["input"].get(section, {}).items():
+            assert isinstance(spec, list) and 1 <= len(spec) <= 2, name
+            kind, options = spec[0], (spec[1] if len(spec) > 1 else {})
+            assert isinstance(kind, (str, list)) and isinstance(options, dict), name
+            if "default" in options and kind in ("INT", "FLOAT"):
+                assert options.get("min", options["default"]) <= options["default"] <= options.get("max", options["default"])
+            if isinstance(kind, list) and "default" in options:
+                assert options["default"] in kind, name
+
+    # Outputs.
+    outputs = list(return_types(cls))
+    assert node["output"] == outputs
+    assert node["output_is_list"] == [False] * len(outputs)
+    assert node["output_name"] == list(getattr(cls, "RETURN_NAMES", outputs))
+    assert len(node["output_name"]) == len(outputs)
+    if "output_tooltips" in node:
+        assert len(node["output_tooltips"]) == len(outputs)
+
+    # Flags and labels.
+    assert node["output_node"] is (class_type == "LowVRAMSaveLoRA")
+    assert node["is_input_list"] is False and node["has_intermediate_output"] is False
+    assert node["name"] == class_type
+    assert node["display_name"] == NODE_DISPLAY_NAME_MAPPINGS[class_type]
+    assert node["category"] == "LowVRAM LoRA"
+    assert node["python_module"] == PACK_MODULE == "custom_nodes.lowvram-lora"
+    assert isinstance(node["description"], str) and node["description"]
+    assert node["search_aliases"] == []
+    assert not {"deprecated", "experimental", "dev_only", "api_node"} & set(node)
+
+
+def test_one_node_exactly_as_comfyui_sends_it(info):
+    save = NODE_CLASS_MAPPINGS["LowVRAMSaveLoRA"]
+    spec = save.INPUT_TYPES()["required"]
+    assert info["LowVRAMSaveLoRA"] == {
+        "input": {"required": {
+            "lora": ["LOWVRAM_LORA", spec["lora"][1]],
+            "filename_prefix": ["STRING", spec["filename_prefix"][1]],
+            "format": [["comfyui", "diffusers"], spec["format"][1]],
+            "dtype": [["bf16", "fp16", "fp32"], spec["dtype"][1]],
+        }},
+        "input_order": {"required": ["lora", "filename_prefix", "format", "dtype"]},
+        "is_input_list": False,
+        "output": [],
+        "output_is_list": [],
+        "output_name": [],
+        "name": "LowVRAMSaveLoRA",
+        "display_name": "Save LoRA",
+        "description": save.DESCRIPTION,
+        "python_module": "custom_nodes.lowvram-lora",
+        "category": "LowVRAM LoRA",
+        "output_node": True,
+        "has_intermediate_output": False,
+        "search_aliases": [],
+    }
+    train = info["LowVRAMTrainLoRA"]
+    assert train["input"]["hidden"] == {"unique_id": "UNIQUE_ID"}
+    assert train["input_order"]["hidden"] == ["unique_id"]
+    assert train["input_order"]["required"][:4] == ["model", "dataset", "offload", "steps"]
+    assert train["output"] == ["LOWVRAM_LORA", "IMAGE"] and train["output_name"] == ["lora", "loss_curve"]
+
+
+def test_node_info_uses_the_loader_module_name_or_the_class_attribute():
+    assert node_info("LowVRAMOffloadConfig", NODE_CLASS_MAPPINGS, {}, "custom_nodes.other")["python_module"] \
+        == "custom_nodes.other"
+    plain = node_info("LowVRAMOffloadConfig", NODE_CLASS_MAPPINGS, {}, None)
+    assert plain["python_module"] == "nodes" and plain["display_name"] == "LowVRAMOffloadConfig"
+
+
+# --------------------------------------------------------------------------- comfy-cli
+
+
+@pytest.fixture(scope="session")
+def w2a(tmp_path_factory):
+    """comfy-cli's ``workflow_to_api`` module, or skip. comfy-cli creates ``~/.config/comfy-cli``
+    when imported, so it is imported with HOME in a temporary folder (and telemetry off)."""
+    with pytest.MonkeyPatch.context() as mp:
+        if "comfy_cli" not in sys.modules:
+            mp.setenv("HOME", str(tmp_path_factory.mktemp("comfy_cli_home")))
+        mp.setenv("DO_NOT_TRACK", "1")
+        module = pytest.importorskip("comfy_cli.workflow_to_api", reason="comfy-cli is not installed (pip install comfy-cli)")
+        import comfy_cli.command.run  # noqa: F401
+        import comfy_cli.cql.engine  # noqa: F401
+    return module
+
+
+def _strip(prompt: dict) -> dict:
+    return {k: {"class_type": v["class_type"], "inputs": v["inputs"]} for k, v in prompt.items()}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_comfy_cli_converts_ui_workflow_to_our_api_twin(info, w2a, name):
+    ui = json.loads((WORKFLOWS_DIR / f"{name}.json").read_text())
+    api = json.loads((WORKFLOWS_DIR / "api" / f"{name}.json").read_text())
+    assert not w2a.is_api_format(ui)
+    prompt = w2a.convert_ui_to_api(ui, info)
+    assert _strip(prompt) == _strip(api)
+    assert {k: v.get("_meta") for k, v in prompt.items()} == {k: v["_meta"] for k, v in api.items()}
+    assert json.loads(json.dumps(prompt)) == prompt  # what POST /prompt carries
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_comfy_cli_preflight_accepts_the_converted_prompt(info, w2a, name):
+    from comfy_cli.cql.engine import Graph
+
+    prompt = w2a.convert_ui_to_api(json.loads((WORKFLOWS_DIR / f"{name}.json").read_text()), info)
+    result = Graph.from_object_info(info).validate_workflow(prompt)
+    assert result.get("valid") is True and result.get("errors") == [], result
+    assert result.get("warnings") == [], result
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_comfy_cli_preflight_accepts_our_api_twin(info, w2a, name):
+    from comfy_cli.cql.engine import Graph
+
+    api = json.loads((WORKFLOWS_DIR / "api" / f"{name}.json").read_text())
+    result = Graph.from_object_info(info).validate_workflow(api)
+    assert result.get("valid") is True and result.get("errors") == [], result
+
+
+def test_comfy_run_command_converts_with_the_same_function(info, w2a, monkeypatch, capsys):
+    """`comfy run --workflow X --print-prompt` through comfy-cli's run code, /object_info faked."""
+    import comfy_cli.command.run as run_mod
+
+    monkeypatch.setenv("DO_NOT_TRACK", "1")
+    fetched, converted = [], []
+    real_convert = run_mod.convert_ui_to_api
+
+    def fake_fetch(host, port, timeout):
+        fetched.append((host, port))
+        return info
+
+    def spy_convert(workflow, oi):
+        converted.append(real_convert(workflow, oi))
+        return converted[-1]
+
+    monkeypatch.setattr(run_mod, "fetch_object_info", fake_fetch)
+    monkeypatch.setattr(run_mod, "convert_ui_to_api", spy_convert)
+    name = NAMES[0]
+    run_mod.execute(str(WORKFLOWS_DIR / f"{name}.json"), "127.0.0.1", 8188, print_prompt=True)
+    api = json.loads((WORKFLOWS_DIR / "api" / f"{name}.json").read_text())
+    assert fetched == [("127.0.0.1", 8188)]
+    assert len(converted) == 1 and _strip(converted[0]) == _strip(api)
+
+
+def test_comfy_cli_preflight_names_a_missing_model_file(w2a, tmp_path):
+    """With the file absent from the server's combo, `comfy run` stops before POST /prompt."""
+    from comfy_cli.cql.engine import Graph
+
+    configure_standalone_dirs(str(tmp_path / "nothing"), str(tmp_path / "out"))
+    info = object_info(NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS)
+    prompt = w2a.convert_ui_to_api(json.loads((WORKFLOWS_DIR / "flux1_dev_lora.json").read_text()), info)
+    api = json.loads((WORKFLOWS_DIR / "api" / "flux1_dev_lora.json").read_text())
+    assert _strip(prompt) == _strip(api)  # values are kept as saved, not replaced by the first option
+    result = Graph.from_object_info(info).validate_workflow(prompt)
+    assert result["valid"] is False
+    assert {(e["node_id"], e["field"]) for e in result["errors"]} == {("1", "checkpoint"), ("2", "text_encoders")}
