@@ -188,8 +188,8 @@ def flux1_dev_lora() -> tuple[list[NodeSpec], list[NoteSpec]]:
         "- models/diffusers/FLUX.1-dev/: the diffusers pipeline folder (text_encoder, text_encoder_2, tokenizer, "
         "tokenizer_2, vae) used to cache captions and latents. Single-file t5xxl/clip_l files carry no tokenizer.\n"
         "- datasets/my_subject/: your images with same-name .txt captions.\n\n"
-        "Memory today: mode 'resident' keeps the 12B transformer on the GPU (measured 24.7 GB peak at 1024 and "
-        "23.2 GB at 512 on an H100); streaming modes for smaller cards come with the Offload Config update.\n"
+        "Memory today: mode 'resident' keeps the 12B transformer on the GPU (measured 27.4 GB peak at 1024 and "
+        "25.4 GB at 512 on an H100); streaming modes for smaller cards come with the Offload Config update.\n"
         "The LoRA is written to output/loras/; copy it to models/loras to use it."), (40, 420))]
     return nodes, notes
 
