@@ -8,10 +8,12 @@ import sys
 
 def _build_parser() -> argparse.ArgumentParser:
     from .host.run_command import add_run_parser
+    from .slab_cli import add_slab_parser
 
     parser = argparse.ArgumentParser(prog="lowvram-lora", description="Low-VRAM LoRA training for Flux.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_run_parser(sub)
+    add_slab_parser(sub)
     demo = sub.add_parser("demo", help="run the demo workflow: a tiny Flux.1 LoRA on CPU in about a minute")
     demo.add_argument("--dir", default="demo_output", help="where the tiny model, dataset and outputs go")
     demo.add_argument("--prepare-only", action="store_true",
@@ -35,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     if args.command == "run":
         return _run(args)
+    if args.command == "slab":
+        from .slab_cli import run_slab_command
+
+        return run_slab_command(args)
     if args.command == "demo":
         from .demo import run_demo
 

@@ -30,7 +30,7 @@ _SINGLE_FILE_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 class TransformerSource:
     """Where a transformer's weights are: resolved once, reported to the user."""
 
-    kind: str  # "diffusers" | "single_file"
+    kind: str  # "diffusers" | "single_file" | "slab" (returned by load_transformer only)
     path: Path  # the transformer folder or the .safetensors file
     pipeline_folder: Path | None  # the enclosing pipeline folder, if any
 
@@ -59,8 +59,17 @@ def resolve_transformer_source(path: str | Path) -> TransformerSource:
 def load_transformer(
     path: str | Path, family_id: str = "auto", dtype: torch.dtype = torch.bfloat16
 ) -> tuple[torch.nn.Module, ModelFamily, TransformerSource, str]:
-    """Returns (model on CPU in ``dtype``, family, source, variant id)."""
+    """Returns (model on CPU in ``dtype``, family, source, variant id).
+
+    A slab (``*.slab.safetensors`` with its manifest, see ``engine/slab``) loads with its
+    block Linears as int8 ``Int8Linear`` modules; its source kind is "slab"."""
     source = resolve_transformer_source(path)
+    if source.kind == "single_file":
+        from ..slab.load import is_slab_file, load_slab_transformer
+
+        if is_slab_file(source.path):
+            model, family, variant = load_slab_transformer(source.path, dtype, "cpu", family_id)
+            return model, family, TransformerSource("slab", source.path, None), variant
     if source.kind == "diffusers":
         model, family, variant = _load_diffusers_folder(source.path, family_id, dtype)
     else:

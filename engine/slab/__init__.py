@@ -1,0 +1,16 @@
+"""Int8 slabs: a checkpoint quantized once (int8 per-row weights for every block Linear,
+fp32 row scales, everything else as stored), memory-mapped at load, dequantized on
+the compute device right before each matmul. See format.py for the file layout."""
+from .build import build_slab, default_slab_name, ensure_slab
+from .format import FORMAT_VERSION, SLAB_SUFFIX, SlabError, manifest_path_for
+from .int8_linear import Int8Linear, Int8LinearFunction, int8_linear
+from .load import is_slab_file, load_slab_transformer, open_slab, rebuild_command, verify_slab
+from .quantize import dequantize_rows, quantize_rows
+from .sources import open_checkpoint
+
+__all__ = [
+    "FORMAT_VERSION", "Int8Linear", "Int8LinearFunction", "SLAB_SUFFIX", "SlabError", "build_slab",
+    "default_slab_name", "dequantize_rows", "ensure_slab", "int8_linear", "is_slab_file",
+    "load_slab_transformer", "manifest_path_for", "open_checkpoint", "open_slab", "quantize_rows",
+    "rebuild_command", "verify_slab",
+]

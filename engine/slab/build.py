@@ -1,0 +1,311 @@
+"""Build an int8 slab from a checkpoint, tensor by tensor.
+
+    build_slab("flux1-dev.safetensors", "models/slabs/")        # -> Path of the slab
+    ensure_slab("flux1-dev.safetensors", "models/slabs/")       # build once, reuse after
+
+Peak RAM is about four chunks of rows of one tensor (``chunk_bytes`` of fp32,
+32 MiB by default: ~150 MB) plus the largest non-block tensor, whatever the
+model size: sources are read in row ranges (seek + readinto, no mmap) and the
+slab is written at offsets planned from shapes alone, its writes and hashing on
+a background thread overlapping the quantization. The file is written to
+``.<name>.tmp-<pid>`` and renamed when complete; the manifest is written after
+that, so a slab without a manifest is one whose build did not finish.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..errors import ModelLoadError
+from ..version import VERSION
+from .format import (
+    FORMAT_VERSION, SLAB_FORMAT, SLAB_SUFFIX, SafetensorsWriter, SlabError, dtype_name, manifest_path_for, plan_layout,
+)
+from .layout import INT8, PLAIN, SCALE, SlabTensor, block_prefixes, meta_model, slab_tensors
+from .quantize import QMAX, SCALE_DTYPE, RowQuantizer
+from .sources import Checkpoint, SourceTensor, open_checkpoint
+
+ProgressCallback = Callable[[int, int], None]  # (bytes done, bytes total)
+DEFAULT_CHUNK_BYTES = 32 << 20  # fp32 rows quantized at once: ~4x this is the build's working set
+_KEPT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def default_slab_name(ckpt: Checkpoint) -> str:
+    """``<checkpoint stem>-<12 hex of the source key>.slab.safetensors``: readable and unique."""
+    return f"{ckpt.stem}-{ckpt.fingerprint()['key'][:12]}{SLAB_SUFFIX}"
+
+
+def build_slab(
+    checkpoint: str | Path | Checkpoint,
+    out: str | Path,
+    family: str = "auto",
+    callback: ProgressCallback | None = None,
+    progress: bool = True,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> Path:
+    """Quantize ``checkpoint`` into a slab at ``out`` (a ``.safetensors`` path, or a folder
+    that gets ``default_slab_name``). Returns the slab path; its manifest sits beside it.
+
+    ``callback(done, total)`` is called as bytes are written; an exception raised from it
+    aborts the build and leaves no slab behind (how a UI cancels).
+    """
+    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, family)
+    out = Path(out).expanduser()
+    path = out if out.name.endswith(".safetensors") else out / default_slab_name(ckpt)
+    return _build(ckpt, path, callback, progress, chunk_bytes)
+
+
+def _plain_dtype(src: SourceTensor) -> torch.dtype:
+    """Non-quantized tensors keep their checkpoint dtype; fp8 (scaled or not) becomes bf16."""
+    if not src.dtype.is_floating_point:
+        return src.dtype
+    return src.dtype if src.dtype in _KEPT_DTYPES and src.scale_key is None else torch.bfloat16
+
+
+def _check_source_covers_model(ckpt: Checkpoint, model: torch.nn.Module) -> None:
+    expected = {k: tuple(v.shape) for k, v in model.state_dict(keep_vars=True).items()}
+    missing = sorted(set(expected) - set(ckpt.tensors))
+    extra = sorted(set(ckpt.tensors) - set(expected))
+    wrong = [f"'{k}' is {list(ckpt.tensors[k].shape)}, model needs {list(s)}"
+             for k, s in expected.items() if k in ckpt.tensors and ckpt.tensors[k].shape != s]
+    if missing or extra or wrong:
+        lines = ([f"missing: {', '.join(missing[:10])}"] if missing else []) + \
+                ([f"unexpected: {', '.join(extra[:10])}"] if extra else []) + wrong[:10]
+        raise ModelLoadError(
+            f"'{ckpt.path}' does not fit {ckpt.family.display_name} ({ckpt.variant}): "
+            f"{len(missing)} missing, {len(extra)} unexpected, {len(wrong)} wrong-shaped tensors; "
+            + "; ".join(lines)
+        )
+
+
+class _Progress:
+    """tqdm bar with ETA (bytes of slab written) plus the caller's callback."""
+
+    def __init__(self, total: int, show: bool, callback: ProgressCallback | None, desc: str):
+        from tqdm.auto import tqdm
+
+        self.total, self.done, self.callback = total, 0, callback
+        self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
+                        disable=not show, dynamic_ncols=True)
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        self.bar.update(n)
+        if self.callback is not None:
+            self.callback(self.done, self.total)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _build(ckpt: Checkpoint, path: Path, callback, progress: bool, chunk_bytes: int) -> Path:
+    start = time.perf_counter()
+    model = meta_model(ckpt.family, ckpt.config)
+    _check_source_covers_model(ckpt, model)
+    tensors = slab_tensors(model, ckpt.family, lambda name: _plain_dtype(ckpt.tensors[name]))
+    metadata = {"format": SLAB_FORMAT, "format_version": str(FORMAT_VERSION),
+                "family": ckpt.family.id, "variant": ckpt.variant}
+    header, planned = plan_layout([(t.key, t.dtype, t.shape) for t in tensors], metadata)
+    ranges = {p.key: (len(header) + p.start, len(header) + p.end) for p in planned}
+    total = len(header) + planned[-1].end
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    manifest_file = manifest_path_for(path)
+    writer = None
+    bar = _Progress(total, progress, callback, f"slab {path.name}")
+    try:
+        writer = SafetensorsWriter(tmp, header, planned, background=True)
+        bar.advance(len(header))
+        by_key = {t.key: t for t in tensors}
+        errors: dict[str, float] = {}
+        chunk_elements = max(1, chunk_bytes // 4)  # fp32 elements per chunk
+        quantizer = RowQuantizer(max((min(rows, _chunk_rows(cols, chunk_elements)) * cols
+                                      for rows, cols in (t.shape for t in tensors if t.role == INT8)), default=1))
+        for t in tensors:
+            if t.role == INT8:
+                errors[t.key] = _write_quantized(ckpt, t, by_key[_scale_key(t)], writer, quantizer, chunk_elements, bar)
+            elif t.role == PLAIN:
+                data = ckpt.read(t.canonical).to(t.dtype)
+                writer.write(t.key, data)
+                bar.advance(data.numel() * data.element_size())
+        hashes = writer.finish()
+        manifest = _manifest(ckpt, model, path, header, total, tensors, ranges, hashes, errors,
+                             time.perf_counter() - start)
+        # Never leave an old manifest beside a new slab: drop it before the rename.
+        manifest_file.unlink(missing_ok=True)
+        os.replace(tmp, path)
+        _write_json_atomic(manifest_file, manifest)
+    except BaseException:
+        if writer is not None:
+            writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        bar.close()
+    return path
+
+
+def _scale_key(t: SlabTensor) -> str:
+    return t.key[: -len("weight_int8")] + "weight_scale"
+
+
+def _chunk_rows(cols: int, chunk_elements: int) -> int:
+    """Rows per chunk: at least one, at most ``chunk_elements`` elements."""
+    return max(1, chunk_elements // max(cols, 1))
+
+
+def _write_quantized(ckpt: Checkpoint, t: SlabTensor, scale_t: SlabTensor, writer: SafetensorsWriter,
+                     quantizer: RowQuantizer, chunk_elements: int, bar: _Progress) -> float:
+    """Quantize one Linear weight in row chunks; writes int8 rows then the scales. Returns
+    the relative Frobenius error of the dequantized weight against the source."""
+    rows, cols = t.shape
+    step = _chunk_rows(cols, chunk_elements)
+    scales, err_sq, src_sq = [], 0.0, 0.0
+    for r0 in range(0, rows, step):
+        w = ckpt.read(t.canonical, r0, min(step, rows - r0), out=quantizer.raw)  # (n, in), source dtype
+        try:
+            q, scale, e, s, slot = quantizer(w)
+        except ValueError as exc:
+            raise ModelLoadError(f"'{ckpt.path}': tensor '{t.canonical}': {exc}") from None
+        err_sq, src_sq = err_sq + e, src_sq + s
+        quantizer.busy[slot] = writer.write(t.key, q)
+        scales.append(scale)
+        bar.advance(q.numel())
+    scale = torch.cat(scales) if scales else torch.empty(0, dtype=SCALE_DTYPE)
+    writer.write(scale_t.key, scale)
+    bar.advance(scale.numel() * scale.element_size())
+    return (err_sq / src_sq) ** 0.5 if src_sq > 0 else 0.0
+
+
+def _manifest(ckpt, model, path, header, total, tensors, ranges, hashes, errors, seconds) -> dict:
+    config = {k: v for k, v in dict(model.config).items() if not k.startswith("_")}
+    config["_class_name"] = ckpt.family.diffusers_class_name
+    entries = []
+    for t in tensors:
+        src = ckpt.tensors[t.canonical]
+        entry = {
+            "key": t.key, "canonical": t.canonical, "role": t.role, "dtype": dtype_name(t.dtype),
+            "shape": list(t.shape), "source_dtype": dtype_name(src.dtype),
+            "scale_key": _scale_key(t) if t.role == INT8 else t.key if t.role == SCALE else None,
+            "offsets": list(ranges[t.key]), "sha256": hashes[t.key],
+        }
+        if t.role == INT8:
+            entry["rel_error"] = errors[t.key]
+        entries.append(entry)
+    blocks = []
+    for prefix in block_prefixes(model, ckpt.family):
+        spans = [ranges[t.key] for t in tensors if t.block == prefix]
+        blocks.append({"name": prefix, "offsets": [min(s for s, _ in spans), max(e for _, e in spans)]})
+    errs = list(errors.values())
+    return {
+        "format": SLAB_FORMAT,
+        "format_version": FORMAT_VERSION,
+        "created_by": f"lowvram-lora {VERSION}",
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "slab": {"file": path.name, "size": total, "header_sha256": _sha256(header[8:])},
+        "source": ckpt.fingerprint(),
+        "family": ckpt.family.id,
+        "variant": ckpt.variant,
+        "config": config,
+        "quantization": {
+            "scheme": "int8 symmetric, one scale per output row",
+            "formula": f"scale = max|row| / {QMAX}; q = clamp(round(w / scale), -{QMAX}, {QMAX}); w ~ q * scale",
+            "scale_dtype": dtype_name(SCALE_DTYPE),
+            "applies_to": "every nn.Linear weight inside the family's transformer blocks",
+        },
+        "summary": {
+            "tensors": len(tensors),
+            "quantized_linears": len(errs),
+            "bytes": total,
+            "max_rel_error": max(errs, default=0.0),
+            "mean_rel_error": sum(errs) / len(errs) if errs else 0.0,
+            "build_seconds": round(seconds, 3),
+        },
+        "blocks": blocks,
+        "tensors": entries,
+    }
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _write_json_atomic(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+# --- build once, reuse after ---------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path):
+    """One builder per slab across processes (two ComfyUI workers, a CLI run beside a node)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no lock; the atomic renames still keep files consistent
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def ensure_slab(
+    checkpoint: str | Path,
+    slab_dir: str | Path,
+    family: str = "auto",
+    callback: ProgressCallback | None = None,
+    progress: bool = True,
+    log: Callable[[str], None] | None = None,
+) -> Path:
+    """The slab for ``checkpoint`` in ``slab_dir``: reused when one built from the same
+    weights (same source key: sizes + header hashes) is there and intact, built otherwise.
+    A path that already is a slab is checked and returned as is."""
+    from .load import is_slab_file, verify_slab
+
+    say = log or (lambda msg: None)
+    src = Path(checkpoint).expanduser()
+    if src.is_file() and is_slab_file(src):
+        verify_slab(src)
+        return src
+    ckpt = open_checkpoint(src, family)
+    key = ckpt.fingerprint()["key"]
+    slab_dir = Path(slab_dir).expanduser()
+    target = slab_dir / default_slab_name(ckpt)
+    with _build_lock(slab_dir / f".{key[:12]}.lock"):
+        # Any slab of the same weights, whatever the checkpoint was called when it was built.
+        candidates = [target] + sorted(p for p in slab_dir.glob(f"*-{key[:12]}{SLAB_SUFFIX}") if p != target)
+        for path in candidates:
+            if not path.exists():
+                continue
+            try:
+                manifest = verify_slab(path)
+            except SlabError as exc:
+                say(f"slab '{path}' is unusable ({exc}); rebuilding")
+                continue
+            if manifest["source"]["key"] == key:
+                say(f"reusing slab '{path}'")
+                return path
+        say(f"building slab '{target}' from '{ckpt.path}' (once; reused afterwards)")
+        return _build(ckpt, target, callback, progress, DEFAULT_CHUNK_BYTES)

@@ -1,0 +1,307 @@
+"""The slab file format, and raw safetensors access that needs no whole-file load.
+
+A slab is two files side by side:
+
+    flux1-dev-3f2a9c1b0d4e.slab.safetensors       tensors (a valid safetensors file)
+    flux1-dev-3f2a9c1b0d4e.slab.manifest.json     what they are; written last
+
+The manifest is the completion mark: a slab without one is incomplete. Tensor
+layout in the safetensors file: non-block tensors first, then one contiguous
+byte range per transformer block (the streamer's unit), every tensor starting
+on a 64-byte boundary (``__padding__.N`` uint8 filler tensors where needed;
+safetensors forbids gaps between tensors). Names are the int8 model's own
+state-dict keys: ``<linear>.weight_int8`` (int8, (out, in)), ``<linear>.weight_scale``
+(fp32, (out,)), everything else under its diffusers name.
+
+safetensors' own ``save_file`` needs every tensor in memory at once, so the file
+is written here: header first (offsets follow from shapes and dtypes), then
+each tensor's bytes at its offset (seek + write). Sources are read the same way
+(seek + readinto, not mmap), so a build never maps the checkpoint into its RSS.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import ModelLoadError
+
+SLAB_FORMAT = "lowvram-lora-slab"
+FORMAT_VERSION = 1
+SLAB_SUFFIX = ".slab.safetensors"
+ALIGN = 64  # every tensor starts on a cache line: vector loads, clean DMA
+PAD_PREFIX = "__padding__."
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+
+# safetensors dtype strings <-> torch dtypes.
+ST_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+TORCH_TO_ST = {v: k for k, v in ST_DTYPES.items()}
+
+
+class SlabError(ModelLoadError):
+    """A slab is missing, incomplete, corrupted or does not fit the model; says how to rebuild."""
+
+
+def manifest_path_for(slab_path: str | Path) -> Path:
+    """``x.slab.safetensors`` -> ``x.slab.manifest.json``."""
+    p = Path(slab_path)
+    stem = p.name[: -len(".safetensors")] if p.name.endswith(".safetensors") else p.name
+    return p.with_name(stem + ".manifest.json")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the manifest's spelling)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise SlabError(f"unknown dtype {name!r} in a slab manifest")
+    return dtype
+
+
+def _read_exact(f, buf: memoryview, offset: int, path: Path) -> None:
+    """Fill ``buf`` from byte ``offset`` of raw file ``f`` (seek + readinto: portable, GIL released)."""
+    f.seek(offset)
+    done = 0
+    while done < len(buf):
+        n = f.readinto(buf[done:])
+        if not n:
+            raise ModelLoadError(f"'{path}' ended early at byte {offset + done}: the file is truncated")
+        done += n
+
+
+# --- reading ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # byte offsets relative to the start of the data section
+    end: int
+
+
+class SafetensorsFile:
+    """Header of one safetensors file plus row-range reads (seek + readinto).
+
+    Raises ModelLoadError for anything that is not a well-formed safetensors file
+    of the size its header promises (truncated, garbage, not safetensors).
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.size = self.path.stat().st_size
+        with open(self.path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ModelLoadError(f"'{self.path}' is {self.size} bytes: too short to be a safetensors file")
+            (header_len,) = struct.unpack("<Q", head)
+            if header_len > min(MAX_HEADER_BYTES, self.size - 8):
+                raise ModelLoadError(
+                    f"'{self.path}' is not a readable safetensors file (header length {header_len} "
+                    f"does not fit a {self.size}-byte file): truncated or not safetensors"
+                )
+            self.header_bytes = f.read(header_len)
+        try:
+            header = json.loads(self.header_bytes)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ModelLoadError(f"'{self.path}' has a corrupted safetensors header ({exc})") from None
+        if not isinstance(header, dict):
+            raise ModelLoadError(f"'{self.path}' has a corrupted safetensors header (not a JSON object)")
+        self.data_start = 8 + header_len
+        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        self.entries: dict[str, HeaderEntry] = {}
+        data_len = self.size - self.data_start
+        for key, info in header.items():
+            try:
+                dtype = ST_DTYPES[info["dtype"]]
+                start, end = (int(x) for x in info["data_offsets"])
+                shape = tuple(int(s) for s in info["shape"])
+            except (KeyError, TypeError, ValueError):
+                raise ModelLoadError(
+                    f"'{self.path}': tensor '{key}' has an unreadable header entry {info!r} "
+                    f"(dtype one of {', '.join(ST_DTYPES)} expected)"
+                ) from None
+            if not 0 <= start <= end <= data_len:
+                raise ModelLoadError(
+                    f"'{self.path}': tensor '{key}' lies at bytes {start}..{end} of the data section, "
+                    f"which has only {data_len} bytes: the file is truncated"
+                )
+            self.entries[key] = HeaderEntry(dtype, shape, start, end)
+
+    @property
+    def header_sha256(self) -> str:
+        return hashlib.sha256(self.header_bytes).hexdigest()
+
+    def read(self, key: str, row_start: int = 0, row_count: int | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``[row_start, row_start + row_count)`` of tensor ``key`` (dim 0), as stored.
+        ``out``: a uint8 buffer to read into when large enough (the result is a view of it)."""
+        e = self.entries[key]
+        rows = e.shape[0] if e.shape else 1
+        row_count = rows - row_start if row_count is None else row_count
+        if not 0 <= row_start <= row_start + row_count <= rows:
+            raise ValueError(f"rows {row_start}+{row_count} out of range for '{key}' with {rows} rows")
+        row_bytes = (e.end - e.start) // max(rows, 1)
+        nbytes = row_count * row_bytes
+        buf = out[:nbytes] if out is not None and out.numel() >= nbytes else torch.empty(nbytes, dtype=torch.uint8)
+        if buf.numel():
+            with open(self.path, "rb", buffering=0) as f:
+                _read_exact(f, memoryview(buf.numpy()), self.data_start + e.start + row_start * row_bytes, self.path)
+        shape = (row_count,) + e.shape[1:] if e.shape else ()
+        return buf.view(e.dtype).reshape(shape)
+
+
+# --- writing ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # relative to the data section
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+def plan_layout(
+    tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str], align: int = ALIGN
+) -> tuple[bytes, list[PlannedTensor]]:
+    """Header bytes and byte ranges for ``tensors`` in the given order, each starting on an
+    ``align``-byte boundary (``align=1``: plain safetensors, no padding tensors).
+
+    Returns the full header (8-byte length + JSON padded with spaces so data starts
+    aligned) and every tensor's planned range, padding tensors included.
+    """
+    planned: list[PlannedTensor] = []
+    offset = 0
+    for key, dtype, shape in tensors:
+        if offset % align:
+            pad = align - offset % align
+            planned.append(PlannedTensor(f"{PAD_PREFIX}{len(planned)}", torch.uint8, (pad,), offset, offset + pad))
+            offset += pad
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        planned.append(PlannedTensor(key, dtype, tuple(shape), offset, offset + nbytes))
+        offset += nbytes
+    header = {"__metadata__": metadata}
+    for t in planned:
+        header[t.key] = {"dtype": TORCH_TO_ST[t.dtype], "shape": list(t.shape), "data_offsets": [t.start, t.end]}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * ((-(8 + len(text))) % max(align, 8))
+    return struct.pack("<Q", len(text)) + text, planned
+
+
+class SafetensorsWriter:
+    """Writes a planned safetensors file tensor by tensor (each in row order), at known offsets.
+
+    Every tensor's bytes are hashed as they are written (sha256), so the manifest can
+    record content hashes without reading the file back. With ``background=True`` the
+    writes and hashing run on one worker thread (both release the GIL), overlapping the
+    caller's compute: ``write`` then returns a Future, and the caller must not modify the
+    tensor until it is done. One worker keeps each tensor's chunks in order.
+    """
+
+    def __init__(self, path: Path, header: bytes, planned: list[PlannedTensor], background: bool = False):
+        self.path = path
+        self.data_start = len(header)
+        self.planned = {t.key: t for t in planned}
+        self.total = self.data_start + (planned[-1].end if planned else 0)
+        self._written = {t.key: 0 for t in planned if not t.key.startswith(PAD_PREFIX)}
+        self._hashes = {k: hashlib.sha256() for k in self._written}
+        self._pool = None
+        self._futures: list[Future] = []
+        self._file = open(path, "w+b", buffering=0)
+        self._file.truncate(self.total)  # padding stays zero: sparse, never written
+        self._write_at(header, 0)
+        if background:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="slab-writer")
+
+    def _write_at(self, data, offset: int) -> None:
+        """Only ever called from one thread at a time (the caller's, or the single worker)."""
+        view = memoryview(data).cast("B")
+        self._file.seek(offset)
+        while len(view):
+            n = self._file.write(view)
+            view = view[n:]
+
+    def write(self, key: str, tensor: torch.Tensor) -> Future | None:
+        """Append ``tensor`` (whole or the next rows) to planned tensor ``key``."""
+        t = self.planned[key]
+        if tensor.dtype != t.dtype:
+            raise TypeError(f"'{key}' is planned as {t.dtype}, got {tensor.dtype}")
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        done = self._written[key]
+        if done + data.nbytes > t.nbytes:
+            raise ValueError(f"'{key}' overflows its planned {t.nbytes} bytes")
+        self._written[key] = done + data.nbytes
+        offset = self.data_start + t.start + done
+        if self._pool is None:
+            self._put(key, data, offset)
+            return None
+        pending = []
+        for f in self._futures:
+            if f.done():
+                f.result()  # re-raises a failed write here rather than at the end
+            else:
+                pending.append(f)
+        self._futures = pending
+        future = self._pool.submit(self._put, key, data, offset)
+        self._futures.append(future)
+        return future
+
+    def _put(self, key: str, data, offset: int) -> None:
+        self._write_at(data, offset)
+        self._hashes[key].update(data)
+
+    def finish(self) -> dict[str, str]:
+        """Waits for pending writes, checks every tensor was written completely, syncs,
+        closes; returns sha256 per tensor."""
+        for f in self._futures:
+            f.result()
+        missing = [k for k, n in self._written.items() if n != self.planned[k].nbytes]
+        if missing:
+            raise RuntimeError(f"slab writer: {len(missing)} tensors incomplete, first: {missing[0]}")
+        os.fsync(self._file.fileno())
+        self.close()
+        return {k: h.hexdigest() for k, h in self._hashes.items()}
+
+    def close(self) -> None:
+        """Stops the worker (pending writes are cancelled or finished first) and closes the file."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def sha256_range(path: Path, start: int, end: int, chunk: int = 16 << 20) -> str:
+    """sha256 of bytes ``[start, end)`` of a file, read in chunks."""
+    h = hashlib.sha256()
+    buf = bytearray(chunk)
+    with open(path, "rb", buffering=0) as f:
+        f.seek(start)
+        left = end - start
+        while left > 0:
+            n = f.readinto(memoryview(buf)[: min(chunk, left)])
+            if not n:
+                break
+            h.update(memoryview(buf)[:n])
+            left -= n
+    return h.hexdigest()

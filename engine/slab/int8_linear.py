@@ -1,0 +1,122 @@
+"""Int8Linear: a frozen Linear stored as int8 rows + fp32 row scales, dequantized
+to the compute dtype right before its matmul.
+
+It subclasses ``nn.Linear``, so peft's default LoRA dispatch wraps it in its
+standard ``lora.Linear`` (checked with peft 0.21) and the LoRA path is unchanged:
+``base(x) + B(A(x)) * scale``.
+
+State, all plain buffers (no Parameters), the parts a block streamer moves:
+
+    weight_int8   int8     (out, in)
+    weight_scale  float32  (out,)
+    bias          compute dtype (out,), or None
+
+Backward: ``Int8LinearFunction`` saves only ``weight_int8`` and ``weight_scale``
+(no input, no bf16 weight) and dequantizes again to form ``grad_input``; the
+frozen weight gets no gradient. Memory kept for backward per layer is therefore
+the int8 bytes the module already holds, not a second bf16 copy.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .dequant import dequantize
+from .quantize import SCALE_DTYPE, quantize_rows
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the matmul runs in: autocast's when it is on for x's device, else x's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+class Int8LinearFunction(torch.autograd.Function):
+    """y = x @ dequant(W)^T + b, saving int8 W and its scales (not x) for backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight_int8, weight_scale, bias):
+        w = dequantize(weight_int8, weight_scale, x.dtype)  # (out, in), freed after the matmul
+        ctx.save_for_backward(weight_int8, weight_scale)
+        ctx.x_dtype = x.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return F.linear(x, w, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        weight_int8, weight_scale = ctx.saved_tensors
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            w = dequantize(weight_int8, weight_scale, ctx.x_dtype)
+            grad_x = grad_out.to(ctx.x_dtype) @ w  # (..., out) @ (out, in) -> (..., in)
+        if ctx.needs_input_grad[3]:
+            grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0).to(ctx.bias_dtype)
+        return grad_x, None, None, grad_bias
+
+
+def int8_linear(x: torch.Tensor, weight_int8: torch.Tensor, weight_scale: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    dtype = compute_dtype(x)
+    return Int8LinearFunction.apply(x.to(dtype), weight_int8, weight_scale, None if bias is None else bias.to(dtype))
+
+
+class Int8Linear(nn.Linear):
+    """A frozen ``nn.Linear`` whose weight is int8 with one fp32 scale per output row."""
+
+    # What a block streamer moves, per module (bias may be None).
+    STREAMED_TENSORS = ("weight_int8", "weight_scale", "bias")
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
+                 bias_dtype: torch.dtype = torch.bfloat16) -> None:
+        nn.Module.__init__(self)  # not nn.Linear.__init__: no float weight is ever allocated
+        self.in_features = in_features
+        self.out_features = out_features
+        self.register_buffer("weight_int8", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("weight_scale", torch.empty(out_features, dtype=SCALE_DTYPE, device=device))
+        self.register_buffer("bias", torch.empty(out_features, dtype=bias_dtype, device=device) if bias else None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
+        """Quantize an existing Linear (tests; in-memory conversion)."""
+        q, scale = quantize_rows(linear.weight.detach())
+        has_bias = linear.bias is not None
+        module = cls(linear.in_features, linear.out_features, has_bias, device="meta")
+        module.weight_int8, module.weight_scale = q.to(linear.weight.device), scale.to(linear.weight.device)
+        module.bias = linear.bias.detach().clone() if has_bias else None
+        return module
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The int8 storage (not a float weight): lets peft and others read the device.
+        Use ``dequantized_weight()`` for values."""
+        return self.weight_int8
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self.weight_int8, self.weight_scale, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return int8_linear(x, self.weight_int8, self.weight_scale, self.bias)
+
+    def reset_parameters(self) -> None:  # nn.Linear API; weights come from a slab, never re-initialised
+        pass
+
+    def _apply(self, fn, recurse=True):
+        """``.to(device)`` moves the scales; ``.to(dtype)`` / ``.half()`` must not cast them
+        (bf16/fp16 scales lose precision): a dtype change is applied as a device move only."""
+        scale = self._buffers.pop("weight_scale")
+        try:
+            result = super()._apply(fn, recurse)
+        finally:
+            if scale is not None:
+                moved = fn(scale)
+                if moved.dtype != scale.dtype:
+                    moved = scale.to(moved.device)
+                scale = moved
+            self._buffers["weight_scale"] = scale
+        return result
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, weight=int8 per-row")

@@ -1,0 +1,85 @@
+"""Which tensors a slab holds for a model, in which order: shared by build and load.
+
+The model (built on the meta device from the family and config) decides: every
+``nn.Linear`` inside ``family.block_lists(model)`` is quantized (its weight becomes
+``weight_int8`` + ``weight_scale``); every other state-dict tensor is stored plain.
+Order: non-block tensors first, then each block's tensors together, so one block
+is one contiguous byte range of the file.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..families import ModelFamily
+
+INT8, SCALE, PLAIN = "int8_weight", "scale", "plain"
+
+
+def meta_model(family: ModelFamily, config: dict[str, Any]) -> nn.Module:
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        return family.transformer_class().from_config(config)
+
+
+def block_prefixes(model: nn.Module, family: ModelFamily) -> list[str]:
+    """``["transformer_blocks.0", ..., "single_transformer_blocks.37"]`` in execution order."""
+    names = {id(m): n for n, m in model.named_modules()}
+    return [f"{names[id(blocks)]}.{i}" for blocks in family.block_lists(model) for i in range(len(blocks))]
+
+
+def block_linears(model: nn.Module, family: ModelFamily) -> dict[str, nn.Linear]:
+    """Every Linear inside the family's blocks, by full module name (the quantized set)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    out: dict[str, nn.Linear] = {}
+    for blocks in family.block_lists(model):
+        prefix = names[id(blocks)]
+        for i, block in enumerate(blocks):
+            for sub, module in block.named_modules():
+                if isinstance(module, nn.Linear) and "lora_" not in sub:
+                    out[f"{prefix}.{i}.{sub}"] = module
+    return out
+
+
+@dataclass(frozen=True)
+class SlabTensor:
+    key: str  # name in the slab file == state-dict key of the int8 model
+    canonical: str  # the diffusers parameter it comes from
+    role: str  # INT8 | SCALE | PLAIN
+    shape: tuple[int, ...]
+    dtype: torch.dtype  # as stored in the slab
+    block: str | None  # "transformer_blocks.3", or None outside blocks
+
+
+def slab_tensors(model: nn.Module, family: ModelFamily,
+                 plain_dtype: Callable[[str], torch.dtype]) -> list[SlabTensor]:
+    """The slab's tensors in file order. ``plain_dtype(name)`` picks a plain tensor's stored dtype."""
+    from .quantize import SCALE_DTYPE
+
+    linears = block_linears(model, family)
+    prefixes = block_prefixes(model, family)
+    prefix_set = frozenset(prefixes)
+    groups: dict[str | None, list[SlabTensor]] = {None: [], **{p: [] for p in prefixes}}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        block = _block_of(name, prefix_set)
+        module = name.rpartition(".")[0]
+        shape = tuple(tensor.shape)
+        if name.endswith(".weight") and module in linears:
+            groups[block].append(SlabTensor(f"{module}.weight_int8", name, INT8, shape, torch.int8, block))
+            groups[block].append(SlabTensor(f"{module}.weight_scale", name, SCALE, shape[:1], SCALE_DTYPE, block))
+        else:
+            groups[block].append(SlabTensor(name, name, PLAIN, shape, plain_dtype(name), block))
+    return [t for group in groups.values() for t in group]
+
+
+def _block_of(name: str, prefixes: frozenset[str]) -> str | None:
+    parts = name.split(".")
+    for n in range(1, len(parts)):
+        candidate = ".".join(parts[:n])
+        if candidate in prefixes:
+            return candidate
+    return None

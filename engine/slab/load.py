@@ -1,0 +1,250 @@
+"""Open, check and load a slab.
+
+    model, family, variant = load_slab_transformer("x.slab.safetensors", torch.bfloat16, "cpu")
+
+Checks, in order, each failing with a message that ends in the command to rebuild:
+manifest present and readable, format version, file size, header hash, header
+agrees with the manifest (names, dtypes, shapes, offsets), family and variant,
+then every tensor the model needs (every Linear of every block as int8 + scale,
+everything else plain) present with its shape; nothing unmatched. ``verify="full"``
+also re-hashes every tensor's bytes (reads the whole file).
+
+Tensors come from safetensors' memory map (page cache, shared between processes):
+int8 weights and scales are not copied on the CPU; plain tensors are converted
+to ``dtype``.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError, ModelLoadError
+from ..families import ModelFamily, get_family, load_shipped_config
+from .format import (
+    FORMAT_VERSION, PAD_PREFIX, SLAB_FORMAT, SLAB_SUFFIX, SafetensorsFile, SlabError, dtype_name, manifest_path_for,
+    sha256_range,
+)
+from .int8_linear import Int8Linear
+from .layout import INT8, PLAIN, block_linears, meta_model, slab_tensors
+
+# Config keys that fix the architecture: a variant's slab must agree on all of them.
+_STRUCTURAL_KEYS = ("num_layers", "num_single_layers", "attention_head_dim", "num_attention_heads",
+                    "guidance_embeds", "in_channels", "joint_attention_dim", "pooled_projection_dim")
+
+
+def rebuild_command(slab_path: str | Path, manifest: dict | None = None) -> str:
+    source = (manifest or {}).get("source", {}).get("path") or "CHECKPOINT"
+    family = (manifest or {}).get("family")
+    cmd = f"lowvram-lora slab build {shlex.quote(source)} -o {shlex.quote(str(slab_path))}"
+    return cmd + (f" --family {family}" if family else "")
+
+
+def is_slab_file(path: str | Path) -> bool:
+    """Named ``*.slab.safetensors``, has a manifest beside it, or says so in its header."""
+    p = Path(path)
+    if p.name.endswith(SLAB_SUFFIX) or manifest_path_for(p).exists():
+        return True
+    try:
+        return SafetensorsFile(p).metadata.get("format") == SLAB_FORMAT
+    except (ModelLoadError, OSError):
+        return False
+
+
+@dataclass
+class OpenSlab:
+    """A slab whose manifest and header have been checked against each other."""
+
+    path: Path
+    manifest: dict[str, Any]
+    file: SafetensorsFile
+
+    @property
+    def family_id(self) -> str:
+        return self.manifest["family"]
+
+    @property
+    def variant(self) -> str:
+        return self.manifest["variant"]
+
+
+def read_manifest(slab_path: str | Path) -> dict[str, Any]:
+    slab = Path(slab_path)
+    mpath = manifest_path_for(slab)
+    if not slab.exists():
+        raise SlabError(f"slab '{slab}' does not exist; build it with: {rebuild_command(slab)}")
+    if not mpath.exists():
+        raise SlabError(
+            f"slab '{slab}' has no manifest ('{mpath.name}'): its build did not finish, or the manifest "
+            f"was deleted. Rebuild it with: {rebuild_command(slab)}"
+        )
+    try:
+        manifest = json.loads(mpath.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise SlabError(f"manifest '{mpath}' is unreadable ({exc}); rebuild with: {rebuild_command(slab)}") from None
+    if not (isinstance(manifest, dict) and isinstance(manifest.get("slab"), dict)
+            and isinstance(manifest.get("tensors"), list) and "family" in manifest):
+        raise SlabError(f"manifest '{mpath}' is incomplete; rebuild with: {rebuild_command(slab)}")
+    if manifest.get("format") != SLAB_FORMAT:
+        raise SlabError(f"'{mpath}' is not a {SLAB_FORMAT} manifest; rebuild with: {rebuild_command(slab)}")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        newer = isinstance(version, int) and version > FORMAT_VERSION
+        raise SlabError(
+            f"slab '{slab}' has format version {version}; this lowvram-lora reads version {FORMAT_VERSION}"
+            + (" (update lowvram-lora, or " if newer else " (") + f"rebuild with: {rebuild_command(slab, manifest)})"
+        )
+    return manifest
+
+
+def open_slab(slab_path: str | Path, verify: str = "quick") -> OpenSlab:
+    """Manifest + header, cross-checked. ``verify``: "quick" (size, header hash, entries;
+    instant) or "full" (also every tensor's sha256; reads the whole file)."""
+    if verify not in ("quick", "full"):
+        raise ConfigError(f"verify={verify!r} is not one of quick, full")
+    slab = Path(slab_path).expanduser()
+    manifest = read_manifest(slab)
+    again = rebuild_command(slab, manifest)
+    size, expected = slab.stat().st_size, manifest["slab"]["size"]
+    if size != expected:
+        raise SlabError(
+            f"slab '{slab}' is {size} bytes but its manifest says {expected}: the file is "
+            f"{'truncated' if size < expected else 'damaged'}. Rebuild it with: {again}"
+        )
+    try:
+        file = SafetensorsFile(slab)
+    except ModelLoadError as exc:
+        raise SlabError(f"slab '{slab}' is corrupted ({exc}). Rebuild it with: {again}") from None
+    if file.header_sha256 != manifest["slab"]["header_sha256"]:
+        raise SlabError(
+            f"slab '{slab}': its header does not match the manifest (hash mismatch): the file is corrupted "
+            f"or was replaced. Rebuild it with: {again}"
+        )
+    problems = []
+    listed = {e["key"]: e for e in manifest["tensors"]}
+    for key, entry in file.entries.items():
+        if key.startswith(PAD_PREFIX):
+            continue
+        m = listed.pop(key, None)
+        if m is None:
+            problems.append(f"'{key}' is in the file but not in the manifest")
+        elif (m["dtype"], list(m["shape"]), list(m["offsets"])) != (
+            dtype_name(entry.dtype), list(entry.shape), [file.data_start + entry.start, file.data_start + entry.end]
+        ):
+            problems.append(f"'{key}' differs between file and manifest")
+    problems += [f"'{k}' is in the manifest but not in the file" for k in listed]
+    if verify == "full":
+        for m in manifest["tensors"]:
+            if m["key"] in file.entries and sha256_range(slab, *m["offsets"]) != m["sha256"]:
+                problems.append(f"'{m['key']}' has corrupted bytes (sha256 mismatch)")
+    if problems:
+        raise SlabError(
+            f"slab '{slab}' does not match its manifest ({len(problems)} problems: {'; '.join(problems[:8])}"
+            f"{'; ...' if len(problems) > 8 else ''}). Rebuild it with: {again}"
+        )
+    return OpenSlab(slab, manifest, file)
+
+
+def verify_slab(slab_path: str | Path, verify: str = "quick") -> dict[str, Any]:
+    """Raises SlabError if the slab is incomplete or damaged; returns its manifest."""
+    return open_slab(slab_path, verify).manifest
+
+
+def resolve_slab_family(slab: OpenSlab, family_id: str = "auto", variant: str | None = None) -> ModelFamily:
+    """The slab's family, after checking it is the one asked for and its config is its variant's."""
+    again = rebuild_command(slab.path, slab.manifest)
+    try:
+        family = get_family(slab.family_id)
+    except ConfigError as exc:
+        raise SlabError(f"slab '{slab.path}' is for family {slab.family_id!r}, which this version does not know ({exc})") from None
+    if family_id != "auto" and family_id != family.id:
+        wanted = get_family(family_id).display_name
+        raise SlabError(
+            f"slab '{slab.path}' holds a {family.display_name} model ({slab.variant}), but {wanted} was asked for; "
+            f"pick a slab built from a {wanted} checkpoint (lowvram-lora slab build CHECKPOINT -o DIR --family {family_id})"
+        )
+    if variant is not None and variant != slab.variant:
+        raise SlabError(
+            f"slab '{slab.path}' is {family.display_name} {slab.variant}, but variant {variant} was asked for; "
+            f"pick the slab of a {variant} checkpoint"
+        )
+    if slab.variant in family.variants:
+        shipped = load_shipped_config(family.variants[slab.variant])
+        config = slab.manifest["config"]
+        diff = [k for k in _STRUCTURAL_KEYS if k in shipped and shipped.get(k) != config.get(k)]
+        if diff:
+            raise SlabError(
+                f"slab '{slab.path}' says {slab.variant} but its config differs from {slab.variant}'s in "
+                f"{', '.join(diff)}; the manifest is wrong. Rebuild it with: {again}"
+            )
+    return family
+
+
+def check_slab_fits_model(slab: OpenSlab, model: torch.nn.Module, family: ModelFamily) -> None:
+    """Every tensor the model needs is in the slab with its shape (every block Linear as
+    int8 + scale), and the slab holds nothing else. Lists every problem."""
+    expected = {t.key: t for t in slab_tensors(model, family, lambda name: None)}
+    listed = {e["key"]: e for e in slab.manifest["tensors"]}
+    problems = []
+    for key, t in expected.items():
+        m = listed.get(key)
+        if m is None:
+            what = f"block Linear weight '{t.canonical}' (int8)" if t.role == INT8 else f"'{key}'"
+            problems.append(f"missing {what}")
+        elif list(m["shape"]) != list(t.shape):
+            problems.append(f"'{key}' is {list(m['shape'])} in the slab, the model needs {list(t.shape)}")
+        elif m["role"] != t.role or (t.role != PLAIN and m["dtype"] != dtype_name(t.dtype)):
+            problems.append(f"'{key}' is stored as {m['role']}/{m['dtype']}, expected {t.role}/{dtype_name(t.dtype) if t.dtype else 'float'}")
+    problems += [f"unmatched slab tensor '{k}'" for k in listed if k not in expected]
+    if problems:
+        shown = "\n  ".join(problems[:40])
+        more = f"\n  ... and {len(problems) - 40} more" if len(problems) > 40 else ""
+        raise SlabError(
+            f"slab '{slab.path}' does not fit {family.display_name} ({slab.variant}): {len(problems)} "
+            f"unmatched or mismatched tensors:\n  {shown}{more}\n"
+            f"Rebuild it with: {rebuild_command(slab.path, slab.manifest)}"
+        )
+
+
+def load_slab_transformer(
+    slab_path: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    family_id: str = "auto",
+    variant: str | None = None,
+    verify: str = "quick",
+) -> tuple[torch.nn.Module, ModelFamily, str]:
+    """(model, family, variant): block Linears are ``Int8Linear`` (int8 + fp32 scales, not
+    copied from the map on CPU), every other tensor in ``dtype``. ``device="cuda"`` puts the
+    whole model on the GPU as stored: resident int8 mode, each Linear dequantized on the fly."""
+    slab = open_slab(slab_path, verify)
+    family = resolve_slab_family(slab, family_id, variant)
+    model = meta_model(family, slab.manifest["config"])
+    check_slab_fits_model(slab, model, family)
+    for name, linear in block_linears(model, family).items():
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child,
+                Int8Linear(linear.in_features, linear.out_features, linear.bias is not None, device="meta"))
+    roles = {e["key"]: e["role"] for e in slab.manifest["tensors"]}
+    from safetensors import safe_open
+
+    state = {}
+    with safe_open(str(slab.path), framework="pt") as f:
+        for key in f.keys():
+            if key.startswith(PAD_PREFIX):
+                continue
+            tensor = f.get_tensor(key)  # a view of the memory map
+            if roles[key] == PLAIN and tensor.is_floating_point():
+                tensor = tensor.to(dtype)
+            state[key] = tensor
+    model.load_state_dict(state, strict=True, assign=True)
+    model.requires_grad_(False)
+    model.eval()
+    if torch.device(device).type != "cpu":
+        model.to(device)
+    return model, family, slab.variant
+
