@@ -1,7 +1,7 @@
 """Load Quantized Slab: pick the base transformer; checks it, loads nothing yet."""
 from __future__ import annotations
 
-from .paths import list_transformer_choices, resolve_choice
+from .paths import list_transformer_choices, resolve_choice, slab_dir
 
 CATEGORY = "LowVRAM LoRA"
 
@@ -31,16 +31,19 @@ class LowVRAMLoadQuantizedSlab:
                     "tooltip": "Model family. 'auto' detects it from the tensor names; set it to get a clearer "
                                "error when a file is not what you expect.",
                 }),
-                "precision": (["bf16"], {
+                "precision": (["bf16", "int8 slab"], {
                     "default": "bf16",
-                    "tooltip": "How the frozen base weights are held while training. bf16: 2 bytes per weight. "
-                               "(The int8 slab option arrives with slab support.)",
+                    "tooltip": "How the frozen base weights are held while training. bf16: 2 bytes per weight, "
+                               "exact. int8 slab: 1 byte per weight (per-row scales, ~0.9% weight error); half the "
+                               "host RAM and half the bytes streamed to the GPU. The slab is built once into "
+                               "models/slabs (progress shown) and reused afterwards.",
                 }),
-            }
+            },
+            "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
     @classmethod
-    def IS_CHANGED(cls, checkpoint, family, precision):
+    def IS_CHANGED(cls, checkpoint, family="auto", precision="bf16", **_):
         # Re-check when the file on disk changes (ComfyUI otherwise caches by widget values).
         try:
             st = resolve_choice(checkpoint).stat()
@@ -48,11 +51,26 @@ class LowVRAMLoadQuantizedSlab:
         except FileNotFoundError:
             return checkpoint
 
-    def load(self, checkpoint: str, family: str = "auto", precision: str = "bf16"):
+    def load(self, checkpoint: str, family: str = "auto", precision: str = "bf16", unique_id=None):
         from ..engine.config import ModelConfig
         from ..engine.models.inspect import inspect_transformer
 
-        info = inspect_transformer(ModelConfig(transformer_path=str(resolve_choice(checkpoint)), family=family,
-                                               dtype="auto"))
+        path = resolve_choice(checkpoint)
+        if precision == "int8 slab":
+            path = _ensure_slab(path, family, unique_id)
+        elif precision != "bf16":
+            raise ValueError(f"precision={precision!r} is not one of bf16, int8 slab")
+        info = inspect_transformer(ModelConfig(transformer_path=str(path), family=family, dtype="auto"))
         print(f"[lowvram-lora] {info.describe()}")
         return (info,)
+
+
+def _ensure_slab(checkpoint, family: str, unique_id):
+    """Build the int8 slab on first use (with progress), reuse it afterwards."""
+    from ..engine.slab import ensure_slab
+    from .progress import make_callback
+
+    cb = make_callback(unique_id)
+    return ensure_slab(checkpoint, slab_dir(), family=family, progress=False,
+                       callback=lambda done, total: cb.on_progress("build int8 slab (MB)", done >> 20, total >> 20),
+                       log=cb.log)

@@ -80,6 +80,13 @@ def resolve_choice(name: str) -> Path:
     raise FileNotFoundError(f"'{name}' was not found in {where}; put the file there or pick another entry")
 
 
+def slab_dir() -> Path:
+    """models/slabs: where int8 slabs are built once and found again."""
+    fp = comfy_folder_paths()
+    root = Path(fp.models_dir) if fp is not None and hasattr(fp, "models_dir") else _standalone["models_dir"]
+    return root / "slabs"
+
+
 def output_dir() -> Path:
     fp = comfy_folder_paths()
     return Path(fp.get_output_directory()) if fp is not None else _standalone["output_dir"]

@@ -124,3 +124,21 @@ def test_bad_workflows_fail_with_named_message(tmp_path, models_with_placeholder
     args.traceback = False
     assert run_workflow_command(args, NODE_CLASS_MAPPINGS, configure_dirs=configure_standalone_dirs) == 1
     assert match.lower() in capsys.readouterr().err.lower()
+
+
+def test_demo_workflow_trains_on_an_int8_slab_built_once(tmp_path, capsys):
+    from lowvram_lora.demo import ensure_demo_assets
+
+    assets = ensure_demo_assets(tmp_path / "demo")
+    args = _args(WORKFLOWS_DIR / "demo_tiny_lora.json", assets["models"], tmp_path / "out",
+                 [f"2.dataset_path={assets['dataset']}", "1.precision=int8 slab", "4.steps=4", "4.warmup_steps=0"])
+    assert run_workflow_command(args, NODE_CLASS_MAPPINGS, configure_dirs=configure_standalone_dirs) == 0
+    slabs = list((assets["models"] / "slabs").glob("*.slab.safetensors"))
+    assert len(slabs) == 1
+    built_at = slabs[0].stat().st_mtime_ns
+    out = capsys.readouterr().out
+    assert "int8 slab" in out
+    args.overrides.append("4.seed=3")  # train again (new seed), the slab is reused as is
+    assert run_workflow_command(args, NODE_CLASS_MAPPINGS, configure_dirs=configure_standalone_dirs) == 0
+    assert slabs[0].stat().st_mtime_ns == built_at
+    assert len(list((tmp_path / "out" / "loras").glob("*.safetensors"))) == 2

@@ -24,15 +24,24 @@ class ModelInfo:
     config: ModelConfig
     family: str
     variant: str
-    kind: str  # "diffusers" | "single_file"
+    kind: str  # "diffusers" | "single_file" | "slab"
     identity: str  # content identity of the weights (header hashes), keys trained-result reuse
 
     def describe(self) -> str:
-        return f"{get_family(self.family).display_name} ({self.variant}) from {self.kind.replace('_', ' ')} {self.config.transformer_path}"
+        what = {"slab": "int8 slab", "single_file": "single file", "diffusers": "diffusers folder"}[self.kind]
+        return f"{get_family(self.family).display_name} ({self.variant}) from {what} {self.config.transformer_path}"
 
 
 def inspect_transformer(config: ModelConfig) -> ModelInfo:
     source = resolve_transformer_source(config.transformer_path)
+    if source.kind == "single_file":
+        from ..slab.load import is_slab_file, open_slab, resolve_slab_family
+
+        if is_slab_file(source.path):
+            slab = open_slab(source.path)  # quick verify: size + header against the manifest
+            family = resolve_slab_family(slab, config.family)
+            resolved = replace(config, transformer_path=str(source.path.resolve()), family=family.id)
+            return ModelInfo(resolved, family.id, slab.variant, "slab", path_identity(source.path))
     if source.kind == "diffusers":
         cfg = json.loads((source.path / "config.json").read_text())
         family = family_for_class_name(cfg.get("_class_name", ""))
