@@ -1,8 +1,12 @@
-"""train_lora: the LoRA training loop, all weights resident on one device.
+"""train_lora: the LoRA training loop.
 
 bf16 frozen base (fp32 on CPU), fp32 LoRA weights under autocast, AdamW,
 constant or cosine schedule with warmup, gradient clipping and accumulation,
 gradient checkpointing, and a callback that sees every step and may stop it.
+Weights are all resident on one device, or, with an ``OffloadConfig`` that
+streams, the transformer blocks stream from pinned host memory
+(``engine/offload``): the model is loaded on the CPU, LoRA attached there, and
+``apply_offload`` moves LoRA and the non-block modules to the GPU.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from ..caching import DatasetCache
 from ..config import LoraSettings, ModelConfig, TrainConfig
 from ..errors import ConfigError
 from ..models import load_transformer, resolve_device, resolve_dtype
+from ..offload import OffloadConfig
 from .batching import bucket_batches
 from .flow_matching import noisy_latents_and_target, sample_sigmas
 from .lora_attach import attach_lora, detach_lora, lora_state_dict
@@ -60,12 +65,29 @@ def train_lora(
     train: TrainConfig,
     callback: TrainingCallback | None = None,
     preloaded: tuple | None = None,
+    offload: OffloadConfig | None = None,
 ) -> TrainedLora:
     """Train a LoRA on ``dataset`` and return its weights. ``preloaded`` = (model,
-    family, variant) skips loading (benchmarks build a random full-size model)."""
+    family, variant) skips loading (benchmarks build a random full-size model).
+    ``offload``: None or mode='resident' keeps every weight on the device (as before);
+    'stream' / 'auto' stream blocks through the GPU (CUDA only). A preloaded model is
+    left where it was found."""
     cb = callback or TrainingCallback()
     device = resolve_device(train.device)
     dtype = resolve_dtype(model_cfg.dtype, device)
+    streaming = offload is not None and offload.streams
+    if offload is not None and offload.gradient_checkpointing != train.gradient_checkpointing:
+        raise ConfigError(
+            f"OffloadConfig.gradient_checkpointing={offload.gradient_checkpointing} but "
+            f"TrainConfig.gradient_checkpointing={train.gradient_checkpointing}; set both the same "
+            f"(the Offload Config node passes its value to both)"
+        )
+    if streaming:
+        from ..offload.streamer import require_cuda
+
+        require_cuda(offload, device)
+        if preloaded is None:
+            _check_plan_before_loading(model_cfg, dataset, lora, train, offload, device, dtype)
     if preloaded is None:
         model, family, _, variant = load_transformer(model_cfg.transformer_path, model_cfg.family, dtype)
     else:
@@ -75,11 +97,32 @@ def train_lora(
             f"the dataset cache was built for {dataset.family} but the model is {family.id}; "
             f"rebuild the cache with this model's text encoders"
         )
-    model.to(device)
-    if train.gradient_checkpointing:
+    handle = None
+    if streaming:
+        from ..offload.footprint import lora_param_count, measure_footprint, workload_for
+        from ..offload.host import physical_ram_bytes
+        from ..offload.plan import make_plan
+        from ..offload.streamer import apply_offload, resolve_budget_bytes
+
+        # Plan before touching the model: a refused plan leaves a preloaded model as it was.
+        fp = measure_footprint(model, family, f"{family.display_name} ({variant})",
+                               trainable_params=lora_param_count(model, family, lora))
+        plan = make_plan(fp, workload_for(dataset, family, variant, train.batch_size), offload,
+                         resolve_budget_bytes(offload, device), physical_ram_bytes())
         model.enable_gradient_checkpointing()
-    params = attach_lora(model, family, lora, train.seed)
-    model.to(device)
+        params = attach_lora(model, family, lora, train.seed)  # fp32, wherever the blocks are (CPU)
+        try:
+            handle = apply_offload(model, family, offload, device, cb, plan=plan)
+        except BaseException:
+            detach_lora(model)
+            model.disable_gradient_checkpointing()
+            raise
+    else:
+        model.to(device)
+        if train.gradient_checkpointing:
+            model.enable_gradient_checkpointing()
+        params = attach_lora(model, family, lora, train.seed)
+        model.to(device)
     optimizer = torch.optim.AdamW(params, lr=train.learning_rate, weight_decay=train.weight_decay)
     scheduler = _make_scheduler(optimizer, train)
 
@@ -93,7 +136,8 @@ def train_lora(
     result = TrainedLora(
         state_dict={}, rank=lora.rank, alpha=lora.alpha, family=family.id, variant=variant, steps=0,
         requested_steps=train.steps, dataset_hash=dataset.dataset_hash, base_model=str(model_cfg.transformer_path),
-        settings={"lora": vars(lora), "train": vars(train)},
+        settings={"lora": vars(lora), "train": vars(train),
+                  **({"offload": vars(offload)} if offload is not None else {})},
         model_config={k: v for k, v in dict(model.config).items() if not k.startswith("_")},
     )
     start = time.perf_counter()
@@ -114,6 +158,10 @@ def train_lora(
                 optimizer.zero_grad(set_to_none=True)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
+                if handle is not None:
+                    handle.end_step()
+                    if step <= 2:  # step 2: steady state, the AdamW moments exist during backward
+                        cb.log(handle.peak_report(torch.cuda.max_memory_allocated(device), step))
                 result.loss_history.append(loss_sum / train.gradient_accumulation)
                 result.lr_history.append(scheduler.get_last_lr()[0])
                 result.steps = step
@@ -126,6 +174,12 @@ def train_lora(
                     cb.log(f"stopped at step {step}/{train.steps} on request")
                     break
     except torch.cuda.OutOfMemoryError as exc:
+        if handle is not None:
+            raise torch.cuda.OutOfMemoryError(
+                f"CUDA out of memory while training {family.display_name} with block streaming on {device}: "
+                f"{exc}\n{handle.plan.describe()}\nLower vram_budget_gb (more blocks stream), turn activation "
+                f"offload on, use prefetch_depth=1, or lower the resolution or batch size."
+            ) from exc
         raise torch.cuda.OutOfMemoryError(
             f"CUDA out of memory while training {family.display_name} resident on {device}: {exc}. "
             f"Lower the resolution or batch size, keep gradient checkpointing on, or use block streaming."
@@ -133,6 +187,10 @@ def train_lora(
     finally:
         result.seconds = time.perf_counter() - start
         result.state_dict = lora_state_dict(model) if result.steps else {}
+        if handle is not None:
+            result.settings["offload_plan"] = handle.plan.summary()
+            result.settings["offload_stats"] = handle.stats()
+            handle.remove()  # frozen tensors back where they were (streamed blocks: pinned host memory)
         # Leave a preloaded model as we found it (benchmarks train it again); drop one we loaded.
         detach_lora(model)
         if train.gradient_checkpointing:
@@ -145,6 +203,22 @@ def train_lora(
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return result
+
+
+def _check_plan_before_loading(model_cfg, dataset, lora, train, offload, device, dtype) -> None:
+    """Make the plan from the checkpoint's header alone, so an impossible budget (or too much pinned
+    host memory) is refused before minutes of loading."""
+    from ..offload.footprint import footprint_before_loading, workload_for
+    from ..offload.host import physical_ram_bytes
+    from ..offload.plan import make_plan
+    from ..offload.streamer import resolve_budget_bytes
+
+    found = footprint_before_loading(model_cfg, dtype, lora)
+    if found is None:
+        return  # not a supported checkpoint: the loader says so with a better message
+    fp, family, variant = found
+    make_plan(fp, workload_for(dataset, family, variant, train.batch_size), offload,
+              resolve_budget_bytes(offload, device), physical_ram_bytes())
 
 
 def _micro_step(model, family, latents, embeds, cfg: TrainConfig, gen: torch.Generator, autocast):

@@ -1,0 +1,195 @@
+"""INT8 slab benchmark: build cost, int8 accuracy, and int8 training against the bf16 baseline, in one run.
+
+1. Writes a full-size random Flux.1-dev checkpoint with BFL names (bf16, ~23.8 GB) to ``--workdir``.
+2. Builds the slab from it in a child process (wall time, peak host RSS of the builder, slab size).
+3. Loads both (bf16 from the checkpoint, int8 from the memory-mapped slab) and measures the
+   relative output error of one forward at ``--res``, int8 vs bf16.
+4. Trains LoRA r16 through ``train_lora``: ``bf16-resident`` (the baseline of this run),
+   ``int8-resident`` (int8 blocks on the GPU, dequantized per layer), and ``int8-stream-k<K>[-act]``
+   (int8 bytes streamed from pinned host memory, dequantized on the GPU).
+
+Rows are appended to ``--out`` in train_bench.py's format (``bench/report.py`` renders them).
+
+On the GPU machine (carry .whl)::
+
+    source bench/gpu_env.sh
+    python3 bench/bench_slab.py --res 1024 --out "$OUT/results.jsonl"
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_bench import GB, GIB, StepRecorder, _command, _gpu_name, _versions, write_synthetic_cache  # noqa: E402
+
+BUILD_CHILD = """
+import json, resource, sys, time
+from lowvram_lora.engine.slab import build_slab
+t = time.perf_counter()
+path = build_slab(sys.argv[1], sys.argv[2], progress=False)
+print(json.dumps({"slab": str(path), "build_s": time.perf_counter() - t,
+                  "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}))
+"""
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--res", type=int, default=1024)
+    p.add_argument("--variant", default="flux1-dev")
+    p.add_argument("--modes", nargs="+",
+                   default=["bf16-resident", "int8-resident", "int8-stream-k2", "int8-stream-k1-act"])
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--timed", type=int, default=4)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--workdir", default="/tmp/slab-bench")
+    p.add_argument("--out", default="bench/results.jsonl")
+    p.add_argument("--note", default="")
+    return p.parse_args(argv)
+
+
+def _inputs(family, model, res: int, device):
+    g = torch.Generator().manual_seed(0)
+    cfg = model.config
+    lat = torch.randn(1, cfg.in_channels // 4, res // 8, res // 8, generator=g)
+    embeds = {"prompt_embeds": torch.randn(1, 512, cfg.joint_attention_dim, generator=g),
+              "pooled_prompt_embeds": torch.randn(1, cfg.pooled_projection_dim, generator=g)}
+    lat = lat.to(device, torch.bfloat16)
+    embeds = {k: v.to(device, torch.bfloat16) for k, v in embeds.items()}
+    return family.model_inputs(model, lat, embeds, torch.tensor([0.5], device=device), 1.0)
+
+
+@torch.no_grad()
+def _forward(family, model, res, device):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        return model(**_inputs(family, model, res, device))[0].float()
+
+
+def _train(model, family, variant, dataset, args, offload, recorder):
+    from lowvram_lora.engine.config import LoraSettings, ModelConfig, TrainConfig
+    from lowvram_lora.engine.train import train_lora
+
+    return train_lora(
+        ModelConfig(dtype="bf16", family="flux1"), dataset, LoraSettings(rank=args.rank, alpha=float(args.rank)),
+        TrainConfig(steps=args.warmup + args.timed, device="cuda", gradient_checkpointing=True, learning_rate=1e-4),
+        recorder.callback, preloaded=(model, family, variant), offload=offload,
+    )
+
+
+def main(argv=None) -> int:
+    from lowvram_lora.engine.models import load_transformer
+    from lowvram_lora.engine.offload import OffloadConfig
+    from lowvram_lora.engine.slab.testing import write_random_checkpoint
+
+    args = parse_args(argv)
+    device = torch.device("cuda")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    run_id = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
+    base = {"run_id": run_id, "gpu": _gpu_name(device), **_versions(), "model": args.variant, "res": args.res,
+            "lora_rank": args.rank, "lora_targets": "default", "batch": 1, "grad_ckpt": True,
+            "command": _command(), "note": args.note}
+
+    def emit(row):
+        row = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), **base, **row}
+        with out.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        print("ROW", json.dumps({k: v for k, v in row.items() if k not in ("step_times", "losses", "command")}),
+              flush=True)
+        return row
+
+    ckpt = work / "flux1-dev-random.safetensors"
+    if not ckpt.exists():
+        t = time.perf_counter()
+        write_random_checkpoint(ckpt, "flux1", args.variant, layout="bfl")
+        print(f"random checkpoint {ckpt.stat().st_size / GB:.2f} GB written in {time.perf_counter() - t:.0f} s",
+              flush=True)
+
+    child = subprocess.run([sys.executable, "-c", BUILD_CHILD, str(ckpt), str(work / "slabs")],
+                           capture_output=True, text=True)
+    if child.returncode != 0:
+        print(child.stderr[-3000:], flush=True)
+        raise SystemExit("slab build failed")
+    built = json.loads(child.stdout.strip().splitlines()[-1])
+    slab = Path(built["slab"])
+    emit({"mode": "slab-build", "step_s": None, "build_s": round(built["build_s"], 1),
+          "build_peak_rss_gb": round(built["peak_rss_gb"], 2), "slab_gb": round(slab.stat().st_size / GB, 2),
+          "source_gb": round(ckpt.stat().st_size / GB, 2)})
+
+    bf16, family, _, variant = load_transformer(ckpt, "flux1", torch.bfloat16)
+    int8, _, _, _ = load_transformer(slab, "flux1", torch.bfloat16)
+    bf16.to(device)
+    int8.to(device)
+    ref, got = _forward(family, bf16, args.res, device), _forward(family, int8, args.res, device)
+    rel = ((got - ref).norm() / ref.norm()).item()
+    emit({"mode": "int8-accuracy", "step_s": None, "rel_output_error": round(rel, 5),
+          "note": (args.note + "; " if args.note else "") + "one forward, int8 slab vs bf16, same random weights"})
+    del ref, got
+
+    rows = {}
+    with tempfile.TemporaryDirectory(prefix="slab-bench-") as tmp:
+        dataset = write_synthetic_cache(Path(tmp), family, variant, dict(bf16.config), args.res, 4, 0)
+        int8.to("cpu")  # each mode places only its own model on the GPU: peaks are that mode's alone
+        for mode in args.modes:
+            offload = None
+            if mode == "bf16-resident":
+                model = bf16
+            else:
+                if bf16 is not None:  # the baseline is done: free its 24 GB of host and GPU memory
+                    bf16.to("cpu")
+                    bf16 = None
+                model = int8
+                if mode == "int8-resident":
+                    int8.to(device)
+                elif mode.startswith("int8-stream-k"):
+                    int8.to("cpu")  # streamed: blocks go to pinned host memory, the rest to the GPU
+                    spec = mode[len("int8-stream-k"):]
+                    offload = OffloadConfig(mode="stream", prefetch_depth=int(spec[0]),
+                                            activation_offload=spec.endswith("-act"))
+                else:
+                    raise SystemExit(f"unknown mode {mode!r}")
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            rec = StepRecorder(mode)
+            t = time.perf_counter()
+            try:
+                _train(model, family, variant, dataset, args, offload, rec)
+                error = None
+            except torch.cuda.OutOfMemoryError as exc:
+                error = f"OOM: {str(exc)[:300]}"
+            timed = [s.seconds_per_step for s in rec.steps][args.warmup:]
+            step = statistics.median(timed) if timed and error is None else None
+            resident = rows.get("bf16-resident", {}).get("step_s")
+            rows[mode] = emit({
+                "mode": mode, "step_s": round(step, 4) if step else None, "error": error,
+                "resident_step_s": resident, "x_resident": round(step / resident, 3) if step and resident else None,
+                "peak_alloc_gb": round(torch.cuda.max_memory_allocated(device) / GB, 3),
+                "peak_reserved_gb": round(torch.cuda.max_memory_reserved(device) / GB, 3),
+                "peak_alloc_gib": round(torch.cuda.max_memory_allocated(device) / GIB, 3),
+                "steps_warmup": args.warmup, "steps_timed": len(timed),
+                "step_times": [round(s.seconds_per_step, 4) for s in rec.steps],
+                "losses": [round(s.loss, 5) for s in rec.steps], "wall_s": round(time.perf_counter() - t, 1),
+            })
+    print("\nmode                 step s   x bf16-resident   peak alloc GB   peak reserved GB")
+    for mode, r in rows.items():
+        print(f"{mode:20s} {r['step_s'] or float('nan'):7.3f}   {r['x_resident'] or float('nan'):15.3f}"
+              f"   {r['peak_alloc_gb']:13.2f}   {r['peak_reserved_gb']:16.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,126 @@
+"""Measure what the planner needs: block sizes, the rest of the model, LoRA size, tokens.
+
+From a loaded model, or, before loading anything, from the checkpoint's config on
+the meta device (so an impossible budget is refused in a second, not after minutes
+of reading 24 GB).
+"""
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..config import LoraSettings, ModelConfig
+from .host import frozen_bytes
+from .plan import ModelFootprint, Workload
+
+
+def named_blocks(model: nn.Module, family) -> list[tuple[str, nn.Module]]:
+    """The family's transformer blocks, flattened in execution order, with their module names."""
+    names = {id(m): n for n, m in model.named_modules()}
+    out = []
+    for blocks in family.block_lists(model):
+        prefix = names[id(blocks)]
+        out += [(f"{prefix}.{i}", b) for i, b in enumerate(blocks)]
+    return out
+
+
+def hidden_size(model: nn.Module) -> int:
+    inner = getattr(model, "inner_dim", None)
+    if inner:
+        return int(inner)
+    cfg = model.config
+    return int(cfg["num_attention_heads"] * cfg["attention_head_dim"])
+
+
+def measure_footprint(model: nn.Module, family, name: str = "",
+                      trainable_params: Optional[int] = None) -> ModelFootprint:
+    """Sizes as they are now: frozen tensors of each block and of the rest; trainable = LoRA."""
+    blocks = named_blocks(model, family)
+    block_bytes = [frozen_bytes(b) for _, b in blocks]
+    in_blocks = {id(t) for _, b in blocks for t in list(b.parameters()) + list(b.buffers())}
+    other = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())
+                if id(t) not in in_blocks and not t.requires_grad)
+    if trainable_params is None:
+        trainable_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return ModelFootprint(
+        name=name or type(model).__name__, block_names=[n for n, _ in blocks], block_bytes=block_bytes,
+        other_bytes=other, trainable_params=trainable_params, hidden_size=hidden_size(model),
+    )
+
+
+def lora_param_count(model: nn.Module, family, lora: LoraSettings) -> int:
+    """Elements a LoRA of ``lora`` adds: rank x (in + out) per targeted Linear (peft's name matching:
+    the full module name or a dotted suffix of it)."""
+    targets = lora.target_modules or family.lora_target_modules(model)
+    total = 0
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and any(name == t or name.endswith("." + t) for t in targets):
+            total += lora.rank * (module.in_features + module.out_features)
+    return total
+
+
+def footprint_before_loading(model_cfg: ModelConfig, dtype: torch.dtype, lora: LoraSettings):
+    """(footprint, family, variant) of a checkpoint from its config alone: header reads, no weights."""
+    from accelerate import init_empty_weights
+
+    from ..families import family_for_class_name, get_family
+    from ..models.transformer_loading import (
+        _match_variant, _variant_for_config, read_single_file_shapes, resolve_transformer_source,
+    )
+    from ..families import family_for_single_file
+
+    source = resolve_transformer_source(model_cfg.transformer_path)
+    if source.kind == "single_file":
+        from ..slab.load import is_slab_file
+
+        if is_slab_file(source.path):
+            return _slab_footprint(source.path, model_cfg, dtype, lora)
+    if source.kind == "diffusers":
+        config = json.loads((source.path / "config.json").read_text())
+        family = family_for_class_name(config.get("_class_name", ""))
+        variant = _variant_for_config(family, config) if family is not None else "custom"
+    else:
+        shapes = read_single_file_shapes(source.path)
+        family = get_family(model_cfg.family) if model_cfg.family != "auto" else family_for_single_file(set(shapes))
+        variant, config = _match_variant(source.path, family, shapes) if family is not None else (None, None)
+    if family is None:
+        return None  # the loader reports unsupported files with its own, better message
+    with init_empty_weights():
+        model = family.transformer_class().from_config(config)
+    nn.Module.to(model, dtype=dtype)  # meta: free
+    model.requires_grad_(False)  # as loaded: only LoRA will train
+    fp = measure_footprint(model, family, f"{family.display_name} ({variant})",
+                           trainable_params=lora_param_count(model, family, lora))
+    return fp, family, variant
+
+
+def _slab_footprint(path, model_cfg: ModelConfig, dtype: torch.dtype, lora: LoraSettings):
+    """An int8 slab: block Linears are Int8Linear (1 byte per weight + fp32 row scales), as loaded."""
+    from ..slab import Int8Linear
+    from ..slab.layout import block_linears, meta_model
+    from ..slab.load import open_slab, resolve_slab_family
+
+    slab = open_slab(path, "quick")
+    family = resolve_slab_family(slab, model_cfg.family)
+    model = meta_model(family, slab.manifest["config"])
+    nn.Module.to(model, dtype=dtype)
+    model.requires_grad_(False)
+    trainable = lora_param_count(model, family, lora)  # from the float Linears' shapes, before the swap
+    for name, linear in block_linears(model, family).items():
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child,
+                Int8Linear(linear.in_features, linear.out_features, linear.bias is not None, device="meta"))
+    variant = slab.variant
+    return measure_footprint(model, family, f"{family.display_name} ({variant}, int8 slab)", trainable), family, variant
+
+
+def workload_for(dataset, family, variant: str, batch: int) -> Workload:
+    """The largest bucket of a dataset cache as tokens (Flux: 16x16 pixels per token after the
+    VAE's /8 and 2x2 packing) plus the text length the cache was built with."""
+    tokens_of = getattr(family, "image_tokens", None) or (lambda w, h: (w // 16) * (h // 16))
+    w, h = max((it.bucket for it in dataset.items), key=lambda b: b[0] * b[1])
+    return Workload(batch=batch, image_tokens=tokens_of(w, h),
+                    text_tokens=family.default_max_sequence_length(variant), label=f"{w}x{h}")

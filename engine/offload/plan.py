@@ -1,0 +1,249 @@
+"""The offload plan: which blocks stay on the GPU, how deep the ring is, whether
+activations leave the GPU, and what that costs. Pure arithmetic (no device), so
+``auto`` can refuse an impossible budget before anything is loaded.
+
+Memory model of one training step (bytes; B batch, T = image + text tokens,
+D hidden size, e = 2 for bf16 activations, one "unit" = B*T*D*e):
+
+    weights     non-block tensors + resident blocks + ring slots x largest streamed block
+    LoRA        trainable params x 16: fp32 param, grad, two AdamW moments
+    activations checkpointed block inputs: one unit per block, or with activation offload
+                1.9 units + 0.125 GB (restored and prefetched inputs, the reentrant recompute's
+                outputs and gradients)
+              + one block's recompute + backward working set: 47.5 units - 0.11 GB
+    optimizer   AdamW (foreach) temporaries, trainable x 8, after the activations are gone
+
+    peak = weights + LoRA + max(activations, optimizer)
+
+The activation constants are a line fitted through steady-state peaks (step 2 on, once
+the AdamW moments exist) measured on the H100 with Flux.1-dev, LoRA r16 on the default
+targets, at 512², 1024² and 2048² (bench/bench_offload.py rows in bench/results.jsonl):
+they reproduce all 23 measured rows (resident, k=1..3, resident blocks, activation
+offload) within 0.01 GB. Another LoRA target set or model family needs its own fit;
+the plan is logged next to the measured peak after steps 1 and 2 so a drift shows.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from ..errors import ConfigError
+from .config import OffloadConfig
+from .schedule import simulate_step_loads
+
+GB = 1e9
+LORA_BYTES_PER_PARAM = 16
+OPTIMIZER_BYTES_PER_PARAM = 8
+SAVED_INPUT_UNITS = 1.0  # a checkpointed block keeps its (hidden, encoder) inputs: B*T*D elements
+TRANSIENT_UNITS = 47.5  # one block's recompute + backward working set, in B*T*D elements (fitted) ...
+TRANSIENT_BYTES = int(-0.11 * GB)  # ... plus this (fitted)
+OFFLOADED_KEPT_UNITS = 1.9  # inputs still on the GPU with activation offload (fitted) ...
+OFFLOADED_KEPT_BYTES = int(0.125 * GB)  # ... plus this (fitted)
+# Kept free inside a budget: the caching allocator reserves more than it hands out. Measured
+# reserved - allocated on the H100: 0.5 GB at 512², 1.1 GB at 1024² and 2048² with the default
+# allocator (resident runs too); 0.3-0.5 GB with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.
+HEADROOM_BYTES = int(1.0 * GB)
+K1_PENALTY = 1.15  # auto: one block of lookahead overlaps worse than two; count its bytes 15% dearer
+
+
+@dataclass
+class ModelFootprint:
+    """What the planner needs to know about a model (measured from real or meta tensors)."""
+
+    name: str
+    block_names: list[str]
+    block_bytes: list[int]  # frozen bytes per block, execution order
+    other_bytes: int  # frozen tensors outside the blocks (embedders, final norm/projection)
+    trainable_params: int  # LoRA elements (fp32)
+    hidden_size: int
+    act_bytes_per_elem: int = 2  # bf16 activations
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_bytes)
+
+    @property
+    def total_block_bytes(self) -> int:
+        return sum(self.block_bytes)
+
+
+@dataclass
+class Workload:
+    """The largest batch the run will see."""
+
+    batch: int
+    image_tokens: int
+    text_tokens: int
+    label: str = ""  # "1024x1024" for messages
+
+    @property
+    def tokens(self) -> int:
+        return self.image_tokens + self.text_tokens
+
+
+@dataclass
+class Plan:
+    mode: str  # "resident" | "stream"
+    resident: list[int]
+    streamed: list[int]
+    prefetch_depth: int
+    num_slots: int
+    slot_bytes: int
+    activation_offload: bool
+    predicted_peak_bytes: int
+    breakdown: dict[str, int]
+    streamed_bytes_per_step: int  # weights host->GPU per optimizer micro-step (fwd + recompute/bwd)
+    activation_bytes_per_step: int  # activations host<->GPU each way per micro-step
+    pinned_host_bytes: int
+    budget_bytes: Optional[int]
+    footprint: ModelFootprint = field(repr=False)
+    workload: Workload = field(repr=False)
+    reason: str = ""
+
+    def describe(self) -> str:
+        fp, wl = self.footprint, self.workload
+        lines = [f"offload plan for {fp.name} at {wl.label or f'{wl.tokens} tokens'}, batch {wl.batch}: "
+                 + (f"all {fp.num_blocks} blocks resident" if self.mode == "resident" else
+                    f"{len(self.streamed)} of {fp.num_blocks} blocks streamed, {len(self.resident)} resident, "
+                    f"ring of {self.num_slots} x {self.slot_bytes / GB:.2f} GB (prefetch {self.prefetch_depth}), "
+                    f"activation offload {'on' if self.activation_offload else 'off'}")]
+        budget = f" of a {self.budget_bytes / GB:.1f} GB budget" if self.budget_bytes else ""
+        parts = ", ".join(f"{k} {v / GB:.2f}" for k, v in self.breakdown.items())
+        lines.append(f"  predicted peak {self.predicted_peak_bytes / GB:.2f} GB{budget} ({parts})")
+        if self.mode != "resident":
+            lines.append(f"  per step: {self.streamed_bytes_per_step / GB:.1f} GB of weights host->GPU"
+                         + (f", {self.activation_bytes_per_step / GB:.2f} GB of activations each way"
+                            if self.activation_offload else "")
+                         + f"; pinned host memory {self.pinned_host_bytes / GB:.1f} GB")
+        if self.reason:
+            lines.append(f"  {self.reason}")
+        return "\n".join(lines)
+
+    def summary(self) -> dict:
+        """Plain numbers (bench rows, result metadata)."""
+        return {
+            "mode": self.mode, "resident_blocks": len(self.resident), "streamed_blocks": len(self.streamed),
+            "prefetch_depth": self.prefetch_depth, "num_slots": self.num_slots,
+            "slot_gb": round(self.slot_bytes / GB, 3), "activation_offload": self.activation_offload,
+            "predicted_peak_gb": round(self.predicted_peak_bytes / GB, 3),
+            "streamed_gb_per_step": round(self.streamed_bytes_per_step / GB, 3),
+            "pinned_host_gb": round(self.pinned_host_bytes / GB, 3),
+            "budget_gb": round(self.budget_bytes / GB, 3) if self.budget_bytes else None,
+        }
+
+
+def resident_order(block_bytes: Sequence[int]) -> list[int]:
+    """Blocks in the order they become resident: largest first (each saves the most copy time)."""
+    return sorted(range(len(block_bytes)), key=lambda i: (-block_bytes[i], i))
+
+
+def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefetch_depth: int,
+               activation_offload: bool, budget_bytes: Optional[int] = None, reason: str = "",
+               count_bytes: bool = True) -> Plan:
+    """One plan's numbers. ``count_bytes=False`` skips simulating the copies (a quick fit check)."""
+    resident = sorted(set(resident))
+    if resident and (resident[0] < 0 or resident[-1] >= fp.num_blocks):
+        raise ConfigError(f"resident block ids {resident} must be in [0, {fp.num_blocks}) for {fp.name}")
+    streamed = [i for i in range(fp.num_blocks) if i not in set(resident)]
+    unit = wl.batch * wl.tokens * fp.hidden_size * fp.act_bytes_per_elem  # one B*T*D activation
+    if streamed:
+        k = max(1, min(prefetch_depth, len(streamed) - 1)) if len(streamed) > 1 else 1
+        num_slots = min(k + 1, len(streamed))
+        slot_bytes = max(fp.block_bytes[i] for i in streamed)
+        loads = simulate_step_loads(fp.num_blocks, streamed, k, num_slots) if count_bytes else []
+        streamed_per_step = sum(fp.block_bytes[i] for i in loads)
+    else:
+        k, num_slots, slot_bytes, streamed_per_step = prefetch_depth, 0, 0, 0
+        activation_offload = False  # nothing streams: the resident plan has no use for it
+    kept_inputs = OFFLOADED_KEPT_UNITS if activation_offload else fp.num_blocks * SAVED_INPUT_UNITS
+    breakdown = {
+        "weights": fp.other_bytes + sum(fp.block_bytes[i] for i in resident) + num_slots * slot_bytes,
+        "lora+adam": fp.trainable_params * LORA_BYTES_PER_PARAM,
+        "activations": int((kept_inputs + TRANSIENT_UNITS) * unit + TRANSIENT_BYTES
+                           + (OFFLOADED_KEPT_BYTES if activation_offload else 0)),
+    }
+    peak = (breakdown["weights"] + breakdown["lora+adam"]
+            + max(breakdown["activations"], fp.trainable_params * OPTIMIZER_BYTES_PER_PARAM))
+    act_io = int(fp.num_blocks * SAVED_INPUT_UNITS * unit) if activation_offload else 0
+    return Plan(
+        mode="stream" if streamed else "resident", resident=resident, streamed=streamed, prefetch_depth=k,
+        num_slots=num_slots, slot_bytes=slot_bytes, activation_offload=activation_offload,
+        predicted_peak_bytes=int(peak), breakdown=breakdown, streamed_bytes_per_step=streamed_per_step,
+        activation_bytes_per_step=act_io, pinned_host_bytes=sum(fp.block_bytes[i] for i in streamed) + act_io,
+        budget_bytes=budget_bytes, footprint=fp, workload=wl, reason=reason,
+    )
+
+
+def _fits(plan: Plan, budget: int) -> bool:
+    return plan.predicted_peak_bytes + HEADROOM_BYTES <= budget
+
+
+def _cost(plan: Plan) -> tuple:
+    """Lower is faster: bytes over PCIe per step. Lookahead 1 overlaps worse (K1_PENALTY); activations
+    cross twice (out and back) and their copies wait on compute, so they count double."""
+    io = plan.streamed_bytes_per_step + 2 * plan.activation_bytes_per_step
+    return (io * (K1_PENALTY if plan.prefetch_depth == 1 and plan.streamed else 1.0), plan.activation_offload,
+            -plan.prefetch_depth)
+
+
+def make_plan(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, budget_bytes: Optional[int] = None,
+              host_ram_bytes: Optional[int] = None) -> Plan:
+    """The plan for ``cfg``. ``budget_bytes`` is required for mode='auto' (the caller resolves
+    vram_budget_gb=0 to the free VRAM). Raises ConfigError when auto cannot fit the budget, or the plan
+    would pin more than ``cfg.max_pinned_fraction`` of ``host_ram_bytes``."""
+    n = fp.num_blocks
+    order = resident_order(fp.block_bytes)
+    if cfg.resident_blocks is not None and cfg.resident_blocks > n:
+        raise ConfigError(f"resident_blocks={cfg.resident_blocks} but {fp.name} has only {n} blocks")
+    if cfg.mode == "resident":
+        plan = build_plan(fp, wl, range(n), 1, False, reason="mode=resident")
+    elif cfg.mode == "stream":
+        r = cfg.resident_blocks or 0
+        plan = build_plan(fp, wl, order[:r], cfg.prefetch_depth or 2, bool(cfg.activation_offload),
+                          reason="mode=stream")
+    else:
+        if budget_bytes is None:
+            raise ValueError("mode='auto' needs budget_bytes")
+        plan = _auto(fp, wl, cfg, order, budget_bytes)
+    if host_ram_bytes and plan.pinned_host_bytes > cfg.max_pinned_fraction * host_ram_bytes:
+        raise ConfigError(
+            f"the plan pins {plan.pinned_host_bytes / GB:.1f} GB of host RAM but max_pinned_fraction="
+            f"{cfg.max_pinned_fraction} of this machine's {host_ram_bytes / GB:.0f} GB allows "
+            f"{cfg.max_pinned_fraction * host_ram_bytes / GB:.1f} GB; keep more blocks resident (a larger "
+            f"budget or resident_blocks), turn activation offload off, or raise max_pinned_fraction"
+        )
+    return plan
+
+
+def _auto(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: list[int], budget: int) -> Plan:
+    n = fp.num_blocks
+    if cfg.resident_blocks in (None, n):  # nothing streams when everything fits: fastest by far
+        everything = build_plan(fp, wl, range(n), 1, False, budget, reason="auto: everything fits the budget")
+        if _fits(everything, budget):
+            return everything
+    depths = [cfg.prefetch_depth] if cfg.prefetch_depth else [2, 1]
+    acts = [cfg.activation_offload] if cfg.activation_offload is not None else [False, True]
+    counts = [cfg.resident_blocks] if cfg.resident_blocks is not None else range(n - 1, -1, -1)
+    best = None
+    for k in depths:
+        for act in acts:
+            for r in counts:  # most resident first: the first that fits is the best for this (k, act)
+                if not _fits(build_plan(fp, wl, order[:r], k, act, budget, count_bytes=False), budget):
+                    continue
+                plan = build_plan(fp, wl, order[:r], k, act, budget)
+                if best is None or _cost(plan) < _cost(best):
+                    best = plan
+                break
+    if best is not None:
+        best.reason = "auto: the fastest plan that fits the budget (fewest bytes over PCIe per step)"
+        return best
+    smallest = build_plan(fp, wl, order[:cfg.resident_blocks or 0], min(depths), acts[-1], budget)
+    need = math.ceil((smallest.predicted_peak_bytes + HEADROOM_BYTES) / GB * 10) / 10
+    raise ConfigError(
+        f"vram_budget_gb={budget / GB:.3g} is below the smallest plan for {fp.name} at "
+        f"{wl.label or f'{wl.tokens} tokens'}, batch {wl.batch} ({need:.1f} GB: "
+        f"{', '.join(f'{k} {v / GB:.2f}' for k, v in smallest.breakdown.items())} GB + "
+        f"{HEADROOM_BYTES / GB:.1f} GB headroom); raise the budget to at least {need:.1f} GB, "
+        f"or lower the resolution or batch size"
+    )

@@ -1,0 +1,299 @@
+"""Block streaming: transformer blocks live in pinned host memory and are copied into a
+ring of preallocated GPU slots just ahead of use, in forward and in backward order.
+
+Why our own and not diffusers' group offloading: diffusers has no backward hooks and
+prefetches in forward order only, and it swaps every parameter of a group, the
+trainable LoRA ones included, to a pinned snapshot. Measured here in training it
+was 2.05x slower than resident and saved no memory (DESIGN.md §5).
+
+How it works:
+* ``BlockScheduler`` (schedule.py, pure Python) decides what goes into which slot.
+* A forward pre-hook on every block calls ``scheduler.visit(i)``. Pre-hooks fire in
+  the forward pass and again when gradient checkpointing recomputes the block in
+  backward, which is exactly when the block's weights are needed.
+* ``CudaCopyEngine`` owns the slots (ONE flat uint8 GPU buffer each, sized for the
+  largest streamed block) and a dedicated copy stream. A load is one
+  ``cudaMemcpyAsync`` of the block's pinned host buffer into a slot, after an event
+  that says the slot's previous block has finished computing; the block's tensors
+  then point into the slot (``tensor.data = view``), so nothing is allocated per step.
+  The compute stream waits only on the event of the block it is about to run.
+* LoRA parameters (requires_grad) and everything outside the blocks stay on the GPU.
+
+``apply_offload`` returns an ``OffloadHandle``; ``remove()`` puts every frozen tensor
+back where it was (streamed blocks: their pinned host buffers), so the model can be
+trained again, and the pinned memory is reused rather than pinned again.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from ..callbacks import TrainingCallback
+from ..errors import ConfigError
+from .config import OffloadConfig
+from .footprint import measure_footprint, named_blocks
+from .host import HostBlock, host_rss_bytes, physical_ram_bytes
+from .plan import GB, Plan, Workload, make_plan
+from .schedule import BlockScheduler
+
+
+class CudaCopyEngine:
+    """Slots on the GPU, copies on their own stream, events for every hand-over."""
+
+    def __init__(self, hosts: dict[int, HostBlock], num_slots: int, slot_bytes: int, device: torch.device):
+        self.hosts, self.device = hosts, device
+        self.stream = torch.cuda.Stream(device)
+        self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(num_slots)]
+        self.ready: list[Optional[torch.cuda.Event]] = [None] * num_slots  # copy into the slot landed
+        self.released: list[Optional[torch.cuda.Event]] = [None] * num_slots  # compute done with the slot
+        self.bytes_copied = 0
+        # Timing events since the last harvest (one training step): copy-engine busy time, and the time
+        # the compute stream sat waiting for a copy (a stall: the step was copy-bound there).
+        self._copy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._stall_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def load(self, block: int, slot: int, evicted: Optional[int]) -> None:
+        if evicted is not None:
+            # Point the evicted block back at host memory: a stray use fails loudly (device mismatch)
+            # instead of silently reading the next block's weights.
+            self.hosts[evicted].bind_host()
+        host = self.hosts[block]
+        start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            if self.released[slot] is not None:
+                # Without this wait the copy could overwrite weights a queued kernel has yet to read.
+                self.stream.wait_event(self.released[slot])
+            start.record(self.stream)
+            self.slots[slot][:host.nbytes].copy_(host.buffer, non_blocking=True)
+            done.record(self.stream)
+        self.ready[slot] = done
+        self.bytes_copied += host.nbytes
+        if len(self._copy_events) > 8192:  # nobody harvests (not train_lora): keep the memory bounded
+            del self._copy_events[:4096], self._stall_events[:4096]
+        self._copy_events.append((start, done))
+        host.bind(self.slots[slot])
+
+    def wait_ready(self, slot: int) -> None:
+        compute = torch.cuda.current_stream(self.device)
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(compute)
+        # Without this wait the block would run on a half-copied slot.
+        compute.wait_event(self.ready[slot])
+        after.record(compute)
+        self._stall_events.append((before, after))
+
+    def release(self, slot: int) -> None:
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        self.released[slot] = ev
+
+    def harvest(self) -> tuple[float, float]:
+        """(copy-engine busy s, compute stall s) since the last call; synchronises the device."""
+        torch.cuda.synchronize(self.device)
+        copy_s = sum(a.elapsed_time(b) for a, b in self._copy_events) / 1e3
+        stall_s = sum(a.elapsed_time(b) for a, b in self._stall_events) / 1e3
+        self._copy_events.clear()
+        self._stall_events.clear()
+        return copy_s, stall_s
+
+    def close(self) -> None:
+        torch.cuda.synchronize(self.device)
+        self.slots.clear()
+
+
+class InlineCopyEngine:
+    """Synchronous copies between CPU buffers: the same binding and scheduling, no CUDA (tests)."""
+
+    def __init__(self, hosts: dict[int, HostBlock], num_slots: int, slot_bytes: int, device: torch.device):
+        self.hosts = hosts
+        self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(num_slots)]
+        self.bytes_copied = 0
+        self.log: list[tuple] = []
+
+    def load(self, block: int, slot: int, evicted: Optional[int]) -> None:
+        if evicted is not None:
+            self.hosts[evicted].bind_host()
+        host = self.hosts[block]
+        self.slots[slot][:host.nbytes].copy_(host.buffer)
+        self.bytes_copied += host.nbytes
+        host.bind(self.slots[slot])
+        self.log.append(("load", block, slot, evicted))
+
+    def wait_ready(self, slot: int) -> None:
+        self.log.append(("wait", slot))
+
+    def release(self, slot: int) -> None:
+        self.log.append(("release", slot))
+
+    def harvest(self) -> tuple[float, float]:
+        return 0.0, 0.0
+
+    def close(self) -> None:
+        self.slots.clear()
+
+
+class OffloadHandle:
+    """What ``apply_offload`` did, and how to undo it."""
+
+    def __init__(self, model: nn.Module, plan: Plan, device: torch.device):
+        self.model, self.plan, self.device = model, plan, device
+        self.scheduler: Optional[BlockScheduler] = None
+        self.engine = None
+        self.activations = None  # ActivationOffloader when activation offload is on
+        self._hooks: list = []
+        self._moved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, its data before apply)
+        self._hosts: dict[int, HostBlock] = {}
+        self.pin_seconds = 0.0
+        self.pinned_reused = 0
+        self.step_copy_s: list[float] = []  # per training step: copy engine busy
+        self.step_stall_s: list[float] = []  # per training step: compute waiting for copies
+        self._removed = False
+
+    def end_step(self) -> None:
+        """Call after each optimizer step (the loop synchronises anyway): records its copy timings."""
+        if self.engine is not None:
+            copy_s, stall_s = self.engine.harvest()
+            self.step_copy_s.append(round(copy_s, 4))
+            self.step_stall_s.append(round(stall_s, 4))
+
+    def stats(self) -> dict:
+        """Counters since apply (copies, bytes, synchronous loads = prefetch misses, resyncs) and, per
+        training step, copy-engine busy and compute stall seconds (CUDA; see ``end_step``)."""
+        out = {"bytes_copied": 0, "pin_seconds": round(self.pin_seconds, 2), "pinned_reused": self.pinned_reused,
+               "step_copy_s": self.step_copy_s, "step_stall_s": self.step_stall_s}
+        if self.scheduler is not None:
+            out.update(self.scheduler.stats.as_dict())
+            out["bytes_copied"] = self.engine.bytes_copied
+        if self.activations is not None:
+            out.update(self.activations.stats())
+        return out
+
+    def peak_report(self, measured_bytes: int, step: int = 1) -> str:
+        """Predicted vs measured peak. Step 1 runs its backward before AdamW has made its moments
+        (trainable x 8 bytes), so it reads low; from step 2 on the prediction should hold."""
+        predicted = self.plan.predicted_peak_bytes
+        diff = measured_bytes - predicted
+        when = "step 1 (before the AdamW moments exist)" if step == 1 else f"step {step}"
+        return (f"peak VRAM after {when}: measured {measured_bytes / GB:.2f} GB, predicted {predicted / GB:.2f} GB "
+                f"({'+' if diff >= 0 else '-'}{abs(diff) / GB:.2f} GB, {100 * diff / max(predicted, 1):+.0f}%)")
+
+    def remove(self) -> None:
+        """Stop streaming; every frozen tensor goes back to where it was before apply (streamed blocks to
+        their pinned host buffers, kept for the next apply). Trainable parameters stay on the device."""
+        if self._removed:
+            return
+        self._removed = True
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        if self.activations is not None:
+            self.activations.remove()
+        for hb in self._hosts.values():
+            hb.bind_host()
+        for t, data in self._moved:
+            t.data = data
+        self._moved.clear()
+        if self.engine is not None:
+            self.engine.close()
+        self.engine = None
+
+
+def resolve_budget_bytes(cfg: OffloadConfig, device: torch.device) -> Optional[int]:
+    """vram_budget_gb, or 90% of the VRAM free now when it is 0 (auto only)."""
+    if cfg.mode != "auto":
+        return None
+    if cfg.vram_budget_gb:
+        return int(cfg.vram_budget_gb * GB)
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(0.9 * free)
+
+
+def require_cuda(cfg: OffloadConfig, device: torch.device) -> None:
+    if cfg.streams and (device.type != "cuda" or not torch.cuda.is_available()):
+        raise ConfigError(
+            f"offload mode={cfg.mode!r} streams blocks to a CUDA GPU, but training runs on {device}"
+            f"{'' if torch.cuda.is_available() else ' (no CUDA GPU found)'}; CPU training keeps every weight "
+            f"resident: use mode='resident'"
+        )
+
+
+def _move(handle: OffloadHandle, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        handle._moved.append((t, t.data))
+        t.data = t.data.to(device, non_blocking=False)
+
+
+def apply_offload(model: nn.Module, family, config: OffloadConfig, device: torch.device,
+                  callback: Optional[TrainingCallback] = None, workload: Optional[Workload] = None,
+                  plan: Optional[Plan] = None, name: str = "",
+                  _engine_factory: Optional[Callable] = None) -> OffloadHandle:
+    """Stream ``model``'s blocks per ``plan`` (made from ``config`` and ``workload`` when not given).
+
+    The model may sit anywhere (CPU, pinned host, GPU); LoRA must already be attached (its parameters are
+    the ones with requires_grad and are moved to ``device`` here, before the optimizer is built).
+    ``_engine_factory`` is for tests: an engine class taking (hosts, num_slots, slot_bytes, device)."""
+    cb = callback or TrainingCallback()
+    if _engine_factory is None:
+        require_cuda(config, device)
+    blocks = named_blocks(model, family)
+    if plan is None:
+        if workload is None:
+            raise ValueError("apply_offload needs a plan or a workload to plan for")
+        fp = measure_footprint(model, family, name or type(model).__name__)
+        plan = make_plan(fp, workload, config, resolve_budget_bytes(config, device), physical_ram_bytes())
+    handle = OffloadHandle(model, plan, device)
+
+    # Everything outside the streamed blocks lives on the device for the whole run.
+    streamed = set(plan.streamed)
+    streamed_tensors = {id(t) for i in streamed for t in list(blocks[i][1].parameters()) + list(blocks[i][1].buffers())}
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.requires_grad:
+            if t.device != device:
+                t.data = t.data.to(device)  # trainable: stays there; the optimizer is built on these
+        elif id(t) not in streamed_tensors:
+            _move(handle, t, device)
+
+    # Streamed blocks: frozen tensors to (reused) pinned host buffers.
+    import time
+
+    t0 = time.perf_counter()
+    pin = _engine_factory is None
+    for n, i in enumerate(plan.streamed):
+        block_name, block = blocks[i]
+        hb, reused = HostBlock.for_block(block, block_name, pin=pin)
+        handle._hosts[i] = hb
+        handle.pinned_reused += int(reused)
+        cb.on_progress("pinning blocks", n + 1, len(plan.streamed))
+    handle.pin_seconds = time.perf_counter() - t0
+
+    if plan.streamed:
+        engine_cls = _engine_factory or CudaCopyEngine
+        handle.engine = engine_cls(handle._hosts, plan.num_slots, plan.slot_bytes, device)
+        handle.scheduler = BlockScheduler(len(blocks), plan.streamed, plan.num_slots, plan.prefetch_depth,
+                                          handle.engine)
+        for i, (_, block) in enumerate(blocks):
+            handle._hooks.append(block.register_forward_pre_hook(_visit_hook(handle.scheduler, i)))
+        handle.scheduler.prime()
+    if plan.activation_offload:
+        from .activations import ActivationOffloader
+
+        handle.activations = ActivationOffloader(model, blocks, device, plan.workload, plan.footprint.hidden_size,
+                                                 inline=_engine_factory is not None)
+    cb.log(plan.describe())
+    pinned = sum(hb.nbytes for hb in handle._hosts.values())
+    if plan.streamed:
+        cb.log(f"  pinned {pinned / GB:.1f} GB of blocks in {handle.pin_seconds:.1f} s "
+               f"({handle.pinned_reused} of {len(plan.streamed)} reused from an earlier run); "
+               f"host RSS {host_rss_bytes() / GB:.1f} GB of {physical_ram_bytes() / GB:.0f} GB")
+    return handle
+
+
+def _visit_hook(scheduler: BlockScheduler, index: int):
+    def hook(module, args):
+        scheduler.visit(index)
+
+    return hook
