@@ -87,8 +87,14 @@ def _millions(n) -> str:
     return f"{n / 1e6:.1f}M" if isinstance(n, int) else "–"
 
 
+SLAB_ONLY = ("slab-build", "int8-accuracy")  # rows without a training step
+
+
 def render(rows: list[dict]) -> str:
-    resident = {_key(r): r["step_s"] for r in rows if r.get("mode") == "resident" and r.get("step_s")}
+    baselines = ("resident", "bf16-resident")  # bench_slab.py names its bf16 baseline bf16-resident
+    resident = {_key(r): r["step_s"] for r in rows if r.get("mode") in baselines and r.get("step_s")}
+    slab_rows = [r for r in rows if r.get("mode") in SLAB_ONLY]
+    rows = [r for r in rows if r.get("mode") not in SLAB_ONLY]
     out = [HEADER]
     models = sorted({r.get("model", "?") for r in rows})
     if not rows:
@@ -96,7 +102,7 @@ def render(rows: list[dict]) -> str:
     for model in models:
         mrows = [r for r in rows if r.get("model") == model]
         mrows.sort(key=lambda r: (r.get("date", "")[:10], r.get("run_id", ""), r.get("res", 0),
-                                  r.get("mode") != "resident", r.get("mode", "")))
+                                  r.get("mode") not in baselines, r.get("mode", "")))
         out.append(f"## {model}\n")
         out.append("| date | gpu | torch | diffusers | res | mode | rank | step s | x resident | peak alloc GB "
                    "| peak reserved GB | timed steps | LoRA params | command |")
@@ -115,6 +121,19 @@ def render(rows: list[dict]) -> str:
                 f"{ratio} | {_fmt(r.get('peak_alloc_gb'), 2)} | {_fmt(r.get('peak_reserved_gb'), 2)} | "
                 f"{r.get('steps_timed', '–')} | {_millions(r.get('lora_params'))} | `{r.get('command', '?')}`{note} |"
             )
+        out.append("")
+    if slab_rows:
+        out.append("## INT8 slab: build and accuracy (bench/bench_slab.py)\n")
+        out.append("| date | gpu | what | figure | command |")
+        out.append("|---|---|---|---|---|")
+        for r in slab_rows:
+            if r["mode"] == "slab-build":
+                fig = (f"{r.get('source_gb')} GB bf16 BFL checkpoint -> {r.get('slab_gb')} GB slab in "
+                       f"{r.get('build_s')} s, builder peak RSS {r.get('build_peak_rss_gb')} GB")
+            else:
+                fig = f"relative output error of one forward at {r.get('res')}², int8 vs bf16: {r.get('rel_output_error')}"
+            out.append(f"| {r.get('date', '')[:16].replace('T', ' ')} | {r.get('gpu', '?')} | {r['mode']} | {fig} | "
+                       f"`{r.get('command', '?')}` |")
         out.append("")
     out.append(REFERENCE)
     return "\n".join(out)

