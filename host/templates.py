@@ -142,7 +142,7 @@ def demo_tiny_lora() -> tuple[list[NodeSpec], list[NoteSpec]]:
                   "resolution": 128, "trigger_word": "ohwx", "default_caption": "", "repeats": 1, "flip": False,
                   "max_sequence_length": 0}, {"model": (1, 0)}, size=(340, 330)),
         NodeSpec(3, "LowVRAMOffloadConfig", "Offload Config", (40, 260),
-                 {"mode": "resident", "gradient_checkpointing": True}, size=(320, 110)),
+                 {"mode": "resident", "gradient_checkpointing": True}, size=(320, 230)),
         NodeSpec(4, "LowVRAMTrainLoRA", "Train LoRA", (780, 80),
                  {"steps": 30, "learning_rate": 2e-3, "rank": 8, "alpha": 8.0, "batch_size": 1,
                   "gradient_accumulation": 1, "lr_scheduler": "constant", "warmup_steps": 3, "seed": 0,
@@ -171,7 +171,7 @@ def flux1_dev_lora() -> tuple[list[NodeSpec], list[NoteSpec]]:
                   "resolution": 1024, "trigger_word": "ohwx", "default_caption": "", "repeats": 1, "flip": False,
                   "max_sequence_length": 0}, {"model": (1, 0)}, size=(340, 330)),
         NodeSpec(3, "LowVRAMOffloadConfig", "Offload Config", (40, 260),
-                 {"mode": "resident", "gradient_checkpointing": True}, size=(320, 110)),
+                 {"mode": "auto", "vram_budget_gb": 0.0, "gradient_checkpointing": True}, size=(320, 230)),
         NodeSpec(4, "LowVRAMTrainLoRA", "Train LoRA", (780, 80),
                  {"steps": 1500, "learning_rate": 1e-4, "rank": 16, "alpha": 16.0, "batch_size": 1,
                   "gradient_accumulation": 1, "lr_scheduler": "constant", "warmup_steps": 50, "seed": 42,
@@ -188,8 +188,11 @@ def flux1_dev_lora() -> tuple[list[NodeSpec], list[NoteSpec]]:
         "- models/diffusers/FLUX.1-dev/: the diffusers pipeline folder (text_encoder, text_encoder_2, tokenizer, "
         "tokenizer_2, vae) used to cache captions and latents. Single-file t5xxl/clip_l files carry no tokenizer.\n"
         "- datasets/my_subject/: your images with same-name .txt captions.\n\n"
-        "Memory today: mode 'resident' keeps the 12B transformer on the GPU (measured 27.4 GB peak at 1024 and "
-        "25.4 GB at 512 on an H100); streaming modes for smaller cards come with the Offload Config update.\n"
+        "Memory: Offload Config 'auto' with budget 0 plans for 90% of the free VRAM: everything resident if it "
+        "fits, else blocks stream from pinned host RAM (needs ~24 GB of free RAM for bf16, ~12 GB for an int8 "
+        "slab). Measured on an H100 at 1024 (bench/RESULTS.md): resident 27.4 GB peak, 1.02 s/step; "
+        "auto with a 6 GB budget 5.8 GB, 1.10x; stream + activation offload 3.65 GB, 1.15x; with "
+        "precision 'int8 slab' + stream + activation offload 2.6 GB at 1.04x the bf16 resident step.\n"
         "The LoRA is written to output/loras/; copy it to models/loras to use it."), (40, 420))]
     return nodes, notes
 

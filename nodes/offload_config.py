@@ -1,13 +1,27 @@
-"""Offload Config: how the model's memory is managed while training."""
+"""Offload Config: how the model's memory is managed while training.
+
+Tooltips come from the help text of OffloadConfig's fields (engine/offload/config.py),
+so each trade-off is explained once. Widgets cannot hold None: -1 / 0 / "auto" stand
+for "let the planner choose", as each tooltip says.
+"""
 from __future__ import annotations
 
 from .load_model import CATEGORY
 
 
+def _help(name: str, extra: str = "") -> str:
+    from ..engine.offload.config import help_text  # torch-free module
+
+    return help_text(name) + (" " + extra if extra else "")
+
+
 class LowVRAMOffloadConfig:
     DESCRIPTION = (
-        "How weights, activations and recomputation are managed during training. Today: all weights resident on "
-        "one device, with or without gradient checkpointing."
+        "How weights, activations and recomputation are managed during training. 'auto' plans from a VRAM budget: "
+        "everything resident when it fits, otherwise transformer blocks stream from pinned host RAM to the GPU just "
+        "ahead of use (forward and backward order), overlapped with compute. The plan (predicted peak VRAM, bytes "
+        "streamed per step, pinned host RAM) is printed before training and checked after the first steps. "
+        "Streaming needs a CUDA GPU; on a CPU 'auto' trains resident."
     )
     CATEGORY = CATEGORY
     RETURN_TYPES = ("LOWVRAM_OFFLOAD",)
@@ -19,19 +33,32 @@ class LowVRAMOffloadConfig:
     def INPUT_TYPES(cls):
         return {
             "required": {
-                "mode": (["resident"], {
-                    "default": "resident",
-                    "tooltip": "resident: every weight stays on the GPU (needs ~25 GB for Flux.1-dev at 1024).",
-                }),
-                "gradient_checkpointing": ("BOOLEAN", {
-                    "default": True,
-                    "tooltip": "Recompute each block's activations during backward instead of storing them: "
-                               "much less VRAM for about a third more compute. Keep it on.",
-                }),
+                "mode": (["auto", "resident", "stream"], {"default": "auto", "tooltip": _help("mode")}),
+                "vram_budget_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1024.0, "step": 0.5,
+                                             "tooltip": _help("vram_budget_gb")}),
+                "resident_blocks": ("INT", {"default": -1, "min": -1, "max": 512,
+                                            "tooltip": _help("resident_blocks", "-1 = let the planner choose.")}),
+                "prefetch_depth": ("INT", {"default": 0, "min": 0, "max": 8,
+                                           "tooltip": _help("prefetch_depth", "0 = let the planner choose.")}),
+                "activation_offload": (["auto", "on", "off"], {
+                    "default": "auto", "tooltip": _help("activation_offload", "auto = let the planner choose.")}),
+                "gradient_checkpointing": ("BOOLEAN", {"default": True, "tooltip": _help("gradient_checkpointing")}),
+                "max_pinned_fraction": ("FLOAT", {"default": 0.8, "min": 0.05, "max": 0.95, "step": 0.05,
+                                                  "tooltip": _help("max_pinned_fraction")}),
             }
         }
 
-    def configure(self, mode: str = "resident", gradient_checkpointing: bool = True):
+    def configure(self, mode: str = "auto", vram_budget_gb: float = 0.0, resident_blocks: int = -1,
+                  prefetch_depth: int = 0, activation_offload: str = "auto", gradient_checkpointing: bool = True,
+                  max_pinned_fraction: float = 0.8):
         from ..engine.offload import OffloadConfig
 
-        return (OffloadConfig(mode=mode, gradient_checkpointing=gradient_checkpointing),)
+        if activation_offload not in ("auto", "on", "off"):
+            raise ValueError(f"activation_offload={activation_offload!r} is not one of auto, on, off")
+        return (OffloadConfig(
+            mode=mode, vram_budget_gb=vram_budget_gb,
+            resident_blocks=None if resident_blocks < 0 else resident_blocks,
+            prefetch_depth=None if prefetch_depth == 0 else prefetch_depth,
+            activation_offload=None if activation_offload == "auto" else activation_offload == "on",
+            gradient_checkpointing=gradient_checkpointing, max_pinned_fraction=max_pinned_fraction,
+        ),)

@@ -69,8 +69,8 @@ class LowVRAMTrainLoRA:
             seed=seed, guidance=guidance, max_grad_norm=max_grad_norm,
             gradient_checkpointing=offload.gradient_checkpointing,
         )
-        extra = {} if offload.mode == "resident" else {"offload": offload}
-        lora = train_or_reuse(model, dataset, lora_cfg, train_cfg, cache_dir(), make_callback(unique_id), **extra)
+        lora = train_or_reuse(model, dataset, lora_cfg, train_cfg, cache_dir(), make_callback(unique_id),
+                              offload=offload)
         image, ui = _loss_curve_outputs(lora)
         return {"ui": ui, "result": (lora, image)}
 

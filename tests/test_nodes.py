@@ -132,3 +132,46 @@ def test_pack_loads_the_way_comfyui_loads_custom_nodes(monkeypatch):
     assert sys.modules["nodes"] is fake_comfy_nodes
     for key in [k for k in sys.modules if k.startswith(name + ".")]:
         monkeypatch.delitem(sys.modules, key)
+
+
+def test_offload_node_maps_widget_sentinels_and_refuses_bad_combinations():
+    from lowvram_lora.engine.errors import ConfigError
+    from lowvram_lora.nodes.offload_config import LowVRAMOffloadConfig
+
+    node = LowVRAMOffloadConfig()
+    (auto,) = node.configure()
+    assert auto.mode == "auto" and auto.resident_blocks is None and auto.prefetch_depth is None
+    assert auto.activation_offload is None and auto.vram_budget_gb == 0.0
+    (stream,) = node.configure(mode="stream", resident_blocks=3, prefetch_depth=1, activation_offload="on")
+    assert (stream.resident_blocks, stream.prefetch_depth, stream.activation_offload) == (3, 1, True)
+    with pytest.raises(ConfigError, match="gradient_checkpointing"):
+        node.configure(mode="stream", gradient_checkpointing=False)
+    with pytest.raises(ConfigError, match="only apply to streaming"):
+        node.configure(mode="resident", prefetch_depth=2)
+    with pytest.raises(ConfigError, match="only applies to mode='auto'"):
+        node.configure(mode="stream", vram_budget_gb=4)
+
+
+def test_auto_trains_resident_on_cpu_and_stream_needs_cuda(tiny_pipeline, tiny_cache):
+    import torch
+
+    from lowvram_lora.engine.callbacks import TrainingCallback
+    from lowvram_lora.engine.config import LoraSettings, ModelConfig, TrainConfig
+    from lowvram_lora.engine.errors import ConfigError
+    from lowvram_lora.engine.offload import OffloadConfig
+    from lowvram_lora.engine.train import train_lora
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only behaviour")
+    logs = []
+
+    class Log(TrainingCallback):
+        def log(self, message):
+            logs.append(message)
+
+    mc = ModelConfig(transformer_path=str(tiny_pipeline))
+    result = train_lora(mc, tiny_cache, LoraSettings(rank=2), TrainConfig(steps=2), Log(),
+                        offload=OffloadConfig(mode="auto"))
+    assert result.steps == 2 and any("stays resident" in m for m in logs)
+    with pytest.raises(ConfigError, match="CUDA"):
+        train_lora(mc, tiny_cache, LoraSettings(rank=2), TrainConfig(steps=2), offload=OffloadConfig(mode="stream"))

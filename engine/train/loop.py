@@ -76,6 +76,11 @@ def train_lora(
     device = resolve_device(train.device)
     dtype = resolve_dtype(model_cfg.dtype, device)
     streaming = offload is not None and offload.streams
+    if streaming and offload.mode == "auto" and device.type != "cuda":
+        # auto means "choose for me": on a CPU the only choice is resident (an explicit
+        # mode='stream' still gets require_cuda's error below).
+        cb.log("offload mode 'auto' on the CPU: every weight stays resident (streaming needs a CUDA GPU)")
+        streaming = False
     if offload is not None and offload.gradient_checkpointing != train.gradient_checkpointing:
         raise ConfigError(
             f"OffloadConfig.gradient_checkpointing={offload.gradient_checkpointing} but "
