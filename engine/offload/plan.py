@@ -160,8 +160,9 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
     breakdown = {
         "weights": fp.other_bytes + sum(fp.block_bytes[i] for i in resident) + num_slots * slot_bytes,
         "lora+adam": fp.trainable_params * LORA_BYTES_PER_PARAM,
-        "activations": int((kept_inputs + TRANSIENT_UNITS) * unit + TRANSIENT_BYTES
-                           + (OFFLOADED_KEPT_BYTES if activation_offload else 0)),
+        # The fitted line has a negative intercept; clamp so tiny models never predict < 0.
+        "activations": max(0, int((kept_inputs + TRANSIENT_UNITS) * unit + TRANSIENT_BYTES
+                                  + (OFFLOADED_KEPT_BYTES if activation_offload else 0))),
     }
     peak = (breakdown["weights"] + breakdown["lora+adam"]
             + max(breakdown["activations"], fp.trainable_params * OPTIMIZER_BYTES_PER_PARAM))
