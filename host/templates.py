@@ -133,25 +133,33 @@ def render_thumbnail(ui: dict, path: Path, width: int = 640, height: int = 360) 
 # --- the shipped graphs ------------------------------------------------------------
 
 
-def demo_tiny_lora() -> tuple[list[NodeSpec], list[NoteSpec]]:
-    nodes = [
-        NodeSpec(1, "LowVRAMLoadQuantizedSlab", "Load Quantized Slab", (40, 80),
-                 {"checkpoint": "flux1-tiny.safetensors", "family": "auto", "precision": "bf16"}, size=(320, 130)),
+def _train_graph(load: dict, cache: dict, offload: dict, train: dict, save: dict) -> list[NodeSpec]:
+    """The five-node training graph every shipped workflow uses, with its widget values."""
+    return [
+        NodeSpec(1, "LowVRAMLoadQuantizedSlab", "Load Quantized Slab", (40, 80), load, size=(320, 130)),
         NodeSpec(2, "LowVRAMCacheTextEmbeds", "Cache Text Embeds", (400, 80),
-                 {"text_encoders": "diffusers/flux1-tiny", "dataset_path": "demo_output/datasets/shapes",
-                  "resolution": 128, "trigger_word": "ohwx", "default_caption": "", "repeats": 1, "flip": False,
-                  "max_sequence_length": 0}, {"model": (1, 0)}, size=(340, 330)),
+                 {"trigger_word": "ohwx", "default_caption": "", "repeats": 1, "flip": False,
+                  "max_sequence_length": 0, **cache}, {"model": (1, 0)}, size=(340, 330)),
         NodeSpec(3, "LowVRAMOffloadConfig", "Offload Config", (40, 260),
-                 {"mode": "resident", "gradient_checkpointing": True}, size=(320, 230)),
+                 {"gradient_checkpointing": True, **offload}, size=(320, 230)),
         NodeSpec(4, "LowVRAMTrainLoRA", "Train LoRA", (780, 80),
-                 {"steps": 30, "learning_rate": 2e-3, "rank": 8, "alpha": 8.0, "batch_size": 1,
-                  "gradient_accumulation": 1, "lr_scheduler": "constant", "warmup_steps": 3, "seed": 0,
-                  "guidance": 1.0, "max_grad_norm": 1.0},
+                 {"batch_size": 1, "gradient_accumulation": 1, "lr_scheduler": "constant", "guidance": 1.0,
+                  "max_grad_norm": 1.0, **train},
                  {"model": (1, 0), "dataset": (2, 0), "offload": (3, 0)}, size=(330, 420)),
-        NodeSpec(5, "LowVRAMSaveLoRA", "Save LoRA", (1150, 80),
-                 {"filename_prefix": "loras/demo_tiny_lora", "format": "comfyui", "dtype": "bf16"},
+        NodeSpec(5, "LowVRAMSaveLoRA", "Save LoRA", (1150, 80), {"format": "comfyui", "dtype": "bf16", **save},
                  {"lora": (4, 0)}, size=(320, 150)),
     ]
+
+
+def demo_tiny_lora() -> tuple[list[NodeSpec], list[NoteSpec]]:
+    nodes = _train_graph(
+        load={"checkpoint": "flux1-tiny.safetensors", "family": "auto", "precision": "bf16"},
+        cache={"text_encoders": "diffusers/flux1-tiny", "dataset_path": "demo_output/datasets/shapes",
+               "resolution": 128},
+        offload={"mode": "resident"},
+        train={"steps": 30, "learning_rate": 2e-3, "rank": 8, "alpha": 8.0, "warmup_steps": 3, "seed": 0},
+        save={"filename_prefix": "loras/demo_tiny_lora"},
+    )
     notes = [NoteSpec(6, (
         "Demo: trains a LoRA on a tiny random Flux.1-architecture model, on CPU, in about a minute.\n\n"
         "Prepare the files once with:\n  lowvram-lora demo --prepare-only --dir <ComfyUI root>\n"
@@ -163,24 +171,13 @@ def demo_tiny_lora() -> tuple[list[NodeSpec], list[NoteSpec]]:
 
 
 def flux1_dev_lora() -> tuple[list[NodeSpec], list[NoteSpec]]:
-    nodes = [
-        NodeSpec(1, "LowVRAMLoadQuantizedSlab", "Load Quantized Slab", (40, 80),
-                 {"checkpoint": "flux1-dev.safetensors", "family": "flux1", "precision": "bf16"}, size=(320, 130)),
-        NodeSpec(2, "LowVRAMCacheTextEmbeds", "Cache Text Embeds", (400, 80),
-                 {"text_encoders": "diffusers/FLUX.1-dev", "dataset_path": "datasets/my_subject",
-                  "resolution": 1024, "trigger_word": "ohwx", "default_caption": "", "repeats": 1, "flip": False,
-                  "max_sequence_length": 0}, {"model": (1, 0)}, size=(340, 330)),
-        NodeSpec(3, "LowVRAMOffloadConfig", "Offload Config", (40, 260),
-                 {"mode": "auto", "vram_budget_gb": 0.0, "gradient_checkpointing": True}, size=(320, 230)),
-        NodeSpec(4, "LowVRAMTrainLoRA", "Train LoRA", (780, 80),
-                 {"steps": 1500, "learning_rate": 1e-4, "rank": 16, "alpha": 16.0, "batch_size": 1,
-                  "gradient_accumulation": 1, "lr_scheduler": "constant", "warmup_steps": 50, "seed": 42,
-                  "guidance": 1.0, "max_grad_norm": 1.0},
-                 {"model": (1, 0), "dataset": (2, 0), "offload": (3, 0)}, size=(330, 420)),
-        NodeSpec(5, "LowVRAMSaveLoRA", "Save LoRA", (1150, 80),
-                 {"filename_prefix": "loras/flux1_dev_lora", "format": "comfyui", "dtype": "bf16"},
-                 {"lora": (4, 0)}, size=(320, 150)),
-    ]
+    nodes = _train_graph(
+        load={"checkpoint": "flux1-dev.safetensors", "family": "flux1", "precision": "bf16"},
+        cache={"text_encoders": "diffusers/FLUX.1-dev", "dataset_path": "datasets/my_subject", "resolution": 1024},
+        offload={"mode": "auto", "vram_budget_gb": 0.0},
+        train={"steps": 1500, "learning_rate": 1e-4, "rank": 16, "alpha": 16.0, "warmup_steps": 50, "seed": 42},
+        save={"filename_prefix": "loras/flux1_dev_lora"},
+    )
     notes = [NoteSpec(6, (
         "Flux.1-dev LoRA at 1024x1024.\n\nFiles:\n"
         "- models/diffusion_models/flux1-dev.safetensors: the transformer (BFL single file; bf16 or fp8), or pick "

@@ -42,3 +42,19 @@ def tiny_cache(tiny_pipeline, tmp_path_factory):
         DataConfig(path=str(data), resolution=128, bucket_step=32),
         root / "cache",
     )
+
+
+@pytest.fixture
+def models_with_placeholders(tmp_path):
+    """Combos list what is on disk: make the files the shipped workflows name exist."""
+    from lowvram_lora.nodes.paths import configure_standalone_dirs
+
+    models = tmp_path / "models"
+    (models / "diffusion_models").mkdir(parents=True)
+    for name in ("flux1-dev.safetensors", "flux1-tiny.safetensors"):
+        (models / "diffusion_models" / name).write_bytes(b"")
+    for name in ("FLUX.1-dev", "flux1-tiny"):
+        (models / "diffusers" / name).mkdir(parents=True)
+        (models / "diffusers" / name / "model_index.json").write_text("{}")
+    configure_standalone_dirs(str(models), str(tmp_path / "out"))
+    return models

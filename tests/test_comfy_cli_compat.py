@@ -44,20 +44,6 @@ def _restore_standalone_dirs():
 
 
 @pytest.fixture
-def models_with_placeholders(tmp_path):
-    """Combos list what is on disk: make the files the shipped workflows name exist."""
-    models = tmp_path / "models"
-    (models / "diffusion_models").mkdir(parents=True)
-    for name in ("flux1-dev.safetensors", "flux1-tiny.safetensors"):
-        (models / "diffusion_models" / name).write_bytes(b"")
-    for name in ("FLUX.1-dev", "flux1-tiny"):
-        (models / "diffusers" / name).mkdir(parents=True)
-        (models / "diffusers" / name / "model_index.json").write_text("{}")
-    configure_standalone_dirs(str(models), str(tmp_path / "out"))
-    return models
-
-
-@pytest.fixture
 def info(models_with_placeholders):
     errors: list[str] = []
     out = object_info(NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS, errors=errors)

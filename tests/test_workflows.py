@@ -14,20 +14,6 @@ from lowvram_lora.nodes.paths import configure_standalone_dirs
 NAMES = sorted(SHIPPED)
 
 
-@pytest.fixture
-def models_with_placeholders(tmp_path):
-    """Combos list files from the models folder: make the names the workflows use exist."""
-    models = tmp_path / "models"
-    (models / "diffusion_models").mkdir(parents=True)
-    for name in ("flux1-dev.safetensors", "flux1-tiny.safetensors"):
-        (models / "diffusion_models" / name).write_bytes(b"")
-    for name in ("FLUX.1-dev", "flux1-tiny"):
-        (models / "diffusers" / name).mkdir(parents=True)
-        (models / "diffusers" / name / "model_index.json").write_text("{}")
-    configure_standalone_dirs(str(models), str(tmp_path / "out"))
-    return models
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_shipped_files_match_the_builder(name):
     ui, api = build(name, NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS)
