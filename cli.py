@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 
 def _build_parser() -> argparse.ArgumentParser:

@@ -5,7 +5,7 @@ Each default is the one a first-time user should keep, with the reason beside it
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from .errors import ConfigError

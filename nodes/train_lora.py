@@ -4,7 +4,7 @@ from __future__ import annotations
 import uuid
 
 from .load_model import CATEGORY
-from .paths import cache_dir, comfy_folder_paths, output_dir
+from .paths import cache_dir, comfy_folder_paths
 
 
 class LowVRAMTrainLoRA:
