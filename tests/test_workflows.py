@@ -128,3 +128,17 @@ def test_demo_workflow_trains_on_an_int8_slab_built_once(tmp_path, capsys):
     assert run_workflow_command(args, NODE_CLASS_MAPPINGS, configure_dirs=configure_standalone_dirs) == 0
     assert slabs[0].stat().st_mtime_ns == built_at
     assert len(list((tmp_path / "out" / "loras").glob("*.safetensors"))) == 2
+
+
+def test_python_dash_m_run_exit_codes(tmp_path):
+    """The real entry point, in a subprocess: a bad workflow exits 1 with one clear line."""
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"1": {"class_type": "NoSuchNode", "inputs": {}}}))
+    out = subprocess.run([sys.executable, "-m", "lowvram_lora", "run", str(bad), "--models-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "NoSuchNode" in out.stderr and "Traceback" not in out.stderr
+    help_out = subprocess.run([sys.executable, "-m", "lowvram_lora", "--help"], capture_output=True, text=True)
+    assert help_out.returncode == 0 and all(c in help_out.stdout for c in ("run", "demo", "slab"))
