@@ -34,7 +34,9 @@ class TrainingCallback:
         """A human-readable line (plans, cache hits, warnings)."""
 
     def should_stop(self) -> bool:
-        """Polled every micro-step; True ends training cleanly after the current step."""
+        """Polled between micro-steps and after every step but the last. True ends training
+        cleanly: a partial step is dropped, finished steps are kept. May raise (ComfyUI's
+        interrupt does); the engine frees the GPU on the way out."""
         return False
 
 

@@ -157,7 +157,7 @@ def demo_tiny_lora() -> tuple[list[NodeSpec], list[NoteSpec]]:
         cache={"text_encoders": "diffusers/flux1-tiny", "dataset_path": "demo_output/datasets/shapes",
                "resolution": 128},
         offload={"mode": "resident"},
-        train={"steps": 30, "learning_rate": 2e-3, "rank": 8, "alpha": 8.0, "warmup_steps": 3, "seed": 0},
+        train={"steps": 30, "learning_rate": 2e-3, "rank": 8, "alpha": 8.0, "warmup_steps": 3, "training_seed": 0},
         save={"filename_prefix": "loras/demo_tiny_lora"},
     )
     notes = [NoteSpec(6, (
@@ -175,7 +175,7 @@ def flux1_dev_lora() -> tuple[list[NodeSpec], list[NoteSpec]]:
         load={"checkpoint": "flux1-dev.safetensors", "family": "flux1", "precision": "bf16"},
         cache={"text_encoders": "diffusers/FLUX.1-dev", "dataset_path": "datasets/my_subject", "resolution": 1024},
         offload={"mode": "auto", "vram_budget_gb": 0.0},
-        train={"steps": 1500, "learning_rate": 1e-4, "rank": 16, "alpha": 16.0, "warmup_steps": 50, "seed": 42},
+        train={"steps": 1500, "learning_rate": 1e-4, "rank": 16, "alpha": 16.0, "warmup_steps": 50, "training_seed": 42},
         save={"filename_prefix": "loras/flux1_dev_lora"},
     )
     notes = [NoteSpec(6, (

@@ -85,8 +85,9 @@ class LowVRAMCacheTextEmbeds:
 
         from ..engine.caching import build_dataset_cache
         from ..engine.config import DataConfig
-        from .progress import make_callback
+        from .progress import free_comfy_vram, make_callback
 
+        free_comfy_vram()
         model_cfg = model.config
         if text_encoders != FROM_CHECKPOINT:
             model_cfg = replace(model_cfg, pipeline_path=str(resolve_choice(text_encoders)))

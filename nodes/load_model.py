@@ -46,10 +46,11 @@ class LowVRAMLoadQuantizedSlab:
     def IS_CHANGED(cls, checkpoint, family="auto", precision="bf16", **_):
         # Re-check when the file on disk changes (ComfyUI otherwise caches by widget values).
         try:
-            st = resolve_choice(checkpoint).stat()
-            return f"{st.st_size}-{st.st_mtime_ns}"
+            path = resolve_choice(checkpoint)
         except FileNotFoundError:
             return checkpoint
+        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+        return ";".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files) + precision
 
     def load(self, checkpoint: str, family: str = "auto", precision: str = "bf16", unique_id=None):
         from ..engine.config import ModelConfig

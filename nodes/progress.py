@@ -80,3 +80,16 @@ def make_callback(node_id: str | None = None) -> TrainingCallback:
     if comfy is None:
         return ConsoleCallback()
     return ComfyCallback(comfy[0], comfy[1], node_id)
+
+
+def free_comfy_vram() -> None:
+    """Inside ComfyUI, unload the models it keeps on the GPU (a Flux generated a minute ago
+    holds ~24 GB) before we cache or train: the offload plan sizes itself from free VRAM."""
+    comfy = _comfy()
+    if comfy is None:
+        return
+    mm = comfy[1]
+    if hasattr(mm, "unload_all_models"):
+        mm.unload_all_models()
+    if hasattr(mm, "soft_empty_cache"):
+        mm.soft_empty_cache()

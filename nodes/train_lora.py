@@ -1,6 +1,7 @@
 """Train LoRA: runs the engine's training loop; shows the loss curve."""
 from __future__ import annotations
 
+import os
 import uuid
 
 from .load_model import CATEGORY
@@ -43,8 +44,11 @@ class LowVRAMTrainLoRA:
                                                           "tooltip": "constant: flat after warmup; cosine: decays to 0."}),
                 "warmup_steps": ("INT", {"default": 0, "min": 0, "max": 100_000,
                                          "tooltip": "Steps of linear learning-rate warmup at the start."}),
-                "seed": ("INT", {"default": 42, "min": 0, "max": 0xFFFFFFFF,
-                                 "tooltip": "Seeds LoRA init, noise, timesteps and data order: same seed, same run."}),
+                # Not named "seed": ComfyUI gives inputs named seed a "control after generate"
+                # widget that defaults to randomize, which would retrain on every queue.
+                "training_seed": ("INT", {"default": 42, "min": 0, "max": 0xFFFFFFFF,
+                                          "tooltip": "Seeds LoRA init, noise, timesteps and data order: same seed, "
+                                                     "same run. Change it to train again with identical settings."}),
                 "guidance": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 10.0, "step": 0.1,
                                        "tooltip": "Guidance value fed to guidance-distilled models (Flux.1-dev) while "
                                                   "training; 1.0 is the usual recipe. Ignored by schnell."}),
@@ -56,17 +60,18 @@ class LowVRAMTrainLoRA:
 
     def train(self, model, dataset, offload, steps: int = 1000, learning_rate: float = 1e-4, rank: int = 16,
               alpha: float = 16.0, batch_size: int = 1, gradient_accumulation: int = 1, lr_scheduler: str = "constant",
-              warmup_steps: int = 0, seed: int = 42, guidance: float = 1.0, max_grad_norm: float = 1.0,
+              warmup_steps: int = 0, training_seed: int = 42, guidance: float = 1.0, max_grad_norm: float = 1.0,
               unique_id=None):
         from ..engine.config import LoraSettings, TrainConfig
         from ..engine.train.result_reuse import train_or_reuse
-        from .progress import make_callback
+        from .progress import free_comfy_vram, make_callback
 
+        free_comfy_vram()
         lora_cfg = LoraSettings(rank=rank, alpha=alpha)
         train_cfg = TrainConfig(
             steps=steps, learning_rate=learning_rate, batch_size=batch_size,
             gradient_accumulation=gradient_accumulation, lr_scheduler=lr_scheduler, warmup_steps=warmup_steps,
-            seed=seed, guidance=guidance, max_grad_norm=max_grad_norm,
+            seed=training_seed, guidance=guidance, max_grad_norm=max_grad_norm,
             gradient_checkpointing=offload.gradient_checkpointing,
         )
         lora = train_or_reuse(model, dataset, lora_cfg, train_cfg, cache_dir(), make_callback(unique_id),
@@ -87,7 +92,8 @@ def _loss_curve_outputs(lora):
     fp = comfy_folder_paths()
     name = f"lowvram_loss_{uuid.uuid4().hex[:8]}.png"
     if fp is not None:
-        img.save(f"{fp.get_temp_directory()}/{name}")
+        os.makedirs(fp.get_temp_directory(), exist_ok=True)
+        img.save(os.path.join(fp.get_temp_directory(), name))
         ui = {"images": [{"filename": name, "subfolder": "", "type": "temp"}]}
     else:
         ui = {"final_loss": [round(lora.loss_history[-1], 6)] if lora.loss_history else [],

@@ -105,3 +105,16 @@ def test_corrupt_manifest_and_missing_entry(tiny_pipeline, tiny_dataset, tmp_pat
     built.manifest_path.write_text("{not json")
     with pytest.raises(CacheError, match="rebuild"):
         open_dataset_cache(built.manifest_path)
+
+
+def test_same_layout_different_weights_have_different_identities(tmp_path):
+    """A fine-tune saved like its base has a byte-identical header and size: the identity
+    must still differ, or caches, slabs and finished runs of the base would be reused."""
+    from safetensors.torch import save_file
+
+    from lowvram_lora.engine.caching.hashing import path_identity
+
+    for name, value in (("base", 0.0), ("finetune", 1.0), ("base_copy", 0.0)):
+        save_file({"w": torch.full((1024, 1024), value)}, str(tmp_path / f"{name}.safetensors"))
+    ids = {n: path_identity(tmp_path / f"{n}.safetensors") for n in ("base", "finetune", "base_copy")}
+    assert ids["base"] != ids["finetune"] and ids["base"] == ids["base_copy"]

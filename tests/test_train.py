@@ -121,3 +121,27 @@ def test_flux_time_shift_pushes_toward_noise_at_high_resolution():
     g = torch.Generator().manual_seed(0)
     s_large = sample_sigmas(4096, g, mu=family.timestep_shift_mu(large)).mean()
     assert 0.5 < s_small < s_large < 1.0
+
+
+def test_stop_between_micro_steps_keeps_finished_steps(tiny_pipeline, tiny_cache):
+    class StopInSecondStep(TrainingCallback):
+        def __init__(self):
+            self.polls = 0
+
+        def should_stop(self):
+            self.polls += 1
+            return self.polls >= 3  # polls: step1 micro0, step1 end, step2 micro0 -> stop
+
+    result = train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), tiny_cache, LoraSettings(rank=2),
+                        TrainConfig(steps=10, gradient_accumulation=2), StopInSecondStep())
+    assert result.interrupted and result.steps == 1 and len(result.loss_history) == 1 and result.state_dict
+
+
+def test_stop_request_on_the_last_step_does_not_discard_the_run(tiny_pipeline, tiny_cache):
+    class AlwaysRaise(TrainingCallback):
+        def should_stop(self):
+            raise KeyboardInterrupt  # would lose the run if polled after the final step
+
+    result = train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), tiny_cache, LoraSettings(rank=2),
+                        TrainConfig(steps=1), AlwaysRaise())
+    assert result.steps == 1 and not result.interrupted

@@ -68,7 +68,7 @@ def test_demo_workflow_runs_end_to_end_and_reruns_without_training(tmp_path, cap
     assert len(sorted((tmp_path / "out" / "loras").glob("*.safetensors"))) == 2
 
     # A changed input trains again.
-    args.overrides.append("4.seed=1")
+    args.overrides.append("4.training_seed=1")
     assert run_workflow_command(args, NODE_CLASS_MAPPINGS, configure_dirs=configure_standalone_dirs) == 0
     assert "reusing" not in capsys.readouterr().out
 
@@ -124,7 +124,7 @@ def test_demo_workflow_trains_on_an_int8_slab_built_once(tmp_path, capsys):
     built_at = slabs[0].stat().st_mtime_ns
     out = capsys.readouterr().out
     assert "int8 slab" in out
-    args.overrides.append("4.seed=3")  # train again (new seed), the slab is reused as is
+    args.overrides.append("4.training_seed=3")  # train again (new seed), the slab is reused as is
     assert run_workflow_command(args, NODE_CLASS_MAPPINGS, configure_dirs=configure_standalone_dirs) == 0
     assert slabs[0].stat().st_mtime_ns == built_at
     assert len(list((tmp_path / "out" / "loras").glob("*.safetensors"))) == 2

@@ -96,7 +96,9 @@ class Checkpoint:
             {"name": f.path.name, "size": f.size, "header_sha256": f.header_sha256} for f in self.files
         ]
         config_sha = hashlib.sha256(self.config_bytes).hexdigest() if self.config_bytes else None
-        ident = [[f["size"], f["header_sha256"]] for f in files] + [config_sha]
+        # Sampled data too: a fine-tune saved like its base has the same headers and sizes.
+        ident = [[f["size"], f["header_sha256"], _sampled(f_obj.path, len(f_obj.header_bytes))]
+                 for f, f_obj in zip(files, self.files)] + [config_sha]
         headers = hashlib.sha256(b"".join(f.header_bytes for f in self.files)).hexdigest()
         return {
             "kind": self.kind,
@@ -193,3 +195,10 @@ def _open_diffusers(folder: Path, family_id: str) -> Checkpoint:
                 raise ModelLoadError(f"'{folder}': tensor '{name}' appears in two files ({tensors[name].file.path.name}, {f.path.name})")
             tensors[name] = SourceTensor(name, f, key, 0, entry.shape, entry.dtype)
     return Checkpoint("diffusers", folder, family, _variant_for_config(family, config), config, tensors, files, config_bytes)
+
+
+def _sampled(path: Path, header_len: int) -> str:
+    from ..caching.hashing import sampled_data_hash
+
+    with open(path, "rb") as f:
+        return sampled_data_hash(f, 8 + header_len, path.stat().st_size).hex()

@@ -153,12 +153,21 @@ def train_lora(
         with _attention_backends(device):
             for step in range(1, train.steps + 1):
                 t0 = time.perf_counter()
-                loss_sum = 0.0
-                for _ in range(train.gradient_accumulation):
+                loss_sum, stopped = 0.0, False
+                for micro in range(train.gradient_accumulation):
                     latents, embeds = _load_batch(dataset, next(batches), device, dtype, gen)
                     loss = _micro_step(model, family, latents, embeds, train, gen, autocast)
                     (loss / train.gradient_accumulation).backward()
                     loss_sum += loss.item()
+                    # Between micro-steps too: with long accumulation, Stop must not wait a whole step.
+                    if micro < train.gradient_accumulation - 1 and cb.should_stop():
+                        stopped = True
+                        break
+                if stopped:  # the partial step is dropped; the finished steps are kept
+                    optimizer.zero_grad(set_to_none=True)
+                    result.interrupted = True
+                    cb.log(f"stopped during step {step}/{train.steps} on request; keeping {step - 1} steps")
+                    break
                 grad_norm = _clip(params, train.max_grad_norm)
                 optimizer.step()
                 scheduler.step()
@@ -176,7 +185,7 @@ def train_lora(
                 result.peak_vram_gb = peak
                 cb.on_step(StepInfo(step, train.steps, result.loss_history[-1], result.lr_history[-1],
                                     grad_norm, time.perf_counter() - t0, peak))
-                if cb.should_stop() and step < train.steps:
+                if step < train.steps and cb.should_stop():  # never after the last: keep a finished run
                     result.interrupted = True
                     cb.log(f"stopped at step {step}/{train.steps} on request")
                     break
@@ -203,7 +212,7 @@ def train_lora(
         if train.gradient_checkpointing:
             model.disable_gradient_checkpointing()
         model.eval()
-        del optimizer, params
+        del optimizer, scheduler, params
         if preloaded is None:
             del model
         gc.collect()

@@ -17,22 +17,29 @@ from safetensors.torch import load_file, save_file
 
 from ..caching.hashing import stable_hash
 from ..config import LoraSettings, TrainConfig
+from ..version import VERSION
 from .trained_lora import TrainedLora
+
+REUSE_FORMAT = 1  # bump when the stored entry's layout changes
 
 _KEEP_OUT = ("device", "gradient_checkpointing")  # settings that do not change the trained weights
 
 
 def training_key(model_identity: str, dataset_hash: str, lora: LoraSettings, train: TrainConfig) -> str:
+    """The engine version is in the key: a fixed loop or new defaults must train again."""
     settings = {k: v for k, v in asdict(train).items() if k not in _KEEP_OUT}
-    return stable_hash([model_identity, dataset_hash, asdict(lora), settings])
+    return stable_hash([VERSION, REUSE_FORMAT, model_identity, dataset_hash, asdict(lora), settings])
 
 
 def load_finished(cache_dir: Path, key: str) -> TrainedLora | None:
     weights, info = cache_dir / "trained" / f"{key}.safetensors", cache_dir / "trained" / f"{key}.json"
     if not (weights.exists() and info.exists()):
         return None
-    meta = json.loads(info.read_text())
-    return TrainedLora(state_dict=load_file(str(weights)), **meta)
+    try:
+        meta = json.loads(info.read_text())
+        return TrainedLora(state_dict=load_file(str(weights)), **meta)
+    except Exception:  # unreadable or from another layout: a miss, train again
+        return None
 
 
 def store_finished(cache_dir: Path, key: str, lora: TrainedLora) -> None:
