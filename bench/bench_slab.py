@@ -4,9 +4,9 @@
 2. Builds the slab from it in a child process (wall time, peak host RSS of the builder, slab size).
 3. Loads both (bf16 from the checkpoint, int8 from the memory-mapped slab) and measures the
    relative output error of one forward at ``--res``, int8 vs bf16.
-4. Trains LoRA r16 through ``train_lora``: ``bf16-resident`` (the baseline of this run),
-   ``int8-resident`` (int8 blocks on the GPU, dequantized per layer), and ``int8-stream-k<K>[-act]``
-   (int8 bytes streamed from pinned host memory, dequantized on the GPU).
+4. Trains LoRA r16 through ``train_lora``: ``bf16-resident`` (the baseline of this run), then modes
+   ``<bf16|int8>-<resident|stream-k<K>[-act]>[-8bit]``: int8 blocks resident or streamed from pinned
+   host memory (dequantized on the GPU), activation offload, torchao 8-bit AdamW moments.
 
 Rows are appended to ``--out`` in train_bench.py's format (``bench/report.py`` renders them).
 
@@ -76,13 +76,14 @@ def _forward(family, model, res, device):
         return model(**_inputs(family, model, res, device))[0].float()
 
 
-def _train(model, family, variant, dataset, args, offload, recorder):
+def _train(model, family, variant, dataset, args, offload, recorder, optimizer="adamw"):
     from lowvram_lora.engine.config import LoraSettings, ModelConfig, TrainConfig
     from lowvram_lora.engine.train import train_lora
 
     return train_lora(
         ModelConfig(dtype="bf16", family="flux1"), dataset, LoraSettings(rank=args.rank, alpha=float(args.rank)),
-        TrainConfig(steps=args.warmup + args.timed, device="cuda", gradient_checkpointing=True, learning_rate=1e-4),
+        TrainConfig(steps=args.warmup + args.timed, device="cuda", gradient_checkpointing=True, learning_rate=1e-4,
+                    optimizer=optimizer),
         recorder.callback, preloaded=(model, family, variant), offload=offload,
     )
 
@@ -144,30 +145,33 @@ def main(argv=None) -> int:
         dataset = write_synthetic_cache(Path(tmp), family, variant, dict(bf16.config), args.res, 4, 0)
         int8.to("cpu")  # each mode places only its own model on the GPU: peaks are that mode's alone
         for mode in args.modes:
+            # <bf16|int8>-<resident|stream-k<K>[-act]>[-8bit]; -8bit = torchao AdamW8bit moments
+            optimizer = "adamw8bit" if mode.endswith("-8bit") else "adamw"
+            precision, _, placement = mode.removesuffix("-8bit").partition("-")
+            if precision == "int8" and bf16 is not None:  # bf16 modes come first; free its 24 GB
+                bf16.to("cpu")
+                bf16 = None
+                gc.collect()
+            model = bf16 if precision == "bf16" else int8
+            if model is None or precision not in ("bf16", "int8"):
+                raise SystemExit(f"mode {mode!r}: list bf16 modes before int8 ones; precision bf16|int8")
             offload = None
-            if mode == "bf16-resident":
-                model = bf16
+            if placement == "resident":
+                model.to(device)
+            elif placement.startswith("stream-k"):
+                model.to("cpu")  # streamed: blocks go to pinned host memory, the rest to the GPU
+                spec = placement[len("stream-k"):]
+                offload = OffloadConfig(mode="stream", prefetch_depth=int(spec[0]),
+                                        activation_offload=spec.endswith("-act"))
             else:
-                if bf16 is not None:  # the baseline is done: free its 24 GB of host and GPU memory
-                    bf16.to("cpu")
-                    bf16 = None
-                model = int8
-                if mode == "int8-resident":
-                    int8.to(device)
-                elif mode.startswith("int8-stream-k"):
-                    int8.to("cpu")  # streamed: blocks go to pinned host memory, the rest to the GPU
-                    spec = mode[len("int8-stream-k"):]
-                    offload = OffloadConfig(mode="stream", prefetch_depth=int(spec[0]),
-                                            activation_offload=spec.endswith("-act"))
-                else:
-                    raise SystemExit(f"unknown mode {mode!r}")
+                raise SystemExit(f"unknown mode {mode!r}")
             gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
             rec = StepRecorder(mode)
             t = time.perf_counter()
             try:
-                _train(model, family, variant, dataset, args, offload, rec)
+                _train(model, family, variant, dataset, args, offload, rec, optimizer)
                 error = None
             except torch.cuda.OutOfMemoryError as exc:
                 error = f"OOM: {str(exc)[:300]}"

@@ -3,10 +3,10 @@
 # Needs the wheels in .whl/ (carried with the call: run(..., carry=[".whl", ...])), made here with
 #     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-#         --platform any -d .whl diffusers==0.42.1 importlib_metadata lazy-importer
+#         --platform any -d .whl diffusers==0.42.1 importlib_metadata lazy-importer torchao==0.17.0
 # (the machine has torch, transformers, peft, accelerate, safetensors but no diffusers;
 # importlib_metadata >= 10 needs lazy-importer). Our package is imported from this checkout
-# through a symlink, without pip. torchao is not needed and not installed.
+# through a symlink, without pip. torchao 0.17.0 (optimizer=adamw8bit) is carried the same way.
 if ! ls .whl/*.whl >/dev/null 2>&1; then
     echo "gpu_env.sh: no wheels in $PWD/.whl (carry .whl)" >&2
     return 1 2>/dev/null || exit 1

@@ -54,6 +54,12 @@ class LowVRAMTrainLoRA:
                                                   "training; 1.0 is the usual recipe. Ignored by schnell."}),
                 "max_grad_norm": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 100.0, "step": 0.1,
                                             "tooltip": "Gradient clipping; 0 disables it."}),
+                "optimizer": (["adamw", "adamw8bit"], {
+                    "default": "adamw",
+                    "tooltip": "adamw: fp32 optimizer state (16 bytes per LoRA weight with its gradient). "
+                               "adamw8bit: torchao's 8-bit moments (~10 bytes), ~0.3 GB less VRAM for a "
+                               "Flux.1 r16 LoRA; CUDA only.",
+                }),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -61,7 +67,7 @@ class LowVRAMTrainLoRA:
     def train(self, model, dataset, offload, steps: int = 1000, learning_rate: float = 1e-4, rank: int = 16,
               alpha: float = 16.0, batch_size: int = 1, gradient_accumulation: int = 1, lr_scheduler: str = "constant",
               warmup_steps: int = 0, training_seed: int = 42, guidance: float = 1.0, max_grad_norm: float = 1.0,
-              unique_id=None):
+              optimizer: str = "adamw", unique_id=None):
         from ..engine.config import LoraSettings, TrainConfig
         from ..engine.train.result_reuse import train_or_reuse
         from .progress import free_comfy_vram, make_callback
@@ -71,7 +77,7 @@ class LowVRAMTrainLoRA:
         train_cfg = TrainConfig(
             steps=steps, learning_rate=learning_rate, batch_size=batch_size,
             gradient_accumulation=gradient_accumulation, lr_scheduler=lr_scheduler, warmup_steps=warmup_steps,
-            seed=training_seed, guidance=guidance, max_grad_norm=max_grad_norm,
+            seed=training_seed, guidance=guidance, max_grad_norm=max_grad_norm, optimizer=optimizer,
             gradient_checkpointing=offload.gradient_checkpointing,
         )
         lora = train_or_reuse(model, dataset, lora_cfg, train_cfg, cache_dir(), make_callback(unique_id),

@@ -145,3 +145,22 @@ def test_stop_request_on_the_last_step_does_not_discard_the_run(tiny_pipeline, t
     result = train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), tiny_cache, LoraSettings(rank=2),
                         TrainConfig(steps=1), AlwaysRaise())
     assert result.steps == 1 and not result.interrupted
+
+
+def test_adamw8bit_is_cuda_only_with_a_clear_error(tiny_pipeline, tiny_cache):
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only behaviour")
+    with pytest.raises(ConfigError, match="adamw8bit.*CUDA only"):
+        train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), tiny_cache, LoraSettings(rank=2),
+                   TrainConfig(steps=1, optimizer="adamw8bit"))
+    with pytest.raises(ConfigError, match="adamw, adamw8bit"):
+        TrainConfig(optimizer="sgd")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_adamw8bit_trains_on_gpu(tiny_pipeline, one_image_cache):
+    result = train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), one_image_cache, LoraSettings(rank=8),
+                        TrainConfig(steps=30, learning_rate=5e-3, seed=0, optimizer="adamw8bit", device="cuda"))
+    assert result.steps == 30
+    assert sum(result.loss_history[-5:]) < sum(result.loss_history[:5])

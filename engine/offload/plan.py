@@ -58,6 +58,8 @@ class ModelFootprint:
     trainable_params: int  # LoRA elements (fp32)
     hidden_size: int
     act_bytes_per_elem: int = 2  # bf16 activations
+    # fp32 param + grad + AdamW moments (16); 8-bit AdamW moments make it ~10
+    lora_bytes_per_param: float = LORA_BYTES_PER_PARAM
 
     @property
     def num_blocks(self) -> int:
@@ -159,7 +161,7 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
     kept_inputs = OFFLOADED_KEPT_UNITS if activation_offload else fp.num_blocks * SAVED_INPUT_UNITS
     breakdown = {
         "weights": fp.other_bytes + sum(fp.block_bytes[i] for i in resident) + num_slots * slot_bytes,
-        "lora+adam": fp.trainable_params * LORA_BYTES_PER_PARAM,
+        "lora+adam": int(fp.trainable_params * fp.lora_bytes_per_param),
         # The fitted line has a negative intercept; clamp so tiny models never predict < 0.
         "activations": max(0, int((kept_inputs + TRANSIENT_UNITS) * unit + TRANSIENT_BYTES
                                   + (OFFLOADED_KEPT_BYTES if activation_offload else 0))),

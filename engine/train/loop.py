@@ -75,6 +75,7 @@ def train_lora(
     cb = callback or TrainingCallback()
     device = resolve_device(train.device)
     dtype = resolve_dtype(model_cfg.dtype, device)
+    _check_optimizer(train, device)
     streaming = offload is not None and offload.streams
     if streaming and offload.mode == "auto" and device.type != "cuda":
         # auto means "choose for me": on a CPU the only choice is resident (an explicit
@@ -112,6 +113,7 @@ def train_lora(
         # Plan before touching the model: a refused plan leaves a preloaded model as it was.
         fp = measure_footprint(model, family, f"{family.display_name} ({variant})",
                                trainable_params=lora_param_count(model, family, lora))
+        fp.lora_bytes_per_param = _lora_bytes_per_param(train)
         plan = make_plan(fp, workload_for(dataset, family, variant, train.batch_size), offload,
                          resolve_budget_bytes(offload, device), physical_ram_bytes())
         model.enable_gradient_checkpointing()
@@ -128,7 +130,7 @@ def train_lora(
             model.enable_gradient_checkpointing()
         params = attach_lora(model, family, lora, train.seed)
         model.to(device)
-    optimizer = torch.optim.AdamW(params, lr=train.learning_rate, weight_decay=train.weight_decay)
+    optimizer = _make_optimizer(params, train)
     scheduler = _make_scheduler(optimizer, train)
 
     gen = torch.Generator().manual_seed(train.seed)
@@ -233,8 +235,32 @@ def _check_plan_before_loading(model_cfg, dataset, lora, train, offload, device,
     if found is None:
         return  # not a supported checkpoint: the loader says so with a better message
     fp, family, variant = found
+    fp.lora_bytes_per_param = _lora_bytes_per_param(train)
     make_plan(fp, workload_for(dataset, family, variant, train.batch_size), offload,
               resolve_budget_bytes(offload, device), physical_ram_bytes())
+
+
+def _check_optimizer(train: TrainConfig, device: torch.device) -> None:
+    if train.optimizer == "adamw8bit" and device.type != "cuda":
+        raise ConfigError(
+            "optimizer='adamw8bit' saves GPU memory and runs on CUDA only; training runs on "
+            f"{device}: use optimizer='adamw'"
+        )
+
+
+def _make_optimizer(params, train: TrainConfig):
+    if train.optimizer == "adamw8bit":
+        try:
+            from torchao.optim import AdamW8bit  # blockwise 8-bit moments, from a well-kept library
+        except ImportError as exc:
+            raise ConfigError(f"optimizer='adamw8bit' needs torchao ({exc}); pip install torchao") from exc
+        return AdamW8bit(params, lr=train.learning_rate, weight_decay=train.weight_decay)
+    return torch.optim.AdamW(params, lr=train.learning_rate, weight_decay=train.weight_decay)
+
+
+def _lora_bytes_per_param(train: TrainConfig) -> float:
+    # fp32 param + fp32 grad + moments: 8 bytes (fp32) or ~2.1 (8-bit, with block scales)
+    return 8 + (2.1 if train.optimizer == "adamw8bit" else 8)
 
 
 def _micro_step(model, family, latents, embeds, cfg: TrainConfig, gen: torch.Generator, autocast):
