@@ -56,9 +56,10 @@ class LowVRAMTrainLoRA:
                                             "tooltip": "Gradient clipping; 0 disables it."}),
                 "optimizer": (["adamw", "adamw8bit"], {
                     "default": "adamw",
-                    "tooltip": "adamw: fp32 optimizer state (16 bytes per LoRA weight with its gradient). "
-                               "adamw8bit: torchao's 8-bit moments (~10 bytes), ~0.3 GB less VRAM for a "
-                               "Flux.1 r16 LoRA; CUDA only.",
+                    "tooltip": "adamw: fp32 optimizer state (16 bytes per LoRA weight with its gradient); fastest. "
+                               "adamw8bit: torchao's 8-bit moments (~10 bytes): 0.28 GB less VRAM for a Flux.1 "
+                               "r16 LoRA, but measured ~0.5 s slower per step (H100, 1024). Only for when those "
+                               "0.3 GB decide whether training fits. CUDA only.",
                 }),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
