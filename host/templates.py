@@ -188,8 +188,8 @@ def flux1_dev_lora() -> tuple[list[NodeSpec], list[NoteSpec]]:
         "Memory: Offload Config 'auto' with budget 0 plans for 90% of the free VRAM: everything resident if it "
         "fits, else blocks stream from pinned host RAM (needs ~24 GB of free RAM for bf16, ~12 GB for an int8 "
         "slab). Measured on an H100 at 1024 (bench/RESULTS.md): resident 27.4 GB peak, 1.02 s/step; "
-        "auto with a 6 GB budget 5.8 GB, 1.10x; stream + activation offload 3.65 GB, 1.15x; with "
-        "precision 'int8 slab' + stream + activation offload 2.6 GB at 1.04x the bf16 resident step.\n"
+        "auto with a 6 GB budget 5.8 GB, 1.10x; stream + activation offload 3.3 GB, 1.15-1.18x; with "
+        "precision 'int8 slab' + stream + activation offload 2.6 GB at 1.04-1.10x the bf16 resident step.\n"
         "The LoRA is written to output/loras/; copy it to models/loras to use it."), (40, 420))]
     return nodes, notes
 
