@@ -3,7 +3,7 @@
 Purpose: let our tests check that a LoRA file we write is mapped *completely*
 by ComfyUI's loader, without ComfyUI installed (it is not on PyPI and the test
 machines have no network). Only the parts that matter for a plain LoRA on a
-Flux.1 model are ported; everything else raises NotImplementedError instead of
+Flux.1 model are ported; everything else raises OutsidePortError instead of
 guessing.
 
 Sources (GPL-3.0 ComfyUI; re-implemented here, not copied wholesale), read via a
@@ -67,6 +67,12 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Callable
 
 import torch
+
+
+class OutsidePortError(ValueError):
+    """The file uses a LoRA kind this reference does not model (LoHa, LoKr, DoRA, files
+    ComfyUI rewrites first). Our writer never produces those; a test that meets one must
+    fail loudly rather than let the reference guess."""
 
 VARIANT_LATEST = "latest"
 VARIANT_LEGACY = "legacy"
@@ -429,10 +435,10 @@ def comfyui_load_lora(
         raise ValueError(f"variant must be one of {_VARIANTS}, not {variant!r}")
     trigger = _convert_lora_trigger(lora_sd)
     if trigger is not None:
-        raise NotImplementedError(f"ComfyUI would first rewrite this LoRA with {trigger}; not ported")
+        raise OutsidePortError(f"ComfyUI would first rewrite this LoRA with {trigger}; outside this port")
     unported = sorted(k for k in lora_sd if k.endswith(_UNPORTED_SUFFIXES))
     if unported:
-        raise NotImplementedError(f"non-plain-LoRA keys (other adapters) not ported: {unported[:3]}")
+        raise OutsidePortError(f"non-plain-LoRA keys (other adapter kinds) are outside this port: {unported[:3]}")
 
     patches: dict[Any, LoraPatch] = {}
     loaded: set[str] = set()
@@ -525,7 +531,7 @@ def comfyui_apply_lora(
         up, down, alpha = patch[0], patch[1], patch[2]
         mid = getattr(patch, "mid", None)
         if getattr(patch, "dora_scale", None) is not None:
-            raise NotImplementedError("DoRA (dora_scale) is not ported")
+            raise OutsidePortError("DoRA (dora_scale) is outside this port")
         mat1 = up.to(torch.float32)
         mat2 = down.to(torch.float32)
         scale = alpha / mat2.shape[0] if alpha is not None else 1.0

@@ -29,6 +29,19 @@ def tiny_dataset(tmp_path):
 
 
 @pytest.fixture(scope="session")
+def one_image_cache(tiny_pipeline, tmp_path_factory):
+    """A cache of a single image: training on it repeats one batch, so the loss must fall."""
+    from lowvram_lora.engine.caching import build_dataset_cache
+    from lowvram_lora.engine.config import DataConfig, ModelConfig
+    from lowvram_lora.engine.testing import make_tiny_dataset
+
+    root = tmp_path_factory.mktemp("one")
+    data = make_tiny_dataset(root / "data", count=1)
+    return build_dataset_cache(ModelConfig(transformer_path=str(tiny_pipeline)),
+                               DataConfig(path=str(data), resolution=128, bucket_step=32), root / "cache")
+
+
+@pytest.fixture(scope="session")
 def tiny_cache(tiny_pipeline, tmp_path_factory):
     """A built dataset cache (6 images, 3 buckets) for training tests."""
     from lowvram_lora.engine.caching import build_dataset_cache
@@ -45,7 +58,7 @@ def tiny_cache(tiny_pipeline, tmp_path_factory):
 
 
 @pytest.fixture
-def models_with_placeholders(tmp_path):
+def models_with_empty_files(tmp_path):
     """Combos list what is on disk: make the files the shipped workflows name exist."""
     from lowvram_lora.nodes.paths import configure_standalone_dirs
 

@@ -44,7 +44,7 @@ def _restore_standalone_dirs():
 
 
 @pytest.fixture
-def info(models_with_placeholders):
+def info(models_with_empty_files):
     errors: list[str] = []
     out = object_info(NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS, errors=errors)
     assert errors == []

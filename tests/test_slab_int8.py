@@ -117,18 +117,6 @@ def _name(model, param):
     return next(n for n, p in model.named_parameters() if p is param)
 
 
-@pytest.fixture(scope="module")
-def one_image_cache(tiny_pipeline, tmp_path_factory):
-    from lowvram_lora.engine.caching import build_dataset_cache
-    from lowvram_lora.engine.config import DataConfig
-    from lowvram_lora.engine.testing import make_tiny_dataset
-
-    root = tmp_path_factory.mktemp("one")
-    data = make_tiny_dataset(root / "data", count=1)
-    return build_dataset_cache(ModelConfig(transformer_path=str(tiny_pipeline)),
-                               DataConfig(path=str(data), resolution=128, bucket_step=32), root / "cache")
-
-
 def test_lora_training_on_the_int8_base_lowers_the_loss_like_the_full_precision_base(
         tiny_pipeline, one_image_cache, int8_model):
     steps = 30

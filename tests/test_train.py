@@ -3,12 +3,10 @@ import pytest
 import torch
 
 from lowvram_lora.engine.callbacks import TrainingCallback
-from lowvram_lora.engine.caching import build_dataset_cache
-from lowvram_lora.engine.config import DataConfig, LoraSettings, ModelConfig, TrainConfig
+from lowvram_lora.engine.config import LoraSettings, ModelConfig, TrainConfig
 from lowvram_lora.engine.errors import ConfigError
 from lowvram_lora.engine.families import get_family
 from lowvram_lora.engine.models import load_transformer
-from lowvram_lora.engine.testing import make_tiny_dataset
 from lowvram_lora.engine.train import train_lora
 from lowvram_lora.engine.train.flow_matching import noisy_latents_and_target, sample_sigmas
 
@@ -24,14 +22,6 @@ class Recorder(TrainingCallback):
 
     def should_stop(self):
         return self.stop_after is not None and len(self.steps) >= self.stop_after
-
-
-@pytest.fixture(scope="module")
-def one_image_cache(tiny_pipeline, tmp_path_factory):
-    root = tmp_path_factory.mktemp("one")
-    data = make_tiny_dataset(root / "data", count=1)
-    return build_dataset_cache(ModelConfig(transformer_path=str(tiny_pipeline)),
-                               DataConfig(path=str(data), resolution=128, bucket_step=32), root / "cache")
 
 
 def _eval_loss(model, dataset, n=16):

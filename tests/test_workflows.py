@@ -23,7 +23,7 @@ def test_shipped_files_match_the_builder(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_ui_and_api_twins_convert_to_the_same_valid_graph(name, models_with_placeholders):
+def test_ui_and_api_twins_convert_to_the_same_valid_graph(name, models_with_empty_files):
     ui = load_workflow(WORKFLOWS_DIR / f"{name}.json")
     api = load_workflow(WORKFLOWS_DIR / "api" / f"{name}.json")
     g_ui = to_api_graph(ui, NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS)
@@ -101,12 +101,12 @@ def test_node_error_names_node_and_fix(tmp_path, capsys):
     (lambda ui: ui["nodes"][3]["widgets_values"].__setitem__(0, "many"), "steps"),
     (lambda ui: ui["links"][0].__setitem__(1, 77), "77"),
 ])
-def test_bad_workflows_fail_with_named_message(tmp_path, models_with_placeholders, mutate, match, capsys):
+def test_bad_workflows_fail_with_named_message(tmp_path, models_with_empty_files, mutate, match, capsys):
     ui = json.loads((WORKFLOWS_DIR / "demo_tiny_lora.json").read_text())
     mutate(ui)
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(ui))
-    args = _args(path, models_with_placeholders, tmp_path / "out")
+    args = _args(path, models_with_empty_files, tmp_path / "out")
     args.traceback = False
     assert run_workflow_command(args, NODE_CLASS_MAPPINGS, configure_dirs=configure_standalone_dirs) == 1
     assert match.lower() in capsys.readouterr().err.lower()

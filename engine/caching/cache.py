@@ -27,9 +27,9 @@ from ..callbacks import TrainingCallback
 from ..config import DataConfig, ModelConfig
 from ..data import assign_bucket, expand_repeats, load_image_tensor, make_buckets, scan_dataset
 from ..errors import CacheError, ModelLoadError
-from ..families import ModelFamily, family_for_class_name, get_family
+from ..families import ModelFamily, get_family
 from ..models import resolve_device, resolve_dtype, resolve_transformer_source
-from ..models.transformer_loading import _variant_for_config
+from ..models.transformer_loading import identify_diffusers_folder
 from .hashing import path_identity, sha256_file, stable_hash
 from .text_encoding import encode_captions
 from .vae_encoding import encode_images
@@ -91,14 +91,9 @@ def resolve_pipeline_folder(model_cfg: ModelConfig) -> Path:
 
 
 def _family_and_variant(model_cfg: ModelConfig, pipeline: Path) -> tuple[ModelFamily, str]:
-    config_file = pipeline / "transformer" / "config.json"
-    if config_file.exists():
-        config = json.loads(config_file.read_text())
-        family = family_for_class_name(config.get("_class_name", ""))
-        if family is not None:
-            if model_cfg.family not in ("auto", family.id):
-                raise ModelLoadError(f"'{pipeline}' is a {family.display_name} pipeline, not {model_cfg.family}")
-            return family, _variant_for_config(family, config)
+    if (pipeline / "transformer" / "config.json").exists():
+        family, variant, _ = identify_diffusers_folder(pipeline / "transformer", model_cfg.family)
+        return family, variant
     if model_cfg.family == "auto":
         raise ModelLoadError(f"cannot tell the model family of '{pipeline}'; set family explicitly")
     return get_family(model_cfg.family), "custom"

@@ -6,13 +6,13 @@ layer-major (see layer_major.py), so a 9.5 GB T5-XXL needs one layer of VRAM.
 """
 from __future__ import annotations
 
-import gc
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from ..errors import ModelLoadError
+from ..models.dtypes import release_device_memory
 from ..families import TextEncoderSpec
 from .layer_major import layer_major
 
@@ -78,7 +78,5 @@ def encode_captions(
                 progress(len(results), len(captions))
     finally:
         del model
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        release_device_memory(device)
     return results

@@ -1,13 +1,13 @@
 """Images -> VAE latents, one image at a time, tiled for large images."""
 from __future__ import annotations
 
-import gc
 from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
 
 from ..errors import ModelLoadError
+from ..models.dtypes import release_device_memory
 
 
 def load_vae(pipeline: Path, dtype: torch.dtype):
@@ -45,7 +45,5 @@ def encode_images(
                 progress(i + 1, count)
     finally:
         del vae
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        release_device_memory(device)
     return latents

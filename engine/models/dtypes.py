@@ -29,3 +29,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         return _DTYPES[name]
     except KeyError:
         raise ConfigError(f"dtype={name!r} is not one of auto, {', '.join(_DTYPES)}") from None
+
+
+def release_device_memory(device: torch.device) -> None:
+    """After dropping the last reference to a model: collect it and hand its cached CUDA
+    blocks back, so the next stage (caching -> training) starts from free VRAM."""
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

@@ -6,15 +6,13 @@ any heavy work starts, and nothing touches a GPU.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..caching.hashing import path_identity
 from ..config import ModelConfig
-from ..errors import ModelLoadError
-from ..families import family_for_class_name, family_for_single_file, get_family
-from .transformer_loading import _match_variant, _variant_for_config, read_single_file_shapes, resolve_transformer_source
+from ..families import get_family
+from .transformer_loading import identify_diffusers_folder, identify_single_file, resolve_transformer_source
 
 
 @dataclass
@@ -43,22 +41,8 @@ def inspect_transformer(config: ModelConfig) -> ModelInfo:
             resolved = replace(config, transformer_path=str(source.path.resolve()), family=family.id)
             return ModelInfo(resolved, family.id, slab.variant, "slab", path_identity(source.path))
     if source.kind == "diffusers":
-        cfg = json.loads((source.path / "config.json").read_text())
-        family = family_for_class_name(cfg.get("_class_name", ""))
-        if family is None or config.family not in ("auto", family.id):
-            raise ModelLoadError(
-                f"'{source.path}' holds a {cfg.get('_class_name', 'unknown')} model, expected "
-                f"{get_family(config.family).display_name if config.family != 'auto' else 'a supported family'}"
-            )
-        variant = _variant_for_config(family, cfg)
+        family, variant, _ = identify_diffusers_folder(source.path, config.family)
     else:
-        shapes = read_single_file_shapes(source.path)
-        family = get_family(config.family) if config.family != "auto" else family_for_single_file(set(shapes))
-        if family is None or not family.looks_like_single_file(set(shapes)):
-            raise ModelLoadError(
-                f"'{source.path}' is not a checkpoint of a supported family (expected Flux.1 BFL names "
-                f"such as 'double_blocks.0.img_attn.qkv.weight')"
-            )
-        variant, _ = _match_variant(source.path, family, shapes)
+        family, variant, _ = identify_single_file(source.path, config.family)
     resolved = replace(config, transformer_path=str(Path(config.transformer_path).resolve()), family=family.id)
     return ModelInfo(resolved, family.id, variant, source.kind, path_identity(source.path))

@@ -82,7 +82,8 @@ def load_transformer(
 # --- diffusers folder -----------------------------------------------------------
 
 
-def _load_diffusers_folder(folder: Path, family_id: str, dtype: torch.dtype):
+def identify_diffusers_folder(folder: Path, family_id: str = "auto") -> tuple[ModelFamily, str, dict[str, Any]]:
+    """(family, variant, config) of a diffusers transformer folder, from its config.json alone."""
     config = json.loads((folder / "config.json").read_text())
     class_name = config.get("_class_name", "")
     family = family_for_class_name(class_name)
@@ -92,12 +93,17 @@ def _load_diffusers_folder(folder: Path, family_id: str, dtype: torch.dtype):
             f"'{folder}' holds a {class_name or 'unknown'} model, expected {expected} "
             f"(config.json _class_name should be one of the registered families' classes)"
         )
+    return family, _variant_for_config(family, config), config
+
+
+def _load_diffusers_folder(folder: Path, family_id: str, dtype: torch.dtype):
+    family, variant, _ = identify_diffusers_folder(folder, family_id)
     cls = family.transformer_class()
     try:
         model = cls.from_pretrained(folder, torch_dtype=dtype, low_cpu_mem_usage=True, local_files_only=True)
     except (OSError, ValueError, RuntimeError) as exc:
         raise ModelLoadError(f"could not load the transformer from '{folder}': {exc}") from exc
-    return model, family, _variant_for_config(family, config)
+    return model, family, variant
 
 
 def _variant_for_config(family: ModelFamily, config: dict[str, Any]) -> str:
@@ -176,7 +182,8 @@ def _match_variant(path: Path, family: ModelFamily, found: dict[str, tuple]):
     )
 
 
-def _load_single_file(path: Path, family_id: str, dtype: torch.dtype):
+def identify_single_file(path: Path, family_id: str = "auto") -> tuple[ModelFamily, str, dict[str, Any]]:
+    """(family, variant, config) of a BFL single file, from its header alone."""
     found = read_single_file_shapes(path)
     detected = family_for_single_file(set(found))
     if family_id == "auto":
@@ -196,6 +203,11 @@ def _load_single_file(path: Path, family_id: str, dtype: torch.dtype):
                 f"'double_blocks.0.img_attn.qkv.weight', first tensor in the file is '{first}'"
             )
     variant, config = _match_variant(path, family, found)
+    return family, variant, config
+
+
+def _load_single_file(path: Path, family_id: str, dtype: torch.dtype):
+    family, variant, config = identify_single_file(path, family_id)
     table = family.param_table(config)
     state = _read_converted_state_dict(path, table, dtype)
 

@@ -11,7 +11,6 @@ streams, the transformer blocks stream from pinned host memory
 from __future__ import annotations
 
 import contextlib
-import gc
 import time
 
 import torch
@@ -21,6 +20,7 @@ from ..caching import DatasetCache
 from ..config import LoraSettings, ModelConfig, TrainConfig
 from ..errors import ConfigError
 from ..models import load_transformer, resolve_device, resolve_dtype
+from ..models.dtypes import release_device_memory
 from ..offload import OffloadConfig
 from .batching import bucket_batches
 from .flow_matching import noisy_latents_and_target, sample_sigmas
@@ -217,9 +217,7 @@ def train_lora(
         del optimizer, scheduler, params
         if preloaded is None:
             del model
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        release_device_memory(device)
     return result
 
 
