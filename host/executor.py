@@ -1,11 +1,22 @@
 """Run an API graph with our node classes, in dependency order, without ComfyUI.
 
-This is the headless counterpart of ComfyUI's executor, reduced to what our pack
-needs: nodes are plain classes (``INPUT_TYPES``, ``RETURN_TYPES``, ``FUNCTION``,
-``OUTPUT_NODE``), each node runs once, links pass one element of the source's
-output tuple. Not supported (our nodes use none of them): ``INPUT_IS_LIST`` /
-``OUTPUT_IS_LIST`` batching, lazy inputs, ``VALIDATE_INPUTS``, ``IS_CHANGED`` and
-result caching between runs, node expansion, and the ``DYNPROMPT`` hidden input.
+This is the headless counterpart of ComfyUI's executor (``execution.py``),
+reduced to what our pack needs but faithful where a node could tell the
+difference:
+
+- every node runs inside ``torch.inference_mode()``, as ComfyUI's
+  ``PromptExecutor.execute_async`` does: a node that needs autograd must leave it
+  itself (``torch.inference_mode(False)``), and tensors made by an earlier node
+  are inference tensors;
+- inputs travel as ComfyUI passes them: every widget value and every link is a
+  list, the node is called once per list element (``_async_map_node_over_list``),
+  and each output slot is the list of the calls' results (``merge_result_data``);
+- ``ui`` dicts are merged as ComfyUI merges them (every value must be a list,
+  which is what the websocket ``executed`` message carries).
+
+Not supported (our nodes use none of them): ``INPUT_IS_LIST`` /
+``OUTPUT_IS_LIST``, lazy inputs, ``VALIDATE_INPUTS``, ``IS_CHANGED`` and result
+caching between runs, node expansion, and the ``DYNPROMPT`` hidden input.
 """
 
 from __future__ import annotations
@@ -48,6 +59,8 @@ class ExecutionResults(dict):
         super().__init__()
         self.ui: dict[str, dict] = {}
         self.order: list[str] = []
+        #: ComfyUI's form of each node's outputs: one list per output slot.
+        self.slots: dict[str, list[list]] = {}
 
 
 def _is_output_node(cls: type) -> bool:
@@ -94,36 +107,38 @@ def execution_order(graph: Mapping[str, dict], node_class_mappings: Mapping[str,
     return order
 
 
-def _hidden_values(cls: type, node_id: str, graph: Mapping[str, dict]) -> dict[str, Any]:
-    """Values ComfyUI fills for ``hidden`` inputs; unknown kinds are left out."""
+def _hidden_values(cls: type, node_id: str, graph: Mapping[str, dict]) -> dict[str, list]:
+    """Values ComfyUI fills for ``hidden`` inputs (as one-element lists); unknown kinds are left out."""
     known = {"UNIQUE_ID": node_id, "PROMPT": graph, "EXTRA_PNGINFO": None}
-    return {name: known[kind] for name, kind in hidden_inputs(cls).items() if kind in known}
+    return {name: [known[kind]] for name, kind in hidden_inputs(cls).items() if kind in known}
 
 
-def _kwargs(
-    node_id: str, cls: type, graph: Mapping[str, dict], results: Mapping[str, tuple]
-) -> dict[str, Any]:
-    """Declared inputs present in the graph, links replaced by the source's output element.
+def _input_lists(
+    node_id: str, cls: type, graph: Mapping[str, dict], slots: Mapping[str, list[list]]
+) -> dict[str, list]:
+    """Declared inputs present in the graph as ComfyUI's ``get_input_data`` builds them: a widget
+    value becomes ``[value]``, a link the source's whole output list for that slot.
 
     Optional inputs absent from the graph are not passed: the node method's defaults apply.
     """
     inputs = graph[node_id]["inputs"]
-    kwargs: dict[str, Any] = {}
+    lists: dict[str, list] = {}
     for spec in input_specs(cls):
         if spec.name not in inputs:
             continue
         value = inputs[spec.name]
         if is_link(value):
             src, slot = str(value[0]), value[1]
-            outputs = results[src]
+            outputs = slots[src]
             if slot >= len(outputs):
                 raise ValueError(
                     f'input "{spec.name}" needs output {slot} of node {src}, which returned {len(outputs)} value(s)'
                 )
-            value = outputs[slot]
-        kwargs[spec.name] = value
-    kwargs.update(_hidden_values(cls, node_id, graph))
-    return kwargs
+            lists[spec.name] = outputs[slot]
+        else:
+            lists[spec.name] = [value]
+    lists.update(_hidden_values(cls, node_id, graph))
+    return lists
 
 
 def _split_result(raw: Any) -> tuple[tuple, dict | None]:
@@ -138,11 +153,33 @@ def _split_result(raw: Any) -> tuple[tuple, dict | None]:
     raise TypeError(f"returned {type(raw).__name__}; a node must return a tuple or {{'result': ..., 'ui': ...}}")
 
 
-def _run_node(node_id: str, cls: type, graph: Mapping[str, dict], results: Mapping[str, tuple]) -> tuple:
-    """Instantiate the class and call its FUNCTION; returns (outputs, ui)."""
-    kwargs = _kwargs(node_id, cls, graph, results)
+def _merge_ui(uis: list[dict]) -> dict | None:
+    """ComfyUI's ``get_output_from_returns``: ``{k: [y for x in uis for y in x[k]]}``. A value that is
+    not a list would be split into characters (a str) or raise there, so it is an error here."""
+    if not uis:
+        return None
+    for ui in uis:
+        for key, value in ui.items():
+            if not isinstance(value, (list, tuple)):
+                raise TypeError(f'ui["{key}"] is a {type(value).__name__}; ComfyUI needs every ui value to be a '
+                                f"list (wrap it: [value])")
+    return {k: [y for x in uis for y in x[k]] for k in uis[0].keys()}
+
+
+def _run_node(
+    node_id: str, cls: type, graph: Mapping[str, dict], slots: Mapping[str, list[list]]
+) -> tuple[list[list], dict | None]:
+    """Instantiate the class and map its FUNCTION over the input lists (ComfyUI's
+    ``_async_map_node_over_list``: call i takes element i of each list, or its last).
+    Returns (one list per output slot, merged ui)."""
+    lists = _input_lists(node_id, cls, graph, slots)
     method = getattr(cls(), cls.FUNCTION)
-    return _split_result(method(**kwargs))
+    calls = max((len(v) for v in lists.values()), default=0)
+    returns = [method(**{k: v[i if len(v) > i else -1] for k, v in lists.items()}) for i in range(max(calls, 1))]
+    split = [_split_result(r) for r in returns]
+    n_out = len(split[0][0])
+    outputs = [[out[i] for out, _ in split] for i in range(n_out)]
+    return outputs, _merge_ui([ui for _, ui in split if ui is not None])
 
 
 def _title(graph: Mapping[str, dict], node_id: str) -> str:
@@ -165,10 +202,13 @@ def execute_graph(
     :class:`NodeExecutionError` (original chained); KeyboardInterrupt propagates
     unchanged so the command can exit 130.
     """
+    import torch  # here, not at module level: importing the host stays cheap
+
     validate_graph(graph, node_class_mappings)
     order = execution_order(graph, node_class_mappings)
     results = ExecutionResults()
-    with tqdm(total=len(order), unit="node", disable=not progress, leave=True) as bar:
+    # ComfyUI's PromptExecutor.execute_async runs the whole prompt under inference mode.
+    with torch.inference_mode(), tqdm(total=len(order), unit="node", disable=not progress, leave=True) as bar:
         for index, node_id in enumerate(order, start=1):
             class_type = graph[node_id]["class_type"]
             title = _title(graph, node_id)
@@ -176,10 +216,11 @@ def execute_graph(
             if on_node is not None:
                 on_node("executing", node_id, None)
             try:
-                outputs, ui = _run_node(node_id, node_class_mappings[class_type], graph, results)
+                slots, ui = _run_node(node_id, node_class_mappings[class_type], graph, results.slots)
             except Exception as exc:
                 raise NodeExecutionError(node_id, title, class_type, exc) from exc
-            results[node_id] = outputs
+            results.slots[node_id] = slots
+            results[node_id] = tuple(slot[0] for slot in slots)  # one call per node: its outputs
             results.order.append(node_id)
             if ui is not None:
                 results.ui[node_id] = ui

@@ -24,6 +24,7 @@ from ..models.dtypes import release_device_memory
 from ..offload import OffloadConfig
 from .batching import bucket_batches
 from .flow_matching import noisy_latents_and_target, sample_sigmas
+from .grad_mode import autograd_enabled, autograd_safe_tensor, make_autograd_safe
 from .lora_attach import attach_lora, detach_lora, lora_state_dict, skip_lora_input_cast
 from .trained_lora import TrainedLora
 
@@ -51,9 +52,9 @@ def _load_batch(dataset: DatasetCache, batch, device, dtype, rng: torch.Generato
     for item in batch:
         flipped = dataset.flip and bool(torch.randint(0, 2, (1,), generator=rng).item())
         lat, emb = dataset.load_item(item, flipped)
-        latents.append(lat)
+        latents.append(autograd_safe_tensor(lat))
         for k, v in emb.items():
-            embeds.setdefault(k, []).append(v)
+            embeds.setdefault(k, []).append(autograd_safe_tensor(v))
     lat = torch.stack(latents).to(device, dtype)  # (B, C, h, w)
     return lat, {k: torch.stack(v).to(device, dtype) for k, v in embeds.items()}
 
@@ -71,7 +72,15 @@ def train_lora(
     family, variant) skips loading (benchmarks build a random full-size model).
     ``offload``: None or mode='resident' keeps every weight on the device (as before);
     'stream' / 'auto' stream blocks through the GPU (CUDA only). A preloaded model is
-    left where it was found."""
+    left where it was found.
+
+    Runs with autograd on even when called under ``torch.inference_mode()`` (ComfyUI
+    runs every node that way); the returned weights are ordinary tensors."""
+    with autograd_enabled():
+        return _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload)
+
+
+def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload) -> TrainedLora:
     cb = callback or TrainingCallback()
     device = resolve_device(train.device)
     dtype = resolve_dtype(model_cfg.dtype, device)
@@ -98,6 +107,8 @@ def train_lora(
         model, family, _, variant = load_transformer(model_cfg.transformer_path, model_cfg.family, dtype)
     else:
         model, family, variant = preloaded
+    if make_autograd_safe(model):  # built under inference mode (e.g. by an earlier ComfyUI node)
+        cb.log("the base model was created under torch.inference_mode(); training on an ordinary copy")
     if family.id != dataset.family:
         raise ConfigError(
             f"the dataset cache was built for {dataset.family} but the model is {family.id}; "
