@@ -45,12 +45,14 @@ class LowVRAMOffloadConfig:
                 "gradient_checkpointing": ("BOOLEAN", {"default": True, "tooltip": _help("gradient_checkpointing")}),
                 "max_pinned_fraction": ("FLOAT", {"default": 0.8, "min": 0.05, "max": 0.95, "step": 0.05,
                                                   "tooltip": _help("max_pinned_fraction")}),
+                # Last: UI-format workflows store widget values by position.
+                "int8_compute": (["dequant", "w8a8"], {"default": "dequant", "tooltip": _help("int8_compute")}),
             }
         }
 
     def configure(self, mode: str = "auto", vram_budget_gb: float = 0.0, resident_blocks: int = -1,
                   prefetch_depth: int = 0, activation_offload: str = "auto", gradient_checkpointing: bool = True,
-                  max_pinned_fraction: float = 0.8):
+                  max_pinned_fraction: float = 0.8, int8_compute: str = "dequant"):
         from ..engine.offload import OffloadConfig
 
         if activation_offload not in ("auto", "on", "off"):
@@ -61,4 +63,5 @@ class LowVRAMOffloadConfig:
             prefetch_depth=None if prefetch_depth == 0 else prefetch_depth,
             activation_offload=None if activation_offload == "auto" else activation_offload == "on",
             gradient_checkpointing=gradient_checkpointing, max_pinned_fraction=max_pinned_fraction,
+            int8_compute=int8_compute,
         ),)

@@ -45,6 +45,12 @@ class OffloadConfig:
         "Recompute each block's activations during backward instead of storing them: much less VRAM for "
         "about a third more compute. Streaming requires it."
     )})
+    int8_compute: str = field(default="dequant", metadata={"help": (
+        "int8 slabs only: how slab layers multiply. dequant: the int8 weight is turned back into bf16 just before "
+        "a bf16 matmul (exact to the slab's weights). w8a8: activations are also quantized to int8 per token and "
+        "multiplied int8 x int8 on the tensor cores (CUDA only; ~0.5-1% extra output error, see bench/RESULTS.md "
+        "for the measured speed). The LoRA itself always trains in bf16/fp32."
+    )})
     max_pinned_fraction: float = field(default=0.8, metadata={"help": (
         "Largest share of the machine's physical RAM the plan may pin (page-locked memory cannot be swapped; "
         "pinning too much starves the rest of the system). Training refuses to start beyond it."
@@ -64,6 +70,8 @@ class OffloadConfig:
             raise ConfigError(f"resident_blocks={self.resident_blocks} must be >= 0 (or None to let auto choose)")
         if self.prefetch_depth is not None and not 1 <= self.prefetch_depth <= 8:
             raise ConfigError(f"prefetch_depth={self.prefetch_depth} must be between 1 and 8 (or None)")
+        if self.int8_compute not in ("dequant", "w8a8"):
+            raise ConfigError(f"int8_compute={self.int8_compute!r} is not one of dequant, w8a8")
         if not 0.0 < self.max_pinned_fraction <= 0.95:
             raise ConfigError(f"max_pinned_fraction={self.max_pinned_fraction} must be in (0, 0.95]")
         if self.mode == "resident":

@@ -24,6 +24,7 @@ from torch import nn
 
 from .dequant import dequantize
 from .quantize import SCALE_DTYPE, quantize_rows
+from .w8a8 import INT8_COMPUTE_MODES, W8A8_BACKWARD_MODES, W8A8LinearFunction, int_mm_supported
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -67,6 +68,11 @@ class Int8Linear(nn.Linear):
 
     # What a block streamer moves, per module (bias may be None).
     STREAMED_TENSORS = ("weight_int8", "weight_scale", "bias")
+    #: "dequant" (bf16 matmul on the dequantized weight) or "w8a8" (int8 x int8, see w8a8.py);
+    #: set per model with ``set_int8_compute``.
+    compute: str = "dequant"
+    #: How w8a8 forms grad_input: "int8" (tensor cores) or "bf16" (dequantized weight).
+    w8a8_backward: str = "int8"
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
                  bias_dtype: torch.dtype = torch.bfloat16) -> None:
@@ -97,6 +103,13 @@ class Int8Linear(nn.Linear):
         return dequantize(self.weight_int8, self.weight_scale, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.compute == "w8a8":
+            rows = x.numel() // x.shape[-1] if x.numel() else 0
+            if int_mm_supported(rows, self.in_features, self.out_features, x.device):
+                dtype = compute_dtype(x)
+                return W8A8LinearFunction.apply(x.to(dtype), self.weight_int8, self.weight_scale,
+                                                None if self.bias is None else self.bias.to(dtype),
+                                                self.w8a8_backward)
         return int8_linear(x, self.weight_int8, self.weight_scale, self.bias)
 
     def reset_parameters(self) -> None:  # nn.Linear API; weights come from a slab, never re-initialised
@@ -120,3 +133,23 @@ class Int8Linear(nn.Linear):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, weight=int8 per-row")
+
+
+def set_int8_compute(model: nn.Module, compute: str, backward: str = "int8") -> int:
+    """Choose how every Int8Linear in ``model`` multiplies; returns how many it set.
+
+    ``w8a8`` needs CUDA int8 tensor cores; layers whose shapes ``torch._int_mm`` cannot take
+    (fewer than 17 tokens, or widths not a multiple of 8) fall back to ``dequant`` per call.
+    """
+    from ..errors import ConfigError
+
+    if compute not in INT8_COMPUTE_MODES:
+        raise ConfigError(f"int8 compute {compute!r} is not one of {', '.join(INT8_COMPUTE_MODES)}")
+    if backward not in W8A8_BACKWARD_MODES:
+        raise ConfigError(f"w8a8 backward {backward!r} is not one of {', '.join(W8A8_BACKWARD_MODES)}")
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            module.compute, module.w8a8_backward = compute, backward
+            count += 1
+    return count

@@ -85,6 +85,7 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload) -
     device = resolve_device(train.device)
     dtype = resolve_dtype(model_cfg.dtype, device)
     _check_optimizer(train, device)
+    _check_int8_compute(offload, device)
     streaming = offload is not None and offload.streams
     if streaming and offload.mode == "auto" and device.type != "cuda":
         # auto means "choose for me": on a CPU the only choice is resident (an explicit
@@ -109,6 +110,7 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload) -
         model, family, variant = preloaded
     if make_autograd_safe(model):  # built under inference mode (e.g. by an earlier ComfyUI node)
         cb.log("the base model was created under torch.inference_mode(); training on an ordinary copy")
+    _apply_int8_compute(model, offload, device, cb)
     if family.id != dataset.family:
         raise ConfigError(
             f"the dataset cache was built for {dataset.family} but the model is {family.id}; "
@@ -247,6 +249,26 @@ def _check_plan_before_loading(model_cfg, dataset, lora, train, offload, device,
     fp.lora_bytes_per_param = _lora_bytes_per_param(train)
     make_plan(fp, workload_for(dataset, family, variant, train.batch_size), offload,
               resolve_budget_bytes(offload, device), physical_ram_bytes())
+
+
+def _apply_int8_compute(model, offload: OffloadConfig | None, device: torch.device, cb) -> None:
+    """Set the slab layers' matmul path (engine/slab/w8a8.py) from the offload config."""
+    from ..slab.int8_linear import set_int8_compute
+
+    mode = offload.int8_compute if offload is not None else "dequant"
+    count = set_int8_compute(model, mode)
+    if mode == "w8a8":
+        if count == 0:
+            cb.log("int8_compute='w8a8' applies to int8 slabs only; this model is not a slab, so it has no effect")
+        else:
+            cb.log(f"int8_compute='w8a8': {count} slab layers multiply int8 x int8")
+
+
+def _check_int8_compute(offload: OffloadConfig | None, device: torch.device) -> None:
+    if offload is not None and offload.int8_compute == "w8a8" and device.type != "cuda":
+        raise ConfigError(
+            f"int8_compute='w8a8' multiplies on CUDA int8 tensor cores; training runs on {device}. "
+            f"Use int8_compute='dequant' (the CPU path)")
 
 
 def _check_optimizer(train: TrainConfig, device: torch.device) -> None:

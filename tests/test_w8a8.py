@@ -1,0 +1,85 @@
+"""W8A8 slab compute (engine/slab/w8a8.py): the arithmetic on CPU (exact int32 reference for
+torch._int_mm), the CUDA path in a GPU test."""
+import pytest
+import torch
+
+from lowvram_lora.engine.errors import ConfigError
+from lowvram_lora.engine.slab import Int8Linear
+from lowvram_lora.engine.slab.int8_linear import set_int8_compute
+from lowvram_lora.engine.slab.w8a8 import W8A8LinearFunction, int_mm_supported, quantize_per_row
+
+
+def _layer(k=64, n=48, bias=True, device="cpu"):
+    torch.manual_seed(0)
+    return Int8Linear.from_linear(torch.nn.Linear(k, n, bias=bias)).to(device)
+
+
+def _rel(a, b):
+    return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
+
+
+def test_per_row_quantization_round_trips_within_half_a_step():
+    x = torch.randn(40, 64) * torch.linspace(0.01, 10, 40)[:, None]  # rows of very different size
+    q, s = quantize_per_row(x)
+    assert q.dtype == torch.int8 and s.shape == (40,)
+    assert q.abs().max() == 127  # absmax maps to +-127 on every row
+    assert torch.all((q.float() * s[:, None] - x).abs() <= s[:, None] / 2 + 1e-6)
+
+
+@pytest.mark.parametrize("backward", ["int8", "bf16"])
+def test_w8a8_forward_and_grad_input_match_the_dequant_path(backward):
+    layer = _layer()
+    x = torch.randn(3, 32, 64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    y = W8A8LinearFunction.apply(x, layer.weight_int8, layer.weight_scale, layer.bias, backward)
+    y_ref = layer(x_ref)  # dequant path (the module's default)
+    assert y.shape == y_ref.shape == (3, 32, 48)
+    assert _rel(y, y_ref) < 0.02
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_ref.backward(g)
+    assert _rel(x.grad, x_ref.grad) < (0.02 if backward == "int8" else 1e-5)
+
+
+def test_set_int8_compute_switches_every_slab_layer_and_rejects_unknown_modes():
+    model = torch.nn.Sequential(_layer(), torch.nn.ReLU(), _layer(48, 16))
+    assert set_int8_compute(model, "w8a8") == 2
+    assert all(m.compute == "w8a8" for m in model if isinstance(m, Int8Linear))
+    # on the CPU the module falls back to the dequant path per call (no int8 tensor cores)
+    x = torch.randn(20, 64)
+    set_int8_compute(model, "dequant")
+    ref = model(x)
+    set_int8_compute(model, "w8a8")
+    assert torch.equal(model(x), ref)
+    with pytest.raises(ConfigError, match="not one of dequant, w8a8"):
+        set_int8_compute(model, "fp4")
+    assert not int_mm_supported(16, 64, 64, torch.device("cuda"))  # torch._int_mm needs > 16 rows
+
+
+def test_w8a8_on_cpu_is_refused_before_training(tiny_pipeline, one_image_cache):
+    from lowvram_lora.engine.config import LoraSettings, ModelConfig, TrainConfig
+    from lowvram_lora.engine.offload import OffloadConfig
+    from lowvram_lora.engine.train import train_lora
+
+    with pytest.raises(ConfigError, match="w8a8.*CUDA.*dequant"):
+        train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), one_image_cache, LoraSettings(rank=4),
+                   TrainConfig(steps=1, device="cpu"), offload=OffloadConfig(mode="resident", int8_compute="w8a8"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backward", ["int8", "bf16"])
+def test_w8a8_cuda_matches_dequant_within_tolerance(backward):
+    layer = _layer(3072, 3072, device="cuda")
+    x = torch.randn(2, 1024, 3072, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        set_int8_compute(layer, "w8a8", backward)
+        y = layer(x)
+        set_int8_compute(layer, "dequant")
+        y_ref = layer(x_ref)
+    assert y.dtype == torch.bfloat16 and _rel(y, y_ref) < 0.02
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_ref.backward(g)
+    assert _rel(x.grad, x_ref.grad) < (0.03 if backward == "int8" else 0.01)
