@@ -135,21 +135,24 @@ class Int8Linear(nn.Linear):
                 f"bias={self.bias is not None}, weight=int8 per-row")
 
 
-def set_int8_compute(model: nn.Module, compute: str, backward: str = "int8") -> int:
+def set_int8_compute(model: nn.Module, compute: str, backward: str | None = None) -> int:
     """Choose how every Int8Linear in ``model`` multiplies; returns how many it set.
 
     ``w8a8`` needs CUDA int8 tensor cores; layers whose shapes ``torch._int_mm`` cannot take
     (fewer than 17 tokens, or widths not a multiple of 8) fall back to ``dequant`` per call.
+    ``backward`` (w8a8's grad_input path, "int8" or "bf16"): None leaves each layer's as it is.
     """
     from ..errors import ConfigError
 
     if compute not in INT8_COMPUTE_MODES:
         raise ConfigError(f"int8 compute {compute!r} is not one of {', '.join(INT8_COMPUTE_MODES)}")
-    if backward not in W8A8_BACKWARD_MODES:
+    if backward is not None and backward not in W8A8_BACKWARD_MODES:
         raise ConfigError(f"w8a8 backward {backward!r} is not one of {', '.join(W8A8_BACKWARD_MODES)}")
     count = 0
     for module in model.modules():
         if isinstance(module, Int8Linear):
-            module.compute, module.w8a8_backward = compute, backward
+            module.compute = compute
+            if backward is not None:
+                module.w8a8_backward = backward
             count += 1
     return count
