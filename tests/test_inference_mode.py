@@ -15,7 +15,7 @@ from lowvram_lora.host.executor import execute_graph
 def test_train_lora_called_under_inference_mode_trains(tiny_pipeline, one_image_cache):
     with torch.inference_mode():
         result = train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), one_image_cache,
-                            LoraSettings(rank=4, alpha=4), TrainConfig(steps=12, learning_rate=5e-3, seed=0))
+                            LoraSettings(rank=4, alpha=4), TrainConfig(steps=12, learning_rate=5e-3, seed=0, device="cpu"))
         assert torch.is_inference_mode_enabled()  # the caller's mode is restored
     assert result.steps == 12
     assert sum(result.loss_history[-3:]) < sum(result.loss_history[:3])
@@ -30,7 +30,7 @@ def test_a_model_built_under_inference_mode_trains_and_is_left_equal(tiny_pipeli
         assert any(p.is_inference() for p in base.parameters())
         before = {k: v.clone() for k, v in base.state_dict().items()}
         result = train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), one_image_cache,
-                            LoraSettings(rank=4, alpha=4), TrainConfig(steps=4, learning_rate=5e-3, seed=0),
+                            LoraSettings(rank=4, alpha=4), TrainConfig(steps=4, learning_rate=5e-3, seed=0, device="cpu"),
                             preloaded=(base, family, variant))
     assert result.steps == 4 and min(v.norm() for k, v in result.state_dict.items() if ".lora_B." in k) > 0
     after = base.state_dict()

@@ -46,10 +46,12 @@ class OffloadConfig:
         "about a third more compute. Streaming requires it."
     )})
     int8_compute: str = field(default="dequant", metadata={"help": (
-        "int8 slabs only: how slab layers multiply. dequant: the int8 weight is turned back into bf16 just before "
-        "a bf16 matmul (exact to the slab's weights). w8a8: activations are also quantized to int8 per token and "
-        "multiplied int8 x int8 on the tensor cores (CUDA only; ~0.5-1% extra output error, see bench/RESULTS.md "
-        "for the measured speed). The LoRA itself always trains in bf16/fp32."
+        "int8 slabs only: how slab layers multiply. dequant (default): the int8 weight is turned back into bf16 "
+        "just before a bf16 matmul (exact to the slab's weights). w8a8: activations are also quantized to int8 per "
+        "token and multiplied int8 x int8 on the tensor cores (CUDA only; block output error 2.3% vs 1.7% for "
+        "dequant). Measured slower today (H100, Flux.1-dev 1024: 1.67 s vs 1.36 s per step resident, "
+        "bench/RESULTS.md): the int32 product makes an extra trip through memory. The LoRA always trains in "
+        "bf16/fp32."
     )})
     max_pinned_fraction: float = field(default=0.8, metadata={"help": (
         "Largest share of the machine's physical RAM the plan may pin (page-locked memory cannot be swapped; "
