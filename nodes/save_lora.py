@@ -43,8 +43,10 @@ class LowVRAMSaveLoRA:
                 }),
                 "format": (["comfyui", "diffusers"], {
                     "default": "comfyui",
-                    "tooltip": "comfyui: kohya-style names on Flux's own layers (ComfyUI, Forge, kohya tools). "
-                               "diffusers: PEFT names for diffusers pipelines (ComfyUI reads these too).",
+                    "tooltip": "comfyui: one LoRA per projection under 'transformer.' names with an explicit alpha "
+                               "tensor (scale 1); ComfyUI maps every key into its fused layers, and diffusers loads "
+                               "it too. diffusers: the same names without alpha tensors (diffusers' own layout; "
+                               "ComfyUI reads it at scale 1 as well). Both are the same size.",
                 }),
                 "dtype": (["bf16", "fp16", "fp32"], {
                     "default": "bf16",

@@ -47,7 +47,8 @@ def test_diffusers_file_reproduces_trained_output_in_diffusers(trained, base, ti
         meta = f.metadata()
         assert "lora_adapter_metadata" not in meta  # diffusers refuses it beside alphas; we fold instead
         assert all(k.startswith("transformer.") and (".lora_A." in k or ".lora_B." in k) for k in f.keys())
-    fresh = FluxTransformer2DModel.from_pretrained(tiny_pipeline / "transformer", local_files_only=True)
+    fresh = FluxTransformer2DModel.from_pretrained(tiny_pipeline / "transformer", local_files_only=True,
+                                                   use_safetensors=True)
     fresh.load_lora_adapter(str(path), prefix="transformer", adapter_name="trained")
     with torch.no_grad():
         got = fresh(**model_inputs(fresh))[0]
@@ -62,9 +63,10 @@ def test_comfyui_file_maps_every_key_and_reproduces_output(trained, base, tiny_p
     model_keys = flux_bfl_model_keys(cfg["num_layers"], cfg["num_single_layers"], hidden, 4 * hidden,
                                      in_channels=cfg["in_channels"], context_in_dim=cfg["joint_attention_dim"],
                                      vec_in_dim=cfg["pooled_projection_dim"])
+    n_modules = len({k.split(".lora_A.")[0] for k in trained.state_dict if ".lora_A." in k})
     for variant in ("latest", "legacy"):
         patches, unmatched, not_loaded = comfyui_check_flux_lora(sd, model_keys, variant=variant)
-        assert not unmatched and not not_loaded and len(patches) == 2 * 4 + 2 * 2
+        assert not unmatched and not not_loaded and len(patches) == n_modules  # one slice patch per projection
 
     # Apply it the way ComfyUI does, on the BFL weights, then convert back and compare outputs.
     family = get_family("flux1")
@@ -83,20 +85,50 @@ def test_comfyui_file_maps_every_key_and_reproduces_output(trained, base, tiny_p
     torch.testing.assert_close(got, _reference_output(base, trained), rtol=1e-4, atol=1e-5)
 
 
-def test_comfyui_keys_are_exactly_those_derived_from_bfl_names(trained, tmp_path):
+def test_comfyui_keys_are_per_projection_with_float_alpha(trained, tmp_path):
+    """Per-projection names (ComfyUI maps them into slices of the fused BFL Linears), each with a
+    float32 scalar alpha = rank: the file is as small as the diffusers one (issue 9, item 8)."""
     sd = load_file(str(save_lora(trained, tmp_path / "k.safetensors", fmt="comfyui")))
-    cfg = trained.model_config
-    modules = []
-    for i in range(cfg["num_layers"]):
-        modules += [f"double_blocks.{i}.{m}" for m in ("img_attn.qkv", "img_attn.proj", "txt_attn.qkv", "txt_attn.proj")]
-    for i in range(cfg["num_single_layers"]):
-        modules += [f"single_blocks.{i}.{m}" for m in ("linear1", "linear2")]
-    expected = {f"lora_unet_{m.replace('.', '_')}.{s}" for m in modules for s in ("lora_down.weight", "lora_up.weight", "alpha")}
+    modules = sorted({k.split(".lora_A.")[0] for k in trained.state_dict if ".lora_A." in k})
+    expected = {f"transformer.{m}.{s}" for m in modules for s in ("lora_A.weight", "lora_B.weight", "alpha")}
     assert set(sd) == expected
-    qkv = "lora_unet_double_blocks_0_img_attn_qkv"
-    assert sd[f"{qkv}.lora_down.weight"].shape == (3 * 4, 32) and sd[f"{qkv}.lora_up.weight"].shape == (3 * 32, 12)
-    assert sd[f"{qkv}.alpha"].dtype == torch.float32 and sd[f"{qkv}.alpha"].dim() == 0 and float(sd[f"{qkv}.alpha"]) == 12.0
-    assert sd["lora_unet_single_blocks_0_linear1.lora_down.weight"].shape == (16, 32)
+    q = "transformer.transformer_blocks.0.attn.to_q"
+    assert sd[f"{q}.lora_A.weight"].shape == (4, 32) and sd[f"{q}.lora_B.weight"].shape == (32, 4)
+    assert sd[f"{q}.alpha"].dtype == torch.float32 and sd[f"{q}.alpha"].dim() == 0 and float(sd[f"{q}.alpha"]) == 4.0
+    diffusers = load_file(str(save_lora(trained, tmp_path / "d.safetensors", fmt="diffusers")))
+    size = lambda d: sum(v.numel() * v.element_size() for v in d.values())
+    assert size(sd) - size(diffusers) == 4 * len(modules)  # only the alphas differ
+
+
+def test_comfyui_file_also_loads_in_diffusers(trained, base, tiny_pipeline, tmp_path):
+    from diffusers import FluxTransformer2DModel
+
+    path = save_lora(trained, tmp_path / "lora_comfy.safetensors", fmt="comfyui", dtype="fp32")
+    fresh = FluxTransformer2DModel.from_pretrained(tiny_pipeline / "transformer", local_files_only=True,
+                                                   use_safetensors=True)
+    fresh.load_lora_adapter(str(path), prefix="transformer", adapter_name="trained")
+    with torch.no_grad():
+        got = fresh(**model_inputs(fresh))[0]
+    torch.testing.assert_close(got, _reference_output(base, trained), rtol=1e-4, atol=1e-5)
+
+
+def test_kohya_fused_files_of_earlier_versions_still_load(trained, tmp_path):
+    from safetensors.torch import save_file
+
+    from lowvram_lora.engine.lora_io.formats import fold_scale, to_kohya_fused
+
+    table = get_family("flux1").param_table(trained.model_config)
+    old = to_kohya_fused(fold_scale(trained.state_dict, trained.scale), table)
+    save_file({k: v.contiguous() for k, v in old.items()}, str(tmp_path / "old.safetensors"),
+              metadata={"lowvram_lora.model_config": json.dumps(trained.model_config)})
+    loaded = load_lora(tmp_path / "old.safetensors")
+    assert loaded.format == "comfyui"
+    for key, a in trained.state_dict.items():
+        if ".lora_A." in key:
+            m = key.split(".lora_A.")[0]
+            ref = trained.scale * trained.state_dict[f"{m}.lora_B.weight"] @ a
+            got = loaded.state_dict[f"{m}.lora_B.weight"] @ loaded.state_dict[f"{m}.lora_A.weight"]
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("fmt", ["comfyui", "diffusers"])

@@ -14,7 +14,7 @@ from ..errors import LoraFormatError
 from ..families import get_family
 from ..train.trained_lora import TrainedLora
 from ..version import VERSION
-from .formats import fold_scale, from_comfyui, from_diffusers, lora_modules, to_comfyui, to_diffusers
+from .formats import fold_scale, from_diffusers, from_kohya_fused, lora_modules, to_comfyui, to_diffusers
 
 FORMATS = ("comfyui", "diffusers")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -96,13 +96,13 @@ def load_lora(path: str | Path) -> LoadedLora:
             sd = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as exc:
         raise LoraFormatError(f"'{path}' is not a readable safetensors file ({exc})") from exc
-    if any(k.startswith("lora_unet_") for k in sd):
+    if any(k.startswith("lora_unet_") for k in sd):  # kohya names on fused BFL modules (earlier versions)
         config = _model_config(meta, sd, path)
-        state = from_comfyui(sd, get_family(meta.get("lowvram_lora.family", "flux1")).param_table(config))
+        state = from_kohya_fused(sd, get_family(meta.get("lowvram_lora.family", "flux1")).param_table(config))
         fmt = "comfyui"
     elif any(".lora_A." in k for k in sd):
         state = from_diffusers(sd)
-        fmt = "diffusers"
+        fmt = meta.get("lowvram_lora.format") or ("comfyui" if any(k.endswith(".alpha") for k in sd) else "diffusers")
     else:
         raise LoraFormatError(f"'{path}' has no LoRA keys in a known layout (kohya lora_unet_* or peft lora_A/lora_B)")
     if not lora_modules(state):

@@ -10,12 +10,20 @@ rank without metadata (and refuses files having both ``.alpha`` tensors and
 File forms:
 - "diffusers": ``transformer.<diffusers module>.lora_A/lora_B.weight``; loads in
   diffusers (``load_lora_adapter``) and in ComfyUI (``transformer.`` names).
-- "comfyui": kohya names on the BFL modules ComfyUI's Flux uses,
-  ``lora_unet_double_blocks_0_img_attn_qkv.lora_down/lora_up.weight`` plus a
-  float32 ``.alpha`` equal to the rank (scale 1, explicitly). q/k/v (and the
-  single blocks' q/k/v/mlp) are one fused Linear there: their LoRAs are joined
-  exactly as A = [A_q; A_k; A_v] and block-diagonal B, so B @ A stacks the
-  three deltas.
+- "comfyui": the same per-projection ``transformer.<diffusers module>`` names plus
+  a float32 ``.alpha`` equal to the rank beside each module (scale 1, said
+  explicitly, so no loader can guess another). ComfyUI maps each of these names
+  into its row slice of the fused BFL Linear (``comfy/lora.py``
+  ``model_lora_keys_unet`` via ``comfy.utils.flux_to_diffusers``: to_q/to_k/to_v
+  into ``img_attn.qkv``, single blocks' q/k/v/proj_mlp into ``linear1``), in
+  ComfyUI 0.3.64 and 0.33; diffusers loads the file too (float alphas, no
+  ``lora_adapter_metadata``). Only modules that ComfyUI maps are accepted.
+
+  Files of earlier versions used kohya names on the fused BFL modules
+  (``lora_unet_double_blocks_0_img_attn_qkv``, q/k/v joined as a block-diagonal
+  rank-3r LoRA); they are still read (``from_kohya_fused``) but no longer
+  written: that form is exact too but 2.1x the size (194 vs 94 MB for a
+  Flux.1-dev r16 LoRA).
 """
 from __future__ import annotations
 
@@ -51,7 +59,26 @@ def _fused_layout(table: list[BflParam]) -> dict[str, tuple[str, list[tuple[str,
 
 
 def to_comfyui(state: dict[str, torch.Tensor], table: list[BflParam]) -> dict[str, torch.Tensor]:
-    """Folded peft state -> kohya/BFL keys with explicit alpha = rank (scale 1)."""
+    """Folded peft state -> per-projection ``transformer.`` keys with explicit alpha = rank (scale 1).
+    Every module must be one ComfyUI maps (a part of a BFL Linear in ``table``)."""
+    layout = _fused_layout(table)
+    out = {}
+    for module in lora_modules(state):
+        if module not in layout:
+            raise LoraFormatError(
+                f"LoRA module '{module}' has no counterpart in ComfyUI's layout of this model; "
+                f"save in the diffusers format instead, or train only the default target modules"
+            )
+        down = state[f"{module}.lora_A.weight"]
+        out[f"transformer.{module}.lora_A.weight"] = down.contiguous()
+        out[f"transformer.{module}.lora_B.weight"] = state[f"{module}.lora_B.weight"].contiguous()
+        out[f"transformer.{module}.alpha"] = torch.tensor(float(down.shape[0]), dtype=torch.float32)
+    return out
+
+
+def to_kohya_fused(state: dict[str, torch.Tensor], table: list[BflParam]) -> dict[str, torch.Tensor]:
+    """Folded peft state -> kohya/BFL keys with explicit alpha = rank (scale 1): the layout earlier
+    versions wrote as "comfyui". Kept to read those files back in tests; not offered for saving."""
     layout = _fused_layout(table)
     by_bfl: dict[str, list[str]] = defaultdict(list)
     for module in lora_modules(state):
@@ -85,7 +112,7 @@ def to_comfyui(state: dict[str, torch.Tensor], table: list[BflParam]) -> dict[st
     return out
 
 
-def from_comfyui(sd: dict[str, torch.Tensor], table: list[BflParam]) -> dict[str, torch.Tensor]:
+def from_kohya_fused(sd: dict[str, torch.Tensor], table: list[BflParam]) -> dict[str, torch.Tensor]:
     """kohya/BFL keys -> folded peft state. Fused LoRAs are split by rows of up; the
     columns of up that are zero for a part are dropped (exact), which recovers the
     per-module LoRAs of files we wrote and is still exact for anyone else's."""
