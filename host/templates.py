@@ -142,11 +142,11 @@ def _train_graph(load: dict, cache: dict, offload: dict, train: dict, save: dict
                   "max_sequence_length": 0, **cache}, {"model": (1, 0)}, size=(340, 330)),
         NodeSpec(3, "LowVRAMOffloadConfig", "Offload Config", (40, 260),
                  {"gradient_checkpointing": True, **offload}, size=(320, 230)),
-        NodeSpec(4, "LowVRAMTrainLoRA", "Train LoRA", (780, 80),
+        NodeSpec(4, "LowVRAMTrainLoRA", "Train LoRA (LowVRAM)", (780, 80),
                  {"batch_size": 1, "gradient_accumulation": 1, "lr_scheduler": "constant", "guidance": 1.0,
                   "max_grad_norm": 1.0, **train},
                  {"model": (1, 0), "dataset": (2, 0), "offload": (3, 0)}, size=(330, 420)),
-        NodeSpec(5, "LowVRAMSaveLoRA", "Save LoRA", (1150, 80), {"format": "comfyui", "dtype": "bf16", **save},
+        NodeSpec(5, "LowVRAMSaveLoRA", "Save LoRA (LowVRAM)", (1150, 80), {"format": "comfyui", "dtype": "bf16", **save},
                  {"lora": (4, 0)}, size=(320, 150)),
     ]
 

@@ -18,6 +18,6 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "LowVRAMLoadQuantizedSlab": "Load Quantized Slab",
     "LowVRAMCacheTextEmbeds": "Cache Text Embeds",
     "LowVRAMOffloadConfig": "Offload Config",
-    "LowVRAMTrainLoRA": "Train LoRA",
-    "LowVRAMSaveLoRA": "Save LoRA",
+    "LowVRAMTrainLoRA": "Train LoRA (LowVRAM)",  # ComfyUI has a built-in "Train LoRA"
+    "LowVRAMSaveLoRA": "Save LoRA (LowVRAM)",
 }

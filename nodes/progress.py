@@ -25,11 +25,21 @@ class ComfyCallback(TrainingCallback):
     """Drives ComfyUI's progress bar, step text and interrupt button."""
 
     text_interval_s = 2.0
+    #: The websocket text reaches the editor only; ``comfy run --wait`` users watch the server
+    #: console, so a progress line is also printed there, this often (and at the first and last step).
+    console_interval_s = 15.0
 
     def __init__(self, comfy_utils, model_management, node_id: str | None = None):
         self._utils, self._mm, self.node_id = comfy_utils, model_management, node_id
         self._bars: dict[str, object] = {}
         self._last_text = 0.0
+        self._last_console: dict[str, float] = {}
+
+    def _console(self, stage: str, text: str, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._last_console.get(stage, float("-inf")) >= self.console_interval_s:
+            self._last_console[stage] = now
+            print(f"[lowvram-lora] {text}", flush=True)
 
     def _bar(self, stage: str, total: int):
         bar = self._bars.get(stage)
@@ -42,23 +52,26 @@ class ComfyCallback(TrainingCallback):
         if not force and now - self._last_text < self.text_interval_s:
             return
         self._last_text = now
-        try:  # newer ComfyUI: text under the node; older: console only
+        try:  # newer ComfyUI: text under the node; older ones lack it (the console lines still come)
             from server import PromptServer  # type: ignore[import-not-found]
 
             PromptServer.instance.send_progress_text(text, self.node_id)
         except Exception:
-            print(f"[lowvram-lora] {text}")
+            pass
 
     def on_progress(self, stage: str, done: int, total: int) -> None:
         self._bar(stage, total).update_absolute(done, total)
         self._send_text(f"{stage}: {done}/{total}", force=done >= total)
+        self._console(stage, f"{stage}: {done}/{total}", force=done >= total)
 
     def on_step(self, info: StepInfo) -> None:
         self._bar("train", info.total_steps).update_absolute(info.step, info.total_steps)
-        self._send_text(format_step(info), force=info.step in (1, info.total_steps))
+        text = format_step(info)
+        self._send_text(text, force=info.step in (1, info.total_steps))
+        self._console("train", text, force=info.step in (1, info.total_steps))
 
     def log(self, message: str) -> None:
-        print(f"[lowvram-lora] {message}")
+        print(f"[lowvram-lora] {message}", flush=True)
         self._send_text(message, force=True)
 
     def should_stop(self) -> bool:

@@ -130,7 +130,7 @@ def test_one_node_exactly_as_comfyui_sends_it(info):
         "output_is_list": [],
         "output_name": [],
         "name": "LowVRAMSaveLoRA",
-        "display_name": "Save LoRA",
+        "display_name": "Save LoRA (LowVRAM)",
         "description": save.DESCRIPTION,
         "python_module": "custom_nodes.lowvram-lora",
         "category": "LowVRAM LoRA",

@@ -9,14 +9,17 @@ import lowvram_lora
 from lowvram_lora.nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
 
 COMFY_BUILTIN_IDS = {"TrainLoraNode", "SaveLoRA", "LoraModelLoader", "LoadImage", "SaveImage", "CheckpointLoaderSimple"}
+# Display names of ComfyUI 0.33's training nodes (comfy_extras/nodes_train.py): search would show two of each.
+COMFY_BUILTIN_DISPLAY = {"Train LoRA", "Save LoRA Weights", "Load LoRA Model", "Plot Loss Graph", "Save LoRA"}
 
 
 def test_pack_exports_and_display_names():
     assert lowvram_lora.NODE_CLASS_MAPPINGS is NODE_CLASS_MAPPINGS
     assert lowvram_lora.WEB_DIRECTORY == "./web"
     assert set(NODE_DISPLAY_NAME_MAPPINGS.values()) == {
-        "Load Quantized Slab", "Cache Text Embeds", "Offload Config", "Train LoRA", "Save LoRA"}
+        "Load Quantized Slab", "Cache Text Embeds", "Offload Config", "Train LoRA (LowVRAM)", "Save LoRA (LowVRAM)"}
     assert not set(NODE_CLASS_MAPPINGS) & COMFY_BUILTIN_IDS
+    assert not set(NODE_DISPLAY_NAME_MAPPINGS.values()) & COMFY_BUILTIN_DISPLAY
     assert all(k.startswith("LowVRAM") for k in NODE_CLASS_MAPPINGS)
 
 
@@ -175,3 +178,27 @@ def test_auto_trains_resident_on_cpu_and_stream_needs_cuda(tiny_pipeline, tiny_c
     assert result.steps == 2 and any("stays resident" in m for m in logs)
     with pytest.raises(ConfigError, match="CUDA"):
         train_lora(mc, tiny_cache, LoraSettings(rank=2), TrainConfig(steps=2), offload=OffloadConfig(mode="stream"))
+
+
+def test_comfy_callback_prints_progress_to_the_console_at_an_interval(monkeypatch, capsys):
+    """comfy run --wait users see the server console, not the websocket text (issue 9, item 5)."""
+    from lowvram_lora.engine.callbacks import StepInfo
+    from lowvram_lora.nodes import progress
+
+    class Bar:
+        def __init__(self, total):
+            pass
+
+        def update_absolute(self, value, total=None, preview=None):
+            pass
+
+    cb = progress.ComfyCallback(types.SimpleNamespace(ProgressBar=Bar), types.SimpleNamespace(), "4")
+    clock = {"t": 100.0}
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock["t"])
+    for step in range(1, 101):
+        clock["t"] += 1.0  # one second per step
+        cb.on_step(StepInfo(step, 100, 0.5, 1e-4, 1.0, 1.0, 0.0))
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[lowvram-lora] step ")]
+    steps = [int(ln.split()[2].split("/")[0]) for ln in lines]
+    assert steps[0] == 1 and steps[-1] == 100  # first and last always
+    assert 6 <= len(steps) <= 9  # about every 15 s in between, not every step
