@@ -1,7 +1,7 @@
 """The demo job: the shipped demo workflow, run headless on a tiny Flux.1 model on CPU.
 
 Builds (once) a tiny random Flux.1 pipeline folder, its BFL single-file twin and a
-synthetic captioned dataset under ``--dir``, then runs
+synthetic captioned dataset under ``--dir`` in ComfyUI's layout (``models/``, ``input/``), then runs
 ``workflows/demo_tiny_lora.json`` through the same executor as
 ``lowvram-lora run``: cache, ~30 training steps, LoRA + loss-curve PNG.
 """
@@ -11,7 +11,9 @@ import argparse
 from pathlib import Path
 
 WORKFLOW = Path(__file__).resolve().parent / "workflows" / "demo_tiny_lora.json"
-DATASET_NODE = "2"  # Cache Text Embeds in the demo workflow
+#: The demo dataset, relative to the input folder: the workflow names it this way, so it runs as
+#: shipped in ComfyUI (input/ of its root) and headless (input/ beside --models-dir).
+DEMO_DATASET = "lowvram_demo/shapes"
 
 
 def ensure_demo_assets(root: Path) -> dict[str, Path]:
@@ -20,7 +22,7 @@ def ensure_demo_assets(root: Path) -> dict[str, Path]:
 
     pipeline = root / "models" / "diffusers" / "flux1-tiny"
     single = root / "models" / "diffusion_models" / "flux1-tiny.safetensors"
-    data = root / "datasets" / "shapes"
+    data = root / "input" / DEMO_DATASET
     if not (pipeline / "model_index.json").exists():
         build_tiny_flux1_pipeline(pipeline)
     if not single.exists():
@@ -41,7 +43,7 @@ def run_demo(root: str | Path = "demo_output", prepare_only: bool = False, progr
         print(f"demo files ready: {assets['single_file']}, {assets['pipeline']}, {assets['dataset']}")
         return 0
     args = argparse.Namespace(
-        workflow=str(WORKFLOW), overrides=[f"{DATASET_NODE}.dataset_path={assets['dataset'].resolve()}"],
+        workflow=str(WORKFLOW), overrides=[],  # the workflow exactly as shipped
         models_dir=str(assets["models"]), output_dir=str(root / "output"), no_progress=not progress, traceback=False,
     )
     return run_workflow_command(args, NODE_CLASS_MAPPINGS, configure_dirs=configure_standalone_dirs,

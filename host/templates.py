@@ -50,9 +50,39 @@ def _links(nodes: list[NodeSpec], mappings: Mapping[str, type]) -> list[list]:
     return out
 
 
+TITLE_H = 30  # LiteGraph draws the title bar above ``pos``
+GAP = 30
+
+
+def _fitted_size(node: NodeSpec, cls: type) -> tuple[int, int]:
+    """At least the height LiteGraph needs for the node's slots and widgets (frontends 1.27-1.49:
+    ~22 px per slot row, up to ~28 px per widget), so the stored size never cuts widgets off."""
+    specs = input_specs(cls)
+    widgets = sum(1 + s.control_slots for s in specs if s.is_widget and s.name not in node.links)
+    slot_rows = max(len(node.links), len(return_types(cls)))
+    return max(node.size[0], 320), max(node.size[1], 22 * slot_rows + 28 * widgets + 16)
+
+
+def _layout(boxes: list[list]) -> None:
+    """Push boxes ([x, y, w, h], body coordinates) down until none overlaps an earlier one
+    (title bars included): nodes are stacked in their columns, notes go below what they would hide."""
+    placed: list[list] = []
+    for b in boxes:
+        while True:
+            hit = [p for p in placed if b[0] < p[0] + p[2] and p[0] < b[0] + b[2]
+                   and b[1] - TITLE_H < p[1] + p[3] + GAP and p[1] - TITLE_H < b[1] + b[3] + GAP]
+            if not hit:
+                break
+            b[1] = max(p[1] + p[3] for p in hit) + TITLE_H + GAP
+        placed.append(b)
+
+
 def to_ui(nodes: list[NodeSpec], notes: list[NoteSpec], mappings: Mapping[str, type],
           display: Mapping[str, str]) -> dict:
     links = _links(nodes, mappings)
+    boxes = {n.id: [n.pos[0], n.pos[1], *_fitted_size(n, mappings[n.class_type])] for n in nodes}
+    boxes.update({n.id: [n.pos[0], n.pos[1], *n.size] for n in notes})
+    _layout([boxes[i] for i in sorted(boxes, key=lambda i: (boxes[i][1], boxes[i][0]))])
     ui_nodes = []
     for order, node in enumerate(nodes):
         cls = mappings[node.class_type]
@@ -70,7 +100,7 @@ def to_ui(nodes: list[NodeSpec], notes: list[NoteSpec], mappings: Mapping[str, t
             # the "control after generate" widget(s) ComfyUI adds after seeds
             values += ["fixed", ""][: s.control_slots]
         ui_nodes.append({
-            "id": node.id, "type": node.class_type, "pos": list(node.pos), "size": list(node.size), "flags": {},
+            "id": node.id, "type": node.class_type, "pos": boxes[node.id][:2], "size": boxes[node.id][2:], "flags": {},
             "order": order, "mode": 0, "inputs": inputs, "outputs": outputs, "title": node.title,
             # The frontend's convention: the class name (used for %Node.widget% lookups).
             "properties": {"Node name for S&R": node.class_type},
@@ -78,7 +108,7 @@ def to_ui(nodes: list[NodeSpec], notes: list[NoteSpec], mappings: Mapping[str, t
         })
     for note in notes:
         ui_nodes.append({
-            "id": note.id, "type": "Note", "pos": list(note.pos), "size": list(note.size), "flags": {},
+            "id": note.id, "type": "Note", "pos": boxes[note.id][:2], "size": boxes[note.id][2:], "flags": {},
             "order": len(ui_nodes), "mode": 0, "inputs": [], "outputs": [], "properties": {},
             "widgets_values": [note.text], "color": "#432", "bgcolor": "#653",
         })
@@ -154,7 +184,7 @@ def _train_graph(load: dict, cache: dict, offload: dict, train: dict, save: dict
 def demo_tiny_lora() -> tuple[list[NodeSpec], list[NoteSpec]]:
     nodes = _train_graph(
         load={"checkpoint": "flux1-tiny.safetensors", "family": "auto", "precision": "bf16"},
-        cache={"text_encoders": "diffusers/flux1-tiny", "dataset_path": "demo_output/datasets/shapes",
+        cache={"text_encoders": "diffusers/flux1-tiny", "dataset_path": "lowvram_demo/shapes",
                "resolution": 128},
         offload={"mode": "resident"},
         train={"steps": 30, "learning_rate": 2e-3, "rank": 8, "alpha": 8.0, "warmup_steps": 3, "training_seed": 0},
@@ -164,7 +194,7 @@ def demo_tiny_lora() -> tuple[list[NodeSpec], list[NoteSpec]]:
         "Demo: trains a LoRA on a tiny random Flux.1-architecture model, on CPU, in about a minute.\n\n"
         "Prepare the files once with:\n  lowvram-lora demo --prepare-only --dir <ComfyUI root>\n"
         "which writes models/diffusion_models/flux1-tiny.safetensors, models/diffusers/flux1-tiny/ and "
-        "demo_output/datasets/shapes/ (synthetic captioned images).\n\n"
+        "input/lowvram_demo/shapes/ (synthetic captioned images). Then press Run: nothing to edit.\n\n"
         "Headless: lowvram-lora run workflows/demo_tiny_lora.json --models-dir demo_output/models "
         "--output-dir demo_output/output  (this is what `make demo` does)."), (40, 420))]
     return nodes, notes
@@ -173,7 +203,7 @@ def demo_tiny_lora() -> tuple[list[NodeSpec], list[NoteSpec]]:
 def flux1_dev_lora() -> tuple[list[NodeSpec], list[NoteSpec]]:
     nodes = _train_graph(
         load={"checkpoint": "flux1-dev.safetensors", "family": "flux1", "precision": "bf16"},
-        cache={"text_encoders": "diffusers/FLUX.1-dev", "dataset_path": "datasets/my_subject", "resolution": 1024},
+        cache={"text_encoders": "diffusers/FLUX.1-dev", "dataset_path": "my_subject", "resolution": 1024},
         offload={"mode": "auto", "vram_budget_gb": 0.0},
         train={"steps": 1500, "learning_rate": 1e-4, "rank": 16, "alpha": 16.0, "warmup_steps": 50, "training_seed": 42},
         save={"filename_prefix": "loras/flux1_dev_lora"},
@@ -184,7 +214,7 @@ def flux1_dev_lora() -> tuple[list[NodeSpec], list[NoteSpec]]:
         "'diffusers/FLUX.1-dev' to use the folder's transformer.\n"
         "- models/diffusers/FLUX.1-dev/: the diffusers pipeline folder (text_encoder, text_encoder_2, tokenizer, "
         "tokenizer_2, vae) used to cache captions and latents. Single-file t5xxl/clip_l files carry no tokenizer.\n"
-        "- datasets/my_subject/: your images with same-name .txt captions.\n\n"
+        "- input/my_subject/: your images with same-name .txt captions (or set dataset_path to any folder).\n\n"
         "Memory: Offload Config 'auto' with budget 0 plans for 90% of the free VRAM: everything resident if it "
         "fits, else blocks stream from pinned host RAM (needs ~24 GB of free RAM for bf16, ~12 GB for an int8 "
         "slab). Measured on an H100 at 1024 (bench/RESULTS.md): resident 27.4 GB peak, 1.02 s/step; "

@@ -98,12 +98,24 @@ def cache_dir() -> Path:
     return output_dir() / "lowvram_cache"
 
 
+def input_dir() -> Path:
+    """Where relative dataset paths are looked up after the working directory: ComfyUI's input
+    folder, or standalone the ``input/`` beside ``--models-dir`` (the ComfyUI root layout)."""
+    fp = comfy_folder_paths()
+    if fp is not None:
+        return Path(fp.get_input_directory())
+    return _standalone["models_dir"].parent / "input"
+
+
 def resolve_dataset_path(path: str) -> Path:
-    """Absolute as given; relative paths against the working directory, then (in
-    ComfyUI) its input folder."""
+    """Absolute as given; relative paths against the working directory, then the input folder."""
     p = Path(os.path.expanduser(path))
     if p.is_absolute() or p.exists():
         return p.resolve()
+    candidate = input_dir() / p
+    if candidate.exists():
+        return candidate.resolve()
+    return p.resolve()
     fp = comfy_folder_paths()
     if fp is not None:
         candidate = Path(fp.get_input_directory()) / p

@@ -98,11 +98,10 @@ def _loss_curve_outputs(lora):
     tensor = torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0)[None]
     fp = comfy_folder_paths()
     name = f"lowvram_loss_{uuid.uuid4().hex[:8]}.png"
-    if fp is not None:
+    # Every ui value is a list: ComfyUI concatenates them across calls (execution.py).
+    ui = {"final_loss": [round(lora.loss_history[-1], 6)] if lora.loss_history else [], "steps": [lora.steps]}
+    if fp is not None:  # the curve as the node's preview image
         os.makedirs(fp.get_temp_directory(), exist_ok=True)
         img.save(os.path.join(fp.get_temp_directory(), name))
-        ui = {"images": [{"filename": name, "subfolder": "", "type": "temp"}]}
-    else:
-        ui = {"final_loss": [round(lora.loss_history[-1], 6)] if lora.loss_history else [],
-              "steps": [lora.steps]}
+        ui["images"] = [{"filename": name, "subfolder": "", "type": "temp"}]
     return tensor, ui

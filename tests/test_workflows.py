@@ -142,3 +142,18 @@ def test_python_dash_m_run_exit_codes(tmp_path):
     assert out.returncode == 1 and "NoSuchNode" in out.stderr and "Traceback" not in out.stderr
     help_out = subprocess.run([sys.executable, "-m", "lowvram_lora", "--help"], capture_output=True, text=True)
     assert help_out.returncode == 0 and all(c in help_out.stdout for c in ("run", "demo", "slab"))
+
+
+@pytest.mark.parametrize("name", ["demo_tiny_lora", "flux1_dev_lora"])
+def test_shipped_graphs_have_no_overlapping_boxes(name):
+    """Issue 9 item 3: the demo's Note hid three Offload Config widgets. Boxes include title bars."""
+    import json
+
+    from lowvram_lora.host.templates import TITLE_H
+
+    nodes = json.loads((WORKFLOWS_DIR / f"{name}.json").read_text())["nodes"]
+    boxes = [(n["pos"][0], n["pos"][1] - TITLE_H, n["pos"][0] + n["size"][0], n["pos"][1] + n["size"][1])
+             for n in nodes]
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            assert not (a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]), (a, b)
