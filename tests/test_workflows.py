@@ -51,8 +51,8 @@ def test_demo_workflow_runs_end_to_end_and_reruns_without_training(tmp_path, cap
     from lowvram_lora.engine.lora_io import load_lora
 
     assets = ensure_demo_assets(tmp_path / "demo")
-    args = _args(WORKFLOWS_DIR / "demo_tiny_lora.json", assets["models"], tmp_path / "out",
-                 [f"2.dataset_path={assets['dataset']}", "4.steps=6"])
+    # No dataset_path override: the template runs as shipped after `demo --prepare-only` (issue 9 item 1).
+    args = _args(WORKFLOWS_DIR / "demo_tiny_lora.json", assets["models"], tmp_path / "out", ["4.steps=6"])
     code = run_workflow_command(args, NODE_CLASS_MAPPINGS, configure_dirs=configure_standalone_dirs)
     out = capsys.readouterr().out
     assert code == 0, out
