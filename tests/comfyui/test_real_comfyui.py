@@ -1,0 +1,176 @@
+"""The pack in a real ComfyUI: install as the README says, start the server, run the shipped
+workflows through comfy-cli (``comfy run --wait``), and check what a user would see.
+
+Skipped unless ``LOWVRAM_COMFYUI_DIR`` names a ComfyUI checkout with its environment in
+``venv/`` (or ``LOWVRAM_COMFYUI_PYTHON``) holding comfy-cli; ``../shared/COMFYUI.md`` says how to
+build one. The server runs on the CPU with ``--base-directory`` in a fresh temporary folder,
+so models, inputs, outputs and custom nodes are this test's own and no earlier finished run
+can be reused by mistake.
+
+    LOWVRAM_COMFYUI_DIR=/path/to/ComfyUI .venv/bin/python -m pytest -q tests/comfyui -s
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+COMFY_DIR = os.environ.get("LOWVRAM_COMFYUI_DIR")
+pytestmark = pytest.mark.skipif(not COMFY_DIR, reason="set LOWVRAM_COMFYUI_DIR to a real ComfyUI to run these")
+
+REPO = Path(__file__).resolve().parents[2]
+OUR_NODES = {"LowVRAMLoadQuantizedSlab", "LowVRAMCacheTextEmbeds", "LowVRAMOffloadConfig", "LowVRAMTrainLoRA",
+             "LowVRAMSaveLoRA"}
+
+
+def _copy_checkout(dest: Path) -> None:
+    """What a user's clone holds: the files git tracks (plus new ones it does not ignore)."""
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=REPO,
+                           check=True, capture_output=True, text=True).stdout.split("\0")
+    for rel in filter(None, files):
+        src = REPO / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+
+
+def _python(comfy: Path) -> Path:
+    return Path(os.environ.get("LOWVRAM_COMFYUI_PYTHON", comfy / "venv" / "bin" / "python"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(port: int, path: str, timeout: float = 30):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def _server_log(port: int) -> str:
+    try:
+        return _get(port, "/internal/logs")
+    except Exception as exc:  # noqa: BLE001
+        return f"(no log: {exc})"
+
+
+class Comfy:
+    def __init__(self, comfy: Path, base: Path, port: int, proc: subprocess.Popen, home: Path):
+        self.dir, self.base, self.port, self.proc, self.home = comfy, base, port, proc, home
+
+    @property
+    def pack(self) -> Path:
+        return self.base / "custom_nodes" / "lowvram-lora"
+
+    def comfy_run(self, workflow: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+        """``comfy run --workflow FILE --wait`` exactly as a user types it (comfy-cli)."""
+        cli = self.dir / "venv" / "bin" / "comfy"
+        env = dict(os.environ, HOME=str(self.home), DO_NOT_TRACK="1", COMFY_NO_TELEMETRY="1",
+                   COMFY_NO_UPDATE_CHECK="1")
+        cmd = [str(cli), "--skip-prompt", "--workspace", str(self.dir), "run", "--workflow", str(workflow),
+               "--host", "127.0.0.1", "--port", str(self.port), "--wait", "--timeout", "300"]
+        print("$", " ".join(cmd))
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        print(done.stdout[-3000:], done.stderr[-3000:])
+        return done
+
+
+@pytest.fixture(scope="module")
+def comfy(tmp_path_factory):
+    comfy_dir = Path(COMFY_DIR).resolve()
+    python = _python(comfy_dir)
+    base = tmp_path_factory.mktemp("comfy-base")
+    home = tmp_path_factory.mktemp("home")
+    # 1. Install as the README says: copy into custom_nodes/lowvram-lora, pip install -e it.
+    pack = base / "custom_nodes" / "lowvram-lora"
+    _copy_checkout(pack)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "-e", str(pack)], check=True)
+    # 2. The demo's files, with the one documented preparation command.
+    subprocess.run([str(python.parent / "lowvram-lora"), "demo", "--prepare-only", "--dir", str(base)],
+                   check=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    # 3. The server, on the CPU, everything under our base directory.
+    port = _free_port()
+    log = open(base / "server.log", "w")
+    proc = subprocess.Popen([str(python), "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
+                             "--disable-auto-launch", "--base-directory", str(base)],
+                            cwd=comfy_dir, stdout=log, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1"))
+    deadline = time.monotonic() + 240
+    while True:
+        try:
+            _get(port, "/system_stats", timeout=5)
+            break
+        except Exception:  # noqa: BLE001
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log.close()
+                pytest.fail(f"ComfyUI did not start:\n{(base / 'server.log').read_text()[-4000:]}")
+            time.sleep(1)
+    yield Comfy(comfy_dir, base, port, proc, home)
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
+def test_nodes_load_without_import_errors(comfy):
+    info = _get(comfy.port, "/object_info")
+    assert OUR_NODES <= set(info)
+    names = {k: info[k]["display_name"] for k in OUR_NODES}
+    assert names["LowVRAMTrainLoRA"] == "Train LoRA (LowVRAM)" != info.get("TrainLoraNode", {}).get("display_name")
+    assert all(info[k]["category"] == "LowVRAM LoRA" for k in OUR_NODES)
+    assert info["LowVRAMTrainLoRA"]["input"]["required"]["steps"][1]["tooltip"]
+    log = json.dumps(_server_log(comfy.port))
+    assert "IMPORT FAILED" not in log or "lowvram-lora" not in log.split("IMPORT FAILED")[1][:300]
+
+
+def test_templates_are_listed(comfy):
+    templates = _get(comfy.port, "/workflow_templates")
+    assert sorted(templates.get("lowvram-lora", [])) == ["demo_tiny_lora", "flux1_dev_lora"], templates
+
+
+def test_demo_workflow_trains_through_comfy_run(comfy):
+    """The demo as shipped (no widget edits) trains a LoRA inside ComfyUI's inference mode."""
+    loras = comfy.base / "output" / "loras"
+    done = comfy.comfy_run(comfy.pack / "workflows" / "demo_tiny_lora.json")
+    log = json.dumps(_server_log(comfy.port))
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:], log[-4000:])
+    new = sorted(loras.glob("demo_tiny_lora_*_.safetensors"))
+    assert len(new) == 1, (sorted(loras.iterdir()) if loras.exists() else "no loras folder", log[-3000:])
+    assert new[0].with_name(new[0].stem + "_loss.png").exists()
+    # the run trained (nothing to reuse in a fresh base folder) and its progress reached the console
+    assert "[lowvram-lora] step 1/30" in log and "[lowvram-lora] step 30/30" in log, log[-3000:]
+    from lowvram_lora.engine.lora_io import load_lora
+
+    lora = load_lora(new[0])
+    assert lora.format == "comfyui" and lora.metadata["lowvram_lora.steps"] == "30"
+    assert oct(new[0].stat().st_mode & 0o777) in ("0o644", "0o664")  # readable by other users (item 6)
+
+
+def test_demo_api_twin_runs(comfy, tmp_path):
+    """The API-format twin; a new filename prefix, so ComfyUI re-runs Save LoRA (an identical prompt
+    would be answered from ComfyUI's cache and write nothing)."""
+    graph = json.loads((comfy.pack / "workflows" / "api" / "demo_tiny_lora.json").read_text())
+    graph["5"]["inputs"]["filename_prefix"] = "loras/demo_api"
+    (tmp_path / "api.json").write_text(json.dumps(graph))
+    done = comfy.comfy_run(tmp_path / "api.json")
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:])
+    assert len(list((comfy.base / "output" / "loras").glob("demo_api_*_.safetensors"))) == 1
+
+
+def test_flux1_dev_workflow_without_its_files_fails_clearly(comfy):
+    done = comfy.comfy_run(comfy.pack / "workflows" / "flux1_dev_lora.json", timeout=300)
+    text = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "flux1-dev.safetensors" in text, text[-2000:]
