@@ -157,3 +157,118 @@ def make_tiny_dataset(folder: str | Path, count: int = 6, seed: int = 0, sizes=(
         img.save(folder / f"img_{i:03d}.png")
         (folder / f"img_{i:03d}.txt").write_text(f"a {fg} {shape} on a {bg} background")
     return folder
+
+
+# --- Flux.2 -------------------------------------------------------------------------
+
+#: A chat template in the shape Mistral's uses (system + user turns, content given as a list
+#: of {"type": "text"} parts, as Flux2Pipeline passes it); the tiny vocabulary has no
+#: [INST] tokens, so the turns are joined with plain words.
+TINY_MISTRAL_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% for part in message['content'] %}"
+    "{% if message['role'] == 'system' %}{{ part['text'] }} : {% else %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endfor %}"
+)
+#: Qwen3's shape: string content, an assistant prompt when asked for one.
+TINY_QWEN3_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %} .{% endif %}"
+)
+
+
+def _tiny_decoder_lm(kind: str, vocab: int, hidden: int, layers: int, seed: int):
+    """A tiny Mistral3ForConditionalGeneration (Flux.2-dev's text encoder class, with a tiny
+    Pixtral tower) or Qwen3ForCausalLM (klein's)."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=64,
+                  rms_norm_eps=1e-5, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    if kind == "qwen3":
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        return Qwen3ForCausalLM(Qwen3Config(**common))
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    config = Mistral3Config(
+        text_config={"model_type": "mistral", **common},
+        vision_config={"model_type": "pixtral", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                       "num_attention_heads": 2, "head_dim": 8, "image_size": 32, "patch_size": 8},
+        image_token_index=3, spatial_merge_size=2, projector_hidden_act="gelu",
+    )
+    return Mistral3ForConditionalGeneration(config)
+
+
+def build_tiny_flux2_pipeline(folder: str | Path, text_encoder: str = "mistral3", seed: int = 0) -> Path:
+    """Write a complete tiny Flux.2 diffusers pipeline folder (transformer, a tiny Mistral3 or
+    Qwen3 text encoder with an offline tokenizer, the Flux.2 VAE with its BatchNorm, scheduler)."""
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler
+
+    folder = Path(folder)
+    torch.manual_seed(seed)
+    family = get_family("flux2")
+    config = load_shipped_config(family.variants["flux2-tiny"])
+    transformer = family.transformer_class().from_config(config)
+    _randomize_zero_inits(transformer, seed)
+    specials = ["<pad>", "<s>", "</s>", "[IMG]", "<unk>"]
+    tokenizer, vocab = _word_level_tokenizer(specials, "<s>", "</s>", "<pad>", "<unk>", 512)
+    tokenizer.chat_template = TINY_MISTRAL_CHAT_TEMPLATE if text_encoder == "mistral3" else TINY_QWEN3_CHAT_TEMPLATE
+    tokenizer.padding_side = "left" if text_encoder == "mistral3" else "right"
+    if text_encoder == "qwen3":  # Qwen's template adds no BOS and its tokenizer adds none either
+        from tokenizers import processors
+
+        tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(single="$A")
+    hidden = config["joint_attention_dim"] // 3  # three stacked hidden states per token
+    lm = _tiny_decoder_lm(text_encoder, vocab, hidden, 4, seed)
+    vae = AutoencoderKLFlux2(
+        block_out_channels=(8, 16, 16, 16), layers_per_block=1, latent_channels=config["in_channels"] // 4,
+        norm_num_groups=4, sample_size=128, use_quant_conv=False, use_post_quant_conv=False,
+    )
+    with torch.no_grad():  # BatchNorm statistics as a trained VAE has them (not 0 / 1)
+        vae.bn.running_mean.copy_(torch.randn(vae.bn.running_mean.shape) * 0.1)
+        vae.bn.running_var.copy_(torch.rand(vae.bn.running_var.shape) + 0.5)
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, part in (("transformer", transformer), ("vae", vae), ("text_encoder", lm)):
+        part.save_pretrained(folder / name, safe_serialization=True)
+    tokenizer.save_pretrained(folder / "tokenizer")
+    scheduler.save_pretrained(folder / "scheduler")
+    pipeline_class = "Flux2Pipeline" if text_encoder == "mistral3" else "Flux2KleinPipeline"
+    (folder / "model_index.json").write_text(json.dumps({
+        "_class_name": pipeline_class, "_diffusers_version": "0.42.1",
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", type(lm).__name__],
+        "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
+        "transformer": ["diffusers", "Flux2Transformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKLFlux2"],
+    }, indent=2))
+    return folder
+
+
+def write_flux2_single_file(pipeline_folder: str | Path, out_file: str | Path, comfy_fp8: bool = False) -> Path:
+    """The pipeline's Flux.2 transformer as one BFL-named file. ``comfy_fp8`` writes it the way
+    ComfyUI ships ``flux2_dev_fp8mixed.safetensors``: ``model.diffusion_model.`` prefixes, block
+    Linear weights as float8_e4m3fn with a per-tensor ``weight_scale`` and a ``comfy_quant`` tag."""
+    from safetensors.torch import load_file
+
+    transformer_dir = Path(pipeline_folder) / "transformer"
+    config = json.loads((transformer_dir / "config.json").read_text())
+    state = {}
+    for f in sorted(transformer_dir.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    out = {}
+    for param in get_family("flux2").param_table(config):
+        tensor = join_diffusers_tensors(param, state).contiguous()
+        name = param.name
+        if comfy_fp8 and name.endswith(".weight") and name.startswith(("double_blocks.", "single_blocks.")):
+            scale = tensor.abs().max().float() / 448.0
+            base = name[: -len(".weight")]
+            out[f"model.diffusion_model.{name}"] = (tensor.float() / scale).to(torch.float8_e4m3fn)
+            out[f"model.diffusion_model.{base}.weight_scale"] = scale.reshape(())
+            out[f"model.diffusion_model.{base}.comfy_quant"] = torch.tensor(
+                list(json.dumps({"format": "float8_e4m3fn"}).encode()), dtype=torch.uint8)
+        else:
+            out[("model.diffusion_model." if comfy_fp8 else "") + name] = tensor.to(torch.bfloat16 if comfy_fp8 else tensor.dtype)
+    out_file = Path(out_file)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(out_file), metadata={"format": "pt"})
+    return out_file

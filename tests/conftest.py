@@ -71,3 +71,24 @@ def models_with_empty_files(tmp_path):
         (models / "diffusers" / name / "model_index.json").write_text("{}")
     configure_standalone_dirs(str(models), str(tmp_path / "out"))
     return models
+
+
+@pytest.fixture(scope="session")
+def tiny_flux2(tmp_path_factory):
+    """A tiny Flux.2 pipeline folder (Mistral3 text encoder, the Flux.2 VAE with BatchNorm)."""
+    from lowvram_lora.engine.testing import build_tiny_flux2_pipeline
+
+    return build_tiny_flux2_pipeline(tmp_path_factory.mktemp("f2") / "flux2-tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_flux2_cache(tiny_flux2, tmp_path_factory):
+    """A one-image Flux.2 cache: training on it repeats one batch, so the loss must fall."""
+    from lowvram_lora.engine.caching import build_dataset_cache
+    from lowvram_lora.engine.config import DataConfig, ModelConfig
+    from lowvram_lora.engine.testing import make_tiny_dataset
+
+    root = tmp_path_factory.mktemp("f2cache")
+    data = make_tiny_dataset(root / "data", count=1)
+    return build_dataset_cache(ModelConfig(transformer_path=str(tiny_flux2)),
+                               DataConfig(path=str(data), resolution=128, bucket_step=32), root / "cache")

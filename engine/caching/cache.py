@@ -32,6 +32,7 @@ from ..models import resolve_device, resolve_dtype, resolve_transformer_source
 from ..models.transformer_loading import identify_diffusers_folder
 from .hashing import path_identity, sha256_file, stable_hash
 from .text_encoding import encode_captions
+from .stacked_text import encode_stacked
 from .vae_encoding import encode_images
 
 MANIFEST_VERSION = 1
@@ -125,10 +126,13 @@ def build_dataset_cache(
     buckets = make_buckets(data_cfg.resolution, data_cfg.bucket_step, data_cfg.max_aspect)
     max_len = max_sequence_length or family.default_max_sequence_length(variant)
 
+    specs = family.text_encoder_specs(variant)
     text_ident = stable_hash([[s.subfolder, path_identity(pipeline / s.subfolder),
-                               path_identity(pipeline / s.tokenizer_subfolder), s.output] for s in family.text_encoders]
-                             + [max_len, str(dtype)])
-    vae_ident = stable_hash([path_identity(pipeline / "vae"), str(dtype)])
+                               path_identity(pipeline / s.tokenizer_subfolder), s.output]
+                              + ([list(s.hidden_layers), s.prompt_format] if s.output == "stacked" else [])
+                              for s in specs] + [max_len, str(dtype)])
+    vae_ident = stable_hash([path_identity(pipeline / "vae"), str(dtype)]
+                            + ([family.vae_class_name] if family.vae_class_name != "AutoencoderKL" else []))
 
     items = []
     for rec in records:
@@ -141,8 +145,8 @@ def build_dataset_cache(
         ))
 
     stats = {"text_built": 0, "text_reused": 0, "latents_built": 0, "latents_reused": 0}
-    _build_text(cache_dir, family, pipeline, items, dev, dtype, max_len, cb, stats)
-    _build_latents(cache_dir, pipeline, items, data_cfg.flip, dev, dtype, cb, stats)
+    _build_text(cache_dir, specs, pipeline, items, dev, dtype, max_len, cb, stats)
+    _build_latents(cache_dir, family, pipeline, items, data_cfg.flip, dev, dtype, cb, stats)
 
     dataset_hash = stable_hash([[i.text_key, i.latent_key] for i in items] + [data_cfg.repeats, data_cfg.flip])
     manifest_path = cache_dir / "datasets" / f"{dataset_hash}.json"
@@ -164,7 +168,7 @@ def build_dataset_cache(
                         data_cfg.repeats, data_cfg.flip, stats)
 
 
-def _build_text(cache_dir, family, pipeline, items, device, dtype, max_len, cb, stats) -> None:
+def _build_text(cache_dir, specs, pipeline, items, device, dtype, max_len, cb, stats) -> None:
     text_dir = cache_dir / "text"
     todo: dict[str, str] = {}
     for it in items:
@@ -175,10 +179,11 @@ def _build_text(cache_dir, family, pipeline, items, device, dtype, max_len, cb, 
         return
     keys, captions = list(todo), list(todo.values())
     per_encoder = {}
-    for spec in family.text_encoders:
+    for spec in specs:
         length = spec.max_length if spec.output == "pooled" else max_len
         stage = f"encode captions ({spec.subfolder})"
-        per_encoder[spec.cache_key] = encode_captions(
+        encode = encode_stacked if spec.output == "stacked" else encode_captions
+        per_encoder[spec.cache_key] = encode(
             pipeline, spec, captions, device, dtype, length, progress=lambda d, t, s=stage: cb.on_progress(s, d, t)
         )
     for i, key in enumerate(keys):
@@ -186,7 +191,7 @@ def _build_text(cache_dir, family, pipeline, items, device, dtype, max_len, cb, 
     stats["text_built"] = len(keys)
 
 
-def _build_latents(cache_dir, pipeline, items, flip, device, dtype, cb, stats) -> None:
+def _build_latents(cache_dir, family, pipeline, items, flip, device, dtype, cb, stats) -> None:
     lat_dir = cache_dir / "latents"
     todo = {}
     for it in items:
@@ -197,7 +202,7 @@ def _build_latents(cache_dir, pipeline, items, flip, device, dtype, cb, stats) -
         return
     jobs = [(it, False) for it in todo.values()] + ([(it, True) for it in todo.values()] if flip else [])
     images = (load_image_tensor(Path(it.image), it.bucket, flip=f) for it, f in jobs)
-    latents = encode_images(pipeline, images, len(jobs), device, dtype,
+    latents = encode_images(pipeline, family, images, len(jobs), device, dtype,
                             progress=lambda d, t: cb.on_progress("encode images (vae)", d, t))
     n = len(todo)
     for i, (key, it) in enumerate(todo.items()):

@@ -15,7 +15,7 @@ transformers encoder whose layers take batch-first tensors (T5, CLIP, Mistral).
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -37,16 +37,21 @@ def main_layer_list(model: nn.Module) -> nn.ModuleList:
 class _ChunkedLayer(nn.Module):
     """Wraps one layer: moves it to ``device`` once, feeds the batch through in chunks."""
 
-    def __init__(self, layer: nn.Module, device: torch.device, chunk_size: int, host: torch.device):
+    def __init__(self, layer: nn.Module, device: torch.device, chunk_size: int, host: torch.device,
+                 index: int = 0, load_layer: LoadLayer | None = None):
         super().__init__()
         self.layer = layer
         self.device = device
         self.chunk_size = chunk_size
         self.host = host
+        self.index, self.load_layer = index, load_layer
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         batch = _batch_size(args, kwargs)
-        self.layer.to(self.device)
+        if self.load_layer is not None:
+            self.load_layer(self.index, self.layer, self.device)  # from the file, straight to the device
+        else:
+            self.layer.to(self.device)
         try:
             outputs = []
             for start in range(0, batch, self.chunk_size):
@@ -56,7 +61,8 @@ class _ChunkedLayer(nn.Module):
                 with torch.no_grad():
                     outputs.append(_to(self.layer(*a, **k), self.host))
         finally:
-            self.layer.to(self.host)
+            # A layer loaded from the file goes back to meta: its weights are dropped, not kept on the host.
+            self.layer.to("meta" if self.load_layer is not None else self.host)
         return _merge(outputs, batch)
 
 
@@ -96,15 +102,22 @@ def _merge(outputs: list[Any], batch: int) -> Any:
     return first
 
 
+#: ``load_layer(index, layer, device)`` puts layer ``index``'s weights on ``device`` (e.g. read from
+#: a file's memory map); the layer is sent back to meta after it ran.
+LoadLayer = Callable[[int, nn.Module, torch.device], None]
+
+
 @contextmanager
-def layer_major(model: nn.Module, device: torch.device, chunk_size: int = 8) -> Iterator[nn.Module]:
+def layer_major(model: nn.Module, device: torch.device, chunk_size: int = 8, load_layer: LoadLayer | None = None,
+                host: torch.device | None = None) -> Iterator[nn.Module]:
     """Inside the block, ``model(...)`` on host tensors runs its layer stack on ``device``,
-    one layer at a time for the whole batch. Layers are restored on exit."""
+    one layer at a time for the whole batch. Layers are restored on exit. With ``load_layer``
+    the layers may live on the meta device: each is loaded when it runs and dropped after."""
     layers = main_layer_list(model)
-    host = next(layers.parameters()).device
+    host = host or next(layers.parameters()).device
     originals = list(layers)
     for i, layer in enumerate(originals):
-        layers[i] = _ChunkedLayer(layer, device, chunk_size, host)
+        layers[i] = _ChunkedLayer(layer, device, chunk_size, host, i, load_layer)
     try:
         yield model
     finally:

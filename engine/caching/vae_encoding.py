@@ -10,37 +10,38 @@ from ..errors import ModelLoadError
 from ..models.dtypes import release_device_memory
 
 
-def load_vae(pipeline: Path, dtype: torch.dtype):
-    from diffusers import AutoencoderKL
+def load_vae(pipeline: Path, dtype: torch.dtype, class_name: str = "AutoencoderKL"):
+    import diffusers
 
     folder = pipeline / "vae"
     if not (folder / "config.json").exists():
         raise ModelLoadError(f"VAE folder '{folder}' is missing; caching needs a diffusers pipeline folder with vae/")
-    vae = AutoencoderKL.from_pretrained(folder, torch_dtype=dtype, local_files_only=True)
+    vae = getattr(diffusers, class_name).from_pretrained(folder, torch_dtype=dtype, local_files_only=True,
+                                                         use_safetensors=True)
     return vae.requires_grad_(False).eval()
 
 
 @torch.no_grad()
 def encode_images(
     pipeline: Path,
+    family,
     images: Iterable[torch.Tensor],
     count: int,
     device: torch.device,
     dtype: torch.dtype,
     progress: Callable[[int, int], None] | None = None,
 ) -> list[torch.Tensor]:
-    """(3, H, W) images in [-1, 1] -> (C, H/f, W/f) latents, shifted and scaled as the
-    transformer expects them. We keep the distribution's mean (deterministic cache)."""
-    vae = load_vae(pipeline, dtype).to(device)
+    """(3, H, W) images in [-1, 1] -> latents as the family's transformer takes them
+    (``family.latents_from_vae``: Flux.1 shifted and scaled, Flux.2 patchified and normalised).
+    We keep the distribution's mean (a deterministic cache)."""
+    vae = load_vae(pipeline, dtype, family.vae_class_name).to(device)
     # Tiling bounds VRAM for big images (decoder/encoder activations dominate the VAE).
     vae.enable_tiling()
-    shift = getattr(vae.config, "shift_factor", None) or 0.0
-    scale = vae.config.scaling_factor
     latents = []
     try:
         for i, image in enumerate(images):
             dist = vae.encode(image[None].to(device, dtype)).latent_dist
-            latents.append(((dist.mean - shift) * scale)[0].float().cpu())
+            latents.append(family.latents_from_vae(vae, dist.mean)[0].float().cpu())
             if progress:
                 progress(i + 1, count)
     finally:

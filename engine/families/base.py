@@ -1,6 +1,6 @@
 """What every model family provides to the engine.
 
-A family (Flux.1, later Flux.2) is one small object: its diffusers class, its
+A family (Flux.1, Flux.2) is one small object: its diffusers class, its
 shipped configs, how to read its original single-file names, which modules get a
 LoRA, and how a training batch becomes the transformer's inputs. The loader, the
 trainer and LoRA export only talk to this interface.
@@ -24,9 +24,13 @@ class TextEncoderSpec:
 
     subfolder: str  # "text_encoder_2"
     tokenizer_subfolder: str  # "tokenizer_2"
-    output: str  # "pooled" (one vector per caption) or "sequence" (one per token)
+    output: str  # "pooled" (one vector), "sequence" (one per token), "stacked" (hidden_layers, concatenated)
     max_length: int
     cache_key: str  # name of the tensor in the cache ("pooled_prompt_embeds")
+    # "stacked" only: which hidden states (0 = embeddings, k = output of k decoder layers) are
+    # concatenated per token, and the chat format the prompt is wrapped in ("mistral3", "qwen3").
+    hidden_layers: tuple[int, ...] = ()
+    prompt_format: str = "plain"
 
 
 def load_shipped_config(filename: str) -> dict[str, Any]:
@@ -41,6 +45,11 @@ class ModelFamily(Protocol):
     variants: dict[str, str]  # variant id -> shipped config file
     diffusers_class_name: str
     text_encoders: tuple[TextEncoderSpec, ...]
+    vae_class_name: str  # the diffusers VAE class of the family's pipelines
+
+    def text_encoder_specs(self, variant: str) -> tuple[TextEncoderSpec, ...]: ...
+
+    def latents_from_vae(self, vae: Any, mean: torch.Tensor) -> torch.Tensor: ...
 
     def transformer_class(self) -> type[nn.Module]: ...
 

@@ -41,6 +41,16 @@ class Flux1Family:
         TextEncoderSpec("text_encoder_2", "tokenizer_2", "sequence", 512, "prompt_embeds"),
     )
 
+    vae_class_name = "AutoencoderKL"
+
+    def text_encoder_specs(self, variant: str) -> tuple[TextEncoderSpec, ...]:
+        return self.text_encoders
+
+    def latents_from_vae(self, vae, mean: torch.Tensor) -> torch.Tensor:
+        """VAE latent mean -> what the transformer takes: shifted and scaled (pipeline_flux.py)."""
+        shift = getattr(vae.config, "shift_factor", None) or 0.0
+        return (mean - shift) * vae.config.scaling_factor
+
     def transformer_class(self) -> type[nn.Module]:
         from diffusers import FluxTransformer2DModel
 
@@ -58,7 +68,8 @@ class Flux1Family:
         )
 
     def looks_like_single_file(self, keys: set[str]) -> bool:
-        return "img_in.weight" in keys and any(k.startswith("double_blocks.") for k in keys)
+        # Per-block modulation (img_mod) is Flux.1's; Flux.2 has global modulation instead.
+        return "img_in.weight" in keys and "double_blocks.0.img_mod.lin.weight" in keys
 
     def block_lists(self, model: nn.Module) -> list[nn.ModuleList]:
         return [model.transformer_blocks, model.single_transformer_blocks]

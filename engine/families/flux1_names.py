@@ -37,18 +37,15 @@ class BflParam:
         return sum(p.rows for p in self.parts)
 
 
-def _whole(bfl: str, diffusers: str, rows: int) -> list[BflParam]:
-    """A Linear that exists in both layouts unchanged: weight and bias."""
-    return [
-        BflParam(f"{bfl}.weight", (Part(f"{diffusers}.weight", 0, rows),)),
-        BflParam(f"{bfl}.bias", (Part(f"{diffusers}.bias", 0, rows),)),
-    ]
+def _whole(bfl: str, diffusers: str, rows: int, bias: bool = True) -> list[BflParam]:
+    """A Linear that exists in both layouts unchanged: weight (and bias)."""
+    return [BflParam(f"{bfl}.{s}", (Part(f"{diffusers}.{s}", 0, rows),)) for s in ("weight", "bias")[: 1 + bias]]
 
 
-def _fused(bfl: str, diffusers: list[str], sizes: list[int]) -> list[BflParam]:
+def _fused(bfl: str, diffusers: list[str], sizes: list[int], bias: bool = True) -> list[BflParam]:
     """A fused BFL Linear split row-wise into several diffusers Linears."""
     out = []
-    for suffix in ("weight", "bias"):
+    for suffix in ("weight", "bias")[: 1 + bias]:
         parts, offset = [], 0
         for name, rows in zip(diffusers, sizes):
             parts.append(Part(f"{name}.{suffix}", offset, rows))

@@ -4,8 +4,9 @@ from __future__ import annotations
 from ..errors import ConfigError
 from .base import ModelFamily
 from .flux1 import Flux1Family
+from .flux2 import Flux2Family
 
-FAMILIES: dict[str, ModelFamily] = {"flux1": Flux1Family()}
+FAMILIES: dict[str, ModelFamily] = {"flux1": Flux1Family(), "flux2": Flux2Family()}
 
 
 def get_family(family_id: str) -> ModelFamily:

@@ -161,9 +161,16 @@ def _first_mismatch(found: dict[str, tuple], expected: dict[str, tuple]) -> tupl
     return len(problems), (problems[0] if problems else "")
 
 
+# Quantization side tensors, never model parameters: scaled-fp8 checkpoints (``.scale_weight``,
+# ``.scale_input``, a ``scaled_fp8`` marker) and ComfyUI's mixed-precision files such as
+# flux2_dev_fp8mixed.safetensors (``comfy/ops.py``: per layer ``comfy_quant`` = JSON format tag,
+# ``weight_scale``, optional ``input_scale``).
+_QUANT_SUFFIXES = (".scale_weight", ".scale_input", ".weight_scale", ".input_scale", ".comfy_quant",
+                   ".weight_scale_2")
+
+
 def _is_ignorable(key: str) -> bool:
-    # Scaled-fp8 checkpoints carry per-weight scales and a marker tensor.
-    return key.endswith(".scale_weight") or key.endswith(".scale_input") or key == "scaled_fp8"
+    return key.endswith(_QUANT_SUFFIXES) or key == "scaled_fp8"
 
 
 def _match_variant(path: Path, family: ModelFamily, found: dict[str, tuple]):
@@ -226,10 +233,28 @@ def _read_converted_state_dict(path: Path, table: list[BflParam], dtype: torch.d
         names = {_strip_prefix(k): k for k in f.keys()}
         for param in table:
             raw = f.get_tensor(names[param.name])
-            scale_key = names.get(param.name[: -len(".weight")] + ".scale_weight") if param.name.endswith(".weight") else None
-            if scale_key is not None:  # scaled fp8: weight * per-tensor scale
-                raw = raw.to(torch.float32) * f.get_tensor(scale_key).to(torch.float32)
+            if param.name.endswith(".weight"):
+                raw = _dequantized(f, names, param.name[: -len(".weight")], raw, path)
             tensor = raw.to(dtype)
             for name, part in split_bfl_tensor(param, tensor).items():
                 state[name] = part.contiguous() if len(param.parts) > 1 else part
     return state
+
+
+def _dequantized(f, names: dict[str, str], module: str, raw: torch.Tensor, path: Path) -> torch.Tensor:
+    """A stored weight as real values: fp8 times its per-tensor scale (``scale_weight`` in scaled-fp8
+    files, ``weight_scale`` in ComfyUI's mixed files); a format we cannot decode is an error."""
+    quant = names.get(f"{module}.comfy_quant")
+    if quant is not None:
+        import json
+
+        fmt = json.loads(bytes(f.get_tensor(quant).tolist()).decode() or "{}").get("format", "")
+        if fmt not in ("float8_e4m3fn", "float8_e5m2"):
+            raise ModelLoadError(
+                f"'{path}': layer '{module}' is stored as {fmt or 'an unknown format'!r}, which this loader "
+                f"cannot dequantize (fp8 and bf16/fp16 files work); use the bf16 or fp8 release of the model"
+            )
+    scale = names.get(f"{module}.scale_weight") or names.get(f"{module}.weight_scale")
+    if scale is None:
+        return raw
+    return raw.to(torch.float32) * f.get_tensor(scale).to(torch.float32)

@@ -1,0 +1,189 @@
+"""Flux.2 text embeddings: stacked hidden states of a decoder LLM, layer-major, read from the mmap.
+
+Flux.2-dev conditions on Mistral-Small-3.x 24B (hidden states after 10, 20 and 30 decoder
+layers, concatenated per token: (512, 15360)); klein on Qwen3 4B/8B (after 9, 18, 27). The
+prompt is wrapped and padded exactly as diffusers' pipelines do
+(``Flux2Pipeline._get_mistral_3_small_prompt_embeds``,
+``Flux2KleinPipeline._get_qwen3_prompt_embeds``, diffusers 0.42.1).
+
+How it runs, so a 48 GB encoder never has to fit anywhere:
+
+- the decoder is built on the meta device with only ``max(hidden_layers)`` layers: layers
+  past the last needed one (Mistral 31-39) are never read from disk;
+- only the embedding table is loaded up front; each layer's weights are read from the
+  safetensors memory map straight onto the compute device when that layer runs, and
+  dropped afterwards (host RAM: the embeddings, one layer in flight, the activations);
+- layer-major (``layer_major.py``): every caption of a group goes through layer i before
+  layer i+1 starts, so each layer is read once per group, and the group is as large as a
+  host-memory budget for activations allows (all captions of a typical dataset);
+- the model's own forward runs on the host (masks, rotary embeddings as transformers makes
+  them), so the result equals a full forward's ``hidden_states[k]``; the final norm is
+  replaced by an identity (it is never part of a stacked hidden state).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+
+from ..errors import ModelLoadError
+from ..families import TextEncoderSpec
+from ..models.dtypes import release_device_memory
+from .layer_major import layer_major
+
+#: Where a decoder's layers live in the checkpoints we accept, tried in order: transformers 5
+#: ``Mistral3ForConditionalGeneration`` (``model.language_model.``), its 4.x layout
+#: (``language_model.model.``), ``Qwen3ForCausalLM`` and ComfyUI's text-encoder files (``model.``).
+_PREFIXES = ("model.language_model.", "language_model.model.", "model.", "")
+#: Host memory for one group's activations (captions x tokens x width x 2 bytes, a few copies).
+_GROUP_BYTES = 4e9
+
+
+def _text_config(encoder_dir: Path):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(encoder_dir, local_files_only=True)
+    return getattr(config, "text_config", None) or config
+
+
+class _ShardedWeights:
+    """Tensor name -> (file, key) across a folder's safetensors shards; reads one tensor at a time."""
+
+    def __init__(self, files: list[Path]):
+        self.where: dict[str, Path] = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as h:
+                for k in h.keys():
+                    self.where[k] = f
+        self.prefix = next((p for p in _PREFIXES if f"{p}embed_tokens.weight" in self.where), None)
+        if self.prefix is None:
+            raise ModelLoadError(
+                f"{files[0].parent}: no decoder embedding table (embed_tokens.weight under any of "
+                f"{', '.join(repr(p) for p in _PREFIXES[:-1])}); is this a Mistral3 / Qwen3 text encoder?"
+            )
+
+    def read(self, name: str, device, dtype) -> torch.Tensor:
+        key = self.prefix + name
+        if key not in self.where:
+            raise ModelLoadError(f"{self.where[self.prefix + 'embed_tokens.weight'].parent}: tensor '{key}' is missing")
+        with safe_open(str(self.where[key]), framework="pt", device="cpu") as h:
+            return h.get_tensor(key).to(device=device, dtype=dtype)
+
+
+def load_truncated_decoder(encoder_dir: Path, num_layers: int, dtype: torch.dtype):
+    """(decoder with ``num_layers`` layers on meta but its embeddings, weights) for layer-major use."""
+    from transformers import AutoModel
+
+    files = sorted(encoder_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"text encoder folder '{encoder_dir}' has no .safetensors weights (pickles are never loaded)")
+    config = _text_config(encoder_dir)
+    if num_layers > config.num_hidden_layers:
+        raise ModelLoadError(f"'{encoder_dir}' has {config.num_hidden_layers} layers; Flux.2 needs {num_layers}")
+    config.num_hidden_layers = num_layers
+    weights = _ShardedWeights(files)
+    with torch.device("meta"):
+        model = AutoModel.from_config(config, dtype=dtype)
+    model.norm = torch.nn.Identity()  # stacked states are pre-norm; the last layer's output must stay raw
+    model.embed_tokens.weight = torch.nn.Parameter(weights.read("embed_tokens.weight", "cpu", dtype),
+                                                   requires_grad=False)
+    if hasattr(model, "rotary_emb"):  # buffers computed from the config, not stored
+        model.rotary_emb = type(model.rotary_emb)(config=config)
+    model.requires_grad_(False).eval()
+    return model, weights
+
+
+def _layer_loader(weights: _ShardedWeights, dtype: torch.dtype):
+    def load(index: int, layer: torch.nn.Module, device: torch.device) -> None:
+        for name, _ in list(layer.named_parameters()):
+            module_name, _, pname = name.rpartition(".")
+            module = layer.get_submodule(module_name) if module_name else layer
+            module._parameters[pname] = torch.nn.Parameter(
+                weights.read(f"layers.{index}.{name}", device, dtype), requires_grad=False)
+
+    return load
+
+
+def load_tokenizer(tokenizer_dir: Path):
+    from transformers import AutoProcessor, AutoTokenizer
+
+    if not tokenizer_dir.is_dir():
+        raise ModelLoadError(f"tokenizer folder '{tokenizer_dir}' is missing; the Flux.2 text encoder needs its "
+                             f"tokenizer (a diffusers pipeline folder has it in tokenizer/)")
+    if (tokenizer_dir / "processor_config.json").exists():  # Flux.2-dev ships Mistral's PixtralProcessor
+        return AutoProcessor.from_pretrained(tokenizer_dir, local_files_only=True)
+    return AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+
+
+def tokenize(tokenizer, spec: TextEncoderSpec, prompts: list[str], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) exactly as the diffusers pipeline of ``spec.prompt_format`` makes them."""
+    if spec.prompt_format == "mistral3":
+        from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+
+        # pipeline_flux2.format_input: "[IMG]" removed, system + user turns of text parts.
+        messages = [[{"role": "system", "content": [{"type": "text", "text": SYSTEM_MESSAGE}]},
+                     {"role": "user", "content": [{"type": "text", "text": p.replace("[IMG]", "")}]}]
+                    for p in prompts]
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True, return_dict=True,
+                                            return_tensors="pt", padding="max_length", truncation=True,
+                                            max_length=max_length)
+        return out["input_ids"], out["attention_mask"]
+    if spec.prompt_format == "qwen3":
+        ids, masks = [], []
+        for p in prompts:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                 add_generation_prompt=True, enable_thinking=False)
+            out = tokenizer(text, return_tensors="pt", padding="max_length", truncation=True, max_length=max_length)
+            ids.append(out["input_ids"])
+            masks.append(out["attention_mask"])
+        return torch.cat(ids), torch.cat(masks)
+    raise ValueError(f"unknown prompt format {spec.prompt_format!r}")
+
+
+@torch.no_grad()
+def encode_stacked(
+    pipeline: Path,
+    spec: TextEncoderSpec,
+    captions: list[str],
+    device: torch.device,
+    dtype: torch.dtype,
+    max_length: int,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[torch.Tensor]:
+    """One (max_length, len(hidden_layers) * width) tensor per caption, on the CPU."""
+    encoder_dir, tokenizer_dir = pipeline / spec.subfolder, pipeline / spec.tokenizer_subfolder
+    if not (encoder_dir / "config.json").exists():
+        raise ModelLoadError(f"text encoder folder '{encoder_dir}' is missing; caching Flux.2 captions needs the "
+                             f"pipeline's {spec.subfolder}/ (Mistral3 for dev, Qwen3 for klein)")
+    tokenizer = load_tokenizer(tokenizer_dir)
+    last = max(spec.hidden_layers)
+    model, weights = load_truncated_decoder(encoder_dir, last, dtype)
+    width = model.config.hidden_size
+    group = max(1, int(_GROUP_BYTES // (max_length * width * 2 * 4)))
+    results: list[torch.Tensor] = []
+    try:
+        for start in range(0, len(captions), group):
+            ids, mask = tokenize(tokenizer, spec, captions[start:start + group], max_length)
+            captured: dict[int, torch.Tensor] = {}
+            with layer_major(model, device, load_layer=_layer_loader(weights, dtype), host=torch.device("cpu")) as m:
+                hooks = [m.layers[k - 1].register_forward_hook(
+                    lambda _mod, _args, out, k=k: captured.__setitem__(k, out[0] if isinstance(out, tuple) else out))
+                    for k in spec.hidden_layers]
+                try:
+                    m(input_ids=ids, attention_mask=mask, use_cache=False)
+                finally:
+                    for h in hooks:
+                        h.remove()
+            stacked = torch.stack([captured[k] for k in spec.hidden_layers], dim=1)  # (B, K, L, D)
+            b, k, length, d = stacked.shape
+            out = stacked.permute(0, 2, 1, 3).reshape(b, length, k * d)
+            results += [row.to(dtype).clone() for row in out]
+            if progress:
+                progress(len(results), len(captions))
+    finally:
+        del model
+        release_device_memory(device)
+    return results
+
