@@ -29,8 +29,11 @@ class LowVRAMCacheTextEmbeds:
                 "text_encoders": ([FROM_CHECKPOINT] + list_diffusers_folders(), {
                     "default": FROM_CHECKPOINT,
                     "tooltip": "Diffusers pipeline folder (models/diffusers) whose text encoders, tokenizers and "
-                               "VAE are used. '(from checkpoint)' works when the checkpoint is itself a pipeline "
-                               "folder. Single-file encoders carry no tokenizer, so a folder is needed.",
+                               "VAE are used. Flux.1: text_encoder (CLIP-L), text_encoder_2 (T5-XXL), tokenizer, "
+                               "tokenizer_2, vae. Flux.2-dev: text_encoder (Mistral-Small 3.x 24B; only layers 0-29 "
+                               "are ever read), tokenizer, vae (AutoencoderKLFlux2). Flux.2 klein: text_encoder "
+                               "(Qwen3 4B/8B), tokenizer, vae. '(from checkpoint)' works when the checkpoint is "
+                               "itself a pipeline folder. Single-file text encoders are not supported yet.",
                 }),
                 "dataset_path": ("STRING", {
                     "default": "",
@@ -61,8 +64,8 @@ class LowVRAMCacheTextEmbeds:
                 }),
                 "max_sequence_length": ("INT", {
                     "default": 0, "min": 0, "max": 512,
-                    "tooltip": "T5 tokens kept per caption. 0 = the model's default (512 for Flux.1-dev). Shorter "
-                               "is faster if your captions are short.",
+                    "tooltip": "Text tokens kept per caption (T5 for Flux.1, the LLM for Flux.2). 0 = the model's "
+                               "default (512 for Flux.1-dev and Flux.2). Shorter is faster if captions are short.",
                 }),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},

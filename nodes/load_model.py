@@ -9,7 +9,9 @@ CATEGORY = "LowVRAM LoRA"
 class LowVRAMLoadQuantizedSlab:
     DESCRIPTION = (
         "Chooses the base diffusion transformer to train a LoRA on: a ComfyUI single file from "
-        "models/diffusion_models (BFL names; bf16, fp16 or fp8) or a diffusers folder from models/diffusers. "
+        "models/diffusion_models (BFL names; bf16, fp16 or fp8, including ComfyUI's fp8-mixed Flux.2 files) or a "
+        "diffusers folder from models/diffusers. Flux.1 (dev, schnell) and Flux.2 (dev, klein 4B/9B and their base "
+        "variants). "
         "It only reads the file header to check the model family and shapes; weights are loaded when training starts."
     )
     CATEGORY = CATEGORY
@@ -26,10 +28,11 @@ class LowVRAMLoadQuantizedSlab:
                     "tooltip": "The base transformer: a .safetensors file from models/diffusion_models (or unet, "
                                "checkpoints), or 'diffusers/<folder>' from models/diffusers.",
                 }),
-                "family": (["auto", "flux1"], {
+                "family": (["auto", "flux1", "flux2"], {
                     "default": "auto",
                     "tooltip": "Model family. 'auto' detects it from the tensor names; set it to get a clearer "
-                               "error when a file is not what you expect.",
+                               "error when a file is not what you expect. flux1: flux1-dev.safetensors (or schnell). "
+                               "flux2: flux2_dev_fp8mixed.safetensors / flux2-dev.safetensors, or a klein 4B/9B file.",
                 }),
                 "precision": (["bf16", "int8 slab"], {
                     "default": "bf16",

@@ -50,8 +50,9 @@ class LowVRAMTrainLoRA:
                                           "tooltip": "Seeds LoRA init, noise, timesteps and data order: same seed, "
                                                      "same run. Change it to train again with identical settings."}),
                 "guidance": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 10.0, "step": 0.1,
-                                       "tooltip": "Guidance value fed to guidance-distilled models (Flux.1-dev) while "
-                                                  "training; 1.0 is the usual recipe. Ignored by schnell."}),
+                                       "tooltip": "Guidance value fed to guidance-distilled models (Flux.1-dev, "
+                                                  "Flux.2-dev) while training; 1.0 is the usual recipe. Ignored by "
+                                                  "models without a guidance embedding (schnell, Flux.2 klein)."}),
                 "max_grad_norm": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 100.0, "step": 0.1,
                                             "tooltip": "Gradient clipping; 0 disables it."}),
                 "optimizer": (["adamw", "adamw8bit"], {

@@ -64,9 +64,10 @@ def models_with_empty_files(tmp_path):
 
     models = tmp_path / "models"
     (models / "diffusion_models").mkdir(parents=True)
-    for name in ("flux1-dev.safetensors", "flux1-tiny.safetensors"):
+    for name in ("flux1-dev.safetensors", "flux1-tiny.safetensors", "flux2_dev_fp8mixed.safetensors",
+                 "flux-2-klein-base-4b.safetensors"):
         (models / "diffusion_models" / name).write_bytes(b"")
-    for name in ("FLUX.1-dev", "flux1-tiny"):
+    for name in ("FLUX.1-dev", "flux1-tiny", "FLUX.2-dev", "FLUX.2-klein-base-4B"):
         (models / "diffusers" / name).mkdir(parents=True)
         (models / "diffusers" / name / "model_index.json").write_text("{}")
     configure_standalone_dirs(str(models), str(tmp_path / "out"))

@@ -144,7 +144,7 @@ def test_python_dash_m_run_exit_codes(tmp_path):
     assert help_out.returncode == 0 and all(c in help_out.stdout for c in ("run", "demo", "slab"))
 
 
-@pytest.mark.parametrize("name", ["demo_tiny_lora", "flux1_dev_lora"])
+@pytest.mark.parametrize("name", sorted(SHIPPED))
 def test_shipped_graphs_have_no_overlapping_boxes(name):
     """Issue 9 item 3: the demo's Note hid three Offload Config widgets. Boxes include title bars."""
     import json
@@ -157,3 +157,28 @@ def test_shipped_graphs_have_no_overlapping_boxes(name):
     for i, a in enumerate(boxes):
         for b in boxes[i + 1:]:
             assert not (a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]), (a, b)
+
+
+def test_flux2_dev_workflow_runs_on_a_tiny_flux2(tmp_path, tiny_flux2, capsys):
+    """The shipped Flux.2-dev graph as a user has it (ComfyUI fp8-mixed file, int8 slab, auto), on a tiny
+    Flux.2 under the real names: only sizes and steps are overridden."""
+    import shutil
+
+    from lowvram_lora.engine.lora_io import load_lora
+    from lowvram_lora.engine.testing import make_tiny_dataset, write_flux2_single_file
+
+    root = tmp_path / "root"
+    write_flux2_single_file(tiny_flux2, root / "models" / "diffusion_models" / "flux2_dev_fp8mixed.safetensors",
+                            comfy_fp8=True)
+    shutil.copytree(tiny_flux2, root / "models" / "diffusers" / "FLUX.2-dev")
+    make_tiny_dataset(root / "input" / "my_subject", count=2)
+    args = _args(WORKFLOWS_DIR / "flux2_dev_lora.json", root / "models", root / "output",
+                 ["2.resolution=128", "4.steps=4", "4.learning_rate=0.01"])
+    code = run_workflow_command(args, NODE_CLASS_MAPPINGS, configure_dirs=configure_standalone_dirs)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    saved = sorted((root / "output" / "loras").glob("flux2_dev_lora_*_.safetensors"))
+    assert len(saved) == 1
+    lora = load_lora(saved[0])
+    assert lora.metadata["lowvram_lora.family"] == "flux2" and lora.metadata["lowvram_lora.steps"] == "4"
+    assert any((root / "models" / "slabs").glob("*.slab.safetensors"))  # int8 slab built from the fp8 file

@@ -137,7 +137,8 @@ def test_nodes_load_without_import_errors(comfy):
 
 def test_templates_are_listed(comfy):
     templates = _get(comfy.port, "/workflow_templates")
-    assert sorted(templates.get("lowvram-lora", [])) == ["demo_tiny_lora", "flux1_dev_lora"], templates
+    assert sorted(templates.get("lowvram-lora", [])) == ["demo_tiny_lora", "flux1_dev_lora", "flux2_dev_lora",
+                                                         "flux2_klein_lora"], templates
 
 
 def test_demo_workflow_trains_through_comfy_run(comfy):
