@@ -48,12 +48,13 @@ GB, GIB = 1e9, 2 ** 30
 
 # ---------------------------------------------------------------------------- model
 
-def build_random_model(variant: str, device: torch.device, dtype: torch.dtype, std: float, seed: int):
+def build_random_model(variant: str, device: torch.device, dtype: torch.dtype, std: float, seed: int,
+                       family_id: str = "flux1"):
     """(model, family, config) with random weights, built on ``meta`` and materialised
-    straight on ``device`` in ``dtype``: no CPU init of 12B parameters."""
+    straight on ``device`` in ``dtype``: no CPU init of 12B (or 32B) parameters."""
     from lowvram_lora.engine.families import get_family, load_shipped_config
 
-    family = get_family("flux1")
+    family = get_family(family_id)
     cfg = load_shipped_config(family.variants[variant])
     cls = family.transformer_class()
     with torch.device("meta"):
