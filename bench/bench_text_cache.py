@@ -1,0 +1,121 @@
+"""Flux.2-dev caption caching benchmark (issue 10 §7): Mistral-Small-24B-shaped text encoder,
+layer-major from the file's memory map, N captions at 512 tokens: wall time and peak VRAM.
+
+The GPU machine's disk (64 GB) holds a pruned 30-layer Mistral-24B in bf16 (34.7 GB, ComfyUI
+ships such a file): this script writes one with random weights, one safetensors shard per layer,
+in a diffusers-style folder (``text_encoder/`` with the real Mistral3 config of 40 layers, whose
+layers 30-39 are absent from the files and must never be asked for; ``tokenizer/`` a word-level
+tokenizer with Mistral's chat shape: captions are padded to 512 tokens either way, so the
+compute is the real one). Then it times ``encode_stacked`` (what Cache Text Embeds runs), with
+the files in the page cache (just written; ``--warm`` reads them once more first).
+
+    source bench/gpu_env.sh
+    python3 bench/bench_text_cache.py --workdir /tmp/mistral --captions 118 --out "$OUT/results.jsonl"
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_bench import GB, _command, _gpu_name, _versions  # noqa: E402
+
+# Mistral-Small-3.x 24B text part (comfy/text_encoders/llama.py Mistral3Small24BConfig; HF config).
+MISTRAL_24B = dict(vocab_size=131072, hidden_size=5120, intermediate_size=32768, num_hidden_layers=40,
+                   num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e9, rms_norm_eps=1e-5,
+                   max_position_embeddings=131072)
+
+
+def write_encoder(root: Path, layers_on_disk: int, device) -> Path:
+    from safetensors.torch import save_file
+    from transformers import Mistral3Config
+
+    from lowvram_lora.engine.testing import TINY_MISTRAL_CHAT_TEMPLATE, _word_level_tokenizer
+
+    enc = root / "text_encoder"
+    enc.mkdir(parents=True, exist_ok=True)
+    cfg = Mistral3Config(text_config={"model_type": "mistral", **MISTRAL_24B},
+                         vision_config={"model_type": "pixtral"})
+    cfg.architectures = ["Mistral3ForConditionalGeneration"]
+    (enc / "config.json").write_text(cfg.to_json_string())
+    tok, _ = _word_level_tokenizer(["<pad>", "<s>", "</s>", "[IMG]", "<unk>"], "<s>", "</s>", "<pad>", "<unk>", 512)
+    tok.chat_template = TINY_MISTRAL_CHAT_TEMPLATE
+    tok.padding_side = "left"
+    tok.save_pretrained(root / "tokenizer")
+    d, f, kv = MISTRAL_24B["hidden_size"], MISTRAL_24B["intermediate_size"], 8 * 128
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rnd(*shape, std=0.02):
+        return (torch.randn(*shape, generator=gen, device=device, dtype=torch.bfloat16) * std).cpu()
+
+    p = "model.language_model."
+    save_file({f"{p}embed_tokens.weight": rnd(MISTRAL_24B["vocab_size"], d)}, str(enc / "embed.safetensors"))
+    for i in range(layers_on_disk):
+        q = f"{p}layers.{i}."
+        save_file({
+            q + "self_attn.q_proj.weight": rnd(32 * 128, d), q + "self_attn.k_proj.weight": rnd(kv, d),
+            q + "self_attn.v_proj.weight": rnd(kv, d), q + "self_attn.o_proj.weight": rnd(d, 32 * 128),
+            q + "mlp.gate_proj.weight": rnd(f, d), q + "mlp.up_proj.weight": rnd(f, d),
+            q + "mlp.down_proj.weight": rnd(d, f),
+            q + "input_layernorm.weight": torch.ones(d, dtype=torch.bfloat16),
+            q + "post_attention_layernorm.weight": torch.ones(d, dtype=torch.bfloat16),
+        }, str(enc / f"layer-{i:02d}.safetensors"))
+    return root
+
+
+def main(argv=None) -> int:
+    from lowvram_lora.engine.caching.stacked_text import encode_stacked
+    from lowvram_lora.engine.families import get_family
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workdir", default="/tmp/mistral24b")
+    p.add_argument("--captions", type=int, default=118)
+    p.add_argument("--max-length", type=int, default=512)
+    p.add_argument("--warm", action="store_true", help="read the files once before timing")
+    p.add_argument("--out", default="bench/results.jsonl")
+    p.add_argument("--note", default="")
+    args = p.parse_args(argv)
+    device = torch.device("cuda")
+    root = Path(args.workdir)
+    spec = get_family("flux2").text_encoder_specs("flux2-dev")[0]
+    if not (root / "text_encoder" / "config.json").exists():
+        t = time.perf_counter()
+        write_encoder(root, max(spec.hidden_layers), device)
+        print(f"wrote {sum(f.stat().st_size for f in root.rglob('*.safetensors')) / GB:.1f} GB in "
+              f"{time.perf_counter() - t:.0f} s", flush=True)
+    if args.warm:
+        for f in sorted((root / "text_encoder").glob("*.safetensors")):
+            with f.open("rb") as h:
+                while h.read(1 << 26):
+                    pass
+    words = ["a", "photo", "of", "ohwx", "red", "dog", "on", "the", "left", "with", "big", "bright", "background"]
+    captions = [" ".join(words[(i + j) % len(words)] for j in range(8 + i % 20)) for i in range(args.captions)]
+    torch.cuda.reset_peak_memory_stats(device)
+    t = time.perf_counter()
+    out = encode_stacked(root, spec, captions, device, torch.bfloat16, args.max_length)
+    torch.cuda.synchronize(device)
+    wall = time.perf_counter() - t
+    row = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+           "run_id": _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6],
+           "gpu": _gpu_name(device), **_versions(), "model": "mistral-small-24b (30 of 40 layers on disk)",
+           "mode": "text-cache-layer-major", "res": None, "step_s": None, "captions": args.captions,
+           "max_length": args.max_length, "wall_s": round(wall, 2),
+           "peak_alloc_gb": round(torch.cuda.max_memory_allocated(device) / GB, 3),
+           "peak_reserved_gb": round(torch.cuda.max_memory_reserved(device) / GB, 3),
+           "embed_shape": list(out[0].shape), "command": _command(), "note": args.note}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "a") as f:
+        f.write(json.dumps(row) + "\n")
+    print("ROW", json.dumps({k: v for k, v in row.items() if k != "command"}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
