@@ -59,7 +59,16 @@ class _ChunkedLayer(nn.Module):
                 a = [_slice_to(x, batch, start, stop, self.device) for x in args]
                 k = {n: _slice_to(v, batch, start, stop, self.device) for n, v in kwargs.items()}
                 with torch.no_grad():
-                    outputs.append(_to(self.layer(*a, **k), self.host))
+                    out = _to(self.layer(*a, **k), self.host)
+                if torch.is_tensor(out) and out.dim() > 0 and out.shape[0] == stop - start and batch > 1:
+                    # Written into one preallocated tensor as chunks arrive: no concatenated second copy.
+                    if not outputs:
+                        outputs.append(torch.empty((batch,) + tuple(out.shape[1:]), dtype=out.dtype, device=out.device))
+                    outputs[0][start:stop] = out
+                    continue
+                outputs.append(out)
+            if len(outputs) == 1 and torch.is_tensor(outputs[0]) and outputs[0].shape[0] == batch:
+                return outputs[0]
         finally:
             # A layer loaded from the file goes back to meta: its weights are dropped, not kept on the host.
             self.layer.to("meta" if self.load_layer is not None else self.host)
