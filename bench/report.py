@@ -88,13 +88,15 @@ def _millions(n) -> str:
 
 
 SLAB_ONLY = ("slab-build", "int8-accuracy")  # rows without a training step
+OTHER_ONLY = ("w8a8-layer", "w8a8-accuracy", "text-cache-layer-major")  # likewise, their own tables
 
 
 def render(rows: list[dict]) -> str:
     baselines = ("resident", "bf16-resident")  # bench_slab.py names its bf16 baseline bf16-resident
     resident = {_key(r): r["step_s"] for r in rows if r.get("mode") in baselines and r.get("step_s")}
     slab_rows = [r for r in rows if r.get("mode") in SLAB_ONLY]
-    rows = [r for r in rows if r.get("mode") not in SLAB_ONLY]
+    other = {m: [r for r in rows if r.get("mode") == m] for m in OTHER_ONLY}
+    rows = [r for r in rows if r.get("mode") not in SLAB_ONLY + OTHER_ONLY]
     out = [HEADER]
     models = sorted({r.get("model", "?") for r in rows})
     if not rows:
@@ -113,6 +115,8 @@ def render(rows: list[dict]) -> str:
             ratio = f"{step / base:.2f}" if step and base else "–"
             step_txt = _fmt(step) if step is not None else ("**" + (r.get("error") or "failed").split(":")[0] + "**")
             note = f" ({r['note']})" if r.get("note") else ""
+            if r.get("x_copy_floor"):  # streamed Flux.2 rows: step over bytes streamed / pinned bandwidth
+                note += f" (copy floor {r['copy_floor_s']} s: {r['x_copy_floor']}x)"
             mode = r.get("mode") + ("" if r.get("lora_targets", "default") == "default"
                                     else f" · LoRA {r['lora_targets']}")
             out.append(
@@ -134,6 +138,34 @@ def render(rows: list[dict]) -> str:
                 fig = f"relative output error of one forward at {r.get('res')}², int8 vs bf16: {r.get('rel_output_error')}"
             out.append(f"| {r.get('date', '')[:16].replace('T', ' ')} | {r.get('gpu', '?')} | {r['mode']} | {fig} | "
                        f"`{r.get('command', '?')}` |")
+        out.append("")
+    if other["w8a8-layer"] or other["w8a8-accuracy"]:
+        out.append("## W8A8 slab compute (bench/bench_w8a8.py)\n")
+        out.append("Forward + grad_input of one Linear, ms (CUDA events, 20 calls): bf16 `F.linear`, int8 dequant, "
+                   "w8a8 with int8 or bf16 grad_input.\n")
+        out.append("| date | gpu | shape | tokens | bf16 | dequant | w8a8 | w8a8 (bf16 bwd) | fwd only: bf16 / w8a8 | command |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|")
+        for r in other["w8a8-layer"]:
+            out.append(f"| {r.get('date', '')[:16].replace('T', ' ')} | {r.get('gpu')} | {r.get('shape')} | "
+                       f"{r.get('tokens')} | {r.get('bf16_ms')} | {r.get('dequant_ms')} | {r.get('w8a8_ms')} | "
+                       f"{r.get('w8a8_bf16bwd_ms')} | {r.get('bf16_fwd_only_ms')} / {r.get('w8a8_fwd_only_ms')} | "
+                       f"`{r.get('command')}` |")
+        for r in other["w8a8-accuracy"]:
+            out.append(f"\nAccuracy ({r.get('date', '')[:16].replace('T', ' ')}, {r.get('res')}², {r.get('note')}): "
+                       f"block 0 output rel. error dequant {r.get('block0_rel_err_dequant')}, w8a8 "
+                       f"{r.get('block0_rel_err_w8a8')}; model output dequant {r.get('model_rel_err_dequant')}, w8a8 "
+                       f"{r.get('model_rel_err_w8a8')}.")
+        out.append("")
+    if other["text-cache-layer-major"]:
+        out.append("## Flux.2 caption caching, layer-major (bench/bench_text_cache.py)\n")
+        out.append("| date | gpu | model | captions x tokens | wall s | peak alloc GB | peak reserved GB | command |")
+        out.append("|---|---|---|---|---|---|---|---|")
+        for r in other["text-cache-layer-major"]:
+            note = f" ({r['note']})" if r.get("note") else ""
+            out.append(f"| {r.get('date', '')[:16].replace('T', ' ')} | {r.get('gpu')} | {r.get('model')} | "
+                       f"{r.get('captions')} x {r.get('max_length')} | {r.get('wall_s')} | "
+                       f"{_fmt(r.get('peak_alloc_gb'), 2)} | {_fmt(r.get('peak_reserved_gb'), 2)} | "
+                       f"`{r.get('command')}`{note} |")
         out.append("")
     out.append(REFERENCE)
     return "\n".join(out)
