@@ -202,8 +202,10 @@ def encode_stacked(
                 prefetch.pending.clear()
             with layer_major(model, device, load_layer=prefetch,
                              host=device if on_device else torch.device("cpu")) as m:
+                # Kept hidden states leave the GPU at once: three of them would be 1.9 GB for 118 captions.
                 hooks = [m.layers[k - 1].register_forward_hook(
-                    lambda _mod, _args, out, k=k: captured.__setitem__(k, out[0] if isinstance(out, tuple) else out))
+                    lambda _mod, _args, out, k=k: captured.__setitem__(
+                        k, (out[0] if isinstance(out, tuple) else out).to("cpu")))
                     for k in spec.hidden_layers]
                 try:
                     m(input_ids=ids, attention_mask=mask, use_cache=False)
