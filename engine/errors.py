@@ -27,3 +27,12 @@ class CacheError(LowVRAMError):
 
 class LoraFormatError(LowVRAMError):
     """A LoRA file cannot be written or read in the requested format."""
+
+
+class StorageError(LowVRAMError, OSError):
+    """A file or folder cannot be written (read-only, disk full, a file in the way, name
+    too long); says what was being written, where, and what to do."""
+
+
+class TrainingDivergedError(LowVRAMError):
+    """The loss or the LoRA weights became NaN/inf; nothing is saved."""

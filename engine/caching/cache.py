@@ -15,7 +15,6 @@ leaves a half-written entry that looks complete.
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ from ..callbacks import TrainingCallback
 from ..config import DataConfig, ModelConfig
 from ..data import assign_bucket, expand_repeats, load_image_tensor, make_buckets, scan_dataset
 from ..errors import CacheError, ModelLoadError
+from ..fileio import atomic_write, write_json_atomic
 from ..families import ModelFamily, get_family
 from ..models import resolve_device, resolve_dtype, resolve_transformer_source
 from ..models.transformer_loading import identify_diffusers_folder
@@ -100,10 +100,8 @@ def _family_and_variant(model_cfg: ModelConfig, pipeline: Path) -> tuple[ModelFa
 
 
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
+    with atomic_write(path, "a dataset-cache entry") as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
 
 
 def build_dataset_cache(
@@ -152,10 +150,7 @@ def build_dataset_cache(
         "settings": asdict(data_cfg), "max_sequence_length": max_len, "repeats": data_cfg.repeats,
         "flip": data_cfg.flip, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "items": [asdict(i) for i in items],
     }
-    manifest_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = manifest_path.with_name(f".{manifest_path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, manifest_path)
+    write_json_atomic(manifest_path, manifest, "the dataset-cache manifest")
     cb.log(
         f"dataset cache {dataset_hash}: {len(items)} images; text {stats['text_built']} built / "
         f"{stats['text_reused']} reused; latents {stats['latents_built']} built / {stats['latents_reused']} reused"

@@ -9,7 +9,6 @@ Memory/offload settings are not in the key: they change speed, not the result.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from ..caching.hashing import stable_hash
 from ..config import LoraSettings, TrainConfig
+from ..fileio import atomic_write, write_json_atomic
 from ..version import VERSION
 from .trained_lora import TrainedLora
 
@@ -46,13 +46,10 @@ def store_finished(cache_dir: Path, key: str, lora: TrainedLora) -> None:
     if lora.interrupted or not lora.state_dict:
         return
     folder = cache_dir / "trained"
-    folder.mkdir(parents=True, exist_ok=True)
     meta = {f.name: getattr(lora, f.name) for f in fields(lora) if f.name != "state_dict"}
-    tmp = folder / f".{key}.tmp-{os.getpid()}"
-    save_file({k: v.contiguous() for k, v in lora.state_dict.items()}, str(tmp) + ".safetensors")
-    os.replace(str(tmp) + ".safetensors", folder / f"{key}.safetensors")
-    Path(str(tmp) + ".json").write_text(json.dumps(meta, default=str))
-    os.replace(str(tmp) + ".json", folder / f"{key}.json")  # written last: marks the entry complete
+    with atomic_write(folder / f"{key}.safetensors", "the finished-run cache") as tmp:
+        save_file({k: v.contiguous() for k, v in lora.state_dict.items()}, str(tmp))
+    write_json_atomic(folder / f"{key}.json", meta, "the finished-run cache", indent=None)  # last: marks it complete
 
 
 def train_or_reuse(model, dataset, lora: LoraSettings, train: TrainConfig, cache_dir: Path, callback=None,
