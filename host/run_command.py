@@ -10,7 +10,9 @@ message, not on a traceback; ``--traceback`` shows it when debugging.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
 import time
 import traceback
@@ -82,6 +84,32 @@ def _prepare(args: argparse.Namespace, node_class_mappings: Mapping[str, type],
     return apply_overrides(graph, getattr(args, "overrides", None) or [], node_class_mappings)
 
 
+@contextlib.contextmanager
+def _graceful_ctrl_c():
+    """The first Ctrl-C asks the engine to stop after the current step (it saves a resumable
+    state, then unwinds with KeyboardInterrupt); a second one stops at once, as usual."""
+    from ..engine.callbacks import CTRL_C
+
+    def on_sigint(signum, frame):
+        if CTRL_C.requested:
+            raise KeyboardInterrupt
+        CTRL_C.request()
+        print("\nCtrl-C: stopping after the current step and saving the training state "
+              "(press Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+
+    CTRL_C.reset()
+    try:
+        previous = signal.signal(signal.SIGINT, on_sigint)
+    except ValueError:  # not the main thread: leave Ctrl-C as it is
+        previous = None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+        CTRL_C.reset()
+
+
 def run_workflow_command(
     args: argparse.Namespace,
     node_class_mappings: Mapping[str, type],
@@ -102,9 +130,12 @@ def run_workflow_command(
                            _absolute(getattr(args, "output_dir", DEFAULT_OUTPUT_DIR)))
         graph = _prepare(args, node_class_mappings, display_names)
         start = time.perf_counter()
-        results = execute_graph(graph, node_class_mappings, progress=not getattr(args, "no_progress", False))
+        with _graceful_ctrl_c():
+            results = execute_graph(graph, node_class_mappings, progress=not getattr(args, "no_progress", False))
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print("interrupted: training progress up to the last finished step is saved as a resumable state "
+              "(under the output folder's lowvram_cache/resume/); run the same command again to resume",
+              file=sys.stderr)
         return EXIT_INTERRUPTED
     except (WorkflowError, NodeExecutionError) as exc:
         _report(exc, show_traceback)

@@ -22,7 +22,7 @@ from .trained_lora import TrainedLora
 
 REUSE_FORMAT = 1  # bump when the stored entry's layout changes
 
-_KEEP_OUT = ("device", "gradient_checkpointing")  # settings that do not change the trained weights
+_KEEP_OUT = ("device", "gradient_checkpointing", "save_every")  # settings that do not change the trained weights
 
 
 def training_key(model_identity: str, dataset_hash: str, lora: LoraSettings, train: TrainConfig) -> str:
@@ -56,9 +56,13 @@ def train_or_reuse(model, dataset, lora: LoraSettings, train: TrainConfig, cache
                    **train_kwargs) -> TrainedLora:
     """Return the stored result of an identical finished run, else train (and store it).
 
+    Training resumes from the run's latest saved state (``<cache_dir>/resume/<key>/``), saves
+    one every ``train.save_every`` steps and when stopped, and drops it once finished. Only a
+    completed run is stored as finished: an interrupted or failed one never is.
     ``model`` is a ModelInfo (engine.models.inspect), ``dataset`` a DatasetCache.
     """
     from .loop import train_lora
+    from .resume import ResumeStore, auto_save_every
 
     key = training_key(model.identity, dataset.dataset_hash, lora, train)
     found = load_finished(Path(cache_dir), key)
@@ -67,6 +71,13 @@ def train_or_reuse(model, dataset, lora: LoraSettings, train: TrainConfig, cache
             callback.log(f"reusing the finished run {key} (same model, dataset and settings); "
                          f"change a setting or the seed to train again")
         return found
-    result = train_lora(model.config, dataset, lora, train, callback, **train_kwargs)
-    store_finished(Path(cache_dir), key, result)
+    every = auto_save_every(train.steps) if train.save_every == 0 else train.save_every
+    settings = {"lora": asdict(lora), "train": {k: v for k, v in asdict(train).items() if k not in _KEEP_OUT}}
+    store = ResumeStore(Path(cache_dir) / "resume", key, settings, every,
+                        log=callback.log if callback is not None else (lambda msg: None),
+                        family_key=stable_hash([model.identity, dataset.dataset_hash]))
+    result = train_lora(model.config, dataset, lora, train, callback, resume=store, **train_kwargs)
+    if not result.interrupted and result.state_dict:
+        store_finished(Path(cache_dir), key, result)
+        store.discard()
     return result
