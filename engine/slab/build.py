@@ -27,6 +27,7 @@ from ..version import VERSION
 from .format import (
     FORMAT_VERSION, SLAB_FORMAT, SLAB_SUFFIX, SafetensorsWriter, SlabError, dtype_name, manifest_path_for, plan_layout,
 )
+from .load import record_verified
 from .layout import INT8, PLAIN, SCALE, SlabTensor, block_prefixes, meta_model, slab_tensors
 from .quantize import QMAX, SCALE_DTYPE, RowQuantizer
 from .sources import Checkpoint, SourceTensor, open_checkpoint
@@ -48,9 +49,12 @@ def build_slab(
     callback: ProgressCallback | None = None,
     progress: bool = True,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    overwrite: bool = False,
 ) -> Path:
     """Quantize ``checkpoint`` into a slab at ``out`` (a ``.safetensors`` path, or a folder
     that gets ``default_slab_name``). Returns the slab path; its manifest sits beside it.
+    An existing file at the target is refused unless ``overwrite`` (``--force``); a file
+    of the source checkpoint never is replaced.
 
     ``callback(done, total)`` is called as bytes are written; an exception raised from it
     aborts the build and leaves no slab behind (how a UI cancels).
@@ -58,7 +62,23 @@ def build_slab(
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, family)
     out = Path(out).expanduser()
     path = out if out.name.endswith(".safetensors") else out / default_slab_name(ckpt)
+    _check_target(ckpt, path, overwrite)
     return _build(ckpt, path, callback, progress, chunk_bytes)
+
+
+def _check_target(ckpt: Checkpoint, path: Path, overwrite: bool) -> None:
+    """Never write over the checkpoint being read; nothing else without being told to."""
+    target = path.resolve()
+    sources = {f.path.resolve() for f in ckpt.files} | {Path(ckpt.path).resolve()}
+    if target in sources:
+        raise SlabError(f"the slab target '{path}' is the source checkpoint itself; write the slab elsewhere, "
+                        f"e.g. -o models/slabs/")
+    if path.is_dir():
+        raise SlabError(f"the slab target '{path}' is a folder; give a '*{SLAB_SUFFIX}' file name or the folder "
+                        f"without a file name")
+    if path.exists() and not overwrite:
+        raise SlabError(f"'{path}' already exists and would be replaced; choose another -o, or pass --force "
+                        f"to replace it")
 
 
 def _plain_dtype(src: SourceTensor) -> torch.dtype:
@@ -147,6 +167,7 @@ def _build(ckpt: Checkpoint, path: Path, callback, progress: bool, chunk_bytes: 
             # Never leave an old manifest beside a new slab: drop it before the rename.
             manifest_file.unlink(missing_ok=True)
         write_json_atomic(manifest_file, manifest, "the slab manifest")
+        record_verified(path, manifest)  # its tensor hashes were computed from the bytes written
     finally:
         bar.close()
     return path
