@@ -36,3 +36,16 @@ class StorageError(LowVRAMError, OSError):
 
 class TrainingDivergedError(LowVRAMError):
     """The loss or the LoRA weights became NaN/inf; nothing is saved."""
+
+
+def safetensors_only_message(folder, what: str, exc: BaseException) -> str:
+    """Why a diffusers/transformers folder did not load, when only .safetensors are accepted."""
+    from pathlib import Path
+
+    folder = Path(folder)
+    pickles = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
+    if pickles and not list(folder.glob("*.safetensors")):
+        return (f"the {what} in '{folder}' has only pickle weights ({', '.join(pickles[:3])}); lowvram-lora loads "
+                f".safetensors only, because loading a pickle can run arbitrary code. Get the .safetensors "
+                f"version of this model (or convert it in a trusted environment)")
+    return f"could not load the {what} from '{folder}': {exc}"

@@ -76,6 +76,18 @@ def _report(exc: BaseException, show_traceback: bool) -> None:
     print(f"error: {exc}", file=sys.stderr)
 
 
+def _models_dir_hint(models_dir: str) -> str:
+    """Where model files were looked up, and what was (not) there."""
+    root = Path(models_dir)
+    layout = "laid out like ComfyUI's models/ (diffusion_models/, diffusers/, ...)"
+    if not root.is_dir():
+        return f"note: the models folder '{root}' does not exist; pass --models-dir DIR, a folder {layout}"
+    if not any(root.iterdir()):
+        return f"note: the models folder '{root}' is empty; put the model files there, {layout}, or pass --models-dir"
+    found = ", ".join(sorted(p.name + "/" for p in root.iterdir() if p.is_dir())) or "no sub-folders"
+    return f"note: model files are looked up in '{root}' ({found}); it must be {layout}"
+
+
 def _prepare(args: argparse.Namespace, node_class_mappings: Mapping[str, type],
              display_names: Mapping[str, str] | None) -> dict[str, dict]:
     """Load, convert, validate and apply ``--set`` overrides."""
@@ -139,6 +151,8 @@ def run_workflow_command(
         return EXIT_INTERRUPTED
     except (WorkflowError, NodeExecutionError) as exc:
         _report(exc, show_traceback)
+        if getattr(exc, "missing_choice", False) and configure_dirs is not None:
+            print(_models_dir_hint(_absolute(getattr(args, "models_dir", DEFAULT_MODELS_DIR))), file=sys.stderr)
         return EXIT_FAILED
     _print_summary(results, graph, time.perf_counter() - start)
     return EXIT_OK

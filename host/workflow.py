@@ -55,6 +55,8 @@ class WorkflowError(Exception):
         super().__init__(message)
         self.node_id = node_id
         self.input_name = input_name
+        #: True when a combo value (a model file or folder) is not among the choices found on disk.
+        self.missing_choice = False
 
 
 # --------------------------------------------------------------------------- specs
@@ -627,7 +629,13 @@ def check_widget_value(spec: InputSpec, value: Any, where: _Where) -> Any:
     if spec.type == "STRING" and not isinstance(value, str):
         raise where.error(spec.name, f"expected a string, got {json.dumps(value)}", "give a quoted string")
     if spec.type == "COMBO" and spec.choices is not None and value not in spec.choices:
-        raise where.error(spec.name, f"{json.dumps(value)} is not an allowed value", f"use {spec.display_type}")
+        if spec.choices:
+            err = where.error(spec.name, f"{json.dumps(value)} is not an allowed value", f"use {spec.display_type}")
+        else:
+            err = where.error(spec.name, f"{json.dumps(value)} is not available, and this input has no choices at "
+                                         f"all (no matching files were found)", "put the file where it is looked up")
+        err.missing_choice = True
+        raise err
     return value
 
 
