@@ -25,6 +25,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -512,6 +513,9 @@ def _ui_inputs(
             inputs[spec.name] = widget_values[spec.name]
         elif spec.is_widget and "default" in spec.options:
             inputs[spec.name] = spec.options["default"]  # a widget added after the file was saved
+            print(f"note: {where.describe(spec.name)} has no saved value (the file predates it, or its "
+                  f"widgets_values is short); using the default {json.dumps(spec.options['default'])}",
+                  file=sys.stderr)
     return inputs
 
 

@@ -80,6 +80,13 @@ class LowVRAMTrainLoRA:
         from .progress import free_comfy_vram, make_callback
 
         free_comfy_vram()
+        callback = make_callback(unique_id)
+        if warmup_steps and warmup_steps >= steps:
+            # A shipped workflow's warmup (50) must not break a short test run (steps=20).
+            clamped = steps // 10
+            callback.log(f"warmup_steps={warmup_steps} is not below steps={steps}; using {clamped} "
+                         f"(a tenth of the steps) for this run")
+            warmup_steps = clamped
         lora_cfg = LoraSettings(rank=rank, alpha=alpha)
         train_cfg = TrainConfig(
             steps=steps, learning_rate=learning_rate, batch_size=batch_size,
@@ -87,7 +94,7 @@ class LowVRAMTrainLoRA:
             seed=training_seed, guidance=guidance, max_grad_norm=max_grad_norm, optimizer=optimizer,
             gradient_checkpointing=offload.gradient_checkpointing, save_every=save_every,
         )
-        lora = train_or_reuse(model, dataset, lora_cfg, train_cfg, cache_dir(), make_callback(unique_id),
+        lora = train_or_reuse(model, dataset, lora_cfg, train_cfg, cache_dir(), callback,
                               offload=offload)
         image, ui = _loss_curve_outputs(lora)
         return {"ui": ui, "result": (lora, image)}

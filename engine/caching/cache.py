@@ -161,7 +161,7 @@ def build_dataset_cache(
     dtype = resolve_dtype(model_cfg.dtype, dev)
     pipeline = resolve_pipeline_folder(model_cfg)
     family, variant = _family_and_variant(model_cfg, pipeline)
-    records = scan_dataset(data_cfg)
+    records = scan_dataset(data_cfg, log=cb.log)
     buckets = make_buckets(data_cfg.resolution, data_cfg.bucket_step, data_cfg.max_aspect)
     max_len = max_sequence_length or family.default_max_sequence_length(variant)
 
