@@ -104,3 +104,16 @@ def test_disk_full_is_explained(tmp_path):
         with atomic_write(tmp_path / "x.bin", "the slab"):
             raise OSError(errno.ENOSPC, "No space left on device")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_read_only_filesystem_is_explained_even_as_root(tmp_path, monkeypatch):
+    import errno
+
+    def read_only(*a, **k):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(os, "replace", read_only)
+    with pytest.raises(StorageError, match=r"cannot write the loss-curve image at .*not writable.*--output-dir"):
+        with atomic_write(tmp_path / "x.png", "the loss-curve image") as tmp:
+            tmp.write_bytes(b"png")
+    assert list(tmp_path.iterdir()) == []
