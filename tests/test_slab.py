@@ -1,6 +1,5 @@
 """Int8 slabs: build -> load round trip, name map, identical builds from every source
 form, damaged and interrupted slabs, reuse, the CLI, and a bounded build RAM."""
-import argparse
 import json
 import os
 import shutil
@@ -21,7 +20,7 @@ from lowvram_lora.engine.slab import (
 from lowvram_lora.engine.slab.sources import canonical_key
 from lowvram_lora.engine.slab.testing import write_random_checkpoint
 
-from helpers import model_inputs
+from helpers import model_inputs, slab_cli
 
 
 def reference_quantize(w):
@@ -393,15 +392,10 @@ def test_ensure_slab_builds_once_then_reuses(tiny_single_file, tmp_path):
     assert verify_slab(first, "full") and any("truncated" in line for line in logs)
 
 
+_cli = slab_cli
+
+
 # --- command line ---------------------------------------------------------------------
-
-
-def _cli(*argv):
-    from lowvram_lora.slab_cli import add_slab_parser, run_slab_command
-
-    parser = argparse.ArgumentParser(prog="lowvram-lora")
-    add_slab_parser(parser.add_subparsers(dest="command", required=True))
-    return run_slab_command(parser.parse_args(list(argv)))
 
 
 def test_cli_build_and_verify(tiny_single_file, tmp_path, capsys):

@@ -10,15 +10,7 @@ from lowvram_lora.engine.slab import build_slab, load_slab_transformer, manifest
 from lowvram_lora.engine.slab.format import SlabError
 from lowvram_lora.engine.slab.load import verified_stamp_path
 
-
-def _cli(*argv):
-    import argparse
-
-    from lowvram_lora.slab_cli import add_slab_parser, run_slab_command
-
-    parser = argparse.ArgumentParser(prog="lowvram-lora")
-    add_slab_parser(parser.add_subparsers(dest="command", required=True))
-    return run_slab_command(parser.parse_args(list(argv)))
+from helpers import slab_cli as _cli
 
 
 def test_build_refuses_the_source_even_with_force(tiny_single_file, tmp_path, capsys):
