@@ -160,3 +160,33 @@ def test_ctrl_c_in_lowvram_lora_run_saves_state_and_the_rerun_resumes(tmp_path, 
     out = capsys.readouterr().out
     assert "resuming from step 3/8" in out
     assert len(list((tmp_path / "out" / "loras").glob("*.safetensors"))) == 1
+
+
+def test_comfy_progress_hook_interrupt_in_on_step_also_saves(model, tiny_cache, uninterrupted, tmp_path):
+    """ComfyUI's progress-bar hook raises its interrupt from ProgressBar.update: on_step, not should_stop."""
+    class HookRaises(Log):
+        def on_step(self, info):
+            if info.step == 5:
+                raise ComfyInterrupt("cancelled")
+
+    with pytest.raises(ComfyInterrupt):
+        _run(model, tiny_cache, tmp_path, HookRaises())
+    again = Log()
+    resumed = _run(model, tiny_cache, tmp_path, again)
+    assert any("resuming from step 5/10" in line for line in again.lines)
+    assert all(torch.equal(resumed.state_dict[k], v) for k, v in uninterrupted.state_dict.items())
+
+
+def test_full_disk_during_a_periodic_save_warns_and_training_goes_on(model, tiny_cache, tmp_path, monkeypatch):
+    import errno
+
+    from lowvram_lora.engine.train import resume
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(resume, "save_file", full)
+    cb = Log()
+    result = _run(model, tiny_cache, tmp_path, cb)
+    assert result.steps == 10 and any("periodic training state was not saved" in m and "disk is full" in m
+                                      for m in cb.lines)

@@ -19,7 +19,7 @@ import torch
 from ..callbacks import StepInfo, TrainingCallback
 from ..caching import DatasetCache
 from ..config import LoraSettings, ModelConfig, TrainConfig
-from ..errors import ConfigError, TrainingDivergedError
+from ..errors import ConfigError, StorageError, TrainingDivergedError
 from ..models import load_transformer, resolve_device, resolve_dtype
 from ..models.dtypes import release_device_memory
 from ..offload import OffloadConfig
@@ -178,11 +178,17 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
             cb.log(f"resuming from step {loaded.step}/{train.steps} (state saved in '{loaded.path.parent}')")
         snapshot = RngSnapshot.take(first - 1, drawn, gen)
 
-    def save_state() -> None:
+    def save_state(periodic: bool = False) -> None:
         if resume is None or snapshot is None or snapshot.step == 0:
             return
         _check_finite_weights(named, snapshot.step)
-        path = resume.save(named, optimizer, scheduler, snapshot, result.loss_history, result.lr_history)
+        try:
+            path = resume.save(named, optimizer, scheduler, snapshot, result.loss_history, result.lr_history)
+        except StorageError as exc:
+            if not periodic:
+                raise
+            cb.log(f"warning: the periodic training state was not saved ({exc}); training goes on")
+            return
         if path is not None:
             cb.log(f"training state at step {snapshot.step}/{train.steps} saved in '{path.parent}'")
 
@@ -239,12 +245,17 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
                 result.steps = step
                 peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else 0.0
                 result.peak_vram_gb = peak
-                cb.on_step(StepInfo(step, train.steps, result.loss_history[-1], result.lr_history[-1],
-                                    grad_norm, time.perf_counter() - t0, peak))
                 if resume is not None:
                     snapshot = RngSnapshot.take(step, drawn, gen)
                     if resume.due(step, train.steps):
+                        save_state(periodic=True)
+                try:  # ComfyUI's progress hook raises its interrupt here too: keep this step
+                    cb.on_step(StepInfo(step, train.steps, result.loss_history[-1], result.lr_history[-1],
+                                        grad_norm, time.perf_counter() - t0, peak))
+                except BaseException:
+                    if step < train.steps:
                         save_state()
+                    raise
                 if step < train.steps and stop_requested():  # never after the last: keep a finished run
                     result.interrupted = True
                     cb.log(f"stopped at step {step}/{train.steps} on request")

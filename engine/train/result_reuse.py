@@ -72,10 +72,15 @@ def train_or_reuse(model, dataset, lora: LoraSettings, train: TrainConfig, cache
                          f"change a setting or the seed to train again")
         return found
     every = auto_save_every(train.steps) if train.save_every == 0 else train.save_every
+    enabled = train.optimizer != "adamw8bit"
+    if not enabled:
+        if callback is not None:
+            callback.log("resumable training states are not saved with optimizer='adamw8bit' (its 8-bit state "
+                         "has no safetensors form here yet); use adamw to be able to resume")
     settings = {"lora": asdict(lora), "train": {k: v for k, v in asdict(train).items() if k not in _KEEP_OUT}}
     store = ResumeStore(Path(cache_dir) / "resume", key, settings, every,
                         log=callback.log if callback is not None else (lambda msg: None),
-                        family_key=stable_hash([model.identity, dataset.dataset_hash]))
+                        family_key=stable_hash([model.identity, dataset.dataset_hash]), enabled=enabled)
     result = train_lora(model.config, dataset, lora, train, callback, resume=store, **train_kwargs)
     if not result.interrupted and result.state_dict:
         store_finished(Path(cache_dir), key, result)

@@ -90,8 +90,11 @@ class ResumeStore:
     """The saved states of one training run (one ``key``)."""
 
     def __init__(self, root: Path, key: str, settings: dict, save_every: int,
-                 log: Callable[[str], None] = lambda msg: None, family_key: str = ""):
+                 log: Callable[[str], None] = lambda msg: None, family_key: str = "", enabled: bool = True):
+        """``save_every``: periodic saves (<= 0: none; a stop still saves). ``enabled=False``:
+        no state is read or written at all (an optimizer whose state has no safetensors form)."""
         self.root, self.key, self.settings, self.save_every = Path(root), key, settings, save_every
+        self.enabled = enabled
         self.folder = self.root / key
         self.family_key = family_key  # model + dataset: finds states of the same data with other settings
         self.log = log
@@ -106,6 +109,8 @@ class ResumeStore:
 
     def load_latest(self) -> LoadedState | None:
         """The newest complete, readable state of this run; None (and why, when it matters)."""
+        if not self.enabled:
+            return None
         for step, info_path in self._states(self.folder):
             try:
                 info = json.loads(info_path.read_text())
@@ -151,7 +156,7 @@ class ResumeStore:
              loss_history: list[float], lr_history: list[float]) -> Path | None:
         """Write the state after ``snapshot.step`` completed steps; drop older ones."""
         step = snapshot.step
-        if step <= 0 or step == self.last_saved_step:
+        if not self.enabled or step <= 0 or step == self.last_saved_step:
             return None
         opt_tensors, opt_info = _split_optimizer_state(optimizer.state_dict())
         tensors = {f"lora/{name}": p.detach().float().cpu().contiguous() for name, p in named_params}
