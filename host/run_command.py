@@ -145,9 +145,9 @@ def run_workflow_command(
         with _graceful_ctrl_c():
             results = execute_graph(graph, node_class_mappings, progress=not getattr(args, "no_progress", False))
     except KeyboardInterrupt:
-        print("interrupted: training progress up to the last finished step is saved as a resumable state "
-              "(under the output folder's lowvram_cache/resume/); run the same command again to resume",
-              file=sys.stderr)
+        print("interrupted: nothing finished is lost (caches are written atomically; if training had "
+              "started, its progress up to the last finished step is saved under the output folder's "
+              "lowvram_cache/resume/); run the same command again to resume", file=sys.stderr)
         return EXIT_INTERRUPTED
     except (WorkflowError, NodeExecutionError) as exc:
         _report(exc, show_traceback)
