@@ -147,7 +147,7 @@ def atomic_write(path: str | Path, what: str = "a file", overwrite: bool = True)
             os.chmod(tmp, default_file_mode())
             _fsync_file(tmp)
             _publish(tmp, path, overwrite)
-        except FileExistsError:
+        except (FileExistsError, StorageError):
             raise
         except (OSError, ValueError) as exc:
             if isinstance(exc, ValueError) and "null" not in str(exc).lower():
