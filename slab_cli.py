@@ -25,9 +25,12 @@ def add_slab_parser(subparsers) -> None:
                        help="slab file (*.slab.safetensors) or a folder to put it in, named after the checkpoint")
     build.add_argument("--family", default="auto", help="model family id (default: detect from the files)")
     build.add_argument("--quiet", action="store_true", help="no progress bar")
+    build.add_argument("--force", action="store_true",
+                       help="replace an existing file at the output path (never the source checkpoint)")
     verify = sub.add_parser("verify", help="check a slab against its manifest")
     verify.add_argument("slab", help="the .slab.safetensors file")
-    verify.add_argument("--full", action="store_true", help="also re-hash every tensor (reads the whole file)")
+    verify.add_argument("--full", action="store_true",
+                        help="re-hash every tensor even if the file is unchanged since its last full check")
 
 
 def run_slab_command(args: argparse.Namespace) -> int:
@@ -51,7 +54,8 @@ def _build(args) -> int:
     from .engine.slab import build_slab, manifest_path_for, verify_slab
 
     start = time.perf_counter()
-    path = build_slab(args.checkpoint, args.output, family=args.family, progress=not args.quiet)
+    path = build_slab(args.checkpoint, args.output, family=args.family, progress=not args.quiet,
+                      overwrite=getattr(args, "force", False))
     summary = verify_slab(path)["summary"]
     print(f"slab: {path}\nmanifest: {manifest_path_for(path)}\n"
           f"{summary['bytes'] / 1e9:.2f} GB, {summary['quantized_linears']} int8 Linears, "
@@ -61,9 +65,16 @@ def _build(args) -> int:
 
 
 def _verify(args) -> int:
-    from .engine.slab import verify_slab
+    import time
 
-    manifest = verify_slab(args.slab, "full" if args.full else "quick")
-    print(f"ok: {args.slab} ({manifest['family']} {manifest['variant']}, "
-          f"{'every tensor hash checked' if args.full else 'size and header checked'})")
+    from .engine.slab import verify_slab
+    from .engine.slab.load import last_check
+
+    already = not args.full and last_check(args.slab) == "full"
+    start = time.perf_counter()
+    manifest = verify_slab(args.slab, "full" if args.full else "changed")
+    how = ("size and header checked; every tensor hash matched at its last full check and the file is unchanged "
+           "since (size, mtime, inode); --full re-hashes" if already
+           else f"every tensor hash checked in {time.perf_counter() - start:.1f} s")
+    print(f"ok: {args.slab} ({manifest['family']} {manifest['variant']}, {how})")
     return 0

@@ -5,6 +5,7 @@ runner's tqdm bar, or a test. It calls one small object.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 
@@ -40,6 +41,29 @@ class TrainingCallback:
         return False
 
 
+class StopRequest:
+    """A stop asked for from outside the training code: the headless runner's Ctrl-C handler
+    sets it (a signal handler can do little else safely); ``ConsoleCallback`` sees it at the
+    next poll, and the engine then saves its state and unwinds."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def request(self) -> None:
+        self._event.set()
+
+    def reset(self) -> None:
+        self._event.clear()
+
+    @property
+    def requested(self) -> bool:
+        return self._event.is_set()
+
+
+#: Set by ``lowvram-lora run`` on Ctrl-C; reset at the start of every run.
+CTRL_C = StopRequest()
+
+
 class ConsoleCallback(TrainingCallback):
     """tqdm bars and printed lines, for the CLI and the headless runner."""
 
@@ -56,6 +80,8 @@ class ConsoleCallback(TrainingCallback):
         return bar
 
     def on_progress(self, stage: str, done: int, total: int) -> None:
+        if CTRL_C.requested:  # caching: every entry is written atomically, stopping here loses nothing
+            raise KeyboardInterrupt(f"stopped with Ctrl-C during {stage}")
         bar = self._bar(stage, total)
         bar.update(done - bar.n)
         if done >= total:
@@ -79,4 +105,8 @@ class ConsoleCallback(TrainingCallback):
         tqdm.write(message)
 
     def should_stop(self) -> bool:
+        """Ctrl-C raises KeyboardInterrupt here, between steps: the engine writes its resumable
+        state first, then the runner exits with 130."""
+        if CTRL_C.requested:
+            raise KeyboardInterrupt("stopped with Ctrl-C")
         return self.stop_requested

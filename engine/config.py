@@ -5,10 +5,19 @@ Each default is the one a first-time user should keep, with the reason beside it
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
 from .errors import ConfigError
+
+
+def _require_finite(obj, names: tuple[str, ...]) -> None:
+    """NaN passes every ``x < lo`` check, and JSON workflows can carry it: refuse it first."""
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise ConfigError(f"{name}={value!r} must be a finite number")
 
 
 @dataclass
@@ -75,6 +84,7 @@ class LoraSettings:
     target_modules: Optional[list[str]] = None
 
     def __post_init__(self) -> None:
+        _require_finite(self, ("alpha", "dropout"))
         if self.rank < 1:
             raise ConfigError(f"rank={self.rank} must be >= 1")
         if self.alpha <= 0:
@@ -110,8 +120,15 @@ class TrainConfig:
     # (2 bytes): 0.28 GB less VRAM for Flux.1 r16 but ~0.5 s/step slower (its per-tensor
     # step over ~1000 LoRA tensors, H100); CUDA only.
     optimizer: str = "adamw"
+    # Write a resumable state every N steps (0: about 10 per run, see train/resume.py;
+    # -1: never). Does not change the result, so it is not part of the run's identity.
+    save_every: int = 0
 
     def __post_init__(self) -> None:
+        _require_finite(self, ("learning_rate", "max_grad_norm", "weight_decay", "guidance",
+                               "timestep_mean", "timestep_std"))
+        if self.save_every < -1:
+            raise ConfigError(f"save_every={self.save_every} must be -1 (never), 0 (auto) or a step count")
         if self.steps < 1:
             raise ConfigError(f"steps={self.steps} must be >= 1")
         if self.learning_rate <= 0:

@@ -27,3 +27,25 @@ class CacheError(LowVRAMError):
 
 class LoraFormatError(LowVRAMError):
     """A LoRA file cannot be written or read in the requested format."""
+
+
+class StorageError(LowVRAMError, OSError):
+    """A file or folder cannot be written (read-only, disk full, a file in the way, name
+    too long); says what was being written, where, and what to do."""
+
+
+class TrainingDivergedError(LowVRAMError):
+    """The loss or the LoRA weights became NaN/inf; nothing is saved."""
+
+
+def safetensors_only_message(folder, what: str, exc: BaseException) -> str:
+    """Why a diffusers/transformers folder did not load, when only .safetensors are accepted."""
+    from pathlib import Path
+
+    folder = Path(folder)
+    pickles = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
+    if pickles and not list(folder.glob("*.safetensors")):
+        return (f"the {what} in '{folder}' has only pickle weights ({', '.join(pickles[:3])}); lowvram-lora loads "
+                f".safetensors only, because loading a pickle can run arbitrary code. Get the .safetensors "
+                f"version of this model (or convert it in a trusted environment)")
+    return f"could not load the {what} from '{folder}': {exc}"

@@ -1,7 +1,6 @@
 """Loss-curve PNG with pillow alone (no matplotlib dependency for one chart)."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 
@@ -45,10 +44,12 @@ def render_loss_curve(losses: list[float], width: int = 640, height: int = 360, 
     return img
 
 
-def save_loss_curve(losses: list[float], path: str | Path, title: str = "training loss") -> Path:
+def save_loss_curve(losses: list[float], path: str | Path, title: str = "training loss",
+                    overwrite: bool = False) -> Path:
+    """Write the curve as a PNG; an existing file is kept (FileExistsError) unless ``overwrite``."""
+    from .fileio import atomic_write
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")
-    render_loss_curve(losses, title=title).save(tmp)
-    os.replace(tmp, path)
+    with atomic_write(path, "the loss-curve image", overwrite=overwrite) as tmp:
+        render_loss_curve(losses, title=title).save(tmp, format="PNG")
     return path

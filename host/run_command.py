@@ -10,7 +10,9 @@ message, not on a traceback; ``--traceback`` shows it when debugging.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
 import time
 import traceback
@@ -74,12 +76,50 @@ def _report(exc: BaseException, show_traceback: bool) -> None:
     print(f"error: {exc}", file=sys.stderr)
 
 
+def _models_dir_hint(models_dir: str) -> str:
+    """Where model files were looked up, and what was (not) there."""
+    root = Path(models_dir)
+    layout = "laid out like ComfyUI's models/ (diffusion_models/, diffusers/, ...)"
+    if not root.is_dir():
+        return f"note: the models folder '{root}' does not exist; pass --models-dir DIR, a folder {layout}"
+    if not any(root.iterdir()):
+        return f"note: the models folder '{root}' is empty; put the model files there, {layout}, or pass --models-dir"
+    found = ", ".join(sorted(p.name + "/" for p in root.iterdir() if p.is_dir())) or "no sub-folders"
+    return f"note: model files are looked up in '{root}' ({found}); it must be {layout}"
+
+
 def _prepare(args: argparse.Namespace, node_class_mappings: Mapping[str, type],
              display_names: Mapping[str, str] | None) -> dict[str, dict]:
     """Load, convert, validate and apply ``--set`` overrides."""
     workflow = load_workflow(args.workflow)
     graph = to_api_graph(workflow, node_class_mappings, display_names)
     return apply_overrides(graph, getattr(args, "overrides", None) or [], node_class_mappings)
+
+
+@contextlib.contextmanager
+def _graceful_ctrl_c():
+    """The first Ctrl-C asks the engine to stop after the current step (it saves a resumable
+    state, then unwinds with KeyboardInterrupt); a second one stops at once, as usual."""
+    from ..engine.callbacks import CTRL_C
+
+    def on_sigint(signum, frame):
+        if CTRL_C.requested:
+            raise KeyboardInterrupt
+        CTRL_C.request()
+        print("\nCtrl-C: stopping after the current step and saving the training state "
+              "(press Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+
+    CTRL_C.reset()
+    try:
+        previous = signal.signal(signal.SIGINT, on_sigint)
+    except ValueError:  # not the main thread: leave Ctrl-C as it is
+        previous = None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+        CTRL_C.reset()
 
 
 def run_workflow_command(
@@ -102,12 +142,17 @@ def run_workflow_command(
                            _absolute(getattr(args, "output_dir", DEFAULT_OUTPUT_DIR)))
         graph = _prepare(args, node_class_mappings, display_names)
         start = time.perf_counter()
-        results = execute_graph(graph, node_class_mappings, progress=not getattr(args, "no_progress", False))
+        with _graceful_ctrl_c():
+            results = execute_graph(graph, node_class_mappings, progress=not getattr(args, "no_progress", False))
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print("interrupted: nothing finished is lost (caches are written atomically; if training had "
+              "started, its progress up to the last finished step is saved under the output folder's "
+              "lowvram_cache/resume/); run the same command again to resume", file=sys.stderr)
         return EXIT_INTERRUPTED
     except (WorkflowError, NodeExecutionError) as exc:
         _report(exc, show_traceback)
+        if getattr(exc, "missing_choice", False) and configure_dirs is not None:
+            print(_models_dir_hint(_absolute(getattr(args, "models_dir", DEFAULT_MODELS_DIR))), file=sys.stderr)
         return EXIT_FAILED
     _print_summary(results, graph, time.perf_counter() - start)
     return EXIT_OK

@@ -22,7 +22,10 @@ because the headless runner prints these messages instead of a traceback.
 
 from __future__ import annotations
 
+import inspect
 import json
+import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -53,6 +56,8 @@ class WorkflowError(Exception):
         super().__init__(message)
         self.node_id = node_id
         self.input_name = input_name
+        #: True when a combo value (a model file or folder) is not among the choices found on disk.
+        self.missing_choice = False
 
 
 # --------------------------------------------------------------------------- specs
@@ -238,6 +243,65 @@ def detect_format(workflow: Any) -> str:
     )
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) or (
+        isinstance(value, str) and value.strip().lstrip("-").isdigit())
+
+
+def _shape_error(problem: str) -> WorkflowError:
+    return WorkflowError(f"the workflow JSON is malformed: {problem}. Fix: re-save it from ComfyUI "
+                         f"(Workflow > Save, or Export (API)) or correct that entry by hand")
+
+
+def check_shape(workflow: Any) -> None:
+    """Check the JSON's structure before anything reads it, so a hand-edited or truncated file
+    gets a message naming the bad entry instead of a KeyError/TypeError traceback."""
+    if detect_format(workflow) == "api":
+        for node_id, node in workflow.items():
+            if not isinstance(node.get("class_type"), str):
+                raise _shape_error(f'node {node_id}: "class_type" must be a string')
+            if not isinstance(node.get("inputs", {}), Mapping):
+                raise _shape_error(f'node {node_id}: "inputs" must be an object {{"name": value}}, '
+                                   f'not {type(node.get("inputs")).__name__}')
+            for name, value in node.get("inputs", {}).items():
+                if isinstance(value, list) and len(value) == 2 and isinstance(value[0], (str, int)) \
+                        and not isinstance(value[0], bool) and not _is_int(value[1]):
+                    raise _shape_error(f'node {node_id}, input "{name}": a link [node_id, output_index] '
+                                       f"needs a whole number as output index, got {json.dumps(value[1])}")
+        return
+    ids = set()
+    for i, node in enumerate(workflow["nodes"]):
+        if not isinstance(node, Mapping):
+            raise _shape_error(f'"nodes"[{i}] is not an object')
+        if not _is_int(node.get("id")) and not isinstance(node.get("id"), str):
+            raise _shape_error(f'"nodes"[{i}] (type {node.get("type")!r}) has no "id"')
+        if str(node["id"]) in ids:
+            raise _shape_error(f'two nodes have the id {node["id"]}')
+        ids.add(str(node["id"]))
+        if not isinstance(node.get("type"), str):
+            raise _shape_error(f'node {node["id"]} has no "type" string')
+        for key, kinds in (("inputs", list), ("outputs", list), ("widgets_values", (list, Mapping))):
+            if node.get(key) is not None and not isinstance(node[key], kinds):
+                raise _shape_error(f'node {node["id"]}: "{key}" has the wrong type ({type(node[key]).__name__})')
+        for entry in node.get("inputs") or []:
+            if not isinstance(entry, Mapping) or (entry.get("link") is not None and not _is_int(entry["link"])):
+                raise _shape_error(f'node {node["id"]}: input entry {json.dumps(entry)[:80]} is not '
+                                   f'{{"name": ..., "link": number or null}}')
+    for i, link in enumerate(workflow["links"]):
+        if link is None:
+            continue
+        if isinstance(link, Mapping):
+            fields = [link.get(k) for k in ("id", "origin_id", "origin_slot", "target_id", "target_slot")]
+        elif isinstance(link, list) and len(link) >= 5:
+            fields = link[:5]
+        else:
+            raise _shape_error(f'"links"[{i}] must be [id, origin_id, origin_slot, target_id, target_slot, type] '
+                               f"or an object, got {json.dumps(link)[:80]}")
+        bad = [f for j, f in enumerate(fields) if not (_is_int(f) or j in (1, 3) and isinstance(f, str) and f)]
+        if bad:
+            raise _shape_error(f'"links"[{i}] = {json.dumps(link)[:80]}: {json.dumps(bad[0])} is not a number')
+
+
 def load_workflow(path: str | Path) -> dict:
     """Read a workflow file and check it is UI or API format (see :func:`detect_format`)."""
     try:
@@ -251,7 +315,7 @@ def load_workflow(path: str | Path) -> dict:
             f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}). "
             "Fix: re-save the workflow from ComfyUI"
         ) from exc
-    detect_format(workflow)
+    check_shape(workflow)
     return workflow
 
 
@@ -449,6 +513,9 @@ def _ui_inputs(
             inputs[spec.name] = widget_values[spec.name]
         elif spec.is_widget and "default" in spec.options:
             inputs[spec.name] = spec.options["default"]  # a widget added after the file was saved
+            print(f"note: {where.describe(spec.name)} has no saved value (the file predates it, or its "
+                  f"widgets_values is short); using the default {json.dumps(spec.options['default'])}",
+                  file=sys.stderr)
     return inputs
 
 
@@ -525,6 +592,7 @@ def to_api_graph(
     stored value is used, so a headless run repeats what the file says.
     """
     names = display_names or {}
+    check_shape(workflow)
     if detect_format(workflow) == "ui":
         graph = _ui_to_api(workflow, node_class_mappings, names)
     else:
@@ -541,8 +609,10 @@ def _check_number(spec: InputSpec, value: Any, where: _Where) -> int | float:
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if spec.type == "INT" and is_number and float(value).is_integer():
         value = int(value)
-    elif spec.type == "FLOAT" and is_number:
+    elif spec.type == "FLOAT" and is_number and math.isfinite(value):
         value = float(value)
+    elif spec.type == "FLOAT" and is_number:  # NaN passes every min/max comparison
+        raise where.error(spec.name, f"{value} is not a finite number", "give a finite number")
     else:
         kind = "an integer" if spec.type == "INT" else "a number"
         raise where.error(spec.name, f"expected {kind}, got {json.dumps(value)}", f"give {kind}")
@@ -563,7 +633,13 @@ def check_widget_value(spec: InputSpec, value: Any, where: _Where) -> Any:
     if spec.type == "STRING" and not isinstance(value, str):
         raise where.error(spec.name, f"expected a string, got {json.dumps(value)}", "give a quoted string")
     if spec.type == "COMBO" and spec.choices is not None and value not in spec.choices:
-        raise where.error(spec.name, f"{json.dumps(value)} is not an allowed value", f"use {spec.display_type}")
+        if spec.choices:
+            err = where.error(spec.name, f"{json.dumps(value)} is not an allowed value", f"use {spec.display_type}")
+        else:
+            err = where.error(spec.name, f"{json.dumps(value)} is not available, and this input has no choices at "
+                                         f"all (no matching files were found)", "put the file where it is looked up")
+        err.missing_choice = True
+        raise err
     return value
 
 
@@ -629,6 +705,22 @@ def _check_node(node_id: str, node: Any, graph: Mapping[str, dict], mappings: Ma
             )
     for spec in specs:
         _check_input(spec, node, where, graph, mappings)
+    _call_validate_inputs(_node_class(where, mappings), node, where)
+
+
+def _call_validate_inputs(cls: type, node: dict, where: _Where) -> None:
+    """ComfyUI's ``VALIDATE_INPUTS`` hook, run when the prompt is queued (before any node runs):
+    it gets the widget values it names (linked inputs are not known yet) and returns True or
+    a message."""
+    validate = getattr(cls, "VALIDATE_INPUTS", None)
+    if validate is None:
+        return
+    params = inspect.signature(validate).parameters
+    takes_all = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    values = {k: v for k, v in node["inputs"].items() if not is_link(v) and (takes_all or k in params)}
+    outcome = validate(**values)
+    if outcome is not True:
+        raise where.error(None, str(outcome), "change the value and run again")
 
 
 def _edges(graph: Mapping[str, dict]) -> dict[str, list[tuple[str, str]]]:

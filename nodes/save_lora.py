@@ -7,18 +7,53 @@ from .load_model import CATEGORY
 from .paths import output_dir
 
 
-def next_free_path(root: Path, prefix: str) -> Path:
-    """``<root>/<prefix>_00001_.safetensors``, counting up past existing files (ComfyUI's
-    convention), so nothing on disk is ever replaced."""
+_MAX_COUNTER = 99_999
+
+
+def check_filename_prefix(root: Path, prefix: str) -> Path:
+    """The target stem ``<root>/<prefix>`` for a valid prefix; raises ValueError naming the
+    problem and the fix. Run before training (VALIDATE_INPUTS), so a bad prefix never costs
+    a training run."""
     prefix = prefix.strip().replace("\\", "/") or "lowvram_lora"
+    if "\x00" in prefix:
+        raise ValueError("filename_prefix contains a NUL character; remove it")
+    parts = [p for p in prefix.split("/") if p]
+    long = [p for p in parts if len(p.encode("utf-8")) > 200]
+    if long:
+        raise ValueError(f"filename_prefix part '{long[0][:40]}...' is {len(long[0].encode())} bytes long; "
+                         f"keep each folder/file name under 200 characters")
     target = (root / prefix).resolve()
     if root.resolve() not in target.parents:
-        raise ValueError(f"filename_prefix '{prefix}' must stay inside the output folder {root}")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    n = 1
-    while (target.parent / f"{target.name}_{n:05d}_.safetensors").exists():
-        n += 1
-    return target.parent / f"{target.name}_{n:05d}_.safetensors"
+        raise ValueError(f"filename_prefix '{prefix}' must stay inside the output folder {root}; "
+                         f"use a relative path such as loras/my_lora")
+    for parent in list(target.parents)[::-1]:
+        if parent.exists() and not parent.is_dir():
+            raise ValueError(f"filename_prefix '{prefix}': '{parent}' is a file, but a folder is needed there; "
+                             f"rename that file or choose another prefix")
+    if target.is_dir():
+        raise ValueError(f"filename_prefix '{prefix}' names the folder '{target}'; add a file name, "
+                         f"e.g. '{prefix.rstrip('/')}/my_lora'")
+    return target
+
+
+def claim_output_paths(root: Path, prefix: str) -> tuple[Path, Path]:
+    """``<root>/<prefix>_00001_.safetensors`` and its ``_loss.png``, counting up past any number
+    where either exists (ComfyUI's convention). Both names are claimed by exclusive create,
+    so two runs saving into one folder never pick the same pair and nothing is replaced; the
+    claimed files are empty placeholders for the caller to write over."""
+    from ..engine.fileio import claim_names, ensure_dir
+
+    target = check_filename_prefix(root, prefix)
+    ensure_dir(target.parent, "the LoRA")
+    for n in range(1, _MAX_COUNTER + 1):
+        lora = target.parent / f"{target.name}_{n:05d}_.safetensors"
+        curve = lora.with_name(lora.stem + "_loss.png")
+        if lora.exists() or curve.exists():
+            continue
+        if claim_names([lora, curve], "the LoRA"):
+            return lora, curve
+    raise ValueError(f"'{target.parent}' already holds {_MAX_COUNTER} files named {target.name}_NNNNN_; "
+                     f"choose another filename_prefix")
 
 
 class LowVRAMSaveLoRA:
@@ -30,6 +65,17 @@ class LowVRAMSaveLoRA:
     RETURN_TYPES = ()
     OUTPUT_NODE = True
     FUNCTION = "save"
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, filename_prefix=None, **_):
+        """ComfyUI calls this when the prompt is queued (the headless runner too), before any
+        node runs: a bad prefix is reported before hours of training, not after."""
+        if isinstance(filename_prefix, str):
+            try:
+                check_filename_prefix(output_dir(), filename_prefix)
+            except ValueError as exc:
+                return str(exc)
+        return True
 
     @classmethod
     def INPUT_TYPES(cls):
@@ -59,8 +105,15 @@ class LowVRAMSaveLoRA:
         from ..engine.lora_io import save_lora
         from ..engine.plotting import save_loss_curve
 
-        path = save_lora(lora, next_free_path(output_dir(), filename_prefix), fmt=format, dtype=dtype)
-        curve = save_loss_curve(lora.loss_history, path.with_name(path.stem + "_loss.png"))
+        path, curve = claim_output_paths(output_dir(), filename_prefix)
+        try:  # the two names are ours (claimed, empty): write over them
+            save_lora(lora, path, fmt=format, dtype=dtype, overwrite=True)
+            save_loss_curve(lora.loss_history, curve, overwrite=True)
+        except BaseException:
+            for p in (path, curve):
+                if p.exists() and p.stat().st_size == 0:
+                    p.unlink()
+            raise
         print(f"[lowvram-lora] saved LoRA: {path}\n[lowvram-lora] loss curve: {curve}")
         # filename/subfolder/type entries are what ComfyUI clients (comfy run --wait) list as outputs.
         root = output_dir().resolve()

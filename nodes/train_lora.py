@@ -62,6 +62,12 @@ class LowVRAMTrainLoRA:
                                "r16 LoRA, but measured ~0.5 s slower per step (H100, 1024). Only for when those "
                                "0.3 GB decide whether training fits. CUDA only.",
                 }),
+                "save_every": ("INT", {
+                    "default": 0, "min": -1, "max": 1_000_000,
+                    "tooltip": "Save a resumable training state every N steps (0: about 10 per run, at most every "
+                               "250 steps; -1: never). Stopping (Cancel, Ctrl-C) also saves one, and running the "
+                               "same graph again resumes from the latest. Does not change the result.",
+                }),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -69,20 +75,27 @@ class LowVRAMTrainLoRA:
     def train(self, model, dataset, offload, steps: int = 1000, learning_rate: float = 1e-4, rank: int = 16,
               alpha: float = 16.0, batch_size: int = 1, gradient_accumulation: int = 1, lr_scheduler: str = "constant",
               warmup_steps: int = 0, training_seed: int = 42, guidance: float = 1.0, max_grad_norm: float = 1.0,
-              optimizer: str = "adamw", unique_id=None):
+              optimizer: str = "adamw", save_every: int = 0, unique_id=None):
         from ..engine.config import LoraSettings, TrainConfig
         from ..engine.train.result_reuse import train_or_reuse
         from .progress import free_comfy_vram, make_callback
 
         free_comfy_vram()
+        callback = make_callback(unique_id)
+        if warmup_steps and warmup_steps >= steps:
+            # A shipped workflow's warmup (50) must not break a short test run (steps=20).
+            clamped = steps // 10
+            callback.log(f"warmup_steps={warmup_steps} is not below steps={steps}; using {clamped} "
+                         f"(a tenth of the steps) for this run")
+            warmup_steps = clamped
         lora_cfg = LoraSettings(rank=rank, alpha=alpha)
         train_cfg = TrainConfig(
             steps=steps, learning_rate=learning_rate, batch_size=batch_size,
             gradient_accumulation=gradient_accumulation, lr_scheduler=lr_scheduler, warmup_steps=warmup_steps,
             seed=training_seed, guidance=guidance, max_grad_norm=max_grad_norm, optimizer=optimizer,
-            gradient_checkpointing=offload.gradient_checkpointing,
+            gradient_checkpointing=offload.gradient_checkpointing, save_every=save_every,
         )
-        lora = train_or_reuse(model, dataset, lora_cfg, train_cfg, cache_dir(), make_callback(unique_id),
+        lora = train_or_reuse(model, dataset, lora_cfg, train_cfg, cache_dir(), callback,
                               offload=offload)
         image, ui = _loss_curve_outputs(lora)
         return {"ui": ui, "result": (lora, image)}

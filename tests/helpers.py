@@ -25,3 +25,14 @@ def merged(base, state, scale):
             b = state[f"{name}.lora_B.weight"]
             modules[name].weight += (scale * b.float() @ a.float()).to(modules[name].weight.dtype)
     return model
+
+
+def slab_cli(*argv):
+    """Run ``lowvram-lora slab ...`` in process; returns the exit code."""
+    import argparse
+
+    from lowvram_lora.slab_cli import add_slab_parser, run_slab_command
+
+    parser = argparse.ArgumentParser(prog="lowvram-lora")
+    add_slab_parser(parser.add_subparsers(dest="command", required=True))
+    return run_slab_command(parser.parse_args(list(argv)))

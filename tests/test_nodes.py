@@ -102,14 +102,15 @@ def test_comfy_callback_drives_progress_and_interrupt(monkeypatch):
 
 
 def test_save_path_never_escapes_output_and_counts_up(tmp_path):
-    from lowvram_lora.nodes.save_lora import next_free_path
+    from lowvram_lora.nodes.save_lora import claim_output_paths
 
-    first = next_free_path(tmp_path, "loras/x")
+    first, curve = claim_output_paths(tmp_path, "loras/x")
     assert first == tmp_path / "loras" / "x_00001_.safetensors"
+    assert curve == tmp_path / "loras" / "x_00001__loss.png"
     first.write_bytes(b"keep")
-    assert next_free_path(tmp_path, "loras/x").name == "x_00002_.safetensors"
+    assert claim_output_paths(tmp_path, "loras/x")[0].name == "x_00002_.safetensors"
     with pytest.raises(ValueError, match="inside the output folder"):
-        next_free_path(tmp_path, "../../etc/x")
+        claim_output_paths(tmp_path, "../../etc/x")
 
 
 def test_pack_loads_the_way_comfyui_loads_custom_nodes(monkeypatch):

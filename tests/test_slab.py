@@ -1,6 +1,5 @@
 """Int8 slabs: build -> load round trip, name map, identical builds from every source
 form, damaged and interrupted slabs, reuse, the CLI, and a bounded build RAM."""
-import argparse
 import json
 import os
 import shutil
@@ -21,7 +20,7 @@ from lowvram_lora.engine.slab import (
 from lowvram_lora.engine.slab.sources import canonical_key
 from lowvram_lora.engine.slab.testing import write_random_checkpoint
 
-from helpers import model_inputs
+from helpers import model_inputs, slab_cli
 
 
 def reference_quantize(w):
@@ -280,7 +279,11 @@ def test_corrupted_tensor_bytes_are_found_by_full_verification(slab_copy):
         byte = f.read(1)
         f.seek(entry["offsets"][0] + 5)
         f.write(bytes([byte[0] ^ 0xFF]))
-    verify_slab(slab_copy)  # quick: size and header only
+    verify_slab(slab_copy, "quick")  # quick: size and header only
+    with pytest.raises(SlabError, match="corrupted bytes"):
+        verify_slab(slab_copy)  # the default hashes every tensor on the first use after a change
+    with pytest.raises(SlabError, match="corrupted bytes"):
+        load_slab_transformer(slab_copy)  # training never reads unverified bytes of a changed file
     with pytest.raises(SlabError) as exc:
         verify_slab(slab_copy, "full")
     msg = _expect_rebuild_hint(exc, slab_copy)
@@ -364,9 +367,10 @@ def test_interrupted_build_leaves_no_file_that_looks_complete(tiny_pipeline, tmp
 def test_interrupted_rebuild_keeps_the_previous_complete_slab(tiny_pipeline, slab_copy):
     before = slab_copy.read_bytes()
     with pytest.raises(Stop):
-        build_slab(tiny_pipeline, slab_copy, callback=_stop_halfway, progress=False)
+        build_slab(tiny_pipeline, slab_copy, callback=_stop_halfway, progress=False, overwrite=True)
     assert slab_copy.read_bytes() == before and verify_slab(slab_copy, "full")
-    assert sorted(p.name for p in slab_copy.parent.iterdir()) == sorted([slab_copy.name, manifest_path_for(slab_copy).name])
+    assert sorted(p.name for p in slab_copy.parent.iterdir()) == sorted(
+        [slab_copy.name, manifest_path_for(slab_copy).name, f".{slab_copy.name}.verified.json"])
 
 
 def test_ensure_slab_builds_once_then_reuses(tiny_single_file, tmp_path):
@@ -388,15 +392,10 @@ def test_ensure_slab_builds_once_then_reuses(tiny_single_file, tmp_path):
     assert verify_slab(first, "full") and any("truncated" in line for line in logs)
 
 
+_cli = slab_cli
+
+
 # --- command line ---------------------------------------------------------------------
-
-
-def _cli(*argv):
-    from lowvram_lora.slab_cli import add_slab_parser, run_slab_command
-
-    parser = argparse.ArgumentParser(prog="lowvram-lora")
-    add_slab_parser(parser.add_subparsers(dest="command", required=True))
-    return run_slab_command(parser.parse_args(list(argv)))
 
 
 def test_cli_build_and_verify(tiny_single_file, tmp_path, capsys):

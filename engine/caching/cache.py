@@ -15,18 +15,19 @@ leaves a half-written entry that looks complete.
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ..callbacks import TrainingCallback
 from ..config import DataConfig, ModelConfig
 from ..data import assign_bucket, expand_repeats, load_image_tensor, make_buckets, scan_dataset
 from ..errors import CacheError, ModelLoadError
+from ..fileio import atomic_write, write_json_atomic
 from ..families import ModelFamily, get_family
 from ..models import resolve_device, resolve_dtype, resolve_transformer_source
 from ..models.transformer_loading import identify_diffusers_folder
@@ -63,8 +64,8 @@ class DatasetCache:
 
     def load_item(self, item: CachedItem, flipped: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(latent (C, h, w), {embedding name: tensor}) for one item."""
-        lat = load_file(str(self.cache_dir / "latents" / f"{item.latent_key}.safetensors"))
-        text = load_file(str(self.cache_dir / "text" / f"{item.text_key}.safetensors"))
+        lat = _load_entry(self.cache_dir / "latents" / f"{item.latent_key}.safetensors", item)
+        text = _load_entry(self.cache_dir / "text" / f"{item.text_key}.safetensors", item)
         latent = lat["latent_flipped"] if flipped and "latent_flipped" in lat else lat["latent"]
         return latent, text
 
@@ -85,8 +86,10 @@ def resolve_pipeline_folder(model_cfg: ModelConfig) -> Path:
     source = resolve_transformer_source(model_cfg.transformer_path)
     if source.pipeline_folder is None:
         raise ModelLoadError(
-            f"'{model_cfg.transformer_path}' is a single transformer; caching also needs the text encoders and "
-            f"VAE: set pipeline_path to a diffusers pipeline folder (with text_encoder*/, tokenizer*/, vae/)"
+            f"'{model_cfg.transformer_path}' is a single transformer file; caching also needs the text encoders, "
+            f"tokenizers and VAE of a diffusers pipeline folder (text_encoder*/, tokenizer*/, vae/). In Cache Text "
+            f"Embeds, set text_encoders to a folder under models/diffusers (e.g. diffusers/FLUX.1-dev); "
+            f"from Python, set ModelConfig.pipeline_path"
         )
     return source.pipeline_folder
 
@@ -100,11 +103,48 @@ def _family_and_variant(model_cfg: ModelConfig, pipeline: Path) -> tuple[ModelFa
     return get_family(model_cfg.family), "custom"
 
 
+def _load_entry(path: Path, item: CachedItem) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except Exception as exc:
+        raise CacheError(
+            f"dataset-cache entry '{path}' (for '{item.image}') is unreadable ({type(exc).__name__}: {exc}); "
+            f"run Cache Text Embeds again: it rebuilds unreadable entries"
+        ) from None
+
+
+def _usable(path: Path, cb: TrainingCallback) -> bool:
+    """True for a readable entry. A missing one is False; a corrupt, truncated or empty one
+    (a disk problem, a copy gone wrong) is removed with a notice, so it is built again
+    instead of failing every later run."""
+    if not path.exists():
+        return False
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            keys = list(f.keys())
+            for k in keys:  # the header parses; check the bytes are all there too
+                f.get_slice(k)
+        if keys and path.stat().st_size >= _data_end(path):
+            return True
+        problem = "no tensors" if not keys else "truncated"
+    except Exception as exc:
+        problem = f"{type(exc).__name__}: {exc}"
+    cb.log(f"dataset-cache entry '{path}' is unreadable ({problem}); rebuilding it")
+    path.unlink(missing_ok=True)
+    return False
+
+
+def _data_end(path: Path) -> int:
+    """Where the last tensor's bytes end, from the safetensors header."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    return 8 + n + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+
+
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
+    with atomic_write(path, "a dataset-cache entry") as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
 
 
 def build_dataset_cache(
@@ -122,7 +162,7 @@ def build_dataset_cache(
     dtype = resolve_dtype(model_cfg.dtype, dev)
     pipeline = resolve_pipeline_folder(model_cfg)
     family, variant = _family_and_variant(model_cfg, pipeline)
-    records = scan_dataset(data_cfg)
+    records = scan_dataset(data_cfg, log=cb.log)
     buckets = make_buckets(data_cfg.resolution, data_cfg.bucket_step, data_cfg.max_aspect)
     max_len = max_sequence_length or family.default_max_sequence_length(variant)
 
@@ -156,10 +196,7 @@ def build_dataset_cache(
         "settings": asdict(data_cfg), "max_sequence_length": max_len, "repeats": data_cfg.repeats,
         "flip": data_cfg.flip, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "items": [asdict(i) for i in items],
     }
-    manifest_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = manifest_path.with_name(f".{manifest_path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, manifest_path)
+    write_json_atomic(manifest_path, manifest, "the dataset-cache manifest")
     cb.log(
         f"dataset cache {dataset_hash}: {len(items)} images; text {stats['text_built']} built / "
         f"{stats['text_reused']} reused; latents {stats['latents_built']} built / {stats['latents_reused']} reused"
@@ -172,7 +209,7 @@ def _build_text(cache_dir, specs, pipeline, items, device, dtype, max_len, cb, s
     text_dir = cache_dir / "text"
     todo: dict[str, str] = {}
     for it in items:
-        if not (text_dir / f"{it.text_key}.safetensors").exists():
+        if it.text_key not in todo and not _usable(text_dir / f"{it.text_key}.safetensors", cb):
             todo.setdefault(it.text_key, it.caption)
     stats["text_reused"] = len({i.text_key for i in items}) - len(todo)
     if not todo:
@@ -195,7 +232,7 @@ def _build_latents(cache_dir, family, pipeline, items, flip, device, dtype, cb, 
     lat_dir = cache_dir / "latents"
     todo = {}
     for it in items:
-        if not (lat_dir / f"{it.latent_key}.safetensors").exists():
+        if it.latent_key not in todo and not _usable(lat_dir / f"{it.latent_key}.safetensors", cb):
             todo.setdefault(it.latent_key, it)
     stats["latents_reused"] = len({i.latent_key for i in items}) - len(todo)
     if not todo:

@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from ..errors import ModelLoadError
+from ..errors import ModelLoadError, safetensors_only_message
 from ..models.dtypes import release_device_memory
 from ..families import TextEncoderSpec
 from .layer_major import layer_major
@@ -36,7 +36,10 @@ def load_text_encoder(pipeline: Path, spec: TextEncoderSpec, dtype: torch.dtype)
     cls = getattr(transformers, arch, None)
     if cls is None:
         raise ModelLoadError(f"text encoder in '{enc_dir}' has unknown architecture {arch!r}")
-    model = cls.from_pretrained(enc_dir, dtype=dtype, local_files_only=True)
+    try:  # use_safetensors: a pickle .bin beside (or instead of) the weights is never loaded
+        model = cls.from_pretrained(enc_dir, dtype=dtype, local_files_only=True, use_safetensors=True)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(safetensors_only_message(enc_dir, "text encoder", exc)) from None
     model.requires_grad_(False).eval()
     return tokenizer, model
 

@@ -6,7 +6,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from ..errors import ModelLoadError
+from ..errors import ModelLoadError, safetensors_only_message
 from ..models.dtypes import release_device_memory
 
 
@@ -16,8 +16,11 @@ def load_vae(pipeline: Path, dtype: torch.dtype, class_name: str = "AutoencoderK
     folder = pipeline / "vae"
     if not (folder / "config.json").exists():
         raise ModelLoadError(f"VAE folder '{folder}' is missing; caching needs a diffusers pipeline folder with vae/")
-    vae = getattr(diffusers, class_name).from_pretrained(folder, torch_dtype=dtype, local_files_only=True,
-                                                         use_safetensors=True)
+    try:  # use_safetensors: a pickle .bin is never loaded
+        vae = getattr(diffusers, class_name).from_pretrained(folder, torch_dtype=dtype, local_files_only=True,
+                                                             use_safetensors=True)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(safetensors_only_message(folder, "VAE", exc)) from None
     return vae.requires_grad_(False).eval()
 
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+import os
 from pathlib import Path
+from typing import Callable
 from typing import Optional
 
 from PIL import Image
@@ -42,14 +44,15 @@ class ImageRecord:
     height: int
 
 
-def scan_dataset(cfg: DataConfig) -> list[ImageRecord]:
+def scan_dataset(cfg: DataConfig, log: Callable[[str], None] | None = None) -> list[ImageRecord]:
     """List the images directly inside ``cfg.path`` with their captions, sorted by file name.
 
     Sorting makes runs reproducible across file systems (directory order is arbitrary).
-    Repeats are not expanded here; use :func:`expand_repeats`.
+    Repeats are not expanded here; use :func:`expand_repeats`. ``log`` gets a one-line
+    notice for each sub-folder and broken link that is skipped.
     """
     folder = _dataset_folder(cfg.path)
-    files = _visible_files(folder)
+    files = _visible_files(folder, log or (lambda msg: None))
     images = _image_files(folder, files)
     captions = _caption_files(files, cfg.caption_extension)
     pairs = _pair_captions(images, captions, cfg)
@@ -121,7 +124,7 @@ def _dataset_folder(path: str) -> Path:
     return folder
 
 
-def _visible_files(folder: Path) -> list[Path]:
+def _visible_files(folder: Path, log: Callable[[str], None] = lambda msg: None) -> list[Path]:
     """Plain files directly in ``folder``, sorted by name, without hidden ones.
 
     Hidden files are skipped because macOS leaves "._photo.jpg" metadata files next
@@ -131,8 +134,17 @@ def _visible_files(folder: Path) -> list[Path]:
         entries = list(folder.iterdir())
     except OSError as exc:
         raise DatasetError(f"cannot list dataset folder {folder}: {exc}") from exc
-    files = [p for p in entries if not p.name.startswith(".") and p.is_file()]
-    return sorted(files, key=lambda p: p.name)
+    files = []
+    for p in sorted(entries, key=lambda p: p.name):
+        if p.name.startswith("."):
+            continue
+        if p.is_file():
+            files.append(p)
+        elif p.is_dir():
+            log(f"dataset: sub-folder '{p.name}' is skipped (only files directly in '{folder}' are used)")
+        elif p.is_symlink():
+            log(f"dataset: '{p.name}' is a broken link (to '{os.readlink(p)}') and is skipped")
+    return files
 
 
 def _image_files(folder: Path, files: list[Path]) -> list[Path]:

@@ -11,6 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..errors import LoraFormatError
+from ..fileio import atomic_write
 from ..families import get_family
 from ..train.trained_lora import TrainedLora
 from ..version import VERSION
@@ -74,14 +75,11 @@ def save_lora(lora: TrainedLora, path: str | Path, fmt: str = "comfyui", dtype: 
     else:
         tensors = to_diffusers(folded)
     tensors = {k: (v if k.endswith(".alpha") else v.to(_DTYPES[dtype])).contiguous() for k, v in tensors.items()}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        save_file(tensors, str(tmp), metadata=_metadata(lora, fmt))
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+        with atomic_write(path, "the LoRA file", overwrite=overwrite) as tmp:
+            save_file(tensors, str(tmp), metadata=_metadata(lora, fmt))
+    except FileExistsError:
+        raise LoraFormatError(f"'{path}' already exists; choose another name or allow overwriting") from None
     return path
 
 

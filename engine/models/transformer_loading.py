@@ -100,7 +100,8 @@ def _load_diffusers_folder(folder: Path, family_id: str, dtype: torch.dtype):
     family, variant, _ = identify_diffusers_folder(folder, family_id)
     cls = family.transformer_class()
     try:
-        model = cls.from_pretrained(folder, torch_dtype=dtype, low_cpu_mem_usage=True, local_files_only=True)
+        model = cls.from_pretrained(folder, torch_dtype=dtype, low_cpu_mem_usage=True, local_files_only=True,
+                                    use_safetensors=True)  # never unpickle a .bin
     except (OSError, ValueError, RuntimeError) as exc:
         raise ModelLoadError(f"could not load the transformer from '{folder}': {exc}") from exc
     return model, family, variant

@@ -8,15 +8,13 @@ Peak RAM is about four chunks of rows of one tensor (``chunk_bytes`` of fp32,
 model size: sources are read in row ranges (seek + readinto, no mmap) and the
 slab is written at offsets planned from shapes alone, its writes and hashing on
 a background thread overlapping the quantization. The file is written to
-``.<name>.tmp-<pid>`` and renamed when complete; the manifest is written after
+a temporary name beside it (``engine/fileio``) and renamed when complete; the manifest is written after
 that, so a slab without a manifest is one whose build did not finish.
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
-import os
 import time
 from pathlib import Path
 from typing import Callable
@@ -24,10 +22,12 @@ from typing import Callable
 import torch
 
 from ..errors import ModelLoadError
+from ..fileio import atomic_write, clean_stale_temps, ensure_dir, write_json_atomic
 from ..version import VERSION
 from .format import (
     FORMAT_VERSION, SLAB_FORMAT, SLAB_SUFFIX, SafetensorsWriter, SlabError, dtype_name, manifest_path_for, plan_layout,
 )
+from .load import record_verified
 from .layout import INT8, PLAIN, SCALE, SlabTensor, block_prefixes, meta_model, slab_tensors
 from .quantize import QMAX, SCALE_DTYPE, RowQuantizer
 from .sources import Checkpoint, SourceTensor, open_checkpoint
@@ -49,9 +49,12 @@ def build_slab(
     callback: ProgressCallback | None = None,
     progress: bool = True,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    overwrite: bool = False,
 ) -> Path:
     """Quantize ``checkpoint`` into a slab at ``out`` (a ``.safetensors`` path, or a folder
     that gets ``default_slab_name``). Returns the slab path; its manifest sits beside it.
+    An existing file at the target is refused unless ``overwrite`` (``--force``); a file
+    of the source checkpoint never is replaced.
 
     ``callback(done, total)`` is called as bytes are written; an exception raised from it
     aborts the build and leaves no slab behind (how a UI cancels).
@@ -59,7 +62,23 @@ def build_slab(
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, family)
     out = Path(out).expanduser()
     path = out if out.name.endswith(".safetensors") else out / default_slab_name(ckpt)
+    _check_target(ckpt, path, overwrite)
     return _build(ckpt, path, callback, progress, chunk_bytes)
+
+
+def _check_target(ckpt: Checkpoint, path: Path, overwrite: bool) -> None:
+    """Never write over the checkpoint being read; nothing else without being told to."""
+    target = path.resolve()
+    sources = {f.path.resolve() for f in ckpt.files} | {Path(ckpt.path).resolve()}
+    if target in sources:
+        raise SlabError(f"the slab target '{path}' is the source checkpoint itself; write the slab elsewhere, "
+                        f"e.g. -o models/slabs/")
+    if path.is_dir():
+        raise SlabError(f"the slab target '{path}' is a folder; give a '*{SLAB_SUFFIX}' file name or the folder "
+                        f"without a file name")
+    if path.exists() and not overwrite:
+        raise SlabError(f"'{path}' already exists and would be replaced; choose another -o, or pass --force "
+                        f"to replace it")
 
 
 def _plain_dtype(src: SourceTensor) -> torch.dtype:
@@ -116,38 +135,39 @@ def _build(ckpt: Checkpoint, path: Path, callback, progress: bool, chunk_bytes: 
     ranges = {p.key: (len(header) + p.start, len(header) + p.end) for p in planned}
     total = len(header) + planned[-1].end
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    ensure_dir(path.parent, "the slab")
+    clean_stale_temps(path.parent, path.name)  # left by a build that was killed (SIGKILL, power cut)
     manifest_file = manifest_path_for(path)
-    writer = None
     bar = _Progress(total, progress, callback, f"slab {path.name}")
     try:
-        writer = SafetensorsWriter(tmp, header, planned, background=True)
-        bar.advance(len(header))
-        by_key = {t.key: t for t in tensors}
-        errors: dict[str, float] = {}
-        chunk_elements = max(1, chunk_bytes // 4)  # fp32 elements per chunk
-        quantizer = RowQuantizer(max((min(rows, _chunk_rows(cols, chunk_elements)) * cols
-                                      for rows, cols in (t.shape for t in tensors if t.role == INT8)), default=1))
-        for t in tensors:
-            if t.role == INT8:
-                errors[t.key] = _write_quantized(ckpt, t, by_key[_scale_key(t)], writer, quantizer, chunk_elements, bar)
-            elif t.role == PLAIN:
-                data = ckpt.read(t.canonical).to(t.dtype)
-                writer.write(t.key, data)
-                bar.advance(data.numel() * data.element_size())
-        hashes = writer.finish()
-        manifest = _manifest(ckpt, model, path, header, total, tensors, ranges, hashes, errors,
-                             time.perf_counter() - start)
-        # Never leave an old manifest beside a new slab: drop it before the rename.
-        manifest_file.unlink(missing_ok=True)
-        os.replace(tmp, path)
-        _write_json_atomic(manifest_file, manifest)
-    except BaseException:
-        if writer is not None:
-            writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
+        with atomic_write(path, "the slab", overwrite=True) as tmp:
+            writer = SafetensorsWriter(tmp, header, planned, background=True)
+            try:
+                bar.advance(len(header))
+                by_key = {t.key: t for t in tensors}
+                errors: dict[str, float] = {}
+                chunk_elements = max(1, chunk_bytes // 4)  # fp32 elements per chunk
+                quantizer = RowQuantizer(max((min(rows, _chunk_rows(cols, chunk_elements)) * cols
+                                              for rows, cols in (t.shape for t in tensors if t.role == INT8)),
+                                             default=1))
+                for t in tensors:
+                    if t.role == INT8:
+                        errors[t.key] = _write_quantized(ckpt, t, by_key[_scale_key(t)], writer, quantizer,
+                                                         chunk_elements, bar)
+                    elif t.role == PLAIN:
+                        data = ckpt.read(t.canonical).to(t.dtype)
+                        writer.write(t.key, data)
+                        bar.advance(data.numel() * data.element_size())
+                hashes = writer.finish()
+            except BaseException:
+                writer.close()
+                raise
+            manifest = _manifest(ckpt, model, path, header, total, tensors, ranges, hashes, errors,
+                                 time.perf_counter() - start)
+            # Never leave an old manifest beside a new slab: drop it before the rename.
+            manifest_file.unlink(missing_ok=True)
+        write_json_atomic(manifest_file, manifest, "the slab manifest")
+        record_verified(path, manifest)  # its tensor hashes were computed from the bytes written
     finally:
         bar.close()
     return path
@@ -236,19 +256,6 @@ def _manifest(ckpt, model, path, header, total, tensors, ranges, hashes, errors,
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def _write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 # --- build once, reuse after ---------------------------------------------------------

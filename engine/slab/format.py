@@ -294,7 +294,7 @@ class SafetensorsWriter:
 def sha256_range(path: Path, start: int, end: int, chunk: int = 16 << 20) -> str:
     """sha256 of bytes ``[start, end)`` of a file, read in chunks."""
     h = hashlib.sha256()
-    buf = bytearray(chunk)
+    buf = bytearray(max(1, min(chunk, end - start)))  # small tensors: no 16 MiB buffer each
     with open(path, "rb", buffering=0) as f:
         f.seek(start)
         left = end - start

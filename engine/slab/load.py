@@ -16,6 +16,7 @@ to ``dtype``.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,13 +102,55 @@ def read_manifest(slab_path: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def open_slab(slab_path: str | Path, verify: str = "quick") -> OpenSlab:
+VERIFY_MODES = ("changed", "quick", "full")
+
+
+def _file_stamp(slab: Path, manifest: dict) -> dict:
+    st = slab.stat()
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino,
+            "header_sha256": manifest["slab"]["header_sha256"]}
+
+
+def verified_stamp_path(slab: Path) -> Path:
+    """Where a slab's last full verification is recorded (hidden, beside it)."""
+    return slab.with_name(f".{slab.name}.verified.json")
+
+
+def _verified_unchanged(slab: Path, manifest: dict) -> bool:
+    try:
+        recorded = json.loads(verified_stamp_path(slab).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(recorded, dict) and {k: recorded.get(k) for k in ("size", "mtime_ns", "inode", "header_sha256")} \
+        == _file_stamp(slab, manifest)
+
+
+def record_verified(slab: Path, manifest: dict) -> None:
+    """Remember that every tensor hash matched for the file as it is now (size, mtime, inode).
+    Best effort: in a read-only folder the hashes are simply checked on every first use."""
+    from ..errors import StorageError
+    from ..fileio import write_json_atomic
+
+    try:
+        write_json_atomic(verified_stamp_path(slab), _file_stamp(slab, manifest), "the slab's verification record")
+    except (StorageError, OSError):
+        pass
+
+
+def open_slab(slab_path: str | Path, verify: str = "changed") -> OpenSlab:
     """Manifest + header, cross-checked. ``verify``: "quick" (size, header hash, entries;
-    instant) or "full" (also every tensor's sha256; reads the whole file)."""
-    if verify not in ("quick", "full"):
-        raise ConfigError(f"verify={verify!r} is not one of quick, full")
+    instant), "full" (also every tensor's sha256; reads the whole file) or "changed" (the
+    default: "full" on the first use of the file and after it changed -- size, mtime or
+    inode differ from the last full check -- else "quick")."""
+    if verify not in VERIFY_MODES:
+        raise ConfigError(f"verify={verify!r} is not one of {', '.join(VERIFY_MODES)}")
     slab = Path(slab_path).expanduser()
     manifest = read_manifest(slab)
+    if verify == "changed":
+        verify = "quick" if slab.exists() and _verified_unchanged(slab, manifest) else "full"
+        record = verify == "full"
+    else:
+        record = verify == "full"
     again = rebuild_command(slab, manifest)
     size, expected = slab.stat().st_size, manifest["slab"]["size"]
     if size != expected:
@@ -138,18 +181,37 @@ def open_slab(slab_path: str | Path, verify: str = "quick") -> OpenSlab:
             problems.append(f"'{key}' differs between file and manifest")
     problems += [f"'{k}' is in the manifest but not in the file" for k in listed]
     if verify == "full":
-        for m in manifest["tensors"]:
-            if m["key"] in file.entries and sha256_range(slab, *m["offsets"]) != m["sha256"]:
-                problems.append(f"'{m['key']}' has corrupted bytes (sha256 mismatch)")
+        problems += _hash_problems(slab, [m for m in manifest["tensors"] if m["key"] in file.entries])
     if problems:
         raise SlabError(
             f"slab '{slab}' does not match its manifest ({len(problems)} problems: {'; '.join(problems[:8])}"
             f"{'; ...' if len(problems) > 8 else ''}). Rebuild it with: {again}"
         )
+    if record:
+        record_verified(slab, manifest)
     return OpenSlab(slab, manifest, file)
 
 
-def verify_slab(slab_path: str | Path, verify: str = "quick") -> dict[str, Any]:
+def _hash_problems(slab: Path, entries: list[dict]) -> list[str]:
+    """Re-hash every tensor's bytes, on a few threads (hashlib and file reads release the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    workers = max(1, min(8, os.cpu_count() or 1))
+    with ThreadPoolExecutor(workers, thread_name_prefix="slab-verify") as pool:
+        digests = list(pool.map(lambda m: sha256_range(slab, *m["offsets"]), entries))
+    return [f"'{m['key']}' has corrupted bytes (sha256 mismatch)" for m, d in zip(entries, digests) if d != m["sha256"]]
+
+
+def last_check(slab_path: str | Path) -> str:
+    """"full" when the tensor hashes were checked for the file as it is now, else "quick"."""
+    slab = Path(slab_path).expanduser()
+    try:
+        return "full" if _verified_unchanged(slab, read_manifest(slab)) else "quick"
+    except Exception:
+        return "quick"
+
+
+def verify_slab(slab_path: str | Path, verify: str = "changed") -> dict[str, Any]:
     """Raises SlabError if the slab is incomplete or damaged; returns its manifest."""
     return open_slab(slab_path, verify).manifest
 
@@ -216,7 +278,7 @@ def load_slab_transformer(
     device: str | torch.device = "cpu",
     family_id: str = "auto",
     variant: str | None = None,
-    verify: str = "quick",
+    verify: str = "changed",
 ) -> tuple[torch.nn.Module, ModelFamily, str]:
     """(model, family, variant): block Linears are ``Int8Linear`` (int8 + fp32 scales, not
     copied from the map on CPU), every other tensor in ``dtype``. ``device="cuda"`` puts the

@@ -11,6 +11,7 @@ streams, the transformer blocks stream from pinned host memory
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 
 import torch
@@ -18,7 +19,7 @@ import torch
 from ..callbacks import StepInfo, TrainingCallback
 from ..caching import DatasetCache
 from ..config import LoraSettings, ModelConfig, TrainConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, StorageError, TrainingDivergedError
 from ..models import load_transformer, resolve_device, resolve_dtype
 from ..models.dtypes import release_device_memory
 from ..offload import OffloadConfig
@@ -26,6 +27,7 @@ from .batching import bucket_batches
 from .flow_matching import noisy_latents_and_target, sample_sigmas
 from .grad_mode import autograd_enabled, autograd_safe_tensor, make_autograd_safe
 from .lora_attach import attach_lora, detach_lora, lora_state_dict, skip_lora_input_cast
+from .resume import ResumeStore, RngSnapshot
 from .trained_lora import TrainedLora
 
 
@@ -67,20 +69,22 @@ def train_lora(
     callback: TrainingCallback | None = None,
     preloaded: tuple | None = None,
     offload: OffloadConfig | None = None,
+    resume: ResumeStore | None = None,
 ) -> TrainedLora:
     """Train a LoRA on ``dataset`` and return its weights. ``preloaded`` = (model,
     family, variant) skips loading (benchmarks build a random full-size model).
     ``offload``: None or mode='resident' keeps every weight on the device (as before);
     'stream' / 'auto' stream blocks through the GPU (CUDA only). A preloaded model is
-    left where it was found.
+    left where it was found. ``resume`` (engine/train/resume.py) continues from the run's
+    latest saved state, saves one every ``save_every`` steps and when stopped.
 
     Runs with autograd on even when called under ``torch.inference_mode()`` (ComfyUI
     runs every node that way); the returned weights are ordinary tensors."""
     with autograd_enabled():
-        return _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload)
+        return _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, resume)
 
 
-def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload) -> TrainedLora:
+def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, resume) -> TrainedLora:
     cb = callback or TrainingCallback()
     device = resolve_device(train.device)
     dtype = resolve_dtype(model_cfg.dtype, device)
@@ -162,20 +166,59 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload) -
                   **({"offload": vars(offload)} if offload is not None else {})},
         model_config={k: v for k, v in dict(model.config).items() if not k.startswith("_")},
     )
+    named = [(n, p) for n, p in model.named_parameters() if "lora_" in n]  # the order of ``params``
+    first, drawn, snapshot = 1, 0, None
+    if resume is not None:
+        loaded = resume.load_latest()
+        if loaded is not None:
+            loaded.apply(named, optimizer, scheduler, gen)
+            for _ in range(loaded.batches_drawn):  # the data order is a pure function of the seed
+                next(batches)
+            first, drawn, result.steps = loaded.step + 1, loaded.batches_drawn, loaded.step
+            result.loss_history[:] = loaded.info["loss_history"]
+            result.lr_history[:] = loaded.info["lr_history"]
+            cb.log(f"resuming from step {loaded.step}/{train.steps} (state saved in '{loaded.path.parent}')")
+        snapshot = RngSnapshot.take(first - 1, drawn, gen)
+
+    def save_state(periodic: bool = False) -> None:
+        if resume is None or snapshot is None or snapshot.step == 0:
+            return
+        _check_finite_weights(named, snapshot.step)
+        try:
+            path = resume.save(named, optimizer, scheduler, snapshot, result.loss_history, result.lr_history)
+        except StorageError as exc:
+            if not periodic:
+                raise
+            cb.log(f"warning: the periodic training state was not saved ({exc}); training goes on")
+            return
+        if path is not None:
+            cb.log(f"training state at step {snapshot.step}/{train.steps} saved in '{path.parent}'")
+
+    def stop_requested() -> bool:
+        try:
+            stop = cb.should_stop()
+        except BaseException:  # ComfyUI's Cancel, Ctrl-C in the headless runner: keep the progress
+            save_state()
+            raise
+        if stop:
+            save_state()
+        return stop
+
     start = time.perf_counter()
     model.train()
     try:
         with _attention_backends(device):
-            for step in range(1, train.steps + 1):
+            for step in range(first, train.steps + 1):
                 t0 = time.perf_counter()
                 loss_sum, stopped = 0.0, False
                 for micro in range(train.gradient_accumulation):
+                    drawn += 1
                     latents, embeds = _load_batch(dataset, next(batches), device, dtype, gen)
                     loss = _micro_step(model, family, latents, embeds, train, gen, autocast)
                     (loss / train.gradient_accumulation).backward()
                     loss_sum += loss.item()
                     # Between micro-steps too: with long accumulation, Stop must not wait a whole step.
-                    if micro < train.gradient_accumulation - 1 and cb.should_stop():
+                    if micro < train.gradient_accumulation - 1 and stop_requested():
                         stopped = True
                         break
                 if stopped:  # the partial step is dropped; the finished steps are kept
@@ -184,6 +227,12 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload) -
                     cb.log(f"stopped during step {step}/{train.steps} on request; keeping {step - 1} steps")
                     break
                 grad_norm = _clip(params, train.max_grad_norm)
+                if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
+                    raise TrainingDivergedError(
+                        f"training diverged at step {step}/{train.steps}: the loss is {loss_sum / train.gradient_accumulation} "
+                        f"and the gradient norm {grad_norm}. Nothing was saved. Lower learning_rate, keep "
+                        f"max_grad_norm > 0, and check alpha and the dataset cache"
+                        + (f"; the state of step {resume.last_saved_step} is kept" if resume and resume.last_saved_step else ""))
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -198,9 +247,18 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload) -
                 result.steps = step
                 peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else 0.0
                 result.peak_vram_gb = peak
-                cb.on_step(StepInfo(step, train.steps, result.loss_history[-1], result.lr_history[-1],
-                                    grad_norm, time.perf_counter() - t0, peak))
-                if step < train.steps and cb.should_stop():  # never after the last: keep a finished run
+                if resume is not None:
+                    snapshot = RngSnapshot.take(step, drawn, gen)
+                    if resume.due(step, train.steps):
+                        save_state(periodic=True)
+                try:  # ComfyUI's progress hook raises its interrupt here too: keep this step
+                    cb.on_step(StepInfo(step, train.steps, result.loss_history[-1], result.lr_history[-1],
+                                        grad_norm, time.perf_counter() - t0, peak))
+                except BaseException:
+                    if step < train.steps:
+                        save_state()
+                    raise
+                if step < train.steps and stop_requested():  # never after the last: keep a finished run
                     result.interrupted = True
                     cb.log(f"stopped at step {step}/{train.steps} on request")
                     break
@@ -218,6 +276,9 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload) -
     finally:
         result.seconds = time.perf_counter() - start
         result.state_dict = lora_state_dict(model) if result.steps else {}
+        bad = [k for k, v in result.state_dict.items() if not torch.isfinite(v).all()]
+        if bad:  # never hand on (or save, or cache) a LoRA with NaN/inf weights
+            result.state_dict, result.interrupted = {}, True
         if handle is not None:
             result.settings["offload_plan"] = handle.plan.summary()
             result.settings["offload_stats"] = handle.stats()
@@ -231,7 +292,19 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload) -
         if preloaded is None:
             del model
         release_device_memory(device)
+    if bad:
+        raise TrainingDivergedError(
+            f"the LoRA weights became NaN/inf ({len(bad)} tensors, e.g. '{bad[0]}'); nothing was saved. "
+            f"Lower learning_rate, keep max_grad_norm > 0, and check alpha")
     return result
+
+
+def _check_finite_weights(named, step: int) -> None:
+    bad = [n for n, p in named if not torch.isfinite(p).all()]
+    if bad:
+        raise TrainingDivergedError(
+            f"the LoRA weights became NaN/inf by step {step} ({len(bad)} tensors, e.g. '{bad[0]}'); nothing was "
+            f"saved. Lower learning_rate, keep max_grad_norm > 0, and check alpha")
 
 
 def _check_plan_before_loading(model_cfg, dataset, lora, train, offload, device, dtype) -> None:

@@ -9,7 +9,6 @@ Memory/offload settings are not in the key: they change speed, not the result.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -17,12 +16,13 @@ from safetensors.torch import load_file, save_file
 
 from ..caching.hashing import stable_hash
 from ..config import LoraSettings, TrainConfig
+from ..fileio import atomic_write, write_json_atomic
 from ..version import VERSION
 from .trained_lora import TrainedLora
 
 REUSE_FORMAT = 1  # bump when the stored entry's layout changes
 
-_KEEP_OUT = ("device", "gradient_checkpointing")  # settings that do not change the trained weights
+_KEEP_OUT = ("device", "gradient_checkpointing", "save_every")  # settings that do not change the trained weights
 
 
 def training_key(model_identity: str, dataset_hash: str, lora: LoraSettings, train: TrainConfig) -> str:
@@ -46,22 +46,23 @@ def store_finished(cache_dir: Path, key: str, lora: TrainedLora) -> None:
     if lora.interrupted or not lora.state_dict:
         return
     folder = cache_dir / "trained"
-    folder.mkdir(parents=True, exist_ok=True)
     meta = {f.name: getattr(lora, f.name) for f in fields(lora) if f.name != "state_dict"}
-    tmp = folder / f".{key}.tmp-{os.getpid()}"
-    save_file({k: v.contiguous() for k, v in lora.state_dict.items()}, str(tmp) + ".safetensors")
-    os.replace(str(tmp) + ".safetensors", folder / f"{key}.safetensors")
-    Path(str(tmp) + ".json").write_text(json.dumps(meta, default=str))
-    os.replace(str(tmp) + ".json", folder / f"{key}.json")  # written last: marks the entry complete
+    with atomic_write(folder / f"{key}.safetensors", "the finished-run cache") as tmp:
+        save_file({k: v.contiguous() for k, v in lora.state_dict.items()}, str(tmp))
+    write_json_atomic(folder / f"{key}.json", meta, "the finished-run cache", indent=None)  # last: marks it complete
 
 
 def train_or_reuse(model, dataset, lora: LoraSettings, train: TrainConfig, cache_dir: Path, callback=None,
                    **train_kwargs) -> TrainedLora:
     """Return the stored result of an identical finished run, else train (and store it).
 
+    Training resumes from the run's latest saved state (``<cache_dir>/resume/<key>/``), saves
+    one every ``train.save_every`` steps and when stopped, and drops it once finished. Only a
+    completed run is stored as finished: an interrupted or failed one never is.
     ``model`` is a ModelInfo (engine.models.inspect), ``dataset`` a DatasetCache.
     """
     from .loop import train_lora
+    from .resume import ResumeStore, auto_save_every
 
     key = training_key(model.identity, dataset.dataset_hash, lora, train)
     found = load_finished(Path(cache_dir), key)
@@ -70,6 +71,18 @@ def train_or_reuse(model, dataset, lora: LoraSettings, train: TrainConfig, cache
             callback.log(f"reusing the finished run {key} (same model, dataset and settings); "
                          f"change a setting or the seed to train again")
         return found
-    result = train_lora(model.config, dataset, lora, train, callback, **train_kwargs)
-    store_finished(Path(cache_dir), key, result)
+    every = auto_save_every(train.steps) if train.save_every == 0 else train.save_every
+    enabled = train.optimizer != "adamw8bit"
+    if not enabled:
+        if callback is not None:
+            callback.log("resumable training states are not saved with optimizer='adamw8bit' (its 8-bit state "
+                         "has no safetensors form here yet); use adamw to be able to resume")
+    settings = {"lora": asdict(lora), "train": {k: v for k, v in asdict(train).items() if k not in _KEEP_OUT}}
+    store = ResumeStore(Path(cache_dir) / "resume", key, settings, every,
+                        log=callback.log if callback is not None else (lambda msg: None),
+                        family_key=stable_hash([model.identity, dataset.dataset_hash]), enabled=enabled)
+    result = train_lora(model.config, dataset, lora, train, callback, resume=store, **train_kwargs)
+    if not result.interrupted and result.state_dict:
+        store_finished(Path(cache_dir), key, result)
+        store.discard()
     return result
