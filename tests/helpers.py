@@ -36,3 +36,20 @@ def slab_cli(*argv):
     parser = argparse.ArgumentParser(prog="lowvram-lora")
     add_slab_parser(parser.add_subparsers(dest="command", required=True))
     return run_slab_command(parser.parse_args(list(argv)))
+
+
+def eval_flow_loss(model, family, dataset, n=16):
+    """Flow-matching loss at fixed noise and timesteps: comparable before/after training."""
+    from lowvram_lora.engine.train.flow_matching import noisy_latents_and_target, sample_sigmas
+
+    g = torch.Generator().manual_seed(123)
+    lat, emb = dataset.load_item(dataset.items[0])
+    lat, emb = lat[None], {k: v[None].float() for k, v in emb.items()}
+    total = 0.0
+    with torch.no_grad():
+        for _ in range(n):
+            sigma = sample_sigmas(1, g)
+            noisy, target = noisy_latents_and_target(lat, torch.randn(lat.shape, generator=g), sigma)
+            pred = family.unpack_prediction(model(**family.model_inputs(model, noisy, emb, sigma, 1.0))[0], lat)
+            total += torch.nn.functional.mse_loss(pred, target).item()
+    return total / n

@@ -11,9 +11,8 @@ from lowvram_lora.engine.lora_io import load_lora, save_lora
 from lowvram_lora.engine.models import load_transformer
 from lowvram_lora.engine.testing import build_tiny_flux2_pipeline, write_flux2_single_file
 from lowvram_lora.engine.train import train_lora
-from lowvram_lora.engine.train.flow_matching import noisy_latents_and_target, sample_sigmas
 
-from helpers import merged
+from helpers import eval_flow_loss, merged
 
 FAMILY = get_family("flux2")
 
@@ -145,17 +144,7 @@ def test_model_inputs_match_the_pipeline_ids():
 
 
 def _eval_loss(model, dataset, n=16):
-    g = torch.Generator().manual_seed(123)
-    lat, emb = dataset.load_item(dataset.items[0])
-    lat, emb = lat[None], {k: v[None].float() for k, v in emb.items()}
-    total = 0.0
-    with torch.no_grad():
-        for _ in range(n):
-            sigma = sample_sigmas(1, g)
-            noisy, target = noisy_latents_and_target(lat, torch.randn(lat.shape, generator=g), sigma)
-            pred = FAMILY.unpack_prediction(model(**FAMILY.model_inputs(model, noisy, emb, sigma, 1.0))[0], lat)
-            total += torch.nn.functional.mse_loss(pred, target).item()
-    return total / n
+    return eval_flow_loss(model, get_family("flux2"), dataset, n)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from lowvram_lora.engine.models import load_transformer
 from lowvram_lora.engine.train import train_lora
 from lowvram_lora.engine.train.flow_matching import noisy_latents_and_target, sample_sigmas
 
-from helpers import merged
+from helpers import eval_flow_loss, merged
 
 
 class Recorder(TrainingCallback):
@@ -25,19 +25,7 @@ class Recorder(TrainingCallback):
 
 
 def _eval_loss(model, dataset, n=16):
-    """Flow-matching loss at fixed noise and timesteps: comparable before/after training."""
-    family = get_family("flux1")
-    g = torch.Generator().manual_seed(123)
-    lat, emb = dataset.load_item(dataset.items[0])
-    lat, emb = lat[None], {k: v[None].float() for k, v in emb.items()}
-    total = 0.0
-    with torch.no_grad():
-        for _ in range(n):
-            sigma = sample_sigmas(1, g)
-            noisy, target = noisy_latents_and_target(lat, torch.randn(lat.shape, generator=g), sigma)
-            pred = family.unpack_prediction(model(**family.model_inputs(model, noisy, emb, sigma, 1.0))[0], lat)
-            total += torch.nn.functional.mse_loss(pred, target).item()
-    return total / n
+    return eval_flow_loss(model, get_family("flux1"), dataset, n)
 
 
 def test_loss_falls_on_a_repeated_batch_and_only_lora_changes(tiny_pipeline, one_image_cache):

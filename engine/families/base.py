@@ -33,6 +33,14 @@ class TextEncoderSpec:
     prompt_format: str = "plain"
 
 
+def block_lora_targets(model: nn.Module, double: tuple[str, ...], single: tuple[str, ...]) -> list[str]:
+    """Full module names of ``double`` targets in every double block and ``single`` in every single block
+    (Flux.1 and Flux.2 share the block list names ``transformer_blocks`` / ``single_transformer_blocks``)."""
+    names = [f"transformer_blocks.{i}.{t}" for i in range(len(model.transformer_blocks)) for t in double]
+    return names + [f"single_transformer_blocks.{i}.{t}" for i in range(len(model.single_transformer_blocks))
+                    for t in single]
+
+
 def load_shipped_config(filename: str) -> dict[str, Any]:
     """Small transformer config JSONs ship inside the package: no hub access, ever."""
     text = resources.files(__package__).joinpath("configs", filename).read_text()

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import TextEncoderSpec
+from .base import TextEncoderSpec, block_lora_targets
 from .flux1_names import BflParam, flux1_param_table
 
 # Linear modules that get a LoRA. Double blocks: attention q/k/v/out for the image
@@ -75,12 +75,7 @@ class Flux1Family:
         return [model.transformer_blocks, model.single_transformer_blocks]
 
     def lora_target_modules(self, model: nn.Module) -> list[str]:
-        names = []
-        for i in range(len(model.transformer_blocks)):
-            names += [f"transformer_blocks.{i}.{t}" for t in DOUBLE_BLOCK_TARGETS]
-        for i in range(len(model.single_transformer_blocks)):
-            names += [f"single_transformer_blocks.{i}.{t}" for t in SINGLE_BLOCK_TARGETS]
-        return names
+        return block_lora_targets(model, DOUBLE_BLOCK_TARGETS, SINGLE_BLOCK_TARGETS)
 
     def default_max_sequence_length(self, variant: str) -> int:
         # What the diffusers pipelines use: dev 512, schnell 256. The tiny model keeps it short.

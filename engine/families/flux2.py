@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import TextEncoderSpec
+from .base import TextEncoderSpec, block_lora_targets
 from .flux2_names import flux2_param_table
 
 # LoRA targets: every attention projection of the double blocks, image and text streams
@@ -86,12 +86,7 @@ class Flux2Family:
         return [model.transformer_blocks, model.single_transformer_blocks]
 
     def lora_target_modules(self, model: nn.Module) -> list[str]:
-        names = []
-        for i in range(len(model.transformer_blocks)):
-            names += [f"transformer_blocks.{i}.{t}" for t in DOUBLE_BLOCK_TARGETS]
-        for i in range(len(model.single_transformer_blocks)):
-            names += [f"single_transformer_blocks.{i}.{t}" for t in SINGLE_BLOCK_TARGETS]
-        return names
+        return block_lora_targets(model, DOUBLE_BLOCK_TARGETS, SINGLE_BLOCK_TARGETS)
 
     def default_max_sequence_length(self, variant: str) -> int:
         return self.text_encoder_specs(variant)[0].max_length
