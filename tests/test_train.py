@@ -33,7 +33,7 @@ def test_loss_falls_on_a_repeated_batch_and_only_lora_changes(tiny_pipeline, one
     before = {k: v.clone() for k, v in base.state_dict().items()}
     rec = Recorder()
     result = train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), one_image_cache, LoraSettings(rank=8, alpha=8),
-                        TrainConfig(steps=30, learning_rate=5e-3, seed=0), rec, preloaded=(base, family, variant))
+                        TrainConfig(steps=30, learning_rate=5e-3, seed=0, device="cpu"), rec, preloaded=(base, family, variant))
     assert result.steps == 30 and len(rec.steps) == 30 and not result.interrupted
     # base weights untouched, LoRA B moved away from its zero init
     after = base.state_dict()

@@ -200,7 +200,7 @@ def encode_stacked(
             captured: dict[int, torch.Tensor] = {}
             if start:  # the next group reads every layer again, from layer 0
                 prefetch.pending.clear()
-            with layer_major(model, device, load_layer=prefetch,
+            with layer_major(model, device, chunk_size=4, load_layer=prefetch,
                              host=device if on_device else torch.device("cpu")) as m:
                 # Kept hidden states leave the GPU at once: three of them would be 1.9 GB for 118 captions.
                 hooks = [m.layers[k - 1].register_forward_hook(
