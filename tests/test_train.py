@@ -60,7 +60,7 @@ def test_accumulation_batches_cosine_warmup_and_callback(tiny_single_file, tiny_
     rec = Recorder()
     result = train_lora(ModelConfig(transformer_path=str(tiny_single_file)), tiny_cache, LoraSettings(rank=2, alpha=1),
                         TrainConfig(steps=6, learning_rate=1e-3, batch_size=2, gradient_accumulation=2,
-                                    lr_scheduler="cosine", warmup_steps=2, max_grad_norm=0.5), rec)
+                                    lr_scheduler="cosine", warmup_steps=2, max_grad_norm=0.5, device="cpu"), rec)
     assert [s.step for s in rec.steps] == list(range(1, 7))
     lrs = result.lr_history
     assert lrs[0] < lrs[1] and lrs[1] >= lrs[2] > lrs[-1]  # warmup, then cosine decay
