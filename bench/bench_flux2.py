@@ -153,8 +153,7 @@ def main(argv=None) -> int:
 
                 result = train_lora(ModelConfig(dtype="bf16", family="flux2"), datasets[res],
                                     LoraSettings(rank=args.rank, alpha=float(args.rank)),
-                                    TrainConfig(steps=args.warmup + args.timed, device=args.device, learning_rate=1e-4,
-                                                gradient_checkpointing=True),
+                                    TrainConfig(steps=args.warmup + args.timed, device=args.device, learning_rate=1e-4),
                                     rec.callback, preloaded=(model, family, args.variant), offload=offload)
             except (torch.cuda.OutOfMemoryError, Exception) as exc:  # noqa: BLE001 - a row per failure
                 error = f"{type(exc).__name__}: {str(exc)[:400]}"

@@ -125,7 +125,7 @@ def _train(ctx, dataset, steps, callback, offload):
         return train_lora(
             ModelConfig(dtype=args.dtype, family="flux1"), dataset,
             LoraSettings(rank=args.rank, alpha=float(args.rank), target_modules=_targets(ctx)),
-            TrainConfig(steps=steps, device=args.device, gradient_checkpointing=True, batch_size=args.batch,
+            TrainConfig(steps=steps, device=args.device, batch_size=args.batch,
                         learning_rate=1e-4),
             callback, preloaded=(ctx["model"], ctx["family"], args.variant), offload=offload,
         )

@@ -82,7 +82,7 @@ def _train(model, family, variant, dataset, args, offload, recorder, optimizer="
 
     return train_lora(
         ModelConfig(dtype="bf16", family="flux1"), dataset, LoraSettings(rank=args.rank, alpha=float(args.rank)),
-        TrainConfig(steps=args.warmup + args.timed, device="cuda", gradient_checkpointing=True, learning_rate=1e-4,
+        TrainConfig(steps=args.warmup + args.timed, device="cuda", learning_rate=1e-4,
                     optimizer=optimizer),
         recorder.callback, preloaded=(model, family, variant), offload=offload,
     )

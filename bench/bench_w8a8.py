@@ -230,8 +230,7 @@ def main(argv=None) -> int:
             try:
                 train_lora(ModelConfig(dtype="bf16", family="flux1"), dataset,
                            LoraSettings(rank=args.rank, alpha=float(args.rank)),
-                           TrainConfig(steps=args.warmup + args.timed, device="cuda", learning_rate=1e-4,
-                                       gradient_checkpointing=True),
+                           TrainConfig(steps=args.warmup + args.timed, device="cuda", learning_rate=1e-4),
                            rec.callback, preloaded=(model, family, args.variant), offload=offload)
             except torch.cuda.OutOfMemoryError as exc:
                 error = f"OOM: {str(exc)[:300]}"

@@ -146,7 +146,7 @@ def mode_resident(ctx: dict, dataset, steps: int, callback):
         ModelConfig(dtype=args.dtype, family="flux1"),
         dataset,
         LoraSettings(rank=args.rank, alpha=float(args.rank), target_modules=lora_targets(ctx)),
-        TrainConfig(steps=steps, device=args.device, gradient_checkpointing=True, batch_size=args.batch,
+        TrainConfig(steps=steps, device=args.device, batch_size=args.batch,
                     learning_rate=1e-4),
         callback,
         preloaded=(ctx["model"], ctx["family"], args.variant),

@@ -93,7 +93,7 @@ class LowVRAMTrainLoRA:
             steps=steps, learning_rate=learning_rate, batch_size=batch_size,
             gradient_accumulation=gradient_accumulation, lr_scheduler=lr_scheduler, warmup_steps=warmup_steps,
             seed=training_seed, guidance=guidance, max_grad_norm=max_grad_norm, optimizer=optimizer,
-            gradient_checkpointing=offload.gradient_checkpointing, save_every=save_every,
+            save_every=save_every,
         )
         lora = train_or_reuse(model, dataset, lora_cfg, train_cfg, cache_dir(), callback,
                               offload=offload)

@@ -7,7 +7,6 @@ embedding), schnell is not.
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -142,8 +141,3 @@ class Flux1Family:
         base_len, max_len, base_shift, max_shift = 256, 4096, 0.5, 1.15
         slope = (max_shift - base_shift) / (max_len - base_len)
         return seq_len * slope + (base_shift - slope * base_len)
-
-
-def shift_sigmas(sigmas: torch.Tensor, mu: float) -> torch.Tensor:
-    """Flux's time shift: e^mu / (e^mu + (1/t - 1)); pushes sampling towards noise at high res."""
-    return math.exp(mu) / (math.exp(mu) + (1.0 / sigmas - 1.0))

@@ -133,20 +133,3 @@ def join_diffusers_tensors(param: BflParam, tensors: dict[str, torch.Tensor]) ->
     """The inverse of split_bfl_tensor: diffusers tensors -> one BFL tensor."""
     joined = torch.cat([tensors[p.name] for p in param.parts], dim=0)
     return swap_halves(joined) if param.swap_halves else joined
-
-
-def lora_module_map(table: list[BflParam]) -> dict[str, tuple[str, int, int, int]]:
-    """diffusers Linear module -> (BFL module, part index, number of parts, rows of the part).
-
-    Used by LoRA export: a LoRA on a diffusers module becomes (part of) a LoRA on the
-    BFL module that contains it.
-    """
-    out = {}
-    for param in table:
-        if not param.name.endswith(".weight") or param.swap_halves:
-            continue
-        bfl_module = param.name[: -len(".weight")]
-        for idx, part in enumerate(param.parts):
-            if part.name.endswith(".weight"):
-                out[part.name[: -len(".weight")]] = (bfl_module, idx, len(param.parts), part.rows)
-    return out

@@ -64,13 +64,6 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise SlabError(f"unknown dtype {name!r} in a slab manifest")
-    return dtype
-
-
 def _read_exact(f, buf: memoryview, offset: int, path: Path) -> None:
     """Fill ``buf`` from byte ``offset`` of raw file ``f`` (seek + readinto: portable, GIL released)."""
     f.seek(offset)

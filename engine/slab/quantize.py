@@ -37,13 +37,6 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     return (q.to(torch.float32) * scale.to(torch.float32)[:, None]).to(dtype)
 
 
-def error_sums(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> tuple[float, float]:
-    """(sum of squared dequantization error, sum of squared source) for one chunk of rows."""
-    w = w.to(torch.float32)
-    diff = dequantize_rows(q, scale, torch.float32).sub_(w)
-    return float(torch.linalg.vector_norm(diff)) ** 2, float(torch.linalg.vector_norm(w)) ** 2
-
-
 class RowQuantizer:
     """``quantize_rows`` for a stream of row chunks, in preallocated buffers.
 

@@ -13,7 +13,6 @@ def bucket_batches(items: Sequence[T], batch_size: int, seed: int, bucket_of) ->
     batch order across buckets. A bucket's remainder forms a smaller last batch rather
     than being dropped (small datasets would otherwise lose images)."""
     rng = random.Random(seed)
-    epoch = 0
     while True:
         groups: dict = defaultdict(list)
         for it in items:
@@ -25,4 +24,3 @@ def bucket_batches(items: Sequence[T], batch_size: int, seed: int, bucket_of) ->
             batches += [group[i:i + batch_size] for i in range(0, len(group), batch_size)]
         rng.shuffle(batches)
         yield from batches
-        epoch += 1

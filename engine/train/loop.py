@@ -96,12 +96,8 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
         # mode='stream' still gets require_cuda's error below).
         cb.log("offload mode 'auto' on the CPU: every weight stays resident (streaming needs a CUDA GPU)")
         streaming = False
-    if offload is not None and offload.gradient_checkpointing != train.gradient_checkpointing:
-        raise ConfigError(
-            f"OffloadConfig.gradient_checkpointing={offload.gradient_checkpointing} but "
-            f"TrainConfig.gradient_checkpointing={train.gradient_checkpointing}; set both the same "
-            f"(the Offload Config node passes its value to both)"
-        )
+    # Checkpointing is a memory setting: it lives in OffloadConfig only (on by default).
+    checkpointing = offload.gradient_checkpointing if offload is not None else True
     if streaming:
         from ..offload.streamer import require_cuda
 
@@ -143,7 +139,7 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
             raise
     else:
         model.to(device)
-        if train.gradient_checkpointing:
+        if checkpointing:
             model.enable_gradient_checkpointing()
         params = attach_lora(model, family, lora, train.seed)
         model.to(device)
@@ -285,7 +281,7 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
             handle.remove()  # frozen tensors back where they were (streamed blocks: pinned host memory)
         # Leave a preloaded model as we found it (benchmarks train it again); drop one we loaded.
         detach_lora(model)
-        if train.gradient_checkpointing:
+        if checkpointing:
             model.disable_gradient_checkpointing()
         model.eval()
         del optimizer, scheduler, params

@@ -22,7 +22,7 @@ from .trained_lora import TrainedLora
 
 REUSE_FORMAT = 1  # bump when the stored entry's layout changes
 
-_KEEP_OUT = ("device", "gradient_checkpointing", "save_every")  # settings that do not change the trained weights
+_KEEP_OUT = ("device", "save_every")  # settings that do not change the trained weights
 
 
 def training_key(model_identity: str, dataset_hash: str, lora: LoraSettings, train: TrainConfig) -> str:
