@@ -118,17 +118,13 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
         )
     handle = None
     if streaming:
-        from ..offload.footprint import lora_param_count, measure_footprint, workload_for
-        from ..offload.host import physical_ram_bytes
-        from ..offload.plan import make_plan
-        from ..offload.streamer import apply_offload, resolve_budget_bytes
+        from ..offload.footprint import lora_param_count, measure_footprint
+        from ..offload.streamer import apply_offload
 
         # Plan before touching the model: a refused plan leaves a preloaded model as it was.
         fp = measure_footprint(model, family, f"{family.display_name} ({variant})",
                                trainable_params=lora_param_count(model, family, lora))
-        fp.lora_bytes_per_param = _lora_bytes_per_param(train)
-        plan = make_plan(fp, workload_for(dataset, family, variant, train.batch_size), offload,
-                         resolve_budget_bytes(offload, device), physical_ram_bytes())
+        plan = _plan(fp, family, variant, dataset, train, offload, device)
         model.enable_gradient_checkpointing()
         params = attach_lora(model, family, lora, train.seed)  # fp32, wherever the blocks are (CPU)
         try:
@@ -306,18 +302,26 @@ def _check_finite_weights(named, step: int) -> None:
 def _check_plan_before_loading(model_cfg, dataset, lora, train, offload, device, dtype) -> None:
     """Make the plan from the checkpoint's header alone, so an impossible budget (or too much pinned
     host memory) is refused before minutes of loading."""
-    from ..offload.footprint import footprint_before_loading, workload_for
-    from ..offload.host import physical_ram_bytes
-    from ..offload.plan import make_plan
-    from ..offload.streamer import resolve_budget_bytes
+    from ..offload.footprint import footprint_before_loading
 
     found = footprint_before_loading(model_cfg, dtype, lora)
     if found is None:
         return  # not a supported checkpoint: the loader says so with a better message
     fp, family, variant = found
+    _plan(fp, family, variant, dataset, train, offload, device)
+
+
+def _plan(fp, family, variant, dataset, train: TrainConfig, offload: OffloadConfig, device: torch.device):
+    """The one place training asks for an offload plan (from the header before loading, and from the
+    loaded model): the dataset's largest bucket, the optimizer's bytes per LoRA weight, the budget."""
+    from ..offload.footprint import workload_for
+    from ..offload.host import physical_ram_bytes
+    from ..offload.plan import make_plan
+    from ..offload.streamer import resolve_budget_bytes
+
     fp.lora_bytes_per_param = _lora_bytes_per_param(train)
-    make_plan(fp, workload_for(dataset, family, variant, train.batch_size), offload,
-              resolve_budget_bytes(offload, device), physical_ram_bytes())
+    return make_plan(fp, workload_for(dataset, family, variant, train.batch_size), offload,
+                     resolve_budget_bytes(offload, device), physical_ram_bytes())
 
 
 def _apply_int8_compute(model, offload: OffloadConfig | None, device: torch.device, cb) -> None:
