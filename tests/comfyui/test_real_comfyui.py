@@ -175,3 +175,91 @@ def test_flux1_dev_workflow_without_its_files_fails_clearly(comfy):
     text = done.stdout + done.stderr
     assert done.returncode != 0
     assert "flux1-dev.safetensors" in text, text[-2000:]
+
+
+# Runs inside ComfyUI's own environment: its key map and weight patching, on our Flux.2 LoRA.
+_COMFY_FLUX2_CHECK = r'''
+import json, logging, sys
+sys.argv = [sys.argv[0], "--cpu"]
+import comfy.options
+comfy.options.enable_args_parsing()  # as main.py does: --cpu is honoured
+import torch
+from safetensors.torch import load_file
+import comfy.lora, comfy.model_base
+
+args = json.load(open(ARGS))
+lora, base, ref = load_file(args["lora"]), load_file(args["base"]), load_file(args["ref"])
+model = comfy.model_base.Flux2.__new__(comfy.model_base.Flux2)  # the key map needs only these two
+object.__setattr__(model, "model_config", type("C", (), {"unet_config": args["unet_config"]})())
+object.__setattr__(model, "state_dict", lambda: {"diffusion_model." + k: v for k, v in base.items()})
+warnings = []
+handler = logging.Handler()
+handler.emit = lambda record: warnings.append(record.getMessage())
+logging.getLogger().addHandler(handler)
+key_map = comfy.lora.model_lora_keys_unet(model, {})
+patches = comfy.lora.load_lora(lora, key_map)
+targets, worst = set(), 0.0
+for target, adapter in patches.items():
+    key, offset, function = (target, None, None) if isinstance(target, str) else (target[0], target[1], (target + (None,))[2])
+    targets.add(key)
+    name = key[len("diffusion_model."):]
+    weight = comfy.lora.calculate_weight([(1.0, adapter, 1.0, offset, function)], base[name].float().clone(), key)
+    base[name] = weight
+for name in {t[len("diffusion_model."):] for t in targets}:
+    worst = max(worst, float((base[name] - ref[name]).norm() / (ref[name] - load_file(args["base"])[name]).norm()))
+print(json.dumps({"patches": len(patches), "not_loaded": [w for w in warnings if "lora key not loaded" in w],
+                  "targets": sorted(targets), "worst_rel_delta_error": worst}))
+'''
+
+
+def test_flux2_lora_maps_completely_in_comfyuis_own_loader(comfy, tmp_path):
+    """Our ComfyUI-format Flux.2 LoRA through ComfyUI's model_lora_keys_unet + load_lora + calculate_weight
+    (versions with Flux.2: 0.33 here): every key mapped, and the patched weights equal ours."""
+    probe = ("import sys; sys.argv += ['--cpu']; import comfy.options; comfy.options.enable_args_parsing(); "
+             "import comfy.model_base as m; print(hasattr(m, 'Flux2'))")
+    check = subprocess.run([str(_python(comfy.dir)), "-c", probe], cwd=comfy.dir, capture_output=True, text=True)
+    if check.stdout.strip() != "True":
+        pytest.skip("this ComfyUI predates Flux.2 (0.3.64 has no comfy.model_base.Flux2)")
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from lowvram_lora.engine.caching import build_dataset_cache
+    from lowvram_lora.engine.config import DataConfig, LoraSettings, ModelConfig, TrainConfig
+    from lowvram_lora.engine.families import get_family
+    from lowvram_lora.engine.families.flux1_names import join_diffusers_tensors
+    from lowvram_lora.engine.lora_io import save_lora
+    from lowvram_lora.engine.models import load_transformer
+    from lowvram_lora.engine.testing import build_tiny_flux2_pipeline, make_tiny_dataset, write_flux2_single_file
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from helpers import merged
+
+    pipe = build_tiny_flux2_pipeline(tmp_path / "pipe")
+    data = make_tiny_dataset(tmp_path / "data", count=1)
+    cache = build_dataset_cache(ModelConfig(transformer_path=str(pipe)),
+                                DataConfig(path=str(data), resolution=128, bucket_step=32), tmp_path / "cache")
+    lora = __import__("lowvram_lora.engine.train", fromlist=["train_lora"]).train_lora(
+        ModelConfig(transformer_path=str(pipe)), cache, LoraSettings(rank=4, alpha=8),
+        TrainConfig(steps=5, learning_rate=2e-2, device="cpu"))
+    save_lora(lora, tmp_path / "lora.safetensors", fmt="comfyui", dtype="fp32")
+    base_file = write_flux2_single_file(pipe, tmp_path / "base.safetensors")
+    model = load_transformer(pipe, dtype=torch.float32)[0]
+    state = merged(model, lora.state_dict, lora.scale).state_dict()
+    family = get_family("flux2")
+    save_file({p.name: join_diffusers_tensors(p, state).contiguous() for p in family.param_table(lora.model_config)},
+              str(tmp_path / "ref.safetensors"))
+    cfg = lora.model_config
+    args = {"lora": str(tmp_path / "lora.safetensors"), "base": str(base_file), "ref": str(tmp_path / "ref.safetensors"),
+            "unet_config": {"depth": cfg["num_layers"], "depth_single_blocks": cfg["num_single_layers"],
+                            "hidden_size": cfg["num_attention_heads"] * cfg["attention_head_dim"]}}
+    (tmp_path / "args.json").write_text(json.dumps(args))
+    code = _COMFY_FLUX2_CHECK.replace("ARGS", repr(str(tmp_path / "args.json")))
+    done = subprocess.run([str(_python(comfy.dir)), "-c", code], cwd=comfy.dir, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    print(result)
+    n_modules = len({k.split(".lora_A.")[0] for k in lora.state_dict if ".lora_A." in k})
+    assert result["patches"] == n_modules and not result["not_loaded"]
+    assert len(load_file(str(tmp_path / "lora.safetensors"))) == 3 * n_modules  # A, B, alpha: all consumed
+    assert result["worst_rel_delta_error"] < 1e-4, result
