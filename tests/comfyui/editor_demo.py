@@ -46,9 +46,12 @@ def main(argv=None) -> int:
         time.sleep(4)
 
         def leaves(pattern):
+            # The deepest visible elements whose text matches (a label may sit beside an icon).
             return d.execute_script(
-                "return Array.from(document.querySelectorAll('body *')).filter(e => e.children.length == 0"
-                " && new RegExp(arguments[0], 'i').test((e.innerText || '').trim()))", pattern)
+                "const re = new RegExp(arguments[0], 'i');"
+                "const hit = e => e.offsetParent !== null && re.test((e.textContent || '').trim());"
+                "return Array.from(document.querySelectorAll('body *')).filter("
+                "e => hit(e) && !Array.from(e.children).some(hit))", pattern)
 
         def click(pattern):
             found = leaves(pattern)
@@ -58,7 +61,13 @@ def main(argv=None) -> int:
             time.sleep(2)
 
         if not leaves("^All Templates$"):  # frontend 1.27 opens the browser on first load; else open it
-            click("^Templates$")
+            # The frontend's own command (what the sidebar's Templates button runs), else the button.
+            opened = d.execute_script(
+                "try { return !!app.extensionManager.command.execute('Comfy.BrowseTemplates') || true }"
+                " catch (e) { return false }")
+            time.sleep(3)
+            if not opened or not leaves("^All Templates$"):
+                click("^Templates$")
         click("^lowvram-lora$")
         d.save_screenshot(str(out / "1_template_browser.png"))
         click(f"^{args.template}$")
@@ -67,7 +76,12 @@ def main(argv=None) -> int:
         d.execute_script(view)
         time.sleep(1)
         d.save_screenshot(str(out / "2_loaded.png"))
-        click("^Run$")
+        run = d.execute_script(  # the Run button (frontend 1.27: a leaf "Run"; 1.49: text beside an icon)
+            "return Array.from(document.querySelectorAll('button')).find(b => (b.textContent || '').trim() == 'Run')")
+        if run is not None:
+            d.execute_script("arguments[0].click()", run)
+        else:
+            click("^Run$")
         for i in range(600):
             time.sleep(1)
             q = d.execute_script("return fetch('/queue').then(r => r.json())")
