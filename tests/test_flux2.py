@@ -203,9 +203,12 @@ def test_int8_slab_round_trip_and_training_step(tiny_flux2, single_files, tiny_f
 
     slab = build_slab(single_files["bfl"], tmp_path / "slabs", progress=False)
     manifest = read_manifest(slab)
-    assert manifest["family"] == "flux2" and manifest["summary"]["quantized_linears"] == 2 * 12 + 2 * 2
+    # every block Linear, plus the global modulation and the text embedder (int8_extra_linears)
+    assert manifest["family"] == "flux2" and manifest["summary"]["quantized_linears"] == 2 * 12 + 2 * 2 + 4
     model, family, source, variant = load_transformer(slab, dtype=torch.float32)
     assert source.kind == "slab" and isinstance(model.single_transformer_blocks[0].attn.to_out, Int8Linear)
+    assert isinstance(model.double_stream_modulation_img.linear, Int8Linear)
+    assert isinstance(model.context_embedder, Int8Linear) and not isinstance(model.proj_out, Int8Linear)
     ref = load_transformer(tiny_flux2, dtype=torch.float32)[0]
     rel = ((_out(model) - _out(ref)).norm() / _out(ref).norm()).item()
     assert rel < 0.02, rel

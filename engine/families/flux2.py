@@ -53,6 +53,12 @@ class Flux2Family:
         "flux2-tiny": "flux2-tiny.json",
     }
     diffusers_class_name = "Flux2Transformer2DModel"
+    # Outside the blocks but large (Flux.2-dev: 566 M modulation + 94 M text-embedder parameters, 1.3 GB
+    # in bf16): int8 in slabs like the block Linears. They run once per forward, outside checkpointing.
+    int8_extra_linears = (
+        "double_stream_modulation_img.linear", "double_stream_modulation_txt.linear",
+        "single_stream_modulation.linear", "context_embedder",
+    )
     text_encoders = (_MISTRAL,)  # dev's; text_encoder_specs() gives each variant's
     vae_class_name = "AutoencoderKLFlux2"
 

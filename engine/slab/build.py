@@ -239,7 +239,8 @@ def _manifest(ckpt, model, path, header, total, tensors, ranges, hashes, errors,
             "scheme": "int8 symmetric, one scale per output row",
             "formula": f"scale = max|row| / {QMAX}; q = clamp(round(w / scale), -{QMAX}, {QMAX}); w ~ q * scale",
             "scale_dtype": dtype_name(SCALE_DTYPE),
-            "applies_to": "every nn.Linear weight inside the family's transformer blocks",
+            "applies_to": "every nn.Linear weight inside the family's transformer blocks, and the family's "
+                          "int8_extra_linears (Flux.2: global modulation, text embedder)",
         },
         "summary": {
             "tensors": len(tensors),

@@ -33,7 +33,9 @@ def block_prefixes(model: nn.Module, family: ModelFamily) -> list[str]:
 
 
 def block_linears(model: nn.Module, family: ModelFamily) -> dict[str, nn.Linear]:
-    """Every Linear inside the family's blocks, by full module name (the quantized set)."""
+    """The quantized set, by full module name: every Linear inside the family's blocks, plus the
+    large Linears outside them that the family lists (``int8_extra_linears``: Flux.2's global
+    modulation and text embedder, 1.6 GB in bf16, which otherwise stay resident in bf16)."""
     names = {id(m): n for n, m in model.named_modules()}
     out: dict[str, nn.Linear] = {}
     for blocks in family.block_lists(model):
@@ -42,6 +44,10 @@ def block_linears(model: nn.Module, family: ModelFamily) -> dict[str, nn.Linear]
             for sub, module in block.named_modules():
                 if isinstance(module, nn.Linear) and "lora_" not in sub:
                     out[f"{prefix}.{i}.{sub}"] = module
+    for name in getattr(family, "int8_extra_linears", ()):
+        module = model.get_submodule(name)
+        if isinstance(module, nn.Linear):
+            out[name] = module
     return out
 
 
