@@ -117,7 +117,6 @@ def layer_timings(tokens: int, device) -> list[dict]:
         row["bf16_fwd_only_ms"] = _time(lambda: F.linear(x.detach(), lin.weight, lin.bias))
         rows.append({k2: (round(v, 4) if isinstance(v, float) else v) for k2, v in row.items()})
         print("LAYER", json.dumps(rows[-1]), flush=True)
-        del lin, q, x, g
     return rows
 
 

@@ -1,7 +1,6 @@
 """Dataset scanning, bucketing and image decoding (CPU, tiny synthetic images)."""
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest

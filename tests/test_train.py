@@ -8,7 +8,7 @@ from lowvram_lora.engine.errors import ConfigError
 from lowvram_lora.engine.families import get_family
 from lowvram_lora.engine.models import load_transformer
 from lowvram_lora.engine.train import train_lora
-from lowvram_lora.engine.train.flow_matching import noisy_latents_and_target, sample_sigmas
+from lowvram_lora.engine.train.flow_matching import sample_sigmas
 
 from helpers import eval_flow_loss, merged
 

@@ -1,7 +1,6 @@
 """Shipped workflows: valid in both formats, twins agree, the demo runs end to end."""
 import argparse
 import json
-from pathlib import Path
 
 import pytest
 
