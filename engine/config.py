@@ -34,6 +34,13 @@ class ModelConfig:
     pipeline_path: str = ""
     # Compute dtype of the frozen base weights: bf16 halves memory; fp32 is for CPU tests.
     dtype: str = "auto"  # auto -> bf16 on CUDA, fp32 on CPU
+    # Instead of a pipeline folder (Flux.1): single text-encoder files (clip_l / t5xxl .safetensors,
+    # either order) and a VAE file (ae.safetensors); see engine/caching/single_files.py.
+    text_encoder_files: tuple[str, ...] = ()
+    vae_file: str = ""
+    # Tokenizer folders to fall back on for single files, by kind ("clip_l", "t5xxl"); the ComfyUI
+    # node passes ComfyUI's bundled ones.
+    tokenizer_dirs: Optional[dict] = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bf16", "fp16", "fp32"):

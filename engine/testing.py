@@ -272,3 +272,70 @@ def write_flux2_single_file(pipeline_folder: str | Path, out_file: str | Path, c
     out_file.parent.mkdir(parents=True, exist_ok=True)
     save_file(out, str(out_file), metadata={"format": "pt"})
     return out_file
+
+
+def _ldm_vae_key(key: str, num_blocks: int) -> str:
+    """diffusers AutoencoderKL name -> the BFL/LDM name in ae.safetensors (the inverse of diffusers'
+    ``convert_ldm_vae_checkpoint``), for writing test files in the layout users have."""
+    import re
+
+    key = key.replace("conv_norm_out", "norm_out")
+    rules = (
+        (r"encoder\.down_blocks\.(\d+)\.resnets\.(\d+)\.(.*)", lambda m: f"encoder.down.{m[1]}.block.{m[2]}.{m[3]}"),
+        (r"encoder\.down_blocks\.(\d+)\.downsamplers\.0\.conv\.(.*)", lambda m: f"encoder.down.{m[1]}.downsample.conv.{m[2]}"),
+        (r"decoder\.up_blocks\.(\d+)\.resnets\.(\d+)\.(.*)",
+         lambda m: f"decoder.up.{num_blocks - 1 - int(m[1])}.block.{m[2]}.{m[3]}"),
+        (r"decoder\.up_blocks\.(\d+)\.upsamplers\.0\.conv\.(.*)",
+         lambda m: f"decoder.up.{num_blocks - 1 - int(m[1])}.upsample.conv.{m[2]}"),
+        (r"(encoder|decoder)\.mid_block\.resnets\.(\d+)\.(.*)", lambda m: f"{m[1]}.mid.block_{int(m[2]) + 1}.{m[3]}"),
+    )
+    for pattern, fn in rules:
+        m = re.fullmatch(pattern, key)
+        if m:
+            return fn(m).replace("conv_shortcut", "nin_shortcut")
+    m = re.fullmatch(r"(encoder|decoder)\.mid_block\.attentions\.0\.(group_norm|to_q|to_k|to_v|to_out\.0)\.(.*)", key)
+    if m:
+        part = {"group_norm": "norm", "to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "proj_out"}[m[2]]
+        return f"{m[1]}.mid.attn_1.{part}.{m[3]}"
+    return key
+
+
+def write_flux1_single_files(pipeline_folder: str | Path, folder: str | Path, with_tokenizers: bool = True) -> dict:
+    """The tiny pipeline's text encoders and VAE as the single files ComfyUI users keep:
+    ``clip_l.safetensors`` (``text_model.`` names), ``t5xxl.safetensors`` and ``ae.safetensors`` (BFL/LDM
+    names), each with a companion folder holding its (tiny) config and, optionally, its tokenizer."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    pipeline_folder, folder = Path(pipeline_folder), Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for name, sub, tok, prefix in (("clip_l", "text_encoder", "tokenizer", "text_model."),
+                                   ("t5xxl", "text_encoder_2", "tokenizer_2", "")):
+        state = {}
+        for f in sorted((pipeline_folder / sub).glob("*.safetensors")):
+            state.update(load_file(str(f)))
+        state = {(prefix + k if prefix and not k.startswith(prefix) else k): v.contiguous() for k, v in state.items()}
+        save_file(state, str(folder / f"{name}.safetensors"))
+        companion = folder / name
+        companion.mkdir(exist_ok=True)
+        shutil.copy(pipeline_folder / sub / "config.json", companion / "config.json")
+        if with_tokenizers:
+            for f in (pipeline_folder / tok).iterdir():
+                shutil.copy(f, companion / f.name)
+        out[name] = folder / f"{name}.safetensors"
+    vae_config = json.loads((pipeline_folder / "vae" / "config.json").read_text())
+    state = {}
+    for f in sorted((pipeline_folder / "vae").glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    ldm = {}
+    for k, v in state.items():
+        key = _ldm_vae_key(k, len(vae_config["block_out_channels"]))
+        ldm[key] = (v[:, :, None, None] if ".mid.attn_1." in key and key.endswith(".weight") and v.ndim == 2
+                    else v).contiguous()
+    save_file(ldm, str(folder / "ae.safetensors"))
+    (folder / "ae").mkdir(exist_ok=True)
+    shutil.copy(pipeline_folder / "vae" / "config.json", folder / "ae" / "config.json")
+    out["vae"] = folder / "ae.safetensors"
+    return out

@@ -203,17 +203,19 @@ def demo_tiny_lora() -> tuple[list[NodeSpec], list[NoteSpec]]:
 def flux1_dev_lora() -> tuple[list[NodeSpec], list[NoteSpec]]:
     nodes = _train_graph(
         load={"checkpoint": "flux1-dev.safetensors", "family": "flux1", "precision": "bf16"},
-        cache={"text_encoders": "diffusers/FLUX.1-dev", "dataset_path": "my_subject", "resolution": 1024},
+        cache={"text_encoders": "(single files below)", "dataset_path": "my_subject", "resolution": 1024,
+               "text_encoder_1": "clip_l.safetensors", "text_encoder_2": "t5xxl_fp16.safetensors",
+               "vae_file": "ae.safetensors"},
         offload={"mode": "auto", "vram_budget_gb": 0.0},
         train={"steps": 1500, "learning_rate": 1e-4, "rank": 16, "alpha": 16.0, "warmup_steps": 50, "training_seed": 42},
         save={"filename_prefix": "loras/flux1_dev_lora"},
     )
     notes = [NoteSpec(6, (
-        "Flux.1-dev LoRA at 1024x1024.\n\nFiles:\n"
-        "- models/diffusion_models/flux1-dev.safetensors: the transformer (BFL single file; bf16 or fp8), or pick "
-        "'diffusers/FLUX.1-dev' to use the folder's transformer.\n"
-        "- models/diffusers/FLUX.1-dev/: the diffusers pipeline folder (text_encoder, text_encoder_2, tokenizer, "
-        "tokenizer_2, vae) used to cache captions and latents. Single-file t5xxl/clip_l files carry no tokenizer.\n"
+        "Flux.1-dev LoRA at 1024x1024.\n\nFiles (what ComfyUI users have):\n"
+        "- models/diffusion_models/flux1-dev.safetensors: the transformer (BFL single file; bf16 or fp8).\n"
+        "- models/text_encoders/clip_l.safetensors and t5xxl_fp16.safetensors (fp8 works too) and "
+        "models/vae/ae.safetensors. Inside ComfyUI its bundled tokenizers are used. Or set text_encoders to a "
+        "diffusers pipeline folder (models/diffusers/FLUX.1-dev) instead.\n"
         "- input/my_subject/: your images with same-name .txt captions (or set dataset_path to any folder).\n\n"
         "Memory: Offload Config 'auto' with budget 0 plans for 90% of the free VRAM: everything resident if it "
         "fits, else blocks stream from pinned host RAM (needs ~24 GB of free RAM for bf16, ~12 GB for an int8 "

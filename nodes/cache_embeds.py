@@ -4,9 +4,12 @@ from __future__ import annotations
 import os
 
 from .load_model import CATEGORY
-from .paths import cache_dir, list_diffusers_folders, resolve_choice, resolve_dataset_path
+from .paths import (TEXT_ENCODER_FOLDERS, VAE_FOLDERS, cache_dir, comfy_tokenizer_dirs, list_diffusers_folders,
+                    list_files, resolve_choice, resolve_dataset_path, resolve_file)
 
 FROM_CHECKPOINT = "(from checkpoint)"
+SINGLE_FILES = "(single files below)"
+NONE = "(none)"
 
 
 class LowVRAMCacheTextEmbeds:
@@ -26,14 +29,15 @@ class LowVRAMCacheTextEmbeds:
         return {
             "required": {
                 "model": ("LOWVRAM_MODEL", {"tooltip": "The base model from Load Quantized Slab."}),
-                "text_encoders": ([FROM_CHECKPOINT] + list_diffusers_folders(), {
+                "text_encoders": ([FROM_CHECKPOINT, SINGLE_FILES] + list_diffusers_folders(), {
                     "default": FROM_CHECKPOINT,
                     "tooltip": "Diffusers pipeline folder (models/diffusers) whose text encoders, tokenizers and "
                                "VAE are used. Flux.1: text_encoder (CLIP-L), text_encoder_2 (T5-XXL), tokenizer, "
                                "tokenizer_2, vae. Flux.2-dev: text_encoder (Mistral-Small 3.x 24B; only layers 0-29 "
                                "are ever read), tokenizer, vae (AutoencoderKLFlux2). Flux.2 klein: text_encoder "
                                "(Qwen3 4B/8B), tokenizer, vae. '(from checkpoint)' works when the checkpoint is "
-                               "itself a pipeline folder. Single-file text encoders are not supported yet.",
+                               "itself a pipeline folder. Flux.1 only: '(single files below)' uses the "
+                               "text_encoder_1/2 and vae_file inputs instead (clip_l, t5xxl, ae.safetensors).",
                 }),
                 "dataset_path": ("STRING", {
                     "default": "",
@@ -67,6 +71,22 @@ class LowVRAMCacheTextEmbeds:
                     "tooltip": "Text tokens kept per caption (T5 for Flux.1, the LLM for Flux.2). 0 = the model's "
                                "default (512 for Flux.1-dev and Flux.2). Shorter is faster if captions are short.",
                 }),
+                # Last: UI-format workflows store widget values by position.
+                "text_encoder_1": ([NONE] + list_files(TEXT_ENCODER_FOLDERS), {
+                    "default": NONE,
+                    "tooltip": "With text_encoders '(single files below)', Flux.1: clip_l.safetensors or "
+                               "t5xxl_fp16.safetensors (fp8 / scaled fp8 too) from models/text_encoders; the two "
+                               "inputs may be in either order. Tokenizers: inside ComfyUI its bundled ones; else a "
+                               "folder named like the file (without .safetensors) beside it.",
+                }),
+                "text_encoder_2": ([NONE] + list_files(TEXT_ENCODER_FOLDERS), {
+                    "default": NONE, "tooltip": "The other Flux.1 text encoder file (see text_encoder_1).",
+                }),
+                "vae_file": ([NONE] + list_files(VAE_FOLDERS), {
+                    "default": NONE,
+                    "tooltip": "With text_encoders '(single files below)': the Flux.1 VAE file from models/vae "
+                               "(ae.safetensors, BFL names).",
+                }),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -83,7 +103,7 @@ class LowVRAMCacheTextEmbeds:
 
     def cache(self, model, text_encoders: str, dataset_path: str, resolution: int = 1024, trigger_word: str = "",
               default_caption: str = "", repeats: int = 1, flip: bool = False, max_sequence_length: int = 0,
-              unique_id=None):
+              text_encoder_1: str = NONE, text_encoder_2: str = NONE, vae_file: str = NONE, unique_id=None):
         from dataclasses import replace
 
         from ..engine.caching import build_dataset_cache
@@ -92,7 +112,12 @@ class LowVRAMCacheTextEmbeds:
 
         free_comfy_vram()
         model_cfg = model.config
-        if text_encoders != FROM_CHECKPOINT:
+        if text_encoders == SINGLE_FILES:
+            files = tuple(str(resolve_file(f, TEXT_ENCODER_FOLDERS)) for f in (text_encoder_1, text_encoder_2)
+                          if f != NONE)
+            vae = str(resolve_file(vae_file, VAE_FOLDERS)) if vae_file != NONE else ""
+            model_cfg = replace(model_cfg, text_encoder_files=files, vae_file=vae, tokenizer_dirs=comfy_tokenizer_dirs())
+        elif text_encoders != FROM_CHECKPOINT:
             model_cfg = replace(model_cfg, pipeline_path=str(resolve_choice(text_encoders)))
         data = DataConfig(path=str(resolve_dataset_path(dataset_path)) if dataset_path else "", resolution=resolution,
                           trigger_word=trigger_word.strip(), default_caption=default_caption.strip() or None,

@@ -15,6 +15,8 @@ from pathlib import Path
 TRANSFORMER_FOLDERS = ("diffusion_models", "unet", "checkpoints")
 DIFFUSERS_FOLDERS = ("diffusers",)
 DIFFUSERS_PREFIX = "diffusers/"  # combo entries naming a diffusers folder rather than a file
+TEXT_ENCODER_FOLDERS = ("text_encoders", "clip")
+VAE_FOLDERS = ("vae",)
 
 _standalone = {"models_dir": Path("models").resolve(), "output_dir": Path("output").resolve()}
 
@@ -56,6 +58,33 @@ def list_transformer_choices() -> list[str]:
             if not f.name.endswith(".slab.safetensors"):
                 files.add(f.relative_to(root).as_posix())
     return sorted(files) + list_diffusers_folders()
+
+
+def list_files(kinds: tuple[str, ...]) -> list[str]:
+    """``.safetensors`` files under the folders of ``kinds`` (relative names), sorted."""
+    return sorted({f.relative_to(root).as_posix() for root in _roots(kinds) for f in root.rglob("*.safetensors")})
+
+
+def resolve_file(name: str, kinds: tuple[str, ...]) -> Path:
+    for root in _roots(kinds):
+        if (root / name).is_file():
+            return (root / name).resolve()
+    where = ", ".join(str(r) for r in _roots(kinds)) or f"models/{kinds[0]}/ (missing)"
+    raise FileNotFoundError(f"'{name}' was not found in {where}; put the file there or pick another entry")
+
+
+def comfy_tokenizer_dirs() -> dict[str, str]:
+    """Inside ComfyUI, its bundled tokenizer folders (CLIP-L: ``comfy/sd1_tokenizer``, T5:
+    ``comfy/text_encoders/t5_tokenizer``), for single-file text encoders that carry none."""
+    if comfy_folder_paths() is None:
+        return {}
+    try:
+        import comfy  # type: ignore[import-not-found]
+    except ImportError:
+        return {}
+    root = Path(comfy.__file__).resolve().parent
+    dirs = {"clip_l": root / "sd1_tokenizer", "t5xxl": root / "text_encoders" / "t5_tokenizer"}
+    return {k: str(v) for k, v in dirs.items() if v.is_dir()}
 
 
 def list_diffusers_folders() -> list[str]:

@@ -67,6 +67,11 @@ def models_with_empty_files(tmp_path):
     for name in ("flux1-dev.safetensors", "flux1-tiny.safetensors", "flux2_dev_fp8mixed.safetensors",
                  "flux-2-klein-base-4b.safetensors"):
         (models / "diffusion_models" / name).write_bytes(b"")
+    (models / "text_encoders").mkdir(parents=True)
+    (models / "vae").mkdir(parents=True)
+    for name in ("clip_l.safetensors", "t5xxl_fp16.safetensors"):
+        (models / "text_encoders" / name).write_bytes(b"")
+    (models / "vae" / "ae.safetensors").write_bytes(b"")
     for name in ("FLUX.1-dev", "flux1-tiny", "FLUX.2-dev", "FLUX.2-klein-base-4B"):
         (models / "diffusers" / name).mkdir(parents=True)
         (models / "diffusers" / name / "model_index.json").write_text("{}")

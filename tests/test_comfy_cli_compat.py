@@ -64,7 +64,8 @@ def test_object_info_without_any_model_files_still_describes_every_node(tmp_path
     out = object_info(NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS, errors=errors)
     assert errors == [] and list(out) == list(NODE_CLASS_MAPPINGS)
     assert out["LowVRAMLoadQuantizedSlab"]["input"]["required"]["checkpoint"][0] == []
-    assert out["LowVRAMCacheTextEmbeds"]["input"]["required"]["text_encoders"][0] == ["(from checkpoint)"]
+    assert out["LowVRAMCacheTextEmbeds"]["input"]["required"]["text_encoders"][0] == ["(from checkpoint)", "(single files below)"]
+    assert out["LowVRAMCacheTextEmbeds"]["input"]["required"]["vae_file"][0] == ["(none)"]
 
 
 @pytest.mark.parametrize("class_type", list(NODE_CLASS_MAPPINGS))

@@ -181,3 +181,31 @@ def test_flux2_dev_workflow_runs_on_a_tiny_flux2(tmp_path, tiny_flux2, capsys):
     lora = load_lora(saved[0])
     assert lora.metadata["lowvram_lora.family"] == "flux2" and lora.metadata["lowvram_lora.steps"] == "4"
     assert any((root / "models" / "slabs").glob("*.slab.safetensors"))  # int8 slab built from the fp8 file
+
+
+def test_flux1_dev_workflow_runs_from_comfyui_single_files(tmp_path, tiny_pipeline, tiny_single_file, capsys):
+    """The shipped Flux.1-dev graph as ComfyUI users' files have it (transformer, clip_l, t5xxl, ae as single
+    files; no diffusers folder), on the tiny Flux.1 under the real names: only sizes and steps overridden."""
+    import shutil
+
+    from lowvram_lora.engine.testing import make_tiny_dataset, write_flux1_single_files
+
+    root = tmp_path / "root"
+    (root / "models" / "diffusion_models").mkdir(parents=True)
+    shutil.copy(tiny_single_file, root / "models" / "diffusion_models" / "flux1-dev.safetensors")
+    files = write_flux1_single_files(tiny_pipeline, tmp_path / "written")
+    te, vae = root / "models" / "text_encoders", root / "models" / "vae"
+    te.mkdir(parents=True)
+    vae.mkdir(parents=True)
+    for kind, name in (("clip_l", "clip_l"), ("t5xxl", "t5xxl_fp16")):  # the names ComfyUI users have
+        shutil.copy(files[kind], te / f"{name}.safetensors")
+        shutil.copytree(files[kind].with_suffix(""), te / name)  # companion folder: tiny config + tokenizer
+    shutil.copy(files["vae"], vae / "ae.safetensors")
+    shutil.copytree(files["vae"].with_suffix(""), vae / "ae")
+    make_tiny_dataset(root / "input" / "my_subject", count=2)
+    args = _args(WORKFLOWS_DIR / "flux1_dev_lora.json", root / "models", root / "output",
+                 ["2.resolution=128", "4.steps=3", "4.warmup_steps=0"])
+    code = run_workflow_command(args, NODE_CLASS_MAPPINGS, configure_dirs=configure_standalone_dirs)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert len(list((root / "output" / "loras").glob("flux1_dev_lora_*_.safetensors"))) == 1

@@ -33,6 +33,7 @@ from ..models import resolve_device, resolve_dtype, resolve_transformer_source
 from ..models.transformer_loading import identify_diffusers_folder
 from .hashing import path_identity, sha256_file, stable_hash
 from .text_encoding import encode_captions
+from .single_files import load_text_encoder_file, load_vae_file, sources_for_flux1
 from .stacked_text import encode_stacked
 from .vae_encoding import encode_images
 
@@ -92,6 +93,30 @@ def resolve_pipeline_folder(model_cfg: ModelConfig) -> Path:
             f"from Python, set ModelConfig.pipeline_path"
         )
     return source.pipeline_folder
+
+
+def _single_file_sources(model_cfg: ModelConfig):
+    """(a placeholder pipeline path, SingleFileSources, family, variant) for caching from single files;
+    the family and variant come from the transformer itself."""
+    from ..models.inspect import inspect_transformer
+
+    info = inspect_transformer(model_cfg)
+    family = get_family(info.family)
+    if family.id != "flux1":
+        raise ModelLoadError(
+            f"single-file text encoders and VAE are supported for Flux.1 only so far; for {family.display_name} "
+            f"pick its diffusers pipeline folder in text_encoders")
+    singles = sources_for_flux1([Path(p) for p in model_cfg.text_encoder_files],
+                                Path(model_cfg.vae_file) if model_cfg.vae_file else None,
+                                {k: Path(v) for k, v in (model_cfg.tokenizer_dirs or {}).items()})
+    return Path(model_cfg.transformer_path), singles, family, info.variant
+
+
+def _tokenizer_identity(f: Path, spec, singles) -> str:
+    from .single_files import FLUX1_SPEC_FOR_KIND, _tokenizer_dir
+
+    kind = next(k for k, sub in FLUX1_SPEC_FOR_KIND.items() if sub == spec.subfolder)
+    return path_identity(_tokenizer_dir(f, kind, singles.tokenizer_dirs))
 
 
 def _family_and_variant(model_cfg: ModelConfig, pipeline: Path) -> tuple[ModelFamily, str]:
@@ -160,18 +185,29 @@ def build_dataset_cache(
     cache_dir = Path(cache_dir)
     dev = resolve_device(device)
     dtype = resolve_dtype(model_cfg.dtype, dev)
-    pipeline = resolve_pipeline_folder(model_cfg)
-    family, variant = _family_and_variant(model_cfg, pipeline)
+    singles = None
+    if model_cfg.text_encoder_files or model_cfg.vae_file:
+        pipeline, singles, family, variant = _single_file_sources(model_cfg)
+    else:
+        pipeline = resolve_pipeline_folder(model_cfg)
+        family, variant = _family_and_variant(model_cfg, pipeline)
     records = scan_dataset(data_cfg, log=cb.log)
     buckets = make_buckets(data_cfg.resolution, data_cfg.bucket_step, data_cfg.max_aspect)
     max_len = max_sequence_length or family.default_max_sequence_length(variant)
 
     specs = family.text_encoder_specs(variant)
-    text_ident = stable_hash([[s.subfolder, path_identity(pipeline / s.subfolder),
-                               path_identity(pipeline / s.tokenizer_subfolder), s.output]
-                              + ([list(s.hidden_layers), s.prompt_format] if s.output == "stacked" else [])
-                              for s in specs] + [max_len, str(dtype)])
-    vae_ident = stable_hash([path_identity(pipeline / "vae"), str(dtype)]
+
+    def encoder_ident(s) -> list:
+        if singles is not None:  # the file (content identity) and its tokenizer
+            f = singles.text_encoders[s.subfolder]
+            return [s.subfolder, path_identity(f), _tokenizer_identity(f, s, singles), s.output]
+        return [s.subfolder, path_identity(pipeline / s.subfolder), path_identity(pipeline / s.tokenizer_subfolder),
+                s.output]
+
+    text_ident = stable_hash([encoder_ident(s) + ([list(s.hidden_layers), s.prompt_format]
+                                                  if s.output == "stacked" else []) for s in specs]
+                             + [max_len, str(dtype)])
+    vae_ident = stable_hash([path_identity(singles.vae if singles is not None else pipeline / "vae"), str(dtype)]
                             + ([family.vae_class_name] if family.vae_class_name != "AutoencoderKL" else []))
 
     items = []
@@ -185,14 +221,17 @@ def build_dataset_cache(
         ))
 
     stats = {"text_built": 0, "text_reused": 0, "latents_built": 0, "latents_reused": 0}
-    _build_text(cache_dir, specs, pipeline, items, dev, dtype, max_len, cb, stats)
-    _build_latents(cache_dir, family, pipeline, items, data_cfg.flip, dev, dtype, cb, stats)
+    _build_text(cache_dir, specs, pipeline, items, dev, dtype, max_len, cb, stats, singles)
+    _build_latents(cache_dir, family, pipeline, items, data_cfg.flip, dev, dtype, cb, stats, singles)
 
     dataset_hash = stable_hash([[i.text_key, i.latent_key] for i in items] + [data_cfg.repeats, data_cfg.flip])
     manifest_path = cache_dir / "datasets" / f"{dataset_hash}.json"
     manifest = {
         "version": MANIFEST_VERSION, "dataset_hash": dataset_hash, "family": family.id, "variant": variant,
-        "source": str(Path(data_cfg.path).resolve()), "pipeline": str(pipeline.resolve()),
+        "source": str(Path(data_cfg.path).resolve()),
+        "pipeline": str(pipeline.resolve()) if singles is None else None,
+        "single_files": None if singles is None else {k: str(v) for k, v in singles.text_encoders.items()}
+        | {"vae": str(singles.vae)},
         "settings": asdict(data_cfg), "max_sequence_length": max_len, "repeats": data_cfg.repeats,
         "flip": data_cfg.flip, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "items": [asdict(i) for i in items],
     }
@@ -205,7 +244,7 @@ def build_dataset_cache(
                         data_cfg.repeats, data_cfg.flip, stats)
 
 
-def _build_text(cache_dir, specs, pipeline, items, device, dtype, max_len, cb, stats) -> None:
+def _build_text(cache_dir, specs, pipeline, items, device, dtype, max_len, cb, stats, singles=None) -> None:
     text_dir = cache_dir / "text"
     todo: dict[str, str] = {}
     for it in items:
@@ -220,15 +259,20 @@ def _build_text(cache_dir, specs, pipeline, items, device, dtype, max_len, cb, s
         length = spec.max_length if spec.output == "pooled" else max_len
         stage = f"encode captions ({spec.subfolder})"
         encode = encode_stacked if spec.output == "stacked" else encode_captions
+        extra = {}
+        if singles is not None:
+            f = singles.text_encoders[spec.subfolder]
+            extra["loader"] = lambda f=f: load_text_encoder_file(f, dtype, singles.tokenizer_dirs)
         per_encoder[spec.cache_key] = encode(
-            pipeline, spec, captions, device, dtype, length, progress=lambda d, t, s=stage: cb.on_progress(s, d, t)
+            pipeline, spec, captions, device, dtype, length, progress=lambda d, t, s=stage: cb.on_progress(s, d, t),
+            **extra,
         )
     for i, key in enumerate(keys):
         _atomic_save({name: outs[i] for name, outs in per_encoder.items()}, text_dir / f"{key}.safetensors")
     stats["text_built"] = len(keys)
 
 
-def _build_latents(cache_dir, family, pipeline, items, flip, device, dtype, cb, stats) -> None:
+def _build_latents(cache_dir, family, pipeline, items, flip, device, dtype, cb, stats, singles=None) -> None:
     lat_dir = cache_dir / "latents"
     todo = {}
     for it in items:
@@ -240,6 +284,7 @@ def _build_latents(cache_dir, family, pipeline, items, flip, device, dtype, cb, 
     jobs = [(it, False) for it in todo.values()] + ([(it, True) for it in todo.values()] if flip else [])
     images = (load_image_tensor(Path(it.image), it.bucket, flip=f) for it, f in jobs)
     latents = encode_images(pipeline, family, images, len(jobs), device, dtype,
+                            vae_loader=(lambda: load_vae_file(singles.vae, family, dtype)) if singles else None,
                             progress=lambda d, t: cb.on_progress("encode images (vae)", d, t))
     n = len(todo)
     for i, (key, it) in enumerate(todo.items()):

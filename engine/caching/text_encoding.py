@@ -61,9 +61,11 @@ def encode_captions(
     max_length: int,
     group_size: int = 32,
     progress: Callable[[int, int], None] | None = None,
+    loader: Callable[[], tuple] | None = None,
 ) -> list[torch.Tensor]:
-    """One tensor per caption ((D,) pooled or (L, D) sequence), on the CPU."""
-    tokenizer, model = load_text_encoder(pipeline, spec, dtype)
+    """One tensor per caption ((D,) pooled or (L, D) sequence), on the CPU. ``loader()`` gives the
+    (tokenizer, model) when they do not come from ``pipeline`` (single files)."""
+    tokenizer, model = loader() if loader is not None else load_text_encoder(pipeline, spec, dtype)
     results: list[torch.Tensor] = []
     try:
         for start in range(0, len(captions), group_size):

@@ -33,11 +33,12 @@ def encode_images(
     device: torch.device,
     dtype: torch.dtype,
     progress: Callable[[int, int], None] | None = None,
+    vae_loader: Callable[[], torch.nn.Module] | None = None,
 ) -> list[torch.Tensor]:
     """(3, H, W) images in [-1, 1] -> latents as the family's transformer takes them
     (``family.latents_from_vae``: Flux.1 shifted and scaled, Flux.2 patchified and normalised).
     We keep the distribution's mean (a deterministic cache)."""
-    vae = load_vae(pipeline, dtype, family.vae_class_name).to(device)
+    vae = (vae_loader() if vae_loader is not None else load_vae(pipeline, dtype, family.vae_class_name)).to(device)
     # Tiling bounds VRAM for big images (decoder/encoder activations dominate the VAE).
     vae.enable_tiling()
     latents = []

@@ -1,0 +1,65 @@
+"""Caching Flux.1 from the single files ComfyUI users have (clip_l, t5xxl, ae.safetensors), without a
+diffusers pipeline folder: the cache equals the pipeline folder's."""
+import pytest
+import torch
+
+from lowvram_lora.engine.caching import build_dataset_cache
+from lowvram_lora.engine.config import DataConfig, ModelConfig
+from lowvram_lora.engine.errors import ModelLoadError
+from lowvram_lora.engine.testing import make_tiny_dataset, write_flux1_single_files
+
+
+@pytest.fixture(scope="module")
+def files(tiny_pipeline, tmp_path_factory):
+    return write_flux1_single_files(tiny_pipeline, tmp_path_factory.mktemp("te") / "text_encoders")
+
+
+def _cache(model_cfg, root, data):
+    return build_dataset_cache(model_cfg, DataConfig(path=str(data), resolution=128, bucket_step=32), root)
+
+
+def test_single_files_cache_equals_the_pipeline_folder(tiny_pipeline, tiny_single_file, files, tmp_path):
+    data = make_tiny_dataset(tmp_path / "data", count=2)
+    ref = _cache(ModelConfig(transformer_path=str(tiny_pipeline)), tmp_path / "c1", data)
+    # the two text-encoder files in either order; the transformer a single file too
+    got = _cache(ModelConfig(transformer_path=str(tiny_single_file), text_encoder_files=(str(files["t5xxl"]),
+                                                                                          str(files["clip_l"])),
+                             vae_file=str(files["vae"])), tmp_path / "c2", data)
+    assert (got.family, got.variant) == ("flux1", "flux1-tiny")
+    for a, b in zip(ref.items, got.items):
+        (la, ea), (lb, eb) = ref.load_item(a), got.load_item(b)
+        torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-5)
+        assert set(ea) == set(eb) == {"prompt_embeds", "pooled_prompt_embeds"}
+        for k in ea:
+            torch.testing.assert_close(eb[k], ea[k], rtol=1e-5, atol=1e-5)
+
+
+def test_missing_tokenizer_names_both_places(tiny_pipeline, tiny_single_file, tmp_path):
+    bare = write_flux1_single_files(tiny_pipeline, tmp_path / "bare", with_tokenizers=False)
+    data = make_tiny_dataset(tmp_path / "data", count=1)
+    with pytest.raises(ModelLoadError, match=r"no tokenizer for 'clip_l.safetensors'.*bare/clip_l/.*ComfyUI"):
+        _cache(ModelConfig(transformer_path=str(tiny_single_file), text_encoder_files=(str(bare["clip_l"]),
+                                                                                        str(bare["t5xxl"])),
+                           vae_file=str(bare["vae"])), tmp_path / "c", data)
+    # a fallback tokenizer folder (what the ComfyUI node passes: its bundled ones) is used when given
+    cache = _cache(ModelConfig(transformer_path=str(tiny_single_file),
+                               text_encoder_files=(str(bare["clip_l"]), str(bare["t5xxl"])), vae_file=str(bare["vae"]),
+                               tokenizer_dirs={"clip_l": str(tiny_pipeline / "tokenizer"),
+                                               "t5xxl": str(tiny_pipeline / "tokenizer_2")}),
+                   tmp_path / "c3", data)
+    assert len(cache.items) == 1
+
+
+def test_wrong_or_incomplete_files_are_named(tiny_single_file, files, tmp_path):
+    data = make_tiny_dataset(tmp_path / "data", count=1)
+    with pytest.raises(ModelLoadError, match="missing: t5xxl"):
+        _cache(ModelConfig(transformer_path=str(tiny_single_file), text_encoder_files=(str(files["clip_l"]),),
+                           vae_file=str(files["vae"])), tmp_path / "c", data)
+    with pytest.raises(ModelLoadError, match="same kind"):
+        _cache(ModelConfig(transformer_path=str(tiny_single_file),
+                           text_encoder_files=(str(files["clip_l"]), str(files["clip_l"])),
+                           vae_file=str(files["vae"])), tmp_path / "c", data)
+    with pytest.raises(ModelLoadError, match="neither a CLIP-L nor a T5-XXL"):
+        _cache(ModelConfig(transformer_path=str(tiny_single_file),
+                           text_encoder_files=(str(tiny_single_file), str(files["t5xxl"])),
+                           vae_file=str(files["vae"])), tmp_path / "c", data)
