@@ -82,7 +82,11 @@ def comfy_tokenizer_dirs() -> dict[str, str]:
         import comfy  # type: ignore[import-not-found]
     except ImportError:
         return {}
-    root = Path(comfy.__file__).resolve().parent
+    # ComfyUI's comfy/ is a namespace package (no __init__.py, so no __file__): take its path.
+    paths = list(getattr(comfy, "__path__", [])) or ([str(Path(comfy.__file__).parent)] if comfy.__file__ else [])
+    if not paths:
+        return {}
+    root = Path(paths[0]).resolve()
     dirs = {"clip_l": root / "sd1_tokenizer", "t5xxl": root / "text_encoders" / "t5_tokenizer"}
     return {k: str(v) for k, v in dirs.items() if v.is_dir()}
 
