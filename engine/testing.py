@@ -339,3 +339,42 @@ def write_flux1_single_files(pipeline_folder: str | Path, folder: str | Path, wi
     shutil.copy(pipeline_folder / "vae" / "config.json", folder / "ae" / "config.json")
     out["vae"] = folder / "ae.safetensors"
     return out
+
+
+def write_flux2_text_and_vae_files(pipeline_folder: str | Path, folder: str | Path) -> dict:
+    """The tiny Flux.2 pipeline's text encoder and VAE as single files in ComfyUI's layout: the decoder's
+    weights under ``model.`` names (as ``mistral_3_small_flux2_bf16.safetensors`` has them; the vision tower
+    and lm_head are not in such files), with a companion folder holding the tiny config and tokenizer; the
+    VAE with BFL/LDM names plus ``bn.*``."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    pipeline_folder, folder = Path(pipeline_folder), Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {}
+    for f in sorted((pipeline_folder / "text_encoder").glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    lm = {}
+    for k, v in state.items():
+        for prefix in ("model.language_model.", "language_model.model.", "model."):
+            if k.startswith(prefix) and "vision" not in k and "multi_modal" not in k:
+                lm["model." + k[len(prefix):]] = v.contiguous()
+                break
+    save_file(lm, str(folder / "text_encoder.safetensors"))
+    companion = folder / "text_encoder"
+    shutil.copytree(pipeline_folder / "tokenizer", companion)
+    shutil.copy(pipeline_folder / "text_encoder" / "config.json", companion / "config.json")
+    vae_config = json.loads((pipeline_folder / "vae" / "config.json").read_text())
+    vstate = {}
+    for f in sorted((pipeline_folder / "vae").glob("*.safetensors")):
+        vstate.update(load_file(str(f)))
+    ldm = {}
+    for k, v in vstate.items():
+        key = _ldm_vae_key(k, len(vae_config["block_out_channels"]))
+        ldm[key] = (v[:, :, None, None] if ".mid.attn_1." in key and key.endswith(".weight") and v.ndim == 2
+                    else v).contiguous()
+    save_file(ldm, str(folder / "flux2-vae.safetensors"))
+    (folder / "flux2-vae").mkdir(exist_ok=True)  # the tiny VAE's exact config (e.g. its 128 px tile size)
+    shutil.copy(pipeline_folder / "vae" / "config.json", folder / "flux2-vae" / "config.json")
+    return {"text_encoder": folder / "text_encoder.safetensors", "vae": folder / "flux2-vae.safetensors"}

@@ -36,8 +36,9 @@ class LowVRAMCacheTextEmbeds:
                                "tokenizer_2, vae. Flux.2-dev: text_encoder (Mistral-Small 3.x 24B; only layers 0-29 "
                                "are ever read), tokenizer, vae (AutoencoderKLFlux2). Flux.2 klein: text_encoder "
                                "(Qwen3 4B/8B), tokenizer, vae. '(from checkpoint)' works when the checkpoint is "
-                               "itself a pipeline folder. Flux.1 only: '(single files below)' uses the "
-                               "text_encoder_1/2 and vae_file inputs instead (clip_l, t5xxl, ae.safetensors).",
+                               "itself a pipeline folder. '(single files below)' uses the text_encoder_1/2 and "
+                               "vae_file inputs instead (Flux.1: clip_l, t5xxl, ae.safetensors; Flux.2: the "
+                               "Mistral or Qwen3 file and the Flux.2 VAE).",
                 }),
                 "dataset_path": ("STRING", {
                     "default": "",
@@ -74,18 +75,21 @@ class LowVRAMCacheTextEmbeds:
                 # Last: UI-format workflows store widget values by position.
                 "text_encoder_1": ([NONE] + list_files(TEXT_ENCODER_FOLDERS), {
                     "default": NONE,
-                    "tooltip": "With text_encoders '(single files below)', Flux.1: clip_l.safetensors or "
+                    "tooltip": "With text_encoders '(single files below)'. Flux.1: clip_l.safetensors or "
                                "t5xxl_fp16.safetensors (fp8 / scaled fp8 too) from models/text_encoders; the two "
-                               "inputs may be in either order. Tokenizers: inside ComfyUI its bundled ones; else a "
-                               "folder named like the file (without .safetensors) beside it.",
+                               "inputs may be in either order; tokenizers: inside ComfyUI its bundled ones, else a "
+                               "folder named like the file (without .safetensors) beside it. Flux.2: the Mistral "
+                               "(dev) or Qwen3 (klein) file here and text_encoder_2 '(none)'; its tokenizer files "
+                               "must be in that folder beside it (the tokenizer embedded in ComfyUI's Mistral file "
+                               "is not read yet).",
                 }),
                 "text_encoder_2": ([NONE] + list_files(TEXT_ENCODER_FOLDERS), {
                     "default": NONE, "tooltip": "The other Flux.1 text encoder file (see text_encoder_1).",
                 }),
                 "vae_file": ([NONE] + list_files(VAE_FOLDERS), {
                     "default": NONE,
-                    "tooltip": "With text_encoders '(single files below)': the Flux.1 VAE file from models/vae "
-                               "(ae.safetensors, BFL names).",
+                    "tooltip": "With text_encoders '(single files below)': the VAE file from models/vae "
+                               "(Flux.1 ae.safetensors, or the Flux.2 VAE; BFL names).",
                 }),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},

@@ -59,7 +59,31 @@ def test_wrong_or_incomplete_files_are_named(tiny_single_file, files, tmp_path):
         _cache(ModelConfig(transformer_path=str(tiny_single_file),
                            text_encoder_files=(str(files["clip_l"]), str(files["clip_l"])),
                            vae_file=str(files["vae"])), tmp_path / "c", data)
-    with pytest.raises(ModelLoadError, match="neither a CLIP-L nor a T5-XXL"):
+    with pytest.raises(ModelLoadError, match="neither a CLIP-L, a T5-XXL nor a Mistral"):
         _cache(ModelConfig(transformer_path=str(tiny_single_file),
                            text_encoder_files=(str(tiny_single_file), str(files["t5xxl"])),
                            vae_file=str(files["vae"])), tmp_path / "c", data)
+
+
+def test_flux2_single_files_cache_equals_the_pipeline_folder(tiny_flux2, tmp_path):
+    """Flux.2 from single files: the Mistral text encoder under ComfyUI's model.* names with a companion
+    tokenizer folder, and the Flux.2 VAE with LDM names + bn.* (diffusers has no single-file loader for it)."""
+    from lowvram_lora.engine.testing import write_flux2_single_file, write_flux2_text_and_vae_files
+
+    files = write_flux2_text_and_vae_files(tiny_flux2, tmp_path / "files")
+    transformer = write_flux2_single_file(tiny_flux2, tmp_path / "files" / "flux2_fp8mixed.safetensors", comfy_fp8=True)
+    data = make_tiny_dataset(tmp_path / "data", count=2)
+    ref = _cache(ModelConfig(transformer_path=str(tiny_flux2)), tmp_path / "c1", data)
+    got = _cache(ModelConfig(transformer_path=str(transformer), text_encoder_files=(str(files["text_encoder"]),),
+                             vae_file=str(files["vae"])), tmp_path / "c2", data)
+    assert (got.family, got.variant) == ("flux2", "flux2-tiny")
+    for a, b in zip(ref.items, got.items):
+        (la, ea), (lb, eb) = ref.load_item(a), got.load_item(b)
+        torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(eb["prompt_embeds"], ea["prompt_embeds"], rtol=1e-5, atol=1e-5)
+    for f in files["text_encoder"].with_suffix("").iterdir():  # keep the config, drop the tokenizer files
+        if f.name != "config.json":
+            f.unlink()
+    with pytest.raises(ModelLoadError, match=r"no tokenizer for 'text_encoder.safetensors'.*files/text_encoder/"):
+        _cache(ModelConfig(transformer_path=str(transformer), text_encoder_files=(str(files["text_encoder"]),),
+                           vae_file=str(files["vae"])), tmp_path / "c3", data)

@@ -33,7 +33,8 @@ from ..models import resolve_device, resolve_dtype, resolve_transformer_source
 from ..models.transformer_loading import identify_diffusers_folder
 from .hashing import path_identity, sha256_file, stable_hash
 from .text_encoding import encode_captions
-from .single_files import load_text_encoder_file, load_vae_file, sources_for_flux1
+from .single_files import (decoder_lm_source, load_text_encoder_file, load_vae_file, sources_for_flux1,
+                           sources_for_flux2)
 from .stacked_text import encode_stacked
 from .vae_encoding import encode_images
 
@@ -102,19 +103,20 @@ def _single_file_sources(model_cfg: ModelConfig):
 
     info = inspect_transformer(model_cfg)
     family = get_family(info.family)
-    if family.id != "flux1":
-        raise ModelLoadError(
-            f"single-file text encoders and VAE are supported for Flux.1 only so far; for {family.display_name} "
-            f"pick its diffusers pipeline folder in text_encoders")
-    singles = sources_for_flux1([Path(p) for p in model_cfg.text_encoder_files],
-                                Path(model_cfg.vae_file) if model_cfg.vae_file else None,
-                                {k: Path(v) for k, v in (model_cfg.tokenizer_dirs or {}).items()})
+    files = [Path(p) for p in model_cfg.text_encoder_files]
+    vae = Path(model_cfg.vae_file) if model_cfg.vae_file else None
+    if family.id == "flux2":
+        singles = sources_for_flux2(files, vae)
+    else:
+        singles = sources_for_flux1(files, vae, {k: Path(v) for k, v in (model_cfg.tokenizer_dirs or {}).items()})
     return Path(model_cfg.transformer_path), singles, family, info.variant
 
 
 def _tokenizer_identity(f: Path, spec, singles) -> str:
-    from .single_files import FLUX1_SPEC_FOR_KIND, _tokenizer_dir
+    from .single_files import FLUX1_SPEC_FOR_KIND, _tokenizer_dir, companion_dir
 
+    if spec.output == "stacked":  # Flux.2: the companion folder holds tokenizer (and maybe config)
+        return path_identity(companion_dir(f))
     kind = next(k for k, sub in FLUX1_SPEC_FOR_KIND.items() if sub == spec.subfolder)
     return path_identity(_tokenizer_dir(f, kind, singles.tokenizer_dirs))
 
@@ -260,7 +262,9 @@ def _build_text(cache_dir, specs, pipeline, items, device, dtype, max_len, cb, s
         stage = f"encode captions ({spec.subfolder})"
         encode = encode_stacked if spec.output == "stacked" else encode_captions
         extra = {}
-        if singles is not None:
+        if singles is not None and spec.output == "stacked":
+            extra["source"] = decoder_lm_source(singles.text_encoders[spec.subfolder])
+        elif singles is not None:
             f = singles.text_encoders[spec.subfolder]
             extra["loader"] = lambda f=f: load_text_encoder_file(f, dtype, singles.tokenizer_dirs)
         per_encoder[spec.cache_key] = encode(

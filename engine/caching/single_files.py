@@ -29,7 +29,7 @@ from safetensors import safe_open
 from .. import families
 from ..errors import ModelLoadError
 
-CLIP_L, T5XXL = "clip_l", "t5xxl"
+CLIP_L, T5XXL, DECODER_LM = "clip_l", "t5xxl", "decoder_lm"  # decoder_lm: Flux.2's Mistral3 / Qwen3
 #: Flux.1's text-encoder specs by subfolder (families/flux1.py) and the file kind that fills each.
 FLUX1_SPEC_FOR_KIND = {CLIP_L: "text_encoder", T5XXL: "text_encoder_2"}
 _PREFIXES = ("text_encoders.clip_l.transformer.", "text_encoders.t5xxl.transformer.", "clip_l.transformer.",
@@ -63,18 +63,62 @@ def text_encoder_kind(path: Path) -> str:
     if any("encoder.block.0.layer.0.SelfAttention" in k for k in keys):
         return T5XXL
     if any(".self_attn.q_proj." in k for k in keys):
+        return DECODER_LM
+    raise ModelLoadError(f"'{path}' is neither a CLIP-L, a T5-XXL nor a Mistral/Qwen3 text encoder (first tensors: "
+                         f"{', '.join(sorted(keys)[:3])}); Flux.1 needs clip_l.safetensors and t5xxl_fp16.safetensors, "
+                         f"Flux.2 its Mistral (dev) or Qwen3 (klein) file")
+
+
+def sources_for_flux2(files: list[Path], vae: Path | None) -> SingleFileSources:
+    """Flux.2: one decoder-LLM file (Mistral-Small 24B for dev, Qwen3 for klein) and the Flux.2 VAE file."""
+    kinds = [(f, text_encoder_kind(f)) for f in files]
+    lms = [f for f, k in kinds if k == DECODER_LM]
+    if len(lms) != 1 or len(kinds) != 1:
+        raise ModelLoadError("Flux.2 needs exactly one text-encoder file: the Mistral-Small 3.x file for dev "
+                             "(mistral_3_small_flux2_bf16.safetensors) or the Qwen3 file for klein; got "
+                             + (", ".join(f"{f.name} ({k})" for f, k in kinds) or "none"))
+    if vae is None:
+        raise ModelLoadError("caching from single files also needs the Flux.2 VAE file (models/vae)")
+    return SingleFileSources({"text_encoder": lms[0]}, vae)
+
+
+def decoder_lm_source(path: Path) -> tuple[list[Path], object, Path]:
+    """(weight files, text config, tokenizer folder) of a single-file Flux.2 text encoder. The config is the
+    companion folder's ``config.json`` or the shipped one of the real model with this width (Mistral-Small
+    3.x 24B: 5120; Qwen3-4B: 2560; Qwen3-8B: 4096). ComfyUI's Mistral file embeds a tekken tokenizer, which
+    is not converted here: the tokenizer files go in the companion folder."""
+    from transformers import AutoConfig
+
+    own = companion_dir(path)
+    if (own / "config.json").exists():
+        config = AutoConfig.from_pretrained(own, local_files_only=True)
+        config = getattr(config, "text_config", None) or config
+    else:
+        with safe_open(str(path), framework="pt") as f:
+            embed = next((k for k in f.keys() if k.endswith("embed_tokens.weight")), None)
+            width = f.get_slice(embed).get_shape()[1] if embed else None
+        name = {5120: "mistral3-small-24b", 2560: "qwen3-4b", 4096: "qwen3-8b"}.get(width)
+        if name is None:
+            raise ModelLoadError(f"'{path}': no known Flux.2 text encoder has width {width}; put its config.json in "
+                                 f"'{own}/'")
+        with resources.as_file(resources.files(families).joinpath("configs", "text", f"{name}.json")) as cfg:
+            config = AutoConfig.from_pretrained(cfg, local_files_only=True)
+    if not (own.is_dir() and any((own / n).exists() for n in _TOKENIZER_FILES)):
         raise ModelLoadError(
-            f"'{path}' is a decoder LLM text encoder (Mistral/Qwen3, Flux.2); single-file Flux.2 text encoders are "
-            f"not supported yet: pick the Flux.2 diffusers pipeline folder in text_encoders")
-    raise ModelLoadError(f"'{path}' is neither a CLIP-L nor a T5-XXL text encoder (first tensors: "
-                         f"{', '.join(sorted(keys)[:3])}); Flux.1 needs clip_l.safetensors and t5xxl_fp16.safetensors")
+            f"no tokenizer for '{path.name}': put the text encoder's tokenizer files (tokenizer.json, "
+            f"tokenizer_config.json with its chat template) in '{own}/' (the tekken tokenizer embedded in ComfyUI's "
+            f"Mistral file is not read yet), or use the Flux.2 diffusers pipeline folder")
+    return [path], config, own
 
 
 def sources_for_flux1(files: list[Path], vae: Path | None, tokenizer_dirs: dict[str, Path] | None = None
                       ) -> SingleFileSources:
     by_spec: dict[str, Path] = {}
     for f in files:
-        spec = FLUX1_SPEC_FOR_KIND[text_encoder_kind(f)]
+        kind = text_encoder_kind(f)
+        if kind not in FLUX1_SPEC_FOR_KIND:
+            raise ModelLoadError(f"'{f.name}' is a Flux.2 (Mistral/Qwen3) text encoder; Flux.1 needs clip_l and t5xxl")
+        spec = FLUX1_SPEC_FOR_KIND[kind]
         if spec in by_spec:
             raise ModelLoadError(f"'{by_spec[spec]}' and '{f}' are the same kind of text encoder; Flux.1 needs one "
                                  f"CLIP-L and one T5-XXL file")
@@ -142,13 +186,60 @@ def load_text_encoder_file(path: Path, dtype: torch.dtype, tokenizer_dirs: dict[
     return tokenizer, model.requires_grad_(False).eval()
 
 
+def _load_flux2_vae_file(path: Path, dtype: torch.dtype):
+    """Flux.2's VAE from its single file: the same LDM names as Flux.1's ae.safetensors (what ComfyUI's
+    comfy/sd.py reads) plus the latent BatchNorm (``bn.*``), 32 latent channels, and in some releases a
+    smaller decoder (``full_encoder_small_decoder``). diffusers 0.42 has no single-file loader for
+    ``AutoencoderKLFlux2``: its LDM key conversion (``convert_ldm_vae_checkpoint``) is reused and the
+    config is read off the tensor shapes."""
+    from diffusers import AutoencoderKLFlux2
+    from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
+
+    with safe_open(str(path), framework="pt") as f:
+        sd = {k: f.get_tensor(k) for k in f.keys()}
+    sd = {("quant_conv." + k[len("encoder.quant_conv."):] if k.startswith("encoder.quant_conv.") else
+           "post_quant_conv." + k[len("decoder.post_quant_conv."):] if k.startswith("decoder.post_quant_conv.") else k): v
+          for k, v in sd.items()}
+    if "bn.running_mean" not in sd or "encoder.conv_in.weight" not in sd:
+        raise ModelLoadError(f"'{path}' is not a Flux.2 VAE file (expected encoder.conv_in and bn.running_mean)")
+    enc_levels = 1 + max(int(k.split(".")[2]) for k in sd if k.startswith("encoder.down."))
+    dec_levels = 1 + max(int(k.split(".")[2]) for k in sd if k.startswith("decoder.up."))
+    ch = sd["encoder.conv_in.weight"].shape[0]
+    mult = [sd[f"encoder.down.{i}.block.0.conv1.weight"].shape[0] // ch for i in range(enc_levels)]
+    dec_ch = sd["decoder.conv_in.weight"].shape[0] // mult[-1]
+    config = {
+        "in_channels": 3, "out_channels": 3, "latent_channels": sd["decoder.conv_in.weight"].shape[1],
+        "block_out_channels": [ch * m for m in mult],
+        "decoder_block_out_channels": [dec_ch * m for m in mult[:dec_levels]],
+        "down_block_types": ["DownEncoderBlock2D"] * enc_levels, "up_block_types": ["UpDecoderBlock2D"] * dec_levels,
+        "layers_per_block": 1 + max(int(k.split(".")[4]) for k in sd if k.startswith("encoder.down.0.block.")),
+        "norm_num_groups": 32 if sd["encoder.norm_out.weight"].shape[0] % 32 == 0 else 4,
+        "use_quant_conv": "quant_conv.weight" in sd, "use_post_quant_conv": "post_quant_conv.weight" in sd,
+    }
+    own = companion_dir(path)
+    if (own / "config.json").exists():  # an exact config beside the file wins over the inferred one
+        import json
+
+        config.update({k: v for k, v in json.loads((own / "config.json").read_text()).items() if not k.startswith("_")})
+    with torch.device("meta"):
+        vae = AutoencoderKLFlux2(**config)
+    state = convert_ldm_vae_checkpoint(sd, vae.config)
+    state.update({k: v for k, v in sd.items() if k.startswith(("bn.", "quant_conv.", "post_quant_conv."))})
+    missing, unexpected = vae.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in missing if not k.endswith("num_batches_tracked")]
+    if missing or unexpected:
+        raise ModelLoadError(f"'{path}' does not fit the Flux.2 VAE (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    if vae.bn.num_batches_tracked.is_meta:
+        vae.bn.num_batches_tracked = torch.zeros((), dtype=torch.long)
+    return vae.to(dtype).requires_grad_(False).eval()
+
+
 def load_vae_file(path: Path, family, dtype: torch.dtype):
-    """The family's VAE from a BFL/LDM single file (ComfyUI's models/vae/ae.safetensors)."""
+    """The family's VAE from a BFL/LDM single file (ComfyUI's models/vae/ae.safetensors; Flux.2's VAE file)."""
     from diffusers import AutoencoderKL
 
-    if family.vae_class_name != "AutoencoderKL":
-        raise ModelLoadError(f"'{path}': single-file {family.display_name} VAEs are not supported yet; pick the "
-                             f"{family.display_name} diffusers pipeline folder in text_encoders (it holds vae/)")
+    if family.vae_class_name == "AutoencoderKLFlux2":
+        return _load_flux2_vae_file(path, dtype)
     own = companion_dir(path)
     try:
         if (own / "config.json").exists():

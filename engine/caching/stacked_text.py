@@ -75,14 +75,16 @@ class _ShardedWeights:
             return h.get_tensor(key).to(device=device, dtype=dtype)
 
 
-def load_truncated_decoder(encoder_dir: Path, num_layers: int, dtype: torch.dtype):
-    """(decoder with ``num_layers`` layers on meta but its embeddings, weights) for layer-major use."""
+def load_truncated_decoder(encoder_dir: Path, num_layers: int, dtype: torch.dtype,
+                           files: list[Path] | None = None, config=None):
+    """(decoder with ``num_layers`` layers on meta but its embeddings, weights) for layer-major use.
+    ``files`` + ``config`` replace the folder's shards and config.json (single-file encoders)."""
     from transformers import AutoModel
 
-    files = sorted(encoder_dir.glob("*.safetensors"))
+    files = files or sorted(encoder_dir.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"text encoder folder '{encoder_dir}' has no .safetensors weights (pickles are never loaded)")
-    config = _text_config(encoder_dir)
+    config = config if config is not None else _text_config(encoder_dir)
     if num_layers > config.num_hidden_layers:
         raise ModelLoadError(f"'{encoder_dir}' has {config.num_hidden_layers} layers; Flux.2 needs {num_layers}")
     config.num_hidden_layers = num_layers
@@ -177,15 +179,21 @@ def encode_stacked(
     dtype: torch.dtype,
     max_length: int,
     progress: Callable[[int, int], None] | None = None,
+    source: tuple | None = None,
 ) -> list[torch.Tensor]:
-    """One (max_length, len(hidden_layers) * width) tensor per caption, on the CPU."""
+    """One (max_length, len(hidden_layers) * width) tensor per caption, on the CPU. ``source`` =
+    (weight files, text config, tokenizer folder) for a single-file encoder instead of the pipeline's."""
     encoder_dir, tokenizer_dir = pipeline / spec.subfolder, pipeline / spec.tokenizer_subfolder
-    if not (encoder_dir / "config.json").exists():
+    files, config = None, None
+    if source is not None:
+        files, config, tokenizer_dir = source
+        encoder_dir = files[0]
+    elif not (encoder_dir / "config.json").exists():
         raise ModelLoadError(f"text encoder folder '{encoder_dir}' is missing; caching Flux.2 captions needs the "
                              f"pipeline's {spec.subfolder}/ (Mistral3 for dev, Qwen3 for klein)")
     tokenizer = load_tokenizer(tokenizer_dir)
     last = max(spec.hidden_layers)
-    model, weights = load_truncated_decoder(encoder_dir, last, dtype)
+    model, weights = load_truncated_decoder(encoder_dir, last, dtype, files, config)
     width = model.config.hidden_size
     per_caption = max_length * width * 2  # one hidden state, bf16
     group = max(1, int(_GROUP_BYTES // (per_caption * 4)))
