@@ -378,3 +378,44 @@ def write_flux2_text_and_vae_files(pipeline_folder: str | Path, folder: str | Pa
     (folder / "flux2-vae").mkdir(exist_ok=True)  # the tiny VAE's exact config (e.g. its 128 px tile size)
     shutil.copy(pipeline_folder / "vae" / "config.json", folder / "flux2-vae" / "config.json")
     return {"text_encoder": folder / "text_encoder.safetensors", "vae": folder / "flux2-vae.safetensors"}
+
+
+def tiny_tekken_json() -> bytes:
+    """A tiny but well-formed tekken.json (Mistral's tokenizer format): the 256 byte tokens, three merges,
+    and Mistral's special tokens in their real ranks (<pad> = 11, [SYSTEM_PROMPT] = 17)."""
+    import base64
+
+    specials = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+                "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "<pad>", "[IMG_BREAK]", "[IMG_END]",
+                "[PREFIX]", "[MIDDLE]", "[SUFFIX]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"]
+    vocab = [{"rank": i, "token_bytes": base64.b64encode(bytes([i])).decode(), "token_str": None} for i in range(256)]
+    for j, w in enumerate((b"a ", b"ca", b"cat")):
+        vocab.append({"rank": 256 + j, "token_bytes": base64.b64encode(w).decode(), "token_str": None})
+    pattern = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?"
+               r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|"
+               r"\s*[\r\n]+|\s+(?!\S)|\s+")
+    return json.dumps({"config": {"pattern": pattern, "default_vocab_size": len(vocab) + len(specials),
+                                  "default_num_special_tokens": len(specials)},
+                       "vocab": vocab,
+                       "special_tokens": [{"rank": i, "token_str": t, "is_control": True}
+                                          for i, t in enumerate(specials)]}).encode()
+
+
+def write_comfy_mistral_file(out_file: str | Path, hidden: int = 16, layers: int = 4, seed: int = 0) -> Path:
+    """A tiny Mistral text encoder as ComfyUI ships ``mistral_3_small_flux2_bf16.safetensors``: ``model.``
+    names and the tekken tokenizer embedded as a uint8 ``tekken_model`` tensor; its tiny config in the
+    companion folder (the real file needs none: the shipped Mistral-Small config fits it)."""
+    lm = _tiny_decoder_lm("mistral3", 278, hidden, layers, seed)  # 278 = tiny tekken's vocabulary
+    state = {}
+    for k, v in lm.state_dict().items():
+        if k.startswith("model.language_model."):
+            state["model." + k[len("model.language_model."):]] = v.contiguous()
+    state["tekken_model"] = torch.tensor(list(tiny_tekken_json()), dtype=torch.uint8)
+    out_file = Path(out_file)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out_file))
+    companion = out_file.with_suffix("")
+    companion.mkdir(exist_ok=True)
+    (companion / "config.json").write_text(lm.config.to_json_string())
+    lm.save_pretrained(companion.parent / (companion.name + "-full"), safe_serialization=True)  # the reference
+    return out_file

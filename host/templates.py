@@ -229,7 +229,8 @@ def flux1_dev_lora() -> tuple[list[NodeSpec], list[NoteSpec]]:
 def flux2_dev_lora() -> tuple[list[NodeSpec], list[NoteSpec]]:
     nodes = _train_graph(
         load={"checkpoint": "flux2_dev_fp8mixed.safetensors", "family": "flux2", "precision": "int8 slab"},
-        cache={"text_encoders": "diffusers/FLUX.2-dev", "dataset_path": "my_subject", "resolution": 1024},
+        cache={"text_encoders": "(single files below)", "dataset_path": "my_subject", "resolution": 1024,
+               "text_encoder_1": "mistral_3_small_flux2_bf16.safetensors", "vae_file": "flux2-vae.safetensors"},
         offload={"mode": "auto", "vram_budget_gb": 8.5},
         train={"steps": 1500, "learning_rate": 1e-4, "rank": 16, "alpha": 16.0, "warmup_steps": 0,
                "training_seed": 42},
@@ -241,8 +242,9 @@ def flux2_dev_lora() -> tuple[list[NodeSpec], list[NoteSpec]]:
         "1024, 6.3 GB at 512).\n\nFiles:\n"
         "- models/diffusion_models/flux2_dev_fp8mixed.safetensors (ComfyUI's file; flux2-dev.safetensors in bf16 "
         "works too). precision 'int8 slab' builds a 32 GB int8 slab once into models/slabs.\n"
-        "- models/diffusers/FLUX.2-dev/: text_encoder (Mistral-Small 3.x 24B; only layers 0-29 are read, one at a "
-        "time), tokenizer, vae. Single-file text encoders are not supported yet.\n"
+        "- models/text_encoders/mistral_3_small_flux2_bf16.safetensors (ComfyUI's file, or its pruned 30-layer "
+        "version; only layers 0-29 are read, one at a time; its embedded tokenizer is used) and "
+        "models/vae/flux2-vae.safetensors. Or set text_encoders to a diffusers folder (models/diffusers/FLUX.2-dev).\n"
         "- input/my_subject/: your images with same-name .txt captions.\n\n"
         "Memory: blocks stream from pinned host RAM (~35 GB free RAM for the int8 slab). The LoRA loads in ComfyUI "
         "versions with Flux.2 support (0.33 checked)."), (40, 420))]

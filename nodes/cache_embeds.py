@@ -79,9 +79,9 @@ class LowVRAMCacheTextEmbeds:
                                "t5xxl_fp16.safetensors (fp8 / scaled fp8 too) from models/text_encoders; the two "
                                "inputs may be in either order; tokenizers: inside ComfyUI its bundled ones, else a "
                                "folder named like the file (without .safetensors) beside it. Flux.2: the Mistral "
-                               "(dev) or Qwen3 (klein) file here and text_encoder_2 '(none)'; its tokenizer files "
-                               "must be in that folder beside it (the tokenizer embedded in ComfyUI's Mistral file "
-                               "is not read yet).",
+                               "(dev, mistral_3_small_flux2_bf16.safetensors: its embedded tokenizer is used) or "
+                               "Qwen3 (klein: tokenizer files in that folder beside it) file here, and "
+                               "text_encoder_2 '(none)'.",
                 }),
                 "text_encoder_2": ([NONE] + list_files(TEXT_ENCODER_FOLDERS), {
                     "default": NONE, "tooltip": "The other Flux.1 text encoder file (see text_encoder_1).",

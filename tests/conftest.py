@@ -69,9 +69,10 @@ def models_with_empty_files(tmp_path):
         (models / "diffusion_models" / name).write_bytes(b"")
     (models / "text_encoders").mkdir(parents=True)
     (models / "vae").mkdir(parents=True)
-    for name in ("clip_l.safetensors", "t5xxl_fp16.safetensors"):
+    for name in ("clip_l.safetensors", "t5xxl_fp16.safetensors", "mistral_3_small_flux2_bf16.safetensors"):
         (models / "text_encoders" / name).write_bytes(b"")
-    (models / "vae" / "ae.safetensors").write_bytes(b"")
+    for name in ("ae.safetensors", "flux2-vae.safetensors"):
+        (models / "vae" / name).write_bytes(b"")
     for name in ("FLUX.1-dev", "flux1-tiny", "FLUX.2-dev", "FLUX.2-klein-base-4B"):
         (models / "diffusers" / name).mkdir(parents=True)
         (models / "diffusers" / name / "model_index.json").write_text("{}")

@@ -87,3 +87,34 @@ def test_flux2_single_files_cache_equals_the_pipeline_folder(tiny_flux2, tmp_pat
     with pytest.raises(ModelLoadError, match=r"no tokenizer for 'text_encoder.safetensors'.*files/text_encoder/"):
         _cache(ModelConfig(transformer_path=str(transformer), text_encoder_files=(str(files["text_encoder"]),),
                            vae_file=str(files["vae"])), tmp_path / "c3", data)
+
+
+def test_comfyui_mistral_file_with_its_embedded_tekken_tokenizer(tiny_flux2, tmp_path):
+    """ComfyUI's Mistral file carries its tokenizer as a tekken_model tensor: it is converted with
+    transformers' tekken converter, laid out as Mistral's chat format (<s>[SYSTEM_PROMPT]..[/SYSTEM_PROMPT]
+    [INST]..[/INST], left-padded with <pad> = 11), and the layer-major result equals diffusers' own encode
+    with that tokenizer and the full model."""
+    import transformers
+    from diffusers.pipelines.flux2.pipeline_flux2 import Flux2Pipeline
+
+    from lowvram_lora.engine.caching.single_files import decoder_lm_source
+    from lowvram_lora.engine.caching.stacked_text import encode_stacked
+    from lowvram_lora.engine.families import get_family
+    from lowvram_lora.engine.testing import write_comfy_mistral_file
+
+    path = write_comfy_mistral_file(tmp_path / "text_encoders" / "mistral_tiny.safetensors")
+    files, config, tokenizer = decoder_lm_source(path)
+    assert not isinstance(tokenizer, type(path)) and tokenizer.pad_token_id == 11
+    spec = get_family("flux2").text_encoder_specs("flux2-tiny")[0]
+    prompts = ["a cat", "a red cat on a mat"]
+    got = encode_stacked(tmp_path, spec, prompts, torch.device("cpu"), torch.float32, 16, source=(files, config, tokenizer))
+    full = transformers.Mistral3ForConditionalGeneration.from_pretrained(tmp_path / "text_encoders" / "mistral_tiny-full",
+                                                                          use_safetensors=True)
+    ref = Flux2Pipeline._get_mistral_3_small_prompt_embeds(full, tokenizer, prompts, dtype=torch.float32,
+                                                           max_sequence_length=16, hidden_states_layers=(1, 2, 3))
+    torch.testing.assert_close(torch.stack(got), ref, rtol=1e-5, atol=1e-5)
+    ids = tokenizer.apply_chat_template([[{"role": "system", "content": [{"type": "text", "text": "s"}]},
+                                          {"role": "user", "content": [{"type": "text", "text": "a cat"}]}]],
+                                        tokenize=True, return_dict=True, padding="max_length", max_length=12)
+    tokens = tokenizer.convert_ids_to_tokens(ids["input_ids"][0])
+    assert tokens[0] == "<pad>" and tokens[tokens.index("<s>") + 1] == "[SYSTEM_PROMPT]" and tokens[-1] == "[/INST]"

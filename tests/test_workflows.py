@@ -159,17 +159,26 @@ def test_shipped_graphs_have_no_overlapping_boxes(name):
 
 
 def test_flux2_dev_workflow_runs_on_a_tiny_flux2(tmp_path, tiny_flux2, capsys):
-    """The shipped Flux.2-dev graph as a user has it (ComfyUI fp8-mixed file, int8 slab, auto), on a tiny
-    Flux.2 under the real names: only sizes and steps are overridden."""
+    """The shipped Flux.2-dev graph as a ComfyUI user has it (fp8-mixed transformer, the Mistral text-encoder
+    file with its embedded tokenizer, the VAE file; int8 slab, auto), on a tiny Flux.2 under the real names:
+    only sizes and steps are overridden."""
     import shutil
 
     from lowvram_lora.engine.lora_io import load_lora
     from lowvram_lora.engine.testing import make_tiny_dataset, write_flux2_single_file
 
+    from lowvram_lora.engine.testing import write_comfy_mistral_file, write_flux2_text_and_vae_files
+
     root = tmp_path / "root"
+    # The Mistral file as ComfyUI ships it (model.* names, tekken tokenizer embedded), 16 wide: three stacked
+    # hidden states give the tiny transformer's joint width of 48.
+    write_comfy_mistral_file(root / "models" / "text_encoders" / "mistral_3_small_flux2_bf16.safetensors")
     write_flux2_single_file(tiny_flux2, root / "models" / "diffusion_models" / "flux2_dev_fp8mixed.safetensors",
                             comfy_fp8=True)
-    shutil.copytree(tiny_flux2, root / "models" / "diffusers" / "FLUX.2-dev")
+    vae = write_flux2_text_and_vae_files(tiny_flux2, tmp_path / "vae_files")["vae"]
+    (root / "models" / "vae").mkdir(parents=True)
+    shutil.copy(vae, root / "models" / "vae" / "flux2-vae.safetensors")
+    shutil.copytree(vae.with_suffix(""), root / "models" / "vae" / "flux2-vae")  # the tiny VAE's config
     make_tiny_dataset(root / "input" / "my_subject", count=2)
     args = _args(WORKFLOWS_DIR / "flux2_dev_lora.json", root / "models", root / "output",
                  ["2.resolution=128", "4.steps=4", "4.learning_rate=0.01"])

@@ -103,12 +103,45 @@ def decoder_lm_source(path: Path) -> tuple[list[Path], object, Path]:
                                  f"'{own}/'")
         with resources.as_file(resources.files(families).joinpath("configs", "text", f"{name}.json")) as cfg:
             config = AutoConfig.from_pretrained(cfg, local_files_only=True)
-    if not (own.is_dir() and any((own / n).exists() for n in _TOKENIZER_FILES)):
-        raise ModelLoadError(
-            f"no tokenizer for '{path.name}': put the text encoder's tokenizer files (tokenizer.json, "
-            f"tokenizer_config.json with its chat template) in '{own}/' (the tekken tokenizer embedded in ComfyUI's "
-            f"Mistral file is not read yet), or use the Flux.2 diffusers pipeline folder")
-    return [path], config, own
+    if own.is_dir() and any((own / n).exists() for n in _TOKENIZER_FILES):
+        return [path], config, own
+    tekken = _embedded_tekken(path)
+    if tekken is not None:
+        return [path], config, tekken
+    raise ModelLoadError(
+        f"no tokenizer for '{path.name}': the file embeds none (ComfyUI's Mistral file carries a 'tekken_model' "
+        f"tensor; this one does not). Put the text encoder's tokenizer files (tokenizer.json, tokenizer_config.json "
+        f"with its chat template) in '{own}/', or use the Flux.2 diffusers pipeline folder")
+
+
+#: Mistral's chat layout for a system + user turn without a generation prompt, as the Mistral-Small 3.x
+#: processor renders it for Flux2Pipeline and as ComfyUI's Flux2 tokenizer writes it:
+#: ``<s>[SYSTEM_PROMPT]...[/SYSTEM_PROMPT][INST]...[/INST]``. Content may be a string or text parts.
+MISTRAL_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% set text = m['content'] if m['content'] is string else m['content'] | map(attribute='text') | join('') %}"
+    "{% if m['role'] == 'system' %}[SYSTEM_PROMPT]{{ text }}[/SYSTEM_PROMPT]"
+    "{% elif m['role'] == 'user' %}[INST]{{ text }}[/INST]{% endif %}{% endfor %}"
+)
+
+
+def _embedded_tekken(path: Path):
+    """The tekken tokenizer ComfyUI embeds in its Mistral text-encoder file (a uint8 tensor ``tekken_model``
+    holding tekken.json, comfy/sd.py), converted with transformers' ``convert_tekken_tokenizer``; None when the
+    file has none."""
+    import tempfile
+
+    with safe_open(str(path), framework="pt") as f:
+        if "tekken_model" not in f.keys():
+            return None
+        raw = bytes(f.get_tensor("tekken_model").tolist())
+    from transformers.integrations.mistral.tokenizer import convert_tekken_tokenizer
+
+    with tempfile.TemporaryDirectory(prefix="lowvram-tekken-") as tmp:
+        (Path(tmp) / "tekken.json").write_bytes(raw)
+        tokenizer = convert_tekken_tokenizer(str(Path(tmp) / "tekken.json"), chat_template=MISTRAL_CHAT_TEMPLATE)
+    tokenizer.padding_side = "left"  # as transformers' Mistral tokenizer pads (and ComfyUI's Flux2 tokenizer)
+    return tokenizer
 
 
 def sources_for_flux1(files: list[Path], vae: Path | None, tokenizer_dirs: dict[str, Path] | None = None

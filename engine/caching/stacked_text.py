@@ -191,7 +191,7 @@ def encode_stacked(
     elif not (encoder_dir / "config.json").exists():
         raise ModelLoadError(f"text encoder folder '{encoder_dir}' is missing; caching Flux.2 captions needs the "
                              f"pipeline's {spec.subfolder}/ (Mistral3 for dev, Qwen3 for klein)")
-    tokenizer = load_tokenizer(tokenizer_dir)
+    tokenizer = load_tokenizer(tokenizer_dir) if isinstance(tokenizer_dir, Path) else tokenizer_dir  # or an object
     last = max(spec.hidden_layers)
     model, weights = load_truncated_decoder(encoder_dir, last, dtype, files, config)
     width = model.config.hidden_size
