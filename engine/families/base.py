@@ -41,6 +41,15 @@ def block_lora_targets(model: nn.Module, double: tuple[str, ...], single: tuple[
                     for t in single]
 
 
+def meta_model(family: "ModelFamily", config: dict[str, Any]) -> nn.Module:
+    """The family's transformer built on the meta device (no memory): the one place models are made
+    without weights, for shape checks, footprints and loading by assignment."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        return family.transformer_class().from_config(config)
+
+
 def load_shipped_config(filename: str) -> dict[str, Any]:
     """Small transformer config JSONs ship inside the package: no hub access, ever."""
     text = resources.files(__package__).joinpath("configs", filename).read_text()

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from ..errors import ModelLoadError
 from ..families import ModelFamily, family_for_class_name, family_for_single_file, get_family
 from ..families import load_shipped_config
+from ..families.base import meta_model
 from ..families.flux1_names import BflParam, split_bfl_tensor
 
 # Prefixes seen in the wild on single-file checkpoints (ComfyUI full checkpoints,
@@ -137,10 +138,7 @@ def read_single_file_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 def expected_single_file_shapes(family: ModelFamily, config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """BFL name -> shape, derived from the diffusers model built on the meta device."""
-    from accelerate import init_empty_weights
-
-    with init_empty_weights():
-        model = family.transformer_class().from_config(config)
+    model = meta_model(family, config)
     diffusers_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     shapes = {}
     for param in family.param_table(config):
@@ -219,10 +217,7 @@ def _load_single_file(path: Path, family_id: str, dtype: torch.dtype):
     table = family.param_table(config)
     state = _read_converted_state_dict(path, table, dtype)
 
-    from accelerate import init_empty_weights
-
-    with init_empty_weights():
-        model = family.transformer_class().from_config(config)
+    model = meta_model(family, config)
     model.load_state_dict(state, strict=True, assign=True)
     return model, family, variant
 

@@ -99,8 +99,7 @@ def footprint_before_loading(model_cfg: ModelConfig, dtype: torch.dtype, lora: L
 
 def _slab_footprint(path, model_cfg: ModelConfig, dtype: torch.dtype, lora: LoraSettings):
     """An int8 slab: block Linears are Int8Linear (1 byte per weight + fp32 row scales), as loaded."""
-    from ..slab import Int8Linear
-    from ..slab.layout import block_linears, meta_model
+    from ..slab.layout import meta_model, swap_in_int8_linears
     from ..slab.load import open_slab, resolve_slab_family
 
     slab = open_slab(path, "quick")
@@ -109,10 +108,7 @@ def _slab_footprint(path, model_cfg: ModelConfig, dtype: torch.dtype, lora: Lora
     nn.Module.to(model, dtype=dtype)
     model.requires_grad_(False)
     trainable = lora_param_count(model, family, lora)  # from the float Linears' shapes, before the swap
-    for name, linear in block_linears(model, family).items():
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child,
-                Int8Linear(linear.in_features, linear.out_features, linear.bias is not None, device="meta"))
+    swap_in_int8_linears(model, family)
     variant = slab.variant
     return measure_footprint(model, family, f"{family.display_name} ({variant}, int8 slab)", trainable), family, variant
 

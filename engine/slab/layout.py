@@ -9,27 +9,32 @@ is one contiguous byte range of the file.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import nn
 
 from ..families import ModelFamily
+from ..families.base import meta_model  # noqa: F401  (re-exported: the builder lives with the families)
 
 INT8, SCALE, PLAIN = "int8_weight", "scale", "plain"
-
-
-def meta_model(family: ModelFamily, config: dict[str, Any]) -> nn.Module:
-    from accelerate import init_empty_weights
-
-    with init_empty_weights():
-        return family.transformer_class().from_config(config)
 
 
 def block_prefixes(model: nn.Module, family: ModelFamily) -> list[str]:
     """``["transformer_blocks.0", ..., "single_transformer_blocks.37"]`` in execution order."""
     names = {id(m): n for n, m in model.named_modules()}
     return [f"{names[id(blocks)]}.{i}" for blocks in family.block_lists(model) for i in range(len(blocks))]
+
+
+def swap_in_int8_linears(model: nn.Module, family: ModelFamily) -> None:
+    """Replace every Linear of the quantized set (``block_linears``) by an empty meta ``Int8Linear``
+    of the same shape: the one int8 module swap (slab loading and slab footprints)."""
+    from .int8_linear import Int8Linear
+
+    for name, linear in block_linears(model, family).items():
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child,
+                Int8Linear(linear.in_features, linear.out_features, linear.bias is not None, device="meta"))
 
 
 def block_linears(model: nn.Module, family: ModelFamily) -> dict[str, nn.Linear]:

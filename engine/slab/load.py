@@ -30,8 +30,7 @@ from .format import (
     FORMAT_VERSION, PAD_PREFIX, SLAB_FORMAT, SLAB_SUFFIX, SafetensorsFile, SlabError, dtype_name, manifest_path_for,
     sha256_range,
 )
-from .int8_linear import Int8Linear
-from .layout import INT8, PLAIN, block_linears, meta_model, slab_tensors
+from .layout import INT8, PLAIN, meta_model, slab_tensors, swap_in_int8_linears
 
 # Config keys that fix the architecture: a variant's slab must agree on all of them.
 _STRUCTURAL_KEYS = ("num_layers", "num_single_layers", "attention_head_dim", "num_attention_heads",
@@ -287,10 +286,7 @@ def load_slab_transformer(
     family = resolve_slab_family(slab, family_id, variant)
     model = meta_model(family, slab.manifest["config"])
     check_slab_fits_model(slab, model, family)
-    for name, linear in block_linears(model, family).items():
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child,
-                Int8Linear(linear.in_features, linear.out_features, linear.bias is not None, device="meta"))
+    swap_in_int8_linears(model, family)
     roles = {e["key"]: e["role"] for e in slab.manifest["tensors"]}
     from safetensors import safe_open
 
