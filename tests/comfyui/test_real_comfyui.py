@@ -180,7 +180,7 @@ def test_flux1_dev_workflow_without_its_files_fails_clearly(comfy):
 
 
 # Runs inside ComfyUI's own environment: its key map and weight patching, on our Flux.2 LoRA.
-_COMFY_FLUX2_CHECK = r'''
+_COMFY_LORA_CHECK = r'''
 import json, logging, sys
 sys.argv = [sys.argv[0], "--cpu"]
 import comfy.options
@@ -191,7 +191,8 @@ import comfy.lora, comfy.model_base
 
 args = json.load(open(ARGS))
 lora, base, ref = load_file(args["lora"]), load_file(args["base"]), load_file(args["ref"])
-model = comfy.model_base.Flux2.__new__(comfy.model_base.Flux2)  # the key map needs only these two
+cls = getattr(comfy.model_base, args["model_class"])
+model = cls.__new__(cls)  # the key map needs only the two attributes below
 object.__setattr__(model, "model_config", type("C", (), {"unet_config": args["unet_config"]})())
 object.__setattr__(model, "state_dict", lambda: {"diffusion_model." + k: v for k, v in base.items()})
 warnings = []
@@ -214,14 +215,17 @@ print(json.dumps({"patches": len(patches), "not_loaded": [w for w in warnings if
 '''
 
 
-def test_flux2_lora_maps_completely_in_comfyuis_own_loader(comfy, tmp_path):
-    """Our ComfyUI-format Flux.2 LoRA through ComfyUI's model_lora_keys_unet + load_lora + calculate_weight
-    (versions with Flux.2: 0.33 here): every key mapped, and the patched weights equal ours."""
+@pytest.mark.parametrize("family_id", ["flux1", "flux2"])
+def test_lora_maps_completely_in_comfyuis_own_loader(comfy, tmp_path, family_id):
+    """Our ComfyUI-format LoRA through ComfyUI's own model_lora_keys_unet + load_lora + calculate_weight, run in
+    ComfyUI's environment: every key mapped (one slice patch per projection), nothing left over, and the
+    patched weights equal ours. Flux.2 needs a ComfyUI with Flux.2 (0.33 here)."""
+    model_class = {"flux1": "Flux", "flux2": "Flux2"}[family_id]
     probe = ("import sys; sys.argv += ['--cpu']; import comfy.options; comfy.options.enable_args_parsing(); "
-             "import comfy.model_base as m; print(hasattr(m, 'Flux2'))")
+             f"import comfy.model_base as m; print(hasattr(m, '{model_class}'))")
     check = subprocess.run([str(_python(comfy.dir)), "-c", probe], cwd=comfy.dir, capture_output=True, text=True)
     if check.stdout.strip() != "True":
-        pytest.skip("this ComfyUI predates Flux.2 (0.3.64 has no comfy.model_base.Flux2)")
+        pytest.skip(f"this ComfyUI has no comfy.model_base.{model_class} (0.3.64 predates Flux.2)")
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -231,12 +235,15 @@ def test_flux2_lora_maps_completely_in_comfyuis_own_loader(comfy, tmp_path):
     from lowvram_lora.engine.families.flux1_names import join_diffusers_tensors
     from lowvram_lora.engine.lora_io import save_lora
     from lowvram_lora.engine.models import load_transformer
-    from lowvram_lora.engine.testing import build_tiny_flux2_pipeline, make_tiny_dataset, write_flux2_single_file
+    from lowvram_lora.engine.testing import (build_tiny_flux1_pipeline, build_tiny_flux2_pipeline, make_tiny_dataset,
+                                             write_bfl_single_file, write_flux2_single_file)
 
     sys.path.insert(0, str(REPO / "tests"))
     from helpers import merged
 
-    pipe = build_tiny_flux2_pipeline(tmp_path / "pipe")
+    build, write = ((build_tiny_flux1_pipeline, write_bfl_single_file) if family_id == "flux1"
+                    else (build_tiny_flux2_pipeline, write_flux2_single_file))
+    pipe = build(tmp_path / "pipe")
     data = make_tiny_dataset(tmp_path / "data", count=1)
     cache = build_dataset_cache(ModelConfig(transformer_path=str(pipe)),
                                 DataConfig(path=str(data), resolution=128, bucket_step=32), tmp_path / "cache")
@@ -244,18 +251,19 @@ def test_flux2_lora_maps_completely_in_comfyuis_own_loader(comfy, tmp_path):
         ModelConfig(transformer_path=str(pipe)), cache, LoraSettings(rank=4, alpha=8),
         TrainConfig(steps=5, learning_rate=2e-2, device="cpu"))
     save_lora(lora, tmp_path / "lora.safetensors", fmt="comfyui", dtype="fp32")
-    base_file = write_flux2_single_file(pipe, tmp_path / "base.safetensors")
+    base_file = write(pipe, tmp_path / "base.safetensors")
     model = load_transformer(pipe, dtype=torch.float32)[0]
     state = merged(model, lora.state_dict, lora.scale).state_dict()
-    family = get_family("flux2")
+    family = get_family(family_id)
     save_file({p.name: join_diffusers_tensors(p, state).contiguous() for p in family.param_table(lora.model_config)},
               str(tmp_path / "ref.safetensors"))
     cfg = lora.model_config
     args = {"lora": str(tmp_path / "lora.safetensors"), "base": str(base_file), "ref": str(tmp_path / "ref.safetensors"),
+            "model_class": model_class,
             "unet_config": {"depth": cfg["num_layers"], "depth_single_blocks": cfg["num_single_layers"],
                             "hidden_size": cfg["num_attention_heads"] * cfg["attention_head_dim"]}}
     (tmp_path / "args.json").write_text(json.dumps(args))
-    code = _COMFY_FLUX2_CHECK.replace("ARGS", repr(str(tmp_path / "args.json")))
+    code = _COMFY_LORA_CHECK.replace("ARGS", repr(str(tmp_path / "args.json")))
     done = subprocess.run([str(_python(comfy.dir)), "-c", code], cwd=comfy.dir, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
