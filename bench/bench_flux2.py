@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import gc
-import json
-import statistics
 import sys
 import tempfile
 import time
@@ -33,7 +31,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_bench import GB, StepRecorder, _command, _gpu_name, _versions, build_random_model  # noqa: E402
+from train_bench import (  # noqa: E402
+    StepRecorder, _command, _gpu_name, _versions, build_random_model, row_emitter, training_row,
+)
 
 
 def parse_args(argv=None):
@@ -106,12 +106,7 @@ def main(argv=None) -> int:
     base = {"run_id": run_id, "gpu": _gpu_name(device) if cuda else "cpu", **_versions(), "model": args.variant, "lora_rank": args.rank,
             "lora_targets": "default", "batch": 1, "grad_ckpt": True, "command": _command(), "note": args.note}
 
-    def emit(row):
-        row = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), **base, **row}
-        with out.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-        print("ROW", json.dumps({k: v for k, v in row.items() if k not in ("step_times", "command")}), flush=True)
-        return row
+    emit = row_emitter(out, base)
 
     t = time.perf_counter()
     model, family, cfg = build_random_model(args.variant, device, torch.bfloat16, 0.02, 0, family_id="flux2")
@@ -162,22 +157,14 @@ def main(argv=None) -> int:
             except (torch.cuda.OutOfMemoryError, Exception) as exc:  # noqa: BLE001 - a row per failure
                 error = f"{type(exc).__name__}: {str(exc)[:400]}"
                 print("ERROR", error, flush=True)
-            timed = [s.seconds_per_step for s in rec.steps][args.warmup:]
-            step = statistics.median(timed) if timed and error is None else None
             resident = rows.get(("bf16-resident", res), {}).get("step_s")
             plan = (result.settings.get("offload_plan") if result is not None else None) or {}
             streamed_gb = plan.get("streamed_gb_per_step") if plan.get("mode") == "stream" else None
             floor = streamed_gb / args.pinned_gbps if streamed_gb else None
+            row = training_row(rec, args.warmup, t, error, resident, device)
             rows[(mode, res)] = emit({
-                "mode": mode, "res": res, "step_s": round(step, 4) if step else None, "error": error,
-                "resident_step_s": resident, "x_resident": round(step / resident, 3) if step and resident else None,
-                "copy_floor_s": round(floor, 4) if floor else None,
-                "x_copy_floor": round(step / floor, 3) if step and floor else None,
-                "peak_alloc_gb": round(torch.cuda.max_memory_allocated(device) / GB, 3) if cuda else 0.0,
-                "peak_reserved_gb": round(torch.cuda.max_memory_reserved(device) / GB, 3) if cuda else 0.0,
-                "plan": plan, "steps_warmup": args.warmup, "steps_timed": len(timed),
-                "step_times": [round(s.seconds_per_step, 4) for s in rec.steps],
-                "losses": [round(s.loss, 5) for s in rec.steps], "wall_s": round(time.perf_counter() - t, 1),
+                "mode": mode, "res": res, **row, "copy_floor_s": round(floor, 4) if floor else None,
+                "x_copy_floor": round(row["step_s"] / floor, 3) if row["step_s"] and floor else None, "plan": plan,
             })
         if placement == "resident" and precision == "int8":
             from lowvram_lora.engine.offload.footprint import named_blocks

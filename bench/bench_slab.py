@@ -21,7 +21,6 @@ import argparse
 import datetime as _dt
 import gc
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,7 +31,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_bench import GB, GIB, StepRecorder, _command, _gpu_name, _versions, write_synthetic_cache  # noqa: E402
+from train_bench import (  # noqa: E402
+    GB, StepRecorder, _command, _gpu_name, _versions, row_emitter, training_row, write_synthetic_cache,
+)
 
 BUILD_CHILD = """
 import json, resource, sys, time
@@ -104,13 +105,7 @@ def main(argv=None) -> int:
             "lora_rank": args.rank, "lora_targets": "default", "batch": 1, "grad_ckpt": True,
             "command": _command(), "note": args.note}
 
-    def emit(row):
-        row = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), **base, **row}
-        with out.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-        print("ROW", json.dumps({k: v for k, v in row.items() if k not in ("step_times", "losses", "command")}),
-              flush=True)
-        return row
+    emit = row_emitter(out, base)
 
     ckpt = work / "flux1-dev-random.safetensors"
     if not ckpt.exists():
@@ -175,19 +170,8 @@ def main(argv=None) -> int:
                 error = None
             except torch.cuda.OutOfMemoryError as exc:
                 error = f"OOM: {str(exc)[:300]}"
-            timed = [s.seconds_per_step for s in rec.steps][args.warmup:]
-            step = statistics.median(timed) if timed and error is None else None
             resident = rows.get("bf16-resident", {}).get("step_s")
-            rows[mode] = emit({
-                "mode": mode, "step_s": round(step, 4) if step else None, "error": error,
-                "resident_step_s": resident, "x_resident": round(step / resident, 3) if step and resident else None,
-                "peak_alloc_gb": round(torch.cuda.max_memory_allocated(device) / GB, 3),
-                "peak_reserved_gb": round(torch.cuda.max_memory_reserved(device) / GB, 3),
-                "peak_alloc_gib": round(torch.cuda.max_memory_allocated(device) / GIB, 3),
-                "steps_warmup": args.warmup, "steps_timed": len(timed),
-                "step_times": [round(s.seconds_per_step, 4) for s in rec.steps],
-                "losses": [round(s.loss, 5) for s in rec.steps], "wall_s": round(time.perf_counter() - t, 1),
-            })
+            rows[mode] = emit({"mode": mode, **training_row(rec, args.warmup, t, error, resident, device)})
     print("\nmode                 step s   x bf16-resident   peak alloc GB   peak reserved GB")
     for mode, r in rows.items():
         print(f"{mode:20s} {r['step_s'] or float('nan'):7.3f}   {r['x_resident'] or float('nan'):15.3f}"

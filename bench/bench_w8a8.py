@@ -25,7 +25,6 @@ import copy
 import datetime as _dt
 import gc
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -37,7 +36,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_bench import (  # noqa: E402
-    GB, StepRecorder, _command, _gpu_name, _versions, build_random_model, write_synthetic_cache,
+    StepRecorder, _command, _gpu_name, _versions, build_random_model, row_emitter, training_row,
+    write_synthetic_cache,
 )
 
 
@@ -168,12 +168,7 @@ def main(argv=None) -> int:
             "lora_rank": args.rank, "lora_targets": "default", "batch": 1, "grad_ckpt": True,
             "command": _command(), "note": args.note}
 
-    def emit(row):
-        row = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), **base, **row}
-        with out.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-        print("ROW", json.dumps({k: v for k, v in row.items() if k not in ("step_times", "command")}), flush=True)
-        return row
+    emit = row_emitter(out, base)
 
     tokens = (args.res // 16) ** 2 + 512
     if not args.skip_layers:
@@ -233,18 +228,8 @@ def main(argv=None) -> int:
                            rec.callback, preloaded=(model, family, args.variant), offload=offload)
             except torch.cuda.OutOfMemoryError as exc:
                 error = f"OOM: {str(exc)[:300]}"
-            timed = [s.seconds_per_step for s in rec.steps][args.warmup:]
-            step = statistics.median(timed) if timed and error is None else None
             resident = rows.get("bf16-resident", {}).get("step_s")
-            rows[mode] = emit({
-                "mode": mode, "step_s": round(step, 4) if step else None, "error": error,
-                "resident_step_s": resident, "x_resident": round(step / resident, 3) if step and resident else None,
-                "peak_alloc_gb": round(torch.cuda.max_memory_allocated(device) / GB, 3),
-                "peak_reserved_gb": round(torch.cuda.max_memory_reserved(device) / GB, 3),
-                "steps_warmup": args.warmup, "steps_timed": len(timed),
-                "step_times": [round(s.seconds_per_step, 4) for s in rec.steps],
-                "losses": [round(s.loss, 5) for s in rec.steps], "wall_s": round(time.perf_counter() - t, 1),
-            })
+            rows[mode] = emit({"mode": mode, **training_row(rec, args.warmup, t, error, resident, device)})
             if precision == "int8":
                 model.to("cpu")
     print("\nmode                          step s   x bf16-resident   peak alloc GB")

@@ -190,6 +190,39 @@ def _report_profile(prof, label: str, step_s: float, out_dir: Path) -> None:
     (out_dir / name).write_text(summary + "\n" + text + "\n" + by_cpu)
 
 
+def row_emitter(out: Path, base: dict):
+    """``emit(row)``: stamp the date and the run's common fields, append to ``out`` (jsonl), print a
+    short ROW line (without the per-step lists); returns the full row. Shared by the bench scripts."""
+    def emit(row: dict) -> dict:
+        row = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), **base, **row}
+        with out.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        print("ROW", json.dumps({k: v for k, v in row.items() if k not in ("step_times", "losses", "command")}),
+              flush=True)
+        return row
+
+    return emit
+
+
+def training_row(rec: "StepRecorder", warmup: int, started: float, error: str | None, resident_step: float | None,
+                 device: torch.device) -> dict:
+    """The timing/memory fields of one training mode: median of the timed steps, ratio to the resident
+    baseline of the same run, peak allocated/reserved, every step's time and loss."""
+    cuda = device.type == "cuda"
+    timed = [s.seconds_per_step for s in rec.steps][warmup:]
+    step = statistics.median(timed) if timed and error is None else None
+    return {
+        "step_s": round(step, 4) if step else None, "error": error, "resident_step_s": resident_step,
+        "x_resident": round(step / resident_step, 3) if step and resident_step else None,
+        "peak_alloc_gb": round(torch.cuda.max_memory_allocated(device) / GB, 3) if cuda else 0.0,
+        "peak_reserved_gb": round(torch.cuda.max_memory_reserved(device) / GB, 3) if cuda else 0.0,
+        "peak_alloc_gib": round(torch.cuda.max_memory_allocated(device) / GIB, 3) if cuda else 0.0,
+        "steps_warmup": warmup, "steps_timed": len(timed),
+        "step_times": [round(s.seconds_per_step, 4) for s in rec.steps],
+        "losses": [round(s.loss, 5) for s in rec.steps], "wall_s": round(time.perf_counter() - started, 1),
+    }
+
+
 def _versions() -> dict:
     import diffusers
     import peft
