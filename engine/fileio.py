@@ -174,10 +174,10 @@ def write_json_atomic(path: str | Path, obj, what: str = "a JSON file", indent: 
 
 
 def claim_names(paths: list[Path], what: str = "an output file") -> bool:
-    """Create every one of ``paths`` exclusively (empty placeholders), or none: True when all
+    """Create every one of ``paths`` exclusively (as empty files), or none: True when all
     were ours to take. Two processes can never both claim a name, so two runs saving to
     the same folder never overwrite each other; the caller then writes over its own
-    placeholders (``overwrite=True``) and removes them if saving fails."""
+    empty files (``overwrite=True``) and removes them if saving fails."""
     taken: list[Path] = []
     try:
         for p in paths:

@@ -40,7 +40,7 @@ def claim_output_paths(root: Path, prefix: str) -> tuple[Path, Path]:
     """``<root>/<prefix>_00001_.safetensors`` and its ``_loss.png``, counting up past any number
     where either exists (ComfyUI's convention). Both names are claimed by exclusive create,
     so two runs saving into one folder never pick the same pair and nothing is replaced; the
-    claimed files are empty placeholders for the caller to write over."""
+    claimed files are empty until the caller writes over them."""
     from ..engine.fileio import claim_names, ensure_dir
 
     target = check_filename_prefix(root, prefix)

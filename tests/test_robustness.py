@@ -215,7 +215,7 @@ def test_pickle_only_vae_is_refused_not_loaded(tiny_pipeline, tmp_path, monkeypa
 
     pipe = tmp_path / "pipe"
     (pipe / "vae").mkdir(parents=True)
-    AutoencoderKL.from_pretrained(tiny_pipeline / "vae").save_pretrained(pipe / "vae", safe_serialization=False)
+    AutoencoderKL.from_pretrained(tiny_pipeline / "vae", use_safetensors=True).save_pretrained(pipe / "vae", safe_serialization=False)
     assert list((pipe / "vae").glob("*.bin")) and not list((pipe / "vae").glob("*.safetensors"))
     monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load (unpickling) was called"))
     with pytest.raises(ModelLoadError, match="only pickle weights.*safetensors only"):

@@ -97,7 +97,7 @@ def resolve_pipeline_folder(model_cfg: ModelConfig) -> Path:
 
 
 def _single_file_sources(model_cfg: ModelConfig):
-    """(a placeholder pipeline path, SingleFileSources, family, variant) for caching from single files;
+    """(SingleFileSources, family, variant) for caching from single files (no pipeline folder);
     the family and variant come from the transformer itself."""
     from ..models.inspect import inspect_transformer
 
@@ -109,7 +109,7 @@ def _single_file_sources(model_cfg: ModelConfig):
         singles = sources_for_flux2(files, vae)
     else:
         singles = sources_for_flux1(files, vae, {k: Path(v) for k, v in (model_cfg.tokenizer_dirs or {}).items()})
-    return Path(model_cfg.transformer_path), singles, family, info.variant
+    return singles, family, info.variant
 
 
 def _tokenizer_identity(f: Path, spec, singles) -> str:
@@ -189,7 +189,8 @@ def build_dataset_cache(
     dtype = resolve_dtype(model_cfg.dtype, dev)
     singles = None
     if model_cfg.text_encoder_files or model_cfg.vae_file:
-        pipeline, singles, family, variant = _single_file_sources(model_cfg)
+        pipeline = None  # every encoder and the VAE come from singles
+        singles, family, variant = _single_file_sources(model_cfg)
     else:
         pipeline = resolve_pipeline_folder(model_cfg)
         family, variant = _family_and_variant(model_cfg, pipeline)

@@ -213,6 +213,7 @@ def load_text_encoder_file(path: Path, dtype: torch.dtype, tokenizer_dirs: dict[
     tokenizer = AutoTokenizer.from_pretrained(_tokenizer_dir(path, kind, tokenizer_dirs), local_files_only=True)
     cls = CLIPTextModel if kind == CLIP_L else T5EncoderModel
     try:
+        # No file is opened here: the weights are the safetensors state dict read above.
         model = cls.from_pretrained(None, config=config, state_dict=_state_dict(path, dtype), dtype=dtype)
     except (RuntimeError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"'{path}' does not fit the {kind} architecture ({exc}); is it a {kind} file?") from exc

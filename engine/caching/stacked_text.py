@@ -172,7 +172,7 @@ def tokenize(tokenizer, spec: TextEncoderSpec, prompts: list[str], max_length: i
 
 @torch.no_grad()
 def encode_stacked(
-    pipeline: Path,
+    pipeline: Path | None,
     spec: TextEncoderSpec,
     captions: list[str],
     device: torch.device,
@@ -183,12 +183,13 @@ def encode_stacked(
 ) -> list[torch.Tensor]:
     """One (max_length, len(hidden_layers) * width) tensor per caption, on the CPU. ``source`` =
     (weight files, text config, tokenizer folder) for a single-file encoder instead of the pipeline's."""
-    encoder_dir, tokenizer_dir = pipeline / spec.subfolder, pipeline / spec.tokenizer_subfolder
     files, config = None, None
     if source is not None:
         files, config, tokenizer_dir = source
         encoder_dir = files[0]
-    elif not (encoder_dir / "config.json").exists():
+    else:
+        encoder_dir, tokenizer_dir = pipeline / spec.subfolder, pipeline / spec.tokenizer_subfolder
+    if source is None and not (encoder_dir / "config.json").exists():
         raise ModelLoadError(f"text encoder folder '{encoder_dir}' is missing; caching Flux.2 captions needs the "
                              f"pipeline's {spec.subfolder}/ (Mistral3 for dev, Qwen3 for klein)")
     tokenizer = load_tokenizer(tokenizer_dir) if isinstance(tokenizer_dir, Path) else tokenizer_dir  # or an object

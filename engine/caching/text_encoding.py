@@ -53,7 +53,7 @@ def _run_encoder(model, spec: TextEncoderSpec, input_ids: torch.Tensor) -> torch
 
 @torch.no_grad()
 def encode_captions(
-    pipeline: Path,
+    pipeline: Path | None,
     spec: TextEncoderSpec,
     captions: list[str],
     device: torch.device,

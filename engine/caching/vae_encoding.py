@@ -26,7 +26,7 @@ def load_vae(pipeline: Path, dtype: torch.dtype, class_name: str = "AutoencoderK
 
 @torch.no_grad()
 def encode_images(
-    pipeline: Path,
+    pipeline: Path | None,
     family,
     images: Iterable[torch.Tensor],
     count: int,
