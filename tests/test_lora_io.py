@@ -39,20 +39,36 @@ def _reference_output(base, trained):
     return out
 
 
-def test_diffusers_file_reproduces_trained_output_in_diffusers(trained, base, tiny_pipeline, tmp_path):
+def _output_in_diffusers(tiny_pipeline, path):
+    """A fresh diffusers transformer with the LoRA file loaded by diffusers itself, on fixed inputs."""
     from diffusers import FluxTransformer2DModel
+
+    fresh = FluxTransformer2DModel.from_pretrained(tiny_pipeline / "transformer", local_files_only=True,
+                                                   use_safetensors=True)
+    fresh.load_lora_adapter(str(path), prefix="transformer", adapter_name="trained")
+    with torch.no_grad():
+        return fresh(**model_inputs(fresh))[0]
+
+
+def _assert_same_deltas(loaded, trained):
+    """Every module's B @ A in the file equals the trained one at its scale."""
+    for key, a in trained.state_dict.items():
+        if ".lora_A." in key:
+            m = key.split(".lora_A.")[0]
+            ref = trained.scale * trained.state_dict[f"{m}.lora_B.weight"] @ a
+            got = loaded.state_dict[f"{m}.lora_B.weight"] @ loaded.state_dict[f"{m}.lora_A.weight"]
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_diffusers_file_reproduces_trained_output_in_diffusers(trained, base, tiny_pipeline, tmp_path):
 
     path = save_lora(trained, tmp_path / "lora.safetensors", fmt="diffusers", dtype="fp32")
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata()
         assert "lora_adapter_metadata" not in meta  # diffusers refuses it beside alphas; we fold instead
         assert all(k.startswith("transformer.") and (".lora_A." in k or ".lora_B." in k) for k in f.keys())
-    fresh = FluxTransformer2DModel.from_pretrained(tiny_pipeline / "transformer", local_files_only=True,
-                                                   use_safetensors=True)
-    fresh.load_lora_adapter(str(path), prefix="transformer", adapter_name="trained")
-    with torch.no_grad():
-        got = fresh(**model_inputs(fresh))[0]
-    torch.testing.assert_close(got, _reference_output(base, trained), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(_output_in_diffusers(tiny_pipeline, path), _reference_output(base, trained),
+                               rtol=1e-4, atol=1e-5)
 
 
 def test_comfyui_file_maps_every_key_and_reproduces_output(trained, base, tiny_pipeline, tmp_path):
@@ -101,15 +117,10 @@ def test_comfyui_keys_are_per_projection_with_float_alpha(trained, tmp_path):
 
 
 def test_comfyui_file_also_loads_in_diffusers(trained, base, tiny_pipeline, tmp_path):
-    from diffusers import FluxTransformer2DModel
 
     path = save_lora(trained, tmp_path / "lora_comfy.safetensors", fmt="comfyui", dtype="fp32")
-    fresh = FluxTransformer2DModel.from_pretrained(tiny_pipeline / "transformer", local_files_only=True,
-                                                   use_safetensors=True)
-    fresh.load_lora_adapter(str(path), prefix="transformer", adapter_name="trained")
-    with torch.no_grad():
-        got = fresh(**model_inputs(fresh))[0]
-    torch.testing.assert_close(got, _reference_output(base, trained), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(_output_in_diffusers(tiny_pipeline, path), _reference_output(base, trained),
+                               rtol=1e-4, atol=1e-5)
 
 
 def test_kohya_fused_files_of_earlier_versions_still_load(trained, tmp_path):
@@ -123,12 +134,7 @@ def test_kohya_fused_files_of_earlier_versions_still_load(trained, tmp_path):
               metadata={"lowvram_lora.model_config": json.dumps(trained.model_config)})
     loaded = load_lora(tmp_path / "old.safetensors")
     assert loaded.format == "comfyui"
-    for key, a in trained.state_dict.items():
-        if ".lora_A." in key:
-            m = key.split(".lora_A.")[0]
-            ref = trained.scale * trained.state_dict[f"{m}.lora_B.weight"] @ a
-            got = loaded.state_dict[f"{m}.lora_B.weight"] @ loaded.state_dict[f"{m}.lora_A.weight"]
-            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    _assert_same_deltas(loaded, trained)
 
 
 @pytest.mark.parametrize("fmt", ["comfyui", "diffusers"])
@@ -141,12 +147,7 @@ def test_read_back_both_formats(trained, tmp_path, fmt):
     assert meta["lowvram_lora.family"] == "flux1" and meta["lowvram_lora.steps"] == "8"
     assert meta["lowvram_lora.dataset_hash"] == trained.dataset_hash and meta["lowvram_lora.version"]
     assert json.loads(meta["lowvram_lora.model_config"])["num_layers"] == 2
-    for key, a in trained.state_dict.items():
-        if ".lora_A." in key:
-            m = key.split(".lora_A.")[0]
-            ref = trained.scale * trained.state_dict[f"{m}.lora_B.weight"] @ a
-            got = loaded.state_dict[f"{m}.lora_B.weight"] @ loaded.state_dict[f"{m}.lora_A.weight"]
-            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    _assert_same_deltas(loaded, trained)
 
 
 def test_save_never_clobbers_and_writes_atomically(trained, tmp_path):
