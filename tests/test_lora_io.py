@@ -61,7 +61,6 @@ def _assert_same_deltas(loaded, trained):
 
 
 def test_diffusers_file_reproduces_trained_output_in_diffusers(trained, base, tiny_pipeline, tmp_path):
-
     path = save_lora(trained, tmp_path / "lora.safetensors", fmt="diffusers", dtype="fp32")
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata()
@@ -117,7 +116,6 @@ def test_comfyui_keys_are_per_projection_with_float_alpha(trained, tmp_path):
 
 
 def test_comfyui_file_also_loads_in_diffusers(trained, base, tiny_pipeline, tmp_path):
-
     path = save_lora(trained, tmp_path / "lora_comfy.safetensors", fmt="comfyui", dtype="fp32")
     torch.testing.assert_close(_output_in_diffusers(tiny_pipeline, path), _reference_output(base, trained),
                                rtol=1e-4, atol=1e-5)
