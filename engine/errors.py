@@ -38,6 +38,10 @@ class TrainingDivergedError(LowVRAMError):
     """The loss or the LoRA weights became NaN/inf; nothing is saved."""
 
 
+class WorkerError(LowVRAMError):
+    """A data-parallel worker process failed or could not be stopped."""
+
+
 def safetensors_only_message(folder, what: str, exc: BaseException) -> str:
     """Why a diffusers/transformers folder did not load, when only .safetensors are accepted."""
     from pathlib import Path

@@ -112,7 +112,7 @@ def test_state_files_are_safetensors_and_json_only(model, tiny_cache, tmp_path):
     with safe_open(str(next(folder.glob("*.safetensors"))), framework="pt") as f:
         keys = list(f.keys())
     assert any(k.startswith("lora/") for k in keys) and any(k.startswith("optim/") for k in keys)
-    assert {"rng/generator", "rng/cpu"} <= set(keys)
+    assert "rng/cpu" in set(keys)
 
 
 def test_interrupted_run_is_never_stored_as_finished(model, tiny_cache, tmp_path):

@@ -170,9 +170,12 @@ class OffloadHandle:
             out.update(self.activations.stats())
         return out
 
-    def peak_report(self, measured_bytes: int, step: int = 1) -> str:
-        """Predicted vs measured peak. Step 1 runs its backward before AdamW has made its moments
-        (trainable x 8 bytes), so it reads low; from step 2 on the prediction should hold."""
+    def peak_report(self, step: int = 1, measured_bytes: Optional[int] = None) -> str:
+        """Predicted vs measured peak (this device's max allocated since the last reset, unless given).
+        Step 1 runs its backward before AdamW has made its moments (trainable x 8 bytes), so it reads
+        low; from step 2 on the prediction should hold."""
+        if measured_bytes is None:
+            measured_bytes = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
         predicted = self.plan.predicted_peak_bytes
         diff = measured_bytes - predicted
         when = "step 1 (before the AdamW moments exist)" if step == 1 else f"step {step}"
@@ -230,16 +233,20 @@ def _move(handle: OffloadHandle, t: torch.Tensor, device: torch.device) -> None:
 def apply_offload(model: nn.Module, family, config: OffloadConfig, device: torch.device,
                   callback: Optional[TrainingCallback] = None, workload: Optional[Workload] = None,
                   plan: Optional[Plan] = None, name: str = "",
-                  _engine_factory: Optional[Callable] = None) -> OffloadHandle:
+                  _engine_factory: Optional[Callable] = None,
+                  blocks: Optional[list[tuple[str, nn.Module]]] = None) -> OffloadHandle:
     """Stream ``model``'s blocks per ``plan`` (made from ``config`` and ``workload`` when not given).
 
     The model may sit anywhere (CPU, pinned host, GPU); LoRA must already be attached (its parameters are
     the ones with requires_grad and are moved to ``device`` here, before the optimizer is built).
+    ``blocks``: only these (name, module) blocks are this device's (a part of a split model,
+    engine/parallel/split.py): only their tensors move, and the plan's block indexes count within them.
     ``_engine_factory`` is for tests: an engine class taking (hosts, num_slots, slot_bytes, device)."""
     cb = callback or TrainingCallback()
     if _engine_factory is None:
         require_cuda(config, device)
-    blocks = named_blocks(model, family)
+    whole = blocks is None
+    blocks = named_blocks(model, family) if whole else list(blocks)
     if plan is None:
         if workload is None:
             raise ValueError("apply_offload needs a plan or a workload to plan for")
@@ -250,7 +257,8 @@ def apply_offload(model: nn.Module, family, config: OffloadConfig, device: torch
     # Everything outside the streamed blocks lives on the device for the whole run.
     streamed = set(plan.streamed)
     streamed_tensors = {id(t) for i in streamed for t in list(blocks[i][1].parameters()) + list(blocks[i][1].buffers())}
-    for t in list(model.parameters()) + list(model.buffers()):
+    owned = [model] if whole else [b for _, b in blocks]
+    for t in [t for m in owned for t in list(m.parameters()) + list(m.buffers())]:
         if t.requires_grad:
             if t.device != device:
                 t.data = t.data.to(device)  # trainable: stays there; the optimizer is built on these

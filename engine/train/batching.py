@@ -5,6 +5,8 @@ import random
 from collections import defaultdict
 from typing import Iterator, Sequence, TypeVar
 
+import torch
+
 T = TypeVar("T")
 
 
@@ -24,3 +26,13 @@ def bucket_batches(items: Sequence[T], batch_size: int, seed: int, bucket_of) ->
             batches += [group[i:i + batch_size] for i in range(0, len(group), batch_size)]
         rng.shuffle(batches)
         yield from batches
+
+
+def micro_generator(seed: int, global_index: int) -> torch.Generator:
+    """The CPU generator for one global micro-batch: a pure function of (seed, index), so any
+    rank (or a resumed run) draws exactly what a single uninterrupted process would."""
+    # splitmix64-style mixing keeps nearby (seed, index) pairs far apart as generator seeds.
+    x = (seed * 0x9E3779B97F4A7C15 + global_index + 1) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return torch.Generator().manual_seed((x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF)

@@ -23,7 +23,7 @@ from ..errors import ConfigError, StorageError, TrainingDivergedError
 from ..models import load_transformer, resolve_device, resolve_dtype
 from ..models.dtypes import release_device_memory
 from ..offload import OffloadConfig
-from .batching import bucket_batches
+from .batching import bucket_batches, micro_generator
 from .flow_matching import noisy_latents_and_target, sample_sigmas
 from .grad_mode import autograd_enabled, autograd_safe_tensor, make_autograd_safe
 from .lora_attach import attach_lora, detach_lora, lora_state_dict, skip_lora_input_cast
@@ -70,6 +70,8 @@ def train_lora(
     preloaded: tuple | None = None,
     offload: OffloadConfig | None = None,
     resume: ResumeStore | None = None,
+    split=None,
+    ranks=None,
 ) -> TrainedLora:
     """Train a LoRA on ``dataset`` and return its weights. ``preloaded`` = (model,
     family, variant) skips loading (benchmarks build a random full-size model).
@@ -77,20 +79,37 @@ def train_lora(
     'stream' / 'auto' stream blocks through the GPU (CUDA only). A preloaded model is
     left where it was found. ``resume`` (engine/train/resume.py) continues from the run's
     latest saved state, saves one every ``save_every`` steps and when stopped.
+    ``split`` (engine/parallel/config.ParallelConfig, mode 'split'): the blocks are cut across two
+    devices, each part planned and streamed per ``offload`` within its own budget.
+    ``ranks`` (engine/parallel/data_parallel.Ranks): this process is one rank of data-parallel
+    training: it takes its share of the batches and averages LoRA gradients with the others; only
+    rank 0 saves training states.
 
     Runs with autograd on even when called under ``torch.inference_mode()`` (ComfyUI
     runs every node that way); the returned weights are ordinary tensors."""
     with autograd_enabled():
-        return _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, resume)
+        return _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, resume, split, ranks)
 
 
-def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, resume) -> TrainedLora:
+def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, resume, split, ranks) -> TrainedLora:
+    from ..parallel.data_parallel import Ranks
+
     cb = callback or TrainingCallback()
-    device = resolve_device(train.device)
+    ranks = ranks or Ranks()
+    device = torch.device(split.devices[0]) if split is not None else resolve_device(train.device)
     dtype = resolve_dtype(model_cfg.dtype, device)
     _check_optimizer(train, device)
     _check_int8_compute(offload, device)
     streaming = offload is not None and offload.streams
+    if split is not None:
+        from ..parallel.split import check_split_devices
+
+        check_split_devices(split, offload)
+        offload = offload or OffloadConfig(mode="resident")
+        if offload.mode == "auto" and device.type != "cuda":
+            cb.log("offload mode 'auto' on the CPU: both parts of the split stay resident")
+            offload = OffloadConfig(mode="resident", gradient_checkpointing=True)
+        streaming = False  # each part is placed (and streamed) by engine/parallel/split.py
     if streaming and offload.mode == "auto" and device.type != "cuda":
         # auto means "choose for me": on a CPU the only choice is resident (an explicit
         # mode='stream' still gets require_cuda's error below).
@@ -117,7 +136,9 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
             f"rebuild the cache with this model's text encoders"
         )
     handle = None
-    if streaming:
+    if split is not None:
+        handle, params = _place_split(model, family, variant, dataset, lora, train, offload, split, cb)
+    elif streaming:
         from ..offload.footprint import lora_param_count, measure_footprint
         from ..offload.streamer import apply_offload
 
@@ -142,14 +163,17 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
     optimizer = _make_optimizer(params, train)
     scheduler = _make_scheduler(optimizer, train)
 
-    gen = torch.Generator().manual_seed(train.seed)
-    batches = bucket_batches(dataset.training_items(), train.batch_size, train.seed, lambda it: it.bucket)
+    # Every rank builds the same seed-determined stream and takes its share (all of it in one process).
+    batches = ranks.shard(bucket_batches(dataset.training_items(), train.batch_size, train.seed,
+                                         lambda it: it.bucket))
     use_autocast = device.type == "cuda" and dtype != torch.float32
     autocast = torch.autocast("cuda", dtype=dtype) if use_autocast else contextlib.nullcontext()
     if use_autocast:
         skip_lora_input_cast(model)
+    devices = handle.devices if split is not None else (device,)
     if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+        for d in devices:
+            torch.cuda.reset_peak_memory_stats(d)
 
     result = TrainedLora(
         state_dict={}, rank=lora.rank, alpha=lora.alpha, family=family.id, variant=variant, steps=0,
@@ -163,17 +187,17 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
     if resume is not None:
         loaded = resume.load_latest()
         if loaded is not None:
-            loaded.apply(named, optimizer, scheduler, gen)
+            loaded.apply(named, optimizer, scheduler)
             for _ in range(loaded.batches_drawn):  # the data order is a pure function of the seed
                 next(batches)
             first, drawn, result.steps = loaded.step + 1, loaded.batches_drawn, loaded.step
             result.loss_history[:] = loaded.info["loss_history"]
             result.lr_history[:] = loaded.info["lr_history"]
             cb.log(f"resuming from step {loaded.step}/{train.steps} (state saved in '{loaded.path.parent}')")
-        snapshot = RngSnapshot.take(first - 1, drawn, gen)
+        snapshot = RngSnapshot.take(first - 1, drawn)
 
     def save_state(periodic: bool = False) -> None:
-        if resume is None or snapshot is None or snapshot.step == 0:
+        if resume is None or snapshot is None or snapshot.step == 0 or not ranks.is_main:
             return
         _check_finite_weights(named, snapshot.step)
         try:
@@ -192,6 +216,7 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
         except BaseException:  # ComfyUI's Cancel, Ctrl-C in the headless runner: keep the progress
             save_state()
             raise
+        stop = ranks.any(stop, device)  # every rank stops at the same point, or the collectives hang
         if stop:
             save_state()
         return stop
@@ -204,6 +229,8 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
                 t0 = time.perf_counter()
                 loss_sum, stopped = 0.0, False
                 for micro in range(train.gradient_accumulation):
+                    # Noise, timesteps and flips are keyed by the global micro-batch index (batching.py).
+                    gen = micro_generator(train.seed, ranks.global_micro_index(drawn))
                     drawn += 1
                     latents, embeds = _load_batch(dataset, next(batches), device, dtype, gen)
                     loss = _micro_step(model, family, latents, embeds, train, gen, autocast)
@@ -218,6 +245,8 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
                     result.interrupted = True
                     cb.log(f"stopped during step {step}/{train.steps} on request; keeping {step - 1} steps")
                     break
+                ranks.average_gradients(params)  # data parallel: every rank takes the same step
+                loss_sum = ranks.mean(loss_sum, device)
                 grad_norm = _clip(params, train.max_grad_norm)
                 if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
                     raise TrainingDivergedError(
@@ -229,18 +258,19 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                    for d in devices:
+                        torch.cuda.synchronize(d)
                 if handle is not None:
                     handle.end_step()
                     if step <= 2:  # step 2: steady state, the AdamW moments exist during backward
-                        cb.log(handle.peak_report(torch.cuda.max_memory_allocated(device), step))
+                        cb.log(handle.peak_report(step))
                 result.loss_history.append(loss_sum / train.gradient_accumulation)
                 result.lr_history.append(scheduler.get_last_lr()[0])
                 result.steps = step
-                peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else 0.0
+                peak = _peak_gb(devices)
                 result.peak_vram_gb = peak
                 if resume is not None:
-                    snapshot = RngSnapshot.take(step, drawn, gen)
+                    snapshot = RngSnapshot.take(step, drawn)
                     if resume.due(step, train.steps):
                         save_state(periodic=True)
                 try:  # ComfyUI's progress hook raises its interrupt here too: keep this step
@@ -254,10 +284,21 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
                     result.interrupted = True
                     cb.log(f"stopped at step {step}/{train.steps} on request")
                     break
+        if ranks.distributed:
+            # Every rank must hold the same weights (same averaged gradients, same steps): recorded, and checked.
+            sums = ranks.gather(float(sum(p.detach().double().sum().item() for p in params)), device)
+            result.settings["data_parallel"] = {"world_size": ranks.world_size, "weight_checksums": sums,
+                                                "peak_vram_gb": ranks.gather(result.peak_vram_gb, device)}
+            if max(sums) - min(sums) > 1e-6 * max(1.0, max(abs(v) for v in sums)):
+                cb.log(f"warning: the ranks' LoRA weights differ (checksums {sums}); rank 0's are returned")
+        if split is not None:
+            result.settings["split_peak_vram_gb"] = [
+                round(torch.cuda.max_memory_allocated(d) / 1e9, 3) if d.type == "cuda" else 0.0 for d in devices]
     except torch.cuda.OutOfMemoryError as exc:
         if handle is not None:
             raise torch.cuda.OutOfMemoryError(
-                f"CUDA out of memory while training {family.display_name} with block streaming on {device}: "
+                f"CUDA out of memory while training {family.display_name} with block streaming on "
+                f"{', '.join(str(d) for d in devices)}: "
                 f"{exc}\n{handle.plan.describe()}\nLower vram_budget_gb (more blocks stream), turn activation "
                 f"offload on, use prefetch_depth=1, or lower the resolution or batch size."
             ) from exc
@@ -289,6 +330,34 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
             f"the LoRA weights became NaN/inf ({len(bad)} tensors, e.g. '{bad[0]}'); nothing was saved. "
             f"Lower learning_rate, keep max_grad_norm > 0, and check alpha")
     return result
+
+
+def _peak_gb(devices) -> float:
+    """The highest max-allocated of the devices training uses (0 on the CPU)."""
+    return max((torch.cuda.max_memory_allocated(d) / 1e9 for d in devices if d.type == "cuda"), default=0.0)
+
+
+def _place_split(model, family, variant, dataset, lora, train, offload, split, cb):
+    """Split mode: plan the cut from each device's budget, attach LoRA, place and stream both parts."""
+    from ..offload.footprint import measure_footprint, workload_for
+    from ..offload.host import physical_ram_bytes
+    from ..parallel.split import apply_split, plan_split, split_budgets, trainable_per_block
+
+    model.enable_gradient_checkpointing()
+    params = attach_lora(model, family, lora, train.seed)  # fp32, on the CPU: placed with their blocks below
+    try:
+        fp = measure_footprint(model, family, f"{family.display_name} ({variant})")
+        fp.lora_bytes_per_param = _lora_bytes_per_param(train)
+        per_block, outside = trainable_per_block(model, family)
+        plan = plan_split(fp, per_block, outside, workload_for(dataset, family, variant, train.batch_size), offload,
+                          tuple(torch.device(d) for d in split.devices), split_budgets(split, offload),
+                          cut=None if split.cut == -1 else split.cut, host_ram_bytes=physical_ram_bytes())
+        cb.log(plan.describe())
+        return apply_split(model, family, plan, offload, cb), params
+    except BaseException:
+        detach_lora(model)
+        model.disable_gradient_checkpointing()
+        raise
 
 
 def _check_finite_weights(named, step: int) -> None:
@@ -382,4 +451,5 @@ def _micro_step(model, family, latents, embeds, cfg: TrainConfig, gen: torch.Gen
 def _clip(params, max_norm: float) -> float:
     if max_norm and max_norm > 0:
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])))
+    norms = [p.grad.norm().to("cpu") for p in params if p.grad is not None]  # split: grads on two devices
+    return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0

@@ -25,46 +25,63 @@ REUSE_FORMAT = 1  # bump when the stored entry's layout changes
 _KEEP_OUT = ("device", "save_every")  # settings that do not change the trained weights
 
 
-def training_key(model_identity: str, dataset_hash: str, lora: LoraSettings, train: TrainConfig) -> str:
-    """The engine version is in the key: a fixed loop or new defaults must train again."""
+def training_key(model_identity: str, dataset_hash: str, lora: LoraSettings, train: TrainConfig,
+                 world_size: int = 1) -> str:
+    """The engine version is in the key: a fixed loop or new defaults must train again. Data parallel
+    over W processes trains on W batches per micro-step, so W is part of the run; a split is not
+    (it places the same computation on two devices)."""
     settings = {k: v for k, v in asdict(train).items() if k not in _KEEP_OUT}
+    if world_size > 1:
+        settings["data_parallel_world_size"] = world_size
     return stable_hash([VERSION, REUSE_FORMAT, model_identity, dataset_hash, asdict(lora), settings])
 
 
-def load_finished(cache_dir: Path, key: str) -> TrainedLora | None:
-    weights, info = cache_dir / "trained" / f"{key}.safetensors", cache_dir / "trained" / f"{key}.json"
+def read_trained(folder: Path, name: str) -> TrainedLora | None:
+    """A TrainedLora written by ``write_trained`` (weights .safetensors + metadata .json), or None."""
+    weights, info = Path(folder) / f"{name}.safetensors", Path(folder) / f"{name}.json"
     if not (weights.exists() and info.exists()):
         return None
     try:
         meta = json.loads(info.read_text())
         return TrainedLora(state_dict=load_file(str(weights)), **meta)
-    except Exception:  # unreadable or from another layout: a miss, train again
+    except Exception:  # unreadable or from another layout: a miss
         return None
+
+
+def write_trained(folder: Path, name: str, lora: TrainedLora, what: str) -> None:
+    """Weights first, then the metadata JSON, which marks the pair complete (both atomic)."""
+    meta = {f.name: getattr(lora, f.name) for f in fields(lora) if f.name != "state_dict"}
+    with atomic_write(Path(folder) / f"{name}.safetensors", what) as tmp:
+        save_file({k: v.contiguous() for k, v in lora.state_dict.items()}, str(tmp))
+    write_json_atomic(Path(folder) / f"{name}.json", meta, what, indent=None)
+
+
+def load_finished(cache_dir: Path, key: str) -> TrainedLora | None:
+    return read_trained(Path(cache_dir) / "trained", key)
 
 
 def store_finished(cache_dir: Path, key: str, lora: TrainedLora) -> None:
     if lora.interrupted or not lora.state_dict:
         return
-    folder = cache_dir / "trained"
-    meta = {f.name: getattr(lora, f.name) for f in fields(lora) if f.name != "state_dict"}
-    with atomic_write(folder / f"{key}.safetensors", "the finished-run cache") as tmp:
-        save_file({k: v.contiguous() for k, v in lora.state_dict.items()}, str(tmp))
-    write_json_atomic(folder / f"{key}.json", meta, "the finished-run cache", indent=None)  # last: marks it complete
+    write_trained(Path(cache_dir) / "trained", key, lora, "the finished-run cache")
 
 
 def train_or_reuse(model, dataset, lora: LoraSettings, train: TrainConfig, cache_dir: Path, callback=None,
-                   **train_kwargs) -> TrainedLora:
+                   parallel=None, **train_kwargs) -> TrainedLora:
     """Return the stored result of an identical finished run, else train (and store it).
 
     Training resumes from the run's latest saved state (``<cache_dir>/resume/<key>/``), saves
     one every ``train.save_every`` steps and when stopped, and drops it once finished. Only a
     completed run is stored as finished: an interrupted or failed one never is.
-    ``model`` is a ModelInfo (engine.models.inspect), ``dataset`` a DatasetCache.
+    ``model`` is a ModelInfo (engine.models.inspect), ``dataset`` a DatasetCache. ``parallel``
+    (engine/parallel ParallelConfig): split mode trains in this process across two GPUs; data
+    parallel starts one worker process per GPU (engine/parallel/launch.py).
     """
     from .loop import train_lora
     from .resume import ResumeStore, auto_save_every
 
-    key = training_key(model.identity, dataset.dataset_hash, lora, train)
+    world = parallel.world_size if parallel is not None else 1
+    key = training_key(model.identity, dataset.dataset_hash, lora, train, world)
     found = load_finished(Path(cache_dir), key)
     if found is not None:
         if callback is not None:
@@ -78,11 +95,19 @@ def train_or_reuse(model, dataset, lora: LoraSettings, train: TrainConfig, cache
             callback.log("resumable training states are not saved with optimizer='adamw8bit' (its 8-bit state "
                          "has no safetensors form here yet); use adamw to be able to resume")
     settings = {"lora": asdict(lora), "train": {k: v for k, v in asdict(train).items() if k not in _KEEP_OUT}}
-    store = ResumeStore(Path(cache_dir) / "resume", key, settings, every,
-                        log=callback.log if callback is not None else (lambda msg: None),
-                        family_key=stable_hash([model.identity, dataset.dataset_hash]), enabled=enabled)
-    result = train_lora(model.config, dataset, lora, train, callback, resume=store, **train_kwargs)
+    store_args = {"root": str(Path(cache_dir) / "resume"), "key": key, "settings": settings, "save_every": every,
+                  "family_key": stable_hash([model.identity, dataset.dataset_hash]), "enabled": enabled}
+    if parallel is not None and parallel.mode == "data_parallel":
+        from ..parallel.launch import train_data_parallel
+
+        result = train_data_parallel(model.config, dataset, lora, train, callback, parallel, store_args,
+                                     Path(cache_dir), **train_kwargs)
+    else:
+        store = ResumeStore.from_args(store_args, log=callback.log if callback is not None else None)
+        result = train_lora(model.config, dataset, lora, train, callback, resume=store, split=parallel,
+                            **train_kwargs)
+        if not result.interrupted and result.state_dict:
+            store.discard()
     if not result.interrupted and result.state_dict:
         store_finished(Path(cache_dir), key, result)
-        store.discard()
     return result

@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 
 from ..fileio import atomic_write, write_json_atomic
 
-STATE_FORMAT = 1
+STATE_FORMAT = 2  # 2: noise/timestep/flip draws are keyed by the micro-batch count, no loop generator
 _NAME = re.compile(r"^state-(\d{7})\.json$")
 
 
@@ -49,17 +49,18 @@ class RngSnapshot:
 
     step: int
     batches_drawn: int
-    generator: torch.Tensor  # the loop's noise/timestep/flip generator
     cpu: torch.Tensor  # torch's global CPU RNG (dropout)
     cuda: list[torch.Tensor]  # one per visible CUDA device
 
     @classmethod
-    def take(cls, step: int, batches_drawn: int, gen: torch.Generator) -> "RngSnapshot":
+    def take(cls, step: int, batches_drawn: int) -> "RngSnapshot":
+        """The loop's own draws (noise, timesteps, flips) are a pure function of the seed and the
+        micro-batch count (engine/parallel/data_parallel.micro_generator): only the global RNGs
+        (dropout) need saving."""
         cuda = [s.clone() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else []
-        return cls(step, batches_drawn, gen.get_state().clone(), torch.get_rng_state().clone(), cuda)
+        return cls(step, batches_drawn, torch.get_rng_state().clone(), cuda)
 
-    def restore(self, gen: torch.Generator) -> None:
-        gen.set_state(self.generator)
+    def restore(self) -> None:
         torch.set_rng_state(self.cpu)
         if self.cuda and torch.cuda.is_available() and len(self.cuda) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(self.cuda)
@@ -73,8 +74,7 @@ class LoadedState:
     info: dict
     path: Path
 
-    def apply(self, named_params: list[tuple[str, torch.nn.Parameter]], optimizer, scheduler,
-              gen: torch.Generator) -> None:
+    def apply(self, named_params: list[tuple[str, torch.nn.Parameter]], optimizer, scheduler) -> None:
         """Put weights, optimizer and scheduler state and RNGs back as they were at ``step``."""
         with torch.no_grad():
             for name, p in named_params:
@@ -82,8 +82,7 @@ class LoadedState:
         optimizer.load_state_dict(_optimizer_state(self.tensors, self.info["optimizer"], named_params))
         scheduler.load_state_dict(self.info["scheduler"])
         cuda = sorted((k for k in self.tensors if k.startswith("rng/cuda/")), key=lambda k: int(k.rsplit("/", 1)[1]))
-        RngSnapshot(self.step, self.batches_drawn, self.tensors["rng/generator"], self.tensors["rng/cpu"],
-                    [self.tensors[k] for k in cuda]).restore(gen)
+        RngSnapshot(self.step, self.batches_drawn, self.tensors["rng/cpu"], [self.tensors[k] for k in cuda]).restore()
 
 
 class ResumeStore:
@@ -99,6 +98,12 @@ class ResumeStore:
         self.family_key = family_key  # model + dataset: finds states of the same data with other settings
         self.log = log
         self.last_saved_step = 0
+
+    @classmethod
+    def from_args(cls, args: dict, log: Callable[[str], None] | None = None) -> "ResumeStore":
+        """From the plain dict train_or_reuse builds (data-parallel workers get it as JSON)."""
+        return cls(Path(args["root"]), args["key"], args["settings"], args["save_every"],
+                   log=log or (lambda msg: None), family_key=args["family_key"], enabled=args["enabled"])
 
     # --- reading -------------------------------------------------------------------
     def _states(self, folder: Path) -> list[tuple[int, Path]]:
@@ -161,7 +166,6 @@ class ResumeStore:
         opt_tensors, opt_info = _split_optimizer_state(optimizer.state_dict())
         tensors = {f"lora/{name}": p.detach().float().cpu().contiguous() for name, p in named_params}
         tensors.update({f"optim/{k}": v for k, v in opt_tensors.items()})
-        tensors["rng/generator"] = snapshot.generator
         tensors["rng/cpu"] = snapshot.cpu
         tensors.update({f"rng/cuda/{i}": s for i, s in enumerate(snapshot.cuda)})
         base = self.folder / f"state-{step:07d}"

@@ -1,0 +1,5 @@
+"""More than one GPU: split mode (the blocks cut across two devices, engine/parallel/split.py) and
+data parallel (one process per GPU, engine/parallel/data_parallel.py + launch.py)."""
+from .config import ParallelConfig
+
+__all__ = ["ParallelConfig"]

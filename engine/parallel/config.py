@@ -1,0 +1,106 @@
+"""ParallelConfig: how training uses more than one GPU (what the Dual-GPU Split node outputs).
+
+Each field carries its help text in ``metadata["help"]``; the node's tooltips come from it.
+Torch-free, so the node can build its widgets without importing torch.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+from ..errors import ConfigError
+
+MODES = ("split", "data_parallel")
+
+
+@dataclass
+class ParallelConfig:
+    mode: str = field(default="split", metadata={"help": (
+        "split: the transformer's blocks are cut in two; the first part runs on the first GPU, the rest on the "
+        "second (each part may stream from host RAM and use int8 slabs). One image at a time, each GPU holds "
+        "about half the model: for a model too big for one card's budget. data_parallel: one training "
+        "process per GPU, each with the whole (streamed) model and its own images; LoRA gradients are averaged "
+        "after every micro-batch, so the effective batch is GPUs x batch_size and images/s scale with the GPUs."
+    )})
+    devices: tuple[str, ...] = field(default=("cuda:0", "cuda:1"), metadata={"help": (
+        "The GPUs to use, e.g. cuda:0,cuda:1. split uses exactly two; data_parallel one process per device."
+    )})
+    cut: int = field(default=-1, metadata={"help": (
+        "split only: the first block (in execution order: double blocks, then single blocks) that runs on the "
+        "second GPU. -1 = auto: the cut that streams the fewest bytes with each side inside its budget, "
+        "the two peaks balanced."
+    )})
+    vram_budget_gb: tuple[float, ...] = field(default=(0.0,), metadata={"help": (
+        "GPU memory each device may use, in GB, in the order of devices (one value applies to all). 0 = 90% of "
+        "the memory free on that GPU. With Offload Config mode=auto each side then streams the fewest blocks "
+        "that fit; this replaces Offload Config's single vram_budget_gb."
+    )})
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"parallel mode={self.mode!r} is not one of {', '.join(MODES)}")
+        devices = tuple(str(d).strip() for d in self.devices if str(d).strip())
+        if len(devices) < 2:
+            raise ConfigError(f"devices={self.devices!r}: name at least two GPUs, e.g. cuda:0,cuda:1")
+        gpus = [d for d in devices if d != "cpu"]
+        if self.mode == "data_parallel" and len(set(gpus)) != len(gpus):
+            # (split may put both parts on one GPU: a test of the split itself; CPU ranks are for tests)
+            raise ConfigError(f"devices={self.devices!r} names a GPU twice; data parallel runs one process "
+                              f"per GPU, name each once")
+        for d in devices:
+            if not (d.startswith("cuda:") and d[5:].isdigit()) and d != "cpu":
+                raise ConfigError(f"device {d!r} is not of the form cuda:N (e.g. cuda:1)")
+        if self.mode == "split" and len(devices) != 2:
+            raise ConfigError(f"split uses exactly two GPUs; devices={devices!r} names {len(devices)}. "
+                              f"Use data_parallel for more")
+        self.devices = devices
+        budgets = tuple(self.vram_budget_gb) if isinstance(self.vram_budget_gb, (list, tuple)) else (self.vram_budget_gb,)
+        for b in budgets:
+            if not isinstance(b, (int, float)) or isinstance(b, bool) or not math.isfinite(b) or b < 0:
+                raise ConfigError(f"vram_budget_gb={self.vram_budget_gb!r}: each budget must be a finite number "
+                                  f">= 0 (0 = most of that GPU's free memory)")
+        if len(budgets) == 1:
+            budgets = budgets * len(devices)
+        if len(budgets) != len(devices):
+            raise ConfigError(f"vram_budget_gb has {len(budgets)} values for {len(devices)} devices; give one "
+                              f"per device, or one for all")
+        self.vram_budget_gb = tuple(float(b) for b in budgets)
+        if not isinstance(self.cut, int) or self.cut < -1 or self.cut == 0:
+            raise ConfigError(f"cut={self.cut!r} must be -1 (auto) or a block index >= 1")
+        if self.mode != "split" and self.cut != -1:
+            raise ConfigError(f"cut={self.cut} only applies to split mode; leave it at -1 for {self.mode}")
+
+    @property
+    def world_size(self) -> int:
+        return len(self.devices) if self.mode == "data_parallel" else 1
+
+
+def help_text(name: str) -> str:
+    for f in fields(ParallelConfig):
+        if f.name == name:
+            return f.metadata["help"]
+    raise KeyError(f"ParallelConfig has no field {name!r}")
+
+
+def parse_devices(text: str) -> tuple[str, ...]:
+    """'cuda:0, cuda:1' or '0,1' -> ('cuda:0', 'cuda:1')."""
+    out = []
+    for part in str(text).replace(";", ",").split(","):
+        part = part.strip()
+        if part:
+            out.append(f"cuda:{part}" if part.isdigit() else part)
+    return tuple(out)
+
+
+def parse_budgets(text: str) -> tuple[float, ...]:
+    """'12, 12' -> (12.0, 12.0); a clear error for anything that is not a number."""
+    out = []
+    for part in str(text).replace(";", ",").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            out.append(float(part))
+        except ValueError:
+            raise ConfigError(f"vram_budget_gb={text!r}: {part!r} is not a number (e.g. 12,12 or 0)") from None
+    return tuple(out) or (0.0,)

@@ -1,0 +1,269 @@
+"""Split mode: the transformer's blocks cut in two, the first part on one GPU, the rest on another.
+
+Each part is planned and streamed on its own device exactly as a whole model would be
+(engine/offload: resident blocks, a ring of slots, activation offload, int8 slab layers),
+from its own VRAM budget; everything outside the blocks (embedders, final norm and
+projection) lives on the first device. LoRA parameters live with their base layers, so
+one AdamW steps each device's parameters in place (torch groups them by device).
+
+Crossing the cut: the block loop passes loop-level tensors (rotary embeddings, the
+timestep embedding or Flux.2's modulation) to every block, so a block on the second GPU
+gets its tensor arguments moved there by a forward pre-hook, and the modules after the
+blocks get theirs moved back. While training, diffusers calls the blocks through the
+model's checkpoint function; ours moves the arguments first, so what the checkpoint saves
+(or activation offload ships to the host) is already on the block's own device.
+Autograd carries the gradients back across ``.to()``.
+
+The cut: every cut point is planned (pure arithmetic, engine/offload/plan.py), and the
+one kept streams the fewest bytes per step with both parts inside their budgets; ties
+go to the cut whose predicted peaks are closest, so both GPUs peak at about the same level.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from ..errors import ConfigError
+from ..offload.config import OffloadConfig
+from ..offload.footprint import named_blocks
+from ..offload.plan import GB, ModelFootprint, Plan, Workload, make_plan
+
+
+@dataclass
+class SplitPlan:
+    cut: int  # index (execution order) of the first block on the second device
+    devices: tuple[torch.device, torch.device]
+    plans: tuple[Plan, Plan]
+    reason: str = ""
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return max(p.predicted_peak_bytes for p in self.plans)
+
+    def describe(self) -> str:
+        n = self.plans[0].footprint.num_blocks + self.plans[1].footprint.num_blocks
+        lines = [f"split at block {self.cut} of {n}: blocks 0-{self.cut - 1} on {self.devices[0]}, "
+                 f"{self.cut}-{n - 1} on {self.devices[1]}" + (f" ({self.reason})" if self.reason else "")]
+        for dev, plan in zip(self.devices, self.plans):
+            lines += [f"[{dev}] " + line for line in plan.describe().splitlines()]
+        return "\n".join(lines)
+
+    def summary(self) -> dict:
+        return {"mode": "split", "cut": self.cut, "devices": [str(d) for d in self.devices],
+                "predicted_peak_gb": [round(p.predicted_peak_bytes / GB, 3) for p in self.plans],
+                "parts": [p.summary() for p in self.plans]}
+
+
+def part_footprints(fp: ModelFootprint, block_trainable: list[int], other_trainable: int,
+                    cut: int) -> tuple[ModelFootprint, ModelFootprint]:
+    """The two parts' footprints: the first carries everything outside the blocks."""
+    if not 1 <= cut < fp.num_blocks:
+        raise ConfigError(f"cut={cut} must be between 1 and {fp.num_blocks - 1} ({fp.name} has "
+                          f"{fp.num_blocks} blocks)")
+    first = replace(fp, name=f"{fp.name} blocks 0-{cut - 1}", block_names=fp.block_names[:cut],
+                    block_bytes=fp.block_bytes[:cut], trainable_params=sum(block_trainable[:cut]) + other_trainable)
+    second = replace(fp, name=f"{fp.name} blocks {cut}-{fp.num_blocks - 1}", block_names=fp.block_names[cut:],
+                     block_bytes=fp.block_bytes[cut:], other_bytes=0, trainable_params=sum(block_trainable[cut:]))
+    return first, second
+
+
+def plan_split(fp: ModelFootprint, block_trainable: list[int], other_trainable: int, workload: Workload,
+               offload: OffloadConfig, devices: tuple[torch.device, torch.device],
+               budgets: tuple[Optional[int], Optional[int]], cut: Optional[int] = None,
+               host_ram_bytes: Optional[int] = None) -> SplitPlan:
+    """The plan for both parts: at ``cut``, or at the best cut when it is None (see the module doc)."""
+    cuts = [cut] if cut is not None else list(range(1, fp.num_blocks))
+    best, best_key, last_error = None, None, None
+    for c in cuts:
+        parts = part_footprints(fp, block_trainable, other_trainable, c)
+        try:
+            plans = tuple(make_plan(p, workload, offload, b, host_ram_bytes) for p, b in zip(parts, budgets))
+        except ConfigError as exc:
+            last_error = exc
+            continue
+        io = sum(p.streamed_bytes_per_step + 2 * p.activation_bytes_per_step for p in plans)
+        peaks = [p.predicted_peak_bytes for p in plans]
+        key = (io, max(peaks) - min(peaks))
+        if best_key is None or key < best_key:
+            best, best_key = SplitPlan(c, devices, plans), key
+    if best is None:
+        where = f"at cut {cut}" if cut is not None else "at any cut"
+        raise ConfigError(f"the split does not fit {where} on {devices[0]} + {devices[1]}: {last_error}")
+    pinned = sum(p.pinned_host_bytes for p in best.plans)
+    if host_ram_bytes and pinned > offload.max_pinned_fraction * host_ram_bytes:
+        raise ConfigError(
+            f"the two parts together pin {pinned / GB:.1f} GB of host RAM; max_pinned_fraction="
+            f"{offload.max_pinned_fraction} of {host_ram_bytes / GB:.0f} GB allows "
+            f"{offload.max_pinned_fraction * host_ram_bytes / GB:.1f} GB. Raise the GPU budgets (more blocks "
+            f"resident) or turn activation offload off")
+    best.reason = ("as asked" if cut is not None else
+                   "the cut that streams the fewest bytes per step, peaks balanced")
+    return best
+
+
+def trainable_per_block(model: nn.Module, family) -> tuple[list[int], int]:
+    """LoRA elements inside each block (execution order) and outside all blocks."""
+    blocks = named_blocks(model, family)
+    per_block = [sum(p.numel() for p in b.parameters() if p.requires_grad) for _, b in blocks]
+    total = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return per_block, total - sum(per_block)
+
+
+def _to(device: torch.device):
+    def move(x):
+        return x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) and x.device != device else x
+
+    return move
+
+
+class SplitHandle:
+    """Both parts' offload handles, the device hooks, and how to undo them."""
+
+    def __init__(self, model: nn.Module, plan: SplitPlan, handles, hooks, restore):
+        self.model, self.plan, self.handles, self._hooks = model, plan, handles, hooks
+        self._restore = restore  # (tensor, its data before) for the frozen tensors outside the blocks
+        self.device = plan.devices[0]
+
+    @property
+    def devices(self) -> tuple[torch.device, torch.device]:
+        return self.plan.devices
+
+    def end_step(self) -> None:
+        for h in self.handles:
+            h.end_step()
+
+    def stats(self) -> dict:
+        return {"cut": self.plan.cut, "parts": [h.stats() for h in self.handles]}
+
+    def peak_report(self, step: int = 1) -> str:
+        return "; ".join(f"[{h.device}] {h.peak_report(step)}" for h in self.handles)
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        for h in reversed(self.handles):
+            h.remove()
+        for t, data in self._restore:
+            t.data = data
+        self._restore.clear()
+
+
+def apply_split(model: nn.Module, family, plan: SplitPlan, offload: OffloadConfig, callback=None,
+                _engine_factory=None) -> SplitHandle:
+    """Place (and stream) each part on its device per ``plan``; LoRA must be attached and gradient
+    checkpointing enabled. ``_engine_factory``: the copy engine for tests (CPU)."""
+    from ..offload.streamer import apply_offload
+
+    blocks = named_blocks(model, family)
+    parts = (blocks[:plan.cut], blocks[plan.cut:])
+    dev0, dev1 = plan.devices
+    block_ids = {id(b) for _, b in blocks}
+    # Everything outside the blocks (and its LoRA, if any) lives on the first device.
+    restore: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for t in [t for m in _non_block_modules(model, block_ids) for t in list(m.parameters(recurse=False))
+              + list(m.buffers(recurse=False))]:
+        if t.device != dev0:
+            if not t.requires_grad:
+                restore.append((t, t.data))
+            t.data = t.data.to(dev0)
+    handles = []
+    try:
+        for part, dev, part_plan in zip(parts, plan.devices, plan.plans):
+            handles.append(apply_offload(model, family, offload, dev, callback, plan=part_plan, blocks=part,
+                                         _engine_factory=_engine_factory))
+    except BaseException:
+        for h in handles:
+            h.remove()
+        for t, data in restore:
+            t.data = data
+        raise
+    device_of = {id(b): dev for part, dev in zip(parts, plan.devices) for _, b in part}
+    hooks = []
+    for part, dev in zip(parts, plan.devices):
+        for _, block in part:
+            hooks.append(block.register_forward_pre_hook(_arguments_to(dev), with_kwargs=True))
+    for name, child in model.named_children():  # after the blocks: the final norm and projection
+        if not isinstance(child, nn.ModuleList):
+            hooks.append(child.register_forward_pre_hook(_arguments_to(dev0), with_kwargs=True))
+    offloaders = {id(b): h.activations for part, h in zip(parts, handles) if h.activations is not None
+                  for _, b in part}
+    _install_checkpoint(model, device_of, offloaders)
+    handle = SplitHandle(model, plan, handles, hooks, restore)
+    if callback is not None:
+        callback.log(plan.describe().splitlines()[0])
+    return handle
+
+
+def _non_block_modules(model: nn.Module, block_ids: set[int]):
+    """Every module that is not inside a block (the model itself included)."""
+    stack = [model]
+    while stack:
+        m = stack.pop()
+        if id(m) in block_ids:
+            continue
+        yield m
+        stack.extend(m.children())
+
+
+def _arguments_to(device: torch.device):
+    def hook(module, args, kwargs):
+        move = _to(device)
+        return tree_map(move, args), tree_map(move, kwargs)
+
+    return hook
+
+
+def _install_checkpoint(model: nn.Module, device_of: dict[int, torch.device], offloaders: dict) -> None:
+    """The model's checkpoint function (what diffusers calls for each block while training): move the
+    block's arguments to its device, then checkpoint it as that part's activation offloader would, or with
+    torch's non-reentrant checkpoint (diffusers' default)."""
+
+    def checkpoint(block, *args):
+        args = tree_map(_to(device_of[id(block)]), args)
+        offloader = offloaders.get(id(block))
+        if offloader is not None:
+            return offloader.checkpoint(block, *args)
+        return torch.utils.checkpoint.checkpoint(block.__call__, *args, use_reentrant=False)
+
+    model.enable_gradient_checkpointing(gradient_checkpointing_func=checkpoint)
+
+
+def check_split_devices(split, offload: Optional[OffloadConfig]) -> None:
+    """Clear errors before anything is loaded: GPUs that are not there, streaming on a CPU, no checkpointing."""
+    if offload is not None and not offload.gradient_checkpointing:
+        raise ConfigError("split mode needs gradient_checkpointing=True in Offload Config: the blocks' arguments "
+                          "cross the cut inside the checkpoint function")
+    for name in split.devices:
+        dev = torch.device(name)
+        if dev.type == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if dev.index is not None and dev.index >= count:
+                raise ConfigError(
+                    f"split uses {name}, but this machine has {count} CUDA GPU{'s' if count != 1 else ''}"
+                    + (f" ({', '.join(f'cuda:{i}' for i in range(count))})" if count else "")
+                    + "; name GPUs that exist in Dual-GPU Split's devices, or train on one GPU without it")
+        elif offload is not None and offload.streams and offload.mode == "stream":
+            raise ConfigError(f"split device {name} is not a CUDA GPU; streaming needs one (use mode='resident' "
+                              f"to test a split on the CPU)")
+
+
+def split_budgets(split, offload: OffloadConfig) -> tuple[Optional[int], Optional[int]]:
+    """Each device's budget in bytes for mode='auto' (None otherwise): the split's own value, else
+    Offload Config's vram_budget_gb, else 90% of what is free on that GPU now."""
+    if offload.mode != "auto":
+        return (None, None)
+    out = []
+    for name, gb in zip(split.devices, split.vram_budget_gb):
+        dev = torch.device(name)
+        if gb or offload.vram_budget_gb:
+            out.append(int((gb or offload.vram_budget_gb) * GB))
+        elif dev.type == "cuda":
+            out.append(int(0.9 * torch.cuda.mem_get_info(dev)[0]))
+        else:
+            raise ConfigError(f"split device {name}: give a vram_budget_gb for it (auto plans from a budget)")
+    return tuple(out)

@@ -1,0 +1,116 @@
+"""One data-parallel training process: ``python -m lowvram_lora.engine.parallel.worker SPEC.json``.
+
+Started by engine/parallel/launch.py (one per GPU, RANK/WORLD_SIZE/MASTER_* in the
+environment), or by ``torchrun`` on several hosts with the spec the launcher wrote
+(then each rank uses cuda:LOCAL_RANK). Rank 0 prints progress as JSON lines for the
+launcher and writes the trained LoRA; every rank watches the stop file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from ..callbacks import StepInfo, TrainingCallback
+from .launch import EVENT_PREFIX
+
+
+class _Events(TrainingCallback):
+    """Rank 0: every event as one JSON line on stdout; the others stay quiet. All ranks poll the
+    stop file (the loop then agrees on the stop with the other ranks)."""
+
+    def __init__(self, stop_file: Path, main: bool):
+        self.stop_file, self.main = stop_file, main
+
+    def _emit(self, event: dict) -> None:
+        if self.main:
+            sys.stdout.write(EVENT_PREFIX + json.dumps(event) + "\n")
+            sys.stdout.flush()
+
+    def on_step(self, info: StepInfo) -> None:
+        self._emit({"type": "step", "info": vars(info)})
+
+    def on_progress(self, stage: str, done: int, total: int) -> None:
+        self._emit({"type": "progress", "stage": stage, "done": done, "total": total})
+
+    def log(self, message: str) -> None:
+        self._emit({"type": "log", "message": message})
+
+    def should_stop(self) -> bool:
+        return self.stop_file.exists()
+
+
+def _exit_with_parent() -> None:
+    """No orphans: when the launcher is gone (killed, crashed), this process goes too."""
+    parent = os.environ.get("LOWVRAM_PARENT_PID")
+    if not parent:
+        return  # under torchrun: its own agent watches the ranks
+
+    def watch():
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != int(parent):
+                os._exit(3)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m lowvram_lora.engine.parallel.worker SPEC.json", file=sys.stderr)
+        return 2
+    _exit_with_parent()
+    spec = json.loads(Path(argv[0]).read_text())
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    events = _Events(Path(spec["stop_file"]), main=rank == 0)
+    try:
+        return _train(spec, local_rank, events)
+    except BaseException as exc:
+        events._emit({"type": "error", "kind": type(exc).__name__, "message": str(exc)})
+        raise
+
+
+def _train(spec: dict, local_rank: int, events: _Events) -> int:
+    import torch
+
+    from ..caching.cache import open_dataset_cache
+    from ..config import LoraSettings, ModelConfig, TrainConfig
+    from ..offload import OffloadConfig
+    from ..train.loop import train_lora
+    from ..train.result_reuse import write_trained
+    from ..train.resume import ResumeStore
+    from .data_parallel import init_from_env, shutdown
+
+    devices = spec["devices"]
+    device = torch.device(devices[local_rank] if local_rank < len(devices) else f"cuda:{local_rank}")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    ranks = init_from_env(device)
+    try:
+        model = spec["model"]
+        model_cfg = ModelConfig(**{**model, "text_encoder_files": tuple(model.get("text_encoder_files") or ())})
+        offload = spec["offload"]
+        offload = OffloadConfig(**offload) if offload is not None else None
+        budgets = spec.get("budgets_gb") or []
+        if offload is not None and offload.mode == "auto" and local_rank < len(budgets) and budgets[local_rank]:
+            offload = replace(offload, vram_budget_gb=budgets[local_rank])
+        store = ResumeStore.from_args(spec["resume"], log=events.log)
+        result = train_lora(model_cfg, open_dataset_cache(spec["dataset_manifest"]), LoraSettings(**spec["lora"]),
+                            TrainConfig(**{**spec["train"], "device": str(device)}), events, offload=offload,
+                            resume=store, ranks=ranks)
+        if ranks.is_main:
+            if not result.interrupted and result.state_dict:
+                store.discard()
+            write_trained(Path(spec["run_dir"]), "result", result, "the data-parallel result")
+    finally:
+        shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,215 @@
+"""Multi-GPU training logic on the CPU: data parallel with gloo worker processes, and the split."""
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lowvram_lora.engine.callbacks import TrainingCallback
+from lowvram_lora.engine.config import LoraSettings, ModelConfig, TrainConfig
+from lowvram_lora.engine.errors import CacheError, ConfigError, WorkerError
+from lowvram_lora.engine.models import load_transformer
+from lowvram_lora.engine.models.inspect import inspect_transformer
+from lowvram_lora.engine.offload import OffloadConfig
+from lowvram_lora.engine.offload.plan import GB, ModelFootprint, Workload
+from lowvram_lora.engine.parallel import ParallelConfig
+from lowvram_lora.engine.parallel.config import parse_budgets, parse_devices
+from lowvram_lora.engine.parallel.data_parallel import Ranks
+from lowvram_lora.engine.parallel.split import _arguments_to, plan_split
+from lowvram_lora.engine.train import train_lora
+from lowvram_lora.engine.train.batching import bucket_batches
+from lowvram_lora.engine.train.result_reuse import train_or_reuse
+
+DP_CPU = ParallelConfig(mode="data_parallel", devices=("cpu", "cpu"))
+
+
+class Recorder(TrainingCallback):
+    def __init__(self, on_first_step=None, stop_after=None):
+        self.steps, self.logs = [], []
+        self.on_first_step, self.stop_after = on_first_step, stop_after
+
+    def on_step(self, info):
+        self.steps.append(info)
+        if len(self.steps) == 1 and self.on_first_step:
+            self.on_first_step()
+
+    def log(self, message):
+        self.logs.append(message)
+
+    def should_stop(self):
+        return self.stop_after is not None and len(self.steps) >= self.stop_after
+
+
+def _workers() -> list[int]:
+    """PIDs of live data-parallel worker processes started by this test process."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes()
+                env = (d / "environ").read_bytes()
+            except OSError:
+                continue
+            if b"engine.parallel.worker" in cmd and f"LOWVRAM_PARENT_PID={os.getpid()}".encode() in env:
+                out.append(int(d.name))
+    return out
+
+
+# -- config and sharding ------------------------------------------------------------------
+
+def test_config_parsing_and_errors():
+    assert parse_devices("0, 1") == ("cuda:0", "cuda:1")
+    assert parse_budgets("12,10.5") == (12.0, 10.5)
+    cfg = ParallelConfig(mode="split", devices=("cuda:0", "cuda:1"), vram_budget_gb=(12.0,))
+    assert cfg.vram_budget_gb == (12.0, 12.0) and cfg.world_size == 1
+    assert ParallelConfig(mode="data_parallel", devices=("cuda:0", "cuda:1", "cuda:2")).world_size == 3
+    for bad, match in [
+        (dict(mode="ring"), "not one of"),
+        (dict(devices=("cuda:0",)), "at least two"),
+        (dict(mode="data_parallel", devices=("cuda:0", "cuda:0")), "twice"),
+        (dict(devices=("cuda:0", "gpu1")), "cuda:N"),
+        (dict(devices=("cuda:0", "cuda:1", "cuda:2")), "exactly two"),
+        (dict(vram_budget_gb=(float("nan"), 1.0)), "finite"),
+        (dict(vram_budget_gb=(1.0, 2.0, 3.0)), "3 values for 2 devices"),
+        (dict(cut=0), "block index"),
+        (dict(mode="data_parallel", cut=3), "only applies to split"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            ParallelConfig(**bad)
+    with pytest.raises(ConfigError, match="not a number"):
+        parse_budgets("12,lots")
+
+
+def test_shards_partition_the_single_process_stream():
+    items = [(i, (64, 64) if i % 3 else (32, 96)) for i in range(11)]
+    one = bucket_batches(items, 2, 5, lambda it: it[1])
+    single = [next(one) for _ in range(12)]
+    shards = [Ranks(r, 3).shard(bucket_batches(items, 2, 5, lambda it: it[1])) for r in range(3)]
+    per_rank = [[next(s) for _ in range(4)] for s in shards]
+    # rank r's k-th batch is global batch k*W + r, and each batch stays within one bucket
+    assert all(per_rank[r][k] == single[k * 3 + r] for r in range(3) for k in range(4))
+    assert all(len({it[1] for it in b}) == 1 for b in single)
+    assert [Ranks(r, 3).global_micro_index(4) for r in range(3)] == [12, 13, 14]
+
+
+# -- data parallel: 2 gloo processes on the CPU ----------------------------------------
+
+def test_data_parallel_equals_one_process_accumulating_both_batches(tiny_pipeline, tiny_cache, tmp_path):
+    model = inspect_transformer(ModelConfig(transformer_path=str(tiny_pipeline)))
+    lora, train = LoraSettings(rank=4), TrainConfig(steps=4, learning_rate=2e-3, seed=3, device="cpu")
+    rec = Recorder()
+    dp = train_or_reuse(model, tiny_cache, lora, train, tmp_path / "cache", rec, parallel=DP_CPU)
+    assert dp.steps == 4 and not dp.interrupted and [s.step for s in rec.steps] == [1, 2, 3, 4]
+    info = dp.settings["data_parallel"]
+    assert info["world_size"] == 2 and info["weight_checksums"][0] == info["weight_checksums"][1]
+    # one process drawing the same two batches per step as accumulated micro-batches: the same mean gradient
+    single = train_lora(model.config, tiny_cache, lora, TrainConfig(**{**vars(train), "gradient_accumulation": 2}))
+    assert set(dp.state_dict) == set(single.state_dict)
+    for k, v in single.state_dict.items():
+        torch.testing.assert_close(dp.state_dict[k], v, rtol=1e-4, atol=1e-6)
+    assert dp.loss_history == pytest.approx(single.loss_history, rel=1e-5)
+    # and not what one process makes of one batch per step
+    alone = train_lora(model.config, tiny_cache, lora, train)
+    assert any(not torch.allclose(alone.state_dict[k], v, atol=1e-6) for k, v in dp.state_dict.items())
+    assert not list((tmp_path / "cache" / "parallel").glob("run-*")) and not _workers()
+    # a rerun reuses the finished data-parallel run; the one-process key is a different run
+    again = Recorder()
+    train_or_reuse(model, tiny_cache, lora, train, tmp_path / "cache", again, parallel=DP_CPU)
+    assert any("reusing the finished run" in m for m in again.logs) and not again.steps
+
+
+def test_data_parallel_stop_keeps_finished_steps_and_resumes(tiny_pipeline, tiny_cache, tmp_path):
+    model = inspect_transformer(ModelConfig(transformer_path=str(tiny_pipeline)))
+    lora, train = LoraSettings(rank=4), TrainConfig(steps=6, learning_rate=2e-3, seed=1, device="cpu", save_every=1)
+    stopped = train_or_reuse(model, tiny_cache, lora, train, tmp_path, Recorder(stop_after=2), parallel=DP_CPU)
+    assert stopped.interrupted and 2 <= stopped.steps < 6 and not _workers()
+    rec = Recorder()
+    resumed = train_or_reuse(model, tiny_cache, lora, train, tmp_path, rec, parallel=DP_CPU)
+    assert resumed.steps == 6 and not resumed.interrupted
+    assert any("resuming from step" in m for m in rec.logs)
+    full = train_or_reuse(model, tiny_cache, lora, train, tmp_path / "other", Recorder(), parallel=DP_CPU)
+    for k, v in full.state_dict.items():
+        torch.testing.assert_close(resumed.state_dict[k], v, rtol=1e-5, atol=1e-7)
+
+
+def test_data_parallel_worker_death_and_bad_input(tiny_pipeline, tiny_cache, tmp_path):
+    model = inspect_transformer(ModelConfig(transformer_path=str(tiny_pipeline)))
+    lora, train = LoraSettings(rank=4), TrainConfig(steps=400, learning_rate=1e-3, device="cpu")
+
+    def kill_rank1():
+        pids = [p for p in _workers() if b"RANK=1\x00" in Path(f"/proc/{p}/environ").read_bytes()]
+        os.kill(pids[0], signal.SIGKILL)
+
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match=r"rank 1 died \(signal 9\)"):
+        train_or_reuse(model, tiny_cache, lora, train, tmp_path, Recorder(on_first_step=kill_rank1), parallel=DP_CPU)
+    assert time.monotonic() - t0 < 120 and not _workers()
+    # an error inside the workers comes back as the same error, with its message
+    broken = type(tiny_cache)(**{**vars(tiny_cache), "manifest_path": tmp_path / "missing.json"})
+    with pytest.raises(CacheError, match="cannot read cache manifest"):
+        train_or_reuse(model, broken, lora, train, tmp_path, Recorder(), parallel=DP_CPU)
+    assert not _workers()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has two GPUs")
+def test_data_parallel_refuses_gpus_that_are_not_there(tiny_pipeline, tiny_cache, tmp_path):
+    model = inspect_transformer(ModelConfig(transformer_path=str(tiny_pipeline)))
+    with pytest.raises(ConfigError, match=r"asks for 2 GPUs .* this machine has \d"):
+        train_or_reuse(model, tiny_cache, LoraSettings(rank=4), TrainConfig(steps=2), tmp_path, Recorder(),
+                       parallel=ParallelConfig(mode="data_parallel", devices=("cuda:0", "cuda:1")))
+
+
+# -- split ----------------------------------------------------------------------------
+
+def test_split_on_the_cpu_trains_exactly_as_unsplit(tiny_pipeline, tiny_cache):
+    cfg = ModelConfig(transformer_path=str(tiny_pipeline))
+    lora, train = LoraSettings(rank=4), TrainConfig(steps=3, learning_rate=2e-3, seed=2, device="cpu")
+    base, family, _, variant = load_transformer(tiny_pipeline, dtype=torch.float32)
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    rec = Recorder()
+    split = train_lora(cfg, tiny_cache, lora, train, rec, preloaded=(base, family, variant),
+                       offload=OffloadConfig(mode="resident"),
+                       split=ParallelConfig(mode="split", devices=("cpu", "cpu"), cut=3))
+    whole = train_lora(cfg, tiny_cache, lora, train, preloaded=(base, family, variant))
+    assert split.settings["offload_plan"]["cut"] == 3
+    assert any("split at block 3 of" in m for m in rec.logs)
+    for k, v in whole.state_dict.items():
+        torch.testing.assert_close(split.state_dict[k], v, rtol=1e-5, atol=1e-7)
+    after = base.state_dict()  # the preloaded model is left as found: no hooks, no LoRA, same weights
+    assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
+    assert not any(b._forward_pre_hooks for b in base.modules())
+
+
+def test_split_hook_moves_nested_arguments():
+    hook = _arguments_to(torch.device("meta"))
+    args, kwargs = hook(None, (torch.ones(2), 3), {"rotary": (torch.ones(1), torch.ones(1)), "mod": [torch.ones(1)]})
+    assert args[0].device.type == "meta" and args[1] == 3
+    assert all(t.device.type == "meta" for t in (*kwargs["rotary"], *kwargs["mod"]))
+
+
+def _footprint(n=10):
+    return ModelFootprint(name="m", block_names=[f"b{i}" for i in range(n)], block_bytes=[int(GB)] * n,
+                          other_bytes=int(0.5 * GB), trainable_params=n * 1000, hidden_size=64)
+
+
+def test_split_plan_balances_and_respects_budgets():
+    fp, wl = _footprint(), Workload(1, 64, 16)
+    devs = (torch.device("cuda:0"), torch.device("cuda:1"))
+    plan = plan_split(fp, [1000] * 10, 0, wl, OffloadConfig(mode="resident"), devs, (None, None))
+    peaks = [p.predicted_peak_bytes for p in plan.plans]
+    assert plan.cut == 5 and max(peaks) / min(peaks) < 1.15  # the cut that balances the weights
+    auto = OffloadConfig(mode="auto")
+    plan = plan_split(fp, [1000] * 10, 0, wl, auto, devs, (int(5 * GB), int(5 * GB)))
+    assert all(p.predicted_peak_bytes + GB <= 5 * GB for p in plan.plans)  # each part in its own budget
+    assert plan.plans[0].streamed or plan.plans[1].streamed  # 10.5 GB of weights cannot all stay
+    plan = plan_split(fp, [1000] * 10, 0, wl, auto, devs, (int(12 * GB), int(12 * GB)))
+    assert not plan.plans[0].streamed and not plan.plans[1].streamed  # 24 GB: everything resident
+    lopsided = plan_split(fp, [1000] * 10, 0, wl, auto, devs, (int(9 * GB), int(4 * GB)))
+    assert lopsided.cut > 5  # the larger budget takes more blocks
+    with pytest.raises(ConfigError, match="does not fit at any cut"):
+        plan_split(fp, [1000] * 10, 0, wl, auto, devs, (int(1 * GB), int(1 * GB)))
+    with pytest.raises(ConfigError, match="cut=10 must be between 1 and 9"):
+        plan_split(fp, [1000] * 10, 0, wl, auto, devs, (int(9 * GB), int(9 * GB)), cut=10)
+    assert "split at block" in plan.describe() and plan.summary()["cut"] == plan.cut
