@@ -271,8 +271,30 @@ def flux2_klein_lora() -> tuple[list[NodeSpec], list[NoteSpec]]:
     return nodes, notes
 
 
+def flux2_dev_dual_gpu() -> tuple[list[NodeSpec], list[NoteSpec]]:
+    nodes, _ = flux2_dev_lora()
+    offload = next(n for n in nodes if n.class_type == "LowVRAMOffloadConfig")
+    offload.widgets["vram_budget_gb"] = 0.0  # the per-GPU budgets come from Dual-GPU Split
+    train = next(n for n in nodes if n.class_type == "LowVRAMTrainLoRA")
+    train.links["split"] = (7, 0)
+    next(n for n in nodes if n.class_type == "LowVRAMSaveLoRA").widgets["filename_prefix"] = "loras/flux2_dev_dual_gpu"
+    nodes.append(NodeSpec(7, "LowVRAMDualGPUSplit", "Dual-GPU Split", (400, 440),
+                          {"mode": "split", "devices": "cuda:0,cuda:1", "cut": -1, "vram_budget_gb": "12,12"},
+                          size=(340, 170)))
+    notes = [NoteSpec(6, (
+        "Flux.2-dev (32B) LoRA at 1024x1024 on two GPUs (files as in flux2_dev_lora).\n\n"
+        "Dual-GPU Split, mode split: the blocks are cut in two; each GPU holds its part of the int8 slab within "
+        "its budget (12 GB each here) and streams the rest from pinned host RAM. The cut is chosen so both GPUs "
+        "peak at about the same level; the plan for each GPU is printed before training.\n"
+        "mode data_parallel instead: one training process per GPU, each with the whole streamed model and its "
+        "own images; LoRA gradients are averaged, so the effective batch doubles and images/s about double "
+        "(measured figures: bench/RESULTS.md, 'parallel' rows).\n\n"
+        "Several hosts: data parallel runs under torchrun too; see README 'Multi-GPU'."), (40, 640))]
+    return nodes, notes
+
+
 SHIPPED = {"demo_tiny_lora": demo_tiny_lora, "flux1_dev_lora": flux1_dev_lora, "flux2_dev_lora": flux2_dev_lora,
-           "flux2_klein_lora": flux2_klein_lora}
+           "flux2_klein_lora": flux2_klein_lora, "flux2_dev_dual_gpu": flux2_dev_dual_gpu}
 
 
 def build(name: str, mappings: Mapping[str, type], display: Mapping[str, str]) -> tuple[dict, dict]:

@@ -69,13 +69,17 @@ class LowVRAMTrainLoRA:
                                "same graph again resumes from the latest. Does not change the result.",
                 }),
             },
+            "optional": {
+                "split": ("LOWVRAM_SPLIT", {"tooltip": "From Dual-GPU Split: train across two GPUs (split the model, "
+                                                       "or data parallel). Unconnected: one GPU."}),
+            },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
     def train(self, model, dataset, offload, steps: int = 1000, learning_rate: float = 1e-4, rank: int = 16,
               alpha: float = 16.0, batch_size: int = 1, gradient_accumulation: int = 1, lr_scheduler: str = "constant",
               warmup_steps: int = 0, training_seed: int = 42, guidance: float = 1.0, max_grad_norm: float = 1.0,
-              optimizer: str = "adamw", save_every: int = 0, unique_id=None):
+              optimizer: str = "adamw", save_every: int = 0, split=None, unique_id=None):
         from ..engine.config import LoraSettings, TrainConfig
         from ..engine.train.result_reuse import train_or_reuse
         from .progress import free_comfy_vram, make_callback
@@ -96,7 +100,7 @@ class LowVRAMTrainLoRA:
             save_every=save_every,
         )
         lora = train_or_reuse(model, dataset, lora_cfg, train_cfg, cache_dir(), callback,
-                              offload=offload)
+                              parallel=split, offload=offload)
         image, ui = _loss_curve_outputs(lora)
         return {"ui": ui, "result": (lora, image)}
 
