@@ -1,0 +1,195 @@
+"""Multi-GPU benchmark (issue 16): one-GPU streamed vs split vs data parallel, with the all-resident
+baseline of the same run. Random full-size models built in GPU memory (no files), synthetic cache.
+
+Run under torchrun on a 2-GPU machine (NVLink multicast stays off; the script sets the variables too):
+
+    source bench/gpu_env.sh
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
+    python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/bench_parallel.py \\
+        --family flux1 --variant flux1-dev --precision bf16 --budget 12 --out "$OUT/results.jsonl"
+
+Modes, in order (rank 0 runs the one-process modes alone; rank 1 waits without touching its GPU,
+then builds its own model for data parallel):
+
+- ``resident``: bf16, every weight on cuda:0 (the baseline of the run);
+- ``one``: ``auto`` at ``--budget`` GB on cuda:0 (the one-GPU streamed baseline);
+- ``split``: Dual-GPU Split, mode split, ``--budget`` GB on each of cuda:0 and cuda:1;
+- ``dp``: data parallel, one process per GPU, ``auto`` at ``--budget`` GB each.
+
+images/s = batch x world size / step s; scaling = dp images/s / (one images/s x world size).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_bench import (  # noqa: E402
+    StepRecorder, _command, _gpu_name, _versions, build_random_model, row_emitter, training_row,
+)
+
+for _k, _v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
+    os.environ.setdefault(_k, _v)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--family", default="flux1", choices=["flux1", "flux2"])
+    p.add_argument("--variant", default="flux1-dev")
+    p.add_argument("--precision", default="bf16", choices=["bf16", "int8"], help="of the streamed modes")
+    p.add_argument("--res", type=int, default=1024)
+    p.add_argument("--budget", type=float, default=12.0, help="GB per GPU for one / split / dp")
+    p.add_argument("--modes", nargs="+", default=["resident", "one", "split", "dp"])
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--timed", type=int, default=3)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--out", default="bench/results.jsonl")
+    p.add_argument("--note", default="")
+    return p.parse_args(argv)
+
+
+def _cache(root: Path, family, variant: str, cfg: dict, res: int):
+    if family.id == "flux2":
+        from bench_flux2 import write_synthetic_cache
+    else:
+        from train_bench import write_synthetic_cache
+    return write_synthetic_cache(root, family, variant, dict(cfg), res, 8, 0)
+
+
+def _wait_for(path: Path) -> None:
+    """Rank 1 idles on a file, not on a collective (an NCCL barrier would spin a kernel on cuda:1
+    while rank 0 times its split there)."""
+    while not path.exists():
+        time.sleep(0.5)
+
+
+def main(argv=None) -> int:
+    from lowvram_lora.engine.config import LoraSettings, ModelConfig, TrainConfig
+    from lowvram_lora.engine.offload import OffloadConfig
+    from lowvram_lora.engine.parallel import ParallelConfig
+    from lowvram_lora.engine.parallel.data_parallel import init_from_env, ranks_from_env, shutdown
+    from lowvram_lora.engine.train import train_lora
+
+    args = parse_args(argv)
+    me = ranks_from_env()
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', me.rank))}")
+    torch.cuda.set_device(device)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    flag_dir = Path(os.environ.get("BENCH_FLAG_DIR", out.parent))
+    dp_flag = flag_dir / f".dp-start-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}"
+    run_id = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
+    base = {"run_id": run_id, "gpu": f"{me.world_size}x {_gpu_name(device)}", **_versions(), "model": args.variant,
+            "lora_rank": args.rank, "lora_targets": "default", "batch": 1, "grad_ckpt": True, "res": args.res,
+            "precision": args.precision, "budget_gb_per_gpu": args.budget, "command": _command(), "note": args.note,
+            "bench": "parallel"}
+    emit = row_emitter(out, base) if me.is_main else (lambda row: row)
+    lora = LoraSettings(rank=args.rank, alpha=float(args.rank))
+    steps = args.warmup + args.timed
+    tmp = tempfile.TemporaryDirectory(prefix=f"parallel-bench-{me.rank}-")
+    rows: dict = {}
+
+    def run(mode: str, model, family, dataset, offload, **kw) -> dict:
+        gc.collect()
+        torch.cuda.empty_cache()
+        for d in range(torch.cuda.device_count()):
+            torch.cuda.reset_peak_memory_stats(d)
+        rec = StepRecorder(f"{mode} r{me.rank}")
+        t = time.perf_counter()
+        error, result = None, None
+        try:
+            result = train_lora(ModelConfig(dtype="bf16", family=family.id), dataset, lora,
+                                TrainConfig(steps=steps, device=str(device), learning_rate=1e-4), rec.callback,
+                                preloaded=(model, family, args.variant), offload=offload, **kw)
+        except Exception as exc:  # noqa: BLE001 - a row per failure
+            error = f"{type(exc).__name__}: {str(exc)[:600]}"
+            print("ERROR", error, flush=True)
+        row = training_row(rec, args.warmup, t, error, rows.get("resident", {}).get("step_s"), device)
+        world = me.world_size if mode == "dp" else 1
+        row["images_per_s"] = round(world / row["step_s"], 4) if row["step_s"] else None
+        settings = result.settings if result is not None else {}
+        row["plan"] = settings.get("offload_plan")
+        if mode == "split":
+            row["peak_alloc_gb_per_gpu"] = settings.get("split_peak_vram_gb")
+        elif mode == "dp":
+            row["peak_alloc_gb_per_gpu"] = (settings.get("data_parallel") or {}).get("peak_vram_gb")
+            row["weight_checksums"] = (settings.get("data_parallel") or {}).get("weight_checksums")
+        else:
+            row["peak_alloc_gb_per_gpu"] = [row["peak_alloc_gb"]]
+        peaks = [p for p in row["peak_alloc_gb_per_gpu"] or [] if p]
+        row["peak_max_over_min"] = round(max(peaks) / min(peaks), 3) if len(peaks) > 1 else None
+        one = rows.get("one")
+        if one and one.get("images_per_s") and row["images_per_s"]:
+            row["x_one_gpu_images_per_s"] = round(row["images_per_s"] / one["images_per_s"], 3)
+            row["scaling_efficiency"] = round(row["x_one_gpu_images_per_s"] / world, 3)
+            row["x_one_gpu_step"] = round(row["step_s"] / one["step_s"], 3)
+        rows[mode] = emit({"mode": mode, **row})
+        return rows[mode]
+
+    model = family = cfg = None
+    dataset = None
+    if me.is_main:
+        t = time.perf_counter()
+        model, family, cfg = build_random_model(args.variant, device, torch.bfloat16, 0.02, 0, family_id=args.family)
+        print(f"random {args.variant}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params in "
+              f"{time.perf_counter() - t:.0f} s", flush=True)
+        dataset = _cache(Path(tmp.name), family, args.variant, cfg, args.res)
+        if "resident" in args.modes:
+            run("resident", model, family, dataset, None)
+        _to_streamed_form(model, family, args.precision, device)
+        auto = OffloadConfig(mode="auto", vram_budget_gb=args.budget)
+        if "one" in args.modes:
+            run("one", model, family, dataset, auto)
+        if "split" in args.modes and me.world_size >= 2:
+            run("split", model, family, dataset, OffloadConfig(mode="auto"),
+                split=ParallelConfig(mode="split", devices=("cuda:0", "cuda:1"), vram_budget_gb=(args.budget,)))
+        dp_flag.touch()
+    else:
+        _wait_for(dp_flag)
+    if "dp" in args.modes and me.world_size >= 2:
+        ranks = init_from_env(device)
+        if not me.is_main:
+            model, family, cfg = build_random_model(args.variant, device, torch.bfloat16, 0.02, 0,
+                                                    family_id=args.family)
+            dataset = _cache(Path(tmp.name), family, args.variant, cfg, args.res)
+            _to_streamed_form(model, family, args.precision, device)
+        torch.distributed.barrier()
+        run("dp", model, family, dataset, OffloadConfig(mode="auto", vram_budget_gb=args.budget), ranks=ranks)
+        shutdown()
+    if me.is_main:
+        dp_flag.unlink(missing_ok=True)
+        print("\nmode       step s   images/s   x one-GPU img/s   peak GB per GPU")
+        for mode, r in rows.items():
+            print(f"{mode:9s} {r['step_s'] or float('nan'):8.3f} {r['images_per_s'] or float('nan'):10.3f} "
+                  f"{r.get('x_one_gpu_images_per_s') or float('nan'):17.3f}   {r['peak_alloc_gb_per_gpu']}")
+        print(json.dumps({m: r.get("plan") for m, r in rows.items()})[:4000])
+    tmp.cleanup()
+    return 0
+
+
+def _to_streamed_form(model, family, precision: str, device) -> None:
+    """Blocks to host memory (int8 slab layers when asked); what a loaded checkpoint looks like."""
+    from lowvram_lora.engine.offload.footprint import named_blocks
+
+    if precision == "int8":
+        from bench_flux2 import to_int8_on_host
+
+        to_int8_on_host(model, family, device)
+    else:
+        for _, block in named_blocks(model, family):
+            block.to("cpu")
+    torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
