@@ -96,7 +96,8 @@ def render(rows: list[dict]) -> str:
     resident = {_key(r): r["step_s"] for r in rows if r.get("mode") in baselines and r.get("step_s")}
     slab_rows = [r for r in rows if r.get("mode") in SLAB_ONLY]
     other = {m: [r for r in rows if r.get("mode") == m] for m in OTHER_ONLY}
-    rows = [r for r in rows if r.get("mode") not in SLAB_ONLY + OTHER_ONLY]
+    parallel = [r for r in rows if r.get("bench") == "parallel"]
+    rows = [r for r in rows if r.get("mode") not in SLAB_ONLY + OTHER_ONLY and r.get("bench") != "parallel"]
     out = [HEADER]
     models = sorted({r.get("model", "?") for r in rows})
     if not rows:
@@ -166,6 +167,27 @@ def render(rows: list[dict]) -> str:
                        f"{r.get('captions')} x {r.get('max_length')} | {r.get('wall_s')} | "
                        f"{_fmt(r.get('peak_alloc_gb'), 2)} | {_fmt(r.get('peak_reserved_gb'), 2)} | "
                        f"`{r.get('command')}`{note} |")
+        out.append("")
+    if parallel:
+        out.append("## Multi-GPU: split and data parallel (bench/bench_parallel.py)\n")
+        out.append("Run under `python3 -m torch.distributed.run --standalone --nproc-per-node 2` with "
+                   "`NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1` (the command "
+                   "column is the script's own arguments). `resident`: bf16, all weights on one GPU (the baseline); "
+                   "`one`: auto at the per-GPU budget on one GPU; `split`: Dual-GPU Split mode split, that budget on "
+                   "each GPU; `dp`: data parallel, one process per GPU at that budget. images/s = GPUs x batch / step "
+                   "s; scaling = dp images/s / (one images/s x GPUs).\n")
+        out.append("| date | gpu | model | res | streamed precision | budget GB/GPU | mode | step s | x resident | "
+                   "images/s | x one-GPU images/s | scaling | peak alloc GB per GPU | max/min peak | command |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in parallel:
+            step_txt = _fmt(r.get("step_s")) if r.get("step_s") is not None else "**failed**"
+            peaks = ", ".join(_fmt(p, 2) for p in (r.get("peak_alloc_gb_per_gpu") or []))
+            out.append(
+                f"| {r.get('date', '')[:16].replace('T', ' ')} | {r.get('gpu')} | {r.get('model')} | {r.get('res')}² | "
+                f"{r.get('precision')} | {r.get('budget_gb_per_gpu')} | {r.get('mode')} | {step_txt} | "
+                f"{_fmt(r.get('x_resident'))} | {_fmt(r.get('images_per_s'))} | "
+                f"{_fmt(r.get('x_one_gpu_images_per_s'))} | {_fmt(r.get('scaling_efficiency'))} | {peaks} | "
+                f"{_fmt(r.get('peak_max_over_min'))} | `{r.get('command')}` |")
         out.append("")
     out.append(REFERENCE)
     return "\n".join(out)

@@ -171,6 +171,8 @@ def apply_split(model: nn.Module, family, plan: SplitPlan, offload: OffloadConfi
             if not t.requires_grad:
                 restore.append((t, t.data))
             t.data = t.data.to(dev0)
+    if callback is not None:
+        callback.log(plan.describe().splitlines()[0])  # each part's own plan follows, from apply_offload
     handles = []
     try:
         for part, dev, part_plan in zip(parts, plan.devices, plan.plans):
@@ -193,10 +195,7 @@ def apply_split(model: nn.Module, family, plan: SplitPlan, offload: OffloadConfi
     offloaders = {id(b): h.activations for part, h in zip(parts, handles) if h.activations is not None
                   for _, b in part}
     _install_checkpoint(model, device_of, offloaders)
-    handle = SplitHandle(model, plan, handles, hooks, restore)
-    if callback is not None:
-        callback.log(plan.describe().splitlines()[0])
-    return handle
+    return SplitHandle(model, plan, handles, hooks, restore)
 
 
 def _non_block_modules(model: nn.Module, block_ids: set[int]):

@@ -352,7 +352,6 @@ def _place_split(model, family, variant, dataset, lora, train, offload, split, c
         plan = plan_split(fp, per_block, outside, workload_for(dataset, family, variant, train.batch_size), offload,
                           tuple(torch.device(d) for d in split.devices), split_budgets(split, offload),
                           cut=None if split.cut == -1 else split.cut, host_ram_bytes=physical_ram_bytes())
-        cb.log(plan.describe())
         return apply_split(model, family, plan, offload, cb), params
     except BaseException:
         detach_lora(model)
