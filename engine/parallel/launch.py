@@ -36,10 +36,6 @@ EVENT_PREFIX = "@lowvram-event "
 STOP_GRACE_S = 300.0  # after a stop request: time for the ranks to finish the step and save
 
 
-def package_name() -> str:
-    return __name__.rsplit(".engine.", 1)[0]
-
-
 def check_devices(devices: tuple[str, ...]) -> None:
     """Data parallel needs the GPUs it names, and matching ones (the slowest sets the pace, the smallest
     the memory plan)."""
@@ -75,15 +71,12 @@ def _free_port() -> int:
 
 
 def _importable_root(run_dir: Path) -> str:
-    """A folder on which ``import <package>`` finds this very package (ComfyUI may have loaded it from
-    custom_nodes under another name): a symlink next to the spec."""
-    pkg = package_name()
-    root = Path(__file__).resolve().parents[2]
-    if pkg.isidentifier() and (root.parent / pkg).resolve() == root:
-        return str(root.parent)
+    """A folder on which ``import lowvram_lora`` finds this very package: ComfyUI imports custom nodes
+    by path (the module is named after the folder, e.g. '.../custom_nodes/lowvram-lora'), and an
+    installed copy elsewhere could be another version. So: a symlink next to the spec, first on the path."""
     link_dir = run_dir / "import"
     link_dir.mkdir(exist_ok=True)
-    os.symlink(root, link_dir / "lowvram_lora")
+    os.symlink(Path(__file__).resolve().parents[2], link_dir / "lowvram_lora")
     return str(link_dir)
 
 
@@ -120,7 +113,7 @@ def train_data_parallel(model_cfg, dataset, lora, train, callback, parallel, sto
             log = open(run_dir / f"rank{rank}.log", "wb")
             logs.append(log)
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", f"{package_name()}.engine.parallel.worker", str(spec_path)],
+                [sys.executable, "-m", "lowvram_lora.engine.parallel.worker", str(spec_path)],
                 env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                 stdout=subprocess.PIPE if rank == 0 else log, stderr=log, stdin=subprocess.DEVNULL,
                 start_new_session=True))

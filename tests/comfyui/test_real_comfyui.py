@@ -27,8 +27,8 @@ COMFY_DIR = os.environ.get("LOWVRAM_COMFYUI_DIR")
 pytestmark = pytest.mark.skipif(not COMFY_DIR, reason="set LOWVRAM_COMFYUI_DIR to a real ComfyUI to run these")
 
 REPO = Path(__file__).resolve().parents[2]
-OUR_NODES = {"LowVRAMLoadQuantizedSlab", "LowVRAMCacheTextEmbeds", "LowVRAMOffloadConfig", "LowVRAMTrainLoRA",
-             "LowVRAMSaveLoRA"}
+OUR_NODES = {"LowVRAMLoadQuantizedSlab", "LowVRAMCacheTextEmbeds", "LowVRAMOffloadConfig", "LowVRAMDualGPUSplit",
+             "LowVRAMTrainLoRA", "LowVRAMSaveLoRA"}
 
 
 def _copy_checkout(dest: Path) -> None:
@@ -137,8 +137,8 @@ def test_nodes_load_without_import_errors(comfy):
 
 def test_templates_are_listed(comfy):
     templates = _get(comfy.port, "/workflow_templates")
-    assert sorted(templates.get("lowvram-lora", [])) == ["demo_tiny_lora", "flux1_dev_lora", "flux2_dev_lora",
-                                                         "flux2_klein_lora"], templates
+    assert sorted(templates.get("lowvram-lora", [])) == ["demo_tiny_lora", "flux1_dev_lora", "flux2_dev_dual_gpu",
+                                                         "flux2_dev_lora", "flux2_klein_lora"], templates
 
 
 def test_demo_workflow_trains_through_comfy_run(comfy):
@@ -170,6 +170,72 @@ def test_demo_api_twin_runs(comfy, tmp_path):
     done = comfy.comfy_run(tmp_path / "api.json")
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:])
     assert len(list((comfy.base / "output" / "loras").glob("demo_api_*_.safetensors"))) == 1
+
+
+def _dp_workers() -> list[int]:
+    """Live data-parallel worker processes (started by the ComfyUI server)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and b"engine.parallel.worker" in (d / "cmdline").read_bytes():
+                out.append(int(d.name))
+        except OSError:
+            continue
+    return out
+
+
+def _demo_with_data_parallel(comfy, prefix: str, steps: int) -> dict:
+    """The demo's API graph with a Dual-GPU Split node in data-parallel mode on two CPU ranks (gloo)."""
+    graph = json.loads((comfy.pack / "workflows" / "api" / "demo_tiny_lora.json").read_text())
+    graph["7"] = {"class_type": "LowVRAMDualGPUSplit",
+                  "inputs": {"mode": "data_parallel", "devices": "cpu,cpu", "cut": -1, "vram_budget_gb": "0"}}
+    graph["4"]["inputs"].update(split=["7", 0], steps=steps)
+    graph["5"]["inputs"]["filename_prefix"] = prefix
+    return graph
+
+
+def test_data_parallel_from_the_node_inside_comfyui(comfy, tmp_path):
+    """Train LoRA + Dual-GPU Split (data parallel): ComfyUI's one process starts the workers, their
+    progress reaches the console, the LoRA is saved, and no worker is left behind."""
+    (tmp_path / "dp.json").write_text(json.dumps(_demo_with_data_parallel(comfy, "loras/demo_dp", 12)))
+    done = comfy.comfy_run(tmp_path / "dp.json")
+    log = json.dumps(_server_log(comfy.port))
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:], log[-4000:])
+    assert "data parallel: starting 2 worker processes" in log and "[lowvram-lora] step 12/12" in log, log[-3000:]
+    new = list((comfy.base / "output" / "loras").glob("demo_dp_*_.safetensors"))
+    assert len(new) == 1
+    from lowvram_lora.engine.lora_io import load_lora
+
+    assert load_lora(new[0]).metadata["lowvram_lora.steps"] == "12"
+    assert not _dp_workers()
+
+
+def test_data_parallel_cancel_stops_the_workers(comfy):
+    """ComfyUI's Cancel (POST /interrupt) during data-parallel training: the workers stop and exit."""
+    graph = _demo_with_data_parallel(comfy, "loras/demo_dp_cancel", 100000)
+    graph["4"]["inputs"]["training_seed"] = 7  # a run nobody finished: no reuse
+    req = urllib.request.Request(f"http://127.0.0.1:{comfy.port}/prompt", method="POST",
+                                 data=json.dumps({"prompt": graph, "client_id": "test"}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    prompt_id = json.loads(urllib.request.urlopen(req, timeout=30).read())["prompt_id"]
+    deadline = time.monotonic() + 240
+    while "step 1/100000" not in json.dumps(_server_log(comfy.port)):
+        assert time.monotonic() < deadline, json.dumps(_server_log(comfy.port))[-3000:]
+        time.sleep(1)
+    assert len(_dp_workers()) == 2
+    urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{comfy.port}/interrupt", method="POST",
+                                                  data=b""), timeout=30)
+    while True:
+        history = _get(comfy.port, f"/history/{prompt_id}")
+        if prompt_id in history:
+            break
+        assert time.monotonic() < deadline + 120, "the interrupted prompt did not end"
+        time.sleep(1)
+    status = history[prompt_id]["status"]
+    assert status["status_str"] == "error" and any(m[0] == "execution_interrupted" for m in status["messages"])
+    time.sleep(2)
+    assert not _dp_workers()
+    assert not list((comfy.base / "output" / "loras").glob("demo_dp_cancel_*"))
 
 
 def test_flux1_dev_workflow_without_its_files_fails_clearly(comfy):
