@@ -213,3 +213,43 @@ def test_split_plan_balances_and_respects_budgets():
     with pytest.raises(ConfigError, match="cut=10 must be between 1 and 9"):
         plan_split(fp, [1000] * 10, 0, wl, auto, devs, (int(9 * GB), int(9 * GB)), cut=10)
     assert "split at block" in plan.describe() and plan.summary()["cut"] == plan.cut
+
+
+def test_the_documented_torchrun_command_runs_the_kept_spec(tiny_pipeline, tiny_cache, tmp_path):
+    """README, Multi-GPU: torchrun runs the worker on the run description the node kept (here one host,
+    two gloo ranks), and --save writes a LoRA file."""
+    import subprocess
+    import sys
+
+    from lowvram_lora.engine.lora_io import load_lora
+
+    model = inspect_transformer(ModelConfig(transformer_path=str(tiny_pipeline)))
+    first = train_or_reuse(model, tiny_cache, LoraSettings(rank=4), TrainConfig(steps=2, device="cpu"), tmp_path,
+                           Recorder(), parallel=DP_CPU)
+    spec = tmp_path / "parallel" / "spec-latest.json"
+    assert spec.exists()
+    out = tmp_path / "torchrun_lora.safetensors"
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "lowvram_lora.engine.parallel.worker", str(spec), "--save", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(_import_root(tmp_path, root)),
+                                                          os.environ.get("PYTHONPATH", "")])})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    from lowvram_lora.engine.lora_io import save_lora
+
+    lora, ref = load_lora(out), load_lora(save_lora(first, tmp_path / "node_run.safetensors"))
+    assert lora.metadata["lowvram_lora.steps"] == "2"
+    assert set(lora.state_dict) == set(ref.state_dict)
+    for k, v in ref.state_dict.items():  # the same run as the node's: the same weights
+        torch.testing.assert_close(lora.state_dict[k], v)
+
+
+def _import_root(tmp_path: Path, root: Path) -> Path:
+    """``import lowvram_lora`` from this checkout (an installed copy could be another version)."""
+    d = tmp_path / "import"
+    d.mkdir(exist_ok=True)
+    if not (d / "lowvram_lora").exists():
+        os.symlink(root, d / "lowvram_lora")
+    return d

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from ..callbacks import StepInfo, TrainingCallback
 from ..errors import ConfigError, LowVRAMError, WorkerError
+from ..fileio import write_json_atomic
 from .data_parallel import NCCL_SAFE_ENV
 
 #: Lines rank 0 prints for the launcher start with this; anything else is passed on as a log line.
@@ -102,11 +103,13 @@ def train_data_parallel(model_cfg, dataset, lora, train, callback, parallel, sto
     }
     spec_path = run_dir / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=1))
+    # Kept after the run: the same training under torchrun on several hosts (README, Multi-GPU).
+    write_json_atomic(run_root / "spec-latest.json", spec, "the data-parallel run description")
     env = {**os.environ, **NCCL_SAFE_ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
            "WORLD_SIZE": str(world), "PYTHONUNBUFFERED": "1", "LOWVRAM_PARENT_PID": str(os.getpid())}
     env["PYTHONPATH"] = os.pathsep.join([_importable_root(run_dir)] + [p for p in [env.get("PYTHONPATH")] if p])
     cb.log(f"data parallel: starting {world} worker processes on {', '.join(parallel.devices)} "
-           f"(spec {spec_path})")
+           f"(run description for torchrun: {run_root / 'spec-latest.json'})")
     procs, logs = [], []
     try:
         for rank in range(world):

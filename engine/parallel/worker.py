@@ -60,11 +60,17 @@ def _exit_with_parent() -> None:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m lowvram_lora.engine.parallel.worker SPEC.json", file=sys.stderr)
-        return 2
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m lowvram_lora.engine.parallel.worker",
+                                     description="One data-parallel training rank (under our launcher or torchrun).")
+    parser.add_argument("spec", help="the run description the launcher wrote (spec.json / spec-latest.json)")
+    parser.add_argument("--save", default="", help="rank 0 also writes the LoRA here (ComfyUI format, bf16; "
+                                                    "an existing file is kept)")
+    args = parser.parse_args(argv)
     _exit_with_parent()
-    spec = json.loads(Path(argv[0]).read_text())
+    spec = json.loads(Path(args.spec).read_text())
+    spec["save"] = args.save
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
     events = _Events(Path(spec["stop_file"]), main=rank == 0)
@@ -106,7 +112,12 @@ def _train(spec: dict, local_rank: int, events: _Events) -> int:
         if ranks.is_main:
             if not result.interrupted and result.state_dict:
                 store.discard()
+            Path(spec["run_dir"]).mkdir(parents=True, exist_ok=True)  # torchrun on another host: made here
             write_trained(Path(spec["run_dir"]), "result", result, "the data-parallel result")
+            if spec.get("save"):
+                from ..lora_io import save_lora
+
+                events.log(f"LoRA saved to {save_lora(result, spec['save'])}")
     finally:
         shutdown()
     return 0
