@@ -76,6 +76,20 @@ class Flux1Family:
     def lora_target_modules(self, model: nn.Module) -> list[str]:
         return block_lora_targets(model, DOUBLE_BLOCK_TARGETS, SINGLE_BLOCK_TARGETS)
 
+    def install_chunked_recompute(self, model: nn.Module, chunks: int, undo) -> None:
+        """Token-wise parts in checkpointed chunks (engine/offload/recompute.py): the double blocks'
+        feed-forwards, and in single blocks everything after attention (proj_mlp, GELU, the 5x-wide
+        concatenation, proj_out, gate, residual)."""
+        import types
+
+        from ..offload.recompute import chunk_token_wise
+
+        for block in model.transformer_blocks:
+            chunk_token_wise(block.ff, chunks, undo)
+            chunk_token_wise(block.ff_context, chunks, undo)
+        for block in model.single_transformer_blocks:
+            undo.set_forward(block, types.MethodType(_single_block_forward_chunked(chunks), block))
+
     def default_max_sequence_length(self, variant: str) -> int:
         # What the diffusers pipelines use: dev 512, schnell 256. The tiny model keeps it short.
         return {"flux1-schnell": 256, "flux1-tiny": 32}.get(variant, 512)
@@ -141,3 +155,29 @@ class Flux1Family:
         base_len, max_len, base_shift, max_shift = 256, 4096, 0.5, 1.15
         slope = (max_shift - base_shift) / (max_len - base_len)
         return seq_len * slope + (base_shift - slope * base_len)
+
+
+def _single_block_forward_chunked(chunks: int):
+    """diffusers' FluxSingleTransformerBlock.forward (0.37-0.42), with the part after attention in
+    token chunks. Same arithmetic, in the same order, per token."""
+    from ..offload.recompute import run_in_token_chunks
+
+    def forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
+                joint_attention_kwargs=None):
+        text_seq_len = encoder_hidden_states.shape[1]
+        hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+        norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
+        attn_output = self.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb,
+                                **(joint_attention_kwargs or {}))
+        gate = gate.unsqueeze(1)
+
+        def rest(residual, normed, attn):
+            mlp = self.act_mlp(self.proj_mlp(normed))
+            return residual + gate * self.proj_out(torch.cat([attn, mlp], dim=2))
+
+        out = run_in_token_chunks(rest, hidden_states, norm_hidden_states, attn_output, chunks=chunks)
+        if out.dtype == torch.float16:
+            out = out.clip(-65504, 65504)
+        return out[:, :text_seq_len], out[:, text_seq_len:]
+
+    return forward

@@ -94,6 +94,16 @@ class Flux2Family:
     def lora_target_modules(self, model: nn.Module) -> list[str]:
         return block_lora_targets(model, DOUBLE_BLOCK_TARGETS, SINGLE_BLOCK_TARGETS)
 
+    def install_chunked_recompute(self, model: nn.Module, chunks: int, undo) -> None:
+        """The double blocks' feed-forwards in checkpointed token chunks (engine/offload/recompute.py).
+        Single blocks are left whole: their MLP input projection is fused with q/k/v
+        (``to_qkv_mlp_proj``), so chunking them needs a rewritten attention processor (not done)."""
+        from ..offload.recompute import chunk_token_wise
+
+        for block in model.transformer_blocks:
+            chunk_token_wise(block.ff, chunks, undo)
+            chunk_token_wise(block.ff_context, chunks, undo)
+
     def default_max_sequence_length(self, variant: str) -> int:
         return self.text_encoder_specs(variant)[0].max_length
 

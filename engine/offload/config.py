@@ -53,6 +53,17 @@ class OffloadConfig:
         "bench/RESULTS.md): the int32 product makes an extra trip through memory. The LoRA always trains in "
         "bf16/fp32."
     )})
+    recompute_chunks: Optional[int] = field(default=None, metadata={"help": (
+        "Finer recompute: the token-wise parts of each block (feed-forwards; in Flux.1 single blocks everything "
+        "after attention) run in this many checkpointed token chunks, so a block's backward holds one chunk's "
+        "MLP activations instead of all of them (Flux.1-dev at 2048: the largest single memory cost). 1 = whole "
+        "blocks. Costs one more forward of those parts. None: 1, or what auto needs to fit its budget."
+    )})
+    optimizer_on_host: Optional[bool] = field(default=None, metadata={"help": (
+        "Keep the AdamW moments (8 bytes per LoRA weight, 0.37 GB for a Flux.1 r16 LoRA) in pinned host RAM "
+        "between steps; they are copied in for the optimizer step, after the activations are gone, and back. "
+        "None: off, unless auto needs the memory. adamw only."
+    )})
     max_pinned_fraction: float = field(default=0.8, metadata={"help": (
         "Largest share of the machine's physical RAM the plan may pin (page-locked memory cannot be swapped; "
         "pinning too much starves the rest of the system). Training refuses to start beyond it."
@@ -72,6 +83,8 @@ class OffloadConfig:
             raise ConfigError(f"resident_blocks={self.resident_blocks} must be >= 0 (or None to let auto choose)")
         if self.prefetch_depth is not None and not 1 <= self.prefetch_depth <= 8:
             raise ConfigError(f"prefetch_depth={self.prefetch_depth} must be between 1 and 8 (or None)")
+        if self.recompute_chunks is not None and not 1 <= self.recompute_chunks <= 64:
+            raise ConfigError(f"recompute_chunks={self.recompute_chunks} must be between 1 and 64 (or None)")
         if self.int8_compute not in ("dequant", "w8a8"):
             raise ConfigError(f"int8_compute={self.int8_compute!r} is not one of dequant, w8a8")
         if not 0.0 < self.max_pinned_fraction <= 0.95:

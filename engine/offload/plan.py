@@ -38,6 +38,12 @@ OPTIMIZER_BYTES_PER_PARAM = 8
 SAVED_INPUT_UNITS = 1.0  # a checkpointed block keeps its (hidden, encoder) inputs: B*T*D elements
 TRANSIENT_UNITS = 47.5  # one block's recompute + backward working set, in B*T*D elements (fitted) ...
 TRANSIENT_BYTES = int(-0.11 * GB)  # ... plus this (fitted)
+# The same with the token-wise parts in checkpointed chunks (engine/offload/recompute.py): a + b / chunks
+# units (fitted like the line above, H100, Flux.1-dev, see bench/bench_memory.py rows).
+CHUNKED_UNITS_BASE = 20.0
+CHUNKED_UNITS_PER_CHUNK = 27.5
+AUTO_CHUNKS = 8  # what auto picks when whole-block recompute does not fit
+MOMENT_BYTES_PER_PARAM = 8  # AdamW's two fp32 moments
 OFFLOADED_KEPT_UNITS = 1.9  # inputs still on the GPU with activation offload (fitted) ...
 OFFLOADED_KEPT_BYTES = int(0.125 * GB)  # ... plus this (fitted)
 # Kept free inside a budget: the caching allocator reserves more than it hands out. Measured
@@ -102,6 +108,8 @@ class Plan:
     footprint: ModelFootprint = field(repr=False)
     workload: Workload = field(repr=False)
     reason: str = ""
+    recompute_chunks: int = 1
+    optimizer_on_host: bool = False
 
     def describe(self) -> str:
         fp, wl = self.footprint, self.workload
@@ -109,7 +117,9 @@ class Plan:
                  + (f"all {fp.num_blocks} blocks resident" if self.mode == "resident" else
                     f"{len(self.streamed)} of {fp.num_blocks} blocks streamed, {len(self.resident)} resident, "
                     f"ring of {self.num_slots} x {self.slot_bytes / GB:.2f} GB (prefetch {self.prefetch_depth}), "
-                    f"activation offload {'on' if self.activation_offload else 'off'}")]
+                    f"activation offload {'on' if self.activation_offload else 'off'}")
+                 + (f", recompute in {self.recompute_chunks} token chunks" if self.recompute_chunks > 1 else "")
+                 + (", AdamW moments on the host" if self.optimizer_on_host else "")]
         budget = f" of a {self.budget_bytes / GB:.1f} GB budget" if self.budget_bytes else ""
         parts = ", ".join(f"{k} {v / GB:.2f}" for k, v in self.breakdown.items())
         lines.append(f"  predicted peak {self.predicted_peak_bytes / GB:.2f} GB{budget} ({parts})")
@@ -132,6 +142,7 @@ class Plan:
             "streamed_gb_per_step": round(self.streamed_bytes_per_step / GB, 3),
             "pinned_host_gb": round(self.pinned_host_bytes / GB, 3),
             "budget_gb": round(self.budget_bytes / GB, 3) if self.budget_bytes else None,
+            "recompute_chunks": self.recompute_chunks, "optimizer_on_host": self.optimizer_on_host,
         }
 
 
@@ -140,9 +151,14 @@ def resident_order(block_bytes: Sequence[int]) -> list[int]:
     return sorted(range(len(block_bytes)), key=lambda i: (-block_bytes[i], i))
 
 
+def transient_units(chunks: int) -> float:
+    """One block's recompute + backward working set in B*T*D units, whole or in token chunks."""
+    return TRANSIENT_UNITS if chunks <= 1 else CHUNKED_UNITS_BASE + CHUNKED_UNITS_PER_CHUNK / chunks
+
+
 def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefetch_depth: int,
                activation_offload: bool, budget_bytes: Optional[int] = None, reason: str = "",
-               count_bytes: bool = True) -> Plan:
+               count_bytes: bool = True, recompute_chunks: int = 1, optimizer_on_host: bool = False) -> Plan:
     """One plan's numbers. ``count_bytes=False`` skips simulating the copies (a quick fit check)."""
     resident = sorted(set(resident))
     if resident and (resident[0] < 0 or resident[-1] >= fp.num_blocks):
@@ -159,15 +175,16 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
         k, num_slots, slot_bytes, streamed_per_step = prefetch_depth, 0, 0, 0
         activation_offload = False  # nothing streams: the resident plan has no use for it
     kept_inputs = OFFLOADED_KEPT_UNITS if activation_offload else fp.num_blocks * SAVED_INPUT_UNITS
+    moments = MOMENT_BYTES_PER_PARAM if optimizer_on_host else 0  # on the GPU only for the step
     breakdown = {
         "weights": fp.other_bytes + sum(fp.block_bytes[i] for i in resident) + num_slots * slot_bytes,
-        "lora+adam": int(fp.trainable_params * fp.lora_bytes_per_param),
+        "lora+adam": int(fp.trainable_params * (fp.lora_bytes_per_param - moments)),
         # The fitted line has a negative intercept; clamp so tiny models never predict < 0.
-        "activations": max(0, int((kept_inputs + TRANSIENT_UNITS) * unit + TRANSIENT_BYTES
+        "activations": max(0, int((kept_inputs + transient_units(recompute_chunks)) * unit + TRANSIENT_BYTES
                                   + (OFFLOADED_KEPT_BYTES if activation_offload else 0))),
     }
     peak = (breakdown["weights"] + breakdown["lora+adam"]
-            + max(breakdown["activations"], fp.trainable_params * OPTIMIZER_BYTES_PER_PARAM))
+            + max(breakdown["activations"], fp.trainable_params * (OPTIMIZER_BYTES_PER_PARAM + moments)))
     act_io = int(fp.num_blocks * SAVED_INPUT_UNITS * unit) if activation_offload else 0
     return Plan(
         mode="stream" if streamed else "resident", resident=resident, streamed=streamed, prefetch_depth=k,
@@ -175,6 +192,7 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
         predicted_peak_bytes=int(peak), breakdown=breakdown, streamed_bytes_per_step=streamed_per_step,
         activation_bytes_per_step=act_io, pinned_host_bytes=sum(fp.block_bytes[i] for i in streamed) + act_io,
         budget_bytes=budget_bytes, footprint=fp, workload=wl, reason=reason,
+        recompute_chunks=max(1, recompute_chunks), optimizer_on_host=optimizer_on_host,
     )
 
 
@@ -199,12 +217,13 @@ def make_plan(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, budget_bytes
     order = resident_order(fp.block_bytes)
     if cfg.resident_blocks is not None and cfg.resident_blocks > n:
         raise ConfigError(f"resident_blocks={cfg.resident_blocks} but {fp.name} has only {n} blocks")
+    fixed = {"recompute_chunks": cfg.recompute_chunks or 1, "optimizer_on_host": bool(cfg.optimizer_on_host)}
     if cfg.mode == "resident":
-        plan = build_plan(fp, wl, range(n), 1, False, reason="mode=resident")
+        plan = build_plan(fp, wl, range(n), 1, False, reason="mode=resident", **fixed)
     elif cfg.mode == "stream":
         r = cfg.resident_blocks or 0
         plan = build_plan(fp, wl, order[:r], cfg.prefetch_depth or 2, bool(cfg.activation_offload),
-                          reason="mode=stream")
+                          reason="mode=stream", **fixed)
     else:
         if budget_bytes is None:
             raise ValueError("mode='auto' needs budget_bytes")
@@ -220,9 +239,37 @@ def make_plan(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, budget_bytes
 
 
 def _auto(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: list[int], budget: int) -> Plan:
+    """The fastest plan that fits. Finer recompute and host-held moments cost time but no PCIe bytes, so
+    they are escalations: tried only when nothing fits without them (unless set explicitly)."""
+    chunk_steps = [cfg.recompute_chunks] if cfg.recompute_chunks else [1, AUTO_CHUNKS]
+    host_steps = [cfg.optimizer_on_host] if cfg.optimizer_on_host is not None else [False, True]
+    escalations = [(c, h) for h in host_steps for c in chunk_steps]  # chunks first: cheaper than host moments
+    for chunks, host in escalations:
+        plan = _auto_fixed(fp, wl, cfg, order, budget, chunks, host)
+        if plan is not None:
+            return plan
+    chunks, host = escalations[-1]
+    smallest = build_plan(fp, wl, order[:cfg.resident_blocks or 0], min([cfg.prefetch_depth] if cfg.prefetch_depth
+                                                                        else [2, 1]),
+                          cfg.activation_offload if cfg.activation_offload is not None else True, budget,
+                          recompute_chunks=chunks, optimizer_on_host=host)
+    need = math.ceil((smallest.predicted_peak_bytes + HEADROOM_BYTES) / GB * 10) / 10
+    raise ConfigError(
+        f"vram_budget_gb={budget / GB:.3g} is below the smallest plan for {fp.name} at "
+        f"{wl.label or f'{wl.tokens} tokens'}, batch {wl.batch} ({need:.1f} GB: "
+        f"{', '.join(f'{k} {v / GB:.2f}' for k, v in smallest.breakdown.items())} GB + "
+        f"{HEADROOM_BYTES / GB:.1f} GB headroom); raise the budget to at least {need:.1f} GB, "
+        f"or lower the resolution or batch size"
+    )
+
+
+def _auto_fixed(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: list[int], budget: int,
+                chunks: int, host: bool) -> Optional[Plan]:
     n = fp.num_blocks
+    extra = {"recompute_chunks": chunks, "optimizer_on_host": host}
     if cfg.resident_blocks in (None, n):  # nothing streams when everything fits: fastest by far
-        everything = build_plan(fp, wl, range(n), 1, False, budget, reason="auto: everything fits the budget")
+        everything = build_plan(fp, wl, range(n), 1, False, budget, reason="auto: everything fits the budget",
+                                **extra)
         if _fits(everything, budget):
             return everything
     depths = [cfg.prefetch_depth] if cfg.prefetch_depth else [2, 1]
@@ -232,21 +279,12 @@ def _auto(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: list[int]
     for k in depths:
         for act in acts:
             for r in counts:  # most resident first: the first that fits is the best for this (k, act)
-                if not _fits(build_plan(fp, wl, order[:r], k, act, budget, count_bytes=False), budget):
+                if not _fits(build_plan(fp, wl, order[:r], k, act, budget, count_bytes=False, **extra), budget):
                     continue
-                plan = build_plan(fp, wl, order[:r], k, act, budget)
+                plan = build_plan(fp, wl, order[:r], k, act, budget, **extra)
                 if best is None or _cost(plan) < _cost(best):
                     best = plan
                 break
     if best is not None:
         best.reason = "auto: the fastest plan that fits the budget (fewest bytes over PCIe per step)"
-        return best
-    smallest = build_plan(fp, wl, order[:cfg.resident_blocks or 0], min(depths), acts[-1], budget)
-    need = math.ceil((smallest.predicted_peak_bytes + HEADROOM_BYTES) / GB * 10) / 10
-    raise ConfigError(
-        f"vram_budget_gb={budget / GB:.3g} is below the smallest plan for {fp.name} at "
-        f"{wl.label or f'{wl.tokens} tokens'}, batch {wl.batch} ({need:.1f} GB: "
-        f"{', '.join(f'{k} {v / GB:.2f}' for k, v in smallest.breakdown.items())} GB + "
-        f"{HEADROOM_BYTES / GB:.1f} GB headroom); raise the budget to at least {need:.1f} GB, "
-        f"or lower the resolution or batch size"
-    )
+    return best

@@ -99,6 +99,9 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
     device = torch.device(split.devices[0]) if split is not None else resolve_device(train.device)
     dtype = resolve_dtype(model_cfg.dtype, device)
     _check_optimizer(train, device)
+    if offload is not None and offload.optimizer_on_host and train.optimizer != "adamw":
+        raise ConfigError(f"optimizer_on_host keeps AdamW's fp32 moments on the host; optimizer={train.optimizer!r} "
+                          f"keeps its 8-bit moments on the GPU. Use one or the other")
     _check_int8_compute(offload, device)
     streaming = offload is not None and offload.streams
     if split is not None:
@@ -160,7 +163,13 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
             model.enable_gradient_checkpointing()
         params = attach_lora(model, family, lora, train.seed)
         model.to(device)
-    optimizer = _make_optimizer(params, train)
+    from ..offload.recompute import install_chunked_recompute
+
+    chunks, host_moments = _memory_options(handle, offload, split, device)
+    recompute = install_chunked_recompute(model, family, chunks)  # undone in the finally below
+    if chunks > 1:
+        cb.log(f"finer recompute: token-wise block parts in {chunks} checkpointed chunks")
+    optimizer = _make_optimizer(params, train, host_moments)
     scheduler = _make_scheduler(optimizer, train)
 
     # Every rank builds the same seed-determined stream and takes its share (all of it in one process).
@@ -312,6 +321,7 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
         bad = [k for k, v in result.state_dict.items() if not torch.isfinite(v).all()]
         if bad:  # never hand on (or save, or cache) a LoRA with NaN/inf weights
             result.state_dict, result.interrupted = {}, True
+        recompute.remove()
         if handle is not None:
             result.settings["offload_plan"] = handle.plan.summary()
             result.settings["offload_stats"] = handle.stats()
@@ -388,6 +398,10 @@ def _plan(fp, family, variant, dataset, train: TrainConfig, offload: OffloadConf
     from ..offload.streamer import resolve_budget_bytes
 
     fp.lora_bytes_per_param = _lora_bytes_per_param(train)
+    if train.optimizer != "adamw":  # host-held moments are AdamW's fp32 ones: auto must not count on them
+        from dataclasses import replace
+
+        offload = replace(offload, optimizer_on_host=False)
     return make_plan(fp, workload_for(dataset, family, variant, train.batch_size), offload,
                      resolve_budget_bytes(offload, device), physical_ram_bytes())
 
@@ -420,7 +434,24 @@ def _check_optimizer(train: TrainConfig, device: torch.device) -> None:
         )
 
 
-def _make_optimizer(params, train: TrainConfig):
+def _memory_options(handle, offload: OffloadConfig | None, split, device: torch.device) -> tuple[int, bool]:
+    """(token chunks for the recompute, AdamW moments on the host): from the plan when blocks stream
+    (auto may have chosen them), else as set in Offload Config. Host moments need a GPU to leave."""
+    if handle is not None:
+        plans = handle.plan.plans if split is not None else (handle.plan,)
+        chunks, host = max(p.recompute_chunks for p in plans), any(p.optimizer_on_host for p in plans)
+    elif offload is not None:
+        chunks, host = offload.recompute_chunks or 1, bool(offload.optimizer_on_host)
+    else:
+        chunks, host = 1, False
+    return chunks, host and device.type == "cuda"
+
+
+def _make_optimizer(params, train: TrainConfig, host_moments: bool = False):
+    if host_moments:
+        from .host_moments import HostMomentsAdamW
+
+        return HostMomentsAdamW(params, lr=train.learning_rate, weight_decay=train.weight_decay)
     if train.optimizer == "adamw8bit":
         try:
             from torchao.optim import AdamW8bit  # blockwise 8-bit moments, from a well-kept library

@@ -1,0 +1,133 @@
+"""Memory frontier benchmark (issue 13): finer recompute (token chunks) and host-held AdamW moments,
+against the resident row of the same run. Random full-size model built in GPU memory, synthetic cache.
+
+Modes (``--modes``), run in order for every resolution:
+
+- ``resident``: bf16, every weight on the GPU (the baseline of the run; skip it at large batch);
+- ``stream-k<K>[-act][-c<N>][-host]``: stream with prefetch K, activation offload, recompute in N token
+  chunks, AdamW moments on the host;
+- ``auto-<GB>``: ``auto`` at that budget (it picks chunks / host moments when it needs them).
+
+``--precision int8`` converts the blocks to int8 slab layers after the bf16 modes (list ``resident`` first).
+
+    source bench/gpu_env.sh
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 bench/bench_memory.py --res 1024 2048 \\
+        --modes resident stream-k1-act stream-k1-act-c8 auto-4 --out "$OUT/results.jsonl"
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import re
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_bench import (  # noqa: E402
+    StepRecorder, _command, _gpu_name, _versions, build_random_model, row_emitter, training_row,
+    write_synthetic_cache,
+)
+
+STREAM = re.compile(r"^stream-k(\d)(-act)?(?:-c(\d+))?(-host)?$")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--variant", default="flux1-dev")
+    p.add_argument("--res", type=int, nargs="+", default=[1024, 2048])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--modes", nargs="+", default=["resident", "stream-k1-act", "stream-k1-act-c8"])
+    p.add_argument("--precision", default="bf16", choices=["bf16", "int8"])
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--timed", type=int, default=3)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--out", default="bench/results.jsonl")
+    p.add_argument("--note", default="")
+    return p.parse_args(argv)
+
+
+def offload_for(mode: str):
+    from lowvram_lora.engine.offload import OffloadConfig
+
+    if mode == "resident":
+        return None
+    m = STREAM.match(mode)
+    if m:
+        return OffloadConfig(mode="stream", prefetch_depth=int(m[1]), activation_offload=bool(m[2]),
+                             recompute_chunks=int(m[3]) if m[3] else None, optimizer_on_host=bool(m[4]))
+    if mode.startswith("auto-"):
+        return OffloadConfig(mode="auto", vram_budget_gb=float(mode[len("auto-"):]))
+    raise SystemExit(f"unknown mode {mode!r}")
+
+
+def main(argv=None) -> int:
+    from lowvram_lora.engine.config import LoraSettings, ModelConfig, TrainConfig
+    from lowvram_lora.engine.offload.footprint import named_blocks
+    from lowvram_lora.engine.train import train_lora
+
+    args = parse_args(argv)
+    device = torch.device("cuda")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    run_id = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
+    import os
+
+    base = {"run_id": run_id, "gpu": _gpu_name(device), **_versions(), "model": args.variant, "lora_rank": args.rank,
+            "lora_targets": "default", "batch": args.batch, "grad_ckpt": True, "command": _command(),
+            "note": args.note, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "bench": "memory"}
+    emit = row_emitter(out, base)
+    model, family, cfg = build_random_model(args.variant, device, torch.bfloat16, 0.02, 0)
+    tmp = tempfile.TemporaryDirectory(prefix="memory-bench-")
+    datasets = {res: write_synthetic_cache(Path(tmp.name) / str(res), family, args.variant, cfg, res, 2 * args.batch, 0)
+                for res in args.res}
+    rows, on_gpu, precision = {}, True, "bf16"
+    for mode in args.modes:
+        offload = offload_for(mode)
+        if offload is not None and on_gpu:
+            for _, block in named_blocks(model, family):
+                block.to("cpu")
+            torch.cuda.empty_cache()
+            on_gpu = False
+            if args.precision == "int8":
+                from bench_flux2 import to_int8_on_host
+
+                to_int8_on_host(model, family, device)
+                precision = "int8"
+        if offload is None and not on_gpu:
+            raise SystemExit("list 'resident' before the streamed modes")
+        for res in args.res:
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            rec = StepRecorder(f"{mode} {res}")
+            t = time.perf_counter()
+            error, result = None, None
+            try:
+                result = train_lora(ModelConfig(dtype="bf16", family="flux1"), datasets[res],
+                                    LoraSettings(rank=args.rank, alpha=float(args.rank)),
+                                    TrainConfig(steps=args.warmup + args.timed, device="cuda", learning_rate=1e-4,
+                                                batch_size=args.batch),
+                                    rec.callback, preloaded=(model, family, args.variant), offload=offload)
+            except Exception as exc:  # noqa: BLE001 - a row per failure
+                error = f"{type(exc).__name__}: {str(exc)[:500]}"
+                print("ERROR", error, flush=True)
+            row = training_row(rec, args.warmup, t, error, rows.get(("resident", res), {}).get("step_s"), device)
+            plan = (result.settings.get("offload_plan") if result is not None else None) or {}
+            rows[(mode, res)] = emit({"mode": mode, "res": res, "precision": precision, **row, "plan": plan,
+                                      "predicted_peak_gb": plan.get("predicted_peak_gb")})
+    print("\nmode                       res   step s   x resident   peak alloc GB   predicted   reserved")
+    for (mode, res), r in rows.items():
+        print(f"{mode:26s} {res:5d} {r['step_s'] or float('nan'):8.3f} {r['x_resident'] or float('nan'):12.3f}"
+              f" {r['peak_alloc_gb']:15.2f} {r['predicted_peak_gb'] or float('nan'):11.2f} {r['peak_reserved_gb']:10.2f}")
+    tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,113 @@
+"""Finer recompute (token chunks) and the plan arithmetic that uses it; CPU."""
+import pytest
+import torch
+
+from lowvram_lora.engine.config import LoraSettings, ModelConfig, TrainConfig
+from lowvram_lora.engine.families import get_family
+from lowvram_lora.engine.models import load_transformer
+from lowvram_lora.engine.offload import OffloadConfig
+from lowvram_lora.engine.offload.plan import GB, ModelFootprint, Workload, make_plan
+from lowvram_lora.engine.offload.recompute import install_chunked_recompute, run_in_token_chunks
+from lowvram_lora.engine.train import train_lora
+from lowvram_lora.engine.train.lora_attach import attach_lora, detach_lora
+
+from helpers import model_inputs
+
+
+def test_chunks_give_the_same_values_and_gradients():
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(2, 10, 8, requires_grad=True)
+    whole = torch.nn.functional.gelu(lin(x)).sum()
+    gw = torch.autograd.grad(whole, [x, lin.weight])
+    chunked = run_in_token_chunks(lambda h: torch.nn.functional.gelu(lin(h)), x, chunks=3).sum()
+    gc = torch.autograd.grad(chunked, [x, lin.weight])
+    torch.testing.assert_close(chunked, whole)
+    for a, b in zip(gc, gw):
+        torch.testing.assert_close(a, b)
+    with torch.no_grad():  # no autograd: one plain call
+        assert run_in_token_chunks(lambda h: h * 2, x, chunks=3).shape == x.shape
+
+
+@pytest.mark.parametrize("family_id", ["flux1", "flux2"])
+def test_chunked_blocks_match_whole_blocks(tiny_pipeline, tiny_flux2, family_id):
+    pipe = tiny_pipeline if family_id == "flux1" else tiny_flux2
+    model, family, _, _ = load_transformer(pipe, dtype=torch.float32)
+    params = attach_lora(model, family, LoraSettings(rank=4), 0)
+    with torch.no_grad():
+        for p in params:
+            p.normal_(0, 0.05)
+    model.enable_gradient_checkpointing()
+    from lowvram_lora.engine.caching import build_dataset_cache  # noqa: F401  (family inputs below)
+
+    inputs = _inputs(model, family)
+    ref = model(**inputs)[0]
+    ref_grads = torch.autograd.grad(ref.square().mean(), params)
+    undo = install_chunked_recompute(model, family, 4)
+    out = model(**inputs)[0]
+    grads = torch.autograd.grad(out.square().mean(), params)
+    undo.remove()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+    assert not any("forward" in vars(m) for m in model.modules())  # undone
+    detach_lora(model)
+
+
+def _inputs(model, family):
+    cfg = model.config
+    g = torch.Generator().manual_seed(0)
+    latents = torch.randn(1, cfg.in_channels // (4 if family.id == "flux1" else 1), 16, 16, generator=g)
+    if family.id == "flux1":
+        latents = torch.randn(1, cfg.in_channels // 4, 16, 16, generator=g)
+        embeds = {"prompt_embeds": torch.randn(1, 7, cfg.joint_attention_dim, generator=g),
+                  "pooled_prompt_embeds": torch.randn(1, cfg.pooled_projection_dim, generator=g)}
+    else:
+        latents = torch.randn(1, cfg.in_channels, 8, 8, generator=g)
+        embeds = {"prompt_embeds": torch.randn(1, 7, cfg.joint_attention_dim, generator=g)}
+    return family.model_inputs(model, latents, embeds, torch.tensor([0.4]), 1.0)
+
+
+def test_training_with_chunks_equals_whole_blocks(tiny_pipeline, tiny_cache):
+    cfg = ModelConfig(transformer_path=str(tiny_pipeline))
+    lora, train = LoraSettings(rank=4), TrainConfig(steps=3, learning_rate=2e-3, seed=1)
+    whole = train_lora(cfg, tiny_cache, lora, train, offload=OffloadConfig(mode="resident"))
+    logs = []
+
+    class CB:
+        def on_progress(self, *a): pass
+        def on_step(self, info): pass
+        def log(self, m): logs.append(m)
+        def should_stop(self): return False
+
+    chunked = train_lora(cfg, tiny_cache, lora, train, CB(), offload=OffloadConfig(mode="resident", recompute_chunks=4))
+    assert any("4 checkpointed chunks" in m for m in logs)
+    for k, v in whole.state_dict.items():
+        torch.testing.assert_close(chunked.state_dict[k], v, rtol=1e-4, atol=1e-6)
+
+
+def _flux1_dev(bf16=True):
+    """Flux.1-dev's real block sizes (bf16): 19 double blocks of 0.68 GB, 38 single of 0.28 GB."""
+    return ModelFootprint(name="flux1-dev", block_names=[f"b{i}" for i in range(57)],
+                          block_bytes=[679_700_000] * 19 + [283_200_000] * 38, other_bytes=160_000_000,
+                          trainable_params=46_700_000, hidden_size=3072)
+
+
+def test_auto_escalates_to_chunks_then_host_moments():
+    fp = _flux1_dev()
+    wl2048, wl1024 = Workload(1, 16384, 512, "2048x2048"), Workload(1, 4096, 512, "1024x1024")
+    roomy = make_plan(fp, wl2048, OffloadConfig(mode="auto", vram_budget_gb=12), 12 * GB)
+    assert roomy.recompute_chunks == 1 and not roomy.optimizer_on_host
+    tight = make_plan(fp, wl2048, OffloadConfig(mode="auto", vram_budget_gb=5), 5 * GB)
+    assert tight.recompute_chunks > 1 and tight.predicted_peak_bytes + GB <= 5 * GB
+    explicit = make_plan(fp, wl1024, OffloadConfig(mode="stream", prefetch_depth=1, activation_offload=True,
+                                                   recompute_chunks=8, optimizer_on_host=True), None)
+    plain = make_plan(fp, wl1024, OffloadConfig(mode="stream", prefetch_depth=1, activation_offload=True), None)
+    assert explicit.breakdown["lora+adam"] == plain.breakdown["lora+adam"] - 8 * fp.trainable_params
+    assert explicit.breakdown["activations"] < plain.breakdown["activations"]
+    assert "8 token chunks" in explicit.describe() and "moments on the host" in explicit.describe()
+    assert explicit.summary()["recompute_chunks"] == 8
+
+
+def test_bad_settings():
+    with pytest.raises(Exception, match="recompute_chunks=0"):
+        OffloadConfig(recompute_chunks=0)
