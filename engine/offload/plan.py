@@ -36,13 +36,18 @@ GB = 1e9
 LORA_BYTES_PER_PARAM = 16
 OPTIMIZER_BYTES_PER_PARAM = 8
 SAVED_INPUT_UNITS = 1.0  # a checkpointed block keeps its (hidden, encoder) inputs: B*T*D elements
-TRANSIENT_UNITS = 47.5  # one block's recompute + backward working set, in B*T*D elements (fitted) ...
+# One block's recompute + backward working set, in B*T*D elements (fitted) ... It was 47.5 until LoRA
+# layers stopped casting their inputs to fp32 (engine/train/lora_attach.skip_lora_input_cast): refitted on
+# 2026-11-23 from bench/bench_memory.py rows (stream + activation offload, 1024² and 2048²: measured 3.27 /
+# 6.01 GB, 13.3 units below the old line at both).
+TRANSIENT_UNITS = 34.2
 TRANSIENT_BYTES = int(-0.11 * GB)  # ... plus this (fitted)
 # The same with the token-wise parts in checkpointed chunks (engine/offload/recompute.py): a + b / chunks
-# units (fitted like the line above, H100, Flux.1-dev, see bench/bench_memory.py rows).
-CHUNKED_UNITS_BASE = 20.0
-CHUNKED_UNITS_PER_CHUNK = 27.5
-AUTO_CHUNKS = 8  # what auto picks when whole-block recompute does not fit
+# units, fitted on the same run's 4- and 16-chunk rows at 1024² and 2048² (within 0.1 GB of all four).
+CHUNKED_UNITS_BASE = 24.3
+CHUNKED_UNITS_PER_CHUNK = 12.8
+CHUNK_TOKENS = 4096  # auto: one chunk per this many tokens (smaller chunks are launch-bound: 1024² with 4
+# chunks took 1.69x the resident step, 2048² 1.07x), at least 2
 MOMENT_BYTES_PER_PARAM = 8  # AdamW's two fp32 moments
 OFFLOADED_KEPT_UNITS = 1.9  # inputs still on the GPU with activation offload (fitted) ...
 OFFLOADED_KEPT_BYTES = int(0.125 * GB)  # ... plus this (fitted)
@@ -241,9 +246,11 @@ def make_plan(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, budget_bytes
 def _auto(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: list[int], budget: int) -> Plan:
     """The fastest plan that fits. Finer recompute and host-held moments cost time but no PCIe bytes, so
     they are escalations: tried only when nothing fits without them (unless set explicitly)."""
-    chunk_steps = [cfg.recompute_chunks] if cfg.recompute_chunks else [1, AUTO_CHUNKS]
+    auto_chunks = min(16, max(2, math.ceil(wl.tokens / CHUNK_TOKENS)))
+    chunk_steps = [cfg.recompute_chunks] if cfg.recompute_chunks else [1, auto_chunks]
     host_steps = [cfg.optimizer_on_host] if cfg.optimizer_on_host is not None else [False, True]
-    escalations = [(c, h) for h in host_steps for c in chunk_steps]  # chunks first: cheaper than host moments
+    # Host moments first (two small copies per step), then chunks (another forward of the MLPs).
+    escalations = [(c, h) for c in chunk_steps for h in host_steps]
     for chunks, host in escalations:
         plan = _auto_fixed(fp, wl, cfg, order, budget, chunks, host)
         if plan is not None:
