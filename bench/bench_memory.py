@@ -49,7 +49,40 @@ def parse_args(argv=None):
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--out", default="bench/results.jsonl")
     p.add_argument("--note", default="")
+    p.add_argument("--snapshot", default="", help="a mode: record the allocator from its step 2 on and print what "
+                                                  "is live at the peak (torch.cuda.memory._snapshot), by source line")
     return p.parse_args(argv)
+
+
+def peak_breakdown(snapshot: dict, base_bytes: int, top: int = 18) -> str:
+    """Replay the allocator trace: the live allocations at the highest point, grouped by the first stack
+    frame outside torch (what made them). ``base_bytes`` were allocated before recording began."""
+    from collections import Counter
+
+    events = snapshot["device_traces"][torch.cuda.current_device()]
+    live, total, peak, at_peak = {}, 0, 0, {}
+    for ev in events:
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = ev
+            total += ev["size"]
+            if total > peak:
+                peak, at_peak = total, dict(live)
+        elif ev["action"] in ("free_completed",) and ev["addr"] in live:
+            total -= live.pop(ev["addr"])["size"]
+
+    def where(ev):
+        for f in ev.get("frames", []):
+            name = f["filename"]
+            if "/torch/" not in name and "<" not in name:
+                return f"{name.split('site-packages/')[-1].split('lowvram_lora/')[-1]}:{f['line']} {f['name']}"
+        return "torch internals"
+
+    groups = Counter()
+    for ev in at_peak.values():
+        groups[where(ev)] += ev["size"]
+    lines = [f"allocated before recording: {base_bytes / 1e9:.2f} GB; at the peak {peak / 1e9:.2f} GB more, from:"]
+    lines += [f"  {b / 1e9:7.3f} GB  {w}" for w, b in groups.most_common(top)]
+    return "\n".join(lines)
 
 
 def offload_for(mode: str):
@@ -105,7 +138,15 @@ def main(argv=None) -> int:
             gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-            rec = StepRecorder(f"{mode} {res}")
+            base_bytes = [0]
+
+            def start_recording(info, mode=mode):
+                if mode == args.snapshot and info.step == 1:
+                    torch.cuda.synchronize()
+                    base_bytes[0] = torch.cuda.memory_allocated()
+                    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+
+            rec = StepRecorder(f"{mode} {res}", start_recording)
             t = time.perf_counter()
             error, result = None, None
             try:
@@ -118,6 +159,11 @@ def main(argv=None) -> int:
                 error = f"{type(exc).__name__}: {str(exc)[:500]}"
                 print("ERROR", error, flush=True)
             row = training_row(rec, args.warmup, t, error, rows.get(("resident", res), {}).get("step_s"), device)
+            if mode == args.snapshot:
+                text = peak_breakdown(torch.cuda.memory._snapshot(), base_bytes[0])
+                torch.cuda.memory._record_memory_history(enabled=None)
+                print(f"\n[{mode} {res}] memory at the peak (steps 2+):\n{text}\n", flush=True)
+                row["peak_breakdown"] = text
             plan = (result.settings.get("offload_plan") if result is not None else None) or {}
             rows[(mode, res)] = emit({"mode": mode, "res": res, "precision": precision, **row, "plan": plan,
                                       "predicted_peak_gb": plan.get("predicted_peak_gb")})

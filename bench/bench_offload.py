@@ -191,15 +191,14 @@ def mode_peer(ctx, dataset, steps, callback):
             for step in range(1, steps + 1):
                 t0 = time.perf_counter()
                 lat, emb = _load_batch(dataset, next(batches), device, dtype, gen)
-                loss = _micro_step(model, family, lat, emb, train, gen, torch.autocast("cuda", dtype=dtype))
-                loss.backward()
+                loss = _micro_step(model, family, lat, emb, train, gen, torch.autocast("cuda", dtype=dtype), 1.0)
                 gn = _clip(params, train.max_grad_norm)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 torch.cuda.synchronize(device)
-                result.loss_history.append(loss.item())
+                result.loss_history.append(loss)
                 result.steps = step
-                callback.on_step(StepInfo(step, steps, loss.item(), train.learning_rate, gn,
+                callback.on_step(StepInfo(step, steps, loss, train.learning_rate, gn,
                                           time.perf_counter() - t0, torch.cuda.max_memory_allocated(device) / GB))
         result.state_dict = lora_state_dict(model)
         b_norm = sum(v.float().norm().item() for k, v in result.state_dict.items() if ".lora_B." in k)

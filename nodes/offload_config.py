@@ -47,21 +47,31 @@ class LowVRAMOffloadConfig:
                                                   "tooltip": _help("max_pinned_fraction")}),
                 # Last: UI-format workflows store widget values by position.
                 "int8_compute": (["dequant", "w8a8"], {"default": "dequant", "tooltip": _help("int8_compute")}),
+                "recompute_chunks": ("INT", {"default": 0, "min": 0, "max": 64,
+                                             "tooltip": _help("recompute_chunks", "0 = let the planner choose.")}),
+                "optimizer_on_host": (["auto", "on", "off"], {
+                    "default": "auto", "tooltip": _help("optimizer_on_host", "auto = let the planner choose.")}),
+                "micro_batch_size": ("INT", {"default": 0, "min": 0, "max": 64,
+                                             "tooltip": _help("micro_batch_size", "0 = let the planner choose.")}),
             }
         }
 
     def configure(self, mode: str = "auto", vram_budget_gb: float = 0.0, resident_blocks: int = -1,
                   prefetch_depth: int = 0, activation_offload: str = "auto", gradient_checkpointing: bool = True,
-                  max_pinned_fraction: float = 0.8, int8_compute: str = "dequant"):
+                  max_pinned_fraction: float = 0.8, int8_compute: str = "dequant", recompute_chunks: int = 0,
+                  optimizer_on_host: str = "auto", micro_batch_size: int = 0):
         from ..engine.offload import OffloadConfig
 
-        if activation_offload not in ("auto", "on", "off"):
-            raise ValueError(f"activation_offload={activation_offload!r} is not one of auto, on, off")
+        for name, value in (("activation_offload", activation_offload), ("optimizer_on_host", optimizer_on_host)):
+            if value not in ("auto", "on", "off"):
+                raise ValueError(f"{name}={value!r} is not one of auto, on, off")
         return (OffloadConfig(
             mode=mode, vram_budget_gb=vram_budget_gb,
             resident_blocks=None if resident_blocks < 0 else resident_blocks,
             prefetch_depth=None if prefetch_depth == 0 else prefetch_depth,
             activation_offload=None if activation_offload == "auto" else activation_offload == "on",
             gradient_checkpointing=gradient_checkpointing, max_pinned_fraction=max_pinned_fraction,
-            int8_compute=int8_compute,
+            int8_compute=int8_compute, recompute_chunks=recompute_chunks or None,
+            optimizer_on_host=None if optimizer_on_host == "auto" else optimizer_on_host == "on",
+            micro_batch_size=micro_batch_size or None,
         ),)

@@ -64,6 +64,11 @@ class OffloadConfig:
         "between steps; they are copied in for the optimizer step, after the activations are gone, and back. "
         "None: off, unless auto needs the memory. adamw only."
     )})
+    micro_batch_size: Optional[int] = field(default=None, metadata={"help": (
+        "Samples per forward/backward: a batch of more runs in pieces of this size, their gradients "
+        "accumulated, which gives the same gradient as the whole batch with activations for one piece "
+        "(Flux.1-dev at 2048, batch 2: the VRAM of batch 1). None: the whole batch, or 1 when auto needs it."
+    )})
     max_pinned_fraction: float = field(default=0.8, metadata={"help": (
         "Largest share of the machine's physical RAM the plan may pin (page-locked memory cannot be swapped; "
         "pinning too much starves the rest of the system). Training refuses to start beyond it."
@@ -85,6 +90,8 @@ class OffloadConfig:
             raise ConfigError(f"prefetch_depth={self.prefetch_depth} must be between 1 and 8 (or None)")
         if self.recompute_chunks is not None and not 1 <= self.recompute_chunks <= 64:
             raise ConfigError(f"recompute_chunks={self.recompute_chunks} must be between 1 and 64 (or None)")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ConfigError(f"micro_batch_size={self.micro_batch_size} must be >= 1 (or None)")
         if self.int8_compute not in ("dequant", "w8a8"):
             raise ConfigError(f"int8_compute={self.int8_compute!r} is not one of dequant, w8a8")
         if not 0.0 < self.max_pinned_fraction <= 0.95:

@@ -115,6 +115,7 @@ class Plan:
     reason: str = ""
     recompute_chunks: int = 1
     optimizer_on_host: bool = False
+    micro_batch: int = 0  # samples per forward/backward (0: the whole batch)
 
     def describe(self) -> str:
         fp, wl = self.footprint, self.workload
@@ -124,7 +125,9 @@ class Plan:
                     f"ring of {self.num_slots} x {self.slot_bytes / GB:.2f} GB (prefetch {self.prefetch_depth}), "
                     f"activation offload {'on' if self.activation_offload else 'off'}")
                  + (f", recompute in {self.recompute_chunks} token chunks" if self.recompute_chunks > 1 else "")
-                 + (", AdamW moments on the host" if self.optimizer_on_host else "")]
+                 + (", AdamW moments on the host" if self.optimizer_on_host else "")
+                 + (f", each batch run {self.micro_batch} sample(s) at a time"
+                    if 0 < self.micro_batch < wl.batch else "")]
         budget = f" of a {self.budget_bytes / GB:.1f} GB budget" if self.budget_bytes else ""
         parts = ", ".join(f"{k} {v / GB:.2f}" for k, v in self.breakdown.items())
         lines.append(f"  predicted peak {self.predicted_peak_bytes / GB:.2f} GB{budget} ({parts})")
@@ -148,6 +151,7 @@ class Plan:
             "pinned_host_gb": round(self.pinned_host_bytes / GB, 3),
             "budget_gb": round(self.budget_bytes / GB, 3) if self.budget_bytes else None,
             "recompute_chunks": self.recompute_chunks, "optimizer_on_host": self.optimizer_on_host,
+            "micro_batch": self.micro_batch or self.workload.batch,
         }
 
 
@@ -163,13 +167,17 @@ def transient_units(chunks: int) -> float:
 
 def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefetch_depth: int,
                activation_offload: bool, budget_bytes: Optional[int] = None, reason: str = "",
-               count_bytes: bool = True, recompute_chunks: int = 1, optimizer_on_host: bool = False) -> Plan:
-    """One plan's numbers. ``count_bytes=False`` skips simulating the copies (a quick fit check)."""
+               count_bytes: bool = True, recompute_chunks: int = 1, optimizer_on_host: bool = False,
+               micro_batch: Optional[int] = None) -> Plan:
+    """One plan's numbers. ``count_bytes=False`` skips simulating the copies (a quick fit check).
+    ``micro_batch``: samples per forward/backward; a batch of more runs as that many gradient-accumulated
+    pieces (the same gradient), so activations are sized for it."""
     resident = sorted(set(resident))
     if resident and (resident[0] < 0 or resident[-1] >= fp.num_blocks):
         raise ConfigError(f"resident block ids {resident} must be in [0, {fp.num_blocks}) for {fp.name}")
     streamed = [i for i in range(fp.num_blocks) if i not in set(resident)]
-    unit = wl.batch * wl.tokens * fp.hidden_size * fp.act_bytes_per_elem  # one B*T*D activation
+    micro = min(wl.batch, micro_batch or wl.batch)
+    unit = micro * wl.tokens * fp.hidden_size * fp.act_bytes_per_elem  # one B*T*D activation
     if streamed:
         k = max(1, min(prefetch_depth, len(streamed) - 1)) if len(streamed) > 1 else 1
         num_slots = min(k + 1, len(streamed))
@@ -197,7 +205,7 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
         predicted_peak_bytes=int(peak), breakdown=breakdown, streamed_bytes_per_step=streamed_per_step,
         activation_bytes_per_step=act_io, pinned_host_bytes=sum(fp.block_bytes[i] for i in streamed) + act_io,
         budget_bytes=budget_bytes, footprint=fp, workload=wl, reason=reason,
-        recompute_chunks=max(1, recompute_chunks), optimizer_on_host=optimizer_on_host,
+        recompute_chunks=max(1, recompute_chunks), optimizer_on_host=optimizer_on_host, micro_batch=micro,
     )
 
 
@@ -222,7 +230,8 @@ def make_plan(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, budget_bytes
     order = resident_order(fp.block_bytes)
     if cfg.resident_blocks is not None and cfg.resident_blocks > n:
         raise ConfigError(f"resident_blocks={cfg.resident_blocks} but {fp.name} has only {n} blocks")
-    fixed = {"recompute_chunks": cfg.recompute_chunks or 1, "optimizer_on_host": bool(cfg.optimizer_on_host)}
+    fixed = {"recompute_chunks": cfg.recompute_chunks or 1, "optimizer_on_host": bool(cfg.optimizer_on_host),
+             "micro_batch": cfg.micro_batch_size}
     if cfg.mode == "resident":
         plan = build_plan(fp, wl, range(n), 1, False, reason="mode=resident", **fixed)
     elif cfg.mode == "stream":
@@ -249,17 +258,19 @@ def _auto(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: list[int]
     auto_chunks = min(16, max(2, math.ceil(wl.tokens / CHUNK_TOKENS)))
     chunk_steps = [cfg.recompute_chunks] if cfg.recompute_chunks else [1, auto_chunks]
     host_steps = [cfg.optimizer_on_host] if cfg.optimizer_on_host is not None else [False, True]
-    # Host moments first (two small copies per step), then chunks (another forward of the MLPs).
-    escalations = [(c, h) for c in chunk_steps for h in host_steps]
-    for chunks, host in escalations:
-        plan = _auto_fixed(fp, wl, cfg, order, budget, chunks, host)
+    micro_steps = [cfg.micro_batch_size] if cfg.micro_batch_size else sorted({wl.batch, 1}, reverse=True)
+    # Cheapest first: host moments (two small copies per step), then a batch run one sample at a time
+    # (the same gradient; only the per-call overheads repeat), then chunks (another forward of the MLPs).
+    escalations = [(c, h, m) for c in chunk_steps for m in micro_steps for h in host_steps]
+    for chunks, host, micro in escalations:
+        plan = _auto_fixed(fp, wl, cfg, order, budget, chunks, host, micro)
         if plan is not None:
             return plan
-    chunks, host = escalations[-1]
+    chunks, host, micro = escalations[-1]
     smallest = build_plan(fp, wl, order[:cfg.resident_blocks or 0], min([cfg.prefetch_depth] if cfg.prefetch_depth
                                                                         else [2, 1]),
                           cfg.activation_offload if cfg.activation_offload is not None else True, budget,
-                          recompute_chunks=chunks, optimizer_on_host=host)
+                          recompute_chunks=chunks, optimizer_on_host=host, micro_batch=micro)
     need = math.ceil((smallest.predicted_peak_bytes + HEADROOM_BYTES) / GB * 10) / 10
     raise ConfigError(
         f"vram_budget_gb={budget / GB:.3g} is below the smallest plan for {fp.name} at "
@@ -271,9 +282,9 @@ def _auto(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: list[int]
 
 
 def _auto_fixed(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: list[int], budget: int,
-                chunks: int, host: bool) -> Optional[Plan]:
+                chunks: int, host: bool, micro: int) -> Optional[Plan]:
     n = fp.num_blocks
-    extra = {"recompute_chunks": chunks, "optimizer_on_host": host}
+    extra = {"recompute_chunks": chunks, "optimizer_on_host": host, "micro_batch": micro}
     if cfg.resident_blocks in (None, n):  # nothing streams when everything fits: fastest by far
         everything = build_plan(fp, wl, range(n), 1, False, budget, reason="auto: everything fits the budget",
                                 **extra)

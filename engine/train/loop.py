@@ -165,7 +165,7 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
         model.to(device)
     from ..offload.recompute import install_chunked_recompute
 
-    chunks, host_moments = _memory_options(handle, offload, split, device)
+    chunks, host_moments, micro_batch = _memory_options(handle, offload, split, device)
     recompute = install_chunked_recompute(model, family, chunks)  # undone in the finally below
     if chunks > 1:
         cb.log(f"finer recompute: token-wise block parts in {chunks} checkpointed chunks")
@@ -242,9 +242,8 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
                     gen = micro_generator(train.seed, ranks.global_micro_index(drawn))
                     drawn += 1
                     latents, embeds = _load_batch(dataset, next(batches), device, dtype, gen)
-                    loss = _micro_step(model, family, latents, embeds, train, gen, autocast)
-                    (loss / train.gradient_accumulation).backward()
-                    loss_sum += loss.item()
+                    loss_sum += _micro_step(model, family, latents, embeds, train, gen, autocast,
+                                            1.0 / train.gradient_accumulation, micro_batch)
                     # Between micro-steps too: with long accumulation, Stop must not wait a whole step.
                     if micro < train.gradient_accumulation - 1 and stop_requested():
                         stopped = True
@@ -434,17 +433,20 @@ def _check_optimizer(train: TrainConfig, device: torch.device) -> None:
         )
 
 
-def _memory_options(handle, offload: OffloadConfig | None, split, device: torch.device) -> tuple[int, bool]:
-    """(token chunks for the recompute, AdamW moments on the host): from the plan when blocks stream
-    (auto may have chosen them), else as set in Offload Config. Host moments need a GPU to leave."""
+def _memory_options(handle, offload: OffloadConfig | None, split, device: torch.device) -> tuple[int, bool, int]:
+    """(token chunks for the recompute, AdamW moments on the host, samples per forward: 0 = all): from the
+    plan when blocks stream (auto may have chosen them), else as set in Offload Config. Host moments need a
+    GPU to leave."""
     if handle is not None:
         plans = handle.plan.plans if split is not None else (handle.plan,)
         chunks, host = max(p.recompute_chunks for p in plans), any(p.optimizer_on_host for p in plans)
+        micro = min(p.micro_batch or 0 for p in plans)
     elif offload is not None:
-        chunks, host = offload.recompute_chunks or 1, bool(offload.optimizer_on_host)
+        chunks, host, micro = offload.recompute_chunks or 1, bool(offload.optimizer_on_host), 0
+        micro = offload.micro_batch_size or 0
     else:
-        chunks, host = 1, False
-    return chunks, host and device.type == "cuda"
+        chunks, host, micro = 1, False, 0
+    return chunks, host and device.type == "cuda", micro
 
 
 def _make_optimizer(params, train: TrainConfig, host_moments: bool = False):
@@ -466,16 +468,29 @@ def _lora_bytes_per_param(train: TrainConfig) -> float:
     return 8 + (2.1 if train.optimizer == "adamw8bit" else 8)
 
 
-def _micro_step(model, family, latents, embeds, cfg: TrainConfig, gen: torch.Generator, autocast):
+def _micro_step(model, family, latents, embeds, cfg: TrainConfig, gen: torch.Generator, autocast,
+                scale: float, micro_batch: int = 0) -> float:
+    """Forward and backward of one batch; returns its loss. The noise and timesteps are drawn for the whole
+    batch; with ``micro_batch`` the batch then runs that many samples at a time, each piece's loss weighted
+    by its share, so the accumulated gradient is the whole batch's (activations are one piece's)."""
     b = latents.shape[0]
     mu = family.timestep_shift_mu(latents) if cfg.shift_timesteps else None
     sigmas = sample_sigmas(b, gen, cfg.timestep_mean, cfg.timestep_std, mu).to(latents.device)
     noise = torch.randn(latents.shape, generator=gen).to(latents.device, latents.dtype)
     noisy, target = noisy_latents_and_target(latents, noise, sigmas)
-    with autocast:
-        pred = model(**family.model_inputs(model, noisy, embeds, sigmas, cfg.guidance))[0]
-    pred = family.unpack_prediction(pred, latents)
-    return torch.nn.functional.mse_loss(pred.float(), target.float())
+    step = micro_batch if 0 < micro_batch < b else b
+    total = 0.0
+    for start in range(0, b, step):
+        piece = slice(start, min(b, start + step))
+        with autocast:
+            pred = model(**family.model_inputs(model, noisy[piece], {k: v[piece] for k, v in embeds.items()},
+                                               sigmas[piece], cfg.guidance))[0]
+        pred = family.unpack_prediction(pred, latents[piece])
+        loss = torch.nn.functional.mse_loss(pred.float(), target[piece].float())
+        share = (piece.stop - piece.start) / b
+        (loss * (share * scale)).backward()
+        total += loss.item() * share
+    return total
 
 
 def _clip(params, max_norm: float) -> float:
