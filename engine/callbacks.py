@@ -20,6 +20,8 @@ class StepInfo:
     grad_norm: float  # before clipping
     seconds_per_step: float
     peak_vram_gb: float  # torch.cuda.max_memory_allocated since training started; 0 on CPU
+    pinned_host_gb: float = 0.0  # host RAM pinned for streamed blocks and activations
+    sample_seconds: float = 0.0  # time spent sampling so far (not in seconds_per_step)
 
 
 class TrainingCallback:
@@ -30,6 +32,10 @@ class TrainingCallback:
 
     def on_step(self, info: StepInfo) -> None:
         """After every optimizer step."""
+
+    def on_sample(self, step: int, grid, path: str | None) -> None:
+        """Sample images were made at ``step``: ``grid`` (a PIL image, prompts x checkpoints so far),
+        saved at ``path``."""
 
     def log(self, message: str) -> None:
         """A human-readable line (plans, cache hits, warnings)."""
@@ -98,6 +104,18 @@ class ConsoleCallback(TrainingCallback):
         if info.step >= info.total_steps:
             bar.close()
             self._bars.pop("train", None)
+            from tqdm.auto import tqdm
+
+            tqdm.write(f"trained {info.step} steps: final loss {info.loss:.4f}, {info.seconds_per_step:.2f} s/step, "
+                       f"peak VRAM {info.peak_vram_gb:.2f} GB"
+                       + (f", pinned host RAM {info.pinned_host_gb:.1f} GB" if info.pinned_host_gb else "")
+                       + (f", sampling {info.sample_seconds:.1f} s" if info.sample_seconds else ""))
+
+    def on_sample(self, step: int, grid, path: str | None) -> None:
+        if path:
+            from tqdm.auto import tqdm
+
+            tqdm.write(f"samples at step {step}: {path}")
 
     def log(self, message: str) -> None:
         from tqdm.auto import tqdm

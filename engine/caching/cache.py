@@ -18,6 +18,7 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Optional, Sequence
 
 import torch
 from safetensors import safe_open
@@ -63,6 +64,11 @@ class DatasetCache:
     repeats: int = 1
     flip: bool = False
     stats: dict = field(default_factory=dict)  # built/reused counts of the last build
+    # Prompts for samples during training, encoded with the captions: [(prompt, text key)]
+    sample_prompts: list = field(default_factory=list)
+    # Where the VAE comes from (sampling decodes with it): a pipeline folder, or a single VAE file.
+    pipeline: Optional[str] = None
+    vae_file: Optional[str] = None
 
     def load_item(self, item: CachedItem, flipped: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(latent (C, h, w), {embedding name: tensor}) for one item."""
@@ -73,6 +79,24 @@ class DatasetCache:
 
     def training_items(self) -> list[CachedItem]:
         return expand_repeats(self.items, self.repeats)
+
+    def load_text(self, text_key: str) -> dict[str, torch.Tensor]:
+        """The cached embeddings of one caption or sample prompt, with a batch dimension."""
+        path = self.cache_dir / "text" / f"{text_key}.safetensors"
+        if not path.exists():
+            raise CacheError(f"cache entry text/{text_key} is missing; rebuild the cache")
+        return {k: v[None] for k, v in load_file(str(path)).items()}
+
+    def load_vae(self, family: ModelFamily, dtype: torch.dtype):
+        """The VAE the latents were made with (sampling decodes with it), on the CPU."""
+        if self.vae_file:
+            return load_vae_file(Path(self.vae_file), family, dtype)
+        if self.pipeline:
+            from .vae_encoding import load_vae
+
+            return load_vae(Path(self.pipeline), dtype, family.vae_class_name)
+        raise CacheError(f"the dataset cache '{self.manifest_path}' does not say where its VAE is (built by an older "
+                         f"version); rebuild it to sample during training")
 
 
 def resolve_pipeline_folder(model_cfg: ModelConfig) -> Path:
@@ -181,8 +205,10 @@ def build_dataset_cache(
     max_sequence_length: int = 0,
     device: str = "auto",
     callback: TrainingCallback | None = None,
+    sample_prompts: Sequence[str] = (),
 ) -> DatasetCache:
-    """Scan the dataset, compute what is missing from the cache, write the manifest."""
+    """Scan the dataset, compute what is missing from the cache, write the manifest. ``sample_prompts`` are
+    encoded with the captions (keyed the same way), for samples during training."""
     cb = callback or TrainingCallback()
     cache_dir = Path(cache_dir)
     dev = resolve_device(device)
@@ -223,8 +249,10 @@ def build_dataset_cache(
             latent_key=stable_hash([vae_ident, img_hash, list(bucket), data_cfg.flip]),
         ))
 
+    prompts = [CachedItem(image="", caption=p, bucket=(0, 0), text_key=stable_hash([text_ident, p]), latent_key="")
+               for p in dict.fromkeys(p.strip() for p in sample_prompts if p.strip())]
     stats = {"text_built": 0, "text_reused": 0, "latents_built": 0, "latents_reused": 0}
-    _build_text(cache_dir, specs, pipeline, items, dev, dtype, max_len, cb, stats, singles)
+    _build_text(cache_dir, specs, pipeline, items + prompts, dev, dtype, max_len, cb, stats, singles)
     _build_latents(cache_dir, family, pipeline, items, data_cfg.flip, dev, dtype, cb, stats, singles)
 
     dataset_hash = stable_hash([[i.text_key, i.latent_key] for i in items] + [data_cfg.repeats, data_cfg.flip])
@@ -237,6 +265,7 @@ def build_dataset_cache(
         | {"vae": str(singles.vae)},
         "settings": asdict(data_cfg), "max_sequence_length": max_len, "repeats": data_cfg.repeats,
         "flip": data_cfg.flip, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "items": [asdict(i) for i in items],
+        "sample_prompts": [[p.caption, p.text_key] for p in prompts],
     }
     write_json_atomic(manifest_path, manifest, "the dataset-cache manifest")
     cb.log(
@@ -244,7 +273,8 @@ def build_dataset_cache(
         f"{stats['text_reused']} reused; latents {stats['latents_built']} built / {stats['latents_reused']} reused"
     )
     return DatasetCache(cache_dir, manifest_path, dataset_hash, family.id, variant, items,
-                        data_cfg.repeats, data_cfg.flip, stats)
+                        data_cfg.repeats, data_cfg.flip, stats, [(p.caption, p.text_key) for p in prompts],
+                        manifest["pipeline"], str(singles.vae) if singles is not None else None)
 
 
 def _build_text(cache_dir, specs, pipeline, items, device, dtype, max_len, cb, stats, singles=None) -> None:
@@ -315,4 +345,10 @@ def open_dataset_cache(manifest_path: str | Path) -> DatasetCache:
         for sub, key in (("text", it.text_key), ("latents", it.latent_key)):
             if not (cache_dir / sub / f"{key}.safetensors").exists():
                 raise CacheError(f"cache entry {sub}/{key} for '{it.image}' is missing; rebuild the cache")
-    return DatasetCache(cache_dir, path, m["dataset_hash"], m["family"], m["variant"], items, m["repeats"], m["flip"])
+    prompts = [tuple(p) for p in m.get("sample_prompts", [])]
+    for _, key in prompts:
+        if not (cache_dir / "text" / f"{key}.safetensors").exists():
+            raise CacheError(f"cache entry text/{key} (a sample prompt) is missing; rebuild the cache")
+    return DatasetCache(cache_dir, path, m["dataset_hash"], m["family"], m["variant"], items, m["repeats"], m["flip"],
+                        sample_prompts=prompts, pipeline=m.get("pipeline"),
+                        vae_file=(m.get("single_files") or {}).get("vae"))

@@ -50,6 +50,19 @@ class Flux1Family:
         shift = getattr(vae.config, "shift_factor", None) or 0.0
         return (mean - shift) * vae.config.scaling_factor
 
+    def latents_to_vae(self, vae, latents: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``latents_from_vae``: what ``vae.decode`` takes (pipeline_flux.py)."""
+        shift = getattr(vae.config, "shift_factor", None) or 0.0
+        return latents / vae.config.scaling_factor + shift
+
+    def latent_shape(self, model, width: int, height: int) -> tuple[int, int, int]:
+        """(C, h, w) of the latents of a width x height image (C: the packed channels / 4)."""
+        return (model.config.in_channels // 4, height // 8, width // 8)
+
+    def sample_shift_mu(self, latents: torch.Tensor, steps: int) -> float:
+        """FluxPipeline's shift for sampling: the same resolution-dependent mu as training."""
+        return self.timestep_shift_mu(latents)
+
     def transformer_class(self) -> type[nn.Module]:
         from diffusers import FluxTransformer2DModel
 

@@ -129,6 +129,21 @@ class Flux2Family:
         bn_std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(x.device, x.dtype)
         return (x - bn_mean) / bn_std
 
+    def latents_to_vae(self, vae, latents: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``latents_from_vae`` (Flux2Pipeline: un-normalise, unpatchify) for ``vae.decode``."""
+        bn_mean = vae.bn.running_mean.view(1, -1, 1, 1).to(latents.device, latents.dtype)
+        bn_std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(latents.device,
+                                                                                                 latents.dtype)
+        return self.unpatchify(latents * bn_std + bn_mean)
+
+    def latent_shape(self, model, width: int, height: int) -> tuple[int, int, int]:
+        """(C, h, w) of the (patchified) latents of a width x height image."""
+        return (model.config.in_channels, height // 16, width // 16)
+
+    def sample_shift_mu(self, latents: torch.Tensor, steps: int) -> float:
+        """Flux2Pipeline's shift for ``steps`` sampling steps (compute_empirical_mu)."""
+        return compute_empirical_mu(latents.shape[2] * latents.shape[3], steps)
+
     # --- training-time math -------------------------------------------------
 
     @staticmethod

@@ -72,6 +72,8 @@ def train_lora(
     resume: ResumeStore | None = None,
     split=None,
     ranks=None,
+    sampling=None,
+    sample_dir=None,
 ) -> TrainedLora:
     """Train a LoRA on ``dataset`` and return its weights. ``preloaded`` = (model,
     family, variant) skips loading (benchmarks build a random full-size model).
@@ -84,14 +86,18 @@ def train_lora(
     ``ranks`` (engine/parallel/data_parallel.Ranks): this process is one rank of data-parallel
     training: it takes its share of the batches and averages LoRA gradients with the others; only
     rank 0 saves training states.
+    ``sampling`` (engine/sampling.SamplingConfig): sample the dataset's sample prompts at checkpoints,
+    grids written to ``sample_dir`` (rank 0 only); the time is kept out of the step times.
 
     Runs with autograd on even when called under ``torch.inference_mode()`` (ComfyUI
     runs every node that way); the returned weights are ordinary tensors."""
     with autograd_enabled():
-        return _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, resume, split, ranks)
+        return _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, resume, split, ranks,
+                           sampling, sample_dir)
 
 
-def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, resume, split, ranks) -> TrainedLora:
+def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, resume, split, ranks, sampling,
+                sample_dir) -> TrainedLora:
     from ..parallel.data_parallel import Ranks
 
     cb = callback or TrainingCallback()
@@ -230,10 +236,19 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
             save_state()
         return stop
 
+    sampler = None
+    if sampling is not None and sampling.enabled and ranks.is_main:
+        from ..sampling import Sampler
+
+        sampler = Sampler(sampling, dataset, family, model, device, dtype, sample_dir, cb)
+    pinned_gb = (sum(p.pinned_host_bytes for p in getattr(handle.plan, "plans", (handle.plan,))) / 1e9
+                 if handle is not None else 0.0)
     start = time.perf_counter()
     model.train()
     try:
         with _attention_backends(device):
+            if sampler is not None and first == 1 and sampler.due(0, train.steps):
+                _take_samples(sampler, 0, autocast, result)  # the base model, before any step
             for step in range(first, train.steps + 1):
                 t0 = time.perf_counter()
                 loss_sum, stopped = 0.0, False
@@ -283,11 +298,14 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
                         save_state(periodic=True)
                 try:  # ComfyUI's progress hook raises its interrupt here too: keep this step
                     cb.on_step(StepInfo(step, train.steps, result.loss_history[-1], result.lr_history[-1],
-                                        grad_norm, time.perf_counter() - t0, peak))
+                                        grad_norm, time.perf_counter() - t0, peak, pinned_gb,
+                                        sampler.seconds if sampler is not None else 0.0))
                 except BaseException:
                     if step < train.steps:
                         save_state()
                     raise
+                if sampler is not None and sampler.due(step, train.steps):
+                    _take_samples(sampler, step, autocast, result)
                 if step < train.steps and stop_requested():  # never after the last: keep a finished run
                     result.interrupted = True
                     cb.log(f"stopped at step {step}/{train.steps} on request")
@@ -339,6 +357,13 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
             f"the LoRA weights became NaN/inf ({len(bad)} tensors, e.g. '{bad[0]}'); nothing was saved. "
             f"Lower learning_rate, keep max_grad_norm > 0, and check alpha")
     return result
+
+
+def _take_samples(sampler, step: int, autocast, result: TrainedLora) -> None:
+    _, path = sampler.run(step, autocast)
+    if path is not None:
+        result.sample_grids.append(str(path))
+    result.sample_seconds = sampler.seconds
 
 
 def _peak_gb(devices) -> float:

@@ -24,6 +24,8 @@ class TrainedLora:
     peak_vram_gb: float = 0.0
     settings: dict = field(default_factory=dict)
     model_config: dict = field(default_factory=dict)  # the transformer's config (LoRA export needs its shapes)
+    sample_grids: list = field(default_factory=list)  # paths of the sample grids written while training
+    sample_seconds: float = 0.0  # time spent sampling (not in the step times)
 
     @property
     def scale(self) -> float:

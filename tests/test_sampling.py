@@ -1,0 +1,94 @@
+"""Samples during training (engine/sampling.py): our Euler sampler against diffusers' own Flux pipeline,
+determinism, the grid per checkpoint, and that the images change once the LoRA has trained. CPU, tiny model."""
+import pytest
+import torch
+
+from lowvram_lora.engine.caching import build_dataset_cache
+from lowvram_lora.engine.config import DataConfig, LoraSettings, ModelConfig, TrainConfig
+from lowvram_lora.engine.errors import ConfigError
+from lowvram_lora.engine.families import get_family
+from lowvram_lora.engine.models import load_transformer
+from lowvram_lora.engine.sampling import SamplingConfig, sample_latents
+from lowvram_lora.engine.testing import make_tiny_dataset
+from lowvram_lora.engine.train import train_lora
+
+PROMPTS = ("a red square", "a blue circle on white")
+
+
+@pytest.fixture(scope="module")
+def prompt_cache(tiny_pipeline, tmp_path_factory):
+    root = tmp_path_factory.mktemp("sampled")
+    data = make_tiny_dataset(root / "data", count=2, sizes=((64, 64),))
+    return build_dataset_cache(ModelConfig(transformer_path=str(tiny_pipeline)),
+                               DataConfig(path=str(data), resolution=64, bucket_step=32), root / "cache",
+                               sample_prompts=PROMPTS + ("a red square", ""))
+
+
+def test_prompts_are_cached_like_captions(prompt_cache, tiny_pipeline, tmp_path):
+    assert [p for p, _ in prompt_cache.sample_prompts] == list(PROMPTS)  # empty and repeated lines dropped
+    from lowvram_lora.engine.caching.cache import open_dataset_cache
+
+    again = open_dataset_cache(prompt_cache.manifest_path)
+    assert again.sample_prompts == prompt_cache.sample_prompts and again.pipeline == prompt_cache.pipeline
+    rebuilt = build_dataset_cache(ModelConfig(transformer_path=str(tiny_pipeline)),
+                                  DataConfig(path=str(prompt_cache.items[0].image).rsplit("/", 1)[0], resolution=64,
+                                             bucket_step=32), prompt_cache.cache_dir, sample_prompts=PROMPTS)
+    assert rebuilt.stats["text_built"] == 0  # an unchanged prompt list costs nothing
+
+
+def test_our_sampler_matches_diffusers_flux_pipeline(tiny_pipeline, prompt_cache):
+    from diffusers import FluxPipeline
+
+    model, family, _, _ = load_transformer(tiny_pipeline, dtype=torch.float32)
+    embeds = prompt_cache.load_text(prompt_cache.sample_prompts[0][1])
+    ours = sample_latents(model, family, embeds, 64, 64, 4, seed=7, guidance=3.5, device=torch.device("cpu"),
+                          dtype=torch.float32)
+    pipe = FluxPipeline.from_pretrained(tiny_pipeline, transformer=model, dtype=torch.float32,
+                                        use_safetensors=True, local_files_only=True)
+    noise = torch.randn((1, *family.latent_shape(model, 64, 64)), generator=torch.Generator().manual_seed(7))
+    theirs = pipe(prompt_embeds=embeds["prompt_embeds"], pooled_prompt_embeds=embeds["pooled_prompt_embeds"],
+                  height=64, width=64, num_inference_steps=4, guidance_scale=3.5, output_type="latent",
+                  latents=family.pack_latents(noise)).images
+    torch.testing.assert_close(family.pack_latents(ours), theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_sampling_during_training(tiny_pipeline, prompt_cache, tmp_path):
+    grids = []
+
+    class CB:
+        def on_progress(self, *a): pass
+        def on_step(self, info): self.last = info
+        def log(self, m): pass
+        def should_stop(self): return False
+        def on_sample(self, step, grid, path): grids.append((step, grid.size, path))
+
+    cb = CB()
+    cfg = SamplingConfig(every=5, steps=3, resolution=64, seed=1)
+    result = train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), prompt_cache, LoraSettings(rank=4, alpha=4),
+                        TrainConfig(steps=10, learning_rate=5e-3, seed=0), cb, sampling=cfg, sample_dir=tmp_path)
+    assert [g[0] for g in grids] == [0, 5, 10]
+    assert grids[-1][1] == (3 * 256, 18 + 2 * 256)  # checkpoints x prompts
+    assert [p.rsplit("/", 1)[1] for p in result.sample_grids] == [
+        "samples_step0000000.png", "samples_step0000005.png", "samples_step0000010.png"]
+    assert 0 < cb.last.sample_seconds < result.sample_seconds  # the last checkpoint samples after its step
+    # the same seed gives the same image; the trained LoRA changes it
+    from PIL import Image
+
+    last = Image.open(result.sample_grids[-1]).convert("RGB")
+    first_col = last.crop((0, 18, 256, 18 + 256))
+    again = Image.open(result.sample_grids[0]).convert("RGB").crop((0, 18, 256, 18 + 256))
+    trained_col = last.crop((512, 18, 768, 18 + 256))
+    assert list(first_col.getdata()) == list(again.getdata())
+    diff = sum(abs(a - b) for pa, pb in zip(first_col.getdata(), trained_col.getdata()) for a, b in zip(pa, pb))
+    assert diff > 0
+
+
+def test_bad_sampling_settings(prompt_cache, tiny_pipeline):
+    for bad in (dict(every=-1), dict(every=5, resolution=100), dict(every=5, steps=0),
+                dict(guidance=float("nan"))):
+        with pytest.raises(ConfigError):
+            SamplingConfig(**bad)
+    no_prompts = type(prompt_cache)(**{**vars(prompt_cache), "sample_prompts": []})
+    with pytest.raises(ConfigError, match="no sample prompts"):
+        train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), no_prompts, LoraSettings(rank=4),
+                   TrainConfig(steps=2), sampling=SamplingConfig(every=1, resolution=64))
