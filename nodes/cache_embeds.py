@@ -91,6 +91,12 @@ class LowVRAMCacheTextEmbeds:
                     "tooltip": "With text_encoders '(single files below)': the VAE file from models/vae "
                                "(Flux.1 ae.safetensors, or the Flux.2 VAE; BFL names).",
                 }),
+                "sample_prompts": ("STRING", {
+                    "default": "", "multiline": True,
+                    "tooltip": "Prompts for sample images while training, one per line (empty: none). Encoded "
+                               "here once with the captions; Train LoRA's sample_every turns sampling on. Include "
+                               "the trigger word where you want the LoRA's subject.",
+                }),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -107,7 +113,8 @@ class LowVRAMCacheTextEmbeds:
 
     def cache(self, model, text_encoders: str, dataset_path: str, resolution: int = 1024, trigger_word: str = "",
               default_caption: str = "", repeats: int = 1, flip: bool = False, max_sequence_length: int = 0,
-              text_encoder_1: str = NONE, text_encoder_2: str = NONE, vae_file: str = NONE, unique_id=None):
+              text_encoder_1: str = NONE, text_encoder_2: str = NONE, vae_file: str = NONE, sample_prompts: str = "",
+              unique_id=None):
         from dataclasses import replace
 
         from ..engine.caching import build_dataset_cache
@@ -127,5 +134,5 @@ class LowVRAMCacheTextEmbeds:
                           trigger_word=trigger_word.strip(), default_caption=default_caption.strip() or None,
                           repeats=repeats, flip=flip)
         dataset = build_dataset_cache(model_cfg, data, cache_dir(), max_sequence_length=max_sequence_length,
-                                      callback=make_callback(unique_id))
+                                      callback=make_callback(unique_id), sample_prompts=sample_prompts.splitlines())
         return (dataset,)

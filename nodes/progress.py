@@ -69,6 +69,29 @@ class ComfyCallback(TrainingCallback):
         text = format_step(info)
         self._send_text(text, force=info.step in (1, info.total_steps))
         self._console("train", text, force=info.step in (1, info.total_steps))
+        self._send_event(PROGRESS_EVENT, {
+            "node": self.node_id, "step": info.step, "total": info.total_steps, "loss": info.loss, "lr": info.lr,
+            "seconds_per_step": info.seconds_per_step,
+            "eta_seconds": info.seconds_per_step * (info.total_steps - info.step),
+            "peak_vram_gb": info.peak_vram_gb, "pinned_host_gb": info.pinned_host_gb,
+            "sample_seconds": info.sample_seconds})
+
+    def on_sample(self, step: int, grid, path: str | None) -> None:
+        """The grid becomes the node's preview image while training runs (the progress bar's preview, as
+        ComfyUI's samplers show latents)."""
+        bar = self._bars.get("train")
+        if bar is not None:
+            bar.update_absolute(bar.current, bar.total, ("PNG", grid, 1024))
+        self._console("samples", f"samples at step {step}: {path}", force=True)
+
+    def _send_event(self, event: str, data: dict) -> None:
+        """A custom websocket event: web/lowvram_lora.js draws the live loss chart from these."""
+        try:
+            from server import PromptServer  # type: ignore[import-not-found]
+
+            PromptServer.instance.send_sync(event, data)
+        except Exception:
+            pass
 
     def log(self, message: str) -> None:
         print(f"[lowvram-lora] {message}", flush=True)
@@ -79,6 +102,10 @@ class ComfyCallback(TrainingCallback):
         # engine's finally-blocks free the GPU on the way out.
         self._mm.throw_exception_if_processing_interrupted()
         return False
+
+
+#: The websocket event carrying each step's numbers to the node's live chart.
+PROGRESS_EVENT = "lowvram_lora.progress"
 
 
 def format_step(info: StepInfo) -> str:

@@ -115,8 +115,28 @@ class LowVRAMSaveLoRA:
                     p.unlink()
             raise
         print(f"[lowvram-lora] saved LoRA: {path}\n[lowvram-lora] loss curve: {curve}")
+        samples = _copy_last_samples(lora, path)
+        if samples is not None:
+            print(f"[lowvram-lora] sample grid: {samples}")
         # filename/subfolder/type entries are what ComfyUI clients (comfy run --wait) list as outputs.
         root = output_dir().resolve()
         files = [{"filename": p.name, "subfolder": p.parent.resolve().relative_to(root).as_posix(), "type": "output"}
-                 for p in (path, curve)]
+                 for p in (path, curve) + ((samples,) if samples is not None else ())]
         return {"ui": {"text": [str(path)], "loss_curve": [str(curve)], "files": files}, "result": ()}
+
+
+def _copy_last_samples(lora, path: Path):
+    """The last sample grid next to the LoRA as ``<name>_samples.png`` (a new name: never replaces a file)."""
+    import shutil
+
+    from ..engine.fileio import atomic_write, claim_names
+
+    grids = [g for g in getattr(lora, "sample_grids", []) if Path(g).exists()]
+    if not grids:
+        return None
+    target = path.with_name(path.stem + "_samples.png")
+    if not claim_names([target], "the sample grid"):
+        return None
+    with atomic_write(target, "the sample grid", overwrite=True) as tmp:
+        shutil.copyfile(grids[-1], tmp)
+    return target

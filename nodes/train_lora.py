@@ -5,7 +5,7 @@ import os
 import uuid
 
 from .load_model import CATEGORY
-from .paths import cache_dir, comfy_folder_paths
+from .paths import cache_dir, comfy_folder_paths, output_dir
 
 
 class LowVRAMTrainLoRA:
@@ -15,9 +15,10 @@ class LowVRAMTrainLoRA:
         "Rerunning with identical inputs reuses the finished run instead of training again."
     )
     CATEGORY = CATEGORY
-    RETURN_TYPES = ("LOWVRAM_LORA", "IMAGE")
-    RETURN_NAMES = ("lora", "loss_curve")
-    OUTPUT_TOOLTIPS = ("The trained LoRA weights and their loss history.", "The loss curve as an image.")
+    RETURN_TYPES = ("LOWVRAM_LORA", "IMAGE", "IMAGE")
+    RETURN_NAMES = ("lora", "loss_curve", "samples")
+    OUTPUT_TOOLTIPS = ("The trained LoRA weights and their loss history.", "The loss curve as an image.",
+                       "The last sample grid (prompts x checkpoints); a blank image when sampling is off.")
     FUNCTION = "train"
 
     @classmethod
@@ -68,6 +69,15 @@ class LowVRAMTrainLoRA:
                                "250 steps; -1: never). Stopping (Cancel, Ctrl-C) also saves one, and running the "
                                "same graph again resumes from the latest. Does not change the result.",
                 }),
+                # Last: UI-format workflows store widget values by position.
+                "sample_every": ("INT", {"default": 0, "min": 0, "max": 1_000_000, "tooltip": _sample_help("every")}),
+                "sample_steps": ("INT", {"default": 20, "min": 1, "max": 200, "tooltip": _sample_help("steps")}),
+                "sample_resolution": ("INT", {"default": 512, "min": 64, "max": 2048, "step": 16,
+                                              "tooltip": _sample_help("resolution")}),
+                "sample_seed": ("INT", {"default": 42, "min": 0, "max": 0xFFFFFFFF, "tooltip": _sample_help("seed")}),
+                "sample_at_start": ("BOOLEAN", {"default": True, "tooltip": _sample_help("at_start")}),
+                "sample_guidance": ("FLOAT", {"default": 3.5, "min": 0.0, "max": 20.0, "step": 0.1,
+                                              "tooltip": _sample_help("guidance")}),
             },
             "optional": {
                 "split": ("LOWVRAM_SPLIT", {"tooltip": "From Dual-GPU Split: train across two GPUs (split the model, "
@@ -79,8 +89,11 @@ class LowVRAMTrainLoRA:
     def train(self, model, dataset, offload, steps: int = 1000, learning_rate: float = 1e-4, rank: int = 16,
               alpha: float = 16.0, batch_size: int = 1, gradient_accumulation: int = 1, lr_scheduler: str = "constant",
               warmup_steps: int = 0, training_seed: int = 42, guidance: float = 1.0, max_grad_norm: float = 1.0,
-              optimizer: str = "adamw", save_every: int = 0, split=None, unique_id=None):
+              optimizer: str = "adamw", save_every: int = 0, sample_every: int = 0, sample_steps: int = 20,
+              sample_resolution: int = 512, sample_seed: int = 42, sample_at_start: bool = True,
+              sample_guidance: float = 3.5, split=None, unique_id=None):
         from ..engine.config import LoraSettings, TrainConfig
+        from ..engine.sampling import SamplingConfig
         from ..engine.train.result_reuse import train_or_reuse
         from .progress import free_comfy_vram, make_callback
 
@@ -99,10 +112,33 @@ class LowVRAMTrainLoRA:
             seed=training_seed, guidance=guidance, max_grad_norm=max_grad_norm, optimizer=optimizer,
             save_every=save_every,
         )
+        sampling = SamplingConfig(every=sample_every, steps=sample_steps, resolution=sample_resolution,
+                                  seed=sample_seed, at_start=sample_at_start, guidance=sample_guidance)
         lora = train_or_reuse(model, dataset, lora_cfg, train_cfg, cache_dir(), callback,
-                              parallel=split, offload=offload)
+                              parallel=split, offload=offload, sampling=sampling,
+                              sample_dir=output_dir() / "lowvram_samples" / uuid.uuid4().hex[:12])
         image, ui = _loss_curve_outputs(lora)
-        return {"ui": ui, "result": (lora, image)}
+        return {"ui": ui, "result": (lora, image, _samples_output(lora))}
+
+
+def _sample_help(name: str) -> str:
+    from ..engine.sampling import help_text
+
+    return help_text(name)
+
+
+def _samples_output(lora):
+    """The last sample grid as an IMAGE tensor (1, H, W, 3); 64x64 black when there is none."""
+    import numpy as np
+    import torch
+
+    grids = [p for p in lora.sample_grids if os.path.exists(p)]
+    if not grids:
+        return torch.zeros(1, 64, 64, 3)
+    from PIL import Image
+
+    with Image.open(grids[-1]) as img:
+        return torch.from_numpy(np.asarray(img.convert("RGB"), dtype=np.float32) / 255.0)[None]
 
 
 def _loss_curve_outputs(lora):

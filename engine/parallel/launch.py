@@ -82,7 +82,7 @@ def _importable_root(run_dir: Path) -> str:
 
 
 def train_data_parallel(model_cfg, dataset, lora, train, callback, parallel, store_args: dict, cache_dir: Path,
-                        offload=None, preloaded=None):
+                        offload=None, preloaded=None, sampling=None, sample_dir=None):
     """Train with one process per device in ``parallel.devices``; returns rank 0's TrainedLora."""
     from ..train.result_reuse import read_trained
 
@@ -100,6 +100,8 @@ def train_data_parallel(model_cfg, dataset, lora, train, callback, parallel, sto
         "train": asdict(train), "offload": asdict(offload) if offload is not None else None,
         "devices": list(parallel.devices), "budgets_gb": list(parallel.vram_budget_gb),
         "resume": store_args, "run_dir": str(run_dir), "stop_file": str(run_dir / "STOP"),
+        "sampling": asdict(sampling) if sampling is not None else None,
+        "sample_dir": str(sample_dir) if sample_dir is not None else None,
     }
     spec_path = run_dir / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=1))
@@ -197,6 +199,11 @@ def _dispatch(events: queue.Queue, cb: TrainingCallback, raise_errors: bool = Tr
             cb.on_progress(ev["stage"], ev["done"], ev["total"])
         elif kind == "log":
             cb.log(ev["message"])
+        elif kind == "sample" and ev.get("path"):
+            from PIL import Image
+
+            with Image.open(ev["path"]) as grid:
+                cb.on_sample(ev["step"], grid.convert("RGB"), ev["path"])
         elif kind == "error":
             events.put(ev)  # kept for _worker_failure
             return

@@ -40,6 +40,9 @@ class _Events(TrainingCallback):
     def log(self, message: str) -> None:
         self._emit({"type": "log", "message": message})
 
+    def on_sample(self, step: int, grid, path) -> None:
+        self._emit({"type": "sample", "step": step, "path": path})
+
     def should_stop(self) -> bool:
         return self.stop_file.exists()
 
@@ -106,9 +109,14 @@ def _train(spec: dict, local_rank: int, events: _Events) -> int:
         if offload is not None and offload.mode == "auto" and local_rank < len(budgets) and budgets[local_rank]:
             offload = replace(offload, vram_budget_gb=budgets[local_rank])
         store = ResumeStore.from_args(spec["resume"], log=events.log)
+        sampling = None
+        if spec.get("sampling"):
+            from ..sampling import SamplingConfig
+
+            sampling = SamplingConfig(**spec["sampling"])
         result = train_lora(model_cfg, open_dataset_cache(spec["dataset_manifest"]), LoraSettings(**spec["lora"]),
                             TrainConfig(**{**spec["train"], "device": str(device)}), events, offload=offload,
-                            resume=store, ranks=ranks)
+                            resume=store, ranks=ranks, sampling=sampling, sample_dir=spec.get("sample_dir"))
         if ranks.is_main:
             if not result.interrupted and result.state_dict:
                 store.discard()
