@@ -24,6 +24,8 @@ def main(argv=None) -> int:
     p.add_argument("--url", default="http://127.0.0.1:8188")
     p.add_argument("--out", default="editor_shots")
     p.add_argument("--template", default="demo_tiny_lora")
+    p.add_argument("--steps", type=int, default=0,
+                   help="set Train LoRA's steps before Run (long enough to catch the live chart mid-run)")
     args = p.parse_args(argv)
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
@@ -76,14 +78,28 @@ def main(argv=None) -> int:
         d.execute_script(view)
         time.sleep(1)
         d.save_screenshot(str(out / "2_loaded.png"))
+        if args.steps:
+            d.execute_script(
+                "const n = app.graph._nodes.find(n => n.type == 'LowVRAMTrainLoRA');"
+                "for (const [k, v] of Object.entries(arguments[0])) n.widgets.find(w => w.name == k).value = v;",
+                {"steps": args.steps, "sample_every": max(1, args.steps // 3), "training_seed": int(time.time()) % 1000})
         run = d.execute_script(  # the Run button (frontend 1.27: a leaf "Run"; 1.49: text beside an icon)
             "return Array.from(document.querySelectorAll('button')).find(b => (b.textContent || '').trim() == 'Run')")
         if run is not None:
             d.execute_script("arguments[0].click()", run)
         else:
             click("^Run$")
+        mid_run = False
         for i in range(600):
             time.sleep(1)
+            points = d.execute_script("const e = [...(window.__lowvramProgress || new Map()).values()][0];"
+                                      "return e ? e.points.length : 0")
+            if args.steps and not mid_run and points >= args.steps // 2:
+                d.execute_script(view)
+                time.sleep(0.5)
+                d.save_screenshot(str(out / "2b_training.png"))  # the live chart, mid-run
+                mid_run = True
+                print(f"mid-run screenshot at {points} chart points")
             q = d.execute_script("return fetch('/queue').then(r => r.json())")
             if i > 3 and not q["queue_running"] and not q["queue_pending"]:
                 break
