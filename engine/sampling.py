@@ -147,6 +147,8 @@ class Sampler:
         self.prompts = [p for p, _ in dataset.sample_prompts]
         self.columns: list[tuple[str, list]] = []
         self.seconds = 0.0
+        self.images = 0
+        self.peak_vram_gb = 0.0  # the highest allocation while sampling (CUDA)
         self._vae = None
 
     def due(self, step: int, total: int) -> bool:
@@ -155,6 +157,9 @@ class Sampler:
     def run(self, step: int, autocast=None):
         """Sample every prompt at this checkpoint; returns the grid (PIL) and its path (or None)."""
         t0 = time.perf_counter()
+        cuda = self.device.type == "cuda"
+        if cuda:  # training re-reaches its own peak every step, so its running maximum is not lost
+            torch.cuda.reset_peak_memory_stats(self.device)
         was_training = self.model.training
         self.model.eval()
         try:
@@ -164,6 +169,9 @@ class Sampler:
             images = decode_latents(self.vae(), self.family, latents, self.device)
         finally:
             self.model.train(was_training)
+        if cuda:
+            self.peak_vram_gb = max(self.peak_vram_gb, torch.cuda.max_memory_allocated(self.device) / 1e9)
+        self.images += len(images)
         self.columns.append((f"step {step}", images))
         grid = grid_image(self.columns, self.prompts)
         path = None

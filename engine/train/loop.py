@@ -364,6 +364,8 @@ def _take_samples(sampler, step: int, autocast, result: TrainedLora) -> None:
     if path is not None:
         result.sample_grids.append(str(path))
     result.sample_seconds = sampler.seconds
+    result.settings["sampling"] = {"images": sampler.images, "seconds": round(sampler.seconds, 3),
+                                   "peak_vram_gb": round(sampler.peak_vram_gb, 3)}
 
 
 def _peak_gb(devices) -> float:
