@@ -150,6 +150,12 @@ def test_demo_workflow_trains_through_comfy_run(comfy):
     new = sorted(loras.glob("demo_tiny_lora_*_.safetensors"))
     assert len(new) == 1, (sorted(loras.iterdir()) if loras.exists() else "no loras folder", log[-3000:])
     assert new[0].with_name(new[0].stem + "_loss.png").exists()
+    # the demo samples its two prompts at steps 0, 15 and 30: the last grid lands next to the LoRA
+    from PIL import Image
+
+    with Image.open(new[0].with_name(new[0].stem + "_samples.png")) as grid:
+        assert grid.size == (3 * 256, 18 + 2 * 256)
+    assert "sampled 2 prompt(s) at step 30" in log
     # the run trained (nothing to reuse in a fresh base folder) and its progress reached the console
     assert "[lowvram-lora] step 1/30" in log and "[lowvram-lora] step 30/30" in log, log[-3000:]
     for noise in ("is an Enum subclass", "Unable to import `torchao` Tensor objects"):  # item 7: no known noise
