@@ -1,4 +1,4 @@
-"""Command line: ``lowvram-lora run | demo`` (and ``python -m lowvram_lora ...``)."""
+"""Command line: ``lowvram-lora run | demo | serve | slab`` (and ``python -m lowvram_lora ...``)."""
 from __future__ import annotations
 
 import argparse
@@ -7,11 +7,13 @@ import os
 
 def _build_parser() -> argparse.ArgumentParser:
     from .host.run_command import add_run_parser
+    from .host.serve import add_serve_parser
     from .slab_cli import add_slab_parser
 
     parser = argparse.ArgumentParser(prog="lowvram-lora", description="Low-VRAM LoRA training for Flux.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_run_parser(sub)
+    add_serve_parser(sub)
     add_slab_parser(sub)
     demo = sub.add_parser("demo", help="run the demo workflow: a tiny Flux.1 LoRA on CPU in about a minute")
     demo.add_argument("--dir", default="demo_output", help="where the tiny model, dataset and outputs go")
@@ -40,6 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     if args.command == "run":
         return _run(args)
+    if args.command == "serve":
+        from .host.serve import serve_command
+        from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+
+        return serve_command(args, NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS)
     if args.command == "slab":
         from .slab_cli import run_slab_command
 

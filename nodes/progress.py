@@ -114,8 +114,63 @@ def format_step(info: StepInfo) -> str:
             f"{info.seconds_per_step:.2f} s/step{vram}")
 
 
+class HostCallback(TrainingCallback):
+    """Inside ``lowvram-lora serve`` (host/serve.py): the same websocket messages ComfyUI's server sends
+    (progress, progress text, preview image, our chart events), through the host object the server set
+    with ``set_host``; the editor's stop button raises here. Console lines as in ComfyUI."""
+
+    def __init__(self, host, node_id: str | None):
+        self.host, self.node_id = host, node_id
+        self._console = ComfyCallback._console.__get__(self)
+        self._last_console: dict[str, float] = {}
+        self._total = 0
+
+    console_interval_s = ComfyCallback.console_interval_s
+
+    def on_progress(self, stage: str, done: int, total: int) -> None:
+        self.host.interrupt_check()
+        self.host.progress(self.node_id, done, total)
+        self.host.text(self.node_id, f"{stage}: {done}/{total}")
+
+    def on_step(self, info: StepInfo) -> None:
+        self._total = info.total_steps
+        self.host.progress(self.node_id, info.step, info.total_steps)
+        text = format_step(info)
+        self.host.text(self.node_id, text)
+        self._console("train", text, force=info.step in (1, info.total_steps))
+        self.host.event(PROGRESS_EVENT, {
+            "node": self.node_id, "step": info.step, "total": info.total_steps, "loss": info.loss, "lr": info.lr,
+            "seconds_per_step": info.seconds_per_step,
+            "eta_seconds": info.seconds_per_step * (info.total_steps - info.step),
+            "peak_vram_gb": info.peak_vram_gb, "pinned_host_gb": info.pinned_host_gb,
+            "sample_seconds": info.sample_seconds})
+
+    def on_sample(self, step: int, grid, path: str | None) -> None:
+        self.host.preview(self.node_id, grid)
+        self._console("samples", f"samples at step {step}: {path}", force=True)
+
+    def log(self, message: str) -> None:
+        print(f"[lowvram-lora] {message}", flush=True)
+        self.host.text(self.node_id, message)
+
+    def should_stop(self) -> bool:
+        self.host.interrupt_check()  # raises the server's interrupt, as ComfyUI's stop button does
+        return False
+
+
+_host = None
+
+
+def set_host(host) -> None:
+    """Called by ``lowvram-lora serve`` (host/serve.py) so nodes report to its websocket; None to stop."""
+    global _host
+    _host = host
+
+
 def make_callback(node_id: str | None = None) -> TrainingCallback:
     """The right callback for where we run."""
+    if _host is not None:
+        return HostCallback(_host, node_id)
     comfy = _comfy()
     if comfy is None:
         return ConsoleCallback()

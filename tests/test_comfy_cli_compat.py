@@ -23,7 +23,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from comfyui_object_info import PACK_MODULE, node_info, object_info  # noqa: E402
+from lowvram_lora.host.object_info import PACK_MODULE, node_info, object_info  # noqa: E402
 
 from lowvram_lora.host.templates import SHIPPED, WORKFLOWS_DIR  # noqa: E402
 from lowvram_lora.host.workflow import hidden_inputs, input_specs, return_types  # noqa: E402

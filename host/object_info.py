@@ -14,7 +14,8 @@ i.e. ``json.dumps``: tuples become lists and non-JSON values fail the request,
 so :func:`object_info` returns the JSON round trip. A node whose description
 raises is logged and left out of the answer, as ComfyUI does.
 
-Used by tests only; ComfyUI itself is not installable in CI.
+Used by `lowvram-lora serve` (host/serve.py) for its /object_info, and by the tests (ComfyUI itself is not
+installable in CI).
 """
 from __future__ import annotations
 

@@ -1,0 +1,565 @@
+"""``lowvram-lora serve``: the official ComfyUI editor (comfyui-frontend-package) for our nodes, without ComfyUI.
+
+The editor is ComfyUI's own frontend, served from the installed ``comfyui_frontend_package`` (its
+``static/`` folder, found with importlib.resources, as ComfyUI's ``app/frontend_management.py`` does).
+This module implements the part of ComfyUI's HTTP and websocket API the editor and comfy-cli use,
+backed by our node classes and the executor ``lowvram-lora run`` uses (host/executor.py). Routes and
+message shapes follow ComfyUI 0.3.64 (``server.py``, ``app/user_manager.py``, ``app/app_settings.py``,
+``app/custom_node_manager.py``, ``execution.py``, ``main.py``), which serves frontend 1.27, the version the
+``editor`` extra installs; every route answers with and without the ``/api`` prefix, as ComfyUI's do.
+
+- One prompt runs at a time, in a worker thread (the event loop stays free for the websocket);
+  ``POST /interrupt`` stops it at the next step (the engine saves its resumable state).
+- Safety: binds 127.0.0.1 unless told otherwise; ``/view`` and ``/userdata`` resolve every path inside
+  their folder (no ``..``, no absolute paths, no symlink escape); request bodies are limited to
+  ``MAX_BODY_BYTES``; malformed JSON gets HTTP 400 with a message.
+- Workflows saved in the editor's sidebar persist under ``<output>/../user/default/workflows``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import os
+import platform
+import struct
+import sys
+import threading
+import time
+import traceback
+import uuid
+from pathlib import Path
+from typing import Any
+
+from ..engine.fileio import atomic_write, write_json_atomic
+
+MAX_BODY_BYTES = 20 << 20
+PACK = "lowvram-lora"
+WEB_DIR = Path(__file__).resolve().parent.parent / "web"
+SERVE_WEB_DIR = Path(__file__).resolve().parent / "serve_web"  # extensions only this server loads
+WORKFLOWS_DIR = Path(__file__).resolve().parent.parent / "workflows"
+
+
+class Interrupted(Exception):
+    """The editor's stop button (POST /interrupt), raised inside the running node."""
+
+
+class BadRequest(Exception):
+    pass
+
+
+def frontend_static_dir() -> Path:
+    try:
+        import comfyui_frontend_package
+    except ImportError:
+        raise SystemExit("lowvram-lora serve needs the editor: pip install 'lowvram-lora[editor]' "
+                         "(comfyui-frontend-package and aiohttp)") from None
+    from importlib.resources import files
+
+    return Path(str(files(comfyui_frontend_package) / "static"))
+
+
+def inside(root: Path, relative: str) -> Path:
+    """``root/relative``, refused unless it stays inside ``root`` after resolving symlinks."""
+    if not relative or "\x00" in relative or os.path.isabs(relative) or relative.startswith(("/", "\\")):
+        raise BadRequest(f"bad path {relative!r}")
+    if any(part == ".." for part in Path(relative).parts):
+        raise BadRequest(f"bad path {relative!r}: '..' is not allowed")
+    root = root.resolve()
+    target = (root / relative).resolve()
+    if target != root and root not in target.parents:
+        raise BadRequest(f"bad path {relative!r}: outside its folder")
+    return target
+
+
+class PromptHost:
+    """The server side of one ``lowvram-lora serve``: queue, history, websocket clients."""
+
+    def __init__(self, mappings, display, output_dir: Path, user_dir: Path):
+        self.mappings, self.display = mappings, display
+        self.output_dir, self.user_dir = output_dir, user_dir
+        self.sockets: dict[str, Any] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.pending: list[dict] = []
+        self.running: dict | None = None
+        self.history: dict[str, dict] = {}
+        self.number = 0
+        self.wake = threading.Event()
+        self.interrupt_flag = threading.Event()
+        self.lock = threading.Lock()
+        self.client_id: str | None = None
+
+    # -- messages (any thread) ------------------------------------------------------------
+    def send(self, kind: str, data: Any, sid: str | None = None) -> None:
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(asyncio.ensure_future, self._send(kind, data, sid))
+
+    async def _send(self, kind, data, sid=None) -> None:
+        targets = [self.sockets[sid]] if sid in self.sockets else list(self.sockets.values())
+        for ws in targets:
+            try:
+                if isinstance(data, (bytes, bytearray)):
+                    await ws.send_bytes(data)
+                else:
+                    await ws.send_json({"type": kind, "data": data})
+            except Exception:  # a closed socket: its handler cleans up
+                pass
+
+    def queue_info(self) -> dict:
+        return {"exec_info": {"queue_remaining": len(self.pending) + (1 if self.running else 0)}}
+
+    def send_status(self) -> None:
+        self.send("status", {"status": self.queue_info()})
+
+    # -- the nodes' progress hook (nodes/progress.py HostCallback) ----------------------------
+    def progress(self, node_id, value: int, total: int) -> None:
+        pid = self.running["prompt_id"] if self.running else None
+        self.send("progress", {"value": value, "max": total, "prompt_id": pid, "node": node_id})
+
+    def text(self, node_id, text: str) -> None:
+        # Binary event 3 (PROGRESS_TEXT, ComfyUI protocol.py): u32 type, u32 len + node id, text.
+        nid = str(node_id or "").encode()
+        self.send("progress_text", struct.pack(">I", 3) + struct.pack(">I", len(nid)) + nid + text.encode())
+
+    def event(self, name: str, data: dict) -> None:
+        self.send(name, data)
+
+    def preview(self, node_id, image) -> None:
+        # Binary event 1 (PREVIEW_IMAGE): u32 type, u32 format (2 = PNG), the image bytes (main.py's hook).
+        buf = io.BytesIO()
+        image.thumbnail((1024, 1024))
+        image.save(buf, format="PNG")
+        self.send("preview", struct.pack(">I", 1) + struct.pack(">I", 2) + buf.getvalue())
+
+    def interrupt_check(self) -> None:
+        if self.interrupt_flag.is_set():
+            raise Interrupted("interrupted by the user")
+
+    # -- the queue -----------------------------------------------------------------------------
+    def enqueue(self, prompt: dict, client_id: str | None, extra: dict) -> dict:
+        from .workflow import validate_graph
+
+        validate_graph(prompt, self.mappings)
+        with self.lock:
+            self.number += 1
+            item = {"prompt_id": str(uuid.uuid4()), "number": self.number, "prompt": prompt, "client_id": client_id,
+                    "extra": extra, "outputs": [k for k, v in prompt.items()
+                                                if getattr(self.mappings[v["class_type"]], "OUTPUT_NODE", False)]}
+            self.pending.append(item)
+        self.wake.set()
+        self.send_status()
+        return item
+
+    def worker(self) -> None:
+        from ..nodes.progress import set_host
+
+        set_host(self)
+        while True:
+            self.wake.wait()
+            with self.lock:
+                if not self.pending:
+                    self.wake.clear()
+                    continue
+                self.running = self.pending.pop(0)
+            self.interrupt_flag.clear()
+            self.send_status()
+            self._execute(self.running)
+            with self.lock:
+                self.running = None
+            self.send_status()
+
+    def _execute(self, item: dict) -> None:
+        from .executor import NodeExecutionError, execute_graph
+
+        pid, sid = item["prompt_id"], item["client_id"]
+        self.client_id = sid
+        messages: list = []
+        outputs: dict[str, dict] = {}
+
+        def note(kind, data):
+            data = {**data, "timestamp": int(time.time() * 1000)}
+            messages.append([kind, data])
+            self.send(kind, data, sid)
+
+        def on_node(event: str, node_id: str, ui):
+            if event == "executing":
+                self.send("executing", {"node": node_id, "display_node": node_id, "prompt_id": pid}, sid)
+            elif ui is not None:
+                outputs[node_id] = ui
+                self.send("executed", {"node": node_id, "display_node": node_id, "output": ui, "prompt_id": pid}, sid)
+
+        note("execution_start", {"prompt_id": pid})
+        note("execution_cached", {"nodes": [], "prompt_id": pid})
+        status = "success"
+        try:
+            execute_graph(item["prompt"], self.mappings, progress=False, on_node=on_node)
+            note("execution_success", {"prompt_id": pid})
+        except NodeExecutionError as exc:
+            node = item["prompt"].get(exc.node_id, {})
+            base = {"prompt_id": pid, "node_id": exc.node_id, "node_type": node.get("class_type"),
+                    "executed": list(outputs)}
+            if isinstance(exc.original, (Interrupted, KeyboardInterrupt)):
+                status = "error"
+                note("execution_interrupted", base)
+            else:
+                status = "error"
+                note("execution_error", {**base, "exception_message": str(exc.original),
+                                         "exception_type": type(exc.original).__name__,
+                                         "traceback": traceback.format_exception(exc.original),
+                                         "current_inputs": {}, "current_outputs": {}})
+                print(f"[lowvram-lora serve] {exc}", file=sys.stderr, flush=True)
+        except Exception as exc:  # a graph the executor refused
+            status = "error"
+            note("execution_error", {"prompt_id": pid, "node_id": None, "node_type": None, "executed": [],
+                                     "exception_message": str(exc), "exception_type": type(exc).__name__,
+                                     "traceback": traceback.format_exception(exc),
+                                     "current_inputs": {}, "current_outputs": {}})
+        self.send("executing", {"node": None, "prompt_id": pid}, sid)
+        self.history[pid] = {
+            "prompt": [item["number"], pid, item["prompt"], item["extra"], item["outputs"]],
+            "outputs": outputs,
+            "status": {"status_str": status, "completed": status == "success", "messages": messages},
+            "meta": {k: {"node_id": k, "display_node": k} for k in outputs},
+        }
+
+
+def build_app(host: PromptHost, static: Path):
+    from aiohttp import web
+
+    from .object_info import object_info
+
+    routes = web.RouteTableDef()
+
+    async def body(request) -> Any:
+        try:
+            return await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
+            raise BadRequest(f"the request body is not valid JSON ({exc})") from None
+
+    @web.middleware
+    async def errors(request, handler):
+        try:
+            return await handler(request)
+        except BadRequest as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        except web.HTTPException:
+            raise
+        except Exception as exc:  # never a traceback to the client; the console has it
+            traceback.print_exc()
+            return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=500)
+
+    def both(method, path):
+        def deco(fn):
+            routes.route(method, path)(fn)
+            routes.route(method, "/api" + path)(fn)
+            return fn
+        return deco
+
+    @routes.get("/")
+    async def index(request):
+        resp = web.FileResponse(static / "index.html")
+        resp.headers["Cache-Control"] = "no-cache"
+        return resp
+
+    @both("GET", "/ws")
+    async def websocket(request):
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        sid = request.rel_url.query.get("clientId") or uuid.uuid4().hex
+        host.sockets[sid] = ws
+        try:
+            await ws.send_json({"type": "status", "data": {"status": host.queue_info(), "sid": sid}})
+            async for msg in ws:
+                if msg.type == 1:  # TEXT
+                    try:
+                        data = json.loads(msg.data)
+                    except json.JSONDecodeError:
+                        continue
+                    if data.get("type") == "feature_flags":  # comfy_api/feature_flags.py
+                        await ws.send_json({"type": "feature_flags", "data": {
+                            "supports_preview_metadata": False, "max_upload_size": MAX_BODY_BYTES}})
+        finally:
+            host.sockets.pop(sid, None)
+        return ws
+
+    @both("GET", "/users")
+    async def users(request):
+        return web.json_response({"storage": "server", "migrated": True})
+
+    settings_file = host.user_dir / "comfy.settings.json"
+
+    def read_settings() -> dict:
+        try:
+            return json.loads(settings_file.read_text())
+        except (OSError, json.JSONDecodeError):
+            return {}
+
+    @both("GET", "/settings")
+    async def get_settings(request):
+        return web.json_response(read_settings())
+
+    @both("GET", "/settings/{id}")
+    async def get_setting(request):
+        return web.json_response(read_settings().get(request.match_info["id"]))
+
+    @both("POST", "/settings")
+    async def post_settings(request):
+        new = await body(request)
+        if not isinstance(new, dict):
+            raise BadRequest("settings must be a JSON object")
+        write_json_atomic(settings_file, {**read_settings(), **new}, "the editor settings")
+        return web.Response(status=200)
+
+    @both("POST", "/settings/{id}")
+    async def post_setting(request):
+        write_json_atomic(settings_file, {**read_settings(), request.match_info["id"]: await body(request)},
+                          "the editor settings")
+        return web.Response(status=200)
+
+    @both("GET", "/userdata")
+    async def list_userdata(request):
+        folder = inside(host.user_dir, request.query.get("dir", ""))
+        if not folder.is_dir():
+            return web.json_response({"error": "no such folder"}, status=404)
+        recurse = request.query.get("recurse", "").lower() == "true"
+        full = request.query.get("full_info", "").lower() == "true"
+        found = sorted(p for p in (folder.rglob("*") if recurse else folder.iterdir()) if p.is_file())
+        out = []
+        for p in found:
+            rel = p.relative_to(folder).as_posix()
+            out.append({"path": rel, "size": p.stat().st_size, "modified": p.stat().st_mtime} if full else rel)
+        return web.json_response(out)
+
+    @both("GET", "/userdata/{file}")
+    async def get_userdata(request):
+        path = inside(host.user_dir, request.match_info["file"])
+        if not path.is_file():
+            return web.json_response({"error": "not found"}, status=404)
+        return web.FileResponse(path)
+
+    @both("POST", "/userdata/{file}")
+    async def post_userdata(request):
+        path = inside(host.user_dir, request.match_info["file"])
+        if path.exists() and request.query.get("overwrite", "true").lower() == "false":
+            return web.json_response({"error": "file exists"}, status=409)
+        data = await request.read()
+        with atomic_write(path, "a saved workflow") as tmp:
+            Path(tmp).write_bytes(data)
+        rel = path.relative_to(host.user_dir.resolve()).as_posix()
+        if request.query.get("full_info", "").lower() == "true":
+            return web.json_response({"path": rel, "size": path.stat().st_size, "modified": path.stat().st_mtime})
+        return web.json_response(rel)
+
+    @both("DELETE", "/userdata/{file}")
+    async def delete_userdata(request):
+        path = inside(host.user_dir, request.match_info["file"])
+        if not path.is_file():
+            return web.json_response({"error": "not found"}, status=404)
+        path.unlink()
+        return web.Response(status=204)
+
+    @both("POST", "/userdata/{file}/move/{dest}")
+    async def move_userdata(request):
+        src = inside(host.user_dir, request.match_info["file"])
+        dest = inside(host.user_dir, request.match_info["dest"])
+        if not src.is_file():
+            return web.json_response({"error": "not found"}, status=404)
+        if dest.exists() and request.query.get("overwrite", "true").lower() == "false":
+            return web.json_response({"error": "file exists"}, status=409)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(src, dest)
+        return web.json_response(dest.relative_to(host.user_dir.resolve()).as_posix())
+
+    @both("GET", "/extensions")
+    async def extensions(request):
+        return web.json_response([f"/extensions/{PACK}/{p.name}" for p in sorted(WEB_DIR.glob("*.js"))]
+                                 + [f"/extensions/{PACK}-serve/{p.name}" for p in sorted(SERVE_WEB_DIR.glob("*.js"))])
+
+    @both("GET", "/object_info")
+    async def get_object_info(request):
+        return web.json_response(object_info(host.mappings, host.display))
+
+    @both("GET", "/object_info/{node_class}")
+    async def get_one_node(request):
+        info = object_info(host.mappings, host.display)
+        name = request.match_info["node_class"]
+        return web.json_response({name: info[name]} if name in info else {})
+
+    @both("GET", "/workflow_templates")
+    async def templates(request):
+        return web.json_response({PACK: sorted(p.stem for p in WORKFLOWS_DIR.glob("*.json"))})
+
+    @both("GET", "/system_stats")
+    async def system_stats(request):
+        import torch
+
+        from ..engine.version import VERSION
+
+        devices = []
+        if torch.cuda.is_available():
+            for i in range(torch.cuda.device_count()):
+                free, total = torch.cuda.mem_get_info(i)
+                devices.append({"name": torch.cuda.get_device_name(i), "type": "cuda", "index": i, "vram_total": total,
+                                "vram_free": free, "torch_vram_total": 0, "torch_vram_free": 0})
+        else:
+            devices.append({"name": "cpu", "type": "cpu", "index": None, "vram_total": 0, "vram_free": 0,
+                            "torch_vram_total": 0, "torch_vram_free": 0})
+        return web.json_response({"system": {
+            "os": os.name, "python_version": sys.version, "embedded_python": False,
+            "comfyui_version": f"lowvram-lora {VERSION} (serve)", "pytorch_version": torch.__version__,
+            "argv": sys.argv, "ram_total": 0, "ram_free": 0, "required_frontend_version": "1.27.10"},
+            "devices": devices})
+
+    for path, value in (("/embeddings", []), ("/models", []), ("/experiment/models", []), ("/i18n", {}),
+                        ("/features", {"supports_preview_metadata": False, "max_upload_size": MAX_BODY_BYTES})):
+        async def fixed(request, value=value):
+            return web.json_response(value)
+        both("GET", path)(fixed)
+
+    @routes.get("/templates/{name}")
+    async def core_templates(request):
+        # ComfyUI serves its core templates here (comfyui_workflow_templates); we have none, and the editor's
+        # template store fails as a whole on a 404, so our pack's templates would not open either.
+        if request.match_info["name"].startswith("index") and request.match_info["name"].endswith(".json"):
+            return web.json_response([])
+        return web.json_response({"error": "not found"}, status=404)
+
+    @both("GET", "/models/{folder}")
+    async def models_in(request):
+        return web.json_response([])
+
+    @both("GET", "/prompt")
+    async def get_prompt(request):
+        return web.json_response(host.queue_info())
+
+    @both("POST", "/prompt")
+    async def post_prompt(request):
+        from .workflow import WorkflowError
+
+        data = await body(request)
+        if not isinstance(data, dict) or not isinstance(data.get("prompt"), dict):
+            raise BadRequest("POST /prompt takes {\"prompt\": {node id: {class_type, inputs}}, \"client_id\": ...}")
+        try:
+            item = host.enqueue(data["prompt"], data.get("client_id"), data.get("extra_data") or {})
+        except WorkflowError as exc:
+            return web.json_response({"error": {"type": "prompt_outputs_failed_validation", "message": str(exc),
+                                                "details": str(exc), "extra_info": {}}, "node_errors": {}},
+                                     status=400)
+        return web.json_response({"prompt_id": item["prompt_id"], "number": item["number"], "node_errors": {}})
+
+    def queue_entry(item):
+        return [item["number"], item["prompt_id"], item["prompt"], item["extra"], item["outputs"]]
+
+    @both("GET", "/queue")
+    async def get_queue(request):
+        with host.lock:
+            running = [queue_entry(host.running)] if host.running else []
+            pending = [queue_entry(i) for i in host.pending]
+        return web.json_response({"queue_running": running, "queue_pending": pending})
+
+    @both("POST", "/queue")
+    async def post_queue(request):
+        data = await body(request)
+        with host.lock:
+            if data.get("clear"):
+                host.pending.clear()
+            for pid in data.get("delete", []):
+                host.pending = [i for i in host.pending if i["prompt_id"] != pid]
+        host.send_status()
+        return web.Response(status=200)
+
+    @both("GET", "/history")
+    async def get_history(request):
+        items = list(host.history.items())
+        if request.query.get("max_items"):
+            items = items[-int(request.query["max_items"]):]
+        return web.json_response(dict(items))
+
+    @both("GET", "/history/{prompt_id}")
+    async def get_history_one(request):
+        pid = request.match_info["prompt_id"]
+        return web.json_response({pid: host.history[pid]} if pid in host.history else {})
+
+    @both("POST", "/history")
+    async def post_history(request):
+        data = await body(request)
+        if data.get("clear"):
+            host.history.clear()
+        for pid in data.get("delete", []):
+            host.history.pop(pid, None)
+        return web.Response(status=200)
+
+    @both("POST", "/interrupt")
+    async def interrupt(request):
+        host.interrupt_flag.set()
+        return web.Response(status=200)
+
+    @both("POST", "/free")
+    async def free(request):
+        return web.Response(status=200)
+
+    @both("GET", "/view")
+    async def view(request):
+        from ..nodes.paths import input_dir
+
+        kind = request.query.get("type", "output")
+        roots = {"output": host.output_dir, "temp": host.output_dir.parent / "temp", "input": input_dir()}
+        if kind not in roots:
+            raise BadRequest(f"type={kind!r} is not one of output, temp, input")
+        name = request.query.get("filename", "")
+        sub = request.query.get("subfolder", "")
+        path = inside(roots[kind], f"{sub}/{name}" if sub else name)
+        if not path.is_file():
+            return web.json_response({"error": "not found"}, status=404)
+        return web.FileResponse(path)
+
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[errors])
+    app.add_routes(routes)
+    app.router.add_static(f"/extensions/{PACK}", WEB_DIR)
+    app.router.add_static(f"/extensions/{PACK}-serve", SERVE_WEB_DIR)
+    # The template files and their thumbnails, as ComfyUI serves a pack's example workflows (server.py).
+    app.router.add_static(f"/api/workflow_templates/{PACK}", WORKFLOWS_DIR)
+    app.router.add_static("/", static)
+    return app
+
+
+def add_serve_parser(subparsers):
+    p = subparsers.add_parser("serve", help="the ComfyUI editor for our nodes, without ComfyUI "
+                                            "(pip install 'lowvram-lora[editor]')")
+    p.add_argument("--port", type=int, default=8188)
+    p.add_argument("--listen", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--models-dir", default="./models")
+    p.add_argument("--output-dir", default="./output")
+    p.add_argument("--user-dir", default="", help="where settings and saved workflows live (default: "
+                                                  "<output-dir>/../user/default)")
+    return p
+
+
+def serve_command(args, mappings, display) -> int:
+    from aiohttp import web
+
+    from ..nodes.paths import configure_standalone_dirs
+
+    static = frontend_static_dir()
+    models = Path(args.models_dir).expanduser().resolve()
+    output = Path(args.output_dir).expanduser().resolve()
+    configure_standalone_dirs(str(models), str(output))
+    user = Path(args.user_dir).expanduser().resolve() if args.user_dir else output.parent / "user" / "default"
+    (user / "workflows").mkdir(parents=True, exist_ok=True)
+    output.mkdir(parents=True, exist_ok=True)
+    host = PromptHost(mappings, display, output, user)
+    app = build_app(host, static)
+
+    async def start(app_):
+        host.loop = asyncio.get_running_loop()
+        threading.Thread(target=host.worker, name="lowvram-prompt-worker", daemon=True).start()
+
+    app.on_startup.append(start)
+    print(f"lowvram-lora serve: http://{args.listen}:{args.port} (editor from {static}; models {models}, "
+          f"outputs {output}, user data {user})", flush=True)
+    web.run_app(app, host=args.listen, port=args.port, print=None)
+    return 0
+
+
+__all__ = ["add_serve_parser", "serve_command", "build_app", "PromptHost", "inside", "platform"]
