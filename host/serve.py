@@ -501,10 +501,10 @@ def build_app(host: PromptHost, static: Path):
 
     @both("GET", "/view")
     async def view(request):
-        from ..nodes.paths import input_dir
+        from ..nodes.paths import input_dir, temp_dir
 
         kind = request.query.get("type", "output")
-        roots = {"output": host.output_dir, "temp": host.output_dir.parent / "temp", "input": input_dir()}
+        roots = {"output": host.output_dir, "temp": temp_dir(), "input": input_dir()}
         if kind not in roots:
             raise BadRequest(f"type={kind!r} is not one of output, temp, input")
         name = request.query.get("filename", "")

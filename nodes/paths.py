@@ -125,6 +125,13 @@ def output_dir() -> Path:
     return Path(fp.get_output_directory()) if fp is not None else _standalone["output_dir"]
 
 
+def temp_dir() -> Path:
+    """Preview images: ComfyUI's temp folder (wiped at its start-up), or standalone ``temp/`` beside the
+    output folder (what ``lowvram-lora serve`` shows with /view?type=temp)."""
+    fp = comfy_folder_paths()
+    return Path(fp.get_temp_directory()) if fp is not None else output_dir().parent / "temp"
+
+
 def cache_dir() -> Path:
     """Dataset caches and trained-LoRA reuse live under the output folder, which
     survives restarts (ComfyUI's temp folder is wiped at start-up)."""

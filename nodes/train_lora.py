@@ -5,7 +5,7 @@ import os
 import uuid
 
 from .load_model import CATEGORY
-from .paths import cache_dir, comfy_folder_paths, output_dir
+from .paths import cache_dir, output_dir, temp_dir
 
 
 class LowVRAMTrainLoRA:
@@ -150,12 +150,11 @@ def _loss_curve_outputs(lora):
 
     img = render_loss_curve(lora.loss_history, title=f"training loss, rank {lora.rank}")
     tensor = torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0)[None]
-    fp = comfy_folder_paths()
     name = f"lowvram_loss_{uuid.uuid4().hex[:8]}.png"
     # Every ui value is a list: ComfyUI concatenates them across calls (execution.py).
     ui = {"final_loss": [round(lora.loss_history[-1], 6)] if lora.loss_history else [], "steps": [lora.steps]}
-    if fp is not None:  # the curve as the node's preview image
-        os.makedirs(fp.get_temp_directory(), exist_ok=True)
-        img.save(os.path.join(fp.get_temp_directory(), name))
-        ui["images"] = [{"filename": name, "subfolder": "", "type": "temp"}]
+    folder = temp_dir()  # the curve as the node's preview image (ComfyUI, or lowvram-lora serve)
+    os.makedirs(folder, exist_ok=True)
+    img.save(os.path.join(folder, name))
+    ui["images"] = [{"filename": name, "subfolder": "", "type": "temp"}]
     return tensor, ui
