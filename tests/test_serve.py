@@ -99,6 +99,15 @@ def test_editor_endpoints(served):
         assert (await c.post("/api/userdata/workflows%2Fmine.json/move/workflows%2Fmoved.json")).status == 200
         assert (await c.delete("/api/userdata/workflows%2Fmoved.json")).status == 204
         assert (await c.get("/api/userdata/workflows%2Fmoved.json")).status == 404
+        # the panels and buttons the editor calls, with and without /api as ComfyUI registers them
+        for url, expected in (("/api/embeddings", []), ("/models", []), ("/api/models/loras", []),
+                              ("/api/experiment/models", []), ("/api/i18n", {}), ("/api/history", {})):
+            assert await (await c.get(url)).json() == expected, url
+        assert "max_upload_size" in await (await c.get("/api/features")).json()
+        for url, data in (("/api/free", {"unload_models": True}), ("/api/queue", {"clear": True}),
+                          ("/api/history", {"clear": True}), ("/interrupt", {})):
+            assert (await c.post(url, json=data)).status == 200, url
+        host.interrupt_flag.clear()
 
     run(test)
     assert (host.user_dir / "comfy.settings.json").exists()
