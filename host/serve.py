@@ -92,8 +92,13 @@ class PromptHost:
 
     # -- messages (any thread) ------------------------------------------------------------
     def send(self, kind: str, data: Any, sid: str | None = None) -> None:
-        if self.loop is not None:
-            self.loop.call_soon_threadsafe(asyncio.ensure_future, self._send(kind, data, sid))
+        if self.loop is None or self.loop.is_closed():
+            return
+        coro = self._send(kind, data, sid)
+        try:
+            self.loop.call_soon_threadsafe(asyncio.ensure_future, coro)
+        except RuntimeError:  # the server is shutting down: nobody to tell
+            coro.close()
 
     async def _send(self, kind, data, sid=None) -> None:
         targets = [self.sockets[sid]] if sid in self.sockets else list(self.sockets.values())
@@ -215,13 +220,15 @@ class PromptHost:
                                      "exception_message": str(exc), "exception_type": type(exc).__name__,
                                      "traceback": traceback.format_exception(exc),
                                      "current_inputs": {}, "current_outputs": {}})
-        self.send("executing", {"node": None, "prompt_id": pid}, sid)
+        # History first, then "executing null", as ComfyUI's prompt worker does (main.py): a client that asks
+        # for the history as soon as it hears the prompt ended must find it.
         self.history[pid] = {
             "prompt": [item["number"], pid, item["prompt"], item["extra"], item["outputs"]],
             "outputs": outputs,
             "status": {"status_str": status, "completed": status == "success", "messages": messages},
             "meta": {k: {"node_id": k, "display_node": k} for k in outputs},
         }
+        self.send("executing", {"node": None, "prompt_id": pid}, sid)
 
 
 def build_app(host: PromptHost, static: Path):
