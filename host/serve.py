@@ -35,6 +35,7 @@ from typing import Any
 from ..engine.fileio import atomic_write, write_json_atomic
 
 MAX_BODY_BYTES = 20 << 20
+FEATURE_FLAGS = {"supports_preview_metadata": True, "max_upload_size": MAX_BODY_BYTES}  # comfy_api/feature_flags.py
 PACK = "lowvram-lora"
 WEB_DIR = Path(__file__).resolve().parent.parent / "web"
 SERVE_WEB_DIR = Path(__file__).resolve().parent / "serve_web"  # extensions only this server loads
@@ -89,6 +90,7 @@ class PromptHost:
         self.interrupt_flag = threading.Event()
         self.lock = threading.Lock()
         self.client_id: str | None = None
+        self.node_states: dict[str, dict] = {}  # the running prompt's nodes (progress_state)
 
     # -- messages (any thread) ------------------------------------------------------------
     def send(self, kind: str, data: Any, sid: str | None = None) -> None:
@@ -120,7 +122,24 @@ class PromptHost:
     # -- the nodes' progress hook (nodes/progress.py HostCallback) ----------------------------
     def progress(self, node_id, value: int, total: int) -> None:
         pid = self.running["prompt_id"] if self.running else None
-        self.send("progress", {"value": value, "max": total, "prompt_id": pid, "node": node_id})
+        self.send("progress", {"value": value, "max": total, "prompt_id": pid, "node": node_id}, self.client_id)
+        self.node_state(node_id, "running", value, total)
+
+    def node_state(self, node_id, state: str, value: float | None = None, total: float | None = None) -> None:
+        """``progress_state`` (comfy_execution/progress.py): every started node's value, max and state. The
+        editor takes the running node (where previews go) from it."""
+        if self.running is None or node_id is None:
+            return
+        pid = self.running["prompt_id"]
+        entry = self.node_states.setdefault(str(node_id), {"value": 0, "max": 1})
+        entry.update(state=state, node_id=str(node_id), prompt_id=pid, display_node_id=str(node_id),
+                     parent_node_id=None, real_node_id=str(node_id))
+        if value is not None:
+            entry["value"], entry["max"] = value, total
+        elif state == "finished":
+            entry["value"] = entry["max"]
+        self.send("progress_state", {"prompt_id": pid, "nodes": {k: dict(v) for k, v in self.node_states.items()}},
+                  self.client_id)
 
     def text(self, node_id, text: str) -> None:
         # Binary event 3 (PROGRESS_TEXT, ComfyUI protocol.py): u32 type, u32 len + node id, text.
@@ -131,11 +150,18 @@ class PromptHost:
         self.send(name, data)
 
     def preview(self, node_id, image) -> None:
-        # Binary event 1 (PREVIEW_IMAGE): u32 type, u32 format (2 = PNG), the image bytes (main.py's hook).
+        # Binary event 4 (PREVIEW_IMAGE_WITH_METADATA, server.py send_image_with_metadata): u32 type, u32 length +
+        # JSON metadata naming the node, the PNG bytes. ComfyUI sends this form to clients that advertise
+        # supports_preview_metadata (the frontend does, and so do we in feature_flags).
         buf = io.BytesIO()
+        image = image.copy()
         image.thumbnail((1024, 1024))
-        image.save(buf, format="PNG")
-        self.send("preview", struct.pack(">I", 1) + struct.pack(">I", 2) + buf.getvalue())
+        image.save(buf, format="PNG", compress_level=1)
+        pid = self.running["prompt_id"] if self.running else None
+        meta = json.dumps({"node_id": str(node_id), "prompt_id": pid, "display_node_id": str(node_id),
+                           "parent_node_id": None, "real_node_id": str(node_id), "image_type": "image/png"}).encode()
+        self.send("preview", struct.pack(">I", 4) + struct.pack(">I", len(meta)) + meta + buf.getvalue(),
+                  self.client_id)
 
     def interrupt_check(self) -> None:
         if self.interrupt_flag.is_set():
@@ -179,6 +205,7 @@ class PromptHost:
 
         pid, sid = item["prompt_id"], item["client_id"]
         self.client_id = sid
+        self.node_states = {}
         messages: list = []
         outputs: dict[str, dict] = {}
 
@@ -189,8 +216,11 @@ class PromptHost:
 
         def on_node(event: str, node_id: str, ui):
             if event == "executing":
+                self.node_state(node_id, "running", 0, 1)
                 self.send("executing", {"node": node_id, "display_node": node_id, "prompt_id": pid}, sid)
-            elif ui is not None:
+                return
+            self.node_state(node_id, "finished")
+            if ui is not None:
                 outputs[node_id] = ui
                 self.send("executed", {"node": node_id, "display_node": node_id, "output": ui, "prompt_id": pid}, sid)
 
@@ -284,8 +314,7 @@ def build_app(host: PromptHost, static: Path):
                     except json.JSONDecodeError:
                         continue
                     if data.get("type") == "feature_flags":  # comfy_api/feature_flags.py
-                        await ws.send_json({"type": "feature_flags", "data": {
-                            "supports_preview_metadata": False, "max_upload_size": MAX_BODY_BYTES}})
+                        await ws.send_json({"type": "feature_flags", "data": FEATURE_FLAGS})
         finally:
             host.sockets.pop(sid, None)
         return ws
@@ -419,7 +448,7 @@ def build_app(host: PromptHost, static: Path):
             "devices": devices})
 
     for path, value in (("/embeddings", []), ("/models", []), ("/experiment/models", []), ("/i18n", {}),
-                        ("/features", {"supports_preview_metadata": False, "max_upload_size": MAX_BODY_BYTES})):
+                        ("/features", FEATURE_FLAGS)):
         async def fixed(request, value=value):
             return web.json_response(value)
         both("GET", path)(fixed)
