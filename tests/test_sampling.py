@@ -92,3 +92,18 @@ def test_bad_sampling_settings(prompt_cache, tiny_pipeline):
     with pytest.raises(ConfigError, match="no sample prompts"):
         train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), no_prompts, LoraSettings(rank=4),
                    TrainConfig(steps=2), sampling=SamplingConfig(every=1, resolution=64))
+
+
+def test_our_sampler_matches_diffusers_flux2_pipeline(tiny_flux2):
+    from diffusers import Flux2Pipeline
+
+    pipe = Flux2Pipeline.from_pretrained(tiny_flux2, dtype=torch.float32, use_safetensors=True, local_files_only=True)
+    family = get_family("flux2")
+    cfg = pipe.transformer.config
+    embeds = torch.randn(1, 16, cfg.joint_attention_dim, generator=torch.Generator().manual_seed(1))
+    theirs = pipe(prompt_embeds=embeds, height=128, width=128, num_inference_steps=4, guidance_scale=4.0,
+                  generator=torch.Generator().manual_seed(3), output_type="latent").images  # (1, tokens, C)
+    ours = sample_latents(pipe.transformer, family, {"prompt_embeds": embeds}, 128, 128, 4, seed=3, guidance=4.0,
+                          device=torch.device("cpu"), dtype=torch.float32)
+    b, c, h, w = ours.shape
+    torch.testing.assert_close(ours.reshape(b, c, h * w).permute(0, 2, 1), theirs, rtol=1e-4, atol=1e-4)
