@@ -17,7 +17,6 @@ message shapes follow ComfyUI 0.3.64 (``server.py``, ``app/user_manager.py``, ``
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import io
 import json

@@ -8,13 +8,12 @@ import torch
 
 from lowvram_lora.engine.offload import OffloadConfig
 
-from test_offload_gpu import rel
 from test_parallel_gpu import _err, _train, mid  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def test_chunks_and_host_moments_train_like_the_plain_streamed_run(mid):
+def test_chunks_and_host_moments_train_like_the_plain_streamed_run(mid):  # noqa: F811 (the fixture)
     plain = OffloadConfig(mode="stream", prefetch_depth=1, activation_offload=True)
     ref, ref2 = _train(mid, plain), _train(mid, plain)
     noise = _err(ref2, ref)

@@ -3,7 +3,6 @@ import pytest
 import torch
 
 from lowvram_lora.engine.config import LoraSettings, ModelConfig, TrainConfig
-from lowvram_lora.engine.families import get_family
 from lowvram_lora.engine.models import load_transformer
 from lowvram_lora.engine.offload import OffloadConfig
 from lowvram_lora.engine.offload.plan import GB, ModelFootprint, Workload, make_plan
@@ -11,7 +10,6 @@ from lowvram_lora.engine.offload.recompute import install_chunked_recompute, run
 from lowvram_lora.engine.train import train_lora
 from lowvram_lora.engine.train.lora_attach import attach_lora, detach_lora
 
-from helpers import model_inputs
 
 
 def test_chunks_give_the_same_values_and_gradients():
