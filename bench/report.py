@@ -97,7 +97,8 @@ def render(rows: list[dict]) -> str:
     slab_rows = [r for r in rows if r.get("mode") in SLAB_ONLY]
     other = {m: [r for r in rows if r.get("mode") == m] for m in OTHER_ONLY}
     parallel = [r for r in rows if r.get("bench") == "parallel"]
-    rows = [r for r in rows if r.get("mode") not in SLAB_ONLY + OTHER_ONLY and r.get("bench") != "parallel"]
+    sampling = [r for r in rows if r.get("bench") == "sampling"]
+    rows = [r for r in rows if r.get("mode") not in SLAB_ONLY + OTHER_ONLY and r.get("bench") not in ("parallel", "sampling")]
     out = [HEADER]
     models = sorted({r.get("model", "?") for r in rows})
     if not rows:
@@ -188,6 +189,18 @@ def render(rows: list[dict]) -> str:
                 f"{_fmt(r.get('x_resident'))} | {_fmt(r.get('images_per_s'))} | "
                 f"{_fmt(r.get('x_one_gpu_images_per_s'))} | {_fmt(r.get('scaling_efficiency'))} | {peaks} | "
                 f"{_fmt(r.get('peak_max_over_min'))} | `{r.get('command')}` |")
+        out.append("")
+    if sampling:
+        out.append("## Sampling during training (bench/bench_sampling.py)\n")
+        out.append("| date | gpu | model | res | mode | s per image | × resident sampling | sample peak GB | training peak GB "
+                   "| step s | command |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in sampling:
+            peak = r.get("sample_peak_alloc_gb", r.get("peak_alloc_gb"))
+            out.append(f"| {r.get('date', '')[:16].replace('T', ' ')} | {r.get('gpu')} | {r.get('model')} | {r.get('res')}² | "
+                       f"{r.get('mode')} | {_fmt(r.get('seconds_per_image'))} | {_fmt(r.get('x_resident_sampling'))} | "
+                       f"{_fmt(peak, 2)} | {_fmt(r.get('train_peak_alloc_gb'), 2)} | {_fmt(r.get('step_s'))} | "
+                       f"`{r.get('command')}` |")
         out.append("")
     out.append(REFERENCE)
     return "\n".join(out)
