@@ -4,11 +4,12 @@ No files: a random Flux.1-dev (bf16) is built in GPU memory, and an int8 copy is
 by swapping every block Linear for ``Int8Linear.from_linear`` (the slab's quantization).
 
 1. Layer timings for Flux.1 shapes at ``--res`` (forward + grad_input, CUDA events):
-   bf16 ``F.linear``, int8 dequant, w8a8 (int8 backward), w8a8 (bf16 backward).
+   bf16 ``F.linear``, int8 dequant, w8a8 (int8 backward), w8a8 (bf16 backward), fp8.
 2. Accuracy: relative error against bf16 of one double block's output and of the whole
    model's output, for the dequant and the w8a8 path.
 3. Training LoRA r16 through ``train_lora`` with the same seed and data:
-   ``bf16-resident`` (this run's baseline), then ``int8-<resident|stream-k<K>[-act]>-<dequant|w8a8|w8a8bf>``.
+   ``bf16-resident`` (this run's baseline), then
+   ``int8-<resident|stream-k<K>[-act]>-<dequant|w8a8|w8a8bf|fp8>``.
    Loss curves of every row are kept (same seed and data as the baseline: compare them).
 
 Rows go to ``--out`` in train_bench.py's format (``bench/report.py`` renders them).
@@ -47,7 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--variant", default="flux1-dev")
     p.add_argument("--modes", nargs="+", default=[
         "bf16-resident", "int8-resident-dequant", "int8-resident-w8a8", "int8-resident-w8a8bf",
-        "int8-stream-k1-act-dequant", "int8-stream-k1-act-w8a8"])
+        "int8-stream-k1-act-dequant", "int8-stream-k1-act-w8a8", "int8-resident-fp8", "int8-stream-k1-act-fp8"])
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timed", type=int, default=5)
     p.add_argument("--rank", type=int, default=16)
@@ -112,6 +113,9 @@ def layer_timings(tokens: int, device) -> list[dict]:
         row["w8a8_ms"] = _time(fwd_bwd(q))
         set_int8_compute(q, "w8a8", "bf16")
         row["w8a8_bf16bwd_ms"] = _time(fwd_bwd(q))
+        set_int8_compute(q, "fp8")
+        row["fp8_ms"] = _time(fwd_bwd(q))
+        row["fp8_fwd_only_ms"] = _time(lambda: q(x.detach()))
         set_int8_compute(q, "w8a8", "int8")
         row["w8a8_fwd_only_ms"] = _time(lambda: q(x.detach()))
         row["bf16_fwd_only_ms"] = _time(lambda: F.linear(x.detach(), lin.weight, lin.bias))
@@ -142,7 +146,7 @@ def accuracy(bf16, int8, family, res, device) -> dict:
         h = bf16.transformer_blocks[0].register_forward_hook(grab("bf16"))
         ref = bf16(**inputs)[0].float()
         h.remove()
-        for mode in ("dequant", "w8a8"):
+        for mode in ("dequant", "w8a8", "fp8"):
             set_int8_compute(int8, mode)
             h = int8.transformer_blocks[0].register_forward_hook(grab(mode))
             got = int8(**inputs)[0].float()
@@ -188,7 +192,7 @@ def main(argv=None) -> int:
             model = None
             precision, _, rest = mode.partition("-")
             compute = "dequant"
-            for suffix in ("-dequant", "-w8a8bf", "-w8a8"):
+            for suffix in ("-dequant", "-w8a8bf", "-w8a8", "-fp8"):
                 if rest.endswith(suffix):
                     compute, rest = suffix[1:], rest[: -len(suffix)]
                     break
@@ -201,7 +205,7 @@ def main(argv=None) -> int:
             if model is None:
                 raise SystemExit(f"mode {mode!r}: list bf16 modes before int8 ones")
             backward = "bf16" if compute == "w8a8bf" else "int8"
-            int8_compute = "w8a8" if compute.startswith("w8a8") else "dequant"
+            int8_compute = "w8a8" if compute.startswith("w8a8") else compute
             if rest == "resident":
                 model.to(device)
                 offload = OffloadConfig(mode="resident", int8_compute=int8_compute)

@@ -144,19 +144,22 @@ def render(rows: list[dict]) -> str:
     if other["w8a8-layer"] or other["w8a8-accuracy"]:
         out.append("## W8A8 slab compute (bench/bench_w8a8.py)\n")
         out.append("Forward + grad_input of one Linear, ms (CUDA events, 20 calls): bf16 `F.linear`, int8 dequant, "
-                   "w8a8 with int8 or bf16 grad_input.\n")
-        out.append("| date | gpu | shape | tokens | bf16 | dequant | w8a8 | w8a8 (bf16 bwd) | fwd only: bf16 / w8a8 | command |")
-        out.append("|---|---|---|---|---|---|---|---|---|---|")
+                   "w8a8 with int8 or bf16 grad_input, fp8 (– where the row predates it).\n")
+        out.append("| date | gpu | shape | tokens | bf16 | dequant | w8a8 | w8a8 (bf16 bwd) | fp8 | fwd only: bf16 / w8a8 / fp8 "
+                   "| command |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in other["w8a8-layer"]:
             out.append(f"| {r.get('date', '')[:16].replace('T', ' ')} | {r.get('gpu')} | {r.get('shape')} | "
                        f"{r.get('tokens')} | {r.get('bf16_ms')} | {r.get('dequant_ms')} | {r.get('w8a8_ms')} | "
-                       f"{r.get('w8a8_bf16bwd_ms')} | {r.get('bf16_fwd_only_ms')} / {r.get('w8a8_fwd_only_ms')} | "
-                       f"`{r.get('command')}` |")
+                       f"{r.get('w8a8_bf16bwd_ms')} | {r.get('fp8_ms', '–')} | {r.get('bf16_fwd_only_ms')} / "
+                       f"{r.get('w8a8_fwd_only_ms')} / {r.get('fp8_fwd_only_ms', '–')} | `{r.get('command')}` |")
         for r in other["w8a8-accuracy"]:
             out.append(f"\nAccuracy ({r.get('date', '')[:16].replace('T', ' ')}, {r.get('res')}², {r.get('note')}): "
                        f"block 0 output rel. error dequant {r.get('block0_rel_err_dequant')}, w8a8 "
                        f"{r.get('block0_rel_err_w8a8')}; model output dequant {r.get('model_rel_err_dequant')}, w8a8 "
-                       f"{r.get('model_rel_err_w8a8')}.")
+                       f"{r.get('model_rel_err_w8a8')}"
+                       + (f"; fp8: block 0 {r['block0_rel_err_fp8']}, model {r['model_rel_err_fp8']}"
+                          if "block0_rel_err_fp8" in r else "") + ".")
         out.append("")
     if other["text-cache-layer-major"]:
         out.append("## Flux.2 caption caching, layer-major (bench/bench_text_cache.py)\n")

@@ -31,6 +31,8 @@ class LowVRAMOffloadConfig:
 
     @classmethod
     def INPUT_TYPES(cls):
+        from ..engine.offload.config import INT8_COMPUTE_MODES
+
         return {
             "required": {
                 "mode": (["auto", "resident", "stream"], {"default": "auto", "tooltip": _help("mode")}),
@@ -46,7 +48,7 @@ class LowVRAMOffloadConfig:
                 "max_pinned_fraction": ("FLOAT", {"default": 0.8, "min": 0.05, "max": 0.95, "step": 0.05,
                                                   "tooltip": _help("max_pinned_fraction")}),
                 # Last: UI-format workflows store widget values by position.
-                "int8_compute": (["dequant", "w8a8"], {"default": "dequant", "tooltip": _help("int8_compute")}),
+                "int8_compute": (list(INT8_COMPUTE_MODES), {"default": "dequant", "tooltip": _help("int8_compute")}),
                 "recompute_chunks": ("INT", {"default": 0, "min": 0, "max": 64,
                                              "tooltip": _help("recompute_chunks", "0 = let the planner choose.")}),
                 "optimizer_on_host": (["auto", "on", "off"], {

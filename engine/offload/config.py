@@ -12,6 +12,8 @@ from typing import Optional
 from ..errors import ConfigError
 
 MODES = ("auto", "resident", "stream")
+#: How int8 slab layers multiply (engine/slab/w8a8.py).
+INT8_COMPUTE_MODES = ("dequant", "w8a8", "fp8")
 
 
 @dataclass
@@ -47,11 +49,11 @@ class OffloadConfig:
     )})
     int8_compute: str = field(default="dequant", metadata={"help": (
         "int8 slabs only: how slab layers multiply. dequant (default): the int8 weight is turned back into bf16 "
-        "just before a bf16 matmul (exact to the slab's weights). w8a8: activations are also quantized to int8 per "
-        "token and multiplied int8 x int8 on the tensor cores (CUDA only; block output error 2.3% vs 1.7% for "
-        "dequant). Measured slower today (H100, Flux.1-dev 1024: 1.67 s vs 1.36 s per step resident, "
-        "bench/RESULTS.md): the int32 product makes an extra trip through memory. The LoRA always trains in "
-        "bf16/fp32."
+        "just before a bf16 matmul (exact to the slab's weights). fp8: activations are quantized per token to fp8 "
+        "and the int8 weight is cast to fp8 (3 mantissa bits), multiplied on the fp8 tensor cores (CUDA, RTX 40xx / "
+        "L4 / H100 and newer): the fastest, at a small accuracy cost (bench/RESULTS.md). w8a8: the same with "
+        "int8 x int8; on the H100 its int8 kernels are slower than bf16, so it is kept for comparison. The LoRA "
+        "always trains in bf16/fp32."
     )})
     recompute_chunks: Optional[int] = field(default=None, metadata={"help": (
         "Finer recompute: the token-wise parts of each block (feed-forwards; in Flux.1 single blocks everything "
@@ -92,8 +94,8 @@ class OffloadConfig:
             raise ConfigError(f"recompute_chunks={self.recompute_chunks} must be between 1 and 64 (or None)")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ConfigError(f"micro_batch_size={self.micro_batch_size} must be >= 1 (or None)")
-        if self.int8_compute not in ("dequant", "w8a8"):
-            raise ConfigError(f"int8_compute={self.int8_compute!r} is not one of dequant, w8a8")
+        if self.int8_compute not in INT8_COMPUTE_MODES:
+            raise ConfigError(f"int8_compute={self.int8_compute!r} is not one of {', '.join(INT8_COMPUTE_MODES)}")
         if not 0.0 < self.max_pinned_fraction <= 0.95:
             raise ConfigError(f"max_pinned_fraction={self.max_pinned_fraction} must be in (0, 0.95]")
         if self.mode == "resident":

@@ -24,7 +24,9 @@ from torch import nn
 
 from .dequant import dequantize
 from .quantize import SCALE_DTYPE, quantize_rows
-from .w8a8 import INT8_COMPUTE_MODES, W8A8_BACKWARD_MODES, W8A8LinearFunction, int_mm_supported
+from .w8a8 import (
+    INT8_COMPUTE_MODES, W8A8_BACKWARD_MODES, Fp8LinearFunction, W8A8LinearFunction, fp8_mm_supported, int_mm_supported,
+)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -68,8 +70,8 @@ class Int8Linear(nn.Linear):
 
     # What a block streamer moves, per module (bias may be None).
     STREAMED_TENSORS = ("weight_int8", "weight_scale", "bias")
-    #: "dequant" (bf16 matmul on the dequantized weight) or "w8a8" (int8 x int8, see w8a8.py);
-    #: set per model with ``set_int8_compute``.
+    #: "dequant" (bf16 matmul on the dequantized weight), "w8a8" (int8 x int8) or "fp8" (e4m3 x e4m3),
+    #: see w8a8.py; set per model with ``set_int8_compute``.
     compute: str = "dequant"
     #: How w8a8 forms grad_input: "int8" (tensor cores) or "bf16" (dequantized weight).
     w8a8_backward: str = "int8"
@@ -103,8 +105,12 @@ class Int8Linear(nn.Linear):
         return dequantize(self.weight_int8, self.weight_scale, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1] if x.numel() else 0
+        if self.compute == "fp8" and fp8_mm_supported(rows, self.in_features, self.out_features):
+            dtype = compute_dtype(x)
+            return Fp8LinearFunction.apply(x.to(dtype), self.weight_int8, self.weight_scale,
+                                           None if self.bias is None else self.bias.to(dtype))
         if self.compute == "w8a8":
-            rows = x.numel() // x.shape[-1] if x.numel() else 0
             if int_mm_supported(rows, self.in_features, self.out_features, x.device):
                 dtype = compute_dtype(x)
                 return W8A8LinearFunction.apply(x.to(dtype), self.weight_int8, self.weight_scale,
@@ -138,8 +144,10 @@ class Int8Linear(nn.Linear):
 def set_int8_compute(model: nn.Module, compute: str, backward: str | None = None) -> int:
     """Choose how every Int8Linear in ``model`` multiplies; returns how many it set.
 
-    ``w8a8`` needs CUDA int8 tensor cores; layers whose shapes ``torch._int_mm`` cannot take
-    (fewer than 17 tokens, or widths not a multiple of 8) fall back to ``dequant`` per call.
+    ``w8a8`` needs CUDA int8 tensor cores, ``fp8`` fp8 ones (the training loop checks the device;
+    off CUDA ``fp8`` runs the same arithmetic in fp32, for tests). Layers whose shapes the matmul
+    cannot take (fewer than 17 tokens, or widths not a multiple of 8 / 16) fall back to ``dequant``
+    per call.
     ``backward`` (w8a8's grad_input path, "int8" or "bf16"): None leaves each layer's as it is.
     """
     from ..errors import ConfigError

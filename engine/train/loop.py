@@ -438,18 +438,27 @@ def _apply_int8_compute(model, offload: OffloadConfig | None, device: torch.devi
 
     mode = offload.int8_compute if offload is not None else "dequant"
     count = set_int8_compute(model, mode)
-    if mode == "w8a8":
+    if mode != "dequant":
         if count == 0:
-            cb.log("int8_compute='w8a8' applies to int8 slabs only; this model is not a slab, so it has no effect")
+            cb.log(f"int8_compute={mode!r} applies to int8 slabs only; this model is not a slab, so it has no effect")
         else:
-            cb.log(f"int8_compute='w8a8': {count} slab layers multiply int8 x int8")
+            cb.log(f"int8_compute={mode!r}: {count} slab layers multiply {'fp8 x fp8' if mode == 'fp8' else 'int8 x int8'}")
 
 
 def _check_int8_compute(offload: OffloadConfig | None, device: torch.device) -> None:
-    if offload is not None and offload.int8_compute == "w8a8" and device.type != "cuda":
+    mode = offload.int8_compute if offload is not None else "dequant"
+    if mode == "dequant":
+        return
+    if device.type != "cuda":
         raise ConfigError(
-            f"int8_compute='w8a8' multiplies on CUDA int8 tensor cores; training runs on {device}. "
-            f"Use int8_compute='dequant' (the CPU path)")
+            f"int8_compute={mode!r} multiplies on CUDA {'fp8' if mode == 'fp8' else 'int8'} tensor cores; training "
+            f"runs on {device}. Use int8_compute='dequant' (the CPU path)")
+    if mode == "fp8":
+        from ..slab.w8a8 import fp8_support_error
+
+        why = fp8_support_error(device.index if device.index is not None else torch.cuda.current_device())
+        if why is not None:
+            raise ConfigError(f"int8_compute='fp8': {why}. Use int8_compute='dequant'")
 
 
 def _check_optimizer(train: TrainConfig, device: torch.device) -> None:
