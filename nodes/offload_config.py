@@ -31,7 +31,7 @@ class LowVRAMOffloadConfig:
 
     @classmethod
     def INPUT_TYPES(cls):
-        from ..engine.offload.config import INT8_COMPUTE_MODES
+        from ..engine.offload.config import COMPILE_MODES, INT8_COMPUTE_MODES
 
         return {
             "required": {
@@ -55,13 +55,17 @@ class LowVRAMOffloadConfig:
                     "default": "auto", "tooltip": _help("optimizer_on_host", "auto = let the planner choose.")}),
                 "micro_batch_size": ("INT", {"default": 0, "min": 0, "max": 64,
                                              "tooltip": _help("micro_batch_size", "0 = let the planner choose.")}),
+                "compile": (list(COMPILE_MODES), {"default": "off", "tooltip": _help("compile")}),
+                "activation_memory_budget": ("FLOAT", {"default": 1.0, "min": 0.05, "max": 1.0, "step": 0.05,
+                                                       "tooltip": _help("activation_memory_budget")}),
             }
         }
 
     def configure(self, mode: str = "auto", vram_budget_gb: float = 0.0, resident_blocks: int = -1,
                   prefetch_depth: int = 0, activation_offload: str = "auto", gradient_checkpointing: bool = True,
                   max_pinned_fraction: float = 0.8, int8_compute: str = "dequant", recompute_chunks: int = 0,
-                  optimizer_on_host: str = "auto", micro_batch_size: int = 0):
+                  optimizer_on_host: str = "auto", micro_batch_size: int = 0, compile: str = "off",
+                  activation_memory_budget: float = 1.0):
         from ..engine.offload import OffloadConfig
 
         for name, value in (("activation_offload", activation_offload), ("optimizer_on_host", optimizer_on_host)):
@@ -75,5 +79,6 @@ class LowVRAMOffloadConfig:
             gradient_checkpointing=gradient_checkpointing, max_pinned_fraction=max_pinned_fraction,
             int8_compute=int8_compute, recompute_chunks=recompute_chunks or None,
             optimizer_on_host=None if optimizer_on_host == "auto" else optimizer_on_host == "on",
-            micro_batch_size=micro_batch_size or None,
+            micro_batch_size=micro_batch_size or None, compile=compile,
+            activation_memory_budget=activation_memory_budget,
         ),)

@@ -53,3 +53,17 @@ def eval_flow_loss(model, family, dataset, n=16):
             pred = family.unpack_prediction(model(**family.model_inputs(model, noisy, emb, sigma, 1.0))[0], lat)
             total += torch.nn.functional.mse_loss(pred, target).item()
     return total / n
+
+
+def block_inputs(model, family):
+    """Model inputs for the tiny Flux.1 (16x16 latents) or Flux.2 (8x8) transformer at t=0.4."""
+    cfg = model.config
+    g = torch.Generator().manual_seed(0)
+    if family.id == "flux1":
+        latents = torch.randn(1, cfg.in_channels // 4, 16, 16, generator=g)
+        embeds = {"prompt_embeds": torch.randn(1, 7, cfg.joint_attention_dim, generator=g),
+                  "pooled_prompt_embeds": torch.randn(1, cfg.pooled_projection_dim, generator=g)}
+    else:
+        latents = torch.randn(1, cfg.in_channels, 8, 8, generator=g)
+        embeds = {"prompt_embeds": torch.randn(1, 7, cfg.joint_attention_dim, generator=g)}
+    return family.model_inputs(model, latents, embeds, torch.tensor([0.4]), 1.0)

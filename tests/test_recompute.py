@@ -10,6 +10,8 @@ from lowvram_lora.engine.offload.recompute import install_chunked_recompute, run
 from lowvram_lora.engine.train import train_lora
 from lowvram_lora.engine.train.lora_attach import attach_lora, detach_lora
 
+from helpers import block_inputs
+
 
 
 def test_chunks_give_the_same_values_and_gradients():
@@ -37,7 +39,7 @@ def test_chunked_blocks_match_whole_blocks(tiny_pipeline, tiny_flux2, family_id)
     model.enable_gradient_checkpointing()
     from lowvram_lora.engine.caching import build_dataset_cache  # noqa: F401  (family inputs below)
 
-    inputs = _inputs(model, family)
+    inputs = block_inputs(model, family)
     ref = model(**inputs)[0]
     ref_grads = torch.autograd.grad(ref.square().mean(), params)
     undo = install_chunked_recompute(model, family, 4)
@@ -49,20 +51,6 @@ def test_chunked_blocks_match_whole_blocks(tiny_pipeline, tiny_flux2, family_id)
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
     assert not any("forward" in vars(m) for m in model.modules())  # undone
     detach_lora(model)
-
-
-def _inputs(model, family):
-    cfg = model.config
-    g = torch.Generator().manual_seed(0)
-    latents = torch.randn(1, cfg.in_channels // (4 if family.id == "flux1" else 1), 16, 16, generator=g)
-    if family.id == "flux1":
-        latents = torch.randn(1, cfg.in_channels // 4, 16, 16, generator=g)
-        embeds = {"prompt_embeds": torch.randn(1, 7, cfg.joint_attention_dim, generator=g),
-                  "pooled_prompt_embeds": torch.randn(1, cfg.pooled_projection_dim, generator=g)}
-    else:
-        latents = torch.randn(1, cfg.in_channels, 8, 8, generator=g)
-        embeds = {"prompt_embeds": torch.randn(1, 7, cfg.joint_attention_dim, generator=g)}
-    return family.model_inputs(model, latents, embeds, torch.tensor([0.4]), 1.0)
 
 
 def test_training_with_chunks_equals_whole_blocks(tiny_pipeline, tiny_cache):

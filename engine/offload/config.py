@@ -14,6 +14,8 @@ from ..errors import ConfigError
 MODES = ("auto", "resident", "stream")
 #: How int8 slab layers multiply (engine/slab/w8a8.py).
 INT8_COMPUTE_MODES = ("dequant", "w8a8", "fp8")
+#: What torch.compile applies to (engine/train/compile.py).
+COMPILE_MODES = ("off", "blocks")
 
 
 @dataclass
@@ -71,6 +73,17 @@ class OffloadConfig:
         "accumulated, which gives the same gradient as the whole batch with activations for one piece "
         "(Flux.1-dev at 2048, batch 2: the VRAM of batch 1). None: the whole batch, or 1 when auto needs it."
     )})
+    compile: str = field(default="off", metadata={"help": (
+        "blocks: torch.compile each transformer block's own computation (fused norms, modulation, activations "
+        "and LoRA adds), once per block type; streaming and activation offload keep working around it. The "
+        "first step also compiles (tens of seconds; the log says how long and how many graphs). CUDA only. "
+        "off: eager."
+    )})
+    activation_memory_budget: float = field(default=1.0, metadata={"help": (
+        "compile=blocks only: torch's activation-memory budget for the compiled blocks (0..1). 1 keeps what "
+        "eager keeps for backward; lower values recompute cheap pointwise ops in backward instead of storing "
+        "them: less VRAM in each block's backward for a little more compute."
+    )})
     max_pinned_fraction: float = field(default=0.8, metadata={"help": (
         "Largest share of the machine's physical RAM the plan may pin (page-locked memory cannot be swapped; "
         "pinning too much starves the rest of the system). Training refuses to start beyond it."
@@ -96,6 +109,14 @@ class OffloadConfig:
             raise ConfigError(f"micro_batch_size={self.micro_batch_size} must be >= 1 (or None)")
         if self.int8_compute not in INT8_COMPUTE_MODES:
             raise ConfigError(f"int8_compute={self.int8_compute!r} is not one of {', '.join(INT8_COMPUTE_MODES)}")
+        if self.compile not in COMPILE_MODES:
+            raise ConfigError(f"compile={self.compile!r} is not one of {', '.join(COMPILE_MODES)}")
+        if not 0.0 < self.activation_memory_budget <= 1.0:  # NaN fails this too
+            raise ConfigError(f"activation_memory_budget={self.activation_memory_budget} must be in (0, 1] "
+                              f"(1 = save what eager saves)")
+        if self.activation_memory_budget < 1.0 and self.compile == "off":
+            raise ConfigError(f"activation_memory_budget={self.activation_memory_budget} applies to compiled "
+                              f"blocks only; set compile='blocks' or leave the budget at 1")
         if not 0.0 < self.max_pinned_fraction <= 0.95:
             raise ConfigError(f"max_pinned_fraction={self.max_pinned_fraction} must be in (0, 0.95]")
         if self.mode == "resident":

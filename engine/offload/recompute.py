@@ -23,6 +23,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 
+@torch.compiler.disable  # nested checkpoints stay eager inside compiled blocks (engine/train/compile.py)
 def run_in_token_chunks(fn: Callable[..., torch.Tensor], *tensors: torch.Tensor, chunks: int,
                         dim: int = 1) -> torch.Tensor:
     """``fn(*tensors)`` for a token-wise ``fn``, as ``chunks`` checkpointed slices along ``dim``.

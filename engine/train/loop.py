@@ -175,6 +175,7 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
     recompute = install_chunked_recompute(model, family, chunks)  # undone in the finally below
     if chunks > 1:
         cb.log(f"finer recompute: token-wise block parts in {chunks} checkpointed chunks")
+    compiled = _compile_blocks(model, family, offload, cb)  # undone in the finally below
     optimizer = _make_optimizer(params, train, host_moments)
     scheduler = _make_scheduler(optimizer, train)
 
@@ -304,6 +305,10 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
                     if step < train.steps:
                         save_state()
                     raise
+                if step == first and compiled.graphs():
+                    cb.log(f"{compiled.describe()}; the first step took {time.perf_counter() - t0:.1f} s with "
+                           f"compiling")
+                    result.settings["compile"] = {"first_step_s": round(time.perf_counter() - t0, 2)}
                 if sampler is not None and sampler.due(step, train.steps):
                     _take_samples(sampler, step, autocast, result)
                 if step < train.steps and stop_requested():  # never after the last: keep a finished run
@@ -338,6 +343,9 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
         bad = [k for k, v in result.state_dict.items() if not torch.isfinite(v).all()]
         if bad:  # never hand on (or save, or cache) a LoRA with NaN/inf weights
             result.state_dict, result.interrupted = {}, True
+        if compiled.graphs():
+            result.settings.setdefault("compile", {})["graphs"] = compiled.graphs()
+        compiled.remove()
         recompute.remove()
         if handle is not None:
             result.settings["offload_plan"] = handle.plan.summary()
@@ -459,6 +467,16 @@ def _check_int8_compute(offload: OffloadConfig | None, device: torch.device) -> 
         why = fp8_support_error(device.index if device.index is not None else torch.cuda.current_device())
         if why is not None:
             raise ConfigError(f"int8_compute='fp8': {why}. Use int8_compute='dequant'")
+
+
+def _compile_blocks(model, family, offload: OffloadConfig | None, cb):
+    """torch.compile of the blocks' forwards when Offload Config asks for it (engine/train/compile.py)."""
+    from .compile import NoCompile, compile_blocks
+
+    if offload is None or offload.compile == "off":
+        return NoCompile()
+    cb.log("compile='blocks': each block type compiles on its first use (the first step takes longer)")
+    return compile_blocks(model, family, offload.activation_memory_budget)
 
 
 def _check_optimizer(train: TrainConfig, device: torch.device) -> None:

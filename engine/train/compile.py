@@ -1,0 +1,119 @@
+"""Compiled blocks: ``torch.compile`` of each transformer block's own forward (OffloadConfig ``compile``).
+
+What is compiled is the compute inside a block (norms, modulation, projections with their LoRA,
+attention, feed-forward), not what wraps it: the block streamer's forward pre-hooks, the
+activation offloader and the checkpoint function stay eager, because ``compile`` replaces the
+block's ``forward`` only and ``nn.Module.__call__`` still runs the hooks around it.
+
+- One compile per block class, not per block: every block of a class runs the same code, and
+  dynamo (with nn-module inlining, torch's default) passes each block's weights as graph inputs,
+  so a streamed block whose weights were re-pointed into a GPU slot needs no recompile.
+- Aspect-ratio buckets: the first new token count makes dynamo recompile with a dynamic
+  sequence length (``dynamic=None``); later buckets reuse that graph. ``graphs()`` counts what
+  was compiled, and training reports it.
+- ``activation_memory_budget`` (0..1) is torch's knob for the compiled region's own forward/backward
+  split: at 1 the partitioner keeps what eager would; below 1 it recomputes cheap (pointwise) ops
+  in backward instead of saving them. Within a checkpointed block this shapes the working set of
+  the block's backward.
+- Random ops stay out of compiled regions (wrong gradients were reported for them at budgets
+  below 1): dropout modules inside blocks (LoRA dropout) run eagerly, at the cost of a graph break.
+- Token-chunked recompute (``recompute_chunks`` > 1) nests checkpoints inside a block; those chunk
+  calls run eagerly too (``run_in_token_chunks`` is excluded from tracing), the rest is compiled.
+
+Nothing here is ours that torch does: this module only decides where ``torch.compile`` applies and
+puts the model back afterwards.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+#: The backend; tests use "aot_eager" (the same graph capture and autograd split, no code generation).
+DEFAULT_BACKEND = "inductor"
+_last_budget: list[float] = []
+
+
+def _unique_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+class CompiledBlocks:
+    """Blocks whose forward is compiled; ``remove()`` puts every forward and torch setting back."""
+
+    def __init__(self, budget: float) -> None:
+        self._patched: list[tuple[nn.Module, object]] = []
+        self._graphs_at_start = _unique_graphs()
+        self._saved_budget = torch._functorch.config.activation_memory_budget
+        self.budget = budget
+
+    def graphs(self) -> int:
+        """Graphs dynamo compiled since these blocks were installed (forward and backward count once)."""
+        return _unique_graphs() - self._graphs_at_start
+
+    def set_forward(self, module: nn.Module, forward: Callable) -> None:
+        self._patched.append((module, vars(module).get("forward")))
+        module.forward = forward
+
+    def remove(self) -> None:
+        for module, previous in reversed(self._patched):
+            if previous is None:
+                vars(module).pop("forward", None)
+            else:
+                module.forward = previous
+        self._patched.clear()
+        torch._functorch.config.activation_memory_budget = self._saved_budget
+
+    def describe(self) -> str:
+        return (f"compiled blocks: {self.graphs()} graph(s)"
+                + (f", activation_memory_budget {self.budget:g}" if self.budget < 1 else ""))
+
+
+class NoCompile:
+    """``compile='off'``: nothing to undo."""
+
+    budget = 1.0
+
+    def graphs(self) -> int:
+        return 0
+
+    def remove(self) -> None:
+        pass
+
+
+def _eager(fn: Callable) -> Callable:
+    return torch.compiler.disable(fn, recursive=True)
+
+
+def compile_blocks(model: nn.Module, family, budget: float = 1.0, backend: str | None = None) -> CompiledBlocks:
+    """Compile the forward of every block in ``family.block_lists(model)``.
+
+    Call after LoRA is attached, chunked recompute installed and blocks are placed (the
+    forward compiled is the one the block has then)."""
+    if not 0.0 < budget <= 1.0:
+        raise ValueError(f"activation_memory_budget={budget} must be in (0, 1]")
+    if _last_budget and _last_budget[0] != budget:
+        # The partitioner reads the budget when it compiles; code compiled under another budget would be
+        # reused silently (the budget is not guarded), so start over.
+        torch._dynamo.reset()
+    _last_budget[:] = [budget]
+    handle = CompiledBlocks(budget)
+    torch._functorch.config.activation_memory_budget = budget
+    compiled: dict[object, Callable] = {}
+    for blocks in family.block_lists(model):
+        for block in blocks:
+            for sub in block.modules():
+                if isinstance(sub, nn.Dropout) and sub.p > 0:
+                    handle.set_forward(sub, _eager(sub.forward))
+            forward = block.forward
+            # The same function for every block of a class: dynamo compiles its code once and guards on
+            # the tensors passed in, not on which block they belong to.
+            fn = getattr(forward, "__func__", forward)
+            if fn not in compiled:
+                compiled[fn] = torch.compile(fn, backend=backend or DEFAULT_BACKEND, dynamic=None)
+            handle.set_forward(block, compiled[fn].__get__(block) if hasattr(forward, "__func__") else compiled[fn])
+    return handle
+

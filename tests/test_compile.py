@@ -1,0 +1,125 @@
+"""Compiled blocks (engine/train/compile.py), CPU: the wiring with the aot_eager backend (dynamo's graph
+capture and the autograd split, without code generation). Speed is measured on the GPU (bench_w8a8.py)."""
+import pytest
+import torch
+
+from lowvram_lora.engine.config import LoraSettings, ModelConfig, TrainConfig
+from lowvram_lora.engine.errors import ConfigError
+from lowvram_lora.engine.models import load_transformer
+from lowvram_lora.engine.offload import OffloadConfig
+from lowvram_lora.engine.offload.recompute import install_chunked_recompute
+from lowvram_lora.engine.train import compile as compile_mod
+from lowvram_lora.engine.train import train_lora
+from lowvram_lora.engine.train.lora_attach import attach_lora, detach_lora
+
+from helpers import block_inputs
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("family_id,chunks", [("flux1", 1), ("flux2", 1), ("flux1", 2)])
+def test_compiled_blocks_match_eager_and_keep_hooks(tiny_pipeline, tiny_flux2, family_id, chunks):
+    model, family, _, _ = load_transformer(tiny_pipeline if family_id == "flux1" else tiny_flux2, dtype=torch.float32)
+    params = attach_lora(model, family, LoraSettings(rank=4), 0)
+    with torch.no_grad():
+        for p in params:
+            p.normal_(0, 0.05)
+    model.enable_gradient_checkpointing()
+    undo = install_chunked_recompute(model, family, chunks)
+    inputs = block_inputs(model, family)
+    ref = model(**inputs)[0]
+    ref_grads = torch.autograd.grad(ref.square().mean(), params)
+
+    calls = []
+    blocks = [b for blocks in family.block_lists(model) for b in blocks]
+    hook = blocks[0].register_forward_pre_hook(lambda m, a: calls.append(1))  # a streamer's pre-hook
+    handle = compile_mod.compile_blocks(model, family, 1.0, backend="aot_eager")
+    out = model(**inputs)[0]
+    grads = torch.autograd.grad(out.square().mean(), params)
+    assert calls, "the block's pre-hook did not run around the compiled forward"
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+    # one compile per block class, not per block (the tiny models have several blocks of each class)
+    assert len(blocks) > len({type(b) for b in blocks})
+    assert 0 < handle.graphs() <= 4 * len({type(b) for b in blocks}) * (2 if chunks > 1 else 1)
+    handle.remove()
+    hook.remove()
+    undo.remove()
+    assert not any("forward" in vars(m) for m in model.modules())  # every forward is the class's again
+    detach_lora(model)
+
+
+def test_a_new_token_count_compiles_once_more_then_is_reused(tiny_pipeline):
+    model, family, _, _ = load_transformer(tiny_pipeline, dtype=torch.float32)
+    attach_lora(model, family, LoraSettings(rank=4), 0)
+    handle = compile_mod.compile_blocks(model, family, 1.0, backend="aot_eager")
+    cfg = model.config
+
+    def run(side):
+        lat = torch.randn(1, cfg.in_channels // 4, side, side)
+        emb = {"prompt_embeds": torch.randn(1, 7, cfg.joint_attention_dim),
+               "pooled_prompt_embeds": torch.randn(1, cfg.pooled_projection_dim)}
+        with torch.no_grad():
+            model(**family.model_inputs(model, lat, emb, torch.tensor([0.5]), 1.0))
+        return handle.graphs()
+
+    first = run(16)
+    second = run(20)  # a second bucket: recompiled with a dynamic token count
+    assert run(24) == second and run(12) == second  # later buckets reuse it
+    assert first < second
+    handle.remove()
+    detach_lora(model)
+
+
+def test_dropout_stays_out_of_compiled_blocks(tiny_pipeline):
+    model, family, _, _ = load_transformer(tiny_pipeline, dtype=torch.float32)
+    attach_lora(model, family, LoraSettings(rank=4, dropout=0.1), 0)
+    handle = compile_mod.compile_blocks(model, family, 1.0, backend="aot_eager")
+    drops = [m for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+    assert drops and all("forward" in vars(m) for m in drops)
+    handle.remove()
+    assert not any("forward" in vars(m) for m in drops)
+    detach_lora(model)
+
+
+def test_train_lora_with_compiled_blocks_trains_like_eager(tiny_pipeline, one_image_cache, monkeypatch):
+    monkeypatch.setattr(compile_mod, "DEFAULT_BACKEND", "aot_eager")
+    logs = []
+
+    class Log:
+        def log(self, msg):
+            logs.append(msg)
+
+        def __getattr__(self, name):
+            from lowvram_lora.engine.callbacks import TrainingCallback
+
+            return getattr(TrainingCallback(), name)
+
+    def run(offload):
+        return train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), one_image_cache, LoraSettings(rank=4),
+                          TrainConfig(steps=3, device="cpu", learning_rate=1e-3), Log(), offload=offload)
+
+    eager = run(OffloadConfig(mode="resident"))
+    compiled = run(OffloadConfig(mode="resident", compile="blocks", activation_memory_budget=0.5))
+    assert compiled.settings["compile"]["graphs"] > 0
+    assert any("compiled blocks" in m and "first step took" in m for m in logs)
+    for a, b in zip(compiled.loss_history, eager.loss_history):
+        assert a == pytest.approx(b, rel=1e-3)
+    for k, v in eager.state_dict.items():
+        torch.testing.assert_close(compiled.state_dict[k], v, rtol=1e-3, atol=1e-5)
+    assert torch._functorch.config.activation_memory_budget == 1.0  # put back
+
+
+def test_compile_settings_are_checked():
+    with pytest.raises(ConfigError, match="not one of off, blocks"):
+        OffloadConfig(compile="yes")
+    with pytest.raises(ConfigError, match=r"must be in \(0, 1\]"):
+        OffloadConfig(compile="blocks", activation_memory_budget=float("nan"))
+    with pytest.raises(ConfigError, match="compiled blocks only"):
+        OffloadConfig(activation_memory_budget=0.5)
