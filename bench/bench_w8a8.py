@@ -9,7 +9,9 @@ by swapping every block Linear for ``Int8Linear.from_linear`` (the slab's quanti
    model's output, for the dequant and the w8a8 path.
 3. Training LoRA r16 through ``train_lora`` with the same seed and data:
    ``bf16-resident`` (this run's baseline), then
-   ``int8-<resident|stream-k<K>[-act]>-<dequant|w8a8|w8a8bf|fp8>``.
+   ``int8-<resident|stream-k<K>[-act]>-<dequant|w8a8|w8a8bf|fp8>``; a ``-c<budget>`` suffix compiles the
+   blocks (``compile='blocks'``) at that activation-memory budget, e.g. ``bf16-resident-c0.5``; a
+   ``-adamw8bit`` suffix (last) trains with ``optimizer='adamw8bit'``.
    Loss curves of every row are kept (same seed and data as the baseline: compare them).
 
 Rows go to ``--out`` in train_bench.py's format (``bench/report.py`` renders them).
@@ -191,6 +193,15 @@ def main(argv=None) -> int:
         for mode in args.modes:
             model = None
             precision, _, rest = mode.partition("-")
+            optimizer = "adamw"  # "-adamw8bit": torchao's 8-bit AdamW (on one flat buffer)
+            if rest.endswith("-adamw8bit"):
+                rest, optimizer = rest[: -len("-adamw8bit")], "adamw8bit"
+            compile_budget = None  # "-c<budget>": compile='blocks' at that activation-memory budget
+            head, sep, tail = rest.rpartition("-c")
+            if sep and tail.replace(".", "", 1).isdigit():
+                rest, compile_budget = head, float(tail)
+            compile_kw = ({"compile": "blocks", "activation_memory_budget": compile_budget}
+                          if compile_budget is not None else {})
             compute = "dequant"
             for suffix in ("-dequant", "-w8a8bf", "-w8a8", "-fp8"):
                 if rest.endswith(suffix):
@@ -208,12 +219,13 @@ def main(argv=None) -> int:
             int8_compute = "w8a8" if compute.startswith("w8a8") else compute
             if rest == "resident":
                 model.to(device)
-                offload = OffloadConfig(mode="resident", int8_compute=int8_compute)
+                offload = OffloadConfig(mode="resident", int8_compute=int8_compute, **compile_kw)
             elif rest.startswith("stream-k"):
                 model.to("cpu")
                 spec = rest[len("stream-k"):]
                 offload = OffloadConfig(mode="stream", prefetch_depth=int(spec[0]),
-                                        activation_offload=spec.endswith("-act"), int8_compute=int8_compute)
+                                        activation_offload=spec.endswith("-act"), int8_compute=int8_compute,
+                                        **compile_kw)
             else:
                 raise SystemExit(f"unknown mode {mode!r}")
             if precision == "int8":  # train_lora sets the compute path; the backward choice is the bench's
@@ -224,16 +236,21 @@ def main(argv=None) -> int:
             torch.cuda.reset_peak_memory_stats(device)
             rec = StepRecorder(mode)
             t = time.perf_counter()
-            error = None
+            error, trained = None, None
             try:
-                train_lora(ModelConfig(dtype="bf16", family="flux1"), dataset,
+                trained = train_lora(ModelConfig(dtype="bf16", family="flux1"), dataset,
                            LoraSettings(rank=args.rank, alpha=float(args.rank)),
-                           TrainConfig(steps=args.warmup + args.timed, device="cuda", learning_rate=1e-4),
+                           TrainConfig(steps=args.warmup + args.timed, device="cuda", learning_rate=1e-4,
+                                       optimizer=optimizer),
                            rec.callback, preloaded=(model, family, args.variant), offload=offload)
             except torch.cuda.OutOfMemoryError as exc:
                 error = f"OOM: {str(exc)[:300]}"
             resident = rows.get("bf16-resident", {}).get("step_s")
-            rows[mode] = emit({"mode": mode, **training_row(rec, args.warmup, t, error, resident, device)})
+            row = training_row(rec, args.warmup, t, error, resident, device)
+            if compile_budget is not None and trained is not None:
+                info = trained.settings.get("compile", {})
+                row["compile_first_step_s"], row["compile_graphs"] = info.get("first_step_s"), info.get("graphs")
+            rows[mode] = emit({"mode": mode, **row})
             if precision == "int8":
                 model.to("cpu")
     print("\nmode                          step s   x bf16-resident   peak alloc GB")

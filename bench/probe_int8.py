@@ -1,5 +1,5 @@
 """Probe: torch._int_mm layouts vs bf16 for Flux shapes (H100)."""
-import torch, time
+import torch
 def t(fn, n=50):
     for _ in range(5): fn()
     torch.cuda.synchronize()

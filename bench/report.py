@@ -206,6 +206,21 @@ def render(rows: list[dict]) -> str:
                        f"`{r.get('command')}` |")
         out.append("")
     out.append(REFERENCE)
+    timed = [r for r in rows if r.get("breakdown")]
+    if timed:
+        out.append("## Where the step time goes (engine/train/step_timing.py)\n")
+        out.append("Median of the timed steps. compute: forward + backward on the GPU (CUDA events), of which copy "
+                   "stall: waiting for streamed blocks; optimizer: averaging, clipping, the step; host: the rest of the "
+                   "wall time (Python, synchronisations, kernels launched too slowly to keep the GPU busy).\n")
+        out.append("| date | gpu | res | mode | step s | compute | copy stall | optimizer | data | host | command |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in timed:
+            b = r["breakdown"]
+            out.append(f"| {r.get('date', '')[:16].replace('T', ' ')} | {r.get('gpu')} | {r.get('res')}² | "
+                       f"{r.get('mode')} | {_fmt(r.get('step_s'))} | {_fmt(b.get('compute'))} | "
+                       f"{_fmt(b.get('copy_stall'))} | {_fmt(b.get('optimizer'))} | {_fmt(b.get('data'))} | "
+                       f"{_fmt(b.get('host'))} | `{r.get('command')}` |")
+        out.append("")
     return "\n".join(out)
 
 

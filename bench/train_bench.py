@@ -220,7 +220,16 @@ def training_row(rec: "StepRecorder", warmup: int, started: float, error: str | 
         "steps_warmup": warmup, "steps_timed": len(timed),
         "step_times": [round(s.seconds_per_step, 4) for s in rec.steps],
         "losses": [round(s.loss, 5) for s in rec.steps], "wall_s": round(time.perf_counter() - started, 1),
+        "breakdown": _median_breakdown([s.breakdown for s in rec.steps][warmup:]),
     }
+
+
+def _median_breakdown(parts: list) -> dict | None:
+    """Median seconds per part of the timed steps (engine/train/step_timing.py)."""
+    parts = [p for p in parts if p]
+    if not parts:
+        return None
+    return {k: round(statistics.median(p[k] for p in parts), 4) for k in parts[0]}
 
 
 def _versions() -> dict:

@@ -22,6 +22,7 @@ class StepInfo:
     peak_vram_gb: float  # torch.cuda.max_memory_allocated since training started; 0 on CPU
     pinned_host_gb: float = 0.0  # host RAM pinned for streamed blocks and activations
     sample_seconds: float = 0.0  # time spent sampling so far (not in seconds_per_step)
+    breakdown: dict | None = None  # seconds per part of this step (engine/train/step_timing.py)
 
 
 class TrainingCallback:

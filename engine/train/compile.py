@@ -25,7 +25,7 @@ puts the model back afterwards.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from ..callbacks import StepInfo, TrainingCallback
 from ..caching import DatasetCache
+from ..callbacks import StepInfo, TrainingCallback
 from ..config import LoraSettings, ModelConfig, TrainConfig
 from ..errors import ConfigError, StorageError, TrainingDivergedError
 from ..models import load_transformer, resolve_device, resolve_dtype
@@ -27,7 +27,10 @@ from .batching import bucket_batches, micro_generator
 from .flow_matching import noisy_latents_and_target, sample_sigmas
 from .grad_mode import autograd_enabled, autograd_safe_tensor, make_autograd_safe
 from .lora_attach import attach_lora, detach_lora, lora_state_dict, skip_lora_input_cast
+from .optimizers import check_optimizer, lora_bytes_per_param, make_optimizer
 from .resume import ResumeStore, RngSnapshot
+from .step_timing import StepTimer
+from .step_timing import describe as describe_step
 from .trained_lora import TrainedLora
 
 
@@ -104,7 +107,7 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
     ranks = ranks or Ranks()
     device = torch.device(split.devices[0]) if split is not None else resolve_device(train.device)
     dtype = resolve_dtype(model_cfg.dtype, device)
-    _check_optimizer(train, device)
+    check_optimizer(train, device)
     if offload is not None and offload.optimizer_on_host and train.optimizer != "adamw":
         raise ConfigError(f"optimizer_on_host keeps AdamW's fp32 moments on the host; optimizer={train.optimizer!r} "
                           f"keeps its 8-bit moments on the GPU. Use one or the other")
@@ -176,7 +179,7 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
     if chunks > 1:
         cb.log(f"finer recompute: token-wise block parts in {chunks} checkpointed chunks")
     compiled = _compile_blocks(model, family, offload, cb)  # undone in the finally below
-    optimizer = _make_optimizer(params, train, host_moments)
+    optimizer = make_optimizer(params, train, host_moments)
     scheduler = _make_scheduler(optimizer, train)
 
     # Every rank builds the same seed-determined stream and takes its share (all of it in one process).
@@ -244,6 +247,7 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
         sampler = Sampler(sampling, dataset, family, model, device, dtype, sample_dir, cb)
     pinned_gb = (sum(p.pinned_host_bytes for p in getattr(handle.plan, "plans", (handle.plan,))) / 1e9
                  if handle is not None else 0.0)
+    timer = StepTimer(device)
     start = time.perf_counter()
     model.train()
     try:
@@ -252,12 +256,15 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
                 _take_samples(sampler, 0, autocast, result)  # the base model, before any step
             for step in range(first, train.steps + 1):
                 t0 = time.perf_counter()
+                timer.start()
                 loss_sum, stopped = 0.0, False
                 for micro in range(train.gradient_accumulation):
                     # Noise, timesteps and flips are keyed by the global micro-batch index (batching.py).
                     gen = micro_generator(train.seed, ranks.global_micro_index(drawn))
                     drawn += 1
+                    t_data = time.perf_counter()
                     latents, embeds = _load_batch(dataset, next(batches), device, dtype, gen)
+                    timer.add_data(time.perf_counter() - t_data)
                     loss_sum += _micro_step(model, family, latents, embeds, train, gen, autocast,
                                             1.0 / train.gradient_accumulation, micro_batch)
                     # Between micro-steps too: with long accumulation, Stop must not wait a whole step.
@@ -269,6 +276,7 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
                     result.interrupted = True
                     cb.log(f"stopped during step {step}/{train.steps} on request; keeping {step - 1} steps")
                     break
+                timer.mark("backward")
                 ranks.average_gradients(params)  # data parallel: every rank takes the same step
                 loss_sum = ranks.mean(loss_sum, device)
                 grad_norm = _clip(params, train.max_grad_norm)
@@ -281,6 +289,7 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
+                timer.mark("optimizer")
                 if device.type == "cuda":
                     for d in devices:
                         torch.cuda.synchronize(d)
@@ -288,6 +297,10 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
                     handle.end_step()
                     if step <= 2:  # step 2: steady state, the AdamW moments exist during backward
                         cb.log(handle.peak_report(step))
+                stalls = getattr(handle, "step_stall_s", None)
+                breakdown = timer.finish(stalls[-1] if stalls else 0.0)
+                if step == first + 1:  # the first step warms up (and compiles); the second is typical
+                    cb.log(describe_step(breakdown))
                 result.loss_history.append(loss_sum / train.gradient_accumulation)
                 result.lr_history.append(scheduler.get_last_lr()[0])
                 result.steps = step
@@ -300,7 +313,7 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
                 try:  # ComfyUI's progress hook raises its interrupt here too: keep this step
                     cb.on_step(StepInfo(step, train.steps, result.loss_history[-1], result.lr_history[-1],
                                         grad_norm, time.perf_counter() - t0, peak, pinned_gb,
-                                        sampler.seconds if sampler is not None else 0.0))
+                                        sampler.seconds if sampler is not None else 0.0, breakdown))
                 except BaseException:
                     if step < train.steps:
                         save_state()
@@ -385,13 +398,18 @@ def _place_split(model, family, variant, dataset, lora, train, offload, split, c
     """Split mode: plan the cut from each device's budget, attach LoRA, place and stream both parts."""
     from ..offload.footprint import measure_footprint, workload_for
     from ..offload.host import physical_ram_bytes
-    from ..parallel.split import apply_split, plan_split, split_budgets, trainable_per_block
+    from ..parallel.split import (
+        apply_split,
+        plan_split,
+        split_budgets,
+        trainable_per_block,
+    )
 
     model.enable_gradient_checkpointing()
     params = attach_lora(model, family, lora, train.seed)  # fp32, on the CPU: placed with their blocks below
     try:
         fp = measure_footprint(model, family, f"{family.display_name} ({variant})")
-        fp.lora_bytes_per_param = _lora_bytes_per_param(train)
+        fp.lora_bytes_per_param = lora_bytes_per_param(train)
         per_block, outside = trainable_per_block(model, family)
         plan = plan_split(fp, per_block, outside, workload_for(dataset, family, variant, train.batch_size), offload,
                           tuple(torch.device(d) for d in split.devices), split_budgets(split, offload),
@@ -431,7 +449,7 @@ def _plan(fp, family, variant, dataset, train: TrainConfig, offload: OffloadConf
     from ..offload.plan import make_plan
     from ..offload.streamer import resolve_budget_bytes
 
-    fp.lora_bytes_per_param = _lora_bytes_per_param(train)
+    fp.lora_bytes_per_param = lora_bytes_per_param(train)
     if train.optimizer != "adamw":  # host-held moments are AdamW's fp32 ones: auto must not count on them
         from dataclasses import replace
 
@@ -479,14 +497,6 @@ def _compile_blocks(model, family, offload: OffloadConfig | None, cb):
     return compile_blocks(model, family, offload.activation_memory_budget)
 
 
-def _check_optimizer(train: TrainConfig, device: torch.device) -> None:
-    if train.optimizer == "adamw8bit" and device.type != "cuda":
-        raise ConfigError(
-            "optimizer='adamw8bit' saves GPU memory and runs on CUDA only; training runs on "
-            f"{device}: use optimizer='adamw'"
-        )
-
-
 def _memory_options(handle, offload: OffloadConfig | None, split, device: torch.device) -> tuple[int, bool, int]:
     """(token chunks for the recompute, AdamW moments on the host, samples per forward: 0 = all): from the
     plan when blocks stream (auto may have chosen them), else as set in Offload Config. Host moments need a
@@ -501,25 +511,6 @@ def _memory_options(handle, offload: OffloadConfig | None, split, device: torch.
     else:
         chunks, host, micro = 1, False, 0
     return chunks, host and device.type == "cuda", micro
-
-
-def _make_optimizer(params, train: TrainConfig, host_moments: bool = False):
-    if host_moments:
-        from .host_moments import HostMomentsAdamW
-
-        return HostMomentsAdamW(params, lr=train.learning_rate, weight_decay=train.weight_decay)
-    if train.optimizer == "adamw8bit":
-        try:
-            from torchao.optim import AdamW8bit  # blockwise 8-bit moments, from a well-kept library
-        except ImportError as exc:
-            raise ConfigError(f"optimizer='adamw8bit' needs torchao ({exc}); pip install torchao") from exc
-        return AdamW8bit(params, lr=train.learning_rate, weight_decay=train.weight_decay)
-    return torch.optim.AdamW(params, lr=train.learning_rate, weight_decay=train.weight_decay)
-
-
-def _lora_bytes_per_param(train: TrainConfig) -> float:
-    # fp32 param + fp32 grad + moments: 8 bytes (fp32) or ~2.1 (8-bit, with block scales)
-    return 8 + (2.1 if train.optimizer == "adamw8bit" else 8)
 
 
 def _micro_step(model, family, latents, embeds, cfg: TrainConfig, gen: torch.Generator, autocast,
