@@ -128,9 +128,11 @@ def test_compile_settings_are_checked():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_inductor_compiled_training_matches_eager_on_gpu(tiny_pipeline, one_image_cache):
-    """The real backend: a compiled run's losses and LoRA weights match eager within bf16 tolerance."""
+    """The real backend, in fp32 so that a wrong gradient is not hidden in bf16 noise: a compiled run's
+    losses and learned weights match eager. (bf16 on Flux.1-dev: bench/RESULTS.md's loss curves.)"""
     def run(**kw):
-        return train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), one_image_cache, LoraSettings(rank=4),
+        return train_lora(ModelConfig(transformer_path=str(tiny_pipeline), dtype="fp32"), one_image_cache,
+                          LoraSettings(rank=4),
                           TrainConfig(steps=4, device="cuda", learning_rate=1e-3),
                           offload=OffloadConfig(mode="resident", **kw))
 
@@ -138,10 +140,10 @@ def test_inductor_compiled_training_matches_eager_on_gpu(tiny_pipeline, one_imag
     for budget in (1.0, 0.5):
         compiled = run(compile="blocks", activation_memory_budget=budget)
         assert compiled.settings["compile"]["graphs"] > 0
-        assert compiled.loss_history == pytest.approx(eager.loss_history, rel=2e-2), (budget, compiled.loss_history,
+        assert compiled.loss_history == pytest.approx(eager.loss_history, rel=1e-3), (budget, compiled.loss_history,
                                                                                      eager.loss_history)
         # lora_B starts at zero, so its value is what training learned: compare that, relative to its size
         for k, v in eager.state_dict.items():
             if "lora_B" in k:
                 err = float((compiled.state_dict[k].float() - v.float()).norm() / v.float().norm().clamp_min(1e-12))
-                assert err < 0.05, (budget, k, err)
+                assert err < 1e-2, (budget, k, err)

@@ -35,14 +35,18 @@ def make_optimizer(params, train: TrainConfig, host_moments: bool = False):
 
 def flatten_params(params: list[torch.nn.Parameter], multiple: int = 1) -> torch.nn.Parameter:
     """One fp32 parameter whose data and gradient hold every parameter of ``params`` (which become
-    views into it, gradients included). ``params`` must share a device and dtype."""
+    views into it, gradients included). ``params`` must share a device and dtype. Each one starts at
+    a multiple of ``multiple`` (zero padding between), so no quantization block of the flat buffer
+    mixes two tensors: a block-aligned tensor gets exactly the blocks it would get on its own."""
     devices = {(p.device, p.dtype) for p in params}
     if len(devices) != 1:
         raise ConfigError(f"one flat optimizer buffer needs the trainable weights on one device and dtype, got "
                           f"{sorted(str(d) for d in devices)}; use optimizer='adamw'")
     (device, dtype), = devices
-    total = sum(p.numel() for p in params)
-    total += -total % multiple
+    def padded(n: int) -> int:
+        return n + (-n % multiple)
+
+    total = sum(padded(p.numel()) for p in params)
     flat = torch.nn.Parameter(torch.zeros(total, device=device, dtype=dtype))
     flat.grad = torch.zeros_like(flat)
     offset = 0
@@ -52,7 +56,7 @@ def flatten_params(params: list[torch.nn.Parameter], multiple: int = 1) -> torch
             flat[offset:offset + n].copy_(p.reshape(-1))
             p.data = flat.data[offset:offset + n].view_as(p)
             p.grad = flat.grad[offset:offset + n].view_as(p)
-            offset += n
+            offset += padded(n)
     return flat
 
 
