@@ -55,7 +55,7 @@ class LowVRAMOffloadConfig:
                     "default": "auto", "tooltip": _help("optimizer_on_host", "auto = let the planner choose.")}),
                 "micro_batch_size": ("INT", {"default": 0, "min": 0, "max": 64,
                                              "tooltip": _help("micro_batch_size", "0 = let the planner choose.")}),
-                "compile": (list(COMPILE_MODES), {"default": "off", "tooltip": _help("compile")}),
+                "compile": (list(COMPILE_MODES), {"default": "auto", "tooltip": _help("compile")}),
                 "activation_memory_budget": ("FLOAT", {"default": 1.0, "min": 0.05, "max": 1.0, "step": 0.05,
                                                        "tooltip": _help("activation_memory_budget")}),
             }
@@ -64,7 +64,7 @@ class LowVRAMOffloadConfig:
     def configure(self, mode: str = "auto", vram_budget_gb: float = 0.0, resident_blocks: int = -1,
                   prefetch_depth: int = 0, activation_offload: str = "auto", gradient_checkpointing: bool = True,
                   max_pinned_fraction: float = 0.8, int8_compute: str = "dequant", recompute_chunks: int = 0,
-                  optimizer_on_host: str = "auto", micro_batch_size: int = 0, compile: str = "off",
+                  optimizer_on_host: str = "auto", micro_batch_size: int = 0, compile: str = "auto",
                   activation_memory_budget: float = 1.0):
         from ..engine.offload import OffloadConfig
 

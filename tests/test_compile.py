@@ -117,12 +117,12 @@ def test_train_lora_with_compiled_blocks_trains_like_eager(tiny_pipeline, one_im
 
 
 def test_compile_settings_are_checked():
-    with pytest.raises(ConfigError, match="not one of off, blocks"):
+    with pytest.raises(ConfigError, match="not one of auto, off, blocks"):
         OffloadConfig(compile="yes")
     with pytest.raises(ConfigError, match=r"must be in \(0, 1\]"):
         OffloadConfig(compile="blocks", activation_memory_budget=float("nan"))
     with pytest.raises(ConfigError, match="compiled blocks only"):
-        OffloadConfig(activation_memory_budget=0.5)
+        OffloadConfig(compile="off", activation_memory_budget=0.5)
 
 
 @pytest.mark.gpu
@@ -147,3 +147,25 @@ def test_inductor_compiled_training_matches_eager_on_gpu(tiny_pipeline, one_imag
             if "lora_B" in k:
                 err = float((compiled.state_dict[k].float() - v.float()).norm() / v.float().norm().clamp_min(1e-12))
                 assert err < 1e-2, (budget, k, err)
+
+
+def test_compile_auto_stays_eager_where_it_would_not_pay(tiny_pipeline, one_image_cache):
+    from lowvram_lora.engine.train.compile import AUTO_MIN_STEPS
+
+    result = train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), one_image_cache, LoraSettings(rank=4),
+                        TrainConfig(steps=2, device="cpu"), offload=OffloadConfig())  # compile='auto' by default
+    assert OffloadConfig().compile == "auto" and AUTO_MIN_STEPS > 2
+    assert "compile" not in result.settings  # nothing was compiled on the CPU
+
+
+def test_compile_auto_decision(monkeypatch):
+    from lowvram_lora.engine.train.compile import AUTO_MIN_STEPS, why_not_auto
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(compile_mod, "triton_available", lambda: True)
+    assert why_not_auto(cuda, AUTO_MIN_STEPS, split=False) is None
+    assert "steps" in why_not_auto(cuda, AUTO_MIN_STEPS - 1, split=False)
+    assert "Split" in why_not_auto(cuda, 1000, split=True)
+    assert "CUDA" in why_not_auto(torch.device("cpu"), 1000, split=False)
+    monkeypatch.setattr(compile_mod, "triton_available", lambda: False)
+    assert "Triton" in why_not_auto(cuda, 1000, split=False)

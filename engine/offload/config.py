@@ -15,7 +15,7 @@ MODES = ("auto", "resident", "stream")
 #: How int8 slab layers multiply (engine/slab/w8a8.py).
 INT8_COMPUTE_MODES = ("dequant", "w8a8", "fp8")
 #: What torch.compile applies to (engine/train/compile.py).
-COMPILE_MODES = ("off", "blocks")
+COMPILE_MODES = ("auto", "off", "blocks")
 
 
 @dataclass
@@ -73,11 +73,12 @@ class OffloadConfig:
         "accumulated, which gives the same gradient as the whole batch with activations for one piece "
         "(Flux.1-dev at 2048, batch 2: the VRAM of batch 1). None: the whole batch, or 1 when auto needs it."
     )})
-    compile: str = field(default="off", metadata={"help": (
+    compile: str = field(default="auto", metadata={"help": (
         "blocks: torch.compile each transformer block's own computation (fused norms, modulation, activations "
-        "and LoRA adds), once per block type; streaming and activation offload keep working around it. The "
-        "first step also compiles (tens of seconds; the log says how long and how many graphs). CUDA only. "
-        "off: eager."
+        "and LoRA adds), once per block type; streaming and activation offload keep working around it. "
+        "Measured on an H100 (Flux.1-dev, 1024): 0.67x the eager step time; the first step compiles (about "
+        "40-55 s, the log says how long). On CUDA it needs Triton; on the CPU inductor builds C++ (slow to start). auto: blocks on a CUDA GPU with Triton for runs "
+        "of 200 steps or more (where the compile time pays back), else off. off: eager."
     )})
     activation_memory_budget: float = field(default=1.0, metadata={"help": (
         "compile=blocks only: torch's activation-memory budget for the compiled blocks (0..1). 1 keeps what "

@@ -32,6 +32,29 @@ from torch import nn
 
 #: The backend; tests use "aot_eager" (the same graph capture and autograd split, no code generation).
 DEFAULT_BACKEND = "inductor"
+#: compile='auto' compiles runs of at least this many steps: the first step's ~40-55 s of compiling
+#: (H100, Flux.1-dev) is paid back by ~0.3 s saved per step at 1024 (bench/RESULTS.md).
+AUTO_MIN_STEPS = 200
+
+
+def triton_available() -> bool:
+    """inductor generates Triton kernels for CUDA; without Triton (e.g. many Windows installs) it cannot."""
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+def why_not_auto(device: torch.device, steps: int, split: bool) -> str | None:
+    """compile='auto': None when the blocks should be compiled, else why not (logged)."""
+    if device.type != "cuda":
+        return "not on a CUDA GPU"
+    if not triton_available():
+        return "Triton is not installed"
+    if split:
+        return "Dual-GPU Split trains eager"
+    if steps < AUTO_MIN_STEPS:
+        return f"fewer than {AUTO_MIN_STEPS} steps: the compile time would not pay back"
+    return None
 _last_budget: list[float] = []
 
 

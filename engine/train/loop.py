@@ -178,7 +178,7 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
     recompute = install_chunked_recompute(model, family, chunks)  # undone in the finally below
     if chunks > 1:
         cb.log(f"finer recompute: token-wise block parts in {chunks} checkpointed chunks")
-    compiled = _compile_blocks(model, family, offload, cb)  # undone in the finally below
+    compiled = _compile_blocks(model, family, offload, train, device, split, cb)  # undone in the finally below
     optimizer = make_optimizer(params, train, host_moments)
     scheduler = _make_scheduler(optimizer, train)
 
@@ -487,14 +487,24 @@ def _check_int8_compute(offload: OffloadConfig | None, device: torch.device) -> 
             raise ConfigError(f"int8_compute='fp8': {why}. Use int8_compute='dequant'")
 
 
-def _compile_blocks(model, family, offload: OffloadConfig | None, cb):
-    """torch.compile of the blocks' forwards when Offload Config asks for it (engine/train/compile.py)."""
-    from .compile import NoCompile, compile_blocks
+def _compile_blocks(model, family, offload: OffloadConfig | None, train: TrainConfig, device: torch.device,
+                    split, cb):
+    """torch.compile of the blocks' forwards when Offload Config asks for it, or auto finds it pays
+    (engine/train/compile.py)."""
+    from .compile import NoCompile, compile_blocks, why_not_auto
 
-    if offload is None or offload.compile == "off":
+    mode = offload.compile if offload is not None else "auto"
+    if mode == "auto":
+        why_not = why_not_auto(device, train.steps, split is not None)
+        if why_not is not None:
+            if device.type == "cuda":
+                cb.log(f"compile auto: off ({why_not})")
+            return NoCompile()
+        mode = "blocks"
+    if mode == "off":
         return NoCompile()
     cb.log("compile='blocks': each block type compiles on its first use (the first step takes longer)")
-    return compile_blocks(model, family, offload.activation_memory_budget)
+    return compile_blocks(model, family, offload.activation_memory_budget if offload is not None else 1.0)
 
 
 def _memory_options(handle, offload: OffloadConfig | None, split, device: torch.device) -> tuple[int, bool, int]:
