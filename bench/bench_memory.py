@@ -4,8 +4,8 @@ against the resident row of the same run. Random full-size model built in GPU me
 Modes (``--modes``), run in order for every resolution:
 
 - ``resident``: bf16, every weight on the GPU (the baseline of the run; skip it at large batch);
-- ``stream-k<K>[-act][-c<N>][-host]``: stream with prefetch K, activation offload, recompute in N token
-  chunks, AdamW moments on the host;
+- ``stream-k<K>[-act][-c<N>][-host][-b<B>]``: stream with prefetch K, activation offload, recompute in N
+  token chunks, AdamW moments on the host, compiled blocks at activation-memory budget B (else eager);
 - ``auto-<GB>``: ``auto`` at that budget (it picks chunks / host moments when it needs them).
 
 ``--precision int8`` converts the blocks to int8 slab layers after the bf16 modes (list ``resident`` first).
@@ -34,7 +34,7 @@ from train_bench import (  # noqa: E402
     write_synthetic_cache,
 )
 
-STREAM = re.compile(r"^stream-k(\d)(-act)?(?:-c(\d+))?(-host)?$")
+STREAM = re.compile(r"^stream-k(\d)(-act)?(?:-c(\d+))?(-host)?(?:-b([0-9.]+))?$")
 
 
 def parse_args(argv=None):
@@ -92,8 +92,9 @@ def offload_for(mode: str):
         return None
     m = STREAM.match(mode)
     if m:
+        compiled = {"compile": "blocks", "activation_memory_budget": float(m[5])} if m[5] else {"compile": "off"}
         return OffloadConfig(mode="stream", prefetch_depth=int(m[1]), activation_offload=bool(m[2]),
-                             recompute_chunks=int(m[3]) if m[3] else None, optimizer_on_host=bool(m[4]))
+                             recompute_chunks=int(m[3]) if m[3] else None, optimizer_on_host=bool(m[4]), **compiled)
     if mode.startswith("auto-"):
         return OffloadConfig(mode="auto", vram_budget_gb=float(mode[len("auto-"):]))
     raise SystemExit(f"unknown mode {mode!r}")
