@@ -9,7 +9,9 @@ Modes (``--modes``), in order:
 - ``int8-resident``: block Linears int8 on the GPU;
 - ``int8-stream-k<K>[-act]``: blocks int8 in pinned host memory, streamed, optional activation offload;
 - ``int8-auto-<GB>``: ``auto`` at a VRAM budget;
-- ``bf16-auto-<GB>``: ``auto`` with bf16 blocks (run before the int8 conversion).
+- ``bf16-auto-<GB>``: ``auto`` with bf16 blocks (run before the int8 conversion);
+- a ``-b<budget>`` suffix on any of them compiles the blocks (``compile='blocks'``) at that
+  activation-memory budget; without it they run eager.
 
 The copy floor of a streamed row is ``bytes streamed per step / --pinned-gbps`` (DESIGN.md §5:
 55 GB/s pinned host->GPU on these machines), printed beside each streamed row.
@@ -119,6 +121,10 @@ def main(argv=None) -> int:
     precision = "bf16"
     for mode in args.modes:
         kind, _, placement = mode.partition("-")
+        compiled = {"compile": "off"}  # "-b<budget>" last: compiled blocks at that activation-memory budget
+        head, sep, tail = placement.rpartition("-b")
+        if sep and tail.replace(".", "", 1).isdigit():
+            placement, compiled = head, {"compile": "blocks", "activation_memory_budget": float(tail)}
         if kind == "int8" and precision == "bf16":
             t = time.perf_counter()
             to_int8_on_host(model, family, device)
@@ -131,12 +137,13 @@ def main(argv=None) -> int:
 
             for _, block in named_blocks(model, family):
                 block.to(device)
-            offload = None
+            offload = OffloadConfig(mode="resident", **compiled)
         elif placement.startswith("stream-k"):
             spec = placement[len("stream-k"):]
-            offload = OffloadConfig(mode="stream", prefetch_depth=int(spec[0]), activation_offload=spec.endswith("-act"))
+            offload = OffloadConfig(mode="stream", prefetch_depth=int(spec[0]), activation_offload=spec.endswith("-act"),
+                                    **compiled)
         elif placement.startswith("auto-"):
-            offload = OffloadConfig(mode="auto", vram_budget_gb=float(placement[len("auto-"):]))
+            offload = OffloadConfig(mode="auto", vram_budget_gb=float(placement[len("auto-"):]), **compiled)
         else:
             raise SystemExit(f"unknown mode {mode!r}")
         for res in args.res:
