@@ -153,3 +153,27 @@ def test_w8a8_cuda_matches_dequant_within_tolerance(backward):
     y.backward(g)
     y_ref.backward(g)
     assert _rel(x.grad, x_ref.grad) < (0.03 if backward == "int8" else 0.01)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["fp8", "w8a8"])
+def test_slab_compute_inside_a_compiled_region_matches_eager(mode):
+    """Compiled blocks trace through the slab layers: the compiled layer gives eager's values and grad."""
+    from lowvram_lora.engine.slab.w8a8 import fp8_support_error
+
+    if mode == "fp8" and fp8_support_error(0) is not None:
+        pytest.skip(fp8_support_error(0))
+    layer = _layer(3072, 3072, device="cuda")
+    set_int8_compute(layer, mode)
+    x = torch.randn(1024, 3072, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def f(t):
+        return torch.nn.functional.gelu(layer(t * 2))
+
+    ref = f(x)
+    (gx_ref,) = torch.autograd.grad(ref.float().square().sum(), x)
+    compiled = torch.compile(f)
+    out = compiled(x)
+    (gx,) = torch.autograd.grad(out.float().square().sum(), x)
+    assert _rel(out, ref) < 1e-2 and _rel(gx, gx_ref) < 1e-2

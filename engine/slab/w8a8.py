@@ -255,7 +255,9 @@ class Fp8LinearFunction(torch.autograd.Function):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).contiguous()
         xq, sx = quantize_per_row(x2, dtype=FP8)
-        wq = weight_int8.to(FP8)  # (N, K) row-major = (K, N) column-major; exact up to e4m3's 3 mantissa bits
+        # (N, K) row-major = (K, N) column-major. Through bf16 (exact for int8): Triton, which inductor
+        # generates for compiled blocks, has no direct int8 -> fp8 cast.
+        wq = weight_int8.to(torch.bfloat16).to(FP8)
         y = fp8_matmul(xq, wq.t(), sx, weight_scale, bias, x.dtype)
         del xq, wq
         ctx.save_for_backward(weight_int8, weight_scale)
@@ -272,7 +274,7 @@ class Fp8LinearFunction(torch.autograd.Function):
             n, k = weight_int8.shape
             gq, sg = quantize_per_row(g2, col_scale=weight_scale, dtype=FP8)  # sw[n] folded in, as w8a8
             wt = torch.empty((k, n), dtype=FP8, device=weight_int8.device)
-            wt.copy_(weight_int8.t())  # cast + transpose in one pass: (K, N) row-major = (N, K) column-major
+            wt.copy_(weight_int8.t().to(torch.bfloat16))  # (K, N) row-major = (N, K) column-major
             grad_x = fp8_matmul(gq, wt.t(), sg, _ones(k, g2.device), None, ctx.x_dtype)
             del gq, wt
             grad_x = grad_x.reshape(*grad_out.shape[:-1], k)
