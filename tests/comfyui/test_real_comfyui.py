@@ -178,6 +178,21 @@ def test_demo_api_twin_runs(comfy, tmp_path):
     assert len(list((comfy.base / "output" / "loras").glob("demo_api_*_.safetensors"))) == 1
 
 
+def test_compiled_blocks_train_inside_comfyui(comfy, tmp_path):
+    """Offload Config compile='blocks' through comfy run: torch.compile (inductor, here on the CPU) under
+    ComfyUI's inference mode, and the progress log says what was compiled."""
+    graph = json.loads((comfy.pack / "workflows" / "api" / "demo_tiny_lora.json").read_text())
+    graph["3"]["inputs"]["compile"] = "blocks"
+    graph["4"]["inputs"].update(steps=4, sample_every=0)
+    graph["5"]["inputs"]["filename_prefix"] = "loras/demo_compiled"
+    (tmp_path / "compiled.json").write_text(json.dumps(graph))
+    done = comfy.comfy_run(tmp_path / "compiled.json", timeout=900)
+    log = json.dumps(_server_log(comfy.port))
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:], log[-4000:])
+    assert "compiled blocks:" in log and "the first step took" in log, log[-3000:]
+    assert len(list((comfy.base / "output" / "loras").glob("demo_compiled_*_.safetensors"))) == 1
+
+
 def _dp_workers() -> list[int]:
     """Live data-parallel worker processes (started by the ComfyUI server)."""
     out = []
