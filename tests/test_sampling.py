@@ -107,3 +107,26 @@ def test_our_sampler_matches_diffusers_flux2_pipeline(tiny_flux2):
                           device=torch.device("cpu"), dtype=torch.float32)
     b, c, h, w = ours.shape
     torch.testing.assert_close(ours.reshape(b, c, h * w).permute(0, 2, 1), theirs, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_sampling_during_a_compiled_streamed_run_on_gpu(tiny_pipeline, prompt_cache, tmp_path):
+    """compile='auto' compiles long runs, and shipped workflows sample: the compiled blocks also serve the
+    sampler's no-grad forwards (another graph), with blocks streaming."""
+    from lowvram_lora.engine.offload import OffloadConfig
+
+    logs = []
+
+    class CB:
+        def on_progress(self, *a): pass
+        def on_step(self, info): pass
+        def log(self, m): logs.append(m)
+        def should_stop(self): return False
+        def on_sample(self, step, grid, path): pass
+
+    result = train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), prompt_cache,
+                        LoraSettings(rank=4, alpha=4), TrainConfig(steps=4, learning_rate=5e-3, device="cuda"), CB(),
+                        offload=OffloadConfig(mode="stream", compile="blocks"),
+                        sampling=SamplingConfig(every=2, steps=2, resolution=64, seed=1), sample_dir=tmp_path)
+    assert len(result.sample_grids) == 3 and result.settings["compile"]["graphs"] > 0, logs
