@@ -211,7 +211,8 @@ def render(rows: list[dict]) -> str:
         out.append("## Where the step time goes (engine/train/step_timing.py)\n")
         out.append("Median of the timed steps. compute: forward + backward on the GPU (CUDA events), of which copy "
                    "stall: waiting for streamed blocks; optimizer: averaging, clipping, the step; host: the rest of the "
-                   "wall time (Python, synchronisations, kernels launched too slowly to keep the GPU busy).\n")
+                   "wall time (Python, synchronisations, data before the first kernel). Idle gaps between kernels "
+                   "inside the compute span count as compute: this table cannot show launch-bound steps.\n")
         out.append("| date | gpu | res | mode | step s | compute | copy stall | optimizer | data | host | command |")
         out.append("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in timed:

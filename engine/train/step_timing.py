@@ -5,8 +5,9 @@
     optimizer   GPU: gradient averaging, clipping, the optimizer step (CUDA events)
     copy stall  GPU: of compute, the time the compute stream waited for a streamed block's copy
                 (the block streamer's own events; 0 when nothing streams)
-    host        the rest of the wall time: Python, synchronisations, and the GPU idling between
-                kernels it was launched too slowly to fill (launch-bound steps show it here)
+    host        the rest of the wall time: Python, synchronisations, work before the first kernel.
+                Idle gaps between kernels inside the compute span count as compute (events mark
+                the span, not the kernels): a kernel profile is needed to see a launch-bound step
 
 On the CPU there are no events: compute and optimizer are host time.
 Recording two events per step costs microseconds; the loop synchronises after each step anyway.
@@ -64,4 +65,4 @@ def describe(parts: dict[str, float]) -> str:
 
     return (f"step time {wall:.3f} s: compute {pct('compute')} of which waiting for block copies "
             f"{parts['copy_stall']:.3f} s, optimizer {pct('optimizer')}, data {parts['data']:.3f} s, "
-            f"host/launch gaps {pct('host')}")
+            f"host outside GPU work {pct('host')}")
