@@ -182,6 +182,13 @@ def test_split_on_the_cpu_trains_exactly_as_unsplit(tiny_pipeline, tiny_cache):
     assert not any(b._forward_pre_hooks for b in base.modules())
 
 
+def test_split_refuses_compiled_blocks_before_loading(tiny_pipeline, tiny_cache):
+    with pytest.raises(ConfigError, match="compile='blocks' is not supported with Dual-GPU Split"):
+        train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), tiny_cache, LoraSettings(rank=4),
+                   TrainConfig(steps=1, device="cpu"), offload=OffloadConfig(mode="resident", compile="blocks"),
+                   split=ParallelConfig(mode="split", devices=("cpu", "cpu"), cut=3))
+
+
 def test_split_hook_moves_nested_arguments():
     hook = _arguments_to(torch.device("meta"))
     args, kwargs = hook(None, (torch.ones(2), 3), {"rotary": (torch.ones(1), torch.ones(1)), "mod": [torch.ones(1)]})
