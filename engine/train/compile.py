@@ -55,6 +55,9 @@ def why_not_auto(device: torch.device, steps: int, split: bool) -> str | None:
     if steps < AUTO_MIN_STEPS:
         return f"fewer than {AUTO_MIN_STEPS} steps: the compile time would not pay back"
     return None
+
+
+#: The activation-memory budget of the last compile in this process (see compile_blocks).
 _last_budget: list[float] = []
 
 
