@@ -67,3 +67,20 @@ def block_inputs(model, family):
         latents = torch.randn(1, cfg.in_channels, 8, 8, generator=g)
         embeds = {"prompt_embeds": torch.randn(1, 7, cfg.joint_attention_dim, generator=g)}
     return family.model_inputs(model, latents, embeds, torch.tensor([0.4]), 1.0)
+
+
+class LogRecorder:
+    """A training callback that keeps the log lines (and the last step's info); stops never."""
+
+    def __init__(self):
+        self.logs, self.last = [], None
+
+    def on_progress(self, *args): pass
+
+    def on_step(self, info): self.last = info
+
+    def on_sample(self, step, grid, path): pass
+
+    def log(self, message): self.logs.append(message)
+
+    def should_stop(self): return False

@@ -12,7 +12,7 @@ from lowvram_lora.engine.train import compile as compile_mod
 from lowvram_lora.engine.train import train_lora
 from lowvram_lora.engine.train.lora_attach import attach_lora, detach_lora
 
-from helpers import block_inputs
+from helpers import LogRecorder, block_inputs
 
 
 @pytest.fixture(autouse=True)
@@ -90,26 +90,17 @@ def test_dropout_stays_out_of_compiled_blocks(tiny_pipeline):
 
 def test_train_lora_with_compiled_blocks_trains_like_eager(tiny_pipeline, one_image_cache, monkeypatch):
     monkeypatch.setattr(compile_mod, "DEFAULT_BACKEND", "aot_eager")
-    logs = []
-
-    class Log:
-        def log(self, msg):
-            logs.append(msg)
-
-        def __getattr__(self, name):
-            from lowvram_lora.engine.callbacks import TrainingCallback
-
-            return getattr(TrainingCallback(), name)
+    cb = LogRecorder()
 
     def run(offload):
         return train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), one_image_cache, LoraSettings(rank=4),
-                          TrainConfig(steps=3, device="cpu", learning_rate=1e-3), Log(), offload=offload)
+                          TrainConfig(steps=3, device="cpu", learning_rate=1e-3), cb, offload=offload)
 
     eager = run(OffloadConfig(mode="resident"))
     with torch.inference_mode():  # as ComfyUI runs every node
         compiled = run(OffloadConfig(mode="resident", compile="blocks", activation_memory_budget=0.5))
     assert compiled.settings["compile"]["graphs"] > 0
-    assert any("compiled blocks" in m and "first step took" in m for m in logs)
+    assert any("compiled blocks" in m and "first step took" in m for m in cb.logs)
     for a, b in zip(compiled.loss_history, eager.loss_history):
         assert a == pytest.approx(b, rel=1e-3)
     for k, v in eager.state_dict.items():

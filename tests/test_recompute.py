@@ -10,7 +10,7 @@ from lowvram_lora.engine.offload.recompute import install_chunked_recompute, run
 from lowvram_lora.engine.train import train_lora
 from lowvram_lora.engine.train.lora_attach import attach_lora, detach_lora
 
-from helpers import block_inputs
+from helpers import LogRecorder, block_inputs
 
 
 
@@ -57,16 +57,9 @@ def test_training_with_chunks_equals_whole_blocks(tiny_pipeline, tiny_cache):
     cfg = ModelConfig(transformer_path=str(tiny_pipeline))
     lora, train = LoraSettings(rank=4), TrainConfig(steps=3, learning_rate=2e-3, seed=1)
     whole = train_lora(cfg, tiny_cache, lora, train, offload=OffloadConfig(mode="resident"))
-    logs = []
-
-    class CB:
-        def on_progress(self, *a): pass
-        def on_step(self, info): pass
-        def log(self, m): logs.append(m)
-        def should_stop(self): return False
-
-    chunked = train_lora(cfg, tiny_cache, lora, train, CB(), offload=OffloadConfig(mode="resident", recompute_chunks=4))
-    assert any("4 checkpointed chunks" in m for m in logs)
+    cb = LogRecorder()
+    chunked = train_lora(cfg, tiny_cache, lora, train, cb, offload=OffloadConfig(mode="resident", recompute_chunks=4))
+    assert any("4 checkpointed chunks" in m for m in cb.logs)
     for k, v in whole.state_dict.items():
         torch.testing.assert_close(chunked.state_dict[k], v, rtol=1e-4, atol=1e-6)
 

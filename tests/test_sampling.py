@@ -12,6 +12,8 @@ from lowvram_lora.engine.sampling import SamplingConfig, sample_latents
 from lowvram_lora.engine.testing import make_tiny_dataset
 from lowvram_lora.engine.train import train_lora
 
+from helpers import LogRecorder
+
 PROMPTS = ("a red square", "a blue circle on white")
 
 
@@ -116,17 +118,9 @@ def test_sampling_during_a_compiled_streamed_run_on_gpu(tiny_pipeline, prompt_ca
     sampler's no-grad forwards (another graph), with blocks streaming."""
     from lowvram_lora.engine.offload import OffloadConfig
 
-    logs = []
-
-    class CB:
-        def on_progress(self, *a): pass
-        def on_step(self, info): pass
-        def log(self, m): logs.append(m)
-        def should_stop(self): return False
-        def on_sample(self, step, grid, path): pass
-
+    cb = LogRecorder()
     result = train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), prompt_cache,
-                        LoraSettings(rank=4, alpha=4), TrainConfig(steps=4, learning_rate=5e-3, device="cuda"), CB(),
+                        LoraSettings(rank=4, alpha=4), TrainConfig(steps=4, learning_rate=5e-3, device="cuda"), cb,
                         offload=OffloadConfig(mode="stream", compile="blocks"),
                         sampling=SamplingConfig(every=2, steps=2, resolution=64, seed=1), sample_dir=tmp_path)
-    assert len(result.sample_grids) == 3 and result.settings["compile"]["graphs"] > 0, logs
+    assert len(result.sample_grids) == 3 and result.settings["compile"]["graphs"] > 0, cb.logs

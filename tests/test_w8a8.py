@@ -7,7 +7,7 @@ from lowvram_lora.engine.errors import ConfigError
 from lowvram_lora.engine.slab import Int8Linear
 from lowvram_lora.engine.slab.int8_linear import set_int8_compute
 from lowvram_lora.engine.slab.w8a8 import (
-    FP8, Fp8LinearFunction, W8A8LinearFunction, fp8_mm_supported, int_mm_supported, quantize_per_row,
+    FP8, W8A8LinearFunction, fp8_mm_supported, int_mm_supported, quantize_per_row,
 )
 
 
@@ -33,7 +33,7 @@ def test_w8a8_forward_and_grad_input_match_the_dequant_path(backward):
     layer = _layer()
     x = torch.randn(3, 32, 64, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_(True)
-    y = W8A8LinearFunction.apply(x, layer.weight_int8, layer.weight_scale, layer.bias, backward)
+    y = W8A8LinearFunction.apply(x, layer.weight_int8, layer.weight_scale, layer.bias, "w8a8", backward)
     y_ref = layer(x_ref)  # dequant path (the module's default)
     assert y.shape == y_ref.shape == (3, 32, 48)
     assert _rel(y, y_ref) < 0.02
@@ -85,7 +85,7 @@ def test_fp8_forward_and_grad_input_match_the_dequant_path():
     layer = _layer()
     x = torch.randn(3, 32, 64, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_(True)
-    y = Fp8LinearFunction.apply(x, layer.weight_int8, layer.weight_scale, layer.bias)
+    y = W8A8LinearFunction.apply(x, layer.weight_int8, layer.weight_scale, layer.bias, "fp8")
     y_ref = layer(x_ref)
     assert y.shape == y_ref.shape == (3, 32, 48)
     assert 1e-4 < _rel(y, y_ref) < 0.06  # e4m3 is coarser than int8, but not wrong
@@ -127,8 +127,8 @@ def test_fp8_cuda_matches_the_cpu_arithmetic_and_dequant():
         y_ref = layer(x_ref)
     assert y.dtype == torch.bfloat16 and _rel(y, y_ref) < 0.05
     # the tensor cores give what the fp32 reference of the same operands gives
-    cpu = Fp8LinearFunction.apply(x.detach().float().cpu()[:, :64].to(torch.bfloat16), layer.weight_int8.cpu(),
-                                  layer.weight_scale.cpu(), layer.bias.cpu())
+    cpu = W8A8LinearFunction.apply(x.detach().float().cpu()[:, :64].to(torch.bfloat16), layer.weight_int8.cpu(),
+                                   layer.weight_scale.cpu(), layer.bias.cpu(), "fp8")
     assert _rel(y[:, :64].cpu(), cpu) < 0.01
     g = torch.randn_like(y)
     y.backward(g)

@@ -51,11 +51,11 @@ class OffloadConfig:
     )})
     int8_compute: str = field(default="dequant", metadata={"help": (
         "int8 slabs only: how slab layers multiply. dequant (default): the int8 weight is turned back into bf16 "
-        "just before a bf16 matmul (exact to the slab's weights). fp8: activations are quantized per token to fp8 "
-        "and the int8 weight is cast to fp8 (3 mantissa bits), multiplied on the fp8 tensor cores (CUDA, RTX 40xx / "
-        "L4 / H100 and newer): the fastest, at a small accuracy cost (bench/RESULTS.md). w8a8: the same with "
-        "int8 x int8; on the H100 its int8 kernels are slower than bf16, so it is kept for comparison. The LoRA "
-        "always trains in bf16/fp32."
+        "just before a bf16 matmul (exact to the slab's weights); the fastest measured. fp8: activations are "
+        "quantized per token to fp8 and the int8 weight is cast to fp8 (3 mantissa bits), multiplied on the fp8 "
+        "tensor cores (CUDA, RTX 40xx / L4 / H100 and newer). w8a8: the same with int8 x int8. Both were measured "
+        "slower than dequant on the H100 (Flux.1-dev 1024, resident: fp8 1.24 s, w8a8 1.33 s, dequant 1.05 s per "
+        "step) and fp8 triples the output error (bench/RESULTS.md). The LoRA always trains in bf16/fp32."
     )})
     recompute_chunks: Optional[int] = field(default=None, metadata={"help": (
         "Finer recompute: the token-wise parts of each block (feed-forwards; in Flux.1 single blocks everything "
@@ -77,8 +77,9 @@ class OffloadConfig:
         "blocks: torch.compile each transformer block's own computation (fused norms, modulation, activations "
         "and LoRA adds), once per block type; streaming and activation offload keep working around it. "
         "Measured on an H100 (Flux.1-dev, 1024): 0.67x the eager step time; the first step compiles (about "
-        "40-55 s, the log says how long). On CUDA it needs Triton; on the CPU inductor builds C++ (slow to start). auto: blocks on a CUDA GPU with Triton for runs "
-        "of 200 steps or more (where the compile time pays back), else off. off: eager."
+        "40-55 s, the log says how long). On CUDA it needs Triton; on the CPU inductor builds C++ (slow to "
+        "start). auto: blocks on a CUDA GPU with Triton for runs of 200 steps or more (where the compile time "
+        "pays back), else off. off: eager."
     )})
     activation_memory_budget: float = field(default=1.0, metadata={"help": (
         "compile=blocks only: torch's activation-memory budget for the compiled blocks (0..1). 1 keeps what "

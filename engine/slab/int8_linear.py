@@ -24,9 +24,7 @@ from torch import nn
 
 from .dequant import dequantize
 from .quantize import SCALE_DTYPE, quantize_rows
-from .w8a8 import (
-    INT8_COMPUTE_MODES, W8A8_BACKWARD_MODES, Fp8LinearFunction, W8A8LinearFunction, fp8_mm_supported, int_mm_supported,
-)
+from .w8a8 import INT8_COMPUTE_MODES, W8A8_BACKWARD_MODES, W8A8LinearFunction, fp8_mm_supported, int_mm_supported
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -106,16 +104,13 @@ class Int8Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.numel() else 0
-        if self.compute == "fp8" and fp8_mm_supported(rows, self.in_features, self.out_features):
+        quantized = (self.compute == "fp8" and fp8_mm_supported(rows, self.in_features, self.out_features)
+                     or self.compute == "w8a8" and int_mm_supported(rows, self.in_features, self.out_features, x.device))
+        if quantized:
             dtype = compute_dtype(x)
-            return Fp8LinearFunction.apply(x.to(dtype), self.weight_int8, self.weight_scale,
-                                           None if self.bias is None else self.bias.to(dtype))
-        if self.compute == "w8a8":
-            if int_mm_supported(rows, self.in_features, self.out_features, x.device):
-                dtype = compute_dtype(x)
-                return W8A8LinearFunction.apply(x.to(dtype), self.weight_int8, self.weight_scale,
-                                                None if self.bias is None else self.bias.to(dtype),
-                                                self.w8a8_backward)
+            return W8A8LinearFunction.apply(x.to(dtype), self.weight_int8, self.weight_scale,
+                                            None if self.bias is None else self.bias.to(dtype), self.compute,
+                                            self.w8a8_backward)
         return int8_linear(x, self.weight_int8, self.weight_scale, self.bias)
 
     def reset_parameters(self) -> None:  # nn.Linear API; weights come from a slab, never re-initialised

@@ -30,7 +30,8 @@ epilogue (no int32 round trip). grad_input folds ``sw`` into ``grad_out`` as abo
 e4m3 transposed copy of the weight (cuBLASLt wants the second operand column-major), made per call from
 the int8 weight and freed after it. Measured on the H100 (bench/logs/probe_int8_h100.log, 4608 x 3072 x
 12288): bf16 0.447 ms, ``torch._int_mm`` 0.575 ms (its int8 kernels reach 605 TOPS, below bf16's 780
-TFLOP/s), fp8 rowwise ``_scaled_mm`` 0.276 ms (1259 TFLOP/s). So on Hopper only fp8 beats bf16.
+TFLOP/s), fp8 rowwise ``_scaled_mm`` 0.276 ms (1259 TFLOP/s). So on Hopper only fp8's GEMM beats bf16's;
+with the quantization passes around it, a training step is still slower than dequant (README, bench/RESULTS.md).
 
 Why our own kernels and not torchao's ``Int8DynamicActivationInt8WeightConfig``:
 torchao's int8 dynamic-activation tensors have no backward to the input
@@ -193,46 +194,6 @@ def int8_matmul(aq: torch.Tensor, bq_t: torch.Tensor) -> torch.Tensor:
     return (aq.to(torch.int32) @ bq_t.to(torch.int32))
 
 
-class W8A8LinearFunction(torch.autograd.Function):
-    """y = x @ dequant(W)^T + b with int8 x int8 tensor-core matmuls; saves only W's int8 and scales."""
-
-    @staticmethod
-    def forward(ctx, x, weight_int8, weight_scale, bias, backward_mode: str):
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).contiguous()
-        xq, sx = quantize_per_row(x2)
-        acc = int8_matmul(xq, weight_int8.t())  # wq (N, K) row-major = (K, N) column-major: cuBLASLt's TN
-        del xq
-        y = scaled_int32(acc, sx, weight_scale, bias, x.dtype)
-        ctx.save_for_backward(weight_int8, weight_scale)
-        ctx.x_dtype, ctx.backward_mode = x.dtype, backward_mode
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        return y.reshape(*shape[:-1], weight_int8.shape[0])
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        weight_int8, weight_scale = ctx.saved_tensors
-        grad_x = grad_bias = None
-        g2 = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
-        if ctx.needs_input_grad[0]:
-            n, k = weight_int8.shape
-            if ctx.backward_mode == "int8" and int_mm_supported(g2.shape[0], n, k, g2.device):
-                gq, sg = quantize_per_row(g2, col_scale=weight_scale)  # fold sw[n] into the reduction axis
-                # (M, N) @ (N, K). cuBLASLt's int8 kernels want the second operand column-major: on the
-                # H100, wq as it is (row-major) ran at 120 TOPS, a transposed copy at 600 (probe log).
-                acc = int8_matmul(gq, weight_int8.t().contiguous().t())
-                del gq
-                grad_x = scaled_int32(acc, sg, None, None, ctx.x_dtype)
-            else:
-                from .dequant import dequantize
-
-                grad_x = g2.to(ctx.x_dtype) @ dequantize(weight_int8, weight_scale, ctx.x_dtype)
-            grad_x = grad_x.reshape(*grad_out.shape[:-1], weight_int8.shape[1])
-        if ctx.needs_input_grad[3]:
-            grad_bias = g2.sum(0).to(ctx.bias_dtype)
-        return grad_x, None, None, grad_bias, None
-
-
 def fp8_matmul(aq: torch.Tensor, bq_t: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """e4m3 (M, K) @ e4m3 (K, N, column-major) * scale_a[:, None] * scale_b[None, :] + bias, as ``dtype``:
@@ -248,21 +209,36 @@ def _ones(n: int, device: torch.device) -> torch.Tensor:
     return torch.ones(n, dtype=torch.float32, device=device)
 
 
-class Fp8LinearFunction(torch.autograd.Function):
-    """y = x @ dequant(W)^T + b on the fp8 tensor cores; saves only W's int8 and scales."""
+def _fp8_weight(weight_int8: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+    """The int8 weight as e4m3, column-major for cuBLASLt's second operand: (N, K) row-major read as
+    (K, N) for forward, or a transposed copy (K, N) read as (N, K) for grad_input. Through bf16 (exact for
+    int8): Triton, which inductor generates for compiled blocks, has no direct int8 -> fp8 cast."""
+    if not transposed:
+        return weight_int8.to(torch.bfloat16).to(FP8)
+    n, k = weight_int8.shape
+    wt = torch.empty((k, n), dtype=FP8, device=weight_int8.device)
+    return wt.copy_(weight_int8.t().to(torch.bfloat16))
+
+
+class W8A8LinearFunction(torch.autograd.Function):
+    """y = x @ dequant(W)^T + b with activations quantized per token and multiplied on the int8
+    (``compute="w8a8"``) or fp8 (``compute="fp8"``) tensor cores; saves only W's int8 and scales.
+    ``backward_mode`` (w8a8 only): grad_input in int8 or with the dequantized bf16 weight."""
 
     @staticmethod
-    def forward(ctx, x, weight_int8, weight_scale, bias):
+    def forward(ctx, x, weight_int8, weight_scale, bias, compute: str = "w8a8", backward_mode: str = "int8"):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).contiguous()
-        xq, sx = quantize_per_row(x2, dtype=FP8)
-        # (N, K) row-major = (K, N) column-major. Through bf16 (exact for int8): Triton, which inductor
-        # generates for compiled blocks, has no direct int8 -> fp8 cast.
-        wq = weight_int8.to(torch.bfloat16).to(FP8)
-        y = fp8_matmul(xq, wq.t(), sx, weight_scale, bias, x.dtype)
-        del xq, wq
+        if compute == "fp8":
+            xq, sx = quantize_per_row(x2, dtype=FP8)
+            y = fp8_matmul(xq, _fp8_weight(weight_int8).t(), sx, weight_scale, bias, x.dtype)
+        else:
+            xq, sx = quantize_per_row(x2)
+            acc = int8_matmul(xq, weight_int8.t())  # wq (N, K) row-major = (K, N) column-major: cuBLASLt's TN
+            y = scaled_int32(acc, sx, weight_scale, bias, x.dtype)
+        del xq
         ctx.save_for_backward(weight_int8, weight_scale)
-        ctx.x_dtype = x.dtype
+        ctx.x_dtype, ctx.compute, ctx.backward_mode = x.dtype, compute, backward_mode
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y.reshape(*shape[:-1], weight_int8.shape[0])
 
@@ -273,12 +249,21 @@ class Fp8LinearFunction(torch.autograd.Function):
         g2 = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
         if ctx.needs_input_grad[0]:
             n, k = weight_int8.shape
-            gq, sg = quantize_per_row(g2, col_scale=weight_scale, dtype=FP8)  # sw[n] folded in, as w8a8
-            wt = torch.empty((k, n), dtype=FP8, device=weight_int8.device)
-            wt.copy_(weight_int8.t().to(torch.bfloat16))  # (K, N) row-major = (N, K) column-major
-            grad_x = fp8_matmul(gq, wt.t(), sg, _ones(k, g2.device), None, ctx.x_dtype)
-            del gq, wt
+            if ctx.compute == "fp8":
+                gq, sg = quantize_per_row(g2, col_scale=weight_scale, dtype=FP8)  # fold sw[n] into the reduction
+                grad_x = fp8_matmul(gq, _fp8_weight(weight_int8, transposed=True).t(), sg, _ones(k, g2.device),
+                                    None, ctx.x_dtype)
+            elif ctx.backward_mode == "int8" and int_mm_supported(g2.shape[0], n, k, g2.device):
+                gq, sg = quantize_per_row(g2, col_scale=weight_scale)  # fold sw[n] into the reduction axis
+                # (M, N) @ (N, K). cuBLASLt's int8 kernels want the second operand column-major: on the
+                # H100, wq as it is (row-major) ran at 120 TOPS, a transposed copy at 600 (probe log).
+                acc = int8_matmul(gq, weight_int8.t().contiguous().t())
+                grad_x = scaled_int32(acc, sg, None, None, ctx.x_dtype)
+            else:
+                from .dequant import dequantize
+
+                grad_x = g2.to(ctx.x_dtype) @ dequantize(weight_int8, weight_scale, ctx.x_dtype)
             grad_x = grad_x.reshape(*grad_out.shape[:-1], k)
         if ctx.needs_input_grad[3]:
             grad_bias = g2.sum(0).to(ctx.bias_dtype)
-        return grad_x, None, None, grad_bias
+        return grad_x, None, None, grad_bias, None, None

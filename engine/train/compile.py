@@ -118,9 +118,7 @@ def compile_blocks(model: nn.Module, family, budget: float = 1.0, backend: str |
     """Compile the forward of every block in ``family.block_lists(model)``.
 
     Call after LoRA is attached, chunked recompute installed and blocks are placed (the
-    forward compiled is the one the block has then)."""
-    if not 0.0 < budget <= 1.0:
-        raise ValueError(f"activation_memory_budget={budget} must be in (0, 1]")
+    forward compiled is the one the block has then). ``budget`` is checked by OffloadConfig."""
     if _last_budget and _last_budget[0] != budget:
         # The partitioner reads the budget when it compiles; code compiled under another budget would be
         # reused silently (the budget is not guarded), so start over.
