@@ -4,8 +4,9 @@ against the resident row of the same run. Random full-size model built in GPU me
 Modes (``--modes``), run in order for every resolution:
 
 - ``resident``: bf16, every weight on the GPU (the baseline of the run; skip it at large batch);
-- ``stream-k<K>[-act][-c<N>][-host][-b<B>]``: stream with prefetch K, activation offload, recompute in N
-  token chunks, AdamW moments on the host, compiled blocks at activation-memory budget B (else eager);
+- ``stream-k<K>[-act][-c<N>][-host][-m<M>][-b<B>]``: stream with prefetch K, activation offload, recompute in N
+  token chunks, AdamW moments on the host, each batch run M samples at a time, compiled blocks at
+  activation-memory budget B (else eager);
 - ``auto-<GB>``: ``auto`` at that budget (it picks chunks / host moments when it needs them).
 
 ``--precision int8`` converts the blocks to int8 slab layers after the bf16 modes (list ``resident`` first).
@@ -34,7 +35,7 @@ from train_bench import (  # noqa: E402
     write_synthetic_cache,
 )
 
-STREAM = re.compile(r"^stream-k(\d)(-act)?(?:-c(\d+))?(-host)?(?:-b([0-9.]+))?$")
+STREAM = re.compile(r"^stream-k(\d)(-act)?(?:-c(\d+))?(-host)?(?:-m(\d+))?(?:-b([0-9.]+))?$")
 
 
 def parse_args(argv=None):
@@ -54,21 +55,53 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def peak_breakdown(snapshot: dict, base_bytes: int, top: int = 18) -> str:
+MARK_BYTES = 512  # the allocator's smallest block: a marker allocation of (1 + block) of these per block visit
+
+
+def install_block_markers(model, family) -> list:
+    """A forward pre-hook on every block that allocates and frees a tiny tensor whose size names the block,
+    so the allocator trace says which block ran when (the hooks also fire at each backward recompute).
+    Bench only: it costs one 512-byte allocation per block visit."""
+    from lowvram_lora.engine.offload.footprint import named_blocks
+
+    hooks = []
+    for i, (_, block) in enumerate(named_blocks(model, family)):
+        def block_marker(module, args, i=i):
+            torch.empty(MARK_BYTES * (1 + i), dtype=torch.uint8, device="cuda")
+        hooks.append(block.register_forward_pre_hook(block_marker))
+    return hooks
+
+
+def peak_breakdown(snapshot: dict, base_bytes: int, kinds: list[str], top: int = 18) -> tuple[str, dict]:
     """Replay the allocator trace: the live allocations at the highest point, grouped by the first stack
-    frame outside torch (what made them). ``base_bytes`` were allocated before recording began."""
+    frame outside torch (what made them), and the highest point while each kind of block ran (its forward,
+    or its recompute + backward), from the block markers. ``base_bytes`` were allocated before recording."""
     from collections import Counter
 
     events = snapshot["device_traces"][torch.cuda.current_device()]
-    live, total, peak, at_peak = {}, 0, 0, {}
+    marker_sizes = {MARK_BYTES * (1 + i): i for i in range(len(kinds))}
+    live, total, peak, at_peak, block, peak_block = {}, 0, 0, {}, None, None
+    by_kind: dict[str, int] = {}
+
+    def is_marker(ev):  # by the frame that made it: other allocations can have a marker's size
+        return ev["size"] in marker_sizes and any(f["name"] == "block_marker" for f in ev.get("frames", []))
+
     for ev in events:
         if ev["action"] == "alloc":
+            if is_marker(ev):
+                block = marker_sizes[ev["size"]]
+                continue
             live[ev["addr"]] = ev
             total += ev["size"]
             if total > peak:
-                peak, at_peak = total, dict(live)
-        elif ev["action"] in ("free_completed",) and ev["addr"] in live:
-            total -= live.pop(ev["addr"])["size"]
+                peak, at_peak, peak_block = total, dict(live), block
+            if block is not None:
+                by_kind[kinds[block]] = max(by_kind.get(kinds[block], 0), total)
+        elif ev["action"] == "free_completed":
+            if ev["addr"] in live:
+                total -= live.pop(ev["addr"])["size"]
+            elif not is_marker(ev):  # allocated before recording began (counted in base_bytes)
+                total -= ev["size"]
 
     def where(ev):
         for f in ev.get("frames", []):
@@ -80,9 +113,15 @@ def peak_breakdown(snapshot: dict, base_bytes: int, top: int = 18) -> str:
     groups = Counter()
     for ev in at_peak.values():
         groups[where(ev)] += ev["size"]
-    lines = [f"allocated before recording: {base_bytes / 1e9:.2f} GB; at the peak {peak / 1e9:.2f} GB more, from:"]
+    kind_gb = {k: round((base_bytes + v) / 1e9, 3) for k, v in by_kind.items()}
+    lines = [f"allocated before recording: {base_bytes / 1e9:.2f} GB; at the peak {peak / 1e9:.2f} GB more "
+             f"({(base_bytes + peak) / 1e9:.2f} GB in all; allocations made before recording and freed since are "
+             f"subtracted, so the rows below can add up to more) "
+             f"(while block {peak_block} ran: {kinds[peak_block] if peak_block is not None else '?'}), from:"]
     lines += [f"  {b / 1e9:7.3f} GB  {w}" for w, b in groups.most_common(top)]
-    return "\n".join(lines)
+    lines.append("highest total while each kind of block ran: "
+                 + ", ".join(f"{k} {v:.2f} GB" for k, v in kind_gb.items()))
+    return "\n".join(lines), kind_gb
 
 
 def offload_for(mode: str):
@@ -92,9 +131,10 @@ def offload_for(mode: str):
         return None
     m = STREAM.match(mode)
     if m:
-        compiled = {"compile": "blocks", "activation_memory_budget": float(m[5])} if m[5] else {"compile": "off"}
+        compiled = {"compile": "blocks", "activation_memory_budget": float(m[6])} if m[6] else {"compile": "off"}
         return OffloadConfig(mode="stream", prefetch_depth=int(m[1]), activation_offload=bool(m[2]),
-                             recompute_chunks=int(m[3]) if m[3] else None, optimizer_on_host=bool(m[4]), **compiled)
+                             recompute_chunks=int(m[3]) if m[3] else None, optimizer_on_host=bool(m[4]),
+                             micro_batch_size=int(m[5]) if m[5] else None, **compiled)
     if mode.startswith("auto-"):
         return OffloadConfig(mode="auto", vram_budget_gb=float(mode[len("auto-"):]))
     raise SystemExit(f"unknown mode {mode!r}")
@@ -141,6 +181,8 @@ def main(argv=None) -> int:
             torch.cuda.reset_peak_memory_stats(device)
             base_bytes = [0]
 
+            markers = install_block_markers(model, family) if mode == args.snapshot else []
+
             def start_recording(info, mode=mode):
                 if mode == args.snapshot and info.step == 1:
                     torch.cuda.synchronize()
@@ -161,10 +203,14 @@ def main(argv=None) -> int:
                 print("ERROR", error, flush=True)
             row = training_row(rec, args.warmup, t, error, rows.get(("resident", res), {}).get("step_s"), device)
             if mode == args.snapshot:
-                text = peak_breakdown(torch.cuda.memory._snapshot(), base_bytes[0])
+                for h in markers:
+                    h.remove()
+                kinds = [n.split(".")[0] for n, _ in named_blocks(model, family)]
+                text, kind_gb = peak_breakdown(torch.cuda.memory._snapshot(), base_bytes[0], kinds)
                 torch.cuda.memory._record_memory_history(enabled=None)
                 print(f"\n[{mode} {res}] memory at the peak (steps 2+):\n{text}\n", flush=True)
                 row["peak_breakdown"] = text
+                row["peak_by_block_kind_gb"] = kind_gb
             plan = (result.settings.get("offload_plan") if result is not None else None) or {}
             rows[(mode, res)] = emit({"mode": mode, "res": res, "precision": precision, **row, "plan": plan,
                                       "predicted_peak_gb": plan.get("predicted_peak_gb")})

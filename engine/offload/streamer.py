@@ -11,11 +11,11 @@ How it works:
 * A forward pre-hook on every block calls ``scheduler.visit(i)``. Pre-hooks fire in
   the forward pass and again when gradient checkpointing recomputes the block in
   backward, which is exactly when the block's weights are needed.
-* ``CudaCopyEngine`` owns the slots (ONE flat uint8 GPU buffer each, sized for the
-  largest streamed block) and a dedicated copy stream. A load is one
-  ``cudaMemcpyAsync`` of the block's pinned host buffer into a slot, after an event
-  that says the slot's previous block has finished computing; the block's tensors
-  then point into the slot (``tensor.data = view``), so nothing is allocated per step.
+* ``CudaCopyEngine`` owns the slots (ONE flat uint8 GPU buffer each, of the loaded
+  block's own size, from torch's caching allocator) and a dedicated copy stream. A
+  load is one ``cudaMemcpyAsync`` of the block's pinned host buffer into a slot, after
+  an event that says the compute stream is past the memory's previous use; the
+  block's tensors then point into the slot (``tensor.data = view``).
   The compute stream waits only on the event of the block it is about to run.
 * LoRA parameters (requires_grad) and everything outside the blocks stay on the GPU.
 
@@ -40,12 +40,20 @@ from .schedule import BlockScheduler
 
 
 class CudaCopyEngine:
-    """Slots on the GPU, copies on their own stream, events for every hand-over."""
+    """Slots on the GPU, copies on their own stream, events for every hand-over.
+
+    A slot is a buffer of exactly its block's size, allocated from torch's caching allocator when the
+    block is loaded and freed when it is evicted. Flux.1's double blocks are 2.4x its single blocks
+    (0.68 vs 0.28 GB bf16), so a ring of fixed slots sized for the largest block would hold 0.8 GB of
+    nothing while the single blocks run, which is where a block's activations peak; freed slot memory
+    goes to those activations instead (issue 13). The allocator makes this cheap: a freed slot's memory
+    is handed to the next allocation on the compute stream (the next slot, or activations) without a
+    device call."""
 
     def __init__(self, hosts: dict[int, HostBlock], num_slots: int, slot_bytes: int, device: torch.device):
         self.hosts, self.device = hosts, device
         self.stream = torch.cuda.Stream(device)
-        self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(num_slots)]
+        self.slots: list[Optional[torch.Tensor]] = [None] * num_slots
         self.ready: list[Optional[torch.cuda.Event]] = [None] * num_slots  # copy into the slot landed
         self.released: list[Optional[torch.cuda.Event]] = [None] * num_slots  # compute done with the slot
         self.bytes_copied = 0
@@ -55,25 +63,39 @@ class CudaCopyEngine:
         self._stall_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def load(self, block: int, slot: int, evicted: Optional[int]) -> None:
+        compute = torch.cuda.current_stream(self.device)
         if evicted is not None:
             # Point the evicted block back at host memory: a stray use fails loudly (device mismatch)
             # instead of silently reading the next block's weights.
             self.hosts[evicted].bind_host()
+        if self.slots[slot] is not None:
+            # The old buffer goes back to the allocator, which hands it to later compute-stream work in
+            # stream order. Its copy (on the copy stream) must have landed first; compute has waited for
+            # it unless the block was prefetched and never ran (a mispredicted order).
+            compute.wait_event(self.ready[slot])
+            self.slots[slot] = None
         host = self.hosts[block]
+        buffer = torch.empty(host.nbytes, dtype=torch.uint8, device=self.device)  # on the compute stream
+        allocated = torch.cuda.Event()
+        allocated.record(compute)
         start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
+            # The new buffer's memory may have held tensors that compute work queued so far still reads
+            # (an evicted block, freed activations): the copy waits until the compute stream is past them.
+            # That point is the previous block's end, as with a fixed ring slot's release.
+            self.stream.wait_event(allocated)
             if self.released[slot] is not None:
-                # Without this wait the copy could overwrite weights a queued kernel has yet to read.
                 self.stream.wait_event(self.released[slot])
             start.record(self.stream)
-            self.slots[slot][:host.nbytes].copy_(host.buffer, non_blocking=True)
+            buffer.copy_(host.buffer, non_blocking=True)
             done.record(self.stream)
+        self.slots[slot] = buffer
         self.ready[slot] = done
         self.bytes_copied += host.nbytes
         if len(self._copy_events) > 8192:  # nobody harvests (not train_lora): keep the memory bounded
             del self._copy_events[:4096], self._stall_events[:4096]
         self._copy_events.append((start, done))
-        host.bind(self.slots[slot])
+        host.bind(buffer)
 
     def wait_ready(self, slot: int) -> None:
         compute = torch.cuda.current_stream(self.device)
@@ -100,23 +122,27 @@ class CudaCopyEngine:
 
     def close(self) -> None:
         torch.cuda.synchronize(self.device)
-        self.slots.clear()
+        self.slots = [None] * len(self.slots)
 
 
 class InlineCopyEngine:
-    """Synchronous copies between CPU buffers: the same binding and scheduling, no CUDA (tests)."""
+    """Synchronous copies between CPU buffers: the same binding, scheduling and slot sizing, no CUDA (tests)."""
 
     def __init__(self, hosts: dict[int, HostBlock], num_slots: int, slot_bytes: int, device: torch.device):
-        self.hosts = hosts
-        self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(num_slots)]
+        self.hosts, self.device = hosts, device
+        self.slots: list[Optional[torch.Tensor]] = [None] * num_slots
         self.bytes_copied = 0
         self.log: list[tuple] = []
+
+    def resident_slot_bytes(self) -> int:
+        return sum(s.numel() for s in self.slots if s is not None)
 
     def load(self, block: int, slot: int, evicted: Optional[int]) -> None:
         if evicted is not None:
             self.hosts[evicted].bind_host()
+        self.slots[slot] = None
         host = self.hosts[block]
-        self.slots[slot][:host.nbytes].copy_(host.buffer)
+        self.slots[slot] = host.buffer.clone().to(self.device)
         self.bytes_copied += host.nbytes
         host.bind(self.slots[slot])
         self.log.append(("load", block, slot, evicted))
@@ -131,7 +157,7 @@ class InlineCopyEngine:
         return 0.0, 0.0
 
     def close(self) -> None:
-        self.slots.clear()
+        self.slots = [None] * len(self.slots)
 
 
 class OffloadHandle:
