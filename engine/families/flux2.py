@@ -104,6 +104,15 @@ class Flux2Family:
             chunk_token_wise(block.ff, chunks, undo)
             chunk_token_wise(block.ff_context, chunks, undo)
 
+    def block_parts(self, block: nn.Module):
+        """A double block streams as two parts (engine/offload/units.py): attention (0.60 GB bf16 at
+        Flux.2-dev's size) and the feed-forwards (1.36 GB). Single blocks (0.98 GB) stream whole."""
+        from diffusers.models.transformers.transformer_flux2 import Flux2TransformerBlock
+
+        if not isinstance(block, Flux2TransformerBlock):
+            return None
+        return [("attention", _DoubleAttention(block)), ("feed_forward", _DoubleFeedForward(block))]
+
     def default_max_sequence_length(self, variant: str) -> int:
         return self.text_encoder_specs(variant)[0].max_length
 
@@ -188,6 +197,53 @@ class Flux2Family:
         concentrates on the noise levels inference visits (mu 2.02 at 1024², ComfyUI's shift)."""
         seq = latents.shape[2] * latents.shape[3]
         return compute_empirical_mu(seq, 50)
+
+
+class _DoubleAttention(nn.Module):
+    """The first part of diffusers' Flux2TransformerBlock.forward (0.37-0.42): the modulated norms, joint
+    attention and the gated attention residuals. The global modulation passes through to the second part.
+    Same arithmetic in the same order as diffusers."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.norm1, self.norm1_context, self.attn = block.norm1, block.norm1_context, block.attn
+
+    def forward(self, hidden_states, encoder_hidden_states, temb_mod_img, temb_mod_txt, image_rotary_emb=None,
+                joint_attention_kwargs=None):
+        from diffusers.models.transformers.transformer_flux2 import Flux2Modulation
+
+        (shift_msa, scale_msa, gate_msa), _ = Flux2Modulation.split(temb_mod_img, 2)
+        (c_shift_msa, c_scale_msa, c_gate_msa), _ = Flux2Modulation.split(temb_mod_txt, 2)
+        norm_hidden_states = (1 + scale_msa) * self.norm1(hidden_states) + shift_msa
+        norm_encoder_hidden_states = (1 + c_scale_msa) * self.norm1_context(encoder_hidden_states) + c_shift_msa
+        attn_output, context_attn_output = self.attn(
+            hidden_states=norm_hidden_states, encoder_hidden_states=norm_encoder_hidden_states,
+            image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
+        hidden_states = hidden_states + gate_msa * attn_output
+        encoder_hidden_states = encoder_hidden_states + c_gate_msa * context_attn_output
+        return hidden_states, encoder_hidden_states, temb_mod_img, temb_mod_txt
+
+
+class _DoubleFeedForward(nn.Module):
+    """The rest of Flux2TransformerBlock.forward: both streams' feed-forwards with their gated residuals."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.norm2, self.ff, self.norm2_context, self.ff_context = (
+            block.norm2, block.ff, block.norm2_context, block.ff_context)
+
+    def forward(self, hidden_states, encoder_hidden_states, temb_mod_img, temb_mod_txt):
+        from diffusers.models.transformers.transformer_flux2 import Flux2Modulation
+
+        _, (shift_mlp, scale_mlp, gate_mlp) = Flux2Modulation.split(temb_mod_img, 2)
+        _, (c_shift_mlp, c_scale_mlp, c_gate_mlp) = Flux2Modulation.split(temb_mod_txt, 2)
+        norm_hidden_states = self.norm2(hidden_states) * (1 + scale_mlp) + shift_mlp
+        hidden_states = hidden_states + gate_mlp * self.ff(norm_hidden_states)
+        norm_encoder_hidden_states = self.norm2_context(encoder_hidden_states) * (1 + c_scale_mlp) + c_shift_mlp
+        encoder_hidden_states = encoder_hidden_states + c_gate_mlp * self.ff_context(norm_encoder_hidden_states)
+        if encoder_hidden_states.dtype == torch.float16:
+            encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+        return encoder_hidden_states, hidden_states
 
 
 def compute_empirical_mu(image_seq_len: int, num_steps: int) -> float:

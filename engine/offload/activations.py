@@ -84,9 +84,11 @@ class ActivationOffloader:
     """Installs itself as the model's checkpoint function; ``remove()`` restores torch's."""
 
     def __init__(self, model: nn.Module, blocks: list[tuple[str, nn.Module]], device: torch.device,
-                 workload: Workload, hidden_size: int, inline: bool = False):
+                 workload: Workload, hidden_size: int, inline: bool = False, passthrough=()):
         self.model, self.device = model, device
         self.index = {id(b): i for i, (_, b) in enumerate(blocks)}
+        # Blocks split into parts (engine/offload/units.py): they run uncheckpointed, their parts are checkpointed.
+        self.passthrough = {id(b) for b in passthrough}
         self.cuda = device.type == "cuda" and not inline
         per_block = workload.batch * workload.tokens * hidden_size * 2 + 2 * ALIGN  # bf16 (hidden, encoder)
         self.arenas = [_Arena(per_block, pin=self.cuda) for _ in blocks]
@@ -106,6 +108,8 @@ class ActivationOffloader:
     # -- the checkpoint function diffusers calls: fn(block, *args) ---------------
 
     def checkpoint(self, block: nn.Module, *args):
+        if id(block) in self.passthrough:
+            return block(*args)
         leaves, spec = tree_flatten(args)
         is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]

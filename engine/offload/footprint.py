@@ -45,9 +45,12 @@ def measure_footprint(model: nn.Module, family, name: str = "",
                 if id(t) not in in_blocks and not t.requires_grad)
     if trainable_params is None:
         trainable_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    from .units import unit_bytes
+
     return ModelFootprint(
         name=name or type(model).__name__, block_names=[n for n, _ in blocks], block_bytes=block_bytes,
         other_bytes=other, trainable_params=trainable_params, hidden_size=hidden_size(model),
+        unit_bytes=[unit_bytes(family, b, frozen_bytes) for _, b in blocks],
     )
 
 

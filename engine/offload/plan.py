@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 
 from ..errors import ConfigError
 from .config import OffloadConfig
-from .schedule import simulate_step_loads
+from .schedule import simulate_step
 
 GB = 1e9
 LORA_BYTES_PER_PARAM = 16
@@ -71,6 +71,18 @@ class ModelFootprint:
     act_bytes_per_elem: int = 2  # bf16 activations
     # fp32 param + grad + AdamW moments (16); 8-bit AdamW moments make it ~10
     lora_bytes_per_param: float = LORA_BYTES_PER_PARAM
+    # Per block: the bytes of each part it streams as with activation offload (engine/offload/units.py),
+    # or None where it streams whole. Empty: every block whole.
+    unit_bytes: list = field(default_factory=list)
+
+    def stream_units(self, activation_offload: bool) -> tuple[list[int], list[list[int]]]:
+        """(bytes per streaming unit, unit indexes per block): parts only with activation offload."""
+        sizes, groups = [], []
+        for i, b in enumerate(self.block_bytes):
+            parts = (self.unit_bytes[i] if activation_offload and i < len(self.unit_bytes) else None) or [b]
+            groups.append(list(range(len(sizes), len(sizes) + len(parts))))
+            sizes += parts
+        return sizes, groups
 
     @property
     def num_blocks(self) -> int:
@@ -116,13 +128,17 @@ class Plan:
     recompute_chunks: int = 1
     optimizer_on_host: bool = False
     micro_batch: int = 0  # samples per forward/backward (0: the whole batch)
+    ring_bytes: int = 0  # the most the slots hold at once (slots are sized per streamed unit)
+    streamed_units: int = 0  # large blocks stream in parts with activation offload (engine/offload/units.py)
 
     def describe(self) -> str:
         fp, wl = self.footprint, self.workload
         lines = [f"offload plan for {fp.name} at {wl.label or f'{wl.tokens} tokens'}, batch {wl.batch}: "
                  + (f"all {fp.num_blocks} blocks resident" if self.mode == "resident" else
-                    f"{len(self.streamed)} of {fp.num_blocks} blocks streamed, {len(self.resident)} resident, "
-                    f"ring of {self.num_slots} x {self.slot_bytes / GB:.2f} GB (prefetch {self.prefetch_depth}), "
+                    f"{len(self.streamed)} of {fp.num_blocks} blocks streamed, {len(self.resident)} resident"
+                    + (f" as {self.streamed_units} units" if self.streamed_units != len(self.streamed) else "")
+                    + f", ring of {self.num_slots} slots holding at most {self.ring_bytes / GB:.2f} GB "
+                    f"(prefetch {self.prefetch_depth}), "
                     f"activation offload {'on' if self.activation_offload else 'off'}")
                  + (f", recompute in {self.recompute_chunks} token chunks" if self.recompute_chunks > 1 else "")
                  + (", AdamW moments on the host" if self.optimizer_on_host else "")
@@ -145,7 +161,8 @@ class Plan:
         return {
             "mode": self.mode, "resident_blocks": len(self.resident), "streamed_blocks": len(self.streamed),
             "prefetch_depth": self.prefetch_depth, "num_slots": self.num_slots,
-            "slot_gb": round(self.slot_bytes / GB, 3), "activation_offload": self.activation_offload,
+            "slot_gb": round(self.slot_bytes / GB, 3), "ring_gb": round(self.ring_bytes / GB, 3),
+            "streamed_units": self.streamed_units, "activation_offload": self.activation_offload,
             "predicted_peak_gb": round(self.predicted_peak_bytes / GB, 3),
             "streamed_gb_per_step": round(self.streamed_bytes_per_step / GB, 3),
             "pinned_host_gb": round(self.pinned_host_bytes / GB, 3),
@@ -182,15 +199,20 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
         k = max(1, min(prefetch_depth, len(streamed) - 1)) if len(streamed) > 1 else 1
         num_slots = min(k + 1, len(streamed))
         slot_bytes = max(fp.block_bytes[i] for i in streamed)
-        loads = simulate_step_loads(fp.num_blocks, streamed, k, num_slots) if count_bytes else []
-        streamed_per_step = sum(fp.block_bytes[i] for i in loads)
+        # Slots are sized per unit (engine/offload/streamer.py): what the ring holds is the largest sum of
+        # the units it holds at once over a step.
+        sizes, groups = fp.stream_units(activation_offload)
+        streamed_units = [u for i in streamed for u in groups[i]]
+        loads, ring_bytes = simulate_step(len(sizes), streamed_units, k, num_slots, sizes)
+        streamed_per_step = sum(sizes[u] for u in loads) if count_bytes else 0
     else:
-        k, num_slots, slot_bytes, streamed_per_step = prefetch_depth, 0, 0, 0
+        k, num_slots, slot_bytes, streamed_per_step, ring_bytes = prefetch_depth, 0, 0, 0, 0
         activation_offload = False  # nothing streams: the resident plan has no use for it
+        groups = [[i] for i in range(fp.num_blocks)]
     kept_inputs = OFFLOADED_KEPT_UNITS if activation_offload else fp.num_blocks * SAVED_INPUT_UNITS
     moments = MOMENT_BYTES_PER_PARAM if optimizer_on_host else 0  # on the GPU only for the step
     breakdown = {
-        "weights": fp.other_bytes + sum(fp.block_bytes[i] for i in resident) + num_slots * slot_bytes,
+        "weights": fp.other_bytes + sum(fp.block_bytes[i] for i in resident) + ring_bytes,
         "lora+adam": int(fp.trainable_params * (fp.lora_bytes_per_param - moments)),
         # The fitted line has a negative intercept; clamp so tiny models never predict < 0.
         "activations": max(0, int((kept_inputs + transient_units(recompute_chunks)) * unit + TRANSIENT_BYTES
@@ -198,7 +220,8 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
     }
     peak = (breakdown["weights"] + breakdown["lora+adam"]
             + max(breakdown["activations"], fp.trainable_params * (OPTIMIZER_BYTES_PER_PARAM + moments)))
-    act_io = int(fp.num_blocks * SAVED_INPUT_UNITS * unit) if activation_offload else 0
+    # Each checkpointed unit's inputs go out and come back (a block in parts has one input set per part).
+    act_io = int(sum(len(g) for g in groups) * SAVED_INPUT_UNITS * unit) if activation_offload else 0
     return Plan(
         mode="stream" if streamed else "resident", resident=resident, streamed=streamed, prefetch_depth=k,
         num_slots=num_slots, slot_bytes=slot_bytes, activation_offload=activation_offload,
@@ -206,6 +229,7 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
         activation_bytes_per_step=act_io, pinned_host_bytes=sum(fp.block_bytes[i] for i in streamed) + act_io,
         budget_bytes=budget_bytes, footprint=fp, workload=wl, reason=reason,
         recompute_chunks=max(1, recompute_chunks), optimizer_on_host=optimizer_on_host, micro_batch=micro,
+        ring_bytes=ring_bytes, streamed_units=len(streamed_units) if streamed else 0,
     )
 
 

@@ -36,6 +36,7 @@ fakes in the tests). The contract it relies on:
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
 
@@ -182,7 +183,12 @@ class BlockScheduler:
 def simulate_step_loads(num_blocks: int, streamed: Sequence[int], prefetch_depth: int,
                         num_slots: Optional[int] = None, steps: int = 3) -> list[int]:
     """Blocks copied during one steady-state training step (for the planner's byte count)."""
+    return list(simulate_step(num_blocks, streamed, prefetch_depth, num_slots, steps=steps)[0])
 
+
+@functools.lru_cache(maxsize=4096)
+def _simulate(num_blocks: int, streamed: tuple, prefetch_depth: int, num_slots: int, sizes: tuple,
+              steps: int) -> tuple[tuple, int]:
     class _Count:
         def __init__(self):
             self.loaded: list[int] = []
@@ -196,16 +202,27 @@ def simulate_step_loads(num_blocks: int, streamed: Sequence[int], prefetch_depth
         def release(self, slot):
             pass
 
-    if not streamed:
-        return []
     eng = _Count()
-    sched = BlockScheduler(num_blocks, streamed, num_slots or prefetch_depth + 1, prefetch_depth, eng)
+    sched = BlockScheduler(num_blocks, streamed, num_slots, prefetch_depth, eng)
     sched.prime()
     cycle = sched.cycle
     for _ in range(steps - 1):
         for b in cycle:
             sched.visit(b)
     eng.loaded.clear()
+    held = 0
     for b in cycle:
         sched.visit(b)
-    return eng.loaded
+        held = max(held, sum(sizes[s] for s in sched.slots if s is not None))
+    return tuple(eng.loaded), held
+
+
+def simulate_step(num_blocks: int, streamed: Sequence[int], prefetch_depth: int, num_slots: Optional[int] = None,
+                  sizes: Optional[Sequence[int]] = None, steps: int = 3) -> tuple[tuple, int]:
+    """(blocks copied during one steady-state training step, the most bytes the slots hold at once), for the
+    planner. Slots are sized per block (``sizes``, bytes per block; all 0 when not given)."""
+    if not streamed:
+        return (), 0
+    sizes = tuple(sizes) if sizes is not None else (0,) * num_blocks
+    return _simulate(num_blocks, tuple(sorted(set(streamed))), prefetch_depth, num_slots or prefetch_depth + 1,
+                     sizes, steps)

@@ -37,6 +37,7 @@ from .footprint import measure_footprint, named_blocks
 from .host import HostBlock, host_rss_bytes, physical_ram_bytes
 from .plan import GB, Plan, Workload, make_plan
 from .schedule import BlockScheduler
+from .units import StreamUnits, install_units
 
 
 class CudaCopyEngine:
@@ -168,6 +169,7 @@ class OffloadHandle:
         self.scheduler: Optional[BlockScheduler] = None
         self.engine = None
         self.activations = None  # ActivationOffloader when activation offload is on
+        self.units: Optional[StreamUnits] = None  # blocks streamed in parts (activation offload only)
         self._hooks: list = []
         self._moved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, its data before apply)
         self._hosts: dict[int, HostBlock] = {}
@@ -221,6 +223,8 @@ class OffloadHandle:
         self._hooks.clear()
         if self.activations is not None:
             self.activations.remove()
+        if self.units is not None:
+            self.units.remove()
         for hb in self._hosts.values():
             hb.bind_host()
         for t, data in self._moved:
@@ -291,37 +295,47 @@ def apply_offload(model: nn.Module, family, config: OffloadConfig, device: torch
         elif id(t) not in streamed_tensors:
             _move(handle, t, device)
 
-    # Streamed blocks: frozen tensors to (reused) pinned host buffers.
+    # With activation offload every checkpointed unit is streamed on its own, so large blocks stream in
+    # parts (engine/offload/units.py); the plan's indexes count whole blocks, the scheduler's count units.
+    units, groups = blocks, [[i] for i in range(len(blocks))]
+    if plan.activation_offload and whole:
+        handle.units = install_units(model, family, blocks)
+        units, groups = handle.units.units, handle.units.groups
+    streamed_units = [u for i in plan.streamed for u in groups[i]]
+
+    # Streamed units: frozen tensors to (reused) pinned host buffers.
     import time
 
     t0 = time.perf_counter()
     pin = _engine_factory is None
-    for n, i in enumerate(plan.streamed):
-        block_name, block = blocks[i]
-        hb, reused = HostBlock.for_block(block, block_name, pin=pin)
-        handle._hosts[i] = hb
+    for n, u in enumerate(streamed_units):
+        unit_name, unit = units[u]
+        hb, reused = HostBlock.for_block(unit, unit_name, pin=pin)
+        handle._hosts[u] = hb
         handle.pinned_reused += int(reused)
-        cb.on_progress("pinning blocks", n + 1, len(plan.streamed))
+        cb.on_progress("pinning blocks", n + 1, len(streamed_units))
     handle.pin_seconds = time.perf_counter() - t0
 
     if plan.streamed:
         engine_cls = _engine_factory or CudaCopyEngine
         handle.engine = engine_cls(handle._hosts, plan.num_slots, plan.slot_bytes, device)
-        handle.scheduler = BlockScheduler(len(blocks), plan.streamed, plan.num_slots, plan.prefetch_depth,
+        handle.scheduler = BlockScheduler(len(units), streamed_units, plan.num_slots, plan.prefetch_depth,
                                           handle.engine)
-        for i, (_, block) in enumerate(blocks):
-            handle._hooks.append(block.register_forward_pre_hook(_visit_hook(handle.scheduler, i)))
+        for u, (_, unit) in enumerate(units):
+            handle._hooks.append(unit.register_forward_pre_hook(_visit_hook(handle.scheduler, u)))
         handle.scheduler.prime()
     if plan.activation_offload:
         from .activations import ActivationOffloader
 
-        handle.activations = ActivationOffloader(model, blocks, device, plan.workload, plan.footprint.hidden_size,
-                                                 inline=_engine_factory is not None)
+        handle.activations = ActivationOffloader(
+            model, units, device, plan.workload, plan.footprint.hidden_size, inline=_engine_factory is not None,
+            passthrough=handle.units.split if handle.units is not None else ())
     cb.log(plan.describe())
     pinned = sum(hb.nbytes for hb in handle._hosts.values())
     if plan.streamed:
-        cb.log(f"  pinned {pinned / GB:.1f} GB of blocks in {handle.pin_seconds:.1f} s "
-               f"({handle.pinned_reused} of {len(plan.streamed)} reused from an earlier run); "
+        split = f", as {len(streamed_units)} units" if len(streamed_units) != len(plan.streamed) else ""
+        cb.log(f"  pinned {pinned / GB:.1f} GB of blocks{split} in {handle.pin_seconds:.1f} s "
+               f"({handle.pinned_reused} of {len(streamed_units)} reused from an earlier run); "
                f"host RSS {host_rss_bytes() / GB:.1f} GB of {physical_ram_bytes() / GB:.0f} GB")
     return handle
 

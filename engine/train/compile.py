@@ -115,7 +115,8 @@ def _eager(fn: Callable) -> Callable:
 
 
 def compile_blocks(model: nn.Module, family, budget: float = 1.0, backend: str | None = None) -> CompiledBlocks:
-    """Compile the forward of every block in ``family.block_lists(model)``.
+    """Compile the forward of every block in ``family.block_lists(model)``, or of every streaming unit where
+    blocks stream in parts (engine/offload/units.py).
 
     Call after LoRA is attached, chunked recompute installed and blocks are placed (the
     forward compiled is the one the block has then). ``budget`` is checked by OffloadConfig."""
@@ -127,7 +128,10 @@ def compile_blocks(model: nn.Module, family, budget: float = 1.0, backend: str |
     handle = CompiledBlocks(budget)
     torch._functorch.config.activation_memory_budget = budget
     compiled: dict[object, Callable] = {}
-    for blocks in family.block_lists(model):
+    from ..offload.units import installed_units
+
+    units = installed_units(model)  # blocks streamed in parts: compile the parts, the block only chains them
+    for blocks in ([[u for _, u in units]] if units is not None else family.block_lists(model)):
         for block in blocks:
             for sub in block.modules():
                 if isinstance(sub, nn.Dropout) and sub.p > 0:
