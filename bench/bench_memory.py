@@ -58,17 +58,30 @@ def parse_args(argv=None):
 MARK_BYTES = 512  # the allocator's smallest block: a marker allocation of (1 + block) of these per block visit
 
 
-def install_block_markers(model, family) -> list:
-    """A forward pre-hook on every block that allocates and frees a tiny tensor whose size names the block,
-    so the allocator trace says which block ran when (the hooks also fire at each backward recompute).
-    Bench only: it costs one 512-byte allocation per block visit."""
+def marked_units(model, family) -> list[tuple[str, object]]:
+    """(kind, module) of every streaming unit in run order: a block, or each part of a block that streams in
+    parts with activation offload (engine/offload/units.py; the parts are made once, so these are the ones
+    training uses)."""
     from lowvram_lora.engine.offload.footprint import named_blocks
+    from lowvram_lora.engine.offload.units import parts_of
 
+    out = []
+    for name, block in named_blocks(model, family):
+        kind = name.split(".")[0]
+        out += [(f"{kind}.{p}", m) for p, m in (parts_of(family, block) or [])] or [(kind, block)]
+    return out
+
+
+def install_block_markers(units) -> list:
+    """A forward pre-hook on every unit that allocates and frees a tiny tensor whose size names the unit,
+    so the allocator trace says which unit ran when (the hooks also fire at each backward recompute).
+    Bench only: it costs one 512-byte allocation per unit visit. A block split into parts also fires for
+    the block itself in the forward; the marker of its first part follows at once."""
     hooks = []
-    for i, (_, block) in enumerate(named_blocks(model, family)):
+    for i, (_, unit) in enumerate(units):
         def block_marker(module, args, i=i):
             torch.empty(MARK_BYTES * (1 + i), dtype=torch.uint8, device="cuda")
-        hooks.append(block.register_forward_pre_hook(block_marker))
+        hooks.append(unit.register_forward_pre_hook(block_marker))
     return hooks
 
 
@@ -181,7 +194,8 @@ def main(argv=None) -> int:
             torch.cuda.reset_peak_memory_stats(device)
             base_bytes = [0]
 
-            markers = install_block_markers(model, family) if mode == args.snapshot else []
+            units = marked_units(model, family)
+            markers = install_block_markers(units) if mode == args.snapshot else []
 
             def start_recording(info, mode=mode):
                 if mode == args.snapshot and info.step == 1:
@@ -205,7 +219,7 @@ def main(argv=None) -> int:
             if mode == args.snapshot:
                 for h in markers:
                     h.remove()
-                kinds = [n.split(".")[0] for n, _ in named_blocks(model, family)]
+                kinds = [k for k, _ in units]
                 text, kind_gb = peak_breakdown(torch.cuda.memory._snapshot(), base_bytes[0], kinds)
                 torch.cuda.memory._record_memory_history(enabled=None)
                 print(f"\n[{mode} {res}] memory at the peak (steps 2+):\n{text}\n", flush=True)
