@@ -7,7 +7,9 @@ Modes (``--modes``), run in order for every resolution:
 - ``stream-k<K>[-act][-c<N>][-host][-m<M>][-b<B>]``: stream with prefetch K, activation offload, recompute in N
   token chunks, AdamW moments on the host, each batch run M samples at a time, compiled blocks at
   activation-memory budget B (else eager);
-- ``auto-<GB>``: ``auto`` at that budget (it picks chunks / host moments when it needs them).
+- ``auto-<GB>[-compiled]``: ``auto`` at that budget (it picks chunks / host moments when it needs them, and
+  with ``-compiled`` blocks compiled as auto compiles runs of 200+ steps, whose activation-memory budget it may
+  lower); the allocator is held to the budget (engine/offload/streamer.cap_allocator).
 
 ``--precision int8`` converts the blocks to int8 slab layers after the bf16 modes (list ``resident`` first).
 
@@ -148,8 +150,9 @@ def offload_for(mode: str):
         return OffloadConfig(mode="stream", prefetch_depth=int(m[1]), activation_offload=bool(m[2]),
                              recompute_chunks=int(m[3]) if m[3] else None, optimizer_on_host=bool(m[4]),
                              micro_batch_size=int(m[5]) if m[5] else None, **compiled)
-    if mode.startswith("auto-"):
-        return OffloadConfig(mode="auto", vram_budget_gb=float(mode[len("auto-"):]))
+    m = re.match(r"^auto-([0-9.]+)(-compiled)?$", mode)
+    if m:  # -compiled: as a run of 200+ steps gets it (compile auto), which these short runs would not
+        return OffloadConfig(mode="auto", vram_budget_gb=float(m[1]), compile="blocks" if m[2] else "auto")
     raise SystemExit(f"unknown mode {mode!r}")
 
 

@@ -46,15 +46,24 @@ TRANSIENT_BYTES = int(-0.11 * GB)  # ... plus this (fitted)
 # units, fitted on the same run's 4- and 16-chunk rows at 1024² and 2048² (within 0.1 GB of all four).
 CHUNKED_UNITS_BASE = 24.3
 CHUNKED_UNITS_PER_CHUNK = 12.8
+# Compiled blocks at an activation-memory budget below 1 (engine/train/compile.py) with token chunks: the
+# partitioner recomputes pointwise ops instead of saving them, which shrinks the chunked working set further.
+# Fitted on 2026-11-25 H100 rows of bench/bench_memory.py (blocks in parts, budget 0.5): 2048² with 4 chunks
+# (3.45 GB) and 1024² with 2 chunks (2.00 GB); 8 chunks at 2048² measured 3.43 GB, 0.3 GB above this line.
+COMPILED_CHUNKED_UNITS_BASE = 13.1
+COMPILED_CHUNKED_UNITS_PER_CHUNK = 26.8
+AUTO_COMPILED_BUDGET = 0.5  # what auto lowers activation_memory_budget to when it needs the memory
 CHUNK_TOKENS = 4096  # auto: one chunk per this many tokens (smaller chunks are launch-bound: 1024² with 4
 # chunks took 1.69x the resident step, 2048² 1.07x), at least 2
 MOMENT_BYTES_PER_PARAM = 8  # AdamW's two fp32 moments
 OFFLOADED_KEPT_UNITS = 1.9  # inputs still on the GPU with activation offload (fitted) ...
 OFFLOADED_KEPT_BYTES = int(0.125 * GB)  # ... plus this (fitted)
 # Kept free inside a budget: the caching allocator reserves more than it hands out. Measured
-# reserved - allocated on the H100: 0.5 GB at 512², 1.1 GB at 1024² and 2048² with the default
-# allocator (resident runs too); 0.3-0.5 GB with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.
-HEADROOM_BYTES = int(1.0 * GB)
+# reserved - allocated on the H100 without a cap: 0.5 GB at 512², 1.1 GB at 1024² and 2048² with the default
+# allocator; 0.6-1.05 GB with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True and blocks in parts (2026-11-25).
+# Training under an explicit auto budget caps the allocator at the budget (streamer.cap_allocator): at the cap
+# it hands cached memory back and retries instead of reserving more, as it does on a card of that size.
+HEADROOM_BYTES = int(0.5 * GB)
 K1_PENALTY = 1.15  # auto: one block of lookahead overlaps worse than two; count its bytes 15% dearer
 
 
@@ -129,6 +138,7 @@ class Plan:
     optimizer_on_host: bool = False
     micro_batch: int = 0  # samples per forward/backward (0: the whole batch)
     ring_bytes: int = 0  # the most the slots hold at once (slots are sized per streamed unit)
+    activation_memory_budget: float = 1.0  # of the compiled blocks (auto may lower it); 1 when eager
     streamed_units: int = 0  # large blocks stream in parts with activation offload (engine/offload/units.py)
 
     def describe(self) -> str:
@@ -143,7 +153,9 @@ class Plan:
                  + (f", recompute in {self.recompute_chunks} token chunks" if self.recompute_chunks > 1 else "")
                  + (", AdamW moments on the host" if self.optimizer_on_host else "")
                  + (f", each batch run {self.micro_batch} sample(s) at a time"
-                    if 0 < self.micro_batch < wl.batch else "")]
+                    if 0 < self.micro_batch < wl.batch else "")
+                 + (f", compiled blocks at activation-memory budget {self.activation_memory_budget:g}"
+                    if self.activation_memory_budget < 1 else "")]
         budget = f" of a {self.budget_bytes / GB:.1f} GB budget" if self.budget_bytes else ""
         parts = ", ".join(f"{k} {v / GB:.2f}" for k, v in self.breakdown.items())
         lines.append(f"  predicted peak {self.predicted_peak_bytes / GB:.2f} GB{budget} ({parts})")
@@ -169,6 +181,7 @@ class Plan:
             "budget_gb": round(self.budget_bytes / GB, 3) if self.budget_bytes else None,
             "recompute_chunks": self.recompute_chunks, "optimizer_on_host": self.optimizer_on_host,
             "micro_batch": self.micro_batch or self.workload.batch,
+            "activation_memory_budget": self.activation_memory_budget,
         }
 
 
@@ -177,18 +190,24 @@ def resident_order(block_bytes: Sequence[int]) -> list[int]:
     return sorted(range(len(block_bytes)), key=lambda i: (-block_bytes[i], i))
 
 
-def transient_units(chunks: int) -> float:
-    """One block's recompute + backward working set in B*T*D units, whole or in token chunks."""
-    return TRANSIENT_UNITS if chunks <= 1 else CHUNKED_UNITS_BASE + CHUNKED_UNITS_PER_CHUNK / chunks
+def transient_units(chunks: int, compiled_budget: float = 1.0) -> float:
+    """One block's recompute + backward working set in B*T*D units, whole or in token chunks; compiled blocks
+    at an activation-memory budget below 1 (``compiled_budget``; 1 = eager or compiled at 1) save less."""
+    if chunks <= 1:
+        return TRANSIENT_UNITS
+    if compiled_budget < 1.0:
+        return COMPILED_CHUNKED_UNITS_BASE + COMPILED_CHUNKED_UNITS_PER_CHUNK / chunks
+    return CHUNKED_UNITS_BASE + CHUNKED_UNITS_PER_CHUNK / chunks
 
 
 def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefetch_depth: int,
                activation_offload: bool, budget_bytes: Optional[int] = None, reason: str = "",
                count_bytes: bool = True, recompute_chunks: int = 1, optimizer_on_host: bool = False,
-               micro_batch: Optional[int] = None) -> Plan:
+               micro_batch: Optional[int] = None, compiled_budget: float = 1.0) -> Plan:
     """One plan's numbers. ``count_bytes=False`` skips simulating the copies (a quick fit check).
     ``micro_batch``: samples per forward/backward; a batch of more runs as that many gradient-accumulated
-    pieces (the same gradient), so activations are sized for it."""
+    pieces (the same gradient), so activations are sized for it. ``compiled_budget``: the blocks are compiled at
+    this activation-memory budget (1: eager, or compiled at 1)."""
     resident = sorted(set(resident))
     if resident and (resident[0] < 0 or resident[-1] >= fp.num_blocks):
         raise ConfigError(f"resident block ids {resident} must be in [0, {fp.num_blocks}) for {fp.name}")
@@ -215,7 +234,8 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
         "weights": fp.other_bytes + sum(fp.block_bytes[i] for i in resident) + ring_bytes,
         "lora+adam": int(fp.trainable_params * (fp.lora_bytes_per_param - moments)),
         # The fitted line has a negative intercept; clamp so tiny models never predict < 0.
-        "activations": max(0, int((kept_inputs + transient_units(recompute_chunks)) * unit + TRANSIENT_BYTES
+        "activations": max(0, int((kept_inputs + transient_units(recompute_chunks, compiled_budget)) * unit
+                                  + TRANSIENT_BYTES
                                   + (OFFLOADED_KEPT_BYTES if activation_offload else 0))),
     }
     peak = (breakdown["weights"] + breakdown["lora+adam"]
@@ -230,6 +250,7 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
         budget_bytes=budget_bytes, footprint=fp, workload=wl, reason=reason,
         recompute_chunks=max(1, recompute_chunks), optimizer_on_host=optimizer_on_host, micro_batch=micro,
         ring_bytes=ring_bytes, streamed_units=len(streamed_units) if streamed else 0,
+        activation_memory_budget=compiled_budget,
     )
 
 
@@ -246,16 +267,18 @@ def _cost(plan: Plan) -> tuple:
 
 
 def make_plan(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, budget_bytes: Optional[int] = None,
-              host_ram_bytes: Optional[int] = None) -> Plan:
+              host_ram_bytes: Optional[int] = None, compiled: bool = False) -> Plan:
     """The plan for ``cfg``. ``budget_bytes`` is required for mode='auto' (the caller resolves
     vram_budget_gb=0 to the free VRAM). Raises ConfigError when auto cannot fit the budget, or the plan
-    would pin more than ``cfg.max_pinned_fraction`` of ``host_ram_bytes``."""
+    would pin more than ``cfg.max_pinned_fraction`` of ``host_ram_bytes``. ``compiled``: the blocks will be
+    compiled (engine/train/compile.py), so cfg.activation_memory_budget applies, and auto may lower it."""
     n = fp.num_blocks
     order = resident_order(fp.block_bytes)
     if cfg.resident_blocks is not None and cfg.resident_blocks > n:
         raise ConfigError(f"resident_blocks={cfg.resident_blocks} but {fp.name} has only {n} blocks")
     fixed = {"recompute_chunks": cfg.recompute_chunks or 1, "optimizer_on_host": bool(cfg.optimizer_on_host),
-             "micro_batch": cfg.micro_batch_size}
+             "micro_batch": cfg.micro_batch_size,
+             "compiled_budget": cfg.activation_memory_budget if compiled else 1.0}
     if cfg.mode == "resident":
         plan = build_plan(fp, wl, range(n), 1, False, reason="mode=resident", **fixed)
     elif cfg.mode == "stream":
@@ -265,7 +288,7 @@ def make_plan(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, budget_bytes
     else:
         if budget_bytes is None:
             raise ValueError("mode='auto' needs budget_bytes")
-        plan = _auto(fp, wl, cfg, order, budget_bytes)
+        plan = _auto(fp, wl, cfg, order, budget_bytes, compiled)
     if host_ram_bytes and plan.pinned_host_bytes > cfg.max_pinned_fraction * host_ram_bytes:
         raise ConfigError(
             f"the plan pins {plan.pinned_host_bytes / GB:.1f} GB of host RAM but max_pinned_fraction="
@@ -276,25 +299,33 @@ def make_plan(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, budget_bytes
     return plan
 
 
-def _auto(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: list[int], budget: int) -> Plan:
+def _auto(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: list[int], budget: int,
+          compiled: bool = False) -> Plan:
     """The fastest plan that fits. Finer recompute and host-held moments cost time but no PCIe bytes, so
-    they are escalations: tried only when nothing fits without them (unless set explicitly)."""
+    they are escalations: tried only when nothing fits without them (unless set explicitly). Compiled blocks
+    at activation-memory budget 1 (the default) may go down to AUTO_COMPILED_BUDGET as a last escalation."""
     auto_chunks = min(16, max(2, math.ceil(wl.tokens / CHUNK_TOKENS)))
     chunk_steps = [cfg.recompute_chunks] if cfg.recompute_chunks else [1, auto_chunks]
     host_steps = [cfg.optimizer_on_host] if cfg.optimizer_on_host is not None else [False, True]
     micro_steps = [cfg.micro_batch_size] if cfg.micro_batch_size else sorted({wl.batch, 1}, reverse=True)
+    budget_steps = [1.0]
+    if compiled:
+        budget_steps = [cfg.activation_memory_budget] + (
+            [AUTO_COMPILED_BUDGET] if cfg.activation_memory_budget >= 1.0 else [])
     # Cheapest first: host moments (two small copies per step), then a batch run one sample at a time
-    # (the same gradient; only the per-call overheads repeat), then chunks (another forward of the MLPs).
-    escalations = [(c, h, m) for c in chunk_steps for m in micro_steps for h in host_steps]
-    for chunks, host, micro in escalations:
-        plan = _auto_fixed(fp, wl, cfg, order, budget, chunks, host, micro)
+    # (the same gradient; only the per-call overheads repeat), then chunks (another forward of the MLPs),
+    # then a lower activation-memory budget (pointwise recompute in backward).
+    escalations = [(c, h, m, b) for b in budget_steps for c in chunk_steps for m in micro_steps for h in host_steps]
+    for chunks, host, micro, cbudget in escalations:
+        plan = _auto_fixed(fp, wl, cfg, order, budget, chunks, host, micro, cbudget)
         if plan is not None:
             return plan
-    chunks, host, micro = escalations[-1]
+    chunks, host, micro, cbudget = escalations[-1]
     smallest = build_plan(fp, wl, order[:cfg.resident_blocks or 0], min([cfg.prefetch_depth] if cfg.prefetch_depth
                                                                         else [2, 1]),
                           cfg.activation_offload if cfg.activation_offload is not None else True, budget,
-                          recompute_chunks=chunks, optimizer_on_host=host, micro_batch=micro)
+                          recompute_chunks=chunks, optimizer_on_host=host, micro_batch=micro,
+                          compiled_budget=cbudget)
     need = math.ceil((smallest.predicted_peak_bytes + HEADROOM_BYTES) / GB * 10) / 10
     raise ConfigError(
         f"vram_budget_gb={budget / GB:.3g} is below the smallest plan for {fp.name} at "
@@ -302,13 +333,16 @@ def _auto(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: list[int]
         f"{', '.join(f'{k} {v / GB:.2f}' for k, v in smallest.breakdown.items())} GB + "
         f"{HEADROOM_BYTES / GB:.1f} GB headroom); raise the budget to at least {need:.1f} GB, "
         f"or lower the resolution or batch size"
+        + ("" if compiled else "; compiled blocks (compile='blocks', or auto for runs of 200+ steps on a CUDA GPU "
+                               "with Triton) need less")
     )
 
 
 def _auto_fixed(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: list[int], budget: int,
-                chunks: int, host: bool, micro: int) -> Optional[Plan]:
+                chunks: int, host: bool, micro: int, compiled_budget: float = 1.0) -> Optional[Plan]:
     n = fp.num_blocks
-    extra = {"recompute_chunks": chunks, "optimizer_on_host": host, "micro_batch": micro}
+    extra = {"recompute_chunks": chunks, "optimizer_on_host": host, "micro_batch": micro,
+             "compiled_budget": compiled_budget}
     if cfg.resident_blocks in (None, n):  # nothing streams when everything fits: fastest by far
         everything = build_plan(fp, wl, range(n), 1, False, budget, reason="auto: everything fits the budget",
                                 **extra)

@@ -23,6 +23,7 @@ from ..errors import ConfigError, StorageError, TrainingDivergedError
 from ..models import load_transformer, resolve_device, resolve_dtype
 from ..models.dtypes import release_device_memory
 from ..offload import OffloadConfig
+from ..offload.streamer import cap_allocator
 from .batching import bucket_batches, micro_generator
 from .flow_matching import noisy_latents_and_target, sample_sigmas
 from .grad_mode import autograd_enabled, autograd_safe_tensor, make_autograd_safe
@@ -112,6 +113,7 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
         raise ConfigError(f"optimizer_on_host keeps AdamW's fp32 moments on the host; optimizer={train.optimizer!r} "
                           f"keeps its 8-bit moments on the GPU. Use one or the other")
     _check_int8_compute(offload, device)
+    held_before = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0  # for the budget cap
     streaming = offload is not None and offload.streams
     if split is not None:
         from ..parallel.split import check_split_devices
@@ -178,7 +180,7 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
     recompute = install_chunked_recompute(model, family, chunks)  # undone in the finally below
     if chunks > 1:
         cb.log(f"finer recompute: token-wise block parts in {chunks} checkpointed chunks")
-    compiled = _compile_blocks(model, family, offload, train, device, split, cb)  # undone in the finally below
+    compiled = _compile_blocks(model, family, offload, train, device, split, cb, handle)  # undone in the finally
     optimizer = make_optimizer(params, train, host_moments)
     scheduler = _make_scheduler(optimizer, train)
 
@@ -251,7 +253,7 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
     start = time.perf_counter()
     model.train()
     try:
-        with _attention_backends(device):
+        with _attention_backends(device), cap_allocator(handle, offload, device, held_before, cb):
             if sampler is not None and first == 1 and sampler.due(0, train.steps):
                 _take_samples(sampler, 0, autocast, result)  # the base model, before any step
             for step in range(first, train.steps + 1):
@@ -343,7 +345,9 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
                 f"CUDA out of memory while training {family.display_name} with block streaming on "
                 f"{', '.join(str(d) for d in devices)}: "
                 f"{exc}\n{handle.plan.describe()}\nLower vram_budget_gb (more blocks stream), turn activation "
-                f"offload on, use prefetch_depth=1, or lower the resolution or batch size."
+                f"offload on, use prefetch_depth=1, or lower the resolution or batch size. Under an auto budget the "
+                f"allocator is held to the budget: other programs on the GPU do not count, but fragmentation "
+                f"does; raise the budget by 0.5 GB if the plan's prediction was close to it."
             ) from exc
         raise torch.cuda.OutOfMemoryError(
             f"CUDA out of memory while training {family.display_name} resident on {device}: {exc}. "
@@ -449,7 +453,8 @@ def _plan(fp, family, variant, dataset, train: TrainConfig, offload: OffloadConf
 
         offload = replace(offload, optimizer_on_host=False)
     return make_plan(fp, workload_for(dataset, family, variant, train.batch_size), offload,
-                     resolve_budget_bytes(offload, device), physical_ram_bytes())
+                     resolve_budget_bytes(offload, device), physical_ram_bytes(),
+                     compiled=_compiles(offload, train, device, None)[0])
 
 
 def _apply_int8_compute(model, offload: OffloadConfig | None, device: torch.device, cb) -> None:
@@ -481,24 +486,34 @@ def _check_int8_compute(offload: OffloadConfig | None, device: torch.device) -> 
             raise ConfigError(f"int8_compute='fp8': {why}. Use int8_compute='dequant'")
 
 
-def _compile_blocks(model, family, offload: OffloadConfig | None, train: TrainConfig, device: torch.device,
-                    split, cb):
-    """torch.compile of the blocks' forwards when Offload Config asks for it, or auto finds it pays
-    (engine/train/compile.py)."""
-    from .compile import NoCompile, compile_blocks, why_not_auto
+def _compiles(offload: OffloadConfig | None, train: TrainConfig, device: torch.device, split) -> tuple[bool, str]:
+    """(whether the blocks will be compiled, why not when auto says no): decided before planning, since
+    compiled blocks change what the plan needs (engine/offload/plan.py)."""
+    from .compile import why_not_auto
 
     mode = offload.compile if offload is not None else "auto"
     if mode == "auto":
         why_not = why_not_auto(device, train.steps, split is not None)
-        if why_not is not None:
-            if device.type == "cuda":
-                cb.log(f"compile auto: off ({why_not})")
-            return NoCompile()
-        mode = "blocks"
-    if mode == "off":
+        return why_not is None, why_not or ""
+    return mode == "blocks", ""
+
+
+def _compile_blocks(model, family, offload: OffloadConfig | None, train: TrainConfig, device: torch.device,
+                    split, cb, handle=None):
+    """torch.compile of the blocks' forwards when Offload Config asks for it, or auto finds it pays
+    (engine/train/compile.py), at the plan's activation-memory budget (auto may have lowered it)."""
+    from .compile import NoCompile, compile_blocks
+
+    on, why_not = _compiles(offload, train, device, split)
+    if not on:
+        if why_not and device.type == "cuda":
+            cb.log(f"compile auto: off ({why_not})")
         return NoCompile()
     cb.log("compile='blocks': each block type compiles on its first use (the first step takes longer)")
-    return compile_blocks(model, family, offload.activation_memory_budget if offload is not None else 1.0)
+    budget = offload.activation_memory_budget if offload is not None else 1.0
+    if handle is not None and split is None:
+        budget = handle.plan.activation_memory_budget
+    return compile_blocks(model, family, budget)
 
 
 def _memory_options(handle, offload: OffloadConfig | None, split, device: torch.device) -> tuple[int, bool, int]:
