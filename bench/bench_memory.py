@@ -52,6 +52,9 @@ def parse_args(argv=None):
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--out", default="bench/results.jsonl")
     p.add_argument("--note", default="")
+    p.add_argument("--cap-gb", type=float, default=0.0,
+                   help="stream-* modes: hold the allocator to this many GB (torch.cuda.set_per_process_memory_"
+                        "fraction), as a card of that size would; auto modes hold it to their budget themselves")
     p.add_argument("--snapshot", default="", help="a mode: record the allocator from its step 2 on and print what "
                                                   "is live at the peak (torch.cuda.memory._snapshot), by source line")
     return p.parse_args(argv)
@@ -207,6 +210,10 @@ def main(argv=None) -> int:
                     torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
 
             rec = StepRecorder(f"{mode} {res}", start_recording)
+            capped = bool(args.cap_gb) and mode.startswith("stream-")
+            if capped:
+                torch.cuda.set_per_process_memory_fraction(
+                    args.cap_gb * 1e9 / torch.cuda.get_device_properties(device).total_memory, device)
             t = time.perf_counter()
             error, result = None, None
             try:
@@ -218,7 +225,11 @@ def main(argv=None) -> int:
             except Exception as exc:  # noqa: BLE001 - a row per failure
                 error = f"{type(exc).__name__}: {str(exc)[:500]}"
                 print("ERROR", error, flush=True)
+            if capped:
+                torch.cuda.set_per_process_memory_fraction(1.0, device)
             row = training_row(rec, args.warmup, t, error, rows.get(("resident", res), {}).get("step_s"), device)
+            if capped:
+                row["cap_gb"] = args.cap_gb
             if mode == args.snapshot:
                 for h in markers:
                     h.remove()

@@ -113,7 +113,8 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
         raise ConfigError(f"optimizer_on_host keeps AdamW's fp32 moments on the host; optimizer={train.optimizer!r} "
                           f"keeps its 8-bit moments on the GPU. Use one or the other")
     _check_int8_compute(offload, device)
-    held_before = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0  # for the budget cap
+    # What the process holds on the GPU before training (ComfyUI's other models): the budget cap comes on top.
+    held_before = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
     streaming = offload is not None and offload.streams
     if split is not None:
         from ..parallel.split import check_split_devices
@@ -141,6 +142,13 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
         model, family, _, variant = load_transformer(model_cfg.transformer_path, model_cfg.family, dtype)
     else:
         model, family, variant = preloaded
+    if device.type == "cuda":  # the model's own tensors already there count in the plan, not as held
+        from itertools import chain
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        held_before -= sum(t.numel() * t.element_size() for t in chain(model.parameters(), model.buffers())
+                           if t.is_cuda and t.get_device() == index)
+        held_before = max(0, held_before)
     if make_autograd_safe(model):  # built under inference mode (e.g. by an earlier ComfyUI node)
         cb.log("the base model was created under torch.inference_mode(); training on an ordinary copy")
     _apply_int8_compute(model, offload, device, cb)
