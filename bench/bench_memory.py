@@ -213,7 +213,7 @@ def main(argv=None) -> int:
             capped = bool(args.cap_gb) and mode.startswith("stream-")
             if capped:
                 torch.cuda.set_per_process_memory_fraction(
-                    args.cap_gb * 1e9 / torch.cuda.get_device_properties(device).total_memory, device)
+                    args.cap_gb * 1e9 / torch.cuda.get_device_properties(device).total_memory, torch.cuda.current_device())
             t = time.perf_counter()
             error, result = None, None
             try:
@@ -226,7 +226,7 @@ def main(argv=None) -> int:
                 error = f"{type(exc).__name__}: {str(exc)[:500]}"
                 print("ERROR", error, flush=True)
             if capped:
-                torch.cuda.set_per_process_memory_fraction(1.0, device)
+                torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
             row = training_row(rec, args.warmup, t, error, rows.get(("resident", res), {}).get("step_s"), device)
             if capped:
                 row["cap_gb"] = args.cap_gb

@@ -188,7 +188,7 @@ def simulate_step_loads(num_blocks: int, streamed: Sequence[int], prefetch_depth
 
 @functools.lru_cache(maxsize=4096)
 def _simulate(num_blocks: int, streamed: tuple, prefetch_depth: int, num_slots: int, sizes: tuple,
-              steps: int) -> tuple[tuple, int]:
+              steps: int) -> tuple[tuple, int, int]:
     class _Count:
         def __init__(self):
             self.loaded: list[int] = []
@@ -210,19 +210,23 @@ def _simulate(num_blocks: int, streamed: tuple, prefetch_depth: int, num_slots: 
         for b in cycle:
             sched.visit(b)
     eng.loaded.clear()
-    held = 0
-    for b in cycle:
+    held, at_turn = 0, 0
+    for i, b in enumerate(cycle):
         sched.visit(b)
-        held = max(held, sum(sizes[s] for s in sched.slots if s is not None))
-    return tuple(eng.loaded), held
+        now = sum(sizes[s] for s in sched.slots if s is not None)
+        held = max(held, now)
+        if i == num_blocks - 1:  # the last block's forward, right before the backward starts
+            at_turn = now
+    return tuple(eng.loaded), held, at_turn
 
 
 def simulate_step(num_blocks: int, streamed: Sequence[int], prefetch_depth: int, num_slots: Optional[int] = None,
-                  sizes: Optional[Sequence[int]] = None, steps: int = 3) -> tuple[tuple, int]:
-    """(blocks copied during one steady-state training step, the most bytes the slots hold at once), for the
-    planner. Slots are sized per block (``sizes``, bytes per block; all 0 when not given)."""
+                  sizes: Optional[Sequence[int]] = None, steps: int = 3) -> tuple[tuple, int, int]:
+    """(blocks copied during one steady-state training step, the most bytes the slots hold at once, the bytes
+    they hold when the forward turns into the backward), for the planner. Slots are sized per block
+    (``sizes``, bytes per block; all 0 when not given)."""
     if not streamed:
-        return (), 0
+        return (), 0, 0
     sizes = tuple(sizes) if sizes is not None else (0,) * num_blocks
     return _simulate(num_blocks, tuple(sorted(set(streamed))), prefetch_depth, num_slots or prefetch_depth + 1,
                      sizes, steps)

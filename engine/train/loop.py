@@ -261,7 +261,8 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
     start = time.perf_counter()
     model.train()
     try:
-        with _attention_backends(device), cap_allocator(handle, offload, device, held_before, cb):
+        with _attention_backends(device), cap_allocator(handle if split is None else None, offload, device,
+                                                        held_before, cb):
             if sampler is not None and first == 1 and sampler.due(0, train.steps):
                 _take_samples(sampler, 0, autocast, result)  # the base model, before any step
             for step in range(first, train.steps + 1):
