@@ -5,7 +5,7 @@ import torch
 from lowvram_lora.engine.config import LoraSettings, ModelConfig, TrainConfig
 from lowvram_lora.engine.models import load_transformer
 from lowvram_lora.engine.offload import OffloadConfig
-from lowvram_lora.engine.offload.plan import GB, ModelFootprint, Workload, make_plan
+from lowvram_lora.engine.offload.plan import HEADROOM_BYTES, GB, ModelFootprint, Workload, make_plan
 from lowvram_lora.engine.offload.recompute import install_chunked_recompute, run_in_token_chunks
 from lowvram_lora.engine.train import train_lora
 from lowvram_lora.engine.train.lora_attach import attach_lora, detach_lora
@@ -65,24 +65,34 @@ def test_training_with_chunks_equals_whole_blocks(tiny_pipeline, tiny_cache):
 
 
 def _flux1_dev(bf16=True):
-    """Flux.1-dev's real block sizes (bf16): 19 double blocks of 0.68 GB, 38 single of 0.28 GB."""
+    """Flux.1-dev's real block sizes (bf16): 19 double blocks of 0.68 GB (streamed as parts of 0.38 and 0.30 GB
+    with activation offload), 38 single of 0.28 GB."""
     return ModelFootprint(name="flux1-dev", block_names=[f"b{i}" for i in range(57)],
                           block_bytes=[679_700_000] * 19 + [283_200_000] * 38, other_bytes=160_000_000,
-                          trainable_params=46_700_000, hidden_size=3072)
+                          trainable_params=46_700_000, hidden_size=3072,
+                          unit_bytes=[[377_300_000, 302_400_000]] * 19 + [None] * 38)
 
 
-def test_auto_escalates_to_chunks_then_host_moments():
+def test_auto_escalates_to_host_moments_then_chunks_then_a_lower_compiled_budget():
     fp = _flux1_dev()
     wl2048, wl1024 = Workload(1, 16384, 512, "2048x2048"), Workload(1, 4096, 512, "1024x1024")
     roomy = make_plan(fp, wl2048, OffloadConfig(mode="auto", vram_budget_gb=12), 12 * GB)
     assert roomy.recompute_chunks == 1 and not roomy.optimizer_on_host
-    host = make_plan(fp, wl1024, OffloadConfig(mode="auto", vram_budget_gb=4), 4 * GB)
+    host = make_plan(fp, wl1024, OffloadConfig(mode="auto", vram_budget_gb=3), 3 * GB)
     assert host.optimizer_on_host and host.recompute_chunks == 1  # the cheaper escalation first
-    tight = make_plan(fp, wl2048, OffloadConfig(mode="auto", vram_budget_gb=6), 6 * GB)
+    tight = make_plan(fp, wl2048, OffloadConfig(mode="auto", vram_budget_gb=5), 5 * GB)
     assert tight.recompute_chunks == 5 and tight.optimizer_on_host  # one chunk per 4096 tokens
-    assert tight.predicted_peak_bytes + GB <= 6 * GB
-    with pytest.raises(Exception, match=r"below the smallest plan .* at least 5.9 GB"):
+    assert tight.activation_memory_budget == 1.0 and tight.predicted_peak_bytes + HEADROOM_BYTES <= 5 * GB
+    # 2048² in 4 GB: only with compiled blocks, whose activation-memory budget auto lowers as its last step
+    with pytest.raises(Exception, match=r"below the smallest plan .* at least 4.8 GB.*compiled blocks"):
         make_plan(fp, wl2048, OffloadConfig(mode="auto", vram_budget_gb=4), 4 * GB)
+    compiled = make_plan(fp, wl2048, OffloadConfig(mode="auto", vram_budget_gb=4), 4 * GB, compiled=True)
+    assert (compiled.recompute_chunks, compiled.optimizer_on_host, compiled.activation_memory_budget) == (5, True, 0.5)
+    assert compiled.predicted_peak_bytes + HEADROOM_BYTES <= 4 * GB and "budget 0.5" in compiled.describe()
+    # a budget the user lowered is kept (auto only lowers the default of 1)
+    kept = make_plan(fp, wl2048, OffloadConfig(mode="auto", vram_budget_gb=4.5, compile="blocks",
+                                               activation_memory_budget=0.7), int(4.5 * GB), compiled=True)
+    assert kept.activation_memory_budget == 0.7
     explicit = make_plan(fp, wl1024, OffloadConfig(mode="stream", prefetch_depth=1, activation_offload=True,
                                                    recompute_chunks=8, optimizer_on_host=True), None)
     plain = make_plan(fp, wl1024, OffloadConfig(mode="stream", prefetch_depth=1, activation_offload=True), None)

@@ -83,6 +83,9 @@ class ModelFootprint:
     # Per block: the bytes of each part it streams as with activation offload (engine/offload/units.py),
     # or None where it streams whole. Empty: every block whole.
     unit_bytes: list = field(default_factory=list)
+    # One block's working set against Flux.1's at the same B*T*D (the fitted constants below are Flux.1's):
+    # the family's ``activation_scale``.
+    activation_scale: float = 1.0
 
     def stream_units(self, activation_offload: bool) -> tuple[list[int], list[list[int]]]:
         """(bytes per streaming unit, unit indexes per block): parts only with activation offload."""
@@ -239,7 +242,8 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
         "weights": fp.other_bytes + sum(fp.block_bytes[i] for i in resident) + ring_at_peak,
         "lora+adam": int(fp.trainable_params * (fp.lora_bytes_per_param - moments)),
         # The fitted line has a negative intercept; clamp so tiny models never predict < 0.
-        "activations": max(0, int((kept_inputs + transient_units(recompute_chunks, compiled_budget)) * unit
+        "activations": max(0, int((kept_inputs + fp.activation_scale * transient_units(recompute_chunks,
+                                                                                        compiled_budget)) * unit
                                   + TRANSIENT_BYTES
                                   + (OFFLOADED_KEPT_BYTES if activation_offload else 0))),
     }
