@@ -205,6 +205,41 @@ def render(rows: list[dict]) -> str:
                        f"{_fmt(peak, 2)} | {_fmt(r.get('train_peak_alloc_gb'), 2)} | {_fmt(r.get('step_s'))} | "
                        f"`{r.get('command')}` |")
         out.append("")
+    frontier = [r for r in rows if (r.get("plan") or {}).get("ring_gb") is not None or r.get("cap_gb")]
+    if frontier:
+        out.append("## Memory frontier: blocks in parts, slots sized per unit (issue 13)\n")
+        out.append("Rows since double blocks stream as two parts (engine/offload/units.py). `predicted`: the plan's peak; "
+                   "`err`: (measured - predicted) / measured. `held to`: the allocator's cap, an auto row's budget "
+                   "(plus what the process held before training) or the `--cap-gb` of a stream row; without one the "
+                   "allocator reserves freely. Plan: streamed units, ring (most the slots hold at once), token chunks "
+                   "(c), AdamW moments on the host (host), samples per forward (m), compiled blocks' "
+                   "activation-memory budget (b; eager rows show none).\n")
+        out.append("| date | gpu | model | res | batch | mode | step s | x resident | peak alloc GB | predicted | err | "
+                   "reserved GB | reserved - alloc | held to GB | plan | command |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in frontier:
+            plan = r.get("plan") or {}
+            step = r.get("step_s")
+            base = resident.get(_key(r))
+            ratio = f"{step / base:.3f}" if step and base else "–"
+            step_txt = _fmt(step) if step is not None else ("**" + (r.get("error") or "failed").split(":")[0] + "**")
+            alloc, pred, res_gb = r.get("peak_alloc_gb"), plan.get("predicted_peak_gb"), r.get("peak_reserved_gb")
+            err = f"{100 * (alloc - pred) / alloc:+.0f}%" if alloc and pred and step is not None else "–"
+            gap = _fmt(res_gb - alloc, 2) if alloc and res_gb and step is not None else "–"
+            held = r.get("cap_gb") or (plan.get("budget_gb") if "auto" in str(r.get("mode")) else None)
+            desc = (f"{plan.get('streamed_units')} units, ring {plan.get('ring_gb')} GB, k{plan.get('prefetch_depth')}"
+                    + (", act" if plan.get("activation_offload") else "")
+                    + (f", c{plan['recompute_chunks']}" if plan.get("recompute_chunks", 1) > 1 else "")
+                    + (", host" if plan.get("optimizer_on_host") else "")
+                    + (f", m{plan['micro_batch']}" if plan.get("micro_batch") and plan.get("micro_batch") < r.get(
+                        "batch", 1) else "")
+                    + (f", b{plan['activation_memory_budget']}" if plan.get("activation_memory_budget", 1) < 1 else "")
+                    + (f", {plan.get('resident_blocks')} resident" if plan.get("resident_blocks") else "")) if plan else "–"
+            out.append(f"| {r.get('date', '')[:16].replace('T', ' ')} | {r.get('gpu')} | {r.get('model')} | "
+                       f"{r.get('res')}² | {r.get('batch', 1)} | {r.get('mode')}{' (' + r['precision'] + ')' if r.get('precision') else ''} | "
+                       f"{step_txt} | {ratio} | {_fmt(alloc, 2)} | {_fmt(pred, 2)} | {err} | {_fmt(res_gb, 2)} | {gap} | "
+                       f"{_fmt(held, 2) if held else '–'} | {desc} | `{r.get('command')}` |")
+        out.append("")
     out.append(REFERENCE)
     timed = [r for r in rows if r.get("breakdown")]
     if timed:
