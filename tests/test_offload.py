@@ -251,3 +251,34 @@ def test_pinned_memory_limit():
 def test_too_many_resident_blocks():
     with pytest.raises(ConfigError, match="only 57 blocks"):
         make_plan(flux_dev_like(), WL_1024, OffloadConfig(mode="stream", resident_blocks=60))
+
+
+def test_an_auto_budget_holds_the_allocator_and_lets_go_afterwards(monkeypatch):
+    """streamer.cap_allocator: the allocator may reserve the budget plus what was held before training, and the
+    limit is lifted afterwards, also when training fails; nothing is capped without an explicit auto budget."""
+    import types
+
+    import torch
+
+    from lowvram_lora.engine.offload.streamer import cap_allocator
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, i: calls.append((round(f, 4), i)))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=80 * GB))
+    plan = build_plan(flux_dev_like(), WL_1024, [], 1, True, budget_bytes=int(4 * GB))
+    handle = types.SimpleNamespace(plan=plan)
+    cuda0 = torch.device("cuda", 0)
+    with pytest.raises(RuntimeError, match="boom"):
+        with cap_allocator(handle, OffloadConfig(mode="auto", vram_budget_gb=4), cuda0, int(1 * GB)):
+            assert calls == [(round(5 / 80, 4), 0)]
+            raise RuntimeError("boom")
+    assert calls[-1] == (1.0, 0)
+    calls.clear()
+    for cfg, dev in [(OffloadConfig(mode="auto"), cuda0),  # budget 0: most of the free memory, no cap
+                     (OffloadConfig(mode="stream"), cuda0),
+                     (OffloadConfig(mode="auto", vram_budget_gb=4), torch.device("cpu"))]:
+        with cap_allocator(handle, cfg, dev, 0):
+            pass
+    with cap_allocator(None, OffloadConfig(mode="auto", vram_budget_gb=4), cuda0, 0):
+        pass
+    assert calls == []
