@@ -84,3 +84,29 @@ class LogRecorder:
     def log(self, message): self.logs.append(message)
 
     def should_stop(self): return False
+
+
+def tiny_lora_model(family_id: str, num_double: int, num_single: int, seed: int = 0):
+    """A tiny Flux (flux1-tiny / flux2-tiny widths, the given block counts) with LoRA r4 whose B is random, so
+    every LoRA weight gets a gradient, and gradient checkpointing on (streaming needs it). (model, params)."""
+    from lowvram_lora.engine.config import LoraSettings
+    from lowvram_lora.engine.families import load_shipped_config
+    from lowvram_lora.engine.testing import _randomize_zero_inits
+    from lowvram_lora.engine.train.lora_attach import attach_lora
+
+    family = get_family(family_id)
+    cfg = dict(load_shipped_config(family.variants[f"{family_id}-tiny"]), num_layers=num_double,
+               num_single_layers=num_single)
+    torch.manual_seed(seed)
+    model = family.transformer_class().from_config(cfg)
+    _randomize_zero_inits(model, seed)
+    model.requires_grad_(False)
+    model.enable_gradient_checkpointing()
+    params = attach_lora(model, family, LoraSettings(rank=4, alpha=4), seed)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed + 7)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    model.train()
+    return model, params

@@ -10,37 +10,23 @@ import torch
 
 from lowvram_lora.engine.config import LoraSettings, ModelConfig, TrainConfig
 from lowvram_lora.engine.errors import ConfigError
-from lowvram_lora.engine.families import get_family, load_shipped_config
+from lowvram_lora.engine.families import get_family
 from lowvram_lora.engine.offload import OffloadConfig, Workload, build_plan
 from lowvram_lora.engine.offload.footprint import footprint_before_loading, measure_footprint, named_blocks
 from lowvram_lora.engine.offload.host import HostBlock
 from lowvram_lora.engine.offload.streamer import InlineCopyEngine, apply_offload
 from lowvram_lora.engine.offload.units import installed_units, parts_of
-from lowvram_lora.engine.testing import _randomize_zero_inits
 from lowvram_lora.engine.train import train_lora
 from lowvram_lora.engine.train.lora_attach import attach_lora, detach_lora
+
+from helpers import tiny_lora_model
 
 FAMILY = get_family("flux1")
 
 
 def lora_model(num_double=2, num_single=3, seed=0):
-    """A small Flux.1 (tiny widths, more blocks) with LoRA whose B is random, so every LoRA weight gets a
-    gradient, and gradient checkpointing on (streaming needs it)."""
-    cfg = dict(load_shipped_config(FAMILY.variants["flux1-tiny"]), num_layers=num_double,
-               num_single_layers=num_single)
-    torch.manual_seed(seed)
-    model = FAMILY.transformer_class().from_config(cfg)
-    _randomize_zero_inits(model, seed)
-    model.requires_grad_(False)
-    model.enable_gradient_checkpointing()
-    params = attach_lora(model, FAMILY, LoraSettings(rank=4, alpha=4), seed)
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(seed + 7)
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    model.train()
-    return model, params
+    """A small Flux.1 (tiny widths, more blocks) with LoRA whose B is random (tests/helpers.tiny_lora_model)."""
+    return tiny_lora_model("flux1", num_double, num_single, seed)
 
 
 def inputs(seed, h=8, w=8):

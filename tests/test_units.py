@@ -5,34 +5,18 @@ import copy
 import pytest
 import torch
 
-from lowvram_lora.engine.config import LoraSettings
-from lowvram_lora.engine.families import get_family, load_shipped_config
+from lowvram_lora.engine.families import get_family
 from lowvram_lora.engine.offload import OffloadConfig, Workload, build_plan
 from lowvram_lora.engine.offload.footprint import measure_footprint, named_blocks
 from lowvram_lora.engine.offload.plan import ModelFootprint
 from lowvram_lora.engine.offload.streamer import InlineCopyEngine, apply_offload
 from lowvram_lora.engine.offload.units import installed_units, parts_of
-from lowvram_lora.engine.testing import _randomize_zero_inits
-from lowvram_lora.engine.train.lora_attach import attach_lora
+
+from helpers import tiny_lora_model
 
 
 def tiny(family_id: str, seed: int = 0):
-    family = get_family(family_id)
-    variant = "flux1-tiny" if family_id == "flux1" else "flux2-tiny"
-    cfg = dict(load_shipped_config(family.variants[variant]), num_layers=2, num_single_layers=2)
-    torch.manual_seed(seed)
-    model = family.transformer_class().from_config(cfg)
-    _randomize_zero_inits(model, seed)
-    model.requires_grad_(False)
-    model.enable_gradient_checkpointing()
-    attach_lora(model, family, LoraSettings(rank=4, alpha=4), seed)
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(seed + 7)
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    model.train()
-    return model, family
+    return tiny_lora_model(family_id, 2, 2, seed)[0], get_family(family_id)
 
 
 def batch(model, family, seed: int):

@@ -223,7 +223,11 @@ class _DoubleAttention(nn.Module):
                                       encoder_hidden_states=norm_encoder_hidden_states,
                                       image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
         if len(attention_outputs) != 2:
-            raise NotImplementedError("IP-adapter attention outputs are not supported while training")
+            from ..errors import ConfigError
+
+            raise ConfigError("this Flux.1 model's attention returns IP-adapter outputs; streaming a double block "
+                              "in parts does not carry them. Train without the IP-adapter, or with "
+                              "activation_offload off (whole blocks)")
         attn_output, context_attn_output = attention_outputs
         hidden_states = hidden_states + gate_msa.unsqueeze(1) * attn_output
         encoder_hidden_states = encoder_hidden_states + c_gate_msa.unsqueeze(1) * context_attn_output

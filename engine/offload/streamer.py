@@ -136,9 +136,6 @@ class InlineCopyEngine:
         self.bytes_copied = 0
         self.log: list[tuple] = []
 
-    def resident_slot_bytes(self) -> int:
-        return sum(s.numel() for s in self.slots if s is not None)
-
     def load(self, block: int, slot: int, evicted: Optional[int]) -> None:
         if evicted is not None:
             self.hosts[evicted].bind_host()
