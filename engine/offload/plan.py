@@ -205,9 +205,9 @@ def transient_units(chunks: int, compiled_budget: float = 1.0) -> float:
 
 def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefetch_depth: int,
                activation_offload: bool, budget_bytes: Optional[int] = None, reason: str = "",
-               count_bytes: bool = True, recompute_chunks: int = 1, optimizer_on_host: bool = False,
+               recompute_chunks: int = 1, optimizer_on_host: bool = False,
                micro_batch: Optional[int] = None, compiled_budget: float = 1.0) -> Plan:
-    """One plan's numbers. ``count_bytes=False`` skips simulating the copies (a quick fit check).
+    """One plan's numbers (the step's copies are simulated once per ring layout and cached: schedule.py).
     ``micro_batch``: samples per forward/backward; a batch of more runs as that many gradient-accumulated
     pieces (the same gradient), so activations are sized for it. ``compiled_budget``: the blocks are compiled at
     this activation-memory budget (1: eager, or compiled at 1)."""
@@ -226,7 +226,7 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
         sizes, groups = fp.stream_units(activation_offload)
         streamed_units = [u for i in streamed for u in groups[i]]
         loads, ring_bytes, ring_at_turn = simulate_step(len(sizes), streamed_units, k, num_slots, sizes)
-        streamed_per_step = sum(sizes[u] for u in loads) if count_bytes else 0
+        streamed_per_step = sum(sizes[u] for u in loads)
         # At the peak: with activation offload, the fullest ring (a block's working set is the same all step);
         # without it every block's inputs stay on the GPU until its backward, so the peak comes where the
         # forward turns into the backward, with the last blocks (Flux: the small single blocks) in the ring
@@ -364,9 +364,9 @@ def _auto_fixed(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: lis
     for k in depths:
         for act in acts:
             for r in counts:  # most resident first: the first that fits is the best for this (k, act)
-                if not _fits(build_plan(fp, wl, order[:r], k, act, budget, count_bytes=False, **extra), budget):
-                    continue
                 plan = build_plan(fp, wl, order[:r], k, act, budget, **extra)
+                if not _fits(plan, budget):
+                    continue
                 if best is None or _cost(plan) < _cost(best):
                     best = plan
                 break
