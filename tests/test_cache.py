@@ -112,7 +112,7 @@ def test_same_layout_different_weights_have_different_identities(tmp_path):
     must still differ, or caches, slabs and finished runs of the base would be reused."""
     from safetensors.torch import save_file
 
-    from lowvram_lora.engine.caching.hashing import path_identity
+    from lowvram_lora.engine.hashing import path_identity
 
     for name, value in (("base", 0.0), ("finetune", 1.0), ("base_copy", 0.0)):
         save_file({"w": torch.full((1024, 1024), value)}, str(tmp_path / f"{name}.safetensors"))

@@ -195,7 +195,7 @@ def test_comfyui_file_maps_every_key(trained, tmp_path):
     from comfyui_lora_reference import comfyui_check_flux_lora
 
     sd = load_file(str(save_lora(trained, tmp_path / "c.safetensors", fmt="comfyui", dtype="fp32")))
-    from lowvram_lora.engine.models.transformer_loading import expected_single_file_shapes
+    from lowvram_lora.engine.checkpoint import expected_single_file_shapes
 
     shapes = expected_single_file_shapes(FAMILY, trained.model_config)
     model_keys = {f"diffusion_model.{k}": v for k, v in shapes.items()}

@@ -157,14 +157,15 @@ def test_resident_offload_config_trains_on_cpu(tiny_pipeline, tiny_cache):
 
 
 def test_impossible_budget_is_refused_from_the_header_alone(tiny_single_file, tiny_cache):
+    from lowvram_lora.engine.checkpoint import identify
     from lowvram_lora.engine.train.loop import _check_plan_before_loading
 
-    found = footprint_before_loading(ModelConfig(transformer_path=str(tiny_single_file)), torch.bfloat16,
+    found = footprint_before_loading(tiny_single_file, torch.bfloat16,
                                      LoraSettings(rank=4))
     fp, family, variant = found
     assert variant == "flux1-tiny" and fp.num_blocks == 4 and fp.trainable_params > 0
     with pytest.raises(ConfigError, match=r"vram_budget_gb=0.01 is below the smallest plan .* raise the budget to at least \d+\.\d GB"):
-        _check_plan_before_loading(ModelConfig(transformer_path=str(tiny_single_file)), tiny_cache,
+        _check_plan_before_loading(identify(tiny_single_file), "auto", tiny_cache,
                                    LoraSettings(rank=4), TrainConfig(), OffloadConfig(vram_budget_gb=0.01),
                                    torch.device("cuda"), torch.bfloat16)
 
@@ -172,7 +173,7 @@ def test_impossible_budget_is_refused_from_the_header_alone(tiny_single_file, ti
 def test_footprint_from_header_matches_the_loaded_model(tiny_pipeline):
     from lowvram_lora.engine.models import load_transformer
 
-    fp, _, _ = footprint_before_loading(ModelConfig(transformer_path=str(tiny_pipeline)), torch.float32,
+    fp, _, _ = footprint_before_loading(tiny_pipeline, torch.float32,
                                         LoraSettings(rank=4))
     model, family, _, _ = load_transformer(tiny_pipeline, dtype=torch.float32)
     attach_lora(model, family, LoraSettings(rank=4), 0)
@@ -210,13 +211,13 @@ def test_footprint_from_a_slab_header_counts_int8_blocks(tiny_pipeline, tmp_path
     from lowvram_lora.engine.slab import build_slab
 
     slab = build_slab(tiny_pipeline, tmp_path / "slab", progress=False)
-    fp, _, variant = footprint_before_loading(ModelConfig(transformer_path=str(slab)), torch.bfloat16,
+    fp, _, variant = footprint_before_loading(slab, torch.bfloat16,
                                               LoraSettings(rank=4))
     model, family, _, _ = load_transformer(slab, dtype=torch.bfloat16)
     real = measure_footprint(model, family, trainable_params=fp.trainable_params)
     assert variant == "flux1-tiny" and "int8" in fp.name
     assert fp.block_bytes == real.block_bytes and fp.other_bytes == real.other_bytes
-    bf16, _, _ = footprint_before_loading(ModelConfig(transformer_path=str(tiny_pipeline)), torch.bfloat16,
+    bf16, _, _ = footprint_before_loading(tiny_pipeline, torch.bfloat16,
                                           LoraSettings(rank=4))
     assert sum(fp.block_bytes) < 0.7 * sum(bf16.block_bytes)  # int8 weights: about half of bf16
     assert fp.trainable_params == bf16.trainable_params

@@ -14,10 +14,11 @@ from safetensors.torch import load_file, save_file
 from lowvram_lora.engine.families import get_family, load_shipped_config
 from lowvram_lora.engine.models import load_transformer
 from lowvram_lora.engine.slab import (
-    Int8Linear, SlabError, build_slab, ensure_slab, load_slab_transformer, manifest_path_for, open_checkpoint,
+    Int8Linear, SlabError, build_slab, ensure_slab, load_slab_transformer, manifest_path_for,
     verify_slab,
 )
-from lowvram_lora.engine.slab.sources import canonical_key
+from lowvram_lora.engine.checkpoint import KEY_PREFIXES, open_checkpoint
+from lowvram_lora.engine.checkpoint.tensors import strip_prefix
 from lowvram_lora.engine.slab.testing import write_random_checkpoint
 
 from helpers import model_inputs, slab_cli
@@ -187,10 +188,10 @@ def test_name_map_covers_every_tensor_from_bfl_and_diffusers_names(tiny_pipeline
             assert torch.equal(ckpt.read(name).float(), reference[name].float()), (path, name)
     bfl = open_checkpoint(tiny_single_file).tensors
     d = 32
-    assert [(bfl[f"transformer_blocks.0.attn.{p}.weight"].key, bfl[f"transformer_blocks.0.attn.{p}.weight"].row_offset)
+    assert [(bfl[f"transformer_blocks.0.attn.{p}.weight"].source, bfl[f"transformer_blocks.0.attn.{p}.weight"].row_offset)
             for p in ("to_q", "to_k", "to_v")] == [("double_blocks.0.img_attn.qkv.weight", i * d) for i in range(3)]
     mlp = bfl["single_transformer_blocks.1.proj_mlp.weight"]
-    assert (mlp.key, mlp.row_offset, mlp.shape) == ("single_blocks.1.linear1.weight", 3 * d, (4 * d, d))
+    assert (mlp.source, mlp.row_offset, mlp.shape) == ("single_blocks.1.linear1.weight", 3 * d, (4 * d, d))
     assert bfl["norm_out.linear.weight"].swap_halves
 
 
@@ -202,7 +203,7 @@ def test_name_map_covers_every_tensor_from_bfl_and_diffusers_names(tiny_pipeline
     ("transformer_blocks.0.ff.net.2.weight", "transformer_blocks.0.ff.net.2.weight"),
 ])
 def test_canonical_key_handles_prefixes_and_adapter_renames(key, canonical):
-    assert canonical_key(key) == canonical
+    assert strip_prefix(key, KEY_PREFIXES) == canonical
 
 
 def test_adapter_renamed_diffusers_folder_builds_the_same_slab(tiny_pipeline, slab, tmp_path):

@@ -21,18 +21,17 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ..callbacks import TrainingCallback
 from ..config import DataConfig, ModelConfig
 from ..data import assign_bucket, expand_repeats, load_image_tensor, make_buckets, scan_dataset
-from ..errors import CacheError, ModelLoadError
+from ..errors import CacheError, ConfigError, ModelLoadError
 from ..fileio import atomic_write, write_json_atomic
 from ..families import ModelFamily, get_family
-from ..models import resolve_device, resolve_dtype, resolve_transformer_source
-from ..models.transformer_loading import identify_diffusers_folder
-from .hashing import path_identity, sha256_file, stable_hash
+from ..checkpoint import SafetensorsFile, identify, resolve_path
+from ..models import resolve_device, resolve_dtype
+from ..hashing import path_identity, sha256_file, stable_hash
 from .text_encoding import encode_captions
 from .single_files import (decoder_lm_source, load_text_encoder_file, load_vae_file, sources_for_flux1,
                            sources_for_flux2)
@@ -77,6 +76,32 @@ class DatasetCache:
         latent = lat["latent_flipped"] if flipped and "latent_flipped" in lat else lat["latent"]
         return latent, text
 
+    def text_widths(self) -> dict[str, int]:
+        """Last-axis width of each cached embedding, from the first caption entry's header."""
+        from ..checkpoint import SafetensorsFile
+
+        if not self.items:
+            return {}
+        entry = SafetensorsFile(self.cache_dir / "text" / f"{self.items[0].text_key}.safetensors")
+        return {k: e.shape[-1] for k, e in entry.entries.items() if e.shape}
+
+    def check_fits(self, family: ModelFamily, config: dict | None) -> None:
+        """Refuse a cache made for another family or another text width, before the model loads
+        (a Flux.2-dev cache, 15360 wide, on a klein 4B model, 7680 wide, would fail mid-forward)."""
+        if family.id != self.family:
+            raise ConfigError(
+                f"the dataset cache was built for {self.family} but the model is {family.id}; "
+                f"run Cache Text Embeds again with this model's text encoders")
+        if not config:
+            return
+        have = self.text_widths()
+        for key, width in family.text_widths(config).items():
+            if key in have and have[key] != width:
+                raise ConfigError(
+                    f"the dataset cache's '{key}' are {have[key]} wide ({self.family} {self.variant}), but this "
+                    f"{family.display_name} model takes {width}; run Cache Text Embeds again with this model "
+                    f"(and its own text encoder) so the cache matches")
+
     def training_items(self) -> list[CachedItem]:
         return expand_repeats(self.items, self.repeats)
 
@@ -109,31 +134,34 @@ def resolve_pipeline_folder(model_cfg: ModelConfig) -> Path:
                 f"it must hold text_encoder*/, tokenizer*/ and vae/"
             )
         return folder
-    source = resolve_transformer_source(model_cfg.transformer_path)
-    if source.pipeline_folder is None:
+    _, _, pipeline = resolve_path(model_cfg.transformer_path)
+    if pipeline is None:
         raise ModelLoadError(
             f"'{model_cfg.transformer_path}' is a single transformer file; caching also needs the text encoders, "
             f"tokenizers and VAE of a diffusers pipeline folder (text_encoder*/, tokenizer*/, vae/). In Cache Text "
             f"Embeds, set text_encoders to a folder under models/diffusers (e.g. diffusers/FLUX.1-dev); "
             f"from Python, set ModelConfig.pipeline_path"
         )
-    return source.pipeline_folder
+    return pipeline
 
 
 def _single_file_sources(model_cfg: ModelConfig):
     """(SingleFileSources, family, variant) for caching from single files (no pipeline folder);
     the family and variant come from the transformer itself."""
-    from ..models.inspect import inspect_transformer
+    ident = identify(model_cfg.transformer_path, model_cfg.family)
+    family, variant = ident.family, ident.variant
+    if ident.kind == "slab":
+        from ..slab.load import open_slab, resolve_slab_family
 
-    info = inspect_transformer(model_cfg)
-    family = get_family(info.family)
+        slab = open_slab(ident.path)
+        family, variant = resolve_slab_family(slab, model_cfg.family), slab.variant
     files = [Path(p) for p in model_cfg.text_encoder_files]
     vae = Path(model_cfg.vae_file) if model_cfg.vae_file else None
     if family.id == "flux2":
         singles = sources_for_flux2(files, vae)
     else:
         singles = sources_for_flux1(files, vae, {k: Path(v) for k, v in (model_cfg.tokenizer_dirs or {}).items()})
-    return singles, family, info.variant
+    return singles, family, variant
 
 
 def _tokenizer_identity(f: Path, spec, singles) -> str:
@@ -147,8 +175,8 @@ def _tokenizer_identity(f: Path, spec, singles) -> str:
 
 def _family_and_variant(model_cfg: ModelConfig, pipeline: Path) -> tuple[ModelFamily, str]:
     if (pipeline / "transformer" / "config.json").exists():
-        family, variant, _ = identify_diffusers_folder(pipeline / "transformer", model_cfg.family)
-        return family, variant
+        ident = identify(pipeline / "transformer", model_cfg.family)
+        return ident.family, ident.variant
     if model_cfg.family == "auto":
         raise ModelLoadError(f"cannot tell the model family of '{pipeline}'; set family explicitly")
     return get_family(model_cfg.family), "custom"
@@ -171,26 +199,15 @@ def _usable(path: Path, cb: TrainingCallback) -> bool:
     if not path.exists():
         return False
     try:
-        with safe_open(str(path), framework="pt") as f:
-            keys = list(f.keys())
-            for k in keys:  # the header parses; check the bytes are all there too
-                f.get_slice(k)
-        if keys and path.stat().st_size >= _data_end(path):
+        entry = SafetensorsFile(path)  # checks the header parses and every tensor's bytes are in the file
+        if entry.entries:
             return True
-        problem = "no tensors" if not keys else "truncated"
+        problem = "no tensors"
     except Exception as exc:
         problem = f"{type(exc).__name__}: {exc}"
     cb.log(f"dataset-cache entry '{path}' is unreadable ({problem}); rebuilding it")
     path.unlink(missing_ok=True)
     return False
-
-
-def _data_end(path: Path) -> int:
-    """Where the last tensor's bytes end, from the safetensors header."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-    return 8 + n + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
 
 
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:

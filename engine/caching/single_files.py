@@ -24,9 +24,9 @@ from importlib import resources
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from .. import families
+from ..checkpoint import TensorStore, open_files
 from ..errors import ModelLoadError
 
 CLIP_L, T5XXL, DECODER_LM = "clip_l", "t5xxl", "decoder_lm"  # decoder_lm: Flux.2's Mistral3 / Qwen3
@@ -47,12 +47,13 @@ class SingleFileSources:
     tokenizer_dirs: dict[str, Path] = field(default_factory=dict)  # kind -> fallback tokenizer folder
 
 
+def _store(path: Path, prefixes: tuple[str, ...] = ()) -> TensorStore:
+    """The file's tensors through the one checkpoint reader (decoding fp8 / scaled fp8 / comfy_quant)."""
+    return TensorStore(open_files([path], "a text encoder or VAE"), prefixes)
+
+
 def _keys(path: Path) -> list[str]:
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return list(f.keys())
-    except Exception as exc:  # safetensors' own error types
-        raise ModelLoadError(f"'{path}' is not a readable safetensors file ({exc}); re-download it") from exc
+    return _store(path).names()
 
 
 def text_encoder_kind(path: Path) -> str:
@@ -94,9 +95,9 @@ def decoder_lm_source(path: Path) -> tuple[list[Path], object, Path]:
         config = AutoConfig.from_pretrained(own, local_files_only=True)
         config = getattr(config, "text_config", None) or config
     else:
-        with safe_open(str(path), framework="pt") as f:
-            embed = next((k for k in f.keys() if k.endswith("embed_tokens.weight")), None)
-            width = f.get_slice(embed).get_shape()[1] if embed else None
+        shapes = _store(path).shapes()
+        embed = next((k for k in shapes if k.endswith("embed_tokens.weight")), None)
+        width = shapes[embed][1] if embed else None
         name = {5120: "mistral3-small-24b", 2560: "qwen3-4b", 4096: "qwen3-8b"}.get(width)
         if name is None:
             raise ModelLoadError(f"'{path}': no known Flux.2 text encoder has width {width}; put its config.json in "
@@ -131,10 +132,10 @@ def _embedded_tekken(path: Path):
     file has none."""
     import tempfile
 
-    with safe_open(str(path), framework="pt") as f:
-        if "tekken_model" not in f.keys():
-            return None
-        raw = bytes(f.get_tensor("tekken_model").tolist())
+    store = _store(path)
+    if "tekken_model" not in store:
+        return None
+    raw = bytes(store.get("tekken_model").tolist())
     from transformers.integrations.mistral.tokenizer import convert_tekken_tokenizer
 
     with tempfile.TemporaryDirectory(prefix="lowvram-tekken-") as tmp:
@@ -183,20 +184,10 @@ def _tokenizer_dir(path: Path, kind: str, fallback: dict[str, Path]) -> Path:
 
 
 def _state_dict(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Tensors with known prefixes stripped; scaled-fp8 weights times their scale; markers dropped."""
-    out: dict[str, torch.Tensor] = {}
-    with safe_open(str(path), framework="pt") as f:
-        keys = list(f.keys())
-        for key in keys:
-            name = next((key[len(p):] for p in _PREFIXES if key.startswith(p)), key)
-            if name in _DROP or name.endswith((".scale_weight", ".scale_input")):
-                continue
-            t = f.get_tensor(key)
-            scale = key[: -len(".weight")] + ".scale_weight" if key.endswith(".weight") else None
-            if scale in keys:
-                t = t.to(torch.float32) * f.get_tensor(scale).to(torch.float32)
-            out[name] = t.to(dtype) if t.is_floating_point() else t
-    return out
+    """Tensors with known prefixes stripped, decoded by the checkpoint reader (fp8 times its scale,
+    whichever convention the file uses); quantization side tensors and unused ones dropped."""
+    store = _store(path, _PREFIXES)
+    return store.state_dict(dtype, skip=_DROP)
 
 
 def load_text_encoder_file(path: Path, dtype: torch.dtype, tokenizer_dirs: dict[str, Path]):
@@ -229,8 +220,7 @@ def _load_flux2_vae_file(path: Path, dtype: torch.dtype):
     from diffusers import AutoencoderKLFlux2
     from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
 
-    with safe_open(str(path), framework="pt") as f:
-        sd = {k: f.get_tensor(k) for k in f.keys()}
+    sd = _store(path).state_dict()
     sd = {("quant_conv." + k[len("encoder.quant_conv."):] if k.startswith("encoder.quant_conv.") else
            "post_quant_conv." + k[len("decoder.post_quant_conv."):] if k.startswith("decoder.post_quant_conv.") else k): v
           for k, v in sd.items()}

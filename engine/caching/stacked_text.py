@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors import safe_open
 
+from ..checkpoint import TensorStore, open_files
 from ..errors import ModelLoadError
 from ..families import TextEncoderSpec
 from ..models.dtypes import release_device_memory
@@ -52,27 +52,25 @@ def _text_config(encoder_dir: Path):
 
 
 class _ShardedWeights:
-    """Tensor name -> (file, key) across a folder's safetensors shards; reads one tensor at a time."""
+    """A decoder's tensors across a folder's shards or one file, through the one checkpoint reader (so fp8
+    and ComfyUI's scaled files decode with their scales); reads one tensor at a time."""
 
     def __init__(self, files: list[Path]):
-        self.where: dict[str, Path] = {}
-        for f in files:
-            with safe_open(str(f), framework="pt") as h:
-                for k in h.keys():
-                    self.where[k] = f
-        self.prefix = next((p for p in _PREFIXES if f"{p}embed_tokens.weight" in self.where), None)
+        opened = open_files(files, "the text encoder")
+        keys = {k for f in opened for k in f.entries}
+        self.prefix = next((p for p in _PREFIXES if f"{p}embed_tokens.weight" in keys), None)
         if self.prefix is None:
             raise ModelLoadError(
                 f"{files[0].parent}: no decoder embedding table (embed_tokens.weight under any of "
                 f"{', '.join(repr(p) for p in _PREFIXES[:-1])}); is this a Mistral3 / Qwen3 text encoder?"
             )
+        self.store = TensorStore(opened, (self.prefix,))
+        self.where = files[0].parent
 
     def read(self, name: str, device, dtype) -> torch.Tensor:
-        key = self.prefix + name
-        if key not in self.where:
-            raise ModelLoadError(f"{self.where[self.prefix + 'embed_tokens.weight'].parent}: tensor '{key}' is missing")
-        with safe_open(str(self.where[key]), framework="pt", device="cpu") as h:
-            return h.get_tensor(key).to(device=device, dtype=dtype)
+        if name not in self.store:
+            raise ModelLoadError(f"{self.where}: tensor '{self.prefix + name}' is missing")
+        return self.store.get(name, dtype, device)
 
 
 def load_truncated_decoder(encoder_dir: Path, num_layers: int, dtype: torch.dtype,

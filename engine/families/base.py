@@ -80,6 +80,8 @@ class ModelFamily(Protocol):
 
     def default_max_sequence_length(self, variant: str) -> int: ...
 
+    def text_widths(self, config: dict[str, Any]) -> dict[str, int]: ...
+
     def model_inputs(
         self,
         model: nn.Module,

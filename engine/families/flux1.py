@@ -112,6 +112,11 @@ class Flux1Family:
             return None
         return [("attention", _DoubleAttention(block)), ("feed_forward", _DoubleFeedForward(block))]
 
+    def text_widths(self, config: dict) -> dict[str, int]:
+        """Width of each cached embedding the transformer takes (checked against a cache before loading)."""
+        return {"prompt_embeds": int(config["joint_attention_dim"]),
+                "pooled_prompt_embeds": int(config["pooled_projection_dim"])}
+
     def default_max_sequence_length(self, variant: str) -> int:
         # What the diffusers pipelines use: dev 512, schnell 256. The tiny model keeps it short.
         return {"flux1-schnell": 256, "flux1-tiny": 32}.get(variant, 512)

@@ -119,6 +119,11 @@ class Flux2Family:
             return None
         return [("attention", _DoubleAttention(block)), ("feed_forward", _DoubleFeedForward(block))]
 
+    def text_widths(self, config: dict) -> dict[str, int]:
+        """Width of each cached embedding the transformer takes: the stacked hidden states (dev 15360,
+        klein 4B 7680, klein 9B 12288)."""
+        return {"prompt_embeds": int(config["joint_attention_dim"])}
+
     def default_max_sequence_length(self, variant: str) -> int:
         return self.text_encoder_specs(variant)[0].max_length
 

@@ -2,17 +2,18 @@
 
 Reading the safetensors header is enough to know the family, the variant and
 whether every tensor has the right shape, so a wrong file is reported before
-any heavy work starts, and nothing touches a GPU.
+any heavy work starts, and nothing touches a GPU. The identity made here flows
+on the LOWVRAM_MODEL edge, so the run does not identify the checkpoint again.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..caching.hashing import path_identity
+from ..checkpoint import CheckpointIdentity, identify
 from ..config import ModelConfig
 from ..families import get_family
-from .transformer_loading import identify_diffusers_folder, identify_single_file, resolve_transformer_source
+from ..hashing import path_identity
 
 
 @dataclass
@@ -24,6 +25,7 @@ class ModelInfo:
     variant: str
     kind: str  # "diffusers" | "single_file" | "slab"
     identity: str  # content identity of the weights (header hashes), keys trained-result reuse
+    checkpoint: CheckpointIdentity | None = field(default=None, compare=False)
 
     def describe(self) -> str:
         what = {"slab": "int8 slab", "single_file": "single file", "diffusers": "diffusers folder"}[self.kind]
@@ -31,18 +33,13 @@ class ModelInfo:
 
 
 def inspect_transformer(config: ModelConfig) -> ModelInfo:
-    source = resolve_transformer_source(config.transformer_path)
-    if source.kind == "single_file":
-        from ..slab.load import is_slab_file, open_slab, resolve_slab_family
+    ident = identify(config.transformer_path, config.family)
+    family, variant = ident.family, ident.variant
+    if ident.kind == "slab":
+        from ..slab.load import open_slab, resolve_slab_family
 
-        if is_slab_file(source.path):
-            slab = open_slab(source.path)  # quick verify: size + header against the manifest
-            family = resolve_slab_family(slab, config.family)
-            resolved = replace(config, transformer_path=str(source.path.resolve()), family=family.id)
-            return ModelInfo(resolved, family.id, slab.variant, "slab", path_identity(source.path))
-    if source.kind == "diffusers":
-        family, variant, _ = identify_diffusers_folder(source.path, config.family)
-    else:
-        family, variant, _ = identify_single_file(source.path, config.family)
-    resolved = replace(config, transformer_path=str(Path(config.transformer_path).resolve()), family=family.id)
-    return ModelInfo(resolved, family.id, variant, source.kind, path_identity(source.path))
+        slab = open_slab(ident.path)  # quick verify: size + header against the manifest
+        family, variant = resolve_slab_family(slab, config.family), slab.variant
+    where = ident.path if ident.kind == "slab" else Path(config.transformer_path)
+    resolved = replace(config, transformer_path=str(where.resolve()), family=family.id)
+    return ModelInfo(resolved, family.id, variant, ident.kind, path_identity(ident.path), ident)

@@ -6,13 +6,12 @@ of reading 24 GB).
 """
 from __future__ import annotations
 
-import json
 from typing import Optional
 
 import torch
 from torch import nn
 
-from ..config import LoraSettings, ModelConfig
+from ..config import LoraSettings
 from .host import frozen_bytes
 from .plan import ModelFootprint, Workload
 
@@ -66,34 +65,17 @@ def lora_param_count(model: nn.Module, family, lora: LoraSettings) -> int:
     return total
 
 
-def footprint_before_loading(model_cfg: ModelConfig, dtype: torch.dtype, lora: LoraSettings):
-    """(footprint, family, variant) of a checkpoint from its config alone: header reads, no weights."""
-    from accelerate import init_empty_weights
+def footprint_before_loading(checkpoint, dtype: torch.dtype, lora: LoraSettings, family_id: str = "auto"):
+    """(footprint, family, variant) of a checkpoint from its header and config alone, no weights.
+    ``checkpoint``: a ``CheckpointIdentity`` (made once per run) or a path."""
+    from ..checkpoint import CheckpointIdentity, identify
+    from ..families.base import meta_model
 
-    from ..families import family_for_class_name, get_family
-    from ..models.transformer_loading import (
-        _match_variant, _variant_for_config, read_single_file_shapes, resolve_transformer_source,
-    )
-    from ..families import family_for_single_file
-
-    source = resolve_transformer_source(model_cfg.transformer_path)
-    if source.kind == "single_file":
-        from ..slab.load import is_slab_file
-
-        if is_slab_file(source.path):
-            return _slab_footprint(source.path, model_cfg, dtype, lora)
-    if source.kind == "diffusers":
-        config = json.loads((source.path / "config.json").read_text())
-        family = family_for_class_name(config.get("_class_name", ""))
-        variant = _variant_for_config(family, config) if family is not None else "custom"
-    else:
-        shapes = read_single_file_shapes(source.path)
-        family = get_family(model_cfg.family) if model_cfg.family != "auto" else family_for_single_file(set(shapes))
-        variant, config = _match_variant(source.path, family, shapes) if family is not None else (None, None)
-    if family is None:
-        return None  # the loader reports unsupported files with its own, better message
-    with init_empty_weights():
-        model = family.transformer_class().from_config(config)
+    ident = checkpoint if isinstance(checkpoint, CheckpointIdentity) else identify(checkpoint, family_id)
+    if ident.kind == "slab":
+        return _slab_footprint(ident.path, family_id, dtype, lora)
+    family, variant = ident.family, ident.variant
+    model = meta_model(family, ident.config)
     nn.Module.to(model, dtype=dtype)  # meta: free
     model.requires_grad_(False)  # as loaded: only LoRA will train
     fp = measure_footprint(model, family, f"{family.display_name} ({variant})",
@@ -101,13 +83,13 @@ def footprint_before_loading(model_cfg: ModelConfig, dtype: torch.dtype, lora: L
     return fp, family, variant
 
 
-def _slab_footprint(path, model_cfg: ModelConfig, dtype: torch.dtype, lora: LoraSettings):
+def _slab_footprint(path, family_id: str, dtype: torch.dtype, lora: LoraSettings):
     """An int8 slab: block Linears are Int8Linear (1 byte per weight + fp32 row scales), as loaded."""
     from ..slab.layout import meta_model, swap_in_int8_linears
     from ..slab.load import open_slab, resolve_slab_family
 
     slab = open_slab(path, "quick")
-    family = resolve_slab_family(slab, model_cfg.family)
+    family = resolve_slab_family(slab, family_id)
     model = meta_model(family, slab.manifest["config"])
     nn.Module.to(model, dtype=dtype)
     model.requires_grad_(False)

@@ -6,11 +6,10 @@ from .format import FORMAT_VERSION, SLAB_SUFFIX, SlabError, manifest_path_for
 from .int8_linear import Int8Linear, Int8LinearFunction, int8_linear
 from .load import is_slab_file, load_slab_transformer, open_slab, rebuild_command, verify_slab
 from .quantize import dequantize_rows, quantize_rows
-from .sources import open_checkpoint
 
 __all__ = [
     "FORMAT_VERSION", "Int8Linear", "Int8LinearFunction", "SLAB_SUFFIX", "SlabError", "build_slab",
     "default_slab_name", "dequantize_rows", "ensure_slab", "int8_linear", "is_slab_file",
-    "load_slab_transformer", "manifest_path_for", "open_checkpoint", "open_slab", "quantize_rows",
+    "load_slab_transformer", "manifest_path_for", "open_slab", "quantize_rows",
     "rebuild_command", "verify_slab",
 ]

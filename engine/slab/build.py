@@ -30,7 +30,7 @@ from .format import (
 from .load import record_verified
 from .layout import INT8, PLAIN, SCALE, SlabTensor, block_prefixes, meta_model, slab_tensors
 from .quantize import QMAX, SCALE_DTYPE, RowQuantizer
-from .sources import Checkpoint, SourceTensor, open_checkpoint
+from ..checkpoint import Checkpoint, SourceTensor, open_checkpoint
 
 ProgressCallback = Callable[[int, int], None]  # (bytes done, bytes total)
 DEFAULT_CHUNK_BYTES = 32 << 20  # fp32 rows quantized at once: ~4x this is the build's working set
@@ -85,7 +85,7 @@ def _plain_dtype(src: SourceTensor) -> torch.dtype:
     """Non-quantized tensors keep their checkpoint dtype; fp8 (scaled or not) becomes bf16."""
     if not src.dtype.is_floating_point:
         return src.dtype
-    return src.dtype if src.dtype in _KEPT_DTYPES and src.scale_key is None else torch.bfloat16
+    return src.dtype if src.dtype in _KEPT_DTYPES and not src.scaled else torch.bfloat16
 
 
 def _check_source_covers_model(ckpt: Checkpoint, model: torch.nn.Module) -> None:
@@ -315,5 +315,10 @@ def ensure_slab(
             if manifest["source"]["key"] == key:
                 say(f"reusing slab '{path}'")
                 return path
+        legacy = ckpt.fingerprint()["legacy_key"]
+        stale = sorted(slab_dir.glob(f"*-{legacy[:12]}{SLAB_SUFFIX}")) if legacy != key else []
+        if stale:
+            say(f"not reusing slab '{stale[0]}': it was built from this checkpoint by an older version that ignored "
+                f"its fp8 weight_scale (weights off by that scale); building a correct one (the old file may be deleted)")
         say(f"building slab '{target}' from '{ckpt.path}' (once; reused afterwards)")
         return _build(ckpt, target, callback, progress, DEFAULT_CHUNK_BYTES)

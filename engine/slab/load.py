@@ -27,8 +27,8 @@ import torch
 from ..errors import ConfigError, ModelLoadError
 from ..families import ModelFamily, get_family, load_shipped_config
 from .format import (
-    FORMAT_VERSION, PAD_PREFIX, SLAB_FORMAT, SLAB_SUFFIX, SafetensorsFile, SlabError, dtype_name, manifest_path_for,
-    sha256_range,
+    FORMAT_VERSION, PAD_PREFIX, SLAB_FORMAT, SLAB_SUFFIX, SafetensorsFile, SlabError, dtype_name, is_slab_file,
+    manifest_path_for, sha256_range,
 )
 from .layout import INT8, PLAIN, meta_model, slab_tensors, swap_in_int8_linears
 
@@ -42,17 +42,6 @@ def rebuild_command(slab_path: str | Path, manifest: dict | None = None) -> str:
     family = (manifest or {}).get("family")
     cmd = f"lowvram-lora slab build {shlex.quote(source)} -o {shlex.quote(str(slab_path))}"
     return cmd + (f" --family {family}" if family else "")
-
-
-def is_slab_file(path: str | Path) -> bool:
-    """Named ``*.slab.safetensors``, has a manifest beside it, or says so in its header."""
-    p = Path(path)
-    if p.name.endswith(SLAB_SUFFIX) or manifest_path_for(p).exists():
-        return True
-    try:
-        return SafetensorsFile(p).metadata.get("format") == SLAB_FORMAT
-    except (ModelLoadError, OSError):
-        return False
 
 
 @dataclass
@@ -98,6 +87,13 @@ def read_manifest(slab_path: str | Path) -> dict[str, Any]:
             f"slab '{slab}' has format version {version}; this lowvram-lora reads version {FORMAT_VERSION}"
             + (" (update lowvram-lora, or " if newer else " (") + f"rebuild with: {rebuild_command(slab, manifest)})"
         )
+    source = manifest.get("source") if isinstance(manifest.get("source"), dict) else {}
+    if "decoder_version" not in source and any(str(t.get("source_dtype", "")).startswith("float8")
+                                                 for t in manifest["tensors"] if isinstance(t, dict)):
+        raise SlabError(
+            f"slab '{slab}' was built from an fp8 checkpoint by an older lowvram-lora that ignored ComfyUI's "
+            f"per-layer weight_scale, so its weights may be off by that scale; rebuild it with: "
+            f"{rebuild_command(slab, manifest)}")
     return manifest
 
 

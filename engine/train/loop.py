@@ -18,6 +18,7 @@ import torch
 
 from ..caching import DatasetCache
 from ..callbacks import StepInfo, TrainingCallback
+from ..checkpoint import identify
 from ..config import LoraSettings, ModelConfig, TrainConfig
 from ..errors import ConfigError, StorageError, TrainingDivergedError
 from ..models import load_transformer, resolve_device, resolve_dtype
@@ -136,10 +137,15 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
         from ..offload.streamer import require_cuda
 
         require_cuda(offload, device)
-        if preloaded is None:
-            _check_plan_before_loading(model_cfg, dataset, lora, train, offload, device, dtype)
     if preloaded is None:
-        model, family, _, variant = load_transformer(model_cfg.transformer_path, model_cfg.family, dtype)
+        # Identified once (memoized per file state: the Load node's identity is this one); the cache and
+        # the plan are checked against it before minutes of loading.
+        ident = identify(model_cfg.transformer_path, model_cfg.family)
+        if ident.family is not None:
+            dataset.check_fits(ident.family, ident.config)
+        if streaming:
+            _check_plan_before_loading(ident, model_cfg.family, dataset, lora, train, offload, device, dtype)
+        model, family, _, variant = load_transformer(ident, model_cfg.family, dtype)
     else:
         model, family, variant = preloaded
     if device.type == "cuda":  # the model's own tensors already there count in the plan, not as held
@@ -152,11 +158,7 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
     if make_autograd_safe(model):  # built under inference mode (e.g. by an earlier ComfyUI node)
         cb.log("the base model was created under torch.inference_mode(); training on an ordinary copy")
     _apply_int8_compute(model, offload, device, cb)
-    if family.id != dataset.family:
-        raise ConfigError(
-            f"the dataset cache was built for {dataset.family} but the model is {family.id}; "
-            f"rebuild the cache with this model's text encoders"
-        )
+    dataset.check_fits(family, dict(model.config))  # slabs and preloaded models: checked once loaded
     handle = None
     if split is not None:
         handle, params = _place_split(model, family, variant, dataset, lora, train, offload, split, cb)
@@ -436,15 +438,12 @@ def _check_finite_weights(named, step: int) -> None:
             f"saved. Lower learning_rate, keep max_grad_norm > 0, and check alpha")
 
 
-def _check_plan_before_loading(model_cfg, dataset, lora, train, offload, device, dtype) -> None:
+def _check_plan_before_loading(ident, family_id, dataset, lora, train, offload, device, dtype) -> None:
     """Make the plan from the checkpoint's header alone, so an impossible budget (or too much pinned
     host memory) is refused before minutes of loading."""
     from ..offload.footprint import footprint_before_loading
 
-    found = footprint_before_loading(model_cfg, dtype, lora)
-    if found is None:
-        return  # not a supported checkpoint: the loader says so with a better message
-    fp, family, variant = found
+    fp, family, variant = footprint_before_loading(ident, dtype, lora, family_id)
     _plan(fp, family, variant, dataset, train, offload, device)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from ..caching.hashing import stable_hash
+from ..hashing import stable_hash
 from ..config import LoraSettings, TrainConfig
 from ..fileio import atomic_write, write_json_atomic
 from ..version import VERSION
