@@ -45,7 +45,7 @@ def _args(workflow, models, out, overrides=()):
                               output_dir=str(out), no_progress=True, traceback=True)
 
 
-def _assert_trained_the_right_thing(root, pipeline, family_id, lora_path, bound):
+def _assert_trained_the_right_thing(models, output, pipeline, family_id, lora_path, bound, check_loss=True):
     """What a workflow run trained, against independent references:
     - the base model it trained on (the slab it built, else the file it loaded) gives the forward of diffusers'
       own model read from the pipeline folder, within ``bound`` (relative L2 of the output: int8 slab of an fp8
@@ -64,19 +64,21 @@ def _assert_trained_the_right_thing(root, pipeline, family_id, lora_path, bound)
     family = get_family(family_id)
     ref = family.transformer_class().from_pretrained(pipeline / "transformer", torch_dtype=torch.float32,
                                                      use_safetensors=True, local_files_only=True)
-    slabs = sorted((root / "models" / "slabs").glob("*.slab.safetensors"))
+    slabs = sorted((models / "slabs").glob("*.slab.safetensors"))
     if slabs:
         assert len(slabs) == 1
         trained_on = load_slab_transformer(slabs[0], torch.float32)[0]
     else:
-        trained_on = load_transformer(next((root / "models" / "diffusion_models").glob("*.safetensors")),
+        trained_on = load_transformer(next((models / "diffusion_models").glob("*.safetensors")),
                                       dtype=torch.float32)[0]
     with torch.no_grad():
         want = ref(**block_inputs(ref, family))[0]
         got = trained_on(**block_inputs(trained_on, family))[0]
     rel = ((got - want).norm() / want.norm()).item()
     assert rel < bound, f"the model trained on is {rel:.4f} away from the reference (bound {bound})"
-    cache = open_dataset_cache(next((root / "output" / "lowvram_cache").rglob("datasets/*.json")))
+    if not check_loss:
+        return
+    cache = open_dataset_cache(next((output / "lowvram_cache").rglob("datasets/*.json")))
     lora = load_lora(lora_path)
     before = eval_flow_loss(ref, family, cache)
     after = eval_flow_loss(merged(ref, lora.state_dict, 1.0), family, cache)
@@ -98,6 +100,8 @@ def test_demo_workflow_runs_end_to_end_and_reruns_without_training(tmp_path, cap
     assert str(saved[0]) in out
     lora = load_lora(saved[0])
     assert lora.format == "comfyui" and lora.metadata["lowvram_lora.steps"] == "6"
+    _assert_trained_the_right_thing(assets["models"], tmp_path / "out", assets["pipeline"], "flux1", saved[0],
+                                    bound=1e-5)
 
     # Same inputs again: the finished run is reused (no retraining), a new file is written beside.
     code = run_workflow_command(args, NODE_CLASS_MAPPINGS, configure_dirs=configure_standalone_dirs)
@@ -117,7 +121,33 @@ def test_demo_workflow_api_twin_runs(tmp_path):
     args = _args(WORKFLOWS_DIR / "api" / "demo_tiny_lora.json", assets["models"], tmp_path / "out",
                  [f"2.dataset_path={assets['dataset']}", "4.steps=2", "4.warmup_steps=0", "5.format=diffusers"])
     assert run_workflow_command(args, NODE_CLASS_MAPPINGS, configure_dirs=configure_standalone_dirs) == 0
-    assert list((tmp_path / "out" / "loras").glob("*.safetensors"))
+    saved = list((tmp_path / "out" / "loras").glob("*.safetensors"))
+    assert len(saved) == 1
+    # diffusers format: the file loads through diffusers' own adapter loader and changes the output
+    _assert_diffusers_file_loads_in_diffusers(assets["pipeline"], saved[0])
+
+
+def _assert_diffusers_file_loads_in_diffusers(pipeline, path):
+    """A LoRA saved in diffusers format, read by diffusers' ``load_lora_adapter``, gives the same output as the
+    reference model with our own merge of the file's weights (relative L2 of the output below 1e-4)."""
+    import torch
+    from helpers import block_inputs, merged
+
+    from lowvram_lora.engine.families import get_family
+    from lowvram_lora.engine.lora_io import load_lora
+
+    family = get_family("flux1")
+    load = lambda: family.transformer_class().from_pretrained(pipeline / "transformer", torch_dtype=torch.float32,
+                                                              use_safetensors=True, local_files_only=True)
+    ref, with_adapter = load(), load()
+    with_adapter.load_lora_adapter(str(path), adapter_name="lowvram", prefix="transformer")
+    ours = merged(ref, load_lora(path).state_dict, 1.0)
+    with torch.no_grad():
+        a = with_adapter(**block_inputs(with_adapter, family))[0]
+        b = ours(**block_inputs(ours, family))[0]
+        base = ref(**block_inputs(ref, family))[0]
+    assert ((a - b).norm() / b.norm()).item() < 1e-4
+    assert ((b - base).norm() / base.norm()).item() > 1e-6, "the LoRA changed nothing"
 
 
 def test_node_error_names_node_and_fix(tmp_path, capsys):
@@ -158,6 +188,10 @@ def test_demo_workflow_trains_on_an_int8_slab_built_once(tmp_path, capsys):
     assert run_workflow_command(args, NODE_CLASS_MAPPINGS, configure_dirs=configure_standalone_dirs) == 0
     slabs = list((assets["models"] / "slabs").glob("*.slab.safetensors"))
     assert len(slabs) == 1
+    saved = sorted((tmp_path / "out" / "loras").glob("*.safetensors"))
+    # int8 of an fp32 file: the forward within 2% of the reference
+    _assert_trained_the_right_thing(assets["models"], tmp_path / "out", assets["pipeline"], "flux1", saved[0],
+                                    bound=0.02, check_loss=False)
     built_at = slabs[0].stat().st_mtime_ns
     out = capsys.readouterr().out
     assert "int8 slab" in out
@@ -240,7 +274,7 @@ def test_flux2_dev_workflows_train_on_the_reference_weights(tmp_path, tiny_flux2
     assert len(saved) == 1
     lora = load_lora(saved[0])
     assert lora.metadata["lowvram_lora.family"] == "flux2" and lora.metadata["lowvram_lora.steps"] == "10"
-    _assert_trained_the_right_thing(root, tiny_flux2, "flux2", saved[0], bound=0.06)
+    _assert_trained_the_right_thing(root / "models", root / "output", tiny_flux2, "flux2", saved[0], bound=0.06)
 
 
 def test_flux1_dev_workflow_runs_from_comfyui_single_files(tmp_path, tiny_pipeline, tiny_single_file, capsys):
@@ -270,4 +304,4 @@ def test_flux1_dev_workflow_runs_from_comfyui_single_files(tmp_path, tiny_pipeli
     assert code == 0, out
     saved = sorted((root / "output" / "loras").glob("flux1_dev_lora_*_.safetensors"))
     assert len(saved) == 1
-    _assert_trained_the_right_thing(root, tiny_pipeline, "flux1", saved[0], bound=1e-5)
+    _assert_trained_the_right_thing(root / "models", root / "output", tiny_pipeline, "flux1", saved[0], bound=1e-5)
