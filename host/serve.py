@@ -10,9 +10,11 @@ message shapes follow ComfyUI 0.3.64 (``server.py``, ``app/user_manager.py``, ``
 
 - One prompt runs at a time, in a worker thread (the event loop stays free for the websocket);
   ``POST /interrupt`` stops it at the next step (the engine saves its resumable state).
-- Safety: binds 127.0.0.1 unless told otherwise; ``/view`` and ``/userdata`` resolve every path inside
-  their folder (no ``..``, no absolute paths, no symlink escape); request bodies are limited to
-  ``MAX_BODY_BYTES``; malformed JSON gets HTTP 400 with a message.
+- Safety: binds 127.0.0.1 unless told otherwise; a request from another site's page is refused with
+  HTTP 403 (``foreign_origin``: the check of ComfyUI's ``create_origin_only_middleware``, applied whatever
+  address we listen on); ``/view`` and ``/userdata`` resolve every path inside their folder (no ``..``, no
+  absolute paths, no symlink escape); request bodies are limited to ``MAX_BODY_BYTES``; a malformed body or
+  query gets HTTP 400 with a message, never a traceback.
 - Workflows saved in the editor's sidebar persist under ``<output>/../user/default/workflows``.
 """
 from __future__ import annotations
@@ -27,6 +29,7 @@ import sys
 import threading
 import time
 import traceback
+import urllib.parse
 import uuid
 from pathlib import Path
 from typing import Any
@@ -34,6 +37,7 @@ from typing import Any
 from ..engine.fileio import atomic_write, write_json_atomic
 
 MAX_BODY_BYTES = 20 << 20
+WS_MAX_MESSAGE_BYTES = 1 << 20
 FEATURE_FLAGS = {"supports_preview_metadata": True, "max_upload_size": MAX_BODY_BYTES}  # comfy_api/feature_flags.py
 PACK = "lowvram-lora"
 WEB_DIR = Path(__file__).resolve().parent.parent / "web"
@@ -49,12 +53,74 @@ class BadRequest(Exception):
     pass
 
 
+#: Methods that read only. Every other one (POST, PUT, PATCH, DELETE) changes state, and so does opening the
+#: websocket (a GET, but not bound by CORS: a page of any site may open one and read every message).
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+_DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
+
+
+def _host_port(netloc: str, scheme: str) -> tuple[str, int | None] | None:
+    """(lower-case host, port; the scheme's default when absent) of ``host[:port]``, or None if unparsable."""
+    try:
+        parts = urllib.parse.urlsplit("//" + netloc)
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        return None
+    if not host:
+        return None
+    return host.lower(), port if port is not None else _DEFAULT_PORTS.get(scheme)
+
+
+def foreign_origin(method: str, headers, scheme: str = "http", websocket: bool = False) -> str | None:
+    """Why a request comes from another site's page and must be refused (HTTP 403), or None.
+
+    Browsers send any page's POST to 127.0.0.1 (a ``text/plain`` body needs no CORS preflight), so without
+    this a page on any site could queue prompts, write workflow files or settings, or stop a run. As
+    ComfyUI's ``create_origin_only_middleware`` (server.py) does, a request whose ``Origin`` names another
+    host than its ``Host`` header is refused; unlike it, the check holds on every address we listen on (not
+    only loopback), the ports are compared too (another local server's page is another site), and a
+    state-changing request (``SAFE_METHODS``, the websocket) is also refused when the browser marks it
+    ``Sec-Fetch-Site: cross-site`` or sends ``Origin: null`` (a sandboxed page, a local file). Clients that
+    are not browsers (comfy-cli, scripts) send no ``Origin`` and pass."""
+    changes_state = websocket or method.upper() not in SAFE_METHODS
+    if changes_state and headers.get("Sec-Fetch-Site", "").lower() == "cross-site":
+        return "the browser marks it as sent by another site's page (Sec-Fetch-Site: cross-site)"
+    origin = headers.get("Origin")
+    if origin is None:
+        return None
+    if origin.strip().lower() == "null":
+        return "its Origin is 'null' (a sandboxed page or a local file)" if changes_state else None
+    parsed = urllib.parse.urlsplit(origin.strip())
+    mine = _host_port(headers.get("Host", ""), scheme)
+    theirs = _host_port(parsed.netloc, parsed.scheme.lower())
+    if theirs is None or mine is None or theirs != mine:
+        return f"its Origin {origin!r} is not this server ({headers.get('Host', 'no Host header')})"
+    return None
+
+
+EDITOR_MISSING = ("lowvram-lora serve needs the editor, which is not installed ({missing}): "
+                  "pip install 'lowvram-lora[editor]' (comfyui-frontend-package and aiohttp)")
+
+
+def require_editor() -> None:
+    """A one-line SystemExit naming the install command when aiohttp or the frontend package is missing."""
+    import importlib
+
+    missing = []
+    for name in ("aiohttp", "comfyui_frontend_package"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        raise SystemExit(EDITOR_MISSING.format(missing=", ".join(missing)))
+
+
 def frontend_static_dir() -> Path:
     try:
         import comfyui_frontend_package
     except ImportError:
-        raise SystemExit("lowvram-lora serve needs the editor: pip install 'lowvram-lora[editor]' "
-                         "(comfyui-frontend-package and aiohttp)") from None
+        raise SystemExit(EDITOR_MISSING.format(missing="comfyui_frontend_package")) from None
     from importlib.resources import files
 
     return Path(str(files(comfyui_frontend_package) / "static"))
@@ -261,6 +327,7 @@ class PromptHost:
 
 
 def build_app(host: PromptHost, static: Path):
+    import aiohttp
     from aiohttp import web
 
     from .object_info import object_info
@@ -274,6 +341,19 @@ def build_app(host: PromptHost, static: Path):
             raise BadRequest(f"the request body is not valid JSON ({exc})") from None
 
     @web.middleware
+    async def same_origin_only(request, handler):
+        why = foreign_origin(request.method, request.headers, request.scheme,
+                             websocket=request.headers.get("Upgrade", "").lower() == "websocket")
+        if why is not None:
+            print(f"[lowvram-lora serve] refused {request.method} {request.path}: {why}", file=sys.stderr,
+                  flush=True)
+            return web.json_response(
+                {"error": f"refused: {why}. lowvram-lora serve only takes requests from its own editor page "
+                          f"(open it at http://{request.headers.get('Host', '127.0.0.1:8188')}/) and from "
+                          f"clients that are not browsers"}, status=403)
+        return await handler(request)
+
+    @web.middleware
     async def errors(request, handler):
         try:
             return await handler(request)
@@ -284,6 +364,17 @@ def build_app(host: PromptHost, static: Path):
         except Exception as exc:  # never a traceback to the client; the console has it
             traceback.print_exc()
             return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=500)
+
+    def object_body(data, route: str, shape: str) -> dict:
+        if not isinstance(data, dict):
+            raise BadRequest(f"{route} takes a JSON object ({shape}), not {type(data).__name__}")
+        return data
+
+    def id_list(data: dict, route: str) -> list[str]:
+        ids = data.get("delete", [])
+        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+            raise BadRequest(f"{route}: \"delete\" must be a list of prompt ids (strings), not {ids!r}"[:300])
+        return ids
 
     def both(method, path):
         def deco(fn):
@@ -300,20 +391,24 @@ def build_app(host: PromptHost, static: Path):
 
     @both("GET", "/ws")
     async def websocket(request):
-        ws = web.WebSocketResponse()
+        # Messages from the editor are small (feature flags); a larger one closes the socket (1009).
+        ws = web.WebSocketResponse(max_msg_size=WS_MAX_MESSAGE_BYTES)
         await ws.prepare(request)
         sid = request.rel_url.query.get("clientId") or uuid.uuid4().hex
         host.sockets[sid] = ws
         try:
             await ws.send_json({"type": "status", "data": {"status": host.queue_info(), "sid": sid}})
             async for msg in ws:
-                if msg.type == 1:  # TEXT
-                    try:
-                        data = json.loads(msg.data)
-                    except json.JSONDecodeError:
-                        continue
-                    if data.get("type") == "feature_flags":  # comfy_api/feature_flags.py
-                        await ws.send_json({"type": "feature_flags", "data": FEATURE_FLAGS})
+                if msg.type != aiohttp.WSMsgType.TEXT:  # binary frames, errors: nothing we use
+                    continue
+                try:
+                    data = json.loads(msg.data)
+                except ValueError:  # not JSON: ignored, as ComfyUI does
+                    continue
+                if isinstance(data, dict) and data.get("type") == "feature_flags":  # comfy_api/feature_flags.py
+                    await ws.send_json({"type": "feature_flags", "data": FEATURE_FLAGS})
+        except (ConnectionError, asyncio.CancelledError):  # the client went away mid-send
+            pass
         finally:
             host.sockets.pop(sid, None)
         return ws
@@ -475,6 +570,10 @@ def build_app(host: PromptHost, static: Path):
         data = await body(request)
         if not isinstance(data, dict) or not isinstance(data.get("prompt"), dict):
             raise BadRequest("POST /prompt takes {\"prompt\": {node id: {class_type, inputs}}, \"client_id\": ...}")
+        if not isinstance(data.get("client_id"), (str, type(None))):
+            raise BadRequest("POST /prompt: client_id must be a string (the websocket's clientId)")
+        if not isinstance(data.get("extra_data") or {}, dict):
+            raise BadRequest("POST /prompt: extra_data must be a JSON object")
         try:
             item = host.enqueue(data["prompt"], data.get("client_id"), data.get("extra_data") or {})
         except WorkflowError as exc:
@@ -495,11 +594,12 @@ def build_app(host: PromptHost, static: Path):
 
     @both("POST", "/queue")
     async def post_queue(request):
-        data = await body(request)
+        data = object_body(await body(request), "POST /queue", '{"clear": true} or {"delete": [prompt ids]}')
+        ids = id_list(data, "POST /queue")
         with host.lock:
             if data.get("clear"):
                 host.pending.clear()
-            for pid in data.get("delete", []):
+            for pid in ids:
                 host.pending = [i for i in host.pending if i["prompt_id"] != pid]
         host.send_status()
         return web.Response(status=200)
@@ -508,7 +608,13 @@ def build_app(host: PromptHost, static: Path):
     async def get_history(request):
         items = list(host.history.items())
         if request.query.get("max_items"):
-            items = items[-int(request.query["max_items"]):]
+            try:
+                limit = int(request.query["max_items"])
+            except ValueError:
+                limit = -1
+            if limit < 0:
+                raise BadRequest(f"max_items={request.query['max_items']!r} must be a whole number >= 0")
+            items = items[-limit:] if limit else []
         return web.json_response(dict(items))
 
     @both("GET", "/history/{prompt_id}")
@@ -518,10 +624,11 @@ def build_app(host: PromptHost, static: Path):
 
     @both("POST", "/history")
     async def post_history(request):
-        data = await body(request)
+        data = object_body(await body(request), "POST /history", '{"clear": true} or {"delete": [prompt ids]}')
+        ids = id_list(data, "POST /history")
         if data.get("clear"):
             host.history.clear()
-        for pid in data.get("delete", []):
+        for pid in ids:
             host.history.pop(pid, None)
         return web.Response(status=200)
 
@@ -549,7 +656,7 @@ def build_app(host: PromptHost, static: Path):
             return web.json_response({"error": "not found"}, status=404)
         return web.FileResponse(path)
 
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[errors])
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[same_origin_only, errors])
     app.add_routes(routes)
     app.router.add_static(f"/extensions/{PACK}", WEB_DIR)
     app.router.add_static(f"/extensions/{PACK}-serve", SERVE_WEB_DIR)
@@ -571,7 +678,39 @@ def add_serve_parser(subparsers):
     return p
 
 
+def check_listen_address(listen: str, port: int) -> None:
+    """A one-line SystemExit for a --port or --listen that cannot be bound (before anything starts)."""
+    import socket
+
+    if not 1 <= port <= 65535:
+        raise SystemExit(f"--port {port} is not a TCP port: give one between 1 and 65535 (8188 is ComfyUI's)")
+    try:
+        socket.getaddrinfo(listen, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError, ValueError) as exc:
+        raise SystemExit(f"--listen {listen!r} is not an address of this machine ({exc}); give an IP address "
+                         f"or host name, e.g. --listen 127.0.0.1 (this machine only) or --listen 0.0.0.0 "
+                         f"(every network)") from None
+
+
+def explain_bind_error(exc: OSError, listen: str, port: int) -> str:
+    """A one-line message for a failed bind: the port in use, an address not on this machine, no permission."""
+    import errno
+
+    if exc.errno == errno.EADDRINUSE:
+        return (f"port {port} on {listen} is already in use (ComfyUI, or another lowvram-lora serve?); stop that "
+                f"server or pick another port: lowvram-lora serve --port {port + 1 if port < 65535 else 8189}")
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return (f"--listen {listen} is not an address of this machine; use 127.0.0.1 (this machine only), "
+                f"0.0.0.0 (every network) or one of this machine's own addresses")
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return (f"no permission to listen on {listen}:{port} (ports below 1024 need administrator rights); "
+                f"pick a port above 1024, e.g. --port 8188")
+    return f"cannot listen on {listen}:{port}: {exc.strerror or exc}; pick another --port or --listen address"
+
+
 def serve_command(args, mappings, display) -> int:
+    require_editor()
+    check_listen_address(args.listen, args.port)
     from aiohttp import web
 
     from ..nodes.paths import configure_standalone_dirs
@@ -593,8 +732,12 @@ def serve_command(args, mappings, display) -> int:
     app.on_startup.append(start)
     print(f"lowvram-lora serve: http://{args.listen}:{args.port} (editor from {static}; models {models}, "
           f"outputs {output}, user data {user})", flush=True)
-    web.run_app(app, host=args.listen, port=args.port, print=None)
+    try:
+        web.run_app(app, host=args.listen, port=args.port, print=None)
+    except OSError as exc:  # the bind: port in use, an address that is not ours, a privileged port
+        raise SystemExit(explain_bind_error(exc, args.listen, args.port)) from None
     return 0
 
 
-__all__ = ["add_serve_parser", "serve_command", "build_app", "PromptHost", "inside", "platform"]
+__all__ = ["add_serve_parser", "serve_command", "build_app", "PromptHost", "inside", "foreign_origin",
+           "platform"]

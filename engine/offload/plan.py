@@ -218,13 +218,15 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
     micro = min(wl.batch, micro_batch or wl.batch)
     unit = micro * wl.tokens * fp.hidden_size * fp.act_bytes_per_elem  # one B*T*D activation
     if streamed:
-        k = max(1, min(prefetch_depth, len(streamed) - 1)) if len(streamed) > 1 else 1
-        num_slots = min(k + 1, len(streamed))
-        slot_bytes = max(fp.block_bytes[i] for i in streamed)
         # Slots are sized per unit (engine/offload/streamer.py): what the ring holds is the largest sum of
         # the units it holds at once over a step.
         sizes, groups = fp.stream_units(activation_offload)
         streamed_units = [u for i in streamed for u in groups[i]]
+        k = max(1, min(prefetch_depth, len(streamed) - 1)) if len(streamed) > 1 else 1
+        # The ring holds what the scheduler moves: units (a block in parts is several). One streamed block of
+        # two parts needs two slots, the running part and the prefetched one (min(k + 1, len(streamed)) gave 1).
+        num_slots = min(k + 1, len(streamed_units))
+        slot_bytes = max(fp.block_bytes[i] for i in streamed)
         loads, ring_bytes, ring_at_turn = simulate_step(len(sizes), streamed_units, k, num_slots, sizes)
         streamed_per_step = sum(sizes[u] for u in loads)
         # At the peak: with activation offload, the fullest ring (a block's working set is the same all step);

@@ -64,10 +64,15 @@ def part_footprints(fp: ModelFootprint, block_trainable: list[int], other_traina
     if not 1 <= cut < fp.num_blocks:
         raise ConfigError(f"cut={cut} must be between 1 and {fp.num_blocks - 1} ({fp.name} has "
                           f"{fp.num_blocks} blocks)")
+    # Each part streams whole blocks: apply_offload streams blocks in parts (engine/offload/units.py) only for
+    # a whole model, so the parts' plans must not count units (unit_bytes=[]); with them, a part holding one
+    # double block got one slot for two units and the scheduler refused it.
     first = replace(fp, name=f"{fp.name} blocks 0-{cut - 1}", block_names=fp.block_names[:cut],
-                    block_bytes=fp.block_bytes[:cut], trainable_params=sum(block_trainable[:cut]) + other_trainable)
+                    block_bytes=fp.block_bytes[:cut], trainable_params=sum(block_trainable[:cut]) + other_trainable,
+                    unit_bytes=[])
     second = replace(fp, name=f"{fp.name} blocks {cut}-{fp.num_blocks - 1}", block_names=fp.block_names[cut:],
-                     block_bytes=fp.block_bytes[cut:], other_bytes=0, trainable_params=sum(block_trainable[cut:]))
+                     block_bytes=fp.block_bytes[cut:], other_bytes=0, trainable_params=sum(block_trainable[cut:]),
+                     unit_bytes=[])
     return first, second
 
 
