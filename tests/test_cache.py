@@ -95,6 +95,16 @@ def test_cache_with_single_file_transformer_and_pipeline(tiny_single_file, tiny_
         ModelConfig(transformer_path=str(tiny_single_file), pipeline_path=str(tiny_pipeline)), cfg, tmp_path / "c"
     )
     assert built.family == "flux1" and built.variant == "flux1-tiny"
+    # Reference: the cache built from the pipeline folder alone. Text encoders and VAE come from the same folder,
+    # so every latent and embedding must be bit-identical (tolerance 0).
+    ref = build_dataset_cache(ModelConfig(transformer_path=str(tiny_pipeline)), cfg, tmp_path / "ref")
+    assert [i.caption for i in built.items] == [i.caption for i in ref.items] and len(ref.items) == 4
+    for a, b in zip(ref.items, built.items):
+        (la, ea), (lb, eb) = ref.load_item(a), built.load_item(b)
+        torch.testing.assert_close(lb, la, rtol=0, atol=0)
+        assert set(eb) == set(ea)
+        for k in ea:
+            torch.testing.assert_close(eb[k], ea[k], rtol=0, atol=0, msg=k)
 
 
 def test_corrupt_manifest_and_missing_entry(tiny_pipeline, tiny_dataset, tmp_path):

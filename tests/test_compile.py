@@ -57,16 +57,26 @@ def test_compiled_blocks_match_eager_and_keep_hooks(tiny_pipeline, tiny_flux2, f
 
 def test_a_new_token_count_compiles_once_more_then_is_reused(tiny_pipeline):
     model, family, _, _ = load_transformer(tiny_pipeline, dtype=torch.float32)
-    attach_lora(model, family, LoraSettings(rank=4), 0)
-    handle = compile_mod.compile_blocks(model, family, 1.0, backend="aot_eager")
+    params = attach_lora(model, family, LoraSettings(rank=4), 0)
+    with torch.no_grad():
+        for p in params:
+            p.normal_(0, 0.05)  # a LoRA that changes the output, so a graph that drops it would show
     cfg = model.config
 
-    def run(side):
-        lat = torch.randn(1, cfg.in_channels // 4, side, side)
-        emb = {"prompt_embeds": torch.randn(1, 7, cfg.joint_attention_dim),
-               "pooled_prompt_embeds": torch.randn(1, cfg.pooled_projection_dim)}
+    def forward(side):
+        g = torch.Generator().manual_seed(side)
+        lat = torch.randn(1, cfg.in_channels // 4, side, side, generator=g)
+        emb = {"prompt_embeds": torch.randn(1, 7, cfg.joint_attention_dim, generator=g),
+               "pooled_prompt_embeds": torch.randn(1, cfg.pooled_projection_dim, generator=g)}
         with torch.no_grad():
-            model(**family.model_inputs(model, lat, emb, torch.tensor([0.5]), 1.0))
+            return model(**family.model_inputs(model, lat, emb, torch.tensor([0.5]), 1.0))[0]
+
+    eager = {side: forward(side) for side in (16, 20, 24, 12)}  # reference: the same model, not compiled
+    handle = compile_mod.compile_blocks(model, family, 1.0, backend="aot_eager")
+
+    def run(side):
+        # every bucket's compiled output equals eager's (fp32, tolerance rtol 1e-5 / atol 1e-6: reassociation only)
+        torch.testing.assert_close(forward(side), eager[side], rtol=1e-5, atol=1e-6, msg=f"{side}x{side} latents")
         return handle.graphs()
 
     first = run(16)
@@ -148,6 +158,12 @@ def test_compile_auto_stays_eager_where_it_would_not_pay(tiny_pipeline, one_imag
                         TrainConfig(steps=2, device="cpu"), offload=OffloadConfig())  # compile='auto' by default
     assert OffloadConfig().compile == "auto" and AUTO_MIN_STEPS > 2
     assert "compile" not in result.settings  # nothing was compiled on the CPU
+    # and it trained exactly as an explicit eager run: same losses and LoRA weights, bit for bit (tolerance 0)
+    eager = train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), one_image_cache, LoraSettings(rank=4),
+                       TrainConfig(steps=2, device="cpu"), offload=OffloadConfig(compile="off"))
+    assert result.loss_history == eager.loss_history
+    for k, v in eager.state_dict.items():
+        assert torch.equal(result.state_dict[k], v), k
 
 
 def test_compile_auto_decision(monkeypatch):

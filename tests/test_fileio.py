@@ -1,4 +1,5 @@
 """engine/fileio: atomic writes with ordinary modes, name claims, stale temp cleanup, explained OS errors."""
+import json
 import os
 import stat
 import subprocess
@@ -28,10 +29,20 @@ def _tiny_lora() -> TrainedLora:
 def test_saved_lora_and_json_get_the_umask_mode_not_0600(tmp_path):
     from lowvram_lora.engine.lora_io import save_lora
 
-    path = save_lora(_tiny_lora(), tmp_path / "a.safetensors", fmt="diffusers")
+    from safetensors.torch import load_file
+
+    lora = _tiny_lora()
+    path = save_lora(lora, tmp_path / "a.safetensors", fmt="diffusers")
     assert _mode(path) == default_file_mode() != 0o600
     assert _mode(write_json_atomic(tmp_path / "b.json", {"a": 1})) == default_file_mode()
-    assert [p.name for p in tmp_path.iterdir()] != [] and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors", "b.json"]  # no temp file left
+    # what was written is what was given: the JSON reads back equal, the LoRA file holds the state dict
+    # (scale alpha/rank = 1 folded in; bf16 holds 1.0 exactly, so tolerance 0)
+    assert json.loads((tmp_path / "b.json").read_text()) == {"a": 1}
+    written = load_file(str(path))
+    assert set(written) == {f"transformer.{k}" for k in lora.state_dict}
+    for k, v in lora.state_dict.items():
+        torch.testing.assert_close(written[f"transformer.{k}"].float(), v, rtol=0, atol=0, msg=k)
 
 
 def test_failed_write_leaves_target_and_no_temp(tmp_path):

@@ -12,15 +12,28 @@ from lowvram_lora.engine.train import train_lora
 from lowvram_lora.host.executor import execute_graph
 
 
+def _train(tiny_pipeline, cache, steps, **kw):
+    return train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), cache, LoraSettings(rank=4, alpha=4),
+                      TrainConfig(steps=steps, learning_rate=5e-3, seed=0, device="cpu"), **kw)
+
+
+def _assert_same_run(result, reference):
+    """Inference mode must not change the arithmetic: same losses and LoRA weights as the reference run outside
+    it, bit for bit (tolerance 0; same seed, same CPU kernels)."""
+    assert result.loss_history == reference.loss_history
+    assert set(result.state_dict) == set(reference.state_dict)
+    for k, v in reference.state_dict.items():
+        assert torch.equal(result.state_dict[k], v), k
+
+
 def test_train_lora_called_under_inference_mode_trains(tiny_pipeline, one_image_cache):
     with torch.inference_mode():
-        result = train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), one_image_cache,
-                            LoraSettings(rank=4, alpha=4), TrainConfig(steps=12, learning_rate=5e-3, seed=0, device="cpu"))
+        result = _train(tiny_pipeline, one_image_cache, 12)
         assert torch.is_inference_mode_enabled()  # the caller's mode is restored
     assert result.steps == 12
     assert sum(result.loss_history[-3:]) < sum(result.loss_history[:3])
     assert result.state_dict and not any(t.is_inference() for t in result.state_dict.values())
-    assert all(torch.isfinite(t).all() for t in result.state_dict.values())
+    _assert_same_run(result, _train(tiny_pipeline, one_image_cache, 12))  # reference: the run outside inference mode
 
 
 def test_a_model_built_under_inference_mode_trains_and_is_left_equal(tiny_pipeline, one_image_cache):
@@ -29,12 +42,12 @@ def test_a_model_built_under_inference_mode_trains_and_is_left_equal(tiny_pipeli
         base, family, _, variant = load_transformer(tiny_pipeline, dtype=torch.float32)
         assert any(p.is_inference() for p in base.parameters())
         before = {k: v.clone() for k, v in base.state_dict().items()}
-        result = train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), one_image_cache,
-                            LoraSettings(rank=4, alpha=4), TrainConfig(steps=4, learning_rate=5e-3, seed=0, device="cpu"),
-                            preloaded=(base, family, variant))
+        result = _train(tiny_pipeline, one_image_cache, 4, preloaded=(base, family, variant))
     assert result.steps == 4 and min(v.norm() for k, v in result.state_dict.items() if ".lora_B." in k) > 0
     after = base.state_dict()
     assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
+    # reference: the same run on a model loaded by train_lora itself, outside inference mode
+    _assert_same_run(result, _train(tiny_pipeline, one_image_cache, 4))
 
 
 class _ModeProbe:

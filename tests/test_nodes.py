@@ -178,6 +178,11 @@ def test_auto_trains_resident_on_cpu_and_stream_needs_cuda(tiny_pipeline, tiny_c
     result = train_lora(mc, tiny_cache, LoraSettings(rank=2), TrainConfig(steps=2), Log(),
                         offload=OffloadConfig(mode="auto"))
     assert result.steps == 2 and any("stays resident" in m for m in logs)
+    # reference: an explicitly resident run; auto's resident plan must train it bit for bit (tolerance 0)
+    resident = train_lora(mc, tiny_cache, LoraSettings(rank=2), TrainConfig(steps=2),
+                          offload=OffloadConfig(mode="resident"))
+    assert result.loss_history == resident.loss_history
+    assert all(torch.equal(result.state_dict[k], v) for k, v in resident.state_dict.items())
     with pytest.raises(ConfigError, match="CUDA"):
         train_lora(mc, tiny_cache, LoraSettings(rank=2), TrainConfig(steps=2), offload=OffloadConfig(mode="stream"))
 

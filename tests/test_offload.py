@@ -245,7 +245,11 @@ def test_activation_offload_shrinks_the_peak_at_high_resolution():
 def test_pinned_memory_limit():
     with pytest.raises(ConfigError, match="max_pinned_fraction"):
         make_plan(flux_dev_like(), WL_1024, OffloadConfig(mode="stream"), host_ram_bytes=int(16 * GB))
-    make_plan(flux_dev_like(), WL_1024, OffloadConfig(mode="stream"), host_ram_bytes=int(128 * GB))
+    fp = flux_dev_like()
+    plan = make_plan(fp, WL_1024, OffloadConfig(mode="stream"), host_ram_bytes=int(128 * GB))
+    # reference: the footprint's own block sizes; the plan pins every streamed block once (exact), within the limit
+    assert plan.pinned_host_bytes == fp.total_block_bytes == sum(fp.block_bytes)
+    assert plan.pinned_host_bytes <= OffloadConfig().max_pinned_fraction * 128 * GB
 
 
 def test_too_many_resident_blocks():

@@ -47,7 +47,14 @@ def test_missing_tokenizer_names_both_places(tiny_pipeline, tiny_single_file, tm
                                tokenizer_dirs={"clip_l": str(tiny_pipeline / "tokenizer"),
                                                "t5xxl": str(tiny_pipeline / "tokenizer_2")}),
                    tmp_path / "c3", data)
-    assert len(cache.items) == 1
+    # reference: the cache of the pipeline folder (its own tokenizers and encoders); same values, rtol/atol 1e-5
+    ref = _cache(ModelConfig(transformer_path=str(tiny_pipeline)), tmp_path / "ref", data)
+    assert len(cache.items) == len(ref.items) == 1
+    (la, ea), (lb, eb) = ref.load_item(ref.items[0]), cache.load_item(cache.items[0])
+    torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-5)
+    assert set(eb) == set(ea) == {"prompt_embeds", "pooled_prompt_embeds"}
+    for k in ea:
+        torch.testing.assert_close(eb[k], ea[k], rtol=1e-5, atol=1e-5, msg=k)
 
 
 def test_wrong_or_incomplete_files_are_named(tiny_single_file, files, tmp_path):

@@ -91,6 +91,43 @@ def int8_model(tiny_pipeline, tmp_path_factory):
     return load_slab_transformer(slab, torch.float32)
 
 
+def _dequantized_copy(model):
+    """The reference: the same model with every Int8Linear replaced by a plain fp32 nn.Linear holding its
+    dequantized weight (int8 x row scale) and its bias."""
+    import copy
+
+    ref = copy.deepcopy(model)
+    for name, module in list(ref.named_modules()):
+        if isinstance(module, Int8Linear):
+            out_f, in_f = module.weight_int8.shape
+            plain = nn.Linear(in_f, out_f, bias=module.bias is not None)
+            with torch.no_grad():
+                plain.weight.copy_(dequantize_rows(module.weight_int8, module.weight_scale, torch.float32))
+                if module.bias is not None:
+                    plain.bias.copy_(module.bias.float())
+            plain.requires_grad_(False)
+            parent, _, child = name.rpartition(".")
+            setattr(ref.get_submodule(parent) if parent else ref, child, plain)
+    return ref
+
+
+def _lora_forward_backward(model, family):
+    """LoRA r4 with B random (seeded), one forward and backward; (output, {name: grad}); detaches again."""
+    params = attach_lora(model, family, LoraSettings(rank=4, alpha=4), seed=0)
+    try:
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(1)
+            for name, p in model.named_parameters():
+                if ".lora_B." in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        out = model(**model_inputs(model))[0]
+        out.square().mean().backward()
+        grads = {_name(model, p): p.grad.clone() for p in params}
+        return out.detach(), grads
+    finally:
+        detach_lora(model)
+
+
 def test_peft_wraps_int8_linears_with_its_standard_lora_linear(int8_model):
     from peft.tuners.lora import Linear as LoraLinear
 
@@ -105,11 +142,20 @@ def test_peft_wraps_int8_linears_with_its_standard_lora_linear(int8_model):
         assert n_targets == 2 * 8 + 2 * 5 and len(params) == 2 * n_targets
         out = model(**model_inputs(model))[0]
         torch.testing.assert_close(out, before)  # B = 0 at init: LoRA adds nothing yet
-        out.square().mean().backward()
-        assert all(p.grad is not None for p in params if ".lora_B." in _name(model, p))
         assert not any(b.requires_grad for b in model.buffers())
     finally:
         detach_lora(model)
+    assert isinstance(model.transformer_blocks[0].attn.to_q, Int8Linear)
+    # Values, not just presence: with B random, the LoRA's output and every LoRA gradient on the int8 base equal
+    # those on the dequantized fp32 reference (the same weights in plain nn.Linear layers). fp32 both sides, so
+    # the only difference is summation order: rtol 1e-4, atol 1e-6.
+    ref = _dequantized_copy(model)
+    out, grads = _lora_forward_backward(model, family)
+    ref_out, ref_grads = _lora_forward_backward(ref, family)
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-6)
+    assert grads.keys() == ref_grads.keys() and len(grads) == 2 * n_targets
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
     assert isinstance(model.transformer_blocks[0].attn.to_q, Int8Linear)
 
 

@@ -32,6 +32,26 @@ def test_build_refuses_an_existing_file_unless_force(tiny_single_file, tmp_path,
     assert _cli("slab", "build", str(tiny_single_file), "-o", str(lora), "--quiet", "--force") == 0
     assert verify_slab(lora)
     assert oct(os.stat(lora).st_mode & 0o777) != oct(0o600)
+    # the file now holds the source's weights: every slab tensor, dequantized, equals the source model's within
+    # int8 row-quantization error (half a step of each row's scale, plus fp32 rounding)
+    import torch
+
+    from lowvram_lora.engine.models import load_transformer
+    from lowvram_lora.engine.slab import Int8Linear, dequantize_rows
+
+    slab_model = load_slab_transformer(lora, torch.float32)[0]
+    ref = load_transformer(tiny_single_file, dtype=torch.float32)[0].state_dict()
+    int8 = 0
+    for name, module in slab_model.named_modules():
+        if isinstance(module, Int8Linear):
+            w, half_step = ref[f"{name}.weight"], module.weight_scale[:, None] / 2
+            got = dequantize_rows(module.weight_int8, module.weight_scale, torch.float32)
+            assert torch.all((got - w).abs() <= half_step * (1 + 1e-5) + 1e-7), name
+            int8 += 1
+    assert int8 == 2 * 14 + 2 * 6
+    for k, v in slab_model.state_dict().items():  # the tensors kept as they are (norms, embedders, biases)
+        if k in ref:
+            torch.testing.assert_close(v, ref[k], rtol=0, atol=0, msg=k)
 
 
 def test_build_removes_stale_temp_files_of_killed_builds(tiny_single_file, tmp_path):

@@ -56,22 +56,46 @@ def test_same_seed_same_run_different_seed_differs(tiny_pipeline, tiny_cache):
     assert runs[0].loss_history != runs[2].loss_history
 
 
-def test_accumulation_batches_cosine_warmup_and_callback(tiny_single_file, tiny_cache):
+def _assert_same_lora(result, reference, rtol=0.0, atol=0.0):
+    """Same LoRA weights as the reference run; tolerance 0 (bit for bit) unless stated."""
+    assert set(result.state_dict) == set(reference.state_dict) and result.state_dict
+    for k, v in reference.state_dict.items():
+        torch.testing.assert_close(result.state_dict[k], v, rtol=rtol, atol=atol, msg=k)
+
+
+def test_accumulation_batches_cosine_warmup_and_callback(tiny_single_file, tiny_pipeline, tiny_cache):
+    import math
+
     rec = Recorder()
+    train = TrainConfig(steps=6, learning_rate=1e-3, batch_size=2, gradient_accumulation=2,
+                        lr_scheduler="cosine", warmup_steps=2, max_grad_norm=0.5, device="cpu")
     result = train_lora(ModelConfig(transformer_path=str(tiny_single_file)), tiny_cache, LoraSettings(rank=2, alpha=1),
-                        TrainConfig(steps=6, learning_rate=1e-3, batch_size=2, gradient_accumulation=2,
-                                    lr_scheduler="cosine", warmup_steps=2, max_grad_norm=0.5, device="cpu"), rec)
+                        train, rec)
     assert [s.step for s in rec.steps] == list(range(1, 7))
     lrs = result.lr_history
     assert lrs[0] < lrs[1] and lrs[1] >= lrs[2] > lrs[-1]  # warmup, then cosine decay
+    # reference: the closed form (linear warmup over 2 steps, then half a cosine to 0 at step 6), rel 1e-9
+    expected = [1e-3 * (k / 2 if k < 2 else 0.5 * (1 + math.cos(math.pi * (k - 2) / (6 - 2)))) for k in range(1, 7)]
+    assert lrs == pytest.approx(expected, rel=1e-9, abs=1e-15)
     assert all(s.grad_norm > 0 and s.seconds_per_step > 0 and s.peak_vram_gb == 0.0 for s in rec.steps)
     assert result.scale == 0.5
+    # reference: the same run from the diffusers folder (bit-identical weights, tests/test_models.py); fp32
+    # outputs differ by reassociation only (1e-6), so the LoRAs agree to rtol 1e-3 / atol 1e-5
+    folder = train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), tiny_cache, LoraSettings(rank=2, alpha=1),
+                        train)
+    assert result.loss_history == pytest.approx(folder.loss_history, rel=1e-4)
+    _assert_same_lora(result, folder, rtol=1e-3, atol=1e-5)
 
 
 def test_callback_can_stop_training(tiny_pipeline, tiny_cache):
     result = train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), tiny_cache, LoraSettings(rank=2),
                         TrainConfig(steps=50), Recorder(stop_after=3))
-    assert result.steps == 3 and result.interrupted and result.state_dict
+    assert result.steps == 3 and result.interrupted
+    # reference: a run of exactly 3 steps (constant schedule): the kept LoRA is its LoRA, bit for bit
+    three = train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), tiny_cache, LoraSettings(rank=2),
+                       TrainConfig(steps=3))
+    assert result.loss_history == three.loss_history
+    _assert_same_lora(result, three)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -112,7 +136,12 @@ def test_stop_between_micro_steps_keeps_finished_steps(tiny_pipeline, tiny_cache
 
     result = train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), tiny_cache, LoraSettings(rank=2),
                         TrainConfig(steps=10, gradient_accumulation=2), StopInSecondStep())
-    assert result.interrupted and result.steps == 1 and len(result.loss_history) == 1 and result.state_dict
+    assert result.interrupted and result.steps == 1 and len(result.loss_history) == 1
+    # reference: a one-step run; the half-done second step left no trace in the LoRA (bit for bit)
+    one = train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), tiny_cache, LoraSettings(rank=2),
+                     TrainConfig(steps=1, gradient_accumulation=2))
+    assert result.loss_history == one.loss_history
+    _assert_same_lora(result, one)
 
 
 def test_stop_request_on_the_last_step_does_not_discard_the_run(tiny_pipeline, tiny_cache):
@@ -123,6 +152,9 @@ def test_stop_request_on_the_last_step_does_not_discard_the_run(tiny_pipeline, t
     result = train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), tiny_cache, LoraSettings(rank=2),
                         TrainConfig(steps=1), AlwaysRaise())
     assert result.steps == 1 and not result.interrupted
+    # reference: the same step without a callback; the kept run is that run, bit for bit
+    _assert_same_lora(result, train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), tiny_cache,
+                                         LoraSettings(rank=2), TrainConfig(steps=1)))
 
 
 def test_adamw8bit_is_cuda_only_with_a_clear_error(tiny_pipeline, tiny_cache):
