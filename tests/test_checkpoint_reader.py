@@ -239,3 +239,37 @@ def test_a_slab_built_from_fp8_by_the_old_reader_is_not_reused(tiny_flux2, tmp_p
     rebuilt = ensure_slab(fp8, slabs, progress=False, log=notes.append)
     assert rebuilt != old and rebuilt.exists()
     assert any("older version that ignored its fp8 weight_scale" in n for n in notes), notes
+
+
+# --- the dataset cache is checked against the model before it loads -----------------------------------
+
+
+def _must_not_load(*args, **kwargs):
+    raise AssertionError("the transformer was loaded before the cache was checked")
+
+
+def test_a_cache_of_another_width_is_refused_before_loading(tiny_flux2, tiny_flux2_cache, tmp_path, monkeypatch):
+    """A Flux.2-dev cache (15360 wide) given to a klein model (7680 wide), in tiny: a 48-wide cache, a 32-wide model."""
+    from lowvram_lora.engine.config import ModelConfig, TrainConfig
+    from lowvram_lora.engine.errors import ConfigError
+    from lowvram_lora.engine.families import load_shipped_config
+    from lowvram_lora.engine.train import loop, train_lora
+
+    family = get_family("flux2")
+    narrow = family.transformer_class().from_config(dict(load_shipped_config("flux2-tiny.json"), joint_attention_dim=32))
+    narrow.save_pretrained(tmp_path / "klein-like", safe_serialization=True)
+    monkeypatch.setattr(loop, "load_transformer", _must_not_load)
+    with pytest.raises(ConfigError, match=r"'prompt_embeds' are 48 wide .* takes 32; run Cache Text Embeds again"):
+        train_lora(ModelConfig(transformer_path=str(tmp_path / "klein-like")), tiny_flux2_cache, LoraSettings(rank=2),
+                   TrainConfig(steps=1, device="cpu"))
+
+
+def test_a_cache_of_another_family_is_refused_before_loading(tiny_single_file, tiny_flux2_cache, monkeypatch):
+    from lowvram_lora.engine.config import ModelConfig, TrainConfig
+    from lowvram_lora.engine.errors import ConfigError
+    from lowvram_lora.engine.train import loop, train_lora
+
+    monkeypatch.setattr(loop, "load_transformer", _must_not_load)
+    with pytest.raises(ConfigError, match="built for flux2 but the model is flux1"):
+        train_lora(ModelConfig(transformer_path=str(tiny_single_file)), tiny_flux2_cache, LoraSettings(rank=2),
+                   TrainConfig(steps=1, device="cpu"))
