@@ -72,18 +72,20 @@ CTRL_C = StopRequest()
 
 
 class ConsoleCallback(TrainingCallback):
-    """tqdm bars and printed lines, for the CLI and the headless runner."""
+    """tqdm bars and printed lines, for the CLI and the headless runner. ``bars=False`` (``--no-progress``):
+    no bars at all; log lines and the final summary line are still printed."""
 
-    def __init__(self) -> None:
+    def __init__(self, bars: bool = True) -> None:
         self._bars: dict[str, object] = {}
         self.stop_requested = False
+        self.show_bars = bars
 
     def _bar(self, stage: str, total: int):
         from tqdm.auto import tqdm
 
         bar = self._bars.get(stage)
         if bar is None:
-            bar = self._bars[stage] = tqdm(total=total, desc=stage, dynamic_ncols=True)
+            bar = self._bars[stage] = tqdm(total=total, desc=stage, dynamic_ncols=True, disable=not self.show_bars)
         return bar
 
     def on_progress(self, stage: str, done: int, total: int) -> None:

@@ -208,7 +208,11 @@ def execute_graph(
     order = execution_order(graph, node_class_mappings)
     results = ExecutionResults()
     # ComfyUI's PromptExecutor.execute_async runs the whole prompt under inference mode.
-    with torch.inference_mode(), tqdm(total=len(order), unit="node", disable=not progress, leave=True) as bar:
+    from ..nodes.progress import console_bars
+
+    # ``progress=False`` (--no-progress): no bar here, and none from the nodes' console callbacks either.
+    with torch.inference_mode(), console_bars(progress), \
+            tqdm(total=len(order), unit="node", disable=not progress, leave=True) as bar:
         for index, node_id in enumerate(order, start=1):
             class_type = graph[node_id]["class_type"]
             title = _title(graph, node_id)

@@ -7,6 +7,8 @@ every few seconds.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import time
 
 from ..engine.callbacks import ConsoleCallback, StepInfo, TrainingCallback
@@ -159,6 +161,39 @@ class HostCallback(TrainingCallback):
 
 
 _host = None
+#: Whether console callbacks draw tqdm bars: the headless runner's ``--no-progress`` turns them off for the
+#: nodes it runs (``console_bars``).
+_CONSOLE_BARS: contextvars.ContextVar[bool] = contextvars.ContextVar("lowvram_console_bars", default=True)
+
+
+#: Libraries that draw their own tqdm bars while a node runs (transformers' "Loading weights" when a text
+#: encoder loads), each with its switch.
+_LIBRARY_BARS = ("transformers.utils.logging", "diffusers.utils.logging")
+
+
+@contextlib.contextmanager
+def console_bars(enabled: bool):
+    """Within this block (this thread), nodes' console callbacks draw progress bars only if ``enabled``; when
+    not, the libraries' own loading bars are off too (and put back as they were afterwards)."""
+    import importlib
+
+    token = _CONSOLE_BARS.set(bool(enabled))
+    switched = []
+    if not enabled:
+        for name in _LIBRARY_BARS:
+            try:
+                lib = importlib.import_module(name)
+            except ImportError:
+                continue
+            if lib.is_progress_bar_enabled():
+                lib.disable_progress_bar()
+                switched.append(lib)
+    try:
+        yield
+    finally:
+        for lib in switched:
+            lib.enable_progress_bar()
+        _CONSOLE_BARS.reset(token)
 
 
 def set_host(host) -> None:
@@ -173,7 +208,7 @@ def make_callback(node_id: str | None = None) -> TrainingCallback:
         return HostCallback(_host, node_id)
     comfy = _comfy()
     if comfy is None:
-        return ConsoleCallback()
+        return ConsoleCallback(bars=_CONSOLE_BARS.get())
     return ComfyCallback(comfy[0], comfy[1], node_id)
 
 

@@ -1,5 +1,6 @@
 """Multi-GPU training logic on the CPU: data parallel with gloo worker processes, and the split."""
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -153,6 +154,25 @@ def test_data_parallel_worker_death_and_bad_input(tiny_pipeline, tiny_cache, tmp
     with pytest.raises(CacheError, match="cannot read cache manifest"):
         train_or_reuse(model, broken, lora, train, tmp_path, Recorder(), parallel=DP_CPU)
     assert not _workers()
+
+
+def test_data_parallel_worker_death_says_where_a_rerun_resumes(tiny_pipeline, tiny_cache, tmp_path):
+    model = inspect_transformer(ModelConfig(transformer_path=str(tiny_pipeline)))
+    lora, train = LoraSettings(rank=4), TrainConfig(steps=400, learning_rate=1e-3, device="cpu", save_every=1)
+
+    def kill_rank1():  # step 1 is reported after its state was saved
+        pids = [p for p in _workers() if b"RANK=1\x00" in Path(f"/proc/{p}/environ").read_bytes()]
+        os.kill(pids[0], signal.SIGKILL)
+
+    with pytest.raises(WorkerError, match=r"rank 1 died") as died:
+        train_or_reuse(model, tiny_cache, lora, train, tmp_path, Recorder(on_first_step=kill_rank1), parallel=DP_CPU)
+    step = int(re.search(r"it resumes from step (\d+)/400", str(died.value))[1])
+    assert step >= 1 and f"state-{step:07d}.json" in {p.name for p in (tmp_path / "resume").rglob("state-*.json")}
+    assert not _workers()
+    # without a saved state, it says a rerun starts over (the first state would come at step 40)
+    with pytest.raises(WorkerError, match=r"No training state was saved yet \(the first is saved at step 40\)"):
+        train_or_reuse(model, tiny_cache, lora, TrainConfig(steps=400, learning_rate=1e-3, device="cpu", seed=7),
+                       tmp_path / "fresh", Recorder(on_first_step=kill_rank1), parallel=DP_CPU)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has two GPUs")

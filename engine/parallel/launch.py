@@ -122,7 +122,10 @@ def train_data_parallel(model_cfg, dataset, lora, train, callback, parallel, sto
                 env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                 stdout=subprocess.PIPE if rank == 0 else log, stderr=log, stdin=subprocess.DEVNULL,
                 start_new_session=True))
-        _supervise(procs, run_dir, cb)
+        try:
+            _supervise(procs, run_dir, cb)
+        except WorkerError as exc:
+            raise WorkerError(f"{exc}\n{_resume_note(store_args, train)}") from exc
         result = read_trained(run_dir, "result")
         if result is None:
             raise WorkerError(f"the workers exited without a result; logs in {run_dir}")
@@ -132,6 +135,22 @@ def train_data_parallel(model_cfg, dataset, lora, train, callback, parallel, sto
         _kill(procs)
         for log in logs:
             log.close()
+
+
+def _resume_note(store_args: dict, train) -> str:
+    """What a rerun of the same run does after the workers failed: resume from the state saved last, or
+    start over."""
+    from ..train.resume import ResumeStore
+
+    store = ResumeStore.from_args(store_args)
+    step = store.saved_step()
+    if step is not None:
+        return (f"Nothing is lost up to step {step}: run the same training again and it resumes from step "
+                f"{step}/{train.steps} (the state saved in '{store.folder}').")
+    if not store.enabled:
+        return "No training state is saved with these settings: a rerun starts over."
+    first = f" (the first is saved at step {store.save_every})" if store.save_every > 0 else ""
+    return f"No training state was saved yet{first}: a rerun starts over."
 
 
 def _supervise(procs, run_dir: Path, cb: TrainingCallback) -> None:

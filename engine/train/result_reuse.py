@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from ..hashing import stable_hash
 from ..config import LoraSettings, TrainConfig
-from ..fileio import atomic_write, write_json_atomic
+from ..errors import ConfigError
+from ..fileio import FileLock, atomic_write, write_json_atomic
 from ..version import VERSION
 from .trained_lora import TrainedLora
 
@@ -75,11 +76,9 @@ def train_or_reuse(model, dataset, lora: LoraSettings, train: TrainConfig, cache
     completed run is stored as finished: an interrupted or failed one never is.
     ``model`` is a ModelInfo (engine.models.inspect), ``dataset`` a DatasetCache. ``parallel``
     (engine/parallel ParallelConfig): split mode trains in this process across two GPUs; data
-    parallel starts one worker process per GPU (engine/parallel/launch.py).
+    parallel starts one worker process per GPU (engine/parallel/launch.py). A second run of the same key
+    while one runs (another process) is refused with a message: they would share one resume folder.
     """
-    from .loop import train_lora
-    from .resume import ResumeStore, auto_save_every
-
     world = parallel.world_size if parallel is not None else 1
     key = training_key(model.identity, dataset.dataset_hash, lora, train, world)
     found = load_finished(Path(cache_dir), key)
@@ -87,13 +86,31 @@ def train_or_reuse(model, dataset, lora: LoraSettings, train: TrainConfig, cache
         if callback is not None:
             callback.log(f"reusing the finished run {key} (same model, dataset and settings); "
                          f"change a setting or the seed to train again")
-        return found
+        return _check_reused_samples(found, dataset, train_kwargs.get("sampling"), callback)
+    # One run per key at a time: two would share one resume folder and remove each other's states.
+    lock = FileLock(Path(cache_dir) / "locks" / f"training-{key}.lock", "the training run's lock")
+    if not lock.acquire():
+        raise ConfigError(
+            f"a training run with the same model, dataset and settings is running now ({lock.holder()}); it "
+            f"saves its progress in '{Path(cache_dir) / 'resume' / key}', which two runs cannot share. Wait for "
+            f"it to finish and run again (this run then reuses its LoRA), or change a setting or the seed to "
+            f"train another one")
+    with lock:
+        found = load_finished(Path(cache_dir), key)  # it may have finished while we looked
+        if found is not None:
+            if callback is not None:
+                callback.log(f"reusing the finished run {key}, which another process just finished")
+            return _check_reused_samples(found, dataset, train_kwargs.get("sampling"), callback)
+        return _train_and_store(model, dataset, lora, train, cache_dir, callback, parallel, key, **train_kwargs)
+
+
+def _train_and_store(model, dataset, lora: LoraSettings, train: TrainConfig, cache_dir: Path, callback, parallel,
+                     key: str, **train_kwargs) -> TrainedLora:
+    from .loop import train_lora
+    from .resume import ResumeStore, auto_save_every
+
     every = auto_save_every(train.steps) if train.save_every == 0 else train.save_every
-    enabled = train.optimizer != "adamw8bit"
-    if not enabled:
-        if callback is not None:
-            callback.log("resumable training states are not saved with optimizer='adamw8bit' (its 8-bit state "
-                         "has no safetensors form here yet); use adamw to be able to resume")
+    enabled = True  # adamw8bit too: its 8-bit moments are stored by their plain parts (resume.py)
     settings = {"lora": asdict(lora), "train": {k: v for k, v in asdict(train).items() if k not in _KEEP_OUT}}
     store_args = {"root": str(Path(cache_dir) / "resume"), "key": key, "settings": settings, "save_every": every,
                   "family_key": stable_hash([model.identity, dataset.dataset_hash]), "enabled": enabled}
@@ -109,5 +126,50 @@ def train_or_reuse(model, dataset, lora: LoraSettings, train: TrainConfig, cache
         if not result.interrupted and result.state_dict:
             store.discard()
     if not result.interrupted and result.state_dict:
+        result.settings["samples"] = samples_made_with(dataset, train_kwargs.get("sampling")) \
+            if result.sample_grids else None
         store_finished(Path(cache_dir), key, result)
     return result
+
+
+def samples_made_with(dataset, sampling) -> dict | None:
+    """What a run's sample grid shows (the prompts and the sampling settings), or None without sampling.
+    Not part of the run's key: samples do not change the trained weights."""
+    if sampling is None or not getattr(sampling, "enabled", False):
+        return None
+    return {"prompts": [p for p, _ in getattr(dataset, "sample_prompts", None) or []], "config": asdict(sampling)}
+
+
+def _check_reused_samples(found: TrainedLora, dataset, sampling, callback) -> TrainedLora:
+    """A reused run keeps the sample grid made while it trained. When the sampling asked for now differs (other
+    prompts or settings; sampling was off then), that grid is left out of the result, so the node and Save
+    LoRA never pass it off as samples of the new prompts, and the log says so; samples are made only while
+    training. A grid from before this was recorded is kept, and the log says it is the earlier run's."""
+    now = samples_made_with(dataset, sampling)
+    then = found.settings.get("samples", "unrecorded")
+    grids = [g for g in found.sample_grids if Path(g).exists()]
+    say = callback.log if callback is not None else (lambda msg: None)
+    if now is None:
+        return found
+    if then == "unrecorded":
+        if grids:
+            say(f"the sample grid shown is the one made when this LoRA was trained ({grids[-1]}); its prompts may "
+                f"differ from today's sample_prompts. Samples are made while training: change training_seed to "
+                f"train again and sample the current prompts")
+        return found
+    if then == now:
+        return found
+    if then is None:
+        why = "it was trained with sampling off"
+    elif then["prompts"] != now["prompts"]:
+        why = (f"its samples show {len(then['prompts'])} other prompt(s) "
+               f"({'; '.join(p[:40] for p in then['prompts'][:3])}), not today's {len(now['prompts'])}")
+    else:
+        changed = ", ".join(f"sample_{k} {then['config'].get(k)} -> {v}" for k, v in now["config"].items()
+                            if then["config"].get(k) != v)
+        why = f"its samples were made with other sampling settings ({changed})"
+    say(f"no sample grid for this run: the reused LoRA is the same training, but {why}"
+        + (f" (the earlier grid is still at {grids[-1]})" if grids else "")
+        + ". Samples are made while training: change training_seed to train again with the new sampling")
+    found.sample_grids = []
+    return found

@@ -15,14 +15,24 @@ One state is two files in ``<cache>/resume/<key>/``, written atomically (engine/
 The JSON is written last and is the completion mark: a process killed between the two
 leaves the previous state as the latest complete one. Older states are removed after a
 newer one is complete. Nothing is pickled: tensors go to safetensors, scalars to JSON.
+
+Each state carries checksums (SHA-256 of the safetensors file, and of the JSON's own
+content), checked before anything is loaded: a state damaged on disk is set aside
+(renamed ``damaged-state-...``, never trained from) with a message, and training resumes
+from an older good state if there is one, else starts fresh. A save that fails (a full
+disk) leaves no part of itself behind and keeps the previous state; the error names the
+folder, its free space and the bytes the state needed.
 ``key`` hashes every setting that changes the trained weights (the finished-run key), so
 a state is only ever resumed by the same run; a state of the same model and dataset with
 other settings is reported (what changed) and left alone.
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,10 +41,27 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..errors import StorageError
 from ..fileio import atomic_write, write_json_atomic
 
-STATE_FORMAT = 2  # 2: noise/timestep/flip draws are keyed by the micro-batch count, no loop generator
+# 2: noise/timestep/flip draws are keyed by the micro-batch count, no loop generator; 3: checksums
+STATE_FORMAT = 3
 _NAME = re.compile(r"^state-(\d{7})\.json$")
+SET_ASIDE_PREFIX = "damaged-"  # a state that failed its check: kept for a look, never loaded
+
+
+def file_sha256(path: Path, chunk: int = 16 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def info_sha256(info: dict) -> str:
+    """The checksum of a state's JSON content (every field but this one), as it reads back from the file."""
+    body = json.loads(json.dumps({k: v for k, v in info.items() if k != "info_sha256"}, default=str))
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def auto_save_every(steps: int) -> int:
@@ -113,23 +140,67 @@ class ResumeStore:
         return sorted(found, reverse=True)
 
     def load_latest(self) -> LoadedState | None:
-        """The newest complete, readable state of this run; None (and why, when it matters)."""
+        """The newest complete, readable state of this run that passes its checksums; None (and why, when it
+        matters). A state that fails its check is set aside with a message; an older one is tried next."""
         if not self.enabled:
             return None
         for step, info_path in self._states(self.folder):
+            tensors_path = info_path.with_suffix(".safetensors")
             try:
                 info = json.loads(info_path.read_text())
-                tensors = load_file(str(info_path.with_suffix(".safetensors")))
             except Exception as exc:  # truncated, or its tensors were never completed
                 self.log(f"resume state '{info_path}' is unreadable ({type(exc).__name__}); trying an older one")
                 continue
-            if info.get("format") != STATE_FORMAT or info.get("key") != self.key:
+            if not isinstance(info, dict) or info.get("format") != STATE_FORMAT or info.get("key") != self.key:
                 self.log(f"resume state '{info_path}' is from another version or run; not used")
+                continue
+            damage = self._check(info, tensors_path)
+            if damage is None:
+                try:
+                    tensors = load_file(str(tensors_path))
+                except Exception as exc:
+                    damage = f"its tensors do not load ({type(exc).__name__}: {exc})"
+            if damage is not None:
+                self._set_aside(step, info_path, damage)
                 continue
             self.last_saved_step = step
             return LoadedState(step, info["batches_drawn"], tensors, info, info_path)
         self._report_other_runs()
         return None
+
+    @staticmethod
+    def _check(info: dict, tensors_path: Path) -> str | None:
+        """Why the state fails its checksums (damaged on disk), or None."""
+        if info.get("info_sha256") != info_sha256(info):
+            return "its JSON does not match its checksum"
+        try:
+            actual = file_sha256(tensors_path)
+        except OSError as exc:
+            return f"its tensor file cannot be read ({exc.strerror or exc})"
+        if actual != info.get("tensors_sha256"):
+            return "its tensor file does not match its checksum"
+        return None
+
+    def _set_aside(self, step: int, info_path: Path, why: str) -> None:
+        """Rename a damaged state out of the way (never loaded again, kept for a look) and say so."""
+        moved = []
+        for path in (info_path.with_suffix(".safetensors"), info_path):
+            with contextlib.suppress(OSError):  # another rank may have moved it already
+                os.replace(path, path.with_name(SET_ASIDE_PREFIX + path.name))
+                moved.append(path.with_name(SET_ASIDE_PREFIX + path.name).name)
+        older = [s for s, _ in self._states(self.folder) if s < step]
+        self.log(f"resume state of step {step} in '{self.folder}' failed its check ({why}: the file was damaged "
+                 f"on disk); it is set aside{' as ' + ', '.join(moved) if moved else ''} and not used. "
+                 + (f"Trying the state of step {older[0]}." if older else
+                    "No earlier state is left: training starts fresh."))
+
+    def saved_step(self) -> int | None:
+        """The step of the newest complete state on disk (its JSON is there), without loading or checking it:
+        what a rerun would resume from. None when there is none."""
+        if not self.enabled:
+            return None
+        states = self._states(self.folder)
+        return states[0][0] if states else None
 
     def _report_other_runs(self) -> None:
         """Say when a state exists for the same model and dataset but other settings."""
@@ -169,15 +240,26 @@ class ResumeStore:
         tensors["rng/cpu"] = snapshot.cpu
         tensors.update({f"rng/cuda/{i}": s for i, s in enumerate(snapshot.cuda)})
         base = self.folder / f"state-{step:07d}"
-        with atomic_write(base.with_suffix(".safetensors"), "the resumable training state") as tmp:
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-        info = {
-            "format": STATE_FORMAT, "key": self.key, "family_key": self.family_key, "step": step,
-            "batches_drawn": snapshot.batches_drawn, "optimizer": opt_info,
-            "scheduler": _jsonable(scheduler.state_dict()), "loss_history": loss_history[:step],
-            "lr_history": lr_history[:step], "settings": self.settings,
-        }
-        write_json_atomic(base.with_suffix(".json"), info, "the resumable training state", indent=None)
+        tensors = {k: v.contiguous() for k, v in tensors.items()}
+        # What the file takes: the data plus a JSON header of ~100 bytes per tensor (for a full disk's message).
+        size = sum(t.numel() * t.element_size() for t in tensors.values()) + 128 * len(tensors) + 8
+        try:
+            with atomic_write(base.with_suffix(".safetensors"), "the resumable training state", size=size) as tmp:
+                save_file(tensors, str(tmp))
+                digest = file_sha256(tmp)
+            info = {
+                "format": STATE_FORMAT, "key": self.key, "family_key": self.family_key, "step": step,
+                "batches_drawn": snapshot.batches_drawn, "optimizer": opt_info,
+                "scheduler": _jsonable(scheduler.state_dict()), "loss_history": loss_history[:step],
+                "lr_history": lr_history[:step], "settings": self.settings, "tensors_sha256": digest,
+            }
+            info["info_sha256"] = info_sha256(info)
+            write_json_atomic(base.with_suffix(".json"), info, "the resumable training state", indent=None)
+        except StorageError as exc:
+            base.with_suffix(".safetensors").unlink(missing_ok=True)  # no half of this state stays behind
+            kept = (f"the state of step {self.last_saved_step} saved before is kept" if self.last_saved_step
+                    else "no earlier state of this run was saved")
+            raise StorageError(f"{exc}; {kept}") from exc
         for old_step, old in self._states(self.folder):
             if old_step != step:
                 old.unlink(missing_ok=True)
@@ -199,32 +281,99 @@ class ResumeStore:
             pass
 
 
+#: Optimizer-state tensor subclasses stored by their plain parts (``__tensor_flatten__``: torchao's 8-bit, 4-bit
+#: and fp8 AdamW moments) and rebuilt from them. Only these classes are ever rebuilt from a state file.
+STATE_SUBCLASSES = {
+    "OptimState8bit": ("torchao.optim.subclass_8bit", "OptimState8bit"),
+    "OptimState4bit": ("torchao.optim.subclass_4bit", "OptimState4bit"),
+    "OptimStateFp8": ("torchao.optim.subclass_fp8", "OptimStateFp8"),
+}
+
+
+def _attr_to_json(value):
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value).removeprefix("torch.")}
+    if isinstance(value, (torch.Size, tuple, list)):
+        return {"shape": [int(v) for v in value]}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"cannot store a {type(value).__name__} attribute of an optimizer state without pickling it")
+
+
+def _attr_from_json(value):
+    if isinstance(value, dict) and "dtype" in value:
+        dtype = getattr(torch, str(value["dtype"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {value['dtype']!r} in a saved optimizer state")
+        return dtype
+    if isinstance(value, dict) and "shape" in value:
+        return torch.Size(int(v) for v in value["shape"])
+    return value
+
+
 def _split_optimizer_state(sd: dict) -> tuple[dict[str, torch.Tensor], dict]:
-    """torch optimizer state_dict -> (tensors, JSON): tensors by "<param index>/<name>"."""
-    tensors, scalars = {}, {}
+    """torch optimizer state_dict -> (tensors, JSON): tensors by "<param index>/<name>"; a torchao 8-bit
+    moment (a tensor subclass) by its plain parts, "<param index>/<name>.<part>", its class and attributes
+    in the JSON. Tensor-valued param-group entries (torchao keeps ``lr`` as a tensor) are noted to come back
+    as tensors."""
+    tensors, scalars, subclasses = {}, {}, {}
     for index, state in sd["state"].items():
         for name, value in state.items():
             if isinstance(value, torch.Tensor):
-                if type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter):
-                    raise TypeError(f"optimizer state '{name}' is a {type(value).__name__}, not a plain tensor")
-                tensors[f"{index}/{name}"] = value.detach().cpu().contiguous()
+                if type(value) is torch.Tensor or isinstance(value, torch.nn.Parameter):
+                    tensors[f"{index}/{name}"] = value.detach().cpu().contiguous()
+                    continue
+                kind = type(value).__name__
+                if kind not in STATE_SUBCLASSES or STATE_SUBCLASSES[kind][0] != type(value).__module__:
+                    raise TypeError(f"optimizer state '{name}' is a {kind}, which a training state cannot store")
+                parts, attrs = value.__tensor_flatten__()
+                for part in parts:
+                    tensors[f"{index}/{name}.{part}"] = getattr(value, part).detach().cpu().contiguous()
+                subclasses.setdefault(str(index), {})[name] = {
+                    "class": kind, "parts": list(parts), "attrs": [_attr_to_json(a) for a in attrs]}
             else:
                 scalars.setdefault(str(index), {})[name] = value
-    return tensors, {"param_groups": _jsonable(sd["param_groups"]), "scalars": _jsonable(scalars)}
+    group_tensors = [[i, k, str(v.dtype).removeprefix("torch.")] for i, g in enumerate(sd["param_groups"])
+                     for k, v in g.items() if isinstance(v, torch.Tensor)]
+    return tensors, {"param_groups": _jsonable(sd["param_groups"]), "scalars": _jsonable(scalars),
+                     "subclasses": subclasses, "group_tensors": group_tensors}
+
+
+def _rebuild_subclass(spec: dict, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    import importlib
+
+    kind = spec.get("class")
+    if kind not in STATE_SUBCLASSES:
+        raise ValueError(f"a saved optimizer state names the class {kind!r}, which is not one of "
+                         f"{sorted(STATE_SUBCLASSES)}")
+    module, name = STATE_SUBCLASSES[kind]
+    cls = getattr(importlib.import_module(module), name)
+    return cls.__tensor_unflatten__({p: parts[p] for p in spec["parts"]},
+                                    [_attr_from_json(a) for a in spec["attrs"]], None, None)
 
 
 def _optimizer_state(tensors: dict[str, torch.Tensor], info: dict, named_params) -> dict:
     state: dict[int, dict] = {}
+    subclasses = info.get("subclasses", {})
+    parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
         if key.startswith("optim/"):
             index, name = key[len("optim/"):].split("/", 1)
-            state.setdefault(int(index), {})[name] = value
+            base, _, part = name.rpartition(".")
+            if base and base in subclasses.get(index, {}):
+                parts.setdefault((int(index), base), {})[part] = value
+            else:
+                state.setdefault(int(index), {})[name] = value
+    for (index, name), found in parts.items():
+        state.setdefault(index, {})[name] = _rebuild_subclass(subclasses[str(index)][name], found)
     for index, values in info.get("scalars", {}).items():
         state.setdefault(int(index), {}).update(values)
     groups = info["param_groups"]
     for g in groups:
         if "betas" in g and isinstance(g["betas"], list):
             g["betas"] = tuple(g["betas"])
+    for i, key, dtype in info.get("group_tensors", []):
+        groups[i][key] = torch.tensor(groups[i][key], dtype=getattr(torch, dtype))
     return {"state": state, "param_groups": groups}
 
 
