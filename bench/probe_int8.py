@@ -3,10 +3,12 @@ import torch
 def t(fn, n=50):
     for _ in range(5): fn()
     torch.cuda.synchronize()
-    s = torch.cuda.Event(enable_timing=True); e = torch.cuda.Event(enable_timing=True)
+    s = torch.cuda.Event(enable_timing=True)
+    e = torch.cuda.Event(enable_timing=True)
     s.record()
     for _ in range(n): fn()
-    e.record(); torch.cuda.synchronize()
+    e.record()
+    torch.cuda.synchronize()
     return s.elapsed_time(e) / n
 M = 4608
 for (N, K) in [(3072, 3072), (12288, 3072), (3072, 12288), (3072, 15360), (9216, 3072)]:
@@ -28,7 +30,8 @@ for (N, K) in [(3072, 3072), (12288, 3072), (3072, 12288), (3072, 15360), (9216,
 try:
     x8 = torch.randn(M, 3072, device="cuda").to(torch.float8_e4m3fn)
     w8 = torch.randn(12288, 3072, device="cuda").to(torch.float8_e4m3fn)
-    sa = torch.ones(M, 1, device="cuda"); sb = torch.ones(1, 12288, device="cuda")
+    sa = torch.ones(M, 1, device="cuda")
+    sb = torch.ones(1, 12288, device="cuda")
     f8 = t(lambda: torch._scaled_mm(x8, w8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16))
     print(f"fp8 rowwise scaled_mm 12288x3072: {f8:.3f} ms ({2*M*12288*3072/1e9/f8:.0f} TF)")
 except Exception as ex:

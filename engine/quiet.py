@@ -9,7 +9,14 @@ Only these exact messages are dropped; anything else from the same loggers still
   Tensor objects", printed when the installed torchao and torch versions disagree on private
   names; it matters only for loading torchao-serialized checkpoints, which we never do;
 - torchao (``torchao``, ``torchao.kernel.intmm``): "Failed to load .../_C_*.so" and "Detected no
-  triton" on CPU-only or other-CUDA builds, where those optional kernels are unused.
+  triton" on CPU-only or other-CUDA builds, where those optional kernels are unused;
+- transformers >= 5 (``transformers.utils.import_utils``): "`CLIPImageProcessor` requires torchvision
+  (not installed); falling back to `CLIPImageProcessorPil`" and the same for `SiglipImageProcessor`,
+  once each per process. diffusers' Flux pipeline and IP-adapter modules import these names at module
+  level (``diffusers/pipelines/flux/pipeline_flux.py``, ``diffusers/loaders/ip_adapter.py``), so every run
+  that loads diffusers' Flux code prints them. They only concern IP-adapter image encoding, which we
+  never run, and transformers falls back to the PIL processor anyway; torchvision is not a dependency
+  (ComfyUI brings its own). Other messages of that logger (a missing backend we do use) still show.
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ _KNOWN = {
     "diffusers.quantizers.torchao.torchao_quantizer": ("Unable to import `torchao` Tensor objects",),
     "torchao": ("Failed to load", "Could not load this library"),
     "torchao.kernel.intmm": ("Detected no triton",),
+    "transformers.utils.import_utils": ("requires torchvision (not installed); falling back to",),
 }
 
 

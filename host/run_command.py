@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from .executor import ExecutionResults, NodeExecutionError, execute_graph
-from .workflow import WorkflowError, apply_overrides, load_workflow, to_api_graph
+from .workflow import WorkflowError, load_workflow, to_api_graph
 
 DEFAULT_MODELS_DIR = "./models"
 DEFAULT_OUTPUT_DIR = "./output"
@@ -90,10 +90,9 @@ def _models_dir_hint(models_dir: str) -> str:
 
 def _prepare(args: argparse.Namespace, node_class_mappings: Mapping[str, type],
              display_names: Mapping[str, str] | None) -> dict[str, dict]:
-    """Load, convert, validate and apply ``--set`` overrides."""
+    """Load, convert, apply ``--set`` overrides, then validate (so an override can repair the file)."""
     workflow = load_workflow(args.workflow)
-    graph = to_api_graph(workflow, node_class_mappings, display_names)
-    return apply_overrides(graph, getattr(args, "overrides", None) or [], node_class_mappings)
+    return to_api_graph(workflow, node_class_mappings, display_names, overrides=getattr(args, "overrides", None) or [])
 
 
 @contextlib.contextmanager

@@ -577,8 +577,9 @@ def to_api_graph(
     workflow: Mapping[str, Any],
     node_class_mappings: Mapping[str, type],
     display_names: Mapping[str, str] | None = None,
+    overrides: Iterable[str] = (),
 ) -> dict[str, dict]:
-    """Convert a UI- or API-format workflow to a validated API graph.
+    """Convert a UI- or API-format workflow to a validated API graph, with ``--set`` overrides applied.
 
     Returns ``{node_id: {"class_type": str, "inputs": {name: value | [src_id, out_index]},
     "_meta": {"title": str}}}`` with string node ids. ``display_names`` (the pack's
@@ -590,6 +591,11 @@ def to_api_graph(
     is required. Muted nodes (mode 2) are dropped with their links. A seed's
     "control after generate" mode (randomize/increment/...) is not applied: the
     stored value is used, so a headless run repeats what the file says.
+
+    ``overrides`` (``ID.INPUT=VALUE`` texts, see ``apply_overrides``) replace the file's values
+    *before* the graph is validated, so an override can repair a value that is invalid in the
+    file (``--set 2.text_encoder_1=(none)`` for a file this machine lacks), and checks that
+    look at several inputs at once (``VALIDATE_INPUTS``) see the values that will run.
     """
     names = display_names or {}
     check_shape(workflow)
@@ -597,6 +603,7 @@ def to_api_graph(
         graph = _ui_to_api(workflow, node_class_mappings, names)
     else:
         graph = _normalize_api(workflow, names)
+    apply_overrides(graph, overrides, node_class_mappings)
     validate_graph(graph, node_class_mappings)
     return graph
 
@@ -841,6 +848,8 @@ def apply_overrides(
 
     ``ID`` is a node id (or a unique node title). Only widget inputs can be set; a
     value replaces a link there too (like a widget converted back from an input).
+    Each value is checked on its own; the graph's other values are not: pass the
+    overrides to ``to_api_graph`` to have them applied before the file is validated.
     """
     for text in overrides:
         ref, name, raw = _parse_override(text)
