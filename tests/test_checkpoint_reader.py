@@ -86,8 +86,8 @@ def references(tiny_pipeline, tiny_flux2):
     """family id -> (pipeline folder, diffusers' own fp32 state dict of its transformer)."""
     out = {}
     for fid, pipe in (("flux1", tiny_pipeline), ("flux2", tiny_flux2)):
-        model = get_family(fid).transformer_class().from_pretrained(
-            pipe / "transformer", torch_dtype=torch.float32, use_safetensors=True, local_files_only=True)
+        model = get_family(fid).transformer_class().from_pretrained(pipe / "transformer", use_safetensors=True,
+                                                               torch_dtype=torch.float32, local_files_only=True)
         out[fid] = (pipe, model)
     return out
 

@@ -62,8 +62,8 @@ def _assert_trained_the_right_thing(models, output, pipeline, family_id, lora_pa
     from lowvram_lora.engine.slab import load_slab_transformer
 
     family = get_family(family_id)
-    ref = family.transformer_class().from_pretrained(pipeline / "transformer", torch_dtype=torch.float32,
-                                                     use_safetensors=True, local_files_only=True)
+    ref = family.transformer_class().from_pretrained(pipeline / "transformer", use_safetensors=True,
+                                                     torch_dtype=torch.float32, local_files_only=True)
     slabs = sorted((models / "slabs").glob("*.slab.safetensors"))
     if slabs:
         assert len(slabs) == 1
@@ -137,8 +137,8 @@ def _assert_diffusers_file_loads_in_diffusers(pipeline, path):
     from lowvram_lora.engine.lora_io import load_lora
 
     family = get_family("flux1")
-    load = lambda: family.transformer_class().from_pretrained(pipeline / "transformer", torch_dtype=torch.float32,
-                                                              use_safetensors=True, local_files_only=True)
+    load = lambda: family.transformer_class().from_pretrained(pipeline / "transformer", use_safetensors=True,
+                                                              torch_dtype=torch.float32, local_files_only=True)
     ref, with_adapter = load(), load()
     with_adapter.load_lora_adapter(str(path), adapter_name="lowvram", prefix="transformer")
     ours = merged(ref, load_lora(path).state_dict, 1.0)

@@ -43,6 +43,7 @@ from safetensors.torch import load_file, save_file
 
 from ..errors import StorageError
 from ..fileio import atomic_write, write_json_atomic
+from ..hashing import sha256_file
 
 # 2: noise/timestep/flip draws are keyed by the micro-batch count, no loop generator; 3: checksums
 STATE_FORMAT = 3
@@ -50,12 +51,6 @@ _NAME = re.compile(r"^state-(\d{7})\.json$")
 SET_ASIDE_PREFIX = "damaged-"  # a state that failed its check: kept for a look, never loaded
 
 
-def file_sha256(path: Path, chunk: int = 16 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def info_sha256(info: dict) -> str:
@@ -174,7 +169,7 @@ class ResumeStore:
         if info.get("info_sha256") != info_sha256(info):
             return "its JSON does not match its checksum"
         try:
-            actual = file_sha256(tensors_path)
+            actual = sha256_file(tensors_path)
         except OSError as exc:
             return f"its tensor file cannot be read ({exc.strerror or exc})"
         if actual != info.get("tensors_sha256"):
@@ -246,7 +241,7 @@ class ResumeStore:
         try:
             with atomic_write(base.with_suffix(".safetensors"), "the resumable training state", size=size) as tmp:
                 save_file(tensors, str(tmp))
-                digest = file_sha256(tmp)
+                digest = sha256_file(tmp)
             info = {
                 "format": STATE_FORMAT, "key": self.key, "family_key": self.family_key, "step": step,
                 "batches_drawn": snapshot.batches_drawn, "optimizer": opt_info,
