@@ -1,8 +1,9 @@
-"""Model families (Flux.1 today) behind one interface."""
-from .base import ModelFamily, TextEncoderSpec, load_shipped_config
-from .registry import FAMILIES, family_for_class_name, family_for_single_file, get_family
+"""Model families, one folder each (``engine/families/<id>/``), behind one interface (``base.py``)."""
+from .base import (Guidance, ModelFamily, Prediction, PromptTemplate, TextEncoderSpec, VaeSpec, meta_model,
+                   shared_config)
+from .registry import families, family_for_class_name, family_for_single_file, family_ids, get_family
 
 __all__ = [
-    "FAMILIES", "ModelFamily", "TextEncoderSpec", "family_for_class_name",
-    "family_for_single_file", "get_family", "load_shipped_config",
+    "Guidance", "ModelFamily", "Prediction", "PromptTemplate", "TextEncoderSpec", "VaeSpec", "families",
+    "family_for_class_name", "family_for_single_file", "family_ids", "get_family", "meta_model", "shared_config",
 ]

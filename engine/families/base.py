@@ -1,96 +1,361 @@
-"""What every model family provides to the engine.
+"""What a model family is, as the engine sees it: one folder, one ``ModelFamily`` subclass.
 
-A family (Flux.1, Flux.2) is one small object: its diffusers class, its
-shipped configs, how to read its original single-file names, which modules get a
-LoRA, and how a training batch becomes the transformer's inputs. The loader, the
-trainer and LoRA export only talk to this interface.
+A family lives in ``engine/families/<id>/``: its ``__init__.py`` defines ``FAMILY`` (an instance of a
+``ModelFamily`` subclass); beside it sit its name map, block parts, shipped configs, tiny-model
+fixtures and workflow templates. The registry finds the folders by itself, so adding a family touches
+no file outside its folder.
+
+The engine talks to families only through this class. Every member is declared here, typed, with a
+default where one makes sense; what a family can do beyond the minimum is declared as data
+(``int8_extra_linears``, ``block_parts``, ``chunked_recompute``), never probed with ``getattr``.
+
+How the pieces flow:
+- identity: ``diffusers_class_name`` (a diffusers folder), ``looks_like_single_file`` + ``param_table``
+  (a single file with native names), ``variants`` + ``structural_keys`` (which shipped config it is);
+- text: ``text_encoder_specs`` (kinds, templates, hidden layers, length policy) -> the dataset cache;
+- latents: ``vae`` (``VaeSpec``): pixels <-> what the transformer takes, N-D (images now, video next);
+- training: ``model_inputs`` + ``unpack_prediction`` under the family's ``prediction`` convention
+  (the timestep it is given, the sign of its output) and its timestep shift;
+- memory: ``block_lists`` (execution order), ``block_parts``, ``chunked_recompute``,
+  ``activation_scale``, ``image_tokens``;
+- LoRA: ``lora_targets`` (default modules), ``comfyui_lora_form`` (how ComfyUI's loader wants them).
 """
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
-from importlib import resources
-from typing import Any, Protocol
+from importlib import import_module, resources
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from .flux1_names import BflParam
+from .names import NativeParam
+
+# --- text ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PromptTemplate:
+    """How captions become token ids for one text encoder, exactly as the family's pipeline does it.
+
+    ``plain``: the caption as is (CLIP, T5). ``chat``: the tokenizer's chat template over one user turn
+    (``system`` adds a system turn; ``structured`` wraps content as ``[{"type": "text", ...}]`` as
+    Mistral's processor needs; ``enable_thinking`` is passed to the template when not None).
+    ``prefix``: text put before the caption (Lumina 2's system prompt + " <Prompt Start> ").
+    """
+
+    style: str = "plain"  # "plain" | "chat"
+    system: str | None = None
+    structured: bool = False
+    enable_thinking: bool | None = None
+    prefix: str = ""
+    drop_chars: str = ""  # substrings removed from captions first (Flux.2 removes "[IMG]")
+
+    def texts(self, tokenizer, prompts: list[str]) -> list[str] | list[list[dict]]:
+        """What the tokenizer is given: strings, or chat messages for ``apply_chat_template``."""
+        prompts = [p.replace(self.drop_chars, "") if self.drop_chars else p for p in prompts]
+        if self.style == "plain":
+            return [self.prefix + p for p in prompts]
+        if self.style != "chat":
+            raise ValueError(f"unknown prompt template style {self.style!r}")
+        out = []
+        for p in prompts:
+            wrap = (lambda s: [{"type": "text", "text": s}]) if self.structured else (lambda s: s)
+            turns = ([{"role": "system", "content": wrap(self.system)}] if self.system is not None else [])
+            turns.append({"role": "user", "content": wrap(self.prefix + p)})
+            out.append(turns)
+        return out
 
 
 @dataclass(frozen=True)
 class TextEncoderSpec:
-    """One text encoder of a pipeline folder and what we keep from it."""
+    """One text encoder of a pipeline and what we keep from it.
+
+    ``kind`` says what the encoder is, so a single file can be matched to it by its tensor names:
+    ``clip_pooled`` (CLIP-L, its pooled vector), ``t5`` (T5-XXL encoder, every token), ``umt5``
+    (UMT5-XXL: T5's names, its own tokenizer), ``decoder_lm`` (a decoder LLM run layer-major:
+    Mistral3, Qwen3, Gemma-2; ``hidden_layers`` say which hidden states are kept, concatenated per token).
+    ``length``: ``padded`` = every caption padded to ``max_length`` and the padding kept (the model was
+    trained attending to it: T5, Flux.2's LLMs); ``variable`` = each caption kept at its own length, a
+    batch padded with a mask (Z-Image, Lumina 2).
+    """
 
     subfolder: str  # "text_encoder_2"
     tokenizer_subfolder: str  # "tokenizer_2"
-    output: str  # "pooled" (one vector), "sequence" (one per token), "stacked" (hidden_layers, concatenated)
+    kind: str  # "clip_pooled" | "t5" | "umt5" | "decoder_lm"
     max_length: int
     cache_key: str  # name of the tensor in the cache ("pooled_prompt_embeds")
-    # "stacked" only: which hidden states (0 = embeddings, k = output of k decoder layers) are
-    # concatenated per token, and the chat format the prompt is wrapped in ("mistral3", "qwen3").
-    hidden_layers: tuple[int, ...] = ()
-    prompt_format: str = "plain"
+    hidden_layers: tuple[int, ...] = ()  # decoder_lm: k = the output of k decoder layers (0 = embeddings)
+    final_norm: bool = False  # decoder_lm: the final norm applies to the last kept state
+    length: str = "padded"  # "padded" | "variable"
+    template: PromptTemplate = PromptTemplate()
+    architecture: str = ""  # decoder_lm: shipped config of the real encoder (configs/text/<name>.json)
+
+    @property
+    def output(self) -> str:
+        """What one caption becomes: one vector, one per token, or stacked hidden states per token."""
+        return {"clip_pooled": "pooled", "t5": "sequence", "umt5": "sequence", "decoder_lm": "stacked"}[self.kind]
+
+    @property
+    def mask_key(self) -> str:
+        """Name of the batch's attention mask for a ``variable`` encoder (1 = a real token)."""
+        return f"{self.cache_key}_mask"
 
 
-def block_lora_targets(model: nn.Module, double: tuple[str, ...], single: tuple[str, ...]) -> list[str]:
-    """Full module names of ``double`` targets in every double block and ``single`` in every single block
-    (Flux.1 and Flux.2 share the block list names ``transformer_blocks`` / ``single_transformer_blocks``)."""
-    names = [f"transformer_blocks.{i}.{t}" for i in range(len(model.transformer_blocks)) for t in double]
-    return names + [f"single_transformer_blocks.{i}.{t}" for i in range(len(model.single_transformer_blocks))
-                    for t in single]
+# --- latents ---------------------------------------------------------------------------------------
 
 
-def meta_model(family: "ModelFamily", config: dict[str, Any]) -> nn.Module:
+@dataclass(frozen=True)
+class VaeSpec:
+    """The family's VAE and how its latents become the transformer's input.
+
+    The default is diffusers' ``AutoencoderKL`` with ``(z - shift_factor) * scaling_factor``, as Flux.1,
+    Z-Image and Lumina 2 use it (the same Flux AE). A family with another normalisation subclasses it.
+    ``single_file_config``: the shipped diffusers config folder (``configs/vae/<name>``) for a single VAE
+    file such as ComfyUI's ``ae.safetensors``."""
+
+    class_name: str = "AutoencoderKL"
+    single_file_config: str = "flux1"
+
+    def to_model(self, vae, mean: torch.Tensor) -> torch.Tensor:
+        """VAE latent mean -> what the transformer takes."""
+        shift = getattr(vae.config, "shift_factor", None) or 0.0
+        return (mean - shift) * vae.config.scaling_factor
+
+    def to_vae(self, vae, latents: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``to_model``: what ``vae.decode`` takes."""
+        shift = getattr(vae.config, "shift_factor", None) or 0.0
+        return latents / vae.config.scaling_factor + shift
+
+
+# --- the prediction convention ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """How a family's transformer is asked and what it answers (new-families-facts §0).
+
+    Training noises ``x_sigma = (1 - sigma) x0 + sigma noise`` and regresses the velocity
+    ``noise - x0`` everywhere; the family says how that maps onto its model:
+    ``timestep``: what the model is given, ``sigma`` (Flux, Qwen-Image; the model scales by 1000
+    inside), ``one_minus_sigma`` (Z-Image, Lumina 2) or ``sigma_x1000`` (Wan);
+    ``sign``: +1 when the output is the velocity, -1 when it is ``x0 - noise`` (Z-Image, Lumina 2).
+    """
+
+    timestep: str = "sigma"
+    sign: float = 1.0
+
+    def model_timestep(self, sigmas: torch.Tensor) -> torch.Tensor:
+        if self.timestep == "sigma":
+            return sigmas
+        if self.timestep == "one_minus_sigma":
+            return 1.0 - sigmas
+        if self.timestep == "sigma_x1000":
+            return sigmas * 1000.0
+        raise ValueError(f"unknown timestep convention {self.timestep!r}")
+
+
+@dataclass(frozen=True)
+class Guidance:
+    """How a variant samples: ``embedded`` (a guidance embedding: Flux.1-dev, Flux.2-dev; one forward),
+    ``cfg`` (classifier-free guidance: a second forward on the empty prompt), or ``none`` (distilled
+    models without either: Flux.1-schnell, Z-Image Turbo).
+    ``formula`` for cfg: ``standard`` = neg + g (pos - neg); ``z_image`` = pos + g (pos - neg) (its
+    pipeline's form: g = 0 is no guidance). ``renormalize``: rescale the guided prediction to the
+    conditional one's norm (Lumina 2's ``cfg_normalization``)."""
+
+    mode: str = "none"  # "none" | "embedded" | "cfg"
+    scale: float = 0.0  # the pipeline's default
+    steps: int = 20  # preview steps that suffice for this variant
+    formula: str = "standard"
+    renormalize: bool = False
+
+    def combine(self, pos: torch.Tensor, neg: torch.Tensor, scale: float) -> torch.Tensor:
+        if self.formula == "z_image":
+            out = pos + scale * (pos - neg)
+        else:
+            out = neg + scale * (pos - neg)
+        if self.renormalize:  # Lumina2Pipeline: torch.norm over the last axis of (B, C, H, W)
+            out = out * (torch.norm(pos, dim=-1, keepdim=True) / torch.norm(out, dim=-1, keepdim=True))
+        return out
+
+
+def static_shift_mu(shift: float) -> float:
+    """A static shift s (sigma' = s sigma / (1 + (s - 1) sigma)) as the exponential shift's mu = ln s."""
+    return math.log(shift)
+
+
+# --- the family ------------------------------------------------------------------------------------
+
+
+class ModelFamily:
+    """Base of every family; a family folder subclasses it and sets ``FAMILY`` in its ``__init__``."""
+
+    # identity
+    id: ClassVar[str]
+    display_name: ClassVar[str]
+    variants: ClassVar[dict[str, str]]  # variant id -> shipped config file in the folder's configs/
+    diffusers_class_name: ClassVar[str]
+    #: Config keys that tell the variants apart (a diffusers config or a slab manifest is matched on them).
+    structural_keys: ClassVar[tuple[str, ...]]
+    #: The tiny random variant the fixtures build (tests, the demo).
+    tiny_variant: ClassVar[str]
+
+    # conventions
+    prediction: ClassVar[Prediction] = Prediction()
+    vae: ClassVar[VaeSpec] = VaeSpec()
+
+    # memory engine
+    #: Linears outside the blocks that are large enough to be int8 in a slab (Flux.2's global modulation).
+    int8_extra_linears: ClassVar[tuple[str, ...]] = ()
+    #: A block's recompute + backward working set against Flux.1's at the same tokens x width (the
+    #: planner's constants are Flux.1 fits). Fitted on GPU rows per family.
+    activation_scale: ClassVar[float] = 1.0
+    #: ``install_chunked_recompute`` does something (token-wise parts in checkpointed chunks).
+    chunked_recompute: ClassVar[bool] = False
+
+    # LoRA
+    #: Block-list attribute -> module names (relative to a block) that get a LoRA by default.
+    lora_targets: ClassVar[dict[str, tuple[str, ...]]]
+    #: How ComfyUI's loader takes this family's LoRAs: ``diffusers_names`` (``transformer.<diffusers module>``,
+    #: mapped by ComfyUI into its fused tensors) or ``native_fused`` (``diffusion_model.<native module>``,
+    #: parts of a fused native Linear joined as one block-diagonal LoRA: Lumina 2's qkv).
+    comfyui_lora_form: ClassVar[str] = "diffusers_names"
+
+    # --- identity --------------------------------------------------------------------------------
+
+    def transformer_class(self) -> type[nn.Module]:
+        import diffusers
+
+        return getattr(diffusers, self.diffusers_class_name)
+
+    def load_config(self, variant: str) -> dict[str, Any]:
+        """A variant's shipped transformer config (no hub access, ever)."""
+        return load_package_json(type(self).__module__, "configs", self.variants[variant])
+
+    def variant_for_config(self, config: dict[str, Any]) -> str:
+        """The shipped variant whose structural keys ``config`` has, else ``custom``."""
+        for variant in self.variants:
+            shipped = self.load_config(variant)
+            if all(shipped.get(k) == config.get(k) for k in self.structural_keys):
+                return variant
+        return "custom"
+
+    def looks_like_single_file(self, keys: set[str]) -> bool:
+        """Whether a single file's (prefix-stripped) tensor names are this family's native names."""
+        raise NotImplementedError
+
+    def param_table(self, config: dict[str, Any]) -> list[NativeParam]:
+        """Every parameter of a native single file and where it lives in diffusers (``names.py``)."""
+        raise NotImplementedError
+
+    # --- text ------------------------------------------------------------------------------------
+
+    def text_encoder_specs(self, variant: str) -> tuple[TextEncoderSpec, ...]:
+        raise NotImplementedError
+
+    def default_max_sequence_length(self, variant: str) -> int:
+        """Tokens of the sequence encoder (the longest one) by default."""
+        return max(s.max_length for s in self.text_encoder_specs(variant) if s.kind != "clip_pooled")
+
+    def text_widths(self, config: dict[str, Any]) -> dict[str, int]:
+        """Width of each cached embedding the transformer takes (a cache is checked against it)."""
+        raise NotImplementedError
+
+    # --- latents ---------------------------------------------------------------------------------
+
+    def latent_shape(self, model: nn.Module, width: int, height: int) -> tuple[int, ...]:
+        """The cached latent's shape (without batch) for a width x height image."""
+        raise NotImplementedError
+
+    def image_tokens(self, width: int, height: int) -> int:
+        """Image tokens of a width x height image (the planner's workload): /8 VAE, 2x2 patches."""
+        return (width // 16) * (height // 16)
+
+    # --- training --------------------------------------------------------------------------------
+
+    def model_inputs(self, model: nn.Module, latents: torch.Tensor, embeds: dict[str, torch.Tensor],
+                     sigmas: torch.Tensor, guidance: float) -> dict[str, Any]:
+        """Keyword arguments of the transformer's forward on noisy latents (B, ...) at noise levels
+        ``sigmas`` (B,); ``embeds`` holds the cached embeddings and, for variable-length encoders,
+        their masks (``TextEncoderSpec.mask_key``). Timesteps follow ``self.prediction``."""
+        raise NotImplementedError
+
+    def unpack_prediction(self, output: Any, latents: torch.Tensor) -> torch.Tensor:
+        """The forward's raw output (``return_dict=False``) in the latents' shape, sign as the model gives it."""
+        raise NotImplementedError
+
+    def train_shift_mu(self, latents: torch.Tensor) -> float:
+        """The exponential timestep shift training samples with (``flow_matching.sample_sigmas``)."""
+        raise NotImplementedError
+
+    def sample_shift_mu(self, latents: torch.Tensor, steps: int) -> float:
+        """The shift the family's pipeline samples with at ``steps`` steps."""
+        return self.train_shift_mu(latents)
+
+    def guidance(self, variant: str) -> Guidance:
+        """How ``variant`` samples previews."""
+        return Guidance()
+
+    # --- memory engine ---------------------------------------------------------------------------
+
+    def block_lists(self, model: nn.Module) -> list[nn.ModuleList]:
+        """The transformer's block lists, in the order the forward runs them."""
+        return [getattr(model, name) for name in self.lora_targets]
+
+    def block_parts(self, block: nn.Module) -> list[tuple[str, nn.Module]] | None:
+        """A block that streams as several parts (``engine/offload/units.py``), or None for whole."""
+        return None
+
+    def install_chunked_recompute(self, model: nn.Module, chunks: int, undo) -> None:
+        """Token-wise parts in ``chunks`` checkpointed chunks (when ``chunked_recompute``)."""
+
+    # --- LoRA ------------------------------------------------------------------------------------
+
+    def lora_target_modules(self, model: nn.Module) -> list[str]:
+        """Full module names of the default LoRA targets: ``lora_targets`` in every block of each list."""
+        return [f"{name}.{i}.{t}" for name, targets in self.lora_targets.items()
+                for i in range(len(getattr(model, name))) for t in targets]
+
+    # --- fixtures and templates ------------------------------------------------------------------
+
+    def fixtures(self):
+        """The folder's ``fixtures`` module: ``build_tiny_pipeline(folder, seed=0) -> Path`` and
+        ``write_single_file(pipeline, out_file) -> Path`` (tests and the demo; never downloads)."""
+        return import_module(".fixtures", family_package(self))
+
+    def __repr__(self) -> str:
+        return f"<family {self.id}>"
+
+
+def family_package(family: ModelFamily) -> str:
+    """The dotted name of the family's folder (``lowvram_lora.engine.families.flux1``)."""
+    return _folder(type(family).__module__)
+
+
+def _folder(module: str) -> str:
+    return module if hasattr(import_module(module), "__path__") else module.rpartition(".")[0]
+
+
+def load_package_json(module: str, *path: str) -> Any:
+    """A JSON file shipped inside a package (``module``'s folder, or the folder of a package module)."""
+    ref = resources.files(_folder(module))
+    for part in path:
+        ref = ref.joinpath(part)
+    return json.loads(ref.read_text())
+
+
+def shared_config(*path: str) -> dict[str, Any]:
+    """A config shipped in ``engine/families/configs/`` (text encoders, VAEs shared by several families)."""
+    return load_package_json(__package__, "configs", *path)
+
+
+def meta_model(family: ModelFamily, config: dict[str, Any]) -> nn.Module:
     """The family's transformer built on the meta device (no memory): the one place models are made
     without weights, for shape checks, footprints and loading by assignment."""
     from accelerate import init_empty_weights
 
     with init_empty_weights():
         return family.transformer_class().from_config(config)
-
-
-def load_shipped_config(filename: str) -> dict[str, Any]:
-    """Small transformer config JSONs ship inside the package: no hub access, ever."""
-    text = resources.files(__package__).joinpath("configs", filename).read_text()
-    return json.loads(text)
-
-
-class ModelFamily(Protocol):
-    id: str
-    display_name: str
-    variants: dict[str, str]  # variant id -> shipped config file
-    diffusers_class_name: str
-    text_encoders: tuple[TextEncoderSpec, ...]
-    vae_class_name: str  # the diffusers VAE class of the family's pipelines
-
-    def text_encoder_specs(self, variant: str) -> tuple[TextEncoderSpec, ...]: ...
-
-    def latents_from_vae(self, vae: Any, mean: torch.Tensor) -> torch.Tensor: ...
-
-    def transformer_class(self) -> type[nn.Module]: ...
-
-    def param_table(self, config: dict[str, Any]) -> list[BflParam]: ...
-
-    def looks_like_single_file(self, keys: set[str]) -> bool: ...
-
-    def block_lists(self, model: nn.Module) -> list[nn.ModuleList]: ...
-
-    def lora_target_modules(self, model: nn.Module) -> list[str]: ...
-
-    def default_max_sequence_length(self, variant: str) -> int: ...
-
-    def text_widths(self, config: dict[str, Any]) -> dict[str, int]: ...
-
-    def model_inputs(
-        self,
-        model: nn.Module,
-        latents: torch.Tensor,
-        embeds: dict[str, torch.Tensor],
-        timesteps: torch.Tensor,
-        guidance: float,
-    ) -> dict[str, Any]: ...
-
-    def unpack_prediction(self, pred: torch.Tensor, latents: torch.Tensor) -> torch.Tensor: ...
-
-    def timestep_shift_mu(self, latents: torch.Tensor) -> float: ...

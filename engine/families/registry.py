@@ -1,33 +1,56 @@
-"""Model-family registry: look a family up by id, or detect it from a checkpoint."""
+"""The model-family registry: every folder under ``engine/families/`` that defines ``FAMILY``.
+
+Found by ``pkgutil`` when first asked, so a new family is a new folder and nothing else: the Load
+node's family choices, Cache Text Embeds' tooltips, the templates and the tests' parametrization all
+read this registry.
+"""
 from __future__ import annotations
+
+import pkgutil
+from importlib import import_module
 
 from ..errors import ConfigError
 from .base import ModelFamily
-from .flux1 import Flux1Family
-from .flux2 import Flux2Family
 
-FAMILIES: dict[str, ModelFamily] = {"flux1": Flux1Family(), "flux2": Flux2Family()}
+_FOUND: dict[str, ModelFamily] = {}
+
+
+def families() -> dict[str, ModelFamily]:
+    """id -> family, every family folder, in id order."""
+    if not _FOUND:
+        from . import __path__ as here, __name__ as package
+
+        found = {}
+        for info in sorted(pkgutil.iter_modules(here), key=lambda m: m.name):
+            if not info.ispkg or info.name.startswith("_") or info.name == "configs":
+                continue
+            family = getattr(import_module(f"{package}.{info.name}"), "FAMILY", None)
+            if isinstance(family, ModelFamily):
+                if family.id in found:
+                    raise RuntimeError(f"two family folders declare the id {family.id!r}")
+                found[family.id] = family
+        _FOUND.update(found)
+    return _FOUND
+
+
+def family_ids() -> list[str]:
+    return list(families())
 
 
 def get_family(family_id: str) -> ModelFamily:
     try:
-        return FAMILIES[family_id]
+        return families()[family_id]
     except KeyError:
         raise ConfigError(
-            f"unknown model family {family_id!r}; choose one of: {', '.join(sorted(FAMILIES))}"
+            f"unknown model family {family_id!r}; choose one of: {', '.join(families())}"
         ) from None
 
 
 def family_for_class_name(class_name: str) -> ModelFamily | None:
     """The family whose diffusers transformer class is ``class_name`` (from config.json)."""
-    for family in FAMILIES.values():
-        if family.diffusers_class_name == class_name:
-            return family
-    return None
+    return next((f for f in families().values() if f.diffusers_class_name == class_name), None)
 
 
 def family_for_single_file(keys: set[str]) -> ModelFamily | None:
-    for family in FAMILIES.values():
-        if family.looks_like_single_file(keys):
-            return family
-    return None
+    """The family whose native names a single file's (prefix-stripped) tensor names are."""
+    return next((f for f in families().values() if f.looks_like_single_file(keys)), None)
