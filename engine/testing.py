@@ -16,43 +16,10 @@ import torch
 from safetensors.torch import save_file
 
 from .families import get_family, load_shipped_config
-from .families.flux1_names import join_diffusers_tensors
-
-COLORS = {
-    "red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 70, 220), "yellow": (230, 210, 40),
-    "purple": (140, 50, 170), "orange": (240, 140, 30), "white": (245, 245, 245), "black": (15, 15, 15),
-}
-SHAPES = ("circle", "square", "triangle")
-WORDS = (
-    "a", "an", "the", "photo", "of", "on", "in", "with", "and", "background", "picture", "image",
-    "small", "large", "big", "little", "bright", "dark", "style", "drawing", "painting", "ohwx", "sks",
-    "person", "dog", "cat", "shape", "object", "centered", "left", "right", "top", "bottom",
-) + tuple(COLORS) + SHAPES
-
-
-def _word_level_tokenizer(specials: list[str], bos: str | None, eos: str, pad: str, unk: str, max_length: int):
-    """A real fast tokenizer over WORDS: lowercase, split on whitespace/punctuation."""
-    from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
-    from tokenizers.models import WordLevel
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {tok: i for i, tok in enumerate(specials)}
-    for w in WORDS + tuple(",.!?;:'-"):
-        vocab.setdefault(w, len(vocab))
-    tok = Tokenizer(WordLevel(vocab, unk_token=unk))
-    tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(), pre_tokenizers.Punctuation()])
-    if bos:
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A {eos}", special_tokens=[(bos, vocab[bos]), (eos, vocab[eos])]
-        )
-    else:
-        tok.post_processor = processors.TemplateProcessing(single=f"$A {eos}", special_tokens=[(eos, vocab[eos])])
-    kwargs = {"bos_token": bos} if bos else {}
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=eos, pad_token=pad, unk_token=unk, model_max_length=max_length, **kwargs
-    ), len(vocab)
-
+from .families.names import join_diffusers_tensors
+from .families.tiny import (COLORS, SHAPES, TINY_MISTRAL_CHAT_TEMPLATE, TINY_QWEN3_CHAT_TEMPLATE, WORDS,  # noqa: F401
+                            ldm_vae_key as _ldm_vae_key, randomize_zero_inits as _randomize_zero_inits,
+                            tiny_decoder_lm as _tiny_decoder_lm, word_level_tokenizer as _word_level_tokenizer)
 
 def build_tiny_flux1_pipeline(folder: str | Path, seed: int = 0) -> Path:
     """Write a complete tiny Flux.1 diffusers pipeline folder; returns its path."""
@@ -97,16 +64,6 @@ def build_tiny_flux1_pipeline(folder: str | Path, seed: int = 0) -> Path:
     )
     pipe.save_pretrained(folder, safe_serialization=True)
     return folder
-
-
-def _randomize_zero_inits(model: torch.nn.Module, seed: int) -> None:
-    """diffusers zero-initialises some output layers; a random model with zeros there
-    would ignore its inputs, which makes equality tests pass vacuously."""
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.abs().sum() == 0:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
 
 
 def write_bfl_single_file(pipeline_folder: str | Path, out_file: str | Path, dtype: torch.dtype | None = None) -> Path:
@@ -160,43 +117,6 @@ def make_tiny_dataset(folder: str | Path, count: int = 6, seed: int = 0, sizes=(
 
 
 # --- Flux.2 -------------------------------------------------------------------------
-
-#: A chat template in the shape Mistral's uses (system + user turns, content given as a list
-#: of {"type": "text"} parts, as Flux2Pipeline passes it); the tiny vocabulary has no
-#: [INST] tokens, so the turns are joined with plain words.
-TINY_MISTRAL_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}{% for part in message['content'] %}"
-    "{% if message['role'] == 'system' %}{{ part['text'] }} : {% else %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endfor %}"
-)
-#: Qwen3's shape: string content, an assistant prompt when asked for one.
-TINY_QWEN3_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['content'] }}{% endfor %}"
-    "{% if add_generation_prompt %} .{% endif %}"
-)
-
-
-def _tiny_decoder_lm(kind: str, vocab: int, hidden: int, layers: int, seed: int):
-    """A tiny Mistral3ForConditionalGeneration (Flux.2-dev's text encoder class, with a tiny
-    Pixtral tower) or Qwen3ForCausalLM (klein's)."""
-    torch.manual_seed(seed)
-    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=64,
-                  rms_norm_eps=1e-5, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    if kind == "qwen3":
-        from transformers import Qwen3Config, Qwen3ForCausalLM
-
-        return Qwen3ForCausalLM(Qwen3Config(**common))
-    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
-
-    config = Mistral3Config(
-        text_config={"model_type": "mistral", **common},
-        vision_config={"model_type": "pixtral", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
-                       "num_attention_heads": 2, "head_dim": 8, "image_size": 32, "patch_size": 8},
-        image_token_index=3, spatial_merge_size=2, projector_hidden_act="gelu",
-    )
-    return Mistral3ForConditionalGeneration(config)
-
 
 def build_tiny_flux2_pipeline(folder: str | Path, text_encoder: str = "mistral3", seed: int = 0) -> Path:
     """Write a complete tiny Flux.2 diffusers pipeline folder (transformer, a tiny Mistral3 or
@@ -272,32 +192,6 @@ def write_flux2_single_file(pipeline_folder: str | Path, out_file: str | Path, c
     out_file.parent.mkdir(parents=True, exist_ok=True)
     save_file(out, str(out_file), metadata={"format": "pt"})
     return out_file
-
-
-def _ldm_vae_key(key: str, num_blocks: int) -> str:
-    """diffusers AutoencoderKL name -> the BFL/LDM name in ae.safetensors (the inverse of diffusers'
-    ``convert_ldm_vae_checkpoint``), for writing test files in the layout users have."""
-    import re
-
-    key = key.replace("conv_norm_out", "norm_out")
-    rules = (
-        (r"encoder\.down_blocks\.(\d+)\.resnets\.(\d+)\.(.*)", lambda m: f"encoder.down.{m[1]}.block.{m[2]}.{m[3]}"),
-        (r"encoder\.down_blocks\.(\d+)\.downsamplers\.0\.conv\.(.*)", lambda m: f"encoder.down.{m[1]}.downsample.conv.{m[2]}"),
-        (r"decoder\.up_blocks\.(\d+)\.resnets\.(\d+)\.(.*)",
-         lambda m: f"decoder.up.{num_blocks - 1 - int(m[1])}.block.{m[2]}.{m[3]}"),
-        (r"decoder\.up_blocks\.(\d+)\.upsamplers\.0\.conv\.(.*)",
-         lambda m: f"decoder.up.{num_blocks - 1 - int(m[1])}.upsample.conv.{m[2]}"),
-        (r"(encoder|decoder)\.mid_block\.resnets\.(\d+)\.(.*)", lambda m: f"{m[1]}.mid.block_{int(m[2]) + 1}.{m[3]}"),
-    )
-    for pattern, fn in rules:
-        m = re.fullmatch(pattern, key)
-        if m:
-            return fn(m).replace("conv_shortcut", "nin_shortcut")
-    m = re.fullmatch(r"(encoder|decoder)\.mid_block\.attentions\.0\.(group_norm|to_q|to_k|to_v|to_out\.0)\.(.*)", key)
-    if m:
-        part = {"group_norm": "norm", "to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "proj_out"}[m[2]]
-        return f"{m[1]}.mid.attn_1.{part}.{m[3]}"
-    return key
 
 
 def write_flux1_single_files(pipeline_folder: str | Path, folder: str | Path, with_tokenizers: bool = True) -> dict:
