@@ -53,12 +53,12 @@ def build_streamable_model(variant: str, device: torch.device, dtype: torch.dtyp
                            config_overrides: dict | None = None):
     """(model, family, cfg): non-block modules on ``device``, every block's frozen tensors in a pinned
     host buffer (HostBlock), filled with random values on the device and copied over once."""
-    from lowvram_lora.engine.families import get_family, load_shipped_config
+    from lowvram_lora.engine.families import get_family
     from lowvram_lora.engine.offload.footprint import named_blocks
     from lowvram_lora.engine.offload.host import HostBlock
 
     family = get_family("flux1")
-    cfg = dict(load_shipped_config(family.variants[variant]), **(config_overrides or {}))
+    cfg = dict(family.load_config(variant), **(config_overrides or {}))
     with torch.device("meta"):
         model = family.transformer_class().from_config(cfg)
     torch.nn.Module.to(model, dtype=dtype)

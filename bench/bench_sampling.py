@@ -47,9 +47,9 @@ def parse_args(argv=None):
 def random_vae(device, dtype, latent_channels: int, tiny: bool):
     from diffusers import AutoencoderKL
 
-    from lowvram_lora.engine.families.base import load_shipped_config
+    from lowvram_lora.engine.families import shared_config
 
-    cfg = load_shipped_config("vae/flux1/config.json")
+    cfg = shared_config("vae", "flux1", "config.json")
     if tiny:  # the tiny transformer's latent width, small blocks (engine/testing.py's tiny pipeline VAE)
         cfg.update(block_out_channels=[8, 16, 16, 16], layers_per_block=1, norm_num_groups=8)
     cfg["latent_channels"] = latent_channels

@@ -52,10 +52,10 @@ def build_random_model(variant: str, device: torch.device, dtype: torch.dtype, s
                        family_id: str = "flux1"):
     """(model, family, config) with random weights, built on ``meta`` and materialised
     straight on ``device`` in ``dtype``: no CPU init of 12B (or 32B) parameters."""
-    from lowvram_lora.engine.families import get_family, load_shipped_config
+    from lowvram_lora.engine.families import get_family
 
     family = get_family(family_id)
-    cfg = load_shipped_config(family.variants[variant])
+    cfg = family.load_config(variant)
     cls = family.transformer_class()
     with torch.device("meta"):
         model = cls.from_config(cfg)

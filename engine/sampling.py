@@ -6,12 +6,16 @@ the blocks through the same GPU slots (the scheduler resyncs to a forward-only v
 sampling needs no memory beyond what training holds at a smaller or equal resolution. The VAE
 is put on the GPU only for its decode, with tiling, and taken off again.
 
-The sampler follows diffusers' Flux pipelines (FluxPipeline / Flux2Pipeline with
-FlowMatchEulerDiscreteScheduler): sigmas ``linspace(1, 1/steps, steps)`` shifted by the family's
-``mu`` (``exp(mu) / (exp(mu) + 1/sigma - 1)``), then 0; one Euler step per sigma,
-``x += (sigma_next - sigma) * v`` in fp32. The first noise is drawn on the CPU from ``seed`` in the
-unpacked latent shape, as the pipelines do, so a fixed seed gives comparable images at every checkpoint.
-Prompts are the dataset cache's sample prompts, encoded when the cache was built (like captions).
+The sampler follows the families' diffusers pipelines (FluxPipeline, Flux2Pipeline, ZImagePipeline,
+Lumina2Pipeline, all with FlowMatchEulerDiscreteScheduler): sigmas ``linspace(1, 1/steps, steps)``
+shifted by the family's ``mu`` (``exp(mu) / (exp(mu) + 1/sigma - 1)``), then 0; one Euler step per
+sigma, ``x += (sigma_next - sigma) * v`` in fp32, with ``v`` the model's velocity under the family's
+convention (``ModelFamily.predict_velocity``). Guidance is the family's (``family.guidance``): a
+guidance embedding (Flux.1-dev, Flux.2-dev), classifier-free guidance against the empty prompt with the
+pipeline's own formula (Z-Image Base, Lumina 2), or none. The first noise is drawn on the CPU from
+``seed`` in the latent shape, as the pipelines do, so a fixed seed gives comparable images at every
+checkpoint. Prompts are the dataset cache's sample prompts, encoded when the cache was built (like
+captions); the empty prompt too when the family samples with classifier-free guidance.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from typing import Optional
 import torch
 
 from .errors import ConfigError
+from .families import Guidance
 
 
 @dataclass
@@ -44,8 +49,10 @@ class SamplingConfig:
         "Also sample before the first step (the base model), so the LoRA's effect is visible."
     )})
     guidance: float = field(default=3.5, metadata={"help": (
-        "Guidance value for guidance-distilled models (Flux.1-dev 3.5, Flux.2-dev 4); ignored by models without "
-        "a guidance embedding."
+        "Guidance of the samples: the guidance embedding's value for guidance-distilled models (Flux.1-dev 3.5, "
+        "Flux.2-dev 4); the classifier-free guidance scale for models sampled with it (Z-Image Base, Lumina 2: 4; "
+        "a second forward per step on the empty prompt); ignored by models with neither (schnell, klein, "
+        "Z-Image Turbo)."
     )})
 
     def __post_init__(self) -> None:
@@ -79,19 +86,33 @@ def sigma_schedule(steps: int, mu: float) -> list[float]:
 
 @torch.no_grad()
 def sample_latents(model, family, embeds: dict[str, torch.Tensor], width: int, height: int, steps: int, seed: int,
-                   guidance: float, device: torch.device, dtype: torch.dtype, autocast=None) -> torch.Tensor:
-    """One image's latents (1, C, h, w), fp32, from noise drawn with ``seed``."""
+                   guidance: float, device: torch.device, dtype: torch.dtype, autocast=None,
+                   rule: Guidance | None = None, negative: dict[str, torch.Tensor] | None = None,
+                   noise: torch.Tensor | None = None) -> torch.Tensor:
+    """One image's latents (1, C, ...), fp32, from noise drawn with ``seed`` (or ``noise``). ``rule``: how the
+    model is guided (default: an embedding fed ``guidance``, which models without one ignore); with a ``cfg``
+    rule, ``negative`` holds the empty prompt's embeddings and ``guidance`` is the scale."""
     import contextlib
 
+    rule = rule or Guidance("embedded")
+    if rule.mode == "cfg" and negative is None:
+        raise ConfigError(f"{family.display_name} samples with classifier-free guidance, which needs the empty "
+                          f"prompt's embeddings; rebuild the dataset cache with sample prompts")
     shape = (1, *family.latent_shape(model, width, height))
-    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32).to(device)
-    embeds = {k: v.to(device, dtype) for k, v in embeds.items()}
+    if noise is None:
+        noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
+    x = noise.to(device, torch.float32)
+    embeds = {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in embeds.items()}
+    if negative is not None:
+        negative = {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in negative.items()}
     sigmas = sigma_schedule(steps, family.sample_shift_mu(x, steps))
     for i in range(steps):
+        s = torch.tensor([sigmas[i]], device=device)
         with autocast or contextlib.nullcontext():
-            pred = model(**family.model_inputs(model, x.to(dtype), embeds, torch.tensor([sigmas[i]], device=device),
-                                               guidance))[0]
-        v = family.unpack_prediction(pred, x).float()
+            v = family.predict_velocity(model, x.to(dtype), embeds, s, guidance).float()
+            if rule.mode == "cfg" and guidance:
+                v_neg = family.predict_velocity(model, x.to(dtype), negative, s, guidance).float()
+                v = rule.combine(v, v_neg, guidance)
         x = x + (sigmas[i + 1] - sigmas[i]) * v
     return x
 
@@ -115,7 +136,7 @@ def decode_latents(vae, family, latents: list[torch.Tensor], device: torch.devic
     try:
         for lat in latents:
             dtype = next(vae.parameters()).dtype
-            img = vae.decode(family.latents_to_vae(vae, lat.to(device, dtype)), return_dict=False)[0]
+            img = vae.decode(family.vae.to_vae(vae, lat.to(device, dtype)), return_dict=False)[0]
             arr = ((img[0].float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
             images.append(Image.fromarray(arr))
     finally:
@@ -149,6 +170,9 @@ class Sampler:
         self.cfg, self.dataset, self.family, self.model = cfg, dataset, family, model
         self.device, self.dtype, self.out_dir, self.cb = device, dtype, out_dir, cb
         self.embeds = [dataset.load_text(key) for _, key in dataset.sample_prompts]
+        self.rule = family.guidance(dataset.variant)
+        self.negative = (dataset.load_text(dataset.negative_text_key)
+                         if self.rule.mode == "cfg" and dataset.negative_text_key else None)
         self.prompts = [p for p, _ in dataset.sample_prompts]
         self.columns: list[tuple[str, list]] = []
         self.seconds = 0.0
@@ -170,7 +194,7 @@ class Sampler:
         try:
             latents = [sample_latents(self.model, self.family, emb, self.cfg.resolution, self.cfg.resolution,
                                       self.cfg.steps, self.cfg.seed, self.cfg.guidance, self.device, self.dtype,
-                                      autocast) for emb in self.embeds]
+                                      autocast, self.rule, self.negative) for emb in self.embeds]
             images = decode_latents(self.vae(), self.family, latents, self.device)
         finally:
             self.model.train(was_training)

@@ -90,12 +90,12 @@ def tiny_lora_model(family_id: str, num_double: int, num_single: int, seed: int 
     """A tiny Flux (flux1-tiny / flux2-tiny widths, the given block counts) with LoRA r4 whose B is random, so
     every LoRA weight gets a gradient, and gradient checkpointing on (streaming needs it). (model, params)."""
     from lowvram_lora.engine.config import LoraSettings
-    from lowvram_lora.engine.families import load_shipped_config
+    from lowvram_lora.engine.families import get_family
     from lowvram_lora.engine.testing import _randomize_zero_inits
     from lowvram_lora.engine.train.lora_attach import attach_lora
 
     family = get_family(family_id)
-    cfg = dict(load_shipped_config(family.variants[f"{family_id}-tiny"]), num_layers=num_double,
+    cfg = dict(family.load_config(f"{family_id}-tiny"), num_layers=num_double,
                num_single_layers=num_single)
     torch.manual_seed(seed)
     model = family.transformer_class().from_config(cfg)

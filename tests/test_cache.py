@@ -16,7 +16,7 @@ def _build(pipe, data, cache, **kw):
 
 @pytest.mark.parametrize("encoder", [0, 1])
 def test_layer_major_matches_plain_forward(tiny_pipeline, encoder):
-    spec = get_family("flux1").text_encoders[encoder]
+    spec = get_family("flux1").text_encoder_specs("flux1-tiny")[encoder]
     tok, model = load_text_encoder(tiny_pipeline, spec, torch.float32)
     captions = ["a red circle", "a blue square on a green background", "ohwx", "the big cat", "a dog"]
     ids = tok(captions, padding="max_length", max_length=16, truncation=True, return_tensors="pt").input_ids

@@ -21,7 +21,7 @@ from lowvram_lora.engine.checkpoint import identify
 from lowvram_lora.engine.config import LoraSettings
 from lowvram_lora.engine.errors import ModelLoadError
 from lowvram_lora.engine.families import get_family
-from lowvram_lora.engine.families.flux1_names import join_diffusers_tensors, split_bfl_tensor
+from lowvram_lora.engine.families.names import join_diffusers_tensors, split_native_tensor
 from lowvram_lora.engine.models import load_transformer
 from lowvram_lora.engine.offload.footprint import footprint_before_loading, measure_footprint
 from lowvram_lora.engine.slab import build_slab, ensure_slab, load_slab_transformer, manifest_path_for
@@ -77,7 +77,7 @@ def _write_form(family, pipeline, form: str, folder):
     save_file(out, str(path))
     expected = {}
     for param in family.param_table(config):
-        expected.update({k: v.clone() for k, v in split_bfl_tensor(param, decoded[param.name]).items()})
+        expected.update({k: v.clone() for k, v in split_native_tensor(param, decoded[param.name]).items()})
     return path, expected
 
 
@@ -252,11 +252,11 @@ def test_a_cache_of_another_width_is_refused_before_loading(tiny_flux2, tiny_flu
     """A Flux.2-dev cache (15360 wide) given to a klein model (7680 wide), in tiny: a 48-wide cache, a 32-wide model."""
     from lowvram_lora.engine.config import ModelConfig, TrainConfig
     from lowvram_lora.engine.errors import ConfigError
-    from lowvram_lora.engine.families import load_shipped_config
+    from lowvram_lora.engine.families import get_family
     from lowvram_lora.engine.train import loop, train_lora
 
     family = get_family("flux2")
-    narrow = family.transformer_class().from_config(dict(load_shipped_config("flux2-tiny.json"), joint_attention_dim=32))
+    narrow = family.transformer_class().from_config(dict(get_family("flux2").load_config("flux2-tiny"), joint_attention_dim=32))
     narrow.save_pretrained(tmp_path / "klein-like", safe_serialization=True)
     monkeypatch.setattr(loop, "load_transformer", _must_not_load)
     with pytest.raises(ConfigError, match=r"'prompt_embeds' are 48 wide .* takes 32; run Cache Text Embeds again"):

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from lowvram_lora.engine.config import LoraSettings, ModelConfig, TrainConfig
 from lowvram_lora.engine.errors import LoraFormatError
 from lowvram_lora.engine.families import get_family
-from lowvram_lora.engine.families.flux1_names import split_bfl_tensor
+from lowvram_lora.engine.families.names import split_native_tensor
 from lowvram_lora.engine.lora_io import load_lora, save_lora
 from lowvram_lora.engine.models import load_transformer
 from lowvram_lora.engine.train import train_lora
@@ -86,13 +86,13 @@ def test_comfyui_file_maps_every_key_and_reproduces_output(trained, base, tiny_p
     # Apply it the way ComfyUI does, on the BFL weights, then convert back and compare outputs.
     family = get_family("flux1")
     table = family.param_table(cfg)
-    from lowvram_lora.engine.families.flux1_names import join_diffusers_tensors
+    from lowvram_lora.engine.families.names import join_diffusers_tensors
     state = base.state_dict()
     bfl = {f"diffusion_model.{p.name}": join_diffusers_tensors(p, state) for p in table}
     patched = comfyui_apply_lora(bfl, comfyui_check_flux_lora(sd, model_keys)[0])
     new_state = {}
     for p in table:
-        new_state.update(split_bfl_tensor(p, patched[f"diffusion_model.{p.name}"]))
+        new_state.update(split_native_tensor(p, patched[f"diffusion_model.{p.name}"]))
     model = load_transformer(tiny_pipeline, dtype=torch.float32)[0]
     model.load_state_dict(new_state)
     with torch.no_grad():

@@ -6,8 +6,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lowvram_lora.engine.errors import ModelLoadError
-from lowvram_lora.engine.families import get_family, load_shipped_config
-from lowvram_lora.engine.families.flux1_names import join_diffusers_tensors, split_bfl_tensor
+from lowvram_lora.engine.families import get_family
+from lowvram_lora.engine.families.names import join_diffusers_tensors, split_native_tensor
 from lowvram_lora.engine.models import load_transformer
 
 
@@ -49,7 +49,7 @@ def test_bfl_name_map_round_trip_at_tiny_width(tiny_pipeline):
     covered = set()
     for param in table:
         bfl = join_diffusers_tensors(param, state)
-        for name, t in split_bfl_tensor(param, bfl).items():
+        for name, t in split_native_tensor(param, bfl).items():
             assert torch.equal(t, state[name]), name
             covered.add(name)
     assert covered == set(state), set(state) ^ covered  # every diffusers tensor has a BFL name
@@ -57,7 +57,7 @@ def test_bfl_name_map_round_trip_at_tiny_width(tiny_pipeline):
 
 def test_real_dev_config_table_has_expected_blocks():
     family = get_family("flux1")
-    table = family.param_table(load_shipped_config("flux1-dev.json"))
+    table = family.param_table(get_family("flux1").load_config("flux1-dev"))
     names = {p.name for p in table}
     assert "double_blocks.18.img_attn.qkv.weight" in names and "double_blocks.19.img_attn.qkv.weight" not in names
     assert "single_blocks.37.linear1.weight" in names and "guidance_in.in_layer.weight" in names

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lowvram_lora.engine.config import LoraSettings, ModelConfig, TrainConfig
-from lowvram_lora.engine.families import get_family, load_shipped_config
+from lowvram_lora.engine.families import get_family
 from lowvram_lora.engine.offload import OffloadConfig, Workload, build_plan
 from lowvram_lora.engine.offload.footprint import measure_footprint
 from lowvram_lora.engine.offload.streamer import apply_offload
@@ -37,7 +37,7 @@ SIZES = {  # variant, overrides, (latent h, w) per micro-batch, text tokens
 
 def build(size, seed=0):
     variant, overrides, _, _ = SIZES[size]
-    cfg = dict(load_shipped_config(FAMILY.variants[variant]), **overrides)
+    cfg = dict(FAMILY.load_config(variant), **overrides)
     with torch.device("meta"):
         model = FAMILY.transformer_class().from_config(cfg)
     torch.nn.Module.to(model, dtype=torch.bfloat16)

@@ -6,7 +6,8 @@ from lowvram_lora.engine.config import LoraSettings, ModelConfig, TrainConfig
 from lowvram_lora.engine.models import load_transformer
 from lowvram_lora.engine.offload import OffloadConfig
 from lowvram_lora.engine.offload.plan import HEADROOM_BYTES, GB, ModelFootprint, Workload, make_plan
-from lowvram_lora.engine.offload.recompute import install_chunked_recompute, run_in_token_chunks
+from lowvram_lora.engine.families.recompute import run_in_token_chunks
+from lowvram_lora.engine.offload.recompute import install_chunked_recompute
 from lowvram_lora.engine.train import train_lora
 from lowvram_lora.engine.train.lora_attach import attach_lora, detach_lora
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lowvram_lora.engine.families import get_family, load_shipped_config
+from lowvram_lora.engine.families import get_family
 from lowvram_lora.engine.models import load_transformer
 from lowvram_lora.engine.slab import (
     Int8Linear, SlabError, build_slab, ensure_slab, load_slab_transformer, manifest_path_for,
@@ -116,7 +116,7 @@ def test_dequantized_error_on_gaussian_weights_is_below_1_5_percent(shape):
 
 
 def test_gaussian_checkpoint_build_reports_error_below_1_5_percent(tmp_path):
-    cfg = dict(load_shipped_config("flux1-tiny.json"), num_attention_heads=4, attention_head_dim=32,
+    cfg = dict(get_family("flux1").load_config("flux1-tiny"), num_attention_heads=4, attention_head_dim=32,
                axes_dims_rope=[8, 12, 12], num_layers=1, num_single_layers=1)
     folder = write_random_checkpoint(tmp_path / "gauss", config=cfg, layout="diffusers", dtype=torch.float32)
     manifest = _manifest(build_slab(folder, tmp_path / "out", progress=False))
@@ -175,7 +175,7 @@ def test_name_map_covers_every_tensor_from_bfl_and_diffusers_names(tiny_pipeline
     from lowvram_lora.engine.slab.layout import block_linears, meta_model
 
     family = get_family("flux1")
-    config = load_shipped_config("flux1-tiny.json")
+    config = get_family("flux1").load_config("flux1-tiny")
     model = meta_model(family, config)
     expected = {k: tuple(v.shape) for k, v in model.state_dict(keep_vars=True).items()}
     linears = block_linears(model, family)
@@ -216,7 +216,7 @@ def test_adapter_renamed_diffusers_folder_builds_the_same_slab(tiny_pipeline, sl
 
 
 def test_sharded_diffusers_folder_builds(tmp_path):
-    cfg = load_shipped_config("flux1-tiny.json")
+    cfg = get_family("flux1").load_config("flux1-tiny")
     folder = write_random_checkpoint(tmp_path / "sharded", config=cfg, layout="diffusers", shard_bytes=40_000)
     assert len(list(folder.glob("*.safetensors"))) > 3
     one = write_random_checkpoint(tmp_path / "one", config=cfg, layout="diffusers")
@@ -417,7 +417,7 @@ def test_build_peak_ram_is_a_few_chunks_not_the_model(tmp_path):
     growth during the build (VmHWM, reset just before) must stay far below the model."""
     if not os.access("/proc/self/clear_refs", os.W_OK):
         pytest.skip("needs Linux /proc/self/clear_refs to reset the peak RSS")
-    cfg = dict(load_shipped_config("flux1-tiny.json"), num_attention_heads=8, attention_head_dim=64,
+    cfg = dict(get_family("flux1").load_config("flux1-tiny"), num_attention_heads=8, attention_head_dim=64,
                axes_dims_rope=[16, 24, 24], joint_attention_dim=256, pooled_projection_dim=256,
                num_layers=2, num_single_layers=4)
     folder = write_random_checkpoint(tmp_path / "ckpt", config=cfg, layout="diffusers", dtype=torch.float32,

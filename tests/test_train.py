@@ -117,11 +117,11 @@ def test_cuda_required_error_is_clear(tiny_pipeline, tiny_cache):
 def test_flux_time_shift_pushes_toward_noise_at_high_resolution():
     family = get_family("flux1")
     small, large = torch.zeros(1, 16, 64, 64), torch.zeros(1, 16, 128, 128)
-    assert family.timestep_shift_mu(small) == pytest.approx(1.15 * 0 + 0.5 + (1024 - 256) * (0.65 / 3840), rel=1e-6)
+    assert family.train_shift_mu(small) == pytest.approx(1.15 * 0 + 0.5 + (1024 - 256) * (0.65 / 3840), rel=1e-6)
     g = torch.Generator().manual_seed(0)
-    s_small = sample_sigmas(4096, g, mu=family.timestep_shift_mu(small)).mean()
+    s_small = sample_sigmas(4096, g, mu=family.train_shift_mu(small)).mean()
     g = torch.Generator().manual_seed(0)
-    s_large = sample_sigmas(4096, g, mu=family.timestep_shift_mu(large)).mean()
+    s_large = sample_sigmas(4096, g, mu=family.train_shift_mu(large)).mean()
     assert 0.5 < s_small < s_large < 1.0
 
 

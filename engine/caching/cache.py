@@ -33,8 +33,7 @@ from ..checkpoint import SafetensorsFile, identify, resolve_path
 from ..models import resolve_device, resolve_dtype
 from ..hashing import path_identity, sha256_file, stable_hash
 from .text_encoding import encode_captions
-from .single_files import (decoder_lm_source, load_text_encoder_file, load_vae_file, sources_for_flux1,
-                           sources_for_flux2)
+from .single_files import decoder_lm_source, load_text_encoder_file, load_vae_file, sources_for
 from .stacked_text import encode_stacked
 from .vae_encoding import encode_images
 
@@ -65,6 +64,8 @@ class DatasetCache:
     stats: dict = field(default_factory=dict)  # built/reused counts of the last build
     # Prompts for samples during training, encoded with the captions: [(prompt, text key)]
     sample_prompts: list = field(default_factory=list)
+    # The empty prompt's text key, for families that sample with classifier-free guidance ("" if none).
+    negative_text_key: str = ""
     # Where the VAE comes from (sampling decodes with it): a pipeline folder, or a single VAE file.
     pipeline: Optional[str] = None
     vae_file: Optional[str] = None
@@ -106,11 +107,32 @@ class DatasetCache:
         return expand_repeats(self.items, self.repeats)
 
     def load_text(self, text_key: str) -> dict[str, torch.Tensor]:
-        """The cached embeddings of one caption or sample prompt, with a batch dimension."""
+        """The cached embeddings of one caption or sample prompt as a batch of one (with its masks)."""
         path = self.cache_dir / "text" / f"{text_key}.safetensors"
         if not path.exists():
             raise CacheError(f"cache entry text/{text_key} is missing; rebuild the cache")
-        return {k: v[None] for k, v in load_file(str(path)).items()}
+        return self.collate_text([load_file(str(path))])
+
+    def collate_text(self, rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Per-caption embeddings -> one batch. A ``variable`` encoder's captions (each cached at its own
+        length) are zero-padded at the end to the batch's longest and get their mask (1 = a real token,
+        ``TextEncoderSpec.mask_key``); the others are stacked as cached (padded to one length already)."""
+        variable = {s.cache_key: s for s in get_family(self.family).text_encoder_specs(self.variant)
+                    if s.length == "variable"}
+        out = {}
+        for key in rows[0]:
+            tensors = [r[key] for r in rows]
+            if key not in variable:
+                out[key] = torch.stack(tensors)
+                continue
+            longest = max(t.shape[0] for t in tensors)
+            padded = tensors[0].new_zeros((len(tensors), longest) + tuple(tensors[0].shape[1:]))
+            mask = torch.zeros(len(tensors), longest, dtype=torch.long)
+            for i, t in enumerate(tensors):
+                padded[i, : t.shape[0]] = t
+                mask[i, : t.shape[0]] = 1
+            out[key], out[variable[key].mask_key] = padded, mask
+        return out
 
     def load_vae(self, family: ModelFamily, dtype: torch.dtype):
         """The VAE the latents were made with (sampling decodes with it), on the CPU."""
@@ -119,7 +141,7 @@ class DatasetCache:
         if self.pipeline:
             from .vae_encoding import load_vae
 
-            return load_vae(Path(self.pipeline), dtype, family.vae_class_name)
+            return load_vae(Path(self.pipeline), dtype, family.vae.class_name)
         raise CacheError(f"the dataset cache '{self.manifest_path}' does not say where its VAE is (built by an older "
                          f"version); rebuild it to sample during training")
 
@@ -157,20 +179,16 @@ def _single_file_sources(model_cfg: ModelConfig):
         family, variant = resolve_slab_family(slab, model_cfg.family), slab.variant
     files = [Path(p) for p in model_cfg.text_encoder_files]
     vae = Path(model_cfg.vae_file) if model_cfg.vae_file else None
-    if family.id == "flux2":
-        singles = sources_for_flux2(files, vae)
-    else:
-        singles = sources_for_flux1(files, vae, {k: Path(v) for k, v in (model_cfg.tokenizer_dirs or {}).items()})
+    singles = sources_for(family, variant, files, vae, {k: Path(v) for k, v in (model_cfg.tokenizer_dirs or {}).items()})
     return singles, family, variant
 
 
 def _tokenizer_identity(f: Path, spec, singles) -> str:
-    from .single_files import FLUX1_SPEC_FOR_KIND, _tokenizer_dir, companion_dir
+    from .single_files import FILE_KIND_FOR_SPEC, _tokenizer_dir, companion_dir
 
-    if spec.output == "stacked":  # Flux.2: the companion folder holds tokenizer (and maybe config)
+    if spec.kind == "decoder_lm":  # the companion folder holds the tokenizer (and maybe the config)
         return path_identity(companion_dir(f))
-    kind = next(k for k, sub in FLUX1_SPEC_FOR_KIND.items() if sub == spec.subfolder)
-    return path_identity(_tokenizer_dir(f, kind, singles.tokenizer_dirs))
+    return path_identity(_tokenizer_dir(f, FILE_KIND_FOR_SPEC[spec.kind], singles.tokenizer_dirs))
 
 
 def _family_and_variant(model_cfg: ModelConfig, pipeline: Path) -> tuple[ModelFamily, str]:
@@ -250,11 +268,11 @@ def build_dataset_cache(
         return [s.subfolder, path_identity(pipeline / s.subfolder), path_identity(pipeline / s.tokenizer_subfolder),
                 s.output]
 
-    text_ident = stable_hash([encoder_ident(s) + ([list(s.hidden_layers), s.prompt_format]
-                                                  if s.output == "stacked" else []) for s in specs]
+    text_ident = stable_hash([encoder_ident(s) + ([list(s.hidden_layers), repr(s.template), s.length]
+                                                  if s.kind == "decoder_lm" else []) for s in specs]
                              + [max_len, str(dtype)])
     vae_ident = stable_hash([path_identity(singles.vae if singles is not None else pipeline / "vae"), str(dtype)]
-                            + ([family.vae_class_name] if family.vae_class_name != "AutoencoderKL" else []))
+                            + ([family.vae.class_name] if family.vae.class_name != "AutoencoderKL" else []))
 
     items = []
     for rec in records:
@@ -268,8 +286,11 @@ def build_dataset_cache(
 
     prompts = [CachedItem(image="", caption=p, bucket=(0, 0), text_key=stable_hash([text_ident, p]), latent_key="")
                for p in dict.fromkeys(p.strip() for p in sample_prompts if p.strip())]
+    # Classifier-free guidance samples against the empty prompt: encoded with the rest.
+    negative = ([CachedItem(image="", caption="", bucket=(0, 0), text_key=stable_hash([text_ident, ""]), latent_key="")]
+                if prompts and family.guidance(variant).mode == "cfg" else [])
     stats = {"text_built": 0, "text_reused": 0, "latents_built": 0, "latents_reused": 0}
-    _build_text(cache_dir, specs, pipeline, items + prompts, dev, dtype, max_len, cb, stats, singles)
+    _build_text(cache_dir, family, specs, pipeline, items + prompts + negative, dev, dtype, max_len, cb, stats, singles)
     _build_latents(cache_dir, family, pipeline, items, data_cfg.flip, dev, dtype, cb, stats, singles)
 
     dataset_hash = stable_hash([[i.text_key, i.latent_key] for i in items] + [data_cfg.repeats, data_cfg.flip])
@@ -283,6 +304,7 @@ def build_dataset_cache(
         "settings": asdict(data_cfg), "max_sequence_length": max_len, "repeats": data_cfg.repeats,
         "flip": data_cfg.flip, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "items": [asdict(i) for i in items],
         "sample_prompts": [[p.caption, p.text_key] for p in prompts],
+        "negative_text_key": negative[0].text_key if negative else "",
     }
     write_json_atomic(manifest_path, manifest, "the dataset-cache manifest")
     cb.log(
@@ -291,10 +313,11 @@ def build_dataset_cache(
     )
     return DatasetCache(cache_dir, manifest_path, dataset_hash, family.id, variant, items,
                         data_cfg.repeats, data_cfg.flip, stats, [(p.caption, p.text_key) for p in prompts],
-                        manifest["pipeline"], str(singles.vae) if singles is not None else None)
+                        manifest["negative_text_key"], manifest["pipeline"],
+                        str(singles.vae) if singles is not None else None)
 
 
-def _build_text(cache_dir, specs, pipeline, items, device, dtype, max_len, cb, stats, singles=None) -> None:
+def _build_text(cache_dir, family, specs, pipeline, items, device, dtype, max_len, cb, stats, singles=None) -> None:
     text_dir = cache_dir / "text"
     todo: dict[str, str] = {}
     for it in items:
@@ -311,7 +334,7 @@ def _build_text(cache_dir, specs, pipeline, items, device, dtype, max_len, cb, s
         encode = encode_stacked if spec.output == "stacked" else encode_captions
         extra = {}
         if singles is not None and spec.output == "stacked":
-            extra["source"] = decoder_lm_source(singles.text_encoders[spec.subfolder])
+            extra["source"] = decoder_lm_source(singles.text_encoders[spec.subfolder], family, spec)
         elif singles is not None:
             f = singles.text_encoders[spec.subfolder]
             extra["loader"] = lambda f=f: load_text_encoder_file(f, dtype, singles.tokenizer_dirs)
@@ -363,9 +386,10 @@ def open_dataset_cache(manifest_path: str | Path) -> DatasetCache:
             if not (cache_dir / sub / f"{key}.safetensors").exists():
                 raise CacheError(f"cache entry {sub}/{key} for '{it.image}' is missing; rebuild the cache")
     prompts = [tuple(p) for p in m.get("sample_prompts", [])]
-    for _, key in prompts:
+    negative = m.get("negative_text_key", "")
+    for _, key in prompts + ([("", negative)] if negative else []):
         if not (cache_dir / "text" / f"{key}.safetensors").exists():
             raise CacheError(f"cache entry text/{key} (a sample prompt) is missing; rebuild the cache")
     return DatasetCache(cache_dir, path, m["dataset_hash"], m["family"], m["variant"], items, m["repeats"], m["flip"],
-                        sample_prompts=prompts, pipeline=m.get("pipeline"),
+                        sample_prompts=prompts, negative_text_key=negative, pipeline=m.get("pipeline"),
                         vae_file=(m.get("single_files") or {}).get("vae"))

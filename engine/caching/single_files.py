@@ -30,8 +30,6 @@ from ..checkpoint import TensorStore, open_files
 from ..errors import ModelLoadError
 
 CLIP_L, T5XXL, DECODER_LM = "clip_l", "t5xxl", "decoder_lm"  # decoder_lm: Flux.2's Mistral3 / Qwen3
-#: Flux.1's text-encoder specs by subfolder (families/flux1.py) and the file kind that fills each.
-FLUX1_SPEC_FOR_KIND = {CLIP_L: "text_encoder", T5XXL: "text_encoder_2"}
 _PREFIXES = ("text_encoders.clip_l.transformer.", "text_encoders.t5xxl.transformer.", "clip_l.transformer.",
              "t5xxl.transformer.", "cond_stage_model.transformer.")
 _DROP = ("scaled_fp8", "logit_scale", "text_projection.weight", "transformer.text_projection.weight")
@@ -65,29 +63,49 @@ def text_encoder_kind(path: Path) -> str:
         return T5XXL
     if any(".self_attn.q_proj." in k for k in keys):
         return DECODER_LM
-    raise ModelLoadError(f"'{path}' is neither a CLIP-L, a T5-XXL nor a Mistral/Qwen3 text encoder (first tensors: "
+    raise ModelLoadError(f"'{path}' is neither a CLIP-L, a T5-XXL nor a decoder-LLM text encoder (first tensors: "
                          f"{', '.join(sorted(keys)[:3])}); Flux.1 needs clip_l.safetensors and t5xxl_fp16.safetensors, "
                          f"Flux.2 its Mistral (dev) or Qwen3 (klein) file")
 
 
-def sources_for_flux2(files: list[Path], vae: Path | None) -> SingleFileSources:
-    """Flux.2: one decoder-LLM file (Mistral-Small 24B for dev, Qwen3 for klein) and the Flux.2 VAE file."""
+#: What fills each kind of text encoder a family names (``TextEncoderSpec.kind``): the kind of file.
+FILE_KIND_FOR_SPEC = {"clip_pooled": CLIP_L, "t5": T5XXL, "decoder_lm": DECODER_LM}
+_FILE_KIND_NAMES = {CLIP_L: "CLIP-L", T5XXL: "T5-XXL", DECODER_LM: "decoder LLM (Mistral3 / Qwen3 / Gemma-2)"}
+
+
+def sources_for(family, variant: str, files: list[Path], vae: Path | None,
+                tokenizer_dirs: dict[str, Path] | None = None) -> SingleFileSources:
+    """Which file fills which of the family's text encoders (told by the files' tensor names, so they may
+    come in any order), and the VAE file."""
+    specs = family.text_encoder_specs(variant)
     kinds = [(f, text_encoder_kind(f)) for f in files]
-    lms = [f for f, k in kinds if k == DECODER_LM]
-    if len(lms) != 1 or len(kinds) != 1:
-        raise ModelLoadError("Flux.2 needs exactly one text-encoder file: the Mistral-Small 3.x file for dev "
-                             "(mistral_3_small_flux2_bf16.safetensors) or the Qwen3 file for klein; got "
-                             + (", ".join(f"{f.name} ({k})" for f, k in kinds) or "none"))
+    needed = ", ".join(_FILE_KIND_NAMES[FILE_KIND_FOR_SPEC[s.kind]] for s in specs)
+    by_spec: dict[str, Path] = {}
+    for spec in specs:
+        matches = [f for f, k in kinds if k == FILE_KIND_FOR_SPEC[spec.kind]]
+        if len(matches) > 1:
+            raise ModelLoadError(f"'{matches[0]}' and '{matches[1]}' are the same kind of text encoder; "
+                                 f"{family.display_name} needs one file of each kind: {needed}")
+        if not matches:
+            got = ", ".join(f"{f.name} ({_FILE_KIND_NAMES[k]})" for f, k in kinds) or "none"
+            raise ModelLoadError(f"{family.display_name} needs these text-encoder files: {needed}; missing a "
+                                 f"{_FILE_KIND_NAMES[FILE_KIND_FOR_SPEC[spec.kind]]} file (got {got}; text encoders "
+                                 f"go in models/text_encoders)")
+        by_spec[spec.subfolder] = matches[0]
+    extra = [f"{f.name} ({_FILE_KIND_NAMES[k]})" for f, k in kinds if f not in by_spec.values()]
+    if extra:
+        raise ModelLoadError(f"{', '.join(extra)}: not a text encoder {family.display_name} uses; it needs {needed}")
     if vae is None:
-        raise ModelLoadError("caching from single files also needs the Flux.2 VAE file (models/vae)")
-    return SingleFileSources({"text_encoder": lms[0]}, vae)
+        raise ModelLoadError(f"caching from single files also needs {family.display_name}'s VAE file (models/vae)")
+    return SingleFileSources(by_spec, vae, dict(tokenizer_dirs or {}))
 
 
-def decoder_lm_source(path: Path) -> tuple[list[Path], object, Path]:
-    """(weight files, text config, tokenizer folder) of a single-file Flux.2 text encoder. The config is the
-    companion folder's ``config.json`` or the shipped one of the real model with this width (Mistral-Small
-    3.x 24B: 5120; Qwen3-4B: 2560; Qwen3-8B: 4096). ComfyUI's Mistral file embeds a tekken tokenizer, which
-    is not converted here: the tokenizer files go in the companion folder."""
+def decoder_lm_source(path: Path, family=None, spec=None) -> tuple[list[Path], object, Path]:
+    """(weight files, text config, tokenizer folder) of a single-file decoder-LLM text encoder. The config is
+    the companion folder's ``config.json``, else the shipped config of the architecture the family's spec
+    names (``spec.architecture``: the family folder's ``configs/text/`` first, then the shared one), checked
+    against the file's width. ComfyUI's Mistral file embeds a tekken tokenizer, converted here; other
+    tokenizers go in the companion folder."""
     from transformers import AutoConfig
 
     own = companion_dir(path)
@@ -98,12 +116,17 @@ def decoder_lm_source(path: Path) -> tuple[list[Path], object, Path]:
         shapes = _store(path).shapes()
         embed = next((k for k in shapes if k.endswith("embed_tokens.weight")), None)
         width = shapes[embed][1] if embed else None
-        name = {5120: "mistral3-small-24b", 2560: "qwen3-4b", 4096: "qwen3-8b"}.get(width)
+        name = spec.architecture if spec is not None and spec.architecture else None
         if name is None:
-            raise ModelLoadError(f"'{path}': no known Flux.2 text encoder has width {width}; put its config.json in "
+            raise ModelLoadError(f"'{path}': no architecture is known for this text encoder; put its config.json in "
                                  f"'{own}/'")
-        with resources.as_file(resources.files(families).joinpath("configs", "text", f"{name}.json")) as cfg:
+        with resources.as_file(families.text_architecture_config(family, name)) as cfg:
             config = AutoConfig.from_pretrained(cfg, local_files_only=True)
+        config = getattr(config, "text_config", None) or config
+        if width != config.hidden_size:
+            raise ModelLoadError(f"'{path}' is {width} wide, but {family.display_name}'s text encoder ({name}) is "
+                                 f"{config.hidden_size} wide; is it the right text encoder for this model? (or put its "
+                                 f"config.json in '{own}/')")
     if own.is_dir() and any((own / n).exists() for n in _TOKENIZER_FILES):
         return [path], config, own
     tekken = _embedded_tekken(path)
@@ -143,27 +166,6 @@ def _embedded_tekken(path: Path):
         tokenizer = convert_tekken_tokenizer(str(Path(tmp) / "tekken.json"), chat_template=MISTRAL_CHAT_TEMPLATE)
     tokenizer.padding_side = "left"  # as transformers' Mistral tokenizer pads (and ComfyUI's Flux2 tokenizer)
     return tokenizer
-
-
-def sources_for_flux1(files: list[Path], vae: Path | None, tokenizer_dirs: dict[str, Path] | None = None
-                      ) -> SingleFileSources:
-    by_spec: dict[str, Path] = {}
-    for f in files:
-        kind = text_encoder_kind(f)
-        if kind not in FLUX1_SPEC_FOR_KIND:
-            raise ModelLoadError(f"'{f.name}' is a Flux.2 (Mistral/Qwen3) text encoder; Flux.1 needs clip_l and t5xxl")
-        spec = FLUX1_SPEC_FOR_KIND[kind]
-        if spec in by_spec:
-            raise ModelLoadError(f"'{by_spec[spec]}' and '{f}' are the same kind of text encoder; Flux.1 needs one "
-                                 f"CLIP-L and one T5-XXL file")
-        by_spec[spec] = f
-    missing = [k for k, s in FLUX1_SPEC_FOR_KIND.items() if s not in by_spec]
-    if missing:
-        raise ModelLoadError(f"Flux.1 needs both text encoders as files; missing: {', '.join(missing)} "
-                             f"(clip_l.safetensors, t5xxl_fp16.safetensors in models/text_encoders)")
-    if vae is None:
-        raise ModelLoadError("caching from single files also needs the VAE file (ae.safetensors in models/vae)")
-    return SingleFileSources(by_spec, vae, dict(tokenizer_dirs or {}))
 
 
 def companion_dir(path: Path) -> Path:
@@ -262,14 +264,18 @@ def load_vae_file(path: Path, family, dtype: torch.dtype):
     """The family's VAE from a BFL/LDM single file (ComfyUI's models/vae/ae.safetensors; Flux.2's VAE file)."""
     from diffusers import AutoencoderKL
 
-    if family.vae_class_name == "AutoencoderKLFlux2":
+    if family.vae.class_name == "AutoencoderKLFlux2":
         return _load_flux2_vae_file(path, dtype)
+    if family.vae.class_name != "AutoencoderKL":
+        raise ModelLoadError(f"{family.display_name}'s VAE ({family.vae.class_name}) has no single-file loader yet; "
+                             f"use the diffusers pipeline folder (its vae/)")
     own = companion_dir(path)
     try:
         if (own / "config.json").exists():
             vae = AutoencoderKL.from_single_file(str(path), config=str(own), torch_dtype=dtype, local_files_only=True)
         else:
-            with resources.as_file(resources.files(families).joinpath("configs", "vae", "flux1")) as cfg:
+            with resources.as_file(resources.files(families).joinpath("configs", "vae",
+                                                                     family.vae.single_file_config)) as cfg:
                 vae = AutoencoderKL.from_single_file(str(path), config=str(cfg), torch_dtype=dtype,
                                                      local_files_only=True)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:

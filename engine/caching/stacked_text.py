@@ -1,10 +1,12 @@
-"""Flux.2 text embeddings: stacked hidden states of a decoder LLM, layer-major, read from the mmap.
+"""Decoder-LLM text embeddings (a ``decoder_lm`` TextEncoderSpec): hidden states, layer-major, read from the mmap.
 
+Families name the hidden states they keep and how captions are templated (their ``TextEncoderSpec``).
 Flux.2-dev conditions on Mistral-Small-3.x 24B (hidden states after 10, 20 and 30 decoder
 layers, concatenated per token: (512, 15360)); klein on Qwen3 4B/8B (after 9, 18, 27). The
 prompt is wrapped and padded exactly as diffusers' pipelines do
 (``Flux2Pipeline._get_mistral_3_small_prompt_embeds``,
-``Flux2KleinPipeline._get_qwen3_prompt_embeds``, diffusers 0.42.1).
+``Flux2KleinPipeline._get_qwen3_prompt_embeds``, diffusers 0.42.1); Z-Image on Qwen3-4B's
+``hidden_states[-2]`` and Lumina 2 on Gemma-2-2B's, each caption at its own length.
 
 How it runs, so a 48 GB encoder never has to fit anywhere:
 
@@ -62,7 +64,7 @@ class _ShardedWeights:
         if self.prefix is None:
             raise ModelLoadError(
                 f"{files[0].parent}: no decoder embedding table (embed_tokens.weight under any of "
-                f"{', '.join(repr(p) for p in _PREFIXES[:-1])}); is this a Mistral3 / Qwen3 text encoder?"
+                f"{', '.join(repr(p) for p in _PREFIXES[:-1])}); is this a decoder-LLM text encoder (Mistral3, Qwen3, Gemma-2)?"
             )
         self.store = TensorStore(opened, (self.prefix,))
         self.where = files[0].parent
@@ -84,7 +86,8 @@ def load_truncated_decoder(encoder_dir: Path, num_layers: int, dtype: torch.dtyp
         raise ModelLoadError(f"text encoder folder '{encoder_dir}' has no .safetensors weights (pickles are never loaded)")
     config = config if config is not None else _text_config(encoder_dir)
     if num_layers > config.num_hidden_layers:
-        raise ModelLoadError(f"'{encoder_dir}' has {config.num_hidden_layers} layers; Flux.2 needs {num_layers}")
+        raise ModelLoadError(f"'{encoder_dir}' has {config.num_hidden_layers} layers; this model's text conditioning "
+                             f"needs the output of layer {num_layers}; is it the right text encoder?")
     config.num_hidden_layers = num_layers
     weights = _ShardedWeights(files)
     with torch.device("meta"):
@@ -136,7 +139,7 @@ def load_tokenizer(tokenizer_dir: Path):
     from transformers import AutoProcessor, AutoTokenizer
 
     if not tokenizer_dir.is_dir():
-        raise ModelLoadError(f"tokenizer folder '{tokenizer_dir}' is missing; the Flux.2 text encoder needs its "
+        raise ModelLoadError(f"tokenizer folder '{tokenizer_dir}' is missing; the text encoder needs its "
                              f"tokenizer (a diffusers pipeline folder has it in tokenizer/)")
     if (tokenizer_dir / "processor_config.json").exists():  # Flux.2-dev ships Mistral's PixtralProcessor
         return AutoProcessor.from_pretrained(tokenizer_dir, local_files_only=True)
@@ -144,28 +147,12 @@ def load_tokenizer(tokenizer_dir: Path):
 
 
 def tokenize(tokenizer, spec: TextEncoderSpec, prompts: list[str], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask) exactly as the diffusers pipeline of ``spec.prompt_format`` makes them."""
-    if spec.prompt_format == "mistral3":
-        from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
-
-        # pipeline_flux2.format_input: "[IMG]" removed, system + user turns of text parts.
-        messages = [[{"role": "system", "content": [{"type": "text", "text": SYSTEM_MESSAGE}]},
-                     {"role": "user", "content": [{"type": "text", "text": p.replace("[IMG]", "")}]}]
-                    for p in prompts]
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True, return_dict=True,
-                                            return_tensors="pt", padding="max_length", truncation=True,
-                                            max_length=max_length)
-        return out["input_ids"], out["attention_mask"]
-    if spec.prompt_format == "qwen3":
-        ids, masks = [], []
-        for p in prompts:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                                 add_generation_prompt=True, enable_thinking=False)
-            out = tokenizer(text, return_tensors="pt", padding="max_length", truncation=True, max_length=max_length)
-            ids.append(out["input_ids"])
-            masks.append(out["attention_mask"])
-        return torch.cat(ids), torch.cat(masks)
-    raise ValueError(f"unknown prompt format {spec.prompt_format!r}")
+    """(input_ids, attention_mask) as the family's pipeline makes them (``spec.template``): padded to
+    ``max_length`` for a ``padded`` encoder; for a ``variable`` one, right-padded to the group's longest
+    caption (a causal LM's rows of a right-padded caption do not depend on the padding)."""
+    if spec.length == "variable":
+        tokenizer.padding_side = "right"
+    return spec.template.tokenize(tokenizer, prompts, max_length, pad_to_max=spec.length == "padded")
 
 
 @torch.no_grad()
@@ -179,7 +166,8 @@ def encode_stacked(
     progress: Callable[[int, int], None] | None = None,
     source: tuple | None = None,
 ) -> list[torch.Tensor]:
-    """One (max_length, len(hidden_layers) * width) tensor per caption, on the CPU. ``source`` =
+    """One (max_length, len(hidden_layers) * width) tensor per caption, on the CPU ((L_i, ...) at the caption's
+    own length for a ``variable`` encoder). ``source`` =
     (weight files, text config, tokenizer folder) for a single-file encoder instead of the pipeline's."""
     files, config = None, None
     if source is not None:
@@ -188,8 +176,8 @@ def encode_stacked(
     else:
         encoder_dir, tokenizer_dir = pipeline / spec.subfolder, pipeline / spec.tokenizer_subfolder
     if source is None and not (encoder_dir / "config.json").exists():
-        raise ModelLoadError(f"text encoder folder '{encoder_dir}' is missing; caching Flux.2 captions needs the "
-                             f"pipeline's {spec.subfolder}/ (Mistral3 for dev, Qwen3 for klein)")
+        raise ModelLoadError(f"text encoder folder '{encoder_dir}' is missing; caching captions needs the "
+                             f"pipeline's {spec.subfolder}/ (the model's {spec.architecture or 'decoder LLM'})")
     tokenizer = load_tokenizer(tokenizer_dir) if isinstance(tokenizer_dir, Path) else tokenizer_dir  # or an object
     last = max(spec.hidden_layers)
     model, weights = load_truncated_decoder(encoder_dir, last, dtype, files, config)
@@ -222,7 +210,10 @@ def encode_stacked(
             stacked = torch.stack([captured[k] for k in spec.hidden_layers], dim=1)  # (B, K, L, D)
             b, k, length, d = stacked.shape
             out = stacked.permute(0, 2, 1, 3).reshape(b, length, k * d)
-            results += [row.to("cpu", dtype) for row in out]
+            if spec.length == "variable":  # each caption at its own length: its real tokens only
+                results += [row[m.bool()].to("cpu", dtype) for row, m in zip(out, mask)]
+            else:
+                results += [row.to("cpu", dtype) for row in out]
             if progress:
                 progress(len(results), len(captions))
     finally:

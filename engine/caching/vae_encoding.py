@@ -36,16 +36,16 @@ def encode_images(
     vae_loader: Callable[[], torch.nn.Module] | None = None,
 ) -> list[torch.Tensor]:
     """(3, H, W) images in [-1, 1] -> latents as the family's transformer takes them
-    (``family.latents_from_vae``: Flux.1 shifted and scaled, Flux.2 patchified and normalised).
+    (``family.vae.to_model``: Flux.1 shifted and scaled, Flux.2 patchified and normalised).
     We keep the distribution's mean (a deterministic cache)."""
-    vae = (vae_loader() if vae_loader is not None else load_vae(pipeline, dtype, family.vae_class_name)).to(device)
+    vae = (vae_loader() if vae_loader is not None else load_vae(pipeline, dtype, family.vae.class_name)).to(device)
     # Tiling bounds VRAM for big images (decoder/encoder activations dominate the VAE).
     vae.enable_tiling()
     latents = []
     try:
         for i, image in enumerate(images):
             dist = vae.encode(image[None].to(device, dtype)).latent_dist
-            latents.append(family.latents_from_vae(vae, dist.mean)[0].float().cpu())
+            latents.append(family.vae.to_model(vae, dist.mean)[0].float().cpu())
             if progress:
                 progress(i + 1, count)
     finally:

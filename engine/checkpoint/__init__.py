@@ -13,11 +13,11 @@ from .files import SLAB_FORMAT, SafetensorsFile
 from .tensors import DECODER_VERSION, StoredTensor, TensorStore, is_side_tensor, open_files, refuse_unreadable_form
 from .transformer import (
     KEY_PREFIXES, Checkpoint, CheckpointIdentity, SourceTensor, expected_single_file_shapes, identify,
-    open_checkpoint, resolve_path, variant_for_config,
+    open_checkpoint, resolve_path,
 )
 
 __all__ = [
     "Checkpoint", "CheckpointIdentity", "DECODER_VERSION", "KEY_PREFIXES", "SLAB_FORMAT", "SafetensorsFile",
     "SourceTensor", "StoredTensor", "TensorStore", "expected_single_file_shapes", "identify", "is_side_tensor",
-    "open_checkpoint", "open_files", "refuse_unreadable_form", "resolve_path", "variant_for_config",
+    "open_checkpoint", "open_files", "refuse_unreadable_form", "resolve_path",
 ]

@@ -25,8 +25,7 @@ from typing import Any
 import torch
 
 from ..errors import ModelLoadError
-from ..families import ModelFamily, family_for_class_name, family_for_single_file, get_family, load_shipped_config
-from ..families.base import meta_model
+from ..families import ModelFamily, family_for_class_name, family_for_single_file, get_family, meta_model
 from ..hashing import sampled_data_hash
 from .files import SafetensorsFile, is_slab_file
 from .tensors import DECODER_VERSION, TensorStore, is_side_tensor, open_files, refuse_unreadable_form
@@ -108,16 +107,7 @@ def _identify_diffusers(folder: Path, family_id: str) -> tuple[ModelFamily, str,
             f"'{folder}' holds a {class_name or 'unknown'} model, expected {expected} "
             f"(config.json _class_name should be one of the registered families' classes)"
         )
-    return family, variant_for_config(family, config), config
-
-
-def variant_for_config(family: ModelFamily, config: dict[str, Any]) -> str:
-    keys = ("num_layers", "num_single_layers", "attention_head_dim", "num_attention_heads", "guidance_embeds")
-    for variant, filename in family.variants.items():
-        shipped = load_shipped_config(filename)
-        if all(shipped.get(k) == config.get(k) for k in keys):
-            return variant
-    return "custom"
+    return family, family.variant_for_config(config), config
 
 
 def shard_files(folder: Path) -> list[Path]:
@@ -147,18 +137,22 @@ def _identify_single_file(f: SafetensorsFile, family_id: str) -> tuple[ModelFami
     if family_id == "auto":
         if detected is None:
             some = ", ".join(sorted(found)[:3]) or "(no tensors)"
+            from ..families import families
+
             raise ModelLoadError(
-                f"'{f.path}' is not a checkpoint of a supported family (expected Flux.1 BFL names such as "
-                f"'double_blocks.0.img_attn.qkv.weight'; first tensors in the file: {some})"
+                f"'{f.path}' is not a checkpoint of a supported family ({', '.join(f.display_name for f in families().values())}"
+                f"; first tensors in the file: {some}). Set the family explicitly to see what is missing"
             )
         family = detected
     else:
         family = get_family(family_id)
         if detected is not family:
             first = sorted(found)[0] if found else "(no tensors)"
+            example = family.param_table(family.load_config(family.tiny_variant))[-1].name
             raise ModelLoadError(
-                f"'{f.path}' is not a {family.display_name} checkpoint: expected tensors like "
-                f"'double_blocks.0.img_attn.qkv.weight', first tensor in the file is '{first}'"
+                f"'{f.path}' is not a {family.display_name} checkpoint: expected {family.display_name}'s native tensor "
+                f"names (such as '{example}'), first tensor in the file is '{first}'"
+                + (f"; it looks like {detected.display_name}" if detected is not None else "")
             )
     variant, config = _match_variant(f.path, family, found)
     return family, variant, config
@@ -188,8 +182,8 @@ def _first_mismatch(found: dict[str, tuple], expected: dict[str, tuple]) -> tupl
 
 def _match_variant(path: Path, family: ModelFamily, found: dict[str, tuple]):
     best = None
-    for variant, filename in family.variants.items():
-        config = load_shipped_config(filename)
+    for variant in family.variants:
+        config = family.load_config(variant)
         count, first = _first_mismatch(found, expected_single_file_shapes(family, config))
         if count == 0:
             return variant, config
@@ -360,4 +354,4 @@ def _sampled(f: SafetensorsFile) -> str:
 
 
 __all__ = ["Checkpoint", "CheckpointIdentity", "KEY_PREFIXES", "SourceTensor", "expected_single_file_shapes",
-           "identify", "is_side_tensor", "open_checkpoint", "resolve_path", "shard_files", "variant_for_config"]
+           "identify", "is_side_tensor", "open_checkpoint", "resolve_path", "shard_files"]

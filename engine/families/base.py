@@ -40,33 +40,45 @@ from .names import NativeParam
 class PromptTemplate:
     """How captions become token ids for one text encoder, exactly as the family's pipeline does it.
 
-    ``plain``: the caption as is (CLIP, T5). ``chat``: the tokenizer's chat template over one user turn
-    (``system`` adds a system turn; ``structured`` wraps content as ``[{"type": "text", ...}]`` as
-    Mistral's processor needs; ``enable_thinking`` is passed to the template when not None).
-    ``prefix``: text put before the caption (Lumina 2's system prompt + " <Prompt Start> ").
+    ``plain``: ``prefix`` + the caption, tokenized (Lumina 2's system prompt + " <Prompt Start> ").
+    ``chat``: the tokenizer's chat template over one user turn (``system`` adds a system turn;
+    ``enable_thinking`` is passed to the template when not None; ``generation_prompt`` appends the
+    assistant prompt). ``structured``: content as ``[{"type": "text", ...}]`` parts tokenized by the
+    template itself, as Mistral's processor does for Flux2Pipeline; otherwise the template renders text,
+    which the tokenizer then tokenizes (Qwen3 in Flux2KleinPipeline and ZImagePipeline).
     """
 
     style: str = "plain"  # "plain" | "chat"
     system: str | None = None
     structured: bool = False
     enable_thinking: bool | None = None
+    generation_prompt: bool = True
     prefix: str = ""
-    drop_chars: str = ""  # substrings removed from captions first (Flux.2 removes "[IMG]")
+    drop: str = ""  # a substring removed from captions first (Flux.2 removes "[IMG]")
 
-    def texts(self, tokenizer, prompts: list[str]) -> list[str] | list[list[dict]]:
-        """What the tokenizer is given: strings, or chat messages for ``apply_chat_template``."""
-        prompts = [p.replace(self.drop_chars, "") if self.drop_chars else p for p in prompts]
+    def tokenize(self, tokenizer, prompts: list[str], max_length: int, pad_to_max: bool = True):
+        """(input_ids, attention_mask), (B, L): padded to ``max_length`` (or to the longest prompt when not
+        ``pad_to_max``), truncated at ``max_length``."""
+        prompts = [p.replace(self.drop, "") if self.drop else p for p in prompts]
+        pad = dict(padding="max_length" if pad_to_max else "longest", truncation=True, max_length=max_length,
+                   return_tensors="pt")
         if self.style == "plain":
-            return [self.prefix + p for p in prompts]
+            out = tokenizer([self.prefix + p for p in prompts], **pad)
+            return out["input_ids"], out["attention_mask"]
         if self.style != "chat":
             raise ValueError(f"unknown prompt template style {self.style!r}")
-        out = []
-        for p in prompts:
-            wrap = (lambda s: [{"type": "text", "text": s}]) if self.structured else (lambda s: s)
-            turns = ([{"role": "system", "content": wrap(self.system)}] if self.system is not None else [])
-            turns.append({"role": "user", "content": wrap(self.prefix + p)})
-            out.append(turns)
-        return out
+        wrap = (lambda s: [{"type": "text", "text": s}]) if self.structured else (lambda s: s)
+        chats = [([{"role": "system", "content": wrap(self.system)}] if self.system is not None else [])
+                 + [{"role": "user", "content": wrap(self.prefix + p)}] for p in prompts]
+        extra = {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
+        if self.structured:
+            out = tokenizer.apply_chat_template(chats, add_generation_prompt=self.generation_prompt, tokenize=True,
+                                                return_dict=True, **pad, **extra)
+            return out["input_ids"], out["attention_mask"]
+        texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=self.generation_prompt,
+                                               **extra) for c in chats]
+        out = tokenizer(texts, **pad)
+        return out["input_ids"], out["attention_mask"]
 
 
 @dataclass(frozen=True)
@@ -88,7 +100,6 @@ class TextEncoderSpec:
     max_length: int
     cache_key: str  # name of the tensor in the cache ("pooled_prompt_embeds")
     hidden_layers: tuple[int, ...] = ()  # decoder_lm: k = the output of k decoder layers (0 = embeddings)
-    final_norm: bool = False  # decoder_lm: the final norm applies to the last kept state
     length: str = "padded"  # "padded" | "variable"
     template: PromptTemplate = PromptTemplate()
     architecture: str = ""  # decoder_lm: shipped config of the real encoder (configs/text/<name>.json)
@@ -168,7 +179,6 @@ class Guidance:
 
     mode: str = "none"  # "none" | "embedded" | "cfg"
     scale: float = 0.0  # the pipeline's default
-    steps: int = 20  # preview steps that suffice for this variant
     formula: str = "standard"
     renormalize: bool = False
 
@@ -287,6 +297,13 @@ class ModelFamily:
         """The forward's raw output (``return_dict=False``) in the latents' shape, sign as the model gives it."""
         raise NotImplementedError
 
+    def predict_velocity(self, model: nn.Module, noisy: torch.Tensor, embeds: dict[str, torch.Tensor],
+                         sigmas: torch.Tensor, guidance: float) -> torch.Tensor:
+        """The model's velocity (noise - x0) at ``sigmas`` in the latents' shape, whatever its convention (the
+        timestep it is given, the sign of its output): the one place training and sampling call the model."""
+        velocity = self.unpack_prediction(model(**self.model_inputs(model, noisy, embeds, sigmas, guidance))[0], noisy)
+        return velocity if self.prediction.sign > 0 else -velocity
+
     def train_shift_mu(self, latents: torch.Tensor) -> float:
         """The exponential timestep shift training samples with (``flow_matching.sample_sigmas``)."""
         raise NotImplementedError
@@ -345,6 +362,19 @@ def load_package_json(module: str, *path: str) -> Any:
     for part in path:
         ref = ref.joinpath(part)
     return json.loads(ref.read_text())
+
+
+def text_architecture_config(family: ModelFamily | None, name: str):
+    """The shipped config file (a ``Traversable``) of text-encoder architecture ``name`` (``qwen3-4b``): the
+    family folder's ``configs/text/<name>.json`` first, then the shared ``engine/families/configs/text/``."""
+    if family is not None:
+        own = resources.files(family_package(family)).joinpath("configs", "text", f"{name}.json")
+        if own.is_file():
+            return own
+    shared = resources.files(__package__).joinpath("configs", "text", f"{name}.json")
+    if not shared.is_file():
+        raise FileNotFoundError(f"no shipped config for text encoder architecture {name!r}")
+    return shared
 
 
 def shared_config(*path: str) -> dict[str, Any]:

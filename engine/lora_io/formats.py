@@ -32,7 +32,7 @@ from collections import defaultdict
 import torch
 
 from ..errors import LoraFormatError
-from ..families.flux1_names import BflParam
+from ..families.names import NativeParam as BflParam
 
 KOHYA_PREFIX = "lora_unet_"
 

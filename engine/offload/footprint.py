@@ -50,7 +50,7 @@ def measure_footprint(model: nn.Module, family, name: str = "",
         name=name or type(model).__name__, block_names=[n for n, _ in blocks], block_bytes=block_bytes,
         other_bytes=other, trainable_params=trainable_params, hidden_size=hidden_size(model),
         unit_bytes=[unit_bytes(family, b, frozen_bytes) for _, b in blocks],
-        activation_scale=getattr(family, "activation_scale", 1.0),
+        activation_scale=family.activation_scale,
     )
 
 
@@ -100,9 +100,8 @@ def _slab_footprint(path, family_id: str, dtype: torch.dtype, lora: LoraSettings
 
 
 def workload_for(dataset, family, variant: str, batch: int) -> Workload:
-    """The largest bucket of a dataset cache as tokens (Flux: 16x16 pixels per token after the
-    VAE's /8 and 2x2 packing) plus the text length the cache was built with."""
-    tokens_of = getattr(family, "image_tokens", None) or (lambda w, h: (w // 16) * (h // 16))
+    """The largest bucket of a dataset cache as tokens (``family.image_tokens``) plus the text length
+    the cache was built with."""
     w, h = max((it.bucket for it in dataset.items), key=lambda b: b[0] * b[1])
-    return Workload(batch=batch, image_tokens=tokens_of(w, h),
+    return Workload(batch=batch, image_tokens=family.image_tokens(w, h),
                     text_tokens=family.default_max_sequence_length(variant), label=f"{w}x{h}")

@@ -12,63 +12,22 @@ block's backward only one slice's MLP intermediates exist at a time. Attention s
 The cost is one more forward of the chunked parts per step (they are recomputed inside
 the block's recompute), about a tenth of a block's FLOPs for Flux.1.
 
-A family says which parts are token-wise (``family.install_chunked_recompute``); this
-module holds the mechanism, so adding a family means adding its wiring only.
+A family says which parts are token-wise (``family.install_chunked_recompute``, with the tools in
+``engine/families/recompute.py``); this module installs them for a run.
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
-from torch.utils.checkpoint import checkpoint
+
+from ..families import ModelFamily
+from ..families.recompute import ChunkedRecompute
 
 
-@torch.compiler.disable  # nested checkpoints stay eager inside compiled blocks (engine/train/compile.py)
-def run_in_token_chunks(fn: Callable[..., torch.Tensor], *tensors: torch.Tensor, chunks: int,
-                        dim: int = 1) -> torch.Tensor:
-    """``fn(*tensors)`` for a token-wise ``fn``, as ``chunks`` checkpointed slices along ``dim``.
-
-    Without autograd (an eval forward, or the forward half of a reentrant checkpoint) there is
-    nothing to save, so it is one plain call."""
-    if chunks <= 1 or not torch.is_grad_enabled() or tensors[0].shape[dim] < 2 * chunks:
-        return fn(*tensors)
-    pieces = zip(*(t.chunk(chunks, dim) for t in tensors))
-    return torch.cat([checkpoint(fn, *p, use_reentrant=False) for p in pieces], dim)
-
-
-class ChunkedRecompute:
-    """What ``install`` changed (instance-level forwards), and how to put it back."""
-
-    def __init__(self) -> None:
-        self._patched: list[torch.nn.Module] = []
-
-    def set_forward(self, module: torch.nn.Module, forward: Callable) -> None:
-        module.forward = forward  # an instance attribute shadows the class's forward
-        self._patched.append(module)
-
-    def remove(self) -> None:
-        for m in self._patched:
-            if "forward" in vars(m):
-                del m.forward
-        self._patched.clear()
-
-
-def chunk_token_wise(module: torch.nn.Module, chunks: int, undo: ChunkedRecompute) -> None:
-    """A module that maps each token on its own (a feed-forward): its forward runs in token chunks."""
-    inner = module.forward
-
-    def forward(hidden_states, *args, **kwargs):
-        return run_in_token_chunks(lambda h: inner(h, *args, **kwargs), hidden_states, chunks=chunks)
-
-    undo.set_forward(module, forward)
-
-
-def install_chunked_recompute(model: torch.nn.Module, family, chunks: int) -> ChunkedRecompute:
+def install_chunked_recompute(model: torch.nn.Module, family: ModelFamily, chunks: int) -> ChunkedRecompute:
     """Chunk the family's token-wise block parts into ``chunks`` slices (1: leave the model as it is)."""
     undo = ChunkedRecompute()
     if chunks > 1:
-        install = getattr(family, "install_chunked_recompute", None)
-        if install is None:
+        if not family.chunked_recompute:
             raise NotImplementedError(f"{family.display_name} has no chunked recompute; use recompute_chunks=1")
-        install(model, chunks, undo)
+        family.install_chunked_recompute(model, chunks, undo)
     return undo

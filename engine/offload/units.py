@@ -32,8 +32,6 @@ _UNITS = "_lowvram_stream_units"  # attribute of the model while installed: [(na
 
 def parts_of(family, block: nn.Module) -> Optional[list[tuple[str, nn.Module]]]:
     """The block's parts (made once and kept on the block), or None when the family streams it whole."""
-    if getattr(family, "block_parts", None) is None:
-        return None
     parts = block.__dict__.get(_PARTS)
     if parts is None:
         parts = family.block_parts(block)

@@ -49,7 +49,7 @@ def block_linears(model: nn.Module, family: ModelFamily) -> dict[str, nn.Linear]
             for sub, module in block.named_modules():
                 if isinstance(module, nn.Linear) and "lora_" not in sub:
                     out[f"{prefix}.{i}.{sub}"] = module
-    for name in getattr(family, "int8_extra_linears", ()):
+    for name in family.int8_extra_linears:
         module = model.get_submodule(name)
         if isinstance(module, nn.Linear):
             out[name] = module

@@ -25,16 +25,12 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, ModelLoadError
-from ..families import ModelFamily, get_family, load_shipped_config
+from ..families import ModelFamily, get_family
 from .format import (
     FORMAT_VERSION, PAD_PREFIX, SLAB_FORMAT, SLAB_SUFFIX, SafetensorsFile, SlabError, dtype_name, is_slab_file,
     manifest_path_for, sha256_range,
 )
 from .layout import INT8, PLAIN, meta_model, slab_tensors, swap_in_int8_linears
-
-# Config keys that fix the architecture: a variant's slab must agree on all of them.
-_STRUCTURAL_KEYS = ("num_layers", "num_single_layers", "attention_head_dim", "num_attention_heads",
-                    "guidance_embeds", "in_channels", "joint_attention_dim", "pooled_projection_dim")
 
 
 def rebuild_command(slab_path: str | Path, manifest: dict | None = None) -> str:
@@ -230,9 +226,9 @@ def resolve_slab_family(slab: OpenSlab, family_id: str = "auto", variant: str | 
             f"pick the slab of a {variant} checkpoint"
         )
     if slab.variant in family.variants:
-        shipped = load_shipped_config(family.variants[slab.variant])
+        shipped = family.load_config(slab.variant)
         config = slab.manifest["config"]
-        diff = [k for k in _STRUCTURAL_KEYS if k in shipped and shipped.get(k) != config.get(k)]
+        diff = [k for k in family.structural_keys if k in shipped and shipped.get(k) != config.get(k)]
         if diff:
             raise SlabError(
                 f"slab '{slab.path}' says {slab.variant} but its config differs from {slab.variant}'s in "

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..families import get_family, load_shipped_config
+from ..families import get_family
 from .format import SafetensorsWriter, plan_layout
 from .layout import meta_model
 
@@ -39,7 +39,7 @@ def write_random_checkpoint(
     ``layout="diffusers"`` writes a transformer folder (config.json + shards + index)."""
     family = get_family(family_id)
     if config is None:
-        config = load_shipped_config(family.variants[variant or next(iter(family.variants))])
+        config = family.load_config(variant or next(iter(family.variants)))
     model = meta_model(family, config)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict(keep_vars=True).items()}
     out = Path(out)

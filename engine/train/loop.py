@@ -55,15 +55,15 @@ def _make_scheduler(optimizer, cfg: TrainConfig):
 
 
 def _load_batch(dataset: DatasetCache, batch, device, dtype, rng: torch.Generator):
-    latents, embeds = [], {}
+    latents, texts = [], []
     for item in batch:
         flipped = dataset.flip and bool(torch.randint(0, 2, (1,), generator=rng).item())
         lat, emb = dataset.load_item(item, flipped)
         latents.append(autograd_safe_tensor(lat))
-        for k, v in emb.items():
-            embeds.setdefault(k, []).append(autograd_safe_tensor(v))
-    lat = torch.stack(latents).to(device, dtype)  # (B, C, h, w)
-    return lat, {k: torch.stack(v).to(device, dtype) for k, v in embeds.items()}
+        texts.append({k: autograd_safe_tensor(v) for k, v in emb.items()})
+    lat = torch.stack(latents).to(device, dtype)  # (B, C, ...)
+    embeds = dataset.collate_text(texts)  # variable-length captions padded, with their masks
+    return lat, {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in embeds.items()}
 
 
 def train_lora(
@@ -546,7 +546,7 @@ def _micro_step(model, family, latents, embeds, cfg: TrainConfig, gen: torch.Gen
     batch; with ``micro_batch`` the batch then runs that many samples at a time, each piece's loss weighted
     by its share, so the accumulated gradient is the whole batch's (activations are one piece's)."""
     b = latents.shape[0]
-    mu = family.timestep_shift_mu(latents) if cfg.shift_timesteps else None
+    mu = family.train_shift_mu(latents) if cfg.shift_timesteps else None
     sigmas = sample_sigmas(b, gen, cfg.timestep_mean, cfg.timestep_std, mu).to(latents.device)
     noise = torch.randn(latents.shape, generator=gen).to(latents.device, latents.dtype)
     noisy, target = noisy_latents_and_target(latents, noise, sigmas)
@@ -555,9 +555,8 @@ def _micro_step(model, family, latents, embeds, cfg: TrainConfig, gen: torch.Gen
     for start in range(0, b, step):
         piece = slice(start, min(b, start + step))
         with autocast:
-            pred = model(**family.model_inputs(model, noisy[piece], {k: v[piece] for k, v in embeds.items()},
-                                               sigmas[piece], cfg.guidance))[0]
-        pred = family.unpack_prediction(pred, latents[piece])
+            pred = family.predict_velocity(model, noisy[piece], {k: v[piece] for k, v in embeds.items()},
+                                           sigmas[piece], cfg.guidance)
         loss = torch.nn.functional.mse_loss(pred.float(), target[piece].float())
         share = (piece.stop - piece.start) / b
         (loss * (share * scale)).backward()

@@ -319,7 +319,7 @@ def test_lora_maps_completely_in_comfyuis_own_loader(comfy, tmp_path, family_id)
     from lowvram_lora.engine.caching import build_dataset_cache
     from lowvram_lora.engine.config import DataConfig, LoraSettings, ModelConfig, TrainConfig
     from lowvram_lora.engine.families import get_family
-    from lowvram_lora.engine.families.flux1_names import join_diffusers_tensors
+    from lowvram_lora.engine.families.names import join_diffusers_tensors
     from lowvram_lora.engine.lora_io import save_lora
     from lowvram_lora.engine.models import load_transformer
     from lowvram_lora.engine.testing import (build_tiny_flux1_pipeline, build_tiny_flux2_pipeline, make_tiny_dataset,

@@ -1,0 +1,4 @@
+from .family import Flux1Family
+
+FAMILY = Flux1Family()
+

@@ -1,0 +1,169 @@
+"""Flux.1 (dev and schnell) on diffusers' ``FluxTransformer2DModel``.
+
+Facts used here: 19 double + 38 single blocks at width 3072; T5-XXL sequence
+embeddings (4096) + CLIP-L pooled (768); a 16-channel VAE whose latents are
+packed 2x2 into 64-channel tokens; dev is guidance-distilled (a guidance
+embedding), schnell is not.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..base import Guidance, ModelFamily, TextEncoderSpec
+from ..names import NativeParam
+from .names import flux1_param_table
+
+# Linear modules that get a LoRA. Double blocks: attention q/k/v/out for the image
+# stream and the context (text) projections. Single blocks: their projections,
+# named exactly so the model's final ``proj_out`` is never matched.
+DOUBLE_BLOCK_TARGETS = (
+    "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+)
+SINGLE_BLOCK_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp", "proj_out")
+
+_CLIP = TextEncoderSpec("text_encoder", "tokenizer", "clip_pooled", 77, "pooled_prompt_embeds")
+_T5 = TextEncoderSpec("text_encoder_2", "tokenizer_2", "t5", 512, "prompt_embeds")
+
+
+class Flux1Family(ModelFamily):
+    id = "flux1"
+    display_name = "Flux.1"
+    variants = {
+        "flux1-dev": "flux1-dev.json",
+        "flux1-schnell": "flux1-schnell.json",
+        # Tiny random model for the demo and the tests (same architecture, small widths).
+        "flux1-tiny": "flux1-tiny.json",
+    }
+    tiny_variant = "flux1-tiny"
+    diffusers_class_name = "FluxTransformer2DModel"
+    structural_keys = ("num_layers", "num_single_layers", "attention_head_dim", "num_attention_heads",
+                       "guidance_embeds")
+    lora_targets = {"transformer_blocks": DOUBLE_BLOCK_TARGETS, "single_transformer_blocks": SINGLE_BLOCK_TARGETS}
+    chunked_recompute = True
+
+    # --- identity ----------------------------------------------------------------------------
+
+    def looks_like_single_file(self, keys: set[str]) -> bool:
+        # Per-block modulation (img_mod) is Flux.1's; Flux.2 has global modulation instead.
+        return "img_in.weight" in keys and "double_blocks.0.img_mod.lin.weight" in keys
+
+    def param_table(self, config: dict[str, Any]) -> list[NativeParam]:
+        hidden = config["num_attention_heads"] * config["attention_head_dim"]
+        return flux1_param_table(
+            num_double=config["num_layers"],
+            num_single=config["num_single_layers"],
+            hidden=hidden,
+            mlp_hidden=int(hidden * config.get("mlp_ratio", 4.0)),
+            head_dim=config["attention_head_dim"],
+            guidance=bool(config.get("guidance_embeds", False)),
+        )
+
+    # --- text ------------------------------------------------------------------------------
+
+    def text_encoder_specs(self, variant: str) -> tuple[TextEncoderSpec, ...]:
+        return (_CLIP, _T5)
+
+    def default_max_sequence_length(self, variant: str) -> int:
+        # What the diffusers pipelines use: dev 512, schnell 256. The tiny model keeps it short.
+        return {"flux1-schnell": 256, "flux1-tiny": 32}.get(variant, 512)
+
+    def text_widths(self, config: dict) -> dict[str, int]:
+        return {"prompt_embeds": int(config["joint_attention_dim"]),
+                "pooled_prompt_embeds": int(config["pooled_projection_dim"])}
+
+    # --- latents -----------------------------------------------------------------------------
+
+    def latent_shape(self, model, width: int, height: int) -> tuple[int, int, int]:
+        """(C, h, w) of the latents of a width x height image (C: the packed channels / 4)."""
+        return (model.config.in_channels // 4, height // 8, width // 8)
+
+    @staticmethod
+    def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) -> (B, H/2 * W/2, 4C): 2x2 patches become tokens."""
+        b, c, h, w = latents.shape
+        x = latents.view(b, c, h // 2, 2, w // 2, 2)
+        x = x.permute(0, 2, 4, 1, 3, 5)  # (B, H/2, W/2, C, 2, 2)
+        return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+    @staticmethod
+    def unpack_latents(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+        """Inverse of pack_latents for latent height h and width w."""
+        b, _, c4 = tokens.shape
+        c = c4 // 4
+        x = tokens.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
+        return x.reshape(b, c, h, w)
+
+    @staticmethod
+    def image_ids(h: int, w: int, device, dtype) -> torch.Tensor:
+        """(H/2 * W/2, 3) position ids: (0, row, col) per packed token."""
+        ids = torch.zeros(h // 2, w // 2, 3, device=device, dtype=dtype)
+        ids[..., 1] = torch.arange(h // 2, device=device, dtype=dtype)[:, None]
+        ids[..., 2] = torch.arange(w // 2, device=device, dtype=dtype)[None, :]
+        return ids.reshape(-1, 3)
+
+    # --- training ----------------------------------------------------------------------------
+
+    def model_inputs(self, model: nn.Module, latents: torch.Tensor, embeds: dict[str, torch.Tensor],
+                     sigmas: torch.Tensor, guidance: float) -> dict[str, Any]:
+        """Keyword arguments for ``FluxTransformer2DModel.forward`` on noisy latents (B, C, H, W)."""
+        b, _, h, w = latents.shape
+        dtype = latents.dtype
+        prompt = embeds["prompt_embeds"].to(dtype)  # (B, L, 4096)
+        inputs = {
+            "hidden_states": self.pack_latents(latents),
+            "encoder_hidden_states": prompt,
+            "pooled_projections": embeds["pooled_prompt_embeds"].to(dtype),  # (B, 768)
+            "timestep": self.prediction.model_timestep(sigmas).to(dtype),  # sigma; the model scales by 1000
+            "img_ids": self.image_ids(h, w, latents.device, dtype),
+            "txt_ids": torch.zeros(prompt.shape[1], 3, device=latents.device, dtype=dtype),
+            "return_dict": False,
+        }
+        if model.config.guidance_embeds:
+            inputs["guidance"] = torch.full((b,), guidance, device=latents.device, dtype=dtype)
+        return inputs
+
+    def unpack_prediction(self, output: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        return self.unpack_latents(output, latents.shape[2], latents.shape[3])
+
+    def train_shift_mu(self, latents: torch.Tensor) -> float:
+        """Flux's resolution-dependent shift: mu grows linearly with the token count,
+        0.5 at 256 tokens to 1.15 at 4096 (the values in Flux's scheduler config)."""
+        seq_len = (latents.shape[2] // 2) * (latents.shape[3] // 2)
+        base_len, max_len, base_shift, max_shift = 256, 4096, 0.5, 1.15
+        slope = (max_shift - base_shift) / (max_len - base_len)
+        return seq_len * slope + (base_shift - slope * base_len)
+
+    def guidance(self, variant: str) -> Guidance:
+        """dev is guidance-distilled (an embedding, 3.5 by default); schnell samples without any."""
+        return Guidance("none") if variant == "flux1-schnell" else Guidance("embedded", 3.5)
+
+    # --- memory engine -----------------------------------------------------------------------
+
+    def install_chunked_recompute(self, model: nn.Module, chunks: int, undo) -> None:
+        """The double blocks' feed-forwards, and in single blocks everything after attention (proj_mlp,
+        GELU, the 5x-wide concatenation, proj_out, gate, residual), in checkpointed token chunks."""
+        import types
+
+        from ..recompute import chunk_token_wise
+        from .parts import single_block_forward_chunked
+
+        for block in model.transformer_blocks:
+            chunk_token_wise(block.ff, chunks, undo)
+            chunk_token_wise(block.ff_context, chunks, undo)
+        for block in model.single_transformer_blocks:
+            undo.set_forward(block, types.MethodType(single_block_forward_chunked(chunks), block))
+
+    def block_parts(self, block: nn.Module):
+        """A double block streams as two parts: modulation + attention (0.38 GB bf16 at full size) and the
+        feed-forwards (0.30 GB). Single blocks (0.28 GB) stream whole."""
+        from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
+
+        from .parts import DoubleAttention, DoubleFeedForward
+
+        if not isinstance(block, FluxTransformerBlock):
+            return None
+        return [("attention", DoubleAttention(block)), ("feed_forward", DoubleFeedForward(block))]

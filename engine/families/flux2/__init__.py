@@ -1,0 +1,4 @@
+from .family import Flux2Family
+
+FAMILY = Flux2Family()
+

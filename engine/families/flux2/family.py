@@ -1,0 +1,244 @@
+"""Flux.2 (dev 32B, klein 4B/9B) on diffusers' ``Flux2Transformer2DModel`` (diffusers >= 0.37).
+
+Facts used here (sources: diffusers 0.42.1 ``pipelines/flux2/pipeline_flux2.py`` and
+``pipeline_flux2_klein.py``, ``examples/dreambooth/train_dreambooth_lora_flux2.py``,
+BFL ``src/flux2/sampling.py``; ../shared/reference/flux2-and-editor-facts.md §A):
+
+- dev: 8 double + 48 single blocks at width 6144, guidance-distilled (a guidance
+  embedding); text = Mistral-Small-3.x 24B hidden states of layers 10/20/30, stacked
+  per token into (512, 15360).
+- klein 4B / 9B: 5+20 / 8+24 blocks at 3072 / 4096, no guidance embedding; text =
+  Qwen3-4B / Qwen3-8B hidden states of layers 9/18/27. The undistilled "base"
+  variants have the same transformer config (one variant id covers both).
+- Latents: a 32-channel VAE, 2x2 patchified to 128 channels and normalised with the
+  VAE's BatchNorm running statistics (``Flux2Pipeline._encode_vae_image``); the cache
+  holds exactly these (C, H/16, W/16) tensors, which are also ComfyUI's Flux.2 LATENTs.
+  Tokens are their pixels in row-major order (``_pack_latents``).
+- Position ids have 4 axes (T, H, W, L): image (0, h, w, 0), text (0, 0, 0, l)
+  (``_prepare_latent_ids`` / ``_prepare_text_ids``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..base import Guidance, ModelFamily, PromptTemplate, TextEncoderSpec, VaeSpec
+from .names import flux2_param_table
+
+# LoRA targets: every attention projection of the double blocks, image and text streams
+# (diffusers' own script leaves the text stream untrained), and the single blocks' fused
+# projections. Never the final layer (proj_out) or the global modulation.
+DOUBLE_BLOCK_TARGETS = (
+    "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+)
+SINGLE_BLOCK_TARGETS = ("attn.to_qkv_mlp_proj", "attn.to_out")
+
+#: diffusers ``pipelines/flux2/system_messages.SYSTEM_MESSAGE`` (0.42.1; tests/test_families.py checks it).
+SYSTEM_MESSAGE = ("You are an AI that reasons about image descriptions. You give structured responses focusing on "
+                  "object relationships, object\nattribution and actions without speculation.")
+#: Flux2Pipeline.format_input: "[IMG]" removed, a system turn + a user turn, content as text parts.
+MISTRAL3_TEMPLATE = PromptTemplate("chat", system=SYSTEM_MESSAGE, structured=True, generation_prompt=False,
+                                   drop="[IMG]")
+#: Flux2KleinPipeline._get_qwen3_prompt_embeds: one user turn, the assistant prompt, no thinking block.
+QWEN3_TEMPLATE = PromptTemplate("chat", enable_thinking=False)
+
+
+def _mistral(max_length: int = 512, layers: tuple[int, ...] = (10, 20, 30)) -> TextEncoderSpec:
+    return TextEncoderSpec("text_encoder", "tokenizer", "decoder_lm", max_length, "prompt_embeds",
+                           hidden_layers=layers, template=MISTRAL3_TEMPLATE, architecture="mistral3-small-24b")
+
+
+def _qwen3(architecture: str) -> TextEncoderSpec:
+    return TextEncoderSpec("text_encoder", "tokenizer", "decoder_lm", 512, "prompt_embeds",
+                           hidden_layers=(9, 18, 27), template=QWEN3_TEMPLATE, architecture=architecture)
+
+
+class Flux2VaeSpec(VaeSpec):
+    """AutoencoderKLFlux2: 32 channels, 2x2 patchified to 128 and normalised with the VAE's BatchNorm
+    running statistics (``Flux2Pipeline._encode_vae_image``)."""
+
+    def to_model(self, vae, mean: torch.Tensor) -> torch.Tensor:
+        """VAE latent mean (B, 32, H/8, W/8) -> the transformer's normalised (B, 128, H/16, W/16)."""
+        x = patchify(mean)
+        bn_mean = vae.bn.running_mean.view(1, -1, 1, 1).to(x.device, x.dtype)
+        bn_std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(x.device, x.dtype)
+        return (x - bn_mean) / bn_std
+
+    def to_vae(self, vae, latents: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``to_model`` (Flux2Pipeline: un-normalise, unpatchify) for ``vae.decode``."""
+        bn_mean = vae.bn.running_mean.view(1, -1, 1, 1).to(latents.device, latents.dtype)
+        bn_std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(latents.device,
+                                                                                                 latents.dtype)
+        return unpatchify(latents * bn_std + bn_mean)
+
+
+def patchify(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, H, W) VAE latents -> (B, 4C, H/2, W/2), as ``Flux2Pipeline._patchify_latents``."""
+    b, c, h, w = latents.shape
+    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 1, 3, 5, 2, 4)
+    return x.reshape(b, c * 4, h // 2, w // 2)
+
+
+def unpatchify(latents: torch.Tensor) -> torch.Tensor:
+    b, c4, h, w = latents.shape
+    x = latents.reshape(b, c4 // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3)
+    return x.reshape(b, c4 // 4, h * 2, w * 2)
+
+
+class Flux2Family(ModelFamily):
+    id = "flux2"
+    display_name = "Flux.2"
+    variants = {
+        "flux2-dev": "flux2-dev.json",
+        "flux2-klein-4b": "flux2-klein-4b.json",
+        "flux2-klein-9b": "flux2-klein-9b.json",
+        # Tiny random model for the tests (same architecture, small widths; text = a tiny Mistral3).
+        "flux2-tiny": "flux2-tiny.json",
+    }
+    tiny_variant = "flux2-tiny"
+    diffusers_class_name = "Flux2Transformer2DModel"
+    structural_keys = ("num_layers", "num_single_layers", "attention_head_dim", "num_attention_heads",
+                       "guidance_embeds")
+    vae = Flux2VaeSpec("AutoencoderKLFlux2", "")  # its single file has its own loader (caching/single_files.py)
+    lora_targets = {"transformer_blocks": DOUBLE_BLOCK_TARGETS, "single_transformer_blocks": SINGLE_BLOCK_TARGETS}
+    chunked_recompute = True
+    # Outside the blocks but large (Flux.2-dev: 566 M modulation + 94 M text-embedder parameters, 1.3 GB
+    # in bf16): int8 in slabs like the block Linears. They run once per forward, outside checkpointing.
+    int8_extra_linears = (
+        "double_stream_modulation_img.linear", "double_stream_modulation_txt.linear",
+        "single_stream_modulation.linear", "context_embedder",
+    )
+    # A block's recompute + backward working set against Flux.1's at the same tokens x width (the planner's
+    # constants are Flux.1 fits): the single blocks' fused projection is 9x the width (Flux.1: 7x) and the
+    # SwiGLU feed-forward 6x. Fitted on 2026-11-25 (H100, Flux.2-dev int8, stream + activation offload,
+    # blocks in parts, compiled, 1024²): 6.24 GB measured against 5.54 GB predicted at 1.0.
+    activation_scale = 1.37
+
+    # --- identity ----------------------------------------------------------------------------
+
+    def looks_like_single_file(self, keys: set[str]) -> bool:
+        # What ComfyUI's model_detection keys on for Flux.2 (global modulation).
+        return "double_stream_modulation_img.lin.weight" in keys
+
+    def param_table(self, config: dict[str, Any]):
+        hidden = config["num_attention_heads"] * config["attention_head_dim"]
+        return flux2_param_table(
+            num_double=config["num_layers"], num_single=config["num_single_layers"], hidden=hidden,
+            mlp_hidden=int(hidden * config.get("mlp_ratio", 3.0)), head_dim=config["attention_head_dim"],
+            guidance=bool(config.get("guidance_embeds", True)),
+            out_channels=config.get("out_channels") or config.get("in_channels", 128),
+        )
+
+    # --- text ------------------------------------------------------------------------------
+
+    def text_encoder_specs(self, variant: str) -> tuple[TextEncoderSpec, ...]:
+        if variant == "flux2-klein-4b":
+            return (_qwen3("qwen3-4b"),)
+        if variant == "flux2-klein-9b":
+            return (_qwen3("qwen3-8b"),)
+        if variant == "flux2-tiny":
+            return (_mistral(16, (1, 2, 3)),)
+        return (_mistral(),)
+
+    def text_widths(self, config: dict) -> dict[str, int]:
+        """Width of each cached embedding the transformer takes: the stacked hidden states (dev 15360,
+        klein 4B 7680, klein 9B 12288)."""
+        return {"prompt_embeds": int(config["joint_attention_dim"])}
+
+    # --- latents -----------------------------------------------------------------------------
+
+    def latent_shape(self, model, width: int, height: int) -> tuple[int, int, int]:
+        """(C, h, w) of the (patchified) latents of a width x height image."""
+        return (model.config.in_channels, height // 16, width // 16)
+
+    @staticmethod
+    def image_ids(h: int, w: int, device, dtype) -> torch.Tensor:
+        """(h * w, 4) position ids (T=0, row, col, L=0) in token order."""
+        ids = torch.zeros(h, w, 4, device=device, dtype=dtype)
+        ids[..., 1] = torch.arange(h, device=device, dtype=dtype)[:, None]
+        ids[..., 2] = torch.arange(w, device=device, dtype=dtype)[None, :]
+        return ids.reshape(-1, 4)
+
+    @staticmethod
+    def text_ids(length: int, device, dtype) -> torch.Tensor:
+        ids = torch.zeros(length, 4, device=device, dtype=dtype)
+        ids[:, 3] = torch.arange(length, device=device, dtype=dtype)
+        return ids
+
+    # --- training ----------------------------------------------------------------------------
+
+    def model_inputs(self, model: nn.Module, latents: torch.Tensor, embeds: dict[str, torch.Tensor],
+                     sigmas: torch.Tensor, guidance: float) -> dict[str, Any]:
+        """Keyword arguments for ``Flux2Transformer2DModel.forward`` on noisy latents (B, C, h, w)."""
+        b, c, h, w = latents.shape
+        dtype = latents.dtype
+        prompt = embeds["prompt_embeds"].to(dtype)  # (B, L, joint_attention_dim)
+        inputs = {
+            "hidden_states": latents.reshape(b, c, h * w).permute(0, 2, 1),
+            "encoder_hidden_states": prompt,
+            "timestep": self.prediction.model_timestep(sigmas).to(dtype),  # sigma; the model scales by 1000
+            "img_ids": self.image_ids(h, w, latents.device, dtype),
+            "txt_ids": self.text_ids(prompt.shape[1], latents.device, dtype),
+            "return_dict": False,
+        }
+        if model.config.guidance_embeds:
+            inputs["guidance"] = torch.full((b,), guidance, device=latents.device, dtype=dtype)
+        return inputs
+
+    def unpack_prediction(self, output: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = latents.shape
+        return output.permute(0, 2, 1).reshape(b, c, h, w)
+
+    def train_shift_mu(self, latents: torch.Tensor) -> float:
+        """The shift Flux.2 samples with (BFL ``sampling.py`` ``compute_empirical_mu``, also in
+        diffusers' pipeline and ComfyUI's Flux2Scheduler) at its 50-step default: training
+        concentrates on the noise levels inference visits (mu 2.02 at 1024², ComfyUI's shift)."""
+        return compute_empirical_mu(latents.shape[2] * latents.shape[3], 50)
+
+    def sample_shift_mu(self, latents: torch.Tensor, steps: int) -> float:
+        """Flux2Pipeline's shift for ``steps`` sampling steps (compute_empirical_mu)."""
+        return compute_empirical_mu(latents.shape[2] * latents.shape[3], steps)
+
+    def guidance(self, variant: str) -> Guidance:
+        """dev is guidance-distilled (an embedding, 4 by default); klein samples without guidance here
+        (its distilled models need none; previews of the base variants stay unguided)."""
+        return Guidance("embedded", 4.0) if variant in ("flux2-dev", "flux2-tiny") else Guidance("none")
+
+    # --- memory engine -----------------------------------------------------------------------
+
+    def install_chunked_recompute(self, model: nn.Module, chunks: int, undo) -> None:
+        """The double blocks' feed-forwards in checkpointed token chunks. Single blocks are left whole: their
+        MLP input projection is fused with q/k/v (``to_qkv_mlp_proj``), so chunking them needs a rewritten
+        attention processor (not done)."""
+        from ..recompute import chunk_token_wise
+
+        for block in model.transformer_blocks:
+            chunk_token_wise(block.ff, chunks, undo)
+            chunk_token_wise(block.ff_context, chunks, undo)
+
+    def block_parts(self, block: nn.Module):
+        """A double block streams as two parts: attention (0.60 GB bf16 at Flux.2-dev's size) and the
+        feed-forwards (1.36 GB). Single blocks (0.98 GB) stream whole."""
+        from diffusers.models.transformers.transformer_flux2 import Flux2TransformerBlock
+
+        from .parts import DoubleAttention, DoubleFeedForward
+
+        if not isinstance(block, Flux2TransformerBlock):
+            return None
+        return [("attention", DoubleAttention(block)), ("feed_forward", DoubleFeedForward(block))]
+
+
+def compute_empirical_mu(image_seq_len: int, num_steps: int) -> float:
+    """BFL flux2 ``sampling.py`` (commit 5a5d316b) ``compute_empirical_mu``."""
+    a1, b1 = 8.73809524e-05, 1.89833333
+    a2, b2 = 0.00016927, 0.45666666
+    if image_seq_len > 4300:
+        return float(a2 * image_seq_len + b2)
+    m_200 = a2 * image_seq_len + b2
+    m_10 = a1 * image_seq_len + b1
+    a = (m_200 - m_10) / 190.0
+    b = m_200 - 200.0 * a
+    return float(a * num_steps + b)
