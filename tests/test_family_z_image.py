@@ -261,8 +261,8 @@ def test_engine_sampling_matches_pipeline_turbo(pipe, caption_embeds):
     from lowvram_lora.engine.sampling import sample_latents
 
     steps, seed, width, height = 4, 11, 48, 64
-    noise = torch.randn((1, *FAMILY.latent_shape(pipe.transformer, width, height)),
-                        generator=torch.Generator().manual_seed(seed), dtype=torch.float32)  # as sample_latents draws it
+    noise = torch.randn((1, *FAMILY.latent_shape(pipe.transformer, width, height)),  # as sample_latents draws it
+                        generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
     with torch.no_grad():
         ours = sample_latents(pipe.transformer, FAMILY, _padded(caption_embeds[:1]), width, height, steps, seed, 0.0,
                               torch.device("cpu"), torch.float32)
@@ -303,3 +303,35 @@ def test_text_and_vae_single_files(pipeline_folder, pipe, tmp_path):
     vref = pipe.vae.state_dict()
     assert sorted(vae) == sorted(vref)
     assert all(torch.equal(vae[k].reshape(v.shape), v) for k, v in vref.items())
+
+
+def test_lora_step_reaches_every_default_target(pipeline_folder, caption_embeds):
+    """A LoRA on the default targets (PEFT through diffusers' add_adapter), one flow-matching loss as the
+    engine forms it (x_sigma = (1 - sigma) x0 + sigma noise, target noise - x0, prediction * sign) equal to
+    the training script's (model_pred = -out at t = (1000 - 1000 sigma) / 1000) within 1e-6, and a gradient
+    on every target's lora_B: all three block lists (context_refiner included) feed the output."""
+    from diffusers import ZImageTransformer2DModel
+    from peft import LoraConfig
+
+    model = ZImageTransformer2DModel.from_pretrained(pipeline_folder / "transformer", use_safetensors=True)
+    targets = FAMILY.lora_target_modules(model)
+    model.requires_grad_(False)
+    model.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=targets))
+    g = torch.Generator().manual_seed(5)
+    x0, noise = torch.randn(2, 16, 8, 8, generator=g), torch.randn(2, 16, 8, 8, generator=g)
+    sigmas = torch.tensor([0.2, 0.7])
+    s = sigmas.view(-1, 1, 1, 1)
+    noisy = (1 - s) * x0 + s * noise
+    pred = FAMILY.prediction.sign * FAMILY.unpack_prediction(
+        model(**FAMILY.model_inputs(model, noisy, _padded(caption_embeds), sigmas, 0.0))[0], noisy)
+    loss = torch.nn.functional.mse_loss(pred, noise - x0)
+    loss.backward()
+    with torch.no_grad():
+        out = model(list(noisy.unsqueeze(2).unbind(0)), (1000 - sigmas * 1000) / 1000, list(caption_embeds),
+                    return_dict=False)[0]
+        script = torch.nn.functional.mse_loss(-torch.stack(out).squeeze(2), noise - x0)
+    torch.testing.assert_close(loss.detach(), script, atol=1e-6, rtol=1e-6)
+    modules = dict(model.named_modules())
+    missing = [t for t in targets if modules[f"{t}.lora_B.default"].weight.grad is None
+               or modules[f"{t}.lora_B.default"].weight.grad.abs().sum() == 0]
+    assert not missing, f"no gradient reaches {missing[:3]}"
