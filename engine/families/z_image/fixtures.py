@@ -1,0 +1,113 @@
+"""Tiny Z-Image models for tests and the demo, built offline from configs (nothing is downloaded).
+
+``build_tiny_pipeline``: a diffusers ``ZImagePipeline`` folder (tiny transformer, a tiny Qwen3 with a
+word-level tokenizer whose chat template has Qwen3's shape, the tiny Flux.1-layout AE, the Turbo scheduler).
+``write_single_file``: its transformer with ComfyUI's native names. ``write_text_and_vae_files``: its text
+encoder and VAE as ComfyUI keeps them (``qwen_3_4b.safetensors``, ``ae.safetensors``).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from ..names import join_diffusers_tensors
+from ..tiny import randomize_zero_inits, tiny_decoder_lm, tiny_flux_ae, word_level_tokenizer, write_ldm_vae_file
+
+#: Qwen3's chat template reduced to what ZImagePipeline uses: one user turn, the assistant prompt, and the
+#: empty think block only when ``enable_thinking`` is false (Z-Image passes True: no block).
+TINY_QWEN3_THINKING_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+#: Ids 0 / 1 / 2 are tiny_decoder_lm's pad / bos / eos ids; Qwen pads with <|endoftext|>.
+_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", "<think>", "</think>"]
+_TEXT_LAYERS = 3  # the tiny Qwen3's layers; the family's tiny spec keeps hidden_states[-2] = 2 layers
+
+
+def tiny_qwen3_tokenizer(max_length: int = 512):
+    """A real fast tokenizer with Qwen's special tokens (matched whole, before word splitting), no BOS/EOS
+    added (Qwen adds none), right padding with <|endoftext|>, and a Qwen3-shaped chat template."""
+    from tokenizers import processors
+
+    tokenizer, vocab = word_level_tokenizer(_SPECIALS + ["user", "assistant", "system"], None, "<|im_end|>",
+                                            "<|endoftext|>", "<unk>", max_length)
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(single="$A")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<think>", "</think>"]})
+    tokenizer.chat_template = TINY_QWEN3_THINKING_TEMPLATE
+    tokenizer.padding_side = "right"
+    return tokenizer, vocab
+
+
+def build_tiny_pipeline(folder: str | Path, seed: int = 0) -> Path:
+    """Write a complete tiny ``ZImagePipeline`` folder, loadable with ``ZImagePipeline.from_pretrained``."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
+
+    from . import FAMILY
+
+    folder = Path(folder)
+    torch.manual_seed(seed)
+    config = FAMILY.load_config(FAMILY.tiny_variant)
+    transformer = FAMILY.transformer_class().from_config(config)
+    randomize_zero_inits(transformer, seed)  # the pad tokens start at zero
+    tokenizer, vocab = tiny_qwen3_tokenizer()
+    # The released pipeline's text_encoder is a Qwen3Model (no lm_head): the decoder without its head.
+    text_encoder = tiny_decoder_lm("qwen3", vocab, config["cap_feat_dim"], _TEXT_LAYERS, seed).model
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
+    pipe = ZImagePipeline(scheduler=scheduler, vae=tiny_flux_ae(), text_encoder=text_encoder, tokenizer=tokenizer,
+                          transformer=transformer)
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def _load_folder_state(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    return state
+
+
+def write_single_file(pipeline_folder: str | Path, out_file: str | Path, dtype: torch.dtype | None = None,
+                      prefix: str = "") -> Path:
+    """The pipeline's transformer as one file with ComfyUI's native names (fused qkv, ``x_embedder``, ...), as
+    ``z_image_turbo_bf16.safetensors`` is kept in ``models/diffusion_models/``; ``prefix`` =
+    ``"model.diffusion_model."`` writes the full-checkpoint form."""
+    from safetensors.torch import save_file
+
+    from . import FAMILY
+
+    transformer_dir = Path(pipeline_folder) / "transformer"
+    config = json.loads((transformer_dir / "config.json").read_text())
+    state = _load_folder_state(transformer_dir)
+    out = {}
+    for param in FAMILY.param_table(config):
+        tensor = join_diffusers_tensors(param, state)
+        out[prefix + param.name] = (tensor.to(dtype) if dtype else tensor).contiguous()
+    out_file = Path(out_file)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(out_file), metadata={"format": "pt"})
+    return out_file
+
+
+def write_text_and_vae_files(pipeline_folder: str | Path, folder: str | Path) -> dict[str, Path]:
+    """The tiny pipeline's Qwen3 and VAE as ComfyUI's single files: ``qwen_3_4b.safetensors`` with ``model.``
+    names (a companion folder ``qwen_3_4b/`` holds the tiny config and tokenizer, which a real file takes
+    from the shipped configs), and ``ae.safetensors`` with BFL/LDM names (companion ``ae/`` config)."""
+    from safetensors.torch import save_file
+
+    pipeline_folder, folder = Path(pipeline_folder), Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = _load_folder_state(pipeline_folder / "text_encoder")
+    text_file = folder / "qwen_3_4b.safetensors"
+    save_file({("" if k.startswith("model.") else "model.") + k: v.contiguous() for k, v in state.items()},
+              str(text_file))
+    companion = folder / "qwen_3_4b"
+    shutil.copytree(pipeline_folder / "tokenizer", companion, dirs_exist_ok=True)
+    shutil.copy(pipeline_folder / "text_encoder" / "config.json", companion / "config.json")
+    vae_file = write_ldm_vae_file(pipeline_folder / "vae", folder / "ae.safetensors")
+    return {"text_encoder": text_file, "vae": vae_file}
