@@ -179,6 +179,7 @@ class Guidance:
 
     mode: str = "none"  # "none" | "embedded" | "cfg"
     scale: float = 0.0  # the pipeline's default
+    steps: int = 20  # preview steps that suffice for this variant (the family's templates use it)
     formula: str = "standard"
     renormalize: bool = False
 

@@ -99,9 +99,9 @@ class ZImageFamily(ModelFamily):
         each caption at its own length (the pipeline drops the padding: ``prompt_embeds[i][mask[i]]``)."""
         if variant == self.tiny_variant:  # the fixtures' tiny Qwen3 has 3 layers; 32 tokens keep tests fast
             return (TextEncoderSpec("text_encoder", "tokenizer", "decoder_lm", 32, "prompt_embeds",
-                                    hidden_layers=(2,), final_norm=False, length="variable", template=_TEMPLATE),)
+                                    hidden_layers=(2,), length="variable", template=_TEMPLATE),)
         return (TextEncoderSpec("text_encoder", "tokenizer", "decoder_lm", 512, "prompt_embeds",
-                                hidden_layers=(35,), final_norm=False, length="variable", template=_TEMPLATE,
+                                hidden_layers=(35,), length="variable", template=_TEMPLATE,
                                 architecture="qwen3-4b"),)
 
     def text_widths(self, config: dict[str, Any]) -> dict[str, int]:
