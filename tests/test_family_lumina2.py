@@ -174,11 +174,14 @@ def test_text_spec_matches_the_pipeline(pipe):
     (tiny,) = FAMILY.text_encoder_specs(FAMILY.tiny_variant)
     assert tiny.hidden_layers == (pipe.text_encoder.config.num_hidden_layers - 1,)
     assert FAMILY.text_widths(dict(pipe.transformer.config)) == {"prompt_embeds": pipe.text_encoder.config.hidden_size}
-    from lowvram_lora.engine.families.base import load_package_json
+    # The real encoder's config ships in the folder (configs/text/gemma2-2b.json) and builds a Gemma2Model.
+    from transformers import AutoConfig
 
-    # The real encoder's config ships in the folder (configs/text/<architecture>.json).
-    gemma = load_package_json(type(FAMILY).__module__, "configs", "text", f"{spec.architecture}.json")
+    gemma = FAMILY.text_encoder_config(spec)
     assert (gemma["num_hidden_layers"], gemma["hidden_size"]) == (26, FAMILY.load_config("lumina2")["cap_feat_dim"])
+    assert type(AutoConfig.for_model(**gemma)).__name__ == "Gemma2Config"
+    # The negative prompt is encoded without the system prompt (Lumina2Pipeline.encode_prompt).
+    assert FAMILY.negative_template.texts(None, [""]) == [""]
 
 
 @torch.no_grad()

@@ -23,7 +23,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ..base import Guidance, ModelFamily, Prediction, PromptTemplate, TextEncoderSpec, VaeSpec, static_shift_mu
+from ..base import (Guidance, ModelFamily, Prediction, PromptTemplate, TextEncoderSpec, VaeSpec, load_package_json,
+                    static_shift_mu)
 from ..names import NativeParam
 from .names import UNUSED_NATIVE_KEYS, lumina2_param_table
 
@@ -77,6 +78,10 @@ class Lumina2Family(ModelFamily):
     #: Native tensors the model does not use (not in ``param_table``): a reader must ignore them.
     #: Not part of ModelFamily yet (see the report: base.py should gain it).
     unused_native_keys: ClassVar[tuple[str, ...]] = UNUSED_NATIVE_KEYS
+    #: How the CFG negative prompt is tokenized: Lumina2Pipeline.encode_prompt prefixes the system prompt to
+    #: the positive prompts only; the default negative "" is encoded as is (Gemma: the BOS token alone).
+    #: Not part of ModelFamily yet (see the report).
+    negative_template: ClassVar[PromptTemplate] = PromptTemplate()
 
     # --- identity --------------------------------------------------------------------------------
 
@@ -96,6 +101,11 @@ class Lumina2Family(ModelFamily):
         if variant == self.tiny_variant:
             return (_gemma(64, 2),)  # the fixtures' Gemma2Model has 3 layers
         return (_gemma(256, 25),)  # Gemma-2-2B: 26 layers
+
+    def text_encoder_config(self, spec: TextEncoderSpec) -> dict[str, Any]:
+        """The real encoder's transformers config, shipped here (``configs/text/gemma2-2b.json``), for a single
+        Gemma file without a config (ComfyUI's ``gemma_2_2b_fp16.safetensors``)."""
+        return load_package_json(type(self).__module__, "configs", "text", f"{spec.architecture}.json")
 
     def text_widths(self, config: dict[str, Any]) -> dict[str, int]:
         return {"prompt_embeds": int(config["cap_feat_dim"])}
