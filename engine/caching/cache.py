@@ -286,11 +286,18 @@ def build_dataset_cache(
 
     prompts = [CachedItem(image="", caption=p, bucket=(0, 0), text_key=stable_hash([text_ident, p]), latent_key="")
                for p in dict.fromkeys(p.strip() for p in sample_prompts if p.strip())]
-    # Classifier-free guidance samples against the empty prompt: encoded with the rest.
-    negative = ([CachedItem(image="", caption="", bucket=(0, 0), text_key=stable_hash([text_ident, ""]), latent_key="")]
+    # Classifier-free guidance samples against the empty prompt, tokenized as the family's pipeline does it
+    # (``negative_template``; Lumina 2 leaves out its system prompt): encoded with its own specs.
+    from dataclasses import replace
+
+    negative_specs = tuple(replace(s, template=s.negative_template) if s.negative_template else s for s in specs)
+    negative = ([CachedItem(image="", caption="", bucket=(0, 0), latent_key="",
+                            text_key=stable_hash([text_ident, "", [repr(s.negative_template) for s in specs]]))]
                 if prompts and family.guidance(variant).mode == "cfg" else [])
     stats = {"text_built": 0, "text_reused": 0, "latents_built": 0, "latents_reused": 0}
-    _build_text(cache_dir, family, specs, pipeline, items + prompts + negative, dev, dtype, max_len, cb, stats, singles)
+    _build_text(cache_dir, family, specs, pipeline, items + prompts, dev, dtype, max_len, cb, stats, singles)
+    if negative:
+        _build_text(cache_dir, family, negative_specs, pipeline, negative, dev, dtype, max_len, cb, {}, singles)
     _build_latents(cache_dir, family, pipeline, items, data_cfg.flip, dev, dtype, cb, stats, singles)
 
     dataset_hash = stable_hash([[i.text_key, i.latent_key] for i in items] + [data_cfg.repeats, data_cfg.flip])

@@ -97,6 +97,9 @@ def load_truncated_decoder(encoder_dir: Path, num_layers: int, dtype: torch.dtyp
                                                    requires_grad=False)
     if hasattr(model, "rotary_emb"):  # buffers computed from the config, not stored
         model.rotary_emb = type(model.rotary_emb)(config=config)
+    scale = getattr(model.embed_tokens, "embed_scale", None)
+    if scale is not None and scale.is_meta:  # Gemma-2 scales embeddings by sqrt(width): a buffer, not stored
+        model.embed_tokens.embed_scale = torch.tensor(model.embed_tokens.scalar_embed_scale, dtype=scale.dtype)
     model.requires_grad_(False).eval()
     return model, weights
 

@@ -154,6 +154,7 @@ def _identify_single_file(f: SafetensorsFile, family_id: str) -> tuple[ModelFami
                 f"names (such as '{example}'), first tensor in the file is '{first}'"
                 + (f"; it looks like {detected.display_name}" if detected is not None else "")
             )
+    found = {n: s for n, s in found.items() if n not in family.unused_native_keys}
     variant, config = _match_variant(f.path, family, found)
     return family, variant, config
 

@@ -102,6 +102,9 @@ class TextEncoderSpec:
     hidden_layers: tuple[int, ...] = ()  # decoder_lm: k = the output of k decoder layers (0 = embeddings)
     length: str = "padded"  # "padded" | "variable"
     template: PromptTemplate = PromptTemplate()
+    #: How the empty negative prompt of classifier-free guidance is tokenized (None: like captions). Lumina 2's
+    #: pipeline puts its system prompt before captions only.
+    negative_template: PromptTemplate | None = None
     architecture: str = ""  # decoder_lm: shipped config of the real encoder (configs/text/<name>.json)
 
     @property
@@ -213,6 +216,8 @@ class ModelFamily:
     structural_keys: ClassVar[tuple[str, ...]]
     #: The tiny random variant the fixtures build (tests, the demo).
     tiny_variant: ClassVar[str]
+    #: Native tensors real files carry that the model does not use (not in ``param_table``): ignored on reading.
+    unused_native_keys: ClassVar[tuple[str, ...]] = ()
 
     # conventions
     prediction: ClassVar[Prediction] = Prediction()

@@ -15,7 +15,8 @@ from ..fileio import atomic_write
 from ..families import get_family
 from ..train.trained_lora import TrainedLora
 from ..version import VERSION
-from .formats import fold_scale, from_diffusers, from_kohya_fused, lora_modules, to_comfyui, to_diffusers
+from .formats import (NATIVE_PREFIX, fold_scale, from_diffusers, from_kohya_fused, from_native_fused, lora_modules,
+                      to_comfyui_form, to_diffusers)
 
 FORMATS = ("comfyui", "diffusers")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -69,9 +70,8 @@ def save_lora(lora: TrainedLora, path: str | Path, fmt: str = "comfyui", dtype: 
     if path.exists() and not overwrite:
         raise LoraFormatError(f"'{path}' already exists; choose another name or allow overwriting")
     folded = fold_scale(lora.state_dict, lora.scale)
-    if fmt == "comfyui":
-        family = get_family(lora.family)
-        tensors = to_comfyui(folded, family.param_table(lora.model_config))
+    if fmt == "comfyui":  # the form ComfyUI's loader maps for this family (its comfyui_lora_form)
+        tensors = to_comfyui_form(folded, get_family(lora.family), lora.model_config)
     else:
         tensors = to_diffusers(folded)
     tensors = {k: (v if k.endswith(".alpha") else v.to(_DTYPES[dtype])).contiguous() for k, v in tensors.items()}
@@ -98,11 +98,20 @@ def load_lora(path: str | Path) -> LoadedLora:
         config = _model_config(meta, sd, path)
         state = from_kohya_fused(sd, get_family(meta.get("lowvram_lora.family", "flux1")).param_table(config))
         fmt = "comfyui"
+    elif any(k.startswith(NATIVE_PREFIX) for k in sd):  # native module names (native_fused families)
+        if "lowvram_lora.model_config" not in meta or "lowvram_lora.family" not in meta:
+            raise LoraFormatError(f"'{path}' has native 'diffusion_model.' LoRA keys but no lowvram_lora.family / "
+                                  f"model_config metadata, so its fused modules cannot be split; only files this "
+                                  f"package wrote are read in this form")
+        family = get_family(meta["lowvram_lora.family"])
+        state = from_native_fused(sd, family.param_table(json.loads(meta["lowvram_lora.model_config"])))
+        fmt = "comfyui"
     elif any(".lora_A." in k for k in sd):
         state = from_diffusers(sd)
         fmt = meta.get("lowvram_lora.format") or ("comfyui" if any(k.endswith(".alpha") for k in sd) else "diffusers")
     else:
-        raise LoraFormatError(f"'{path}' has no LoRA keys in a known layout (kohya lora_unet_* or peft lora_A/lora_B)")
+        raise LoraFormatError(f"'{path}' has no LoRA keys in a known layout (kohya lora_unet_*, native diffusion_model.* "
+                              f"or peft lora_A/lora_B)")
     if not lora_modules(state):
         raise LoraFormatError(f"'{path}' holds no LoRA modules")
     return LoadedLora(state, fmt, meta)

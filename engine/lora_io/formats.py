@@ -24,6 +24,14 @@ File forms:
   rank-3r LoRA); they are still read (``from_kohya_fused``) but no longer
   written: that form is exact too but 2.1x the size (194 vs 94 MB for a
   Flux.1-dev r16 LoRA).
+- "comfyui" for a family whose ``comfyui_lora_form`` is ``native_fused`` (Lumina 2):
+  ComfyUI maps that family's diffusers names nowhere, so the file uses the native
+  module names its generic loader maps (``diffusion_model.<native module>``, e.g.
+  ``diffusion_model.layers.0.attention.qkv``) with ``lora_down/lora_up/alpha``.
+  The parts of one fused native Linear (q/k/v -> ``qkv``) join exactly as in the
+  kohya form: down = cat(A_q, A_k, A_v) (rank 3r), up = block-diagonal over the
+  fused rows, alpha = total rank (scale 1; alpha/rank already in B).
+  ``to_comfyui_form`` picks the form from the family.
 """
 from __future__ import annotations
 
@@ -32,9 +40,10 @@ from collections import defaultdict
 import torch
 
 from ..errors import LoraFormatError
-from ..families.names import NativeParam as BflParam
+from ..families.names import NativeParam
 
 KOHYA_PREFIX = "lora_unet_"
+NATIVE_PREFIX = "diffusion_model."
 
 
 def fold_scale(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
@@ -45,7 +54,7 @@ def lora_modules(state: dict[str, torch.Tensor]) -> list[str]:
     return sorted({k.split(".lora_A.")[0] for k in state if ".lora_A." in k})
 
 
-def _fused_layout(table: list[BflParam]) -> dict[str, tuple[str, list[tuple[str, int, int]]]]:
+def _fused_layout(table: list[NativeParam]) -> dict[str, tuple[str, list[tuple[str, int, int]]]]:
     """diffusers Linear -> (BFL Linear, [(diffusers Linear, row offset, rows) of all its parts])."""
     out = {}
     for param in table:
@@ -58,7 +67,7 @@ def _fused_layout(table: list[BflParam]) -> dict[str, tuple[str, list[tuple[str,
     return out
 
 
-def to_comfyui(state: dict[str, torch.Tensor], table: list[BflParam]) -> dict[str, torch.Tensor]:
+def to_comfyui(state: dict[str, torch.Tensor], table: list[NativeParam]) -> dict[str, torch.Tensor]:
     """Folded peft state -> per-projection ``transformer.`` keys with explicit alpha = rank (scale 1).
     Every module must be one ComfyUI maps (a part of a BFL Linear in ``table``)."""
     layout = _fused_layout(table)
@@ -76,20 +85,22 @@ def to_comfyui(state: dict[str, torch.Tensor], table: list[BflParam]) -> dict[st
     return out
 
 
-def to_kohya_fused(state: dict[str, torch.Tensor], table: list[BflParam]) -> dict[str, torch.Tensor]:
-    """Folded peft state -> kohya/BFL keys with explicit alpha = rank (scale 1): the layout earlier
-    versions wrote as "comfyui". Kept to read those files back in tests; not offered for saving."""
+def join_fused(state: dict[str, torch.Tensor], table: list[NativeParam],
+               form: str = "ComfyUI's") -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Folded peft state -> {native Linear: (down, up)}, scale 1. The parts of a fused native Linear
+    join as one LoRA: down = cat of the parts' A (rank = the sum of their ranks), up = block-diagonal,
+    each part's B in its row range of the native Linear (zeros where a part has no LoRA)."""
     layout = _fused_layout(table)
-    by_bfl: dict[str, list[str]] = defaultdict(list)
+    by_native: dict[str, list[str]] = defaultdict(list)
     for module in lora_modules(state):
         if module not in layout:
             raise LoraFormatError(
-                f"LoRA module '{module}' has no counterpart in ComfyUI's Flux layout; "
+                f"LoRA module '{module}' has no counterpart in {form} layout of this model; "
                 f"save in the diffusers format instead, or train only the default target modules"
             )
-        by_bfl[layout[module][0]].append(module)
+        by_native[layout[module][0]].append(module)
     out = {}
-    for bfl, present in sorted(by_bfl.items()):
+    for native, present in sorted(by_native.items()):
         parts = layout[present[0]][1]
         downs, blocks = [], []
         for name, offset, rows in parts:
@@ -100,32 +111,27 @@ def to_kohya_fused(state: dict[str, torch.Tensor], table: list[BflParam]) -> dic
         total_rows = sum(rows for _, _, rows in parts)
         if len(parts) == 1:
             total_rows = blocks[0][2].shape[0]
-        up = torch.zeros(total_rows, down.shape[0], dtype=down.dtype)
+        up = torch.zeros(total_rows, down.shape[0], dtype=down.dtype)  # (out, R_total)
         col = 0
         for offset, rows, b in blocks:
             up[offset:offset + rows, col:col + b.shape[1]] = b
             col += b.shape[1]
-        key = KOHYA_PREFIX + bfl.replace(".", "_")
-        out[f"{key}.lora_down.weight"] = down.contiguous()
-        out[f"{key}.lora_up.weight"] = up
-        out[f"{key}.alpha"] = torch.tensor(float(down.shape[0]), dtype=torch.float32)
+        out[native] = (down.contiguous(), up)
     return out
 
 
-def from_kohya_fused(sd: dict[str, torch.Tensor], table: list[BflParam]) -> dict[str, torch.Tensor]:
-    """kohya/BFL keys -> folded peft state. Fused LoRAs are split by rows of up; the
-    columns of up that are zero for a part are dropped (exact), which recovers the
-    per-module LoRAs of files we wrote and is still exact for anyone else's."""
-    layout = _fused_layout(table)
-    by_kohya = {KOHYA_PREFIX + bfl.replace(".", "_"): (bfl, parts) for bfl, parts in layout.values()}
+def split_fused(pairs: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+                table: list[NativeParam], form: str) -> dict[str, torch.Tensor]:
+    """{native Linear: (down, up, alpha or None)} -> folded peft state. Fused LoRAs are split by rows of
+    up; the columns of up that are zero for a part are dropped (exact), which recovers the per-module
+    LoRAs of files we wrote and is still exact for anyone else's."""
+    layout = {native: parts for native, parts in _fused_layout(table).values()}
     out: dict[str, torch.Tensor] = {}
-    for key in sorted(k for k in sd if k.endswith(".lora_down.weight")):
-        base = key[: -len(".lora_down.weight")]
-        if base not in by_kohya:
-            raise LoraFormatError(f"LoRA key '{base}' is not a Flux.1 module of this model")
-        _, parts = by_kohya[base]
-        down, up = sd[key].float(), sd[f"{base}.lora_up.weight"].float()
-        alpha = sd.get(f"{base}.alpha")
+    for native, (down, up, alpha) in sorted(pairs.items()):
+        if native not in layout:
+            raise LoraFormatError(f"LoRA key '{native}' ({form}) is not a module of this model")
+        parts = layout[native]
+        down, up = down.float(), up.float()
         up = up * (float(alpha) / down.shape[0] if alpha is not None else 1.0)
         if len(parts) == 1:
             out[f"{parts[0][0]}.lora_A.weight"], out[f"{parts[0][0]}.lora_B.weight"] = down, up
@@ -137,6 +143,72 @@ def from_kohya_fused(sd: dict[str, torch.Tensor], table: list[BflParam]) -> dict
                 out[f"{name}.lora_A.weight"] = down[cols].contiguous()
                 out[f"{name}.lora_B.weight"] = block[:, cols].contiguous()
     return out
+
+
+def _down_up_alpha(sd: dict[str, torch.Tensor], prefix: str, form: str):
+    """{module (prefix stripped): (down, up, alpha)} of ``<prefix><module>.lora_down/lora_up/alpha`` keys
+    (peft's ``lora_A``/``lora_B`` spellings too, as diffusion-pipe writes its native LoRAs)."""
+    out = {}
+    for key in sorted(sd):
+        for down_s, up_s in ((".lora_down.weight", ".lora_up.weight"), (".lora_A.weight", ".lora_B.weight")):
+            if key.startswith(prefix) and key.endswith(down_s):
+                base = key[: -len(down_s)]
+                if f"{base}{up_s}" not in sd:
+                    raise LoraFormatError(f"LoRA key '{key}' ({form}) has no '{base}{up_s}' beside it")
+                out[base[len(prefix):]] = (sd[key], sd[f"{base}{up_s}"], sd.get(f"{base}.alpha"))
+    return out
+
+
+def to_kohya_fused(state: dict[str, torch.Tensor], table: list[NativeParam]) -> dict[str, torch.Tensor]:
+    """Folded peft state -> kohya/BFL keys with explicit alpha = rank (scale 1): the layout earlier
+    versions wrote as "comfyui". Kept to read those files back in tests; not offered for saving."""
+    out = {}
+    for native, (down, up) in join_fused(state, table, "ComfyUI's Flux").items():
+        key = KOHYA_PREFIX + native.replace(".", "_")
+        out[f"{key}.lora_down.weight"] = down
+        out[f"{key}.lora_up.weight"] = up
+        out[f"{key}.alpha"] = torch.tensor(float(down.shape[0]), dtype=torch.float32)
+    return out
+
+
+def from_kohya_fused(sd: dict[str, torch.Tensor], table: list[NativeParam]) -> dict[str, torch.Tensor]:
+    """kohya/BFL keys -> folded peft state (``split_fused``)."""
+    by_kohya = {KOHYA_PREFIX + native.replace(".", "_"): native for native, _ in _fused_layout(table).values()}
+    pairs = {}
+    for key, value in _down_up_alpha(sd, KOHYA_PREFIX, "kohya").items():
+        if KOHYA_PREFIX + key not in by_kohya:
+            raise LoraFormatError(f"LoRA key '{KOHYA_PREFIX + key}' is not a Flux.1 module of this model")
+        pairs[by_kohya[KOHYA_PREFIX + key]] = value
+    return split_fused(pairs, table, "kohya")
+
+
+def to_native_fused(state: dict[str, torch.Tensor], table: list[NativeParam]) -> dict[str, torch.Tensor]:
+    """Folded peft state -> ``diffusion_model.<native module>.lora_down.weight`` / ``.lora_up.weight`` /
+    ``.alpha`` (alpha = total rank, scale 1): what ComfyUI's generic key map loads for a family whose
+    diffusers names it does not map (Lumina 2)."""
+    out = {}
+    for native, (down, up) in join_fused(state, table).items():
+        key = NATIVE_PREFIX + native
+        out[f"{key}.lora_down.weight"] = down
+        out[f"{key}.lora_up.weight"] = up
+        out[f"{key}.alpha"] = torch.tensor(float(down.shape[0]), dtype=torch.float32)
+    return out
+
+
+def from_native_fused(sd: dict[str, torch.Tensor], table: list[NativeParam]) -> dict[str, torch.Tensor]:
+    """``diffusion_model.<native module>`` LoRA keys -> folded peft state (``split_fused``)."""
+    return split_fused(_down_up_alpha(sd, NATIVE_PREFIX, "native"), table, "native")
+
+
+def to_comfyui_form(state: dict[str, torch.Tensor], family, config: dict) -> dict[str, torch.Tensor]:
+    """The "comfyui" file of ``family`` (its ``comfyui_lora_form``) from a folded peft state."""
+    table = family.param_table(config)
+    if family.comfyui_lora_form == "native_fused":
+        return to_native_fused(state, table)
+    if family.comfyui_lora_form == "diffusers_names":
+        return to_comfyui(state, table)
+    raise LoraFormatError(f"{family.display_name} declares comfyui_lora_form={family.comfyui_lora_form!r}; "
+                          f"known forms: diffusers_names, native_fused")
 
 
 def to_diffusers(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,119 @@
+"""Tiny Lumina 2 fixtures, built offline from configs: a pipeline folder and the single files users keep.
+
+- ``build_tiny_pipeline``: a ``Lumina2Pipeline`` folder (tiny transformer with GQA, a 3-layer
+  ``Gemma2Model`` with a word-level tokenizer that adds BOS as Gemma's does, the tiny Flux AE,
+  ``FlowMatchEulerDiscreteScheduler`` with a static shift 6); loads with
+  ``Lumina2Pipeline.from_pretrained(folder, use_safetensors=True)``.
+- ``write_single_file``: the transformer with native NextDiT names (ComfyUI's ``lumina_2_model_bf16``
+  layout), optionally ``model.diffusion_model.``-prefixed (the all-in-one checkpoint), with the unused
+  ``norm_final.weight`` that original files carry.
+- ``write_text_and_vae_files``: Gemma with ``model.`` names (ComfyUI's ``gemma_2_2b_fp16``) and the
+  VAE with LDM names (``ae.safetensors``), each with a companion folder holding the tiny config.
+
+The real tokenizer is SentencePiece and gated; the tiny one is a fast word-level tokenizer with Gemma's
+special ids (pad 0, eos 1, bos 2, unk 3), adding ``<bos>`` and no EOS, as GemmaTokenizer does.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..names import join_diffusers_tensors
+from ..tiny import randomize_zero_inits, tiny_flux_ae, word_level_tokenizer, write_ldm_vae_file
+from .names import UNUSED_NATIVE_KEYS
+
+#: The tiny Gemma2Model; ``text_encoder_specs("lumina2-tiny")`` keeps the output of its layer 2
+#: (= hidden_states[-2] of 3 layers). Its width is the tiny transformer's ``cap_feat_dim``.
+TINY_GEMMA = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8, max_position_embeddings=128,
+                  sliding_window=4096, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+
+
+def tiny_gemma_tokenizer(max_length: int = 256):
+    """A fast word-level tokenizer with Gemma's special tokens and ids; BOS first, no EOS."""
+    from tokenizers import processors
+
+    tokenizer, vocab = word_level_tokenizer(["<pad>", "<eos>", "<bos>", "<unk>"], "<bos>", "<eos>", "<pad>",
+                                            "<unk>", max_length)
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", 2)])
+    tokenizer.padding_side = "right"  # Lumina2Pipeline sets it too
+    return tokenizer, vocab
+
+
+def build_tiny_pipeline(folder: str | Path, seed: int = 0) -> Path:
+    """Write a complete tiny Lumina 2 diffusers pipeline folder; returns its path."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, Lumina2Pipeline
+    from transformers import Gemma2Config, Gemma2Model
+
+    from . import FAMILY
+
+    folder = Path(folder)
+    torch.manual_seed(seed)
+    config = FAMILY.load_config(FAMILY.tiny_variant)
+    transformer = FAMILY.transformer_class().from_config(config)
+    randomize_zero_inits(transformer, seed)
+    tokenizer, vocab = tiny_gemma_tokenizer()
+    gemma = Gemma2Model(Gemma2Config(vocab_size=vocab, **{**TINY_GEMMA, "hidden_size": config["cap_feat_dim"]}))
+    with torch.no_grad():  # Gemma's RMSNorms scale by (1 + w) and start at w = 0: make them matter
+        gen = torch.Generator().manual_seed(seed + 2)
+        for name, p in gemma.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    # Static shift 6, as Lumina samples (ComfyUI sampling_settings, Alpha-VLLM sample.sh); the hub's
+    # scheduler_config.json was not available to check (new-families-facts §6).
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=6.0, use_dynamic_shifting=False)
+    pipe = Lumina2Pipeline(transformer=transformer, scheduler=scheduler, vae=tiny_flux_ae(),
+                           text_encoder=gemma, tokenizer=tokenizer)
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def _state(folder: Path) -> dict[str, torch.Tensor]:
+    state = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    return state
+
+
+def write_single_file(pipeline_folder: str | Path, out_file: str | Path, dtype: torch.dtype | None = None,
+                      prefix: str = "", norm_final: bool = True) -> Path:
+    """The pipeline's transformer as one file with native NextDiT names (``prefix`` before each, e.g.
+    ``model.diffusion_model.``); ``norm_final`` adds the unused ``norm_final.weight`` real files have."""
+    from . import FAMILY
+
+    transformer_dir = Path(pipeline_folder) / "transformer"
+    config = json.loads((transformer_dir / "config.json").read_text())
+    state = _state(transformer_dir)
+    out = {}
+    for param in FAMILY.param_table(config):
+        tensor = join_diffusers_tensors(param, state)
+        out[prefix + param.name] = (tensor.to(dtype) if dtype else tensor).contiguous()
+    if norm_final:
+        (name,) = UNUSED_NATIVE_KEYS
+        out[prefix + name] = torch.ones(config["hidden_size"], dtype=dtype or torch.float32)
+    out_file = Path(out_file)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(out_file), metadata={"format": "pt"})
+    return out_file
+
+
+def write_text_and_vae_files(pipeline_folder: str | Path, folder: str | Path) -> dict[str, Path]:
+    """Gemma as ``gemma_2_2b.safetensors`` (``model.`` names, as ComfyUI's Gemma-2-2B file) with a companion
+    folder ``gemma_2_2b/`` (tiny config.json + tokenizer), and the VAE as ``ae.safetensors`` (LDM names) with
+    ``ae/config.json``. Returns {"text_encoder": path, "vae": path}."""
+    pipeline_folder, folder = Path(pipeline_folder), Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {("model." + k if not k.startswith("model.") else k): v.contiguous()
+             for k, v in _state(pipeline_folder / "text_encoder").items()}
+    text_file = folder / "gemma_2_2b.safetensors"
+    save_file(state, str(text_file))
+    companion = folder / "gemma_2_2b"
+    shutil.copytree(pipeline_folder / "tokenizer", companion, dirs_exist_ok=True)
+    shutil.copy(pipeline_folder / "text_encoder" / "config.json", companion / "config.json")
+    vae_file = write_ldm_vae_file(pipeline_folder / "vae", folder / "ae.safetensors")
+    return {"text_encoder": text_file, "vae": vae_file}
