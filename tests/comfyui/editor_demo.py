@@ -1,13 +1,16 @@
 """Drive the real ComfyUI editor in headless Chromium: open the template browser, pick this pack's
-demo, press Run, wait for the queue to empty, and save screenshots (look at them).
+demo, press Run, wait for the queue to empty, open the queue panel, and save screenshots (look at them).
 
-Needs a running ComfyUI with the pack installed and the demo prepared (tests/comfyui/README.md),
+Needs a running server with the demo prepared: ComfyUI with the pack installed (tests/comfyui/README.md)
+or ``lowvram-lora serve --models-dir <dir>/models`` after ``lowvram-lora demo --prepare-only --dir <dir>``;
 Debian's chromium + chromium-driver, and selenium::
 
     python tests/comfyui/editor_demo.py --url http://127.0.0.1:8188 --out /tmp/shots
 
-Prints the node widgets after the run (the saved path and final loss must be there) and exits 1
-if they are missing.
+Prints the node widgets after the run (the saved path and final loss must be there). Also writes what the
+browser saw go wrong -- console errors, HTTP answers >= 400 (a 403 from the origin check), websocket
+failures -- to ``<out>/browser_problems.json`` and prints it. Exits 1 if the widgets are missing or the
+page got a 403 or a broken websocket.
 """
 from __future__ import annotations
 
@@ -38,6 +41,8 @@ def main(argv=None) -> int:
               "--disable-background-networking", "--disable-component-update", "--disable-sync",
               "--window-size=1600,1000", f"--user-data-dir={tempfile.mkdtemp(prefix='chrome-')}"):
         opts.add_argument(a)
+    # The console and the network log (chromedriver's performance log) show a refused request or websocket.
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
     d = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=opts)
     try:
         d.get(args.url)
@@ -46,6 +51,8 @@ def main(argv=None) -> int:
                 break
             time.sleep(1)
         time.sleep(4)
+        d.save_screenshot(str(out / "0_page.png"))
+        print("frontend", d.execute_script("return window.__COMFYUI_FRONTEND_VERSION__ || null"))
 
         def leaves(pattern):
             # The deepest visible elements whose text matches (a label may sit beside an icon).
@@ -74,13 +81,16 @@ def main(argv=None) -> int:
         d.save_screenshot(str(out / "1_template_browser.png"))
         click(f"^{args.template}$")
         time.sleep(3)
+        # The graph on screen: frontend 1.58 opens a template in a new tab, and app.graph may still be the first.
+        nodes_js = "((app.canvas && app.canvas.graph) || app.graph)._nodes"
         view = "app.canvas.ds.scale = 0.75; app.canvas.ds.offset = [20, 40]; app.canvas.setDirty(true, true)"
         d.execute_script(view)
         time.sleep(1)
         d.save_screenshot(str(out / "2_loaded.png"))
         if args.steps:
             d.execute_script(
-                "const n = app.graph._nodes.find(n => n.type == 'LowVRAMTrainLoRA');"
+                f"const n = {nodes_js}.find("
+                "n => n.type == 'LowVRAMTrainLoRA');"
                 "for (const [k, v] of Object.entries(arguments[0])) n.widgets.find(w => w.name == k).value = v;",
                 {"steps": args.steps, "sample_every": max(1, args.steps // 3), "training_seed": int(time.time()) % 1000})
         run = d.execute_script(  # the Run button (frontend 1.27: a leaf "Run"; 1.49: text beside an icon)
@@ -107,16 +117,51 @@ def main(argv=None) -> int:
         d.execute_script(view)
         time.sleep(1)
         d.save_screenshot(str(out / "3_after_run.png"))
+        # The queue / job-history panel (1.27: the sidebar's Queue tab; 1.37+: this command's overlay).
+        d.execute_script("try { app.extensionManager.command.execute('Comfy.Queue.ToggleOverlay') } catch (e) {"
+                         " try { app.extensionManager.command.execute('Workspace.ToggleSidebarTab.queue') }"
+                         " catch (e2) {} }")
+        time.sleep(3)
+        d.save_screenshot(str(out / "4_queue_panel.png"))
         widgets = d.execute_script(
-            "return Object.fromEntries(app.graph._nodes.filter(n => n.type.startsWith('LowVRAM'))"
+            f"return Object.fromEntries({nodes_js}.filter("
+            "n => n.type.startsWith('LowVRAM'))"
             ".map(n => [n.type, Object.fromEntries((n.widgets || []).map(w => [w.name, String(w.value)]))]))")
         print(json.dumps(widgets, indent=1))
         saved = widgets.get("LowVRAMSaveLoRA", {}).get("saved", "")
         result = widgets.get("LowVRAMTrainLoRA", {}).get("result", "")
         print(f"screenshots in {out}")
-        return 0 if saved.endswith(".safetensors") and result.startswith("final loss") else 1
+        console, network = _browser_problems(d)
+        (out / "browser_problems.json").write_text(json.dumps({"console": console, "network": network}, indent=1))
+        print(json.dumps({"console": console, "network": network}, indent=1))
+        refused = [n for n in network if n.get("status") == 403 or n.get("websocket")]
+        ran = saved.endswith(".safetensors") and result.startswith("final loss")
+        return 0 if ran and not refused else 1
     finally:
         d.quit()
+
+
+def _browser_problems(d) -> tuple[list[dict], list[dict]]:
+    """(console messages of level WARNING or worse, failed HTTP answers and websocket trouble) seen so far."""
+    console = [{"level": e["level"], "message": e["message"][:500]} for e in d.get_log("browser")
+               if e["level"] in ("SEVERE", "WARNING")]
+    network, sockets = [], {}
+    for entry in d.get_log("performance"):
+        msg = json.loads(entry["message"])["message"]
+        method, params = msg.get("method", ""), msg.get("params", {})
+        if method == "Network.responseReceived" and params["response"]["status"] >= 400:
+            network.append({"status": params["response"]["status"], "url": params["response"]["url"]})
+        elif method == "Network.loadingFailed" and not params.get("canceled"):
+            network.append({"failed": params.get("errorText"), "type": params.get("type")})
+        elif method == "Network.webSocketCreated":
+            sockets[params["requestId"]] = params["url"]
+        elif method == "Network.webSocketHandshakeResponseReceived" and params["response"]["status"] != 101:
+            network.append({"websocket": sockets.get(params["requestId"]), "status": params["response"]["status"]})
+        elif method == "Network.webSocketFrameError":
+            network.append({"websocket": sockets.get(params["requestId"]), "error": params.get("errorMessage")})
+    if len(sockets) > 1:  # the editor reopens its socket only after losing one
+        network.append({"websocket": sorted(set(sockets.values())), "opened": len(sockets)})
+    return console, network
 
 
 if __name__ == "__main__":
