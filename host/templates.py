@@ -1,5 +1,9 @@
 """The shipped workflows, described once and written in both ComfyUI formats.
 
+Each family describes its own templates (``engine/families/<id>/templates.py``, ``TrainingTemplate``s);
+this module lays them out as graphs and writes them. ComfyUI lists a pack's templates only from a flat
+folder at the pack's root (``workflows/``), so those files are generated from the registry.
+
 ``python -m lowvram_lora.host.templates`` (re)writes ``workflows/*.json`` (UI
 format, what the editor loads and lists as templates), ``workflows/api/*.json``
 (API format, what ``/prompt`` takes) and a ``<name>.jpg`` thumbnail of each graph.
@@ -13,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..engine.families import TrainingTemplate, families
 from .workflow import input_specs, return_types
 
 WORKFLOWS_DIR = Path(__file__).resolve().parent.parent / "workflows"
@@ -181,125 +186,31 @@ def _train_graph(load: dict, cache: dict, offload: dict, train: dict, save: dict
     ]
 
 
-def demo_tiny_lora() -> tuple[list[NodeSpec], list[NoteSpec]]:
-    nodes = _train_graph(
-        load={"checkpoint": "flux1-tiny.safetensors", "family": "auto", "precision": "bf16"},
-        cache={"text_encoders": "diffusers/flux1-tiny", "dataset_path": "lowvram_demo/shapes",
-               "resolution": 128, "sample_prompts": "ohwx, a red circle\nohwx, a blue square"},
-        offload={"mode": "resident"},
-        train={"steps": 30, "learning_rate": 2e-3, "rank": 8, "alpha": 8.0, "warmup_steps": 3, "training_seed": 0,
-               "sample_every": 15, "sample_steps": 8, "sample_resolution": 128, "sample_seed": 0},
-        save={"filename_prefix": "loras/demo_tiny_lora"},
-    )
-    notes = [NoteSpec(6, (
-        "Demo: trains a LoRA on a tiny random Flux.1-architecture model, on CPU, in about a minute.\n\n"
-        "Prepare the files once with:\n  lowvram-lora demo --prepare-only --dir <ComfyUI root>\n"
-        "which writes models/diffusion_models/flux1-tiny.safetensors, models/diffusers/flux1-tiny/ and "
-        "input/lowvram_demo/shapes/ (synthetic captioned images). Then press Run: nothing to edit.\n\n"
-        "Headless: lowvram-lora run workflows/demo_tiny_lora.json --models-dir demo_output/models "
-        "--output-dir demo_output/output  (this is what `make demo` does)."), (40, 420))]
-    return nodes, notes
+def _graph(t: TrainingTemplate) -> tuple[list[NodeSpec], list[NoteSpec]]:
+    """A family's template as nodes: the training graph, plus Dual-GPU Split when it has one."""
+    nodes = _train_graph(t.load, t.cache, t.offload, t.train, t.save)
+    if t.split is not None:
+        next(n for n in nodes if n.class_type == "LowVRAMTrainLoRA").links["split"] = (7, 0)
+        nodes.append(NodeSpec(7, "LowVRAMDualGPUSplit", "Dual-GPU Split", (400, 440), dict(t.split), size=(340, 170)))
+    return nodes, [NoteSpec(6, t.note, t.note_pos)]
 
 
-def flux1_dev_lora() -> tuple[list[NodeSpec], list[NoteSpec]]:
-    nodes = _train_graph(
-        load={"checkpoint": "flux1-dev.safetensors", "family": "flux1", "precision": "bf16"},
-        cache={"text_encoders": "(single files below)", "dataset_path": "my_subject", "resolution": 1024,
-               "text_encoder_1": "clip_l.safetensors", "text_encoder_2": "t5xxl_fp16.safetensors",
-               "vae_file": "ae.safetensors"},
-        offload={"mode": "auto", "vram_budget_gb": 0.0},
-        train={"steps": 1500, "learning_rate": 1e-4, "rank": 16, "alpha": 16.0, "warmup_steps": 50, "training_seed": 42},
-        save={"filename_prefix": "loras/flux1_dev_lora"},
-    )
-    notes = [NoteSpec(6, (
-        "Flux.1-dev LoRA at 1024x1024.\n\nFiles (what ComfyUI users have):\n"
-        "- models/diffusion_models/flux1-dev.safetensors: the transformer (BFL single file; bf16 or fp8).\n"
-        "- models/text_encoders/clip_l.safetensors and t5xxl_fp16.safetensors (fp8 works too) and "
-        "models/vae/ae.safetensors. Inside ComfyUI its bundled tokenizers are used. Or set text_encoders to a "
-        "diffusers pipeline folder (models/diffusers/FLUX.1-dev) instead.\n"
-        "- input/my_subject/: your images with same-name .txt captions (or set dataset_path to any folder).\n\n"
-        "Memory: Offload Config 'auto' with budget 0 plans for 90% of the free VRAM: everything resident if it "
-        "fits, else blocks stream from pinned host RAM (needs ~24 GB of free RAM for bf16, ~12 GB for an int8 "
-        "slab). Measured on an H100 at 1024 (bench/RESULTS.md): resident 27.4 GB peak, 1.02 s/step; "
-        "auto with a 6 GB budget 5.8 GB, 1.10x; stream + activation offload 3.3 GB, 1.15-1.18x; with "
-        "precision 'int8 slab' + stream + activation offload 2.6 GB at 1.04-1.10x the bf16 resident step.\n"
-        "The LoRA is written to output/loras/; copy it to models/loras to use it."), (40, 420))]
-    return nodes, notes
+def shipped() -> dict[str, TrainingTemplate]:
+    """Every family's templates (``engine/families/<id>/templates.py``), by name."""
+    out: dict[str, TrainingTemplate] = {}
+    for family in families().values():
+        for t in family.templates():
+            if t.name in out:
+                raise ValueError(f"two families ship a template named {t.name!r}")
+            out[t.name] = t
+    return dict(sorted(out.items()))
 
 
-def flux2_dev_lora() -> tuple[list[NodeSpec], list[NoteSpec]]:
-    nodes = _train_graph(
-        load={"checkpoint": "flux2_dev_fp8mixed.safetensors", "family": "flux2", "precision": "int8 slab"},
-        cache={"text_encoders": "(single files below)", "dataset_path": "my_subject", "resolution": 1024,
-               "text_encoder_1": "mistral_3_small_flux2_bf16.safetensors", "vae_file": "flux2-vae.safetensors"},
-        offload={"mode": "auto", "vram_budget_gb": 8.5},
-        train={"steps": 1500, "learning_rate": 1e-4, "rank": 16, "alpha": 16.0, "warmup_steps": 0,
-               "training_seed": 42},
-        save={"filename_prefix": "loras/flux2_dev_lora"},
-    )
-    notes = [NoteSpec(6, (
-        "Flux.2-dev (32B) LoRA at 1024x1024 on an 8.5 GB VRAM budget (measured 6.6 GB peak at 1.07x the "
-        "all-resident step on an H100; the plan keeps 1 GB of headroom, so 8.1 GB is the least auto accepts at "
-        "1024, 6.3 GB at 512).\n\nFiles:\n"
-        "- models/diffusion_models/flux2_dev_fp8mixed.safetensors (ComfyUI's file; flux2-dev.safetensors in bf16 "
-        "works too). precision 'int8 slab' builds a 32 GB int8 slab once into models/slabs.\n"
-        "- models/text_encoders/mistral_3_small_flux2_bf16.safetensors (ComfyUI's file, or its pruned 30-layer "
-        "version; only layers 0-29 are read, one at a time; its embedded tokenizer is used) and "
-        "models/vae/flux2-vae.safetensors. Or set text_encoders to a diffusers folder (models/diffusers/FLUX.2-dev).\n"
-        "- input/my_subject/: your images with same-name .txt captions.\n\n"
-        "Memory: blocks stream from pinned host RAM (~35 GB free RAM for the int8 slab). The LoRA loads in ComfyUI "
-        "versions with Flux.2 support (0.33 checked)."), (40, 420))]
-    return nodes, notes
-
-
-def flux2_klein_lora() -> tuple[list[NodeSpec], list[NoteSpec]]:
-    nodes = _train_graph(
-        load={"checkpoint": "flux-2-klein-base-4b.safetensors", "family": "flux2", "precision": "bf16"},
-        cache={"text_encoders": "diffusers/FLUX.2-klein-base-4B", "dataset_path": "my_subject", "resolution": 1024},
-        offload={"mode": "auto", "vram_budget_gb": 5.0},
-        train={"steps": 1500, "learning_rate": 1e-4, "rank": 16, "alpha": 16.0, "warmup_steps": 0,
-               "training_seed": 42},
-        save={"filename_prefix": "loras/flux2_klein_lora"},
-    )
-    notes = [NoteSpec(6, (
-        "Flux.2 klein LoRA at 1024x1024 on a 5 GB VRAM budget (klein 4B measured 3.3 GB at 1.01x the resident "
-        "step; auto accepts 4.1 GB at the least). Trainers recommend the undistilled 'base' "
-        "variants for LoRA training; the 9B works the same way (pick its files).\n\nFiles:\n"
-        "- models/diffusion_models/flux-2-klein-base-4b.safetensors (or the 9B / distilled klein file).\n"
-        "- models/diffusers/FLUX.2-klein-base-4B/: text_encoder (Qwen3), tokenizer, vae.\n"
-        "- input/my_subject/: your images with same-name .txt captions.\n\n"
-        "klein has no guidance embedding: Train LoRA's guidance value is ignored."), (40, 420))]
-    return nodes, notes
-
-
-def flux2_dev_dual_gpu() -> tuple[list[NodeSpec], list[NoteSpec]]:
-    nodes, _ = flux2_dev_lora()
-    offload = next(n for n in nodes if n.class_type == "LowVRAMOffloadConfig")
-    offload.widgets["vram_budget_gb"] = 0.0  # the per-GPU budgets come from Dual-GPU Split
-    train = next(n for n in nodes if n.class_type == "LowVRAMTrainLoRA")
-    train.links["split"] = (7, 0)
-    next(n for n in nodes if n.class_type == "LowVRAMSaveLoRA").widgets["filename_prefix"] = "loras/flux2_dev_dual_gpu"
-    nodes.append(NodeSpec(7, "LowVRAMDualGPUSplit", "Dual-GPU Split", (400, 440),
-                          {"mode": "split", "devices": "cuda:0,cuda:1", "cut": -1, "vram_budget_gb": "12,12"},
-                          size=(340, 170)))
-    notes = [NoteSpec(6, (
-        "Flux.2-dev (32B) LoRA at 1024x1024 on two GPUs (files as in flux2_dev_lora).\n\n"
-        "Dual-GPU Split, mode split: the blocks are cut in two; each GPU holds its part of the int8 slab within "
-        "its budget (12 GB each here) and streams the rest from pinned host RAM. The cut is chosen so both GPUs "
-        "peak at about the same level; the plan for each GPU is printed before training.\n"
-        "mode data_parallel instead: one training process per GPU, each with the whole streamed model and its "
-        "own images; LoRA gradients are averaged, so the effective batch doubles and images/s about double "
-        "(measured figures: bench/RESULTS.md, 'parallel' rows).\n\n"
-        "Several hosts: data parallel runs under torchrun too; see README 'Multi-GPU'."), (40, 640))]
-    return nodes, notes
-
-
-SHIPPED = {"demo_tiny_lora": demo_tiny_lora, "flux1_dev_lora": flux1_dev_lora, "flux2_dev_lora": flux2_dev_lora,
-           "flux2_klein_lora": flux2_klein_lora, "flux2_dev_dual_gpu": flux2_dev_dual_gpu}
+SHIPPED = shipped()
 
 
 def build(name: str, mappings: Mapping[str, type], display: Mapping[str, str]) -> tuple[dict, dict]:
-    nodes, notes = SHIPPED[name]()
+    nodes, notes = _graph(SHIPPED[name])
     return to_ui(nodes, notes, mappings, display), to_api(nodes, mappings)
 
 

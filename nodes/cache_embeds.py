@@ -12,6 +12,13 @@ SINGLE_FILES = "(single files below)"
 NONE = "(none)"
 
 
+def _per_family(kind: str) -> str:
+    """One help line per registered family (``ModelFamily.file_help``): the help is written once, in the family."""
+    from ..engine.families import families
+
+    return " ".join(f"{f.display_name}: {f.file_help[kind]}." for f in families().values() if kind in f.file_help)
+
+
 class LowVRAMCacheTextEmbeds:
     DESCRIPTION = (
         "Encodes every caption with the text encoders and every image with the VAE, once, into a cache on disk. "
@@ -32,13 +39,9 @@ class LowVRAMCacheTextEmbeds:
                 "text_encoders": ([FROM_CHECKPOINT, SINGLE_FILES] + list_diffusers_folders(), {
                     "default": FROM_CHECKPOINT,
                     "tooltip": "Diffusers pipeline folder (models/diffusers) whose text encoders, tokenizers and "
-                               "VAE are used. Flux.1: text_encoder (CLIP-L), text_encoder_2 (T5-XXL), tokenizer, "
-                               "tokenizer_2, vae. Flux.2-dev: text_encoder (Mistral-Small 3.x 24B; only layers 0-29 "
-                               "are ever read), tokenizer, vae (AutoencoderKLFlux2). Flux.2 klein: text_encoder "
-                               "(Qwen3 4B/8B), tokenizer, vae. '(from checkpoint)' works when the checkpoint is "
-                               "itself a pipeline folder. '(single files below)' uses the text_encoder_1/2 and "
-                               "vae_file inputs instead (Flux.1: clip_l, t5xxl, ae.safetensors; Flux.2: the "
-                               "Mistral or Qwen3 file and the Flux.2 VAE).",
+                               "VAE are used. " + _per_family("pipeline") + " '(from checkpoint)' works when the "
+                               "checkpoint is itself a pipeline folder. '(single files below)' uses the "
+                               "text_encoder_1/2 and vae_file inputs instead.",
                 }),
                 "dataset_path": ("STRING", {
                     "default": "",
@@ -69,27 +72,25 @@ class LowVRAMCacheTextEmbeds:
                 }),
                 "max_sequence_length": ("INT", {
                     "default": 0, "min": 0, "max": 512,
-                    "tooltip": "Text tokens kept per caption (T5 for Flux.1, the LLM for Flux.2). 0 = the model's "
-                               "default (512 for Flux.1-dev and Flux.2). Shorter is faster if captions are short.",
+                    "tooltip": "Text tokens kept per caption (by the sequence encoder: T5, or the LLM). 0 = the "
+                               "model's own default (its pipeline's). Shorter is faster if captions are short.",
                 }),
                 # Last: UI-format workflows store widget values by position.
                 "text_encoder_1": ([NONE] + list_files(TEXT_ENCODER_FOLDERS), {
                     "default": NONE,
-                    "tooltip": "With text_encoders '(single files below)'. Flux.1: clip_l.safetensors or "
-                               "t5xxl_fp16.safetensors (fp8 / scaled fp8 too) from models/text_encoders; the two "
-                               "inputs may be in either order; tokenizers: inside ComfyUI its bundled ones, else a "
-                               "folder named like the file (without .safetensors) beside it. Flux.2: the Mistral "
-                               "(dev, mistral_3_small_flux2_bf16.safetensors: its embedded tokenizer is used) or "
-                               "Qwen3 (klein: tokenizer files in that folder beside it) file here, and "
-                               "text_encoder_2 '(none)'.",
+                    "tooltip": "With text_encoders '(single files below)': a text-encoder file from "
+                               "models/text_encoders (fp8 / scaled fp8 too); which file is which is told from its "
+                               "tensors, so the inputs may be in either order; a family with one text encoder "
+                               "leaves text_encoder_2 '(none)'. " + _per_family("single_files"),
                 }),
                 "text_encoder_2": ([NONE] + list_files(TEXT_ENCODER_FOLDERS), {
-                    "default": NONE, "tooltip": "The other Flux.1 text encoder file (see text_encoder_1).",
+                    "default": NONE, "tooltip": "A second text-encoder file, for families with two (Flux.1: "
+                                                "clip_l + t5xxl; see text_encoder_1).",
                 }),
                 "vae_file": ([NONE] + list_files(VAE_FOLDERS), {
                     "default": NONE,
-                    "tooltip": "With text_encoders '(single files below)': the VAE file from models/vae "
-                               "(Flux.1 ae.safetensors, or the Flux.2 VAE; BFL names).",
+                    "tooltip": "With text_encoders '(single files below)': the VAE file from models/vae (the "
+                               "Flux.1 ae.safetensors serves Flux.1, Z-Image and Lumina 2; Flux.2 has its own).",
                 }),
                 "sample_prompts": ("STRING", {
                     "default": "", "multiline": True,

@@ -9,9 +9,8 @@ CATEGORY = "LowVRAM LoRA"
 class LowVRAMLoadQuantizedSlab:
     DESCRIPTION = (
         "Chooses the base diffusion transformer to train a LoRA on: a ComfyUI single file from "
-        "models/diffusion_models (BFL names; bf16, fp16 or fp8, including ComfyUI's fp8-mixed Flux.2 files) or a "
-        "diffusers folder from models/diffusers. Flux.1 (dev, schnell) and Flux.2 (dev, klein 4B/9B and their base "
-        "variants). "
+        "models/diffusion_models (bf16, fp16 or fp8, including ComfyUI's fp8-mixed files) or a diffusers folder "
+        "from models/diffusers. Every model family the pack knows (the family input lists them). "
         "It only reads the file header to check the model family and shapes; weights are loaded when training starts."
     )
     CATEGORY = CATEGORY
@@ -22,17 +21,20 @@ class LowVRAMLoadQuantizedSlab:
 
     @classmethod
     def INPUT_TYPES(cls):
+        from ..engine.families import families, family_ids
+
         return {
             "required": {
                 "checkpoint": (list_transformer_choices(), {
                     "tooltip": "The base transformer: a .safetensors file from models/diffusion_models (or unet, "
                                "checkpoints), or 'diffusers/<folder>' from models/diffusers.",
                 }),
-                "family": (["auto", "flux1", "flux2"], {
+                "family": (["auto"] + family_ids(), {
                     "default": "auto",
                     "tooltip": "Model family. 'auto' detects it from the tensor names; set it to get a clearer "
-                               "error when a file is not what you expect. flux1: flux1-dev.safetensors (or schnell). "
-                               "flux2: flux2_dev_fp8mixed.safetensors / flux2-dev.safetensors, or a klein 4B/9B file.",
+                               "error when a file is not what you expect. "
+                               + " ".join(f"{f.id}: {f.file_help.get('checkpoint', f.display_name)}."
+                                          for f in families().values()),
                 }),
                 "precision": (["bf16", "int8 slab"], {
                     "default": "bf16",

@@ -39,20 +39,41 @@ def slab_cli(*argv):
 
 
 def eval_flow_loss(model, family, dataset, n=16):
-    """Flow-matching loss at fixed noise and timesteps: comparable before/after training."""
+    """Flow-matching loss at fixed noise and timesteps: comparable before/after training. Any family: the
+    model is called through its own convention (``family.predict_velocity``), captions collated as in training."""
     from lowvram_lora.engine.train.flow_matching import noisy_latents_and_target, sample_sigmas
 
     g = torch.Generator().manual_seed(123)
     lat, emb = dataset.load_item(dataset.items[0])
-    lat, emb = lat[None], {k: v[None].float() for k, v in emb.items()}
+    lat = lat[None]
+    emb = {k: v.float() if v.is_floating_point() else v for k, v in dataset.collate_text([emb]).items()}
     total = 0.0
     with torch.no_grad():
         for _ in range(n):
             sigma = sample_sigmas(1, g)
             noisy, target = noisy_latents_and_target(lat, torch.randn(lat.shape, generator=g), sigma)
-            pred = family.unpack_prediction(model(**family.model_inputs(model, noisy, emb, sigma, 1.0))[0], lat)
+            pred = family.predict_velocity(model, noisy, emb, sigma, 1.0)
             total += torch.nn.functional.mse_loss(pred, target).item()
     return total / n
+
+
+def family_inputs(model, family, width=64, height=64, length=7, sigma=0.4):
+    """Random model inputs for any family's tiny transformer: latents of a width x height image, every cached
+    embedding the family takes (``text_widths``; variable-length ones with a mask that leaves 2 tokens out)."""
+    g = torch.Generator().manual_seed(0)
+    config = dict(model.config)
+    latents = torch.randn(1, *family.latent_shape(model, width, height), generator=g)
+    variant = family.variant_for_config(config)
+    specs = {s.cache_key: s for s in family.text_encoder_specs(family.tiny_variant if variant == "custom" else variant)}
+    embeds = {}
+    for key, w in family.text_widths(config).items():
+        if specs[key].kind == "clip_pooled":
+            embeds[key] = torch.randn(1, w, generator=g)
+            continue
+        embeds[key] = torch.randn(1, length, w, generator=g)
+        if specs[key].length == "variable":
+            embeds[specs[key].mask_key] = torch.tensor([[1] * (length - 2) + [0, 0]])
+    return latents, embeds, torch.tensor([sigma])
 
 
 def block_inputs(model, family):

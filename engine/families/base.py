@@ -196,6 +196,23 @@ class Guidance:
         return out
 
 
+@dataclass(frozen=True)
+class TrainingTemplate:
+    """A shipped workflow of the family: the five-node training graph (Load, Cache, Offload, Train, Save;
+    ``host/templates.py`` lays it out) with these widget values, a note for the user, and optionally a
+    Dual-GPU Split node. A family lists its own in ``<folder>/templates.py`` as ``TEMPLATES``."""
+
+    name: str  # the workflow's file name (workflows/<name>.json)
+    load: dict[str, Any]
+    cache: dict[str, Any]
+    offload: dict[str, Any]
+    train: dict[str, Any]
+    save: dict[str, Any]
+    note: str
+    split: dict[str, Any] | None = None
+    note_pos: tuple[int, int] = (40, 420)
+
+
 def static_shift_mu(shift: float) -> float:
     """A static shift s (sigma' = s sigma / (1 + (s - 1) sigma)) as the exponential shift's mu = ln s."""
     return math.log(shift)
@@ -216,6 +233,10 @@ class ModelFamily:
     structural_keys: ClassVar[tuple[str, ...]]
     #: The tiny random variant the fixtures build (tests, the demo).
     tiny_variant: ClassVar[str]
+    #: What users have on disk, for the nodes' tooltips (written once here, collected over the registry):
+    #: ``checkpoint`` (models/diffusion_models), ``pipeline`` (a diffusers folder's parts), ``single_files``
+    #: (models/text_encoders and models/vae).
+    file_help: ClassVar[dict[str, str]] = {}
     #: Native tensors real files carry that the model does not use (not in ``param_table``): ignored on reading.
     unused_native_keys: ClassVar[tuple[str, ...]] = ()
 
@@ -348,6 +369,13 @@ class ModelFamily:
         """The folder's ``fixtures`` module: ``build_tiny_pipeline(folder, seed=0) -> Path`` and
         ``write_single_file(pipeline, out_file) -> Path`` (tests and the demo; never downloads)."""
         return import_module(".fixtures", family_package(self))
+
+    def templates(self) -> list[TrainingTemplate]:
+        """The folder's shipped workflows (``templates.py``'s ``TEMPLATES``; none if it has no such module)."""
+        import importlib.util
+
+        name = f"{family_package(self)}.templates"
+        return list(import_module(name).TEMPLATES) if importlib.util.find_spec(name) else []
 
     def __repr__(self) -> str:
         return f"<family {self.id}>"

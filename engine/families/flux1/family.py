@@ -44,6 +44,13 @@ class Flux1Family(ModelFamily):
                        "guidance_embeds")
     lora_targets = {"transformer_blocks": DOUBLE_BLOCK_TARGETS, "single_transformer_blocks": SINGLE_BLOCK_TARGETS}
     chunked_recompute = True
+    file_help = {
+        "checkpoint": "flux1-dev.safetensors or flux1-schnell.safetensors (BFL names; bf16, fp16, fp8, scaled fp8)",
+        "pipeline": "text_encoder (CLIP-L), text_encoder_2 (T5-XXL), tokenizer, tokenizer_2, vae",
+        "single_files": "clip_l.safetensors and t5xxl_fp16.safetensors (fp8 / scaled fp8 too; in either input; "
+                        "tokenizers: ComfyUI's bundled ones, else a folder named like the file beside it), "
+                        "ae.safetensors",
+    }
 
     # --- identity ----------------------------------------------------------------------------
 

@@ -105,6 +105,14 @@ class Flux2Family(ModelFamily):
     vae = Flux2VaeSpec("AutoencoderKLFlux2", "")  # its single file has its own loader (caching/single_files.py)
     lora_targets = {"transformer_blocks": DOUBLE_BLOCK_TARGETS, "single_transformer_blocks": SINGLE_BLOCK_TARGETS}
     chunked_recompute = True
+    file_help = {
+        "checkpoint": "flux2_dev_fp8mixed.safetensors or flux2-dev.safetensors, or a klein 4B/9B file (and its base "
+                      "variants)",
+        "pipeline": "dev: text_encoder (Mistral-Small 3.x 24B; only layers 0-29 are read), tokenizer, vae "
+                    "(AutoencoderKLFlux2); klein: text_encoder (Qwen3 4B/8B), tokenizer, vae",
+        "single_files": "mistral_3_small_flux2_bf16.safetensors (its embedded tokenizer is used) or the Qwen3 file "
+                        "for klein (tokenizer files in a folder named like it), and flux2-vae.safetensors",
+    }
     # Outside the blocks but large (Flux.2-dev: 566 M modulation + 94 M text-embedder parameters, 1.3 GB
     # in bf16): int8 in slabs like the block Linears. They run once per forward, outside checkpointing.
     int8_extra_linears = (

@@ -78,6 +78,12 @@ class Lumina2Family(ModelFamily):
     # ComfyUI maps diffusers-named Lumina 2 LoRAs nowhere (its Lumina2 branch uses Z-Image's names and
     # MHA offsets); native names on the fused qkv load through its generic ``diffusion_model.`` map.
     comfyui_lora_form = "native_fused"
+    file_help = {
+        "checkpoint": "lumina_2_model_bf16.safetensors (ComfyUI's NextDiT names; the all-in-one lumina_2.safetensors "
+                      "is not read)",
+        "pipeline": "text_encoder (Gemma-2-2B; layers 0-24 are read), tokenizer, vae (the Flux.1 AE)",
+        "single_files": "gemma_2_2b_fp16.safetensors (tokenizer files in a folder named like it) and ae.safetensors",
+    }
     #: ``norm_final.weight``: in real files, unused by the model (names.py).
     unused_native_keys = UNUSED_NATIVE_KEYS
 

@@ -78,6 +78,12 @@ class ZImageFamily(ModelFamily):
     # ComfyUI maps diffusers-named Z-Image LoRAs (``transformer.layers.N.attention.to_q``) onto its fused qkv
     # (comfy/lora.py model_lora_keys_unet, model_base.Lumina2 branch, through z_image_to_diffusers).
     comfyui_lora_form = "diffusers_names"
+    file_help = {
+        "checkpoint": "z_image_turbo_bf16.safetensors or z_image_bf16.safetensors (Base; ComfyUI's NextDiT names)",
+        "pipeline": "text_encoder (Qwen3-4B; layers 0-34 are read), tokenizer, vae (the Flux.1 AE)",
+        "single_files": "qwen_3_4b.safetensors (tokenizer files with Qwen3's chat template in a folder named like "
+                        "it) and ae.safetensors",
+    }
 
     # --- identity --------------------------------------------------------------------------------
 

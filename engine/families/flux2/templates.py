@@ -1,0 +1,65 @@
+"""Flux.2's shipped workflows (``host/templates.py`` writes them to ``workflows/`` in UI and API form)."""
+from ..base import TrainingTemplate
+
+TEMPLATES = [
+    TrainingTemplate(
+        name="flux2_dev_lora",
+        load={"checkpoint": "flux2_dev_fp8mixed.safetensors", "family": "flux2", "precision": "int8 slab"},
+        cache={"text_encoders": "(single files below)", "dataset_path": "my_subject", "resolution": 1024,
+               "text_encoder_1": "mistral_3_small_flux2_bf16.safetensors", "vae_file": "flux2-vae.safetensors"},
+        offload={"mode": "auto", "vram_budget_gb": 8.5},
+        train={"steps": 1500, "learning_rate": 1e-4, "rank": 16, "alpha": 16.0, "warmup_steps": 0,
+               "training_seed": 42},
+        save={"filename_prefix": "loras/flux2_dev_lora"},
+        note=(
+        "Flux.2-dev (32B) LoRA at 1024x1024 on an 8.5 GB VRAM budget (measured 6.6 GB peak at 1.07x the "
+        "all-resident step on an H100; the plan keeps 1 GB of headroom, so 8.1 GB is the least auto accepts at "
+        "1024, 6.3 GB at 512).\n\nFiles:\n"
+        "- models/diffusion_models/flux2_dev_fp8mixed.safetensors (ComfyUI's file; flux2-dev.safetensors in bf16 "
+        "works too). precision 'int8 slab' builds a 32 GB int8 slab once into models/slabs.\n"
+        "- models/text_encoders/mistral_3_small_flux2_bf16.safetensors (ComfyUI's file, or its pruned 30-layer "
+        "version; only layers 0-29 are read, one at a time; its embedded tokenizer is used) and "
+        "models/vae/flux2-vae.safetensors. Or set text_encoders to a diffusers folder (models/diffusers/FLUX.2-dev).\n"
+        "- input/my_subject/: your images with same-name .txt captions.\n\n"
+        "Memory: blocks stream from pinned host RAM (~35 GB free RAM for the int8 slab). The LoRA loads in ComfyUI "
+        "versions with Flux.2 support (0.33 checked)."),
+    ),
+    TrainingTemplate(
+        name="flux2_klein_lora",
+        load={"checkpoint": "flux-2-klein-base-4b.safetensors", "family": "flux2", "precision": "bf16"},
+        cache={"text_encoders": "diffusers/FLUX.2-klein-base-4B", "dataset_path": "my_subject", "resolution": 1024},
+        offload={"mode": "auto", "vram_budget_gb": 5.0},
+        train={"steps": 1500, "learning_rate": 1e-4, "rank": 16, "alpha": 16.0, "warmup_steps": 0,
+               "training_seed": 42},
+        save={"filename_prefix": "loras/flux2_klein_lora"},
+        note=(
+        "Flux.2 klein LoRA at 1024x1024 on a 5 GB VRAM budget (klein 4B measured 3.3 GB at 1.01x the resident "
+        "step; auto accepts 4.1 GB at the least). Trainers recommend the undistilled 'base' "
+        "variants for LoRA training; the 9B works the same way (pick its files).\n\nFiles:\n"
+        "- models/diffusion_models/flux-2-klein-base-4b.safetensors (or the 9B / distilled klein file).\n"
+        "- models/diffusers/FLUX.2-klein-base-4B/: text_encoder (Qwen3), tokenizer, vae.\n"
+        "- input/my_subject/: your images with same-name .txt captions.\n\n"
+        "klein has no guidance embedding: Train LoRA's guidance value is ignored."),
+    ),
+    TrainingTemplate(
+        name="flux2_dev_dual_gpu",
+        load={"checkpoint": "flux2_dev_fp8mixed.safetensors", "family": "flux2", "precision": "int8 slab"},
+        cache={"text_encoders": "(single files below)", "dataset_path": "my_subject", "resolution": 1024,
+               "text_encoder_1": "mistral_3_small_flux2_bf16.safetensors", "vae_file": "flux2-vae.safetensors"},
+        offload={"mode": "auto", "vram_budget_gb": 0.0},  # the per-GPU budgets come from Dual-GPU Split
+        train={"steps": 1500, "learning_rate": 1e-4, "rank": 16, "alpha": 16.0, "warmup_steps": 0,
+               "training_seed": 42},
+        save={"filename_prefix": "loras/flux2_dev_dual_gpu"},
+        split={"mode": "split", "devices": "cuda:0,cuda:1", "cut": -1, "vram_budget_gb": "12,12"},
+        note=(
+        "Flux.2-dev (32B) LoRA at 1024x1024 on two GPUs (files as in flux2_dev_lora).\n\n"
+        "Dual-GPU Split, mode split: the blocks are cut in two; each GPU holds its part of the int8 slab within "
+        "its budget (12 GB each here) and streams the rest from pinned host RAM. The cut is chosen so both GPUs "
+        "peak at about the same level; the plan for each GPU is printed before training.\n"
+        "mode data_parallel instead: one training process per GPU, each with the whole streamed model and its "
+        "own images; LoRA gradients are averaged, so the effective batch doubles and images/s about double "
+        "(measured figures: bench/RESULTS.md, 'parallel' rows).\n\n"
+        "Several hosts: data parallel runs under torchrun too; see README 'Multi-GPU'."),
+        note_pos=(40, 640),
+    ),
+]

@@ -1,0 +1,119 @@
+"""Every family's shipped template, run end to end on its tiny model under the real file names.
+
+Parametrized over the registry: each template whose Cache Text Embeds reads one text-encoder single file
+(Z-Image, Lumina 2, Flux.2-dev) gets the family's tiny transformer, text encoder and VAE written under the
+names the template expects (``fixtures.py`` of the family), then runs through ``lowvram-lora run`` with only
+sizes and steps overridden. Checked against independent references:
+- the base model trained on (the slab the run built, or the file it read) gives the forward of diffusers'
+  own model from the pipeline folder (int8 slab: 0.02 relative L2; a lossless file: 1e-5);
+- the saved LoRA, merged into that reference, lowers the flow-matching loss on the cached image;
+- the same LoRA saved in diffusers' format loads through diffusers' ``load_lora_adapter`` and gives our
+  merge's output (1e-4), and changes it.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+
+import pytest
+import torch
+from helpers import eval_flow_loss, family_inputs, merged
+
+from lowvram_lora.engine.families import families
+from lowvram_lora.host.executor import configure_standalone_dirs
+from lowvram_lora.host.run_command import run_workflow_command
+from lowvram_lora.host.templates import WORKFLOWS_DIR
+from lowvram_lora.nodes import NODE_CLASS_MAPPINGS
+
+SINGLE_TE = [pytest.param(f.id, t, id=t.name) for f in families().values() for t in f.templates()
+             if t.cache.get("text_encoders") == "(single files below)" and "text_encoder_2" not in t.cache
+             and t.split is None]
+
+
+def _user_files(family, pipeline, root, template, tmp_path):
+    """The tiny model's files under the template's names, in a ComfyUI-style models folder."""
+    from lowvram_lora.engine.testing import make_tiny_dataset
+
+    fixtures = family.fixtures()
+    models = root / "models"
+    fixtures.write_single_file(pipeline, models / "diffusion_models" / template.load["checkpoint"])
+    files = fixtures.write_text_and_vae_files(pipeline, tmp_path / "files")
+    for key, folder, source in (("text_encoder_1", "text_encoders", files["text_encoder"]),
+                                ("vae_file", "vae", files["vae"])):
+        dest = models / folder / template.cache[key]
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(source, dest)
+        if source.with_suffix("").is_dir():  # the companion folder: tiny config (and tokenizer)
+            shutil.copytree(source.with_suffix(""), dest.with_suffix(""))
+    make_tiny_dataset(root / "input" / template.cache["dataset_path"], count=1)
+
+
+@pytest.mark.parametrize("family_id, template", SINGLE_TE)
+def test_template_trains_the_right_thing_on_the_tiny_model(family_id, template, tmp_path, capsys):
+    from lowvram_lora.engine.caching.cache import open_dataset_cache
+    from lowvram_lora.engine.lora_io import load_lora, save_lora
+    from lowvram_lora.engine.models import load_transformer
+    from lowvram_lora.engine.slab import load_slab_transformer
+
+    family = families()[family_id]
+    pipeline = family.fixtures().build_tiny_pipeline(tmp_path / "pipe")
+    root = tmp_path / "root"
+    _user_files(family, pipeline, root, template, tmp_path)
+    args = argparse.Namespace(workflow=str(WORKFLOWS_DIR / f"{template.name}.json"), models_dir=str(root / "models"),
+                              output_dir=str(root / "output"), no_progress=True, traceback=True,
+                              overrides=["2.resolution=128", "4.steps=8", "4.learning_rate=0.01", "4.warmup_steps=0",
+                                         "4.sample_every=4", "4.sample_resolution=64", "4.sample_steps=2"])
+    code = run_workflow_command(args, NODE_CLASS_MAPPINGS, configure_dirs=configure_standalone_dirs)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    saved = sorted((root / "output" / "loras").glob(f"{template.name}_*_.safetensors"))
+    assert len(saved) == 1, out
+    lora = load_lora(saved[0])
+    assert lora.metadata["lowvram_lora.family"] == family_id and lora.metadata["lowvram_lora.steps"] == "8"
+    assert "sampled 1 prompt(s) at step 8" in out
+
+    ref = family.transformer_class().from_pretrained(pipeline / "transformer", use_safetensors=True,
+                                                     torch_dtype=torch.float32, local_files_only=True)
+    slabs = sorted((root / "models" / "slabs").glob("*.slab.safetensors"))
+    if template.load["precision"] == "int8 slab":
+        assert len(slabs) == 1
+        trained_on, bound = load_slab_transformer(slabs[0], torch.float32)[0], 0.02
+    else:
+        trained_on = load_transformer(root / "models" / "diffusion_models" / template.load["checkpoint"],
+                                      dtype=torch.float32)[0]
+        bound = 1e-5
+    latents, embeds, sigma = family_inputs(ref, family)
+    with torch.no_grad():
+        want = family.predict_velocity(ref, latents, embeds, sigma, 1.0)
+        got = family.predict_velocity(trained_on, latents, embeds, sigma, 1.0)
+    rel = ((got - want).norm() / want.norm()).item()
+    assert rel < bound, f"the model trained on is {rel:.4f} away from the reference (bound {bound})"
+
+    cache = open_dataset_cache(next((root / "output" / "lowvram_cache").rglob("datasets/*.json")))
+    before = eval_flow_loss(ref, family, cache)
+    after = eval_flow_loss(merged(ref, lora.state_dict, 1.0), family, cache)
+    assert after < before, f"the trained LoRA did not lower the loss: {before:.5f} -> {after:.5f}"
+
+    # The diffusers form of the same LoRA through diffusers' own loader equals our merge.
+    save_lora(lora, tmp_path / "diffusers.safetensors", fmt="diffusers", dtype="fp32")
+    with_adapter = family.transformer_class().from_pretrained(pipeline / "transformer", use_safetensors=True,
+                                                              torch_dtype=torch.float32, local_files_only=True)
+    with_adapter.load_lora_adapter(str(tmp_path / "diffusers.safetensors"), adapter_name="lowvram",
+                                   prefix="transformer")
+    ours = merged(ref, load_lora(tmp_path / "diffusers.safetensors").state_dict, 1.0)
+    with torch.no_grad():
+        a = family.predict_velocity(with_adapter, latents, embeds, sigma, 1.0)
+        b = family.predict_velocity(ours, latents, embeds, sigma, 1.0)
+    assert ((a - b).norm() / b.norm()).item() < 1e-4
+    assert ((b - want).norm() / want.norm()).item() > 1e-6, "the LoRA changed nothing"
+
+
+@pytest.mark.parametrize("family_id, template", SINGLE_TE)
+def test_template_without_its_files_names_them(family_id, template, tmp_path):
+    """The full-size template with its files absent: a clear error naming the missing file, before anything runs."""
+    from lowvram_lora.host.workflow import WorkflowError, load_workflow, to_api_graph
+
+    configure_standalone_dirs(str(tmp_path / "empty"), str(tmp_path / "out"))
+    with pytest.raises(WorkflowError) as e:
+        to_api_graph(load_workflow(WORKFLOWS_DIR / f"{template.name}.json"), NODE_CLASS_MAPPINGS)
+    assert template.load["checkpoint"] in str(e.value)
