@@ -19,7 +19,7 @@ from ..config import LoraSettings, TrainConfig
 from ..errors import ConfigError
 from ..fileio import FileLock, atomic_write, write_json_atomic
 from ..version import VERSION
-from .trained_lora import TrainedLora
+from ..train.trained_lora import TrainedLora
 
 REUSE_FORMAT = 1  # bump when the stored entry's layout changes
 
@@ -76,7 +76,7 @@ def train_or_reuse(model, dataset, lora: LoraSettings, train: TrainConfig, cache
     completed run is stored as finished: an interrupted or failed one never is.
     ``model`` is a ModelInfo (engine.models.inspect), ``dataset`` a DatasetCache. ``parallel``
     (engine/parallel ParallelConfig): split mode trains in this process across two GPUs; data
-    parallel starts one worker process per GPU (engine/parallel/launch.py). A second run of the same key
+    parallel starts one worker process per GPU (engine/runs/launch.py). A second run of the same key
     while one runs (another process) is refused with a message: they would share one resume folder.
     """
     world = parallel.world_size if parallel is not None else 1
@@ -106,8 +106,8 @@ def train_or_reuse(model, dataset, lora: LoraSettings, train: TrainConfig, cache
 
 def _train_and_store(model, dataset, lora: LoraSettings, train: TrainConfig, cache_dir: Path, callback, parallel,
                      key: str, **train_kwargs) -> TrainedLora:
-    from .loop import train_lora
-    from .resume import ResumeStore, auto_save_every
+    from ..train.loop import train_lora
+    from ..train.resume import ResumeStore, auto_save_every
 
     every = auto_save_every(train.steps) if train.save_every == 0 else train.save_every
     enabled = True  # adamw8bit too: its 8-bit moments are stored by their plain parts (resume.py)
@@ -115,7 +115,7 @@ def _train_and_store(model, dataset, lora: LoraSettings, train: TrainConfig, cac
     store_args = {"root": str(Path(cache_dir) / "resume"), "key": key, "settings": settings, "save_every": every,
                   "family_key": stable_hash([model.identity, dataset.dataset_hash]), "enabled": enabled}
     if parallel is not None and parallel.mode == "data_parallel":
-        from ..parallel.launch import train_data_parallel
+        from .launch import train_data_parallel
 
         result = train_data_parallel(model.config, dataset, lora, train, callback, parallel, store_args,
                                      Path(cache_dir), **train_kwargs)
