@@ -8,18 +8,15 @@ Memory/offload settings are not in the key: they change speed, not the result.
 """
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
-
-from safetensors.torch import load_file, save_file
 
 from ..hashing import stable_hash
 from ..config import LoraSettings, TrainConfig
 from ..errors import ConfigError
-from ..fileio import FileLock, atomic_write, write_json_atomic
+from ..fileio import FileLock
 from ..version import VERSION
-from ..train.trained_lora import TrainedLora
+from ..train.trained_lora import TrainedLora, read_trained, write_trained
 
 REUSE_FORMAT = 1  # bump when the stored entry's layout changes
 
@@ -35,26 +32,6 @@ def training_key(model_identity: str, dataset_hash: str, lora: LoraSettings, tra
     if world_size > 1:
         settings["data_parallel_world_size"] = world_size
     return stable_hash([VERSION, REUSE_FORMAT, model_identity, dataset_hash, asdict(lora), settings])
-
-
-def read_trained(folder: Path, name: str) -> TrainedLora | None:
-    """A TrainedLora written by ``write_trained`` (weights .safetensors + metadata .json), or None."""
-    weights, info = Path(folder) / f"{name}.safetensors", Path(folder) / f"{name}.json"
-    if not (weights.exists() and info.exists()):
-        return None
-    try:
-        meta = json.loads(info.read_text())
-        return TrainedLora(state_dict=load_file(str(weights)), **meta)
-    except Exception:  # unreadable or from another layout: a miss
-        return None
-
-
-def write_trained(folder: Path, name: str, lora: TrainedLora, what: str) -> None:
-    """Weights first, then the metadata JSON, which marks the pair complete (both atomic)."""
-    meta = {f.name: getattr(lora, f.name) for f in fields(lora) if f.name != "state_dict"}
-    with atomic_write(Path(folder) / f"{name}.safetensors", what) as tmp:
-        save_file({k: v.contiguous() for k, v in lora.state_dict.items()}, str(tmp))
-    write_json_atomic(Path(folder) / f"{name}.json", meta, what, indent=None)
 
 
 def load_finished(cache_dir: Path, key: str) -> TrainedLora | None:
