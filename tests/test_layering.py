@@ -5,7 +5,8 @@ imports ComfyUI.
 Nothing is imported: every .py of the package is parsed with ``ast``, and every import statement counts,
 the ones inside functions too (a deferred import is still an arrow; deferring it only hides a cycle
 until the day someone moves it up). Only imports under ``if TYPE_CHECKING:`` are left out: they never
-run, so they cannot make a cycle or pull a higher layer in.
+run, so they cannot make a cycle or pull a higher layer in. Modules loaded by name through importlib
+(the family registry finds its own folders that way) are not seen.
 """
 from __future__ import annotations
 
