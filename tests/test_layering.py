@@ -17,7 +17,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root is the package ``lowvram_lora``
 PACKAGE = "lowvram_lora"
-NOT_PACKAGE = ("tests/", "bench/", "docs/", "setup.py")  # in the repository, not in the package
 
 #: The layers, bottom first. A module may import its own layer or lower ones, never a higher one.
 #: An entry ending in "/" is a folder (everything under it); an exact file wins over its folder.
@@ -54,21 +53,21 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 COMFYUI_MODULES = frozenset({"comfy", "comfy_extras", "comfy_execution", "comfy_api", "comfy_config",
                              "folder_paths", "node_helpers", "latent_preview", "nodes", "server", "execution"})
 
-
 #: ``from . import __path__`` reads what the import system set on the package before any of its code ran:
 #: no arrow to the package's code, so no cycle.
 IMPORT_SYSTEM_NAMES = frozenset({"__path__", "__name__", "__file__", "__spec__", "__package__"})
 
 
 def package_files() -> list[str]:
-    """Every .py of the package, as a path relative to the root ('engine/offload/plan.py')."""
-    found = []
-    for path in sorted(ROOT.rglob("*.py")):
-        rel = path.relative_to(ROOT).as_posix()
-        if rel.startswith(NOT_PACKAGE) or any(part.startswith(".") for part in Path(rel).parts):
-            continue
-        found.append(rel)
-    return found
+    """Every .py of the package, as a path relative to the root ('engine/offload/plan.py'): the root's own
+    modules and those under the folders the wheel ships (``FOLDERS`` in setup.py, read, not imported;
+    tests/, bench/ and a build/ folder are not the package)."""
+    setup = ast.parse((ROOT / "setup.py").read_text(encoding="utf-8"))
+    folders = next(ast.literal_eval(node.value) for node in setup.body if isinstance(node, ast.Assign)
+                   and any(isinstance(t, ast.Name) and t.id == "FOLDERS" for t in node.targets))
+    paths = [p for p in ROOT.glob("*.py") if p.name != "setup.py"]
+    paths += [p for folder in folders for p in (ROOT / folder).rglob("*.py")]
+    return sorted(p.relative_to(ROOT).as_posix() for p in paths)
 
 
 def layer_of(rel: str) -> int | None:
