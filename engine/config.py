@@ -99,6 +99,9 @@ class LoraSettings:
 
 
 OPTIMIZERS = ("adamw", "adamw8bit")
+#: How int8 slab layers multiply (engine/slab/w8a8.py), an OffloadConfig option. Here, torch-free and below
+#: both, because the slab kernels (layer 3) check it and the offload config (layer 4) offers it.
+INT8_COMPUTE_MODES = ("dequant", "w8a8", "fp8")
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Tooltips come from ParallelConfig's help text (engine/parallel/config.py). The engine does the work:
 split mode in the training process (engine/parallel/split.py), data parallel in one worker process
-per GPU (engine/parallel/launch.py).
+per GPU (engine/runs/launch.py).
 """
 from __future__ import annotations
 

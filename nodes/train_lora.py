@@ -94,7 +94,7 @@ class LowVRAMTrainLoRA:
               sample_guidance: float = 3.5, split=None, unique_id=None):
         from ..engine.config import LoraSettings, TrainConfig
         from ..engine.sampling import SamplingConfig
-        from ..engine.train.result_reuse import train_or_reuse
+        from ..engine.runs.result_reuse import train_or_reuse
         from .progress import free_comfy_vram, make_callback
 
         free_comfy_vram()

@@ -23,7 +23,7 @@ from lowvram_lora.engine.parallel.data_parallel import Ranks
 from lowvram_lora.engine.parallel.split import _arguments_to, plan_split
 from lowvram_lora.engine.train import train_lora
 from lowvram_lora.engine.train.batching import bucket_batches
-from lowvram_lora.engine.train.result_reuse import train_or_reuse
+from lowvram_lora.engine.runs.result_reuse import train_or_reuse
 
 DP_CPU = ParallelConfig(mode="data_parallel", devices=("cpu", "cpu"))
 
@@ -55,7 +55,7 @@ def _workers() -> list[int]:
                 env = (d / "environ").read_bytes()
             except OSError:
                 continue
-            if b"engine.parallel.worker" in cmd and f"LOWVRAM_PARENT_PID={os.getpid()}".encode() in env:
+            if b"engine.runs.worker" in cmd and f"LOWVRAM_PARENT_PID={os.getpid()}".encode() in env:
                 out.append(int(d.name))
     return out
 
@@ -261,7 +261,7 @@ def test_the_documented_torchrun_command_runs_the_kept_spec(tiny_pipeline, tiny_
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "lowvram_lora.engine.parallel.worker", str(spec), "--save", str(out)],
+         "-m", "lowvram_lora.engine.runs.worker", str(spec), "--save", str(out)],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(_import_root(tmp_path, root)),
                                                           os.environ.get("PYTHONPATH", "")])})

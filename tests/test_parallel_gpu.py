@@ -79,7 +79,7 @@ def test_data_parallel_over_nccl_matches_one_process_accumulating(tmp_path):
     from lowvram_lora.engine.caching import build_dataset_cache
     from lowvram_lora.engine.config import DataConfig
     from lowvram_lora.engine.models.inspect import inspect_transformer
-    from lowvram_lora.engine.train.result_reuse import train_or_reuse
+    from lowvram_lora.engine.runs.result_reuse import train_or_reuse
 
     pipe = build_tiny_flux1_pipeline(tmp_path / "pipe")
     cfg = ModelConfig(transformer_path=str(pipe), dtype="fp32")

@@ -9,7 +9,7 @@ import torch
 from lowvram_lora.engine.callbacks import TrainingCallback
 from lowvram_lora.engine.config import LoraSettings, ModelConfig, TrainConfig
 from lowvram_lora.engine.models.inspect import inspect_transformer
-from lowvram_lora.engine.train.result_reuse import load_finished, train_or_reuse, training_key
+from lowvram_lora.engine.runs.result_reuse import load_finished, train_or_reuse, training_key
 
 
 class Log(TrainingCallback):
@@ -380,7 +380,7 @@ def test_adamw8bit_state_is_stored_as_plain_tensors_and_comes_back(tmp_path):
 
 def test_adamw8bit_runs_save_resumable_states(model, tiny_cache, tmp_path, monkeypatch):
     """The store is on for adamw8bit (it was off: 'states are not saved with adamw8bit')."""
-    from lowvram_lora.engine.train import result_reuse
+    from lowvram_lora.engine.runs import result_reuse
 
     seen = {}
 

@@ -7,7 +7,7 @@ from lowvram_lora.engine.config import DataConfig, LoraSettings, ModelConfig, Tr
 from lowvram_lora.engine.models.inspect import inspect_transformer
 from lowvram_lora.engine.sampling import SamplingConfig
 from lowvram_lora.engine.testing import make_tiny_dataset
-from lowvram_lora.engine.train.result_reuse import train_or_reuse
+from lowvram_lora.engine.runs.result_reuse import train_or_reuse
 
 from helpers import LogRecorder
 

@@ -68,7 +68,7 @@ def test_engine_configs_refuse_non_finite_numbers(cls, kwargs):
 
 def test_diverging_training_stops_with_a_message_and_stores_nothing(tiny_pipeline, tiny_cache, tmp_path):
     from lowvram_lora.engine.models.inspect import inspect_transformer
-    from lowvram_lora.engine.train.result_reuse import train_or_reuse
+    from lowvram_lora.engine.runs.result_reuse import train_or_reuse
 
     model = inspect_transformer(ModelConfig(transformer_path=str(tiny_pipeline)))
     with pytest.raises(TrainingDivergedError, match="Nothing was saved|nothing was saved"):

@@ -9,11 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
+from ..config import INT8_COMPUTE_MODES  # noqa: F401  (defined below the slab kernels; offered here)
 from ..errors import ConfigError
 
 MODES = ("auto", "resident", "stream")
-#: How int8 slab layers multiply (engine/slab/w8a8.py).
-INT8_COMPUTE_MODES = ("dequant", "w8a8", "fp8")
 #: What torch.compile applies to (engine/train/compile.py).
 COMPILE_MODES = ("auto", "off", "blocks")
 

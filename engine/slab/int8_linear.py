@@ -22,9 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import INT8_COMPUTE_MODES
 from .dequant import dequantize
 from .quantize import SCALE_DTYPE, quantize_rows
-from .w8a8 import INT8_COMPUTE_MODES, W8A8_BACKWARD_MODES, W8A8LinearFunction, fp8_mm_supported, int_mm_supported
+from .w8a8 import W8A8_BACKWARD_MODES, W8A8LinearFunction, fp8_mm_supported, int_mm_supported
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -46,8 +46,6 @@ import functools
 
 import torch
 
-from ..offload.config import INT8_COMPUTE_MODES  # noqa: F401  (the option's home; re-exported)
-
 #: How ``grad_input`` is formed under w8a8.
 W8A8_BACKWARD_MODES = ("int8", "bf16")
 

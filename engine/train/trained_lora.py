@@ -1,9 +1,19 @@
-"""The result of training: what flows on the LOWVRAM_LORA edge."""
+"""The result of training: what flows on the LOWVRAM_LORA edge, and how a run hands it over whole.
+
+``write_trained`` / ``read_trained`` keep every field (loss history, settings, sample grids), not only
+the weights a LoRA file holds: the finished-run cache (engine/runs/result_reuse.py) and a data-parallel
+worker's result (engine/runs/worker.py -> launch.py) use them.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
+
+from ..fileio import atomic_write, write_json_atomic
 
 
 @dataclass
@@ -30,3 +40,23 @@ class TrainedLora:
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
+
+
+def read_trained(folder: Path, name: str) -> TrainedLora | None:
+    """A TrainedLora written by ``write_trained`` (weights .safetensors + metadata .json), or None."""
+    weights, info = Path(folder) / f"{name}.safetensors", Path(folder) / f"{name}.json"
+    if not (weights.exists() and info.exists()):
+        return None
+    try:
+        meta = json.loads(info.read_text())
+        return TrainedLora(state_dict=load_file(str(weights)), **meta)
+    except Exception:  # unreadable or from another layout: a miss
+        return None
+
+
+def write_trained(folder: Path, name: str, lora: TrainedLora, what: str) -> None:
+    """Weights first, then the metadata JSON, which marks the pair complete (both atomic)."""
+    meta = {f.name: getattr(lora, f.name) for f in fields(lora) if f.name != "state_dict"}
+    with atomic_write(Path(folder) / f"{name}.safetensors", what) as tmp:
+        save_file({k: v.contiguous() for k, v in lora.state_dict.items()}, str(tmp))
+    write_json_atomic(Path(folder) / f"{name}.json", meta, what, indent=None)

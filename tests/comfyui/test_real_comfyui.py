@@ -198,7 +198,7 @@ def _dp_workers() -> list[int]:
     out = []
     for d in Path("/proc").iterdir():
         try:
-            if d.name.isdigit() and b"engine.parallel.worker" in (d / "cmdline").read_bytes():
+            if d.name.isdigit() and b"engine.runs.worker" in (d / "cmdline").read_bytes():
                 out.append(int(d.name))
         except OSError:
             continue

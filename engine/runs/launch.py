@@ -2,7 +2,7 @@
 process per device, relay their progress, stop them cleanly, return rank 0's LoRA.
 
 ComfyUI is one process, and CUDA + NCCL want one process per GPU, so the workers are
-fresh Python processes (``python -m <package>.engine.parallel.worker SPEC.json``, the same
+fresh Python processes (``python -m <package>.engine.runs.worker SPEC.json``, the same
 entry point ``torchrun`` runs on several hosts). Nothing crosses a process boundary as a
 pickle: the run is described by a JSON spec, progress comes back as JSON lines on rank 0's
 stdout, a stop request is a file, and the trained LoRA is a safetensors file + JSON.
@@ -30,7 +30,7 @@ from pathlib import Path
 from ..callbacks import StepInfo, TrainingCallback
 from ..errors import ConfigError, LowVRAMError, WorkerError
 from ..fileio import write_json_atomic
-from .data_parallel import NCCL_SAFE_ENV
+from ..parallel.data_parallel import NCCL_SAFE_ENV
 
 #: Lines rank 0 prints for the launcher start with this; anything else is passed on as a log line.
 EVENT_PREFIX = "@lowvram-event "
@@ -84,7 +84,7 @@ def _importable_root(run_dir: Path) -> str:
 def train_data_parallel(model_cfg, dataset, lora, train, callback, parallel, store_args: dict, cache_dir: Path,
                         offload=None, preloaded=None, sampling=None, sample_dir=None):
     """Train with one process per device in ``parallel.devices``; returns rank 0's TrainedLora."""
-    from ..train.result_reuse import read_trained
+    from ..train.trained_lora import read_trained
 
     if preloaded is not None:
         raise ConfigError("data parallel loads the model in each worker process; a preloaded model cannot be "
@@ -118,7 +118,7 @@ def train_data_parallel(model_cfg, dataset, lora, train, callback, parallel, sto
             log = open(run_dir / f"rank{rank}.log", "wb")
             logs.append(log)
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "lowvram_lora.engine.parallel.worker", str(spec_path)],
+                [sys.executable, "-m", "lowvram_lora.engine.runs.worker", str(spec_path)],
                 env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                 stdout=subprocess.PIPE if rank == 0 else log, stderr=log, stdin=subprocess.DEVNULL,
                 start_new_session=True))

@@ -8,18 +8,15 @@ Memory/offload settings are not in the key: they change speed, not the result.
 """
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
-
-from safetensors.torch import load_file, save_file
 
 from ..hashing import stable_hash
 from ..config import LoraSettings, TrainConfig
 from ..errors import ConfigError
-from ..fileio import FileLock, atomic_write, write_json_atomic
+from ..fileio import FileLock
 from ..version import VERSION
-from .trained_lora import TrainedLora
+from ..train.trained_lora import TrainedLora, read_trained, write_trained
 
 REUSE_FORMAT = 1  # bump when the stored entry's layout changes
 
@@ -35,26 +32,6 @@ def training_key(model_identity: str, dataset_hash: str, lora: LoraSettings, tra
     if world_size > 1:
         settings["data_parallel_world_size"] = world_size
     return stable_hash([VERSION, REUSE_FORMAT, model_identity, dataset_hash, asdict(lora), settings])
-
-
-def read_trained(folder: Path, name: str) -> TrainedLora | None:
-    """A TrainedLora written by ``write_trained`` (weights .safetensors + metadata .json), or None."""
-    weights, info = Path(folder) / f"{name}.safetensors", Path(folder) / f"{name}.json"
-    if not (weights.exists() and info.exists()):
-        return None
-    try:
-        meta = json.loads(info.read_text())
-        return TrainedLora(state_dict=load_file(str(weights)), **meta)
-    except Exception:  # unreadable or from another layout: a miss
-        return None
-
-
-def write_trained(folder: Path, name: str, lora: TrainedLora, what: str) -> None:
-    """Weights first, then the metadata JSON, which marks the pair complete (both atomic)."""
-    meta = {f.name: getattr(lora, f.name) for f in fields(lora) if f.name != "state_dict"}
-    with atomic_write(Path(folder) / f"{name}.safetensors", what) as tmp:
-        save_file({k: v.contiguous() for k, v in lora.state_dict.items()}, str(tmp))
-    write_json_atomic(Path(folder) / f"{name}.json", meta, what, indent=None)
 
 
 def load_finished(cache_dir: Path, key: str) -> TrainedLora | None:
@@ -76,7 +53,7 @@ def train_or_reuse(model, dataset, lora: LoraSettings, train: TrainConfig, cache
     completed run is stored as finished: an interrupted or failed one never is.
     ``model`` is a ModelInfo (engine.models.inspect), ``dataset`` a DatasetCache. ``parallel``
     (engine/parallel ParallelConfig): split mode trains in this process across two GPUs; data
-    parallel starts one worker process per GPU (engine/parallel/launch.py). A second run of the same key
+    parallel starts one worker process per GPU (engine/runs/launch.py). A second run of the same key
     while one runs (another process) is refused with a message: they would share one resume folder.
     """
     world = parallel.world_size if parallel is not None else 1
@@ -106,8 +83,8 @@ def train_or_reuse(model, dataset, lora: LoraSettings, train: TrainConfig, cache
 
 def _train_and_store(model, dataset, lora: LoraSettings, train: TrainConfig, cache_dir: Path, callback, parallel,
                      key: str, **train_kwargs) -> TrainedLora:
-    from .loop import train_lora
-    from .resume import ResumeStore, auto_save_every
+    from ..train.loop import train_lora
+    from ..train.resume import ResumeStore, auto_save_every
 
     every = auto_save_every(train.steps) if train.save_every == 0 else train.save_every
     enabled = True  # adamw8bit too: its 8-bit moments are stored by their plain parts (resume.py)
@@ -115,7 +92,7 @@ def _train_and_store(model, dataset, lora: LoraSettings, train: TrainConfig, cac
     store_args = {"root": str(Path(cache_dir) / "resume"), "key": key, "settings": settings, "save_every": every,
                   "family_key": stable_hash([model.identity, dataset.dataset_hash]), "enabled": enabled}
     if parallel is not None and parallel.mode == "data_parallel":
-        from ..parallel.launch import train_data_parallel
+        from .launch import train_data_parallel
 
         result = train_data_parallel(model.config, dataset, lora, train, callback, parallel, store_args,
                                      Path(cache_dir), **train_kwargs)

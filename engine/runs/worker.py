@@ -1,6 +1,6 @@
-"""One data-parallel training process: ``python -m lowvram_lora.engine.parallel.worker SPEC.json``.
+"""One data-parallel training process: ``python -m lowvram_lora.engine.runs.worker SPEC.json``.
 
-Started by engine/parallel/launch.py (one per GPU, RANK/WORLD_SIZE/MASTER_* in the
+Started by engine/runs/launch.py (one per GPU, RANK/WORLD_SIZE/MASTER_* in the
 environment), or by ``torchrun`` on several hosts with the spec the launcher wrote
 (then each rank uses cuda:LOCAL_RANK). Rank 0 prints progress as JSON lines for the
 launcher and writes the trained LoRA; every rank watches the stop file.
@@ -65,7 +65,7 @@ def _exit_with_parent() -> None:
 def main(argv: list[str]) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m lowvram_lora.engine.parallel.worker",
+    parser = argparse.ArgumentParser(prog="python -m lowvram_lora.engine.runs.worker",
                                      description="One data-parallel training rank (under our launcher or torchrun).")
     parser.add_argument("spec", help="the run description the launcher wrote (spec.json / spec-latest.json)")
     parser.add_argument("--save", default="", help="rank 0 also writes the LoRA here (ComfyUI format, bf16; "
@@ -91,9 +91,9 @@ def _train(spec: dict, local_rank: int, events: _Events) -> int:
     from ..config import LoraSettings, ModelConfig, TrainConfig
     from ..offload import OffloadConfig
     from ..train.loop import train_lora
-    from ..train.result_reuse import write_trained
+    from ..train.trained_lora import write_trained
     from ..train.resume import ResumeStore
-    from .data_parallel import init_from_env, shutdown
+    from ..parallel.data_parallel import init_from_env, shutdown
 
     devices = spec["devices"]
     device = torch.device(devices[local_rank] if local_rank < len(devices) else f"cuda:{local_rank}")
