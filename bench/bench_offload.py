@@ -167,7 +167,7 @@ def mode_peer(ctx, dataset, steps, callback):
     from lowvram_lora.engine.train.batching import bucket_batches
     from lowvram_lora.engine.train.loop import _attention_backends, _clip, _load_batch, _micro_step
     from lowvram_lora.engine.train.lora_attach import attach_lora, detach_lora, lora_state_dict
-    from lowvram_lora.engine.train.trained_lora import TrainedLora
+    from lowvram_lora.engine.lora_io.trained import TrainedLora
 
     args, model, family, device = ctx["args"], ctx["model"], ctx["family"], ctx["device"]
     dtype = torch.bfloat16

@@ -20,7 +20,7 @@ import torch
 from helpers import eval_flow_loss, family_inputs, merged
 
 from lowvram_lora.engine.families import families
-from lowvram_lora.host.executor import configure_standalone_dirs
+from lowvram_lora.nodes.paths import configure_standalone_dirs
 from lowvram_lora.host.run_command import run_workflow_command
 from lowvram_lora.host.templates import WORKFLOWS_DIR
 from lowvram_lora.nodes import NODE_CLASS_MAPPINGS
@@ -51,7 +51,7 @@ def _user_files(family, pipeline, root, template, tmp_path):
 @pytest.mark.parametrize("family_id, template", SINGLE_TE)
 def test_template_trains_the_right_thing_on_the_tiny_model(family_id, template, tmp_path, capsys):
     from lowvram_lora.engine.caching.cache import open_dataset_cache
-    from lowvram_lora.engine.lora_io import load_lora, save_lora
+    from lowvram_lora.engine.lora_io import load_lora
     from lowvram_lora.engine.models import load_transformer
     from lowvram_lora.engine.slab import load_slab_transformer
 
@@ -61,11 +61,12 @@ def test_template_trains_the_right_thing_on_the_tiny_model(family_id, template, 
     _user_files(family, pipeline, root, template, tmp_path)
     args = argparse.Namespace(workflow=str(WORKFLOWS_DIR / f"{template.name}.json"), models_dir=str(root / "models"),
                               output_dir=str(root / "output"), no_progress=True, traceback=True,
-                              overrides=["2.resolution=128", "4.steps=8", "4.learning_rate=0.01", "4.warmup_steps=0",
+                              overrides=["2.resolution=128", "2.sample_prompts=ohwx, a red circle", "4.steps=8", "4.learning_rate=0.01", "4.warmup_steps=0",
                                          "4.sample_every=4", "4.sample_resolution=64", "4.sample_steps=2"])
     code = run_workflow_command(args, NODE_CLASS_MAPPINGS, configure_dirs=configure_standalone_dirs)
-    out = capsys.readouterr().out
-    assert code == 0, out
+    captured = capsys.readouterr()
+    out = captured.out
+    assert code == 0, out + captured.err
     saved = sorted((root / "output" / "loras").glob(f"{template.name}_*_.safetensors"))
     assert len(saved) == 1, out
     lora = load_lora(saved[0])
@@ -95,7 +96,11 @@ def test_template_trains_the_right_thing_on_the_tiny_model(family_id, template, 
     assert after < before, f"the trained LoRA did not lower the loss: {before:.5f} -> {after:.5f}"
 
     # The diffusers form of the same LoRA through diffusers' own loader equals our merge.
-    save_lora(lora, tmp_path / "diffusers.safetensors", fmt="diffusers", dtype="fp32")
+    from safetensors.torch import save_file
+
+    from lowvram_lora.engine.lora_io.formats import to_diffusers
+
+    save_file(to_diffusers(lora.state_dict), str(tmp_path / "diffusers.safetensors"))
     with_adapter = family.transformer_class().from_pretrained(pipeline / "transformer", use_safetensors=True,
                                                               torch_dtype=torch.float32, local_files_only=True)
     with_adapter.load_lora_adapter(str(tmp_path / "diffusers.safetensors"), adapter_name="lowvram",

@@ -12,7 +12,7 @@ from lowvram_lora.engine.errors import StorageError
 from lowvram_lora.engine.fileio import (
     atomic_write, claim_names, clean_stale_temps, default_file_mode, temp_path_for, write_json_atomic,
 )
-from lowvram_lora.engine.train.trained_lora import TrainedLora
+from lowvram_lora.engine.lora_io.trained import TrainedLora
 
 
 def _mode(path) -> int:

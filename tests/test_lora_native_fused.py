@@ -143,7 +143,7 @@ def test_save_and_load_lora_files(tmp_path):
     from safetensors.torch import load_file
 
     from lowvram_lora.engine.lora_io.files import load_lora, save_lora
-    from lowvram_lora.engine.train.trained_lora import TrainedLora
+    from lowvram_lora.engine.lora_io.trained import TrainedLora
 
     model = _model()
     state = _random_lora(model)

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from ..errors import LoraFormatError
 from ..fileio import atomic_write
 from ..families import get_family
-from ..train.trained_lora import TrainedLora
+from .trained import TrainedLora
 from ..version import VERSION
 from .formats import (NATIVE_PREFIX, fold_scale, from_diffusers, from_kohya_fused, from_native_fused, lora_modules,
                       to_comfyui_form, to_diffusers)

@@ -84,7 +84,7 @@ def _importable_root(run_dir: Path) -> str:
 def train_data_parallel(model_cfg, dataset, lora, train, callback, parallel, store_args: dict, cache_dir: Path,
                         offload=None, preloaded=None, sampling=None, sample_dir=None):
     """Train with one process per device in ``parallel.devices``; returns rank 0's TrainedLora."""
-    from ..train.trained_lora import read_trained
+    from ..lora_io.trained import read_trained
 
     if preloaded is not None:
         raise ConfigError("data parallel loads the model in each worker process; a preloaded model cannot be "

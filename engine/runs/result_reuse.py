@@ -16,7 +16,7 @@ from ..config import LoraSettings, TrainConfig
 from ..errors import ConfigError
 from ..fileio import FileLock
 from ..version import VERSION
-from ..train.trained_lora import TrainedLora, read_trained, write_trained
+from ..lora_io.trained import TrainedLora, read_trained, write_trained
 
 REUSE_FORMAT = 1  # bump when the stored entry's layout changes
 

@@ -91,7 +91,7 @@ def _train(spec: dict, local_rank: int, events: _Events) -> int:
     from ..config import LoraSettings, ModelConfig, TrainConfig
     from ..offload import OffloadConfig
     from ..train.loop import train_lora
-    from ..train.trained_lora import write_trained
+    from ..lora_io.trained import write_trained
     from ..train.resume import ResumeStore
     from ..parallel.data_parallel import init_from_env, shutdown
 

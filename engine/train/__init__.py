@@ -1,5 +1,5 @@
 """LoRA training."""
 from .loop import train_lora
-from .trained_lora import TrainedLora
+from ..lora_io.trained import TrainedLora
 
 __all__ = ["TrainedLora", "train_lora"]

@@ -33,7 +33,7 @@ from .optimizers import check_optimizer, lora_bytes_per_param, make_optimizer
 from .resume import ResumeStore, RngSnapshot
 from .step_timing import StepTimer
 from .step_timing import describe as describe_step
-from .trained_lora import TrainedLora
+from ..lora_io.trained import TrainedLora
 
 
 def _attention_backends(device: torch.device):
