@@ -307,6 +307,10 @@ class ModelFamily:
         """The cached latent's shape (without batch) for a width x height image."""
         raise NotImplementedError
 
+    def hidden_size(self, config: dict[str, Any]) -> int:
+        """The transformer's width (the planner sizes activations with it)."""
+        return int(config["num_attention_heads"] * config["attention_head_dim"])
+
     def image_tokens(self, width: int, height: int) -> int:
         """Image tokens of a width x height image (the planner's workload): /8 VAE, 2x2 patches."""
         return (width // 16) * (height // 16)

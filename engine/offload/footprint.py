@@ -26,14 +26,6 @@ def named_blocks(model: nn.Module, family) -> list[tuple[str, nn.Module]]:
     return out
 
 
-def hidden_size(model: nn.Module) -> int:
-    inner = getattr(model, "inner_dim", None)
-    if inner:
-        return int(inner)
-    cfg = model.config
-    return int(cfg["num_attention_heads"] * cfg["attention_head_dim"])
-
-
 def measure_footprint(model: nn.Module, family, name: str = "",
                       trainable_params: Optional[int] = None) -> ModelFootprint:
     """Sizes as they are now: frozen tensors of each block and of the rest; trainable = LoRA."""
@@ -48,7 +40,7 @@ def measure_footprint(model: nn.Module, family, name: str = "",
 
     return ModelFootprint(
         name=name or type(model).__name__, block_names=[n for n, _ in blocks], block_bytes=block_bytes,
-        other_bytes=other, trainable_params=trainable_params, hidden_size=hidden_size(model),
+        other_bytes=other, trainable_params=trainable_params, hidden_size=family.hidden_size(dict(model.config)),
         unit_bytes=[unit_bytes(family, b, frozen_bytes) for _, b in blocks],
         activation_scale=family.activation_scale,
     )

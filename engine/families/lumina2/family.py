@@ -111,6 +111,9 @@ class Lumina2Family(ModelFamily):
 
     # --- latents ---------------------------------------------------------------------------------
 
+    def hidden_size(self, config: dict[str, Any]) -> int:
+        return int(config["hidden_size"])
+
     def latent_shape(self, model: nn.Module, width: int, height: int) -> tuple[int, ...]:
         return (int(model.config.in_channels), height // 8, width // 8)
 

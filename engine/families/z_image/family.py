@@ -119,6 +119,9 @@ class ZImageFamily(ModelFamily):
         """The Flux.1 AE's (16, H/8, W/8); the 2x2 patches are made inside the transformer."""
         return (int(model.config.in_channels), height // 8, width // 8)
 
+    def hidden_size(self, config: dict[str, Any]) -> int:
+        return int(config["dim"])
+
     def image_tokens(self, width: int, height: int) -> int:
         """2x2 patches of the /8 latents, padded to a multiple of 32 as the transformer runs them
         (1024²: 4096, no padding). Caption tokens (<= 512 + padding) come on top in the joint ``layers``."""
