@@ -81,7 +81,7 @@ def to_int8_on_host(model, family, device) -> None:
     from lowvram_lora.engine.offload.footprint import named_blocks
     from lowvram_lora.engine.slab import Int8Linear
 
-    for name in getattr(family, "int8_extra_linears", ()):  # as a slab has them: int8, resident
+    for name in family.int8_extra_linears:  # as a slab has them: int8, resident
         parent, _, child = name.rpartition(".")
         holder = model.get_submodule(parent) if parent else model
         setattr(holder, child, Int8Linear.from_linear(getattr(holder, child)))

@@ -43,6 +43,7 @@ STREAM = re.compile(r"^stream-k(\d)(-act)?(?:-c(\d+))?(-host)?(?:-m(\d+))?(?:-b(
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variant", default="flux1-dev")
+    p.add_argument("--family", default="", help="the variant's family (default: the one that ships --variant)")
     p.add_argument("--res", type=int, nargs="+", default=[1024, 2048])
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--modes", nargs="+", default=["resident", "stream-k1-act", "stream-k1-act-c8"])
@@ -175,7 +176,10 @@ def main(argv=None) -> int:
             "lora_targets": "default", "batch": args.batch, "grad_ckpt": True, "command": _command(),
             "note": args.note, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "bench": "memory"}
     emit = row_emitter(out, base)
-    model, family, cfg = build_random_model(args.variant, device, torch.bfloat16, 0.02, 0)
+    from lowvram_lora.engine.families import families
+
+    family_id = args.family or next(f.id for f in families().values() if args.variant in f.variants)
+    model, family, cfg = build_random_model(args.variant, device, torch.bfloat16, 0.02, 0, family_id)
     tmp = tempfile.TemporaryDirectory(prefix="memory-bench-")
     datasets = {res: write_synthetic_cache(Path(tmp.name) / str(res), family, args.variant, cfg, res, 2 * args.batch, 0)
                 for res in args.res}
@@ -217,7 +221,7 @@ def main(argv=None) -> int:
             t = time.perf_counter()
             error, result = None, None
             try:
-                result = train_lora(ModelConfig(dtype="bf16", family="flux1"), datasets[res],
+                result = train_lora(ModelConfig(dtype="bf16", family=family.id), datasets[res],
                                     LoraSettings(rank=args.rank, alpha=float(args.rank)),
                                     TrainConfig(steps=args.warmup + args.timed, device="cuda", learning_rate=1e-4,
                                                 batch_size=args.batch),

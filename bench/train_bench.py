@@ -52,13 +52,12 @@ def build_random_model(variant: str, device: torch.device, dtype: torch.dtype, s
                        family_id: str = "flux1"):
     """(model, family, config) with random weights, built on ``meta`` and materialised
     straight on ``device`` in ``dtype``: no CPU init of 12B (or 32B) parameters."""
-    from lowvram_lora.engine.families import get_family
+    from lowvram_lora.engine.families import get_family, meta_model
 
     family = get_family(family_id)
     cfg = family.load_config(variant)
-    cls = family.transformer_class()
-    with torch.device("meta"):
-        model = cls.from_config(cfg)
+    # Parameters on meta; tensors a model computes at construction (Lumina 2's RoPE tables) stay real.
+    model = meta_model(family, cfg)
     torch.nn.Module.to(model, dtype=dtype)  # still on meta: free (nn.Module.to skips diffusers' fp32-module warning)
     model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -89,20 +88,26 @@ def write_synthetic_cache(root: Path, family, variant: str, cfg: dict, res: int,
 
     from lowvram_lora.engine.caching import CachedItem, DatasetCache
 
+    from types import SimpleNamespace
+
     gen = torch.Generator().manual_seed(seed + res)
-    latent_ch = cfg["in_channels"] // 4  # 2x2 packing
+    latent_shape = family.latent_shape(SimpleNamespace(config=SimpleNamespace(**cfg)), res, res)
     seq_len = family.default_max_sequence_length(variant)
+    widths = family.text_widths(cfg)
     (root / "latents").mkdir(parents=True, exist_ok=True)
     (root / "text").mkdir(parents=True, exist_ok=True)
     items = []
     for i in range(n_items):
         key = f"bench-{res}-{i}"
-        latent = torch.randn(latent_ch, res // 8, res // 8, generator=gen)
+        latent = torch.randn(latent_shape, generator=gen)
         save_file({"latent": latent.contiguous()}, str(root / "latents" / f"{key}.safetensors"))
-        text = {
-            "prompt_embeds": torch.randn(seq_len, cfg["joint_attention_dim"], generator=gen).to(torch.bfloat16),
-            "pooled_prompt_embeds": torch.randn(cfg["pooled_projection_dim"], generator=gen).to(torch.bfloat16),
-        }
+        text = {}
+        for spec in family.text_encoder_specs(variant):
+            # Padded encoders: the full length, as cached; variable-length ones: a 128-token caption (template
+            # included), a typical length for Z-Image's and Lumina 2's captions.
+            shape = ((widths[spec.cache_key],) if spec.kind == "clip_pooled"
+                     else (seq_len if spec.length == "padded" else min(128, seq_len), widths[spec.cache_key]))
+            text[spec.cache_key] = torch.randn(shape, generator=gen).to(torch.bfloat16)
         save_file(text, str(root / "text" / f"{key}.safetensors"))
         items.append(CachedItem(image=f"synthetic-{i}.png", caption=f"synthetic {i}", bucket=(res, res),
                                 text_key=key, latent_key=key))
