@@ -227,8 +227,11 @@ def main(argv=None) -> int:
                                                 batch_size=args.batch),
                                     rec.callback, preloaded=(model, family, args.variant), offload=offload)
             except Exception as exc:  # noqa: BLE001 - a row per failure
+                import traceback
+
                 error = f"{type(exc).__name__}: {str(exc)[:500]}"
                 print("ERROR", error, flush=True)
+                traceback.print_exc()
             if capped:
                 torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
             row = training_row(rec, args.warmup, t, error, rows.get(("resident", res), {}).get("step_s"), device)
