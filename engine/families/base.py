@@ -360,6 +360,12 @@ class ModelFamily:
     def install_chunked_recompute(self, model: nn.Module, chunks: int, undo) -> None:
         """Token-wise parts in ``chunks`` checkpointed chunks (when ``chunked_recompute``)."""
 
+    def checkpoint_every_block(self, model: nn.Module, undo) -> None:
+        """Make the model's forward run every block of ``block_lists`` through its checkpoint function while
+        training (``undo.set_forward`` swaps, undone after). Block streaming needs it: a block's weights come
+        back for its backward only through its recompute. The default: the model already does (diffusers'
+        Flux, Z-Image); Lumina 2 leaves its refiners out."""
+
     # --- LoRA ------------------------------------------------------------------------------------
 
     def lora_target_modules(self, model: nn.Module) -> list[str]:

@@ -24,8 +24,10 @@ from ..families.recompute import ChunkedRecompute
 
 
 def install_chunked_recompute(model: torch.nn.Module, family: ModelFamily, chunks: int) -> ChunkedRecompute:
-    """Chunk the family's token-wise block parts into ``chunks`` slices (1: leave the model as it is)."""
+    """How the family's blocks recompute while training: every block checkpointed
+    (``family.checkpoint_every_block``), and the token-wise block parts in ``chunks`` slices (1: whole)."""
     undo = ChunkedRecompute()
+    family.checkpoint_every_block(model, undo)
     if chunks > 1:
         if not family.chunked_recompute:
             raise NotImplementedError(f"{family.display_name} has no chunked recompute; use recompute_chunks=1")

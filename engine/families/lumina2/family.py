@@ -168,3 +168,14 @@ class Lumina2Family(ModelFamily):
         """Lumina2Pipeline: ``uncond + 4 (cond - uncond)`` rescaled to the conditional norm
         (``cfg_normalization=True``); the negative prompt is the empty string WITHOUT the system prompt."""
         return Guidance(mode="cfg", scale=4.0, steps=25, formula="standard", renormalize=True)
+
+    # --- memory engine ---------------------------------------------------------------------------
+
+    def checkpoint_every_block(self, model: nn.Module, undo) -> None:
+        """diffusers' forward checkpoints the 26 ``layers`` only: swap in the same forward with the four
+        refiner blocks checkpointed too (``parts.py``), so they stream and recompute like the rest."""
+        import types
+
+        from .parts import forward_checkpointing_every_block
+
+        undo.set_forward(model, types.MethodType(forward_checkpointing_every_block, model))
