@@ -78,6 +78,11 @@ class Lumina2Family(ModelFamily):
     # ComfyUI maps diffusers-named Lumina 2 LoRAs nowhere (its Lumina2 branch uses Z-Image's names and
     # MHA offsets); native names on the fused qkv load through its generic ``diffusion_model.`` map.
     comfyui_lora_form = "native_fused"
+    # Fitted on the GPU rows of 2026-11-25 (H200, 1024², r16, every block checkpointed; bench/logs/
+    # issue23_lumina2_h200_2.log): each row alone would want 1.42 (eager, activation offload: 1.69 GB measured /
+    # 1.40 predicted), 0.83 (compiled, activation offload: 1.28 / 1.40) and 0.84 (compiled, no offload: 3.30 /
+    # 3.41); 1.0 fits the three best (within +21% / -9% / -3%), and the 0.5 GB headroom covers the eager case.
+    activation_scale = 1.0
     file_help = {
         "checkpoint": "lumina_2_model_bf16.safetensors (ComfyUI's NextDiT names; the all-in-one lumina_2.safetensors "
                       "is not read)",

@@ -78,6 +78,10 @@ class ZImageFamily(ModelFamily):
     # ComfyUI maps diffusers-named Z-Image LoRAs (``transformer.layers.N.attention.to_q``) onto its fused qkv
     # (comfy/lora.py model_lora_keys_unet, model_base.Lumina2 branch, through z_image_to_diffusers).
     comfyui_lora_form = "diffusers_names"
+    # The planner's Flux.1-fitted activation constants fit Z-Image as they are. GPU rows, 2026-11-25 (H200,
+    # 1024², r16, activation offload, bench/logs/issue23_zimage_*): bf16 eager 2.45 GB measured / 2.31 GB
+    # predicted (+6%), bf16 compiled 2.32 / 2.31, int8 slab compiled 2.49 / 2.49.
+    activation_scale = 1.0
     file_help = {
         "checkpoint": "z_image_turbo_bf16.safetensors or z_image_bf16.safetensors (Base; ComfyUI's NextDiT names)",
         "pipeline": "text_encoder (Qwen3-4B; layers 0-34 are read), tokenizer, vae (the Flux.1 AE)",
