@@ -59,23 +59,25 @@ def tiny_cache(tiny_pipeline, tmp_path_factory):
 
 @pytest.fixture
 def models_with_empty_files(tmp_path):
-    """Combos list what is on disk: make the files the shipped workflows name exist."""
+    """Combos list what is on disk: make the files every family's shipped templates name exist."""
+    from lowvram_lora.engine.families import families
     from lowvram_lora.nodes.paths import configure_standalone_dirs
 
     models = tmp_path / "models"
-    (models / "diffusion_models").mkdir(parents=True)
-    for name in ("flux1-dev.safetensors", "flux1-tiny.safetensors", "flux2_dev_fp8mixed.safetensors",
-                 "flux-2-klein-base-4b.safetensors"):
-        (models / "diffusion_models" / name).write_bytes(b"")
-    (models / "text_encoders").mkdir(parents=True)
-    (models / "vae").mkdir(parents=True)
-    for name in ("clip_l.safetensors", "t5xxl_fp16.safetensors", "mistral_3_small_flux2_bf16.safetensors"):
-        (models / "text_encoders" / name).write_bytes(b"")
-    for name in ("ae.safetensors", "flux2-vae.safetensors"):
-        (models / "vae" / name).write_bytes(b"")
-    for name in ("FLUX.1-dev", "flux1-tiny", "FLUX.2-dev", "FLUX.2-klein-base-4B"):
-        (models / "diffusers" / name).mkdir(parents=True)
-        (models / "diffusers" / name / "model_index.json").write_text("{}")
+    for folder in ("diffusion_models", "text_encoders", "vae", "diffusers"):
+        (models / folder).mkdir(parents=True)
+    for family in families().values():
+        for t in family.templates():
+            (models / "diffusion_models" / t.load["checkpoint"]).write_bytes(b"")
+            for key in ("text_encoder_1", "text_encoder_2"):
+                if key in t.cache:
+                    (models / "text_encoders" / t.cache[key]).write_bytes(b"")
+            if "vae_file" in t.cache:
+                (models / "vae" / t.cache["vae_file"]).write_bytes(b"")
+            choice = t.cache.get("text_encoders", "")
+            if choice.startswith("diffusers/"):
+                (models / choice).mkdir(parents=True, exist_ok=True)
+                (models / choice / "model_index.json").write_text("{}")
     configure_standalone_dirs(str(models), str(tmp_path / "out"))
     return models
 

@@ -112,7 +112,7 @@ def tiny_lora_model(family_id: str, num_double: int, num_single: int, seed: int 
     every LoRA weight gets a gradient, and gradient checkpointing on (streaming needs it). (model, params)."""
     from lowvram_lora.engine.config import LoraSettings
     from lowvram_lora.engine.families import get_family
-    from lowvram_lora.engine.testing import _randomize_zero_inits
+    from lowvram_lora.engine.families.tiny import randomize_zero_inits as _randomize_zero_inits
     from lowvram_lora.engine.train.lora_attach import attach_lora
 
     family = get_family(family_id)

@@ -59,14 +59,14 @@ def test_missing_tokenizer_names_both_places(tiny_pipeline, tiny_single_file, tm
 
 def test_wrong_or_incomplete_files_are_named(tiny_single_file, files, tmp_path):
     data = make_tiny_dataset(tmp_path / "data", count=1)
-    with pytest.raises(ModelLoadError, match="missing: t5xxl"):
+    with pytest.raises(ModelLoadError, match="missing a T5-XXL file"):
         _cache(ModelConfig(transformer_path=str(tiny_single_file), text_encoder_files=(str(files["clip_l"]),),
                            vae_file=str(files["vae"])), tmp_path / "c", data)
     with pytest.raises(ModelLoadError, match="same kind"):
         _cache(ModelConfig(transformer_path=str(tiny_single_file),
                            text_encoder_files=(str(files["clip_l"]), str(files["clip_l"])),
                            vae_file=str(files["vae"])), tmp_path / "c", data)
-    with pytest.raises(ModelLoadError, match="neither a CLIP-L, a T5-XXL nor a Mistral"):
+    with pytest.raises(ModelLoadError, match="neither a CLIP-L, a T5-XXL nor a decoder-LLM"):
         _cache(ModelConfig(transformer_path=str(tiny_single_file),
                            text_encoder_files=(str(tiny_single_file), str(files["t5xxl"])),
                            vae_file=str(files["vae"])), tmp_path / "c", data)
