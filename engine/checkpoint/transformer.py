@@ -107,7 +107,8 @@ def _identify_diffusers(folder: Path, family_id: str) -> tuple[ModelFamily, str,
             f"'{folder}' holds a {class_name or 'unknown'} model, expected {expected} "
             f"(config.json _class_name should be one of the registered families' classes)"
         )
-    return family, family.variant_for_config(config), config
+    name = folder.parent.name if folder.name == "transformer" else folder.name
+    return family, family.variant_from_name(family.variant_for_config(config), name), config
 
 
 def shard_files(folder: Path) -> list[Path]:
@@ -156,7 +157,7 @@ def _identify_single_file(f: SafetensorsFile, family_id: str) -> tuple[ModelFami
             )
     found = {n: s for n, s in found.items() if n not in family.unused_native_keys}
     variant, config = _match_variant(f.path, family, found)
-    return family, variant, config
+    return family, family.variant_from_name(variant, f.path.name), config
 
 
 def expected_single_file_shapes(family: ModelFamily, config: dict[str, Any]) -> dict[str, tuple[int, ...]]:

@@ -280,6 +280,11 @@ class ModelFamily:
                 return variant
         return "custom"
 
+    def variant_from_name(self, variant: str, name: str) -> str:
+        """Variants that no shape tells apart (Z-Image Turbo and Base) told apart by the file or folder
+        ``name``; the default keeps the variant the config matched."""
+        return variant
+
     def looks_like_single_file(self, keys: set[str]) -> bool:
         """Whether a single file's (prefix-stripped) tensor names are this family's native names."""
         raise NotImplementedError

@@ -24,8 +24,9 @@ so both variant ids name the same shipped config and identification (the first m
 - ``z-image-base``: CFG with the pipeline's form ``pos + g (pos - neg)``, ``g = 4`` (the model card's
   ``guidance_scale=4``; diffusers' ``__call__`` default is 5), 50 steps officially (previews: 30).
 
-Choosing Base (previews with CFG) needs a variant override from the user or a file-name hint; the
-interface has no such input yet (see the helper's report).
+Which one a file is comes from its name (``variant_from_name``): "turbo" in the file or folder name
+(``z_image_turbo_bf16.safetensors``, ``Z-Image-Turbo/``) is Turbo, any other name Base
+(``z_image_bf16.safetensors``, ``Z-Image/``, a fine-tune of Base).
 """
 from __future__ import annotations
 
@@ -122,6 +123,11 @@ class ZImageFamily(ModelFamily):
     def latent_shape(self, model: nn.Module, width: int, height: int) -> tuple[int, ...]:
         """The Flux.1 AE's (16, H/8, W/8); the 2x2 patches are made inside the transformer."""
         return (int(model.config.in_channels), height // 8, width // 8)
+
+    def variant_from_name(self, variant: str, name: str) -> str:
+        if variant not in ("z-image-turbo", "z-image-base"):
+            return variant  # the tiny model, or a custom config
+        return "z-image-turbo" if "turbo" in name.lower() else "z-image-base"
 
     def hidden_size(self, config: dict[str, Any]) -> int:
         return int(config["dim"])
