@@ -32,11 +32,13 @@ def packages(root: str = HERE) -> list[str]:
 
 
 class BuildPy(build_py):
-    """The root folder is the package, so this file would be shipped as ``lowvram_lora/setup.py``: leave it out."""
+    """The root folder is the package, so this file would be shipped as ``lowvram_lora/setup.py``: leave it out;
+    so are test modules kept beside the code they test."""
 
     def find_package_modules(self, package, package_dir):
         modules = super().find_package_modules(package, package_dir)
-        return [m for m in modules if not (package == PACKAGE and m[1] == "setup")]
+        # A family's own tests (engine/families/<id>/test_*.py) stay in the repository, not in the wheel.
+        return [m for m in modules if not (package == PACKAGE and m[1] == "setup") and not m[1].startswith("test_")]
 
 
 if __name__ == "__main__":  # setuptools runs this file as __main__; tests import packages() alone

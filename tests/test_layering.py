@@ -66,7 +66,8 @@ def package_files() -> list[str]:
     folders = next(ast.literal_eval(node.value) for node in setup.body if isinstance(node, ast.Assign)
                    and any(isinstance(t, ast.Name) and t.id == "FOLDERS" for t in node.targets))
     paths = [p for p in ROOT.glob("*.py") if p.name != "setup.py"]
-    paths += [p for folder in folders for p in (ROOT / folder).rglob("*.py")]
+    # Test modules beside the code they test (a family's test_family.py) are not package code.
+    paths += [p for folder in folders for p in (ROOT / folder).rglob("*.py") if not p.name.startswith("test_")]
     return sorted(p.relative_to(ROOT).as_posix() for p in paths)
 
 
