@@ -325,7 +325,7 @@ def _run_step(run: _Run, step: int) -> bool:
     breakdown = run.timer.finish(run.placement.end_step(step, cb))
     if step == run.first + 1:  # the first step warms up (and compiles); the second is typical
         cb.log(describe_step(breakdown))
-    _record_step(run, step, loss_sum, grad_norm, time.perf_counter() - t0, breakdown)
+    _record_step(run, step, loss_sum, grad_norm, t0, breakdown)
     if step == run.first and run.compiled.graphs():
         result.settings["compile"] = {"first_step_s": round(breakdown["wall"], 2)}
         cb.log(f"{run.compiled.describe()}; the first step took {breakdown['wall']:.1f} s with compiling")
@@ -377,8 +377,9 @@ def _optimizer_step(run: _Run, step: int, loss_sum: float) -> tuple[float, float
     return loss_sum, grad_norm
 
 
-def _record_step(run: _Run, step: int, loss_sum: float, grad_norm: float, seconds: float, breakdown) -> None:
-    """The step into the result, a periodic save when due, and the callback's ``on_step``."""
+def _record_step(run: _Run, step: int, loss_sum: float, grad_norm: float, t0: float, breakdown) -> None:
+    """The step into the result, a periodic save when due, and the callback's ``on_step`` (its time since
+    ``t0`` counts the save)."""
     train, result = run.train, run.result
     result.loss_history.append(loss_sum / train.gradient_accumulation)
     result.lr_history.append(run.scheduler.get_last_lr()[0])
@@ -391,7 +392,7 @@ def _record_step(run: _Run, step: int, loss_sum: float, grad_norm: float, second
             _save_state(run, periodic=True)
     try:  # ComfyUI's progress hook raises its interrupt here too: keep this step
         run.cb.on_step(StepInfo(step, train.steps, result.loss_history[-1], result.lr_history[-1],
-                                grad_norm, seconds, peak, run.placement.pinned_gb,
+                                grad_norm, time.perf_counter() - t0, peak, run.placement.pinned_gb,
                                 run.sampler.seconds if run.sampler is not None else 0.0, breakdown))
     except BaseException:
         if step < train.steps:
