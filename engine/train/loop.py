@@ -120,10 +120,11 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
     _load_model(run, model_cfg, lora, preloaded)
     run.result = _new_result(run, model_cfg, lora)
     _prepare_model(run)
-    try:
+    try:  # from the placement on, whatever happens, _finish takes the LoRA out and undoes every phase
         _place(run, lora)
         _prepare_compute(run)
         _make_optimizer(run)
+        _prepare_data(run)
         _resume(run)
         _make_sampler(run, sampling, sample_dir)
         _run_steps(run)
@@ -205,6 +206,7 @@ def _load_model(run: _Run, model_cfg, lora, preloaded) -> None:
 
 
 def _new_result(run: _Run, model_cfg, lora: LoraSettings) -> TrainedLora:
+    """The result, empty until steps are recorded: what was trained, from what, with which settings."""
     offload = run.placement.offload
     return TrainedLora(
         state_dict={}, rank=lora.rank, alpha=lora.alpha, family=run.family.id, variant=run.variant, steps=0,
@@ -244,21 +246,24 @@ def _prepare_compute(run: _Run) -> None:
 
 
 def _make_optimizer(run: _Run) -> None:
-    """Optimizer and schedule; the batch stream (every rank builds the same seed-determined stream and takes
-    its share, all of it in one process); autocast; the peak counters reset."""
+    """The optimizer (AdamW moments on the host when the plan or Offload Config say) and its schedule."""
+    run.optimizer = make_optimizer(run.params, run.train, run.memory.optimizer_on_host)
+    run.scheduler = _make_scheduler(run.optimizer, run.train)
+    run.named = [(n, p) for n, p in run.model.named_parameters() if "lora_" in n]  # the order of ``params``
+
+
+def _prepare_data(run: _Run) -> None:
+    """The batch stream (every rank builds the same seed-determined stream and takes its share, all of it in
+    one process), autocast, and the devices' peak counters reset."""
     train, device = run.train, run.device
-    run.optimizer = make_optimizer(run.params, train, run.memory.optimizer_on_host)
-    run.scheduler = _make_scheduler(run.optimizer, train)
     run.batches = run.ranks.shard(bucket_batches(run.dataset.training_items(), train.batch_size, train.seed,
                                                  lambda it: it.bucket))
-    use_autocast = device.type == "cuda" and run.dtype != torch.float32
-    if use_autocast:
+    if device.type == "cuda" and run.dtype != torch.float32:
         run.autocast = torch.autocast("cuda", dtype=run.dtype)
         skip_lora_input_cast(run.model)
     if device.type == "cuda":
         for d in run.placement.devices:
             torch.cuda.reset_peak_memory_stats(d)
-    run.named = [(n, p) for n, p in run.model.named_parameters() if "lora_" in n]  # the order of ``params``
 
 
 def _resume(run: _Run) -> None:
@@ -279,6 +284,7 @@ def _resume(run: _Run) -> None:
 
 
 def _make_sampler(run: _Run, sampling, sample_dir) -> None:
+    """Samples of the dataset's prompts at checkpoints (rank 0 only)."""
     if sampling is not None and sampling.enabled and run.ranks.is_main:
         from ..sampling import Sampler
 

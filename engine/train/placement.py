@@ -110,7 +110,8 @@ class Placement:
     def plan_before_loading(self, ident, family_id: str, dataset, lora, train: TrainConfig,
                             dtype: torch.dtype) -> None:
         """Plan from the checkpoint's header alone, so an impossible budget is refused before minutes of
-        loading. Only streaming has a budget to check there."""
+        loading. Streaming does; resident has no plan, and a split is planned once loaded (each part's LoRA
+        elements are counted off the attached model)."""
 
     def apply(self, model, family, variant: str, dataset, lora, train: TrainConfig,
               callback: TrainingCallback) -> list[torch.nn.Parameter]:
