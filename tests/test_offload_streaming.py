@@ -158,16 +158,15 @@ def test_resident_offload_config_trains_on_cpu(tiny_pipeline, tiny_cache):
 
 def test_impossible_budget_is_refused_from_the_header_alone(tiny_single_file, tiny_cache):
     from lowvram_lora.engine.checkpoint import identify
-    from lowvram_lora.engine.train.loop import _check_plan_before_loading
+    from lowvram_lora.engine.train.placement import Streamed
 
     found = footprint_before_loading(tiny_single_file, torch.bfloat16,
                                      LoraSettings(rank=4))
     fp, family, variant = found
     assert variant == "flux1-tiny" and fp.num_blocks == 4 and fp.trainable_params > 0
     with pytest.raises(ConfigError, match=r"vram_budget_gb=0.01 is below the smallest plan .* raise the budget to at least \d+\.\d GB"):
-        _check_plan_before_loading(identify(tiny_single_file), "auto", tiny_cache,
-                                   LoraSettings(rank=4), TrainConfig(), OffloadConfig(vram_budget_gb=0.01),
-                                   torch.device("cuda"), torch.bfloat16)
+        Streamed(OffloadConfig(vram_budget_gb=0.01), torch.device("cuda")).plan_before_loading(
+            identify(tiny_single_file), "auto", tiny_cache, LoraSettings(rank=4), TrainConfig(), torch.bfloat16)
 
 
 def test_footprint_from_header_matches_the_loaded_model(tiny_pipeline):

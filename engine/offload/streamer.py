@@ -8,9 +8,10 @@ was 2.05x slower than resident and saved no memory (DESIGN.md §5).
 
 How it works:
 * ``BlockScheduler`` (schedule.py, pure Python) decides what goes into which slot.
-* A forward pre-hook on every block calls ``scheduler.visit(i)``. Pre-hooks fire in
-  the forward pass and again when gradient checkpointing recomputes the block in
-  backward, which is exactly when the block's weights are needed.
+* A forward pre-hook on every block calls ``scheduler.visit(i)`` (``VisitBlock``, named
+  ``STREAM_HOOK`` on the block's hook registry, hooks.py). Pre-hooks fire in the forward
+  pass and again when gradient checkpointing recomputes the block in backward, which is
+  exactly when the block's weights are needed.
 * ``CudaCopyEngine`` owns the slots (ONE flat uint8 GPU buffer each, of the loaded
   block's own size, from torch's caching allocator) and a dedicated copy stream. A
   load is one ``cudaMemcpyAsync`` of the block's pinned host buffer into a slot, after
@@ -35,6 +36,7 @@ from ..callbacks import TrainingCallback
 from ..errors import ConfigError
 from .config import OffloadConfig
 from .footprint import measure_footprint, named_blocks
+from .hooks import HookRegistry, ModelHook
 from .host import HostBlock, host_rss_bytes, physical_ram_bytes
 from .plan import GB, Plan, Workload, make_plan
 from .schedule import BlockScheduler
@@ -168,7 +170,7 @@ class OffloadHandle:
         self.engine = None
         self.activations = None  # ActivationOffloader when activation offload is on
         self.units: Optional[StreamUnits] = None  # blocks streamed in parts (activation offload only)
-        self._hooks: list = []
+        self._visited: list[nn.Module] = []  # units carrying our STREAM_HOOK
         self._moved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, its data before apply)
         self._hosts: dict[int, HostBlock] = {}
         self.pin_seconds = 0.0
@@ -216,9 +218,9 @@ class OffloadHandle:
         self._removed = True
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
+        for unit in self._visited:
+            HookRegistry.of(unit).remove(STREAM_HOOK)
+        self._visited.clear()
         if self.activations is not None:
             self.activations.remove()
         if self.units is not None:
@@ -349,7 +351,8 @@ def apply_offload(model: nn.Module, family, config: OffloadConfig, device: torch
         handle.scheduler = BlockScheduler(len(units), streamed_units, plan.num_slots, plan.prefetch_depth,
                                           handle.engine)
         for u, (_, unit) in enumerate(units):
-            handle._hooks.append(unit.register_forward_pre_hook(_visit_hook(handle.scheduler, u)))
+            HookRegistry.of(unit).register(STREAM_HOOK, VisitBlock(handle.scheduler, u))
+            handle._visited.append(unit)
         handle.scheduler.prime()
     if plan.activation_offload:
         from .activations import ActivationOffloader
@@ -367,8 +370,17 @@ def apply_offload(model: nn.Module, family, config: OffloadConfig, device: torch
     return handle
 
 
-def _visit_hook(scheduler: BlockScheduler, index: int):
-    def hook(module, args):
-        scheduler.visit(index)
+#: The name of the streamer's hook on each block (or unit) it schedules.
+STREAM_HOOK = "block_streaming"
 
-    return hook
+
+class VisitBlock(ModelHook):
+    """Before the unit runs (forward, and its recompute in backward): the scheduler makes its weights ready
+    and prefetches the next ones."""
+
+    def __init__(self, scheduler: BlockScheduler, index: int):
+        self.scheduler, self.index = scheduler, index
+
+    def pre_forward(self, module, args, kwargs):
+        self.scheduler.visit(self.index)
+        return args, kwargs

@@ -3,16 +3,18 @@
 bf16 frozen base (fp32 on CPU), fp32 LoRA weights under autocast, AdamW,
 constant or cosine schedule with warmup, gradient clipping and accumulation,
 gradient checkpointing, and a callback that sees every step and may stop it.
-Weights are all resident on one device, or, with an ``OffloadConfig`` that
-streams, the transformer blocks stream from pinned host memory
-(``engine/offload``): the model is loaded on the CPU, LoRA attached there, and
-``apply_offload`` moves LoRA and the non-block modules to the GPU.
+Where the frozen weights live (all resident on one device, blocks streamed from
+pinned host memory, or cut across two devices) is one ``Placement``
+(engine/train/placement.py), chosen once. ``_train_lora`` reads as its phases, in
+order; each is a function below.
 """
 from __future__ import annotations
 
 import contextlib
 import math
 import time
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -21,15 +23,15 @@ from ..callbacks import StepInfo, TrainingCallback
 from ..checkpoint import identify
 from ..config import LoraSettings, ModelConfig, TrainConfig
 from ..errors import ConfigError, StorageError, TrainingDivergedError
-from ..models import load_transformer, resolve_device, resolve_dtype
+from ..models import load_transformer, resolve_dtype
 from ..models.dtypes import release_device_memory
 from ..offload import OffloadConfig
-from ..offload.streamer import cap_allocator
 from .batching import bucket_batches, micro_generator
 from .flow_matching import noisy_latents_and_target, sample_sigmas
 from .grad_mode import autograd_enabled, autograd_safe_tensor, make_autograd_safe
-from .lora_attach import attach_lora, detach_lora, lora_state_dict, skip_lora_input_cast
-from .optimizers import check_optimizer, lora_bytes_per_param, make_optimizer
+from .lora_attach import lora_state_dict, skip_lora_input_cast
+from .optimizers import check_optimizer, make_optimizer
+from .placement import MemoryOptions, Placement, choose_placement, training_device
 from .resume import ResumeStore, RngSnapshot
 from .step_timing import StepTimer
 from .step_timing import describe as describe_step
@@ -103,295 +105,371 @@ def train_lora(
 
 def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, resume, split, ranks, sampling,
                 sample_dir) -> TrainedLora:
+    """The run as named phases; each is a function below, in this order."""
     from ..parallel.data_parallel import Ranks
 
     cb = callback or TrainingCallback()
-    ranks = ranks or Ranks()
-    device = torch.device(split.devices[0]) if split is not None else resolve_device(train.device)
+    device = training_device(train, split)
     dtype = resolve_dtype(model_cfg.dtype, device)
+    _check_settings(train, offload, device)
+    # What the process holds on the GPU before training (ComfyUI's other models): the budget cap comes on top.
+    held_before = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+    placement = choose_placement(offload, split, device, cb)
+    run = _Run(cb=cb, ranks=ranks or Ranks(), dataset=dataset, train=train, resume=resume, placement=placement,
+               dtype=dtype, held_before=held_before)
+    _load_model(run, model_cfg, lora, preloaded)
+    run.result = _new_result(run, model_cfg, lora)
+    _prepare_model(run)
+    try:  # from the placement on, whatever happens, _finish takes the LoRA out and undoes every phase
+        _place(run, lora)
+        _prepare_compute(run)
+        _make_optimizer(run)
+        _prepare_data(run)
+        _resume(run)
+        _make_sampler(run, sampling, sample_dir)
+        _run_steps(run)
+    finally:
+        bad = _finish(run, drop_model=preloaded is None)
+    if bad:
+        raise TrainingDivergedError(
+            f"the LoRA weights became NaN/inf ({len(bad)} tensors, e.g. '{bad[0]}'); nothing was saved. "
+            f"Lower learning_rate, keep max_grad_norm > 0, and check alpha")
+    return run.result
+
+
+@dataclass
+class _Run:
+    """What the phases of one run share: the settings, the model and its placement, the progress so far.
+    ``undo`` holds what each phase must take back, unwound last-in first-out by ``_finish``."""
+
+    cb: TrainingCallback
+    ranks: Any
+    dataset: DatasetCache
+    train: TrainConfig
+    resume: ResumeStore | None
+    placement: Placement
+    dtype: torch.dtype
+    held_before: int  # bytes the process held on the GPU before training, the model's own not counted
+    model: Any = None
+    family: Any = None
+    variant: str = ""
+    result: TrainedLora | None = None
+    undo: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    params: list = field(default_factory=list)
+    named: list = field(default_factory=list)  # (name, LoRA parameter), in the order of ``params``
+    memory: MemoryOptions = MemoryOptions(1, False, 0)
+    compiled: Any = None
+    optimizer: Any = None
+    scheduler: Any = None
+    batches: Any = None
+    autocast: Any = field(default_factory=contextlib.nullcontext)
+    first: int = 1  # the first step to run (after a resumed one)
+    drawn: int = 0  # batches drawn so far (this rank's)
+    snapshot: RngSnapshot | None = None  # the state a save would record (resume only)
+    sampler: Any = None
+    timer: StepTimer | None = None
+    start: float = field(default_factory=time.perf_counter)
+
+    @property
+    def device(self) -> torch.device:
+        return self.placement.device
+
+
+def _check_settings(train: TrainConfig, offload: OffloadConfig | None, device: torch.device) -> None:
+    """Settings that cannot work together, refused before anything is loaded."""
     check_optimizer(train, device)
     if offload is not None and offload.optimizer_on_host and train.optimizer != "adamw":
         raise ConfigError(f"optimizer_on_host keeps AdamW's fp32 moments on the host; optimizer={train.optimizer!r} "
                           f"keeps its 8-bit moments on the GPU. Use one or the other")
     _check_int8_compute(offload, device)
-    # What the process holds on the GPU before training (ComfyUI's other models): the budget cap comes on top.
-    held_before = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
-    streaming = offload is not None and offload.streams
-    if split is not None:
-        from ..parallel.split import check_split_devices
 
-        check_split_devices(split, offload)
-        offload = offload or OffloadConfig(mode="resident")
-        if offload.mode == "auto" and device.type != "cuda":
-            cb.log("offload mode 'auto' on the CPU: both parts of the split stay resident")
-            offload = OffloadConfig(mode="resident", gradient_checkpointing=True)
-        streaming = False  # each part is placed (and streamed) by engine/parallel/split.py
-    if streaming and offload.mode == "auto" and device.type != "cuda":
-        # auto means "choose for me": on a CPU the only choice is resident (an explicit
-        # mode='stream' still gets require_cuda's error below).
-        cb.log("offload mode 'auto' on the CPU: every weight stays resident (streaming needs a CUDA GPU)")
-        streaming = False
-    # Checkpointing is a memory setting: it lives in OffloadConfig only (on by default).
-    checkpointing = offload.gradient_checkpointing if offload is not None else True
-    if streaming:
-        from ..offload.streamer import require_cuda
 
-        require_cuda(offload, device)
+def _load_model(run: _Run, model_cfg, lora, preloaded) -> None:
+    """The preloaded (model, family, variant), or the checkpoint's, loaded after the dataset cache and the
+    plan are checked against its header (identified once, memoized per file state: the Load node's identity
+    is this one)."""
     if preloaded is None:
-        # Identified once (memoized per file state: the Load node's identity is this one); the cache and
-        # the plan are checked against it before minutes of loading.
         ident = identify(model_cfg.transformer_path, model_cfg.family)
         if ident.family is not None:
-            dataset.check_fits(ident.family, ident.config)
-        if streaming:
-            _check_plan_before_loading(ident, model_cfg.family, dataset, lora, train, offload, device, dtype)
-        model, family, _, variant = load_transformer(ident, model_cfg.family, dtype)
+            run.dataset.check_fits(ident.family, ident.config)
+        run.placement.plan_before_loading(ident, model_cfg.family, run.dataset, lora, run.train, run.dtype)
+        run.model, run.family, _, run.variant = load_transformer(ident, model_cfg.family, run.dtype)
     else:
-        model, family, variant = preloaded
-    if device.type == "cuda":  # the model's own tensors already there count in the plan, not as held
+        run.model, run.family, run.variant = preloaded
+    if run.device.type == "cuda":  # the model's own tensors already there count in the plan, not as held
         from itertools import chain
 
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        held_before -= sum(t.numel() * t.element_size() for t in chain(model.parameters(), model.buffers())
-                           if t.is_cuda and t.get_device() == index)
-        held_before = max(0, held_before)
-    if make_autograd_safe(model):  # built under inference mode (e.g. by an earlier ComfyUI node)
-        cb.log("the base model was created under torch.inference_mode(); training on an ordinary copy")
-    _apply_int8_compute(model, offload, device, cb)
-    dataset.check_fits(family, dict(model.config))  # slabs and preloaded models: checked once loaded
-    handle = None
-    if split is not None:
-        handle, params = _place_split(model, family, variant, dataset, lora, train, offload, split, cb)
-    elif streaming:
-        from ..offload.footprint import lora_param_count, measure_footprint
-        from ..offload.streamer import apply_offload
+        index = run.device.index if run.device.index is not None else torch.cuda.current_device()
+        run.held_before -= sum(t.numel() * t.element_size() for t in chain(run.model.parameters(), run.model.buffers())
+                               if t.is_cuda and t.get_device() == index)
+        run.held_before = max(0, run.held_before)
 
-        # Plan before touching the model: a refused plan leaves a preloaded model as it was.
-        fp = measure_footprint(model, family, f"{family.display_name} ({variant})",
-                               trainable_params=lora_param_count(model, family, lora))
-        plan = _plan(fp, family, variant, dataset, train, offload, device)
-        model.enable_gradient_checkpointing()
-        params = attach_lora(model, family, lora, train.seed)  # fp32, wherever the blocks are (CPU)
-        try:
-            handle = apply_offload(model, family, offload, device, cb, plan=plan)
-        except BaseException:
-            detach_lora(model)
-            model.disable_gradient_checkpointing()
-            raise
-    else:
-        model.to(device)
-        if checkpointing:
-            model.enable_gradient_checkpointing()
-        params = attach_lora(model, family, lora, train.seed)
-        model.to(device)
+
+def _new_result(run: _Run, model_cfg, lora: LoraSettings) -> TrainedLora:
+    """The result, empty until steps are recorded: what was trained, from what, with which settings."""
+    offload = run.placement.offload
+    return TrainedLora(
+        state_dict={}, rank=lora.rank, alpha=lora.alpha, family=run.family.id, variant=run.variant, steps=0,
+        requested_steps=run.train.steps, dataset_hash=run.dataset.dataset_hash,
+        base_model=str(model_cfg.transformer_path),
+        settings={"lora": vars(lora), "train": vars(run.train),
+                  **({"offload": vars(offload)} if offload is not None else {})},
+        model_config={k: v for k, v in dict(run.model.config).items() if not k.startswith("_")},
+    )
+
+
+def _prepare_model(run: _Run) -> None:
+    """An ordinary (autograd-safe) model, its slab layers' matmul path, the dataset checked against it."""
+    if make_autograd_safe(run.model):  # built under inference mode (e.g. by an earlier ComfyUI node)
+        run.cb.log("the base model was created under torch.inference_mode(); training on an ordinary copy")
+    _apply_int8_compute(run.model, run.placement.offload, run.device, run.cb)
+    run.dataset.check_fits(run.family, dict(run.model.config))  # slabs and preloaded models: checked once loaded
+
+
+def _place(run: _Run, lora: LoraSettings) -> None:
+    """LoRA attached and the weights placed (resident, streamed or split); undone in ``_finish``."""
+    run.params = run.placement.apply(run.model, run.family, run.variant, run.dataset, lora, run.train, run.cb)
+    run.undo.callback(run.placement.remove)
+
+
+def _prepare_compute(run: _Run) -> None:
+    """Finer recompute and compiled blocks, as the plan or Offload Config say; undone in ``_finish``."""
     from ..offload.recompute import install_chunked_recompute
 
-    chunks, host_moments, micro_batch = _memory_options(handle, offload, split, device)
-    recompute = install_chunked_recompute(model, family, chunks)  # undone in the finally below
+    run.memory = run.placement.memory_options()
+    chunks = run.memory.recompute_chunks
+    run.undo.callback(install_chunked_recompute(run.model, run.family, chunks).remove)
     if chunks > 1:
-        cb.log(f"finer recompute: token-wise block parts in {chunks} checkpointed chunks")
-    compiled = _compile_blocks(model, family, offload, train, device, split, cb, handle)  # undone in the finally
-    optimizer = make_optimizer(params, train, host_moments)
-    scheduler = _make_scheduler(optimizer, train)
+        run.cb.log(f"finer recompute: token-wise block parts in {chunks} checkpointed chunks")
+    run.compiled = _compile_blocks(run.model, run.family, run.placement, run.train, run.cb)
+    run.undo.callback(run.compiled.remove)
 
-    # Every rank builds the same seed-determined stream and takes its share (all of it in one process).
-    batches = ranks.shard(bucket_batches(dataset.training_items(), train.batch_size, train.seed,
-                                         lambda it: it.bucket))
-    use_autocast = device.type == "cuda" and dtype != torch.float32
-    autocast = torch.autocast("cuda", dtype=dtype) if use_autocast else contextlib.nullcontext()
-    if use_autocast:
-        skip_lora_input_cast(model)
-    devices = handle.devices if split is not None else (device,)
+
+def _make_optimizer(run: _Run) -> None:
+    """The optimizer (AdamW moments on the host when the plan or Offload Config say) and its schedule."""
+    run.optimizer = make_optimizer(run.params, run.train, run.memory.optimizer_on_host)
+    run.scheduler = _make_scheduler(run.optimizer, run.train)
+    run.named = [(n, p) for n, p in run.model.named_parameters() if "lora_" in n]  # the order of ``params``
+
+
+def _prepare_data(run: _Run) -> None:
+    """The batch stream (every rank builds the same seed-determined stream and takes its share, all of it in
+    one process), autocast, and the devices' peak counters reset."""
+    train, device = run.train, run.device
+    run.batches = run.ranks.shard(bucket_batches(run.dataset.training_items(), train.batch_size, train.seed,
+                                                 lambda it: it.bucket))
+    if device.type == "cuda" and run.dtype != torch.float32:
+        run.autocast = torch.autocast("cuda", dtype=run.dtype)
+        skip_lora_input_cast(run.model)
     if device.type == "cuda":
-        for d in devices:
+        for d in run.placement.devices:
             torch.cuda.reset_peak_memory_stats(d)
 
-    result = TrainedLora(
-        state_dict={}, rank=lora.rank, alpha=lora.alpha, family=family.id, variant=variant, steps=0,
-        requested_steps=train.steps, dataset_hash=dataset.dataset_hash, base_model=str(model_cfg.transformer_path),
-        settings={"lora": vars(lora), "train": vars(train),
-                  **({"offload": vars(offload)} if offload is not None else {})},
-        model_config={k: v for k, v in dict(model.config).items() if not k.startswith("_")},
-    )
-    named = [(n, p) for n, p in model.named_parameters() if "lora_" in n]  # the order of ``params``
-    first, drawn, snapshot = 1, 0, None
-    if resume is not None:
-        loaded = resume.load_latest()
-        if loaded is not None:
-            loaded.apply(named, optimizer, scheduler)
-            for _ in range(loaded.batches_drawn):  # the data order is a pure function of the seed
-                next(batches)
-            first, drawn, result.steps = loaded.step + 1, loaded.batches_drawn, loaded.step
-            result.loss_history[:] = loaded.info["loss_history"]
-            result.lr_history[:] = loaded.info["lr_history"]
-            cb.log(f"resuming from step {loaded.step}/{train.steps} (state saved in '{loaded.path.parent}')")
-        snapshot = RngSnapshot.take(first - 1, drawn)
 
-    def save_state(periodic: bool = False) -> None:
-        if resume is None or snapshot is None or snapshot.step == 0 or not ranks.is_main:
-            return
-        _check_finite_weights(named, snapshot.step)
-        try:
-            path = resume.save(named, optimizer, scheduler, snapshot, result.loss_history, result.lr_history)
-        except StorageError as exc:
-            if not periodic:
-                raise
-            cb.log(f"warning: the periodic training state was not saved ({exc}); training goes on")
-            return
-        if path is not None:
-            cb.log(f"training state at step {snapshot.step}/{train.steps} saved in '{path.parent}'")
+def _resume(run: _Run) -> None:
+    """Continue from the run's latest saved state, when there is one: weights, optimizer, schedule, the data
+    order (a pure function of the seed) and the histories."""
+    if run.resume is None:
+        return
+    loaded = run.resume.load_latest()
+    if loaded is not None:
+        loaded.apply(run.named, run.optimizer, run.scheduler)
+        for _ in range(loaded.batches_drawn):  # the data order is a pure function of the seed
+            next(run.batches)
+        run.first, run.drawn, run.result.steps = loaded.step + 1, loaded.batches_drawn, loaded.step
+        run.result.loss_history[:] = loaded.info["loss_history"]
+        run.result.lr_history[:] = loaded.info["lr_history"]
+        run.cb.log(f"resuming from step {loaded.step}/{run.train.steps} (state saved in '{loaded.path.parent}')")
+    run.snapshot = RngSnapshot.take(run.first - 1, run.drawn)
 
-    def stop_requested() -> bool:
-        try:
-            stop = cb.should_stop()
-        except BaseException:  # ComfyUI's Cancel, Ctrl-C in the headless runner: keep the progress
-            save_state()
-            raise
-        stop = ranks.any(stop, device)  # every rank stops at the same point, or the collectives hang
-        if stop:
-            save_state()
-        return stop
 
-    sampler = None
-    if sampling is not None and sampling.enabled and ranks.is_main:
+def _make_sampler(run: _Run, sampling, sample_dir) -> None:
+    """Samples of the dataset's prompts at checkpoints (rank 0 only)."""
+    if sampling is not None and sampling.enabled and run.ranks.is_main:
         from ..sampling import Sampler
 
-        sampler = Sampler(sampling, dataset, family, model, device, dtype, sample_dir, cb)
-    pinned_gb = (sum(p.pinned_host_bytes for p in getattr(handle.plan, "plans", (handle.plan,))) / 1e9
-                 if handle is not None else 0.0)
-    timer = StepTimer(device)
-    start = time.perf_counter()
-    model.train()
+        run.sampler = Sampler(sampling, run.dataset, run.family, run.model, run.device, run.dtype, sample_dir, run.cb)
+
+
+def _run_steps(run: _Run) -> None:
+    """The step loop, under the attention backends and the allocator cap; then the ranks' agreement and the
+    devices' peaks. A CUDA out-of-memory error is raised again with what to change."""
+    train, result, sampler = run.train, run.result, run.sampler
+    run.timer = StepTimer(run.device)
+    run.start = time.perf_counter()
+    run.model.train()
     try:
-        with _attention_backends(device), cap_allocator(handle if split is None else None, offload, device,
-                                                        held_before, cb):
-            if sampler is not None and first == 1 and sampler.due(0, train.steps):
-                _take_samples(sampler, 0, autocast, result)  # the base model, before any step
-            for step in range(first, train.steps + 1):
-                t0 = time.perf_counter()
-                timer.start()
-                loss_sum, stopped = 0.0, False
-                for micro in range(train.gradient_accumulation):
-                    # Noise, timesteps and flips are keyed by the global micro-batch index (batching.py).
-                    gen = micro_generator(train.seed, ranks.global_micro_index(drawn))
-                    drawn += 1
-                    t_data = time.perf_counter()
-                    latents, embeds = _load_batch(dataset, next(batches), device, dtype, gen)
-                    timer.add_data(time.perf_counter() - t_data)
-                    loss_sum += _micro_step(model, family, latents, embeds, train, gen, autocast,
-                                            1.0 / train.gradient_accumulation, micro_batch)
-                    # Between micro-steps too: with long accumulation, Stop must not wait a whole step.
-                    if micro < train.gradient_accumulation - 1 and stop_requested():
-                        stopped = True
-                        break
-                if stopped:  # the partial step is dropped; the finished steps are kept
-                    optimizer.zero_grad(set_to_none=True)
-                    result.interrupted = True
-                    cb.log(f"stopped during step {step}/{train.steps} on request; keeping {step - 1} steps")
+        with _attention_backends(run.device), run.placement.cap_allocator(run.held_before, run.cb):
+            if sampler is not None and run.first == 1 and sampler.due(0, train.steps):
+                _take_samples(sampler, 0, run.autocast, result)  # the base model, before any step
+            for step in range(run.first, train.steps + 1):
+                if not _run_step(run, step):
                     break
-                timer.mark("backward")
-                ranks.average_gradients(params)  # data parallel: every rank takes the same step
-                loss_sum = ranks.mean(loss_sum, device)
-                grad_norm = _clip(params, train.max_grad_norm)
-                if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
-                    raise TrainingDivergedError(
-                        f"training diverged at step {step}/{train.steps}: the loss is {loss_sum / train.gradient_accumulation} "
-                        f"and the gradient norm {grad_norm}. Nothing was saved. Lower learning_rate, keep "
-                        f"max_grad_norm > 0, and check alpha and the dataset cache"
-                        + (f"; the state of step {resume.last_saved_step} is kept" if resume and resume.last_saved_step else ""))
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                timer.mark("optimizer")
-                if device.type == "cuda":
-                    for d in devices:
-                        torch.cuda.synchronize(d)
-                if handle is not None:
-                    handle.end_step()
-                    if step <= 2:  # step 2: steady state, the AdamW moments exist during backward
-                        cb.log(handle.peak_report(step))
-                stalls = getattr(handle, "step_stall_s", None)
-                breakdown = timer.finish(stalls[-1] if stalls else 0.0)
-                if step == first + 1:  # the first step warms up (and compiles); the second is typical
-                    cb.log(describe_step(breakdown))
-                result.loss_history.append(loss_sum / train.gradient_accumulation)
-                result.lr_history.append(scheduler.get_last_lr()[0])
-                result.steps = step
-                peak = _peak_gb(devices)
-                result.peak_vram_gb = peak
-                if resume is not None:
-                    snapshot = RngSnapshot.take(step, drawn)
-                    if resume.due(step, train.steps):
-                        save_state(periodic=True)
-                try:  # ComfyUI's progress hook raises its interrupt here too: keep this step
-                    cb.on_step(StepInfo(step, train.steps, result.loss_history[-1], result.lr_history[-1],
-                                        grad_norm, time.perf_counter() - t0, peak, pinned_gb,
-                                        sampler.seconds if sampler is not None else 0.0, breakdown))
-                except BaseException:
-                    if step < train.steps:
-                        save_state()
-                    raise
-                if step == first and compiled.graphs():
-                    result.settings["compile"] = {"first_step_s": round(breakdown["wall"], 2)}
-                    cb.log(f"{compiled.describe()}; the first step took {breakdown['wall']:.1f} s with compiling")
-                if sampler is not None and sampler.due(step, train.steps):
-                    _take_samples(sampler, step, autocast, result)
-                if step < train.steps and stop_requested():  # never after the last: keep a finished run
-                    result.interrupted = True
-                    cb.log(f"stopped at step {step}/{train.steps} on request")
-                    break
-        if ranks.distributed:
-            # Every rank must hold the same weights (same averaged gradients, same steps): recorded, and checked.
-            sums = ranks.gather(float(sum(p.detach().double().sum().item() for p in params)), device)
-            result.settings["data_parallel"] = {"world_size": ranks.world_size, "weight_checksums": sums,
-                                                "peak_vram_gb": ranks.gather(result.peak_vram_gb, device)}
-            if max(sums) - min(sums) > 1e-6 * max(1.0, max(abs(v) for v in sums)):
-                cb.log(f"warning: the ranks' LoRA weights differ (checksums {sums}); rank 0's are returned")
-        if split is not None:
-            result.settings["split_peak_vram_gb"] = [
-                round(torch.cuda.max_memory_allocated(d) / 1e9, 3) if d.type == "cuda" else 0.0 for d in devices]
+        if run.ranks.distributed:
+            _check_ranks_agree(run)
+        run.placement.record_peaks(result.settings)
     except torch.cuda.OutOfMemoryError as exc:
-        if handle is not None:
-            raise torch.cuda.OutOfMemoryError(
-                f"CUDA out of memory while training {family.display_name} with block streaming on "
-                f"{', '.join(str(d) for d in devices)}: "
-                f"{exc}\n{handle.plan.describe()}\nLower vram_budget_gb (more blocks stream), turn activation "
-                f"offload on, use prefetch_depth=1, or lower the resolution or batch size. Under an auto budget the "
-                f"allocator is held to the budget: other programs on the GPU do not count, but fragmentation "
-                f"does; raise the budget by 0.5 GB if the plan's prediction was close to it."
-            ) from exc
-        raise torch.cuda.OutOfMemoryError(
-            f"CUDA out of memory while training {family.display_name} resident on {device}: {exc}. "
-            f"Lower the resolution or batch size, keep gradient checkpointing on, or use block streaming."
-        ) from exc
-    finally:
-        result.seconds = time.perf_counter() - start
-        result.state_dict = lora_state_dict(model) if result.steps else {}
-        bad = [k for k, v in result.state_dict.items() if not torch.isfinite(v).all()]
-        if bad:  # never hand on (or save, or cache) a LoRA with NaN/inf weights
-            result.state_dict, result.interrupted = {}, True
-        if compiled.graphs():
-            result.settings.setdefault("compile", {})["graphs"] = compiled.graphs()
-        compiled.remove()
-        recompute.remove()
-        if handle is not None:
-            result.settings["offload_plan"] = handle.plan.summary()
-            result.settings["offload_stats"] = handle.stats()
-            handle.remove()  # frozen tensors back where they were (streamed blocks: pinned host memory)
-        # Leave a preloaded model as we found it (benchmarks train it again); drop one we loaded.
-        detach_lora(model)
-        if checkpointing:
-            model.disable_gradient_checkpointing()
-        model.eval()
-        del optimizer, scheduler, params
-        if preloaded is None:
-            del model
-        release_device_memory(device)
-    if bad:
+        raise run.placement.out_of_memory(exc, run.family) from exc
+
+
+def _run_step(run: _Run, step: int) -> bool:
+    """One optimizer step and what follows it (records, saves, samples); False when training stops here."""
+    train, cb, result = run.train, run.cb, run.result
+    t0 = time.perf_counter()
+    run.timer.start()
+    loss_sum = _accumulate(run)
+    if loss_sum is None:  # the partial step is dropped; the finished steps are kept
+        run.optimizer.zero_grad(set_to_none=True)
+        result.interrupted = True
+        cb.log(f"stopped during step {step}/{train.steps} on request; keeping {step - 1} steps")
+        return False
+    run.timer.mark("backward")
+    loss_sum, grad_norm = _optimizer_step(run, step, loss_sum)
+    if run.device.type == "cuda":
+        for d in run.placement.devices:
+            torch.cuda.synchronize(d)
+    breakdown = run.timer.finish(run.placement.end_step(step, cb))
+    if step == run.first + 1:  # the first step warms up (and compiles); the second is typical
+        cb.log(describe_step(breakdown))
+    _record_step(run, step, loss_sum, grad_norm, t0, breakdown)
+    if step == run.first and run.compiled.graphs():
+        result.settings["compile"] = {"first_step_s": round(breakdown["wall"], 2)}
+        cb.log(f"{run.compiled.describe()}; the first step took {breakdown['wall']:.1f} s with compiling")
+    if run.sampler is not None and run.sampler.due(step, train.steps):
+        _take_samples(run.sampler, step, run.autocast, result)
+    if step < train.steps and _stop_requested(run):  # never after the last: keep a finished run
+        result.interrupted = True
+        cb.log(f"stopped at step {step}/{train.steps} on request")
+        return False
+    return True
+
+
+def _accumulate(run: _Run) -> float | None:
+    """Forward and backward of each micro-batch of the step; the summed loss, or None when stopped between
+    micro-batches."""
+    train = run.train
+    loss_sum = 0.0
+    for micro in range(train.gradient_accumulation):
+        # Noise, timesteps and flips are keyed by the global micro-batch index (batching.py).
+        gen = micro_generator(train.seed, run.ranks.global_micro_index(run.drawn))
+        run.drawn += 1
+        t_data = time.perf_counter()
+        latents, embeds = _load_batch(run.dataset, next(run.batches), run.device, run.dtype, gen)
+        run.timer.add_data(time.perf_counter() - t_data)
+        loss_sum += _micro_step(run.model, run.family, latents, embeds, train, gen, run.autocast,
+                                1.0 / train.gradient_accumulation, run.memory.micro_batch)
+        # Between micro-steps too: with long accumulation, Stop must not wait a whole step.
+        if micro < train.gradient_accumulation - 1 and _stop_requested(run):
+            return None
+    return loss_sum
+
+
+def _optimizer_step(run: _Run, step: int, loss_sum: float) -> tuple[float, float]:
+    """Gradients averaged across ranks, clipped and checked, then the step: (loss sum over ranks, grad norm)."""
+    train, resume = run.train, run.resume
+    run.ranks.average_gradients(run.params)  # data parallel: every rank takes the same step
+    loss_sum = run.ranks.mean(loss_sum, run.device)
+    grad_norm = _clip(run.params, train.max_grad_norm)
+    if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
         raise TrainingDivergedError(
-            f"the LoRA weights became NaN/inf ({len(bad)} tensors, e.g. '{bad[0]}'); nothing was saved. "
-            f"Lower learning_rate, keep max_grad_norm > 0, and check alpha")
-    return result
+            f"training diverged at step {step}/{train.steps}: the loss is {loss_sum / train.gradient_accumulation} "
+            f"and the gradient norm {grad_norm}. Nothing was saved. Lower learning_rate, keep "
+            f"max_grad_norm > 0, and check alpha and the dataset cache"
+            + (f"; the state of step {resume.last_saved_step} is kept" if resume and resume.last_saved_step else ""))
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.timer.mark("optimizer")
+    return loss_sum, grad_norm
+
+
+def _record_step(run: _Run, step: int, loss_sum: float, grad_norm: float, t0: float, breakdown) -> None:
+    """The step into the result, a periodic save when due, and the callback's ``on_step`` (its time since
+    ``t0`` counts the save)."""
+    train, result = run.train, run.result
+    result.loss_history.append(loss_sum / train.gradient_accumulation)
+    result.lr_history.append(run.scheduler.get_last_lr()[0])
+    result.steps = step
+    peak = _peak_gb(run.placement.devices)
+    result.peak_vram_gb = peak
+    if run.resume is not None:
+        run.snapshot = RngSnapshot.take(step, run.drawn)
+        if run.resume.due(step, train.steps):
+            _save_state(run, periodic=True)
+    try:  # ComfyUI's progress hook raises its interrupt here too: keep this step
+        run.cb.on_step(StepInfo(step, train.steps, result.loss_history[-1], result.lr_history[-1],
+                                grad_norm, time.perf_counter() - t0, peak, run.placement.pinned_gb,
+                                run.sampler.seconds if run.sampler is not None else 0.0, breakdown))
+    except BaseException:
+        if step < train.steps:
+            _save_state(run)
+        raise
+
+
+def _save_state(run: _Run, periodic: bool = False) -> None:
+    """Save the training state of the last finished step (rank 0, resume only). A periodic save that fails
+    for want of storage is a warning; a final one raises."""
+    if run.resume is None or run.snapshot is None or run.snapshot.step == 0 or not run.ranks.is_main:
+        return
+    _check_finite_weights(run.named, run.snapshot.step)
+    try:
+        path = run.resume.save(run.named, run.optimizer, run.scheduler, run.snapshot, run.result.loss_history,
+                               run.result.lr_history)
+    except StorageError as exc:
+        if not periodic:
+            raise
+        run.cb.log(f"warning: the periodic training state was not saved ({exc}); training goes on")
+        return
+    if path is not None:
+        run.cb.log(f"training state at step {run.snapshot.step}/{run.train.steps} saved in '{path.parent}'")
+
+
+def _stop_requested(run: _Run) -> bool:
+    """The callback's stop request, agreed by every rank (they stop at the same point, or the collectives
+    hang); the state is saved when stopping."""
+    try:
+        stop = run.cb.should_stop()
+    except BaseException:  # ComfyUI's Cancel, Ctrl-C in the headless runner: keep the progress
+        _save_state(run)
+        raise
+    stop = run.ranks.any(stop, run.device)  # every rank stops at the same point, or the collectives hang
+    if stop:
+        _save_state(run)
+    return stop
+
+
+def _check_ranks_agree(run: _Run) -> None:
+    """Every rank must hold the same weights (same averaged gradients, same steps): recorded, and checked."""
+    ranks, device, result = run.ranks, run.device, run.result
+    sums = ranks.gather(float(sum(p.detach().double().sum().item() for p in run.params)), device)
+    result.settings["data_parallel"] = {"world_size": ranks.world_size, "weight_checksums": sums,
+                                        "peak_vram_gb": ranks.gather(result.peak_vram_gb, device)}
+    if max(sums) - min(sums) > 1e-6 * max(1.0, max(abs(v) for v in sums)):
+        run.cb.log(f"warning: the ranks' LoRA weights differ (checksums {sums}); rank 0's are returned")
+
+
+def _finish(run: _Run, drop_model: bool) -> list[str]:
+    """Whatever happened: the LoRA's weights into the result (none with NaN/inf: their names are returned),
+    the plan and compile reports, then every phase undone (compiled blocks, recompute, placement), so a
+    preloaded model is left as found (benchmarks train it again); one we loaded is dropped."""
+    result, model = run.result, run.model
+    result.seconds = time.perf_counter() - run.start
+    result.state_dict = lora_state_dict(model) if result.steps else {}
+    bad = [k for k, v in result.state_dict.items() if not torch.isfinite(v).all()]
+    if bad:  # never hand on (or save, or cache) a LoRA with NaN/inf weights
+        result.state_dict, result.interrupted = {}, True
+    if run.compiled is not None and run.compiled.graphs():
+        result.settings.setdefault("compile", {})["graphs"] = run.compiled.graphs()
+    run.placement.report(result.settings)
+    run.undo.close()
+    model.eval()
+    # Drop every reference to the model and the LoRA, so the memory below is given back.
+    run.optimizer = run.scheduler = run.sampler = run.compiled = None
+    run.params, run.named = [], []
+    if drop_model:
+        run.model = model = None
+    release_device_memory(run.device)
+    return bad
 
 
 def _take_samples(sampler, step: int, autocast, result: TrainedLora) -> None:
@@ -408,61 +486,12 @@ def _peak_gb(devices) -> float:
     return max((torch.cuda.max_memory_allocated(d) / 1e9 for d in devices if d.type == "cuda"), default=0.0)
 
 
-def _place_split(model, family, variant, dataset, lora, train, offload, split, cb):
-    """Split mode: plan the cut from each device's budget, attach LoRA, place and stream both parts."""
-    from ..offload.footprint import measure_footprint, workload_for
-    from ..offload.host import physical_ram_bytes
-    from ..parallel.split import apply_split, plan_split, split_budgets, trainable_per_block
-
-    model.enable_gradient_checkpointing()
-    params = attach_lora(model, family, lora, train.seed)  # fp32, on the CPU: placed with their blocks below
-    try:
-        fp = measure_footprint(model, family, f"{family.display_name} ({variant})")
-        fp.lora_bytes_per_param = lora_bytes_per_param(train)
-        per_block, outside = trainable_per_block(model, family)
-        plan = plan_split(fp, per_block, outside, workload_for(dataset, family, variant, train.batch_size), offload,
-                          tuple(torch.device(d) for d in split.devices), split_budgets(split, offload),
-                          cut=None if split.cut == -1 else split.cut, host_ram_bytes=physical_ram_bytes())
-        return apply_split(model, family, plan, offload, cb), params
-    except BaseException:
-        detach_lora(model)
-        model.disable_gradient_checkpointing()
-        raise
-
-
 def _check_finite_weights(named, step: int) -> None:
     bad = [n for n, p in named if not torch.isfinite(p).all()]
     if bad:
         raise TrainingDivergedError(
             f"the LoRA weights became NaN/inf by step {step} ({len(bad)} tensors, e.g. '{bad[0]}'); nothing was "
             f"saved. Lower learning_rate, keep max_grad_norm > 0, and check alpha")
-
-
-def _check_plan_before_loading(ident, family_id, dataset, lora, train, offload, device, dtype) -> None:
-    """Make the plan from the checkpoint's header alone, so an impossible budget (or too much pinned
-    host memory) is refused before minutes of loading."""
-    from ..offload.footprint import footprint_before_loading
-
-    fp, family, variant = footprint_before_loading(ident, dtype, lora, family_id)
-    _plan(fp, family, variant, dataset, train, offload, device)
-
-
-def _plan(fp, family, variant, dataset, train: TrainConfig, offload: OffloadConfig, device: torch.device):
-    """The one place training asks for an offload plan (from the header before loading, and from the
-    loaded model): the dataset's largest bucket, the optimizer's bytes per LoRA weight, the budget."""
-    from ..offload.footprint import workload_for
-    from ..offload.host import physical_ram_bytes
-    from ..offload.plan import make_plan
-    from ..offload.streamer import resolve_budget_bytes
-
-    fp.lora_bytes_per_param = lora_bytes_per_param(train)
-    if train.optimizer != "adamw":  # host-held moments are AdamW's fp32 ones: auto must not count on them
-        from dataclasses import replace
-
-        offload = replace(offload, optimizer_on_host=False)
-    return make_plan(fp, workload_for(dataset, family, variant, train.batch_size), offload,
-                     resolve_budget_bytes(offload, device), physical_ram_bytes(),
-                     compiled=_compiles(offload, train, device, None)[0])
 
 
 def _apply_int8_compute(model, offload: OffloadConfig | None, device: torch.device, cb) -> None:
@@ -494,50 +523,18 @@ def _check_int8_compute(offload: OffloadConfig | None, device: torch.device) -> 
             raise ConfigError(f"int8_compute='fp8': {why}. Use int8_compute='dequant'")
 
 
-def _compiles(offload: OffloadConfig | None, train: TrainConfig, device: torch.device, split) -> tuple[bool, str]:
-    """(whether the blocks will be compiled, why not when auto says no): decided before planning, since
-    compiled blocks change what the plan needs (engine/offload/plan.py)."""
-    from .compile import why_not_auto
-
-    mode = offload.compile if offload is not None else "auto"
-    if mode == "auto":
-        why_not = why_not_auto(device, train.steps, split is not None)
-        return why_not is None, why_not or ""
-    return mode == "blocks", ""
-
-
-def _compile_blocks(model, family, offload: OffloadConfig | None, train: TrainConfig, device: torch.device,
-                    split, cb, handle=None):
+def _compile_blocks(model, family, placement: Placement, train: TrainConfig, cb):
     """torch.compile of the blocks' forwards when Offload Config asks for it, or auto finds it pays
     (engine/train/compile.py), at the plan's activation-memory budget (auto may have lowered it)."""
     from .compile import NoCompile, compile_blocks
 
-    on, why_not = _compiles(offload, train, device, split)
+    on, why_not = placement.compiles(train)
     if not on:
-        if why_not and device.type == "cuda":
+        if why_not and placement.device.type == "cuda":
             cb.log(f"compile auto: off ({why_not})")
         return NoCompile()
     cb.log("compile='blocks': each block type compiles on its first use (the first step takes longer)")
-    budget = offload.activation_memory_budget if offload is not None else 1.0
-    if handle is not None and split is None:
-        budget = handle.plan.activation_memory_budget
-    return compile_blocks(model, family, budget)
-
-
-def _memory_options(handle, offload: OffloadConfig | None, split, device: torch.device) -> tuple[int, bool, int]:
-    """(token chunks for the recompute, AdamW moments on the host, samples per forward: 0 = all): from the
-    plan when blocks stream (auto may have chosen them), else as set in Offload Config. Host moments need a
-    GPU to leave."""
-    if handle is not None:
-        plans = handle.plan.plans if split is not None else (handle.plan,)
-        chunks, host = max(p.recompute_chunks for p in plans), any(p.optimizer_on_host for p in plans)
-        micro = min(p.micro_batch or 0 for p in plans)
-    elif offload is not None:
-        chunks, host, micro = offload.recompute_chunks or 1, bool(offload.optimizer_on_host), 0
-        micro = offload.micro_batch_size or 0
-    else:
-        chunks, host, micro = 1, False, 0
-    return chunks, host and device.type == "cuda", micro
+    return compile_blocks(model, family, placement.compile_budget())
 
 
 def _micro_step(model, family, latents, embeds, cfg: TrainConfig, gen: torch.Generator, autocast,

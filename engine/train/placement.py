@@ -1,0 +1,327 @@
+"""Where the frozen weights live while a LoRA trains: decided once, held by one object.
+
+Three placements:
+
+- ``Resident``: every weight on the training device (a GPU it fits on, or the CPU).
+- ``Streamed``: the transformer blocks stream from pinned host memory through one GPU
+  (engine/offload/streamer.py), per a plan made from the VRAM budget.
+- ``Split``: the blocks cut across two devices, each part planned and placed (or streamed)
+  within its own budget (engine/parallel/split.py).
+
+``choose_placement`` is the single place that takes the resident / stream / split decision,
+from Offload Config, the split and the device. The loop then asks the placement what it needs
+(its devices, the memory options its plan chose, the allocator cap, per-step reports) without
+asking which kind it is. Each placement makes its plan (``plan``: the one place training asks
+for an offload plan, from the checkpoint's header before loading when it can, and from the
+loaded model), applies it (``apply``: LoRA attached, weights moved or streamed; undone if it
+fails) and undoes it (``remove``).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple, Optional
+
+import torch
+
+from ..callbacks import TrainingCallback
+from ..config import TrainConfig
+from ..models import resolve_device
+from ..offload import OffloadConfig
+from .lora_attach import attach_lora, detach_lora
+from .optimizers import lora_bytes_per_param
+
+
+class MemoryOptions(NamedTuple):
+    """How the training step spends memory: from the plan when blocks stream (auto may have chosen them),
+    else as set in Offload Config."""
+
+    recompute_chunks: int  # token chunks of the finer recompute (1: whole blocks)
+    optimizer_on_host: bool  # AdamW moments in pinned host RAM between steps (needs a GPU to leave)
+    micro_batch: int  # samples per forward/backward (0: the whole batch)
+
+
+def training_device(train: TrainConfig, split=None) -> torch.device:
+    """The device training runs on: the split's first device, else TrainConfig's."""
+    return torch.device(split.devices[0]) if split is not None else resolve_device(train.device)
+
+
+def choose_placement(offload: Optional[OffloadConfig], split, device: torch.device,
+                     callback: Optional[TrainingCallback] = None) -> "Placement":
+    """Resident, Streamed or Split, decided here only. ``offload``: None or mode='resident' keeps every
+    weight on ``device``; 'stream' / 'auto' stream blocks (CUDA only: auto on a CPU stays resident, an
+    explicit 'stream' is refused). ``split`` (engine/parallel/config.ParallelConfig, mode 'split') plans
+    each part on its own device; auto on a CPU keeps both parts resident."""
+    cb = callback or TrainingCallback()
+    if split is not None:
+        from ..parallel.split import check_split_devices
+
+        check_split_devices(split, offload)
+        offload = offload or OffloadConfig(mode="resident")
+        if offload.mode == "auto" and device.type != "cuda":
+            cb.log("offload mode 'auto' on the CPU: both parts of the split stay resident")
+            offload = OffloadConfig(mode="resident", gradient_checkpointing=True)
+        return Split(offload, device, split)
+    if offload is not None and offload.streams:
+        if offload.mode == "auto" and device.type != "cuda":
+            # auto means "choose for me": on a CPU the only choice is resident (an explicit
+            # mode='stream' still gets require_cuda's error below).
+            cb.log("offload mode 'auto' on the CPU: every weight stays resident (streaming needs a CUDA GPU)")
+            return Resident(offload, device)
+        from ..offload.streamer import require_cuda
+
+        require_cuda(offload, device)
+        return Streamed(offload, device)
+    return Resident(offload, device)
+
+
+class Placement:
+    """What the three placements share. ``handle``: the OffloadHandle / SplitHandle once applied."""
+
+    kind = ""
+
+    def __init__(self, offload: Optional[OffloadConfig], device: torch.device):
+        self.offload, self.device = offload, device
+        self.handle = None
+        self._model = None  # the model LoRA is attached to, until remove()
+        self._checkpointing_on = False  # whether apply turned gradient checkpointing on
+
+    # --- deciding, planning, applying ---------------------------------------------------------------
+
+    @property
+    def checkpointing(self) -> bool:
+        """Gradient checkpointing is a memory setting: it lives in Offload Config only (on by default)."""
+        return self.offload.gradient_checkpointing if self.offload is not None else True
+
+    @property
+    def devices(self) -> tuple[torch.device, ...]:
+        return (self.device,)
+
+    def compiles(self, train: TrainConfig) -> tuple[bool, str]:
+        """(whether the blocks will be compiled, why not when auto says no): decided before planning, since
+        compiled blocks change what the plan needs (engine/offload/plan.py)."""
+        from .compile import why_not_auto
+
+        mode = self.offload.compile if self.offload is not None else "auto"
+        if mode == "auto":
+            why_not = why_not_auto(self.device, train.steps, self.kind == "split")
+            return why_not is None, why_not or ""
+        return mode == "blocks", ""
+
+    def plan_before_loading(self, ident, family_id: str, dataset, lora, train: TrainConfig,
+                            dtype: torch.dtype) -> None:
+        """Plan from the checkpoint's header alone, so an impossible budget is refused before minutes of
+        loading. Streaming does; resident has no plan, and a split is planned once loaded (each part's LoRA
+        elements are counted off the attached model)."""
+
+    def apply(self, model, family, variant: str, dataset, lora, train: TrainConfig,
+              callback: TrainingCallback) -> list[torch.nn.Parameter]:
+        """Attach LoRA and put the weights in place; returns the trainable parameters. Undone if it fails."""
+        raise NotImplementedError
+
+    def _attach(self, model, family, lora, train: TrainConfig, checkpointing: bool) -> list[torch.nn.Parameter]:
+        """Gradient checkpointing (when asked) and LoRA, fp32, wherever the layers are now."""
+        self._model = model
+        if checkpointing:
+            model.enable_gradient_checkpointing()
+            self._checkpointing_on = True
+        try:
+            return attach_lora(model, family, lora, train.seed)
+        except BaseException:
+            self.remove()
+            raise
+
+    def remove(self) -> None:
+        """Undo ``apply``: streaming stopped (frozen tensors back where they were; streamed blocks to their
+        pinned host buffers), LoRA detached, checkpointing off again. A resident model stays on its device
+        (a loaded one is dropped after training; a preloaded one trains there again)."""
+        model, self._model = self._model, None
+        if model is None:
+            return
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+        detach_lora(model)
+        if self._checkpointing_on:
+            model.disable_gradient_checkpointing()
+            self._checkpointing_on = False
+
+    # --- what the loop asks ---------------------------------------------------------------------------
+
+    def plans(self) -> tuple:
+        """The offload plans in force (one per streamed device; none when resident)."""
+        return ()
+
+    def memory_options(self) -> MemoryOptions:
+        plans = self.plans()
+        if plans:
+            chunks, host = max(p.recompute_chunks for p in plans), any(p.optimizer_on_host for p in plans)
+            micro = min(p.micro_batch or 0 for p in plans)
+        elif self.offload is not None:
+            chunks, host = self.offload.recompute_chunks or 1, bool(self.offload.optimizer_on_host)
+            micro = self.offload.micro_batch_size or 0
+        else:
+            chunks, host, micro = 1, False, 0
+        return MemoryOptions(chunks, host and self.device.type == "cuda", micro)
+
+    def compile_budget(self) -> float:
+        """The compiled blocks' activation-memory budget, as set in Offload Config."""
+        return self.offload.activation_memory_budget if self.offload is not None else 1.0
+
+    @property
+    def pinned_gb(self) -> float:
+        return sum(p.pinned_host_bytes for p in self.plans()) / 1e9
+
+    def cap_allocator(self, held_before: int, callback: TrainingCallback):
+        """The context training runs in: the allocator held to an explicit auto budget (streaming only)."""
+        return contextlib.nullcontext()
+
+    def end_step(self, step: int, callback: TrainingCallback) -> float:
+        """After each optimizer step: harvest the copy timings, report the peak on steps 1 and 2; returns this
+        step's compute stall on copies (s)."""
+        if self.handle is not None:
+            self.handle.end_step()
+            if step <= 2:  # step 2: steady state, the AdamW moments exist during backward
+                callback.log(self.handle.peak_report(step))
+        stalls = getattr(self.handle, "step_stall_s", None)
+        return stalls[-1] if stalls else 0.0
+
+    def record_peaks(self, settings: dict) -> None:
+        """After the last step: per-device peaks where there is more than one device."""
+
+    def report(self, settings: dict) -> None:
+        """Before ``remove``: the plan and the streaming counters into the result's settings."""
+        if self.handle is not None:
+            settings["offload_plan"] = self.handle.plan.summary()
+            settings["offload_stats"] = self.handle.stats()
+
+    def out_of_memory(self, exc: BaseException, family) -> torch.cuda.OutOfMemoryError:
+        """CUDA ran out of memory while training: the error to raise, with what to change."""
+        return torch.cuda.OutOfMemoryError(
+            f"CUDA out of memory while training {family.display_name} with block streaming on "
+            f"{', '.join(str(d) for d in self.devices)}: "
+            f"{exc}\n{self.handle.plan.describe()}\nLower vram_budget_gb (more blocks stream), turn activation "
+            f"offload on, use prefetch_depth=1, or lower the resolution or batch size. Under an auto budget the "
+            f"allocator is held to the budget: other programs on the GPU do not count, but fragmentation "
+            f"does; raise the budget by 0.5 GB if the plan's prediction was close to it.")
+
+
+class Resident(Placement):
+    """Every weight on the training device, LoRA with it."""
+
+    kind = "resident"
+
+    def apply(self, model, family, variant, dataset, lora, train, callback):
+        model.to(self.device)
+        params = self._attach(model, family, lora, train, self.checkpointing)
+        model.to(self.device)
+        return params
+
+    def out_of_memory(self, exc, family):
+        return torch.cuda.OutOfMemoryError(
+            f"CUDA out of memory while training {family.display_name} resident on {self.device}: {exc}. "
+            f"Lower the resolution or batch size, keep gradient checkpointing on, or use block streaming.")
+
+
+class Streamed(Placement):
+    """The blocks stream through one GPU per the plan; LoRA and the rest of the model stay on it."""
+
+    kind = "stream"
+
+    def plan(self, fp, family, variant: str, dataset, train: TrainConfig):
+        """The one place training asks for an offload plan (from the header before loading, and from the
+        loaded model): the dataset's largest bucket, the optimizer's bytes per LoRA weight, the budget."""
+        from ..offload.footprint import workload_for
+        from ..offload.host import physical_ram_bytes
+        from ..offload.plan import make_plan
+        from ..offload.streamer import resolve_budget_bytes
+
+        offload = self.offload
+        fp.lora_bytes_per_param = lora_bytes_per_param(train)
+        if train.optimizer != "adamw":  # host-held moments are AdamW's fp32 ones: auto must not count on them
+            from dataclasses import replace
+
+            offload = replace(offload, optimizer_on_host=False)
+        return make_plan(fp, workload_for(dataset, family, variant, train.batch_size), offload,
+                         resolve_budget_bytes(offload, self.device), physical_ram_bytes(),
+                         compiled=self.compiles(train)[0])
+
+    def plan_before_loading(self, ident, family_id, dataset, lora, train, dtype):
+        from ..offload.footprint import footprint_before_loading
+
+        fp, family, variant = footprint_before_loading(ident, dtype, lora, family_id)
+        self.plan(fp, family, variant, dataset, train)
+
+    def apply(self, model, family, variant, dataset, lora, train, callback):
+        from ..offload.footprint import lora_param_count, measure_footprint
+        from ..offload.streamer import apply_offload
+
+        # Plan before touching the model: a refused plan leaves a preloaded model as it was.
+        fp = measure_footprint(model, family, f"{family.display_name} ({variant})",
+                               trainable_params=lora_param_count(model, family, lora))
+        plan = self.plan(fp, family, variant, dataset, train)
+        params = self._attach(model, family, lora, train, True)  # fp32, wherever the blocks are (CPU)
+        try:
+            self.handle = apply_offload(model, family, self.offload, self.device, callback, plan=plan)
+        except BaseException:
+            self.remove()
+            raise
+        return params
+
+    def plans(self):
+        return (self.handle.plan,) if self.handle is not None else ()
+
+    def compile_budget(self):
+        return self.handle.plan.activation_memory_budget  # auto may have lowered it
+
+    def cap_allocator(self, held_before, callback):
+        from ..offload.streamer import cap_allocator
+
+        return cap_allocator(self.handle, self.offload, self.device, held_before, callback)
+
+
+class Split(Placement):
+    """The blocks cut across two devices (engine/parallel/split.py), each part placed or streamed per its
+    own plan within its own budget; everything outside the blocks on the first device."""
+
+    kind = "split"
+
+    def __init__(self, offload: OffloadConfig, device: torch.device, split):
+        super().__init__(offload, device)
+        self.split = split
+
+    @property
+    def devices(self):
+        return tuple(torch.device(d) for d in self.split.devices)
+
+    def plan(self, model, family, variant: str, dataset, train: TrainConfig):
+        """Both parts' plans and the cut, from each device's budget. LoRA must be attached: each part's
+        trainable elements are counted off the model."""
+        from ..offload.footprint import measure_footprint, workload_for
+        from ..offload.host import physical_ram_bytes
+        from ..parallel.split import plan_split, split_budgets, trainable_per_block
+
+        fp = measure_footprint(model, family, f"{family.display_name} ({variant})")
+        fp.lora_bytes_per_param = lora_bytes_per_param(train)
+        per_block, outside = trainable_per_block(model, family)
+        return plan_split(fp, per_block, outside, workload_for(dataset, family, variant, train.batch_size),
+                          self.offload, self.devices, split_budgets(self.split, self.offload),
+                          cut=None if self.split.cut == -1 else self.split.cut, host_ram_bytes=physical_ram_bytes())
+
+    def apply(self, model, family, variant, dataset, lora, train, callback):
+        from ..parallel.split import apply_split
+
+        params = self._attach(model, family, lora, train, True)  # on the CPU: placed with their blocks below
+        try:
+            self.handle = apply_split(model, family, self.plan(model, family, variant, dataset, train),
+                                      self.offload, callback)
+        except BaseException:
+            self.remove()
+            raise
+        return params
+
+    def plans(self):
+        return self.handle.plan.plans if self.handle is not None else ()
+
+    def record_peaks(self, settings):
+        settings["split_peak_vram_gb"] = [
+            round(torch.cuda.max_memory_allocated(d) / 1e9, 3) if d.type == "cuda" else 0.0 for d in self.devices]
