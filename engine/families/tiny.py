@@ -118,6 +118,14 @@ def ldm_vae_key(key: str, num_blocks: int) -> str:
 
 
 
+def tiny_transformer(family, seed: int = 0):
+    """The family's tiny variant with random weights (none left at zero: see ``randomize_zero_inits``)."""
+    torch.manual_seed(seed)
+    model = family.transformer_class().from_config(family.load_config(family.tiny_variant))
+    randomize_zero_inits(model, seed)
+    return model
+
+
 def tiny_flux_ae(latent_channels: int = 16):
     """A tiny AutoencoderKL with the Flux.1 AE's layout and constants (Flux.1, Z-Image and Lumina 2 share it)."""
     from diffusers import AutoencoderKL

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..names import join_diffusers_tensors
-from ..tiny import ldm_vae_key, randomize_zero_inits, tiny_flux_ae, word_level_tokenizer
+from ..tiny import tiny_flux_ae, tiny_transformer, word_level_tokenizer, write_ldm_vae_file
 from . import FAMILY
 
 
@@ -20,10 +20,9 @@ def build_tiny_pipeline(folder: str | Path, seed: int = 0) -> Path:
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     folder = Path(folder)
+    transformer = tiny_transformer(FAMILY, seed)
+    config = dict(transformer.config)
     torch.manual_seed(seed)
-    config = FAMILY.load_config(FAMILY.tiny_variant)
-    transformer = FAMILY.transformer_class().from_config(config)
-    randomize_zero_inits(transformer, seed)
 
     clip_tok, clip_vocab = word_level_tokenizer(
         ["<|endoftext|>", "<|startoftext|>", "<unk>"], "<|startoftext|>", "<|endoftext|>", "<|endoftext|>", "<unk>", 77
@@ -97,17 +96,5 @@ def write_text_and_vae_files(pipeline_folder: str | Path, folder: str | Path, wi
             for f in (pipeline_folder / tok).iterdir():
                 shutil.copy(f, companion / f.name)
         out[name] = folder / f"{name}.safetensors"
-    vae_config = json.loads((pipeline_folder / "vae" / "config.json").read_text())
-    state = {}
-    for f in sorted((pipeline_folder / "vae").glob("*.safetensors")):
-        state.update(load_file(str(f)))
-    ldm = {}
-    for k, v in state.items():
-        key = ldm_vae_key(k, len(vae_config["block_out_channels"]))
-        ldm[key] = (v[:, :, None, None] if ".mid.attn_1." in key and key.endswith(".weight") and v.ndim == 2
-                    else v).contiguous()
-    save_file(ldm, str(folder / "ae.safetensors"))
-    (folder / "ae").mkdir(exist_ok=True)
-    shutil.copy(pipeline_folder / "vae" / "config.json", folder / "ae" / "config.json")
-    out["vae"] = folder / "ae.safetensors"
+    out["vae"] = write_ldm_vae_file(pipeline_folder / "vae", folder / "ae.safetensors")
     return out

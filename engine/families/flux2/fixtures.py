@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import save_file
 
 from ..names import join_diffusers_tensors
-from ..tiny import (TINY_MISTRAL_CHAT_TEMPLATE, TINY_QWEN3_CHAT_TEMPLATE, ldm_vae_key, randomize_zero_inits,
-                    tiny_decoder_lm, word_level_tokenizer)
+from ..tiny import (TINY_MISTRAL_CHAT_TEMPLATE, TINY_QWEN3_CHAT_TEMPLATE, tiny_decoder_lm, tiny_transformer,
+                    word_level_tokenizer, write_ldm_vae_file)
 from . import FAMILY
 
 
@@ -22,10 +22,9 @@ def build_tiny_pipeline(folder: str | Path, text_encoder: str = "mistral3", seed
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler
 
     folder = Path(folder)
+    transformer = tiny_transformer(FAMILY, seed)
+    config = dict(transformer.config)
     torch.manual_seed(seed)
-    config = FAMILY.load_config(FAMILY.tiny_variant)
-    transformer = FAMILY.transformer_class().from_config(config)
-    randomize_zero_inits(transformer, seed)
     specials = ["<pad>", "<s>", "</s>", "[IMG]", "<unk>"]
     tokenizer, vocab = word_level_tokenizer(specials, "<s>", "</s>", "<pad>", "<unk>", 512)
     tokenizer.chat_template = TINY_MISTRAL_CHAT_TEMPLATE if text_encoder == "mistral3" else TINY_QWEN3_CHAT_TEMPLATE
@@ -115,19 +114,9 @@ def write_text_and_vae_files(pipeline_folder: str | Path, folder: str | Path) ->
     companion = folder / "text_encoder"
     shutil.copytree(pipeline_folder / "tokenizer", companion)
     shutil.copy(pipeline_folder / "text_encoder" / "config.json", companion / "config.json")
-    vae_config = json.loads((pipeline_folder / "vae" / "config.json").read_text())
-    vstate = {}
-    for f in sorted((pipeline_folder / "vae").glob("*.safetensors")):
-        vstate.update(load_file(str(f)))
-    ldm = {}
-    for k, v in vstate.items():
-        key = ldm_vae_key(k, len(vae_config["block_out_channels"]))
-        ldm[key] = (v[:, :, None, None] if ".mid.attn_1." in key and key.endswith(".weight") and v.ndim == 2
-                    else v).contiguous()
-    save_file(ldm, str(folder / "flux2-vae.safetensors"))
-    (folder / "flux2-vae").mkdir(exist_ok=True)  # the tiny VAE's exact config (e.g. its 128 px tile size)
-    shutil.copy(pipeline_folder / "vae" / "config.json", folder / "flux2-vae" / "config.json")
-    return {"text_encoder": folder / "text_encoder.safetensors", "vae": folder / "flux2-vae.safetensors"}
+    # LDM names + bn.*, and the tiny VAE's exact config beside it (e.g. its 128 px tile size)
+    vae = write_ldm_vae_file(pipeline_folder / "vae", folder / "flux2-vae.safetensors")
+    return {"text_encoder": folder / "text_encoder.safetensors", "vae": vae}
 
 
 def tiny_tekken_json() -> bytes:

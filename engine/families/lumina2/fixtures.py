@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..names import join_diffusers_tensors
-from ..tiny import randomize_zero_inits, tiny_flux_ae, word_level_tokenizer, write_ldm_vae_file
+from ..tiny import tiny_flux_ae, tiny_transformer, word_level_tokenizer, write_ldm_vae_file
 from .names import UNUSED_NATIVE_KEYS
 
 #: The tiny Gemma2Model; ``text_encoder_specs("lumina2-tiny")`` keeps the output of its layer 2
@@ -53,10 +53,9 @@ def build_tiny_pipeline(folder: str | Path, seed: int = 0) -> Path:
     from . import FAMILY
 
     folder = Path(folder)
+    transformer = tiny_transformer(FAMILY, seed)
+    config = dict(transformer.config)
     torch.manual_seed(seed)
-    config = FAMILY.load_config(FAMILY.tiny_variant)
-    transformer = FAMILY.transformer_class().from_config(config)
-    randomize_zero_inits(transformer, seed)
     tokenizer, vocab = tiny_gemma_tokenizer()
     gemma = Gemma2Model(Gemma2Config(vocab_size=vocab, **{**TINY_GEMMA, "hidden_size": config["cap_feat_dim"]}))
     with torch.no_grad():  # Gemma's RMSNorms scale by (1 + w) and start at w = 0: make them matter

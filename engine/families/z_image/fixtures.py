@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..names import join_diffusers_tensors
-from ..tiny import randomize_zero_inits, tiny_decoder_lm, tiny_flux_ae, word_level_tokenizer, write_ldm_vae_file
+from ..tiny import tiny_decoder_lm, tiny_flux_ae, tiny_transformer, word_level_tokenizer, write_ldm_vae_file
 
 #: Qwen3's chat template reduced to what ZImagePipeline uses: one user turn, the assistant prompt, and the
 #: empty think block only when ``enable_thinking`` is false (Z-Image passes True: no block).
@@ -49,10 +49,9 @@ def build_tiny_pipeline(folder: str | Path, seed: int = 0) -> Path:
     from . import FAMILY
 
     folder = Path(folder)
+    transformer = tiny_transformer(FAMILY, seed)
+    config = dict(transformer.config)
     torch.manual_seed(seed)
-    config = FAMILY.load_config(FAMILY.tiny_variant)
-    transformer = FAMILY.transformer_class().from_config(config)
-    randomize_zero_inits(transformer, seed)  # the pad tokens start at zero
     tokenizer, vocab = tiny_qwen3_tokenizer()
     # The released pipeline's text_encoder is a Qwen3Model (no lm_head): the decoder without its head.
     text_encoder = tiny_decoder_lm("qwen3", vocab, config["cap_feat_dim"], _TEXT_LAYERS, seed).model
