@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from lowvram_lora.engine.families import families
+from lowvram_lora.demo import WORKFLOW as DEMO_WORKFLOW
 from lowvram_lora.host.templates import shipped
 
 COMFY_DIR = os.environ.get("LOWVRAM_COMFYUI_DIR")
@@ -262,11 +263,28 @@ def test_data_parallel_cancel_stops_the_workers(comfy):
     assert not list((comfy.base / "output" / "loras").glob("demo_dp_cancel_*"))
 
 
-def test_flux1_dev_workflow_without_its_files_fails_clearly(comfy):
-    done = comfy.comfy_run(comfy.pack / "workflows" / "flux1_dev_lora.json", timeout=300)
+#: Every shipped template except the demo, whose (tiny) files the fixture prepares: full-size models absent here.
+FULL_SIZE = [pytest.param(t, id=name) for name, t in shipped().items() if name != DEMO_WORKFLOW.stem]
+
+
+def _template_files(template) -> list[str]:
+    """The model files a template's widgets name (checkpoint, single-file text encoders, VAE)."""
+    names = [template.load["checkpoint"]]
+    names += [template.cache[k] for k in ("text_encoder_1", "text_encoder_2", "vae_file")
+              if template.cache.get(k, "(none)") != "(none)"]
+    return names
+
+
+@pytest.mark.parametrize("template", FULL_SIZE)
+def test_full_size_workflow_without_its_files_fails_clearly(comfy, template):
+    """The template as shipped, its model files absent: comfy run stops before running and names every one."""
+    for name in _template_files(template):
+        assert not list((comfy.base / "models").rglob(name)), f"{name} exists: this check needs it absent"
+    done = comfy.comfy_run(comfy.pack / "workflows" / f"{template.name}.json", timeout=300)
     text = done.stdout + done.stderr
     assert done.returncode != 0
-    assert "flux1-dev.safetensors" in text, text[-2000:]
+    missing = [name for name in _template_files(template) if name not in text]
+    assert not missing, (missing, text[-2000:])
 
 
 # Runs inside ComfyUI's own environment: its model detection, key map and weight patching, on our LoRA.
@@ -390,3 +408,96 @@ def test_single_file_text_encoders_find_comfyuis_bundled_tokenizers(comfy):
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert set(found) == {"clip_l", "t5xxl"}
     assert found["clip_l"][1][0] == 49406 and found["t5xxl"][1][-1] == 1  # CLIP's BOS, T5's EOS
+
+
+#: Templates whose Cache Text Embeds reads one text-encoder single file: the family fixtures write every file
+#: they name (as tests/test_family_workflows.py does), so each runs end to end on its tiny model.
+SINGLE_FILE = [pytest.param(t, id=name) for name, t in shipped().items()
+               if t.cache.get("text_encoders") == "(single files below)" and "text_encoder_2" not in t.cache
+               and t.split is None]
+
+
+def _write_tiny_files(template, root: Path, scratch: Path) -> list[Path]:
+    """The template's family's tiny model under the template's file names in ComfyUI's base folder
+    ``root``; returns what was written (removed afterwards, so the full-size checks still find them absent)."""
+    from lowvram_lora.engine.families import get_family
+    from lowvram_lora.engine.testing import make_tiny_dataset
+
+    fixtures = get_family(template.load["family"]).fixtures()
+    pipeline = fixtures.build_tiny_pipeline(scratch / "pipe")
+    models = root / "models"
+    written = [fixtures.write_single_file(pipeline, models / "diffusion_models" / template.load["checkpoint"])]
+    files = fixtures.write_text_and_vae_files(pipeline, scratch / "files")
+    for key, folder, source in (("text_encoder_1", "text_encoders", files["text_encoder"]),
+                                ("vae_file", "vae", files["vae"])):
+        dest = models / folder / template.cache[key]
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(source, dest)
+        written.append(dest)
+        if source.with_suffix("").is_dir():  # the companion folder: tiny config (and tokenizer)
+            shutil.copytree(source.with_suffix(""), dest.with_suffix(""))
+            written.append(dest.with_suffix(""))
+    written.append(make_tiny_dataset(root / "input" / template.cache["dataset_path"], count=1))
+    return written
+
+
+def _with_widgets(ui: dict, values: dict[str, dict]) -> dict:
+    """A UI-format workflow with widget values replaced by name ({node type: {input: value}}), positions
+    from the node classes' declared inputs (control-after-generate slots included, as the file stores them)."""
+    from lowvram_lora.host.workflow import input_specs
+    from lowvram_lora.nodes import NODE_CLASS_MAPPINGS
+
+    for node in ui["nodes"]:
+        if node["type"] not in values:
+            continue
+        widgets = [s for s in input_specs(NODE_CLASS_MAPPINGS[node["type"]]) if s.is_widget]
+        stored = len(node["widgets_values"])
+        with_controls = stored == len(widgets) + sum(s.control_slots for s in widgets)
+        assert with_controls or stored == len(widgets), (node["type"], stored)
+        position, cursor = {}, 0
+        for spec in widgets:
+            position[spec.name] = cursor
+            cursor += 1 + (spec.control_slots if with_controls else 0)
+        for name, value in values[node["type"]].items():
+            node["widgets_values"][position[name]] = value
+    return ui
+
+
+def _log_since(port: int, start: str) -> str:
+    entries = _get(port, "/internal/logs/raw")["entries"]
+    return "".join(e["m"] for e in entries if e["t"] >= start)
+
+
+@pytest.mark.parametrize("template", SINGLE_FILE)
+def test_template_trains_its_tiny_model_through_comfy_run(comfy, tmp_path, template):
+    """The shipped UI workflow, sizes and steps reduced, on its family's tiny model under the template's file
+    names, through comfy run against the real server: exit 0, the LoRA written (and readable as the family's),
+    samples taken, no traceback in the server log."""
+    from datetime import datetime
+
+    from lowvram_lora.engine.lora_io import load_lora
+
+    written = _write_tiny_files(template, comfy.base, tmp_path)
+    try:
+        ui = json.loads((comfy.pack / "workflows" / f"{template.name}.json").read_text())
+        _with_widgets(ui, {
+            "LowVRAMCacheTextEmbeds": {"resolution": 128, "sample_prompts": "ohwx, a red circle"},
+            "LowVRAMTrainLoRA": {"steps": 8, "learning_rate": 0.01, "warmup_steps": 0, "sample_every": 4,
+                                 "sample_resolution": 64, "sample_steps": 2},
+        })
+        (tmp_path / "tiny.json").write_text(json.dumps(ui))
+        start = datetime.now().isoformat()
+        done = comfy.comfy_run(tmp_path / "tiny.json")
+        log = _log_since(comfy.port, start)
+        assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:], log[-4000:])
+        assert "Traceback" not in log and "!!! Exception" not in log, log[-4000:]
+        assert "[lowvram-lora] step 8/8" in log and "sampled 1 prompt(s) at step 8" in log, log[-3000:]
+        prefix = template.save["filename_prefix"]
+        saved = sorted((comfy.base / "output").glob(f"{prefix}_*_.safetensors"))
+        assert len(saved) == 1, (sorted((comfy.base / "output" / "loras").iterdir()), log[-3000:])
+        lora = load_lora(saved[0])
+        assert lora.format == "comfyui" and lora.metadata["lowvram_lora.family"] == template.load["family"]
+        assert lora.metadata["lowvram_lora.steps"] == "8"
+    finally:
+        for path in written:
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
