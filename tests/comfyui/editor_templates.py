@@ -27,7 +27,7 @@ const spec = (n, name) => {
   return d && d.input ? ((d.input.required || {})[name] || (d.input.optional || {})[name] || null) : null;
 };
 return g._nodes.map(n => ({
-  id: n.id, type: n.type, title: n.title, missing: n.constructor.nodeData === undefined, size: n.size,
+  id: n.id, type: n.type, title: n.title, missing: window.LiteGraph ? !LiteGraph.registered_node_types[n.type] : n.constructor.nodeData === undefined, size: n.size,
   widgets: (n.widgets || []).map(w => {
     const s = spec(n, w.name);
     return {name: w.name, value: w.value, type: w.type,
@@ -41,6 +41,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", default="http://127.0.0.1:8188")
     p.add_argument("--out", default="editor_shots")
+    p.add_argument("--suffix", default="", help="added to each screenshot's name (e.g. _with_files)")
     p.add_argument("templates", nargs="+")
     args = p.parse_args(argv)
     from selenium import webdriver
@@ -80,16 +81,16 @@ def main(argv=None) -> int:
                 continue
             time.sleep(3)
             d.execute_script("document.querySelectorAll('.p-dialog-mask, .p-dialog').forEach(e => e.remove());"
-                             "const c = app.canvas; c.ds.scale = 0.62; c.ds.offset = [20, 60]; c.setDirty(true, true)")
+                             "const c = app.canvas; c.ds.scale = 0.62; c.ds.offset = [120, 115]; c.setDirty(true, true)")
             time.sleep(2)
-            d.save_screenshot(str(out / f"{name}.png"))
+            d.save_screenshot(str(out / f"{name}{args.suffix}.png"))
             nodes = d.execute_script(_READ)
             report[name] = nodes
-            by_id = {n["id"]: n for n in ui["nodes"]}
+            by_id = {str(n["id"]): n for n in ui["nodes"]}
             for node in nodes:
                 if node["missing"]:
                     problems.append(f"{name}: node {node['id']} ({node['type']}) did not load")
-                stored = by_id.get(node["id"], {}).get("widgets_values")
+                stored = by_id.get(str(node["id"]), {}).get("widgets_values")
                 if isinstance(stored, list):
                     shown = [w["value"] for w in node["widgets"]]
                     for i, v in enumerate(stored):
@@ -100,14 +101,14 @@ def main(argv=None) -> int:
                                             f"the file's value {v!r}")
                 if node["type"] == "LowVRAMLoadQuantizedSlab":
                     family = next((w for w in node["widgets"] if w["name"] == "family"), None)
-                    family_wanted = by_id[node["id"]]["widgets_values"][1]
+                    family_wanted = by_id[str(node["id"])]["widgets_values"][1]
                     print(name, "family choices:", family and family["options"], "value:", family and family["value"])
                     if not family or family_wanted not in (family["options"] or []):
                         problems.append(f"{name}: family dropdown lacks {family_wanted!r}")
                 untipped = [w["name"] for w in node["widgets"] if not w["tooltip"]]
                 print(f"{name} node {node['id']} {node['type']}: {len(node['widgets'])} widgets;"
                       f" without tooltip: {untipped}")
-        (out / "editor_report.json").write_text(json.dumps(report, indent=1, default=str))
+        (out / f"editor_report{args.suffix}.json").write_text(json.dumps(report, indent=1, default=str))
         console = [e["message"][:300] for e in d.get_log("browser") if e["level"] == "SEVERE"]
         print(json.dumps({"problems": problems, "console_errors": console}, indent=1))
         return 1 if problems else 0

@@ -435,7 +435,7 @@ def _write_tiny_files(template, root: Path, scratch: Path) -> list[Path]:
         shutil.copy(source, dest)
         written.append(dest)
         if source.with_suffix("").is_dir():  # the companion folder: tiny config (and tokenizer)
-            shutil.copytree(source.with_suffix(""), dest.with_suffix(""))
+            shutil.copytree(source.with_suffix(""), dest.with_suffix(""), dirs_exist_ok=True)
             written.append(dest.with_suffix(""))
     written.append(make_tiny_dataset(root / "input" / template.cache["dataset_path"], count=1))
     return written
