@@ -23,6 +23,10 @@ from pathlib import Path
 
 import pytest
 
+from lowvram_lora.engine.families import families
+from lowvram_lora.demo import WORKFLOW as DEMO_WORKFLOW
+from lowvram_lora.host.templates import shipped
+
 COMFY_DIR = os.environ.get("LOWVRAM_COMFYUI_DIR")
 pytestmark = pytest.mark.skipif(not COMFY_DIR, reason="set LOWVRAM_COMFYUI_DIR to a real ComfyUI to run these")
 
@@ -136,9 +140,9 @@ def test_nodes_load_without_import_errors(comfy):
 
 
 def test_templates_are_listed(comfy):
+    """Every family's shipped templates (the registry's), e.g. z_image_lora and lumina2_lora, and nothing else."""
     templates = _get(comfy.port, "/workflow_templates")
-    assert sorted(templates.get("lowvram-lora", [])) == ["demo_tiny_lora", "flux1_dev_lora", "flux2_dev_dual_gpu",
-                                                         "flux2_dev_lora", "flux2_klein_lora"], templates
+    assert sorted(templates.get("lowvram-lora", [])) == sorted(shipped()), templates
 
 
 def test_demo_workflow_trains_through_comfy_run(comfy):
@@ -259,25 +263,46 @@ def test_data_parallel_cancel_stops_the_workers(comfy):
     assert not list((comfy.base / "output" / "loras").glob("demo_dp_cancel_*"))
 
 
-def test_flux1_dev_workflow_without_its_files_fails_clearly(comfy):
-    done = comfy.comfy_run(comfy.pack / "workflows" / "flux1_dev_lora.json", timeout=300)
+#: Every shipped template except the demo, whose (tiny) files the fixture prepares: full-size models absent here.
+FULL_SIZE = [pytest.param(t, id=name) for name, t in shipped().items() if name != DEMO_WORKFLOW.stem]
+
+
+def _template_files(template) -> list[str]:
+    """The model files a template's widgets name (checkpoint, single-file text encoders, VAE)."""
+    names = [template.load["checkpoint"]]
+    names += [template.cache[k] for k in ("text_encoder_1", "text_encoder_2", "vae_file")
+              if template.cache.get(k, "(none)") != "(none)"]
+    return names
+
+
+@pytest.mark.parametrize("template", FULL_SIZE)
+def test_full_size_workflow_without_its_files_fails_clearly(comfy, template):
+    """The template as shipped, its model files absent: comfy run stops before running and names every one."""
+    for name in _template_files(template):
+        assert not list((comfy.base / "models").rglob(name)), f"{name} exists: this check needs it absent"
+    done = comfy.comfy_run(comfy.pack / "workflows" / f"{template.name}.json", timeout=300)
     text = done.stdout + done.stderr
     assert done.returncode != 0
-    assert "flux1-dev.safetensors" in text, text[-2000:]
+    missing = [name for name in _template_files(template) if name not in text]
+    assert not missing, (missing, text[-2000:])
 
 
-# Runs inside ComfyUI's own environment: its key map and weight patching, on our Flux.2 LoRA.
-_COMFY_LORA_CHECK = r'''
+# Runs inside ComfyUI's own environment: its model detection, key map and weight patching, on our LoRA.
+_COMFY_LORA_CHECK = r"""
 import json, logging, sys
 sys.argv = [sys.argv[0], "--cpu"]
 import comfy.options
 comfy.options.enable_args_parsing()  # as main.py does: --cpu is honoured
 import torch
 from safetensors.torch import load_file
-import comfy.lora, comfy.model_base
+import comfy.lora, comfy.model_base, comfy.model_detection
 
 args = json.load(open(ARGS))
 lora, base, ref = load_file(args["lora"]), load_file(args["base"]), load_file(args["ref"])
+orig = dict(base)
+# What ComfyUI's own detection reads from the base file must agree with the family's comfyui_model().
+detected = comfy.model_detection.detect_unet_config(orig, "")
+supported = comfy.model_detection.model_config_from_unet_config(detected, orig)
 cls = getattr(comfy.model_base, args["model_class"])
 model = cls.__new__(cls)  # the key map needs only the two attributes below
 object.__setattr__(model, "model_config", type("C", (), {"unet_config": args["unet_config"]})())
@@ -296,69 +321,77 @@ for target, adapter in patches.items():
     weight = comfy.lora.calculate_weight([(1.0, adapter, 1.0, offset, function)], base[name].float().clone(), key)
     base[name] = weight
 for name in {t[len("diffusion_model."):] for t in targets}:
-    worst = max(worst, float((base[name] - ref[name]).norm() / (ref[name] - load_file(args["base"])[name]).norm()))
+    worst = max(worst, float((base[name] - ref[name]).norm() / (ref[name] - orig[name]).norm()))
+changed = sorted("diffusion_model." + n for n in ref if not torch.equal(ref[n], orig[n].to(ref[n].dtype)))
 print(json.dumps({"patches": len(patches), "not_loaded": [w for w in warnings if "lora key not loaded" in w],
-                  "targets": sorted(targets), "worst_rel_delta_error": worst}))
-'''
+                  "targets": sorted(targets), "changed_by_our_merge": changed, "worst_rel_delta_error": worst,
+                  "detected_unet_config": {k: v for k, v in detected.items() if k in args["unet_config"]},
+                  "supported_model": type(supported).__name__}))
+"""
 
 
-@pytest.mark.parametrize("family_id", ["flux1", "flux2"])
-def test_lora_maps_completely_in_comfyuis_own_loader(comfy, tmp_path, family_id):
-    """Our ComfyUI-format LoRA through ComfyUI's own model_lora_keys_unet + load_lora + calculate_weight, run in
-    ComfyUI's environment: every key mapped (one slice patch per projection), nothing left over, and the
-    patched weights equal ours. Flux.2 needs a ComfyUI with Flux.2 (0.33 here)."""
-    model_class = {"flux1": "Flux", "flux2": "Flux2"}[family_id]
+def _comfy_has(comfy, model_class: str) -> bool:
     probe = ("import sys; sys.argv += ['--cpu']; import comfy.options; comfy.options.enable_args_parsing(); "
              f"import comfy.model_base as m; print(hasattr(m, '{model_class}'))")
     check = subprocess.run([str(_python(comfy.dir)), "-c", probe], cwd=comfy.dir, capture_output=True, text=True)
-    if check.stdout.strip() != "True":
-        pytest.skip(f"this ComfyUI has no comfy.model_base.{model_class} (0.3.64 predates Flux.2)")
+    return check.stdout.strip() == "True"
+
+
+@pytest.mark.parametrize("family_id", sorted(families()))
+def test_lora_maps_completely_in_comfyuis_own_loader(comfy, tmp_path, family_id):
+    """Our ComfyUI-format LoRA through ComfyUI's own model_lora_keys_unet + load_lora + calculate_weight, run in
+    ComfyUI's environment, for every family: every key mapped, nothing left over, exactly the weights our merge
+    changes are patched, and the patched weights equal ours. The model class and ``unet_config`` come from the
+    family's ``fixtures.comfyui_model`` and are checked against ComfyUI's own detection on the base file."""
     import torch
     from safetensors.torch import load_file, save_file
 
     from lowvram_lora.engine.caching import build_dataset_cache
     from lowvram_lora.engine.config import DataConfig, LoraSettings, ModelConfig, TrainConfig
-    from lowvram_lora.engine.families import get_family
     from lowvram_lora.engine.families.names import join_diffusers_tensors
     from lowvram_lora.engine.lora_io import save_lora
     from lowvram_lora.engine.models import load_transformer
-    from lowvram_lora.engine.testing import (build_tiny_flux1_pipeline, build_tiny_flux2_pipeline, make_tiny_dataset,
-                                             write_bfl_single_file, write_flux2_single_file)
+    from lowvram_lora.engine.testing import make_tiny_dataset
+    from lowvram_lora.engine.train import train_lora
 
     sys.path.insert(0, str(REPO / "tests"))
     from helpers import merged
 
-    build, write = ((build_tiny_flux1_pipeline, write_bfl_single_file) if family_id == "flux1"
-                    else (build_tiny_flux2_pipeline, write_flux2_single_file))
-    pipe = build(tmp_path / "pipe")
+    family = families()[family_id]
+    fixtures = family.fixtures()
+    model_class, unet_config = fixtures.comfyui_model(family.load_config(family.tiny_variant))
+    if not _comfy_has(comfy, model_class):
+        pytest.skip(f"this ComfyUI has no comfy.model_base.{model_class} (0.3.64 predates Flux.2)")
+    pipe = fixtures.build_tiny_pipeline(tmp_path / "pipe")
     data = make_tiny_dataset(tmp_path / "data", count=1)
     cache = build_dataset_cache(ModelConfig(transformer_path=str(pipe)),
                                 DataConfig(path=str(data), resolution=128, bucket_step=32), tmp_path / "cache")
-    lora = __import__("lowvram_lora.engine.train", fromlist=["train_lora"]).train_lora(
-        ModelConfig(transformer_path=str(pipe)), cache, LoraSettings(rank=4, alpha=8),
-        TrainConfig(steps=5, learning_rate=2e-2, device="cpu"))
+    lora = train_lora(ModelConfig(transformer_path=str(pipe)), cache, LoraSettings(rank=4, alpha=8),
+                      TrainConfig(steps=5, learning_rate=2e-2, device="cpu"))
+    assert lora.family == family_id
+    assert fixtures.comfyui_model(lora.model_config) == (model_class, unet_config)
     save_lora(lora, tmp_path / "lora.safetensors", fmt="comfyui", dtype="fp32")
-    base_file = write(pipe, tmp_path / "base.safetensors")
+    base_file = fixtures.write_single_file(pipe, tmp_path / "base.safetensors")
     model = load_transformer(pipe, dtype=torch.float32)[0]
     state = merged(model, lora.state_dict, lora.scale).state_dict()
-    family = get_family(family_id)
     save_file({p.name: join_diffusers_tensors(p, state).contiguous() for p in family.param_table(lora.model_config)},
               str(tmp_path / "ref.safetensors"))
-    cfg = lora.model_config
     args = {"lora": str(tmp_path / "lora.safetensors"), "base": str(base_file), "ref": str(tmp_path / "ref.safetensors"),
-            "model_class": model_class,
-            "unet_config": {"depth": cfg["num_layers"], "depth_single_blocks": cfg["num_single_layers"],
-                            "hidden_size": cfg["num_attention_heads"] * cfg["attention_head_dim"]}}
+            "model_class": model_class, "unet_config": unet_config}
     (tmp_path / "args.json").write_text(json.dumps(args))
     code = _COMFY_LORA_CHECK.replace("ARGS", repr(str(tmp_path / "args.json")))
     done = subprocess.run([str(_python(comfy.dir)), "-c", code], cwd=comfy.dir, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    print(result)
-    n_modules = len({k.split(".lora_A.")[0] for k in lora.state_dict if ".lora_A." in k})
-    assert result["patches"] == n_modules and not result["not_loaded"]
-    assert len(load_file(str(tmp_path / "lora.safetensors"))) == 3 * n_modules  # A, B, alpha: all consumed
+    print(family_id, {k: v for k, v in result.items() if k not in ("targets", "changed_by_our_merge")},
+          len(result["targets"]), "targets")
+    assert result["detected_unet_config"] == unet_config, "fixtures.comfyui_model disagrees with ComfyUI's detection"
+    file_keys = load_file(str(tmp_path / "lora.safetensors"))
+    groups = {k.rsplit(".", 1)[0] for k in file_keys if k.endswith(".alpha")}
+    assert len(file_keys) == 3 * len(groups)  # down/A, up/B, alpha per module: nothing else in the file
+    assert result["patches"] == len(groups) and not result["not_loaded"], result
+    assert result["targets"] == result["changed_by_our_merge"], "ComfyUI patches other weights than our merge changes"
     assert result["worst_rel_delta_error"] < 1e-4, result
 
 
@@ -375,3 +408,96 @@ def test_single_file_text_encoders_find_comfyuis_bundled_tokenizers(comfy):
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert set(found) == {"clip_l", "t5xxl"}
     assert found["clip_l"][1][0] == 49406 and found["t5xxl"][1][-1] == 1  # CLIP's BOS, T5's EOS
+
+
+#: Templates whose Cache Text Embeds reads one text-encoder single file: the family fixtures write every file
+#: they name (as tests/test_family_workflows.py does), so each runs end to end on its tiny model.
+SINGLE_FILE = [pytest.param(t, id=name) for name, t in shipped().items()
+               if t.cache.get("text_encoders") == "(single files below)" and "text_encoder_2" not in t.cache
+               and t.split is None]
+
+
+def _write_tiny_files(template, root: Path, scratch: Path) -> list[Path]:
+    """The template's family's tiny model under the template's file names in ComfyUI's base folder
+    ``root``; returns what was written (removed afterwards, so the full-size checks still find them absent)."""
+    from lowvram_lora.engine.families import get_family
+    from lowvram_lora.engine.testing import make_tiny_dataset
+
+    fixtures = get_family(template.load["family"]).fixtures()
+    pipeline = fixtures.build_tiny_pipeline(scratch / "pipe")
+    models = root / "models"
+    written = [fixtures.write_single_file(pipeline, models / "diffusion_models" / template.load["checkpoint"])]
+    files = fixtures.write_text_and_vae_files(pipeline, scratch / "files")
+    for key, folder, source in (("text_encoder_1", "text_encoders", files["text_encoder"]),
+                                ("vae_file", "vae", files["vae"])):
+        dest = models / folder / template.cache[key]
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(source, dest)
+        written.append(dest)
+        if source.with_suffix("").is_dir():  # the companion folder: tiny config (and tokenizer)
+            shutil.copytree(source.with_suffix(""), dest.with_suffix(""), dirs_exist_ok=True)
+            written.append(dest.with_suffix(""))
+    written.append(make_tiny_dataset(root / "input" / template.cache["dataset_path"], count=1))
+    return written
+
+
+def _with_widgets(ui: dict, values: dict[str, dict]) -> dict:
+    """A UI-format workflow with widget values replaced by name ({node type: {input: value}}), positions
+    from the node classes' declared inputs (control-after-generate slots included, as the file stores them)."""
+    from lowvram_lora.host.workflow import input_specs
+    from lowvram_lora.nodes import NODE_CLASS_MAPPINGS
+
+    for node in ui["nodes"]:
+        if node["type"] not in values:
+            continue
+        widgets = [s for s in input_specs(NODE_CLASS_MAPPINGS[node["type"]]) if s.is_widget]
+        stored = len(node["widgets_values"])
+        with_controls = stored == len(widgets) + sum(s.control_slots for s in widgets)
+        assert with_controls or stored == len(widgets), (node["type"], stored)
+        position, cursor = {}, 0
+        for spec in widgets:
+            position[spec.name] = cursor
+            cursor += 1 + (spec.control_slots if with_controls else 0)
+        for name, value in values[node["type"]].items():
+            node["widgets_values"][position[name]] = value
+    return ui
+
+
+def _log_since(port: int, start: str) -> str:
+    entries = _get(port, "/internal/logs/raw")["entries"]
+    return "".join(e["m"] for e in entries if e["t"] >= start)
+
+
+@pytest.mark.parametrize("template", SINGLE_FILE)
+def test_template_trains_its_tiny_model_through_comfy_run(comfy, tmp_path, template):
+    """The shipped UI workflow, sizes and steps reduced, on its family's tiny model under the template's file
+    names, through comfy run against the real server: exit 0, the LoRA written (and readable as the family's),
+    samples taken, no traceback in the server log."""
+    from datetime import datetime
+
+    from lowvram_lora.engine.lora_io import load_lora
+
+    written = _write_tiny_files(template, comfy.base, tmp_path)
+    try:
+        ui = json.loads((comfy.pack / "workflows" / f"{template.name}.json").read_text())
+        _with_widgets(ui, {
+            "LowVRAMCacheTextEmbeds": {"resolution": 128, "sample_prompts": "ohwx, a red circle"},
+            "LowVRAMTrainLoRA": {"steps": 8, "learning_rate": 0.01, "warmup_steps": 0, "sample_every": 4,
+                                 "sample_resolution": 64, "sample_steps": 2},
+        })
+        (tmp_path / "tiny.json").write_text(json.dumps(ui))
+        start = datetime.now().isoformat()
+        done = comfy.comfy_run(tmp_path / "tiny.json")
+        log = _log_since(comfy.port, start)
+        assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:], log[-4000:])
+        assert "Traceback" not in log and "!!! Exception" not in log, log[-4000:]
+        assert "[lowvram-lora] step 8/8" in log and "sampled 1 prompt(s) at step 8" in log, log[-3000:]
+        prefix = template.save["filename_prefix"]
+        saved = sorted((comfy.base / "output").glob(f"{prefix}_*_.safetensors"))
+        assert len(saved) == 1, (sorted((comfy.base / "output" / "loras").iterdir()), log[-3000:])
+        lora = load_lora(saved[0])
+        assert lora.format == "comfyui" and lora.metadata["lowvram_lora.family"] == template.load["family"]
+        assert lora.metadata["lowvram_lora.steps"] == "8"
+    finally:
+        for path in written:
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)

@@ -98,3 +98,11 @@ def write_text_and_vae_files(pipeline_folder: str | Path, folder: str | Path, wi
         out[name] = folder / f"{name}.safetensors"
     out["vae"] = write_ldm_vae_file(pipeline_folder / "vae", folder / "ae.safetensors")
     return out
+
+
+def comfyui_model(config: dict) -> tuple[str, dict]:
+    """What ComfyUI builds for a Flux.1 transformer of this diffusers ``config``: the ``comfy.model_base`` class
+    name and the part of its ``unet_config`` that ``comfy.lora.model_lora_keys_unet`` reads (via
+    ``comfy.utils.flux_to_diffusers``), with the values ``comfy.model_detection`` derives from the file."""
+    return "Flux", {"depth": config["num_layers"], "depth_single_blocks": config["num_single_layers"],
+                    "hidden_size": config["num_attention_heads"] * config["attention_head_dim"]}

@@ -158,3 +158,11 @@ def write_comfy_mistral_file(out_file: str | Path, hidden: int = 16, layers: int
     (companion / "config.json").write_text(lm.config.to_json_string())
     lm.save_pretrained(companion.parent / (companion.name + "-full"), safe_serialization=True)  # the reference
     return out_file
+
+
+def comfyui_model(config: dict) -> tuple[str, dict]:
+    """What ComfyUI builds for a Flux.2 transformer of this diffusers ``config``: the ``comfy.model_base`` class
+    name and the part of its ``unet_config`` that ``comfy.lora.model_lora_keys_unet`` reads (via
+    ``comfy.utils.flux_to_diffusers``), with the values ``comfy.model_detection`` derives from the file."""
+    return "Flux2", {"depth": config["num_layers"], "depth_single_blocks": config["num_single_layers"],
+                     "hidden_size": config["num_attention_heads"] * config["attention_head_dim"]}

@@ -116,3 +116,13 @@ def write_text_and_vae_files(pipeline_folder: str | Path, folder: str | Path) ->
     shutil.copy(pipeline_folder / "text_encoder" / "config.json", companion / "config.json")
     vae_file = write_ldm_vae_file(pipeline_folder / "vae", folder / "ae.safetensors")
     return {"text_encoder": text_file, "vae": vae_file}
+
+
+def comfyui_model(config: dict) -> tuple[str, dict]:
+    """What ComfyUI builds for a Lumina 2 transformer of this diffusers ``config``: ``comfy.model_base.Lumina2``
+    and the part of its ``unet_config`` that ``comfy.lora.model_lora_keys_unet`` reads (``dim``, ``n_layers``),
+    with the values ``comfy.model_detection`` derives from the file. (Its diffusers-name map,
+    ``z_image_to_diffusers``, assumes as many key/value heads as query heads, which Lumina 2's GQA does not
+    have: our "comfyui" LoRA uses the native names that the generic part of the key map loads.)"""
+    return "Lumina2", {"image_model": "lumina2", "dim": config["hidden_size"], "cap_feat_dim": config["cap_feat_dim"],
+                       "n_layers": config["num_layers"]}

@@ -110,3 +110,13 @@ def write_text_and_vae_files(pipeline_folder: str | Path, folder: str | Path) ->
     shutil.copy(pipeline_folder / "text_encoder" / "config.json", companion / "config.json")
     vae_file = write_ldm_vae_file(pipeline_folder / "vae", folder / "ae.safetensors")
     return {"text_encoder": text_file, "vae": vae_file}
+
+
+def comfyui_model(config: dict) -> tuple[str, dict]:
+    """What ComfyUI builds for a Z-Image transformer of this diffusers ``config``: ``comfy.model_base.Lumina2``
+    (``supported_models.ZImage`` subclasses Lumina2 and keeps its model class) and the part of its
+    ``unet_config`` that ``comfy.lora.model_lora_keys_unet`` reads (``comfy.utils.z_image_to_diffusers``:
+    ``dim``, ``n_layers``), with the values ``comfy.model_detection`` derives from the file. Detection sets no
+    ``n_refiner_layers``: ComfyUI assumes 2, which Z-Image has."""
+    return "Lumina2", {"image_model": "lumina2", "dim": config["dim"], "cap_feat_dim": config["cap_feat_dim"],
+                       "n_layers": config["n_layers"]}
