@@ -34,7 +34,7 @@ demo: $(VENV)/.installed
 	$(PY) -m lowvram_lora demo
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q  # testpaths: tests/ and each family folder's own tests
 
 clean:
 	rm -rf $(VENV) demo_output
