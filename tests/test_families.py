@@ -241,3 +241,30 @@ def test_streamed_on_cuda_equals_resident(family_id, act):
     finally:
         recompute.remove()
         handle.remove()
+
+
+@pytest.mark.parametrize("family_id", FAMILIES)
+def test_auto_plans_token_chunks_only_for_families_that_have_them(family_id):
+    """A tight budget may make auto split the recompute into token chunks; a family without token-wise parts
+    (Z-Image, Lumina 2) gets no such plan (it could not run it), and asking for chunks explicitly is refused
+    by name before anything loads."""
+    from lowvram_lora.engine.errors import ConfigError
+    from lowvram_lora.engine.offload import OffloadConfig, Workload, make_plan
+    from lowvram_lora.engine.offload.footprint import measure_footprint
+
+    family = get_family(family_id)
+    model = _lora_model(family)
+    fp = measure_footprint(model, family)
+    wl = Workload(1, 65536, 256)  # tokens enough that, at these budgets, only chunks would fit the tiny model
+    plans = []
+    for budget in [0.5 + 0.01 * i for i in range(40)]:  # the plan keeps 0.5 GB of headroom
+        try:
+            plans.append(make_plan(fp, wl, OffloadConfig(mode="auto"), int(budget * 1e9)))
+        except ConfigError:
+            pass
+    if family.chunked_recompute:
+        assert any(p.recompute_chunks > 1 for p in plans)  # the budgets do reach the chunked plans
+    else:
+        assert plans and all(p.recompute_chunks == 1 for p in plans)
+        with pytest.raises(ConfigError, match="no token-wise block parts"):
+            make_plan(fp, wl, OffloadConfig(mode="stream", recompute_chunks=4), None)

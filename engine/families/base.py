@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from importlib import import_module, resources
 from typing import Any, ClassVar
@@ -221,7 +222,7 @@ def static_shift_mu(shift: float) -> float:
 # --- the family ------------------------------------------------------------------------------------
 
 
-class ModelFamily:
+class ModelFamily(ABC):
     """Base of every family; a family folder subclasses it and sets ``FAMILY`` in its ``__init__``."""
 
     # identity
@@ -285,32 +286,33 @@ class ModelFamily:
         ``name``; the default keeps the variant the config matched."""
         return variant
 
+    @abstractmethod
     def looks_like_single_file(self, keys: set[str]) -> bool:
         """Whether a single file's (prefix-stripped) tensor names are this family's native names."""
-        raise NotImplementedError
 
+    @abstractmethod
     def param_table(self, config: dict[str, Any]) -> list[NativeParam]:
         """Every parameter of a native single file and where it lives in diffusers (``names.py``)."""
-        raise NotImplementedError
 
     # --- text ------------------------------------------------------------------------------------
 
+    @abstractmethod
     def text_encoder_specs(self, variant: str) -> tuple[TextEncoderSpec, ...]:
-        raise NotImplementedError
+        """The variant's text encoders, in the order the cache runs them."""
 
     def default_max_sequence_length(self, variant: str) -> int:
         """Tokens of the sequence encoder (the longest one) by default."""
         return max(s.max_length for s in self.text_encoder_specs(variant) if s.kind != "clip_pooled")
 
+    @abstractmethod
     def text_widths(self, config: dict[str, Any]) -> dict[str, int]:
         """Width of each cached embedding the transformer takes (a cache is checked against it)."""
-        raise NotImplementedError
 
     # --- latents ---------------------------------------------------------------------------------
 
+    @abstractmethod
     def latent_shape(self, model: nn.Module, width: int, height: int) -> tuple[int, ...]:
         """The cached latent's shape (without batch) for a width x height image."""
-        raise NotImplementedError
 
     def hidden_size(self, config: dict[str, Any]) -> int:
         """The transformer's width (the planner sizes activations with it)."""
@@ -322,16 +324,16 @@ class ModelFamily:
 
     # --- training --------------------------------------------------------------------------------
 
+    @abstractmethod
     def model_inputs(self, model: nn.Module, latents: torch.Tensor, embeds: dict[str, torch.Tensor],
                      sigmas: torch.Tensor, guidance: float) -> dict[str, Any]:
         """Keyword arguments of the transformer's forward on noisy latents (B, ...) at noise levels
         ``sigmas`` (B,); ``embeds`` holds the cached embeddings and, for variable-length encoders,
         their masks (``TextEncoderSpec.mask_key``). Timesteps follow ``self.prediction``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def unpack_prediction(self, output: Any, latents: torch.Tensor) -> torch.Tensor:
         """The forward's raw output (``return_dict=False``) in the latents' shape, sign as the model gives it."""
-        raise NotImplementedError
 
     def predict_velocity(self, model: nn.Module, noisy: torch.Tensor, embeds: dict[str, torch.Tensor],
                          sigmas: torch.Tensor, guidance: float) -> torch.Tensor:
@@ -340,9 +342,9 @@ class ModelFamily:
         velocity = self.unpack_prediction(model(**self.model_inputs(model, noisy, embeds, sigmas, guidance))[0], noisy)
         return velocity if self.prediction.sign > 0 else -velocity
 
+    @abstractmethod
     def train_shift_mu(self, latents: torch.Tensor) -> float:
         """The exponential timestep shift training samples with (``flow_matching.sample_sigmas``)."""
-        raise NotImplementedError
 
     def sample_shift_mu(self, latents: torch.Tensor, steps: int) -> float:
         """The shift the family's pipeline samples with at ``steps`` steps."""

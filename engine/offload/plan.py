@@ -86,6 +86,8 @@ class ModelFootprint:
     # One block's working set against Flux.1's at the same B*T*D (the fitted constants below are Flux.1's):
     # the family's ``activation_scale``.
     activation_scale: float = 1.0
+    # The family's token-wise block parts can recompute in chunks (``ModelFamily.chunked_recompute``).
+    chunkable: bool = True
 
     def stream_units(self, activation_offload: bool) -> tuple[list[int], list[list[int]]]:
         """(bytes per streaming unit, unit indexes per block): parts only with activation offload."""
@@ -284,6 +286,9 @@ def make_plan(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, budget_bytes
     would pin more than ``cfg.max_pinned_fraction`` of ``host_ram_bytes``. ``compiled``: the blocks will be
     compiled (engine/train/compile.py), so cfg.activation_memory_budget applies, and auto may lower it."""
     n = fp.num_blocks
+    if (cfg.recompute_chunks or 1) > 1 and not fp.chunkable:
+        raise ConfigError(f"recompute_chunks={cfg.recompute_chunks}: {fp.name} has no token-wise block parts to "
+                          f"recompute in chunks; set recompute_chunks to 0 (auto) or 1")
     order = resident_order(fp.block_bytes)
     if cfg.resident_blocks is not None and cfg.resident_blocks > n:
         raise ConfigError(f"resident_blocks={cfg.resident_blocks} but {fp.name} has only {n} blocks")
@@ -316,7 +321,7 @@ def _auto(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: list[int]
     they are escalations: tried only when nothing fits without them (unless set explicitly). Compiled blocks
     at activation-memory budget 1 (the default) may go down to AUTO_COMPILED_BUDGET as a last escalation."""
     auto_chunks = min(16, max(2, math.ceil(wl.tokens / CHUNK_TOKENS)))
-    chunk_steps = [cfg.recompute_chunks] if cfg.recompute_chunks else [1, auto_chunks]
+    chunk_steps = [cfg.recompute_chunks] if cfg.recompute_chunks else [1] + ([auto_chunks] if fp.chunkable else [])
     host_steps = [cfg.optimizer_on_host] if cfg.optimizer_on_host is not None else [False, True]
     micro_steps = [cfg.micro_batch_size] if cfg.micro_batch_size else sorted({wl.batch, 1}, reverse=True)
     budget_steps = [1.0]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import ConfigError
 from ..families import ModelFamily
 from ..families.recompute import ChunkedRecompute
 
@@ -29,7 +30,8 @@ def install_chunked_recompute(model: torch.nn.Module, family: ModelFamily, chunk
     undo = ChunkedRecompute()
     family.checkpoint_every_block(model, undo)
     if chunks > 1:
-        if not family.chunked_recompute:
-            raise NotImplementedError(f"{family.display_name} has no chunked recompute; use recompute_chunks=1")
+        if not family.chunked_recompute:  # auto never plans chunks for such a family; an explicit setting can
+            raise ConfigError(f"recompute_chunks={chunks}: {family.display_name} has no token-wise block parts to "
+                              f"recompute in chunks; set recompute_chunks to 0 (auto) or 1")
         family.install_chunked_recompute(model, chunks, undo)
     return undo

@@ -18,6 +18,8 @@ fails) and undoes it (``remove``).
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import contextlib
 from typing import NamedTuple, Optional
 
@@ -74,7 +76,7 @@ def choose_placement(offload: Optional[OffloadConfig], split, device: torch.devi
     return Resident(offload, device)
 
 
-class Placement:
+class Placement(ABC):
     """What the three placements share. ``handle``: the OffloadHandle / SplitHandle once applied."""
 
     kind = ""
@@ -113,10 +115,10 @@ class Placement:
         loading. Streaming does; resident has no plan, and a split is planned once loaded (each part's LoRA
         elements are counted off the attached model)."""
 
+    @abstractmethod
     def apply(self, model, family, variant: str, dataset, lora, train: TrainConfig,
               callback: TrainingCallback) -> list[torch.nn.Parameter]:
         """Attach LoRA and put the weights in place; returns the trainable parameters. Undone if it fails."""
-        raise NotImplementedError
 
     def _attach(self, model, family, lora, train: TrainConfig, checkpointing: bool) -> list[torch.nn.Parameter]:
         """Gradient checkpointing (when asked) and LoRA, fp32, wherever the layers are now."""
