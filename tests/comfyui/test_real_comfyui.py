@@ -471,8 +471,8 @@ def _log_since(port: int, start: str) -> str:
 @pytest.mark.parametrize("template", SINGLE_FILE)
 def test_template_trains_its_tiny_model_through_comfy_run(comfy, tmp_path, template):
     """The shipped UI workflow, sizes and steps reduced, on its family's tiny model under the template's file
-    names, through comfy run against the real server: exit 0, the LoRA written (and readable as the family's),
-    samples taken, no traceback in the server log."""
+    names, through comfy run against the real server: exit 0, samples taken, no traceback in the server log, and
+    the LoRA written lowers the flow-matching loss of diffusers' own model (the reference) on the training image."""
     from datetime import datetime
 
     from lowvram_lora.engine.lora_io import load_lora
@@ -498,6 +498,24 @@ def test_template_trains_its_tiny_model_through_comfy_run(comfy, tmp_path, templ
         lora = load_lora(saved[0])
         assert lora.format == "comfyui" and lora.metadata["lowvram_lora.family"] == template.load["family"]
         assert lora.metadata["lowvram_lora.steps"] == "8"
+        # What ComfyUI trained (inside its inference mode), against diffusers' own model from the tiny pipeline:
+        # merged in, the LoRA lowers the flow-matching loss on the cached training image.
+        import torch
+        from helpers import eval_flow_loss, merged
+
+        from lowvram_lora.engine.caching.cache import open_dataset_cache
+        from lowvram_lora.engine.families import get_family
+
+        family = get_family(template.load["family"])
+        ref = family.transformer_class().from_pretrained(tmp_path / "pipe" / "transformer", use_safetensors=True,
+                                                         torch_dtype=torch.float32, local_files_only=True)
+        manifests = sorted((comfy.base / "output" / "lowvram_cache").rglob("datasets/*.json"),
+                           key=lambda p: p.stat().st_mtime)
+        cache = open_dataset_cache(manifests[-1])
+        assert cache.family == family.id
+        before, after = eval_flow_loss(ref, family, cache), eval_flow_loss(merged(ref, lora.state_dict, 1.0), family, cache)
+        print(f"{template.name}: flow loss of the reference {before:.5f}, with the LoRA trained in ComfyUI {after:.5f}")
+        assert after < before, f"the LoRA trained in ComfyUI did not lower the loss: {before:.5f} -> {after:.5f}"
     finally:
         for path in written:
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
