@@ -213,72 +213,8 @@ def load_text_encoder_file(path: Path, dtype: torch.dtype, tokenizer_dirs: dict[
     return tokenizer, model.requires_grad_(False).eval()
 
 
-def _load_flux2_vae_file(path: Path, dtype: torch.dtype):
-    """Flux.2's VAE from its single file: the same LDM names as Flux.1's ae.safetensors (what ComfyUI's
-    comfy/sd.py reads) plus the latent BatchNorm (``bn.*``), 32 latent channels, and in some releases a
-    smaller decoder (``full_encoder_small_decoder``). diffusers 0.42 has no single-file loader for
-    ``AutoencoderKLFlux2``: its LDM key conversion (``convert_ldm_vae_checkpoint``) is reused and the
-    config is read off the tensor shapes."""
-    from diffusers import AutoencoderKLFlux2
-    from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
-
-    sd = _store(path).state_dict()
-    sd = {("quant_conv." + k[len("encoder.quant_conv."):] if k.startswith("encoder.quant_conv.") else
-           "post_quant_conv." + k[len("decoder.post_quant_conv."):] if k.startswith("decoder.post_quant_conv.") else k): v
-          for k, v in sd.items()}
-    if "bn.running_mean" not in sd or "encoder.conv_in.weight" not in sd:
-        raise ModelLoadError(f"'{path}' is not a Flux.2 VAE file (expected encoder.conv_in and bn.running_mean)")
-    enc_levels = 1 + max(int(k.split(".")[2]) for k in sd if k.startswith("encoder.down."))
-    dec_levels = 1 + max(int(k.split(".")[2]) for k in sd if k.startswith("decoder.up."))
-    ch = sd["encoder.conv_in.weight"].shape[0]
-    mult = [sd[f"encoder.down.{i}.block.0.conv1.weight"].shape[0] // ch for i in range(enc_levels)]
-    dec_ch = sd["decoder.conv_in.weight"].shape[0] // mult[-1]
-    config = {
-        "in_channels": 3, "out_channels": 3, "latent_channels": sd["decoder.conv_in.weight"].shape[1],
-        "block_out_channels": [ch * m for m in mult],
-        "decoder_block_out_channels": [dec_ch * m for m in mult[:dec_levels]],
-        "down_block_types": ["DownEncoderBlock2D"] * enc_levels, "up_block_types": ["UpDecoderBlock2D"] * dec_levels,
-        "layers_per_block": 1 + max(int(k.split(".")[4]) for k in sd if k.startswith("encoder.down.0.block.")),
-        "norm_num_groups": 32 if sd["encoder.norm_out.weight"].shape[0] % 32 == 0 else 4,
-        "use_quant_conv": "quant_conv.weight" in sd, "use_post_quant_conv": "post_quant_conv.weight" in sd,
-    }
-    own = companion_dir(path)
-    if (own / "config.json").exists():  # an exact config beside the file wins over the inferred one
-        import json
-
-        config.update({k: v for k, v in json.loads((own / "config.json").read_text()).items() if not k.startswith("_")})
-    with torch.device("meta"):
-        vae = AutoencoderKLFlux2(**config)
-    state = convert_ldm_vae_checkpoint(sd, vae.config)
-    state.update({k: v for k, v in sd.items() if k.startswith(("bn.", "quant_conv.", "post_quant_conv."))})
-    missing, unexpected = vae.load_state_dict(state, strict=False, assign=True)
-    missing = [k for k in missing if not k.endswith("num_batches_tracked")]
-    if missing or unexpected:
-        raise ModelLoadError(f"'{path}' does not fit the Flux.2 VAE (missing {missing[:3]}, unexpected {unexpected[:3]})")
-    if vae.bn.num_batches_tracked.is_meta:
-        vae.bn.num_batches_tracked = torch.zeros((), dtype=torch.long)
-    return vae.to(dtype).requires_grad_(False).eval()
-
-
 def load_vae_file(path: Path, family, dtype: torch.dtype):
-    """The family's VAE from a BFL/LDM single file (ComfyUI's models/vae/ae.safetensors; Flux.2's VAE file)."""
-    from diffusers import AutoencoderKL
-
-    if family.vae.class_name == "AutoencoderKLFlux2":
-        return _load_flux2_vae_file(path, dtype)
-    if family.vae.class_name != "AutoencoderKL":
-        raise ModelLoadError(f"{family.display_name}'s VAE ({family.vae.class_name}) has no single-file loader yet; "
-                             f"use the diffusers pipeline folder (its vae/)")
-    own = companion_dir(path)
-    try:
-        if (own / "config.json").exists():
-            vae = AutoencoderKL.from_single_file(str(path), config=str(own), torch_dtype=dtype, local_files_only=True)
-        else:
-            with resources.as_file(resources.files(families).joinpath("configs", "vae",
-                                                                     family.vae.single_file_config)) as cfg:
-                vae = AutoencoderKL.from_single_file(str(path), config=str(cfg), torch_dtype=dtype,
-                                                     local_files_only=True)
-    except (OSError, ValueError, KeyError, RuntimeError) as exc:
-        raise ModelLoadError(f"'{path}' is not a Flux.1 VAE file this loader reads ({exc}); it expects ae.safetensors "
-                             f"with BFL/LDM names (encoder.down.0.block.0...)") from exc
+    """The family's VAE from a BFL/LDM single file (ComfyUI's models/vae/ae.safetensors; Flux.2's VAE file): the
+    family's ``VaeSpec.load_file``, given this file's companion folder and the one checkpoint reader."""
+    vae = family.vae.load_file(path, dtype, read=lambda p: _store(p).state_dict(), companion=companion_dir(path))
     return vae.requires_grad_(False).eval()

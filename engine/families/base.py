@@ -144,6 +144,24 @@ class VaeSpec:
         shift = getattr(vae.config, "shift_factor", None) or 0.0
         return latents / vae.config.scaling_factor + shift
 
+    def load_file(self, path, dtype: torch.dtype, read, companion):
+        """The VAE from one single file with BFL/LDM names (ComfyUI's ``ae.safetensors``), through diffusers'
+        ``from_single_file`` with the config of ``companion`` (a folder beside the file) or the shipped one.
+        ``read(path)``: the file's decoded tensors (the checkpoint reader; unused here, diffusers reads it)."""
+        import diffusers
+
+        from ..errors import ModelLoadError
+
+        cls = getattr(diffusers, self.class_name)
+        try:
+            if (companion / "config.json").exists():
+                return cls.from_single_file(str(path), config=str(companion), torch_dtype=dtype, local_files_only=True)
+            with resources.as_file(resources.files(__package__).joinpath("configs", "vae", self.single_file_config)) as cfg:
+                return cls.from_single_file(str(path), config=str(cfg), torch_dtype=dtype, local_files_only=True)
+        except (OSError, ValueError, KeyError, RuntimeError) as exc:
+            raise ModelLoadError(f"'{path}' is not a {self.class_name} file this loader reads ({exc}); it expects "
+                                 f"BFL/LDM names (encoder.down.0.block.0...), as ae.safetensors has") from exc
+
 
 # --- the prediction convention ---------------------------------------------------------------------
 

@@ -74,6 +74,53 @@ class Flux2VaeSpec(VaeSpec):
                                                                                                  latents.dtype)
         return unpatchify(latents * bn_std + bn_mean)
 
+    def load_file(self, path, dtype: torch.dtype, read, companion):
+        """Flux.2's VAE from its single file: the same LDM names as Flux.1's ae.safetensors (what ComfyUI's
+        comfy/sd.py reads) plus the latent BatchNorm (``bn.*``), 32 latent channels, and in some releases a
+        smaller decoder (``full_encoder_small_decoder``). diffusers 0.42 has no single-file loader for
+        ``AutoencoderKLFlux2``: its LDM key conversion (``convert_ldm_vae_checkpoint``) is reused and the
+        config is read off the tensor shapes."""
+        from diffusers import AutoencoderKLFlux2
+        from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
+
+        from ...errors import ModelLoadError
+
+        sd = read(path)
+        sd = {("quant_conv." + k[len("encoder.quant_conv."):] if k.startswith("encoder.quant_conv.") else
+               "post_quant_conv." + k[len("decoder.post_quant_conv."):] if k.startswith("decoder.post_quant_conv.") else k): v
+              for k, v in sd.items()}
+        if "bn.running_mean" not in sd or "encoder.conv_in.weight" not in sd:
+            raise ModelLoadError(f"'{path}' is not a Flux.2 VAE file (expected encoder.conv_in and bn.running_mean)")
+        enc_levels = 1 + max(int(k.split(".")[2]) for k in sd if k.startswith("encoder.down."))
+        dec_levels = 1 + max(int(k.split(".")[2]) for k in sd if k.startswith("decoder.up."))
+        ch = sd["encoder.conv_in.weight"].shape[0]
+        mult = [sd[f"encoder.down.{i}.block.0.conv1.weight"].shape[0] // ch for i in range(enc_levels)]
+        dec_ch = sd["decoder.conv_in.weight"].shape[0] // mult[-1]
+        config = {
+            "in_channels": 3, "out_channels": 3, "latent_channels": sd["decoder.conv_in.weight"].shape[1],
+            "block_out_channels": [ch * m for m in mult],
+            "decoder_block_out_channels": [dec_ch * m for m in mult[:dec_levels]],
+            "down_block_types": ["DownEncoderBlock2D"] * enc_levels, "up_block_types": ["UpDecoderBlock2D"] * dec_levels,
+            "layers_per_block": 1 + max(int(k.split(".")[4]) for k in sd if k.startswith("encoder.down.0.block.")),
+            "norm_num_groups": 32 if sd["encoder.norm_out.weight"].shape[0] % 32 == 0 else 4,
+            "use_quant_conv": "quant_conv.weight" in sd, "use_post_quant_conv": "post_quant_conv.weight" in sd,
+        }
+        if (companion / "config.json").exists():  # an exact config beside the file wins over the inferred one
+            import json
+
+            config.update({k: v for k, v in json.loads((companion / "config.json").read_text()).items() if not k.startswith("_")})
+        with torch.device("meta"):
+            vae = AutoencoderKLFlux2(**config)
+        state = convert_ldm_vae_checkpoint(sd, vae.config)
+        state.update({k: v for k, v in sd.items() if k.startswith(("bn.", "quant_conv.", "post_quant_conv."))})
+        missing, unexpected = vae.load_state_dict(state, strict=False, assign=True)
+        missing = [k for k in missing if not k.endswith("num_batches_tracked")]
+        if missing or unexpected:
+            raise ModelLoadError(f"'{path}' does not fit the Flux.2 VAE (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        if vae.bn.num_batches_tracked.is_meta:
+            vae.bn.num_batches_tracked = torch.zeros((), dtype=torch.long)
+        return vae.to(dtype)
+
 
 def patchify(latents: torch.Tensor) -> torch.Tensor:
     """(B, C, H, W) VAE latents -> (B, 4C, H/2, W/2), as ``Flux2Pipeline._patchify_latents``."""
