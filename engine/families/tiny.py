@@ -118,6 +118,62 @@ def ldm_vae_key(key: str, num_blocks: int) -> str:
 
 
 
+def folder_state(folder) -> dict:
+    """Every tensor of a diffusers component folder's safetensors files (shards merged)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    state = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    return state
+
+
+def native_state(family, pipeline_folder) -> tuple[dict, dict]:
+    """(config, tensors under the family's native names) of a pipeline folder's transformer: what a native
+    single file holds (``family.param_table``; fused tensors joined)."""
+    import json
+    from pathlib import Path
+
+    from .names import join_diffusers_tensors
+
+    transformer = Path(pipeline_folder) / "transformer"
+    config = json.loads((transformer / "config.json").read_text())
+    state = folder_state(transformer)
+    return config, {p.name: join_diffusers_tensors(p, state).contiguous() for p in family.param_table(config)}
+
+
+def save_tensors(tensors: dict, out_file):
+    """A test file written as users have them (``format: pt`` metadata); returns its path."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    out_file = Path(out_file)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_file), metadata={"format": "pt"})
+    return out_file
+
+
+def write_decoder_lm_files(pipeline_folder, folder, name: str) -> dict:
+    """A tiny pipeline's decoder-LLM text encoder and VAE as ComfyUI's single files: ``<name>.safetensors`` with
+    ``model.`` names (as ``qwen_3_4b.safetensors`` / ``gemma_2_2b_fp16.safetensors``) with a companion folder
+    ``<name>/`` (the tiny config and tokenizer, which a real file takes from the shipped configs and the user),
+    and ``ae.safetensors`` with BFL/LDM names. Returns {"text_encoder": path, "vae": path}."""
+    import shutil
+    from pathlib import Path
+
+    pipeline_folder, folder = Path(pipeline_folder), Path(folder)
+    state = {("" if k.startswith("model.") else "model.") + k: v
+             for k, v in folder_state(pipeline_folder / "text_encoder").items()}
+    text_file = save_tensors(state, folder / f"{name}.safetensors")
+    companion = folder / name
+    shutil.copytree(pipeline_folder / "tokenizer", companion, dirs_exist_ok=True)
+    shutil.copy(pipeline_folder / "text_encoder" / "config.json", companion / "config.json")
+    return {"text_encoder": text_file, "vae": write_ldm_vae_file(pipeline_folder / "vae", folder / "ae.safetensors")}
+
+
 def tiny_transformer(family, seed: int = 0):
     """The family's tiny variant with random weights (none left at zero: see ``randomize_zero_inits``)."""
     torch.manual_seed(seed)
@@ -146,13 +202,11 @@ def write_ldm_vae_file(vae_folder, out_file):
     import shutil
     from pathlib import Path
 
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     vae_folder, out_file = Path(vae_folder), Path(out_file)
     config = json.loads((vae_folder / "config.json").read_text())
-    state = {}
-    for f in sorted(vae_folder.glob("*.safetensors")):
-        state.update(load_file(str(f)))
+    state = folder_state(vae_folder)
     ldm = {}
     for k, v in state.items():
         key = ldm_vae_key(k, len(config["block_out_channels"]))

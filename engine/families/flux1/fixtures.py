@@ -3,14 +3,13 @@ and T5 with working tokenizers, VAE, scheduler), its transformer as a BFL single
 encoders and VAE as the single files ComfyUI users keep. Nothing is downloaded."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from ..names import join_diffusers_tensors
-from ..tiny import tiny_flux_ae, tiny_transformer, word_level_tokenizer, write_ldm_vae_file
+from ..tiny import (native_state, save_tensors, tiny_flux_ae, tiny_transformer, word_level_tokenizer,
+                    write_ldm_vae_file)
 from . import FAMILY
 
 
@@ -54,21 +53,8 @@ def build_tiny_pipeline(folder: str | Path, seed: int = 0) -> Path:
 def write_single_file(pipeline_folder: str | Path, out_file: str | Path, dtype: torch.dtype | None = None) -> Path:
     """Write the pipeline's transformer as one safetensors file with original BFL names,
     the way ComfyUI users have Flux in models/diffusion_models/."""
-    from safetensors.torch import load_file
-
-    transformer_dir = Path(pipeline_folder) / "transformer"
-    config = json.loads((transformer_dir / "config.json").read_text())
-    state = {}
-    for f in sorted(transformer_dir.glob("*.safetensors")):
-        state.update(load_file(str(f)))
-    out = {}
-    for param in FAMILY.param_table(config):
-        tensor = join_diffusers_tensors(param, state)
-        out[param.name] = (tensor.to(dtype) if dtype else tensor).contiguous()
-    out_file = Path(out_file)
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    save_file(out, str(out_file), metadata={"format": "pt"})
-    return out_file
+    _, native = native_state(FAMILY, pipeline_folder)
+    return save_tensors({k: v.to(dtype) if dtype else v for k, v in native.items()}, out_file)
 
 
 def write_text_and_vae_files(pipeline_folder: str | Path, folder: str | Path, with_tokenizers: bool = True) -> dict:

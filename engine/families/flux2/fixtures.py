@@ -10,9 +10,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..names import join_diffusers_tensors
-from ..tiny import (TINY_MISTRAL_CHAT_TEMPLATE, TINY_QWEN3_CHAT_TEMPLATE, tiny_decoder_lm, tiny_transformer,
-                    word_level_tokenizer, write_ldm_vae_file)
+from ..tiny import (TINY_MISTRAL_CHAT_TEMPLATE, TINY_QWEN3_CHAT_TEMPLATE, native_state, save_tensors,
+                    tiny_decoder_lm, tiny_transformer, word_level_tokenizer, write_ldm_vae_file)
 from . import FAMILY
 
 
@@ -64,17 +63,9 @@ def write_single_file(pipeline_folder: str | Path, out_file: str | Path, comfy_f
     """The pipeline's Flux.2 transformer as one BFL-named file. ``comfy_fp8`` writes it the way
     ComfyUI ships ``flux2_dev_fp8mixed.safetensors``: ``model.diffusion_model.`` prefixes, block
     Linear weights as float8_e4m3fn with a per-tensor ``weight_scale`` and a ``comfy_quant`` tag."""
-    from safetensors.torch import load_file
-
-    transformer_dir = Path(pipeline_folder) / "transformer"
-    config = json.loads((transformer_dir / "config.json").read_text())
-    state = {}
-    for f in sorted(transformer_dir.glob("*.safetensors")):
-        state.update(load_file(str(f)))
+    _, native = native_state(FAMILY, pipeline_folder)
     out = {}
-    for param in FAMILY.param_table(config):
-        tensor = join_diffusers_tensors(param, state).contiguous()
-        name = param.name
+    for name, tensor in native.items():
         if comfy_fp8 and name.endswith(".weight") and name.startswith(("double_blocks.", "single_blocks.")):
             scale = tensor.abs().max().float() / 448.0
             base = name[: -len(".weight")]
@@ -84,10 +75,7 @@ def write_single_file(pipeline_folder: str | Path, out_file: str | Path, comfy_f
                 list(json.dumps({"format": "float8_e4m3fn"}).encode()), dtype=torch.uint8)
         else:
             out[("model.diffusion_model." if comfy_fp8 else "") + name] = tensor.to(torch.bfloat16 if comfy_fp8 else tensor.dtype)
-    out_file = Path(out_file)
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    save_file(out, str(out_file), metadata={"format": "pt"})
-    return out_file
+    return save_tensors(out, out_file)
 
 
 def write_text_and_vae_files(pipeline_folder: str | Path, folder: str | Path) -> dict:

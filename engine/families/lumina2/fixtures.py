@@ -15,15 +15,12 @@ special ids (pad 0, eos 1, bos 2, unk 3), adding ``<bos>`` and no EOS, as GemmaT
 """
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
-from ..names import join_diffusers_tensors
-from ..tiny import tiny_flux_ae, tiny_transformer, word_level_tokenizer, write_ldm_vae_file
+from ..tiny import (native_state, save_tensors, tiny_flux_ae, tiny_transformer, word_level_tokenizer,
+                    write_decoder_lm_files)
 from .names import UNUSED_NATIVE_KEYS
 
 #: The tiny Gemma2Model; ``text_encoder_specs("lumina2-tiny")`` keeps the output of its layer 2
@@ -72,12 +69,6 @@ def build_tiny_pipeline(folder: str | Path, seed: int = 0) -> Path:
     return folder
 
 
-def _state(folder: Path) -> dict[str, torch.Tensor]:
-    state = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        state.update(load_file(str(f)))
-    return state
-
 
 def write_single_file(pipeline_folder: str | Path, out_file: str | Path, dtype: torch.dtype | None = None,
                       prefix: str = "", norm_final: bool = True) -> Path:
@@ -85,37 +76,17 @@ def write_single_file(pipeline_folder: str | Path, out_file: str | Path, dtype: 
     ``model.diffusion_model.``); ``norm_final`` adds the unused ``norm_final.weight`` real files have."""
     from . import FAMILY
 
-    transformer_dir = Path(pipeline_folder) / "transformer"
-    config = json.loads((transformer_dir / "config.json").read_text())
-    state = _state(transformer_dir)
-    out = {}
-    for param in FAMILY.param_table(config):
-        tensor = join_diffusers_tensors(param, state)
-        out[prefix + param.name] = (tensor.to(dtype) if dtype else tensor).contiguous()
+    config, native = native_state(FAMILY, pipeline_folder)
+    out = {prefix + k: v.to(dtype) if dtype else v for k, v in native.items()}
     if norm_final:
         (name,) = UNUSED_NATIVE_KEYS
         out[prefix + name] = torch.ones(config["hidden_size"], dtype=dtype or torch.float32)
-    out_file = Path(out_file)
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    save_file(out, str(out_file), metadata={"format": "pt"})
-    return out_file
+    return save_tensors(out, out_file)
 
 
 def write_text_and_vae_files(pipeline_folder: str | Path, folder: str | Path) -> dict[str, Path]:
-    """Gemma as ``gemma_2_2b.safetensors`` (``model.`` names, as ComfyUI's Gemma-2-2B file) with a companion
-    folder ``gemma_2_2b/`` (tiny config.json + tokenizer), and the VAE as ``ae.safetensors`` (LDM names) with
-    ``ae/config.json``. Returns {"text_encoder": path, "vae": path}."""
-    pipeline_folder, folder = Path(pipeline_folder), Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    state = {("model." + k if not k.startswith("model.") else k): v.contiguous()
-             for k, v in _state(pipeline_folder / "text_encoder").items()}
-    text_file = folder / "gemma_2_2b.safetensors"
-    save_file(state, str(text_file))
-    companion = folder / "gemma_2_2b"
-    shutil.copytree(pipeline_folder / "tokenizer", companion, dirs_exist_ok=True)
-    shutil.copy(pipeline_folder / "text_encoder" / "config.json", companion / "config.json")
-    vae_file = write_ldm_vae_file(pipeline_folder / "vae", folder / "ae.safetensors")
-    return {"text_encoder": text_file, "vae": vae_file}
+    """The tiny Gemma-2 as ``gemma_2_2b.safetensors`` (``model.`` names, companion folder) and ``ae.safetensors``."""
+    return write_decoder_lm_files(pipeline_folder, folder, "gemma_2_2b")
 
 
 def comfyui_model(config: dict) -> tuple[str, dict]:

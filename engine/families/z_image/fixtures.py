@@ -7,14 +7,12 @@ encoder and VAE as ComfyUI keeps them (``qwen_3_4b.safetensors``, ``ae.safetenso
 """
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import torch
 
-from ..names import join_diffusers_tensors
-from ..tiny import tiny_decoder_lm, tiny_flux_ae, tiny_transformer, word_level_tokenizer, write_ldm_vae_file
+from ..tiny import (native_state, save_tensors, tiny_decoder_lm, tiny_flux_ae, tiny_transformer,
+                    word_level_tokenizer, write_decoder_lm_files)
 
 #: Qwen3's chat template reduced to what ZImagePipeline uses: one user turn, the assistant prompt, and the
 #: empty think block only when ``enable_thinking`` is false (Z-Image passes True: no block).
@@ -62,54 +60,21 @@ def build_tiny_pipeline(folder: str | Path, seed: int = 0) -> Path:
     return folder
 
 
-def _load_folder_state(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    state = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        state.update(load_file(str(f)))
-    return state
-
 
 def write_single_file(pipeline_folder: str | Path, out_file: str | Path, dtype: torch.dtype | None = None,
                       prefix: str = "") -> Path:
     """The pipeline's transformer as one file with ComfyUI's native names (fused qkv, ``x_embedder``, ...), as
     ``z_image_turbo_bf16.safetensors`` is kept in ``models/diffusion_models/``; ``prefix`` =
     ``"model.diffusion_model."`` writes the full-checkpoint form."""
-    from safetensors.torch import save_file
-
     from . import FAMILY
 
-    transformer_dir = Path(pipeline_folder) / "transformer"
-    config = json.loads((transformer_dir / "config.json").read_text())
-    state = _load_folder_state(transformer_dir)
-    out = {}
-    for param in FAMILY.param_table(config):
-        tensor = join_diffusers_tensors(param, state)
-        out[prefix + param.name] = (tensor.to(dtype) if dtype else tensor).contiguous()
-    out_file = Path(out_file)
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    save_file(out, str(out_file), metadata={"format": "pt"})
-    return out_file
+    _, native = native_state(FAMILY, pipeline_folder)
+    return save_tensors({prefix + k: v.to(dtype) if dtype else v for k, v in native.items()}, out_file)
 
 
 def write_text_and_vae_files(pipeline_folder: str | Path, folder: str | Path) -> dict[str, Path]:
-    """The tiny pipeline's Qwen3 and VAE as ComfyUI's single files: ``qwen_3_4b.safetensors`` with ``model.``
-    names (a companion folder ``qwen_3_4b/`` holds the tiny config and tokenizer, which a real file takes
-    from the shipped configs), and ``ae.safetensors`` with BFL/LDM names (companion ``ae/`` config)."""
-    from safetensors.torch import save_file
-
-    pipeline_folder, folder = Path(pipeline_folder), Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    state = _load_folder_state(pipeline_folder / "text_encoder")
-    text_file = folder / "qwen_3_4b.safetensors"
-    save_file({("" if k.startswith("model.") else "model.") + k: v.contiguous() for k, v in state.items()},
-              str(text_file))
-    companion = folder / "qwen_3_4b"
-    shutil.copytree(pipeline_folder / "tokenizer", companion, dirs_exist_ok=True)
-    shutil.copy(pipeline_folder / "text_encoder" / "config.json", companion / "config.json")
-    vae_file = write_ldm_vae_file(pipeline_folder / "vae", folder / "ae.safetensors")
-    return {"text_encoder": text_file, "vae": vae_file}
+    """The tiny Qwen3 as ``qwen_3_4b.safetensors`` (``model.`` names, companion folder) and ``ae.safetensors``."""
+    return write_decoder_lm_files(pipeline_folder, folder, "qwen_3_4b")
 
 
 def comfyui_model(config: dict) -> tuple[str, dict]:
