@@ -22,6 +22,22 @@ import time
 from pathlib import Path
 
 
+def headless_chromium(logs: tuple[str, ...] = ("browser",)):
+    """Debian's chromium through chromedriver, headless, a fresh profile, ``logs`` kept (``browser``: the console;
+    ``performance``: the network log, where a refused request or websocket shows). Used by editor_templates.py too."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = "/usr/bin/chromium"
+    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+              "--disable-background-networking", "--disable-component-update", "--disable-sync",
+              "--window-size=1600,1000", f"--user-data-dir={tempfile.mkdtemp(prefix='chrome-')}"):
+        opts.add_argument(a)
+    opts.set_capability("goog:loggingPrefs", {kind: "ALL" for kind in logs})
+    return webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=opts)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", default="http://127.0.0.1:8188")
@@ -30,20 +46,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=0,
                    help="set Train LoRA's steps before Run (long enough to catch the live chart mid-run)")
     args = p.parse_args(argv)
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = "/usr/bin/chromium"
-    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-              "--disable-background-networking", "--disable-component-update", "--disable-sync",
-              "--window-size=1600,1000", f"--user-data-dir={tempfile.mkdtemp(prefix='chrome-')}"):
-        opts.add_argument(a)
-    # The console and the network log (chromedriver's performance log) show a refused request or websocket.
-    opts.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
-    d = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=opts)
+    d = headless_chromium(("browser", "performance"))
     try:
         d.get(args.url)
         for _ in range(90):

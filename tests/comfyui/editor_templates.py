@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -44,19 +43,12 @@ def main(argv=None) -> int:
     p.add_argument("--suffix", default="", help="added to each screenshot's name (e.g. _with_files)")
     p.add_argument("templates", nargs="+")
     args = p.parse_args(argv)
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from editor_demo import headless_chromium
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = "/usr/bin/chromium"
-    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-              "--disable-background-networking", "--disable-component-update", "--disable-sync",
-              "--window-size=1600,1000", f"--user-data-dir={tempfile.mkdtemp(prefix='chrome-')}"):
-        opts.add_argument(a)
-    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    d = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=opts)
+    d = headless_chromium()
     problems = []
     try:
         d.get(args.url)
