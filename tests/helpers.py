@@ -131,3 +131,30 @@ def tiny_lora_model(family_id: str, num_double: int, num_single: int, seed: int 
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
     model.train()
     return model, params
+
+
+def write_template_files(template, root, scratch):
+    """The template's family's tiny model under the template's file names in a ComfyUI-style ``root``
+    (models/diffusion_models, text_encoders, vae with companion folders; input/<dataset_path>), built in
+    ``scratch``. Returns (the tiny pipeline folder, what was written under ``root``)."""
+    import shutil
+
+    from lowvram_lora.engine.families import get_family
+    from lowvram_lora.engine.testing import make_tiny_dataset
+
+    fixtures = get_family(template.load["family"]).fixtures()
+    pipeline = fixtures.build_tiny_pipeline(scratch / "pipe")
+    models = root / "models"
+    written = [fixtures.write_single_file(pipeline, models / "diffusion_models" / template.load["checkpoint"])]
+    files = fixtures.write_text_and_vae_files(pipeline, scratch / "files")
+    for key, folder, source in (("text_encoder_1", "text_encoders", files["text_encoder"]),
+                                ("vae_file", "vae", files["vae"])):
+        dest = models / folder / template.cache[key]
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(source, dest)
+        written.append(dest)
+        if source.with_suffix("").is_dir():  # the companion folder: tiny config (and tokenizer)
+            shutil.copytree(source.with_suffix(""), dest.with_suffix(""), dirs_exist_ok=True)
+            written.append(dest.with_suffix(""))
+    written.append(make_tiny_dataset(root / "input" / template.cache["dataset_path"], count=1))
+    return pipeline, written

@@ -13,11 +13,10 @@ sizes and steps overridden. Checked against independent references:
 from __future__ import annotations
 
 import argparse
-import shutil
 
 import pytest
 import torch
-from helpers import eval_flow_loss, family_inputs, merged
+from helpers import eval_flow_loss, family_inputs, merged, write_template_files
 
 from lowvram_lora.engine.families import families
 from lowvram_lora.nodes.paths import configure_standalone_dirs
@@ -30,24 +29,6 @@ SINGLE_TE = [pytest.param(f.id, t, id=t.name) for f in families().values() for t
              and t.split is None]
 
 
-def _user_files(family, pipeline, root, template, tmp_path):
-    """The tiny model's files under the template's names, in a ComfyUI-style models folder."""
-    from lowvram_lora.engine.testing import make_tiny_dataset
-
-    fixtures = family.fixtures()
-    models = root / "models"
-    fixtures.write_single_file(pipeline, models / "diffusion_models" / template.load["checkpoint"])
-    files = fixtures.write_text_and_vae_files(pipeline, tmp_path / "files")
-    for key, folder, source in (("text_encoder_1", "text_encoders", files["text_encoder"]),
-                                ("vae_file", "vae", files["vae"])):
-        dest = models / folder / template.cache[key]
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(source, dest)
-        if source.with_suffix("").is_dir():  # the companion folder: tiny config (and tokenizer)
-            shutil.copytree(source.with_suffix(""), dest.with_suffix(""))
-    make_tiny_dataset(root / "input" / template.cache["dataset_path"], count=1)
-
-
 @pytest.mark.parametrize("family_id, template", SINGLE_TE)
 def test_template_trains_the_right_thing_on_the_tiny_model(family_id, template, tmp_path, capsys):
     from lowvram_lora.engine.caching.cache import open_dataset_cache
@@ -56,9 +37,8 @@ def test_template_trains_the_right_thing_on_the_tiny_model(family_id, template, 
     from lowvram_lora.engine.slab import load_slab_transformer
 
     family = families()[family_id]
-    pipeline = family.fixtures().build_tiny_pipeline(tmp_path / "pipe")
     root = tmp_path / "root"
-    _user_files(family, pipeline, root, template, tmp_path)
+    pipeline, _ = write_template_files(template, root, tmp_path)
     args = argparse.Namespace(workflow=str(WORKFLOWS_DIR / f"{template.name}.json"), models_dir=str(root / "models"),
                               output_dir=str(root / "output"), no_progress=True, traceback=True,
                               overrides=["2.resolution=128", "2.sample_prompts=ohwx, a red circle", "4.steps=8", "4.learning_rate=0.01", "4.warmup_steps=0",

@@ -417,30 +417,6 @@ SINGLE_FILE = [pytest.param(t, id=name) for name, t in shipped().items()
                and t.split is None]
 
 
-def _write_tiny_files(template, root: Path, scratch: Path) -> list[Path]:
-    """The template's family's tiny model under the template's file names in ComfyUI's base folder
-    ``root``; returns what was written (removed afterwards, so the full-size checks still find them absent)."""
-    from lowvram_lora.engine.families import get_family
-    from lowvram_lora.engine.testing import make_tiny_dataset
-
-    fixtures = get_family(template.load["family"]).fixtures()
-    pipeline = fixtures.build_tiny_pipeline(scratch / "pipe")
-    models = root / "models"
-    written = [fixtures.write_single_file(pipeline, models / "diffusion_models" / template.load["checkpoint"])]
-    files = fixtures.write_text_and_vae_files(pipeline, scratch / "files")
-    for key, folder, source in (("text_encoder_1", "text_encoders", files["text_encoder"]),
-                                ("vae_file", "vae", files["vae"])):
-        dest = models / folder / template.cache[key]
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(source, dest)
-        written.append(dest)
-        if source.with_suffix("").is_dir():  # the companion folder: tiny config (and tokenizer)
-            shutil.copytree(source.with_suffix(""), dest.with_suffix(""), dirs_exist_ok=True)
-            written.append(dest.with_suffix(""))
-    written.append(make_tiny_dataset(root / "input" / template.cache["dataset_path"], count=1))
-    return written
-
-
 def _with_widgets(ui: dict, values: dict[str, dict]) -> dict:
     """A UI-format workflow with widget values replaced by name ({node type: {input: value}}), positions
     from the node classes' declared inputs (control-after-generate slots included, as the file stores them)."""
@@ -477,7 +453,9 @@ def test_template_trains_its_tiny_model_through_comfy_run(comfy, tmp_path, templ
 
     from lowvram_lora.engine.lora_io import load_lora
 
-    written = _write_tiny_files(template, comfy.base, tmp_path)
+    from helpers import write_template_files
+
+    _, written = write_template_files(template, comfy.base, tmp_path)
     try:
         ui = json.loads((comfy.pack / "workflows" / f"{template.name}.json").read_text())
         _with_widgets(ui, {
