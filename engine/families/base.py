@@ -200,8 +200,8 @@ class Guidance:
     conditional one's norm (Lumina 2's ``cfg_normalization``)."""
 
     mode: str = "none"  # "none" | "embedded" | "cfg"
-    scale: float = 0.0  # the pipeline's default
-    steps: int = 20  # preview steps that suffice for this variant (the family's templates use it)
+    scale: float = 0.0  # the pipeline's default (the family's templates set Train LoRA's sample_guidance to it)
+    steps: int = 20  # preview steps that suffice for this variant (the templates' sample_steps)
     formula: str = "standard"
     renormalize: bool = False
 

@@ -1,5 +1,8 @@
 """Lumina 2's shipped workflow (``host/templates.py`` writes it to ``workflows/`` in UI and API form)."""
 from ..base import TrainingTemplate
+from . import FAMILY
+
+_PREVIEW = FAMILY.guidance("lumina2")  # the pipeline's CFG scale, and steps enough for a preview
 
 TEMPLATES = [
     TrainingTemplate(
@@ -10,8 +13,8 @@ TEMPLATES = [
                "sample_prompts": "ohwx, a photo of a dog on a beach"},
         offload={"mode": "auto", "vram_budget_gb": 2.0},
         train={"steps": 1500, "learning_rate": 1e-4, "rank": 16, "alpha": 16.0, "warmup_steps": 0,
-               "training_seed": 42, "sample_every": 250, "sample_steps": 25, "sample_resolution": 512,
-               "sample_guidance": 4.0},
+               "training_seed": 42, "sample_every": 250, "sample_steps": _PREVIEW.steps, "sample_resolution": 512,
+               "sample_guidance": _PREVIEW.scale},
         save={"filename_prefix": "loras/lumina2_lora"},
         note=(
             "Lumina-Image-2.0 (2.6B) LoRA at 1024x1024 on a 2 GB VRAM budget.\n\nFiles:\n"

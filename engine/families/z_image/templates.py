@@ -1,5 +1,8 @@
 """Z-Image's shipped workflow (``host/templates.py`` writes it to ``workflows/`` in UI and API form)."""
 from ..base import TrainingTemplate
+from . import FAMILY
+
+_PREVIEW = FAMILY.guidance("z-image-turbo")  # the template's file is Turbo: no CFG
 
 TEMPLATES = [
     TrainingTemplate(
@@ -10,7 +13,7 @@ TEMPLATES = [
                "sample_prompts": "ohwx, a photo of a dog on a beach"},
         offload={"mode": "auto", "vram_budget_gb": 4.0},
         train={"steps": 1500, "learning_rate": 1e-4, "rank": 16, "alpha": 16.0, "warmup_steps": 0,
-               "training_seed": 42, "sample_every": 250, "sample_steps": 8, "sample_resolution": 512},
+               "training_seed": 42, "sample_every": 250, "sample_steps": _PREVIEW.steps, "sample_resolution": 512},
         save={"filename_prefix": "loras/z_image_lora"},
         note=(
             "Z-Image (6B) LoRA at 1024x1024 on a 4 GB VRAM budget.\n\nFiles (what ComfyUI users have):\n"
