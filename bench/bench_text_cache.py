@@ -37,7 +37,8 @@ def write_encoder(root: Path, layers_on_disk: int, device) -> Path:
     from safetensors.torch import save_file
     from transformers import Mistral3Config
 
-    from lowvram_lora.engine.testing import TINY_MISTRAL_CHAT_TEMPLATE, _word_level_tokenizer
+    from lowvram_lora.engine.families.tiny import TINY_MISTRAL_CHAT_TEMPLATE
+    from lowvram_lora.engine.families.tiny import word_level_tokenizer as _word_level_tokenizer
 
     enc = root / "text_encoder"
     enc.mkdir(parents=True, exist_ok=True)
@@ -70,6 +71,49 @@ def write_encoder(root: Path, layers_on_disk: int, device) -> Path:
     return root
 
 
+# Qwen2.5-VL-7B's language model (Qwen-Image's text encoder; the family's shipped config).
+def write_qwen25_encoder(root: Path, layers: int, device) -> Path:
+    """A Qwen2.5-VL-7B-shaped text encoder with random weights, one shard per layer (diffusers folder layout,
+    transformers 5 names), and a word-level tokenizer with Qwen's turn tokens."""
+    from importlib import resources
+
+    from safetensors.torch import save_file
+
+    from lowvram_lora.engine.families import get_family, text_architecture_config
+    from lowvram_lora.engine.families.qwen_image.fixtures import tiny_qwen25_tokenizer
+
+    family = get_family("qwen_image")
+    enc = root / "text_encoder"
+    enc.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads(text_architecture_config(family, "qwen2.5-vl-7b").read_text())
+    (enc / "config.json").write_text(json.dumps(cfg))
+    tok, _ = tiny_qwen25_tokenizer()
+    tok.save_pretrained(root / "tokenizer")
+    t = cfg["text_config"]
+    d, f, heads, kv = t["hidden_size"], t["intermediate_size"], t["num_attention_heads"], t["num_key_value_heads"]
+    hd = d // heads
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rnd(*shape, std=0.02):
+        return (torch.randn(*shape, generator=gen, device=device, dtype=torch.bfloat16) * std).cpu()
+
+    p = "model.language_model."
+    save_file({f"{p}embed_tokens.weight": rnd(t["vocab_size"], d), f"{p}norm.weight": torch.ones(d, dtype=torch.bfloat16)},
+              str(enc / "embed.safetensors"))
+    for i in range(layers):
+        q = f"{p}layers.{i}."
+        save_file({
+            q + "self_attn.q_proj.weight": rnd(heads * hd, d), q + "self_attn.q_proj.bias": rnd(heads * hd),
+            q + "self_attn.k_proj.weight": rnd(kv * hd, d), q + "self_attn.k_proj.bias": rnd(kv * hd),
+            q + "self_attn.v_proj.weight": rnd(kv * hd, d), q + "self_attn.v_proj.bias": rnd(kv * hd),
+            q + "self_attn.o_proj.weight": rnd(d, heads * hd),
+            q + "mlp.gate_proj.weight": rnd(f, d), q + "mlp.up_proj.weight": rnd(f, d), q + "mlp.down_proj.weight": rnd(d, f),
+            q + "input_layernorm.weight": torch.ones(d, dtype=torch.bfloat16),
+            q + "post_attention_layernorm.weight": torch.ones(d, dtype=torch.bfloat16),
+        }, str(enc / f"layer-{i:02d}.safetensors"))
+    return root
+
+
 def main(argv=None) -> int:
     from lowvram_lora.engine.caching.stacked_text import encode_stacked
     from lowvram_lora.engine.families import get_family
@@ -81,13 +125,21 @@ def main(argv=None) -> int:
     p.add_argument("--warm", action="store_true", help="read the files once before timing")
     p.add_argument("--out", default="bench/results.jsonl")
     p.add_argument("--note", default="")
+    p.add_argument("--family", default="flux2", choices=["flux2", "qwen_image"],
+                   help="flux2: Flux.2-dev's Mistral-24B (30 layers); qwen_image: Qwen-Image's Qwen2.5-VL-7B (all 28 "
+                        "layers + the final norm, variable length)")
     args = p.parse_args(argv)
     device = torch.device("cuda")
     root = Path(args.workdir)
-    spec = get_family("flux2").text_encoder_specs("flux2-dev")[0]
+    if args.family == "qwen_image":
+        spec = get_family("qwen_image").text_encoder_specs("qwen-image")[0]
+        writer, model_name = write_qwen25_encoder, "qwen2.5-vl-7b (28 layers)"
+    else:
+        spec = get_family("flux2").text_encoder_specs("flux2-dev")[0]
+        writer, model_name = write_encoder, "mistral-small-24b (30 of 40 layers on disk)"
     if not (root / "text_encoder" / "config.json").exists():
         t = time.perf_counter()
-        write_encoder(root, max(spec.hidden_layers), device)
+        writer(root, max(spec.hidden_layers), device)
         print(f"wrote {sum(f.stat().st_size for f in root.rglob('*.safetensors')) / GB:.1f} GB in "
               f"{time.perf_counter() - t:.0f} s", flush=True)
     if args.warm:
@@ -96,7 +148,10 @@ def main(argv=None) -> int:
                 while h.read(1 << 26):
                     pass
     words = ["a", "photo", "of", "ohwx", "red", "dog", "on", "the", "left", "with", "big", "bright", "background"]
-    captions = [" ".join(words[(i + j) % len(words)] for j in range(8 + i % 20)) for i in range(args.captions)]
+    # Flux.2: padded to 512 either way; Qwen-Image: each caption at its own length, 40-199 words (long captions).
+    span = (8, 20) if args.family == "flux2" else (40, 160)
+    captions = [" ".join(words[(i + j) % len(words)] for j in range(span[0] + (i * 37) % span[1]))
+                for i in range(args.captions)]
     torch.cuda.reset_peak_memory_stats(device)
     t = time.perf_counter()
     out = encode_stacked(root, spec, captions, device, torch.bfloat16, args.max_length)
@@ -104,7 +159,7 @@ def main(argv=None) -> int:
     wall = time.perf_counter() - t
     row = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
            "run_id": _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6],
-           "gpu": _gpu_name(device), **_versions(), "model": "mistral-small-24b (30 of 40 layers on disk)",
+           "gpu": _gpu_name(device), **_versions(), "model": model_name, "family": args.family,
            "mode": "text-cache-layer-major", "res": None, "step_s": None, "captions": args.captions,
            "max_length": args.max_length, "wall_s": round(wall, 2),
            "peak_alloc_gb": round(torch.cuda.max_memory_allocated(device) / GB, 3),

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from .errors import ConfigError
-from .families import Guidance
+from .families import Guidance, sigma_schedule  # noqa: F401 (sigma_schedule: re-exported)
 
 
 @dataclass
@@ -78,12 +78,6 @@ def help_text(name: str) -> str:
     raise KeyError(name)
 
 
-def sigma_schedule(steps: int, mu: float) -> list[float]:
-    """The shifted sigmas of ``steps`` Euler steps, then 0."""
-    base = [1.0 - i * (1.0 - 1.0 / steps) / max(steps - 1, 1) for i in range(steps)] if steps > 1 else [1.0]
-    return [math.exp(mu) / (math.exp(mu) + (1.0 / s - 1.0)) for s in base] + [0.0]
-
-
 @torch.no_grad()
 def sample_latents(model, family, embeds: dict[str, torch.Tensor], width: int, height: int, steps: int, seed: int,
                    guidance: float, device: torch.device, dtype: torch.dtype, autocast=None,
@@ -105,7 +99,7 @@ def sample_latents(model, family, embeds: dict[str, torch.Tensor], width: int, h
     embeds = {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in embeds.items()}
     if negative is not None:
         negative = {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in negative.items()}
-    sigmas = sigma_schedule(steps, family.sample_shift_mu(x, steps))
+    sigmas = family.sample_sigmas(x, steps)
     for i in range(steps):
         s = torch.tensor([sigmas[i]], device=device)
         with autocast or contextlib.nullcontext():
@@ -136,7 +130,7 @@ def decode_latents(vae, family, latents: list[torch.Tensor], device: torch.devic
     try:
         for lat in latents:
             dtype = next(vae.parameters()).dtype
-            img = vae.decode(family.vae.to_vae(vae, lat.to(device, dtype)), return_dict=False)[0]
+            img = family.vae.decode(vae, lat.to(device, dtype))
             arr = ((img[0].float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
             images.append(Image.fromarray(arr))
     finally:

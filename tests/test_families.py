@@ -138,7 +138,10 @@ def test_streamed_gradients_equal_resident(family_id, act):
         g = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
         assert g.keys() == g_ref.keys() and g
         for name in g_ref:
-            torch.testing.assert_close(g[name], g_ref[name], rtol=1e-5, atol=1e-7, msg=name)
+            # A parameter no output depends on (the last Qwen-Image block's text-stream output projection) has
+            # no gradient resident and a zero one streamed: the same update.
+            a, b = (t if t is not None else torch.zeros_like(dict(ref.named_parameters())[name]) for t in (g[name], g_ref[name]))
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=name)
         assert handle.stats()["loads"] >= len(plan.footprint.block_names)
     finally:
         recompute.remove()

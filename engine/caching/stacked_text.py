@@ -20,7 +20,8 @@ How it runs, so a 48 GB encoder never has to fit anywhere:
   host-memory budget for activations allows (all captions of a typical dataset);
 - the model's own forward runs on the host (masks, rotary embeddings as transformers makes
   them), so the result equals a full forward's ``hidden_states[k]``; the final norm is
-  replaced by an identity (it is never part of a stacked hidden state).
+  replaced by an identity, unless the spec keeps the normed last state (``final_norm``: Qwen-Image's
+  ``hidden_states[-1]``), when its weight is read and it runs on the last layer's output.
 """
 from __future__ import annotations
 
@@ -76,9 +77,10 @@ class _ShardedWeights:
 
 
 def load_truncated_decoder(encoder_dir: Path, num_layers: int, dtype: torch.dtype,
-                           files: list[Path] | None = None, config=None):
+                           files: list[Path] | None = None, config=None, final_norm: bool = False):
     """(decoder with ``num_layers`` layers on meta but its embeddings, weights) for layer-major use.
-    ``files`` + ``config`` replace the folder's shards and config.json (single-file encoders)."""
+    ``files`` + ``config`` replace the folder's shards and config.json (single-file encoders). ``final_norm``:
+    keep the decoder's final norm (its weight read) instead of an identity."""
     from transformers import AutoModel
 
     files = files or sorted(encoder_dir.glob("*.safetensors"))
@@ -92,7 +94,15 @@ def load_truncated_decoder(encoder_dir: Path, num_layers: int, dtype: torch.dtyp
     weights = _ShardedWeights(files)
     with torch.device("meta"):
         model = AutoModel.from_config(config, dtype=dtype)
-    model.norm = torch.nn.Identity()  # stacked states are pre-norm; the last layer's output must stay raw
+    if final_norm:
+        if num_layers != config.num_hidden_layers:
+            raise ModelLoadError(f"'{encoder_dir}': the final norm follows the last of {config.num_hidden_layers} "
+                                 f"layers, not layer {num_layers}")
+        for pname, _ in list(model.norm.named_parameters()):
+            model.norm._parameters[pname] = torch.nn.Parameter(weights.read(f"norm.{pname}", "cpu", dtype),
+                                                               requires_grad=False)
+    else:
+        model.norm = torch.nn.Identity()  # stacked states are pre-norm; the last layer's output must stay raw
     model.embed_tokens.weight = torch.nn.Parameter(weights.read("embed_tokens.weight", "cpu", dtype),
                                                    requires_grad=False)
     if hasattr(model, "rotary_emb"):  # buffers computed from the config, not stored
@@ -152,10 +162,11 @@ def load_tokenizer(tokenizer_dir: Path):
 def tokenize(tokenizer, spec: TextEncoderSpec, prompts: list[str], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, attention_mask) as the family's pipeline makes them (``spec.template``): padded to
     ``max_length`` for a ``padded`` encoder; for a ``variable`` one, right-padded to the group's longest
-    caption (a causal LM's rows of a right-padded caption do not depend on the padding)."""
+    caption (a causal LM's rows of a right-padded caption do not depend on the padding). ``spec.drop_tokens``
+    more are allowed: the template tokens cut off after encoding."""
     if spec.length == "variable":
         tokenizer.padding_side = "right"
-    return spec.template.tokenize(tokenizer, prompts, max_length, pad_to_max=spec.length == "padded")
+    return spec.template.tokenize(tokenizer, prompts, max_length + spec.drop_tokens, pad_to_max=spec.length == "padded")
 
 
 @torch.no_grad()
@@ -183,7 +194,9 @@ def encode_stacked(
                              f"pipeline's {spec.subfolder}/ (the model's {spec.architecture or 'decoder LLM'})")
     tokenizer = load_tokenizer(tokenizer_dir) if isinstance(tokenizer_dir, Path) else tokenizer_dir  # or an object
     last = max(spec.hidden_layers)
-    model, weights = load_truncated_decoder(encoder_dir, last, dtype, files, config)
+    if spec.drop_tokens and spec.length != "variable":
+        raise ValueError("drop_tokens needs a variable-length text encoder spec")
+    model, weights = load_truncated_decoder(encoder_dir, last, dtype, files, config, final_norm=spec.final_norm)
     width = model.config.hidden_size
     per_caption = max_length * width * 2  # one hidden state, bf16
     group = max(1, int(_GROUP_BYTES // (per_caption * 4)))
@@ -198,13 +211,16 @@ def encode_stacked(
             captured: dict[int, torch.Tensor] = {}
             if start:  # the next group reads every layer again, from layer 0
                 prefetch.pending.clear()
-            with layer_major(model, device, chunk_size=4, load_layer=prefetch,
-                             host=device if on_device else torch.device("cpu")) as m:
+            host = device if on_device else torch.device("cpu")
+            with layer_major(model, device, chunk_size=4, load_layer=prefetch, host=host) as m:
                 # Kept hidden states leave the GPU at once: three of them would be 1.9 GB for 118 captions.
-                hooks = [m.layers[k - 1].register_forward_hook(
-                    lambda _mod, _args, out, k=k: captured.__setitem__(
-                        k, (out[0] if isinstance(out, tuple) else out).to("cpu")))
-                    for k in spec.hidden_layers]
+                def keep(k):
+                    return lambda _mod, _args, out: captured.__setitem__(
+                        k, (out[0] if isinstance(out, tuple) else out).to("cpu"))
+                if spec.final_norm:  # the normed last state: the norm runs where the activations are
+                    m.norm.to(host)
+                hooks = [(m.norm if spec.final_norm and k == last else m.layers[k - 1]).register_forward_hook(keep(k))
+                         for k in spec.hidden_layers]
                 try:
                     m(input_ids=ids, attention_mask=mask, use_cache=False)
                 finally:
@@ -214,7 +230,7 @@ def encode_stacked(
             b, k, length, d = stacked.shape
             out = stacked.permute(0, 2, 1, 3).reshape(b, length, k * d)
             if spec.length == "variable":  # each caption at its own length: its real tokens only
-                results += [row[m.bool()].to("cpu", dtype) for row, m in zip(out, mask)]
+                results += [row[m.bool()][spec.drop_tokens:].to("cpu", dtype) for row, m in zip(out, mask)]
             else:
                 results += [row.to("cpu", dtype) for row in out]
             if progress:

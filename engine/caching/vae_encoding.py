@@ -36,7 +36,8 @@ def encode_images(
     vae_loader: Callable[[], torch.nn.Module] | None = None,
 ) -> list[torch.Tensor]:
     """(3, H, W) images in [-1, 1] -> latents as the family's transformer takes them
-    (``family.vae.to_model``: Flux.1 shifted and scaled, Flux.2 patchified and normalised).
+    (``family.vae.encode``: Flux.1 shifted and scaled, Flux.2 patchified and normalised, Qwen-Image's one-frame
+    video VAE normalised per channel).
     We keep the distribution's mean (a deterministic cache)."""
     vae = (vae_loader() if vae_loader is not None else load_vae(pipeline, dtype, family.vae.class_name)).to(device)
     # Tiling bounds VRAM for big images (decoder/encoder activations dominate the VAE).
@@ -44,8 +45,7 @@ def encode_images(
     latents = []
     try:
         for i, image in enumerate(images):
-            dist = vae.encode(image[None].to(device, dtype)).latent_dist
-            latents.append(family.vae.to_model(vae, dist.mean)[0].float().cpu())
+            latents.append(family.vae.encode(vae, image[None].to(device, dtype))[0].float().cpu())
             if progress:
                 progress(i + 1, count)
     finally:

@@ -41,7 +41,8 @@ from .names import NativeParam
 class PromptTemplate:
     """How captions become token ids for one text encoder, exactly as the family's pipeline does it.
 
-    ``plain``: ``prefix`` + the caption, tokenized (Lumina 2's system prompt + " <Prompt Start> ").
+    ``plain``: ``prefix`` + the caption + ``suffix``, tokenized (Lumina 2's system prompt + " <Prompt Start> ";
+    Qwen-Image's chat turns written out as text, as its pipeline's ``prompt_template_encode`` does).
     ``chat``: the tokenizer's chat template over one user turn (``system`` adds a system turn;
     ``enable_thinking`` is passed to the template when not None; ``generation_prompt`` appends the
     assistant prompt). ``structured``: content as ``[{"type": "text", ...}]`` parts tokenized by the
@@ -55,6 +56,7 @@ class PromptTemplate:
     enable_thinking: bool | None = None
     generation_prompt: bool = True
     prefix: str = ""
+    suffix: str = ""  # plain style: text after the caption
     drop: str = ""  # a substring removed from captions first (Flux.2 removes "[IMG]")
 
     def tokenize(self, tokenizer, prompts: list[str], max_length: int, pad_to_max: bool = True):
@@ -64,7 +66,7 @@ class PromptTemplate:
         pad = dict(padding="max_length" if pad_to_max else "longest", truncation=True, max_length=max_length,
                    return_tensors="pt")
         if self.style == "plain":
-            out = tokenizer([self.prefix + p for p in prompts], **pad)
+            out = tokenizer([self.prefix + p + self.suffix for p in prompts], **pad)
             return out["input_ids"], out["attention_mask"]
         if self.style != "chat":
             raise ValueError(f"unknown prompt template style {self.style!r}")
@@ -92,7 +94,11 @@ class TextEncoderSpec:
     Mistral3, Qwen3, Gemma-2; ``hidden_layers`` say which hidden states are kept, concatenated per token).
     ``length``: ``padded`` = every caption padded to ``max_length`` and the padding kept (the model was
     trained attending to it: T5, Flux.2's LLMs); ``variable`` = each caption kept at its own length, a
-    batch padded with a mask (Z-Image, Lumina 2).
+    batch padded with a mask (Z-Image, Lumina 2, Qwen-Image).
+    ``final_norm``: the last kept hidden state goes through the decoder's final norm (``hidden_states[-1]``
+    as transformers returns it: Qwen-Image); otherwise every kept state is a raw layer output.
+    ``drop_tokens``: template tokens cut from the front of each caption's states (Qwen-Image's 34 system-turn
+    tokens); ``max_length`` counts the tokens kept, the tokenizer is given ``drop_tokens`` more.
     """
 
     subfolder: str  # "text_encoder_2"
@@ -107,6 +113,8 @@ class TextEncoderSpec:
     #: pipeline puts its system prompt before captions only.
     negative_template: PromptTemplate | None = None
     architecture: str = ""  # decoder_lm: shipped config of the real encoder (configs/text/<name>.json)
+    final_norm: bool = False
+    drop_tokens: int = 0
 
     @property
     def output(self) -> str:
@@ -143,6 +151,15 @@ class VaeSpec:
         """The inverse of ``to_model``: what ``vae.decode`` takes."""
         shift = getattr(vae.config, "shift_factor", None) or 0.0
         return latents / vae.config.scaling_factor + shift
+
+    def encode(self, vae, pixels: torch.Tensor) -> torch.Tensor:
+        """Pixels (B, 3, H, W) in [-1, 1] -> the transformer's latents; the distribution's mean (a
+        deterministic cache)."""
+        return self.to_model(vae, vae.encode(pixels).latent_dist.mean)
+
+    def decode(self, vae, latents: torch.Tensor) -> torch.Tensor:
+        """The transformer's latents -> pixels (B, 3, H, W) in about [-1, 1]."""
+        return vae.decode(self.to_vae(vae, latents), return_dict=False)[0]
 
     def load_file(self, path, dtype: torch.dtype, read, companion):
         """The VAE from one single file with BFL/LDM names (ComfyUI's ``ae.safetensors``), through diffusers'
@@ -197,22 +214,35 @@ class Guidance:
     models without either: Flux.1-schnell, Z-Image Turbo).
     ``formula`` for cfg: ``standard`` = neg + g (pos - neg); ``z_image`` = pos + g (pos - neg) (its
     pipeline's form: g = 0 is no guidance). ``renormalize``: rescale the guided prediction to the
-    conditional one's norm (Lumina 2's ``cfg_normalization``)."""
+    conditional one's norm, over ``last_axis`` of (B, C, H, W) as Lumina 2's ``cfg_normalization`` does, or
+    per ``patch_tokens`` (each 2x2 patch's channels: a packed token, as QwenImagePipeline's true CFG does)."""
 
     mode: str = "none"  # "none" | "embedded" | "cfg"
     scale: float = 0.0  # the pipeline's default (the family's templates set Train LoRA's sample_guidance to it)
     steps: int = 20  # preview steps that suffice for this variant (the templates' sample_steps)
     formula: str = "standard"
-    renormalize: bool = False
+    renormalize: str = ""  # "" | "last_axis" | "patch_tokens"
 
     def combine(self, pos: torch.Tensor, neg: torch.Tensor, scale: float) -> torch.Tensor:
         if self.formula == "z_image":
             out = pos + scale * (pos - neg)
         else:
             out = neg + scale * (pos - neg)
-        if self.renormalize:  # Lumina2Pipeline: torch.norm over the last axis of (B, C, H, W)
+        if self.renormalize == "last_axis":  # Lumina2Pipeline: torch.norm over the last axis of (B, C, H, W)
             out = out * (torch.norm(pos, dim=-1, keepdim=True) / torch.norm(out, dim=-1, keepdim=True))
+        elif self.renormalize == "patch_tokens":
+            out = out * (_patch_token_norm(pos) / _patch_token_norm(out))
+        elif self.renormalize:
+            raise ValueError(f"unknown guidance renormalisation {self.renormalize!r}")
         return out
+
+
+def _patch_token_norm(x: torch.Tensor) -> torch.Tensor:
+    """The L2 norm of each 2x2 patch over all channels of (B, C, H, W), broadcast back to every element: the
+    norm of each packed token (``torch.norm(tokens, dim=-1)`` in the pipelines that pack 2x2)."""
+    b, c, h, w = x.shape
+    sq = x.reshape(b, c, h // 2, 2, w // 2, 2).pow(2).sum(dim=(1, 3, 5), keepdim=True).sqrt()
+    return sq.expand(b, c, h // 2, 2, w // 2, 2).reshape(b, c, h, w)
 
 
 @dataclass(frozen=True)
@@ -230,6 +260,13 @@ class TrainingTemplate:
     note: str
     split: dict[str, Any] | None = None
     note_pos: tuple[int, int] = (40, 420)
+
+
+def sigma_schedule(steps: int, mu: float) -> list[float]:
+    """The sampling sigmas of the families' pipelines (FlowMatchEulerDiscreteScheduler): ``linspace(1, 1/steps,
+    steps)`` under the exponential time shift ``exp(mu) / (exp(mu) + 1/sigma - 1)``, then 0."""
+    base = [1.0 - i * (1.0 - 1.0 / steps) / max(steps - 1, 1) for i in range(steps)] if steps > 1 else [1.0]
+    return [math.exp(mu) / (math.exp(mu) + (1.0 / s - 1.0)) for s in base] + [0.0]
 
 
 def static_shift_mu(shift: float) -> float:
@@ -367,6 +404,11 @@ class ModelFamily(ABC):
     def sample_shift_mu(self, latents: torch.Tensor, steps: int) -> float:
         """The shift the family's pipeline samples with at ``steps`` steps."""
         return self.train_shift_mu(latents)
+
+    def sample_sigmas(self, latents: torch.Tensor, steps: int) -> list[float]:
+        """The ``steps`` + 1 noise levels previews step through (the last is 0), as the family's pipeline
+        schedules them; by default ``sigma_schedule`` under ``sample_shift_mu``."""
+        return sigma_schedule(steps, self.sample_shift_mu(latents, steps))
 
     def guidance(self, variant: str) -> Guidance:
         """How ``variant`` samples previews."""

@@ -218,3 +218,58 @@ def write_ldm_vae_file(vae_folder, out_file):
     companion.mkdir(exist_ok=True)
     shutil.copy(vae_folder / "config.json", companion / "config.json")
     return out_file
+
+
+def wan_vae_original_key(key: str) -> str:
+    """diffusers ``AutoencoderKLWan`` / ``AutoencoderKLQwenImage`` name -> the original Wan name ComfyUI's
+    ``wan_2.1_vae.safetensors`` and ``qwen_image_vae.safetensors`` use (the inverse of diffusers'
+    ``convert_wan_vae_to_diffusers``, for the Wan 2.1 layout: 2 residual blocks per level, 4 levels), for
+    writing test files in the layout users have."""
+    import re
+
+    resnet = (("norm1.gamma", "residual.0.gamma"), ("conv1.", "residual.2."), ("norm2.gamma", "residual.3.gamma"),
+              ("conv2.", "residual.6."), ("conv_shortcut.", "shortcut."))
+
+    def res(rest: str) -> str:
+        for a, b in resnet:
+            if rest.startswith(a):
+                return b + rest[len(a):]
+        return rest
+
+    fixed = {"quant_conv.": "conv1.", "post_quant_conv.": "conv2.", "encoder.conv_in.": "encoder.conv1.",
+             "decoder.conv_in.": "decoder.conv1.", "encoder.norm_out.": "encoder.head.0.",
+             "decoder.norm_out.": "decoder.head.0.", "encoder.conv_out.": "encoder.head.2.",
+             "decoder.conv_out.": "decoder.head.2."}
+    for a, b in fixed.items():
+        if key.startswith(a):
+            return b + key[len(a):]
+    m = re.fullmatch(r"(encoder|decoder)\.mid_block\.resnets\.(\d)\.(.*)", key)
+    if m:
+        return f"{m[1]}.middle.{2 * int(m[2])}.{res(m[3])}"
+    m = re.fullmatch(r"(encoder|decoder)\.mid_block\.attentions\.0\.(.*)", key)
+    if m:
+        return f"{m[1]}.middle.1.{m[2]}"
+    m = re.fullmatch(r"encoder\.down_blocks\.(\d+)\.(.*)", key)
+    if m:
+        return f"encoder.downsamples.{m[1]}.{res(m[2])}"
+    m = re.fullmatch(r"decoder\.up_blocks\.(\d+)\.resnets\.(\d+)\.(.*)", key)
+    if m:
+        return f"decoder.upsamples.{4 * int(m[1]) + int(m[2])}.{res(m[3])}"
+    m = re.fullmatch(r"decoder\.up_blocks\.(\d+)\.upsamplers\.0\.(.*)", key)
+    if m:
+        return f"decoder.upsamples.{4 * int(m[1]) + 3}.{m[2]}"
+    return key
+
+
+def write_wan_vae_file(vae_folder, out_file):
+    """A diffusers Wan-2.1-type VAE folder as one file with the original Wan names (ComfyUI's), with a companion
+    folder (the file name without ``.safetensors``) holding the tiny config."""
+    import shutil
+    from pathlib import Path
+
+    vae_folder, out_file = Path(vae_folder), Path(out_file)
+    save_tensors({wan_vae_original_key(k): v for k, v in folder_state(vae_folder).items()}, out_file)
+    companion = out_file.with_suffix("")
+    companion.mkdir(exist_ok=True)
+    shutil.copy(vae_folder / "config.json", companion / "config.json")
+    return out_file

@@ -14,6 +14,7 @@ from torch import nn
 
 from ..base import Guidance, ModelFamily, TextEncoderSpec
 from ..names import NativeParam
+from ..patches import linear_mu, pack_2x2, unpack_2x2
 from .names import flux1_param_table
 
 # Linear modules that get a LoRA. Double blocks: attention q/k/v/out for the image
@@ -88,21 +89,8 @@ class Flux1Family(ModelFamily):
         """(C, h, w) of the latents of a width x height image (C: the packed channels / 4)."""
         return (model.config.in_channels // 4, height // 8, width // 8)
 
-    @staticmethod
-    def pack_latents(latents: torch.Tensor) -> torch.Tensor:
-        """(B, C, H, W) -> (B, H/2 * W/2, 4C): 2x2 patches become tokens."""
-        b, c, h, w = latents.shape
-        x = latents.view(b, c, h // 2, 2, w // 2, 2)
-        x = x.permute(0, 2, 4, 1, 3, 5)  # (B, H/2, W/2, C, 2, 2)
-        return x.reshape(b, (h // 2) * (w // 2), c * 4)
-
-    @staticmethod
-    def unpack_latents(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
-        """Inverse of pack_latents for latent height h and width w."""
-        b, _, c4 = tokens.shape
-        c = c4 // 4
-        x = tokens.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
-        return x.reshape(b, c, h, w)
+    pack_latents = staticmethod(pack_2x2)  # (B, C, H, W) -> (B, H/2 * W/2, 4C)
+    unpack_latents = staticmethod(unpack_2x2)
 
     @staticmethod
     def image_ids(h: int, w: int, device, dtype) -> torch.Tensor:
@@ -139,10 +127,7 @@ class Flux1Family(ModelFamily):
     def train_shift_mu(self, latents: torch.Tensor) -> float:
         """Flux's resolution-dependent shift: mu grows linearly with the token count,
         0.5 at 256 tokens to 1.15 at 4096 (the values in Flux's scheduler config)."""
-        seq_len = (latents.shape[2] // 2) * (latents.shape[3] // 2)
-        base_len, max_len, base_shift, max_shift = 256, 4096, 0.5, 1.15
-        slope = (max_shift - base_shift) / (max_len - base_len)
-        return seq_len * slope + (base_shift - slope * base_len)
+        return linear_mu((latents.shape[2] // 2) * (latents.shape[3] // 2), 256, 4096, 0.5, 1.15)
 
     def guidance(self, variant: str) -> Guidance:
         """dev is guidance-distilled (an embedding, 3.5 by default); schnell samples without any."""

@@ -172,7 +172,7 @@ class Lumina2Family(ModelFamily):
     def guidance(self, variant: str) -> Guidance:
         """Lumina2Pipeline: ``uncond + 4 (cond - uncond)`` rescaled to the conditional norm
         (``cfg_normalization=True``); the negative prompt is the empty string WITHOUT the system prompt."""
-        return Guidance(mode="cfg", scale=4.0, steps=25, formula="standard", renormalize=True)
+        return Guidance(mode="cfg", scale=4.0, steps=25, formula="standard", renormalize="last_axis")
 
     # --- memory engine ---------------------------------------------------------------------------
 

@@ -1,0 +1,172 @@
+"""Qwen-Image (20B MMDiT) on diffusers' ``QwenImageTransformer2DModel`` (diffusers >= 0.39 forward).
+
+Facts (../../../shared/reference/new-families-facts.md §2; checked against diffusers 0.42.1
+``transformer_qwenimage.py``, ``pipeline_qwenimage.py``, ``train_dreambooth_lora_qwen_image.py``):
+
+- 60 double-stream ``transformer_blocks`` (680 MB bf16 / 340 MB int8 each, modulation inside every block),
+  joint attention over [text, image]; every Linear has a bias.
+- The forward takes 2x2-packed latents (B, N, 64) (Flux.1's packing), the raw Qwen2.5-VL states (B, L, 3584)
+  with ``encoder_hidden_states_mask`` (B, L), ``timestep`` = sigma (scaled by 1000 inside) and ``img_shapes``
+  = one ``(1, h/2, w/2)`` per sample. It answers the velocity ``noise - x0``.
+- Text: Qwen2.5-VL-7B's language model, ``hidden_states[-1]`` (all 28 layers and the final norm) over the
+  pipeline's system template, the first 34 template tokens dropped, each caption at its own length.
+- VAE: the Wan 2.1 causal 3-D VAE (``AutoencoderKLQwenImage``), one frame, per-channel mean/std.
+- Sampling: true CFG ``neg + s (cond - neg)`` rescaled per packed token to the conditional norm, s = 4; sigmas
+  ``linspace(1, 1/N, N)`` under the dynamic shift mu = 0.5 at 256 tokens .. 0.9 at 8192, stretched so the last
+  one is 0.02 (the hub scheduler config: ``shift_terminal``).
+- Training: diffusers' script draws sigmas without shift (its scheduler config has dynamic shifting, so the
+  table is unshifted); mu = 0 here.
+
+Qwen-Image-Edit (2509/2511) has the same transformer shape but conditions on control images through the
+vision tower and reference latents; it is not supported yet: files named "edit" are refused.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...errors import ConfigError
+from ..base import Guidance, ModelFamily, PromptTemplate, TextEncoderSpec, sigma_schedule
+from ..names import NativeParam
+from ..patches import linear_mu, pack_2x2, unpack_2x2
+from ..wan_vae import WanVaeSpec
+from .names import qwen_image_param_table
+
+#: Both streams' attention projections in every block: what DiffSynth's and musubi-tuner's Qwen-Image LoRAs
+#: train (musubi adds the MLPs, DiffSynth the modulation too; diffusers' script trains the image stream only).
+#: 8 Linears of 3072x3072 x 60 blocks = 47.2 M parameters at rank 16.
+ATTENTION_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
+#: The MLPs of both streams (musubi-tuner's set adds these): +59.0 M parameters at rank 16.
+MLP_TARGETS = ("img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2")
+
+#: QwenImagePipeline.prompt_template_encode, written out as text (the pipeline formats it; no chat template).
+SYSTEM_PREFIX = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, "
+                 "text, spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n")
+SUFFIX = "<|im_end|>\n<|im_start|>assistant\n"
+#: ``prompt_template_encode_start_idx``: the system turn and "<|im_start|>user\n" are 34 Qwen2 tokens.
+DROP = 34
+#: The tiny fixtures' word-level tokenizer cuts the same prefix into this many tokens (test_family checks it).
+TINY_DROP = 31
+
+#: The hub scheduler config (Qwen/Qwen-Image scheduler_config.json, as embedded in ai-toolkit):
+#: dynamic shift between these token counts and shifts, then the terminal stretch.
+BASE_SEQ, MAX_SEQ, BASE_SHIFT, MAX_SHIFT, SHIFT_TERMINAL = 256, 8192, 0.5, 0.9, 0.02
+
+_TEMPLATE = PromptTemplate(style="plain", prefix=SYSTEM_PREFIX, suffix=SUFFIX)
+
+
+class QwenImageFamily(ModelFamily):
+    id = "qwen_image"
+    display_name = "Qwen-Image"
+    diffusers_class_name = "QwenImageTransformer2DModel"
+    variants = {
+        "qwen-image": "qwen-image.json",  # Qwen-Image and Qwen-Image-2512 (same shapes)
+        "qwen-image-tiny": "qwen-image-tiny.json",  # tests and the demo (width 32, 2 blocks)
+    }
+    tiny_variant = "qwen-image-tiny"
+    structural_keys = ("num_layers", "attention_head_dim", "num_attention_heads", "joint_attention_dim",
+                       "in_channels", "out_channels", "patch_size", "zero_cond_t", "use_additional_t_cond")
+    unused_native_keys = ("__index_timestep_zero__",)
+
+    vae = WanVaeSpec(class_name="AutoencoderKLQwenImage", config_package=__package__, single_file_config="qwen_image")
+    lora_targets = {"transformer_blocks": ATTENTION_TARGETS}
+    # ComfyUI maps diffusers-named Qwen-Image LoRAs as they are (comfy/lora.py, QwenImage branch:
+    # ``transformer.<name>`` and the bare name).
+    comfyui_lora_form = "diffusers_names"
+    file_help = {
+        "checkpoint": "qwen_image_bf16.safetensors, qwen_image_fp8_e4m3fn.safetensors or the 2512 release "
+                      "(diffusers names)",
+        "pipeline": "text_encoder (Qwen2.5-VL-7B; its 28 language-model layers are read), tokenizer, vae "
+                    "(AutoencoderKLQwenImage)",
+        "single_files": "qwen_2.5_vl_7b_fp8_scaled.safetensors (or qwen_2.5_vl_7b.safetensors; Qwen2.5's tokenizer "
+                        "files in a folder named like it) and qwen_image_vae.safetensors",
+    }
+
+    # --- identity --------------------------------------------------------------------------------
+
+    def looks_like_single_file(self, keys: set[str]) -> bool:
+        """ComfyUI's own test (model_detection: ``txt_norm.weight``) plus the double-stream block modulation."""
+        return "txt_norm.weight" in keys and "transformer_blocks.0.img_mod.1.weight" in keys
+
+    def param_table(self, config: dict[str, Any]) -> list[NativeParam]:
+        return qwen_image_param_table(self, config)
+
+    def variant_from_name(self, variant: str, name: str) -> str:
+        if "edit" in name.lower():
+            raise ConfigError(
+                f"'{name}' looks like Qwen-Image-Edit. Edit LoRAs need control images (through the vision tower "
+                f"and as reference latents), which lowvram-lora does not support yet; train on "
+                f"qwen_image_bf16.safetensors (or the 2512 release) for a text-to-image LoRA")
+        return variant
+
+    # --- text ------------------------------------------------------------------------------------
+
+    def text_encoder_specs(self, variant: str) -> tuple[TextEncoderSpec, ...]:
+        """Qwen2.5-VL-7B's ``hidden_states[-1]`` (28 layers + the final norm), the template's first 34 tokens
+        dropped, each caption at its own length (the pipeline's ``_get_qwen_prompt_embeds``)."""
+        if variant == self.tiny_variant:  # the fixtures' tiny Qwen2.5-VL has 2 layers
+            return (TextEncoderSpec("text_encoder", "tokenizer", "decoder_lm", 32, "prompt_embeds", hidden_layers=(2,),
+                                    length="variable", template=_TEMPLATE, final_norm=True, drop_tokens=TINY_DROP),)
+        return (TextEncoderSpec("text_encoder", "tokenizer", "decoder_lm", 512, "prompt_embeds", hidden_layers=(28,),
+                                length="variable", template=_TEMPLATE, architecture="qwen2.5-vl-7b",
+                                final_norm=True, drop_tokens=DROP),)
+
+    def text_widths(self, config: dict[str, Any]) -> dict[str, int]:
+        return {"prompt_embeds": int(config["joint_attention_dim"])}
+
+    # --- latents ---------------------------------------------------------------------------------
+
+    def latent_shape(self, model: nn.Module, width: int, height: int) -> tuple[int, ...]:
+        """(16, H/8, W/8): one frame of the VAE, the frame axis dropped (packed 2x2 in ``model_inputs``)."""
+        return (int(model.config.in_channels) // 4, height // 8, width // 8)
+
+    # --- training --------------------------------------------------------------------------------
+
+    def model_inputs(self, model: nn.Module, latents: torch.Tensor, embeds: dict[str, torch.Tensor],
+                     sigmas: torch.Tensor, guidance: float) -> dict[str, Any]:
+        """Keyword arguments of ``QwenImageTransformer2DModel.forward`` for latents (B, 16, h, w): packed 2x2,
+        the zero-padded captions with their mask (all real without one), sigma, one image shape per sample.
+        ``guidance`` is unused (``guidance_embeds`` is false)."""
+        b, _, h, w = latents.shape
+        prompt = embeds["prompt_embeds"].to(latents.dtype)
+        if prompt.shape[0] != b:
+            raise ValueError(f"Qwen-Image batch mismatch: {b} latents, {prompt.shape[0]} captions")
+        mask = embeds.get("prompt_embeds_mask")  # TextEncoderSpec("prompt_embeds").mask_key
+        if mask is None:
+            mask = torch.ones(prompt.shape[:2], dtype=torch.long)
+        return {
+            "hidden_states": pack_2x2(latents),
+            "encoder_hidden_states": prompt,
+            "encoder_hidden_states_mask": mask.to(latents.device),
+            "timestep": self.prediction.model_timestep(sigmas.to(latents.device)).to(latents.dtype),
+            "img_shapes": [[(1, h // 2, w // 2)]] * b,
+            "return_dict": False,
+        }
+
+    def unpack_prediction(self, output: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        return unpack_2x2(output, latents.shape[-2], latents.shape[-1])
+
+    def train_shift_mu(self, latents: torch.Tensor) -> float:
+        """No shift: diffusers' training script draws from the unshifted sigma table (see the module doc)."""
+        return 0.0
+
+    def sample_shift_mu(self, latents: torch.Tensor, steps: int) -> float:
+        """QwenImagePipeline's ``calculate_shift`` over the image tokens, with the hub scheduler's constants."""
+        return linear_mu((latents.shape[-2] // 2) * (latents.shape[-1] // 2), BASE_SEQ, MAX_SEQ, BASE_SHIFT, MAX_SHIFT)
+
+    def sample_sigmas(self, latents: torch.Tensor, steps: int) -> list[float]:
+        """The shifted schedule stretched so its last sigma is ``SHIFT_TERMINAL`` (FlowMatchEulerDiscreteScheduler
+        ``stretch_shift_to_terminal``), then 0."""
+        shifted = sigma_schedule(steps, self.sample_shift_mu(latents, steps))[:-1]
+        scale = (1.0 - shifted[-1]) / (1.0 - SHIFT_TERMINAL)
+        if scale <= 0:  # one step: sigma 1 cannot be stretched (the scheduler would divide by zero)
+            return shifted + [0.0]
+        return [1.0 - (1.0 - s) / scale for s in shifted] + [0.0]
+
+    def guidance(self, variant: str) -> Guidance:
+        """True CFG 4 (the pipeline's ``true_cfg_scale`` default) against the negative prompt, rescaled per
+        packed token to the conditional prediction's norm; 20 preview steps (ComfyUI's template: 20)."""
+        return Guidance(mode="cfg", scale=4.0, steps=20, formula="standard", renormalize="patch_tokens")
