@@ -75,7 +75,8 @@ def resolve_file(name: str, kinds: tuple[str, ...]) -> Path:
 
 def comfy_tokenizer_dirs() -> dict[str, str]:
     """Inside ComfyUI, its bundled tokenizer folders (CLIP-L: ``comfy/sd1_tokenizer``, T5:
-    ``comfy/text_encoders/t5_tokenizer``), for single-file text encoders that carry none."""
+    ``comfy/text_encoders/t5_tokenizer``, and every ``comfy/text_encoders/*_tokenizer`` under its own name, which
+    a family's ``TextEncoderSpec.comfyui_tokenizer`` names), for single-file text encoders that carry none."""
     if comfy_folder_paths() is None:
         return {}
     try:
@@ -88,6 +89,9 @@ def comfy_tokenizer_dirs() -> dict[str, str]:
         return {}
     root = Path(paths[0]).resolve()
     dirs = {"clip_l": root / "sd1_tokenizer", "t5xxl": root / "text_encoders" / "t5_tokenizer"}
+    bundled = root / "text_encoders"
+    if bundled.is_dir():
+        dirs.update({p.name: p for p in bundled.iterdir() if p.is_dir() and p.name.endswith("_tokenizer")})
     return {k: str(v) for k, v in dirs.items() if v.is_dir()}
 
 

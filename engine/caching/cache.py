@@ -341,7 +341,8 @@ def _build_text(cache_dir, family, specs, pipeline, items, device, dtype, max_le
         encode = encode_stacked if spec.output == "stacked" else encode_captions
         extra = {}
         if singles is not None and spec.output == "stacked":
-            extra["source"] = decoder_lm_source(singles.text_encoders[spec.subfolder], family, spec)
+            extra["source"] = decoder_lm_source(singles.text_encoders[spec.subfolder], family, spec,
+                                                    singles.tokenizer_dirs)
         elif singles is not None:
             f = singles.text_encoders[spec.subfolder]
             extra["loader"] = lambda f=f: load_text_encoder_file(f, dtype, singles.tokenizer_dirs)

@@ -100,12 +100,14 @@ def sources_for(family, variant: str, files: list[Path], vae: Path | None,
     return SingleFileSources(by_spec, vae, dict(tokenizer_dirs or {}))
 
 
-def decoder_lm_source(path: Path, family=None, spec=None) -> tuple[list[Path], object, Path]:
+def decoder_lm_source(path: Path, family=None, spec=None,
+                      tokenizer_dirs: dict[str, Path] | None = None) -> tuple[list[Path], object, Path]:
     """(weight files, text config, tokenizer folder) of a single-file decoder-LLM text encoder. The config is
     the companion folder's ``config.json``, else the shipped config of the architecture the family's spec
     names (``spec.architecture``: the family folder's ``configs/text/`` first, then the shared one), checked
     against the file's width. ComfyUI's Mistral file embeds a tekken tokenizer, converted here; other
-    tokenizers go in the companion folder."""
+    tokenizers go in the companion folder, or come from ComfyUI's bundled folder the spec names
+    (``spec.comfyui_tokenizer``, found in ``tokenizer_dirs`` when running inside ComfyUI)."""
     from transformers import AutoConfig
 
     own = companion_dir(path)
@@ -132,6 +134,9 @@ def decoder_lm_source(path: Path, family=None, spec=None) -> tuple[list[Path], o
     tekken = _embedded_tekken(path)
     if tekken is not None:
         return [path], config, tekken
+    bundled = (tokenizer_dirs or {}).get(spec.comfyui_tokenizer) if spec is not None and spec.comfyui_tokenizer else None
+    if bundled is not None and Path(bundled).is_dir():
+        return [path], config, Path(bundled)
     raise ModelLoadError(
         f"no tokenizer for '{path.name}': the file embeds none (ComfyUI's Mistral file carries a 'tekken_model' "
         f"tensor; this one does not). Put the text encoder's tokenizer files (tokenizer.json, tokenizer_config.json "

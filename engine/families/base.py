@@ -115,6 +115,10 @@ class TextEncoderSpec:
     architecture: str = ""  # decoder_lm: shipped config of the real encoder (configs/text/<name>.json)
     final_norm: bool = False
     drop_tokens: int = 0
+    #: The tokenizer folder ComfyUI bundles for this encoder (``comfy/text_encoders/<name>``): inside ComfyUI a
+    #: single file without a companion tokenizer folder uses it. Only where its files tokenize exactly as the
+    #: pipeline does (Qwen-Image's plain template needs no chat template).
+    comfyui_tokenizer: str = ""
 
     @property
     def output(self) -> str:

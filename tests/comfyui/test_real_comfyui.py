@@ -396,18 +396,20 @@ def test_lora_maps_completely_in_comfyuis_own_loader(comfy, tmp_path, family_id)
 
 
 def test_single_file_text_encoders_find_comfyuis_bundled_tokenizers(comfy):
-    """Inside ComfyUI, clip_l / t5xxl single files use ComfyUI's own tokenizer folders (none is downloaded)."""
+    """Inside ComfyUI, clip_l / t5xxl single files and Qwen-Image's Qwen2.5-VL file use ComfyUI's own tokenizer
+    folders (none is downloaded)."""
     code = ("import sys, json; sys.argv += ['--cpu']; import comfy.options; comfy.options.enable_args_parsing(); "
             "import folder_paths; from lowvram_lora.nodes.paths import comfy_tokenizer_dirs; "
             "from transformers import AutoTokenizer; d = comfy_tokenizer_dirs(); "
             "print(json.dumps({k: [v, AutoTokenizer.from_pretrained(v, local_files_only=True)('a photo').input_ids] "
-            "for k, v in d.items()}))")
+            "for k, v in d.items() if k in ('clip_l', 't5xxl', 'qwen25_tokenizer')}))")
     done = subprocess.run([str(_python(comfy.dir)), "-c", code], cwd=comfy.dir, capture_output=True, text=True,
                           timeout=120, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert done.returncode == 0, done.stderr[-2000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
-    assert set(found) == {"clip_l", "t5xxl"}
+    assert set(found) == {"clip_l", "t5xxl", "qwen25_tokenizer"}
     assert found["clip_l"][1][0] == 49406 and found["t5xxl"][1][-1] == 1  # CLIP's BOS, T5's EOS
+    assert found["qwen25_tokenizer"][1] == [64, 6548]  # Qwen2.5's BPE: no BOS, no EOS
 
 
 #: Templates whose Cache Text Embeds reads one text-encoder single file: the family fixtures write every file

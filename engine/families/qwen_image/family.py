@@ -36,7 +36,8 @@ from .names import qwen_image_param_table
 
 #: Both streams' attention projections in every block: what DiffSynth's and musubi-tuner's Qwen-Image LoRAs
 #: train (musubi adds the MLPs, DiffSynth the modulation too; diffusers' script trains the image stream only).
-#: 8 Linears of 3072x3072 x 60 blocks = 47.2 M parameters at rank 16.
+#: 8 Linears of 3072x3072 in 60 blocks, less the 2 whose output nothing reads (``lora_target_modules``):
+#: 478 modules, 47.0 M parameters at rank 16.
 ATTENTION_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                      "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
 #: The MLPs of both streams (musubi-tuner's set adds these): +59.0 M parameters at rank 16.
@@ -81,8 +82,8 @@ class QwenImageFamily(ModelFamily):
                       "(diffusers names)",
         "pipeline": "text_encoder (Qwen2.5-VL-7B; its 28 language-model layers are read), tokenizer, vae "
                     "(AutoencoderKLQwenImage)",
-        "single_files": "qwen_2.5_vl_7b_fp8_scaled.safetensors (or qwen_2.5_vl_7b.safetensors; Qwen2.5's tokenizer "
-                        "files in a folder named like it) and qwen_image_vae.safetensors",
+        "single_files": "qwen_2.5_vl_7b_fp8_scaled.safetensors (or qwen_2.5_vl_7b.safetensors; inside ComfyUI its "
+                        "bundled Qwen2.5 tokenizer is used) and qwen_image_vae.safetensors",
     }
 
     # --- identity --------------------------------------------------------------------------------
@@ -102,6 +103,15 @@ class QwenImageFamily(ModelFamily):
                 f"qwen_image_bf16.safetensors (or the 2512 release) for a text-to-image LoRA")
         return variant
 
+    def lora_target_modules(self, model: nn.Module) -> list[str]:
+        """``lora_targets`` in every block, less the last block's text-query and text-output projections
+        (``attn.add_q_proj``, ``attn.to_add_out``) and text MLP: the model's output is the image stream alone,
+        so the last block's text-stream results feed nothing and a LoRA there could never learn (its gradient is
+        zero, and ComfyUI would still patch it)."""
+        last = f"transformer_blocks.{len(model.transformer_blocks) - 1}."
+        dead = tuple(last + t for t in ("attn.add_q_proj", "attn.to_add_out", "txt_mlp."))
+        return [m for m in super().lora_target_modules(model) if not m.startswith(dead)]
+
     # --- text ------------------------------------------------------------------------------------
 
     def text_encoder_specs(self, variant: str) -> tuple[TextEncoderSpec, ...]:
@@ -112,7 +122,7 @@ class QwenImageFamily(ModelFamily):
                                     length="variable", template=_TEMPLATE, final_norm=True, drop_tokens=TINY_DROP),)
         return (TextEncoderSpec("text_encoder", "tokenizer", "decoder_lm", 512, "prompt_embeds", hidden_layers=(28,),
                                 length="variable", template=_TEMPLATE, architecture="qwen2.5-vl-7b",
-                                final_norm=True, drop_tokens=DROP),)
+                                final_norm=True, drop_tokens=DROP, comfyui_tokenizer="qwen25_tokenizer"),)
 
     def text_widths(self, config: dict[str, Any]) -> dict[str, int]:
         return {"prompt_embeds": int(config["joint_attention_dim"])}

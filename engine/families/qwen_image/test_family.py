@@ -178,11 +178,32 @@ def test_training_forward_matches_the_pipelines_call(pipe, caption_embeds):
     assert FAMILY.prediction.sign == 1.0 and FAMILY.prediction.timestep == "sigma"
 
 
-def test_default_lora_targets_are_both_streams_attention(pipe):
+def test_default_lora_targets_are_both_streams_attention_that_feeds_the_output(pipe):
+    """Both streams' attention projections in every block, except the two of the last block whose output
+    nothing reads: a loss on the model's output gives every kept target a gradient and the two left out none."""
+    from peft import LoraConfig
+
     model = pipe.transformer
     ours = FAMILY.lora_target_modules(model)
+    last = len(model.transformer_blocks) - 1
+    dead = {f"transformer_blocks.{last}.attn.add_q_proj", f"transformer_blocks.{last}.attn.to_add_out"}
     attn = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".attn." in n}
-    assert len(ours) == len(set(ours)) == 8 * len(model.transformer_blocks) and set(ours) == attn
+    assert len(ours) == len(set(ours)) == 8 * len(model.transformer_blocks) - 2 and set(ours) == attn - dead
+    import copy
+
+    probe = copy.deepcopy(model).requires_grad_(False)
+    probe.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=sorted(attn)))
+    with torch.no_grad():  # B starts at zero, which would leave every A without a gradient
+        for name, p in probe.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    latents = torch.randn(1, 16, 8, 6, generator=torch.Generator().manual_seed(1))
+    embeds = {"prompt_embeds": torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(2))}
+    FAMILY.predict_velocity(probe, latents, embeds, torch.tensor([0.5]), 0.0).square().mean().backward()
+    modules = dict(probe.named_modules())
+    grads = {t: modules[f"{t}.lora_A.default"].weight.grad for t in attn}
+    assert all(grads[t] is not None and grads[t].abs().sum() > 0 for t in ours)
+    assert all(grads[t] is None or grads[t].abs().sum() == 0 for t in dead)
 
 
 # --- sampling ---------------------------------------------------------------------------------------------------
@@ -231,3 +252,24 @@ def test_engine_sampling_with_true_cfg_matches_pipeline(pipe, caption_embeds):
         plain = sample_latents(pipe.transformer, FAMILY, _batch(embeds, mask), width, height, steps, seed, 0.0,
                                torch.device("cpu"), torch.float32, rule=rule, negative=_batch(neg, neg_mask))
     assert (plain - ours).abs().max() > 1e-3
+
+
+@pytest.mark.skipif(not __import__("os").environ.get("LOWVRAM_COMFYUI_DIR"),
+                    reason="needs ComfyUI's bundled Qwen2.5 tokenizer (set LOWVRAM_COMFYUI_DIR)")
+def test_the_real_tokenizer_makes_34_template_tokens():
+    """With Qwen2.5's real tokenizer (the one ComfyUI bundles, comfy/text_encoders/qwen25_tokenizer), the system
+    turn + "<|im_start|>user\\n" is exactly the 34 tokens the spec drops, and the suffix is the 5 tokens that stay
+    (facts §2.4: [151645, 198, 151644, 77091, 198])."""
+    import os
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from lowvram_lora.engine.families.qwen_image.family import SUFFIX
+
+    folder = Path(os.environ["LOWVRAM_COMFYUI_DIR"]) / "comfy" / "text_encoders" / "qwen25_tokenizer"
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    prefix = tokenizer(SYSTEM_PREFIX).input_ids
+    assert len(prefix) == FAMILY.text_encoder_specs("qwen-image")[0].drop_tokens == 34
+    assert prefix[-5:] == [151645, 198, 151644, 872, 198]
+    assert tokenizer(SUFFIX).input_ids == [151645, 198, 151644, 77091, 198]
