@@ -179,15 +179,27 @@ def _probe_frames(folder: Path, fps: float) -> ClipInfo:
     return ClipInfo(folder, "frames", first[0], first[1], timestamps, len(files) / fps)
 
 
+def _import_av():
+    try:
+        import av
+    except ImportError as exc:
+        raise DatasetError("reading video files needs PyAV, which is not installed: run `pip install av` in the "
+                           "Python that runs ComfyUI (its wheels bring their own FFmpeg)") from exc
+    return av
+
+
 def _probe_container(path: Path) -> ClipInfo:
     """Timestamps from the demuxed packets (no decoding), plus one decoded frame for the size and rotation."""
-    import av
+    av = _import_av()
 
+    if path.stat().st_size == 0:
+        raise EmptyClipError(path, "the file is empty (0 bytes)", "copy it again or remove it from the folder")
     try:
         with av.open(str(path)) as container:
             if not container.streams.video:
-                raise UnreadableClipError(path, "the file has no video stream (audio only?)",
-                                          "remove it from the folder")
+                # A recording stopped before its first frame is written like this (MP4 and MOV drop the track).
+                raise EmptyClipError(path, "the file has no video frames (no video stream: stopped before the "
+                                           "first frame, or audio only)", "remove it from the folder")
             stream = container.streams.video[0]
             base = stream.time_base
             pts, durations = [], []
@@ -287,7 +299,7 @@ def _decode_container(path: Path, wanted: list[int]) -> Iterator[tuple[int, Imag
     """Decode from the start, keeping the wanted frames. A frame's index is its rank in presentation order,
     found from its pts (the same order the probe listed), so a decoder that drops a broken frame does not
     shift the later ones."""
-    import av
+    av = _import_av()
 
     want, last = set(wanted), wanted[-1]
     try:
