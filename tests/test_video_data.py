@@ -89,7 +89,7 @@ def _reference(frames, indices) -> np.ndarray:
     (".mp4", "libx264rgb", "rgb24", {"crf": "0", "qp": "0"}, 0),   # lossless H.264 in RGB: exact
     (".mov", "png", "rgb24", {}, 0),                                # PNG frames in QuickTime: exact
     (".webm", "libvpx-vp9", "yuv444p", {"lossless": "1"}, 3),      # lossless VP9, but RGB<->YUV rounds by <= 3
-    (".mp4", "libx264", "yuv420p", {"crf": "10"}, 48),              # ordinary lossy H.264 (4:2:0 chroma): see mean
+    (".mp4", "libx264", "yuv420p", {"crf": "10"}, 40),              # ordinary lossy H.264 (4:2:0 chroma): see mean
 ])
 def test_container_decodes_to_encoded_pixels(tmp_path, suffix, codec, pix_fmt, options, tolerance):
     frames = _frames(9)
@@ -106,7 +106,7 @@ def test_container_decodes_to_encoded_pixels(tmp_path, suffix, codec, pix_fmt, o
     err = np.abs(_pixels(t) - _reference(frames, picked))
     assert err.max() <= tolerance
     if tolerance > 3:  # lossy: 4:2:0 chroma smears colour edges of these random 8x8 blocks (the worst case for it),
-        assert err.mean() < 6.0  # but on average a frame is within 6 of 255 (a wrong frame is ~85 off)
+        assert err.mean() < 6.0  # but on average a frame is within 6 of 255 (a wrong frame is ~79 off)
 
 
 def test_gif_and_webp_decode_with_their_frame_delays(tmp_path):
