@@ -109,6 +109,19 @@ def test_container_decodes_to_encoded_pixels(tmp_path, suffix, codec, pix_fmt, o
         assert err.mean() < 6.0  # but on average a frame is within 6 of 255 (a wrong frame is ~79 off)
 
 
+@pytest.mark.parametrize("suffix,codec,pix_fmt,options", [
+    (".mp4", "libx264rgb", "rgb24", {"crf": "0", "qp": "0", "g": "3", "bf": "2"}),  # keyframe every 3, B-frames
+    (".webm", "libvpx-vp9", "yuv444p", {"lossless": "1", "g": "3"}),
+])
+def test_window_late_in_a_clip_starts_at_a_keyframe(tmp_path, suffix, codec, pix_fmt, options):
+    """Windows after the start seek to the keyframe before them; every frame must still be the right one."""
+    frames = _frames(30)
+    path = _write_av(tmp_path / f"gop{suffix}", frames, codec, pix_fmt, options=options)
+    for picked in ([17, 18, 19, 20, 21], [29], [4, 10, 25]):
+        err = np.abs(_pixels(load_clip_tensor(path, picked, (W, H))) - _reference(frames, picked))
+        assert err.max() <= 3, picked
+
+
 def test_gif_and_webp_decode_with_their_frame_delays(tmp_path):
     # GIF: a palette format, so frames use a few exact colours; WebP written lossless. Per-frame delays in ms.
     colours = [(255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 0)]
@@ -166,6 +179,8 @@ def test_bucket_resize_and_flip_match_the_image_path(tmp_path):
     assert torch.equal(t[:, 0], ref)
 
 
+@pytest.mark.skipif(not hasattr(av.video.stream.VideoStream, "set_display_rotation"),
+                    reason="this PyAV cannot write a display rotation")
 def test_display_rotation_is_applied(tmp_path):
     frames = _frames(2)
     path = _lossless_mp4(tmp_path / "phone.mp4", frames, rotation=90)

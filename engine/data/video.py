@@ -224,9 +224,15 @@ def _probe_container(path: Path) -> ClipInfo:
     step = float(last * base) if last > 0 else (statistics.median(b - a for a, b in zip(times, times[1:]))
                                                 if len(times) > 1 else 0.0)
     width, height = first.width, first.height
-    if int(first.rotation) % 180:
+    if _rotation(first) % 180:
         width, height = height, width
     return ClipInfo(path, "container", width, height, times, times[-1] + step)
+
+
+def _rotation(frame) -> int:
+    """The frame's display rotation in degrees counter-clockwise (phones record portrait clips as landscape
+    frames plus this), a multiple of 90."""
+    return int(round(getattr(frame, "rotation", 0) or 0)) % 360
 
 
 def _probe_animated(path: Path) -> ClipInfo:
@@ -296,9 +302,9 @@ def _decode(path: Path, wanted: list[int]) -> Iterator[tuple[int, Image.Image]]:
 
 
 def _decode_container(path: Path, wanted: list[int]) -> Iterator[tuple[int, Image.Image]]:
-    """Decode from the start, keeping the wanted frames. A frame's index is its rank in presentation order,
-    found from its pts (the same order the probe listed), so a decoder that drops a broken frame does not
-    shift the later ones."""
+    """Decode the wanted frames. A frame's index is its rank in presentation order, found from its pts (the
+    order the probe listed), so a decoder that drops a broken frame does not shift the later ones, and a window
+    deep in a long clip can start at the keyframe before it instead of decoding the clip from its start."""
     av = _import_av()
 
     want, last = set(wanted), wanted[-1]
@@ -307,16 +313,19 @@ def _decode_container(path: Path, wanted: list[int]) -> Iterator[tuple[int, Imag
             stream = container.streams.video[0]
             pts = sorted(p.pts for p in container.demux(stream) if p.pts is not None and p.size)
             rank = {p: i for i, p in enumerate(pts)}
-            container.seek(0, stream=stream)
-            counter = -1
+            first = pts[wanted[0]] if wanted[0] < len(pts) else 0
+            # backward: the keyframe at or before the first wanted frame; decoding from it rebuilds that frame.
+            container.seek(first, stream=stream, backward=True, any_frame=False)
             for frame in container.decode(stream):
-                counter += 1
-                index = rank.get(frame.pts, counter) if frame.pts is not None else counter
+                if frame.pts is None or frame.pts not in rank:
+                    raise UnreadableClipError(path, "a decoded frame has no timestamp the file lists",
+                                              "re-export (remux) the clip, e.g. to .mp4, or remove it")
+                index = rank[frame.pts]
                 if index in want:
                     img = frame.to_image()  # RGB24, the colour conversion FFmpeg's swscale does
-                    if int(frame.rotation):
+                    if _rotation(frame):
                         # Display matrix: rotate counter-clockwise by ``rotation`` (PyAV's and PIL's convention).
-                        img = img.rotate(int(frame.rotation), expand=True)
+                        img = img.rotate(_rotation(frame), expand=True)
                     yield index, img
                 if index >= last:
                     break
