@@ -322,6 +322,12 @@ def test_named_errors_for_one_clip(tmp_path):
     Image.new("RGB", (16, 32)).save(odd / "1.png")
     with pytest.raises(UnreadableClipError, match="frames differ in size: 0.png is 32x32, 1.png is 16x32"):
         probe_clip(odd)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    Image.new("RGB", (32, 32)).save(bad / "0.png")
+    (bad / "1.png").write_bytes(b"not a png")
+    with pytest.raises(UnreadableClipError, match=r"clip 'bad'.*frame 1.png: the image cannot be read"):
+        probe_clip(bad)
     path = _lossless_mp4(tmp_path / "c.mp4", _frames(3))
     with pytest.raises(UnreadableClipError, match=r"frames \[7\] could not be decoded"):
         load_clip_tensor(path, [0, 7], (W, H))

@@ -128,19 +128,24 @@ def load_clip_tensor(path: Path, frames: Sequence[int], bucket: tuple[int, int],
         raise ValueError(f"bucket {bucket} must be two positive sizes (width, height)")
     if not frames:
         raise ValueError("frames is empty: a window has at least one frame")
-    wanted = sorted(set(frames))
-    tensors: dict[int, torch.Tensor] = {}
-    for index, img in _decode(path, wanted):
+    positions: dict[int, list[int]] = {}  # source frame -> where it goes in the window (repeats: several)
+    for at, index in enumerate(frames):
+        positions.setdefault(int(index), []).append(at)
+    # Filled in place: an 81-frame 480x832 window is 390 MB in float32, so no second copy from a stack.
+    out = torch.empty(3, len(frames), height, width)  # (3, F, H, W)
+    done = set()
+    for index, img in _decode(path, sorted(positions)):
         img = _cover_and_crop(_to_rgb(img), width, height)
         if flip:
             img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        tensors[index] = _to_tensor(img)
-    missing = [i for i in wanted if i not in tensors]
+        out[:, positions[index]] = _to_tensor(img)[:, None]
+        done.add(index)
+    missing = [i for i in sorted(positions) if i not in done]
     if missing:
         raise UnreadableClipError(path, f"frames {missing[:5]} could not be decoded (the file ends early or is "
-                                        f"damaged after frame {max(tensors, default=-1)})",
+                                        f"damaged after frame {max(done, default=-1)})",
                                   "re-export the clip or remove it from the folder, then cache again")
-    return torch.stack([tensors[i] for i in frames], dim=1)
+    return out
 
 
 def clip_content_hash(path: Path) -> str:
@@ -168,7 +173,12 @@ def _probe_frames(folder: Path, fps: float) -> ClipInfo:
     if not files:
         raise EmptyClipError(folder, "the folder holds no frame images",
                              f"put its frames in it as {', '.join(IMAGE_EXTENSIONS)} files, or remove the folder")
-    sizes = {p.name: _image_size(p) for p in files}
+    sizes = {}
+    for p in files:
+        try:
+            sizes[p.name] = _image_size(p)
+        except ClipError as exc:  # name the folder (the clip) and the frame
+            raise UnreadableClipError(folder, f"frame {p.name}: {exc.reason}", exc.fix) from exc
     first = sizes[files[0].name]
     odd = [name for name, size in sizes.items() if size != first]
     if odd:
