@@ -3,7 +3,8 @@
 Layout under ``cache_dir``::
 
     text/<key>.safetensors      one caption's embeddings (every encoder's output)
-    latents/<key>.safetensors   one image's latent at its bucket size (+ flipped)
+    latents/<key>.safetensors   one image's latent at its bucket size (+ flipped); for a video dataset, one
+                                window's latent (C, F_lat, h, w): each window of a clip is its own entry
     datasets/<hash>.json        manifest: the items of one dataset + settings
 
 Each item's key hashes what it depends on (encoder files + caption + length;
@@ -25,7 +26,8 @@ from safetensors.torch import load_file, save_file
 
 from ..callbacks import TrainingCallback
 from ..config import DataConfig, ModelConfig
-from ..data import assign_bucket, expand_repeats, load_image_tensor, make_buckets, scan_dataset
+from ..data import (VideoConfig, assign_bucket, clip_content_hash, expand_repeats, load_clip_tensor, load_image_tensor,
+                    make_buckets, scan_dataset, scan_video_dataset)
 from ..errors import CacheError, ConfigError, ModelLoadError
 from ..fileio import atomic_write, write_json_atomic
 from ..families import ModelFamily, get_family
@@ -47,6 +49,9 @@ class CachedItem:
     bucket: tuple[int, int]  # (width, height) in pixels
     text_key: str
     latent_key: str
+    # A video dataset's window: the clip's source frame indices (presentation order); empty for an image
+    # dataset. Batches must group by (bucket, len(frames)), the frame count being the second bucket axis.
+    frames: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -71,7 +76,7 @@ class DatasetCache:
     vae_file: Optional[str] = None
 
     def load_item(self, item: CachedItem, flipped: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """(latent (C, h, w), {embedding name: tensor}) for one item."""
+        """(latent (C, h, w), or (C, F_lat, h, w) for a video window; {embedding name: tensor}) for one item."""
         lat = _load_entry(self.cache_dir / "latents" / f"{item.latent_key}.safetensors", item)
         text = _load_entry(self.cache_dir / "text" / f"{item.text_key}.safetensors", item)
         latent = lat["latent_flipped"] if flipped and "latent_flipped" in lat else lat["latent"]
@@ -241,9 +246,11 @@ def build_dataset_cache(
     device: str = "auto",
     callback: TrainingCallback | None = None,
     sample_prompts: Sequence[str] = (),
+    video: VideoConfig | None = None,
 ) -> DatasetCache:
     """Scan the dataset, compute what is missing from the cache, write the manifest. ``sample_prompts`` are
-    encoded with the captions (keyed the same way), for samples during training."""
+    encoded with the captions (keyed the same way), for samples during training. ``video``: the folder holds
+    clips (images count as one-frame clips) and each window of each clip is cached as one item."""
     cb = callback or TrainingCallback()
     cache_dir = Path(cache_dir)
     dev = resolve_device(device)
@@ -255,7 +262,7 @@ def build_dataset_cache(
     else:
         pipeline = resolve_pipeline_folder(model_cfg)
         family, variant = _family_and_variant(model_cfg, pipeline)
-    records = scan_dataset(data_cfg, log=cb.log)
+    records = scan_video_dataset(data_cfg, video, log=cb.log) if video else scan_dataset(data_cfg, log=cb.log)
     buckets = make_buckets(data_cfg.resolution, data_cfg.bucket_step, data_cfg.max_aspect)
     max_len = max_sequence_length or family.default_max_sequence_length(variant)
 
@@ -274,15 +281,7 @@ def build_dataset_cache(
     vae_ident = stable_hash([path_identity(singles.vae if singles is not None else pipeline / "vae"), str(dtype)]
                             + ([family.vae.class_name] if family.vae.class_name != "AutoencoderKL" else []))
 
-    items = []
-    for rec in records:
-        bucket = assign_bucket(rec.width, rec.height, buckets)
-        img_hash = sha256_file(rec.image_path)
-        items.append(CachedItem(
-            image=str(rec.image_path), caption=rec.caption, bucket=tuple(bucket),
-            text_key=stable_hash([text_ident, rec.caption]),
-            latent_key=stable_hash([vae_ident, img_hash, list(bucket), data_cfg.flip]),
-        ))
+    items = _dataset_items(records, buckets, text_ident, vae_ident, data_cfg.flip, video is not None)
 
     prompts = [CachedItem(image="", caption=p, bucket=(0, 0), text_key=stable_hash([text_ident, p]), latent_key="")
                for p in dict.fromkeys(p.strip() for p in sample_prompts if p.strip())]
@@ -308,20 +307,42 @@ def build_dataset_cache(
         "pipeline": str(pipeline.resolve()) if singles is None else None,
         "single_files": None if singles is None else {k: str(v) for k, v in singles.text_encoders.items()}
         | {"vae": str(singles.vae)},
-        "settings": asdict(data_cfg), "max_sequence_length": max_len, "repeats": data_cfg.repeats,
+        "settings": asdict(data_cfg), "video": asdict(video) if video else None, "max_sequence_length": max_len,
+        "repeats": data_cfg.repeats,
         "flip": data_cfg.flip, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "items": [asdict(i) for i in items],
         "sample_prompts": [[p.caption, p.text_key] for p in prompts],
         "negative_text_key": negative[0].text_key if negative else "",
     }
     write_json_atomic(manifest_path, manifest, "the dataset-cache manifest")
     cb.log(
-        f"dataset cache {dataset_hash}: {len(items)} images; text {stats['text_built']} built / "
+        f"dataset cache {dataset_hash}: {len(items)} {'clip windows' if video else 'images'}; "
+        f"text {stats['text_built']} built / "
         f"{stats['text_reused']} reused; latents {stats['latents_built']} built / {stats['latents_reused']} reused"
     )
     return DatasetCache(cache_dir, manifest_path, dataset_hash, family.id, variant, items,
                         data_cfg.repeats, data_cfg.flip, stats, [(p.caption, p.text_key) for p in prompts],
                         manifest["negative_text_key"], manifest["pipeline"],
                         str(singles.vae) if singles is not None else None)
+
+
+def _dataset_items(records, buckets, text_ident: str, vae_ident: str, flip: bool, video: bool) -> list[CachedItem]:
+    """One item per image (``ImageRecord``) or per clip window (``ClipRecord``), keyed by what it depends on."""
+    items = []
+    content: dict[Path, str] = {}  # a clip's windows share one content hash
+    for rec in records:
+        bucket = assign_bucket(rec.width, rec.height, buckets)
+        source = rec.path if video else rec.image_path
+        if source not in content:
+            content[source] = clip_content_hash(source) if video else sha256_file(source)
+        frames = list(rec.frames) if video else []
+        items.append(CachedItem(
+            image=str(source), caption=rec.caption, bucket=tuple(bucket),
+            text_key=stable_hash([text_ident, rec.caption]),
+            latent_key=stable_hash([vae_ident, content[source], list(bucket), flip]
+                                   + ([frames] if video else [])),  # image keys as before: their caches stay valid
+            frames=frames,
+        ))
+    return items
 
 
 def _build_text(cache_dir, family, specs, pipeline, items, device, dtype, max_len, cb, stats, singles=None) -> None:
@@ -365,7 +386,7 @@ def _build_latents(cache_dir, family, pipeline, items, flip, device, dtype, cb, 
     if not todo:
         return
     jobs = [(it, False) for it in todo.values()] + ([(it, True) for it in todo.values()] if flip else [])
-    images = (load_image_tensor(Path(it.image), it.bucket, flip=f) for it, f in jobs)
+    images = (_pixels(it, f) for it, f in jobs)
     latents = encode_images(pipeline, family, images, len(jobs), device, dtype,
                             vae_loader=(lambda: load_vae_file(singles.vae, family, dtype)) if singles else None,
                             progress=lambda d, t: cb.on_progress("encode images (vae)", d, t))
@@ -378,6 +399,13 @@ def _build_latents(cache_dir, family, pipeline, items, flip, device, dtype, cb, 
     stats["latents_built"] = n
 
 
+def _pixels(item: CachedItem, flip: bool) -> torch.Tensor:
+    """What the VAE encodes for one item: (3, H, W) for an image, (3, F, H, W) for a video window."""
+    if item.frames:
+        return load_clip_tensor(Path(item.image), item.frames, item.bucket, flip=flip)
+    return load_image_tensor(Path(item.image), item.bucket, flip=flip)
+
+
 def open_dataset_cache(manifest_path: str | Path) -> DatasetCache:
     """Re-open a built cache from its manifest (checks every entry is present)."""
     path = Path(manifest_path)
@@ -388,7 +416,8 @@ def open_dataset_cache(manifest_path: str | Path) -> DatasetCache:
     if m.get("version") != MANIFEST_VERSION:
         raise CacheError(f"cache manifest '{path}' has version {m.get('version')}, expected {MANIFEST_VERSION}; rebuild it")
     cache_dir = path.parent.parent
-    items = [CachedItem(**{**i, "bucket": tuple(i["bucket"])}) for i in m["items"]]
+    items = [CachedItem(**{**i, "bucket": tuple(i["bucket"]), "frames": list(i.get("frames", []))})
+             for i in m["items"]]
     for it in items:
         for sub, key in (("text", it.text_key), ("latents", it.latent_key)):
             if not (cache_dir / sub / f"{key}.safetensors").exists():

@@ -35,9 +35,9 @@ def encode_images(
     progress: Callable[[int, int], None] | None = None,
     vae_loader: Callable[[], torch.nn.Module] | None = None,
 ) -> list[torch.Tensor]:
-    """(3, H, W) images in [-1, 1] -> latents as the family's transformer takes them
-    (``family.vae.encode``: Flux.1 shifted and scaled, Flux.2 patchified and normalised, Qwen-Image's one-frame
-    video VAE normalised per channel).
+    """(3, H, W) images, or (3, F, H, W) clips for a video VAE, in [-1, 1] -> latents as the family's transformer
+    takes them (``family.vae.encode``: Flux.1 shifted and scaled, Flux.2 patchified and normalised, the Wan 2.1
+    VAE (Qwen-Image, Wan) normalised per channel on one frame or on (1, C, F_lat, h, w)).
     We keep the distribution's mean (a deterministic cache)."""
     vae = (vae_loader() if vae_loader is not None else load_vae(pipeline, dtype, family.vae.class_name)).to(device)
     # Tiling bounds VRAM for big images (decoder/encoder activations dominate the VAE).

@@ -91,3 +91,51 @@ def assign_bucket(width: int, height: int, buckets: Sequence[Bucket]) -> Bucket:
         return (round(distance, 9), -bucket[0] * bucket[1])
 
     return min(buckets, key=key)
+
+
+# --- frame-count buckets (video) -------------------------------------------------------------------
+# A video bucket is (width, height, frames): the resolution part is exactly the image bucket above (same
+# pixel budget per frame, same aspect choice); the frame part is one of the configured counts. Clips of one
+# bucket batch together, as images of one aspect bucket do.
+
+VideoBucket = tuple[int, int, int]
+
+
+def check_frame_counts(counts: Sequence[int]) -> tuple[int, ...]:
+    """The frame counts sorted and deduplicated, each of the form 4k+1 (1, 5, 9, ..., 33, ..., 81).
+
+    Wan's VAE is causal in time: it keeps the first frame alone and packs every following 4 frames into one
+    latent frame, so only 4k+1 pixel frames map onto whole latent frames (F_lat = (F - 1) / 4 + 1); the
+    pipelines round ``num_frames`` the same way."""
+    values = list(counts)
+    if not values:
+        raise ConfigError("frame_counts is empty: give at least one count of the form 4k+1, e.g. 33")
+    for n in values:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1 or (n - 1) % 4:
+            near = _nearest_4k1(n) if isinstance(n, (int, float)) and not isinstance(n, bool) else "33"
+            raise ConfigError(
+                f"frame count {n!r} is not of the form 4k+1 (1, 5, 9, ..., 33, ..., 81): the video VAE packs the "
+                f"first frame alone and then 4 frames per latent frame; use {near}")
+    return tuple(sorted(set(values)))
+
+
+def _nearest_4k1(n: float) -> str:
+    """The 4k+1 values around ``n``, as text for an error message."""
+    below = max(1, int((n - 1) // 4) * 4 + 1)
+    return f"{below} or {below + 4}" if below != n else str(below)
+
+
+def assign_frame_count(available: int, counts: Sequence[int]) -> int | None:
+    """The largest frame count that ``available`` frames can fill; None when even the smallest is too long.
+
+    The largest, so that a long clip trains on as much motion as the settings allow; a shorter clip still
+    trains at the longest count it fills, instead of being dropped or padded with repeated frames."""
+    fitting = [n for n in counts if n <= available]
+    return max(fitting) if fitting else None
+
+
+def assign_video_bucket(width: int, height: int, frames: int, buckets: Sequence[Bucket]) -> VideoBucket:
+    """The (width, height) image bucket of a frame (:func:`assign_bucket`) with the clip's frame count."""
+    if frames < 1:
+        raise ValueError(f"frames={frames} must be >= 1")
+    return (*assign_bucket(width, height, buckets), frames)

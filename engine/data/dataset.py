@@ -196,17 +196,17 @@ def _caption_for(image: Path, captions: dict[str, Path], default: Optional[str])
     return default
 
 
-def _missing_captions_message(missing: list[str], extension: str) -> str:
-    """Name up to MAX_LISTED images without captions and say the two ways to fix it."""
+def _missing_captions_message(missing: list[str], extension: str, noun: str = "image") -> str:
+    """Name up to MAX_LISTED images (or clips) without captions and say the two ways to fix it."""
     listed = ", ".join(missing[:MAX_LISTED])
     more = len(missing) - MAX_LISTED
     if more > 0:
         listed += f" ... and {more} more"
     suffix = _normalise_extension(extension)
     return (
-        f"{len(missing)} image(s) have no caption (or an empty one): {listed}. "
-        f"Add a same-name {suffix} file next to each image, or set default_caption "
-        "to use one caption for all uncaptioned images"
+        f"{len(missing)} {noun}(s) have no caption (or an empty one): {listed}. "
+        f"Add a same-name {suffix} file next to each {noun}, or set default_caption "
+        f"to use one caption for all uncaptioned {noun}s"
     )
 
 
