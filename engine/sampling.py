@@ -82,17 +82,18 @@ def help_text(name: str) -> str:
 def sample_latents(model, family, embeds: dict[str, torch.Tensor], width: int, height: int, steps: int, seed: int,
                    guidance: float, device: torch.device, dtype: torch.dtype, autocast=None,
                    rule: Guidance | None = None, negative: dict[str, torch.Tensor] | None = None,
-                   noise: torch.Tensor | None = None) -> torch.Tensor:
-    """One image's latents (1, C, ...), fp32, from noise drawn with ``seed`` (or ``noise``). ``rule``: how the
-    model is guided (default: an embedding fed ``guidance``, which models without one ignore); with a ``cfg``
-    rule, ``negative`` holds the empty prompt's embeddings and ``guidance`` is the scale."""
+                   noise: torch.Tensor | None = None, frames: int = 1) -> torch.Tensor:
+    """One image's (or, for a video family, a ``frames``-frame clip's) latents (1, C, ...), fp32, from noise drawn
+    with ``seed`` (or ``noise``). ``rule``: how the model is guided (default: an embedding fed ``guidance``, which
+    models without one ignore); with a ``cfg`` rule, ``negative`` holds the empty prompt's embeddings and
+    ``guidance`` is the scale."""
     import contextlib
 
     rule = rule or Guidance("embedded")
     if rule.mode == "cfg" and negative is None:
         raise ConfigError(f"{family.display_name} samples with classifier-free guidance, which needs the empty "
                           f"prompt's embeddings; rebuild the dataset cache with sample prompts")
-    shape = (1, *family.latent_shape(model, width, height))
+    shape = (1, *family.latent_shape(model, width, height, frames))
     if noise is None:
         noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
     x = noise.to(device, torch.float32)
@@ -112,8 +113,10 @@ def sample_latents(model, family, embeds: dict[str, torch.Tensor], width: int, h
 
 
 @torch.no_grad()
-def decode_latents(vae, family, latents: list[torch.Tensor], device: torch.device):
-    """Latents -> PIL images: the VAE on ``device`` for the decode only, tiled."""
+def decode_latents(vae, family, latents: list[torch.Tensor], device: torch.device, variant: str | None = None):
+    """Latents -> PIL images: the VAE of ``variant`` (``family.vae_for``) on ``device`` for the decode only, tiled.
+    A clip (B, 3, F, H, W) shows its first frame (animated previews come with the video data wiring)."""
+    spec = family.vae_for(variant)
     from PIL import Image
 
     from .models.dtypes import release_device_memory
@@ -130,7 +133,9 @@ def decode_latents(vae, family, latents: list[torch.Tensor], device: torch.devic
     try:
         for lat in latents:
             dtype = next(vae.parameters()).dtype
-            img = family.vae.decode(vae, lat.to(device, dtype))
+            img = spec.decode(vae, lat.to(device, dtype))
+            if img.dim() == 5:
+                img = img[:, :, 0]
             arr = ((img[0].float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
             images.append(Image.fromarray(arr))
     finally:
@@ -189,7 +194,7 @@ class Sampler:
             latents = [sample_latents(self.model, self.family, emb, self.cfg.resolution, self.cfg.resolution,
                                       self.cfg.steps, self.cfg.seed, self.cfg.guidance, self.device, self.dtype,
                                       autocast, self.rule, self.negative) for emb in self.embeds]
-            images = decode_latents(self.vae(), self.family, latents, self.device)
+            images = decode_latents(self.vae(), self.family, latents, self.device, self.dataset.variant)
         finally:
             self.model.train(was_training)
         if cuda:

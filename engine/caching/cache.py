@@ -142,11 +142,11 @@ class DatasetCache:
     def load_vae(self, family: ModelFamily, dtype: torch.dtype):
         """The VAE the latents were made with (sampling decodes with it), on the CPU."""
         if self.vae_file:
-            return load_vae_file(Path(self.vae_file), family, dtype)
+            return load_vae_file(Path(self.vae_file), family, dtype, self.variant)
         if self.pipeline:
             from .vae_encoding import load_vae
 
-            return load_vae(Path(self.pipeline), dtype, family.vae.class_name)
+            return load_vae(Path(self.pipeline), dtype, family.vae_for(self.variant).class_name)
         raise CacheError(f"the dataset cache '{self.manifest_path}' does not say where its VAE is (built by an older "
                          f"version); rebuild it to sample during training")
 
@@ -278,8 +278,9 @@ def build_dataset_cache(
     text_ident = stable_hash([encoder_ident(s) + ([list(s.hidden_layers), repr(s.template), s.length]
                                                   if s.kind == "decoder_lm" else []) for s in specs]
                              + [max_len, str(dtype)])
+    vae_spec = family.vae_for(variant)
     vae_ident = stable_hash([path_identity(singles.vae if singles is not None else pipeline / "vae"), str(dtype)]
-                            + ([family.vae.class_name] if family.vae.class_name != "AutoencoderKL" else []))
+                            + ([vae_spec.class_name] if vae_spec.class_name != "AutoencoderKL" else []))
 
     items = _dataset_items(records, buckets, text_ident, vae_ident, data_cfg.flip, video is not None)
 
@@ -297,7 +298,7 @@ def build_dataset_cache(
     _build_text(cache_dir, family, specs, pipeline, items + prompts, dev, dtype, max_len, cb, stats, singles)
     if negative:
         _build_text(cache_dir, family, negative_specs, pipeline, negative, dev, dtype, max_len, cb, {}, singles)
-    _build_latents(cache_dir, family, pipeline, items, data_cfg.flip, dev, dtype, cb, stats, singles)
+    _build_latents(cache_dir, family, pipeline, items, data_cfg.flip, dev, dtype, cb, stats, singles, variant)
 
     dataset_hash = stable_hash([[i.text_key, i.latent_key] for i in items] + [data_cfg.repeats, data_cfg.flip])
     manifest_path = cache_dir / "datasets" / f"{dataset_hash}.json"
@@ -376,7 +377,8 @@ def _build_text(cache_dir, family, specs, pipeline, items, device, dtype, max_le
     stats["text_built"] = len(keys)
 
 
-def _build_latents(cache_dir, family, pipeline, items, flip, device, dtype, cb, stats, singles=None) -> None:
+def _build_latents(cache_dir, family, pipeline, items, flip, device, dtype, cb, stats, singles=None,
+                   variant=None) -> None:
     lat_dir = cache_dir / "latents"
     todo = {}
     for it in items:
@@ -388,8 +390,8 @@ def _build_latents(cache_dir, family, pipeline, items, flip, device, dtype, cb, 
     jobs = [(it, False) for it in todo.values()] + ([(it, True) for it in todo.values()] if flip else [])
     images = (_pixels(it, f) for it, f in jobs)
     latents = encode_images(pipeline, family, images, len(jobs), device, dtype,
-                            vae_loader=(lambda: load_vae_file(singles.vae, family, dtype)) if singles else None,
-                            progress=lambda d, t: cb.on_progress("encode images (vae)", d, t))
+                            vae_loader=(lambda: load_vae_file(singles.vae, family, dtype, variant)) if singles else None,
+                            progress=lambda d, t: cb.on_progress("encode images (vae)", d, t), variant=variant)
     n = len(todo)
     for i, (key, it) in enumerate(todo.items()):
         tensors = {"latent": latents[i]}

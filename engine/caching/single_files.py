@@ -29,10 +29,10 @@ from .. import families
 from ..checkpoint import TensorStore, open_files
 from ..errors import ModelLoadError
 
-CLIP_L, T5XXL, DECODER_LM = "clip_l", "t5xxl", "decoder_lm"  # decoder_lm: Flux.2's Mistral3 / Qwen3
+CLIP_L, T5XXL, UMT5, DECODER_LM = "clip_l", "t5xxl", "umt5xxl", "decoder_lm"  # decoder_lm: Mistral3 / Qwen3 / ...
 _PREFIXES = ("text_encoders.clip_l.transformer.", "text_encoders.t5xxl.transformer.", "clip_l.transformer.",
              "t5xxl.transformer.", "cond_stage_model.transformer.")
-_DROP = ("scaled_fp8", "logit_scale", "text_projection.weight", "transformer.text_projection.weight")
+_DROP = ("scaled_fp8", "spiece_model", "logit_scale", "text_projection.weight", "transformer.text_projection.weight")
 _TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "spiece.model", "tokenizer_config.json")
 
 
@@ -55,12 +55,15 @@ def _keys(path: Path) -> list[str]:
 
 
 def text_encoder_kind(path: Path) -> str:
-    """``clip_l`` or ``t5xxl`` from the tensor names; other encoders get an error naming the fix."""
+    """``clip_l``, ``t5xxl``, ``umt5xxl`` or ``decoder_lm`` from the tensor names; other encoders get an error naming
+    the fix. umT5 and T5 share every name; umT5 has a relative-attention bias in every layer, T5 in the first only
+    (ComfyUI itself cannot tell them apart: its CLIPLoader type, "wan", says which; the vocabularies, 256384 and
+    32128 rows of ``shared``, differ too but not in tiny models)."""
     keys = _keys(path)
     if any("embeddings.token_embedding" in k for k in keys):
         return CLIP_L
     if any("encoder.block.0.layer.0.SelfAttention" in k for k in keys):
-        return T5XXL
+        return UMT5 if any("encoder.block.1.layer.0.SelfAttention.relative_attention_bias" in k for k in keys) else T5XXL
     if any(".self_attn.q_proj." in k for k in keys):
         return DECODER_LM
     raise ModelLoadError(f"'{path}' is neither a CLIP-L, a T5-XXL nor a decoder-LLM text encoder (first tensors: "
@@ -69,8 +72,9 @@ def text_encoder_kind(path: Path) -> str:
 
 
 #: What fills each kind of text encoder a family names (``TextEncoderSpec.kind``): the kind of file.
-FILE_KIND_FOR_SPEC = {"clip_pooled": CLIP_L, "t5": T5XXL, "decoder_lm": DECODER_LM}
-_FILE_KIND_NAMES = {CLIP_L: "CLIP-L", T5XXL: "T5-XXL", DECODER_LM: "decoder LLM (Mistral3 / Qwen3 / Gemma-2)"}
+FILE_KIND_FOR_SPEC = {"clip_pooled": CLIP_L, "t5": T5XXL, "umt5": UMT5, "decoder_lm": DECODER_LM}
+_FILE_KIND_NAMES = {CLIP_L: "CLIP-L", T5XXL: "T5-XXL", UMT5: "umT5-XXL",
+                    DECODER_LM: "decoder LLM (Mistral3 / Qwen3 / Gemma-2)"}
 
 
 def sources_for(family, variant: str, files: list[Path], vae: Path | None,
@@ -198,8 +202,8 @@ def _state_dict(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 
 def load_text_encoder_file(path: Path, dtype: torch.dtype, tokenizer_dirs: dict[str, Path]):
-    """(tokenizer, model) for a CLIP-L or T5-XXL single file."""
-    from transformers import AutoConfig, AutoTokenizer, CLIPTextModel, T5EncoderModel
+    """(tokenizer, model) for a CLIP-L, T5-XXL or umT5-XXL single file."""
+    from transformers import AutoConfig, AutoTokenizer, CLIPTextModel, T5EncoderModel, UMT5EncoderModel
 
     kind = text_encoder_kind(path)
     own = companion_dir(path)
@@ -209,7 +213,7 @@ def load_text_encoder_file(path: Path, dtype: torch.dtype, tokenizer_dirs: dict[
         with resources.as_file(resources.files(families).joinpath("configs", "text", f"{kind}.json")) as cfg:
             config = AutoConfig.from_pretrained(cfg, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(_tokenizer_dir(path, kind, tokenizer_dirs), local_files_only=True)
-    cls = CLIPTextModel if kind == CLIP_L else T5EncoderModel
+    cls = {CLIP_L: CLIPTextModel, T5XXL: T5EncoderModel, UMT5: UMT5EncoderModel}[kind]
     try:
         # No file is opened here: the weights are the safetensors state dict read above.
         model = cls.from_pretrained(None, config=config, state_dict=_state_dict(path, dtype), dtype=dtype)
@@ -218,8 +222,9 @@ def load_text_encoder_file(path: Path, dtype: torch.dtype, tokenizer_dirs: dict[
     return tokenizer, model.requires_grad_(False).eval()
 
 
-def load_vae_file(path: Path, family, dtype: torch.dtype):
-    """The family's VAE from a BFL/LDM single file (ComfyUI's models/vae/ae.safetensors; Flux.2's VAE file): the
-    family's ``VaeSpec.load_file``, given this file's companion folder and the one checkpoint reader."""
-    vae = family.vae.load_file(path, dtype, read=lambda p: _store(p).state_dict(), companion=companion_dir(path))
+def load_vae_file(path: Path, family, dtype: torch.dtype, variant: str | None = None):
+    """The VAE of the family's ``variant`` from a single file (ComfyUI's models/vae/ae.safetensors; Flux.2's VAE
+    file; Wan's): ``family.vae_for(variant).load_file``, given this file's companion folder and the one checkpoint
+    reader."""
+    vae = family.vae_for(variant).load_file(path, dtype, read=lambda p: _store(p).state_dict(), companion=companion_dir(path))
     return vae.requires_grad_(False).eval()

@@ -44,7 +44,10 @@ def load_text_encoder(pipeline: Path, spec: TextEncoderSpec, dtype: torch.dtype)
     return tokenizer, model
 
 
-def _run_encoder(model, spec: TextEncoderSpec, input_ids: torch.Tensor) -> torch.Tensor:
+def _run_encoder(model, spec: TextEncoderSpec, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    if spec.length == "zero_padded":  # the encoder sees the mask; the padding rows become zeros (Wan's umT5)
+        out = model(input_ids=input_ids, attention_mask=mask, output_hidden_states=False).last_hidden_state
+        return out.masked_fill(mask[..., None] == 0, 0.0)
     out = model(input_ids=input_ids, output_hidden_states=False)
     if spec.output == "pooled":
         return out.pooler_output  # (N, D)
@@ -70,14 +73,13 @@ def encode_captions(
     try:
         for start in range(0, len(captions), group_size):
             group = captions[start:start + group_size]
-            ids = tokenizer(
-                group, padding="max_length", max_length=max_length, truncation=True, return_tensors="pt"
-            ).input_ids
+            tokens = tokenizer(group, padding="max_length", max_length=max_length, truncation=True, return_tensors="pt")
+            ids, mask = tokens.input_ids, tokens.attention_mask
             if device.type == "cuda":
                 with layer_major(model, device):
-                    out = _run_encoder(model, spec, ids)
+                    out = _run_encoder(model, spec, ids, mask)
             else:
-                out = _run_encoder(model.to(device), spec, ids.to(device))
+                out = _run_encoder(model.to(device), spec, ids.to(device), mask.to(device))
             results += [row.detach().to("cpu").clone() for row in out]
             if progress:
                 progress(len(results), len(captions))

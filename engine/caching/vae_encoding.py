@@ -34,18 +34,20 @@ def encode_images(
     dtype: torch.dtype,
     progress: Callable[[int, int], None] | None = None,
     vae_loader: Callable[[], torch.nn.Module] | None = None,
+    variant: str | None = None,
 ) -> list[torch.Tensor]:
     """(3, H, W) images, or (3, F, H, W) clips for a video VAE, in [-1, 1] -> latents as the family's transformer
-    takes them (``family.vae.encode``: Flux.1 shifted and scaled, Flux.2 patchified and normalised, the Wan 2.1
-    VAE (Qwen-Image, Wan) normalised per channel on one frame or on (1, C, F_lat, h, w)).
-    We keep the distribution's mean (a deterministic cache)."""
-    vae = (vae_loader() if vae_loader is not None else load_vae(pipeline, dtype, family.vae.class_name)).to(device)
+    takes them (``family.vae_for(variant).encode``: Flux.1 shifted and scaled, Flux.2 patchified and normalised, the
+    Wan VAEs (Qwen-Image, Wan) normalised per channel on one frame or on (1, C, F_lat, h, w)).
+    We keep the distribution's mean (a deterministic cache). ``variant``: whose VAE (``family.vae_for``)."""
+    spec = family.vae_for(variant)
+    vae = (vae_loader() if vae_loader is not None else load_vae(pipeline, dtype, spec.class_name)).to(device)
     # Tiling bounds VRAM for big images (decoder/encoder activations dominate the VAE).
     vae.enable_tiling()
     latents = []
     try:
         for i, image in enumerate(images):
-            latents.append(family.vae.encode(vae, image[None].to(device, dtype))[0].float().cpu())
+            latents.append(spec.encode(vae, image[None].to(device, dtype))[0].float().cpu())
             if progress:
                 progress(i + 1, count)
     finally:

@@ -13,7 +13,8 @@ How the pieces flow:
 - identity: ``diffusers_class_name`` (a diffusers folder), ``looks_like_single_file`` + ``param_table``
   (a single file with native names), ``variants`` + ``structural_keys`` (which shipped config it is);
 - text: ``text_encoder_specs`` (kinds, templates, hidden layers, length policy) -> the dataset cache;
-- latents: ``vae`` (``VaeSpec``): pixels <-> what the transformer takes, N-D (images now, video next);
+- latents: ``vae`` / ``vae_for(variant)`` (``VaeSpec``): pixels <-> what the transformer takes, N-D (images;
+  video clips as (C, F', h, w), an image one frame);
 - training: ``model_inputs`` + ``unpack_prediction`` under the family's ``prediction`` convention
   (the timestep it is given, the sign of its output) and its timestep shift;
 - memory: ``block_lists`` (execution order), ``block_parts``, ``chunked_recompute``,
@@ -94,7 +95,9 @@ class TextEncoderSpec:
     Mistral3, Qwen3, Gemma-2; ``hidden_layers`` say which hidden states are kept, concatenated per token).
     ``length``: ``padded`` = every caption padded to ``max_length`` and the padding kept (the model was
     trained attending to it: T5, Flux.2's LLMs); ``variable`` = each caption kept at its own length, a
-    batch padded with a mask (Z-Image, Lumina 2, Qwen-Image).
+    batch padded with a mask (Z-Image, Lumina 2, Qwen-Image); ``zero_padded`` = padded to ``max_length``, the
+    encoder run with the attention mask and the padding rows set to zero (the model attends to them as zeros:
+    Wan's umT5, which WanPipeline trims to each caption's length and re-pads with zeros).
     ``final_norm``: the last kept hidden state goes through the decoder's final norm (``hidden_states[-1]``
     as transformers returns it: Qwen-Image); otherwise every kept state is a raw layer output.
     ``drop_tokens``: template tokens cut from the front of each caption's states (Qwen-Image's 34 system-turn
@@ -107,7 +110,7 @@ class TextEncoderSpec:
     max_length: int
     cache_key: str  # name of the tensor in the cache ("pooled_prompt_embeds")
     hidden_layers: tuple[int, ...] = ()  # decoder_lm: k = the output of k decoder layers (0 = embeddings)
-    length: str = "padded"  # "padded" | "variable"
+    length: str = "padded"  # "padded" | "variable" | "zero_padded"
     template: PromptTemplate = PromptTemplate()
     #: How the empty negative prompt of classifier-free guidance is tokenized (None: like captions). Lumina 2's
     #: pipeline puts its system prompt before captions only.
@@ -370,8 +373,21 @@ class ModelFamily(ABC):
     # --- latents ---------------------------------------------------------------------------------
 
     @abstractmethod
-    def latent_shape(self, model: nn.Module, width: int, height: int) -> tuple[int, ...]:
-        """The cached latent's shape (without batch) for a width x height image."""
+    def latent_shape(self, model: nn.Module, width: int, height: int, frames: int = 1) -> tuple[int, ...]:
+        """The cached latent's shape (without batch) for a width x height image, or a clip of ``frames`` frames
+        (video families; image families refuse ``frames`` > 1 with ``image_only``)."""
+
+    def image_only(self, frames: int) -> None:
+        """The check of an image family's ``latent_shape``: one frame only."""
+        if frames != 1:
+            from ..errors import ConfigError
+
+            raise ConfigError(f"{self.display_name} is an image model; it takes one frame, not {frames}")
+
+    def vae_for(self, variant: str | None) -> VaeSpec:
+        """The VAE of ``variant`` (None or ``custom``: the family's default ``vae``). Families whose variants use
+        different VAEs (Wan 2.2 TI2V-5B) override it."""
+        return self.vae
 
     def hidden_size(self, config: dict[str, Any]) -> int:
         """The transformer's width (the planner sizes activations with it)."""

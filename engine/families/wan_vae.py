@@ -28,6 +28,9 @@ class WanVaeSpec(VaeSpec):
     #: family's folder: ``type(self).__module__`` of the family that builds the spec).
     config_package: str = __package__
     single_file_config: str = "wan2.1"
+    #: Latents keep their frame axis, an image being one frame (B, C, 1, h, w): video families (Wan). Image
+    #: families (Qwen-Image) drop it for images and cache (C, h, w).
+    video: bool = False
 
     @staticmethod
     def _stats(vae, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,11 +50,11 @@ class WanVaeSpec(VaeSpec):
 
     def encode(self, vae, pixels: torch.Tensor) -> torch.Tensor:
         """(B, 3, H, W) images (one frame each) or (B, 3, F, H, W) clips -> normalised latents, (B, C, h, w) or
-        (B, C, F', h, w)."""
+        (B, C, F', h, w); images as (B, C, 1, h, w) for a ``video`` spec."""
         image = pixels.dim() == 4
         mean = vae.encode(pixels.unsqueeze(2) if image else pixels).latent_dist.mean
         out = self.to_model(vae, mean)
-        return out.squeeze(2) if image else out
+        return out.squeeze(2) if image and not self.video else out
 
     def decode(self, vae, latents: torch.Tensor) -> torch.Tensor:
         """Latents -> (B, 3, H, W) for an image (the one frame), (B, 3, F, H, W) for a clip."""
@@ -66,18 +69,22 @@ class WanVaeSpec(VaeSpec):
         ref = resources.files(self.config_package).joinpath("configs", "vae", self.single_file_config, "config.json")
         return json.loads(ref.read_text())
 
-    def load_file(self, path, dtype: torch.dtype, read, companion):
-        """The VAE from one file with the original Wan names (ComfyUI's) or diffusers' names, decoded by the
-        checkpoint reader (``read``) and renamed by diffusers' ``convert_wan_vae_to_diffusers``."""
-        import diffusers
-        from accelerate import init_empty_weights
+    def convert_original(self, state: dict) -> dict:
+        """Original Wan names -> diffusers': diffusers' own ``convert_wan_vae_to_diffusers`` (the Wan 2.1 layout)."""
         from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
 
+        return convert_wan_vae_to_diffusers(state)
+
+    def load_file(self, path, dtype: torch.dtype, read, companion):
+        """The VAE from one file with the original Wan names (ComfyUI's) or diffusers' names, decoded by the
+        checkpoint reader (``read``) and renamed by ``convert_original``."""
+        import diffusers
+        from accelerate import init_empty_weights
         from ..errors import ModelLoadError
 
         state = read(path)
         if "encoder.conv1.weight" in state:  # the original names
-            state = convert_wan_vae_to_diffusers(state)
+            state = self.convert_original(state)
         elif "encoder.conv_in.weight" not in state:
             raise ModelLoadError(f"'{path}' is not a Wan-2.1-type VAE file (no encoder.conv1 or encoder.conv_in); "
                                  f"{self.class_name} needs the VAE that comes with the model (e.g. qwen_image_vae."

@@ -68,7 +68,10 @@ def footprint_before_loading(checkpoint, dtype: torch.dtype, lora: LoraSettings,
         return _slab_footprint(ident.path, family_id, dtype, lora)
     family, variant = ident.family, ident.variant
     model = meta_model(family, ident.config)
-    nn.Module.to(model, dtype=dtype)  # meta: free
+    # The parameters in ``dtype`` as the loader assigns them (meta: free); buffers stay as the model builds them,
+    # as in the loaded model (Wan's fp32 RoPE tables are not in the file and are not cast).
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
     model.requires_grad_(False)  # as loaded: only LoRA will train
     fp = measure_footprint(model, family, f"{family.display_name} ({variant})",
                            trainable_params=lora_param_count(model, family, lora))

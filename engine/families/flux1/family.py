@@ -85,8 +85,9 @@ class Flux1Family(ModelFamily):
 
     # --- latents -----------------------------------------------------------------------------
 
-    def latent_shape(self, model, width: int, height: int) -> tuple[int, int, int]:
+    def latent_shape(self, model, width: int, height: int, frames: int = 1) -> tuple[int, int, int]:
         """(C, h, w) of the latents of a width x height image (C: the packed channels / 4)."""
+        self.image_only(frames)
         return (model.config.in_channels // 4, height // 8, width // 8)
 
     pack_latents = staticmethod(pack_2x2)  # (B, C, H, W) -> (B, H/2 * W/2, 4C)

@@ -205,8 +205,9 @@ class Flux2Family(ModelFamily):
 
     # --- latents -----------------------------------------------------------------------------
 
-    def latent_shape(self, model, width: int, height: int) -> tuple[int, int, int]:
+    def latent_shape(self, model, width: int, height: int, frames: int = 1) -> tuple[int, int, int]:
         """(C, h, w) of the (patchified) latents of a width x height image."""
+        self.image_only(frames)
         return (model.config.in_channels, height // 16, width // 16)
 
     @staticmethod

@@ -119,7 +119,8 @@ class Lumina2Family(ModelFamily):
     def hidden_size(self, config: dict[str, Any]) -> int:
         return int(config["hidden_size"])
 
-    def latent_shape(self, model: nn.Module, width: int, height: int) -> tuple[int, ...]:
+    def latent_shape(self, model: nn.Module, width: int, height: int, frames: int = 1) -> tuple[int, ...]:
+        self.image_only(frames)
         return (int(model.config.in_channels), height // 8, width // 8)
 
     # --- training --------------------------------------------------------------------------------

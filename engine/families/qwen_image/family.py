@@ -129,8 +129,9 @@ class QwenImageFamily(ModelFamily):
 
     # --- latents ---------------------------------------------------------------------------------
 
-    def latent_shape(self, model: nn.Module, width: int, height: int) -> tuple[int, ...]:
+    def latent_shape(self, model: nn.Module, width: int, height: int, frames: int = 1) -> tuple[int, ...]:
         """(16, H/8, W/8): one frame of the VAE, the frame axis dropped (packed 2x2 in ``model_inputs``)."""
+        self.image_only(frames)
         return (int(model.config.in_channels) // 4, height // 8, width // 8)
 
     # --- training --------------------------------------------------------------------------------

@@ -120,8 +120,9 @@ class ZImageFamily(ModelFamily):
 
     # --- latents ---------------------------------------------------------------------------------
 
-    def latent_shape(self, model: nn.Module, width: int, height: int) -> tuple[int, ...]:
+    def latent_shape(self, model: nn.Module, width: int, height: int, frames: int = 1) -> tuple[int, ...]:
         """The Flux.1 AE's (16, H/8, W/8); the 2x2 patches are made inside the transformer."""
+        self.image_only(frames)
         return (int(model.config.in_channels), height // 8, width // 8)
 
     def variant_from_name(self, variant: str, name: str) -> str:
