@@ -44,7 +44,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variant", default="flux1-dev")
     p.add_argument("--family", default="", help="the variant's family (default: the one that ships --variant)")
-    p.add_argument("--res", type=int, nargs="+", default=[1024, 2048])
+    p.add_argument("--res", nargs="+", default=["1024", "2048"],
+                   help="sizes: a side (1024), WxH (832x480) or WxHxF for clips (832x480x81)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--modes", nargs="+", default=["resident", "stream-k1-act", "stream-k1-act-c8"])
     p.add_argument("--precision", default="bf16", choices=["bf16", "int8"])
@@ -181,6 +182,7 @@ def main(argv=None) -> int:
     family_id = args.family or next(f.id for f in families().values() if args.variant in f.variants)
     model, family, cfg = build_random_model(args.variant, device, torch.bfloat16, 0.02, 0, family_id)
     tmp = tempfile.TemporaryDirectory(prefix="memory-bench-")
+    args.res = [int(r) if str(r).isdigit() else r for r in args.res]  # rows keep 1024 as a number
     datasets = {res: write_synthetic_cache(Path(tmp.name) / str(res), family, args.variant, cfg, res, 2 * args.batch, 0)
                 for res in args.res}
     rows, on_gpu, precision = {}, True, "bf16"
@@ -251,7 +253,7 @@ def main(argv=None) -> int:
                                       "predicted_peak_gb": plan.get("predicted_peak_gb")})
     print("\nmode                       res   step s   x resident   peak alloc GB   predicted   reserved")
     for (mode, res), r in rows.items():
-        print(f"{mode:26s} {res:5d} {r['step_s'] or float('nan'):8.3f} {r['x_resident'] or float('nan'):12.3f}"
+        print(f"{mode:26s} {str(res):>5s} {r['step_s'] or float('nan'):8.3f} {r['x_resident'] or float('nan'):12.3f}"
               f" {r['peak_alloc_gb']:15.2f} {r['predicted_peak_gb'] or float('nan'):11.2f} {r['peak_reserved_gb']:10.2f}")
     tmp.cleanup()
     return 0

@@ -105,7 +105,9 @@ def render(rows: list[dict]) -> str:
         out.append("_No rows yet._\n")
     for model in models:
         mrows = [r for r in rows if r.get("model") == model]
-        mrows.sort(key=lambda r: (r.get("date", "")[:10], r.get("run_id", ""), r.get("res", 0),
+        mrows.sort(key=lambda r: (r.get("date", "")[:10], r.get("run_id", ""),
+                                  # a side (1024) sorts by number, a clip size ("832x480x81") after, by text
+                                  (0, r["res"], "") if isinstance(r.get("res"), int) else (1, 0, str(r.get("res", ""))),
                                   r.get("mode") not in baselines, r.get("mode", "")))
         out.append(f"## {model}\n")
         out.append("| date | gpu | torch | diffusers | res | mode | rank | step s | x resident | peak alloc GB "

@@ -81,17 +81,29 @@ def build_random_model(variant: str, device: torch.device, dtype: torch.dtype, s
 
 # -------------------------------------------------------------------------- dataset
 
-def write_synthetic_cache(root: Path, family, variant: str, cfg: dict, res: int, n_items: int, seed: int):
-    """A DatasetCache of ``n_items`` random latents at res x res and random text embeddings,
-    in the engine's cache layout (no manifest: training does not read it)."""
+def parse_res(token) -> tuple[int, int, int]:
+    """``1024`` (square), ``832x480`` (width x height) or ``832x480x81`` (a clip of 81 frames) -> (w, h, frames)."""
+    parts = [int(x) for x in str(token).lower().split("x")]
+    if len(parts) == 1:
+        return parts[0], parts[0], 1
+    if len(parts) == 2:
+        return parts[0], parts[1], 1
+    return parts[0], parts[1], parts[2]
+
+
+def write_synthetic_cache(root: Path, family, variant: str, cfg: dict, res, n_items: int, seed: int):
+    """A DatasetCache of ``n_items`` random latents at ``res`` (``parse_res``: a side, WxH, or WxHxF for clips)
+    and random text embeddings, in the engine's cache layout (no manifest: training does not read it)."""
     from safetensors.torch import save_file
 
     from lowvram_lora.engine.caching import CachedItem, DatasetCache
 
     from types import SimpleNamespace
 
-    gen = torch.Generator().manual_seed(seed + res)
-    latent_shape = family.latent_shape(SimpleNamespace(config=SimpleNamespace(**cfg)), res, res)
+    w, h, frames = parse_res(res)
+    gen = torch.Generator().manual_seed(seed + w * h * frames)
+    latent_shape = family.latent_shape(SimpleNamespace(config=SimpleNamespace(**cfg)), w, h,
+                                       **({"frames": frames} if frames > 1 else {}))
     seq_len = family.default_max_sequence_length(variant)
     widths = family.text_widths(cfg)
     (root / "latents").mkdir(parents=True, exist_ok=True)
@@ -109,8 +121,8 @@ def write_synthetic_cache(root: Path, family, variant: str, cfg: dict, res: int,
                      else (seq_len if spec.length == "padded" else min(128, seq_len), widths[spec.cache_key]))
             text[spec.cache_key] = torch.randn(shape, generator=gen).to(torch.bfloat16)
         save_file(text, str(root / "text" / f"{key}.safetensors"))
-        items.append(CachedItem(image=f"synthetic-{i}.png", caption=f"synthetic {i}", bucket=(res, res),
-                                text_key=key, latent_key=key))
+        items.append(CachedItem(image=f"synthetic-{i}.png", caption=f"synthetic {i}", bucket=(w, h),
+                                text_key=key, latent_key=key, frames=list(range(frames)) if frames > 1 else []))
     return DatasetCache(root, root / "datasets" / f"bench-{res}.json", f"bench-{res}", family.id, variant, items)
 
 

@@ -125,6 +125,37 @@ def test_flux_time_shift_pushes_toward_noise_at_high_resolution():
     assert 0.5 < s_small < s_large < 1.0
 
 
+@pytest.mark.parametrize("lo, hi, mu", [(0.875, 1.0, 1.0986), (0.0, 0.875, 1.0986), (0.3, 0.6, None)])
+def test_an_experts_sigmas_are_the_full_distribution_restricted_to_its_range(lo, hi, mu):
+    """sample_sigmas(lo, hi) draws the full-range distribution conditioned on [lo, hi] (inverse CDF): every draw
+    inside the range, and its quantiles equal those of full-range draws that fall in the range (an independent
+    rejection sample, 200k draws) within 0.01. The full range still draws exactly as before (randn)."""
+    import math
+
+    g = torch.Generator().manual_seed(0)
+    ours = sample_sigmas(20000, g, 0.0, 1.0, mu, lo, hi)
+    assert ((ours >= lo) & (ours <= hi)).all()
+    g = torch.Generator().manual_seed(1)
+    full = sample_sigmas(200000, g, 0.0, 1.0, mu)
+    kept = full[(full >= lo) & (full <= hi)]
+    q = torch.tensor([0.1, 0.25, 0.5, 0.75, 0.9])
+    torch.testing.assert_close(torch.quantile(ours, q), torch.quantile(kept, q), atol=0.01, rtol=0)
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    u = torch.sigmoid(torch.randn(8, generator=g2)).clamp(1e-5, 1 - 1e-5)
+    want = math.exp(0.5) / (math.exp(0.5) + (1.0 / u - 1.0))
+    assert torch.equal(sample_sigmas(8, g1, 0.0, 1.0, 0.5), want)
+
+
+def test_a14b_experts_train_on_their_side_of_the_boundary():
+    """Wan 2.2 A14B: the high-noise expert's range is [0.875, 1], the low-noise one's [0, 0.875]; other models
+    (and other families) train on everything."""
+    wan = get_family("wan")
+    assert wan.train_sigma_range("wan2.2-t2v-a14b-high-noise") == (0.875, 1.0)
+    assert wan.train_sigma_range("wan2.2-t2v-a14b-low-noise") == (0.0, 0.875)
+    assert wan.train_sigma_range("wan2.1-t2v-14b") == (0.0, 1.0)
+    assert get_family("flux1").train_sigma_range("flux1-dev") == (0.0, 1.0)
+
+
 def test_stop_between_micro_steps_keeps_finished_steps(tiny_pipeline, tiny_cache):
     class StopInSecondStep(TrainingCallback):
         def __init__(self):

@@ -421,6 +421,16 @@ class ModelFamily(ABC):
     def train_shift_mu(self, latents: torch.Tensor) -> float:
         """The exponential timestep shift training samples with (``flow_matching.sample_sigmas``)."""
 
+    def train_sigma_range(self, variant: str) -> tuple[float, float]:
+        """The noise levels (after the shift) training draws from, ``(lo, hi)``: the whole ``(0, 1)`` for a
+        model that denoises everything; one expert of a mixture (Wan 2.2 A14B's high- and low-noise models)
+        only ever sees its own range when sampling, so it trains on that range alone."""
+        return (0.0, 1.0)
+
+    def latent_frames(self, frames: int) -> int:
+        """Latent frames of a clip of ``frames`` frames (the planner's workload); 1 for image families."""
+        return 1
+
     def sample_shift_mu(self, latents: torch.Tensor, steps: int) -> float:
         """The shift the family's pipeline samples with at ``steps`` steps."""
         return self.train_shift_mu(latents)

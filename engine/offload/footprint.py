@@ -95,8 +95,10 @@ def _slab_footprint(path, family_id: str, dtype: torch.dtype, lora: LoraSettings
 
 
 def workload_for(dataset, family, variant: str, batch: int) -> Workload:
-    """The largest bucket of a dataset cache as tokens (``family.image_tokens``) plus the text length
-    the cache was built with."""
-    w, h = max((it.bucket for it in dataset.items), key=lambda b: b[0] * b[1])
-    return Workload(batch=batch, image_tokens=family.image_tokens(w, h),
-                    text_tokens=family.default_max_sequence_length(variant), label=f"{w}x{h}")
+    """The largest bucket of a dataset cache as tokens (``family.image_tokens`` per latent frame, times the
+    clip's latent frames: ``family.latent_frames``) plus the text length the cache was built with."""
+    (w, h), frames = max(((it.bucket, len(it.frames)) for it in dataset.items),
+                         key=lambda b: b[0][0] * b[0][1] * family.latent_frames(b[1]))
+    label = f"{w}x{h}" + (f"x{frames}f" if frames > 1 else "")
+    return Workload(batch=batch, image_tokens=family.image_tokens(w, h) * family.latent_frames(frames),
+                    text_tokens=family.default_max_sequence_length(variant), label=label)

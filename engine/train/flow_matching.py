@@ -14,12 +14,35 @@ import torch
 
 
 def sample_sigmas(batch: int, generator: torch.Generator, mean: float = 0.0, std: float = 1.0,
-                  mu: float | None = None) -> torch.Tensor:
-    """(B,) noise levels in (0, 1); ``mu`` applies Flux's time shift e^mu / (e^mu + 1/t - 1)."""
-    u = torch.sigmoid(torch.randn(batch, generator=generator) * std + mean)
+                  mu: float | None = None, lo: float = 0.0, hi: float = 1.0) -> torch.Tensor:
+    """(B,) noise levels in (0, 1); ``mu`` applies Flux's time shift e^mu / (e^mu + 1/t - 1). ``lo``/``hi``
+    restrict the (shifted) result to that range with the same distribution inside it (a truncated logit-normal,
+    drawn by inverse CDF: no rejection loop), for one expert of a mixture; the whole range draws as before."""
+    if (lo, hi) == (0.0, 1.0):
+        n = torch.randn(batch, generator=generator)
+    else:
+        if not 0.0 <= lo < hi <= 1.0:
+            raise ValueError(f"sigma range ({lo}, {hi}) must satisfy 0 <= lo < hi <= 1")
+        shift = math.exp(mu) if mu is not None else 1.0
+
+        def z_of(sigma: float) -> float:  # the standard-normal value whose shifted sigmoid is sigma
+            if sigma <= 0.0:
+                return -math.inf
+            if sigma >= 1.0:
+                return math.inf
+            u = 1.0 / (1.0 + shift * (1.0 / sigma - 1.0))  # undo the shift
+            return (math.log(u / (1.0 - u)) - mean) / std
+
+        cdf = lambda z: 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))  # noqa: E731
+        a, b = cdf(z_of(lo)), cdf(z_of(hi))
+        p = (a + (b - a) * torch.rand(batch, generator=generator, dtype=torch.float64)).clamp(1e-12, 1 - 1e-12)
+        n = (math.sqrt(2.0) * torch.erfinv(2.0 * p - 1.0)).float()
+    u = torch.sigmoid(n * std + mean)
     u = u.clamp(1e-5, 1 - 1e-5)
     if mu is not None:
         u = math.exp(mu) / (math.exp(mu) + (1.0 / u - 1.0))
+    if (lo, hi) != (0.0, 1.0):
+        u = u.clamp(lo, hi)
     return u
 
 

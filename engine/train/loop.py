@@ -169,6 +169,7 @@ class _Run:
     sampler: Any = None
     timer: StepTimer | None = None
     start: float = field(default_factory=time.perf_counter)
+    sigma_range: tuple[float, float] = (0.0, 1.0)  # the noise levels this model trains on (family.train_sigma_range)
 
     @property
     def device(self) -> torch.device:
@@ -196,6 +197,10 @@ def _load_model(run: _Run, model_cfg, lora, preloaded) -> None:
         run.model, run.family, _, run.variant = load_transformer(ident, model_cfg.family, run.dtype)
     else:
         run.model, run.family, run.variant = preloaded
+    run.sigma_range = run.family.train_sigma_range(run.variant)
+    if run.sigma_range != (0.0, 1.0):
+        run.cb.log(f"{run.variant}: an expert of a mixture, trained on its own noise levels only: sigma in "
+                   f"[{run.sigma_range[0]:g}, {run.sigma_range[1]:g}]")
     if run.device.type == "cuda":  # the model's own tensors already there count in the plan, not as held
         from itertools import chain
 
@@ -256,8 +261,9 @@ def _prepare_data(run: _Run) -> None:
     """The batch stream (every rank builds the same seed-determined stream and takes its share, all of it in
     one process), autocast, and the devices' peak counters reset."""
     train, device = run.train, run.device
+    # One batch holds one shape: the same bucket and, for clips, the same frame count.
     run.batches = run.ranks.shard(bucket_batches(run.dataset.training_items(), train.batch_size, train.seed,
-                                                 lambda it: it.bucket))
+                                                 lambda it: (it.bucket, len(it.frames))))
     if device.type == "cuda" and run.dtype != torch.float32:
         run.autocast = torch.autocast("cuda", dtype=run.dtype)
         skip_lora_input_cast(run.model)
@@ -357,7 +363,7 @@ def _accumulate(run: _Run) -> float | None:
         latents, embeds = _load_batch(run.dataset, next(run.batches), run.device, run.dtype, gen)
         run.timer.add_data(time.perf_counter() - t_data)
         loss_sum += _micro_step(run.model, run.family, latents, embeds, train, gen, run.autocast,
-                                1.0 / train.gradient_accumulation, run.memory.micro_batch)
+                                1.0 / train.gradient_accumulation, run.memory.micro_batch, run.sigma_range)
         # Between micro-steps too: with long accumulation, Stop must not wait a whole step.
         if micro < train.gradient_accumulation - 1 and _stop_requested(run):
             return None
@@ -538,13 +544,13 @@ def _compile_blocks(model, family, placement: Placement, train: TrainConfig, cb)
 
 
 def _micro_step(model, family, latents, embeds, cfg: TrainConfig, gen: torch.Generator, autocast,
-                scale: float, micro_batch: int = 0) -> float:
+                scale: float, micro_batch: int = 0, sigma_range: tuple[float, float] = (0.0, 1.0)) -> float:
     """Forward and backward of one batch; returns its loss. The noise and timesteps are drawn for the whole
     batch; with ``micro_batch`` the batch then runs that many samples at a time, each piece's loss weighted
     by its share, so the accumulated gradient is the whole batch's (activations are one piece's)."""
     b = latents.shape[0]
     mu = family.train_shift_mu(latents) if cfg.shift_timesteps else None
-    sigmas = sample_sigmas(b, gen, cfg.timestep_mean, cfg.timestep_std, mu).to(latents.device)
+    sigmas = sample_sigmas(b, gen, cfg.timestep_mean, cfg.timestep_std, mu, *sigma_range).to(latents.device)
     noise = torch.randn(latents.shape, generator=gen).to(latents.device, latents.dtype)
     noisy, target = noisy_latents_and_target(latents, noise, sigmas)
     step = micro_batch if 0 < micro_batch < b else b

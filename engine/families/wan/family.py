@@ -188,6 +188,19 @@ class WanFamily(ModelFamily):
             shifted[0] -= 1e-6
         return [float(x) for x in np.concatenate([shifted, [0.0]]).astype(np.float32)]
 
+    def train_sigma_range(self, variant: str) -> tuple[float, float]:
+        """The A14B experts split the noise levels at the pipeline's boundary (``boundary_ratio`` 0.875: the high-
+        noise expert denoises sigma >= 0.875, the low-noise one below): each trains on its own side only."""
+        if variant == _A14B["high_noise"]:
+            return (A14B_BOUNDARY, 1.0)
+        if variant == _A14B["low_noise"]:
+            return (0.0, A14B_BOUNDARY)
+        return (0.0, 1.0)
+
+    def latent_frames(self, frames: int) -> int:
+        """The causal VAE's 4x temporal compression: the first frame alone, then 4 per latent frame."""
+        return (max(1, frames) - 1) // 4 + 1
+
     def guidance(self, variant: str) -> Guidance:
         """CFG ``uncond + g (cond - uncond)`` against the empty prompt: g = 5 (WanPipeline's default; Wan 2.1 and
         TI2V-5B's official one); the A14B experts' official (low 3.0, high 4.0). 20 preview steps."""
