@@ -211,3 +211,36 @@ def test_comfy_callback_prints_progress_to_the_console_at_an_interval(monkeypatc
     steps = [int(ln.split()[2].split("/")[0]) for ln in lines]
     assert steps[0] == 1 and steps[-1] == 100  # first and last always
     assert 6 <= len(steps) <= 9  # about every 15 s in between, not every step
+
+
+def test_a_relative_dataset_path_is_found_in_comfyuis_input_folder_first(tmp_path, monkeypatch):
+    """Issue 28: ``my_subject`` is ``input/my_subject`` (the Notes and README say so), then the working
+    directory; when it is in neither, the error names both folders and where to put the images."""
+    from lowvram_lora.engine.errors import DatasetError
+    from lowvram_lora.nodes.cache_embeds import LowVRAMCacheTextEmbeds
+    from lowvram_lora.nodes.paths import resolve_dataset_path
+
+    comfy_input, cwd = tmp_path / "ComfyUI" / "input", tmp_path / "cwd"
+    cwd.mkdir(parents=True)
+    folder_paths = types.ModuleType("folder_paths")
+    folder_paths.get_folder_paths = lambda kind: []
+    folder_paths.get_input_directory = lambda: str(comfy_input)
+    monkeypatch.setitem(sys.modules, "folder_paths", folder_paths)
+    monkeypatch.chdir(cwd)
+
+    with pytest.raises(DatasetError) as err:
+        resolve_dataset_path("my_subject")
+    msg = str(err.value)
+    assert f"{comfy_input / 'my_subject'} (ComfyUI's input folder)" in msg
+    assert f"{cwd / 'my_subject'} (the working directory)" in msg
+    assert msg.index(str(comfy_input)) < msg.index(str(cwd))  # in the order tried
+    assert f"Put the images (png/jpg/webp) with their .txt captions in {comfy_input / 'my_subject'}" in msg
+    assert LowVRAMCacheTextEmbeds.IS_CHANGED(dataset_path="my_subject") == "my_subject"  # no error before it runs
+
+    (cwd / "my_subject").mkdir()
+    assert resolve_dataset_path("my_subject") == (cwd / "my_subject").resolve()  # the working directory, second
+    (comfy_input / "my_subject").mkdir(parents=True)
+    assert resolve_dataset_path("my_subject") == (comfy_input / "my_subject").resolve()  # the input folder wins
+    assert resolve_dataset_path(str(cwd / "my_subject")) == (cwd / "my_subject").resolve()  # absolute: as given
+    with pytest.raises(DatasetError, match=r"nowhere \(as given\)\. Put the images"):
+        resolve_dataset_path(str(tmp_path / "nowhere"))
