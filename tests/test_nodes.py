@@ -244,3 +244,40 @@ def test_a_relative_dataset_path_is_found_in_comfyuis_input_folder_first(tmp_pat
     assert resolve_dataset_path(str(cwd / "my_subject")) == (cwd / "my_subject").resolve()  # absolute: as given
     with pytest.raises(DatasetError, match=r"nowhere \(as given\)\. Put the images"):
         resolve_dataset_path(str(tmp_path / "nowhere"))
+
+
+def test_text_under_a_node_wraps_between_words_and_a_resume_sends_the_history(monkeypatch):
+    """Issue 28: the frontends wrap node text anywhere ("6 i/mages") and clip it; lines are broken between
+    words to the node's width, paths shortened (the console keeps them). A resume sends the losses before."""
+    from lowvram_lora.engine.callbacks import StepInfo
+    from lowvram_lora.nodes import progress
+
+    text = progress.node_text("dataset cache adeb9291f72bced402bb5339: 6 images; text 7 built / 0 reused; "
+                              "latents 6 built / 0 reused")
+    assert text.splitlines() == ["dataset cache adeb9291f72bced402bb5339:", "6 images;", "text 7 built / 0 reused;",
+                                 "latents 6 built / 0 reused"]
+    sampled = progress.node_text("sampled 2 prompt(s) at step 10 in 9.2 s: /work/base/output/lowvram_samples/"
+                                 "c852022aad69/samples_step0000010.png")
+    assert sampled.splitlines() == ["sampled 2 prompt(s) at step 10 in 9.2 s:",
+                                    "…/c852022aad69/samples_step0000010.png"]
+    sent, events = [], []
+    server = types.ModuleType("server")
+    server.PromptServer = types.SimpleNamespace(instance=types.SimpleNamespace(
+        send_progress_text=lambda text, node: sent.append(text), send_sync=lambda e, d: events.append((e, d))))
+    monkeypatch.setitem(sys.modules, "server", server)
+
+    class Bar:
+        def __init__(self, total):
+            pass
+
+        def update_absolute(self, value, total=None, preview=None):
+            pass
+
+    cb = progress.ComfyCallback(types.SimpleNamespace(ProgressBar=Bar), types.SimpleNamespace(), "4")
+    cb.on_resume(2, 10, [0.5, 0.25], [1e-4, 2e-4])
+    cb.on_step(StepInfo(3, 10, 0.125, 2e-4, 1.0, 0.25, 0.0))
+    assert events[0] == (progress.RESUME_EVENT, {"node": "4", "step": 2, "total": 10, "loss": [0.5, 0.25],
+                                                 "lr": [1e-4, 2e-4]})
+    assert events[1][0] == progress.PROGRESS_EVENT and events[1][1]["step"] == 3
+    assert sent[-1] == "step 3/10: loss 0.1250\nlr 2.00e-04, 0.25 s/step"
+    assert all(len(line) <= progress.NODE_TEXT_WIDTH for t in (text, sent[-1]) for line in t.splitlines())
