@@ -33,7 +33,7 @@ function textWidget(node, name) {
     background: "rgba(0,0,0,0.25)", color: "var(--input-text, #ddd)", opacity: 0.9, padding: "3px 6px",
     font: `12px/${LINE_H}px monospace`, whiteSpace: "pre-wrap", wordBreak: "normal", overflowWrap: "anywhere",
   });
-  const height = () => Math.max(1, el.__lines || 1) * LINE_H + 8;
+  const height = () => Math.max(1, el.__lines || 1) * LINE_H + 8 + (el.__extra || 0);
   widget = node.addDOMWidget(name, "lowvram_text", el, {
     serialize: false, getValue: () => el.value, setValue: (v) => { el.value = v; },
     getMinHeight: height, getMaxHeight: height, getHeight: height,
@@ -51,9 +51,26 @@ function showText(node, name, lines) {
   // Lines as drawn: a long path wraps, so count the wrapped lines at the node's width (7.2 px per character).
   const perLine = Math.max(20, Math.floor((node.size[0] - 40) / 7.2));
   el.__lines = lines.reduce((n, l) => n + Math.max(1, Math.ceil(String(l).length / perLine)), 0);
+  el.__extra = 0;
+  el.__fixes = 0;
   const size = node.computeSize();
   node.setSize([Math.max(node.size[0], size[0]), Math.max(node.size[1], size[1])]);
   node.setDirtyCanvas(true, true);
+  fit(node, el);
+}
+
+// Once drawn, grow the node until the text shows whole: the frontends lay DOM widgets out with margins and
+// fonts of their own, so the estimate above may fall a line short (then the text was clipped).
+function fit(node, el) {
+  requestAnimationFrame(() => {
+    const over = el.scrollHeight - el.clientHeight;
+    if (over > 1 && el.clientHeight > 0 && el.__fixes++ < 4) {
+      el.__extra += over;
+      node.setSize([node.size[0], node.size[1] + over]);
+      node.setDirtyCanvas(true, true);
+      setTimeout(() => fit(node, el), 50);
+    }
+  });
 }
 
 function clock(seconds) {

@@ -54,13 +54,13 @@ def main(argv=None) -> int:
             ".then(j => Promise.resolve(app.loadGraphData(j)).then(() => done(true)))")
         time.sleep(3)
         view = ("document.querySelectorAll('.p-dialog-mask').forEach(e => e.remove());"
-                "const c = app.canvas; c.ds.scale = 0.8; c.ds.offset = [-560, 30]; c.setDirty(true, true)")
+                "const c = app.canvas; c.ds.scale = 0.75; c.ds.offset = [-380, 20]; c.setDirty(true, true)")
         d.execute_script(view)
         seed = int(time.time()) % 100000
         d.execute_script(f"const n = {_TRAIN};"
                          "for (const [k, v] of Object.entries(arguments[0])) n.widgets.find(w => w.name == k).value = v;",
-                         {"steps": args.steps, "sample_every": args.cancel_after, "sample_steps": 120,
-                          "sample_resolution": 384, "training_seed": seed, "save_every": 0})
+                         {"steps": args.steps, "sample_every": args.cancel_after, "sample_steps": 30,
+                          "sample_resolution": 256, "training_seed": seed, "save_every": 0})
         queue = "return app.queuePrompt(0, 1).then(() => true)"
 
         def wait_idle(limit=600):
@@ -113,9 +113,17 @@ def main(argv=None) -> int:
         wait_idle()
         time.sleep(3)
         d.save_screenshot(str(out / "5_missing_dataset.png"))
-        print("5_missing_dataset.png", d.execute_script(
-            "return Array.from(document.querySelectorAll('.p-dialog, .comfy-modal, [role=dialog]'))"
-            ".map(e => e.innerText.slice(0, 1200))"))
+        history = d.execute_script("return fetch('/history?max_items=1').then(r => r.json())")
+        for item in history.values():
+            for kind, data in item.get("status", {}).get("messages", []):
+                if kind == "execution_error":
+                    print("error shown:", data.get("exception_type"), "|", data.get("exception_message"))
+        details = d.execute_script("return Array.from(document.querySelectorAll('button'))"
+                                   ".find(b => (b.textContent || '').trim() == 'View details') || null")
+        if details is not None:
+            d.execute_script("arguments[0].click()", details)
+            time.sleep(2)
+            d.save_screenshot(str(out / "6_missing_dataset_details.png"))
         return 0
     finally:
         d.quit()
