@@ -38,6 +38,10 @@ class TrainingCallback:
         """Sample images were made at ``step``: ``grid`` (a PIL image, prompts x checkpoints so far),
         saved at ``path``."""
 
+    def on_resume(self, step: int, total: int, loss_history: list[float], lr_history: list[float]) -> None:
+        """Training goes on from the saved state of ``step``: the losses and learning rates of steps 1..step,
+        so a chart continues instead of starting empty."""
+
     def log(self, message: str) -> None:
         """A human-readable line (plans, cache hits, warnings)."""
 

@@ -82,11 +82,12 @@ def help_text(name: str) -> str:
 def sample_latents(model, family, embeds: dict[str, torch.Tensor], width: int, height: int, steps: int, seed: int,
                    guidance: float, device: torch.device, dtype: torch.dtype, autocast=None,
                    rule: Guidance | None = None, negative: dict[str, torch.Tensor] | None = None,
-                   noise: torch.Tensor | None = None, frames: int = 1) -> torch.Tensor:
+                   noise: torch.Tensor | None = None, frames: int = 1, poll=None) -> torch.Tensor:
     """One image's (or, for a video family, a ``frames``-frame clip's) latents (1, C, ...), fp32, from noise drawn
     with ``seed`` (or ``noise``). ``rule``: how the model is guided (default: an embedding fed ``guidance``, which
     models without one ignore); with a ``cfg`` rule, ``negative`` holds the empty prompt's embeddings and
-    ``guidance`` is the scale."""
+    ``guidance`` is the scale. ``poll`` is called before every Euler step (a stop raised there ends sampling at
+    once)."""
     import contextlib
 
     rule = rule or Guidance("embedded")
@@ -102,6 +103,8 @@ def sample_latents(model, family, embeds: dict[str, torch.Tensor], width: int, h
         negative = {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in negative.items()}
     sigmas = family.sample_sigmas(x, steps)
     for i in range(steps):
+        if poll is not None:
+            poll()
         s = torch.tensor([sigmas[i]], device=device)
         with autocast or contextlib.nullcontext():
             v = family.predict_velocity(model, x.to(dtype), embeds, s, guidance).float()
@@ -178,6 +181,69 @@ class Sampler:
         self.images = 0
         self.peak_vram_gb = 0.0  # the highest allocation while sampling (CUDA)
         self._vae = None
+        self.keep_dir: Optional[Path] = None
+
+    def _what(self) -> dict:
+        """What a kept column was drawn with: columns of other prompts or settings are never mixed in."""
+        from dataclasses import asdict
+
+        return {"prompts": self.prompts, "config": asdict(self.cfg)}
+
+    def keep_columns(self, folder: Path, upto: int) -> None:
+        """Keep every checkpoint's images in ``folder`` (beside a resumable run's state) and take back those
+        kept there by the run before a stop, up to step ``upto`` (where it resumes): a resumed run's grid holds
+        every checkpoint. Columns of later steps (drawn after the state that is resumed) are dropped."""
+        import json
+        import shutil
+
+        from PIL import Image
+
+        self.keep_dir = Path(folder)
+        manifest = self.keep_dir / "columns.json"
+        try:
+            kept = json.loads(manifest.read_text())
+        except (OSError, ValueError):
+            kept = None
+        if not isinstance(kept, dict) or kept.get("what") != json.loads(json.dumps(self._what())):
+            shutil.rmtree(self.keep_dir, ignore_errors=True)  # none, or of other prompts/settings
+            return
+        for step in sorted(int(s) for s in kept.get("steps", [])):
+            paths = [self.keep_dir / f"step-{step:07d}-p{r:02d}.png" for r in range(len(self.prompts))]
+            if step > upto or not all(p.is_file() for p in paths):
+                continue
+            images = []
+            for path in paths:
+                with Image.open(path) as img:
+                    images.append(img.convert("RGB"))
+            self.columns.append((f"step {step}", images))
+        self._write_manifest()
+        if self.columns:
+            self.cb.log(f"the sample grid goes on from the {len(self.columns)} checkpoint(s) drawn before the "
+                        f"resume (steps {', '.join(t.split()[1] for t, _ in self.columns)})")
+
+    def has(self, step: int) -> bool:
+        return any(title == f"step {step}" for title, _ in self.columns)
+
+    def _write_manifest(self) -> None:
+        from .fileio import write_json_atomic
+
+        steps = [int(title.split()[1]) for title, _ in self.columns]
+        write_json_atomic(self.keep_dir / "columns.json", {"what": self._what(), "steps": steps},
+                          "the kept sample columns", indent=None)
+
+    def _keep(self, step: int, images: list) -> None:
+        """One checkpoint's images beside the run's state (lossless PNGs), then the manifest naming them."""
+        from .fileio import atomic_write
+
+        for r, img in enumerate(images):
+            with atomic_write(self.keep_dir / f"step-{step:07d}-p{r:02d}.png", "a kept sample image") as tmp:
+                img.save(tmp, format="PNG")
+        self._write_manifest()
+
+    def _poll(self) -> None:
+        """Between Euler steps: a Cancel (ComfyUI's, the editor's under serve, Ctrl-C) raised by the callback
+        ends sampling at once instead of after every prompt. A stop flag (returned True) waits for the loop."""
+        self.cb.should_stop()
 
     def due(self, step: int, total: int) -> bool:
         return self.cfg.enabled and (step % self.cfg.every == 0 or step == total or (step == 0 and self.cfg.at_start))
@@ -193,14 +259,16 @@ class Sampler:
         try:
             latents = [sample_latents(self.model, self.family, emb, self.cfg.resolution, self.cfg.resolution,
                                       self.cfg.steps, self.cfg.seed, self.cfg.guidance, self.device, self.dtype,
-                                      autocast, self.rule, self.negative) for emb in self.embeds]
+                                      autocast, self.rule, self.negative, poll=self._poll) for emb in self.embeds]
             images = decode_latents(self.vae(), self.family, latents, self.device, self.dataset.variant)
         finally:
             self.model.train(was_training)
         if cuda:
             self.peak_vram_gb = max(self.peak_vram_gb, torch.cuda.max_memory_allocated(self.device) / 1e9)
         self.images += len(images)
-        self.columns.append((f"step {step}", images))
+        self.columns = [c for c in self.columns if c[0] != f"step {step}"] + [(f"step {step}", images)]
+        if self.keep_dir is not None:
+            self._keep(step, images)
         grid = grid_image(self.columns, self.prompts)
         path = None
         if self.out_dir is not None:

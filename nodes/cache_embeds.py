@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 
+from ..engine.errors import DatasetError
 from .load_model import CATEGORY
 from .paths import (TEXT_ENCODER_FOLDERS, VAE_FOLDERS, cache_dir, comfy_tokenizer_dirs, list_diffusers_folders,
                     list_files, resolve_choice, resolve_dataset_path, resolve_file)
@@ -45,8 +46,9 @@ class LowVRAMCacheTextEmbeds:
                 }),
                 "dataset_path": ("STRING", {
                     "default": "",
-                    "tooltip": "Folder of images (png/jpg/webp) with same-name .txt captions. Relative paths are "
-                               "looked up from the working directory, then ComfyUI's input folder.",
+                    "tooltip": "Folder of images (png/jpg/webp) with same-name .txt captions. A relative path (e.g. "
+                               "my_subject) is looked up in ComfyUI's input folder (input/my_subject), then in "
+                               "the working directory; an absolute path is used as given.",
                 }),
                 "resolution": ("INT", {
                     "default": 1024, "min": 64, "max": 4096, "step": 64,
@@ -109,7 +111,7 @@ class LowVRAMCacheTextEmbeds:
             folder = resolve_dataset_path(dataset_path)
             return ";".join(f"{e.name}:{e.stat().st_size}:{e.stat().st_mtime_ns}"
                             for e in sorted(os.scandir(folder), key=lambda e: e.name))
-        except OSError:
+        except (OSError, DatasetError):  # not there (yet): the node's run says where it looked
             return dataset_path
 
     def cache(self, model, text_encoders: str, dataset_path: str, resolution: int = 1024, trigger_word: str = "",

@@ -143,26 +143,37 @@ def cache_dir() -> Path:
 
 
 def input_dir() -> Path:
-    """Where relative dataset paths are looked up after the working directory: ComfyUI's input
-    folder, or standalone the ``input/`` beside ``--models-dir`` (the ComfyUI root layout)."""
+    """Where relative dataset paths are looked up first: ComfyUI's input folder, or standalone the
+    ``input/`` beside ``--models-dir`` (the ComfyUI root layout)."""
     fp = comfy_folder_paths()
     if fp is not None:
         return Path(fp.get_input_directory())
     return _standalone["models_dir"].parent / "input"
 
 
+def dataset_candidates(path: str) -> list[tuple[Path, str]]:
+    """The folders a ``dataset_path`` may name, in the order they are tried, each with what it is: an absolute
+    path as given; a relative one in the input folder (where the Notes and README say to put a dataset),
+    then in the working directory."""
+    p = Path(os.path.expanduser(path.strip()))
+    if p.is_absolute():
+        return [(p, "as given")]
+    where = "ComfyUI's input folder" if comfy_folder_paths() is not None else "the input folder"
+    return [(input_dir() / p, where), (Path.cwd() / p, "the working directory")]
+
+
 def resolve_dataset_path(path: str) -> Path:
-    """Absolute as given; relative paths against the working directory, then the input folder."""
-    p = Path(os.path.expanduser(path))
-    if p.is_absolute() or p.exists():
-        return p.resolve()
-    candidate = input_dir() / p
-    if candidate.exists():
-        return candidate.resolve()
-    return p.resolve()
-    fp = comfy_folder_paths()
-    if fp is not None:
-        candidate = Path(fp.get_input_directory()) / p
-        if candidate.exists():
-            return candidate.resolve()
-    return p.resolve()
+    """The dataset folder ``path`` names (see ``dataset_candidates``); when none exists, an error naming every
+    folder tried and where to put the images."""
+    from ..engine.errors import DatasetError
+
+    tried = dataset_candidates(path)
+    for folder, _ in tried:
+        if folder.exists():
+            return folder.resolve()
+    listed = "; ".join(f"{folder} ({what})" for folder, what in tried)
+    first = tried[0][0]
+    raise DatasetError(
+        f"dataset folder '{path}' was not found. Looked in: {listed}. Put the images (png/jpg/webp) with their "
+        f".txt captions in {first}" + ("" if len(tried) == 1 else ", or set dataset_path to the folder's "
+                                       "absolute path"))

@@ -57,7 +57,7 @@ class ComfyCallback(TrainingCallback):
         try:  # newer ComfyUI: text under the node; older ones lack it (the console lines still come)
             from server import PromptServer  # type: ignore[import-not-found]
 
-            PromptServer.instance.send_progress_text(text, self.node_id)
+            PromptServer.instance.send_progress_text(node_text(text), self.node_id)
         except Exception:
             pass
 
@@ -69,7 +69,7 @@ class ComfyCallback(TrainingCallback):
     def on_step(self, info: StepInfo) -> None:
         self._bar("train", info.total_steps).update_absolute(info.step, info.total_steps)
         text = format_step(info)
-        self._send_text(text, force=info.step in (1, info.total_steps))
+        self._send_text(format_step(info, lines=True), force=info.step in (1, info.total_steps))
         self._console("train", text, force=info.step in (1, info.total_steps))
         self._send_event(PROGRESS_EVENT, {
             "node": self.node_id, "step": info.step, "total": info.total_steps, "loss": info.loss, "lr": info.lr,
@@ -85,6 +85,9 @@ class ComfyCallback(TrainingCallback):
         if bar is not None:
             bar.update_absolute(bar.current, bar.total, ("PNG", grid, 1024))
         self._console("samples", f"samples at step {step}: {path}", force=True)
+
+    def on_resume(self, step: int, total: int, loss_history, lr_history) -> None:
+        self._send_event(RESUME_EVENT, resume_event(self.node_id, step, total, loss_history, lr_history))
 
     def _send_event(self, event: str, data: dict) -> None:
         """A custom websocket event: web/lowvram_lora.js draws the live loss chart from these."""
@@ -108,12 +111,40 @@ class ComfyCallback(TrainingCallback):
 
 #: The websocket event carrying each step's numbers to the node's live chart.
 PROGRESS_EVENT = "lowvram_lora.progress"
+#: Training resumed from a saved state: the losses and learning rates before it, so the chart goes on.
+RESUME_EVENT = "lowvram_lora.resumed"
+#: Characters per line of the text under a node at its usual width (~330 px): the frontends wrap longer lines
+#: anywhere, mid-word ("6 i/mages"), so lines are broken between words here.
+NODE_TEXT_WIDTH = 44
 
 
-def format_step(info: StepInfo) -> str:
+def node_text(message: str, width: int = NODE_TEXT_WIDTH) -> str:
+    """A log line as the text under a node: absolute paths shortened to their last two parts (the console
+    line keeps them whole), then wrapped between words and after '; ' to ``width`` characters."""
+    import re
+    import textwrap
+
+    short = re.sub(r"'?(/[^\s':]+)+/([^/\s':]+/[^/\s':]+)'?", r"…/\2", message)
+    lines = []
+    parts = []
+    for part in re.split(r"(?<=;)\s+|(?<=:)\s+(?=…/)|\n", short):
+        head, sep, rest = part.partition(": ")
+        parts += [head + ":", rest] if sep and len(part) > width else [part]  # "what: numbers", on two lines
+    for part in parts:
+        lines += textwrap.wrap(part, width, break_long_words=False, break_on_hyphens=False) or [""]
+    return "\n".join(lines)
+
+
+def resume_event(node_id, step: int, total: int, loss_history, lr_history) -> dict:
+    return {"node": node_id, "step": step, "total": total, "loss": [float(v) for v in loss_history],
+            "lr": [float(v) for v in lr_history]}
+
+
+def format_step(info: StepInfo, lines: bool = False) -> str:
+    """One step's numbers; ``lines``: on two lines, for the text under a node."""
     vram = f", VRAM {info.peak_vram_gb:.1f} GB" if info.peak_vram_gb else ""
-    return (f"step {info.step}/{info.total_steps}: loss {info.loss:.4f}, lr {info.lr:.2e}, "
-            f"{info.seconds_per_step:.2f} s/step{vram}")
+    return (f"step {info.step}/{info.total_steps}: loss {info.loss:.4f}" + ("\n" if lines else ", ")
+            + f"lr {info.lr:.2e}, {info.seconds_per_step:.2f} s/step{vram}")
 
 
 class HostCallback(TrainingCallback):
@@ -132,13 +163,13 @@ class HostCallback(TrainingCallback):
     def on_progress(self, stage: str, done: int, total: int) -> None:
         self.host.interrupt_check()
         self.host.progress(self.node_id, done, total)
-        self.host.text(self.node_id, f"{stage}: {done}/{total}")
+        self.host.text(self.node_id, node_text(f"{stage}: {done}/{total}"))
 
     def on_step(self, info: StepInfo) -> None:
         self._total = info.total_steps
         self.host.progress(self.node_id, info.step, info.total_steps)
         text = format_step(info)
-        self.host.text(self.node_id, text)
+        self.host.text(self.node_id, node_text(format_step(info, lines=True)))
         self._console("train", text, force=info.step in (1, info.total_steps))
         self.host.event(PROGRESS_EVENT, {
             "node": self.node_id, "step": info.step, "total": info.total_steps, "loss": info.loss, "lr": info.lr,
@@ -151,9 +182,12 @@ class HostCallback(TrainingCallback):
         self.host.preview(self.node_id, grid)
         self._console("samples", f"samples at step {step}: {path}", force=True)
 
+    def on_resume(self, step: int, total: int, loss_history, lr_history) -> None:
+        self.host.event(RESUME_EVENT, resume_event(self.node_id, step, total, loss_history, lr_history))
+
     def log(self, message: str) -> None:
         print(f"[lowvram-lora] {message}", flush=True)
-        self.host.text(self.node_id, message)
+        self.host.text(self.node_id, node_text(message))
 
     def should_stop(self) -> bool:
         self.host.interrupt_check()  # raises the server's interrupt, as ComfyUI's stop button does

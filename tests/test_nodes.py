@@ -211,3 +211,73 @@ def test_comfy_callback_prints_progress_to_the_console_at_an_interval(monkeypatc
     steps = [int(ln.split()[2].split("/")[0]) for ln in lines]
     assert steps[0] == 1 and steps[-1] == 100  # first and last always
     assert 6 <= len(steps) <= 9  # about every 15 s in between, not every step
+
+
+def test_a_relative_dataset_path_is_found_in_comfyuis_input_folder_first(tmp_path, monkeypatch):
+    """Issue 28: ``my_subject`` is ``input/my_subject`` (the Notes and README say so), then the working
+    directory; when it is in neither, the error names both folders and where to put the images."""
+    from lowvram_lora.engine.errors import DatasetError
+    from lowvram_lora.nodes.cache_embeds import LowVRAMCacheTextEmbeds
+    from lowvram_lora.nodes.paths import resolve_dataset_path
+
+    comfy_input, cwd = tmp_path / "ComfyUI" / "input", tmp_path / "cwd"
+    cwd.mkdir(parents=True)
+    folder_paths = types.ModuleType("folder_paths")
+    folder_paths.get_folder_paths = lambda kind: []
+    folder_paths.get_input_directory = lambda: str(comfy_input)
+    monkeypatch.setitem(sys.modules, "folder_paths", folder_paths)
+    monkeypatch.chdir(cwd)
+
+    with pytest.raises(DatasetError) as err:
+        resolve_dataset_path("my_subject")
+    msg = str(err.value)
+    assert f"{comfy_input / 'my_subject'} (ComfyUI's input folder)" in msg
+    assert f"{cwd / 'my_subject'} (the working directory)" in msg
+    assert msg.index(str(comfy_input)) < msg.index(str(cwd))  # in the order tried
+    assert f"Put the images (png/jpg/webp) with their .txt captions in {comfy_input / 'my_subject'}" in msg
+    assert LowVRAMCacheTextEmbeds.IS_CHANGED(dataset_path="my_subject") == "my_subject"  # no error before it runs
+
+    (cwd / "my_subject").mkdir()
+    assert resolve_dataset_path("my_subject") == (cwd / "my_subject").resolve()  # the working directory, second
+    (comfy_input / "my_subject").mkdir(parents=True)
+    assert resolve_dataset_path("my_subject") == (comfy_input / "my_subject").resolve()  # the input folder wins
+    assert resolve_dataset_path(str(cwd / "my_subject")) == (cwd / "my_subject").resolve()  # absolute: as given
+    with pytest.raises(DatasetError, match=r"nowhere \(as given\)\. Put the images"):
+        resolve_dataset_path(str(tmp_path / "nowhere"))
+
+
+def test_text_under_a_node_wraps_between_words_and_a_resume_sends_the_history(monkeypatch):
+    """Issue 28: the frontends wrap node text anywhere ("6 i/mages") and clip it; lines are broken between
+    words to the node's width, paths shortened (the console keeps them). A resume sends the losses before."""
+    from lowvram_lora.engine.callbacks import StepInfo
+    from lowvram_lora.nodes import progress
+
+    text = progress.node_text("dataset cache adeb9291f72bced402bb5339: 6 images; text 7 built / 0 reused; "
+                              "latents 6 built / 0 reused")
+    assert text.splitlines() == ["dataset cache adeb9291f72bced402bb5339:", "6 images;", "text 7 built / 0 reused;",
+                                 "latents 6 built / 0 reused"]
+    sampled = progress.node_text("sampled 2 prompt(s) at step 10 in 9.2 s: /work/base/output/lowvram_samples/"
+                                 "c852022aad69/samples_step0000010.png")
+    assert sampled.splitlines() == ["sampled 2 prompt(s) at step 10 in 9.2 s:",
+                                    "…/c852022aad69/samples_step0000010.png"]
+    sent, events = [], []
+    server = types.ModuleType("server")
+    server.PromptServer = types.SimpleNamespace(instance=types.SimpleNamespace(
+        send_progress_text=lambda text, node: sent.append(text), send_sync=lambda e, d: events.append((e, d))))
+    monkeypatch.setitem(sys.modules, "server", server)
+
+    class Bar:
+        def __init__(self, total):
+            pass
+
+        def update_absolute(self, value, total=None, preview=None):
+            pass
+
+    cb = progress.ComfyCallback(types.SimpleNamespace(ProgressBar=Bar), types.SimpleNamespace(), "4")
+    cb.on_resume(2, 10, [0.5, 0.25], [1e-4, 2e-4])
+    cb.on_step(StepInfo(3, 10, 0.125, 2e-4, 1.0, 0.25, 0.0))
+    assert events[0] == (progress.RESUME_EVENT, {"node": "4", "step": 2, "total": 10, "loss": [0.5, 0.25],
+                                                 "lr": [1e-4, 2e-4]})
+    assert events[1][0] == progress.PROGRESS_EVENT and events[1][1]["step"] == 3
+    assert sent[-1] == "step 3/10: loss 0.1250\nlr 2.00e-04, 0.25 s/step"
+    assert all(len(line) <= progress.NODE_TEXT_WIDTH for t in (text, sent[-1]) for line in t.splitlines())

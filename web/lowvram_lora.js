@@ -4,37 +4,73 @@
 //   websocket events nodes/progress.py sends after every step. It is a <canvas> in a DOM widget (as the
 //   multiline text widgets are), so the frontend gives it its own place among the widgets and the sample
 //   grid preview is drawn below it, not over it (frontends 1.27 and 1.49).
+// - A resumed run ("lowvram_lora.resumed": the losses before the saved step) continues the same chart, with
+//   a lasting "resumed from step N" line; a Cancel or an error marks the chart stopped instead of leaving
+//   its ETA running.
 // - After a run: the saved LoRA path on Save LoRA, the final loss / step count on Train LoRA.
 //
-// A read-only multiline STRING widget is used for text, not a disabled "text" widget: frontends 1.27
-// and 1.49 draw a disabled text widget as a grey label without its value.
+// Only the frontend's public API is used (app, api, node.addDOMWidget): the internal scripts/widgets.js
+// makes frontends 1.49+ warn that the import will break. Text is a read-only <textarea> in a DOM widget
+// sized to its lines, so it is never clipped, and wraps between words.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
-import { ComfyWidgets } from "../../scripts/widgets.js";
 
 const OUR_NODES = new Set(["LowVRAMTrainLoRA", "LowVRAMSaveLoRA"]);
 const CHART_H = 150;
+const LINE_H = 16;
 const EMA = 0.9;
-const progress = new Map(); // node id -> { points: [{step, loss, avg, lr}], last }
+const progress = new Map(); // node id -> { points: [{step, loss, avg, lr}], last, resumedFrom, stopped }
 window.__lowvramProgress = progress; // for tests and the curious
 
-function showText(node, name, lines) {
+function textWidget(node, name) {
   let widget = node.widgets?.find((w) => w.name === name);
-  if (!widget) {
-    widget = ComfyWidgets["STRING"](node, name, ["STRING", { multiline: true }], app).widget;
-    // Display only: never saved into the workflow or sent as a node input.
-    widget.serialize = false;
-    widget.options = { ...(widget.options || {}), serialize: false };
-    if (widget.inputEl) {
-      widget.inputEl.readOnly = true;
-      widget.inputEl.style.opacity = 0.85;
-    }
-  }
-  widget.value = lines.join("\n");
-  if (widget.inputEl) widget.inputEl.value = widget.value;
+  if (widget) return widget;
+  const el = document.createElement("textarea");
+  el.readOnly = true;
+  el.spellcheck = false;
+  Object.assign(el.style, {
+    width: "100%", boxSizing: "border-box", resize: "none", overflow: "hidden", border: "none",
+    background: "rgba(0,0,0,0.25)", color: "var(--input-text, #ddd)", opacity: 0.9, padding: "3px 6px",
+    font: `12px/${LINE_H}px monospace`, whiteSpace: "pre-wrap", wordBreak: "normal", overflowWrap: "anywhere",
+  });
+  const height = () => Math.max(1, el.__lines || 1) * LINE_H + 8 + (el.__extra || 0);
+  widget = node.addDOMWidget(name, "lowvram_text", el, {
+    serialize: false, getValue: () => el.value, setValue: (v) => { el.value = v; },
+    getMinHeight: height, getMaxHeight: height, getHeight: height,
+  });
+  widget.serialize = false; // display only: never in the workflow's widgets_values or the prompt
+  widget.inputEl = el;
+  widget.computeSize = (width) => [width, height() + 4];
+  return widget;
+}
+
+function showText(node, name, lines) {
+  const widget = textWidget(node, name);
+  const el = widget.inputEl;
+  el.value = lines.join("\n");
+  // Lines as drawn: a long path wraps, so count the wrapped lines at the node's width (7.2 px per character).
+  const perLine = Math.max(20, Math.floor((node.size[0] - 40) / 7.2));
+  el.__lines = lines.reduce((n, l) => n + Math.max(1, Math.ceil(String(l).length / perLine)), 0);
+  el.__extra = 0;
+  el.__fixes = 0;
   const size = node.computeSize();
   node.setSize([Math.max(node.size[0], size[0]), Math.max(node.size[1], size[1])]);
   node.setDirtyCanvas(true, true);
+  fit(node, el);
+}
+
+// Once drawn, grow the node until the text shows whole: the frontends lay DOM widgets out with margins and
+// fonts of their own, so the estimate above may fall a line short (then the text was clipped).
+function fit(node, el) {
+  requestAnimationFrame(() => {
+    const over = el.scrollHeight - el.clientHeight;
+    if (over > 1 && el.clientHeight > 0 && el.__fixes++ < 4) {
+      el.__extra += over;
+      node.setSize([node.size[0], node.size[1] + over]);
+      node.setDirtyCanvas(true, true);
+      setTimeout(() => fit(node, el), 50);
+    }
+  });
 }
 
 function clock(seconds) {
@@ -65,22 +101,61 @@ function chartWidget(node) {
   return widget;
 }
 
-api.addEventListener("lowvram_lora.progress", ({ detail }) => {
-  if (!detail || detail.node == null) return;
-  const id = String(detail.node);
-  let entry = progress.get(id);
-  if (!entry || detail.step <= (entry.last?.step ?? 0)) entry = { points: [] }; // a new run
-  const prev = entry.points[entry.points.length - 1];
-  const avg = prev ? EMA * prev.avg + (1 - EMA) * detail.loss : detail.loss;
-  entry.points.push({ step: detail.step, loss: detail.loss, avg, lr: detail.lr });
-  entry.last = detail;
-  progress.set(id, entry);
+function redraw(id, entry) {
   const node = findNode(id);
   if (node) {
     drawChart(chartWidget(node).canvas, entry);
     node.setDirtyCanvas(true, true);
   }
+}
+
+function addPoint(entry, step, loss, lr) {
+  const prev = entry.points[entry.points.length - 1];
+  const avg = prev ? EMA * prev.avg + (1 - EMA) * loss : loss;
+  entry.points.push({ step, loss, avg, lr });
+}
+
+api.addEventListener("lowvram_lora.progress", ({ detail }) => {
+  if (!detail || detail.node == null) return;
+  const id = String(detail.node);
+  let entry = progress.get(id);
+  // A new run starts over; a resumed one was set up by "lowvram_lora.resumed" and goes on after its step.
+  if (!entry || entry.stopped != null || detail.step <= (entry.last?.step ?? 0)) {
+    if (!(entry && entry.resumedFrom != null && entry.stopped == null && detail.step === entry.resumedFrom + 1)) {
+      entry = { points: [] };
+    }
+  }
+  addPoint(entry, detail.step, detail.loss, detail.lr);
+  entry.last = detail;
+  entry.running = detail.step < detail.total;
+  progress.set(id, entry);
+  redraw(id, entry);
 });
+
+// Training goes on from a saved state: the chart is the run's, from step 1, not a new one from step N.
+api.addEventListener("lowvram_lora.resumed", ({ detail }) => {
+  if (!detail || detail.node == null) return;
+  const id = String(detail.node);
+  const entry = { points: [], resumedFrom: detail.step, running: true };
+  detail.loss.forEach((loss, i) => addPoint(entry, i + 1, loss, detail.lr[i] ?? 0));
+  entry.last = { step: detail.step, total: detail.total, loss: detail.loss[detail.loss.length - 1] ?? 0,
+                 lr: detail.lr[detail.lr.length - 1] ?? 0, seconds_per_step: 0, eta_seconds: null };
+  progress.set(id, entry);
+  redraw(id, entry);
+});
+
+// Cancel or a failure: the chart says where it stopped instead of a frozen ETA.
+function markStopped(how) {
+  for (const [id, entry] of progress) {
+    if (!entry.running || !entry.last) continue;
+    entry.running = false;
+    entry.stopped = entry.last.step;
+    entry.how = how;
+    redraw(id, entry);
+  }
+}
+api.addEventListener("execution_interrupted", () => markStopped("cancelled"));
+api.addEventListener("execution_error", () => markStopped("failed"));
 
 function drawChart(canvas, entry) {
   const scale = window.devicePixelRatio || 1;
@@ -89,7 +164,7 @@ function drawChart(canvas, entry) {
   canvas.height = ch * scale;
   const ctx = canvas.getContext("2d");
   ctx.setTransform(scale, 0, 0, scale, 0, 0);
-  const pad = 2, w = cw - 2 * pad, h = ch - 30;
+  const pad = 2, w = cw - 2 * pad, h = ch - (entry.resumedFrom != null ? 44 : 30);
   const x0 = pad, y0 = 0;
   ctx.fillStyle = "rgba(0,0,0,0.35)";
   ctx.fillRect(x0, y0, w, ch - 2);
@@ -107,6 +182,15 @@ function drawChart(canvas, entry) {
     pts.forEach((p, i) => (i ? ctx.lineTo : ctx.moveTo).call(ctx, X(p.step), value(p)));
     ctx.stroke();
   };
+  if (entry.resumedFrom != null) { // where the saved state took over: a dashed mark
+    ctx.strokeStyle = "rgba(255,255,255,0.45)";
+    ctx.setLineDash([3, 3]);
+    ctx.beginPath();
+    ctx.moveTo(X(entry.resumedFrom), y0 + 16);
+    ctx.lineTo(X(entry.resumedFrom), y0 + h + 14);
+    ctx.stroke();
+    ctx.setLineDash([]);
+  }
   line("rgba(120,170,255,0.6)", (p) => Y(p.loss), 1);
   line("#ffb040", (p) => Y(p.avg), 2);
   line("#60d080", (p) => y0 + 18 + (h - 4) * (1 - p.lr / lrMax), 1);
@@ -116,8 +200,23 @@ function drawChart(canvas, entry) {
                x0 + 6, y0 + 13);
   const vram = last.peak_vram_gb ? ` · peak ${last.peak_vram_gb.toFixed(2)} GB` : "";
   const pinned = last.pinned_host_gb ? ` · pinned ${last.pinned_host_gb.toFixed(1)} GB` : "";
-  ctx.fillText(`step ${last.step}/${last.total} · ${last.seconds_per_step.toFixed(2)} s/step · ETA ` +
-               `${clock(last.eta_seconds)}${vram}${pinned}`, x0 + 6, y0 + ch - 10);
+  let status;
+  if (entry.stopped != null) {
+    status = entry.how === "cancelled" ? `stopped at step ${entry.stopped}/${last.total} · Run again to resume`
+                                       : `failed after step ${entry.stopped}/${last.total}`;
+  } else if (last.eta_seconds == null) {
+    status = `step ${last.step}/${last.total} · loading`;
+  } else {
+    status = `step ${last.step}/${last.total} · ${last.seconds_per_step.toFixed(2)} s/step · ETA ` +
+             `${clock(last.eta_seconds)}${vram}${pinned}`;
+  }
+  if (entry.resumedFrom != null) {
+    ctx.fillStyle = "#bbb";
+    ctx.fillText(`resumed from step ${entry.resumedFrom} (saved state)`, x0 + 6, y0 + ch - 24);
+    ctx.fillStyle = "#ddd";
+  }
+  ctx.fillStyle = entry.stopped != null ? "#ffb040" : "#ddd";
+  ctx.fillText(status, x0 + 6, y0 + ch - 10);
   ctx.fillStyle = "#ffb040";
   ctx.fillText("avg", x0 + w - 52, y0 + 13);
   ctx.fillStyle = "#60d080";

@@ -218,6 +218,8 @@ def _dispatch(events: queue.Queue, cb: TrainingCallback, raise_errors: bool = Tr
             cb.on_progress(ev["stage"], ev["done"], ev["total"])
         elif kind == "log":
             cb.log(ev["message"])
+        elif kind == "resume" and hasattr(cb, "on_resume"):
+            cb.on_resume(ev["step"], ev["total"], ev["loss"], ev["lr"])
         elif kind == "sample" and ev.get("path"):
             from PIL import Image
 

@@ -43,6 +43,9 @@ class _Events(TrainingCallback):
     def on_sample(self, step: int, grid, path) -> None:
         self._emit({"type": "sample", "step": step, "path": path})
 
+    def on_resume(self, step: int, total: int, loss_history, lr_history) -> None:
+        self._emit({"type": "resume", "step": step, "total": total, "loss": loss_history, "lr": lr_history})
+
     def should_stop(self) -> bool:
         return self.stop_file.exists()
 

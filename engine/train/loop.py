@@ -286,6 +286,9 @@ def _resume(run: _Run) -> None:
         run.result.loss_history[:] = loaded.info["loss_history"]
         run.result.lr_history[:] = loaded.info["lr_history"]
         run.cb.log(f"resuming from step {loaded.step}/{run.train.steps} (state saved in '{loaded.path.parent}')")
+        on_resume = getattr(run.cb, "on_resume", None)  # duck-typed callbacks may lack it
+        if on_resume is not None:  # the node's chart goes on from the steps before, not empty
+            on_resume(loaded.step, run.train.steps, list(run.result.loss_history), list(run.result.lr_history))
     run.snapshot = RngSnapshot.take(run.first - 1, run.drawn)
 
 
@@ -295,6 +298,8 @@ def _make_sampler(run: _Run, sampling, sample_dir) -> None:
         from ..sampling import Sampler
 
         run.sampler = Sampler(sampling, run.dataset, run.family, run.model, run.device, run.dtype, sample_dir, run.cb)
+        if run.resume is not None and run.resume.enabled:  # the columns drawn before a stop, kept with the state
+            run.sampler.keep_columns(run.resume.folder / "samples", upto=run.first - 1)
 
 
 def _run_steps(run: _Run) -> None:
@@ -306,8 +311,9 @@ def _run_steps(run: _Run) -> None:
     run.model.train()
     try:
         with _attention_backends(run.device), run.placement.cap_allocator(run.held_before, run.cb):
-            if sampler is not None and run.first == 1 and sampler.due(0, train.steps):
-                _take_samples(sampler, 0, run.autocast, result)  # the base model, before any step
+            before = run.first - 1  # 0: the base model; else the resumed step, when its samples were cut short
+            if sampler is not None and sampler.due(before, train.steps) and not sampler.has(before):
+                _take_samples_or_save(run, before)
             for step in range(run.first, train.steps + 1):
                 if not _run_step(run, step):
                     break
@@ -342,7 +348,7 @@ def _run_step(run: _Run, step: int) -> bool:
         result.settings["compile"] = {"first_step_s": round(breakdown["wall"], 2)}
         cb.log(f"{run.compiled.describe()}; the first step took {breakdown['wall']:.1f} s with compiling")
     if run.sampler is not None and run.sampler.due(step, train.steps):
-        _take_samples(run.sampler, step, run.autocast, result)
+        _take_samples_or_save(run, step)
     if step < train.steps and _stop_requested(run):  # never after the last: keep a finished run
         result.interrupted = True
         cb.log(f"stopped at step {step}/{train.steps} on request")
@@ -476,6 +482,18 @@ def _finish(run: _Run, drop_model: bool) -> list[str]:
         run.model = model = None
     release_device_memory(run.device)
     return bad
+
+
+def _take_samples_or_save(run: _Run, step: int) -> None:
+    """Samples at ``step``. A stop raised while they are drawn (ComfyUI's Cancel, from its progress hook or
+    the sampler's polls; Ctrl-C) saves the state of the finished step first, as a stop between steps does:
+    the re-queue resumes from ``step`` and draws the samples cut short (after the last step too: the re-queue
+    then only samples, instead of training the whole run again)."""
+    try:
+        _take_samples(run.sampler, step, run.autocast, run.result)
+    except BaseException:
+        _save_state(run)
+        raise
 
 
 def _take_samples(sampler, step: int, autocast, result: TrainedLora) -> None:

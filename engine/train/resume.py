@@ -270,6 +270,10 @@ class ResumeStore:
         for leftover in self.folder.glob("*") if self.folder.is_dir() else []:
             if leftover.name.startswith(".state-"):  # a temp file of a killed save
                 leftover.unlink(missing_ok=True)
+            elif leftover.name == "samples" and leftover.is_dir():  # the sample columns kept for a resume
+                import shutil
+
+                shutil.rmtree(leftover, ignore_errors=True)
         try:
             self.folder.rmdir()
         except OSError:

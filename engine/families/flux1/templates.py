@@ -29,17 +29,16 @@ TEMPLATES = [
         train={"steps": 1500, "learning_rate": 1e-4, "rank": 16, "alpha": 16.0, "warmup_steps": 50, "training_seed": 42},
         save={"filename_prefix": "loras/flux1_dev_lora"},
         note=(
-        "Flux.1-dev LoRA at 1024x1024.\n\nFiles (what ComfyUI users have):\n"
-        "- models/diffusion_models/flux1-dev.safetensors: the transformer (BFL single file; bf16 or fp8).\n"
-        "- models/text_encoders/clip_l.safetensors and t5xxl_fp16.safetensors (fp8 works too) and "
-        "models/vae/ae.safetensors. Inside ComfyUI its bundled tokenizers are used. Or set text_encoders to a "
-        "diffusers pipeline folder (models/diffusers/FLUX.1-dev) instead.\n"
-        "- input/my_subject/: your images with same-name .txt captions (or set dataset_path to any folder).\n\n"
-        "Memory: Offload Config 'auto' with budget 0 plans for 90% of the free VRAM: everything resident if it "
-        "fits, else blocks stream from pinned host RAM (needs ~24 GB of free RAM for bf16, ~12 GB for an int8 "
-        "slab). Measured on an H100 at 1024 (bench/RESULTS.md): resident 27.4 GB peak, 1.02 s/step; "
-        "auto with a 6 GB budget 5.8 GB, 1.10x; stream + activation offload 3.3 GB, 1.15-1.18x; with "
-        "precision 'int8 slab' + stream + activation offload 2.6 GB at 1.04-1.10x the bf16 resident step.\n"
-        "The LoRA is written to output/loras/; copy it to models/loras to use it."),
+        # Short enough for the Note's box (420x260: ~15 lines of ~57 characters); the measurements behind
+        # the memory line are in bench/RESULTS.md.
+        "Flux.1-dev LoRA at 1024x1024.\n\nFiles:\n"
+        "- models/diffusion_models/flux1-dev.safetensors\n"
+        "- models/text_encoders/clip_l + t5xxl_fp16 (fp8 too)\n"
+        "- models/vae/ae.safetensors\n"
+        "- input/my_subject/: images + same-name .txt captions\n\n"
+        "Memory: Offload Config 'auto' keeps all on the GPU if it fits, else streams blocks from pinned RAM "
+        "(~24 GB free RAM for bf16, ~12 GB for an int8 slab). H100 at 1024: 27.4 GB resident, 1.02 s/step; "
+        "3.3 GB streamed with activation offload, ~1.15x.\n"
+        "The LoRA goes to output/loras/; copy it to models/loras."),
     ),
 ]
