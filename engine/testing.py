@@ -53,3 +53,48 @@ def make_tiny_dataset(folder: str | Path, count: int = 6, seed: int = 0, sizes=(
         img.save(folder / f"img_{i:03d}.png")
         (folder / f"img_{i:03d}.txt").write_text(f"a {fg} {shape} on a {bg} background")
     return folder
+
+
+def make_tiny_video_dataset(folder: str | Path, count: int = 3, frames: int = 9, size: tuple[int, int] = (64, 48),
+                            fps: int = 16, seed: int = 0) -> Path:
+    """Synthetic captioned clips next to ``make_tiny_dataset``'s images: a coloured shape moving across a
+    coloured background, ``frames`` frames at ``fps``, written as lossless H.264 ``.mp4`` with PyAV, with a
+    caption that says what moves where (the demo-sized video dataset of the tests)."""
+    import av
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    names = list(COLORS)
+    w, h = size
+    for i in range(count):
+        fg, bg = rng.sample(names, 2)
+        shape = SHAPES[i % len(SHAPES)]
+        direction = ("right", "left")[i % 2]
+        path = folder / f"clip_{i:03d}.mp4"
+        with av.open(str(path), "w") as container:
+            stream = container.add_stream("libx264", rate=fps, options={"qp": "0", "preset": "ultrafast"})
+            stream.width, stream.height, stream.pix_fmt = w, h, "yuv444p"
+            r = min(w, h) // 4
+            for f in range(frames):
+                img = Image.new("RGB", (w, h), COLORS[bg])
+                draw = ImageDraw.Draw(img)
+                t = f / max(frames - 1, 1)
+                cx = int(r + (w - 2 * r) * (t if direction == "right" else 1 - t))
+                cy = h // 2
+                box = (cx - r, cy - r, cx + r, cy + r)
+                if shape == "circle":
+                    draw.ellipse(box, fill=COLORS[fg])
+                elif shape == "square":
+                    draw.rectangle(box, fill=COLORS[fg])
+                else:
+                    draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=COLORS[fg])
+                frame = av.VideoFrame.from_ndarray(np.asarray(img), format="rgb24")
+                for packet in stream.encode(frame):
+                    container.mux(packet)
+            for packet in stream.encode():
+                container.mux(packet)
+        (folder / f"clip_{i:03d}.txt").write_text(f"a {fg} {shape} moving {direction} on a {bg} background")
+    return folder

@@ -13,6 +13,26 @@ SINGLE_FILES = "(single files below)"
 NONE = "(none)"
 
 
+def _video_help(name: str) -> str:
+    from ..engine.data.video_config import help_text
+
+    return "Video families (Wan) only. " + help_text(name)
+
+
+def _frame_counts(text: str) -> tuple[int, ...]:
+    """'33' or '17, 33, 49' -> (17, 33, 49); anything else is a clear error (VideoConfig checks 4k+1)."""
+    from ..engine.errors import ConfigError
+
+    try:
+        counts = tuple(int(x) for x in str(text).replace(";", ",").split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"video_frames={text!r}: give frame counts as whole numbers separated by commas, e.g. "
+                          f"'33' or '17, 33'") from None
+    if not counts:
+        raise ConfigError("video_frames is empty: give at least one frame count of the form 4k+1, e.g. '33'")
+    return counts
+
+
 def _per_family(kind: str) -> str:
     """One help line per registered family (``ModelFamily.file_help``): the help is written once, in the family."""
     from ..engine.families import families
@@ -46,7 +66,8 @@ class LowVRAMCacheTextEmbeds:
                 }),
                 "dataset_path": ("STRING", {
                     "default": "",
-                    "tooltip": "Folder of images (png/jpg/webp) with same-name .txt captions. A relative path (e.g. "
+                    "tooltip": "Folder of images (png/jpg/webp; for Wan also clips: mp4/webm/mov/gif/webp or folders "
+                               "of frames) with same-name .txt captions. A relative path (e.g. "
                                "my_subject) is looked up in ComfyUI's input folder (input/my_subject), then in "
                                "the working directory; an absolute path is used as given.",
                 }),
@@ -101,6 +122,15 @@ class LowVRAMCacheTextEmbeds:
                                "the trigger word where you want the LoRA's subject.",
                 }),
             },
+            # Video families only (Wan): how clips become training windows. After every older widget, so saved
+            # workflows keep their positions; image families ignore them.
+            "optional": {
+                "video_frames": ("STRING", {"default": "33", "tooltip": _video_help("frame_counts") + " Comma-separated."}),
+                "video_fps": ("FLOAT", {"default": 16.0, "min": 0.0, "max": 120.0, "step": 1.0,
+                                        "tooltip": _video_help("fps")}),
+                "video_window": (["head", "uniform", "random"], {"default": "head", "tooltip": _video_help("window")}),
+                "windows_per_clip": ("INT", {"default": 1, "min": 1, "max": 64, "tooltip": _video_help("windows_per_clip")}),
+            },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
@@ -117,6 +147,7 @@ class LowVRAMCacheTextEmbeds:
     def cache(self, model, text_encoders: str, dataset_path: str, resolution: int = 1024, trigger_word: str = "",
               default_caption: str = "", repeats: int = 1, flip: bool = False, max_sequence_length: int = 0,
               text_encoder_1: str = NONE, text_encoder_2: str = NONE, vae_file: str = NONE, sample_prompts: str = "",
+              video_frames: str = "33", video_fps: float = 16.0, video_window: str = "head", windows_per_clip: int = 1,
               unique_id=None):
         from dataclasses import replace
 
@@ -136,6 +167,15 @@ class LowVRAMCacheTextEmbeds:
         data = DataConfig(path=str(resolve_dataset_path(dataset_path)) if dataset_path else "", resolution=resolution,
                           trigger_word=trigger_word.strip(), default_caption=default_caption.strip() or None,
                           repeats=repeats, flip=flip)
+        from ..engine.families import get_family
+
+        video = None
+        if get_family(model.family).video:
+            from ..engine.data.video_config import VideoConfig
+
+            video = VideoConfig(frame_counts=_frame_counts(video_frames), fps=float(video_fps), window=video_window,
+                                windows_per_clip=int(windows_per_clip))
         dataset = build_dataset_cache(model_cfg, data, cache_dir(), max_sequence_length=max_sequence_length,
-                                      callback=make_callback(unique_id), sample_prompts=sample_prompts.splitlines())
+                                      callback=make_callback(unique_id), sample_prompts=sample_prompts.splitlines(),
+                                      video=video)
         return (dataset,)

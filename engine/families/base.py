@@ -307,6 +307,10 @@ class ModelFamily(ABC):
     prediction: ClassVar[Prediction] = Prediction()
     vae: ClassVar[VaeSpec] = VaeSpec()
 
+    #: The model trains on clips (5-D latents): Cache Text Embeds reads the dataset folder's clips by its video
+    #: settings (images count as one-frame clips). Image families read images only.
+    video: ClassVar[bool] = False
+
     # memory engine
     #: Linears outside the blocks that are large enough to be int8 in a slab (Flux.2's global modulation).
     int8_extra_linears: ClassVar[tuple[str, ...]] = ()

@@ -78,6 +78,7 @@ class WanFamily(ModelFamily):
 
     prediction = Prediction(timestep="sigma_x1000", sign=+1)
     vae = WAN21_VAE
+    video = True
     lora_targets = {"blocks": ATTENTION_TARGETS}
     # ComfyUI 0.33 maps no diffusers name of Wan (facts §3.6): the LoRA carries the native module names
     # (``diffusion_model.blocks.N.self_attn.q``), one native Linear per diffusers Linear.
