@@ -90,10 +90,11 @@ def resize_image(image, width: int, height: int):
     return VaeImageProcessor(vae_scale_factor=16).resize(image, height, width)
 
 
-def prompt_images(images: Sequence, mode: str) -> list:
-    """The control images (PIL, RGB) as the VL processor gets them: EditPlus at a 384² area, Edit at 1024²."""
+def prompt_images(images: Sequence, mode: str, condition_area: int = CONDITION_AREA, vae_area: int = VAE_AREA) -> list:
+    """The control images (PIL, RGB) as the VL processor gets them: EditPlus at a 384² area, Edit at 1024² (the
+    areas are parameters for tests on tiny images only)."""
     _check_mode(mode)
-    area = CONDITION_AREA if mode == "plus" else VAE_AREA
+    area = condition_area if mode == "plus" else vae_area
     out = []
     for image in images:
         width, height = calculate_dimensions(area, image.width / image.height)
@@ -149,12 +150,13 @@ def mrope_position_ids(config, inputs: dict) -> torch.Tensor:
 
 def encode_edit_prompts(captions: Sequence[str], images: Sequence[Sequence], mode: str, processor, visual,
                         embed_tokens, config, language_model: LanguageModel, drop: int = EDIT_DROP,
-                        dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+                        dtype: torch.dtype = torch.float32, **areas) -> list[torch.Tensor]:
     """One (L_i, D) tensor per instruction: ``hidden_states[-1]`` over its real tokens, the first ``drop`` cut, as
     the Edit pipeline's ``encode_prompt(prompt, image=...)`` gives it (with the 3-D positions; see the module doc).
     ``images``: each instruction's control images as the pipeline gets them (PIL); resized here (``prompt_images``).
-    ``config``: the Qwen2_5_VLConfig (its ``image_token_id`` and vision merge size)."""
-    prepared = [prompt_images(imgs, mode) for imgs in images]
+    ``config``: the Qwen2_5_VLConfig (its ``image_token_id`` and vision merge size). ``areas``: ``condition_area`` /
+    ``vae_area`` of ``prompt_images`` (tests only)."""
+    prepared = [prompt_images(imgs, mode, **areas) for imgs in images]
     inputs = multimodal_inputs(processor, captions, prepared, mode)
     mask = inputs["attention_mask"]
     with torch.no_grad():
@@ -181,9 +183,9 @@ def whole_language_model(text_encoder) -> LanguageModel:
 
 
 def encode_with_model(text_encoder, processor, captions: Sequence[str], images: Sequence[Sequence], mode: str,
-                      drop: int = EDIT_DROP) -> list[torch.Tensor]:
+                      drop: int = EDIT_DROP, **areas) -> list[torch.Tensor]:
     """``encode_edit_prompts`` through a whole loaded ``Qwen2_5_VLForConditionalGeneration`` (vision tower, embedding
     table and language model in memory): the exact reference path, for small models and GPUs that hold 16 GB."""
     return encode_edit_prompts(captions, images, mode, processor, text_encoder.model.visual,
                                text_encoder.model.language_model.embed_tokens, text_encoder.config,
-                               whole_language_model(text_encoder), drop, text_encoder.dtype)
+                               whole_language_model(text_encoder), drop, text_encoder.dtype, **areas)
