@@ -151,6 +151,7 @@ def _missing_controls_message(missing: list[str], dirs: list[Path]) -> str:
     listed = ", ".join(missing[:MAX_LISTED]) + (f" ... and {len(missing) - MAX_LISTED} more"
                                                  if len(missing) > MAX_LISTED else "")
     where = ", ".join(str(d) for d in dirs)
+    stem = Path(missing[0]).stem
     return (f"{len(missing)} target image(s) have no control image: {listed}. Put each one's input image in {where} "
-            f"under the target's name (cat.png -> cat.png, or cat_0.png, cat_1.png for several), or remove the "
-            f"target from the dataset folder")
+            f"under the target's name (for {missing[0]}: {stem}.png, or {stem}_0.png, {stem}_1.png for several), or "
+            f"remove the target from the dataset folder")
