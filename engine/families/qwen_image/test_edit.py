@@ -204,3 +204,32 @@ def test_model_inputs_checks_the_control_latents():
     with pytest.raises(ValueError, match="without gaps"):
         FAMILY.model_inputs(model, latents, {**embeds, "control_latents_1": torch.zeros(2, 16, 4, 4)},
                             torch.tensor([0.5, 0.5]), 0.0)
+
+
+@pytest.mark.parametrize("layout", ["folder", "comfyui"])
+def test_layer_major_from_the_memory_map_equals_the_whole_model(plus_pipe, tmp_path, layout):
+    """engine/caching/vl_text: the vision tower read from the file, the language model layer-major (weights per
+    layer from the memory map, 3-D positions passed in) give what the whole model gives (itself equal to the
+    pipeline, above); from a diffusers text_encoder/ folder and from ComfyUI's single-file names. 1e-5."""
+    from safetensors.torch import save_file
+
+    from lowvram_lora.engine.caching.vl_text import vision_language_parts
+
+    te = plus_pipe.text_encoder
+    state = {k: v.contiguous() for k, v in te.state_dict().items()}
+    if layout == "comfyui":  # qwen_2.5_vl_7b.safetensors: model.layers.N, visual.blocks.N
+        state = {k.replace("model.language_model.", "model.", 1).replace("model.visual.", "visual.", 1): v
+                 for k, v in state.items()}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    parts = vision_language_parts([tmp_path / "model.safetensors"], te.config, torch.device("cpu"), torch.float32)
+    groups = [[_image(80, 60, 1), _image(50, 70, 2)], [_image(64, 64, 4)]]
+    prompts = [PROMPT, "remove the hat"]
+    kw = dict(drop=plus_pipe.prompt_template_encode_start_idx, condition_area=COND_AREA)
+    try:
+        ours = et.encode_edit_prompts(prompts, groups, "plus", plus_pipe.processor, parts.visual, parts.embed_tokens,
+                                      parts.config, parts.language_model, **kw)
+    finally:
+        parts.close()
+    ref = et.encode_with_model(te, plus_pipe.processor, prompts, groups, "plus", **kw)
+    for o, r in zip(ours, ref):
+        torch.testing.assert_close(o, r, atol=1e-5, rtol=1e-5)
