@@ -161,12 +161,27 @@ class QwenImageFamily(ModelFamily):
     def text_encoder_specs(self, variant: str) -> tuple[TextEncoderSpec, ...]:
         """Qwen2.5-VL-7B's ``hidden_states[-1]`` (28 layers + the final norm), the template's first 34 tokens
         dropped, each caption at its own length (the pipeline's ``_get_qwen_prompt_embeds``)."""
+        if self.edit_mode(variant):
+            return (self._edit_text_spec(variant),)
         if variant == self.tiny_variant:  # the fixtures' tiny Qwen2.5-VL has 2 layers
             return (TextEncoderSpec("text_encoder", "tokenizer", "decoder_lm", 32, "prompt_embeds", hidden_layers=(2,),
                                     length="variable", template=_TEMPLATE, final_norm=True, drop_tokens=TINY_DROP),)
         return (TextEncoderSpec("text_encoder", "tokenizer", "decoder_lm", 512, "prompt_embeds", hidden_layers=(28,),
                                 length="variable", template=_TEMPLATE, architecture="qwen2.5-vl-7b",
                                 final_norm=True, drop_tokens=DROP, comfyui_tokenizer="qwen25_tokenizer"),)
+
+    def _edit_text_spec(self, variant: str) -> TextEncoderSpec:
+        """Edit: the Edit system turn (64 tokens dropped), the control images in the prompt (``control_images``: the
+        cache encodes it with ``edit_text.encode_edit_prompts`` over ``caching/vl_text`` parts, not text alone). The
+        pipelines do not truncate the multimodal prompt; ``max_length`` only bounds the instruction's own tokens."""
+        from .edit_text import EDIT_DROP, EDIT_SYSTEM, SUFFIX as EDIT_SUFFIX
+
+        template = PromptTemplate(style="plain", prefix=EDIT_SYSTEM, suffix=EDIT_SUFFIX)
+        tiny = variant.endswith("-tiny")
+        return TextEncoderSpec("text_encoder", "tokenizer", "decoder_lm", 32 if tiny else 1024, "prompt_embeds",
+                               hidden_layers=(2,) if tiny else (28,), length="variable", template=template,
+                               architecture="" if tiny else "qwen2.5-vl-7b", final_norm=True, drop_tokens=EDIT_DROP,
+                               comfyui_tokenizer="" if tiny else "qwen25_tokenizer", control_images=True)
 
     def text_widths(self, config: dict[str, Any]) -> dict[str, int]:
         return {"prompt_embeds": int(config["joint_attention_dim"])}

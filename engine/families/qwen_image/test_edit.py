@@ -233,3 +233,15 @@ def test_layer_major_from_the_memory_map_equals_the_whole_model(plus_pipe, tmp_p
     ref = et.encode_with_model(te, plus_pipe.processor, prompts, groups, "plus", **kw)
     for o, r in zip(ours, ref):
         torch.testing.assert_close(o, r, atol=1e-5, rtol=1e-5)
+
+
+def test_edit_text_specs_say_the_prompt_carries_images():
+    """Edit variants' spec: the Edit system turn, 64 tokens dropped (the tiny tokenizer happens to make 64 of it too),
+    the control images in the prompt; text-to-image variants unchanged."""
+    from lowvram_lora.engine.families.qwen_image.fixtures import tiny_qwen25_tokenizer
+
+    for variant in ("qwen-image-edit", "qwen-image-edit-2509", "qwen-image-edit-2511", "qwen-image-edit-tiny"):
+        (spec,) = FAMILY.text_encoder_specs(variant)
+        assert spec.control_images and spec.drop_tokens == et.EDIT_DROP and spec.template.prefix == et.EDIT_SYSTEM
+    assert et.tiny_drop(tiny_qwen25_tokenizer()[0]) == et.EDIT_DROP
+    assert not FAMILY.text_encoder_specs("qwen-image")[0].control_images
