@@ -155,9 +155,17 @@ def _identify_single_file(f: SafetensorsFile, family_id: str) -> tuple[ModelFami
                 f"names (such as '{example}'), first tensor in the file is '{first}'"
                 + (f"; it looks like {detected.display_name}" if detected is not None else "")
             )
+    keys = set(found)
     found = {n: s for n, s in found.items() if n not in family.unused_native_keys}
-    variant, config = _match_variant(f.path, family, found)
-    return family, family.variant_from_name(variant, f.path.name), config
+    matched, config = _match_variant(f.path, family, found)
+    variant = family.variant_from_file(matched, f.path.name, keys)
+    if variant != matched and variant in family.variants:  # told apart by name or flag: that variant's config
+        config = family.load_config(variant)  # (the same shapes; Qwen-Image-Edit-2511's zero_cond_t differs)
+        count, first = _first_mismatch(found, expected_single_file_shapes(family, config))
+        if count:
+            raise ModelLoadError(f"'{f.path}' is named like {family.display_name} {variant}, but its tensors do not "
+                                 f"fit that variant ({count} mismatches, first: {first}); rename the file")
+    return family, variant, config
 
 
 def expected_single_file_shapes(family: ModelFamily, config: dict[str, Any]) -> dict[str, tuple[int, ...]]:

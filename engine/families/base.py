@@ -122,6 +122,9 @@ class TextEncoderSpec:
     #: single file without a companion tokenizer folder uses it. Only where its files tokenize exactly as the
     #: pipeline does (Qwen-Image's plain template needs no chat template).
     comfyui_tokenizer: str = ""
+    #: The prompt carries the sample's control images through the encoder's vision tower (Qwen-Image-Edit): such a
+    #: caption is encoded with its images by the family's own multimodal encoder, not by text alone.
+    control_images: bool = False
 
     @property
     def output(self) -> str:
@@ -352,6 +355,12 @@ class ModelFamily(ABC):
         ``name``; the default keeps the variant the config matched."""
         return variant
 
+    def variant_from_file(self, variant: str, name: str, keys: set[str]) -> str:
+        """A single file's variant from its name and its (prefix-stripped) tensor ``keys``, unused ones included
+        (ComfyUI marks Qwen-Image-Edit-2511 with a flag tensor); the default asks ``variant_from_name``. When the
+        answer differs from the shape-matched variant, the file is built with that variant's shipped config."""
+        return self.variant_from_name(variant, name)
+
     @abstractmethod
     def looks_like_single_file(self, keys: set[str]) -> bool:
         """Whether a single file's (prefix-stripped) tensor names are this family's native names."""
@@ -408,7 +417,9 @@ class ModelFamily(ABC):
                      sigmas: torch.Tensor, guidance: float) -> dict[str, Any]:
         """Keyword arguments of the transformer's forward on noisy latents (B, ...) at noise levels
         ``sigmas`` (B,); ``embeds`` holds the cached embeddings and, for variable-length encoders,
-        their masks (``TextEncoderSpec.mask_key``). Timesteps follow ``self.prediction``."""
+        their masks (``TextEncoderSpec.mask_key``), and any other per-sample conditioning the family caches as
+        tensors with a batch axis (Qwen-Image-Edit's control latents, under keys the family documents).
+        Timesteps follow ``self.prediction``."""
 
     @abstractmethod
     def unpack_prediction(self, output: Any, latents: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,16 @@ Facts (../../../shared/reference/new-families-facts.md §2; checked against diff
 - Training: diffusers' script draws sigmas without shift (its scheduler config has dynamic shifting, so the
   table is unshifted); mu = 0 here.
 
-Qwen-Image-Edit (2509/2511) has the same transformer shape but conditions on control images through the
-vision tower and reference latents; it is not supported yet: files named "edit" are refused.
+Qwen-Image-Edit (Edit, Edit-2509, Edit-2511) has the same transformer shape and conditions on control images twice
+(diffusers 0.42.1 ``QwenImageEditPipeline`` / ``QwenImageEditPlusPipeline``):
+- the prompt: the control images go through Qwen2.5-VL's vision tower into the prompt (``edit_text.py``);
+- reference latents: each control image VAE-encoded (``controls.py``), packed 2x2 and appended to the noisy target's
+  tokens; ``img_shapes`` lists the target then each control (the RoPE frame index tells them apart); the prediction
+  is cut back to the target's tokens. 2511 (``zero_cond_t``) modulates the reference tokens with timestep 0 (inside
+  the transformer, from ``img_shapes``). The cached control latents reach ``model_inputs`` in ``embeds`` under
+  ``control_latents_0``, ``control_latents_1``, ... (``CONTROL_KEY``), each (B, 16, h_k, w_k) like a target latent.
+Which one a file is: its name ("edit", "2509", "2511") or, for 2511, the ``__index_timestep_zero__`` flag tensor
+ComfyUI's 2511 file carries (``variant_from_file``).
 """
 from __future__ import annotations
 
@@ -58,6 +66,17 @@ BASE_SEQ, MAX_SEQ, BASE_SHIFT, MAX_SHIFT, SHIFT_TERMINAL = 256, 8192, 0.5, 0.9, 
 
 _TEMPLATE = PromptTemplate(style="plain", prefix=SYSTEM_PREFIX, suffix=SUFFIX)
 
+#: Cached control latents travel in ``embeds`` as ``f"{CONTROL_KEY}_{k}"`` (k = 0, 1, ...: the control images in
+#: the pipeline's order), each (B, 16, h_k, w_k) normalised as target latents are (``controls.encode_controls``).
+CONTROL_KEY = "control_latents"
+#: How each variant conditions on control images: "" (text-to-image), "edit" (QwenImageEditPipeline: one control
+#: image at the target's 1024² area, also the VL prompt image) or "plus" (QwenImageEditPlusPipeline: 1..n control
+#: images, the VL prompt at 384², the references at 1024²; 2509 and 2511).
+EDIT_MODE = {"qwen-image": "", "qwen-image-tiny": "", "qwen-image-edit": "edit", "qwen-image-edit-2509": "plus",
+             "qwen-image-edit-2511": "plus", "qwen-image-edit-tiny": "plus", "qwen-image-edit-2511-tiny": "plus"}
+#: The flag tensor ComfyUI's 2511 file carries (comfy/model_detection.py: ``default_ref_method="index_timestep_zero"``).
+INDEX_TIMESTEP_ZERO = "__index_timestep_zero__"
+
 
 class QwenImageFamily(ModelFamily):
     id = "qwen_image"
@@ -66,6 +85,12 @@ class QwenImageFamily(ModelFamily):
     variants = {
         "qwen-image": "qwen-image.json",  # Qwen-Image and Qwen-Image-2512 (same shapes)
         "qwen-image-tiny": "qwen-image-tiny.json",  # tests and the demo (width 32, 2 blocks)
+        # Edit variants: the same shapes (only 2511's zero_cond_t differs), told apart by name (variant_from_name).
+        "qwen-image-edit": "qwen-image.json",
+        "qwen-image-edit-2509": "qwen-image.json",
+        "qwen-image-edit-2511": "qwen-image-edit-2511.json",  # zero_cond_t: reference tokens modulated at t = 0
+        "qwen-image-edit-tiny": "qwen-image-tiny.json",  # tests: EditPlus on the tiny transformer
+        "qwen-image-edit-2511-tiny": "qwen-image-edit-2511-tiny.json",
     }
     tiny_variant = "qwen-image-tiny"
     structural_keys = ("num_layers", "attention_head_dim", "num_attention_heads", "joint_attention_dim",
@@ -96,12 +121,31 @@ class QwenImageFamily(ModelFamily):
         return qwen_image_param_table(self, config)
 
     def variant_from_name(self, variant: str, name: str) -> str:
-        if "edit" in name.lower():
-            raise ConfigError(
-                f"'{name}' looks like Qwen-Image-Edit. Edit LoRAs need control images (through the vision tower "
-                f"and as reference latents), which lowvram-lora does not support yet; train on "
-                f"qwen_image_bf16.safetensors (or the 2512 release) for a text-to-image LoRA")
-        return variant
+        """Edit, 2509 and 2511 share Qwen-Image's shapes; the file or folder name tells them apart, as ComfyUI's
+        names do (``qwen_image_edit_fp8_e4m3fn``, ``qwen_image_edit_2509_*``, ``qwen_image_edit_2511_bf16``; the hub's
+        ``Qwen-Image-Edit-2509``). A config with ``zero_cond_t`` is 2511 whatever its name."""
+        tiny = variant in (self.tiny_variant, "qwen-image-edit-tiny", "qwen-image-edit-2511-tiny")
+        lowered = name.lower()
+        if variant in ("qwen-image-edit-2511", "qwen-image-edit-2511-tiny") or "2511" in lowered and "edit" in lowered:
+            return "qwen-image-edit-2511-tiny" if tiny else "qwen-image-edit-2511"
+        if "edit" not in lowered:
+            return variant
+        if tiny:
+            return "qwen-image-edit-tiny"
+        return "qwen-image-edit-2509" if "2509" in lowered else "qwen-image-edit"
+
+    def variant_from_file(self, variant: str, name: str, keys: set[str]) -> str:
+        """ComfyUI's 2511 file carries the flag tensor ``__index_timestep_zero__``: 2511 even when renamed."""
+        if INDEX_TIMESTEP_ZERO in keys:
+            tiny = variant in (self.tiny_variant, "qwen-image-edit-tiny", "qwen-image-edit-2511-tiny")
+            return "qwen-image-edit-2511-tiny" if tiny else "qwen-image-edit-2511"
+        return self.variant_from_name(variant, name)
+
+    def edit_mode(self, variant: str) -> str:
+        """"" (text-to-image), "edit" or "plus" (``EDIT_MODE``): which Edit pipeline ``variant`` follows."""
+        if variant not in EDIT_MODE:
+            raise ConfigError(f"unknown Qwen-Image variant {variant!r}; known: {', '.join(EDIT_MODE)}")
+        return EDIT_MODE[variant]
 
     def lora_target_modules(self, model: nn.Module) -> list[str]:
         """``lora_targets`` in every block, less the last block's text-query and text-output projections
@@ -117,12 +161,27 @@ class QwenImageFamily(ModelFamily):
     def text_encoder_specs(self, variant: str) -> tuple[TextEncoderSpec, ...]:
         """Qwen2.5-VL-7B's ``hidden_states[-1]`` (28 layers + the final norm), the template's first 34 tokens
         dropped, each caption at its own length (the pipeline's ``_get_qwen_prompt_embeds``)."""
+        if self.edit_mode(variant):
+            return (self._edit_text_spec(variant),)
         if variant == self.tiny_variant:  # the fixtures' tiny Qwen2.5-VL has 2 layers
             return (TextEncoderSpec("text_encoder", "tokenizer", "decoder_lm", 32, "prompt_embeds", hidden_layers=(2,),
                                     length="variable", template=_TEMPLATE, final_norm=True, drop_tokens=TINY_DROP),)
         return (TextEncoderSpec("text_encoder", "tokenizer", "decoder_lm", 512, "prompt_embeds", hidden_layers=(28,),
                                 length="variable", template=_TEMPLATE, architecture="qwen2.5-vl-7b",
                                 final_norm=True, drop_tokens=DROP, comfyui_tokenizer="qwen25_tokenizer"),)
+
+    def _edit_text_spec(self, variant: str) -> TextEncoderSpec:
+        """Edit: the Edit system turn (64 tokens dropped), the control images in the prompt (``control_images``: the
+        cache encodes it with ``edit_text.encode_edit_prompts`` over ``caching/vl_text`` parts, not text alone). The
+        pipelines do not truncate the multimodal prompt; ``max_length`` only bounds the instruction's own tokens."""
+        from .edit_text import EDIT_DROP, EDIT_SYSTEM, SUFFIX as EDIT_SUFFIX
+
+        template = PromptTemplate(style="plain", prefix=EDIT_SYSTEM, suffix=EDIT_SUFFIX)
+        tiny = variant.endswith("-tiny")
+        return TextEncoderSpec("text_encoder", "tokenizer", "decoder_lm", 32 if tiny else 1024, "prompt_embeds",
+                               hidden_layers=(2,) if tiny else (28,), length="variable", template=template,
+                               architecture="" if tiny else "qwen2.5-vl-7b", final_norm=True, drop_tokens=EDIT_DROP,
+                               comfyui_tokenizer="" if tiny else "qwen25_tokenizer", control_images=True)
 
     def text_widths(self, config: dict[str, Any]) -> dict[str, int]:
         return {"prompt_embeds": int(config["joint_attention_dim"])}
@@ -140,25 +199,39 @@ class QwenImageFamily(ModelFamily):
                      sigmas: torch.Tensor, guidance: float) -> dict[str, Any]:
         """Keyword arguments of ``QwenImageTransformer2DModel.forward`` for latents (B, 16, h, w): packed 2x2,
         the zero-padded captions with their mask (all real without one), sigma, one image shape per sample.
-        ``guidance`` is unused (``guidance_embeds`` is false)."""
+        ``guidance`` is unused (``guidance_embeds`` is false).
+
+        Edit: the control latents in ``embeds`` (``control_latents_0``, ``_1``, ...) are packed and appended to the
+        target's tokens and listed after it in ``img_shapes``, as QwenImageEditPlusPipeline (and Edit, with one)
+        does; ``unpack_prediction`` keeps the target's tokens."""
         b, _, h, w = latents.shape
+        controls = control_latents(embeds)
         prompt = embeds["prompt_embeds"].to(latents.dtype)
         if prompt.shape[0] != b:
             raise ValueError(f"Qwen-Image batch mismatch: {b} latents, {prompt.shape[0]} captions")
         mask = embeds.get("prompt_embeds_mask")  # TextEncoderSpec("prompt_embeds").mask_key
         if mask is None:
             mask = torch.ones(prompt.shape[:2], dtype=torch.long)
+        for c in controls:
+            if c.shape[0] != b or c.shape[1] != latents.shape[1]:
+                raise ValueError(f"Qwen-Image-Edit control latents {tuple(c.shape)} do not fit the batch's latents "
+                                 f"{tuple(latents.shape)} (one (B, {latents.shape[1]}, h, w) tensor per control image)")
+        hidden = torch.cat([pack_2x2(latents)] + [pack_2x2(c.to(latents.device, latents.dtype)) for c in controls],
+                           dim=1)
+        shapes = [(1, h // 2, w // 2)] + [(1, c.shape[-2] // 2, c.shape[-1] // 2) for c in controls]
         return {
-            "hidden_states": pack_2x2(latents),
+            "hidden_states": hidden,
             "encoder_hidden_states": prompt,
             "encoder_hidden_states_mask": mask.to(latents.device),
             "timestep": self.prediction.model_timestep(sigmas.to(latents.device)).to(latents.dtype),
-            "img_shapes": [[(1, h // 2, w // 2)]] * b,
+            "img_shapes": [list(shapes)] * b,
             "return_dict": False,
         }
 
     def unpack_prediction(self, output: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
-        return unpack_2x2(output, latents.shape[-2], latents.shape[-1])
+        """The target's tokens (the first h/2 * w/2; an Edit forward also answers for the control tokens) unpacked."""
+        h, w = latents.shape[-2], latents.shape[-1]
+        return unpack_2x2(output[:, : (h // 2) * (w // 2)], h, w)
 
     def train_shift_mu(self, latents: torch.Tensor) -> float:
         """No shift: diffusers' training script draws from the unshifted sigma table (see the module doc)."""
@@ -181,3 +254,13 @@ class QwenImageFamily(ModelFamily):
         """True CFG 4 (the pipeline's ``true_cfg_scale`` default) against the negative prompt, rescaled per
         packed token to the conditional prediction's norm; 20 preview steps (ComfyUI's template: 20)."""
         return Guidance(mode="cfg", scale=4.0, steps=20, formula="standard", renormalize="patch_tokens")
+
+
+def control_latents(embeds: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The control latents in ``embeds`` (``control_latents_0``, ``control_latents_1``, ... in order; a gap is an
+    error: the pipeline's order of the control images is the RoPE frame index)."""
+    found = sorted(int(k[len(CONTROL_KEY) + 1:]) for k in embeds if k.startswith(CONTROL_KEY + "_"))
+    if found != list(range(len(found))):
+        raise ValueError(f"control latents must be numbered {CONTROL_KEY}_0 .. _{len(found) - 1} without gaps; got "
+                         f"{', '.join(f'{CONTROL_KEY}_{i}' for i in found)}")
+    return [embeds[f"{CONTROL_KEY}_{i}"] for i in found]

@@ -17,7 +17,7 @@ from ..tiny import (folder_state, native_state, save_tensors, tiny_transformer, 
                     write_wan_vae_file)
 
 _SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", "<|vision_start|>", "<|vision_end|>",
-             "<|image_pad|>"]
+             "<|image_pad|>", "<|video_pad|>"]
 _TEXT_LAYERS = 2
 
 
@@ -30,7 +30,7 @@ def tiny_qwen25_tokenizer(max_length: int = 1024):
                                             "<|endoftext|>", "<unk>", max_length)
     tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(single="$A")
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|vision_start|>",
-                                                                "<|vision_end|>", "<|image_pad|>"]})
+                                                                "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]})
     tokenizer.padding_side = "right"
     return tokenizer, vocab
 
@@ -49,7 +49,7 @@ def tiny_qwen25_vl(vocab: int, hidden: int, seed: int):
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=hidden,
                            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=28,
                            fullatt_block_indexes=[0]),
-        image_token_id=6, vision_start_token_id=4, vision_end_token_id=5, video_token_id=6)
+        image_token_id=6, vision_start_token_id=4, vision_end_token_id=5, video_token_id=7)
     model = Qwen2_5_VLForConditionalGeneration(config)
     with torch.no_grad():  # the final norm at 1 would hide whether it is applied
         model.model.language_model.norm.weight.uniform_(0.5, 1.5)
@@ -122,3 +122,43 @@ def comfyui_model(config: dict) -> tuple[str, dict]:
     ``img_in``, ``num_layers`` by counting blocks). Its LoRA key map reads none of it."""
     return "QwenImage", {"image_model": "qwen_image", "in_channels": config["in_channels"],
                          "num_layers": config["num_layers"]}
+
+
+def tiny_qwen2vl_processor(tokenizer):
+    """A ``Qwen2VLProcessor`` (the Edit pipelines' ``processor``) over the tiny tokenizer and a ``Qwen2VLImageProcessor``
+    with Qwen2.5-VL's defaults (patch 14, merge 2). It holds no video processor: transformers builds that only with
+    torchvision, and the Edit pipelines never pass videos."""
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor
+
+    class _ImagesOnlyProcessor(Qwen2VLProcessor):
+        def check_argument_for_proper_class(self, argument_name, argument):
+            return None if argument is None else super().check_argument_for_proper_class(argument_name, argument)
+
+    return _ImagesOnlyProcessor(image_processor=Qwen2VLImageProcessor(), tokenizer=tokenizer)
+
+
+def tiny_edit_pipeline(mode: str = "plus", variant: str = "qwen-image-edit-tiny", seed: int = 0):
+    """An in-memory tiny ``QwenImageEditPlusPipeline`` (``mode`` "plus") or ``QwenImageEditPipeline`` ("edit") whose
+    transformer has ``variant``'s config (``qwen-image-edit-2511-tiny``: zero_cond_t); the template's drop count is
+    set to what the tiny tokenizer makes of the Edit system turn (``edit_text.tiny_drop``)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline, QwenImageEditPlusPipeline
+
+    from ..tiny import randomize_zero_inits
+    from . import FAMILY
+    from .edit_text import tiny_drop
+    from .family import BASE_SEQ, BASE_SHIFT, MAX_SEQ, MAX_SHIFT, SHIFT_TERMINAL
+
+    torch.manual_seed(seed)
+    transformer = FAMILY.transformer_class().from_config(FAMILY.load_config(variant))
+    randomize_zero_inits(transformer, seed)
+    tokenizer, vocab = tiny_qwen25_tokenizer()
+    text_encoder = tiny_qwen25_vl(vocab, transformer.config.joint_attention_dim, seed)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_image_seq_len=BASE_SEQ,
+        max_image_seq_len=MAX_SEQ, base_shift=BASE_SHIFT, max_shift=MAX_SHIFT, shift_terminal=SHIFT_TERMINAL,
+        time_shift_type="exponential")
+    cls = QwenImageEditPlusPipeline if mode == "plus" else QwenImageEditPipeline
+    pipe = cls(scheduler=scheduler, vae=tiny_qwen_image_vae(), text_encoder=text_encoder, tokenizer=tokenizer,
+               processor=tiny_qwen2vl_processor(tokenizer), transformer=transformer)
+    pipe.prompt_template_encode_start_idx = tiny_drop(tokenizer, mode)
+    return pipe

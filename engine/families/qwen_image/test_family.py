@@ -6,7 +6,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lowvram_lora.engine.errors import ConfigError
 from lowvram_lora.engine.families import family_for_single_file, get_family
 from lowvram_lora.engine.families.qwen_image import FAMILY
 from lowvram_lora.engine.families.qwen_image.family import SYSTEM_PREFIX
@@ -50,7 +49,7 @@ def _batch(embeds, mask):
 # --- identity ----------------------------------------------------------------------------------------------
 
 
-def test_registry_variants_detection_and_edit_refusal(pipeline_folder, tmp_path):
+def test_registry_variants_and_detection(pipeline_folder, tmp_path):
     from diffusers import QwenImageTransformer2DModel
 
     assert get_family("qwen_image") is FAMILY
@@ -60,8 +59,8 @@ def test_registry_variants_detection_and_edit_refusal(pipeline_folder, tmp_path)
     assert FAMILY.hidden_size(real) == 3072
     single = write_single_file(pipeline_folder, tmp_path / "qwen_image_bf16.safetensors", prefix="model.diffusion_model.")
     assert family_for_single_file({k[len("model.diffusion_model."):] for k in load_file(str(single))}) is FAMILY
-    with pytest.raises(ConfigError, match="Qwen-Image-Edit"):
-        FAMILY.variant_from_name("qwen-image", "qwen_image_edit_2509_fp8_e4m3fn.safetensors")
+    # Edit files are identified (test_edit.py covers every name and the 2511 flag), no longer refused
+    assert FAMILY.variant_from_name("qwen-image", "qwen_image_edit_2509_fp8_e4m3fn.safetensors") == "qwen-image-edit-2509"
     assert FAMILY.variant_from_name("qwen-image", "qwen_image_2512_bf16.safetensors") == "qwen-image"
 
 
