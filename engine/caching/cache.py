@@ -262,6 +262,13 @@ def build_dataset_cache(
     else:
         pipeline = resolve_pipeline_folder(model_cfg)
         family, variant = _family_and_variant(model_cfg, pipeline)
+    if any(s.control_images for s in family.text_encoder_specs(variant)):
+        # The engine encodes control images (the qwen_image folder's edit_text / controls, engine/data/pairs.py)
+        # but the cache does not feed them yet: caching such a model's captions alone would train it wrong.
+        raise ConfigError(
+            f"{family.display_name} ({variant}) is an edit model: its captions are instructions about control images, "
+            f"which Cache Text Embeds cannot read yet. Train a text-to-image LoRA on the base model's file instead "
+            f"(for Qwen-Image: qwen_image_bf16 / qwen_image_fp8_e4m3fn, or the 2512 release)")
     records = scan_video_dataset(data_cfg, video, log=cb.log) if video else scan_dataset(data_cfg, log=cb.log)
     buckets = make_buckets(data_cfg.resolution, data_cfg.bucket_step, data_cfg.max_aspect)
     max_len = max_sequence_length or family.default_max_sequence_length(variant)
