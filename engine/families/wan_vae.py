@@ -27,7 +27,7 @@ class WanVaeSpec(VaeSpec):
     #: The package whose ``configs/vae/<single_file_config>/config.json`` describes a single file's VAE (the
     #: family's folder: ``type(self).__module__`` of the family that builds the spec).
     config_package: str = __package__
-    single_file_config: str = "wan2.1"
+    single_file_config: str = "wan2_1"  # a folder name: no dots (it is a package)
     #: Latents keep their frame axis, an image being one frame (B, C, 1, h, w): video families (Wan). Image
     #: families (Qwen-Image) drop it for images and cache (C, h, w).
     video: bool = False

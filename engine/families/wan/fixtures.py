@@ -47,7 +47,7 @@ def tiny_wan_vae(wan22: bool = False):
     torch.manual_seed(0)
     if not wan22:
         return AutoencoderKLWan(base_dim=8, z_dim=16)
-    config = {k: v for k, v in load_package_json(__name__, "configs", "vae", "wan2.2", "config.json").items()
+    config = {k: v for k, v in load_package_json(__name__, "configs", "vae", "wan2_2", "config.json").items()
               if not k.startswith("_")}
     return AutoencoderKLWan(**{**config, "base_dim": 8, "decoder_base_dim": 8})
 

@@ -38,7 +38,7 @@ def wan22_vae_diffusers_key(key: str) -> str | None:
 
 @dataclass(frozen=True)
 class Wan22VaeSpec(WanVaeSpec):
-    single_file_config: str = "wan2.2"
+    single_file_config: str = "wan2_2"
 
     def convert_original(self, state: dict) -> dict:
         inner = {k: v for k, v in state.items() if wan22_vae_diffusers_key(k) is None}
@@ -48,8 +48,8 @@ class Wan22VaeSpec(WanVaeSpec):
 
 
 #: Wan 2.1 T2V (1.3B, 14B) and both Wan 2.2 A14B experts: ``wan_2.1_vae.safetensors``.
-WAN21_VAE = WanVaeSpec(class_name="AutoencoderKLWan", config_package=__package__, single_file_config="wan2.1",
+WAN21_VAE = WanVaeSpec(class_name="AutoencoderKLWan", config_package=__package__, single_file_config="wan2_1",
                        video=True)
 #: Wan 2.2 TI2V-5B only: ``wan2.2_vae.safetensors``.
-WAN22_VAE = Wan22VaeSpec(class_name="AutoencoderKLWan", config_package=__package__, single_file_config="wan2.2",
+WAN22_VAE = Wan22VaeSpec(class_name="AutoencoderKLWan", config_package=__package__, single_file_config="wan2_2",
                          video=True)
