@@ -266,7 +266,7 @@ class ResumeStore:
 
     def close(self) -> None:
         """The run is over: wait for a save in flight (its outcome stays for ``finished``), free the host copy."""
-        self._writer.wait()
+        self._writer.close()
         self._staging.release()
 
     def _capture(self, named_params, optimizer, scheduler, snapshot: RngSnapshot, loss_history: list[float],

@@ -26,8 +26,9 @@ at the next save, or at the end of the run.
 """
 from __future__ import annotations
 
-import threading
+import math
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -52,87 +53,107 @@ class HostStaging:
 
     def __init__(self):
         self._buffer: torch.Tensor | None = None
+        self._layout: tuple = ()  # (name, shape, dtype, device) of each tensor the views below were made for
+        self._views: dict[str, torch.Tensor] = {}
 
     def copy(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Contiguous host copies of ``tensors`` (same dtypes and shapes), complete when this returns. The
         copies are views of the staging buffer: valid until the next ``copy``."""
-        layout, offset = [], 0
+        layout = tuple((name, t.shape, t.dtype, t.device) for name, t in tensors.items())
+        if layout != self._layout:  # the first save (later ones have the same tensors: the views are kept)
+            self._views = self._make_views(layout)
+            self._layout = layout
+        on_host, devices = [], set()
         for name, t in tensors.items():
-            nbytes = t.numel() * t.element_size()
-            layout.append((name, t, offset, nbytes))
-            offset += -(-nbytes // _ALIGN) * _ALIGN
-        devices = {t.device for t in tensors.values() if t.device.type == "cuda"}
-        buffer = self._buffer_of(offset, pinned=bool(devices))
-        out = {}
-        for name, t, start, nbytes in layout:
-            if nbytes == 0:
-                out[name] = torch.empty(t.shape, dtype=t.dtype)
-                continue
-            dst = buffer[start:start + nbytes].view(t.dtype).view(t.shape)
-            dst.copy_(t.detach(), non_blocking=True)  # from CUDA into pinned memory: queued, not waited for
-            out[name] = dst
-        for device in devices:  # the copies were queued on each device's current stream
+            if t.device.type == "cuda":  # into pinned memory: queued on the device's current stream
+                self._views[name].copy_(t.detach(), non_blocking=True)
+                devices.add(t.device)
+            else:
+                on_host.append(name)
+        if on_host:  # host to host (CPU training, optimizer moments kept on the host): one batched call
+            torch._foreach_copy_([self._views[n] for n in on_host], [tensors[n].detach() for n in on_host])
+        for device in devices:
             torch.cuda.synchronize(device)
-        return out
+        return dict(self._views)
 
-    def _buffer_of(self, nbytes: int, pinned: bool) -> torch.Tensor:
+    def _make_views(self, layout) -> dict[str, torch.Tensor]:
+        offsets, total = [], 0
+        for _, shape, dtype, _ in layout:
+            nbytes = math.prod(shape) * dtype.itemsize
+            offsets.append((total, nbytes))
+            total += -(-nbytes // _ALIGN) * _ALIGN
+        pinned = any(device.type == "cuda" for *_, device in layout)
         buf = self._buffer
-        if buf is None or buf.numel() < nbytes or buf.is_pinned() != pinned:
-            self._buffer = None  # the old one is given back before the new one is taken
-            buf = self._buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
-        return buf
+        if buf is None or buf.numel() < total or buf.is_pinned() != pinned:
+            self._buffer = buf = None  # the old one is given back before the new one is taken
+            buf = self._buffer = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pinned)
+        views = {}
+        for (name, shape, dtype, _), (start, nbytes) in zip(layout, offsets):
+            views[name] = (buf[start:start + nbytes].view(dtype).view(shape) if nbytes
+                           else torch.empty(shape, dtype=dtype))
+        return views
 
     def release(self) -> None:
         """Give the buffer back (the run is over)."""
-        self._buffer = None
+        self._buffer, self._layout, self._views = None, (), {}
 
 
 class StateWriter:
-    """Runs one write at a time on a worker thread and keeps its outcome for the training thread."""
+    """Runs one write at a time on a worker thread and keeps its outcome for the training thread.
 
-    def __init__(self, name: str = "lowvram-lora resume writer"):
+    The worker is one thread kept for the store's life (a ThreadPoolExecutor of one): starting a thread per
+    save made the training thread wait for the new thread to start (Thread.start's handshake, ~15 ms on a busy
+    CPU). Python joins the worker at exit, so an interpreter that ends while a state is written lets it finish.
+    """
+
+    def __init__(self, name: str = "lowvram-lora-resume-writer"):
         self.name = name
-        self._thread: threading.Thread | None = None
-        self._running: SaveOutcome | None = None  # filled by the worker when its write ends
+        self._pool: ThreadPoolExecutor | None = None
+        self._running: tuple[int, Future] | None = None
         self._ended: list[SaveOutcome] = []  # ended and not yet handed to the training thread
 
     @property
     def busy(self) -> bool:
         """A write is still in flight."""
-        return self._thread is not None and self._thread.is_alive()
+        return self._running is not None and not self._running[1].done()
 
     def start(self, step: int, write: Callable[[], Path | None]) -> None:
-        """Run ``write`` on a worker thread and return at once. A write still in flight is waited for first:
+        """Run ``write`` on the worker thread and return at once. A write still in flight is waited for first:
         one at a time (the host copies are reused, and states must land in step order)."""
         self.wait()
-        outcome = SaveOutcome(step, None, None, 0.0)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self.name)
 
-        def work() -> None:
+        def timed() -> tuple[Path | None, float]:
             t0 = time.perf_counter()
-            try:
-                outcome.path = write()
-            except BaseException as exc:  # kept for the training thread, never lost with the worker
-                exc.add_note(f"(while writing the training state of step {step} on the background writer thread)")
-                outcome.error = exc
-            outcome.seconds = time.perf_counter() - t0
+            return write(), time.perf_counter() - t0
 
-        self._running = outcome
-        # Not a daemon: an interpreter that exits while a state is being written lets it finish first.
-        self._thread = threading.Thread(target=work, name=self.name, daemon=False)
-        self._thread.start()
+        self._running = (step, self._pool.submit(timed))
 
     def wait(self) -> None:
         """Block until the write in flight (if any) ended; its outcome joins the ended ones."""
-        if self._thread is None:
+        if self._running is None:
             return
-        self._thread.join()
-        self._thread = None
-        self._ended.append(self._running)
+        step, future = self._running
+        try:
+            path, seconds = future.result()
+            outcome = SaveOutcome(step, path, None, seconds)
+        except BaseException as exc:  # kept for the training thread, never lost with the worker
+            exc.add_note(f"(while writing the training state of step {step} on the background writer thread)")
+            outcome = SaveOutcome(step, None, exc, 0.0)
         self._running = None
+        self._ended.append(outcome)
 
     def finished(self, wait: bool = False) -> list[SaveOutcome]:
         """The writes that ended since the last call, oldest first (with ``wait``: the one in flight too)."""
-        if self._thread is not None and (wait or not self._thread.is_alive()):
+        if self._running is not None and (wait or self._running[1].done()):
             self.wait()
         ended, self._ended = self._ended, []
         return ended
+
+    def close(self) -> None:
+        """Wait for the write in flight (its outcome is kept for ``finished``) and let the worker thread go."""
+        self.wait()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
