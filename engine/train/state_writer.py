@@ -70,9 +70,14 @@ class HostStaging:
                 devices.add(t.device)
             else:
                 on_host.append(name)
+        if on_host and torch.cuda.is_available() and torch.cuda.is_initialized():
+            # Host tensors may be the target of a device copy still in flight (HostMomentsAdamW copies its
+            # moments back with non_blocking=True): without this the copy could take half-updated moments.
+            for index in range(torch.cuda.device_count()):
+                torch.cuda.synchronize(index)
         if on_host:  # host to host (CPU training, optimizer moments kept on the host): one batched call
             torch._foreach_copy_([self._views[n] for n in on_host], [tensors[n].detach() for n in on_host])
-        for device in devices:
+        for device in devices:  # without it the worker could write (and checksum) the buffer before the copies land
             torch.cuda.synchronize(device)
         return dict(self._views)
 
