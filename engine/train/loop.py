@@ -277,6 +277,7 @@ def _resume(run: _Run) -> None:
     order (a pure function of the seed) and the histories."""
     if run.resume is None:
         return
+    run.undo.callback(_end_saves, run)  # no background save outlives the run
     loaded = run.resume.load_latest()
     if loaded is not None:
         loaded.apply(run.named, run.optimizer, run.scheduler)
@@ -317,6 +318,7 @@ def _run_steps(run: _Run) -> None:
             for step in range(run.first, train.steps + 1):
                 if not _run_step(run, step):
                     break
+            _report_saves(run, wait=True)  # the last periodic save is complete before the run is
         if run.ranks.distributed:
             _check_ranks_agree(run)
         run.placement.record_peaks(result.settings)
@@ -405,6 +407,7 @@ def _record_step(run: _Run, step: int, loss_sum: float, grad_norm: float, t0: fl
     peak = _peak_gb(run.placement.devices)
     result.peak_vram_gb = peak
     if run.resume is not None:
+        _report_saves(run)  # a background save that ended since: said, its error raised here
         run.snapshot = RngSnapshot.take(step, run.drawn)
         if run.resume.due(step, train.steps):
             _save_state(run, periodic=True)
@@ -419,21 +422,52 @@ def _record_step(run: _Run, step: int, loss_sum: float, grad_norm: float, t0: fl
 
 
 def _save_state(run: _Run, periodic: bool = False) -> None:
-    """Save the training state of the last finished step (rank 0, resume only). A periodic save that fails
-    for want of storage is a warning; a final one raises."""
+    """Save the training state of the last finished step (rank 0, resume only). A periodic save is copied to
+    host memory here and written on the store's writer thread (its outcome is said at a later step boundary;
+    one that fails for want of storage is a warning). A final one (a stop) is complete when this returns, and
+    a failure raises."""
     if run.resume is None or run.snapshot is None or run.snapshot.step == 0 or not run.ranks.is_main:
         return
     _check_finite_weights(run.named, run.snapshot.step)
-    try:
-        path = run.resume.save(run.named, run.optimizer, run.scheduler, run.snapshot, run.result.loss_history,
-                               run.result.lr_history)
-    except StorageError as exc:
-        if not periodic:
-            raise
-        run.cb.log(f"warning: the periodic training state was not saved ({exc}); training goes on")
+    # One save at a time: a background save still being written when the next is due (or a stop comes) is
+    # waited for here, and said, before this one is copied (its host copy is reused; states land in order).
+    # Before a stop's own save its error is only said: that save supersedes it (and raises if it fails too).
+    _report_saves(run, wait=True, raise_errors=periodic)
+    state = (run.named, run.optimizer, run.scheduler, run.snapshot, run.result.loss_history, run.result.lr_history)
+    if periodic:
+        run.resume.save_in_background(*state)
         return
+    path = run.resume.save(*state)
     if path is not None:
         run.cb.log(f"training state at step {run.snapshot.step}/{run.train.steps} saved in '{path.parent}'")
+
+
+def _report_saves(run: _Run, wait: bool = False, raise_errors: bool = True) -> None:
+    """On the training thread, what became of the background saves that ended (``wait``: the one in flight
+    too): saved; a warning when storage ran out (training goes on, the previous state is kept); any other
+    error on the writer is raised here (``raise_errors=False``: said as a warning)."""
+    if run.resume is None:
+        return
+    for outcome in run.resume.finished(wait):
+        error = outcome.error
+        if error is None:
+            if outcome.path is not None:
+                run.cb.log(f"training state at step {outcome.step}/{run.train.steps} saved in "
+                           f"'{outcome.path.parent}'")
+        elif isinstance(error, StorageError):
+            run.cb.log(f"warning: the periodic training state was not saved ({error}); training goes on")
+        elif raise_errors:
+            raise error
+        else:
+            run.cb.log(f"warning: the periodic training state of step {outcome.step} was not saved: writing it "
+                       f"failed ({type(error).__name__}: {error})")
+
+
+def _end_saves(run: _Run) -> None:
+    """However the run ends (an exception included): a background save in flight completes before train_lora
+    returns, and is said, never raised (an exception may be on its way out)."""
+    _report_saves(run, wait=True, raise_errors=False)
+    run.resume.close()
 
 
 def _stop_requested(run: _Run) -> bool:

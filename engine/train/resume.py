@@ -3,7 +3,10 @@
     store = ResumeStore(cache_dir / "resume", key, settings, save_every=100, log=cb.log)
     state = store.load_latest()          # None, or the newest complete state of this exact run
     ...
-    store.save(step, named_params, optimizer, scheduler, snapshot, loss_history, lr_history)
+    store.save_in_background(named_params, optimizer, scheduler, snapshot, loss_history, lr_history)
+    for outcome in store.finished():     # at each step boundary: the background saves that ended
+        ...
+    store.save(named_params, optimizer, scheduler, snapshot, loss_history, lr_history)  # a stop: here, now
 
 One state is two files in ``<cache>/resume/<key>/``, written atomically (engine/fileio):
 
@@ -22,6 +25,12 @@ content), checked before anything is loaded: a state damaged on disk is set asid
 from an older good state if there is one, else starts fresh. A save that fails (a full
 disk) leaves no part of itself behind and keeps the previous state; the error names the
 folder, its free space and the bytes the state needed.
+Periodic saves are off the training thread (engine/train/state_writer.py): the state is
+copied to host memory at the step boundary, then written on a worker thread while training
+goes on; one is in flight at a time. The files are written the same way, so a kill during
+a background write leaves the previous state as the latest complete one. ``save`` (a stop)
+waits for a background save in flight, then writes on the caller's thread. A background
+save's error is kept and handed to the training thread by ``finished``.
 ``key`` hashes every setting that changes the trained weights (the finished-run key), so
 a state is only ever resumed by the same run; a state of the same model and dataset with
 other settings is reported (what changed) and left alone.
@@ -44,6 +53,7 @@ from safetensors.torch import load_file, save_file
 from ..errors import StorageError
 from ..fileio import atomic_write, write_json_atomic
 from ..hashing import sha256_file
+from .state_writer import HostStaging, SaveOutcome, StateWriter
 
 # 2: noise/timestep/flip draws are keyed by the micro-batch count, no loop generator; 3: checksums
 STATE_FORMAT = 3
@@ -119,7 +129,9 @@ class ResumeStore:
         self.folder = self.root / key
         self.family_key = family_key  # model + dataset: finds states of the same data with other settings
         self.log = log
-        self.last_saved_step = 0
+        self.last_saved_step = 0  # the newest complete state (set by the writer when it completes one)
+        self._staging = HostStaging()  # the host copy of a state being saved, reused by the next save
+        self._writer = StateWriter()
 
     @classmethod
     def from_args(cls, args: dict, log: Callable[[str], None] | None = None) -> "ResumeStore":
@@ -225,29 +237,71 @@ class ResumeStore:
 
     def save(self, named_params, optimizer, scheduler, snapshot: RngSnapshot,
              loss_history: list[float], lr_history: list[float]) -> Path | None:
-        """Write the state after ``snapshot.step`` completed steps; drop older ones."""
+        """Write the state after ``snapshot.step`` completed steps, on this thread, and drop older ones: complete
+        and durable when this returns. A background save still in flight ends first (its outcome is kept for
+        ``finished``)."""
+        copy = self._capture(named_params, optimizer, scheduler, snapshot, loss_history, lr_history)
+        return None if copy is None else self._write(*copy)
+
+    def save_in_background(self, named_params, optimizer, scheduler, snapshot: RngSnapshot,
+                           loss_history: list[float], lr_history: list[float]) -> bool:
+        """Copy the state now (to host memory: training may change its tensors as soon as this returns) and
+        write it on the writer thread. A save still in flight is waited for first: only one is ever in flight.
+        Its outcome (the path, or the error) comes from ``finished``. False when there was nothing to save."""
+        copy = self._capture(named_params, optimizer, scheduler, snapshot, loss_history, lr_history)
+        if copy is None:
+            return False
+        self._writer.start(copy[0], lambda: self._write(*copy))
+        return True
+
+    def finished(self, wait: bool = False) -> list[SaveOutcome]:
+        """The background saves that ended since the last call, oldest first: each its path or its error
+        (a StorageError for want of storage). ``wait``: the one still in flight too (a stop, the end)."""
+        return self._writer.finished(wait)
+
+    @property
+    def saving(self) -> bool:
+        """A background save is still being written."""
+        return self._writer.busy
+
+    def close(self) -> None:
+        """The run is over: wait for a save in flight (its outcome stays for ``finished``), free the host copy."""
+        self._writer.close()
+        self._staging.release()
+
+    def _capture(self, named_params, optimizer, scheduler, snapshot: RngSnapshot, loss_history: list[float],
+                 lr_history: list[float]) -> tuple[int, dict[str, torch.Tensor], dict] | None:
+        """(step, host copies of the tensors, the JSON content but its checksums), taken now; None when this
+        step needs no save. Waits for a save in flight first: its host copies are reused, and
+        ``last_saved_step`` must be its."""
+        self._writer.wait()
         step = snapshot.step
         if not self.enabled or step <= 0 or step == self.last_saved_step:
             return None
         opt_tensors, opt_info = _split_optimizer_state(optimizer.state_dict())
-        tensors = {f"lora/{name}": p.detach().float().cpu().contiguous() for name, p in named_params}
+        tensors = {f"lora/{name}": p.detach().float() for name, p in named_params}
         tensors.update({f"optim/{k}": v for k, v in opt_tensors.items()})
         tensors["rng/cpu"] = snapshot.cpu
         tensors.update({f"rng/cuda/{i}": s for i, s in enumerate(snapshot.cuda)})
+        info = {
+            "format": STATE_FORMAT, "key": self.key, "family_key": self.family_key, "step": step,
+            "batches_drawn": snapshot.batches_drawn, "optimizer": opt_info,
+            "scheduler": _jsonable(scheduler.state_dict()), "loss_history": list(loss_history[:step]),
+            "lr_history": list(lr_history[:step]), "settings": self.settings,
+        }
+        return step, self._staging.copy(tensors), info
+
+    def _write(self, step: int, tensors: dict[str, torch.Tensor], info: dict) -> Path:
+        """The files of a captured state, each complete or absent (temp name, fsync, rename); the JSON last, as
+        the completion mark; then the older states removed. Runs on the writer thread or the caller's."""
         base = self.folder / f"state-{step:07d}"
-        tensors = {k: v.contiguous() for k, v in tensors.items()}
         # What the file takes: the data plus a JSON header of ~100 bytes per tensor (for a full disk's message).
         size = sum(t.numel() * t.element_size() for t in tensors.values()) + 128 * len(tensors) + 8
         try:
             with atomic_write(base.with_suffix(".safetensors"), "the resumable training state", size=size) as tmp:
                 save_file(tensors, str(tmp))
                 digest = sha256_file(tmp)
-            info = {
-                "format": STATE_FORMAT, "key": self.key, "family_key": self.family_key, "step": step,
-                "batches_drawn": snapshot.batches_drawn, "optimizer": opt_info,
-                "scheduler": _jsonable(scheduler.state_dict()), "loss_history": loss_history[:step],
-                "lr_history": lr_history[:step], "settings": self.settings, "tensors_sha256": digest,
-            }
+            info = {**info, "tensors_sha256": digest}
             info["info_sha256"] = info_sha256(info)
             write_json_atomic(base.with_suffix(".json"), info, "the resumable training state", indent=None)
         except StorageError as exc:
@@ -263,7 +317,8 @@ class ResumeStore:
         return base.with_suffix(".json")
 
     def discard(self) -> None:
-        """The run finished: its states are no longer needed."""
+        """The run finished: its states are no longer needed (a save still in flight ends first)."""
+        self._writer.wait()
         for _, info in self._states(self.folder):
             info.unlink(missing_ok=True)
             info.with_suffix(".safetensors").unlink(missing_ok=True)
@@ -320,14 +375,14 @@ def _split_optimizer_state(sd: dict) -> tuple[dict[str, torch.Tensor], dict]:
         for name, value in state.items():
             if isinstance(value, torch.Tensor):
                 if type(value) is torch.Tensor or isinstance(value, torch.nn.Parameter):
-                    tensors[f"{index}/{name}"] = value.detach().cpu().contiguous()
+                    tensors[f"{index}/{name}"] = value.detach()
                     continue
                 kind = type(value).__name__
                 if kind not in STATE_SUBCLASSES or STATE_SUBCLASSES[kind][0] != type(value).__module__:
                     raise TypeError(f"optimizer state '{name}' is a {kind}, which a training state cannot store")
                 parts, attrs = value.__tensor_flatten__()
                 for part in parts:
-                    tensors[f"{index}/{name}.{part}"] = getattr(value, part).detach().cpu().contiguous()
+                    tensors[f"{index}/{name}.{part}"] = getattr(value, part).detach()
                 subclasses.setdefault(str(index), {})[name] = {
                     "class": kind, "parts": list(parts), "attrs": [_attr_to_json(a) for a in attrs]}
             else:
