@@ -86,8 +86,10 @@ def test_video_latents_are_cached_per_window(tmp_path, monkeypatch):
     assert len({i.latent_key for i in items}) == 3  # one entry per window
 
     vae = _tiny_wan_vae()
-    monkeypatch.setattr(cache_mod, "load_vae_file", lambda path, family, dtype: vae)
-    family = SimpleNamespace(vae=_WanNormalised())
+    monkeypatch.setattr(cache_mod, "load_vae_file", lambda path, family, dtype, variant=None: vae)
+    from lowvram_lora.engine.families.wan.vae import WAN21_VAE
+
+    family = SimpleNamespace(vae=WAN21_VAE, vae_for=lambda variant: WAN21_VAE)  # the Wan family's VAE spec
     stats: dict = {}
     cache_mod._build_latents(tmp_path / "cache", family, None, items, False, torch.device("cpu"), torch.float32,
                              TrainingCallback(), stats, singles=SimpleNamespace(vae=Path("unused")))

@@ -152,7 +152,7 @@ def test_latent_shape_and_shifts():
     assert FAMILY.train_shift_mu(torch.zeros(1, 16, 32, 32)) == pytest.approx(0.5)  # 256 tokens
     assert torch.exp(torch.tensor(FAMILY.sample_shift_mu(lat, 25))).item() == pytest.approx(6.0)
     g = FAMILY.guidance("lumina2")
-    assert (g.mode, g.scale, g.formula, g.renormalize) == ("cfg", 4.0, "standard", True)
+    assert (g.mode, g.scale, g.formula, g.renormalize) == ("cfg", 4.0, "standard", "last_axis")
 
 
 def test_guidance_combine_is_the_pipelines():
