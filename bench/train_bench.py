@@ -58,7 +58,10 @@ def build_random_model(variant: str, device: torch.device, dtype: torch.dtype, s
     cfg = family.load_config(variant)
     # Parameters on meta; tensors a model computes at construction (Lumina 2's RoPE tables) stay real.
     model = meta_model(family, cfg)
-    torch.nn.Module.to(model, dtype=dtype)  # still on meta: free (nn.Module.to skips diffusers' fp32-module warning)
+    # Buffers a model computes at construction (Wan's RoPE tables) are real: kept as they are (their dtype too).
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers() if b.device.type != "meta"}
+    for p in model.parameters():  # still on meta: free; parameters only, as the loader casts (buffers keep fp32)
+        p.data = p.data.to(dtype)
     model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
@@ -68,9 +71,9 @@ def build_random_model(variant: str, device: torch.device, dtype: torch.dtype, s
             else:
                 p.normal_(0.0, std, generator=gen)
         for name, b in model.named_buffers():
-            # FluxTransformer2DModel (diffusers 0.42) has none; anything that appears later
-            # would be garbage after to_empty, so fail loudly rather than time it.
-            raise RuntimeError(f"model has buffer {name!r}; initialise it in build_random_model")
+            if name not in buffers:  # garbage after to_empty: fail loudly rather than time it
+                raise RuntimeError(f"model has buffer {name!r} on meta; initialise it in build_random_model")
+            b.copy_(buffers[name].to(device))
     model.requires_grad_(False)
     model.eval()
     bad = [n for n, p in model.named_parameters() if p.device.type == "meta" or not torch.isfinite(p).all()]

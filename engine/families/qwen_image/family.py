@@ -102,6 +102,7 @@ class QwenImageFamily(ModelFamily):
     # ComfyUI maps diffusers-named Qwen-Image LoRAs as they are (comfy/lora.py, QwenImage branch:
     # ``transformer.<name>`` and the bare name).
     comfyui_lora_form = "diffusers_names"
+    chunked_recompute = True  # install_chunked_recompute: both streams' MLPs in token chunks
     file_help = {
         "checkpoint": "qwen_image_bf16.safetensors, qwen_image_fp8_e4m3fn.safetensors or the 2512 release "
                       "(diffusers names)",
@@ -146,6 +147,15 @@ class QwenImageFamily(ModelFamily):
         if variant not in EDIT_MODE:
             raise ConfigError(f"unknown Qwen-Image variant {variant!r}; known: {', '.join(EDIT_MODE)}")
         return EDIT_MODE[variant]
+
+    def install_chunked_recompute(self, model: nn.Module, chunks: int, undo) -> None:
+        """Every block's feed-forward (``img_mlp``, ``txt_mlp``: token-wise, the widest intermediates of a block) in
+        checkpointed token chunks."""
+        from ..recompute import chunk_token_wise
+
+        for block in model.transformer_blocks:
+            chunk_token_wise(block.img_mlp, chunks, undo)
+            chunk_token_wise(block.txt_mlp, chunks, undo)
 
     def lora_target_modules(self, model: nn.Module) -> list[str]:
         """``lora_targets`` in every block, less the last block's text-query and text-output projections

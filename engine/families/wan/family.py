@@ -79,6 +79,7 @@ class WanFamily(ModelFamily):
     prediction = Prediction(timestep="sigma_x1000", sign=+1)
     vae = WAN21_VAE
     video = True
+    chunked_recompute = True  # install_chunked_recompute: the FFN in token chunks
     lora_targets = {"blocks": ATTENTION_TARGETS}
     # ComfyUI 0.33 maps no diffusers name of Wan (facts §3.6): the LoRA carries the native module names
     # (``diffusion_model.blocks.N.self_attn.q``), one native Linear per diffusers Linear.
@@ -188,6 +189,14 @@ class WanFamily(ModelFamily):
         if abs(shifted[0] - 1.0) < 1e-6:
             shifted[0] -= 1e-6
         return [float(x) for x in np.concatenate([shifted, [0.0]]).astype(np.float32)]
+
+    def install_chunked_recompute(self, model: nn.Module, chunks: int, undo) -> None:
+        """Every block's feed-forward (``ffn``: token-wise, the widest intermediates of a block) in
+        checkpointed token chunks."""
+        from ..recompute import chunk_token_wise
+
+        for block in model.blocks:
+            chunk_token_wise(block.ffn, chunks, undo)
 
     def train_sigma_range(self, variant: str) -> tuple[float, float]:
         """The A14B experts split the noise levels at the pipeline's boundary (``boundary_ratio`` 0.875: the high-
