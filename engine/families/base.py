@@ -406,8 +406,9 @@ class ModelFamily(ABC):
         """The transformer's width (the planner sizes activations with it)."""
         return int(config["num_attention_heads"] * config["attention_head_dim"])
 
-    def image_tokens(self, width: int, height: int) -> int:
-        """Image tokens of a width x height image (the planner's workload): /8 VAE, 2x2 patches."""
+    def image_tokens(self, width: int, height: int, variant: str = "") -> int:
+        """Image tokens of a width x height image, or of one latent frame (the planner's workload): /8 VAE, 2x2
+        patches. ``variant``: for families whose variants differ (Wan 2.2 TI2V-5B's 16x VAE)."""
         return (width // 16) * (height // 16)
 
     # --- training --------------------------------------------------------------------------------

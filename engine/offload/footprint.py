@@ -100,5 +100,5 @@ def workload_for(dataset, family, variant: str, batch: int) -> Workload:
     (w, h), frames = max(((it.bucket, len(it.frames)) for it in dataset.items),
                          key=lambda b: b[0][0] * b[0][1] * family.latent_frames(b[1]))
     label = f"{w}x{h}" + (f"x{frames}f" if frames > 1 else "")
-    return Workload(batch=batch, image_tokens=family.image_tokens(w, h) * family.latent_frames(frames),
+    return Workload(batch=batch, image_tokens=family.image_tokens(w, h, variant) * family.latent_frames(frames),
                     text_tokens=family.default_max_sequence_length(variant), label=label)

@@ -145,9 +145,11 @@ class WanFamily(ModelFamily):
         s = _spatial(c)
         return (c, (frames - 1) // 4 + 1, height // s, width // s)
 
-    def image_tokens(self, width: int, height: int) -> int:
-        """One frame's tokens through the Wan 2.1 VAE (8x) and 1x2x2 patches (TI2V-5B has a quarter of these)."""
-        return (width // 16) * (height // 16)
+    def image_tokens(self, width: int, height: int, variant: str = "") -> int:
+        """One latent frame's tokens: 1x2x2 patches of the Wan 2.1 VAE's 8x latents, or of the Wan 2.2 VAE's 16x
+        latents for TI2V-5B (a quarter as many)."""
+        spatial = 32 if variant in _TI2V else 16
+        return (width // spatial) * (height // spatial)
 
     # --- training --------------------------------------------------------------------------------
 

@@ -282,3 +282,12 @@ def test_engine_sampling_with_cfg_matches_pipeline(pipe, ti2v_folder, frames, la
                                torch.device("cpu"), torch.float32, rule=rule, negative={"prompt_embeds": neg},
                                frames=frames)
     assert (plain - ours).abs().max() > 1e-3
+
+
+def test_the_planner_counts_each_variants_tokens():
+    """One latent frame at 1280x704: 80 x 44 = 3520 tokens through the Wan 2.1 VAE (8x, 2x2 patches), a quarter
+    of that (40 x 22) for TI2V-5B's 16x VAE; 49 frames are 13 latent frames."""
+
+    assert FAMILY.image_tokens(1280, 704, "wan2.1-t2v-1.3b") == (1280 // 16) * (704 // 16)
+    assert FAMILY.image_tokens(1280, 704, "wan2.2-ti2v-5b") == (1280 // 32) * (704 // 32) == 880
+    assert FAMILY.latent_frames(49) == 13 and FAMILY.latent_frames(1) == 1 and FAMILY.latent_frames(81) == 21

@@ -133,7 +133,7 @@ class ZImageFamily(ModelFamily):
     def hidden_size(self, config: dict[str, Any]) -> int:
         return int(config["dim"])
 
-    def image_tokens(self, width: int, height: int) -> int:
+    def image_tokens(self, width: int, height: int, variant: str = "") -> int:
         """2x2 patches of the /8 latents, padded to a multiple of 32 as the transformer runs them
         (1024²: 4096, no padding). Caption tokens (<= 512 + padding) come on top in the joint ``layers``."""
         tokens = (width // 16) * (height // 16)
