@@ -42,7 +42,7 @@ FEATURE_FLAGS = {"supports_preview_metadata": True, "max_upload_size": MAX_BODY_
 PACK = "lowvram-lora"
 WEB_DIR = Path(__file__).resolve().parent.parent / "web"
 SERVE_WEB_DIR = Path(__file__).resolve().parent / "serve_web"  # extensions only this server loads
-WORKFLOWS_DIR = Path(__file__).resolve().parent.parent / "workflows"
+WORKFLOWS_DIR = Path(__file__).resolve().parent.parent / "example_workflows"  # = templates.WORKFLOWS_DIR
 
 
 class Interrupted(Exception):

@@ -134,7 +134,7 @@ def test_packages_are_found_under_the_package_name_only(setup_py):
     assert all(p == "lowvram_lora" or p.startswith("lowvram_lora.") for p in packages)
     assert not [p for p in packages if "__pycache__" in p]
     for expected in ("lowvram_lora.engine", "lowvram_lora.engine.families", "lowvram_lora.nodes",
-                     "lowvram_lora.host", "lowvram_lora.engine.families.configs.text", "lowvram_lora.workflows.api"):
+                     "lowvram_lora.host", "lowvram_lora.engine.families.configs.text", "lowvram_lora.example_workflows.api"):
         assert expected in packages
 
 
