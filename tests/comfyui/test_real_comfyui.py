@@ -105,8 +105,9 @@ def comfy(tmp_path_factory):
     # 3. The server, on the CPU, everything under our base directory.
     port = _free_port()
     log = open(base / "server.log", "w")
+    # --verbose DEBUG: ComfyUI logs its "consider renaming it to 'example_workflows'" suggestion at debug level.
     proc = subprocess.Popen([str(python), "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
-                             "--disable-auto-launch", "--base-directory", str(base)],
+                             "--disable-auto-launch", "--base-directory", str(base), "--verbose", "DEBUG"],
                             cwd=comfy_dir, stdout=log, stderr=subprocess.STDOUT,
                             env=dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1"))
     deadline = time.monotonic() + 240
@@ -143,6 +144,21 @@ def test_templates_are_listed(comfy):
     """Every family's shipped templates (the registry's), e.g. z_image_lora and lumina2_lora, and nothing else."""
     templates = _get(comfy.port, "/workflow_templates")
     assert sorted(templates.get("lowvram-lora", [])) == sorted(shipped()), templates
+
+
+def test_templates_are_served_from_example_workflows_without_a_rename_suggestion(comfy):
+    """ComfyUI serves the folder at /api/workflow_templates/<pack>/ (file, thumbnail, the models list the editor
+    offers downloads from) and, the folder being example_workflows/, logs no suggestion to rename it."""
+    ui = _get(comfy.port, "/api/workflow_templates/lowvram-lora/flux1_dev_lora.json")
+    models = [m for n in ui["nodes"] for m in n.get("properties", {}).get("models", [])]
+    assert {m["name"] for m in models} == set(shipped()["flux1_dev_lora"].downloads)
+    with urllib.request.urlopen(f"http://127.0.0.1:{comfy.port}/api/workflow_templates/lowvram-lora/"
+                                f"flux1_dev_lora.jpg", timeout=30) as r:
+        assert r.headers["Content-Type"] == "image/jpeg" and len(r.read()) > 1000
+    log = str(_server_log(comfy.port))  # /internal/logs: the console text (debug lines too, see the fixture)
+    assert "Starting server" in log, log[-2000:]
+    assert not [line for line in log.splitlines() if "consider renaming it to 'example_workflows'" in line
+                and "lowvram-lora" in line]
 
 
 def test_demo_workflow_trains_through_comfy_run(comfy):
