@@ -815,6 +815,7 @@ def serve_command(args, mappings, display) -> int:
     configure_standalone_dirs(str(models), str(output))
     user = Path(args.user_dir).expanduser().resolve() if args.user_dir else output.parent / "user" / "default"
     (user / "workflows").mkdir(parents=True, exist_ok=True)
+    (user / "subgraphs").mkdir(exist_ok=True)  # frontends >= 1.5x list it on load; missing, the console shows a 404
     output.mkdir(parents=True, exist_ok=True)
     host = PromptHost(mappings, display, output, user)
     app = build_app(host, static)
