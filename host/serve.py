@@ -41,7 +41,7 @@ from ..engine.fileio import atomic_write, write_json_atomic
 MAX_BODY_BYTES = 20 << 20
 WS_MAX_MESSAGE_BYTES = 1 << 20
 FEATURE_FLAGS = {"supports_preview_metadata": True, "max_upload_size": MAX_BODY_BYTES}  # comfy_api/feature_flags.py
-#: The oldest frontend serve works with (the extras' lower bound, tests/test_packaging.py checks they agree).
+#: The oldest frontend serve works with (the extras' lower bound; tests/test_host_jobs.py checks they agree).
 #: Reported as /system_stats' required_frontend_version: an older frontend shows ComfyUI's "outdated" warning.
 MIN_FRONTEND_VERSION = "1.27.10"
 PACK = "lowvram-lora"
