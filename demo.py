@@ -2,7 +2,7 @@
 
 Builds (once) a tiny random Flux.1 pipeline folder, its BFL single-file twin and a
 synthetic captioned dataset under ``--dir`` in ComfyUI's layout (``models/``, ``input/``), then runs
-``workflows/demo_tiny_lora.json`` through the same executor as
+``example_workflows/demo_tiny_lora.json`` through the same executor as
 ``lowvram-lora run``: cache, ~30 training steps, LoRA + loss-curve PNG.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-WORKFLOW = Path(__file__).resolve().parent / "workflows" / "demo_tiny_lora.json"
+WORKFLOW = Path(__file__).resolve().parent / "example_workflows" / "demo_tiny_lora.json"
 #: The demo dataset, relative to the input folder: the workflow names it this way, so it runs as
 #: shipped in ComfyUI (input/ of its root) and headless (input/ beside --models-dir).
 DEMO_DATASET = "lowvram_demo/shapes"

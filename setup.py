@@ -5,7 +5,7 @@ sub-packages sit at ``engine/``, ``nodes/``, ``host/``. ``[tool.setuptools.packa
 it finds relative to the folder it searches (``engine``, not ``lowvram_lora.engine``) and would install
 top-level ``engine`` and ``nodes`` packages (ComfyUI has its own ``nodes``). So the search runs here and
 the prefix is added. Every folder under the package's own folders is listed, data-only ones too
-(``engine/families/configs``, ``workflows/api``; setuptools warns about any it is not told of), so a new
+(``engine/families/configs``, ``example_workflows/api``; setuptools warns about any it is not told of), so a new
 sub-package or a new ``engine/families/<id>/`` folder is installed without editing this file. Which data
 files go with them is ``[tool.setuptools.package-data]`` in pyproject.toml; tests/test_packaging.py
 checks that every tracked file under these folders is shipped.
@@ -20,7 +20,7 @@ from setuptools.command.build_py import build_py
 HERE = os.path.dirname(os.path.abspath(__file__))
 PACKAGE = "lowvram_lora"
 # Folders of the repository root that belong to the installed package (tests/, bench/, docs/ do not).
-FOLDERS = ("engine", "nodes", "host", "web", "workflows", "example_workflows")
+FOLDERS = ("engine", "nodes", "host", "web", "example_workflows")
 
 
 def packages(root: str = HERE) -> list[str]:

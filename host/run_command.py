@@ -38,7 +38,8 @@ def add_run_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="run a ComfyUI workflow JSON (UI or API format) without ComfyUI",
         description="Run a ComfyUI workflow (UI or API format) with this pack's nodes, without ComfyUI.",
     )
-    parser.add_argument("workflow", metavar="WORKFLOW.json", help="workflow file saved from ComfyUI")
+    parser.add_argument("workflow", metavar="WORKFLOW.json",
+                        help="workflow file saved from ComfyUI, or a shipped template's name (e.g. demo_tiny_lora)")
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="ID.INPUT=VALUE",
         help="override a widget value, e.g. --set 5.steps=200 --set 5.learning_rate=1e-4 "
@@ -88,10 +89,37 @@ def _models_dir_hint(models_dir: str) -> str:
     return f"note: model files are looked up in '{root}' ({found}); it must be {layout}"
 
 
+def find_workflow(given: str) -> Path:
+    """The file ``lowvram-lora run WORKFLOW`` means: the path as given if it exists; else a shipped template by
+    name (``demo_tiny_lora``, ``demo_tiny_lora.json``, ``api/demo_tiny_lora``), so an installed package runs its
+    templates from anywhere; else a path into the old ``workflows/`` folder, found where the templates moved
+    (``example_workflows/``, ComfyUI's folder for a pack's templates) with a note saying so."""
+    path = Path(given).expanduser()
+    if path.exists():
+        return path
+    from .templates import OLD_WORKFLOWS_DIRNAME, SHIPPED, WORKFLOWS_DIR
+
+    name = given if given.endswith(".json") else given + ".json"
+    if name in {f"{prefix}{n}.json" for n in SHIPPED for prefix in ("", "api/")}:
+        return WORKFLOWS_DIR / name
+    parts = path.parts
+    if OLD_WORKFLOWS_DIRNAME in parts:
+        rest = parts[len(parts) - parts[::-1].index(OLD_WORKFLOWS_DIRNAME):]
+        moved = WORKFLOWS_DIR.joinpath(*rest) if rest else None
+        if moved is not None and moved.is_file():
+            rel = "/".join(rest)
+            print(f"note: the templates moved from {OLD_WORKFLOWS_DIRNAME}/ to {WORKFLOWS_DIR.name}/; running "
+                  f"{moved} (name it as {WORKFLOWS_DIR.name}/{rel}, or just {rel.removesuffix('.json')})",
+                  file=sys.stderr)
+            return moved
+    raise WorkflowError(f"cannot read workflow {given}: no such file. Fix: check the path, or name a shipped "
+                        f"template (lowvram-lora run demo_tiny_lora): {', '.join(SHIPPED)}")
+
+
 def _prepare(args: argparse.Namespace, node_class_mappings: Mapping[str, type],
              display_names: Mapping[str, str] | None) -> dict[str, dict]:
     """Load, convert, apply ``--set`` overrides, then validate (so an override can repair the file)."""
-    workflow = load_workflow(args.workflow)
+    workflow = load_workflow(find_workflow(args.workflow))
     return to_api_graph(workflow, node_class_mappings, display_names, overrides=getattr(args, "overrides", None) or [])
 
 
@@ -157,4 +185,4 @@ def run_workflow_command(
     return EXIT_OK
 
 
-__all__ = ["add_run_parser", "run_workflow_command", "DEFAULT_MODELS_DIR", "DEFAULT_OUTPUT_DIR"]
+__all__ = ["add_run_parser", "run_workflow_command", "find_workflow", "DEFAULT_MODELS_DIR", "DEFAULT_OUTPUT_DIR"]

@@ -5,8 +5,10 @@ The editor is ComfyUI's own frontend, served from the installed ``comfyui_fronte
 This module implements the part of ComfyUI's HTTP and websocket API the editor and comfy-cli use,
 backed by our node classes and the executor ``lowvram-lora run`` uses (host/executor.py). Routes and
 message shapes follow ComfyUI 0.3.64 (``server.py``, ``app/user_manager.py``, ``app/app_settings.py``,
-``app/custom_node_manager.py``, ``execution.py``, ``main.py``), which serves frontend 1.27, the version the
-``editor`` extra installs; every route answers with and without the ``/api`` prefix, as ComfyUI's do.
+``app/custom_node_manager.py``, ``execution.py``, ``main.py``), which serves frontend 1.27, the oldest the
+``editor`` extra accepts; every route answers with and without the ``/api`` prefix, as ComfyUI's do. Newer
+frontends (1.5x; 1.58.1 checked) read the queue and history only from ComfyUI 0.33's ``/api/jobs``
+(host/jobs.py) and ask for ``/global_subgraphs``; both are here too, so 1.27 to 1.58 work.
 
 - One prompt runs at a time, in a worker thread (the event loop stays free for the websocket);
   ``POST /interrupt`` stops it at the next step (the engine saves its resumable state).
@@ -39,10 +41,13 @@ from ..engine.fileio import atomic_write, write_json_atomic
 MAX_BODY_BYTES = 20 << 20
 WS_MAX_MESSAGE_BYTES = 1 << 20
 FEATURE_FLAGS = {"supports_preview_metadata": True, "max_upload_size": MAX_BODY_BYTES}  # comfy_api/feature_flags.py
+#: The oldest frontend serve works with (the extras' lower bound; tests/test_host_jobs.py checks they agree).
+#: Reported as /system_stats' required_frontend_version: an older frontend shows ComfyUI's "outdated" warning.
+MIN_FRONTEND_VERSION = "1.27.10"
 PACK = "lowvram-lora"
 WEB_DIR = Path(__file__).resolve().parent.parent / "web"
 SERVE_WEB_DIR = Path(__file__).resolve().parent / "serve_web"  # extensions only this server loads
-WORKFLOWS_DIR = Path(__file__).resolve().parent.parent / "workflows"
+WORKFLOWS_DIR = Path(__file__).resolve().parent.parent / "example_workflows"  # = templates.WORKFLOWS_DIR
 
 
 class Interrupted(Exception):
@@ -239,6 +244,10 @@ class PromptHost:
         validate_graph(prompt, self.mappings)
         with self.lock:
             self.number += 1
+            # As ComfyUI's POST /prompt: the client id and the time queued (ms) go into extra_data; /api/jobs
+            # reports create_time, which the newer frontends require.
+            extra = {**extra, **({"client_id": client_id} if client_id is not None else {}),
+                     "create_time": int(time.time() * 1000)}
             item = {"prompt_id": str(uuid.uuid4()), "number": self.number, "prompt": prompt, "client_id": client_id,
                     "extra": extra, "outputs": [k for k, v in prompt.items()
                                                 if getattr(self.mappings[v["class_type"]], "OUTPUT_NODE", False)]}
@@ -246,6 +255,34 @@ class PromptHost:
         self.wake.set()
         self.send_status()
         return item
+
+    # -- jobs (host/jobs.py) -------------------------------------------------------------------
+    @staticmethod
+    def entry(item: dict) -> tuple:
+        """A queue item in ComfyUI's form: (number, prompt_id, prompt, extra_data, outputs_to_execute)."""
+        return item["number"], item["prompt_id"], item["prompt"], item["extra"], item["outputs"]
+
+    def snapshot(self) -> tuple[list, list, dict]:
+        """(running, pending, history) in ComfyUI's forms, taken at one moment."""
+        with self.lock:
+            running = [self.entry(self.running)] if self.running else []
+            return running, [self.entry(i) for i in self.pending], dict(self.history)
+
+    def dequeue(self, prompt_id: str) -> bool:
+        with self.lock:
+            kept = [i for i in self.pending if i["prompt_id"] != prompt_id]
+            removed, self.pending = len(kept) != len(self.pending), kept
+        if removed:
+            self.send_status()
+        return removed
+
+    def interrupt_if_running(self, prompt_id: str) -> bool:
+        """Stop the running prompt only if it is this one (never one that started since the caller looked)."""
+        with self.lock:
+            if self.running is None or self.running["prompt_id"] != prompt_id:
+                return False
+            self.interrupt_flag.set()
+            return True
 
     def worker(self) -> None:
         from ..nodes.progress import set_host
@@ -311,7 +348,8 @@ class PromptHost:
                 print(f"[lowvram-lora serve] {exc}", file=sys.stderr, flush=True)
         except Exception as exc:  # a graph the executor refused
             status = "error"
-            note("execution_error", {"prompt_id": pid, "node_id": None, "node_type": None, "executed": [],
+            # node_id/node_type "" rather than null: the newer frontends' job schema wants strings there.
+            note("execution_error", {"prompt_id": pid, "node_id": "", "node_type": "", "executed": [],
                                      "exception_message": str(exc), "exception_type": type(exc).__name__,
                                      "traceback": traceback.format_exception(exc),
                                      "current_inputs": {}, "current_outputs": {}})
@@ -330,6 +368,7 @@ def build_app(host: PromptHost, static: Path):
     import aiohttp
     from aiohttp import web
 
+    from . import jobs
     from .object_info import object_info
 
     routes = web.RouteTableDef()
@@ -538,7 +577,8 @@ def build_app(host: PromptHost, static: Path):
         return web.json_response({"system": {
             "os": os.name, "python_version": sys.version, "embedded_python": False,
             "comfyui_version": f"lowvram-lora {VERSION} (serve)", "pytorch_version": torch.__version__,
-            "argv": sys.argv, "ram_total": 0, "ram_free": 0, "required_frontend_version": "1.27.10"},
+            "argv": sys.argv, "ram_total": 0, "ram_free": 0, "required_frontend_version": MIN_FRONTEND_VERSION,
+            "installed_templates_version": None, "required_templates_version": None, "comfy_package_versions": []},
             "devices": devices})
 
     for path, value in (("/embeddings", []), ("/models", []), ("/experiment/models", []), ("/i18n", {}),
@@ -583,7 +623,7 @@ def build_app(host: PromptHost, static: Path):
         return web.json_response({"prompt_id": item["prompt_id"], "number": item["number"], "node_errors": {}})
 
     def queue_entry(item):
-        return [item["number"], item["prompt_id"], item["prompt"], item["extra"], item["outputs"]]
+        return list(host.entry(item))
 
     @both("GET", "/queue")
     async def get_queue(request):
@@ -634,8 +674,62 @@ def build_app(host: PromptHost, static: Path):
 
     @both("POST", "/interrupt")
     async def interrupt(request):
-        host.interrupt_flag.set()
+        # Frontends >= 1.5x send {"prompt_id": ...}: stop that prompt only if it is the running one (ComfyUI 0.33).
+        try:
+            data = await request.json() if request.can_read_body else {}
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+            data = {}
+        prompt_id = data.get("prompt_id") if isinstance(data, dict) else None
+        if prompt_id:
+            host.interrupt_if_running(str(prompt_id))
+        else:
+            host.interrupt_flag.set()
         return web.Response(status=200)
+
+    # -- ComfyUI 0.33's jobs API (host/jobs.py): the newer frontends' queue and history ------------------
+    @routes.get("/api/jobs")
+    async def list_jobs(request):
+        try:
+            args = jobs.parse_list_query(request.rel_url.query)
+        except jobs.JobsQueryError as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        found, total = jobs.list_jobs(*host.snapshot(), **args)
+        return web.json_response(jobs.page(found, total, args["limit"], args["offset"]))
+
+    @routes.get("/api/jobs/{job_id}")
+    async def get_job(request):
+        job = jobs.find_job(request.match_info["job_id"], *host.snapshot())
+        if job is None:
+            return web.json_response({"error": "Job not found"}, status=404)
+        return web.json_response(job)
+
+    @routes.post("/api/jobs/{job_id}/cancel")
+    async def cancel_job(request):
+        return web.json_response({"cancelled": jobs.cancel(request.match_info["job_id"], host.interrupt_if_running,
+                                                           host.dequeue)})
+
+    @routes.post("/api/jobs/cancel")
+    async def cancel_jobs(request):
+        try:
+            data = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+            return web.json_response({"error": "Request body must be valid JSON"}, status=400)
+        ids = data.get("job_ids") if isinstance(data, dict) else None
+        if not isinstance(ids, list):
+            return web.json_response({"error": "job_ids must be a list"}, status=400)
+        invalid = [i if isinstance(i, str) else repr(i) for i in ids if not jobs.is_job_id(i)]
+        if invalid:
+            return web.json_response({"error": "job_ids contains invalid id(s)", "invalid_ids": invalid}, status=400)
+        cancelled = [jobs.cancel(i, host.interrupt_if_running, host.dequeue) for i in ids]
+        return web.json_response({"cancelled": any(cancelled)})
+
+    @both("GET", "/global_subgraphs")
+    async def global_subgraphs(request):
+        return web.json_response({})  # ComfyUI lists custom nodes' and its blueprints' subgraphs; we have none
+
+    @both("GET", "/global_subgraphs/{id}")
+    async def global_subgraph(request):
+        return web.json_response(None)  # ComfyUI's answer for an id it does not know
 
     @both("POST", "/free")
     async def free(request):
@@ -721,6 +815,7 @@ def serve_command(args, mappings, display) -> int:
     configure_standalone_dirs(str(models), str(output))
     user = Path(args.user_dir).expanduser().resolve() if args.user_dir else output.parent / "user" / "default"
     (user / "workflows").mkdir(parents=True, exist_ok=True)
+    (user / "subgraphs").mkdir(exist_ok=True)  # frontends >= 1.5x list it on load; missing, the console shows a 404
     output.mkdir(parents=True, exist_ok=True)
     host = PromptHost(mappings, display, output, user)
     app = build_app(host, static)

@@ -2,13 +2,19 @@
 
 Each family describes its own templates (``engine/families/<id>/templates.py``, ``TrainingTemplate``s);
 this module lays them out as graphs and writes them. ComfyUI lists a pack's templates only from a flat
-folder at the pack's root (``workflows/``), so those files are generated from the registry.
+folder at the pack's root, so those files are generated from the registry. The folder is
+``example_workflows/``: ComfyUI (``app/custom_node_manager.py``) also scans ``example``, ``examples``,
+``workflow`` and ``workflows``, but logs a suggestion to rename any of those to ``example_workflows``.
 
-``python -m lowvram_lora.host.templates`` (re)writes ``workflows/*.json`` (UI
-format, what the editor loads and lists as templates), ``workflows/api/*.json``
+``python -m lowvram_lora.host.templates`` (re)writes ``example_workflows/*.json`` (UI
+format, what the editor loads and lists as templates), ``example_workflows/api/*.json``
 (API format, what ``/prompt`` takes) and a ``<name>.jpg`` thumbnail of each graph.
 Tests check the shipped files equal what this module produces, so the two
 formats cannot drift apart.
+
+Model files a template names get the ``properties.models`` entries ComfyUI's own templates carry
+(``{"name", "url", "directory"}`` on the node whose widget holds the file name): the editor's Missing
+Models dialog then offers the download. The URLs are the family's data (``TrainingTemplate.downloads``).
 """
 from __future__ import annotations
 
@@ -20,7 +26,14 @@ from typing import Any, Mapping
 from ..engine.families import TrainingTemplate, families
 from .workflow import input_specs, return_types
 
-WORKFLOWS_DIR = Path(__file__).resolve().parent.parent / "workflows"
+WORKFLOWS_DIR = Path(__file__).resolve().parent.parent / "example_workflows"
+#: The folder the templates sat in before (``lowvram-lora run workflows/NAME.json`` still finds them).
+OLD_WORKFLOWS_DIRNAME = "workflows"
+
+#: The widgets that hold a model file name, and the ComfyUI models folder each reads (nodes/paths.py: the
+#: first of TRANSFORMER_FOLDERS, TEXT_ENCODER_FOLDERS, VAE_FOLDERS), for ``properties.models``.
+MODEL_FOLDERS = {"checkpoint": "diffusion_models", "text_encoder_1": "text_encoders",
+                 "text_encoder_2": "text_encoders", "vae_file": "vae"}
 
 
 @dataclass
@@ -32,6 +45,7 @@ class NodeSpec:
     widgets: dict[str, Any] = field(default_factory=dict)
     links: dict[str, tuple[int, int]] = field(default_factory=dict)  # input -> (source node id, output slot)
     size: tuple[int, int] = (320, 200)
+    models: list[dict] = field(default_factory=list)  # properties.models: [{name, url, directory}]
 
 
 @dataclass
@@ -108,7 +122,7 @@ def to_ui(nodes: list[NodeSpec], notes: list[NoteSpec], mappings: Mapping[str, t
             "id": node.id, "type": node.class_type, "pos": boxes[node.id][:2], "size": boxes[node.id][2:], "flags": {},
             "order": order, "mode": 0, "inputs": inputs, "outputs": outputs, "title": node.title,
             # The frontend's convention: the class name (used for %Node.widget% lookups).
-            "properties": {"Node name for S&R": node.class_type},
+            "properties": {"Node name for S&R": node.class_type, **({"models": node.models} if node.models else {})},
             "widgets_values": values,
         })
     for note in notes:
@@ -192,7 +206,24 @@ def _graph(t: TrainingTemplate) -> tuple[list[NodeSpec], list[NoteSpec]]:
     if t.split is not None:
         next(n for n in nodes if n.class_type == "LowVRAMTrainLoRA").links["split"] = (7, 0)
         nodes.append(NodeSpec(7, "LowVRAMDualGPUSplit", "Dual-GPU Split", (400, 440), dict(t.split), size=(340, 170)))
+    _attach_models(t, nodes)
     return nodes, [NoteSpec(6, t.note, t.note_pos)]
+
+
+def _attach_models(t: TrainingTemplate, nodes: list[NodeSpec]) -> None:
+    """``properties.models`` for each node whose file widgets name a file with a download URL. A URL for a
+    file no widget names is an error: it would never be offered, and it means the data went stale."""
+    used = set()
+    for node in nodes:
+        for widget, folder in MODEL_FOLDERS.items():
+            name = node.widgets.get(widget)
+            if name in t.downloads:
+                node.models.append({"name": name, "url": t.downloads[name], "directory": folder})
+                used.add(name)
+    unused = sorted(set(t.downloads) - used)
+    if unused:
+        raise ValueError(f"template {t.name!r}: downloads names {unused}, which no file widget of the template "
+                         f"holds; remove them or fix the file names in its load/cache values")
 
 
 def shipped() -> dict[str, TrainingTemplate]:

@@ -2,7 +2,7 @@
 
 ComfyUI saves workflows in two shapes:
 
-- **UI format** (what the editor saves and what ``workflows/*.json`` ship as):
+- **UI format** (what the editor saves and what ``example_workflows/*.json`` ship as):
   ``{"nodes": [...], "links": [...], "version": 0.4, ...}``. Widget values sit in
   each node's ``widgets_values`` list by position, so they only make sense next to
   the node classes' ``INPUT_TYPES``.

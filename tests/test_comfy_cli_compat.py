@@ -1,6 +1,6 @@
 """What ComfyUI's /object_info says about our nodes, and what `comfy run` makes of our UI workflows.
 
-`comfy run --workflow workflows/NAME.json --wait` (comfy-cli) converts a UI-format
+`comfy run --workflow example_workflows/NAME.json --wait` (comfy-cli) converts a UI-format
 workflow client-side: it GETs /object_info, calls
 ``comfy_cli.workflow_to_api.convert_ui_to_api(workflow, object_info)``, checks the
 result with ``comfy_cli.cql.engine.Graph.validate_workflow`` (its preflight) and POSTs

@@ -89,6 +89,28 @@ def test_comfy_registry_section():
             assert classifier.split(" :: ")[1] in ("Microsoft", "POSIX", "MacOS", "OS Independent")
 
 
+def _comfy_cli():
+    import os
+
+    comfy = os.environ.get("LOWVRAM_COMFYUI_DIR")
+    cli = Path(comfy) / "venv" / "bin" / "comfy" if comfy else None
+    return cli if cli is not None and cli.is_file() else None
+
+
+@pytest.mark.skipif(_comfy_cli() is None, reason="set LOWVRAM_COMFYUI_DIR to a ComfyUI whose venv has comfy-cli")
+def test_comfy_node_validate_passes(tmp_path):
+    """What `comfy node publish` checks first (comfy-cli's validate_node_for_publishing): pyproject.toml parses into
+    a node configuration with a version, and ruff finds no exec/eval (S102, S307) or `a; b` lines (E702)."""
+    import os
+
+    env = {**os.environ, "HOME": str(tmp_path), "DO_NOT_TRACK": "1", "COMFY_NO_TELEMETRY": "1",
+           "COMFY_NO_UPDATE_CHECK": "1"}
+    done = subprocess.run([str(_comfy_cli()), "--skip-prompt", "node", "validate"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0 and "All validation checks passed" in out and "Security warnings" not in out, out
+
+
 def test_icon_is_in_the_repository_and_fits_the_registry():
     from PIL import Image
 
@@ -134,7 +156,7 @@ def test_packages_are_found_under_the_package_name_only(setup_py):
     assert all(p == "lowvram_lora" or p.startswith("lowvram_lora.") for p in packages)
     assert not [p for p in packages if "__pycache__" in p]
     for expected in ("lowvram_lora.engine", "lowvram_lora.engine.families", "lowvram_lora.nodes",
-                     "lowvram_lora.host", "lowvram_lora.engine.families.configs.text", "lowvram_lora.workflows.api"):
+                     "lowvram_lora.host", "lowvram_lora.engine.families.configs.text", "lowvram_lora.example_workflows.api"):
         assert expected in packages
 
 

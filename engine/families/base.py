@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import import_module, resources
 from typing import Any, ClassVar
 
@@ -261,7 +261,7 @@ class TrainingTemplate:
     ``host/templates.py`` lays it out) with these widget values, a note for the user, and optionally a
     Dual-GPU Split node. A family lists its own in ``<folder>/templates.py`` as ``TEMPLATES``."""
 
-    name: str  # the workflow's file name (workflows/<name>.json)
+    name: str  # the workflow's file name (example_workflows/<name>.json)
     load: dict[str, Any]
     cache: dict[str, Any]
     offload: dict[str, Any]
@@ -270,6 +270,9 @@ class TrainingTemplate:
     note: str
     split: dict[str, Any] | None = None
     note_pos: tuple[int, int] = (40, 420)
+    #: file name -> the download URL ComfyUI's own templates give for that file (Comfy-Org's repackaged files on
+    #: Hugging Face); the editor's Missing Models dialog offers it. Only files the widgets above name.
+    downloads: dict[str, str] = field(default_factory=dict)
 
 
 def sigma_schedule(steps: int, mu: float) -> list[float]:

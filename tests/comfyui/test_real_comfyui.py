@@ -105,8 +105,9 @@ def comfy(tmp_path_factory):
     # 3. The server, on the CPU, everything under our base directory.
     port = _free_port()
     log = open(base / "server.log", "w")
+    # --verbose DEBUG: ComfyUI logs its "consider renaming it to 'example_workflows'" suggestion at debug level.
     proc = subprocess.Popen([str(python), "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
-                             "--disable-auto-launch", "--base-directory", str(base)],
+                             "--disable-auto-launch", "--base-directory", str(base), "--verbose", "DEBUG"],
                             cwd=comfy_dir, stdout=log, stderr=subprocess.STDOUT,
                             env=dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1"))
     deadline = time.monotonic() + 240
@@ -145,10 +146,25 @@ def test_templates_are_listed(comfy):
     assert sorted(templates.get("lowvram-lora", [])) == sorted(shipped()), templates
 
 
+def test_templates_are_served_from_example_workflows_without_a_rename_suggestion(comfy):
+    """ComfyUI serves the folder at /api/workflow_templates/<pack>/ (file, thumbnail, the models list the editor
+    offers downloads from) and, the folder being example_workflows/, logs no suggestion to rename it."""
+    ui = _get(comfy.port, "/api/workflow_templates/lowvram-lora/flux1_dev_lora.json")
+    models = [m for n in ui["nodes"] for m in n.get("properties", {}).get("models", [])]
+    assert {m["name"] for m in models} == set(shipped()["flux1_dev_lora"].downloads)
+    with urllib.request.urlopen(f"http://127.0.0.1:{comfy.port}/api/workflow_templates/lowvram-lora/"
+                                f"flux1_dev_lora.jpg", timeout=30) as r:
+        assert r.headers["Content-Type"] == "image/jpeg" and len(r.read()) > 1000
+    log = str(_server_log(comfy.port))  # /internal/logs: the console text (debug lines too, see the fixture)
+    assert "Starting server" in log, log[-2000:]
+    assert not [line for line in log.splitlines() if "consider renaming it to 'example_workflows'" in line
+                and "lowvram-lora" in line]
+
+
 def test_demo_workflow_trains_through_comfy_run(comfy):
     """The demo as shipped (no widget edits) trains a LoRA inside ComfyUI's inference mode."""
     loras = comfy.base / "output" / "loras"
-    done = comfy.comfy_run(comfy.pack / "workflows" / "demo_tiny_lora.json")
+    done = comfy.comfy_run(comfy.pack / "example_workflows" / "demo_tiny_lora.json")
     log = json.dumps(_server_log(comfy.port))
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:], log[-4000:])
     new = sorted(loras.glob("demo_tiny_lora_*_.safetensors"))
@@ -174,7 +190,7 @@ def test_demo_workflow_trains_through_comfy_run(comfy):
 def test_demo_api_twin_runs(comfy, tmp_path):
     """The API-format twin; a new filename prefix, so ComfyUI re-runs Save LoRA (an identical prompt
     would be answered from ComfyUI's cache and write nothing)."""
-    graph = json.loads((comfy.pack / "workflows" / "api" / "demo_tiny_lora.json").read_text())
+    graph = json.loads((comfy.pack / "example_workflows" / "api" / "demo_tiny_lora.json").read_text())
     graph["5"]["inputs"]["filename_prefix"] = "loras/demo_api"
     (tmp_path / "api.json").write_text(json.dumps(graph))
     done = comfy.comfy_run(tmp_path / "api.json")
@@ -185,7 +201,7 @@ def test_demo_api_twin_runs(comfy, tmp_path):
 def test_compiled_blocks_train_inside_comfyui(comfy, tmp_path):
     """Offload Config compile='blocks' through comfy run: torch.compile (inductor, here on the CPU) under
     ComfyUI's inference mode, and the progress log says what was compiled."""
-    graph = json.loads((comfy.pack / "workflows" / "api" / "demo_tiny_lora.json").read_text())
+    graph = json.loads((comfy.pack / "example_workflows" / "api" / "demo_tiny_lora.json").read_text())
     graph["3"]["inputs"]["compile"] = "blocks"
     graph["4"]["inputs"].update(steps=4, sample_every=0)
     graph["5"]["inputs"]["filename_prefix"] = "loras/demo_compiled"
@@ -211,7 +227,7 @@ def _dp_workers() -> list[int]:
 
 def _demo_with_data_parallel(comfy, prefix: str, steps: int) -> dict:
     """The demo's API graph with a Dual-GPU Split node in data-parallel mode on two CPU ranks (gloo)."""
-    graph = json.loads((comfy.pack / "workflows" / "api" / "demo_tiny_lora.json").read_text())
+    graph = json.loads((comfy.pack / "example_workflows" / "api" / "demo_tiny_lora.json").read_text())
     graph["7"] = {"class_type": "LowVRAMDualGPUSplit",
                   "inputs": {"mode": "data_parallel", "devices": "cpu,cpu", "cut": -1, "vram_budget_gb": "0"}}
     graph["4"]["inputs"].update(split=["7", 0], steps=steps)
@@ -280,7 +296,7 @@ def test_full_size_workflow_without_its_files_fails_clearly(comfy, template):
     """The template as shipped, its model files absent: comfy run stops before running and names every one."""
     for name in _template_files(template):
         assert not list((comfy.base / "models").rglob(name)), f"{name} exists: this check needs it absent"
-    done = comfy.comfy_run(comfy.pack / "workflows" / f"{template.name}.json", timeout=300)
+    done = comfy.comfy_run(comfy.pack / "example_workflows" / f"{template.name}.json", timeout=300)
     text = done.stdout + done.stderr
     assert done.returncode != 0
     missing = [name for name in _template_files(template) if name not in text]
@@ -459,7 +475,7 @@ def test_template_trains_its_tiny_model_through_comfy_run(comfy, tmp_path, templ
 
     _, written = write_template_files(template, comfy.base, tmp_path)
     try:
-        ui = json.loads((comfy.pack / "workflows" / f"{template.name}.json").read_text())
+        ui = json.loads((comfy.pack / "example_workflows" / f"{template.name}.json").read_text())
         _with_widgets(ui, {
             "LowVRAMCacheTextEmbeds": {"resolution": 128, "sample_prompts": "ohwx, a red circle"},
             "LowVRAMTrainLoRA": {"steps": 8, "learning_rate": 0.01, "warmup_steps": 0, "sample_every": 4,

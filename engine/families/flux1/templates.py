@@ -1,4 +1,4 @@
-"""Flux.1's shipped workflows (``host/templates.py`` writes them to ``workflows/`` in UI and API form)."""
+"""Flux.1's shipped workflows (``host/templates.py`` writes them to ``example_workflows/`` in UI and API form)."""
 from ..base import TrainingTemplate
 
 TEMPLATES = [
@@ -16,7 +16,7 @@ TEMPLATES = [
         "Prepare the files once with:\n  lowvram-lora demo --prepare-only --dir <ComfyUI root>\n"
         "which writes models/diffusion_models/flux1-tiny.safetensors, models/diffusers/flux1-tiny/ and "
         "input/lowvram_demo/shapes/ (synthetic captioned images). Then press Run: nothing to edit.\n\n"
-        "Headless: lowvram-lora run workflows/demo_tiny_lora.json --models-dir demo_output/models "
+        "Headless: lowvram-lora run example_workflows/demo_tiny_lora.json --models-dir demo_output/models "
         "--output-dir demo_output/output  (this is what `make demo` does)."),
     ),
     TrainingTemplate(
@@ -28,6 +28,14 @@ TEMPLATES = [
         offload={"mode": "auto", "vram_budget_gb": 0.0},
         train={"steps": 1500, "learning_rate": 1e-4, "rank": 16, "alpha": 16.0, "warmup_steps": 50, "training_seed": 42},
         save={"filename_prefix": "loras/flux1_dev_lora"},
+        downloads={  # as in ComfyUI's flux_dev_full_text_to_image template
+            "flux1-dev.safetensors": "https://huggingface.co/Comfy-Org/flux1-dev/resolve/main/flux1-dev.safetensors",
+            "clip_l.safetensors": "https://huggingface.co/comfyanonymous/flux_text_encoders/resolve/main/clip_l.safetensors",
+            "t5xxl_fp16.safetensors":
+                "https://huggingface.co/comfyanonymous/flux_text_encoders/resolve/main/t5xxl_fp16.safetensors",
+            "ae.safetensors":
+                "https://huggingface.co/Comfy-Org/Lumina_Image_2.0_Repackaged/resolve/main/split_files/vae/ae.safetensors",
+        },
         note=(
         # Short enough for the Note's box (420x260: ~15 lines of ~57 characters); the measurements behind
         # the memory line are in bench/RESULTS.md.

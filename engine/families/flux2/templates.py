@@ -1,5 +1,12 @@
-"""Flux.2's shipped workflows (``host/templates.py`` writes them to ``workflows/`` in UI and API form)."""
+"""Flux.2's shipped workflows (``host/templates.py`` writes them to ``example_workflows/`` in UI and API form)."""
 from ..base import TrainingTemplate
+
+_DEV = "https://huggingface.co/Comfy-Org/flux2-dev/resolve/main/split_files/"
+_DEV_DOWNLOADS = {  # as in ComfyUI's own Flux.2-dev templates
+    "flux2_dev_fp8mixed.safetensors": _DEV + "diffusion_models/flux2_dev_fp8mixed.safetensors",
+    "mistral_3_small_flux2_bf16.safetensors": _DEV + "text_encoders/mistral_3_small_flux2_bf16.safetensors",
+    "flux2-vae.safetensors": _DEV + "vae/flux2-vae.safetensors",
+}
 
 TEMPLATES = [
     TrainingTemplate(
@@ -11,6 +18,7 @@ TEMPLATES = [
         train={"steps": 1500, "learning_rate": 1e-4, "rank": 16, "alpha": 16.0, "warmup_steps": 0,
                "training_seed": 42},
         save={"filename_prefix": "loras/flux2_dev_lora"},
+        downloads=_DEV_DOWNLOADS,
         note=(
         "Flux.2-dev (32B) LoRA at 1024x1024 on an 8.5 GB VRAM budget (measured 6.6 GB peak at 1.07x the "
         "all-resident step on an H100; the plan keeps 1 GB of headroom, so 8.1 GB is the least auto accepts at "
@@ -32,6 +40,8 @@ TEMPLATES = [
         train={"steps": 1500, "learning_rate": 1e-4, "rank": 16, "alpha": 16.0, "warmup_steps": 0,
                "training_seed": 42},
         save={"filename_prefix": "loras/flux2_klein_lora"},
+        downloads={"flux-2-klein-base-4b.safetensors": "https://huggingface.co/Comfy-Org/flux2-klein/resolve/main/"
+                                                       "split_files/diffusion_models/flux-2-klein-base-4b.safetensors"},
         note=(
         "Flux.2 klein LoRA at 1024x1024 on a 5 GB VRAM budget (klein 4B measured 3.3 GB at 1.01x the resident "
         "step; auto accepts 4.1 GB at the least). Trainers recommend the undistilled 'base' "
@@ -50,6 +60,7 @@ TEMPLATES = [
         train={"steps": 1500, "learning_rate": 1e-4, "rank": 16, "alpha": 16.0, "warmup_steps": 0,
                "training_seed": 42},
         save={"filename_prefix": "loras/flux2_dev_dual_gpu"},
+        downloads=_DEV_DOWNLOADS,
         split={"mode": "split", "devices": "cuda:0,cuda:1", "cut": -1, "vram_budget_gb": "12,12"},
         note=(
         "Flux.2-dev (32B) LoRA at 1024x1024 on two GPUs (files as in flux2_dev_lora).\n\n"

@@ -1,4 +1,4 @@
-"""Lumina 2's shipped workflow (``host/templates.py`` writes it to ``workflows/`` in UI and API form)."""
+"""Lumina 2's shipped workflow (``host/templates.py`` writes it to ``example_workflows/`` in UI and API form)."""
 from ..base import TrainingTemplate
 from . import FAMILY
 
@@ -16,6 +16,10 @@ TEMPLATES = [
                "training_seed": 42, "sample_every": 250, "sample_steps": _PREVIEW.steps, "sample_resolution": 512,
                "sample_guidance": _PREVIEW.scale},
         save={"filename_prefix": "loras/lumina2_lora"},
+        # ComfyUI's own templates ship Lumina 2 only as the all-in-one checkpoint: no URL of theirs names the
+        # transformer or Gemma file, so only the VAE (as in ComfyUI's Flux.1 templates) is offered.
+        downloads={"ae.safetensors": "https://huggingface.co/Comfy-Org/Lumina_Image_2.0_Repackaged/resolve/main/"
+                                     "split_files/vae/ae.safetensors"},
         note=(
             "Lumina-Image-2.0 (2.6B) LoRA at 1024x1024 on a 2 GB VRAM budget.\n\nFiles:\n"
             "- models/diffusion_models/lumina_2_model_bf16.safetensors (the transformer alone; ComfyUI's all-in-one "

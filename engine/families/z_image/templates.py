@@ -1,8 +1,9 @@
-"""Z-Image's shipped workflow (``host/templates.py`` writes it to ``workflows/`` in UI and API form)."""
+"""Z-Image's shipped workflow (``host/templates.py`` writes it to ``example_workflows/`` in UI and API form)."""
 from ..base import TrainingTemplate
 from . import FAMILY
 
 _PREVIEW = FAMILY.guidance("z-image-turbo")  # the template's file is Turbo: no CFG
+_TURBO = "https://huggingface.co/Comfy-Org/z_image_turbo/resolve/main/split_files/"
 
 TEMPLATES = [
     TrainingTemplate(
@@ -15,6 +16,11 @@ TEMPLATES = [
         train={"steps": 1500, "learning_rate": 1e-4, "rank": 16, "alpha": 16.0, "warmup_steps": 0,
                "training_seed": 42, "sample_every": 250, "sample_steps": _PREVIEW.steps, "sample_resolution": 512},
         save={"filename_prefix": "loras/z_image_lora"},
+        downloads={  # as in ComfyUI's image_z_image_turbo template
+            "z_image_turbo_bf16.safetensors": _TURBO + "diffusion_models/z_image_turbo_bf16.safetensors",
+            "qwen_3_4b.safetensors": _TURBO + "text_encoders/qwen_3_4b.safetensors",
+            "ae.safetensors": _TURBO + "vae/ae.safetensors",
+        },
         note=(
             "Z-Image (6B) LoRA at 1024x1024 on a 4 GB VRAM budget.\n\nFiles (what ComfyUI users have):\n"
             "- models/diffusion_models/z_image_turbo_bf16.safetensors (or the Base model, z_image_bf16.safetensors: "

@@ -1,0 +1,158 @@
+"""The shipped templates' folder and model metadata (issue 28), and how ``lowvram-lora run`` finds them.
+
+- ComfyUI reads a pack's templates from ``example_workflows/`` without the rename suggestion it logs for the
+  other folder names (``app/custom_node_manager.py``).
+- Each model file a template names carries ComfyUI's ``properties.models`` entry ({name, url, directory}) on
+  the node whose widget holds it, with the URL ComfyUI's own templates give for that file: checked against
+  the ``comfyui_workflow_templates`` package of a ComfyUI install where one is found.
+"""
+import glob
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from lowvram_lora.engine.families import TrainingTemplate
+from lowvram_lora.host import templates as T
+from lowvram_lora.host.run_command import find_workflow
+from lowvram_lora.host.workflow import WorkflowError
+from lowvram_lora.nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+from lowvram_lora.nodes.paths import TEXT_ENCODER_FOLDERS, TRANSFORMER_FOLDERS, VAE_FOLDERS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _ui(name):
+    return json.loads((T.WORKFLOWS_DIR / f"{name}.json").read_text())
+
+
+def test_templates_live_in_example_workflows_only():
+    assert T.WORKFLOWS_DIR == ROOT / "example_workflows"
+    # ComfyUI's glob (custom_node_manager.get_workflow_templates): <pack>/<folder>/*.json, one level
+    listed = sorted(Path(p).stem for p in glob.glob(str(ROOT / "example_workflows" / "*.json")))
+    assert listed == sorted(T.SHIPPED)
+    # none of the folders ComfyUI would log "consider renaming it to 'example_workflows'" for
+    for other in ("example", "examples", "workflow", "workflows"):
+        assert not (ROOT / other).exists(), f"{other}/ makes ComfyUI suggest a rename; templates go in example_workflows/"
+
+
+def test_model_folders_are_the_ones_the_nodes_read():
+    assert T.MODEL_FOLDERS["checkpoint"] == TRANSFORMER_FOLDERS[0]
+    assert T.MODEL_FOLDERS["text_encoder_1"] == T.MODEL_FOLDERS["text_encoder_2"] == TEXT_ENCODER_FOLDERS[0]
+    assert T.MODEL_FOLDERS["vae_file"] == VAE_FOLDERS[0]
+
+
+def _selected_models(node):
+    """The frontend's rule (missingModelScan getSelectedModelsMetadata, 1.58): a node's declared models whose
+    name is one of its string widget values."""
+    values = {v for v in node.get("widgets_values", []) if isinstance(v, str) and v.strip()}
+    return [m for m in node.get("properties", {}).get("models", []) if m["name"] in values]
+
+
+@pytest.mark.parametrize("name", sorted(T.SHIPPED))
+def test_every_download_is_declared_on_the_node_that_names_the_file(name):
+    template = T.SHIPPED[name]
+    declared = {}
+    for node in _ui(name)["nodes"]:
+        models = node.get("properties", {}).get("models", [])
+        assert _selected_models(node) == models, f"{node['type']}: a declared model no widget selects"
+        for m in models:
+            assert set(m) == {"name", "url", "directory"}
+            assert m["directory"] in set(T.MODEL_FOLDERS.values())
+            assert m["url"].startswith("https://huggingface.co/") and "/resolve/main/" in m["url"]
+            assert m["url"].rsplit("/", 1)[-1] == m["name"], "the downloaded file must keep the name the widget holds"
+            declared[m["name"]] = m["url"]
+    assert declared == template.downloads
+
+
+def test_demo_and_files_without_an_official_url_declare_nothing():
+    assert not any(n.get("properties", {}).get("models") for n in _ui("demo_tiny_lora")["nodes"])
+    lumina = {m["name"] for n in _ui("lumina2_lora")["nodes"] for m in n.get("properties", {}).get("models", [])}
+    assert lumina == {"ae.safetensors"}  # ComfyUI's templates give no URL for its split transformer or Gemma
+
+
+def test_a_download_no_widget_names_is_refused():
+    t = T.SHIPPED["flux1_dev_lora"]
+    stale = TrainingTemplate(**{**t.__dict__, "downloads": {**t.downloads, "flux1-schnell.safetensors": "https://x"}})
+    nodes = T._train_graph(stale.load, stale.cache, stale.offload, stale.train, stale.save)
+    with pytest.raises(ValueError, match="flux1-schnell.safetensors"):
+        T._attach_models(stale, nodes)
+
+
+def _comfyui_template_dirs():
+    found = []
+    spec = importlib.util.find_spec("comfyui_workflow_templates_json")
+    if spec and spec.submodule_search_locations:
+        found += [Path(p) / "templates" for p in spec.submodule_search_locations]
+    comfy = os.environ.get("LOWVRAM_COMFYUI_DIR")
+    if comfy:
+        found += [Path(p) for p in glob.glob(f"{comfy}/venv/lib/python*/site-packages/comfyui_workflow_templates_json/templates")]
+    return [d for d in found if d.is_dir()]
+
+
+def test_urls_are_the_ones_comfyuis_own_templates_give():
+    dirs = _comfyui_template_dirs()
+    if not dirs:
+        pytest.skip("no comfyui_workflow_templates_json here (set LOWVRAM_COMFYUI_DIR to a ComfyUI with its venv)")
+    official: dict[tuple[str, str], set[str]] = {}
+
+    def walk(graph):
+        for node in graph.get("nodes", []):
+            for m in (node.get("properties") or {}).get("models") or []:
+                if isinstance(m, dict) and {"name", "url", "directory"} <= set(m):
+                    official.setdefault((m["name"], m["directory"]), set()).add(m["url"].split("?")[0])
+        for sub in (graph.get("definitions") or {}).get("subgraphs", []):
+            walk(sub)
+
+    for d in dirs:
+        for f in d.glob("*.json"):
+            try:
+                graph = json.loads(f.read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(graph, dict):
+                walk(graph)
+    assert len(official) > 50, "ComfyUI's templates were not read"
+    for name in T.SHIPPED:
+        for node in _ui(name)["nodes"]:
+            for m in node.get("properties", {}).get("models", []):
+                assert m["url"] in official.get((m["name"], m["directory"]), set()), (
+                    f"{name}: {m['name']} ({m['directory']}) -> {m['url']} is not a URL ComfyUI's own templates use")
+
+
+def test_build_matches_the_shipped_files_with_models():
+    ui, _ = T.build("flux2_dev_lora", NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS)
+    assert ui == _ui("flux2_dev_lora")
+
+
+# ----------------------------------------------------------------- lowvram-lora run: which file
+
+
+def test_run_finds_a_shipped_template_by_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no example_workflows/ here: an installed package, run from anywhere
+    assert find_workflow("demo_tiny_lora") == T.WORKFLOWS_DIR / "demo_tiny_lora.json"
+    assert find_workflow("flux1_dev_lora.json") == T.WORKFLOWS_DIR / "flux1_dev_lora.json"
+    assert find_workflow("api/z_image_lora") == T.WORKFLOWS_DIR / "api" / "z_image_lora.json"
+
+
+def test_run_finds_an_old_workflows_path_and_says_where_it_moved(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert find_workflow("workflows/demo_tiny_lora.json") == T.WORKFLOWS_DIR / "demo_tiny_lora.json"
+    assert "example_workflows/" in capsys.readouterr().err
+    assert find_workflow("x/workflows/api/flux1_dev_lora.json") == T.WORKFLOWS_DIR / "api" / "flux1_dev_lora.json"
+
+
+def test_run_prefers_a_file_that_exists(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "demo_tiny_lora").write_text("{}")
+    assert find_workflow("demo_tiny_lora") == Path("demo_tiny_lora")
+
+
+def test_run_names_the_templates_when_nothing_is_found(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for given in ("nope.json", "workflows/nope.json"):
+        with pytest.raises(WorkflowError, match="no such file") as e:
+            find_workflow(given)
+        assert "demo_tiny_lora" in str(e.value) and "flux1_dev_lora" in str(e.value)
