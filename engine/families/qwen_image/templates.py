@@ -3,6 +3,7 @@ from ..base import TrainingTemplate
 from . import FAMILY
 
 _PREVIEW = FAMILY.guidance("qwen-image")  # true CFG 4, 20 steps
+_REPO = "https://huggingface.co/Comfy-Org/Qwen-Image_ComfyUI/resolve/main/split_files/"
 
 TEMPLATES = [
     TrainingTemplate(
@@ -16,6 +17,11 @@ TEMPLATES = [
                "training_seed": 42, "sample_every": 250, "sample_steps": _PREVIEW.steps, "sample_resolution": 512,
                "sample_guidance": _PREVIEW.scale},
         save={"filename_prefix": "loras/qwen_image_lora"},
+        downloads={  # as in ComfyUI's own Qwen-Image templates (comfyui-workflow-templates 0.11.44)
+            "qwen_image_fp8_e4m3fn.safetensors": _REPO + "diffusion_models/qwen_image_fp8_e4m3fn.safetensors",
+            "qwen_2.5_vl_7b_fp8_scaled.safetensors": _REPO + "text_encoders/qwen_2.5_vl_7b_fp8_scaled.safetensors",
+            "qwen_image_vae.safetensors": _REPO + "vae/qwen_image_vae.safetensors",
+        },
         note=(
             "Qwen-Image (20B) LoRA at 1024x1024 on a 6 GB VRAM budget (4 GB works, a little slower).\n\nFiles "
             "(what ComfyUI's own Qwen-Image template uses):\n"

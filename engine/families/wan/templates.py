@@ -2,6 +2,8 @@
 from ..base import TrainingTemplate
 from . import FAMILY
 
+_REPO = "https://huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged/resolve/main/split_files/"
+
 _PREVIEW = FAMILY.guidance("wan2.1-t2v-1.3b")  # CFG 5, 20 steps
 
 TEMPLATES = [
@@ -16,6 +18,11 @@ TEMPLATES = [
                "training_seed": 42, "sample_every": 250, "sample_steps": _PREVIEW.steps, "sample_resolution": 512,
                "sample_guidance": _PREVIEW.scale},
         save={"filename_prefix": "loras/wan21_t2v_1_3b_lora"},
+        downloads={  # as in ComfyUI's own Wan 2.1 templates (comfyui-workflow-templates 0.11.44)
+            "wan2.1_t2v_1.3B_bf16.safetensors": _REPO + "diffusion_models/wan2.1_t2v_1.3B_bf16.safetensors?download=true",
+            "umt5_xxl_fp8_e4m3fn_scaled.safetensors": _REPO + "text_encoders/umt5_xxl_fp8_e4m3fn_scaled.safetensors",
+            "wan_2.1_vae.safetensors": _REPO + "vae/wan_2.1_vae.safetensors",
+        },
         note=(
             "Wan 2.1 T2V 1.3B LoRA trained on images (each a one-frame clip) at 512x512 on a 4 GB VRAM budget. "
             "Video clips come with the video dataset wiring (a later release); the LoRA already loads for video.\n\n"
