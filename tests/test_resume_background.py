@@ -279,16 +279,21 @@ _KILLED_CHILD = textwrap.dedent("""
 
 
 def _lines(child, count: int, timeout: float) -> set[str]:
-    """The child's next ``count`` output lines, or fewer if it is silent for ``timeout`` seconds."""
+    """The child's next ``count`` output lines, or fewer if it is silent for ``timeout`` seconds. Read from the
+    pipe's file descriptor, not through the buffered text stream: two lines arriving together would otherwise
+    sit in the stream's buffer while select() waits for more bytes on the pipe."""
     import selectors
 
-    lines, sel = set(), selectors.DefaultSelector()
-    sel.register(child.stdout, selectors.EVENT_READ)
+    fd = child.stdout.fileno()
+    lines, data, sel = set(), b"", selectors.DefaultSelector()
+    sel.register(fd, selectors.EVENT_READ)
     while len(lines) < count and sel.select(timeout):
-        line = child.stdout.readline()
-        if not line:
+        chunk = os.read(fd, 4096)
+        if not chunk:
             break
-        lines.add(line.strip())
+        data += chunk
+        *done, data = data.split(b"\n")
+        lines.update(line.decode().strip() for line in done)
     return lines
 
 

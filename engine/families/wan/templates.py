@@ -9,7 +9,7 @@ _PREVIEW = FAMILY.guidance("wan2.1-t2v-1.3b")  # CFG 5, 20 steps
 TEMPLATES = [
     TrainingTemplate(
         name="wan21_t2v_1_3b_lora",
-        load={"checkpoint": "wan2.1_t2v_1.3B_bf16.safetensors", "family": "wan", "precision": "int8 slab"},
+        load={"checkpoint": "wan2.1_t2v_1.3B_fp16.safetensors", "family": "wan", "precision": "int8 slab"},
         cache={"text_encoders": "(single files below)", "dataset_path": "my_subject", "resolution": 512,
                "text_encoder_1": "umt5_xxl_fp8_e4m3fn_scaled.safetensors", "vae_file": "wan_2.1_vae.safetensors",
                "sample_prompts": "ohwx, a photo of a dog on a beach"},
@@ -19,7 +19,7 @@ TEMPLATES = [
                "sample_guidance": _PREVIEW.scale},
         save={"filename_prefix": "loras/wan21_t2v_1_3b_lora"},
         downloads={  # as in ComfyUI's own Wan 2.1 templates (comfyui-workflow-templates 0.11.44)
-            "wan2.1_t2v_1.3B_bf16.safetensors": _REPO + "diffusion_models/wan2.1_t2v_1.3B_bf16.safetensors?download=true",
+            "wan2.1_t2v_1.3B_fp16.safetensors": _REPO + "diffusion_models/wan2.1_t2v_1.3B_fp16.safetensors",
             "umt5_xxl_fp8_e4m3fn_scaled.safetensors": _REPO + "text_encoders/umt5_xxl_fp8_e4m3fn_scaled.safetensors",
             "wan_2.1_vae.safetensors": _REPO + "vae/wan_2.1_vae.safetensors",
         },
@@ -27,7 +27,7 @@ TEMPLATES = [
             "Wan 2.1 T2V 1.3B LoRA trained on images (each a one-frame clip) at 512x512 on a 4 GB VRAM budget. "
             "Video clips come with the video dataset wiring (a later release); the LoRA already loads for video.\n\n"
             "Files (what ComfyUI's own Wan 2.1 template uses):\n"
-            "- models/diffusion_models/wan2.1_t2v_1.3B_bf16.safetensors (or _fp16). precision 'int8 slab' builds a "
+            "- models/diffusion_models/wan2.1_t2v_1.3B_fp16.safetensors (or the _bf16 file). precision 'int8 slab' builds a "
             "1.5 GB slab once into models/slabs.\n"
             "- models/text_encoders/umt5_xxl_fp8_e4m3fn_scaled.safetensors with umT5's tokenizer files (google/umt5-xxl: "
             "tokenizer.json, tokenizer_config.json, spiece.model) in models/text_encoders/umt5_xxl_fp8_e4m3fn_scaled/, "
