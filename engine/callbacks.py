@@ -105,7 +105,7 @@ class ConsoleCallback(TrainingCallback):
         bar = self._bar("train", info.total_steps)
         bar.set_postfix(
             loss=f"{info.loss:.4f}", lr=f"{info.lr:.2e}", s_it=f"{info.seconds_per_step:.2f}",
-            vram=f"{info.peak_vram_gb:.1f}G", refresh=False,
+            **({"vram": f"{info.peak_vram_gb:.1f}G"} if info.peak_vram_gb else {}), refresh=False,
         )
         bar.update(info.step - bar.n)
         if info.step >= info.total_steps:
@@ -113,8 +113,8 @@ class ConsoleCallback(TrainingCallback):
             self._bars.pop("train", None)
             from tqdm.auto import tqdm
 
-            tqdm.write(f"trained {info.step} steps: final loss {info.loss:.4f}, {info.seconds_per_step:.2f} s/step, "
-                       f"peak VRAM {info.peak_vram_gb:.2f} GB"
+            tqdm.write(f"trained {info.step} steps: final loss {info.loss:.4f}, {info.seconds_per_step:.2f} s/step"
+                       + (f", peak VRAM {info.peak_vram_gb:.2f} GB" if info.peak_vram_gb else "")  # 0 on a CPU run
                        + (f", pinned host RAM {info.pinned_host_gb:.1f} GB" if info.pinned_host_gb else "")
                        + (f", sampling {info.sample_seconds:.1f} s" if info.sample_seconds else ""))
 

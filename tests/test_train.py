@@ -205,3 +205,13 @@ def test_adamw8bit_trains_on_gpu(tiny_pipeline, one_image_cache):
                         TrainConfig(steps=30, learning_rate=5e-3, seed=0, optimizer="adamw8bit", device="cuda"))
     assert result.steps == 30
     assert sum(result.loss_history[-5:]) < sum(result.loss_history[:5])
+
+
+def test_a_cpu_run_reports_no_gpu_only_figures():
+    """On a CPU run the step breakdown leaves out block-copy waits and GPU host time (issue 28 point 7); on a GPU
+    run they stay."""
+    from lowvram_lora.engine.train.step_timing import describe
+
+    parts = {"data": 0.01, "compute": 1.0, "optimizer": 0.1, "copy_stall": 0.0, "host": 0.05, "wall": 1.2}
+    assert "block copies" not in describe(parts, gpu=False) and "host outside" not in describe(parts, gpu=False)
+    assert "waiting for block copies 0.000 s" in describe(parts, gpu=True)

@@ -344,7 +344,7 @@ def _run_step(run: _Run, step: int) -> bool:
             torch.cuda.synchronize(d)
     breakdown = run.timer.finish(run.placement.end_step(step, cb))
     if step == run.first + 1:  # the first step warms up (and compiles); the second is typical
-        cb.log(describe_step(breakdown))
+        cb.log(describe_step(breakdown, gpu=run.device.type == "cuda"))
     _record_step(run, step, loss_sum, grad_norm, t0, breakdown)
     if step == run.first and run.compiled.graphs():
         result.settings["compile"] = {"first_step_s": round(breakdown["wall"], 2)}

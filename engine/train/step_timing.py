@@ -57,12 +57,16 @@ class StepTimer:
         return {k: round(v, 4) for k, v in parts.items()}
 
 
-def describe(parts: dict[str, float]) -> str:
+def describe(parts: dict[str, float], gpu: bool = True) -> str:
+    """One line for the log; on a CPU run without the GPU-only parts (copy waits, host time outside GPU work)."""
     wall = parts["wall"] or 1e-9
 
     def pct(k):
         return f"{parts[k]:.3f} s ({100 * parts[k] / wall:.0f}%)"
 
+    if not gpu:
+        return (f"step time {wall:.3f} s: compute {pct('compute')}, optimizer {pct('optimizer')}, "
+                f"data {parts['data']:.3f} s")
     return (f"step time {wall:.3f} s: compute {pct('compute')} of which waiting for block copies "
             f"{parts['copy_stall']:.3f} s, optimizer {pct('optimizer')}, data {parts['data']:.3f} s, "
             f"host outside GPU work {pct('host')}")
