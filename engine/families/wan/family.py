@@ -200,6 +200,16 @@ class WanFamily(ModelFamily):
         for block in model.blocks:
             chunk_token_wise(block.ffn, chunks, undo)
 
+    def block_parts(self, block: nn.Module):
+        """A block streams as three parts (``parts.py``): self-attention (with the block's modulation), cross-
+        attention, FFN; each checkpointed on its own, so a block's recompute + backward holds one part's
+        intermediates, not the whole block's (A14B at 480x832x81: bench/NOTES.md "Wan (issue 25)")."""
+        from diffusers.models.transformers.transformer_wan import WanTransformerBlock
+
+        from .parts import wan_block_parts
+
+        return wan_block_parts(block) if isinstance(block, WanTransformerBlock) else None
+
     def train_sigma_range(self, variant: str) -> tuple[float, float]:
         """The A14B experts split the noise levels at the pipeline's boundary (``boundary_ratio`` 0.875: the high-
         noise expert denoises sigma >= 0.875, the low-noise one below): each trains on its own side only."""
