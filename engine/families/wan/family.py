@@ -80,11 +80,11 @@ class WanFamily(ModelFamily):
     vae = WAN21_VAE
     video = True
     chunked_recompute = True  # install_chunked_recompute: the FFN in token chunks
-    # Blocks in parts (``block_parts``): the largest part, self-attention, saves 11.0 B*T*D units for its backward
-    # against 21.2 for the whole block with the FFN in token chunks (22.9-26.1 whole, unchunked): 0.52 of the whole
-    # block's working set, counted by saved-tensor bytes on CPU (bf16, LoRA on q/k/v/o, head dim 128, every
-    # variant's FFN width). An estimate, not a GPU fit: refit on the bench rows of blocks in parts.
-    parts_activation_scale = 0.52
+    # Blocks in parts (``block_parts``): the largest part, self-attention, holds 0.63 of the whole block's recompute +
+    # backward working set with the FFN in token chunks (25.3 of 40.5 B*T*D units alive at once; 0.50 of the bytes
+    # saved for backward; 0.50-0.56 unchunked), the same for every variant: bench/parts_working_set.py on CPU (bf16,
+    # LoRA on q/k/v/o, head dim 128). An estimate, not a GPU fit: refit on the bench rows of blocks in parts.
+    parts_activation_scale = 0.63
     lora_targets = {"blocks": ATTENTION_TARGETS}
     # ComfyUI 0.33 maps no diffusers name of Wan (facts §3.6): the LoRA carries the native module names
     # (``diffusion_model.blocks.N.self_attn.q``), one native Linear per diffusers Linear.

@@ -164,3 +164,26 @@ def test_streaming_with_activation_offload_runs_blocks_as_three_units():
         assert len(units.units) == 3 * len(model.blocks)
     finally:
         units.remove()
+
+
+def test_the_planner_sizes_the_working_set_by_the_largest_part():
+    """With activation offload (blocks stream in parts) the plan scales the block working set by Wan's
+    ``parts_activation_scale``; without it (whole blocks) by ``activation_scale``: A14B at 832x480x81."""
+    from lowvram_lora.engine.families.base import meta_model
+    from lowvram_lora.engine.offload import Workload, build_plan
+    from lowvram_lora.engine.offload.footprint import measure_footprint
+    from lowvram_lora.engine.offload.plan import TRANSIENT_UNITS
+
+    variant = "wan2.2-t2v-a14b-high-noise"
+    model = meta_model(FAMILY, FAMILY.load_config(variant))
+    model.requires_grad_(False)
+    fp = measure_footprint(model, FAMILY, trainable_params=0)
+    assert all(len(u) == 3 and sum(u) == b for u, b in zip(fp.unit_bytes, fp.block_bytes))
+    assert fp.working_set_scale(True) == FAMILY.parts_activation_scale < FAMILY.activation_scale
+    assert fp.working_set_scale(False) == FAMILY.activation_scale
+    wl = Workload(1, FAMILY.image_tokens(832, 480, variant) * FAMILY.latent_frames(81), 512)
+    unit = wl.tokens * fp.hidden_size * 2
+    parts = build_plan(fp, wl, (), 1, True).breakdown["activations"]
+    fp.parts_activation_scale = None  # as before parts: the whole block's working set
+    whole = build_plan(fp, wl, (), 1, True).breakdown["activations"]
+    assert whole - parts == pytest.approx((1 - FAMILY.parts_activation_scale) * TRANSIENT_UNITS * unit, rel=1e-6)
