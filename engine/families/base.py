@@ -18,7 +18,7 @@ How the pieces flow:
 - training: ``model_inputs`` + ``unpack_prediction`` under the family's ``prediction`` convention
   (the timestep it is given, the sign of its output) and its timestep shift;
 - memory: ``block_lists`` (execution order), ``block_parts``, ``chunked_recompute``,
-  ``activation_scale``, ``image_tokens``;
+  ``activation_scale`` (``parts_activation_scale`` for blocks in parts), ``image_tokens``;
 - LoRA: ``lora_targets`` (default modules), ``comfyui_lora_form`` (how ComfyUI's loader wants them).
 """
 from __future__ import annotations
@@ -323,6 +323,10 @@ class ModelFamily(ABC):
     #: A block's recompute + backward working set against Flux.1's at the same tokens x width (the
     #: planner's constants are Flux.1 fits). Fitted on GPU rows per family.
     activation_scale: ClassVar[float] = 1.0
+    #: The same when its blocks stream in parts (``block_parts``, used with activation offload): the largest part's
+    #: working set against Flux.1's block at the same tokens x width. None: ``activation_scale`` (Flux.1's and
+    #: Flux.2's constants were fitted with their blocks in parts already).
+    parts_activation_scale: ClassVar[float | None] = None
     #: ``install_chunked_recompute`` does something (token-wise parts in checkpointed chunks).
     chunked_recompute: ClassVar[bool] = False
 

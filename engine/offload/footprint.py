@@ -42,7 +42,8 @@ def measure_footprint(model: nn.Module, family, name: str = "",
         name=name or type(model).__name__, block_names=[n for n, _ in blocks], block_bytes=block_bytes,
         other_bytes=other, trainable_params=trainable_params, hidden_size=family.hidden_size(dict(model.config)),
         unit_bytes=[unit_bytes(family, b, frozen_bytes) for _, b in blocks],
-        activation_scale=family.activation_scale, chunkable=family.chunked_recompute,
+        activation_scale=family.activation_scale, parts_activation_scale=family.parts_activation_scale,
+        chunkable=family.chunked_recompute,
     )
 
 

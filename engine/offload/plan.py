@@ -86,6 +86,9 @@ class ModelFootprint:
     # One block's working set against Flux.1's at the same B*T*D (the fitted constants below are Flux.1's):
     # the family's ``activation_scale``.
     activation_scale: float = 1.0
+    # The same while blocks stream in parts (activation offload with ``unit_bytes``): the largest part's working set
+    # (``ModelFamily.parts_activation_scale``); None: ``activation_scale``.
+    parts_activation_scale: Optional[float] = None
     # The family's token-wise block parts can recompute in chunks (``ModelFamily.chunked_recompute``).
     chunkable: bool = True
 
@@ -97,6 +100,13 @@ class ModelFootprint:
             groups.append(list(range(len(sizes), len(sizes) + len(parts))))
             sizes += parts
         return sizes, groups
+
+    def working_set_scale(self, activation_offload: bool) -> float:
+        """The factor on the fitted block working set: the largest part's when blocks stream in parts (only with
+        activation offload, engine/offload/streamer.py), else the whole block's."""
+        split = activation_offload and any(u for u in self.unit_bytes)
+        return self.parts_activation_scale if split and self.parts_activation_scale is not None \
+            else self.activation_scale
 
     @property
     def num_blocks(self) -> int:
@@ -246,8 +256,8 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
         "weights": fp.other_bytes + sum(fp.block_bytes[i] for i in resident) + ring_at_peak,
         "lora+adam": int(fp.trainable_params * (fp.lora_bytes_per_param - moments)),
         # The fitted line has a negative intercept; clamp so tiny models never predict < 0.
-        "activations": max(0, int((kept_inputs + fp.activation_scale * transient_units(recompute_chunks,
-                                                                                        compiled_budget)) * unit
+        "activations": max(0, int((kept_inputs + fp.working_set_scale(activation_offload)
+                                   * transient_units(recompute_chunks, compiled_budget)) * unit
                                   + TRANSIENT_BYTES
                                   + (OFFLOADED_KEPT_BYTES if activation_offload else 0))),
     }

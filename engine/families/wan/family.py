@@ -80,6 +80,11 @@ class WanFamily(ModelFamily):
     vae = WAN21_VAE
     video = True
     chunked_recompute = True  # install_chunked_recompute: the FFN in token chunks
+    # Blocks in parts (``block_parts``): the largest part, self-attention, holds 0.63 of the whole block's recompute +
+    # backward working set with the FFN in token chunks (25.3 of 40.5 B*T*D units alive at once; 0.50 of the bytes
+    # saved for backward; 0.50-0.56 unchunked), the same for every variant: bench/parts_working_set.py on CPU (bf16,
+    # LoRA on q/k/v/o, head dim 128). An estimate, not a GPU fit: refit on the bench rows of blocks in parts.
+    parts_activation_scale = 0.63
     lora_targets = {"blocks": ATTENTION_TARGETS}
     # ComfyUI 0.33 maps no diffusers name of Wan (facts §3.6): the LoRA carries the native module names
     # (``diffusion_model.blocks.N.self_attn.q``), one native Linear per diffusers Linear.
@@ -199,6 +204,16 @@ class WanFamily(ModelFamily):
 
         for block in model.blocks:
             chunk_token_wise(block.ffn, chunks, undo)
+
+    def block_parts(self, block: nn.Module):
+        """A block streams as three parts (``parts.py``): self-attention (with the block's modulation), cross-
+        attention, FFN; each checkpointed on its own, so a block's recompute + backward holds one part's
+        intermediates, not the whole block's (A14B at 480x832x81: bench/NOTES.md "Wan (issue 25)")."""
+        from diffusers.models.transformers.transformer_wan import WanTransformerBlock
+
+        from .parts import wan_block_parts
+
+        return wan_block_parts(block) if isinstance(block, WanTransformerBlock) else None
 
     def train_sigma_range(self, variant: str) -> tuple[float, float]:
         """The A14B experts split the noise levels at the pipeline's boundary (``boundary_ratio`` 0.875: the high-

@@ -1,0 +1,189 @@
+"""Wan blocks in parts (``parts.py``) against diffusers 0.42.1's own ``WanTransformerBlock.forward``: the three
+parts run one after the other, each under its own checkpoint as the engine streams them, give the block's output,
+the gradients of its inputs and of every block parameter (rtol 1e-5, fp32), for both tiny variants and for the two
+temb layouts (one per sample; one per token: TI2V-5B's ``expand_timesteps``). In bf16 the forward is bit-identical
+(the same ops and casts in the same order)."""
+import copy
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from lowvram_lora.engine.families.recompute import ChunkedRecompute
+from lowvram_lora.engine.families.tiny import randomize_zero_inits
+from lowvram_lora.engine.families.wan import FAMILY
+from lowvram_lora.engine.families.wan.parts import CrossAttention, FeedForward, SelfAttention
+
+VARIANTS = (FAMILY.tiny_variant, "wan2.2-ti2v-tiny")
+
+
+def _model(variant: str, dtype=torch.float32):
+    """A tiny random model; in bf16 with diffusers' ``_keep_in_fp32_modules`` (the modulation table, the norms, RoPE)
+    kept in fp32, as ``from_pretrained(torch_dtype=torch.bfloat16)`` loads it."""
+    torch.manual_seed(0)
+    model = FAMILY.transformer_class().from_config(FAMILY.load_config(variant))
+    randomize_zero_inits(model, 0)
+    with torch.no_grad():  # the table is randn / sqrt(dim): make the modulation clearly non-trivial
+        for block in model.blocks:
+            block.scale_shift_table.mul_(10.0)
+    keep = set(model._keep_in_fp32_modules)
+    for name, param in model.named_parameters():
+        if not keep & set(name.split(".")):
+            param.data = param.data.to(dtype)
+    return model.eval()
+
+
+def _block_inputs(model, per_token: bool, frames: int = 5):
+    """What the model hands its first block (hidden, text, temb, RoPE), captured from a real forward: timestep
+    (B,) gives temb (B, 6, D); timestep (B, S) as TI2V's pipeline passes it gives temb (B, S, 6, D)."""
+    g = torch.Generator().manual_seed(1)
+    dtype = model.patch_embedding.weight.dtype
+    latents = torch.randn(2, *FAMILY.latent_shape(model, 32, 32 if model.config.out_channels == 16 else 64, frames),
+                          generator=g).to(dtype)
+    text = torch.randn(2, 9, model.config.text_dim, generator=g).to(dtype)
+    if per_token:
+        p = model.config.patch_size
+        tokens = latents.shape[2] // p[0] * (latents.shape[3] // p[1]) * (latents.shape[4] // p[2])
+        timestep = torch.rand(2, tokens, generator=g) * 1000
+        timestep[:, : tokens // 4] = 0.0  # the clean first frame of TI2V's image-to-video sits at t = 0
+    else:
+        timestep = torch.tensor([300.0, 850.0])
+    seen = {}
+
+    def grab(block, args):
+        seen["args"] = args
+        raise StopIteration  # the first block's inputs are all we need
+
+    handle = model.blocks[0].register_forward_pre_hook(grab)
+    try:
+        with torch.no_grad(), pytest.raises(StopIteration):
+            model(hidden_states=latents, timestep=timestep, encoder_hidden_states=text, return_dict=False)
+    finally:
+        handle.remove()
+    hidden, encoder, temb, rope = seen["args"]
+    assert temb.ndim == (4 if per_token else 3)
+    return hidden, encoder, temb, rope
+
+
+def _run(block, parts, inputs, checkpointed: bool):
+    """The block's output and the gradients of its float inputs and parameters, under a fixed random cotangent."""
+    hidden, encoder, temb, rope = (x.detach().clone().requires_grad_(True) if i < 3 else x
+                                   for i, x in enumerate(inputs))
+    if parts is None:
+        out = block(hidden, encoder, temb, rope)
+    else:
+        out = (hidden, encoder, temb, rope)
+        for part in parts:
+            out = checkpoint(part, *out, use_reentrant=False) if checkpointed else part(*out)
+    cot = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out.dtype)
+    block.zero_grad(set_to_none=True)
+    (out.float() * cot.float()).sum().backward()
+    grads = {"hidden": hidden.grad, "encoder": encoder.grad, "temb": temb.grad}
+    grads.update({n: p.grad.clone() for n, p in block.named_parameters()})
+    return out.detach(), grads
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_parts_compose_to_the_diffusers_block(variant, per_token):
+    model = _model(variant)
+    block = model.blocks[0]
+    names = [n for n, _ in FAMILY.block_parts(block)]
+    assert names == ["self_attention", "cross_attention", "feed_forward"]
+    inputs = _block_inputs(model, per_token)
+    want, want_grads = _run(block, None, inputs, False)
+    for checkpointed in (False, True):
+        got, grads = _run(block, [m for _, m in FAMILY.block_parts(block)], inputs, checkpointed)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert grads.keys() == want_grads.keys()
+        for name, g in want_grads.items():
+            assert g is not None and g.abs().sum() > 0, name  # every input and parameter matters
+            torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_parts_are_bit_identical_in_bf16(variant):
+    """The same ops and casts in the same order as diffusers: bf16 output and input gradients equal exactly."""
+    model = _model(variant, torch.bfloat16)
+    block = model.blocks[1]
+    inputs = _block_inputs(model, False)
+    want, want_grads = _run(block, None, inputs, False)
+    got, grads = _run(block, [m for _, m in FAMILY.block_parts(block)], inputs, True)
+    assert torch.equal(got, want)
+    for name in ("hidden", "encoder", "temb", "attn1.to_q.weight", "ffn.net.2.weight", "scale_shift_table"):
+        assert torch.equal(grads[name], want_grads[name]), name
+
+
+def test_parts_hold_each_block_tensor_once_and_ffn_chunks_apply():
+    """Every parameter of a block is in exactly one part (the engine's check), the parts hold Wan's own modules (so
+    LoRA names do not change), and ``install_chunked_recompute`` (FFN token chunks, patched on ``block.ffn``) runs
+    inside the FFN part: the same result as the whole block with the same chunks (exactly: the same arithmetic), and
+    as the unchunked block within 1e-5 of each gradient's norm (chunks sum the weight gradients in another order)."""
+    from lowvram_lora.engine.offload.units import _check_partition
+
+    model = _model(FAMILY.tiny_variant)
+    block = model.blocks[0]
+    parts = FAMILY.block_parts(block)
+    _check_partition(block, parts)
+    assert [type(m) for _, m in parts] == [SelfAttention, CrossAttention, FeedForward]
+    assert parts[2][1].ffn is block.ffn and parts[0][1].scale_shift_table is block.scale_shift_table
+    inputs = _block_inputs(model, False)
+    plain, plain_grads = _run(block, None, inputs, False)
+    undo = ChunkedRecompute()
+    calls = []
+    FAMILY.install_chunked_recompute(model, 3, undo)
+    chunked = block.ffn.forward
+    block.ffn.forward = lambda *a, **k: calls.append(1) or chunked(*a, **k)
+    try:
+        want, want_grads = _run(block, None, inputs, False)
+        calls.clear()
+        got, grads = _run(block, [m for _, m in parts], inputs, True)
+    finally:
+        del block.ffn.forward
+        undo.remove()
+    assert calls, "the FFN part did not go through the chunked feed-forward"
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got, plain, rtol=1e-5, atol=1e-6)
+    for name, g in want_grads.items():
+        assert torch.equal(grads[name], g), name
+        assert ((grads[name] - plain_grads[name]).norm() / plain_grads[name].norm()).item() < 1e-5, name
+
+
+def test_streaming_with_activation_offload_runs_blocks_as_three_units():
+    """With activation offload the streamer installs the parts: three streaming units per block, in run order."""
+    from lowvram_lora.engine.offload.footprint import measure_footprint, named_blocks
+    from lowvram_lora.engine.offload.units import install_units
+
+    model = copy.deepcopy(_model(FAMILY.tiny_variant))
+    fp = measure_footprint(model, FAMILY)
+    assert all(u is not None and len(u) == 3 and sum(u) == b for u, b in zip(fp.unit_bytes, fp.block_bytes))
+    units = install_units(model, FAMILY, named_blocks(model, FAMILY))
+    try:
+        assert [n for n, _ in units.units][:3] == ["blocks.0.self_attention", "blocks.0.cross_attention",
+                                                   "blocks.0.feed_forward"]
+        assert len(units.units) == 3 * len(model.blocks)
+    finally:
+        units.remove()
+
+
+def test_the_planner_sizes_the_working_set_by_the_largest_part():
+    """With activation offload (blocks stream in parts) the plan scales the block working set by Wan's
+    ``parts_activation_scale``; without it (whole blocks) by ``activation_scale``: A14B at 832x480x81."""
+    from lowvram_lora.engine.families.base import meta_model
+    from lowvram_lora.engine.offload import Workload, build_plan
+    from lowvram_lora.engine.offload.footprint import measure_footprint
+    from lowvram_lora.engine.offload.plan import TRANSIENT_UNITS
+
+    variant = "wan2.2-t2v-a14b-high-noise"
+    model = meta_model(FAMILY, FAMILY.load_config(variant))
+    model.requires_grad_(False)
+    fp = measure_footprint(model, FAMILY, trainable_params=0)
+    assert all(len(u) == 3 and sum(u) == b for u, b in zip(fp.unit_bytes, fp.block_bytes))
+    assert fp.working_set_scale(True) == FAMILY.parts_activation_scale < FAMILY.activation_scale
+    assert fp.working_set_scale(False) == FAMILY.activation_scale
+    wl = Workload(1, FAMILY.image_tokens(832, 480, variant) * FAMILY.latent_frames(81), 512)
+    unit = wl.tokens * fp.hidden_size * 2
+    parts = build_plan(fp, wl, (), 1, True).breakdown["activations"]
+    fp.parts_activation_scale = None  # as before parts: the whole block's working set
+    whole = build_plan(fp, wl, (), 1, True).breakdown["activations"]
+    assert whole - parts == pytest.approx((1 - FAMILY.parts_activation_scale) * TRANSIENT_UNITS * unit, rel=1e-6)
