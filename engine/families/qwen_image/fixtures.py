@@ -162,3 +162,23 @@ def tiny_edit_pipeline(mode: str = "plus", variant: str = "qwen-image-edit-tiny"
                processor=tiny_qwen2vl_processor(tokenizer), transformer=transformer)
     pipe.prompt_template_encode_start_idx = tiny_drop(tokenizer, mode)
     return pipe
+
+
+def make_tiny_edit_dataset(folder: str | Path, count: int = 2, seed: int = 0) -> Path:
+    """A tiny pairs dataset in the documented layout (``docs/edit_datasets.md``): ``make_tiny_dataset``'s images
+    as the targets, each with an instruction, and ``control/<stem>.png``: the target with its colours inverted
+    (the edit "invert the colours" undone), at another size so the reference latent has its own shape."""
+    from PIL import ImageOps, Image
+
+    from ...testing import make_tiny_dataset
+
+    folder = make_tiny_dataset(folder, count=count, seed=seed)
+    control = folder / "control"
+    control.mkdir(exist_ok=True)
+    for target in sorted(folder.glob("*.png")):
+        with Image.open(target) as img:
+            ImageOps.invert(img.convert("RGB")).resize((img.width * 3 // 4, img.height * 3 // 4)).save(
+                control / target.name)
+        caption = target.with_suffix(".txt")
+        caption.write_text("invert the colours: " + caption.read_text())
+    return folder
