@@ -159,7 +159,8 @@ def write_template_files(template, root, scratch):
     family = get_family(template.load["family"])
     variant = family.variant_from_name(family.tiny_variant, template.load["checkpoint"])
     if any(s.control_images for s in family.text_encoder_specs(variant)):  # an edit model: pairs (target + control/)
-        written.append(fixtures.make_tiny_edit_dataset(root / "input" / template.cache["dataset_path"], count=1))
+        written.append(fixtures.add_tiny_controls(make_tiny_dataset(root / "input" / template.cache["dataset_path"],
+                                                                    count=1)))
     else:
         written.append(make_tiny_dataset(root / "input" / template.cache["dataset_path"], count=1))
     return pipeline, written

@@ -164,15 +164,14 @@ def tiny_edit_pipeline(mode: str = "plus", variant: str = "qwen-image-edit-tiny"
     return pipe
 
 
-def make_tiny_edit_dataset(folder: str | Path, count: int = 2, seed: int = 0) -> Path:
-    """A tiny pairs dataset in the documented layout (``docs/edit_datasets.md``): ``make_tiny_dataset``'s images
-    as the targets, each with an instruction, and ``control/<stem>.png``: the target with its colours inverted
-    (the edit "invert the colours" undone), at another size so the reference latent has its own shape."""
-    from PIL import ImageOps, Image
+def add_tiny_controls(folder: str | Path) -> Path:
+    """Turn a tiny captioned dataset (``engine.testing.make_tiny_dataset``) into a pairs dataset in the documented
+    layout (``docs/edit_datasets.md``): its images are the targets, each caption becomes an instruction, and
+    ``control/<stem>.png`` is the target with its colours inverted, at 3/4 size (so the reference latent has its own
+    shape)."""
+    from PIL import Image, ImageOps
 
-    from ...testing import make_tiny_dataset
-
-    folder = make_tiny_dataset(folder, count=count, seed=seed)
+    folder = Path(folder)
     control = folder / "control"
     control.mkdir(exist_ok=True)
     for target in sorted(folder.glob("*.png")):

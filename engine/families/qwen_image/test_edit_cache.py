@@ -1,6 +1,6 @@
 """Qwen-Image-Edit through the cache and sampling, on tiny models against diffusers 0.42.1's own pieces.
 
-- Cache Text Embeds on a pairs dataset (``make_tiny_edit_dataset``: targets + ``control/``) from ComfyUI-style single
+- Cache Text Embeds on a pairs dataset (``add_tiny_controls``: targets + ``control/``) from ComfyUI-style single
   files: each item's cached prompt equals the multimodal prompt of the whole ``Qwen2_5_VLForConditionalGeneration``
   loaded from the pipeline folder (``edit_text.encode_with_model``, itself equal to the pipeline's in test_edit.py),
   and its control latents equal ``encode_controls`` on diffusers' VAE from that folder; ``load_item`` /
@@ -30,15 +30,16 @@ def _image(w, h, seed):
 def edit_cache(tmp_path_factory):
     from lowvram_lora.engine.caching import build_dataset_cache
     from lowvram_lora.engine.config import DataConfig, ModelConfig
-    from lowvram_lora.engine.families.qwen_image.fixtures import (build_tiny_pipeline, make_tiny_edit_dataset,
+    from lowvram_lora.engine.families.qwen_image.fixtures import (add_tiny_controls, build_tiny_pipeline,
                                                                   write_single_file, write_text_and_vae_files)
+    from lowvram_lora.engine.testing import make_tiny_dataset
 
     tmp = tmp_path_factory.mktemp("edit")
     pipe = build_tiny_pipeline(tmp / "pipe")
     model_cfg = ModelConfig(transformer_path=str(write_single_file(pipe, tmp / "qwen_image_edit_2509_bf16.safetensors")),
                             text_encoder_files=(str(write_text_and_vae_files(pipe, tmp / "files")["text_encoder"]),),
                             vae_file=str(tmp / "files" / "qwen_image_vae.safetensors"), dtype="fp32")
-    data = make_tiny_edit_dataset(tmp / "data", count=3)
+    data = add_tiny_controls(make_tiny_dataset(tmp / "data", count=3))
     cache = build_dataset_cache(model_cfg, DataConfig(path=str(data), resolution=64), tmp / "cache", device="cpu",
                                 sample_prompts=["invert it", "make it red"])
     return pipe, model_cfg, data, cache, tmp
