@@ -173,8 +173,9 @@ class Sampler:
         self.device, self.dtype, self.out_dir, self.cb = device, dtype, out_dir, cb
         self.embeds = [dataset.load_text(key) for _, key in dataset.sample_prompts]
         self.rule = family.guidance(dataset.variant)
-        self.negative = (dataset.load_text(dataset.negative_text_key)
-                         if self.rule.mode == "cfg" and dataset.negative_text_key else None)
+        # One negative per prompt: an edit model's carries that prompt's control images (DatasetCache.negative_keys).
+        self.negatives = [dataset.load_text(k) if self.rule.mode == "cfg" and k else None
+                          for k in dataset.negative_keys()]
         self.prompts = [p for p, _ in dataset.sample_prompts]
         self.columns: list[tuple[str, list]] = []
         self.seconds = 0.0
@@ -259,7 +260,8 @@ class Sampler:
         try:
             latents = [sample_latents(self.model, self.family, emb, self.cfg.resolution, self.cfg.resolution,
                                       self.cfg.steps, self.cfg.seed, self.cfg.guidance, self.device, self.dtype,
-                                      autocast, self.rule, self.negative, poll=self._poll) for emb in self.embeds]
+                                      autocast, self.rule, neg, poll=self._poll)
+                       for emb, neg in zip(self.embeds, self.negatives)]
             images = decode_latents(self.vae(), self.family, latents, self.device, self.dataset.variant)
         finally:
             self.model.train(was_training)

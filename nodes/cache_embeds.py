@@ -33,6 +33,11 @@ def _frame_counts(text: str) -> tuple[int, ...]:
     return counts
 
 
+def _control_dirs(text: str) -> tuple[str, ...]:
+    """control_folder's ';'-separated folders, each resolved as dataset_path is (absolute, or under input/)."""
+    return tuple(str(resolve_dataset_path(part.strip())) for part in (text or "").split(";") if part.strip())
+
+
 def _per_family(kind: str) -> str:
     """One help line per registered family (``ModelFamily.file_help``): the help is written once, in the family."""
     from ..engine.families import families
@@ -130,6 +135,18 @@ class LowVRAMCacheTextEmbeds:
                                         "tooltip": _video_help("fps")}),
                 "video_window": (["head", "uniform", "random"], {"default": "head", "tooltip": _video_help("window")}),
                 "windows_per_clip": ("INT", {"default": 1, "min": 1, "max": 64, "tooltip": _video_help("windows_per_clip")}),
+                # Edit models only (Qwen-Image-Edit); after the video widgets so saved workflows keep positions.
+                "control_folder": ("STRING", {
+                    "default": "",
+                    "tooltip": "Edit models (Qwen-Image-Edit) only: the folder of CONTROL images (the inputs to "
+                               "edit), each named as its target image (cat.png for cat.png; cat_0.png, cat_1.png "
+                               "for several, in order). Empty: the 'control' (or 'controls') folder inside the "
+                               "dataset folder. Several folders (ai-toolkit's control_path, control_path2): "
+                               "separate them with ';'. A path under input/ may be relative. The dataset folder's "
+                               "images are the TARGETS and their .txt files the instructions. For sample images "
+                               "while training, sample_prompts line 1 is drawn against the first target's control "
+                               "images, line 2 the second's (targets in file-name order).",
+                }),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -148,7 +165,7 @@ class LowVRAMCacheTextEmbeds:
               default_caption: str = "", repeats: int = 1, flip: bool = False, max_sequence_length: int = 0,
               text_encoder_1: str = NONE, text_encoder_2: str = NONE, vae_file: str = NONE, sample_prompts: str = "",
               video_frames: str = "33", video_fps: float = 16.0, video_window: str = "head", windows_per_clip: int = 1,
-              unique_id=None):
+              control_folder: str = "", unique_id=None):
         from dataclasses import replace
 
         from ..engine.caching import build_dataset_cache
@@ -177,5 +194,5 @@ class LowVRAMCacheTextEmbeds:
                                 windows_per_clip=int(windows_per_clip))
         dataset = build_dataset_cache(model_cfg, data, cache_dir(), max_sequence_length=max_sequence_length,
                                       callback=make_callback(unique_id), sample_prompts=sample_prompts.splitlines(),
-                                      video=video)
+                                      video=video, control_dirs=_control_dirs(control_folder))
         return (dataset,)

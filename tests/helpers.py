@@ -156,5 +156,11 @@ def write_template_files(template, root, scratch):
         if source.with_suffix("").is_dir():  # the companion folder: tiny config (and tokenizer)
             shutil.copytree(source.with_suffix(""), dest.with_suffix(""), dirs_exist_ok=True)
             written.append(dest.with_suffix(""))
-    written.append(make_tiny_dataset(root / "input" / template.cache["dataset_path"], count=1))
+    family = get_family(template.load["family"])
+    variant = family.variant_from_name(family.tiny_variant, template.load["checkpoint"])
+    if any(s.control_images for s in family.text_encoder_specs(variant)):  # an edit model: pairs (target + control/)
+        written.append(fixtures.add_tiny_controls(make_tiny_dataset(root / "input" / template.cache["dataset_path"],
+                                                                    count=1)))
+    else:
+        written.append(make_tiny_dataset(root / "input" / template.cache["dataset_path"], count=1))
     return pipeline, written

@@ -7,6 +7,9 @@ Layout under ``cache_dir``::
                                 window's latent (C, F_lat, h, w): each window of a clip is its own entry
     datasets/<hash>.json        manifest: the items of one dataset + settings
 
+An edit model (a text spec with ``control_images``: Qwen-Image-Edit) caches pairs: the target's latent as above, and
+in its text entry the multimodal prompt plus the control images' latents (``edit_cache.py``).
+
 Each item's key hashes what it depends on (encoder files + caption + length;
 VAE files + image bytes + bucket + flip), so a rerun with the same inputs
 reuses everything and a changed caption, image or model rebuilds just that.
@@ -52,6 +55,14 @@ class CachedItem:
     # A video dataset's window: the clip's source frame indices (presentation order); empty for an image
     # dataset. Batches must group by (bucket, len(frames)), the frame count being the second bucket axis.
     frames: list[int] = field(default_factory=list)
+    # An edit dataset's control images (in the model's order) and their (width, height) at the reference area;
+    # empty otherwise. Their latents live in the text entry; batches group by control_sizes too.
+    controls: list[str] = field(default_factory=list)
+    control_sizes: list[list[int]] = field(default_factory=list)
+
+    def batch_key(self) -> tuple:
+        """Items of one key stack into one batch: the bucket, the frame count, the control latents' shapes."""
+        return self.bucket, len(self.frames), tuple(tuple(s) for s in self.control_sizes)
 
 
 @dataclass
@@ -74,6 +85,15 @@ class DatasetCache:
     # Where the VAE comes from (sampling decodes with it): a pipeline folder, or a single VAE file.
     pipeline: Optional[str] = None
     vae_file: Optional[str] = None
+    # An edit dataset's per-prompt negatives (the empty instruction with that prompt's control images), parallel to
+    # sample_prompts; empty for other families (they share ``negative_text_key``).
+    sample_negative_keys: list = field(default_factory=list)
+
+    def negative_keys(self) -> list[str]:
+        """The negative prompt's text key for each sample prompt ("" where the family samples without one)."""
+        if self.sample_negative_keys:
+            return list(self.sample_negative_keys)
+        return [self.negative_text_key] * len(self.sample_prompts)
 
     def load_item(self, item: CachedItem, flipped: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(latent (C, h, w), or (C, F_lat, h, w) for a video window; {embedding name: tensor}) for one item."""
@@ -126,8 +146,13 @@ class DatasetCache:
                     if s.length == "variable"}
         out = {}
         for key in rows[0]:
-            tensors = [r[key] for r in rows]
+            tensors = [r.get(key) for r in rows]
             if key not in variable:
+                shapes = {None if t is None else tuple(t.shape) for t in tensors}
+                if len(shapes) > 1:  # control latents of other sizes, or an item without them
+                    raise CacheError(f"one batch holds '{key}' of different shapes ({', '.join(map(str, shapes))}); "
+                                     f"batches must group items by CachedItem.batch_key (for an edit dataset: equal "
+                                     f"control-image counts and sizes); or train with batch_size 1")
                 out[key] = torch.stack(tensors)
                 continue
             longest = max(t.shape[0] for t in tensors)
@@ -247,10 +272,14 @@ def build_dataset_cache(
     callback: TrainingCallback | None = None,
     sample_prompts: Sequence[str] = (),
     video: VideoConfig | None = None,
+    control_dirs: Sequence[str | Path] = (),
 ) -> DatasetCache:
     """Scan the dataset, compute what is missing from the cache, write the manifest. ``sample_prompts`` are
     encoded with the captions (keyed the same way), for samples during training. ``video``: the folder holds
-    clips (images count as one-frame clips) and each window of each clip is cached as one item."""
+    clips (images count as one-frame clips) and each window of each clip is cached as one item.
+    An edit model's dataset is pairs (``data.scan_pairs``): ``control_dirs`` are its control folders in order
+    (empty: ``control/`` or ``controls/`` inside the dataset folder); sample prompt line i is drawn against pair
+    i's control images (``edit_cache.py``)."""
     cb = callback or TrainingCallback()
     cache_dir = Path(cache_dir)
     dev = resolve_device(device)
@@ -262,14 +291,24 @@ def build_dataset_cache(
     else:
         pipeline = resolve_pipeline_folder(model_cfg)
         family, variant = _family_and_variant(model_cfg, pipeline)
-    if any(s.control_images for s in family.text_encoder_specs(variant)):
-        # The engine encodes control images (the qwen_image folder's edit_text / controls, engine/data/pairs.py)
-        # but the cache does not feed them yet: caching such a model's captions alone would train it wrong.
-        raise ConfigError(
-            f"{family.display_name} ({variant}) is an edit model: its captions are instructions about control images, "
-            f"which Cache Text Embeds cannot read yet. Train a text-to-image LoRA on the base model's file instead "
-            f"(for Qwen-Image: qwen_image_bf16 / qwen_image_fp8_e4m3fn, or the 2512 release)")
-    records = scan_video_dataset(data_cfg, video, log=cb.log) if video else scan_dataset(data_cfg, log=cb.log)
+    edit = any(s.control_images for s in family.text_encoder_specs(variant))
+    pairs = []
+    if edit:
+        if video:
+            raise ConfigError(f"{family.display_name} ({variant}) is an image edit model; it takes no video dataset")
+        if data_cfg.flip:  # a flipped target with unflipped controls would teach the LoRA to mirror the image
+            raise ConfigError(f"flip is not supported for an edit model ({family.display_name} {variant}): the "
+                              f"target would be mirrored but not its control images; turn flip off")
+        from ..data.pairs import scan_pairs
+
+        pairs = scan_pairs(data_cfg, control_dirs, max_controls=1 if family.edit_mode(variant) == "edit" else None,
+                           log=cb.log)
+        records = [p.target for p in pairs]
+    elif control_dirs:
+        raise ConfigError(f"control folders were given but {family.display_name} ({variant}) is not an edit model; "
+                          f"clear control_folder, or load a Qwen-Image-Edit file")
+    else:
+        records = scan_video_dataset(data_cfg, video, log=cb.log) if video else scan_dataset(data_cfg, log=cb.log)
     buckets = make_buckets(data_cfg.resolution, data_cfg.bucket_step, data_cfg.max_aspect)
     max_len = max_sequence_length or family.default_max_sequence_length(variant)
 
@@ -290,9 +329,16 @@ def build_dataset_cache(
                             + ([vae_spec.class_name] if vae_spec.class_name != "AutoencoderKL" else []))
 
     items = _dataset_items(records, buckets, text_ident, vae_ident, data_cfg.flip, video is not None)
+    lines = list(dict.fromkeys(p.strip() for p in sample_prompts if p.strip()))
+    if edit:
+        from . import edit_cache
 
-    prompts = [CachedItem(image="", caption=p, bucket=(0, 0), text_key=stable_hash([text_ident, p]), latent_key="")
-               for p in dict.fromkeys(p.strip() for p in sample_prompts if p.strip())]
+        items = edit_cache.attach_controls(items, pairs, text_ident, vae_ident, family, variant)
+        prompts, edit_negatives = edit_cache.sample_items(lines, pairs, text_ident, vae_ident, family, variant,
+                                                          CachedItem)
+    else:
+        prompts = [CachedItem(image="", caption=p, bucket=(0, 0), text_key=stable_hash([text_ident, p]),
+                              latent_key="") for p in lines]
     # Classifier-free guidance samples against the empty prompt, tokenized as the family's pipeline does it
     # (``negative_template``; Lumina 2 leaves out its system prompt): encoded with its own specs.
     from dataclasses import replace
@@ -300,9 +346,20 @@ def build_dataset_cache(
     negative_specs = tuple(replace(s, template=s.negative_template) if s.negative_template else s for s in specs)
     negative = ([CachedItem(image="", caption="", bucket=(0, 0), latent_key="",
                             text_key=stable_hash([text_ident, "", [repr(s.negative_template) for s in specs]]))]
-                if prompts and family.guidance(variant).mode == "cfg" else [])
+                if prompts and family.guidance(variant).mode == "cfg" and not edit else [])
     stats = {"text_built": 0, "text_reused": 0, "latents_built": 0, "latents_reused": 0}
-    _build_text(cache_dir, family, specs, pipeline, items + prompts, dev, dtype, max_len, cb, stats, singles)
+    if edit:
+        from . import edit_cache
+
+        sample_negatives = edit_negatives if family.guidance(variant).mode == "cfg" else []
+        vae_loader = ((lambda: load_vae_file(singles.vae, family, dtype, variant)) if singles is not None else
+                      (lambda: _pipeline_vae(pipeline, dtype, vae_spec.class_name)))
+        edit_cache.build_edit_entries(cache_dir, family, variant, specs[0], pipeline, singles,
+                                      items + prompts + sample_negatives, dev, dtype, vae_loader, _atomic_save,
+                                      _usable, cb, stats)
+    else:
+        sample_negatives = []
+        _build_text(cache_dir, family, specs, pipeline, items + prompts, dev, dtype, max_len, cb, stats, singles)
     if negative:
         _build_text(cache_dir, family, negative_specs, pipeline, negative, dev, dtype, max_len, cb, {}, singles)
     _build_latents(cache_dir, family, pipeline, items, data_cfg.flip, dev, dtype, cb, stats, singles, variant)
@@ -320,6 +377,7 @@ def build_dataset_cache(
         "flip": data_cfg.flip, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "items": [asdict(i) for i in items],
         "sample_prompts": [[p.caption, p.text_key] for p in prompts],
         "negative_text_key": negative[0].text_key if negative else "",
+        "sample_negative_keys": [n.text_key for n in sample_negatives],
     }
     write_json_atomic(manifest_path, manifest, "the dataset-cache manifest")
     cb.log(
@@ -330,7 +388,13 @@ def build_dataset_cache(
     return DatasetCache(cache_dir, manifest_path, dataset_hash, family.id, variant, items,
                         data_cfg.repeats, data_cfg.flip, stats, [(p.caption, p.text_key) for p in prompts],
                         manifest["negative_text_key"], manifest["pipeline"],
-                        str(singles.vae) if singles is not None else None)
+                        str(singles.vae) if singles is not None else None, manifest["sample_negative_keys"])
+
+
+def _pipeline_vae(pipeline: Path, dtype: torch.dtype, class_name: str):
+    from .vae_encoding import load_vae
+
+    return load_vae(pipeline, dtype, class_name)
 
 
 def _dataset_items(records, buckets, text_ident: str, vae_ident: str, flip: bool, video: bool) -> list[CachedItem]:
@@ -427,15 +491,16 @@ def open_dataset_cache(manifest_path: str | Path) -> DatasetCache:
     cache_dir = path.parent.parent
     items = [CachedItem(**{**i, "bucket": tuple(i["bucket"]), "frames": list(i.get("frames", []))})
              for i in m["items"]]
+    negatives = list(m.get("sample_negative_keys", []))
     for it in items:
         for sub, key in (("text", it.text_key), ("latents", it.latent_key)):
             if not (cache_dir / sub / f"{key}.safetensors").exists():
                 raise CacheError(f"cache entry {sub}/{key} for '{it.image}' is missing; rebuild the cache")
     prompts = [tuple(p) for p in m.get("sample_prompts", [])]
     negative = m.get("negative_text_key", "")
-    for _, key in prompts + ([("", negative)] if negative else []):
+    for _, key in prompts + ([("", negative)] if negative else []) + [("", k) for k in negatives]:
         if not (cache_dir / "text" / f"{key}.safetensors").exists():
             raise CacheError(f"cache entry text/{key} (a sample prompt) is missing; rebuild the cache")
     return DatasetCache(cache_dir, path, m["dataset_hash"], m["family"], m["variant"], items, m["repeats"], m["flip"],
                         sample_prompts=prompts, negative_text_key=negative, pipeline=m.get("pipeline"),
-                        vae_file=(m.get("single_files") or {}).get("vae"))
+                        vae_file=(m.get("single_files") or {}).get("vae"), sample_negative_keys=negatives)

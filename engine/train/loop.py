@@ -261,9 +261,10 @@ def _prepare_data(run: _Run) -> None:
     """The batch stream (every rank builds the same seed-determined stream and takes its share, all of it in
     one process), autocast, and the devices' peak counters reset."""
     train, device = run.train, run.device
-    # One batch holds one shape: the same bucket and, for clips, the same frame count.
+    # One batch holds one shape: the same bucket, for clips the same frame count, for edit pairs the same control
+    # image sizes (CachedItem.batch_key).
     run.batches = run.ranks.shard(bucket_batches(run.dataset.training_items(), train.batch_size, train.seed,
-                                                 lambda it: (it.bucket, len(it.frames))))
+                                                 lambda it: it.batch_key()))
     if device.type == "cuda" and run.dtype != torch.float32:
         run.autocast = torch.autocast("cuda", dtype=run.dtype)
         skip_lora_input_cast(run.model)

@@ -148,6 +148,19 @@ class QwenImageFamily(ModelFamily):
             raise ConfigError(f"unknown Qwen-Image variant {variant!r}; known: {', '.join(EDIT_MODE)}")
         return EDIT_MODE[variant]
 
+    def edit_areas(self, variant: str) -> dict[str, int]:
+        """The pixel areas an Edit variant sees its control images at: ``condition_area`` (EditPlus's VL prompt image,
+        384²) and ``vae_area`` (the reference latents, and Edit's VL image: 1024²), as ``edit_text.prompt_images`` and
+        ``controls.encode_controls`` take them. The tiny test variants use 64² and 96² (the stand-ins test_edit.py
+        patches into the pipelines), so CPU tests stay seconds long."""
+        from .edit_text import CONDITION_AREA, VAE_AREA
+
+        if not self.edit_mode(variant):
+            raise ConfigError(f"{variant} is not an Edit variant; it takes no control images")
+        if variant.endswith("-tiny"):
+            return {"condition_area": 64 * 64, "vae_area": 96 * 96}
+        return {"condition_area": CONDITION_AREA, "vae_area": VAE_AREA}
+
     def install_chunked_recompute(self, model: nn.Module, chunks: int, undo) -> None:
         """Every block's feed-forward (``img_mlp``, ``txt_mlp``: token-wise, the widest intermediates of a block) in
         checkpointed token chunks."""

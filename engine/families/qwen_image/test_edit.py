@@ -245,24 +245,3 @@ def test_edit_text_specs_say_the_prompt_carries_images():
         assert spec.control_images and spec.drop_tokens == et.EDIT_DROP and spec.template.prefix == et.EDIT_SYSTEM
     assert et.tiny_drop(tiny_qwen25_tokenizer()[0]) == et.EDIT_DROP
     assert not FAMILY.text_encoder_specs("qwen-image")[0].control_images
-
-
-def test_caching_an_edit_model_is_refused_until_control_images_are_wired(tmp_path):
-    """The engine can encode control images, but Cache Text Embeds does not feed them yet: an Edit file is refused
-    with a message naming what to do, before anything is encoded (caching its captions alone would train it wrong)."""
-    from lowvram_lora.engine.caching import build_dataset_cache
-    from lowvram_lora.engine.config import DataConfig, ModelConfig
-    from lowvram_lora.engine.errors import ConfigError
-    from lowvram_lora.engine.families.qwen_image.fixtures import (build_tiny_pipeline, write_single_file,
-                                                                  write_text_and_vae_files)
-    from lowvram_lora.engine.testing import make_tiny_dataset
-
-    pipe = build_tiny_pipeline(tmp_path / "pipe")
-    edit = write_single_file(pipe, tmp_path / "qwen_image_edit_2509_bf16.safetensors")
-    files = write_text_and_vae_files(pipe, tmp_path / "files")
-    data = make_tiny_dataset(tmp_path / "data", count=1)
-    with pytest.raises(ConfigError, match="edit model.*control images"):
-        build_dataset_cache(ModelConfig(transformer_path=str(edit), text_encoder_files=(str(files["text_encoder"]),),
-                                        vae_file=str(files["vae"])), DataConfig(path=str(data), resolution=64),
-                            tmp_path / "cache")
-    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.safetensors"))
