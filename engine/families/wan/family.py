@@ -26,7 +26,7 @@ supported yet: files named "i2v" are refused.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -205,10 +205,19 @@ class WanFamily(ModelFamily):
         for block in model.blocks:
             chunk_token_wise(block.ffn, chunks, undo)
 
+    #: Blocks stream as three parts (``parts.py``) only when this is on. Off for now: measured on the H100
+    #: (bench/NOTES.md "Wan (issue 25)"), eager parts bring A14B at 480x832x81 from 12.05 to 8.20 GB, but
+    #: compiled blocks in parts fail in the backward ("CompiledFunctionBackward returned an invalid gradient at
+    #: index 1 - got [5120] but expected shape compatible with [1, 1, 5120]": the FFN part's modulation input),
+    #: and ``compile: auto`` compiles every run of 200+ steps. Whole blocks compile (9.97 GB at 0.94x).
+    stream_in_parts: ClassVar[bool] = False
+
     def block_parts(self, block: nn.Module):
-        """A block streams as three parts (``parts.py``): self-attention (with the block's modulation), cross-
-        attention, FFN; each checkpointed on its own, so a block's recompute + backward holds one part's
-        intermediates, not the whole block's (A14B at 480x832x81: bench/NOTES.md "Wan (issue 25)")."""
+        """With ``stream_in_parts``: a block as three parts (``parts.py``): self-attention (with the block's
+        modulation), cross-attention, FFN; each checkpointed on its own, so a block's recompute + backward holds
+        one part's intermediates, not the whole block's."""
+        if not self.stream_in_parts:
+            return None
         from diffusers.models.transformers.transformer_wan import WanTransformerBlock
 
         from .parts import wan_block_parts
