@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lowvram_lora.engine.caching.embedded_tokenizer import SPIECE_LAYOUTS, read_spiece_model
+from lowvram_lora.engine.caching.embedded_tokenizer import read_spiece_model
 from lowvram_lora.engine.caching.single_files import load_tokenizer_of, tokenizer_origin
 from lowvram_lora.engine.errors import ModelLoadError
 
@@ -77,8 +77,10 @@ def comfy_file(path: Path, raw: bytes, extra: dict | None = None) -> Path:
 
 
 def _spm_ids(raw: bytes, encoder: str, text: str) -> list[int]:
-    layout = SPIECE_LAYOUTS[encoder]
-    return sentencepiece.SentencePieceProcessor(model_proto=raw, add_bos=layout.bos, add_eos=layout.eos).encode(text)
+    """SentencePiece's ids framed as the pipelines' tokenizers frame them (stated here, not read from the code
+    under test): umT5 (google/umt5-xxl's T5Tokenizer) appends </s> = 1; Gemma's tokenizer puts <bos> = 2 first."""
+    ids = sentencepiece.SentencePieceProcessor(model_proto=raw).encode(text)
+    return ids + [1] if encoder == "umt5xxl" else [2] + ids
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -245,3 +247,81 @@ def test_encodes_like_comfyuis_own_tokenizers(models, name, tmp_path):
         if encoder == "umt5xxl":
             ours = tok(text, padding="max_length", max_length=512).input_ids
         assert [ours] == got[text]["family"], text
+
+
+# --- through the families' single-file paths --------------------------------------------------------------------
+
+
+def _companion_config(path: Path, model) -> None:
+    """The tiny model's config.json alone in the companion folder (a real file takes the shipped config)."""
+    own = path.with_suffix("")
+    own.mkdir(parents=True, exist_ok=True)
+    model.config.to_json_file(str(own / "config.json"))
+
+
+@torch.no_grad()
+def test_wan_umt5_file_with_its_embedded_tokenizer_encodes_as_wanpipeline(models, tmp_path):
+    """A ComfyUI-style umT5 file (``shared`` + encoder, ``spiece_model``, no tokenizer folder) through
+    ``load_text_encoder_file`` and ``encode_captions`` equals WanPipeline's ``_get_t5_prompt_embeds`` run on the
+    same model with transformers' T5Tokenizer of the same .model (plain captions: see PLAIN). 1e-5."""
+    from types import SimpleNamespace
+
+    from diffusers import WanPipeline
+
+    from lowvram_lora.engine.caching.single_files import load_text_encoder_file, text_encoder_kind
+    from lowvram_lora.engine.caching.text_encoding import encode_captions
+    from lowvram_lora.engine.families import get_family
+    from lowvram_lora.engine.families.wan.fixtures import tiny_umt5
+
+    raw = models["umt5"]
+    model = tiny_umt5(sentencepiece.SentencePieceProcessor(model_proto=raw).get_piece_size(), 32, 0)
+    weights = {k: v.clone() for k, v in model.state_dict().items() if "embed_tokens" not in k}
+    f = comfy_file(tmp_path / "text_encoders" / "umt5_xxl_fp16.safetensors", raw, weights)
+    _companion_config(f, model)
+    assert text_encoder_kind(f) == "umt5xxl" and tokenizer_origin(f, "umt5xxl") == "spiece_model"
+    spec = get_family("wan").text_encoder_specs("wan-tiny")[0]
+    captions = [c for c in PLAIN if c.strip()]
+    ours = encode_captions(None, spec, captions, torch.device("cpu"), torch.float32, spec.max_length,
+                           loader=lambda: load_text_encoder_file(f, torch.float32, {}))
+    ref_tok, _ = _transformers_reference(raw, "umt5xxl", tmp_path / "ref")
+    pipe = SimpleNamespace(tokenizer=ref_tok, text_encoder=model)
+    ref = WanPipeline._get_t5_prompt_embeds(pipe, captions, max_sequence_length=spec.max_length,
+                                            device=torch.device("cpu"), dtype=torch.float32)
+    torch.testing.assert_close(torch.stack(ours), ref, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_lumina2_gemma_file_with_its_embedded_tokenizer_encodes_as_lumina2pipeline(models, tmp_path):
+    """A ComfyUI-style Gemma-2 file (``model.`` names, ``spiece_model``, no tokenizer folder) through
+    ``decoder_lm_source`` and the family's template: ids are SentencePiece's with BOS of Lumina's
+    ``system_prompt + " <Prompt Start> " + caption`` (the negative: BOS alone), and ``encode_stacked`` equals the
+    Gemma2Model's output of layer 2 on those ids (Lumina2Pipeline's hidden_states[-2] of 3 layers). 1e-5."""
+    from transformers import Gemma2Config, Gemma2Model
+
+    from lowvram_lora.engine.caching.single_files import decoder_lm_source
+    from lowvram_lora.engine.caching.stacked_text import encode_stacked
+    from lowvram_lora.engine.families import get_family
+    from lowvram_lora.engine.families.lumina2.family import SYSTEM_PROMPT
+    from lowvram_lora.engine.families.lumina2.fixtures import TINY_GEMMA
+
+    raw = models["gemma2"]
+    sp = sentencepiece.SentencePieceProcessor(model_proto=raw)
+    torch.manual_seed(0)
+    model = Gemma2Model(Gemma2Config(vocab_size=sp.get_piece_size(), **TINY_GEMMA)).eval()
+    f = comfy_file(tmp_path / "text_encoders" / "gemma_2_2b_fp16.safetensors", raw,
+                   {f"model.{k}": v.clone() for k, v in model.state_dict().items()})
+    _companion_config(f, model)
+    family = get_family("lumina2")
+    (spec,) = family.text_encoder_specs(family.tiny_variant)
+    files, config, tok = decoder_lm_source(f, family, spec)
+    captions = ["a red cat", "close-up of a cat, cinematic lighting"]
+    ids, mask = spec.template.tokenize(tok, captions, 512, pad_to_max=False)
+    for row, m, caption in zip(ids, mask, captions):
+        assert row[m.bool()].tolist() == [2] + sp.encode(f"{SYSTEM_PROMPT} <Prompt Start> {caption}")
+    neg, _ = spec.negative_template.tokenize(tok, [""], 512, pad_to_max=False)
+    assert neg.tolist() == [[2]]
+    got = encode_stacked(None, spec, captions, torch.device("cpu"), torch.float32, 512, source=(files, config, tok))
+    for out, caption in zip(got, captions):
+        ref_ids = torch.tensor([[2] + sp.encode(f"{SYSTEM_PROMPT} <Prompt Start> {caption}")])
+        ref = model(input_ids=ref_ids, output_hidden_states=True).hidden_states[spec.hidden_layers[0]][0]
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
