@@ -214,11 +214,14 @@ def _single_file_sources(model_cfg: ModelConfig):
 
 
 def _tokenizer_identity(f: Path, spec, singles) -> str:
-    from .single_files import FILE_KIND_FOR_SPEC, _tokenizer_dir, companion_dir
+    from .single_files import FILE_KIND_FOR_SPEC, companion_dir, tokenizer_origin
 
     if spec.kind == "decoder_lm":  # the companion folder holds the tokenizer (and maybe the config)
         return path_identity(companion_dir(f))
-    return path_identity(_tokenizer_dir(f, FILE_KIND_FOR_SPEC[spec.kind], singles.tokenizer_dirs))
+    kind = FILE_KIND_FOR_SPEC[spec.kind]
+    origin = tokenizer_origin(f, kind, kind, singles.tokenizer_dirs)
+    # An embedded tokenizer is part of the file, whose identity the text identity has already.
+    return path_identity(origin) if isinstance(origin, Path) else f"embedded:{origin}"
 
 
 def _family_and_variant(model_cfg: ModelConfig, pipeline: Path) -> tuple[ModelFamily, str]:

@@ -7,9 +7,11 @@ fp8 / scaled-fp8 file) and ``models/vae/ae.safetensors``. These carry weights on
   it) may hold a ``config.json``; otherwise the shipped configs of the real models are used
   (``families/configs/text/clip_l.json``, ``t5xxl.json``, ``configs/vae/flux1/``: the configs of
   the FLUX.1-dev pipeline's text_encoder, text_encoder_2 and vae);
-- tokenizer: the companion folder's tokenizer files, else a tokenizer folder the caller passes
-  (inside ComfyUI the node passes ComfyUI's bundled ``sd1_tokenizer`` / ``t5_tokenizer``), else
-  an error naming both places. Nothing is downloaded;
+- tokenizer (``tokenizer_origin``): the companion folder's tokenizer files, else the tokenizer the file
+  embeds (ComfyUI's umT5-XXL and Gemma-2 files carry a ``spiece_model`` tensor, its Mistral file a
+  ``tekken_model``: converted in ``embedded_tokenizer``), else a tokenizer folder the caller passes (inside
+  ComfyUI the node passes ComfyUI's bundled ``sd1_tokenizer`` / ``t5_tokenizer`` / ``qwen25_tokenizer``),
+  else an error naming the file, the tensors looked for and the places. Nothing is downloaded;
 - the VAE (BFL/LDM key names) goes through diffusers' ``AutoencoderKL.from_single_file`` with the
   local config.
 
@@ -28,11 +30,12 @@ import torch
 from .. import families
 from ..checkpoint import TensorStore, open_files
 from ..errors import ModelLoadError
+from .embedded_tokenizer import EMBEDDED_TENSORS, embedded_tensor, tokenizer_from_tensor
 
 CLIP_L, T5XXL, UMT5, DECODER_LM = "clip_l", "t5xxl", "umt5xxl", "decoder_lm"  # decoder_lm: Mistral3 / Qwen3 / ...
 _PREFIXES = ("text_encoders.clip_l.transformer.", "text_encoders.t5xxl.transformer.", "clip_l.transformer.",
              "t5xxl.transformer.", "cond_stage_model.transformer.")
-_DROP = ("scaled_fp8", "spiece_model", "logit_scale", "text_projection.weight", "transformer.text_projection.weight")
+_DROP = ("scaled_fp8", *EMBEDDED_TENSORS, "logit_scale", "text_projection.weight", "transformer.text_projection.weight")
 _TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "spiece.model", "tokenizer_config.json")
 
 
@@ -109,9 +112,9 @@ def decoder_lm_source(path: Path, family=None, spec=None,
     """(weight files, text config, tokenizer folder) of a single-file decoder-LLM text encoder. The config is
     the companion folder's ``config.json``, else the shipped config of the architecture the family's spec
     names (``spec.architecture``: the family folder's ``configs/text/`` first, then the shared one), checked
-    against the file's width. ComfyUI's Mistral file embeds a tekken tokenizer, converted here; other
-    tokenizers go in the companion folder, or come from ComfyUI's bundled folder the spec names
-    (``spec.comfyui_tokenizer``, found in ``tokenizer_dirs`` when running inside ComfyUI)."""
+    against the file's width. The tokenizer: ``tokenizer_origin`` (the companion folder, the one the file embeds
+    (ComfyUI's Mistral and Gemma-2 files), ComfyUI's bundled folder the spec names (``spec.comfyui_tokenizer``,
+    found in ``tokenizer_dirs`` when running inside ComfyUI)); a folder is returned as its path."""
     from transformers import AutoConfig
 
     own = companion_dir(path)
@@ -133,48 +136,9 @@ def decoder_lm_source(path: Path, family=None, spec=None,
             raise ModelLoadError(f"'{path}' is {width} wide, but {family.display_name}'s text encoder ({name}) is "
                                  f"{config.hidden_size} wide; is it the right text encoder for this model? (or put its "
                                  f"config.json in '{own}/')")
-    if own.is_dir() and any((own / n).exists() for n in _TOKENIZER_FILES):
-        return [path], config, own
-    tekken = _embedded_tekken(path)
-    if tekken is not None:
-        return [path], config, tekken
-    bundled = (tokenizer_dirs or {}).get(spec.comfyui_tokenizer) if spec is not None and spec.comfyui_tokenizer else None
-    if bundled is not None and Path(bundled).is_dir():
-        return [path], config, Path(bundled)
-    raise ModelLoadError(
-        f"no tokenizer for '{path.name}': the file embeds none (ComfyUI's Mistral file carries a 'tekken_model' "
-        f"tensor; this one does not). Put the text encoder's tokenizer files (tokenizer.json, tokenizer_config.json "
-        f"with its chat template) in '{own}/', or use the Flux.2 diffusers pipeline folder")
-
-
-#: Mistral's chat layout for a system + user turn without a generation prompt, as the Mistral-Small 3.x
-#: processor renders it for Flux2Pipeline and as ComfyUI's Flux2 tokenizer writes it:
-#: ``<s>[SYSTEM_PROMPT]...[/SYSTEM_PROMPT][INST]...[/INST]``. Content may be a string or text parts.
-MISTRAL_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
-    "{% set text = m['content'] if m['content'] is string else m['content'] | map(attribute='text') | join('') %}"
-    "{% if m['role'] == 'system' %}[SYSTEM_PROMPT]{{ text }}[/SYSTEM_PROMPT]"
-    "{% elif m['role'] == 'user' %}[INST]{{ text }}[/INST]{% endif %}{% endfor %}"
-)
-
-
-def _embedded_tekken(path: Path):
-    """The tekken tokenizer ComfyUI embeds in its Mistral text-encoder file (a uint8 tensor ``tekken_model``
-    holding tekken.json, comfy/sd.py), converted with transformers' ``convert_tekken_tokenizer``; None when the
-    file has none."""
-    import tempfile
-
-    store = _store(path)
-    if "tekken_model" not in store:
-        return None
-    raw = bytes(store.get("tekken_model").tolist())
-    from transformers.integrations.mistral.tokenizer import convert_tekken_tokenizer
-
-    with tempfile.TemporaryDirectory(prefix="lowvram-tekken-") as tmp:
-        (Path(tmp) / "tekken.json").write_bytes(raw)
-        tokenizer = convert_tekken_tokenizer(str(Path(tmp) / "tekken.json"), chat_template=MISTRAL_CHAT_TEMPLATE)
-    tokenizer.padding_side = "left"  # as transformers' Mistral tokenizer pads (and ComfyUI's Flux2 tokenizer)
-    return tokenizer
+    key = spec.comfyui_tokenizer if spec is not None else ""
+    encoder = spec.architecture if spec is not None else ""
+    return [path], config, load_tokenizer_of(path, encoder, key, tokenizer_dirs)
 
 
 def companion_dir(path: Path) -> Path:
@@ -182,16 +146,48 @@ def companion_dir(path: Path) -> Path:
     return path.with_name(path.name[: -len(".safetensors")] if path.name.endswith(".safetensors") else path.stem)
 
 
-def _tokenizer_dir(path: Path, kind: str, fallback: dict[str, Path]) -> Path:
+#: The ComfyUI file that embeds each encoder's tokenizer (for messages).
+_EMBEDDING_FILES = {UMT5: "umt5_xxl_fp8_e4m3fn_scaled.safetensors", "gemma2-2b": "gemma_2_2b_fp16.safetensors",
+                    "mistral3-small-24b": "mistral_3_small_flux2_bf16.safetensors"}
+
+
+def tokenizer_origin(path: Path, encoder: str, fallback_key: str = "",
+                     tokenizer_dirs: dict[str, Path] | None = None) -> Path | str:
+    """Where the tokenizer of the single-file text encoder ``path`` comes from: the companion folder's tokenizer
+    files (a folder), else the tokenizer the file embeds (the tensor's name, ``embedded_tokenizer``), else the
+    fallback folder ``tokenizer_dirs[fallback_key]`` (inside ComfyUI: its bundled folder). ``encoder``: the file's
+    kind (``umt5xxl``, ...) or the spec's architecture (``gemma2-2b``, ...). Nothing found: an error naming the
+    file, the tensors looked for and the fixes."""
     own = companion_dir(path)
     if own.is_dir() and any((own / n).exists() for n in _TOKENIZER_FILES):
         return own
-    if kind in fallback and fallback[kind].is_dir():
-        return fallback[kind]
-    raise ModelLoadError(
-        f"no tokenizer for '{path.name}': a single-file text encoder carries none. Put the {kind} tokenizer files "
-        f"(tokenizer.json, or vocab.json + merges.txt) in '{own}/', or run inside ComfyUI, whose bundled "
-        f"tokenizers are used")
+    name = embedded_tensor(_store(path), encoder)
+    if name is not None:
+        return name
+    bundled = (tokenizer_dirs or {}).get(fallback_key) if fallback_key else None
+    if bundled is not None and Path(bundled).is_dir():
+        return Path(bundled)
+    looked = " or ".join(f"'{t}'" for t in EMBEDDED_TENSORS)
+    fixes = [f"put the text encoder's tokenizer files (tokenizer.json + tokenizer_config.json, or spiece.model) "
+             f"in '{own}/'"]
+    if encoder in _EMBEDDING_FILES:
+        fixes.insert(0, f"use ComfyUI's own file ({_EMBEDDING_FILES[encoder]}), which embeds it")
+    if not bundled and (fallback_key in (CLIP_L, T5XXL) or fallback_key.endswith("_tokenizer")):
+        fixes.append("run inside ComfyUI, whose bundled tokenizers are used")
+    raise ModelLoadError(f"no tokenizer for '{path.name}' ({path}): the file embeds none that fits this text encoder "
+                         f"(looked for a {looked} tensor) and '{own}/' holds no tokenizer files. "
+                         f"Fix: {'; or '.join(fixes)}")
+
+
+def load_tokenizer_of(path: Path, encoder: str, fallback_key: str = "",
+                      tokenizer_dirs: dict[str, Path] | None = None):
+    """The tokenizer ``tokenizer_origin`` finds: a folder as its path (the caller loads it), an embedded one
+    converted to a transformers tokenizer."""
+    origin = tokenizer_origin(path, encoder, fallback_key, tokenizer_dirs)
+    if isinstance(origin, Path):
+        return origin
+    raw = _store(path).get(origin).to(torch.uint8).contiguous().numpy().tobytes()
+    return tokenizer_from_tensor(origin, raw, encoder)
 
 
 def _state_dict(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -202,7 +198,7 @@ def _state_dict(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 
 def load_text_encoder_file(path: Path, dtype: torch.dtype, tokenizer_dirs: dict[str, Path]):
-    """(tokenizer, model) for a CLIP-L, T5-XXL or umT5-XXL single file."""
+    """(tokenizer, model) for a CLIP-L, T5-XXL or umT5-XXL single file (the tokenizer: ``tokenizer_origin``)."""
     from transformers import AutoConfig, AutoTokenizer, CLIPTextModel, T5EncoderModel, UMT5EncoderModel
 
     kind = text_encoder_kind(path)
@@ -212,7 +208,9 @@ def load_text_encoder_file(path: Path, dtype: torch.dtype, tokenizer_dirs: dict[
     else:
         with resources.as_file(resources.files(families).joinpath("configs", "text", f"{kind}.json")) as cfg:
             config = AutoConfig.from_pretrained(cfg, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(_tokenizer_dir(path, kind, tokenizer_dirs), local_files_only=True)
+    tokenizer = load_tokenizer_of(path, kind, kind, tokenizer_dirs)
+    if isinstance(tokenizer, Path):
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
     cls = {CLIP_L: CLIPTextModel, T5XXL: T5EncoderModel, UMT5: UMT5EncoderModel}[kind]
     try:
         # No file is opened here: the weights are the safetensors state dict read above.

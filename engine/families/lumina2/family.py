@@ -87,7 +87,7 @@ class Lumina2Family(ModelFamily):
         "checkpoint": "lumina_2_model_bf16.safetensors (ComfyUI's NextDiT names; the all-in-one lumina_2.safetensors "
                       "is not read)",
         "pipeline": "text_encoder (Gemma-2-2B; layers 0-24 are read), tokenizer, vae (the Flux.1 AE)",
-        "single_files": "gemma_2_2b_fp16.safetensors (tokenizer files in a folder named like it) and ae.safetensors",
+        "single_files": "gemma_2_2b_fp16.safetensors (the tokenizer it embeds is used) and ae.safetensors",
     }
     #: ``norm_final.weight``: in real files, unused by the model (names.py).
     unused_native_keys = UNUSED_NATIVE_KEYS

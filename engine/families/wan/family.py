@@ -97,8 +97,8 @@ class WanFamily(ModelFamily):
                       "wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors / wan2.2_t2v_low_noise_14B_fp8_scaled."
                       "safetensors (one expert per file) or wan2.2_ti2v_5B_fp16.safetensors",
         "pipeline": "text_encoder (UMT5EncoderModel), tokenizer, vae (AutoencoderKLWan)",
-        "single_files": "umt5_xxl_fp8_e4m3fn_scaled.safetensors (or umt5_xxl_fp16; umT5's tokenizer files in a folder "
-                        "named like it) and wan_2.1_vae.safetensors (wan2.2_vae.safetensors for TI2V-5B)",
+        "single_files": "umt5_xxl_fp8_e4m3fn_scaled.safetensors (or umt5_xxl_fp16; the tokenizer it embeds is used) "
+                        "and wan_2.1_vae.safetensors (wan2.2_vae.safetensors for TI2V-5B)",
     }
 
     # --- identity --------------------------------------------------------------------------------
