@@ -41,11 +41,20 @@ def main(argv=None) -> int:
                 break
             time.sleep(1)
         time.sleep(4)
+        # Some frontends open the template browser on the first visit: close it, it would cover the graph.
+        d.execute_script("document.dispatchEvent(new KeyboardEvent('keydown', {key: 'Escape', bubbles: true}));"
+                         "document.querySelectorAll('.p-dialog-close-button, [aria-label=\"Close\"]')"
+                         ".forEach(b => b.click())")
+        time.sleep(1)
         d.execute_script("return app.loadGraphData(arguments[0])", graph)
         time.sleep(3)
         train_id = next(n["id"] for n in graph["nodes"] if n["type"] == "LowVRAMTrainLoRA")
         view = ("app.canvas.ds.scale = 0.7; app.canvas.ds.offset = [20, 40]; app.canvas.setDirty(true, true)")
         d.execute_script(view)
+        # A fresh seed: an identical prompt would be answered from ComfyUI's cache, with no outputs sent.
+        d.execute_script("const n = app.graph.getNodeById(arguments[0]);"
+                         "n.widgets.find(w => w.name == 'training_seed').value = arguments[1]",
+                         train_id, int(time.time()) % 100_000)
         d.execute_script("return app.queuePrompt(0, 1)")
         for i in range(600):
             time.sleep(1)
@@ -63,10 +72,17 @@ def main(argv=None) -> int:
             "app.canvas.setDirty(true, true)", train_id)
         time.sleep(2)
         d.save_screenshot(str(out / "video_2_train_node.png"))
+        # Its bottom, where the frontend puts the node's output images (the preview), at 1:1.
+        d.execute_script(
+            "const n = app.graph.getNodeById(arguments[0]); const s = 1.0;"
+            "app.canvas.ds.scale = s; app.canvas.ds.offset = [-n.pos[0] + 300, -(n.pos[1] + n.size[1]) + 760];"
+            "app.canvas.setDirty(true, true)", train_id)
+        time.sleep(2)
+        d.save_screenshot(str(out / "video_3_train_node_preview.png"))
         outputs = d.execute_script(
             "const o = app.nodeOutputs || {}; return o[String(arguments[0])] || o[arguments[0]] || null", train_id)
         imgs = d.execute_script(
-            "return Array.from(document.querySelectorAll('img')).map(i => i.src).filter(s => s.includes('/view'))")
+            "return Array.from(document.querySelectorAll('img')).map(i => i.src).filter(s => s.includes('view'))")
         print(json.dumps({"train_node_outputs": outputs, "preview_img_sources": imgs}, indent=1))
         print(f"screenshots in {out}")
         ok = bool(outputs) and any(str(im.get("filename", "")).endswith(".webp") for im in outputs.get("images", []))
