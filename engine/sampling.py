@@ -48,6 +48,11 @@ class SamplingConfig:
     at_start: bool = field(default=True, metadata={"help": (
         "Also sample before the first step (the base model), so the LoRA's effect is visible."
     )})
+    frames: int = field(default=17, metadata={"help": (
+        "Frames of each sample clip for video models (Wan: 4k + 1; 17 is about a second at 16 fps). Every "
+        "checkpoint's clip is saved as an animated WebP; the grid shows its first frame and a strip of frames. "
+        "Image models draw one image."
+    )})
     guidance: float = field(default=3.5, metadata={"help": (
         "Guidance of the samples: the guidance embedding's value for guidance-distilled models (Flux.1-dev 3.5, "
         "Flux.2-dev 4); the classifier-free guidance scale for models sampled with it (Z-Image Base, Lumina 2: 4; "
@@ -56,12 +61,14 @@ class SamplingConfig:
     )})
 
     def __post_init__(self) -> None:
-        for name in ("every", "steps", "resolution", "seed"):
+        for name in ("every", "steps", "resolution", "seed", "frames"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ConfigError(f"sample {name}={v!r} must be a whole number >= 0")
         if not isinstance(self.guidance, (int, float)) or not math.isfinite(self.guidance) or self.guidance < 0:
             raise ConfigError(f"sample guidance={self.guidance!r} must be a finite number >= 0")
+        if self.every and self.frames < 1:
+            raise ConfigError(f"sample frames={self.frames} must be at least 1")
         if self.every and (self.steps < 1 or self.resolution < 64 or self.resolution % 16):
             raise ConfigError(f"sampling needs steps >= 1 (got {self.steps}) and a resolution >= 64 that is a "
                               f"multiple of 16 (got {self.resolution})")
@@ -118,11 +125,16 @@ def sample_latents(model, family, embeds: dict[str, torch.Tensor], width: int, h
 @torch.no_grad()
 def decode_latents(vae, family, latents: list[torch.Tensor], device: torch.device, variant: str | None = None):
     """Latents -> PIL images: the VAE of ``variant`` (``family.vae_for``) on ``device`` for the decode only, tiled.
-    A clip (B, 3, F, H, W) shows its first frame (animated previews come with the video data wiring)."""
+    An image family's latents give one PIL image each; a video family's clip (its decode is (B, 3, F, H, W)) gives
+    the list of its F frames (one frame for a one-frame clip)."""
     spec = family.vae_for(variant)
     from PIL import Image
 
     from .models.dtypes import release_device_memory
+
+    def pil(frame: torch.Tensor):  # (3, H, W) in [-1, 1]
+        arr = ((frame.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
+        return Image.fromarray(arr)
 
     home = next(vae.parameters()).device
     vae.to(device)
@@ -137,28 +149,73 @@ def decode_latents(vae, family, latents: list[torch.Tensor], device: torch.devic
         for lat in latents:
             dtype = next(vae.parameters()).dtype
             img = spec.decode(vae, lat.to(device, dtype))
-            if img.dim() == 5:
-                img = img[:, :, 0]
-            arr = ((img[0].float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
-            images.append(Image.fromarray(arr))
+            images.append([pil(img[0, :, f]) for f in range(img.shape[2])] if img.dim() == 5 else pil(img[0]))
     finally:
         vae.to(home)
         release_device_memory(device)
     return images
 
 
+def save_clip(frames: list, path, fps: float) -> None:
+    """A clip's frames as an animated WebP (lossless: the frames come back pixel for pixel; ComfyUI's own
+    SaveAnimatedWEBP defaults to lossless too), looping, ``fps`` frames per second."""
+    frames[0].save(path, format="WEBP", save_all=True, append_images=frames[1:], lossless=True, quality=80,
+                   method=4, duration=max(1, round(1000 / fps)), loop=0)
+
+
+def load_clip(path) -> list:
+    """The frames of an animated WebP written by ``save_clip``, as RGB PIL images."""
+    from PIL import Image, ImageSequence
+
+    with Image.open(path) as img:
+        return [f.convert("RGB") for f in ImageSequence.Iterator(img)]
+
+
+#: Frames of a clip the grid shows in the strip under its first frame (evenly spaced, the last included).
+STRIP = 4
+
+
+def strip_frames(frames: list, count: int = STRIP) -> list:
+    """``count`` frames evenly spaced over the clip, from the second to the last (the first is shown large)."""
+    rest = frames[1:] or frames
+    if len(rest) <= count:
+        return rest
+    return [rest[round(i * (len(rest) - 1) / (count - 1))] for i in range(count)]
+
+
 def grid_image(columns: list[tuple[str, list]], prompts: list[str], cell: int = 256):
-    """Prompts (rows) x checkpoints (columns, labelled) as one PIL image."""
+    """Prompts (rows) x checkpoints (columns, labelled) as one PIL image. A clip (a list of frames) shows its first
+    frame in the cell and a strip of a few later frames below it: frontends that show a PNG cannot animate."""
     from PIL import Image, ImageDraw
 
-    label_h, label_w = 18, 0
-    grid = Image.new("RGB", (label_w + cell * len(columns), label_h + cell * len(prompts)), (24, 24, 24))
+    clips = any(isinstance(x, list) for _, images in columns for x in images)
+    strip_h = cell // STRIP if clips else 0
+    label_h, label_w, row_h = 18, 0, cell + strip_h
+    grid = Image.new("RGB", (label_w + cell * len(columns), label_h + row_h * len(prompts)), (24, 24, 24))
     draw = ImageDraw.Draw(grid)
     for c, (title, images) in enumerate(columns):
         draw.text((label_w + c * cell + 4, 3), title, fill=(230, 230, 230))
         for r, img in enumerate(images):
-            grid.paste(img.resize((cell, cell)), (label_w + c * cell, label_h + r * cell))
+            x, y = label_w + c * cell, label_h + r * row_h
+            frames = img if isinstance(img, list) else [img]
+            grid.paste(frames[0].resize((cell, cell)), (x, y))
+            if isinstance(img, list):
+                for i, frame in enumerate(strip_frames(frames)):
+                    grid.paste(frame.resize((cell // STRIP, strip_h)), (x + i * (cell // STRIP), y + cell))
     return grid
+
+
+def preview_blocker(variant: str, sigma_range: tuple[float, float]) -> str | None:
+    """Why a model cannot be previewed alone, or None. An expert of a mixture (Wan 2.2 A14B: the high-noise expert
+    denoises sigma >= 0.875, the low-noise one below) only takes part of the path from noise to a clip: sampled alone
+    it gives noise or mush that says nothing about the LoRA, so no samples are drawn (never silently wrong ones)."""
+    lo, hi = sigma_range
+    if (lo, hi) == (0.0, 1.0):
+        return None
+    return (f"sampling is off for this run: {variant} is one expert of a mixture and denoises only sigma in "
+            f"[{lo}, {hi}]; a preview needs both experts (the other one switches in at the boundary), and previews "
+            f"of an expert alone are not images or clips a user can judge. Judge the LoRA by loading both experts' "
+            f"LoRAs in ComfyUI's own Wan 2.2 workflow")
 
 
 class Sampler:
@@ -177,6 +234,12 @@ class Sampler:
         self.negatives = [dataset.load_text(k) if self.rule.mode == "cfg" and k else None
                           for k in dataset.negative_keys()]
         self.prompts = [p for p, _ in dataset.sample_prompts]
+        # A video family samples clips (cfg.frames; checked against the family's frame rule here, not at the first
+        # checkpoint), an image family one image.
+        self.frames = cfg.frames if family.video else 1
+        if family.video:
+            family.latent_shape(model, 64, 64, self.frames)
+        self.fps = _dataset_fps(dataset)
         self.columns: list[tuple[str, list]] = []
         self.seconds = 0.0
         self.images = 0
@@ -209,11 +272,14 @@ class Sampler:
             shutil.rmtree(self.keep_dir, ignore_errors=True)  # none, or of other prompts/settings
             return
         for step in sorted(int(s) for s in kept.get("steps", [])):
-            paths = [self.keep_dir / f"step-{step:07d}-p{r:02d}.png" for r in range(len(self.prompts))]
+            paths = [self._kept_path(step, r) for r in range(len(self.prompts))]
             if step > upto or not all(p.is_file() for p in paths):
                 continue
             images = []
             for path in paths:
+                if self.family.video:
+                    images.append(load_clip(path))
+                    continue
                 with Image.open(path) as img:
                     images.append(img.convert("RGB"))
             self.columns.append((f"step {step}", images))
@@ -232,13 +298,20 @@ class Sampler:
         write_json_atomic(self.keep_dir / "columns.json", {"what": self._what(), "steps": steps},
                           "the kept sample columns", indent=None)
 
+    def _kept_path(self, step: int, r: int) -> Path:
+        return self.keep_dir / f"step-{step:07d}-p{r:02d}.{'webp' if self.family.video else 'png'}"
+
     def _keep(self, step: int, images: list) -> None:
-        """One checkpoint's images beside the run's state (lossless PNGs), then the manifest naming them."""
+        """One checkpoint's images (lossless PNGs) or clips (lossless animated WebPs) beside the run's state, then
+        the manifest naming them."""
         from .fileio import atomic_write
 
         for r, img in enumerate(images):
-            with atomic_write(self.keep_dir / f"step-{step:07d}-p{r:02d}.png", "a kept sample image") as tmp:
-                img.save(tmp, format="PNG")
+            with atomic_write(self._kept_path(step, r), "a kept sample") as tmp:
+                if isinstance(img, list):
+                    save_clip(img, tmp, self.fps)
+                else:
+                    img.save(tmp, format="PNG")
         self._write_manifest()
 
     def _poll(self) -> None:
@@ -260,7 +333,7 @@ class Sampler:
         try:
             latents = [sample_latents(self.model, self.family, emb, self.cfg.resolution, self.cfg.resolution,
                                       self.cfg.steps, self.cfg.seed, self.cfg.guidance, self.device, self.dtype,
-                                      autocast, self.rule, neg, poll=self._poll)
+                                      autocast, self.rule, neg, frames=self.frames, poll=self._poll)
                        for emb, neg in zip(self.embeds, self.negatives)]
             images = decode_latents(self.vae(), self.family, latents, self.device, self.dataset.variant)
         finally:
@@ -279,6 +352,10 @@ class Sampler:
             path = Path(self.out_dir) / f"samples_step{step:07d}.png"
             with atomic_write(path, "the sample grid") as tmp:
                 grid.save(tmp, format="PNG")
+            for r, img in enumerate(images):  # each prompt's clip, animated, beside the grid (clip_paths)
+                if isinstance(img, list):
+                    with atomic_write(clip_paths(path, len(images))[r], "a sample clip") as tmp:
+                        save_clip(img, tmp, self.fps)
         seconds = time.perf_counter() - t0
         self.seconds += seconds
         self.cb.log(f"sampled {len(self.prompts)} prompt(s) at step {step} in {seconds:.1f} s"
@@ -290,3 +367,28 @@ class Sampler:
         if self._vae is None:
             self._vae = self.dataset.load_vae(self.family, self.dtype)
         return self._vae
+
+
+def clip_paths(grid: str | Path, prompts: int) -> list[Path]:
+    """The animated WebPs of a checkpoint's clips, one per prompt, beside its grid: ``<grid stem>_pNN.webp``."""
+    grid = Path(grid)
+    return [grid.with_name(f"{grid.stem}_p{r:02d}.webp") for r in range(prompts)]
+
+
+def saved_clips(grid: str | Path) -> list[Path]:
+    """The clips saved beside a grid (``clip_paths``), in prompt order; none for an image family's grid."""
+    grid = Path(grid)
+    return sorted(grid.parent.glob(f"{grid.stem}_p[0-9][0-9].webp"))
+
+
+def _dataset_fps(dataset) -> float:
+    """The frame rate the dataset's clips were sampled at (its cache manifest's video settings), for playing the
+    sample clips at the speed the model learned; 16 (Wan 2.1 / 2.2 A14B's) when the manifest does not say."""
+    import json
+
+    try:
+        video = json.loads(Path(dataset.manifest_path).read_text()).get("video") or {}
+        fps = float(video.get("fps") or 0)
+    except (OSError, ValueError, TypeError, AttributeError):
+        fps = 0.0
+    return fps if fps > 0 else 16.0

@@ -200,14 +200,37 @@ def _train_graph(load: dict, cache: dict, offload: dict, train: dict, save: dict
     ]
 
 
+#: A further chain's node ids: the first chain's plus 10 per chain (the first uses 1-7); its rows this far below.
+CHAIN_IDS, CHAIN_DY = 10, 980
+
+
 def _graph(t: TrainingTemplate) -> tuple[list[NodeSpec], list[NoteSpec]]:
-    """A family's template as nodes: the training graph, plus Dual-GPU Split when it has one."""
-    nodes = _train_graph(t.load, t.cache, t.offload, t.train, t.save)
+    """A family's template as nodes: the training graph, plus Dual-GPU Split when it has one, plus each further
+    chain (``TrainingTemplate.chains``) below, its values over the template's."""
+    nodes = _labelled(_train_graph(t.load, t.cache, t.offload, t.train, t.save), t.label)
     if t.split is not None:
         next(n for n in nodes if n.class_type == "LowVRAMTrainLoRA").links["split"] = (7, 0)
         nodes.append(NodeSpec(7, "LowVRAMDualGPUSplit", "Dual-GPU Split", (400, 440), dict(t.split), size=(340, 170)))
+    for k, chain in enumerate(t.chains, 1):
+        unknown = set(chain) - {"load", "cache", "offload", "train", "save", "label"}
+        if unknown:
+            raise ValueError(f"template {t.name!r}: chain {k} has sections {sorted(unknown)}; a chain updates load, "
+                             f"cache, offload, train or save (and may have a label)")
+        parts = [{**getattr(t, s), **chain.get(s, {})} for s in ("load", "cache", "offload", "train", "save")]
+        for node in _labelled(_train_graph(*parts), chain.get("label", "")):
+            node.id += k * CHAIN_IDS
+            node.pos = (node.pos[0], node.pos[1] + k * CHAIN_DY)
+            node.links = {name: (src + k * CHAIN_IDS, slot) for name, (src, slot) in node.links.items()}
+            nodes.append(node)
     _attach_models(t, nodes)
     return nodes, [NoteSpec(6, t.note, t.note_pos)]
+
+
+def _labelled(nodes: list[NodeSpec], label: str) -> list[NodeSpec]:
+    """The chain's label at the end of its nodes' titles (which expert a chain trains)."""
+    for node in nodes:
+        node.title += f" · {label}" if label else ""
+    return nodes
 
 
 def _attach_models(t: TrainingTemplate, nodes: list[NodeSpec]) -> None:

@@ -118,10 +118,13 @@ class LowVRAMSaveLoRA:
         samples = _copy_last_samples(lora, path)
         if samples is not None:
             print(f"[lowvram-lora] sample grid: {samples}")
+        clips = _copy_last_clips(lora, path)
+        for clip in clips:
+            print(f"[lowvram-lora] sample clip: {clip}")
         # filename/subfolder/type entries are what ComfyUI clients (comfy run --wait) list as outputs.
         root = output_dir().resolve()
         files = [{"filename": p.name, "subfolder": p.parent.resolve().relative_to(root).as_posix(), "type": "output"}
-                 for p in (path, curve) + ((samples,) if samples is not None else ())]
+                 for p in (path, curve) + ((samples,) if samples is not None else ()) + tuple(clips)]
         return {"ui": {"text": [str(path)], "loss_curve": [str(curve)], "files": files}, "result": ()}
 
 
@@ -140,3 +143,21 @@ def _copy_last_samples(lora, path: Path):
     with atomic_write(target, "the sample grid", overwrite=True) as tmp:
         shutil.copyfile(grids[-1], tmp)
     return target
+
+
+def _copy_last_clips(lora, path: Path) -> list[Path]:
+    """A video model's last checkpoint clips next to the LoRA as ``<name>_samples_pNN.webp`` (new names only)."""
+    import shutil
+
+    from ..engine.fileio import atomic_write, claim_names
+    from ..engine.sampling import saved_clips
+
+    grids = [g for g in getattr(lora, "sample_grids", []) if Path(g).exists()]
+    clips = saved_clips(grids[-1]) if grids else []
+    targets = [path.with_name(f"{path.stem}_samples_{c.stem.rsplit('_', 1)[-1]}.webp") for c in clips]
+    if not clips or not claim_names(targets, "the sample clips"):
+        return []
+    for clip, target in zip(clips, targets):
+        with atomic_write(target, "a sample clip", overwrite=True) as tmp:
+            shutil.copyfile(clip, tmp)
+    return targets

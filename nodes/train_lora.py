@@ -78,6 +78,8 @@ class LowVRAMTrainLoRA:
                 "sample_at_start": ("BOOLEAN", {"default": True, "tooltip": _sample_help("at_start")}),
                 "sample_guidance": ("FLOAT", {"default": 3.5, "min": 0.0, "max": 20.0, "step": 0.1,
                                               "tooltip": _sample_help("guidance")}),
+                "sample_frames": ("INT", {"default": 17, "min": 1, "max": 257, "step": 4,
+                                          "tooltip": _sample_help("frames")}),
             },
             "optional": {
                 "split": ("LOWVRAM_SPLIT", {"tooltip": "From Dual-GPU Split: train across two GPUs (split the model, "
@@ -91,7 +93,7 @@ class LowVRAMTrainLoRA:
               warmup_steps: int = 0, training_seed: int = 42, guidance: float = 1.0, max_grad_norm: float = 1.0,
               optimizer: str = "adamw", save_every: int = 0, sample_every: int = 0, sample_steps: int = 20,
               sample_resolution: int = 512, sample_seed: int = 42, sample_at_start: bool = True,
-              sample_guidance: float = 3.5, split=None, unique_id=None):
+              sample_guidance: float = 3.5, sample_frames: int = 17, split=None, unique_id=None):
         from ..engine.config import LoraSettings, TrainConfig
         from ..engine.sampling import SamplingConfig
         from ..engine.runs.result_reuse import train_or_reuse
@@ -113,11 +115,13 @@ class LowVRAMTrainLoRA:
             save_every=save_every,
         )
         sampling = SamplingConfig(every=sample_every, steps=sample_steps, resolution=sample_resolution,
-                                  seed=sample_seed, at_start=sample_at_start, guidance=sample_guidance)
+                                  seed=sample_seed, at_start=sample_at_start, guidance=sample_guidance,
+                                  frames=sample_frames)
         lora = train_or_reuse(model, dataset, lora_cfg, train_cfg, cache_dir(), callback,
                               parallel=split, offload=offload, sampling=sampling,
                               sample_dir=output_dir() / "lowvram_samples" / uuid.uuid4().hex[:12])
         image, ui = _loss_curve_outputs(lora)
+        _add_sample_clips(lora, ui)
         return {"ui": ui, "result": (lora, image, _samples_output(lora))}
 
 
@@ -139,6 +143,31 @@ def _samples_output(lora):
 
     with Image.open(grids[-1]) as img:
         return torch.from_numpy(np.asarray(img.convert("RGB"), dtype=np.float32) / 255.0)[None]
+
+
+def _add_sample_clips(lora, ui: dict) -> None:
+    """A video model's last checkpoint clips (animated WebPs in ComfyUI's output folder) after the loss curve in
+    the node's preview, with ComfyUI's ``animated`` flag (as its SaveAnimatedWEBP returns them): the frontend then
+    shows them as animated images instead of drawing a still."""
+    from pathlib import Path
+
+    from ..engine.sampling import saved_clips
+
+    grids = [p for p in lora.sample_grids if os.path.exists(p)]
+    if not grids:
+        return
+    root = output_dir().resolve()
+    clips = saved_clips(grids[-1])
+    entries = []
+    for p in clips:
+        try:
+            entries.append({"filename": p.name, "subfolder": Path(p).parent.resolve().relative_to(root).as_posix(),
+                            "type": "output"})
+        except ValueError:  # a sample folder outside the output folder (headless runs): the frontend cannot show it
+            pass
+    if entries:
+        ui["images"] = ui.get("images", []) + entries
+        ui["animated"] = [True]
 
 
 def _loss_curve_outputs(lora):

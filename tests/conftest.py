@@ -68,7 +68,9 @@ def models_with_empty_files(tmp_path):
         (models / folder).mkdir(parents=True)
     for family in families().values():
         for t in family.templates():
-            (models / "diffusion_models" / t.load["checkpoint"]).write_bytes(b"")
+            for load in [t.load] + [c.get("load", {}) for c in t.chains]:  # every chain's model (A14B experts)
+                if "checkpoint" in load:
+                    (models / "diffusion_models" / load["checkpoint"]).write_bytes(b"")
             for key in ("text_encoder_1", "text_encoder_2"):
                 if key in t.cache:
                     (models / "text_encoders" / t.cache[key]).write_bytes(b"")

@@ -146,6 +146,11 @@ def write_template_files(template, root, scratch):
     pipeline = fixtures.build_tiny_pipeline(scratch / "pipe")
     models = root / "models"
     written = [fixtures.write_single_file(pipeline, models / "diffusion_models" / template.load["checkpoint"])]
+    for chain in getattr(template, "chains", ()):  # a further chain's model (an A14B expert): the same tiny model
+        other = chain.get("load", {}).get("checkpoint")
+        if other and other != template.load["checkpoint"]:
+            shutil.copy(written[0], models / "diffusion_models" / other)
+            written.append(models / "diffusion_models" / other)
     files = fixtures.write_text_and_vae_files(pipeline, scratch / "files")
     for key, folder, source in (("text_encoder_1", "text_encoders", files["text_encoder"]),
                                 ("vae_file", "vae", files["vae"])):

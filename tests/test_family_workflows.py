@@ -21,8 +21,13 @@ from helpers import eval_flow_loss, family_inputs, merged, write_template_files
 from lowvram_lora.engine.families import families
 from lowvram_lora.nodes.paths import configure_standalone_dirs
 from lowvram_lora.host.run_command import run_workflow_command
-from lowvram_lora.host.templates import WORKFLOWS_DIR
+from lowvram_lora.host.templates import CHAIN_IDS, WORKFLOWS_DIR
 from lowvram_lora.nodes import NODE_CLASS_MAPPINGS
+
+#: (node id in the first chain, setting): sizes and steps of a quick run; a further chain's nodes get them too.
+OVERRIDES = [(2, "resolution=128"), (2, "sample_prompts=ohwx, a red circle"), (4, "steps=8"), (4, "learning_rate=0.01"),
+             (4, "warmup_steps=0"), (4, "sample_every=4"), (4, "sample_resolution=64"), (4, "sample_steps=2"),
+             (4, "sample_frames=5")]
 
 SINGLE_TE = [pytest.param(f.id, t, id=t.name) for f in families().values() for t in f.templates()
              if t.cache.get("text_encoders") == "(single files below)" and "text_encoder_2" not in t.cache
@@ -41,21 +46,31 @@ def test_template_trains_the_right_thing_on_the_tiny_model(family_id, template, 
     pipeline, _ = write_template_files(template, root, tmp_path)
     args = argparse.Namespace(workflow=str(WORKFLOWS_DIR / f"{template.name}.json"), models_dir=str(root / "models"),
                               output_dir=str(root / "output"), no_progress=True, traceback=True,
-                              overrides=["2.resolution=128", "2.sample_prompts=ohwx, a red circle", "4.steps=8", "4.learning_rate=0.01", "4.warmup_steps=0",
-                                         "4.sample_every=4", "4.sample_resolution=64", "4.sample_steps=2"])
+                              overrides=[f"{CHAIN_IDS * k + node}.{setting}" for k in range(1 + len(template.chains))
+                                         for node, setting in OVERRIDES])
     code = run_workflow_command(args, NODE_CLASS_MAPPINGS, configure_dirs=configure_standalone_dirs)
     captured = capsys.readouterr()
     out = captured.out
     assert code == 0, out + captured.err
-    saved = sorted((root / "output" / "loras").glob(f"{template.name}_*_.safetensors"))
+    for save in [template.save] + [{**template.save, **c.get("save", {})} for c in template.chains]:
+        prefix = save["filename_prefix"].rsplit("/", 1)[-1]  # every chain saves its own LoRA
+        assert len(sorted((root / "output" / "loras").glob(f"{prefix}_*_.safetensors"))) == 1, out
+    prefix = template.save["filename_prefix"].rsplit("/", 1)[-1]
+    saved = sorted((root / "output" / "loras").glob(f"{prefix}_*_.safetensors"))
     assert len(saved) == 1, out
+    if family.video:  # a video family's samples are clips: an animated WebP per prompt next to the LoRA
+        from PIL import Image
+
+        with Image.open(saved[0].with_name(saved[0].stem + "_samples_p00.webp")) as clip:
+            assert clip.n_frames == 5
     lora = load_lora(saved[0])
     assert lora.metadata["lowvram_lora.family"] == family_id and lora.metadata["lowvram_lora.steps"] == "8"
     assert "sampled 1 prompt(s) at step 8" in out
 
     ref = family.transformer_class().from_pretrained(pipeline / "transformer", use_safetensors=True,
                                                      torch_dtype=torch.float32, local_files_only=True)
-    slabs = sorted((root / "models" / "slabs").glob("*.slab.safetensors"))
+    stem = template.load["checkpoint"].rsplit(".", 1)[0]  # the first chain's (further chains may reuse it)
+    slabs = sorted((root / "models" / "slabs").glob(f"{stem}-*.slab.safetensors"))
     if template.load["precision"] == "int8 slab":
         assert len(slabs) == 1
         trained_on, bound = load_slab_transformer(slabs[0], torch.float32)[0], 0.02

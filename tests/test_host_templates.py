@@ -156,3 +156,28 @@ def test_run_names_the_templates_when_nothing_is_found(tmp_path, monkeypatch):
         with pytest.raises(WorkflowError, match="no such file") as e:
             find_workflow(given)
         assert "demo_tiny_lora" in str(e.value) and "flux1_dev_lora" in str(e.value)
+
+
+def test_a_template_with_chains_lays_out_one_full_training_chain_each():
+    """Wan 2.2 A14B: one Load -> Cache -> Train -> Save chain per expert file, each linked within itself only,
+    labelled, saving its own LoRA; the chain's values over the template's (the API form the server runs)."""
+    ui, api = T.build("wan22_t2v_lora", NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS)
+    t = T.SHIPPED["wan22_t2v_lora"]
+    trains = {k: v for k, v in api.items() if v["class_type"] == "LowVRAMTrainLoRA"}
+    assert sorted(trains) == ["14", "4"]
+    for train_id, expert, ckpt in (("4", "high noise", t.load["checkpoint"]),
+                                   ("14", "low noise", t.chains[0]["load"]["checkpoint"])):
+        chain = {str(int(train_id) - 4 + i) for i in range(1, 6)}
+        train = api[train_id]
+        assert {train["inputs"][k][0] for k in ("model", "dataset", "offload")} <= chain
+        assert api[train["inputs"]["model"][0]]["inputs"]["checkpoint"] == ckpt
+        assert all(expert in api[i]["_meta"]["title"] for i in chain)
+        save = next(v for i, v in api.items() if v["class_type"] == "LowVRAMSaveLoRA" and i in chain)
+        assert save["inputs"]["lora"] == [train_id, 0]
+    prefixes = {v["inputs"]["filename_prefix"] for v in api.values() if v["class_type"] == "LowVRAMSaveLoRA"}
+    assert prefixes == {"loras/wan22_t2v_high_noise_lora", "loras/wan22_t2v_low_noise_lora"}
+    assert api["14"]["inputs"]["sample_guidance"] == 3.0 and api["4"]["inputs"]["sample_guidance"] == 4.0
+    assert {l[1] // 10 == l[3] // 10 for l in ui["links"]} == {True}  # no link crosses chains
+    bad = TrainingTemplate(**{**t.__dict__, "chains": ({"laod": {}},)})
+    with pytest.raises(ValueError, match="laod"):
+        T._graph(bad)

@@ -251,7 +251,7 @@ def test_defaulted_widget_values_get_a_notice(tmp_path, models_with_empty_files,
     train["widgets_values"] = train["widgets_values"][:-1]  # saved before the last widget existed
     to_api_graph(load_workflow(_write(tmp_path, ui)), NODE_CLASS_MAPPINGS)
     err = capsys.readouterr().err
-    assert "has no saved value" in err and '"sample_guidance"' in err
+    assert "has no saved value" in err and '"sample_frames"' in err
 
 
 def test_skipped_subfolders_and_broken_links_get_a_notice(tiny_dataset):

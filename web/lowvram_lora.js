@@ -7,7 +7,10 @@
 // - A resumed run ("lowvram_lora.resumed": the losses before the saved step) continues the same chart, with
 //   a lasting "resumed from step N" line; a Cancel or an error marks the chart stopped instead of leaving
 //   its ETA running.
-// - After a run: the saved LoRA path on Save LoRA, the final loss / step count on Train LoRA.
+// - After a run: the saved LoRA path on Save LoRA, the final loss / step count on Train LoRA, and a video
+//   model's sample clips (animated WebPs, ComfyUI's `animated` output flag) playing in <img> elements on Train
+//   LoRA: the frontend keeps showing the last progress preview (the sample grid: first frames and a strip)
+//   over a node's outputs until the node runs again, so the clips get a widget of their own.
 //
 // Only the frontend's public API is used (app, api, node.addDOMWidget): the internal scripts/widgets.js
 // makes frontends 1.49+ warn that the import will break. Text is a read-only <textarea> in a DOM widget
@@ -223,6 +226,41 @@ function drawChart(canvas, entry) {
   ctx.fillText("lr", x0 + w - 24, y0 + 13);
 }
 
+const CLIP_H = 160;
+
+function clipsWidget(node) {
+  let widget = node.widgets?.find((w) => w.name === "sample_clips");
+  if (widget) return widget;
+  const box = document.createElement("div");
+  Object.assign(box.style, { display: "flex", gap: "4px", overflowX: "auto", height: `${CLIP_H}px`,
+                             background: "rgba(0,0,0,0.25)", padding: "2px" });
+  widget = node.addDOMWidget("sample_clips", "lowvram_clips", box, {
+    serialize: false, getMinHeight: () => CLIP_H + 4, getMaxHeight: () => CLIP_H + 4, getHeight: () => CLIP_H + 4,
+  });
+  widget.serialize = false; // display only
+  widget.box = box;
+  widget.computeSize = (width) => [width, CLIP_H + 8];
+  return widget;
+}
+
+// The last checkpoint's clips, one per prompt, animated (an <img> plays an animated WebP by itself).
+function showClips(node, message) {
+  const clips = (message?.images || []).filter((im) => String(im.filename).endsWith(".webp"));
+  if (!message?.animated?.some(Boolean) || !clips.length) return;
+  const box = clipsWidget(node).box;
+  box.replaceChildren(...clips.map((im) => {
+    const img = document.createElement("img");
+    const q = new URLSearchParams({ filename: im.filename, subfolder: im.subfolder || "", type: im.type || "output" });
+    img.src = api.apiURL(`/view?${q}`);
+    img.title = `${im.filename}: the sample clip of prompt ${clips.indexOf(im) + 1} at the last checkpoint`;
+    Object.assign(img.style, { height: "100%", imageRendering: "auto", objectFit: "contain" });
+    return img;
+  }));
+  const size = node.computeSize();
+  node.setSize([Math.max(node.size[0], size[0]), Math.max(node.size[1], size[1])]);
+  node.setDirtyCanvas(true, true);
+}
+
 app.registerExtension({
   name: "lowvram_lora.results",
   async beforeRegisterNodeDef(nodeType, nodeData) {
@@ -235,6 +273,7 @@ app.registerExtension({
         const steps = message?.steps ? ` after ${message.steps[0]} steps` : "";
         showText(this, "result", message.final_loss.map((l) => `final loss ${Number(l).toFixed(5)}${steps}`));
       }
+      showClips(this, message);
     };
   },
 });

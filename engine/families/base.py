@@ -273,6 +273,12 @@ class TrainingTemplate:
     #: file name -> the download URL ComfyUI's own templates give for that file (Comfy-Org's repackaged files on
     #: Hugging Face); the editor's Missing Models dialog offers it. Only files the widgets above name.
     downloads: dict[str, str] = field(default_factory=dict)
+    #: Further training chains in the same graph, each laid out below the one before: a dict of sections
+    #: (``load``, ``cache``, ``offload``, ``train``, ``save``) whose values update this template's own (Wan 2.2
+    #: A14B: one chain per expert file, each saving its own LoRA). The Dual-GPU Split (``split``) joins the first.
+    #: A chain's ``label`` (a string) ends its nodes' titles, as ``label`` does the first chain's.
+    chains: tuple[dict[str, Any], ...] = ()
+    label: str = ""
 
 
 def sigma_schedule(steps: int, mu: float) -> list[float]:

@@ -297,8 +297,12 @@ def _resume(run: _Run) -> None:
 def _make_sampler(run: _Run, sampling, sample_dir) -> None:
     """Samples of the dataset's prompts at checkpoints (rank 0 only)."""
     if sampling is not None and sampling.enabled and run.ranks.is_main:
-        from ..sampling import Sampler
+        from ..sampling import Sampler, preview_blocker
 
+        blocker = preview_blocker(run.variant, run.sigma_range)
+        if blocker is not None:  # never silently wrong samples: say why there are none
+            run.cb.log(blocker)
+            return
         run.sampler = Sampler(sampling, run.dataset, run.family, run.model, run.device, run.dtype, sample_dir, run.cb)
         if run.resume is not None and run.resume.enabled:  # the columns drawn before a stop, kept with the state
             run.sampler.keep_columns(run.resume.folder / "samples", upto=run.first - 1)

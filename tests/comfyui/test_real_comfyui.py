@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import zlib
 from pathlib import Path
 
 import pytest
@@ -285,7 +286,8 @@ FULL_SIZE = [pytest.param(t, id=name) for name, t in shipped().items() if name !
 
 def _template_files(template) -> list[str]:
     """The model files a template's widgets name (checkpoint, single-file text encoders, VAE)."""
-    names = [template.load["checkpoint"]]
+    names = [template.load["checkpoint"]] + [c["load"]["checkpoint"] for c in template.chains
+                                             if "checkpoint" in c.get("load", {})]
     names += [template.cache[k] for k in ("text_encoder_1", "text_encoder_2", "vae_file")
               if template.cache.get(k, "(none)") != "(none)"]
     return names
@@ -478,8 +480,11 @@ def test_template_trains_its_tiny_model_through_comfy_run(comfy, tmp_path, templ
         ui = json.loads((comfy.pack / "example_workflows" / f"{template.name}.json").read_text())
         _with_widgets(ui, {
             "LowVRAMCacheTextEmbeds": {"resolution": 128, "sample_prompts": "ohwx, a red circle"},
+            # A seed of its own: templates of one family share the tiny model's bytes, so the server would reuse
+            # another template's finished run instead of training.
             "LowVRAMTrainLoRA": {"steps": 8, "learning_rate": 0.01, "warmup_steps": 0, "sample_every": 4,
-                                 "sample_resolution": 64, "sample_steps": 2},
+                                 "sample_resolution": 64, "sample_steps": 2,
+                                 "training_seed": zlib.crc32(template.name.encode()) % 100_000},
         })
         (tmp_path / "tiny.json").write_text(json.dumps(ui))
         start = datetime.now().isoformat()
@@ -512,6 +517,63 @@ def test_template_trains_its_tiny_model_through_comfy_run(comfy, tmp_path, templ
         before, after = eval_flow_loss(ref, family, cache), eval_flow_loss(merged(ref, lora.state_dict, 1.0), family, cache)
         print(f"{template.name}: flow loss of the reference {before:.5f}, with the LoRA trained in ComfyUI {after:.5f}")
         assert after < before, f"the LoRA trained in ComfyUI did not lower the loss: {before:.5f} -> {after:.5f}"
+    finally:
+        for path in written:
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+def test_video_template_trains_on_clips_and_shows_the_animated_preview(comfy, tmp_path):
+    """Wan 2.2 TI2V-5B's shipped UI workflow on the tiny Wan model (its file names), on clips of
+    ``make_tiny_video_dataset``, sizes reduced, through comfy run: exit 0, 5-frame sample clips drawn, the Train LoRA
+    node's outputs in ComfyUI's history carry the animated WebP with ComfyUI's ``animated`` flag (as its
+    SaveAnimatedWEBP returns them), ComfyUI's /view serves it with all its frames, and Save LoRA put it next to the
+    LoRA."""
+    import io
+    import urllib.parse
+    from datetime import datetime
+
+    from PIL import Image
+
+    from helpers import write_template_files
+    from lowvram_lora.engine.testing import make_tiny_video_dataset
+
+    template = shipped()["wan22_ti2v_5b_lora"]
+    _, written = write_template_files(template, comfy.base, tmp_path)
+    clips = comfy.base / "input" / template.cache["dataset_path"]
+    for f in clips.iterdir():  # clips only: the template's dataset folder as a user fills it
+        f.unlink()
+    make_tiny_video_dataset(clips, count=2, frames=9, size=(64, 48), fps=16)
+    try:
+        ui = json.loads((comfy.pack / "example_workflows" / f"{template.name}.json").read_text())
+        _with_widgets(ui, {
+            "LowVRAMCacheTextEmbeds": {"resolution": 64, "sample_prompts": "ohwx, a red circle", "video_frames": "5",
+                                       "video_fps": 16.0},
+            "LowVRAMTrainLoRA": {"steps": 4, "learning_rate": 0.01, "warmup_steps": 0, "sample_every": 2,
+                                 "sample_resolution": 64, "sample_steps": 2, "sample_frames": 5,
+                                 "training_seed": 7},
+            "LowVRAMSaveLoRA": {"filename_prefix": "loras/tiny_video_lora"},
+        })
+        (tmp_path / "tiny_video.json").write_text(json.dumps(ui))
+        start = datetime.now().isoformat()
+        done = comfy.comfy_run(tmp_path / "tiny_video.json")
+        log = _log_since(comfy.port, start)
+        assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:], log[-4000:])
+        assert "Traceback" not in log and "!!! Exception" not in log, log[-4000:]
+        assert "clip windows" in log and "sampled 1 prompt(s) at step 4" in log, log[-3000:]
+        history = _get(comfy.port, "/history?max_items=1")
+        (entry,) = history.values()
+        train_id = next(i for i, n in enumerate(ui["nodes"]) if n["type"] == "LowVRAMTrainLoRA")
+        outputs = entry["outputs"][str(ui["nodes"][train_id]["id"])]
+        assert outputs.get("animated") == [True], outputs
+        webps = [im for im in outputs["images"] if im["filename"].endswith(".webp")]
+        assert len(webps) == 1 and webps[0]["type"] == "output", outputs
+        query = urllib.parse.urlencode(webps[0])
+        with urllib.request.urlopen(f"http://127.0.0.1:{comfy.port}/view?{query}", timeout=30) as r:
+            with Image.open(io.BytesIO(r.read())) as clip:
+                assert clip.format == "WEBP" and clip.n_frames == 5 and clip.size == (64, 64)
+        saved = sorted((comfy.base / "output" / "loras").glob("tiny_video_lora_*_samples_p00.webp"))
+        assert len(saved) == 1, sorted((comfy.base / "output" / "loras").iterdir())
+        print("animated preview:", webps[0], "next to the LoRA:", saved[0])
     finally:
         for path in written:
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)

@@ -3,8 +3,15 @@ from ..base import TrainingTemplate
 from . import FAMILY
 
 _REPO = "https://huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged/resolve/main/split_files/"
+#: Wan 2.2's files, as ComfyUI's own Wan 2.2 templates link them (comfyui-workflow-templates 0.11.44: the TI2V-5B
+#: and T2V-A14B workflows; umT5 stays in the Wan 2.1 repository there too).
+_REPO22 = "https://huggingface.co/Comfy-Org/Wan_2.2_ComfyUI_Repackaged/resolve/main/split_files/"
+_UMT5 = "umt5_xxl_fp8_e4m3fn_scaled.safetensors"
+_HIGH, _LOW = "wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors", "wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors"
 
 _PREVIEW = FAMILY.guidance("wan2.1-t2v-1.3b")  # CFG 5, 20 steps
+_TOKENIZER = ("with umT5's tokenizer files (google/umt5-xxl: tokenizer.json, tokenizer_config.json, spiece.model) in "
+              "models/text_encoders/umt5_xxl_fp8_e4m3fn_scaled/")
 
 TEMPLATES = [
     TrainingTemplate(
@@ -33,7 +40,83 @@ TEMPLATES = [
             "models/vae/wan_2.1_vae.safetensors.\n"
             "- input/my_subject/: your images with same-name .txt captions.\n\n"
             "Captions are umT5-encoded to 512 tokens, zero-padded as WanPipeline does. Samples use CFG 5 against the "
-            "empty prompt (two forwards per step) and show one frame. The LoRA (self- and cross-attention, Wan's own "
+            "empty prompt (two forwards per step); each is a 17-frame clip (sample_frames), saved as an animated WebP "
+            "that the node shows and Save LoRA copies next to the LoRA. The LoRA (self- and cross-attention, Wan's own "
             "names: diffusion_model.blocks.N.self_attn.q) loads with ComfyUI's LoraLoaderModelOnly."),
+    ),
+    TrainingTemplate(
+        name="wan22_ti2v_5b_lora",
+        load={"checkpoint": "wan2.2_ti2v_5B_fp16.safetensors", "family": "wan", "precision": "int8 slab"},
+        cache={"text_encoders": "(single files below)", "dataset_path": "my_clips", "resolution": 896,
+               "text_encoder_1": _UMT5, "vae_file": "wan2.2_vae.safetensors",
+               "sample_prompts": "ohwx, a dog running on a beach", "video_frames": "49", "video_fps": 24.0},
+        offload={"mode": "auto", "vram_budget_gb": 6.0},
+        train={"steps": 1500, "learning_rate": 1e-4, "rank": 16, "alpha": 16.0, "warmup_steps": 0,
+               "training_seed": 42, "sample_every": 250, "sample_steps": _PREVIEW.steps, "sample_resolution": 512,
+               "sample_guidance": FAMILY.guidance("wan2.2-ti2v-5b").scale, "sample_frames": 17},
+        save={"filename_prefix": "loras/wan22_ti2v_5b_lora"},
+        downloads={
+            "wan2.2_ti2v_5B_fp16.safetensors": _REPO22 + "diffusion_models/wan2.2_ti2v_5B_fp16.safetensors",
+            _UMT5: _REPO + "text_encoders/" + _UMT5,
+            "wan2.2_vae.safetensors": _REPO22 + "vae/wan2.2_vae.safetensors",
+        },
+        note=(
+            "Wan 2.2 TI2V-5B text-to-video LoRA on 49-frame clips at 24 fps, buckets of about 896x896 pixels (e.g. "
+            "1152x704), on a 6 GB VRAM budget. Measured on an H100 (bench/NOTES.md): 1280x704x49 trains in 5.1 GB "
+            "(compiled) / 5.4 GB (eager) under 'auto' at 6 GB; these buckets hold fewer tokens.\n\n"
+            "Files (what ComfyUI's own Wan 2.2 TI2V-5B template uses):\n"
+            "- models/diffusion_models/wan2.2_ti2v_5B_fp16.safetensors. precision 'int8 slab' builds a slab once into "
+            "models/slabs.\n"
+            f"- models/text_encoders/{_UMT5} {_TOKENIZER}, and models/vae/wan2.2_vae.safetensors (TI2V-5B's own "
+            "48-channel VAE; not wan_2.1_vae).\n"
+            "- input/my_clips/: your clips (.mp4, .webm, .mov, animated .gif/.webp, or a folder of frames; images "
+            "count as one-frame clips) with same-name .txt captions. A clip shorter than 49 frames at 24 fps is "
+            "named in the log; list several counts in video_frames (e.g. 17,33,49) to keep short ones.\n\n"
+            "Samples: every 250 steps a 17-frame 512x512 clip per prompt, CFG 5 against the empty prompt, saved as an "
+            "animated WebP beside the sample grid and next to the LoRA (<name>_samples_p00.webp); the node shows it "
+            "animated, the grid shows each clip's first frame and a strip of frames. The LoRA (Wan's own names) loads "
+            "with ComfyUI's LoraLoaderModelOnly."),
+    ),
+    TrainingTemplate(
+        name="wan22_t2v_lora",
+        label="high noise",
+        load={"checkpoint": _HIGH, "family": "wan", "precision": "int8 slab"},
+        cache={"text_encoders": "(single files below)", "dataset_path": "my_clips", "resolution": 624,
+               "text_encoder_1": _UMT5, "vae_file": "wan_2.1_vae.safetensors",
+               "sample_prompts": "ohwx, a dog running on a beach", "video_frames": "81", "video_fps": 16.0},
+        offload={"mode": "auto", "vram_budget_gb": 12.0},
+        # Off: an expert alone cannot be previewed (it denoises only its side of sigma 0.875; the run logs why).
+        train={"steps": 1500, "learning_rate": 1e-4, "rank": 16, "alpha": 16.0, "warmup_steps": 0,
+               "training_seed": 42, "sample_every": 0, "sample_steps": _PREVIEW.steps, "sample_resolution": 512,
+               "sample_guidance": FAMILY.guidance("wan2.2-t2v-a14b-high-noise").scale, "sample_frames": 17},
+        save={"filename_prefix": "loras/wan22_t2v_high_noise_lora"},
+        chains=({"label": "low noise", "load": {"checkpoint": _LOW},
+                 "train": {"sample_guidance": FAMILY.guidance("wan2.2-t2v-a14b-low-noise").scale},
+                 "save": {"filename_prefix": "loras/wan22_t2v_low_noise_lora"}},),
+        downloads={  # as in ComfyUI's own Wan 2.2 T2V-A14B template
+            _HIGH: _REPO22 + "diffusion_models/" + _HIGH,
+            _LOW: _REPO22 + "diffusion_models/" + _LOW,
+            _UMT5: _REPO + "text_encoders/" + _UMT5,
+            "wan_2.1_vae.safetensors": _REPO22 + "vae/wan_2.1_vae.safetensors",
+        },
+        note=(
+            "Wan 2.2 T2V-A14B LoRAs, one per expert: the top chain trains the high-noise expert (sigma >= 0.875: "
+            "layout and motion), the bottom one the low-noise expert (sigma < 0.875: detail), each on its own noise "
+            "levels, each saving its own LoRA (loras/wan22_t2v_high_noise_lora / _low_noise_lora). Only the expert "
+            "a chain trains is loaded; the chains run one after the other. To train one expert, bypass (Ctrl-B) "
+            "the other chain's Save LoRA.\n\n"
+            "Clips: 81 frames at 16 fps, buckets of about 624x624 pixels (832x480). VRAM: measured on an H100 "
+            "(bench/NOTES.md) 10.0 GB compiled at 832x480x81 (8 GB is not reached yet), hence the 12 GB budget; "
+            "fewer frames (video_frames 33) need less.\n\n"
+            "Files (what ComfyUI's own Wan 2.2 T2V template uses):\n"
+            f"- models/diffusion_models/{_HIGH} and {_LOW}. precision 'int8 slab' builds each expert's slab once into "
+            "models/slabs.\n"
+            f"- models/text_encoders/{_UMT5} {_TOKENIZER}, and models/vae/wan_2.1_vae.safetensors (A14B uses the Wan "
+            "2.1 VAE).\n"
+            "- input/my_clips/: your clips (.mp4, .webm, .mov, animated .gif/.webp, or a folder of frames; images "
+            "count as one-frame clips) with same-name .txt captions.\n\n"
+            "No samples while training (sample_every 0): a preview needs both experts, switching at sigma 0.875, and "
+            "an expert alone gives nothing to judge (the run says so if sampling is turned on). Load both LoRAs in "
+            "ComfyUI's own Wan 2.2 T2V workflow (LoraLoaderModelOnly after each expert's loader) to see them."),
     ),
 ]

@@ -291,3 +291,60 @@ def test_the_planner_counts_each_variants_tokens():
     assert FAMILY.image_tokens(1280, 704, "wan2.1-t2v-1.3b") == (1280 // 16) * (704 // 16)
     assert FAMILY.image_tokens(1280, 704, "wan2.2-ti2v-5b") == (1280 // 32) * (704 // 32) == 880
     assert FAMILY.latent_frames(49) == 13 and FAMILY.latent_frames(1) == 1 and FAMILY.latent_frames(81) == 21
+
+
+def test_sample_clip_decodes_as_the_pipeline_and_saves_every_frame(pipe, tmp_path):
+    """A 5-frame sample clip (its latents are WanPipeline's: test_engine_sampling_with_cfg_matches_pipeline): decode_latents keeps all 5 frames and they are WanPipeline's decoded video (its
+    output_type="np" from the same latents; 8-bit rounding: 1/255); the animated WebP the Sampler saves holds
+    5 frames with exactly those pixels (lossless); the grid cell shows the first frame large and a strip below."""
+    from lowvram_lora.engine.sampling import STRIP, decode_latents, grid_image, load_clip, sample_latents, save_clip
+
+    steps, seed, width, height, frames = 2, 3, 64, 32, 5
+    rule = FAMILY.guidance(TINY)
+    embeds, neg = _reference_embeds(pipe, CAPTIONS[:1]), _reference_embeds(pipe, [""])
+    with torch.no_grad():
+        lat = sample_latents(pipe.transformer, FAMILY, {"prompt_embeds": embeds}, width, height, steps, seed,
+                             rule.scale, torch.device("cpu"), torch.float32, rule=rule,
+                             negative={"prompt_embeds": neg}, frames=frames)
+    (clip,) = decode_latents(pipe.vae, FAMILY, [lat], torch.device("cpu"), TINY)
+    assert isinstance(clip, list) and len(clip) == frames and clip[0].size == (width, height)
+    with torch.no_grad():  # WanPipeline's own decode of these latents (un-normalise, decode, postprocess)
+        mean = torch.tensor(pipe.vae.config.latents_mean).view(1, -1, 1, 1, 1)
+        std = torch.tensor(pipe.vae.config.latents_std).view(1, -1, 1, 1, 1)
+        video = pipe.vae.decode(lat * std + mean, return_dict=False)[0]
+        want = pipe.video_processor.postprocess_video(video, output_type="np")[0]  # (F, H, W, 3) in [0, 1]
+    ours = np.stack([np.asarray(f, dtype=np.float32) / 255 for f in clip])
+    assert ours.shape == want.shape == (frames, height, width, 3)
+    assert np.abs(ours - want).max() <= 1 / 255 + 1e-6
+
+    path = tmp_path / "clip.webp"
+    save_clip(clip, path, fps=16)
+    from PIL import Image
+
+    with Image.open(path) as img:
+        assert img.format == "WEBP" and img.is_animated and img.n_frames == frames
+        img.seek(1)
+        img.load()  # Pillow reads a frame's duration when it decodes it
+        assert img.info.get("duration") == round(1000 / 16)
+    back = load_clip(path)
+    assert len(back) == frames
+    for a, b in zip(back, clip):
+        assert np.array_equal(np.asarray(a), np.asarray(b))  # lossless
+
+    cell = 64
+    grid = grid_image([("step 0", [clip])], ["p"], cell=cell)
+    assert grid.size == (cell, 18 + cell + cell // STRIP)
+    assert np.array_equal(np.asarray(grid)[18:18 + cell], np.asarray(clip[0].resize((cell, cell))))
+    strip = np.asarray(grid)[18 + cell:, : cell // STRIP]
+    assert np.array_equal(strip, np.asarray(clip[1].resize((cell // STRIP, cell // STRIP))))
+
+
+def test_an_a14b_expert_alone_is_not_previewed():
+    """Sampling an expert alone would show noise or mush: preview_blocker says so for both experts (naming the
+    range and why), and nothing for a whole model."""
+    from lowvram_lora.engine.sampling import preview_blocker
+
+    for variant in ("wan2.2-t2v-a14b-high-noise", "wan2.2-t2v-a14b-low-noise"):
+        msg = preview_blocker(variant, FAMILY.train_sigma_range(variant))
+        assert msg and variant in msg and "both experts" in msg and "0.875" in msg
+    assert preview_blocker("wan2.1-t2v-1.3b", FAMILY.train_sigma_range("wan2.1-t2v-1.3b")) is None
