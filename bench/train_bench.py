@@ -123,9 +123,13 @@ def write_synthetic_cache(root: Path, family, variant: str, cfg: dict, res, n_it
             shape = ((widths[spec.cache_key],) if spec.kind == "clip_pooled"
                      else (seq_len if spec.length == "padded" else min(128, seq_len), widths[spec.cache_key]))
             text[spec.cache_key] = torch.randn(shape, generator=gen).to(torch.bfloat16)
+        controls = any(getattr(spec, "control_images", False) for spec in family.text_encoder_specs(variant))
+        if controls:  # an edit model: one control image at the target's size, its latent in the text entry
+            text["control_latents_0"] = torch.randn(latent_shape, generator=gen)
         save_file(text, str(root / "text" / f"{key}.safetensors"))
         items.append(CachedItem(image=f"synthetic-{i}.png", caption=f"synthetic {i}", bucket=(w, h),
-                                text_key=key, latent_key=key, frames=list(range(frames)) if frames > 1 else []))
+                                text_key=key, latent_key=key, frames=list(range(frames)) if frames > 1 else [],
+                                **({"controls": ["control.png"], "control_sizes": [[w, h]]} if controls else {})))
     return DatasetCache(root, root / "datasets" / f"bench-{res}.json", f"bench-{res}", family.id, variant, items)
 
 

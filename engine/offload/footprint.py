@@ -96,10 +96,16 @@ def _slab_footprint(path, family_id: str, dtype: torch.dtype, lora: LoraSettings
 
 
 def workload_for(dataset, family, variant: str, batch: int) -> Workload:
-    """The largest bucket of a dataset cache as tokens (``family.image_tokens`` per latent frame, times the
-    clip's latent frames: ``family.latent_frames``) plus the text length the cache was built with."""
-    (w, h), frames = max(((it.bucket, len(it.frames)) for it in dataset.items),
-                         key=lambda b: b[0][0] * b[0][1] * family.latent_frames(b[1]))
-    label = f"{w}x{h}" + (f"x{frames}f" if frames > 1 else "")
-    return Workload(batch=batch, image_tokens=family.image_tokens(w, h, variant) * family.latent_frames(frames),
+    """The largest item of a dataset cache as tokens: its bucket's (``family.image_tokens`` per latent frame, times
+    the clip's latent frames: ``family.latent_frames``) plus, for an edit model, its control images' (reference
+    latents join the image tokens), and the text length the cache was built with."""
+    def tokens(it) -> int:
+        w, h = it.bucket
+        own = family.image_tokens(w, h, variant) * family.latent_frames(len(it.frames))
+        return own + sum(family.image_tokens(int(cw), int(ch), variant) for cw, ch in getattr(it, "control_sizes", []))
+
+    item = max(dataset.items, key=tokens)
+    (w, h), frames, controls = item.bucket, len(item.frames), len(getattr(item, "control_sizes", []))
+    label = f"{w}x{h}" + (f"x{frames}f" if frames > 1 else "") + (f"+{controls} control" if controls else "")
+    return Workload(batch=batch, image_tokens=tokens(item),
                     text_tokens=family.default_max_sequence_length(variant), label=label)

@@ -188,3 +188,35 @@ def test_sample_latents_with_controls_equal_the_edit_plus_pipeline(monkeypatch):
                            scale, torch.device("cpu"), torch.float32, rule=FAMILY.guidance("qwen-image-edit-2509"),
                            negative={"prompt_embeds": neg[None]}, noise=noise)
     assert (other - got).abs().max() > 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_an_edit_lora_caches_and_trains_on_cuda(tmp_path):
+    """The Edit path on the GPU: the vision tower and the language model layer-major on cuda, control latents, a
+    streamed training run with samples; the cached prompt equals the CPU cache's (bf16 tolerance) and the run ends
+    with a finite loss."""
+    from lowvram_lora.engine.caching import build_dataset_cache
+    from lowvram_lora.engine.config import DataConfig, LoraSettings, ModelConfig, TrainConfig
+    from lowvram_lora.engine.families.qwen_image.fixtures import (add_tiny_controls, build_tiny_pipeline,
+                                                                  write_single_file, write_text_and_vae_files)
+    from lowvram_lora.engine.offload import OffloadConfig
+    from lowvram_lora.engine.sampling import SamplingConfig
+    from lowvram_lora.engine.testing import make_tiny_dataset
+    from lowvram_lora.engine.train import train_lora
+
+    pipe = build_tiny_pipeline(tmp_path / "pipe")
+    model_cfg = ModelConfig(transformer_path=str(write_single_file(pipe, tmp_path / "qwen_image_edit_2509_bf16.safetensors")),
+                            text_encoder_files=(str(write_text_and_vae_files(pipe, tmp_path / "files")["text_encoder"]),),
+                            vae_file=str(tmp_path / "files" / "qwen_image_vae.safetensors"))
+    data = add_tiny_controls(make_tiny_dataset(tmp_path / "data", count=2))
+    gpu = build_dataset_cache(model_cfg, DataConfig(path=str(data), resolution=64), tmp_path / "gpu", device="cuda",
+                              sample_prompts=["invert it"])
+    cpu = build_dataset_cache(model_cfg, DataConfig(path=str(data), resolution=64), tmp_path / "cpu", device="cpu")
+    a, b = gpu.load_text(gpu.items[0].text_key), cpu.load_text(cpu.items[0].text_key)
+    for key in ("prompt_embeds", "control_latents_0"):
+        assert ((a[key].float() - b[key].float()).norm() / b[key].float().norm()).item() < 0.03, key
+    lora = train_lora(model_cfg, gpu, LoraSettings(rank=4, alpha=4), TrainConfig(steps=4, device="cuda"),
+                      offload=OffloadConfig(mode="stream"),
+                      sampling=SamplingConfig(every=4, steps=2, resolution=64, guidance=4.0))
+    assert lora.steps == 4 and all(torch.isfinite(v).all() for v in lora.state_dict.values())
