@@ -215,3 +215,14 @@ def test_a_cpu_run_reports_no_gpu_only_figures():
     parts = {"data": 0.01, "compute": 1.0, "optimizer": 0.1, "copy_stall": 0.0, "host": 0.05, "wall": 1.2}
     assert "block copies" not in describe(parts, gpu=False) and "host outside" not in describe(parts, gpu=False)
     assert "waiting for block copies 0.000 s" in describe(parts, gpu=True)
+
+
+def test_the_finite_check_before_a_save_names_the_bad_tensor():
+    """The save-time check reads one flag per device, and still names the tensor that went non-finite."""
+    from lowvram_lora.engine.errors import TrainingDivergedError
+    from lowvram_lora.engine.train.loop import _check_finite_weights
+
+    good = [("a", torch.ones(3)), ("b", torch.zeros(2, 2))]
+    _check_finite_weights(good, 4)
+    with pytest.raises(TrainingDivergedError, match="'c'"):
+        _check_finite_weights(good + [("c", torch.tensor([1.0, float("inf")]))], 4)
