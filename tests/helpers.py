@@ -142,8 +142,13 @@ def write_template_files(template, root, scratch):
     from lowvram_lora.engine.families import get_family
     from lowvram_lora.engine.testing import make_tiny_dataset
 
+    import zlib
+
     fixtures = get_family(template.load["family"]).fixtures()
-    pipeline = fixtures.build_tiny_pipeline(scratch / "pipe")
+    # A seed per template: two templates of one family must not write byte-identical files (a real T2I and Edit
+    # file never are), or content-keyed caches (slabs, ComfyUI's node cache) would serve one template's run to
+    # the other inside one ComfyUI server.
+    pipeline = fixtures.build_tiny_pipeline(scratch / "pipe", seed=zlib.crc32(template.name.encode()) % 997)
     models = root / "models"
     written = [fixtures.write_single_file(pipeline, models / "diffusion_models" / template.load["checkpoint"])]
     for chain in getattr(template, "chains", ()):  # a further chain's model (an A14B expert): the same tiny model
