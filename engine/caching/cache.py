@@ -304,7 +304,7 @@ def build_dataset_cache(
                               f"target would be mirrored but not its control images; turn flip off")
         from ..data.pairs import scan_pairs
 
-        pairs = scan_pairs(data_cfg, control_dirs, max_controls=1 if family.edit_mode(variant) == "edit" else None,
+        pairs = scan_pairs(data_cfg, control_dirs, max_controls=family.control_images(variant).max_count,
                            log=cb.log)
         records = [p.target for p in pairs]
     elif control_dirs:

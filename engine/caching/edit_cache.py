@@ -36,22 +36,19 @@ GROUP = 8
 
 
 def edit_area_ident(family, variant: str) -> list:
-    areas = family.edit_areas(variant)
-    return [family.edit_mode(variant), areas["condition_area"], areas["vae_area"]]
+    return list(family.control_images(variant).ident)
 
 
 def control_sizes(controls: Sequence[Path], family, variant: str) -> list[list[int]]:
-    """Each control image's (width, height) at the reference-latent area (``controls.control_size``), from its
+    """Each control image's (width, height) at the reference-latent area (``ControlImages.size``), from its
     header only: what decides the shape of its cached latent, hence which items may share a batch."""
     from PIL import Image
 
-    from ..families.qwen_image.controls import control_size
-
-    area = family.edit_areas(variant)["vae_area"]
+    size = family.control_images(variant).size
     out = []
     for path in controls:
         with Image.open(path) as img:
-            out.append(list(control_size(img.width, img.height, area)))
+            out.append(list(size(img.width, img.height)))
     return out
 
 
@@ -167,8 +164,6 @@ def _rgb(path: str):
 def build_edit_entries(cache_dir: Path, family, variant: str, spec, pipeline, singles, items, device, dtype,
                        vae_loader, save, usable, cb, stats: dict) -> None:
     """Write the text entry (multimodal prompt + control latents) of every item whose entry is missing."""
-    from ..families.qwen_image.controls import control_embeds, encode_controls
-    from ..families.qwen_image.edit_text import encode_edit_prompts
     from ..models.dtypes import release_device_memory
     from .stacked_text import load_tokenizer
     from .vl_text import vision_language_parts
@@ -181,7 +176,7 @@ def build_edit_entries(cache_dir: Path, family, variant: str, spec, pipeline, si
     stats["text_reused"] = stats.get("text_reused", 0) + len({i.text_key for i in items}) - len(todo)
     if not todo:
         return
-    mode, areas = family.edit_mode(variant), family.edit_areas(variant)
+    control = family.control_images(variant)
     jobs = list(todo.items())
     files, config, tokenizer_dir, image_dir = vl_sources(family, spec, pipeline, singles, dtype)
     tokenizer = load_tokenizer(tokenizer_dir) if isinstance(tokenizer_dir, Path) else tokenizer_dir
@@ -191,10 +186,9 @@ def build_edit_entries(cache_dir: Path, family, variant: str, spec, pipeline, si
     try:
         for start in range(0, len(jobs), GROUP):
             group = [it for _, it in jobs[start:start + GROUP]]
-            prompts += encode_edit_prompts([it.caption for it in group], [[_rgb(c) for c in it.controls]
-                                                                          for it in group],
-                                           mode, processor, parts.visual, parts.embed_tokens, parts.config,
-                                           parts.language_model, drop=spec.drop_tokens, dtype=dtype, **areas)
+            prompts += control.encode_prompts([it.caption for it in group],
+                                              [[_rgb(c) for c in it.controls] for it in group], processor, parts,
+                                              drop=spec.drop_tokens, dtype=dtype)
             cb.on_progress("encode instructions with control images (text_encoder)", len(prompts), len(jobs))
     finally:
         parts.close()
@@ -203,9 +197,9 @@ def build_edit_entries(cache_dir: Path, family, variant: str, spec, pipeline, si
     vae = vae_loader().to(device)
     try:
         for i, (key, it) in enumerate(jobs):
-            latents = encode_controls(vae, [_rgb(c) for c in it.controls], area=areas["vae_area"])
             entry = {spec.cache_key: prompts[i]}
-            entry.update({k: v[0].float().cpu().to(dtype) for k, v in control_embeds(latents).items()})
+            entry.update({k: v[0].float().cpu().to(dtype)
+                          for k, v in control.encode_latents(vae, [_rgb(c) for c in it.controls]).items()})
             save(entry, text_dir / f"{key}.safetensors")
             cb.on_progress("encode control images (vae)", i + 1, len(jobs))
     finally:

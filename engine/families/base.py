@@ -28,7 +28,7 @@ import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from importlib import import_module, resources
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import nn
@@ -256,6 +256,24 @@ def _patch_token_norm(x: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class ControlImages:
+    """How an edit model of a family takes control images (``ModelFamily.control_images``), bound to one variant:
+    the family folder's own code, so the cache (``engine/caching/edit_cache.py``) needs no family's name.
+    ``max_count``: control images per target (None: any number); ``ident``: what changes their encoding (it goes
+    into the cache keys); ``size(width, height)``: a control image's size at the reference-latent area (what
+    decides its latent's shape, hence which items share a batch); ``encode_prompts(captions, images, processor,
+    parts, drop, dtype)``: each caption with its control images through the vision-language encoder (``parts`` from
+    ``engine/caching/vl_text.py``) -> one (L_i, D) tensor per caption; ``encode_latents(vae, images)``: one target's
+    control images -> {embedding name: (1, ...) tensor} as ``model_inputs`` takes them."""
+
+    max_count: int | None
+    ident: tuple
+    size: Callable[[int, int], tuple[int, int]]
+    encode_prompts: Callable[..., list]
+    encode_latents: Callable[..., dict]
+
+
+@dataclass(frozen=True)
 class TrainingTemplate:
     """A shipped workflow of the family: the five-node training graph (Load, Cache, Offload, Train, Save;
     ``host/templates.py`` lays it out) with these widget values, a note for the user, and optionally a
@@ -468,6 +486,11 @@ class ModelFamily(ABC):
         """The ``steps`` + 1 noise levels previews step through (the last is 0), as the family's pipeline
         schedules them; by default ``sigma_schedule`` under ``sample_shift_mu``."""
         return sigma_schedule(steps, self.sample_shift_mu(latents, steps))
+
+    def control_images(self, variant: str) -> ControlImages | None:
+        """How an edit ``variant`` takes control images (its text spec then has ``control_images``); None for a model
+        that takes none."""
+        return None
 
     def guidance(self, variant: str) -> Guidance:
         """How ``variant`` samples previews."""

@@ -499,27 +499,32 @@ def test_template_trains_its_tiny_model_through_comfy_run(comfy, tmp_path, templ
         lora = load_lora(saved[0])
         assert lora.format == "comfyui" and lora.metadata["lowvram_lora.family"] == template.load["family"]
         assert lora.metadata["lowvram_lora.steps"] == "8"
-        # What ComfyUI trained (inside its inference mode), against diffusers' own model from the tiny pipeline:
-        # merged in, the LoRA lowers the flow-matching loss on the cached training image.
-        import torch
-        from helpers import eval_flow_loss, merged
-
-        from lowvram_lora.engine.caching.cache import open_dataset_cache
-        from lowvram_lora.engine.families import get_family
-
-        family = get_family(template.load["family"])
-        ref = family.transformer_class().from_pretrained(tmp_path / "pipe" / "transformer", use_safetensors=True,
-                                                         torch_dtype=torch.float32, local_files_only=True)
-        manifests = sorted((comfy.base / "output" / "lowvram_cache").rglob("datasets/*.json"),
-                           key=lambda p: p.stat().st_mtime)
-        cache = open_dataset_cache(manifests[-1])
-        assert cache.family == family.id
-        before, after = eval_flow_loss(ref, family, cache), eval_flow_loss(merged(ref, lora.state_dict, 1.0), family, cache)
-        print(f"{template.name}: flow loss of the reference {before:.5f}, with the LoRA trained in ComfyUI {after:.5f}")
-        assert after < before, f"the LoRA trained in ComfyUI did not lower the loss: {before:.5f} -> {after:.5f}"
+        # What ComfyUI trained (inside its inference mode), against diffusers' own model from the tiny pipeline.
+        _check_lora_lowers_the_reference_loss(comfy, template, tmp_path / "pipe", lora)
     finally:
         for path in written:
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+def _check_lora_lowers_the_reference_loss(comfy, template, pipe, lora) -> None:
+    """Merged into diffusers' own model from the tiny pipeline folder (the reference), the LoRA ComfyUI trained
+    lowers the flow-matching loss on the newest cached training item (an image, or a clip window)."""
+    import torch
+    from helpers import eval_flow_loss, merged
+
+    from lowvram_lora.engine.caching.cache import open_dataset_cache
+    from lowvram_lora.engine.families import get_family
+
+    family = get_family(template.load["family"])
+    ref = family.transformer_class().from_pretrained(pipe / "transformer", use_safetensors=True,
+                                                     torch_dtype=torch.float32, local_files_only=True)
+    manifests = sorted((comfy.base / "output" / "lowvram_cache").rglob("datasets/*.json"),
+                       key=lambda p: p.stat().st_mtime)
+    cache = open_dataset_cache(manifests[-1])
+    assert cache.family == family.id
+    before, after = eval_flow_loss(ref, family, cache), eval_flow_loss(merged(ref, lora.state_dict, 1.0), family, cache)
+    print(f"{template.name}: flow loss of the reference {before:.5f}, with the LoRA trained in ComfyUI {after:.5f}")
+    assert after < before, f"the LoRA trained in ComfyUI did not lower the loss: {before:.5f} -> {after:.5f}"
 
 
 def test_video_template_trains_on_clips_and_shows_the_animated_preview(comfy, tmp_path):
@@ -548,7 +553,7 @@ def test_video_template_trains_on_clips_and_shows_the_animated_preview(comfy, tm
         _with_widgets(ui, {
             "LowVRAMCacheTextEmbeds": {"resolution": 64, "sample_prompts": "ohwx, a red circle", "video_frames": "5",
                                        "video_fps": 16.0},
-            "LowVRAMTrainLoRA": {"steps": 4, "learning_rate": 0.01, "warmup_steps": 0, "sample_every": 2,
+            "LowVRAMTrainLoRA": {"steps": 8, "learning_rate": 0.01, "warmup_steps": 0, "sample_every": 4,
                                  "sample_resolution": 64, "sample_steps": 2, "sample_frames": 5,
                                  "training_seed": 7},
             "LowVRAMSaveLoRA": {"filename_prefix": "loras/tiny_video_lora"},
@@ -559,7 +564,7 @@ def test_video_template_trains_on_clips_and_shows_the_animated_preview(comfy, tm
         log = _log_since(comfy.port, start)
         assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:], log[-4000:])
         assert "Traceback" not in log and "!!! Exception" not in log, log[-4000:]
-        assert "clip windows" in log and "sampled 1 prompt(s) at step 4" in log, log[-3000:]
+        assert "clip windows" in log and "sampled 1 prompt(s) at step 8" in log, log[-3000:]
         history = _get(comfy.port, "/history?max_items=1")
         (entry,) = history.values()
         train_id = next(i for i, n in enumerate(ui["nodes"]) if n["type"] == "LowVRAMTrainLoRA")
@@ -569,10 +574,22 @@ def test_video_template_trains_on_clips_and_shows_the_animated_preview(comfy, tm
         assert len(webps) == 1 and webps[0]["type"] == "output", outputs
         query = urllib.parse.urlencode(webps[0])
         with urllib.request.urlopen(f"http://127.0.0.1:{comfy.port}/view?{query}", timeout=30) as r:
-            with Image.open(io.BytesIO(r.read())) as clip:
-                assert clip.format == "WEBP" and clip.n_frames == 5 and clip.size == (64, 64)
+            served = r.read()
         saved = sorted((comfy.base / "output" / "loras").glob("tiny_video_lora_*_samples_p00.webp"))
         assert len(saved) == 1, sorted((comfy.base / "output" / "loras").iterdir())
+        import numpy as np
+
+        with Image.open(io.BytesIO(served)) as clip, Image.open(saved[0]) as copy:
+            assert clip.format == "WEBP" and clip.n_frames == 5 and clip.size == (64, 64)
+            for i in range(5):  # what ComfyUI shows is, frame for frame, the clip kept next to the LoRA
+                clip.seek(i)
+                copy.seek(i)
+                assert np.array_equal(np.asarray(clip.convert("RGB")), np.asarray(copy.convert("RGB"))), i
+        from lowvram_lora.engine.lora_io import load_lora
+
+        lora_files = sorted((comfy.base / "output" / "loras").glob("tiny_video_lora_*_.safetensors"))
+        assert len(lora_files) == 1, lora_files
+        _check_lora_lowers_the_reference_loss(comfy, template, tmp_path / "pipe", load_lora(lora_files[0]))
         print("animated preview:", webps[0], "next to the LoRA:", saved[0])
     finally:
         for path in written:

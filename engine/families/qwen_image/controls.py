@@ -18,6 +18,10 @@ import torch
 
 from .edit_text import VAE_AREA, calculate_dimensions
 
+#: Cached control latents travel in ``embeds`` as ``f"{CONTROL_KEY}_{k}"`` (k = 0, 1, ...: the control images in
+#: the pipeline's order), each (B, 16, h_k, w_k) normalised as target latents are (``encode_controls``).
+CONTROL_KEY = "control_latents"
+
 
 def control_size(width: int, height: int, area: int = VAE_AREA) -> tuple[int, int]:
     """(width, height) a control image of this size is encoded at: about 1024² (``area``), multiples of 32."""
@@ -52,6 +56,4 @@ def encode_controls(vae, images: Sequence, area: int = VAE_AREA) -> list[torch.T
 
 def control_embeds(latents: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
     """The ``embeds`` entries ``model_inputs`` reads: ``control_latents_k`` for each control latent (B, 16, h, w)."""
-    from .family import CONTROL_KEY
-
     return {f"{CONTROL_KEY}_{k}": lat for k, lat in enumerate(latents)}

@@ -36,10 +36,11 @@ import torch
 from torch import nn
 
 from ...errors import ConfigError
-from ..base import Guidance, ModelFamily, PromptTemplate, TextEncoderSpec, sigma_schedule
+from ..base import ControlImages, Guidance, ModelFamily, PromptTemplate, TextEncoderSpec, sigma_schedule
 from ..names import NativeParam
 from ..patches import linear_mu, pack_2x2, unpack_2x2
 from ..wan_vae import WanVaeSpec
+from .controls import CONTROL_KEY
 from .names import qwen_image_param_table
 
 #: Both streams' attention projections in every block: what DiffSynth's and musubi-tuner's Qwen-Image LoRAs
@@ -66,9 +67,6 @@ BASE_SEQ, MAX_SEQ, BASE_SHIFT, MAX_SHIFT, SHIFT_TERMINAL = 256, 8192, 0.5, 0.9, 
 
 _TEMPLATE = PromptTemplate(style="plain", prefix=SYSTEM_PREFIX, suffix=SUFFIX)
 
-#: Cached control latents travel in ``embeds`` as ``f"{CONTROL_KEY}_{k}"`` (k = 0, 1, ...: the control images in
-#: the pipeline's order), each (B, 16, h_k, w_k) normalised as target latents are (``controls.encode_controls``).
-CONTROL_KEY = "control_latents"
 #: How each variant conditions on control images: "" (text-to-image), "edit" (QwenImageEditPipeline: one control
 #: image at the target's 1024² area, also the VL prompt image) or "plus" (QwenImageEditPlusPipeline: 1..n control
 #: images, the VL prompt at 384², the references at 1024²; 2509 and 2511).
@@ -147,6 +145,28 @@ class QwenImageFamily(ModelFamily):
         if variant not in EDIT_MODE:
             raise ConfigError(f"unknown Qwen-Image variant {variant!r}; known: {', '.join(EDIT_MODE)}")
         return EDIT_MODE[variant]
+
+    def control_images(self, variant: str) -> ControlImages | None:
+        """Edit variants: the control images through ``edit_text.encode_edit_prompts`` (Edit: one image; EditPlus:
+        any number) and ``controls.encode_controls`` at ``edit_areas``; text-to-image variants take none."""
+        mode = EDIT_MODE.get(variant, "")
+        if not mode:
+            return None
+        from .controls import control_embeds, control_size, encode_controls
+        from .edit_text import encode_edit_prompts
+
+        areas = self.edit_areas(variant)
+
+        def encode_prompts(captions, images, processor, parts, drop, dtype):
+            return encode_edit_prompts(captions, images, mode, processor, parts.visual, parts.embed_tokens,
+                                       parts.config, parts.language_model, drop=drop, dtype=dtype, **areas)
+
+        return ControlImages(
+            max_count=1 if mode == "edit" else None,
+            ident=(mode, areas["condition_area"], areas["vae_area"]),
+            size=lambda width, height: control_size(width, height, areas["vae_area"]),
+            encode_prompts=encode_prompts,
+            encode_latents=lambda vae, images: control_embeds(encode_controls(vae, images, area=areas["vae_area"])))
 
     def edit_areas(self, variant: str) -> dict[str, int]:
         """The pixel areas an Edit variant sees its control images at: ``condition_area`` (EditPlus's VL prompt image,
