@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from .errors import ConfigError
-from .families import Guidance, sigma_schedule  # noqa: F401 (sigma_schedule: re-exported)
+from .families import Guidance
 
 
 @dataclass

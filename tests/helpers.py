@@ -174,3 +174,31 @@ def write_template_files(template, root, scratch):
     else:
         written.append(make_tiny_dataset(root / "input" / template.cache["dataset_path"], count=1))
     return pipeline, written
+
+
+def check_checkpoint_forms(family, pipeline_folder, tmp_path, fp8_bound: float | None = None) -> None:
+    """The one checkpoint reader on a family's native single file (bf16; with ComfyUI's full-checkpoint prefix; fp8
+    e4m3fn when ``fp8_bound`` is given) and on the diffusers folder, against diffusers' ``from_pretrained`` of the
+    same folder (the reference): identified as the tiny variant, the same tensor names, bit for bit after the same
+    bf16 cast, and each fp8 tensor within ``fp8_bound`` relative L2 of the fp32 reference."""
+    from lowvram_lora.engine.checkpoint.transformer import identify, open_checkpoint
+
+    write = family.fixtures().write_single_file
+    ref = family.transformer_class().from_pretrained(pipeline_folder / "transformer", use_safetensors=True)
+    expected = ref.to(torch.bfloat16).state_dict()
+    files = {"bf16": write(pipeline_folder, tmp_path / "form_bf16.safetensors", dtype=torch.bfloat16),
+             "prefixed": write(pipeline_folder, tmp_path / "form_pref.safetensors", dtype=torch.bfloat16,
+                               prefix="model.diffusion_model."),
+             "diffusers": pipeline_folder}
+    for form, path in files.items():
+        ident = identify(path)
+        assert (ident.family, ident.variant) == (family, family.tiny_variant), form
+        got = open_checkpoint(ident).load_model(torch.bfloat16).state_dict()
+        assert sorted(got) == sorted(expected), form
+        assert all(torch.equal(got[k], expected[k]) for k in expected), form
+    if fp8_bound is None:
+        return
+    fp8 = write(pipeline_folder, tmp_path / f"{family.id}_fp8_e4m3fn.safetensors", dtype=torch.float8_e4m3fn)
+    got = open_checkpoint(identify(fp8)).load_model(torch.float32).state_dict()
+    for k, v in ref.float().state_dict().items():
+        assert ((got[k] - v).norm() / v.norm().clamp_min(1e-12)).item() < fp8_bound, k

@@ -4,6 +4,7 @@ the training script call it, the training forward against the pipeline's packing
 stretched dynamic schedule) against QwenImagePipeline's latents, the checkpoint reader against from_pretrained."""
 import pytest
 import torch
+from helpers import check_checkpoint_forms
 from safetensors.torch import load_file
 
 from lowvram_lora.engine.families import family_for_single_file, get_family
@@ -50,7 +51,6 @@ def _batch(embeds, mask):
 
 
 def test_registry_variants_and_detection(pipeline_folder, tmp_path):
-    from diffusers import QwenImageTransformer2DModel
 
     assert get_family("qwen_image") is FAMILY
     real = FAMILY.load_config("qwen-image")
@@ -78,27 +78,7 @@ def test_engine_checkpoint_reads_every_form(pipeline_folder, tmp_path):
     """The file (bf16; with ComfyUI's full-checkpoint prefix; fp8 e4m3fn as qwen_image_fp8_e4m3fn is) and the
     diffusers folder load as diffusers' from_pretrained gives: bit for bit after the same cast, and fp8 within
     its rounding (relative 0.04 per tensor)."""
-    from diffusers import QwenImageTransformer2DModel
-
-    from lowvram_lora.engine.checkpoint.transformer import identify, open_checkpoint
-
-    ref = QwenImageTransformer2DModel.from_pretrained(pipeline_folder / "transformer", use_safetensors=True)
-    expected = ref.to(torch.bfloat16).state_dict()
-    files = {"bf16": write_single_file(pipeline_folder, tmp_path / "q_bf16.safetensors", dtype=torch.bfloat16),
-             "prefixed": write_single_file(pipeline_folder, tmp_path / "q_pref.safetensors", dtype=torch.bfloat16,
-                                           prefix="model.diffusion_model."),
-             "diffusers": pipeline_folder}
-    for form, path in files.items():
-        ident = identify(path)
-        assert (ident.family, ident.variant) == (FAMILY, TINY), form
-        got = open_checkpoint(ident).load_model(torch.bfloat16).state_dict()
-        assert sorted(got) == sorted(expected), form
-        assert all(torch.equal(got[k], expected[k]) for k in expected), form
-    fp8 = write_single_file(pipeline_folder, tmp_path / "qwen_image_fp8_e4m3fn.safetensors", dtype=torch.float8_e4m3fn)
-    got = open_checkpoint(identify(fp8)).load_model(torch.float32).state_dict()
-    ref32 = ref.float().state_dict()
-    for k, v in ref32.items():
-        assert ((got[k] - v).norm() / v.norm().clamp_min(1e-12)).item() < 0.04, k
+    check_checkpoint_forms(FAMILY, pipeline_folder, tmp_path, fp8_bound=0.04)
 
 
 # --- text -------------------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ frames, TI2V's per-token timesteps) against WanPipeline's latents, the checkpoin
 import numpy as np
 import pytest
 import torch
+from helpers import check_checkpoint_forms
 from safetensors.torch import load_file
 
 from lowvram_lora.engine.errors import ConfigError
@@ -91,26 +92,7 @@ def test_name_table_is_diffusers_converter_inverted(pipeline_folder, tmp_path):
 def test_engine_checkpoint_reads_every_form(pipeline_folder, tmp_path):
     """Native file (bf16, prefixed) and the diffusers folder load as from_pretrained gives, bit for bit after the
     same cast; fp8 e4m3fn within its rounding."""
-    from diffusers import WanTransformer3DModel
-
-    from lowvram_lora.engine.checkpoint.transformer import identify, open_checkpoint
-
-    ref = WanTransformer3DModel.from_pretrained(pipeline_folder / "transformer", use_safetensors=True)
-    expected = ref.to(torch.bfloat16).state_dict()
-    files = {"bf16": write_single_file(pipeline_folder, tmp_path / "w_bf16.safetensors", dtype=torch.bfloat16),
-             "prefixed": write_single_file(pipeline_folder, tmp_path / "w_pref.safetensors", dtype=torch.bfloat16,
-                                           prefix="model.diffusion_model."),
-             "diffusers": pipeline_folder}
-    for form, path in files.items():
-        ident = identify(path)
-        assert (ident.family, ident.variant) == (FAMILY, TINY), form
-        got = open_checkpoint(ident).load_model(torch.bfloat16).state_dict()
-        assert sorted(got) == sorted(expected), form
-        assert all(torch.equal(got[k], expected[k]) for k in expected), form
-    fp8 = write_single_file(pipeline_folder, tmp_path / "wan_fp8_e4m3fn.safetensors", dtype=torch.float8_e4m3fn)
-    got = open_checkpoint(identify(fp8)).load_model(torch.float32).state_dict()
-    for k, v in ref.float().state_dict().items():  # e4m3's 3 mantissa bits: each element within 1/16 relative
-        assert ((got[k] - v).norm() / v.norm().clamp_min(1e-12)).item() < 1 / 16, k
+    check_checkpoint_forms(FAMILY, pipeline_folder, tmp_path, fp8_bound=1 / 16)  # e4m3's 3 mantissa bits
 
 
 # --- text -------------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ engine/caching/stacked_text, engine/sampling); each says so. They are meant to f
 not to be skipped."""
 import pytest
 import torch
+from helpers import check_checkpoint_forms
 from safetensors.torch import load_file
 
 from lowvram_lora.engine.families import get_family
@@ -168,23 +169,7 @@ def test_engine_checkpoint_reads_every_form(pipeline_folder, tmp_path):
     matches variants on Flux's keys; with family.load_config / family.variant_for_config it must pass.
     The native file (bf16; and with ComfyUI's full-checkpoint prefix) and the diffusers folder load as the
     model diffusers' from_pretrained gives, bit for bit after the same cast."""
-    from diffusers import ZImageTransformer2DModel
-
-    from lowvram_lora.engine.checkpoint.transformer import identify, open_checkpoint
-
-    ref = ZImageTransformer2DModel.from_pretrained(pipeline_folder / "transformer", use_safetensors=True)
-    files = {"bf16": write_single_file(pipeline_folder, tmp_path / "z_bf16.safetensors", dtype=torch.bfloat16),
-             "prefixed": write_single_file(pipeline_folder, tmp_path / "z_pref.safetensors", dtype=torch.bfloat16,
-                                           prefix="model.diffusion_model."),
-             "diffusers": pipeline_folder}
-    for form, path in files.items():
-        ident = identify(path)
-        assert (ident.family, ident.variant) == (FAMILY, TINY), form
-        model = open_checkpoint(ident).load_model(torch.bfloat16)
-        expected = ref.to(torch.bfloat16).state_dict()
-        got = model.state_dict()
-        assert sorted(got) == sorted(expected), form
-        assert all(torch.equal(got[k], expected[k]) for k in expected), form
+    check_checkpoint_forms(FAMILY, pipeline_folder, tmp_path)
 
 
 # --- training forward ------------------------------------------------------------------------------------
@@ -220,7 +205,7 @@ def test_training_forward_matches_pipeline(pipe, caption_embeds):
 def _family_sampler(model, variant, x, pos, neg, steps):
     """Euler sampling from the family's declarations only (sigma schedule and shift, timestep convention,
     sign, guidance): what engine/sampling must do for Z-Image, written out."""
-    from lowvram_lora.engine.sampling import sigma_schedule
+    from lowvram_lora.engine.families import sigma_schedule
 
     guide = FAMILY.guidance(variant)
     sigmas = sigma_schedule(steps, FAMILY.sample_shift_mu(x, steps))
