@@ -114,7 +114,15 @@ class ActivationOffloader:
         is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         others = [None if t else x for t, x in zip(is_tensor, leaves)]
-        return _OffloadedCheckpoint.apply(self, block, (spec, is_tensor, others), self._needs_grad, *tensors)
+        # A reentrant Function's outputs all require grad once any input does (``_needs_grad`` makes sure one
+        # does), even outputs that depend only on frozen tensors. A block part may say which of its outputs carry
+        # no gradient (``constant_outputs(*args)``: Wan's modulation vectors, handed from part to part, when the
+        # time embedding is frozen); they leave marked non-differentiable, so the next part is not asked for a
+        # gradient nobody uses (and compiled parts do not compute one: inductor returned it in the wrong shape).
+        constant = getattr(block, "constant_outputs", None)
+        constant = tuple(constant(*args)) if constant is not None else ()
+        return _OffloadedCheckpoint.apply(self, block, (spec, is_tensor, others, constant), self._needs_grad,
+                                          *tensors)
 
     # -- moving the inputs ------------------------------------------------------
 
@@ -241,7 +249,10 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         ctx.cpu_rng = torch.get_rng_state()
         ctx.dev_rng = torch.cuda.get_rng_state(off.device) if off.device.type == "cuda" else None
         ctx.packed = off.pack(block, list(tensors))
-        return block(*_rebuild(layout, tensors))  # grad mode is off inside Function.forward
+        outputs = block(*_rebuild(layout, tensors))  # grad mode is off inside Function.forward
+        if layout[3]:
+            ctx.mark_non_differentiable(*(outputs[i] for i in layout[3]))
+        return outputs
 
     @staticmethod
     def backward(ctx, *grads):
@@ -266,7 +277,7 @@ class _OffloadedCheckpoint(torch.autograd.Function):
 
 
 def _rebuild(layout, tensors):
-    spec, is_tensor, others = layout
+    spec, is_tensor, others, _constant = layout
     it = iter(tensors)
     leaves = [next(it) if t else o for t, o in zip(is_tensor, others)]
     return tree_unflatten(leaves, spec)

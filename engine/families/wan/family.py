@@ -205,12 +205,12 @@ class WanFamily(ModelFamily):
         for block in model.blocks:
             chunk_token_wise(block.ffn, chunks, undo)
 
-    #: Blocks stream as three parts (``parts.py``) only when this is on. Off for now: measured on the H100
-    #: (bench/NOTES.md "Wan (issue 25)"), eager parts bring A14B at 480x832x81 from 12.05 to 8.20 GB, but
-    #: compiled blocks in parts fail in the backward ("CompiledFunctionBackward returned an invalid gradient at
-    #: index 1 - got [5120] but expected shape compatible with [1, 1, 5120]": the FFN part's modulation input),
-    #: and ``compile: auto`` compiles every run of 200+ steps. Whole blocks compile (9.97 GB at 0.94x).
-    stream_in_parts: ClassVar[bool] = False
+    #: Blocks stream as three parts (``parts.py``) with activation offload: measured on the H100 (bench/NOTES.md
+    #: "Wan (issue 25)"), A14B at 480x832x81 went from 12.05 GB (whole blocks, eager) to 8.20 GB (parts, eager).
+    #: Compiled parts once failed in the backward (inductor returned the FFN part's modulation gradient as [5120]
+    #: for a [1, 1, 5120] input); the parts now hand their modulation vectors on as constants
+    #: (``constant_outputs``), so no part is asked for that gradient. A switch for tests and benches.
+    stream_in_parts: ClassVar[bool] = True
 
     def block_parts(self, block: nn.Module):
         """With ``stream_in_parts``: a block as three parts (``parts.py``): self-attention (with the block's

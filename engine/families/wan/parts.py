@@ -38,6 +38,13 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.norm1, self.attn1, self.scale_shift_table = block.norm1, block.attn1, block.scale_shift_table
 
+    def constant_outputs(self, hidden_states, encoder_hidden_states, temb, rotary_emb) -> tuple[int, ...]:
+        """Outputs that carry no gradient (read by the activation offloader's checkpoint,
+        ``engine/offload/activations.py``): the text states handed on when they are frozen (cached embeddings),
+        and the FFN's modulation vectors when the time embedding and the table are."""
+        text = () if encoder_hidden_states.requires_grad else (1,)
+        return text + (() if temb.requires_grad or self.scale_shift_table.requires_grad else (2, 3, 4))
+
     def forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb):
         shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = modulation(self.scale_shift_table, temb)
         norm_hidden_states = (self.norm1(hidden_states.float()) * (1 + scale_msa) + shift_msa).type_as(hidden_states)
@@ -53,6 +60,10 @@ class CrossAttention(nn.Module):
     def __init__(self, block: nn.Module):
         super().__init__()
         self.norm2, self.attn2 = block.norm2, block.attn2
+
+    def constant_outputs(self, hidden_states, encoder_hidden_states, c_shift_msa, c_scale_msa, c_gate_msa):
+        """The modulation vectors pass through: constant when they came in so."""
+        return () if any(m.requires_grad for m in (c_shift_msa, c_scale_msa, c_gate_msa)) else (1, 2, 3)
 
     def forward(self, hidden_states, encoder_hidden_states, c_shift_msa, c_scale_msa, c_gate_msa):
         norm_hidden_states = self.norm2(hidden_states.float()).type_as(hidden_states)
