@@ -94,32 +94,116 @@ def sample_latents(model, family, embeds: dict[str, torch.Tensor], width: int, h
     with ``seed`` (or ``noise``). ``rule``: how the model is guided (default: an embedding fed ``guidance``, which
     models without one ignore); with a ``cfg`` rule, ``negative`` holds the empty prompt's embeddings and
     ``guidance`` is the scale. ``poll`` is called before every Euler step (a stop raised there ends sampling at
-    once)."""
+    once). ``sample_prompts`` with one prompt: both guidance branches in one forward per step."""
+    return sample_prompts(model, family, [embeds], width, height, steps, seed, guidance, device, dtype, autocast,
+                          rule, [negative], None if noise is None else [noise], frames, poll)[0]
+
+
+@torch.no_grad()
+def sample_prompts(model, family, embeds: list[dict[str, torch.Tensor]], width: int, height: int, steps: int,
+                   seed: int, guidance: float, device: torch.device, dtype: torch.dtype, autocast=None,
+                   rule: Guidance | None = None, negatives: list | None = None, noise: list | None = None,
+                   frames: int = 1, poll=None, max_rows: int | None = None) -> list[torch.Tensor]:
+    """Every prompt's latents (each (1, C, ...), fp32), sampled together: each denoising step runs the rows (every
+    prompt, and with classifier-free guidance every prompt's negative) as few forwards as possible, so a streamed
+    block is copied in once per step rather than once per prompt and branch. ``max_rows``: the most rows one forward
+    may carry (``rows_per_forward``: the sampling peak stays at or below the training peak); rows whose cached
+    tensors differ in shape (an edit prompt's control images of another size) go in separate forwards; a family
+    that cannot batch (``ModelFamily.batched_sampling`` false) runs one row per forward. Each prompt's first noise
+    is drawn on the CPU from ``seed`` (or taken from ``noise``), as ``sample_latents`` draws it alone, so batching
+    changes no preview beyond float rounding. ``negatives``: one per prompt (with a ``cfg`` rule)."""
     import contextlib
 
     rule = rule or Guidance("embedded")
-    if rule.mode == "cfg" and negative is None:
+    negatives = list(negatives) if negatives is not None else [None] * len(embeds)
+    if rule.mode == "cfg" and any(n is None for n in negatives):
         raise ConfigError(f"{family.display_name} samples with classifier-free guidance, which needs the empty "
                           f"prompt's embeddings; rebuild the dataset cache with sample prompts")
     shape = (1, *family.latent_shape(model, width, height, frames))
     if noise is None:
-        noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
-    x = noise.to(device, torch.float32)
-    embeds = {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in embeds.items()}
-    if negative is not None:
-        negative = {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in negative.items()}
+        first = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
+        noise = [first] * len(embeds)  # every prompt starts from the seed's noise, as it does sampled alone
+    x = torch.cat([z.to(device, torch.float32) for z in noise])
+    guided = rule.mode == "cfg" and bool(guidance)
+    rows = list(embeds) + (negatives if guided else [])
+    forwards = batch_rows(rows, max_rows if family.batched_sampling else 1)
+    forwards = [(idx, {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in emb.items()})
+                for idx, emb in forwards]
+    n = len(embeds)
     sigmas = family.sample_sigmas(x, steps)
     for i in range(steps):
         if poll is not None:
             poll()
-        s = torch.tensor([sigmas[i]], device=device)
+        xs = torch.cat([x, x]) if guided else x  # row r's latents: prompt r % n's
+        v = torch.empty(xs.shape, dtype=torch.float32, device=device)
         with autocast or contextlib.nullcontext():
-            v = family.predict_velocity(model, x.to(dtype), embeds, s, guidance).float()
-            if rule.mode == "cfg" and guidance:
-                v_neg = family.predict_velocity(model, x.to(dtype), negative, s, guidance).float()
-                v = rule.combine(v, v_neg, guidance)
+            for idx, emb in forwards:
+                s = torch.full((len(idx),), sigmas[i], dtype=torch.float32, device=device)
+                v[idx] = family.predict_velocity(model, xs[idx].to(dtype), emb, s, guidance).float()
+            if guided:
+                v = rule.combine(v[:n], v[n:], guidance)
         x = x + (sigmas[i + 1] - sigmas[i]) * v
-    return x
+    return list(x.split(1))
+
+
+def batch_rows(rows: list[dict[str, torch.Tensor]], max_rows: int | None) -> list[tuple[list[int], dict]]:
+    """Rows (each a batch of embeddings as ``DatasetCache.load_text`` gives them) -> the forwards of one denoising
+    step: ``(row indexes, their embeddings as one batch)``. Rows go together when every fixed-shape tensor has one
+    shape (``_row_kind``), at most ``max_rows`` (None: no limit) per forward, in order."""
+    kinds: dict[tuple, list[int]] = {}
+    for r, row in enumerate(rows):
+        kinds.setdefault(_row_kind(row), []).append(r)
+    limit = max(1, max_rows) if max_rows else len(rows)
+    out = []
+    for idx in kinds.values():
+        for start in range(0, len(idx), limit):
+            part = idx[start:start + limit]
+            out.append((part, merge_embeds([rows[r] for r in part])))
+    return out
+
+
+def _mask_of(key: str) -> str:
+    """The mask of a variable-length encoder's states (``TextEncoderSpec.mask_key``: 1 = a real token)."""
+    return f"{key}_mask"
+
+
+def _row_kind(row: dict[str, torch.Tensor]) -> tuple:
+    """What must be equal for rows to share a forward: the keys, and the shape and dtype of every tensor but a
+    variable-length encoder's token axis (padded by ``merge_embeds``) and its mask."""
+    out = []
+    for key in sorted(row):
+        t = row[key]
+        if key.endswith("_mask") and key[: -len("_mask")] in row:
+            continue
+        tail = tuple(t.shape[2:]) if _mask_of(key) in row else tuple(t.shape[1:])
+        out.append((key, tail, t.dtype))
+    return tuple(out)
+
+
+def merge_embeds(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Batches of embeddings of one ``_row_kind`` -> one batch. A variable-length encoder's states (those with a
+    mask) keep each row's real tokens, zero-padded at the end to the longest with a new mask, as
+    ``DatasetCache.collate_text`` pads a training batch and the families' pipelines pad batched prompts (the models
+    attend to the real tokens only: Z-Image and Lumina 2 by their masks, Qwen-Image by its joint attention mask);
+    every other tensor is concatenated as it is (T5 and umT5 states are padded to one length already)."""
+    if len(rows) == 1:
+        return dict(rows[0])
+    out = {}
+    for key in rows[0]:
+        if key.endswith("_mask") and key[: -len("_mask")] in rows[0]:
+            continue
+        if _mask_of(key) not in rows[0]:
+            out[key] = torch.cat([r[key] for r in rows])
+            continue
+        real = [t[m.bool()] for r in rows for t, m in zip(r[key], r[_mask_of(key)])]
+        longest = max(t.shape[0] for t in real)
+        padded = real[0].new_zeros((len(real), longest, *real[0].shape[1:]))
+        mask = torch.zeros(len(real), longest, dtype=rows[0][_mask_of(key)].dtype)
+        for i, t in enumerate(real):
+            padded[i, : t.shape[0]] = t
+            mask[i, : t.shape[0]] = 1
+        out[key], out[_mask_of(key)] = padded, mask
+    return out
 
 
 @torch.no_grad()
