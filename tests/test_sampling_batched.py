@@ -142,3 +142,35 @@ def test_streamed_previews_visit_each_block_once_per_step(family_id, tiny_models
     for (before, loads_before), (after, loads_after) in zip(per_step, per_step[1:]):
         assert all(after[n] - before[n] == 1 for n in visits), (before, after)  # once per step for 4 rows
         assert loads_after - loads_before <= len(blocks)  # each streamed block copied in at most once per step
+
+
+def test_rows_per_forward_keeps_sampling_at_or_below_the_training_peak():
+    """The bound on Flux.1-dev's real sizes (a meta model, LoRA r16 counted): the predicted sampling activations of
+    the chosen rows fit in what the training peak keeps for activations, one more row does not; a smaller preview
+    carries more rows; without a plan, at most one training micro-batch's tokens."""
+    from lowvram_lora.engine.families import meta_model
+    from lowvram_lora.engine.offload import Workload, build_plan
+    from lowvram_lora.engine.offload.footprint import measure_footprint
+    from lowvram_lora.engine.offload.plan import GB, TRANSIENT_BYTES
+    from lowvram_lora.engine.sampling import SAMPLE_FORWARD_UNITS, rows_per_forward
+
+    family = get_family("flux1")
+    fp = measure_footprint(meta_model(family, family.load_config("flux1-dev")), family, trainable_params=18_677_760)
+    wl = Workload(1, 4096, 512, "1024x1024")
+    for act in (True, False):
+        plan = build_plan(fp, wl, (), 2, act)
+        for res in (1024, 512):
+            rows = rows_per_forward([plan], wl, family, "flux1-dev", res, res)
+            tokens = (res // 16) ** 2 + 512
+            unit = tokens * fp.hidden_size * 2 * SAMPLE_FORWARD_UNITS * fp.working_set_scale(act)
+            ring_at_peak = plan.breakdown["weights"] - fp.other_bytes
+            room = plan.breakdown["activations"] - (plan.ring_bytes - ring_at_peak) - TRANSIENT_BYTES
+            assert rows * unit <= room < (rows + 1) * unit or rows == 1, (act, res, rows, room / GB)
+    offloaded = build_plan(fp, wl, (), 2, True)
+    kept = build_plan(fp, wl, (), 2, False)
+    assert rows_per_forward([offloaded], wl, family, "flux1-dev", 1024, 1024) == 2  # 36 units of room, 20 a row
+    assert rows_per_forward([kept], wl, family, "flux1-dev", 1024, 1024) >= 4  # every block's inputs kept: 91
+    assert rows_per_forward([offloaded], wl, family, "flux1-dev", 512, 512) >= 5
+    assert rows_per_forward((), wl, family, "flux1-dev", 512, 512) == 3  # 4608 tokens of training, 1536 a row
+    assert rows_per_forward((), Workload(4, 4096, 512), family, "flux1-dev", 512, 512, micro_batch=2) == 6
+    assert rows_per_forward((), wl, family, "flux1-dev", 1024, 1024) == 1
