@@ -1,21 +1,38 @@
-"""Sampling during training (issue 14): Flux.1-dev random weights at 1024², ``auto`` at a VRAM budget, sample
-prompts every N steps; peak VRAM while sampling against the training peak, and seconds per sample image
-against sampling the same model all-resident (the baseline of the same run).
+"""Sampling during training (issue 14; issue 26 item 4: each streamed block once per denoising step for all
+prompts): Flux.1-dev random weights, the sample prompts sampled at checkpoints inside training; seconds per sample
+image and the peak VRAM while sampling against the training peak of the same plan, beside sampling the same model
+all-resident (the baseline of the same run).
+
+Modes (``--modes``, in order; list the resident ones first):
+
+- ``resident``: bf16, every weight on the GPU, the prompts sampled one at a time (the sampler before batching);
+- ``resident-batched``: the same, every prompt in one forward per denoising step;
+- ``stream-k<K>[-act]``: blocks streamed (prefetch K, activation offload) while training a few steps with samples
+  at step 0 and at the end; the sampler batches as many prompts per forward as the plan allows
+  (engine/sampling.rows_per_forward, logged);
+- ``stream-k<K>[-act]-rows1``: the same with one prompt per forward (the old per-prompt path), for comparison;
+- ``auto-<GB>``: ``auto`` at that budget, as the shipped workflows train.
+
+``--precision int8`` converts the blocks to int8 slab layers before the first streamed mode (bench_flux2).
+``x_resident_sampling``: s/image over the fastest resident mode of the run.
 
 No files: the transformer and a full-size Flux.1 VAE (the shipped config) are random, built on the GPU;
 the sample prompts' embeddings are random tensors in the cache layout.
 
     source bench/gpu_env.sh
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 bench/bench_sampling.py --budget 8 --steps 100 \\
-        --every 100 --out "$OUT/results.jsonl"
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 bench/bench_sampling.py --res 1024 --prompts 4 \\
+        --sample-steps 20 --precision int8 --modes resident resident-batched stream-k2-act stream-k2-act-rows1 \\
+        --out "$OUT/results.jsonl"
 
-``--tiny`` runs the same on the CPU with the tiny model (a check of this script).
+``--tiny`` runs the same on the CPU with the tiny model, every mode resident (streaming needs CUDA): a check of
+this script.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import datetime as _dt
+import re
 import sys
 import tempfile
 import time
@@ -31,15 +48,19 @@ from train_bench import (  # noqa: E402
 )
 
 
+STREAM = re.compile(r"^stream-k(\d)(-act)?(-rows1)?$")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--res", type=int, default=1024)
-    p.add_argument("--budget", type=float, default=8.0)
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--every", type=int, default=100)
-    p.add_argument("--prompts", type=int, default=2)
+    p.add_argument("--modes", nargs="+", default=["resident", "resident-batched", "stream-k2-act",
+                                                  "stream-k2-act-rows1"])
+    p.add_argument("--precision", default="bf16", choices=["bf16", "int8"])
+    p.add_argument("--steps", type=int, default=2, help="training steps of a streamed mode (samples at 0 and the end)")
+    p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--sample-steps", type=int, default=20)
-    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--tiny", action="store_true", help="the tiny model on the CPU, fp32, every mode resident")
     p.add_argument("--out", default="bench/results.jsonl")
     return p.parse_args(argv)
 
@@ -57,17 +78,29 @@ def random_vae(device, dtype, latent_channels: int, tiny: bool):
     return vae.requires_grad_(False).eval()
 
 
+def offload_for(mode: str):
+    from lowvram_lora.engine.offload import OffloadConfig
+
+    m = STREAM.match(mode)
+    if m:
+        return OffloadConfig(mode="stream", prefetch_depth=int(m[1]), activation_offload=bool(m[2]))
+    if mode.startswith("auto-"):
+        return OffloadConfig(mode="auto", vram_budget_gb=float(mode[5:]))
+    raise SystemExit(f"unknown mode {mode!r}")
+
+
 def main(argv=None) -> int:
     from safetensors.torch import save_file
 
+    from lowvram_lora.engine import sampling as sampling_mod
     from lowvram_lora.engine.config import LoraSettings, ModelConfig, TrainConfig
-    from lowvram_lora.engine.offload import OffloadConfig
     from lowvram_lora.engine.offload.footprint import named_blocks
-    from lowvram_lora.engine.sampling import SamplingConfig, decode_latents, sample_latents
+    from lowvram_lora.engine.sampling import SamplingConfig, decode_latents, sample_latents, sample_prompts
     from lowvram_lora.engine.train import train_lora
 
     args = parse_args(argv)
     device = torch.device("cpu" if args.tiny else "cuda")
+    cuda = device.type == "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
     variant = "flux1-tiny" if args.tiny else "flux1-dev"
     res = 64 if args.tiny else args.res
@@ -75,7 +108,8 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     run_id = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
     emit = row_emitter(out, {"run_id": run_id, "gpu": _gpu_name(device), **_versions(), "model": variant,
-                             "lora_rank": 16, "batch": 1, "res": res, "command": _command(), "bench": "sampling"})
+                             "lora_rank": 16, "batch": 1, "res": res, "prompts": args.prompts,
+                             "command": _command(), "bench": "sampling"})
     model, family, cfg = build_random_model(variant, device, dtype, 0.02, 0)
     tmp = tempfile.TemporaryDirectory(prefix="sampling-bench-")
     dataset = write_synthetic_cache(Path(tmp.name), family, variant, cfg, res, 2, 0)
@@ -90,53 +124,90 @@ def main(argv=None) -> int:
         prompts.append((f"random prompt {i}", key))
     vae = random_vae("cpu", dtype, cfg["in_channels"] // 4, args.tiny)
     dataset = dataclasses.replace(dataset, sample_prompts=prompts)
-    latents = None
     object.__setattr__(dataset, "load_vae", lambda family, dtype: vae)  # the random VAE stands in for a file
+    embeds = [dataset.load_text(key) for _, key in prompts]
+    autocast = torch.autocast("cuda", dtype=dtype) if cuda else None
+    resident_best, on_gpu, precision, results = None, True, "bf16", []
+    rows_of_plan = sampling_mod.rows_per_forward
 
-    # Baseline: the same sampling with every weight resident (no LoRA, no streaming).
-    autocast = torch.autocast("cuda", dtype=dtype) if device.type == "cuda" else None
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    t = time.perf_counter()
-    latents = [sample_latents(model, family, dataset.load_text(key), res, res, args.sample_steps, 0, 3.5, device,
-                              dtype, autocast) for _, key in prompts]
-    decode_latents(vae, family, latents, device)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    resident_s = (time.perf_counter() - t) / len(prompts)
-    resident_peak = torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else 0.0
-    emit({"mode": "sampling-resident", "seconds_per_image": round(resident_s, 3), "sample_steps": args.sample_steps,
-          "peak_alloc_gb": round(resident_peak, 3),
-          "note": "all weights on the GPU; with the tiled VAE decode (VAE moved to the GPU for it)"})
-    if device.type == "cuda":
-        for _, block in named_blocks(model, family):
-            block.to("cpu")
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+    for mode in args.modes:
+        if mode.startswith("resident"):
+            if not on_gpu:
+                raise SystemExit("list the resident modes before the streamed ones")
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t = time.perf_counter()
+            with torch.no_grad():
+                if mode == "resident":
+                    latents = [sample_latents(model, family, e, res, res, args.sample_steps, 0, 3.5, device, dtype,
+                                              autocast) for e in embeds]
+                else:
+                    latents = sample_prompts(model, family, embeds, res, res, args.sample_steps, 0, 3.5, device, dtype,
+                                             autocast)
+            decode_latents(vae, family, latents, device)
+            if cuda:
+                torch.cuda.synchronize()
+            per_image = (time.perf_counter() - t) / len(prompts)
+            resident_best = min(resident_best or per_image, per_image)
+            peak = torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0
+            results.append(emit({"mode": f"sampling-{mode}", "precision": "bf16" if cuda else "fp32", "seconds_per_image": round(per_image, 3),
+                                 "sample_steps": args.sample_steps, "peak_alloc_gb": round(peak, 3),
+                                 "note": "all weights on the GPU; with the tiled VAE decode (VAE moved to the GPU "
+                                         "for it)"}))
+            continue
+        offload = offload_for(mode) if cuda else None  # the CPU check trains resident (streaming needs CUDA)
+        if on_gpu and cuda:
+            for _, block in named_blocks(model, family):
+                block.to("cpu")
+            torch.cuda.empty_cache()
+            if args.precision == "int8":
+                from bench_flux2 import to_int8_on_host
 
-    rec = StepRecorder("auto+sampling")
-    t = time.perf_counter()
-    offload = OffloadConfig(mode="auto", vram_budget_gb=args.budget) if device.type == "cuda" else None
-    result = train_lora(ModelConfig(dtype="bf16" if device.type == "cuda" else "fp32", family="flux1"), dataset,
-                        LoraSettings(rank=16, alpha=16.0),
-                        TrainConfig(steps=args.steps, device=str(device), learning_rate=1e-4), rec.callback,
-                        preloaded=(model, family, variant), offload=offload,
-                        sampling=SamplingConfig(every=args.every, steps=args.sample_steps, resolution=res, seed=0),
-                        sample_dir=Path(tmp.name) / "samples")
-    row = training_row(rec, 2, t, None, None, device)
-    info = result.settings.get("sampling", {})
-    train_peak = max((s.peak_vram_gb for s in rec.steps), default=0.0)
-    per_image = info["seconds"] / max(info["images"], 1)
-    emit({"mode": f"auto-{args.budget:g}+sampling", "step_s": row["step_s"], "train_peak_alloc_gb": round(train_peak, 3),
-          "sample_peak_alloc_gb": info.get("peak_vram_gb"), "sample_images": info.get("images"),
-          "sample_seconds": info.get("seconds"), "seconds_per_image": round(per_image, 3),
-          "x_resident_sampling": round(per_image / resident_s, 3), "sample_steps": args.sample_steps,
-          "every": args.every, "steps": args.steps, "plan": result.settings.get("offload_plan"),
-          "note": "seconds per image include the tiled VAE decode on the GPU"})
-    print(f"\nresident sampling {resident_s:.2f} s/image; streamed inside training {per_image:.2f} s/image "
-          f"(with decode) = {per_image / resident_s:.2f}x; peak while sampling {info.get('peak_vram_gb')} GB vs "
-          f"training {train_peak:.2f} GB; training {row['step_s']} s/step")
+                to_int8_on_host(model, family, device)
+                precision = "int8"
+        on_gpu = False
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        rows_logged = []
+
+        def rows_per_forward(*a, **k):  # what the loop's bound chose (or 1 for the -rows1 comparison)
+            rows = 1 if mode.endswith("-rows1") else rows_of_plan(*a, **k)
+            rows_logged.append(rows)
+            return rows
+
+        rec = StepRecorder(mode)
+        t = time.perf_counter()
+        sampling_mod.rows_per_forward = rows_per_forward
+        try:
+            result = train_lora(ModelConfig(dtype="bf16" if cuda else "fp32", family="flux1"), dataset,
+                                LoraSettings(rank=16, alpha=16.0),
+                                TrainConfig(steps=args.steps, device=str(device), learning_rate=1e-4), rec.callback,
+                                preloaded=(model, family, variant), offload=offload,
+                                sampling=SamplingConfig(every=args.steps, steps=args.sample_steps, resolution=res,
+                                                        seed=0),
+                                sample_dir=Path(tmp.name) / "samples" / mode)
+        finally:
+            sampling_mod.rows_per_forward = rows_of_plan
+        row = training_row(rec, 1, t, None, None, device)
+        info = result.settings.get("sampling", {})
+        train_peak = max((s.peak_vram_gb for s in rec.steps), default=0.0)
+        per_image = info["seconds"] / max(info["images"], 1)
+        plan = result.settings.get("offload_plan") or {}
+        results.append(emit({
+            "mode": f"{mode}+sampling", "precision": precision if cuda else "fp32", "step_s": row["step_s"],
+            "train_peak_alloc_gb": round(train_peak, 3), "predicted_peak_gb": plan.get("predicted_peak_gb"),
+            "sample_peak_alloc_gb": info.get("peak_vram_gb"), "sample_images": info.get("images"),
+            "sample_seconds": info.get("seconds"), "seconds_per_image": round(per_image, 3),
+            "x_resident_sampling": round(per_image / resident_best, 3) if resident_best else None,
+            "rows_per_forward": rows_logged[0] if rows_logged else None, "sample_steps": args.sample_steps,
+            "every": args.steps, "steps": args.steps, "plan": plan,
+            "note": "seconds per image include the tiled VAE decode on the GPU; samples at step 0 and the last"}))
+    print("\nmode                          s/image   x resident   rows   sample peak   train peak   predicted")
+    for r in results:
+        print(f"{r['mode']:28s} {r['seconds_per_image']:8.2f} {r.get('x_resident_sampling') or float('nan'):12.3f} "
+              f"{str(r.get('rows_per_forward', '')):>6s} {r.get('sample_peak_alloc_gb', r.get('peak_alloc_gb')) or 0:13.2f} "
+              f"{r.get('train_peak_alloc_gb') or 0:12.2f} {r.get('predicted_peak_gb') or 0:11.2f}")
     tmp.cleanup()
     return 0
 

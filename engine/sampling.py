@@ -16,6 +16,11 @@ pipeline's own formula (Z-Image Base, Lumina 2), or none. The first noise is dra
 ``seed`` in the latent shape, as the pipelines do, so a fixed seed gives comparable images at every
 checkpoint. Prompts are the dataset cache's sample prompts, encoded when the cache was built (like
 captions); the empty prompt too when the family samples with classifier-free guidance.
+
+Every prompt (and, with classifier-free guidance, every prompt's negative) is a row of one batch: each denoising
+step runs the rows as one forward where they fit (``sample_prompts``), so a streamed block is copied in once per
+step instead of once per prompt and branch. How many rows one forward carries is bounded from the training plan
+(``rows_per_forward``), so sampling stays at or below the training peak.
 """
 from __future__ import annotations
 
@@ -94,32 +99,164 @@ def sample_latents(model, family, embeds: dict[str, torch.Tensor], width: int, h
     with ``seed`` (or ``noise``). ``rule``: how the model is guided (default: an embedding fed ``guidance``, which
     models without one ignore); with a ``cfg`` rule, ``negative`` holds the empty prompt's embeddings and
     ``guidance`` is the scale. ``poll`` is called before every Euler step (a stop raised there ends sampling at
-    once)."""
+    once). ``sample_prompts`` with one prompt: both guidance branches in one forward per step."""
+    return sample_prompts(model, family, [embeds], width, height, steps, seed, guidance, device, dtype, autocast,
+                          rule, [negative], None if noise is None else [noise], frames, poll)[0]
+
+
+@torch.no_grad()
+def sample_prompts(model, family, embeds: list[dict[str, torch.Tensor]], width: int, height: int, steps: int,
+                   seed: int, guidance: float, device: torch.device, dtype: torch.dtype, autocast=None,
+                   rule: Guidance | None = None, negatives: list | None = None, noise: list | None = None,
+                   frames: int = 1, poll=None, max_rows: int | None = None) -> list[torch.Tensor]:
+    """Every prompt's latents (each (1, C, ...), fp32), sampled together: each denoising step runs the rows (every
+    prompt, and with classifier-free guidance every prompt's negative) as few forwards as possible, so a streamed
+    block is copied in once per step rather than once per prompt and branch. ``max_rows``: the most rows one forward
+    may carry (``rows_per_forward``: the sampling peak stays at or below the training peak); rows whose cached
+    tensors differ in shape (an edit prompt's control images of another size) go in separate forwards; a family
+    that cannot batch (``ModelFamily.batched_sampling`` false) runs one row per forward. Each prompt's first noise
+    is drawn on the CPU from ``seed`` (or taken from ``noise``), as ``sample_latents`` draws it alone, so batching
+    changes no preview beyond float rounding. ``negatives``: one per prompt (with a ``cfg`` rule)."""
     import contextlib
 
     rule = rule or Guidance("embedded")
-    if rule.mode == "cfg" and negative is None:
+    negatives = list(negatives) if negatives is not None else [None] * len(embeds)
+    if rule.mode == "cfg" and any(n is None for n in negatives):
         raise ConfigError(f"{family.display_name} samples with classifier-free guidance, which needs the empty "
                           f"prompt's embeddings; rebuild the dataset cache with sample prompts")
     shape = (1, *family.latent_shape(model, width, height, frames))
     if noise is None:
-        noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
-    x = noise.to(device, torch.float32)
-    embeds = {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in embeds.items()}
-    if negative is not None:
-        negative = {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in negative.items()}
+        first = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
+        noise = [first] * len(embeds)  # every prompt starts from the seed's noise, as it does sampled alone
+    x = torch.cat([z.to(device, torch.float32) for z in noise])
+    guided = rule.mode == "cfg" and bool(guidance)
+    rows = list(embeds) + (negatives if guided else [])
+    forwards = batch_rows(rows, max_rows if family.batched_sampling else 1)
+    forwards = [(idx, {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in emb.items()})
+                for idx, emb in forwards]
+    n = len(embeds)
     sigmas = family.sample_sigmas(x, steps)
     for i in range(steps):
         if poll is not None:
             poll()
-        s = torch.tensor([sigmas[i]], device=device)
+        xs = torch.cat([x, x]) if guided else x  # row r's latents: prompt r % n's
+        v = torch.empty(xs.shape, dtype=torch.float32, device=device)
         with autocast or contextlib.nullcontext():
-            v = family.predict_velocity(model, x.to(dtype), embeds, s, guidance).float()
-            if rule.mode == "cfg" and guidance:
-                v_neg = family.predict_velocity(model, x.to(dtype), negative, s, guidance).float()
-                v = rule.combine(v, v_neg, guidance)
+            for idx, emb in forwards:
+                s = torch.full((len(idx),), sigmas[i], dtype=torch.float32, device=device)
+                v[idx] = family.predict_velocity(model, xs[idx].to(dtype), emb, s, guidance).float()
+            if guided:
+                v = rule.combine(v[:n], v[n:], guidance)
         x = x + (sigmas[i + 1] - sigmas[i]) * v
-    return x
+    return list(x.split(1))
+
+
+def batch_rows(rows: list[dict[str, torch.Tensor]], max_rows: int | None) -> list[tuple[list[int], dict]]:
+    """Rows (each a batch of embeddings as ``DatasetCache.load_text`` gives them) -> the forwards of one denoising
+    step: ``(row indexes, their embeddings as one batch)``. Rows go together when every fixed-shape tensor has one
+    shape (``_row_kind``), at most ``max_rows`` (None: no limit) per forward, in order."""
+    kinds: dict[tuple, list[int]] = {}
+    for r, row in enumerate(rows):
+        kinds.setdefault(_row_kind(row), []).append(r)
+    limit = max(1, max_rows) if max_rows else len(rows)
+    out = []
+    for idx in kinds.values():
+        for start in range(0, len(idx), limit):
+            part = idx[start:start + limit]
+            out.append((part, merge_embeds([rows[r] for r in part])))
+    return out
+
+
+def _mask_of(key: str) -> str:
+    """The mask of a variable-length encoder's states (``TextEncoderSpec.mask_key``: 1 = a real token)."""
+    return f"{key}_mask"
+
+
+def _row_kind(row: dict[str, torch.Tensor]) -> tuple:
+    """What must be equal for rows to share a forward: the keys, and the shape and dtype of every tensor but a
+    variable-length encoder's token axis (padded by ``merge_embeds``) and its mask."""
+    out = []
+    for key in sorted(row):
+        t = row[key]
+        if key.endswith("_mask") and key[: -len("_mask")] in row:
+            continue
+        tail = tuple(t.shape[2:]) if _mask_of(key) in row else tuple(t.shape[1:])
+        out.append((key, tail, t.dtype))
+    return tuple(out)
+
+
+def merge_embeds(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Batches of embeddings of one ``_row_kind`` -> one batch. A variable-length encoder's states (those with a
+    mask) keep each row's real tokens, zero-padded at the end to the longest with a new mask, as
+    ``DatasetCache.collate_text`` pads a training batch and the families' pipelines pad batched prompts (the models
+    attend to the real tokens only: Z-Image and Lumina 2 by their masks, Qwen-Image by its joint attention mask);
+    every other tensor is concatenated as it is (T5 and umT5 states are padded to one length already)."""
+    if len(rows) == 1:
+        return dict(rows[0])
+    out = {}
+    for key in rows[0]:
+        if key.endswith("_mask") and key[: -len("_mask")] in rows[0]:
+            continue
+        if _mask_of(key) not in rows[0]:
+            out[key] = torch.cat([r[key] for r in rows])
+            continue
+        real = [t[m.bool()] for r in rows for t, m in zip(r[key], r[_mask_of(key)])]
+        longest = max(t.shape[0] for t in real)
+        padded = real[0].new_zeros((len(real), longest, *real[0].shape[1:]))
+        mask = torch.zeros(len(real), longest, dtype=rows[0][_mask_of(key)].dtype)
+        for i, t in enumerate(real):
+            padded[i, : t.shape[0]] = t
+            mask[i, : t.shape[0]] = 1
+        out[key], out[_mask_of(key)] = padded, mask
+    return out
+
+
+#: A no-grad forward's working set through one block, in B*T*D activation units (the planner's unit, scaled by the
+#: family's ``working_set_scale`` as the training one is). Measured on the H100 (bench/results.jsonl, bench_sampling
+#: row of 2026-11-24T04:11, Flux.1-dev 1024², one prompt, auto at 8 GB): the sampling peak 4.78 GB was 1.92 GB under
+#: the training peak 6.70, whose predicted activations were 2.47 GB (91.2 units of 28.3 MB - 0.11 GB), so everything
+#: sampling adds, the tiled VAE decode included, was at most 0.55 GB = 19.5 units. Rounded up; the plan's training
+#: working set (recompute + backward) is 34.2 units.
+SAMPLE_FORWARD_UNITS = 20.0
+
+
+def rows_per_forward(plans, workload, family, variant: str, width: int, height: int, frames: int = 1,
+                     micro_batch: int = 0) -> int:
+    """The most rows (prompts and guidance branches) one sampling forward may carry so that sampling stays at or
+    below the training peak the plan predicts.
+
+    Sampling holds what training holds apart from its activations: the same weights (resident blocks, the ring of
+    streamed ones) and the LoRA with its optimizer state. Training's peak keeps ``max(activations, optimizer
+    temporaries)`` above those (``plan.breakdown``); a forward of R rows of T_s tokens needs
+    ``R * SAMPLE_FORWARD_UNITS * scale`` units of T_s*D activations plus the fitted intercept, and the ring may be
+    fuller during a forward than at the training peak (without activation offload that peak comes at the turn to
+    the backward), so the difference is taken off. R is the largest count that fits, at least 1 (one row per forward
+    is today's path: never more than training needs, as the sampler's docstring says). Without a plan (resident
+    weights) the activations are not predicted: R rows may carry at most the tokens of one training micro-batch
+    (a no-grad forward holds less than the recompute and backward of as many tokens; ``micro_batch``: samples per
+    training forward, 0 = the whole batch). Several plans (a split):
+    each part's bound, the smallest."""
+    from .offload.plan import MOMENT_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, TRANSIENT_BYTES
+
+    tokens = family.image_tokens(width, height, variant) * family.latent_frames(frames) + workload.text_tokens
+    if family.control_images(variant) is not None:
+        # An edit prompt's control images join its image tokens; the training item's (the largest) stand in for
+        # the sample prompt's, which are encoded at the same reference area.
+        tokens += workload.image_tokens
+    if not plans:
+        micro = min(workload.batch, micro_batch or workload.batch)
+        return max(1, (micro * workload.tokens) // tokens)
+    rows = []
+    for plan in plans:
+        fp = plan.footprint
+        moments = MOMENT_BYTES_PER_PARAM if plan.optimizer_on_host else 0  # as build_plan counts them
+        room = max(plan.breakdown["activations"], fp.trainable_params * (OPTIMIZER_BYTES_PER_PARAM + moments))
+        ring_at_peak = plan.breakdown["weights"] - fp.other_bytes - sum(fp.block_bytes[i] for i in plan.resident)
+        room -= max(0, plan.ring_bytes - ring_at_peak) + TRANSIENT_BYTES
+        per_row = SAMPLE_FORWARD_UNITS * fp.working_set_scale(plan.activation_offload) * tokens * fp.hidden_size \
+            * fp.act_bytes_per_elem
+        rows.append(max(1, int(room // per_row)))
+    return min(rows)
 
 
 @torch.no_grad()
@@ -222,12 +359,14 @@ class Sampler:
     """What the training loop calls at checkpoints: samples every prompt, keeps every checkpoint's images,
     writes the grid (prompts x checkpoints so far) and hands it to the callback."""
 
-    def __init__(self, cfg: SamplingConfig, dataset, family, model, device, dtype, out_dir: Optional[Path], cb):
+    def __init__(self, cfg: SamplingConfig, dataset, family, model, device, dtype, out_dir: Optional[Path], cb,
+                 max_rows: Optional[int] = None):
         if not dataset.sample_prompts:
             raise ConfigError("sampling is on (sample_every > 0) but the dataset cache has no sample prompts: put "
                               "one prompt per line in Cache Text Embeds' sample_prompts")
         self.cfg, self.dataset, self.family, self.model = cfg, dataset, family, model
         self.device, self.dtype, self.out_dir, self.cb = device, dtype, out_dir, cb
+        self.max_rows = max_rows  # rows per sampling forward (rows_per_forward); None: every row in one
         self.embeds = [dataset.load_text(key) for _, key in dataset.sample_prompts]
         self.rule = family.guidance(dataset.variant)
         # One negative per prompt: an edit model's carries that prompt's control images (DatasetCache.negative_keys).
@@ -331,10 +470,10 @@ class Sampler:
         was_training = self.model.training
         self.model.eval()
         try:
-            latents = [sample_latents(self.model, self.family, emb, self.cfg.resolution, self.cfg.resolution,
-                                      self.cfg.steps, self.cfg.seed, self.cfg.guidance, self.device, self.dtype,
-                                      autocast, self.rule, neg, frames=self.frames, poll=self._poll)
-                       for emb, neg in zip(self.embeds, self.negatives)]
+            latents = sample_prompts(self.model, self.family, self.embeds, self.cfg.resolution, self.cfg.resolution,
+                                     self.cfg.steps, self.cfg.seed, self.cfg.guidance, self.device, self.dtype,
+                                     autocast, self.rule, self.negatives, frames=self.frames, poll=self._poll,
+                                     max_rows=self.max_rows)
             images = decode_latents(self.vae(), self.family, latents, self.device, self.dataset.variant)
         finally:
             self.model.train(was_training)

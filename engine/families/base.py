@@ -354,6 +354,13 @@ class ModelFamily(ABC):
     #: ``install_chunked_recompute`` does something (token-wise parts in checkpointed chunks).
     chunked_recompute: ClassVar[bool] = False
 
+    # sampling
+    #: Previews may run several prompts (and both classifier-free guidance branches) as one batch per denoising
+    #: step (engine/sampling.py), so a streamed block is copied in once per step, not once per prompt: the
+    #: family's ``model_inputs`` takes a batch of captions of different lengths (padded, with their masks) and
+    #: gives each row the output it gives that row alone. False: every row is its own forward (give the reason).
+    batched_sampling: ClassVar[bool] = True
+
     # LoRA
     #: Block-list attribute -> module names (relative to a block) that get a LoRA by default.
     lora_targets: ClassVar[dict[str, tuple[str, ...]]]

@@ -303,9 +303,25 @@ def _make_sampler(run: _Run, sampling, sample_dir) -> None:
         if blocker is not None:  # never silently wrong samples: say why there are none
             run.cb.log(blocker)
             return
-        run.sampler = Sampler(sampling, run.dataset, run.family, run.model, run.device, run.dtype, sample_dir, run.cb)
+        run.sampler = Sampler(sampling, run.dataset, run.family, run.model, run.device, run.dtype, sample_dir, run.cb,
+                              max_rows=_sampling_rows(run, sampling))
         if run.resume is not None and run.resume.enabled:  # the columns drawn before a stop, kept with the state
             run.sampler.keep_columns(run.resume.folder / "samples", upto=run.first - 1)
+
+
+def _sampling_rows(run: _Run, sampling) -> int:
+    """Rows per sampling forward (prompts and guidance branches batched, each streamed block copied in once per
+    denoising step) that keep sampling at or below the training peak of this run's plan (sampling.rows_per_forward)."""
+    from ..offload.footprint import workload_for
+    from ..sampling import rows_per_forward
+
+    workload = workload_for(run.dataset, run.family, run.variant, run.train.batch_size)
+    frames = sampling.frames if run.family.video else 1
+    rows = rows_per_forward(run.placement.plans(), workload, run.family, run.variant, sampling.resolution,
+                            sampling.resolution, frames, run.placement.memory_options().micro_batch)
+    run.cb.log(f"sampling runs at most {rows} row(s) (prompts x guidance branches) per forward: at or below the "
+               f"training peak")
+    return rows
 
 
 def _run_steps(run: _Run) -> None:
