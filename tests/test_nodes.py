@@ -14,7 +14,8 @@ COMFY_BUILTIN_DISPLAY = {"Train LoRA", "Save LoRA Weights", "Load LoRA Model", "
 
 
 def test_pack_exports_and_display_names():
-    assert lowvram_lora.NODE_CLASS_MAPPINGS is NODE_CLASS_MAPPINGS
+    assert not hasattr(lowvram_lora, "NODE_CLASS_MAPPINGS") and callable(lowvram_lora.comfy_entrypoint)
+    assert all(cls.__name__ == node_id == cls.GET_SCHEMA().node_id for node_id, cls in NODE_CLASS_MAPPINGS.items())
     assert lowvram_lora.WEB_DIRECTORY == "./web"
     assert set(NODE_DISPLAY_NAME_MAPPINGS.values()) == {
         "Load Quantized Slab", "Cache Text Embeds", "Offload Config", "Dual-GPU Split", "Train LoRA (LowVRAM)",
