@@ -286,7 +286,8 @@ class Node:
 
     @classmethod
     def GET_NODE_INFO_V1(cls) -> dict:
-        return cls.GET_SCHEMA().v1_info(getattr(cls, "RELATIVE_PYTHON_MODULE", None) or "nodes")
+        # As ComfyUI: the attribute exists (None) until its loader stamps the pack module on the class.
+        return cls.GET_SCHEMA().v1_info(getattr(cls, "RELATIVE_PYTHON_MODULE", "nodes"))
 
     @classmethod
     def PREPARE_CLASS_CLONE(cls, hidden: dict | HiddenHolder | None) -> type:

@@ -174,7 +174,7 @@ def test_node_info_uses_the_loader_module_name_or_the_class_attribute():
         == "custom_nodes.other"
     plain = node_info("LowVRAMOffloadConfig", NODE_CLASS_MAPPINGS, {}, None)
     # A V3 node names itself (its schema's display_name) whatever the display-name mapping says.
-    assert plain["python_module"] == "nodes" and plain["display_name"] == "Offload Config"
+    assert plain["python_module"] is None and plain["display_name"] == "Offload Config"  # as ComfyUI's V3 nodes
 
 
 # --------------------------------------------------------------------------- comfy-cli

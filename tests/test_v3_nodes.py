@@ -137,6 +137,8 @@ COMFY_DIR = os.environ.get("LOWVRAM_COMFYUI_DIR")
 _IN_COMFY = r'''
 import asyncio, json, sys
 sys.path.insert(0, sys.argv[1])
+from comfy.cli_args import args
+args.cpu = True  # as main.py --cpu
 import execution
 from comfy_api.latest import io
 from lowvram_lora.nodes import NODES
