@@ -13,7 +13,7 @@ _MAX_COUNTER = 99_999
 
 def check_filename_prefix(root: Path, prefix: str) -> Path:
     """The target stem ``<root>/<prefix>`` for a valid prefix; raises ValueError naming the
-    problem and the fix. Run before training (VALIDATE_INPUTS), so a bad prefix never costs
+    problem and the fix. Run before training (validate_inputs), so a bad prefix never costs
     a training run."""
     prefix = prefix.strip().replace("\\", "/") or "lowvram_lora"
     if "\x00" in prefix:
