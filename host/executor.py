@@ -14,8 +14,15 @@ difference:
 - ``ui`` dicts are merged as ComfyUI merges them (every value must be a list,
   which is what the websocket ``executed`` message carries).
 
+- V3 nodes (nodes/schema.py; ComfyUI's ``io.ComfyNode`` works the same way) run as
+  ComfyUI runs them: classmethod ``execute`` on a class clone holding the hidden
+  values (``cls.hidden.unique_id``), awaited when async, its ``NodeOutput``
+  unwrapped (values and ``ui``); ``validate_inputs`` runs when the graph is
+  validated (host/workflow.py). Classic nodes keep the V1 protocol (instance,
+  ``FUNCTION``, hidden values as arguments, ``VALIDATE_INPUTS``).
+
 Not supported (our nodes use none of them): ``INPUT_IS_LIST`` /
-``OUTPUT_IS_LIST``, lazy inputs, ``VALIDATE_INPUTS``, ``IS_CHANGED`` and result
+``OUTPUT_IS_LIST``, lazy inputs, ``IS_CHANGED`` / ``fingerprint_inputs`` and result
 caching between runs, node expansion, and the ``DYNPROMPT`` hidden input.
 """
 
@@ -108,9 +115,16 @@ def execution_order(graph: Mapping[str, dict], node_class_mappings: Mapping[str,
 
 
 def _hidden_values(cls: type, node_id: str, graph: Mapping[str, dict]) -> dict[str, list]:
-    """Values ComfyUI fills for ``hidden`` inputs (as one-element lists); unknown kinds are left out."""
+    """Values ComfyUI fills for the class's ``hidden`` inputs, by kind (``"UNIQUE_ID"``: ``[node_id]``); the
+    kinds a headless run has no value for (``DYNPROMPT``, ``AUTH_TOKEN_COMFY_ORG``...) are None."""
     known = {"UNIQUE_ID": node_id, "PROMPT": graph, "EXTRA_PNGINFO": None}
-    return {name: [known[kind]] for name, kind in hidden_inputs(cls).items() if kind in known}
+    return {kind: [known.get(kind)] for kind in hidden_inputs(cls).values()}
+
+
+def _hidden_kwargs(cls: type, hidden: Mapping[str, list]):
+    """A classic node's hidden inputs as (argument name, value list) pairs, for the kinds ComfyUI fills."""
+    return [(name, hidden[kind]) for name, kind in hidden_inputs(cls).items()
+            if kind in ("UNIQUE_ID", "PROMPT", "EXTRA_PNGINFO")]
 
 
 def _input_lists(
@@ -137,12 +151,17 @@ def _input_lists(
             lists[spec.name] = outputs[slot]
         else:
             lists[spec.name] = [value]
-    lists.update(_hidden_values(cls, node_id, graph))
     return lists
 
 
 def _split_result(raw: Any) -> tuple[tuple, dict | None]:
-    """A node's return value as (outputs, ui): a tuple/list, None, or ``{"result": ..., "ui": ...}``."""
+    """A node's return value as (outputs, ui): a ``NodeOutput`` (V3), a tuple/list, None, or
+    ``{"result": ..., "ui": ...}``."""
+    if hasattr(raw, "args") and hasattr(raw, "ui"):  # NodeOutput, ours or ComfyUI's
+        from ..nodes.schema import normalize_output
+
+        out = normalize_output(raw)
+        return tuple(out.args), out.ui
     if isinstance(raw, Mapping):
         result = raw.get("result", ())
         return tuple(result or ()), raw.get("ui")
@@ -169,17 +188,40 @@ def _merge_ui(uis: list[dict]) -> dict | None:
 def _run_node(
     node_id: str, cls: type, graph: Mapping[str, dict], slots: Mapping[str, list[list]]
 ) -> tuple[list[list], dict | None]:
-    """Instantiate the class and map its FUNCTION over the input lists (ComfyUI's
-    ``_async_map_node_over_list``: call i takes element i of each list, or its last).
-    Returns (one list per output slot, merged ui)."""
+    """Call the node once per element of its input lists (ComfyUI's ``_async_map_node_over_list``: call i
+    takes element i of each list, or its last). Returns (one list per output slot, merged ui).
+
+    A V3 node (nodes/schema.py, like ComfyUI's ``io.ComfyNode``) is not instantiated: each call runs its
+    ``FUNCTION`` (``EXECUTE_NORMALIZED`` or ``..._ASYNC``) on ``PREPARE_CLASS_CLONE(hidden values)``, the
+    hidden values never travel as arguments, a coroutine is awaited, and the ``NodeOutput`` is unwrapped
+    into its values and ``ui``, as ComfyUI's ``get_output_from_returns`` does. A classic node is instantiated
+    and its ``FUNCTION`` gets the hidden values as keyword arguments."""
+    from ..nodes.schema import is_v3
+
     lists = _input_lists(node_id, cls, graph, slots)
-    method = getattr(cls(), cls.FUNCTION)
+    hidden = _hidden_values(cls, node_id, graph)
     calls = max((len(v) for v in lists.values()), default=0)
-    returns = [method(**{k: v[i if len(v) > i else -1] for k, v in lists.items()}) for i in range(max(calls, 1))]
+    returns = []
+    for i in range(max(calls, 1)):
+        args = {k: v[i if len(v) > i else -1] for k, v in lists.items()}
+        if is_v3(cls):
+            clone = cls.PREPARE_CLASS_CLONE({kind: v[0] for kind, v in hidden.items()})
+            returns.append(_await(getattr(clone, cls.FUNCTION)(**args)))
+        else:
+            returns.append(getattr(cls(), cls.FUNCTION)(**args, **{k: v[0] for k, v in _hidden_kwargs(cls, hidden)}))
     split = [_split_result(r) for r in returns]
     n_out = len(split[0][0])
     outputs = [[out[i] for out, _ in split] for i in range(n_out)]
     return outputs, _merge_ui([ui for _, ui in split if ui is not None])
+
+
+def _await(value: Any) -> Any:
+    """A coroutine's result (an async ``execute``), run to completion on this thread's own event loop, as
+    ComfyUI awaits it; any other value as is."""
+    import asyncio
+    import inspect
+
+    return asyncio.run(value) if inspect.iscoroutine(value) else value
 
 
 def _title(graph: Mapping[str, dict], node_id: str) -> str:

@@ -1,4 +1,5 @@
-"""A port of how ComfyUI's ``GET /object_info`` describes a classic (V1) node class.
+"""A port of how ComfyUI's ``GET /object_info`` describes a node class: a classic (V1) one field by field,
+a V3 one (our nodes, nodes/schema.py) by its ``GET_NODE_INFO_V1`` as ComfyUI's ``node_info`` does.
 
 Ported from ComfyUI ``server.py``, ``PromptServer.__init__`` -> ``node_info(node_class)``
 and the ``/object_info`` route, at Comfy-Org/ComfyUI commit
@@ -38,8 +39,13 @@ def node_info(node_class: str, node_class_mappings: Mapping[str, type],
     attribute, else ``"nodes"``, as ``server.py`` does).
     """
     obj_class = node_class_mappings[node_class]
-    if hasattr(obj_class, "GET_NODE_INFO_V1"):  # V3 nodes (_ComfyNodeInternal) describe themselves
-        return obj_class.GET_NODE_INFO_V1()
+    if hasattr(obj_class, "GET_NODE_INFO_V1"):
+        # V3 nodes (ComfyUI's io.ComfyNode, and ours: nodes/schema.py) describe themselves from their schema
+        # (``asdict(schema.get_v1_info(cls))``), with the module the loader stamped on the class.
+        info = obj_class.GET_NODE_INFO_V1()
+        if relative_python_module is not None:
+            info["python_module"] = relative_python_module
+        return info
     info: dict[str, Any] = {}
     info['input'] = obj_class.INPUT_TYPES()
     info['input_order'] = {key: list(value.keys()) for (key, value) in obj_class.INPUT_TYPES().items()}

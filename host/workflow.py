@@ -716,10 +716,18 @@ def _check_node(node_id: str, node: Any, graph: Mapping[str, dict], mappings: Ma
 
 
 def _call_validate_inputs(cls: type, node: dict, where: _Where) -> None:
-    """ComfyUI's ``VALIDATE_INPUTS`` hook, run when the prompt is queued (before any node runs):
-    it gets the widget values it names (linked inputs are not known yet) and returns True or
-    a message."""
-    validate = getattr(cls, "VALIDATE_INPUTS", None)
+    """ComfyUI's input-validation hook, run when the prompt is queued (before any node runs): a V3 node's
+    ``validate_inputs`` (only where the node overrides it; called on a class clone holding the hidden values),
+    a classic one's ``VALIDATE_INPUTS``. It gets the widget values it names (linked inputs are not known
+    yet) and returns True or a message."""
+    from ..nodes.schema import is_v3, overrides
+
+    if is_v3(cls):
+        if not overrides(cls, "validate_inputs"):
+            return
+        validate = cls.PREPARE_CLASS_CLONE({"UNIQUE_ID": where.node_id}).validate_inputs
+    else:
+        validate = getattr(cls, "VALIDATE_INPUTS", None)
     if validate is None:
         return
     params = inspect.signature(validate).parameters

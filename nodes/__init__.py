@@ -1,5 +1,11 @@
-"""ComfyUI node classes (classic style). They import nothing from ComfyUI or torch at
-module level: the standalone runner and the tests use the very same classes."""
+"""The pack's nodes, each a V3-style node (nodes/schema.py: ``define_schema`` + classmethod ``execute``).
+
+Inside ComfyUI they are registered through ``comfy_entrypoint`` (package root), turned into
+``io.ComfyNode`` classes by nodes/v3.py. ``NODE_CLASS_MAPPINGS`` here is for our own executor
+(``lowvram-lora run`` / ``serve``) and the tests; the package root does not export it, because ComfyUI
+prefers ``NODE_CLASS_MAPPINGS`` over ``comfy_entrypoint`` when a pack has both, and every ComfyUI the pack
+supports (``requires-comfyui >= 0.3.64``) has the V3 API. Nothing here imports ComfyUI or torch.
+"""
 from .cache_embeds import LowVRAMCacheTextEmbeds
 from .dual_gpu import LowVRAMDualGPUSplit
 from .load_model import LowVRAMLoadQuantizedSlab
@@ -7,20 +13,15 @@ from .offload_config import LowVRAMOffloadConfig
 from .save_lora import LowVRAMSaveLoRA
 from .train_lora import LowVRAMTrainLoRA
 
-NODE_CLASS_MAPPINGS = {
-    "LowVRAMLoadQuantizedSlab": LowVRAMLoadQuantizedSlab,
-    "LowVRAMCacheTextEmbeds": LowVRAMCacheTextEmbeds,
-    "LowVRAMOffloadConfig": LowVRAMOffloadConfig,
-    "LowVRAMDualGPUSplit": LowVRAMDualGPUSplit,
-    "LowVRAMTrainLoRA": LowVRAMTrainLoRA,
-    "LowVRAMSaveLoRA": LowVRAMSaveLoRA,
-}
+#: In the order the editor lists them; each class is named as its node id (``Schema.node_id``).
+NODES = [LowVRAMLoadQuantizedSlab, LowVRAMCacheTextEmbeds, LowVRAMOffloadConfig, LowVRAMDualGPUSplit,
+         LowVRAMTrainLoRA, LowVRAMSaveLoRA]
 
-NODE_DISPLAY_NAME_MAPPINGS = {
-    "LowVRAMLoadQuantizedSlab": "Load Quantized Slab",
-    "LowVRAMCacheTextEmbeds": "Cache Text Embeds",
-    "LowVRAMOffloadConfig": "Offload Config",
-    "LowVRAMDualGPUSplit": "Dual-GPU Split",
-    "LowVRAMTrainLoRA": "Train LoRA (LowVRAM)",  # ComfyUI has a built-in "Train LoRA"
-    "LowVRAMSaveLoRA": "Save LoRA (LowVRAM)",
-}
+NODE_CLASS_MAPPINGS = {cls.__name__: cls for cls in NODES}
+
+
+def __getattr__(name: str):
+    # Display names live in each schema; computed on first use (a schema lists model files).
+    if name == "NODE_DISPLAY_NAME_MAPPINGS":
+        return {cls.__name__: cls.GET_SCHEMA().display_name for cls in NODES}
+    raise AttributeError(name)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 
 from ..engine.errors import DatasetError
+from . import schema as io
 from .load_model import CATEGORY
 from .paths import (TEXT_ENCODER_FOLDERS, VAE_FOLDERS, cache_dir, comfy_tokenizer_dirs, list_diffusers_folders,
                     list_files, resolve_choice, resolve_dataset_path, resolve_file)
@@ -45,114 +46,89 @@ def _per_family(kind: str) -> str:
     return " ".join(f"{f.display_name}: {f.file_help[kind]}." for f in families().values() if kind in f.file_help)
 
 
-class LowVRAMCacheTextEmbeds:
-    DESCRIPTION = (
-        "Encodes every caption with the text encoders and every image with the VAE, once, into a cache on disk. "
-        "Text encoders run layer by layer on the GPU, so they never need to fit it whole. Reruns reuse the cache; "
-        "a changed caption, image or setting re-encodes only what changed."
-    )
-    CATEGORY = CATEGORY
-    RETURN_TYPES = ("LOWVRAM_DATASET",)
-    RETURN_NAMES = ("dataset",)
-    OUTPUT_TOOLTIPS = ("A handle to the cached text embeddings and latents.",)
-    FUNCTION = "cache"
+DESCRIPTION = (
+    "Encodes every caption with the text encoders and every image with the VAE, once, into a cache on disk. "
+    "Text encoders run layer by layer on the GPU, so they never need to fit it whole. Reruns reuse the cache; "
+    "a changed caption, image or setting re-encodes only what changed."
+)
 
+
+class LowVRAMCacheTextEmbeds(io.Node):
     @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "model": ("LOWVRAM_MODEL", {"tooltip": "The base model from Load Quantized Slab."}),
-                "text_encoders": ([FROM_CHECKPOINT, SINGLE_FILES] + list_diffusers_folders(), {
-                    "default": FROM_CHECKPOINT,
-                    "tooltip": "Diffusers pipeline folder (models/diffusers) whose text encoders, tokenizers and "
-                               "VAE are used. " + _per_family("pipeline") + " '(from checkpoint)' works when the "
-                               "checkpoint is itself a pipeline folder. '(single files below)' uses the "
-                               "text_encoder_1/2 and vae_file inputs instead.",
-                }),
-                "dataset_path": ("STRING", {
-                    "default": "",
-                    "tooltip": "Folder of images (png/jpg/webp; for Wan also clips: mp4/webm/mov/gif/webp or folders "
-                               "of frames) with same-name .txt captions. A relative path (e.g. "
-                               "my_subject) is looked up in ComfyUI's input folder (input/my_subject), then in "
-                               "the working directory; an absolute path is used as given.",
-                }),
-                "resolution": ("INT", {
-                    "default": 1024, "min": 64, "max": 4096, "step": 64,
-                    "tooltip": "Training resolution. Images go to aspect-ratio buckets of about this many pixels "
-                               "squared. 1024 is Flux's native size; 512 trains ~3x faster.",
-                }),
-                "trigger_word": ("STRING", {
-                    "default": "",
-                    "tooltip": "Prepended to every caption, e.g. 'ohwx'. Use it in prompts to call the LoRA.",
-                }),
-                "default_caption": ("STRING", {
-                    "default": "",
-                    "tooltip": "Caption for images without a .txt file. Empty: such images are an error listing them.",
-                }),
-                "repeats": ("INT", {
-                    "default": 1, "min": 1, "max": 1000,
-                    "tooltip": "How often each image appears per epoch; balances several datasets.",
-                }),
-                "flip": ("BOOLEAN", {
-                    "default": False,
-                    "tooltip": "Also cache mirrored images and use one at random. Off for text, logos, faces with "
-                               "asymmetric features.",
-                }),
-                "max_sequence_length": ("INT", {
-                    "default": 0, "min": 0, "max": 512,
-                    "tooltip": "Text tokens kept per caption (by the sequence encoder: T5, or the LLM). 0 = the "
-                               "model's own default (its pipeline's). Shorter is faster if captions are short.",
-                }),
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="LowVRAMCacheTextEmbeds", display_name="Cache Text Embeds", category=CATEGORY,
+            description=DESCRIPTION, hidden=["unique_id"],
+            outputs=[io.Output("LOWVRAM_DATASET", "dataset", "A handle to the cached text embeddings and latents.")],
+            inputs=[
+                io.Custom("LOWVRAM_MODEL", "model", tooltip="The base model from Load Quantized Slab."),
+                io.Combo("text_encoders", [FROM_CHECKPOINT, SINGLE_FILES] + list_diffusers_folders(),
+                         default=FROM_CHECKPOINT,
+                         tooltip="Diffusers pipeline folder (models/diffusers) whose text encoders, tokenizers and "
+                                 "VAE are used. " + _per_family("pipeline") + " '(from checkpoint)' works when the "
+                                 "checkpoint is itself a pipeline folder. '(single files below)' uses the "
+                                 "text_encoder_1/2 and vae_file inputs instead."),
+                io.String("dataset_path", default="",
+                          tooltip="Folder of images (png/jpg/webp; for Wan also clips: mp4/webm/mov/gif/webp or "
+                                  "folders of frames) with same-name .txt captions. A relative path (e.g. "
+                                  "my_subject) is looked up in ComfyUI's input folder (input/my_subject), then in "
+                                  "the working directory; an absolute path is used as given."),
+                io.Int("resolution", default=1024, min=64, max=4096, step=64,
+                       tooltip="Training resolution. Images go to aspect-ratio buckets of about this many pixels "
+                               "squared. 1024 is Flux's native size; 512 trains ~3x faster."),
+                io.String("trigger_word", default="",
+                          tooltip="Prepended to every caption, e.g. 'ohwx'. Use it in prompts to call the LoRA."),
+                io.String("default_caption", default="",
+                          tooltip="Caption for images without a .txt file. Empty: such images are an error listing "
+                                  "them."),
+                io.Int("repeats", default=1, min=1, max=1000,
+                       tooltip="How often each image appears per epoch; balances several datasets."),
+                io.Boolean("flip", default=False,
+                           tooltip="Also cache mirrored images and use one at random. Off for text, logos, faces "
+                                   "with asymmetric features."),
+                io.Int("max_sequence_length", default=0, min=0, max=512,
+                       tooltip="Text tokens kept per caption (by the sequence encoder: T5, or the LLM). 0 = the "
+                               "model's own default (its pipeline's). Shorter is faster if captions are short."),
                 # Last: UI-format workflows store widget values by position.
-                "text_encoder_1": ([NONE] + list_files(TEXT_ENCODER_FOLDERS), {
-                    "default": NONE,
-                    "tooltip": "With text_encoders '(single files below)': a text-encoder file from "
-                               "models/text_encoders (fp8 / scaled fp8 too); which file is which is told from its "
-                               "tensors, so the inputs may be in either order; a family with one text encoder "
-                               "leaves text_encoder_2 '(none)'. " + _per_family("single_files"),
-                }),
-                "text_encoder_2": ([NONE] + list_files(TEXT_ENCODER_FOLDERS), {
-                    "default": NONE, "tooltip": "A second text-encoder file, for families with two (Flux.1: "
-                                                "clip_l + t5xxl; see text_encoder_1).",
-                }),
-                "vae_file": ([NONE] + list_files(VAE_FOLDERS), {
-                    "default": NONE,
-                    "tooltip": "With text_encoders '(single files below)': the VAE file from models/vae (the "
-                               "Flux.1 ae.safetensors serves Flux.1, Z-Image and Lumina 2; Flux.2 has its own).",
-                }),
-                "sample_prompts": ("STRING", {
-                    "default": "", "multiline": True,
-                    "tooltip": "Prompts for sample images while training, one per line (empty: none). Encoded "
-                               "here once with the captions; Train LoRA's sample_every turns sampling on. Include "
-                               "the trigger word where you want the LoRA's subject.",
-                }),
-            },
-            # Video families only (Wan): how clips become training windows. After every older widget, so saved
-            # workflows keep their positions; image families ignore them.
-            "optional": {
-                "video_frames": ("STRING", {"default": "33", "tooltip": _video_help("frame_counts") + " Comma-separated."}),
-                "video_fps": ("FLOAT", {"default": 16.0, "min": 0.0, "max": 120.0, "step": 1.0,
-                                        "tooltip": _video_help("fps")}),
-                "video_window": (["head", "uniform", "random"], {"default": "head", "tooltip": _video_help("window")}),
-                "windows_per_clip": ("INT", {"default": 1, "min": 1, "max": 64, "tooltip": _video_help("windows_per_clip")}),
+                io.Combo("text_encoder_1", [NONE] + list_files(TEXT_ENCODER_FOLDERS), default=NONE,
+                         tooltip="With text_encoders '(single files below)': a text-encoder file from "
+                                 "models/text_encoders (fp8 / scaled fp8 too); which file is which is told from its "
+                                 "tensors, so the inputs may be in either order; a family with one text encoder "
+                                 "leaves text_encoder_2 '(none)'. " + _per_family("single_files")),
+                io.Combo("text_encoder_2", [NONE] + list_files(TEXT_ENCODER_FOLDERS), default=NONE,
+                         tooltip="A second text-encoder file, for families with two (Flux.1: clip_l + t5xxl; see "
+                                 "text_encoder_1)."),
+                io.Combo("vae_file", [NONE] + list_files(VAE_FOLDERS), default=NONE,
+                         tooltip="With text_encoders '(single files below)': the VAE file from models/vae (the "
+                                 "Flux.1 ae.safetensors serves Flux.1, Z-Image and Lumina 2; Flux.2 has its own)."),
+                io.String("sample_prompts", default="", multiline=True,
+                          tooltip="Prompts for sample images while training, one per line (empty: none). Encoded "
+                                  "here once with the captions; Train LoRA's sample_every turns sampling on. "
+                                  "Include the trigger word where you want the LoRA's subject."),
+                # Video families only (Wan): how clips become training windows. Optional and after every older
+                # widget, so saved workflows keep their positions; image families ignore them.
+                io.String("video_frames", default="33", optional=True,
+                          tooltip=_video_help("frame_counts") + " Comma-separated."),
+                io.Float("video_fps", default=16.0, min=0.0, max=120.0, step=1.0, optional=True,
+                         tooltip=_video_help("fps")),
+                io.Combo("video_window", ["head", "uniform", "random"], default="head", optional=True,
+                         tooltip=_video_help("window")),
+                io.Int("windows_per_clip", default=1, min=1, max=64, optional=True,
+                       tooltip=_video_help("windows_per_clip")),
                 # Edit models only (Qwen-Image-Edit); after the video widgets so saved workflows keep positions.
-                "control_folder": ("STRING", {
-                    "default": "",
-                    "tooltip": "Edit models (Qwen-Image-Edit) only: the folder of CONTROL images (the inputs to "
-                               "edit), each named as its target image (cat.png for cat.png; cat_0.png, cat_1.png "
-                               "for several, in order). Empty: the 'control' (or 'controls') folder inside the "
-                               "dataset folder. Several folders (ai-toolkit's control_path, control_path2): "
-                               "separate them with ';'. A path under input/ may be relative. The dataset folder's "
-                               "images are the TARGETS and their .txt files the instructions. For sample images "
-                               "while training, sample_prompts line 1 is drawn against the first target's control "
-                               "images, line 2 the second's (targets in file-name order).",
-                }),
-            },
-            "hidden": {"unique_id": "UNIQUE_ID"},
-        }
+                io.String("control_folder", default="", optional=True,
+                          tooltip="Edit models (Qwen-Image-Edit) only: the folder of CONTROL images (the inputs to "
+                                  "edit), each named as its target image (cat.png for cat.png; cat_0.png, cat_1.png "
+                                  "for several, in order). Empty: the 'control' (or 'controls') folder inside the "
+                                  "dataset folder. Several folders (ai-toolkit's control_path, control_path2): "
+                                  "separate them with ';'. A path under input/ may be relative. The dataset "
+                                  "folder's images are the TARGETS and their .txt files the instructions. For "
+                                  "sample images while training, sample_prompts line 1 is drawn against the first "
+                                  "target's control images, line 2 the second's (targets in file-name order)."),
+            ])
 
     @classmethod
-    def IS_CHANGED(cls, dataset_path="", **_):
+    def fingerprint_inputs(cls, dataset_path="", **_):
         # Rerun when files in the dataset folder change; the cache then re-encodes only those.
         try:
             folder = resolve_dataset_path(dataset_path)
@@ -161,11 +137,12 @@ class LowVRAMCacheTextEmbeds:
         except (OSError, DatasetError):  # not there (yet): the node's run says where it looked
             return dataset_path
 
-    def cache(self, model, text_encoders: str, dataset_path: str, resolution: int = 1024, trigger_word: str = "",
-              default_caption: str = "", repeats: int = 1, flip: bool = False, max_sequence_length: int = 0,
-              text_encoder_1: str = NONE, text_encoder_2: str = NONE, vae_file: str = NONE, sample_prompts: str = "",
-              video_frames: str = "33", video_fps: float = 16.0, video_window: str = "head", windows_per_clip: int = 1,
-              control_folder: str = "", unique_id=None):
+    @classmethod
+    def execute(cls, model, text_encoders: str, dataset_path: str, resolution: int = 1024, trigger_word: str = "",
+                default_caption: str = "", repeats: int = 1, flip: bool = False, max_sequence_length: int = 0,
+                text_encoder_1: str = NONE, text_encoder_2: str = NONE, vae_file: str = NONE, sample_prompts: str = "",
+                video_frames: str = "33", video_fps: float = 16.0, video_window: str = "head",
+                windows_per_clip: int = 1, control_folder: str = "") -> io.NodeOutput:
         from dataclasses import replace
 
         from ..engine.caching import build_dataset_cache
@@ -193,6 +170,6 @@ class LowVRAMCacheTextEmbeds:
             video = VideoConfig(frame_counts=_frame_counts(video_frames), fps=float(video_fps), window=video_window,
                                 windows_per_clip=int(windows_per_clip))
         dataset = build_dataset_cache(model_cfg, data, cache_dir(), max_sequence_length=max_sequence_length,
-                                      callback=make_callback(unique_id), sample_prompts=sample_prompts.splitlines(),
+                                      callback=make_callback(cls.hidden.unique_id), sample_prompts=sample_prompts.splitlines(),
                                       video=video, control_dirs=_control_dirs(control_folder))
-        return (dataset,)
+        return io.NodeOutput(dataset)

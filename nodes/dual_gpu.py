@@ -6,6 +6,7 @@ per GPU (engine/runs/launch.py).
 """
 from __future__ import annotations
 
+from . import schema as io
 from .load_model import CATEGORY
 
 
@@ -15,34 +16,32 @@ def _help(name: str, extra: str = "") -> str:
     return help_text(name) + (" " + extra if extra else "")
 
 
-class LowVRAMDualGPUSplit:
-    DESCRIPTION = (
-        "Train on two GPUs. split: the model's blocks are cut in two, each GPU holds (and streams) its part, "
-        "for a model too big for one card. data_parallel: each GPU trains on its own images with the whole "
-        "streamed model, and the LoRA gradients are averaged: about twice the images per second. Connect it to "
-        "Train LoRA's split input; Offload Config still chooses resident / stream / auto for each GPU."
-    )
-    CATEGORY = CATEGORY
-    RETURN_TYPES = ("LOWVRAM_SPLIT",)
-    RETURN_NAMES = ("split",)
-    OUTPUT_TOOLTIPS = ("Multi-GPU settings for Train LoRA's split input.",)
-    FUNCTION = "configure"
+DESCRIPTION = (
+    "Train on two GPUs. split: the model's blocks are cut in two, each GPU holds (and streams) its part, "
+    "for a model too big for one card. data_parallel: each GPU trains on its own images with the whole "
+    "streamed model, and the LoRA gradients are averaged: about twice the images per second. Connect it to "
+    "Train LoRA's split input; Offload Config still chooses resident / stream / auto for each GPU."
+)
+
+
+class LowVRAMDualGPUSplit(io.Node):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="LowVRAMDualGPUSplit", display_name="Dual-GPU Split", category=CATEGORY, description=DESCRIPTION,
+            outputs=[io.Output("LOWVRAM_SPLIT", "split", "Multi-GPU settings for Train LoRA's split input.")],
+            inputs=[
+                io.Combo("mode", ["split", "data_parallel"], default="split", tooltip=_help("mode")),
+                io.String("devices", default="cuda:0,cuda:1", tooltip=_help("devices", "Comma-separated.")),
+                io.Int("cut", default=-1, min=-1, max=1024, tooltip=_help("cut")),
+                io.String("vram_budget_gb", default="0", tooltip=_help(
+                    "vram_budget_gb", "Comma-separated, e.g. 12,12; one value applies to every GPU.")),
+            ])
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "mode": (["split", "data_parallel"], {"default": "split", "tooltip": _help("mode")}),
-                "devices": ("STRING", {"default": "cuda:0,cuda:1", "tooltip": _help("devices", "Comma-separated.")}),
-                "cut": ("INT", {"default": -1, "min": -1, "max": 1024, "tooltip": _help("cut")}),
-                "vram_budget_gb": ("STRING", {"default": "0", "tooltip": _help(
-                    "vram_budget_gb", "Comma-separated, e.g. 12,12; one value applies to every GPU.")}),
-            }
-        }
-
-    def configure(self, mode: str = "split", devices: str = "cuda:0,cuda:1", cut: int = -1,
-                  vram_budget_gb: str = "0"):
+    def execute(cls, mode: str = "split", devices: str = "cuda:0,cuda:1", cut: int = -1,
+                vram_budget_gb: str = "0") -> io.NodeOutput:
         from ..engine.parallel.config import ParallelConfig, parse_budgets, parse_devices
 
-        return (ParallelConfig(mode=mode, devices=parse_devices(devices), cut=cut,
-                               vram_budget_gb=parse_budgets(vram_budget_gb)),)
+        return io.NodeOutput(ParallelConfig(mode=mode, devices=parse_devices(devices), cut=cut,
+                                            vram_budget_gb=parse_budgets(vram_budget_gb)))

@@ -6,6 +6,7 @@ for "let the planner choose", as each tooltip says.
 """
 from __future__ import annotations
 
+from . import schema as io
 from .load_model import CATEGORY
 
 
@@ -15,63 +16,60 @@ def _help(name: str, extra: str = "") -> str:
     return help_text(name) + (" " + extra if extra else "")
 
 
-class LowVRAMOffloadConfig:
-    DESCRIPTION = (
-        "How weights, activations and recomputation are managed during training. 'auto' plans from a VRAM budget: "
-        "everything resident when it fits, otherwise transformer blocks stream from pinned host RAM to the GPU just "
-        "ahead of use (forward and backward order), overlapped with compute. The plan (predicted peak VRAM, bytes "
-        "streamed per step, pinned host RAM) is printed before training and checked after the first steps. "
-        "Streaming needs a CUDA GPU; on a CPU 'auto' trains resident."
-    )
-    CATEGORY = CATEGORY
-    RETURN_TYPES = ("LOWVRAM_OFFLOAD",)
-    RETURN_NAMES = ("offload",)
-    OUTPUT_TOOLTIPS = ("Memory settings for Train LoRA.",)
-    FUNCTION = "configure"
+DESCRIPTION = (
+    "How weights, activations and recomputation are managed during training. 'auto' plans from a VRAM budget: "
+    "everything resident when it fits, otherwise transformer blocks stream from pinned host RAM to the GPU just "
+    "ahead of use (forward and backward order), overlapped with compute. The plan (predicted peak VRAM, bytes "
+    "streamed per step, pinned host RAM) is printed before training and checked after the first steps. "
+    "Streaming needs a CUDA GPU; on a CPU 'auto' trains resident."
+)
 
+
+class LowVRAMOffloadConfig(io.Node):
     @classmethod
-    def INPUT_TYPES(cls):
+    def define_schema(cls) -> io.Schema:
         from ..engine.offload.config import COMPILE_MODES, INT8_COMPUTE_MODES
 
-        return {
-            "required": {
-                "mode": (["auto", "resident", "stream"], {"default": "auto", "tooltip": _help("mode")}),
-                "vram_budget_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1024.0, "step": 0.5,
-                                             "tooltip": _help("vram_budget_gb")}),
-                "resident_blocks": ("INT", {"default": -1, "min": -1, "max": 512,
-                                            "tooltip": _help("resident_blocks", "-1 = let the planner choose.")}),
-                "prefetch_depth": ("INT", {"default": 0, "min": 0, "max": 8,
-                                           "tooltip": _help("prefetch_depth", "0 = let the planner choose.")}),
-                "activation_offload": (["auto", "on", "off"], {
-                    "default": "auto", "tooltip": _help("activation_offload", "auto = let the planner choose.")}),
-                "gradient_checkpointing": ("BOOLEAN", {"default": True, "tooltip": _help("gradient_checkpointing")}),
-                "max_pinned_fraction": ("FLOAT", {"default": 0.8, "min": 0.05, "max": 0.95, "step": 0.05,
-                                                  "tooltip": _help("max_pinned_fraction")}),
+        return io.Schema(
+            node_id="LowVRAMOffloadConfig", display_name="Offload Config", category=CATEGORY,
+            description=DESCRIPTION, outputs=[io.Output("LOWVRAM_OFFLOAD", "offload", "Memory settings for Train LoRA.")],
+            inputs=[
+                io.Combo("mode", ["auto", "resident", "stream"], default="auto", tooltip=_help("mode")),
+                io.Float("vram_budget_gb", default=0.0, min=0.0, max=1024.0, step=0.5, tooltip=_help("vram_budget_gb")),
+                io.Int("resident_blocks", default=-1, min=-1, max=512,
+                       tooltip=_help("resident_blocks", "-1 = let the planner choose.")),
+                io.Int("prefetch_depth", default=0, min=0, max=8,
+                       tooltip=_help("prefetch_depth", "0 = let the planner choose.")),
+                io.Combo("activation_offload", ["auto", "on", "off"], default="auto",
+                         tooltip=_help("activation_offload", "auto = let the planner choose.")),
+                io.Boolean("gradient_checkpointing", default=True, tooltip=_help("gradient_checkpointing")),
+                io.Float("max_pinned_fraction", default=0.8, min=0.05, max=0.95, step=0.05,
+                         tooltip=_help("max_pinned_fraction")),
                 # Last: UI-format workflows store widget values by position.
-                "int8_compute": (list(INT8_COMPUTE_MODES), {"default": "dequant", "tooltip": _help("int8_compute")}),
-                "recompute_chunks": ("INT", {"default": 0, "min": 0, "max": 64,
-                                             "tooltip": _help("recompute_chunks", "0 = let the planner choose.")}),
-                "optimizer_on_host": (["auto", "on", "off"], {
-                    "default": "auto", "tooltip": _help("optimizer_on_host", "auto = let the planner choose.")}),
-                "micro_batch_size": ("INT", {"default": 0, "min": 0, "max": 64,
-                                             "tooltip": _help("micro_batch_size", "0 = let the planner choose.")}),
-                "compile": (list(COMPILE_MODES), {"default": "auto", "tooltip": _help("compile")}),
-                "activation_memory_budget": ("FLOAT", {"default": 1.0, "min": 0.05, "max": 1.0, "step": 0.05,
-                                                       "tooltip": _help("activation_memory_budget")}),
-            }
-        }
+                io.Combo("int8_compute", list(INT8_COMPUTE_MODES), default="dequant", tooltip=_help("int8_compute")),
+                io.Int("recompute_chunks", default=0, min=0, max=64,
+                       tooltip=_help("recompute_chunks", "0 = let the planner choose.")),
+                io.Combo("optimizer_on_host", ["auto", "on", "off"], default="auto",
+                         tooltip=_help("optimizer_on_host", "auto = let the planner choose.")),
+                io.Int("micro_batch_size", default=0, min=0, max=64,
+                       tooltip=_help("micro_batch_size", "0 = let the planner choose.")),
+                io.Combo("compile", list(COMPILE_MODES), default="auto", tooltip=_help("compile")),
+                io.Float("activation_memory_budget", default=1.0, min=0.05, max=1.0, step=0.05,
+                         tooltip=_help("activation_memory_budget")),
+            ])
 
-    def configure(self, mode: str = "auto", vram_budget_gb: float = 0.0, resident_blocks: int = -1,
-                  prefetch_depth: int = 0, activation_offload: str = "auto", gradient_checkpointing: bool = True,
-                  max_pinned_fraction: float = 0.8, int8_compute: str = "dequant", recompute_chunks: int = 0,
-                  optimizer_on_host: str = "auto", micro_batch_size: int = 0, compile: str = "auto",
-                  activation_memory_budget: float = 1.0):
+    @classmethod
+    def execute(cls, mode: str = "auto", vram_budget_gb: float = 0.0, resident_blocks: int = -1,
+                prefetch_depth: int = 0, activation_offload: str = "auto", gradient_checkpointing: bool = True,
+                max_pinned_fraction: float = 0.8, int8_compute: str = "dequant", recompute_chunks: int = 0,
+                optimizer_on_host: str = "auto", micro_batch_size: int = 0, compile: str = "auto",
+                activation_memory_budget: float = 1.0) -> io.NodeOutput:
         from ..engine.offload import OffloadConfig
 
         for name, value in (("activation_offload", activation_offload), ("optimizer_on_host", optimizer_on_host)):
             if value not in ("auto", "on", "off"):
                 raise ValueError(f"{name}={value!r} is not one of auto, on, off")
-        return (OffloadConfig(
+        return io.NodeOutput(OffloadConfig(
             mode=mode, vram_budget_gb=vram_budget_gb,
             resident_blocks=None if resident_blocks < 0 else resident_blocks,
             prefetch_depth=None if prefetch_depth == 0 else prefetch_depth,
@@ -81,4 +79,4 @@ class LowVRAMOffloadConfig:
             optimizer_on_host=None if optimizer_on_host == "auto" else optimizer_on_host == "on",
             micro_batch_size=micro_batch_size or None, compile=compile,
             activation_memory_budget=activation_memory_budget,
-        ),)
+        ))

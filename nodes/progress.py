@@ -23,8 +23,26 @@ def _comfy():
     return cu, mm
 
 
+def _v3_progress():
+    """ComfyUI's V3 progress call, ``ComfyAPISync().execution.set_progress(value, max, node_id, preview_image)``
+    (comfy_api.latest, ComfyUI >= 0.3.4x); None in a ComfyUI without it."""
+    try:
+        from comfy_api.latest import ComfyAPISync  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return ComfyAPISync().execution.set_progress
+
+
+#: Longest side of the sample grid shown as the node's preview (ComfyUI's own previews default to 512).
+PREVIEW_SIZE = 1024
+
+
 class ComfyCallback(TrainingCallback):
-    """Drives ComfyUI's progress bar, step text and interrupt button."""
+    """Drives ComfyUI's progress bar (with the sample grid as its preview), step text and interrupt button:
+    through V3's ``set_progress`` where ComfyUI has it, else ``comfy.utils.ProgressBar``."""
+
+    #: set_progress sends every call (ProgressBar throttles itself): at most this often, plus first and last.
+    progress_interval_s = 0.1
 
     text_interval_s = 2.0
     #: The websocket text reaches the editor only; ``comfy run --wait`` users watch the server
@@ -36,6 +54,8 @@ class ComfyCallback(TrainingCallback):
         self._bars: dict[str, object] = {}
         self._last_text = 0.0
         self._last_console: dict[str, float] = {}
+        self._set_progress = _v3_progress() if node_id is not None else None
+        self._last_progress = (float("-inf"), None)  # (time, (value, total)) of the last update sent
 
     def _console(self, stage: str, text: str, force: bool = False) -> None:
         now = time.monotonic()
@@ -61,13 +81,33 @@ class ComfyCallback(TrainingCallback):
         except Exception:
             pass
 
+    def _progress(self, stage: str, done: int, total: int, preview=None) -> None:
+        """The node's progress bar at done/total, with ``preview`` (a PIL image) as the node's image."""
+        if self._set_progress is None:
+            self._bar(stage, total).update_absolute(done, total, ("PNG", preview, PREVIEW_SIZE) if preview else None)
+            return
+        now = time.monotonic()
+        last_time, last = self._last_progress
+        if preview is None and (done, total) == last:
+            return
+        same_bar = last is not None and last[1] == total  # a new total (stage) is always shown
+        if preview is None and same_bar and now - last_time < self.progress_interval_s and 0 < done < total:
+            return
+        self._last_progress = (now, (done, total))
+        if preview is not None:
+            preview = preview.convert("RGB")
+            preview.thumbnail((PREVIEW_SIZE, PREVIEW_SIZE))
+        self._set_progress(done, total, node_id=self.node_id, preview_image=preview,
+                           ignore_size_limit=preview is not None)
+
     def on_progress(self, stage: str, done: int, total: int) -> None:
-        self._bar(stage, total).update_absolute(done, total)
+        self._progress(stage, done, total)
         self._send_text(f"{stage}: {done}/{total}", force=done >= total)
         self._console(stage, f"{stage}: {done}/{total}", force=done >= total)
 
     def on_step(self, info: StepInfo) -> None:
-        self._bar("train", info.total_steps).update_absolute(info.step, info.total_steps)
+        self._train_step = (info.step, info.total_steps)
+        self._progress("train", info.step, info.total_steps)
         text = format_step(info)
         self._send_text(format_step(info, lines=True), force=info.step in (1, info.total_steps))
         self._console("train", text, force=info.step in (1, info.total_steps))
@@ -81,9 +121,8 @@ class ComfyCallback(TrainingCallback):
     def on_sample(self, step: int, grid, path: str | None) -> None:
         """The grid becomes the node's preview image while training runs (the progress bar's preview, as
         ComfyUI's samplers show latents)."""
-        bar = self._bars.get("train")
-        if bar is not None:
-            bar.update_absolute(bar.current, bar.total, ("PNG", grid, 1024))
+        done, total = getattr(self, "_train_step", (0, 1))  # samples at step 0 come before any step
+        self._progress("train", done, total, preview=grid)
         self._console("samples", f"samples at step {step}: {path}", force=True)
 
     def on_resume(self, step: int, total: int, loss_history, lr_history) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from . import schema as io
 from .load_model import CATEGORY
 from .paths import output_dir
 
@@ -12,7 +13,7 @@ _MAX_COUNTER = 99_999
 
 def check_filename_prefix(root: Path, prefix: str) -> Path:
     """The target stem ``<root>/<prefix>`` for a valid prefix; raises ValueError naming the
-    problem and the fix. Run before training (VALIDATE_INPUTS), so a bad prefix never costs
+    problem and the fix. Run before training (validate_inputs), so a bad prefix never costs
     a training run."""
     prefix = prefix.strip().replace("\\", "/") or "lowvram_lora"
     if "\x00" in prefix:
@@ -56,18 +57,35 @@ def claim_output_paths(root: Path, prefix: str) -> tuple[Path, Path]:
                      f"choose another filename_prefix")
 
 
-class LowVRAMSaveLoRA:
-    DESCRIPTION = (
-        "Saves the LoRA as .safetensors in the output folder (plus a loss-curve PNG beside it). The 'comfyui' "
-        "format loads in ComfyUI's LoRA loaders; 'diffusers' loads with diffusers' load_lora_weights and in ComfyUI."
-    )
-    CATEGORY = CATEGORY
-    RETURN_TYPES = ()
-    OUTPUT_NODE = True
-    FUNCTION = "save"
+DESCRIPTION = (
+    "Saves the LoRA as .safetensors in the output folder (plus a loss-curve PNG beside it). The 'comfyui' "
+    "format loads in ComfyUI's LoRA loaders; 'diffusers' loads with diffusers' load_lora_weights and in ComfyUI."
+)
+
+
+class LowVRAMSaveLoRA(io.Node):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="LowVRAMSaveLoRA", display_name="Save LoRA (LowVRAM)", category=CATEGORY,
+            description=DESCRIPTION, is_output_node=True,
+            inputs=[
+                io.Custom("LOWVRAM_LORA", "lora", tooltip="The trained LoRA from Train LoRA."),
+                io.String("filename_prefix", default="loras/flux_lora",
+                          tooltip="Path inside the output folder; a counter is added, existing files are never "
+                                  "replaced. Copy the file to models/loras to use it."),
+                io.Combo("format", ["comfyui", "diffusers"], default="comfyui",
+                         tooltip="comfyui: one LoRA per projection under 'transformer.' names with an explicit "
+                                 "alpha tensor (scale 1); ComfyUI maps every key into its fused layers, and "
+                                 "diffusers loads it too. diffusers: the same names without alpha tensors "
+                                 "(diffusers' own layout; ComfyUI reads it at scale 1 as well). Both are the same "
+                                 "size."),
+                io.Combo("dtype", ["bf16", "fp16", "fp32"], default="bf16",
+                         tooltip="Precision of the saved weights. bf16 halves the file with no visible loss."),
+            ])
 
     @classmethod
-    def VALIDATE_INPUTS(cls, filename_prefix=None, **_):
+    def validate_inputs(cls, filename_prefix=None, **_):
         """ComfyUI calls this when the prompt is queued (the headless runner too), before any
         node runs: a bad prefix is reported before hours of training, not after."""
         if isinstance(filename_prefix, str):
@@ -78,30 +96,8 @@ class LowVRAMSaveLoRA:
         return True
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "lora": ("LOWVRAM_LORA", {"tooltip": "The trained LoRA from Train LoRA."}),
-                "filename_prefix": ("STRING", {
-                    "default": "loras/flux_lora",
-                    "tooltip": "Path inside the output folder; a counter is added, existing files are never replaced. "
-                               "Copy the file to models/loras to use it.",
-                }),
-                "format": (["comfyui", "diffusers"], {
-                    "default": "comfyui",
-                    "tooltip": "comfyui: one LoRA per projection under 'transformer.' names with an explicit alpha "
-                               "tensor (scale 1); ComfyUI maps every key into its fused layers, and diffusers loads "
-                               "it too. diffusers: the same names without alpha tensors (diffusers' own layout; "
-                               "ComfyUI reads it at scale 1 as well). Both are the same size.",
-                }),
-                "dtype": (["bf16", "fp16", "fp32"], {
-                    "default": "bf16",
-                    "tooltip": "Precision of the saved weights. bf16 halves the file with no visible loss.",
-                }),
-            }
-        }
-
-    def save(self, lora, filename_prefix: str = "loras/flux_lora", format: str = "comfyui", dtype: str = "bf16"):
+    def execute(cls, lora, filename_prefix: str = "loras/flux_lora", format: str = "comfyui",
+                dtype: str = "bf16") -> io.NodeOutput:
         from ..engine.lora_io import save_lora
         from ..engine.plotting import save_loss_curve
 
@@ -125,7 +121,7 @@ class LowVRAMSaveLoRA:
         root = output_dir().resolve()
         files = [{"filename": p.name, "subfolder": p.parent.resolve().relative_to(root).as_posix(), "type": "output"}
                  for p in (path, curve) + ((samples,) if samples is not None else ()) + tuple(clips)]
-        return {"ui": {"text": [str(path)], "loss_curve": [str(curve)], "files": files}, "result": ()}
+        return io.NodeOutput(ui={"text": [str(path)], "loss_curve": [str(curve)], "files": files})
 
 
 def _copy_last_samples(lora, path: Path):

@@ -4,103 +4,101 @@ from __future__ import annotations
 import os
 import uuid
 
+from . import schema as io
 from .load_model import CATEGORY
 from .paths import cache_dir, output_dir, temp_dir
 
 
-class LowVRAMTrainLoRA:
-    DESCRIPTION = (
-        "Trains a LoRA on the cached dataset with flow matching (the objective Flux was trained with). "
-        "Shows progress with loss, learning rate, seconds per step and peak VRAM, and the loss curve when done. "
-        "Rerunning with identical inputs reuses the finished run instead of training again."
-    )
-    CATEGORY = CATEGORY
-    RETURN_TYPES = ("LOWVRAM_LORA", "IMAGE", "IMAGE")
-    RETURN_NAMES = ("lora", "loss_curve", "samples")
-    OUTPUT_TOOLTIPS = ("The trained LoRA weights and their loss history.", "The loss curve as an image.",
-                       "The last sample grid (prompts x checkpoints); a blank image when sampling is off.")
-    FUNCTION = "train"
+DESCRIPTION = (
+    "Trains a LoRA on the cached dataset with flow matching (the objective Flux was trained with). "
+    "Shows progress with loss, learning rate, seconds per step and peak VRAM, and the loss curve when done. "
+    "Rerunning with identical inputs reuses the finished run instead of training again."
+)
 
+
+class LowVRAMTrainLoRA(io.Node):
     @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "model": ("LOWVRAM_MODEL", {"tooltip": "The base model from Load Quantized Slab."}),
-                "dataset": ("LOWVRAM_DATASET", {"tooltip": "The cached dataset from Cache Text Embeds."}),
-                "offload": ("LOWVRAM_OFFLOAD", {"tooltip": "Memory settings from Offload Config."}),
-                "steps": ("INT", {"default": 1000, "min": 1, "max": 1_000_000,
-                                  "tooltip": "Optimizer steps. 500-2000 is typical for a subject or style."}),
-                "learning_rate": ("FLOAT", {"default": 1e-4, "min": 1e-6, "max": 1.0, "step": 1e-6, "round": False,
-                                            "tooltip": "AdamW learning rate. 1e-4 is a safe start for Flux LoRAs."}),
-                "rank": ("INT", {"default": 16, "min": 1, "max": 256,
-                                 "tooltip": "LoRA rank: capacity and file size. 16 suits most subjects; 32-64 for styles."}),
-                "alpha": ("FLOAT", {"default": 16.0, "min": 0.01, "max": 1024.0, "step": 0.5,
-                                    "tooltip": "LoRA alpha; the update is scaled by alpha/rank. Equal to rank = scale 1."}),
-                "batch_size": ("INT", {"default": 1, "min": 1, "max": 64,
-                                       "tooltip": "Images per micro-batch (same aspect bucket). More uses more VRAM."}),
-                "gradient_accumulation": ("INT", {"default": 1, "min": 1, "max": 256,
-                                                  "tooltip": "Micro-batches per optimizer step: a larger effective "
-                                                             "batch without more VRAM."}),
-                "lr_scheduler": (["constant", "cosine"], {"default": "constant",
-                                                          "tooltip": "constant: flat after warmup; cosine: decays to 0."}),
-                "warmup_steps": ("INT", {"default": 0, "min": 0, "max": 100_000,
-                                         "tooltip": "Steps of linear learning-rate warmup at the start."}),
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="LowVRAMTrainLoRA", display_name="Train LoRA (LowVRAM)",  # ComfyUI has a built-in "Train LoRA"
+            category=CATEGORY, description=DESCRIPTION, hidden=["unique_id"],
+            outputs=[
+                io.Output("LOWVRAM_LORA", "lora", "The trained LoRA weights and their loss history."),
+                io.Output("IMAGE", "loss_curve", "The loss curve as an image."),
+                io.Output("IMAGE", "samples", "The last sample grid (prompts x checkpoints); a blank image when "
+                                              "sampling is off."),
+            ],
+            inputs=[
+                io.Custom("LOWVRAM_MODEL", "model", tooltip="The base model from Load Quantized Slab."),
+                io.Custom("LOWVRAM_DATASET", "dataset", tooltip="The cached dataset from Cache Text Embeds."),
+                io.Custom("LOWVRAM_OFFLOAD", "offload", tooltip="Memory settings from Offload Config."),
+                io.Int("steps", default=1000, min=1, max=1_000_000,
+                       tooltip="Optimizer steps. 500-2000 is typical for a subject or style."),
+                io.Float("learning_rate", default=1e-4, min=1e-6, max=1.0, step=1e-6, round=False,
+                         tooltip="AdamW learning rate. 1e-4 is a safe start for Flux LoRAs."),
+                io.Int("rank", default=16, min=1, max=256,
+                       tooltip="LoRA rank: capacity and file size. 16 suits most subjects; 32-64 for styles."),
+                io.Float("alpha", default=16.0, min=0.01, max=1024.0, step=0.5,
+                         tooltip="LoRA alpha; the update is scaled by alpha/rank. Equal to rank = scale 1."),
+                io.Int("batch_size", default=1, min=1, max=64,
+                       tooltip="Images per micro-batch (same aspect bucket). More uses more VRAM."),
+                io.Int("gradient_accumulation", default=1, min=1, max=256,
+                       tooltip="Micro-batches per optimizer step: a larger effective batch without more VRAM."),
+                io.Combo("lr_scheduler", ["constant", "cosine"], default="constant",
+                         tooltip="constant: flat after warmup; cosine: decays to 0."),
+                io.Int("warmup_steps", default=0, min=0, max=100_000,
+                       tooltip="Steps of linear learning-rate warmup at the start."),
                 # Not named "seed": ComfyUI gives inputs named seed a "control after generate"
                 # widget that defaults to randomize, which would retrain on every queue.
-                "training_seed": ("INT", {"default": 42, "min": 0, "max": 0xFFFFFFFF,
-                                          "tooltip": "Seeds LoRA init, noise, timesteps and data order: same seed, "
-                                                     "same run. Change it to train again with identical settings."}),
-                "guidance": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 10.0, "step": 0.1,
-                                       "tooltip": "Guidance value fed to guidance-distilled models (Flux.1-dev, "
-                                                  "Flux.2-dev) while training; 1.0 is the usual recipe. Ignored by "
-                                                  "models without a guidance embedding (schnell, Flux.2 klein)."}),
-                "max_grad_norm": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 100.0, "step": 0.1,
-                                            "tooltip": "Gradient clipping; 0 disables it."}),
-                "optimizer": (["adamw", "adamw8bit"], {
-                    "default": "adamw",
-                    "tooltip": "adamw: fp32 optimizer state (16 bytes per LoRA weight with its gradient); fastest. "
-                               "adamw8bit: torchao's 8-bit moments (~10 bytes): 0.28 GB less VRAM for a Flux.1 "
-                               "r16 LoRA at the same speed (one step over all LoRA weights at once: 0.98x adamw's "
-                               "step time, H100, 1024). Its first step compiles for a few seconds. CUDA only.",
-                }),
-                "save_every": ("INT", {
-                    "default": 0, "min": -1, "max": 1_000_000,
-                    "tooltip": "Save a resumable training state every N steps (0: about 10 per run, at most every "
+                io.Int("training_seed", default=42, min=0, max=0xFFFFFFFF,
+                       tooltip="Seeds LoRA init, noise, timesteps and data order: same seed, same run. Change it "
+                               "to train again with identical settings."),
+                io.Float("guidance", default=1.0, min=0.0, max=10.0, step=0.1,
+                         tooltip="Guidance value fed to guidance-distilled models (Flux.1-dev, Flux.2-dev) while "
+                                 "training; 1.0 is the usual recipe. Ignored by models without a guidance "
+                                 "embedding (schnell, Flux.2 klein)."),
+                io.Float("max_grad_norm", default=1.0, min=0.0, max=100.0, step=0.1,
+                         tooltip="Gradient clipping; 0 disables it."),
+                io.Combo("optimizer", ["adamw", "adamw8bit"], default="adamw",
+                         tooltip="adamw: fp32 optimizer state (16 bytes per LoRA weight with its gradient); "
+                                 "fastest. adamw8bit: torchao's 8-bit moments (~10 bytes): 0.28 GB less VRAM for a "
+                                 "Flux.1 r16 LoRA at the same speed (one step over all LoRA weights at once: 0.98x "
+                                 "adamw's step time, H100, 1024). Its first step compiles for a few seconds. CUDA "
+                                 "only."),
+                io.Int("save_every", default=0, min=-1, max=1_000_000,
+                       tooltip="Save a resumable training state every N steps (0: about 10 per run, at most every "
                                "250 steps; -1: never). Stopping (Cancel, Ctrl-C) also saves one, and running the "
-                               "same graph again resumes from the latest. Does not change the result.",
-                }),
+                               "same graph again resumes from the latest. Does not change the result."),
                 # Last: UI-format workflows store widget values by position.
-                "sample_every": ("INT", {"default": 0, "min": 0, "max": 1_000_000, "tooltip": _sample_help("every")}),
-                "sample_steps": ("INT", {"default": 20, "min": 1, "max": 200, "tooltip": _sample_help("steps")}),
-                "sample_resolution": ("INT", {"default": 512, "min": 64, "max": 2048, "step": 16,
-                                              "tooltip": _sample_help("resolution")}),
-                "sample_seed": ("INT", {"default": 42, "min": 0, "max": 0xFFFFFFFF, "tooltip": _sample_help("seed")}),
-                "sample_at_start": ("BOOLEAN", {"default": True, "tooltip": _sample_help("at_start")}),
-                "sample_guidance": ("FLOAT", {"default": 3.5, "min": 0.0, "max": 20.0, "step": 0.1,
-                                              "tooltip": _sample_help("guidance")}),
-                "sample_frames": ("INT", {"default": 17, "min": 1, "max": 257, "step": 4,
-                                          "tooltip": _sample_help("frames")}),
-            },
-            "optional": {
-                "split": ("LOWVRAM_SPLIT", {"tooltip": "From Dual-GPU Split: train across two GPUs (split the model, "
-                                                       "or data parallel). Unconnected: one GPU."}),
-            },
-            "hidden": {"unique_id": "UNIQUE_ID"},
-        }
+                io.Int("sample_every", default=0, min=0, max=1_000_000, tooltip=_sample_help("every")),
+                io.Int("sample_steps", default=20, min=1, max=200, tooltip=_sample_help("steps")),
+                io.Int("sample_resolution", default=512, min=64, max=2048, step=16,
+                       tooltip=_sample_help("resolution")),
+                io.Int("sample_seed", default=42, min=0, max=0xFFFFFFFF, tooltip=_sample_help("seed")),
+                io.Boolean("sample_at_start", default=True, tooltip=_sample_help("at_start")),
+                io.Float("sample_guidance", default=3.5, min=0.0, max=20.0, step=0.1,
+                         tooltip=_sample_help("guidance")),
+                io.Int("sample_frames", default=17, min=1, max=257, step=4, tooltip=_sample_help("frames")),
+                io.Custom("LOWVRAM_SPLIT", "split", optional=True,
+                          tooltip="From Dual-GPU Split: train across two GPUs (split the model, or data "
+                                  "parallel). Unconnected: one GPU."),
+            ])
 
-    def train(self, model, dataset, offload, steps: int = 1000, learning_rate: float = 1e-4, rank: int = 16,
-              alpha: float = 16.0, batch_size: int = 1, gradient_accumulation: int = 1, lr_scheduler: str = "constant",
-              warmup_steps: int = 0, training_seed: int = 42, guidance: float = 1.0, max_grad_norm: float = 1.0,
-              optimizer: str = "adamw", save_every: int = 0, sample_every: int = 0, sample_steps: int = 20,
-              sample_resolution: int = 512, sample_seed: int = 42, sample_at_start: bool = True,
-              sample_guidance: float = 3.5, sample_frames: int = 17, split=None, unique_id=None):
+    @classmethod
+    def execute(cls, model, dataset, offload, steps: int = 1000, learning_rate: float = 1e-4, rank: int = 16,
+                alpha: float = 16.0, batch_size: int = 1, gradient_accumulation: int = 1,
+                lr_scheduler: str = "constant", warmup_steps: int = 0, training_seed: int = 42,
+                guidance: float = 1.0, max_grad_norm: float = 1.0, optimizer: str = "adamw", save_every: int = 0,
+                sample_every: int = 0, sample_steps: int = 20, sample_resolution: int = 512, sample_seed: int = 42,
+                sample_at_start: bool = True, sample_guidance: float = 3.5, sample_frames: int = 17,
+                split=None) -> io.NodeOutput:
         from ..engine.config import LoraSettings, TrainConfig
         from ..engine.sampling import SamplingConfig
         from ..engine.runs.result_reuse import train_or_reuse
         from .progress import free_comfy_vram, make_callback
 
         free_comfy_vram()
-        callback = make_callback(unique_id)
+        callback = make_callback(cls.hidden.unique_id)
         if warmup_steps and warmup_steps >= steps:
             # A shipped workflow's warmup (50) must not break a short test run (steps=20).
             clamped = steps // 10
@@ -122,7 +120,7 @@ class LowVRAMTrainLoRA:
                               sample_dir=output_dir() / "lowvram_samples" / uuid.uuid4().hex[:12])
         image, ui = _loss_curve_outputs(lora)
         _add_sample_clips(lora, ui)
-        return {"ui": ui, "result": (lora, image, _samples_output(lora))}
+        return io.NodeOutput(lora, image, _samples_output(lora), ui=ui)
 
 
 def _sample_help(name: str) -> str:

@@ -63,13 +63,21 @@ def test_object_info_without_any_model_files_still_describes_every_node(tmp_path
     errors: list[str] = []
     out = object_info(NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS, errors=errors)
     assert errors == [] and list(out) == list(NODE_CLASS_MAPPINGS)
-    assert out["LowVRAMLoadQuantizedSlab"]["input"]["required"]["checkpoint"][0] == []
-    assert out["LowVRAMCacheTextEmbeds"]["input"]["required"]["text_encoders"][0] == ["(from checkpoint)", "(single files below)"]
-    assert out["LowVRAMCacheTextEmbeds"]["input"]["required"]["vae_file"][0] == ["(none)"]
+
+    def options(node, name):
+        kind, spec = out[node]["input"]["required"][name]
+        assert kind == "COMBO"  # V3 combos: the options travel in the spec (io.Combo.Input.as_dict)
+        return spec["options"]
+
+    assert options("LowVRAMLoadQuantizedSlab", "checkpoint") == []
+    assert options("LowVRAMCacheTextEmbeds", "text_encoders") == ["(from checkpoint)", "(single files below)"]
+    assert options("LowVRAMCacheTextEmbeds", "vae_file") == ["(none)"]
 
 
 @pytest.mark.parametrize("class_type", list(NODE_CLASS_MAPPINGS))
 def test_inputs_outputs_and_flags_as_comfyui_sends_them(info, class_type):
+    """The fields of ComfyUI's V3 ``asdict(Schema.get_v1_info(cls))`` (nodes/schema.py ports it; the
+    real-ComfyUI test compares it with ComfyUI's own)."""
     cls = NODE_CLASS_MAPPINGS[class_type]
     node = info[class_type]
     declared = cls.INPUT_TYPES()
@@ -83,25 +91,27 @@ def test_inputs_outputs_and_flags_as_comfyui_sends_them(info, class_type):
     assert [s.name for s in input_specs(cls)] == (node["input_order"]["required"]
                                                   + node["input_order"].get("optional", []))
     hidden = node["input"].get("hidden", {})
-    assert hidden == hidden_inputs(cls) and set(hidden.values()) <= COMFY_HIDDEN_KINDS
+    assert {k: v[0] for k, v in hidden.items()} == hidden_inputs(cls)
+    assert set(hidden_inputs(cls).values()) <= COMFY_HIDDEN_KINDS
     for section in ("required", "optional"):
         for name, spec in node["input"].get(section, {}).items():
-            assert isinstance(spec, list) and 1 <= len(spec) <= 2, name
-            kind, options = spec[0], (spec[1] if len(spec) > 1 else {})
-            assert isinstance(kind, (str, list)) and isinstance(options, dict), name
+            assert isinstance(spec, list) and len(spec) == 2, name
+            kind, options = spec
+            assert isinstance(kind, str) and isinstance(options, dict) and options.get("tooltip"), name
             if "default" in options and kind in ("INT", "FLOAT"):
                 assert options.get("min", options["default"]) <= options["default"] <= options.get("max", options["default"])
-            if isinstance(kind, list) and "default" in options:
-                assert options["default"] in kind, name
+            if kind == "COMBO":
+                assert options["multiselect"] is False and isinstance(options["options"], list), name
+                if "default" in options and options["options"]:
+                    assert options["default"] in options["options"], name
 
     # Outputs.
     outputs = list(return_types(cls))
     assert node["output"] == outputs
     assert node["output_is_list"] == [False] * len(outputs)
-    assert node["output_name"] == list(getattr(cls, "RETURN_NAMES", outputs))
-    assert len(node["output_name"]) == len(outputs)
-    if "output_tooltips" in node:
-        assert len(node["output_tooltips"]) == len(outputs)
+    assert node["output_name"] == list(cls.RETURN_NAMES)
+    assert node["output_tooltips"] == list(cls.OUTPUT_TOOLTIPS) and all(node["output_tooltips"])
+    assert node["output_matchtypes"] is None
 
     # Flags and labels.
     assert node["output_node"] is (class_type == "LowVRAMSaveLoRA")
@@ -111,8 +121,8 @@ def test_inputs_outputs_and_flags_as_comfyui_sends_them(info, class_type):
     assert node["category"] == "LowVRAM LoRA"
     assert node["python_module"] == PACK_MODULE == "custom_nodes.lowvram-lora"
     assert isinstance(node["description"], str) and node["description"]
-    assert node["search_aliases"] == []
-    assert not {"deprecated", "experimental", "dev_only", "api_node"} & set(node)
+    assert node["search_aliases"] is None
+    assert node["deprecated"] is node["experimental"] is node["dev_only"] is node["api_node"] is False
 
 
 def test_one_node_exactly_as_comfyui_sends_it(info):
@@ -120,27 +130,39 @@ def test_one_node_exactly_as_comfyui_sends_it(info):
     spec = save.INPUT_TYPES()["required"]
     assert info["LowVRAMSaveLoRA"] == {
         "input": {"required": {
-            "lora": ["LOWVRAM_LORA", spec["lora"][1]],
-            "filename_prefix": ["STRING", spec["filename_prefix"][1]],
-            "format": [["comfyui", "diffusers"], spec["format"][1]],
-            "dtype": [["bf16", "fp16", "fp32"], spec["dtype"][1]],
-        }},
-        "input_order": {"required": ["lora", "filename_prefix", "format", "dtype"]},
+            "lora": ["LOWVRAM_LORA", {"tooltip": spec["lora"][1]["tooltip"]}],
+            "filename_prefix": ["STRING", {"tooltip": spec["filename_prefix"][1]["tooltip"],
+                                           "default": "loras/flux_lora", "multiline": False}],
+            "format": ["COMBO", {"tooltip": spec["format"][1]["tooltip"], "default": "comfyui",
+                                 "multiselect": False, "options": ["comfyui", "diffusers"]}],
+            "dtype": ["COMBO", {"tooltip": spec["dtype"][1]["tooltip"], "default": "bf16",
+                                "multiselect": False, "options": ["bf16", "fp16", "fp32"]}],
+        }, "hidden": {"prompt": ["PROMPT"], "extra_pnginfo": ["EXTRA_PNGINFO"]}},  # io.Schema.finalize adds them
+        "input_order": {"required": ["lora", "filename_prefix", "format", "dtype"],
+                        "hidden": ["prompt", "extra_pnginfo"]},
         "is_input_list": False,
         "output": [],
         "output_is_list": [],
         "output_name": [],
+        "output_tooltips": [],
+        "output_matchtypes": None,
         "name": "LowVRAMSaveLoRA",
         "display_name": "Save LoRA (LowVRAM)",
         "description": save.DESCRIPTION,
         "python_module": "custom_nodes.lowvram-lora",
         "category": "LowVRAM LoRA",
         "output_node": True,
+        "deprecated": False,
+        "experimental": False,
+        "dev_only": False,
+        "api_node": False,
+        "price_badge": None,
+        "search_aliases": None,
+        "essentials_category": None,
         "has_intermediate_output": False,
-        "search_aliases": [],
     }
     train = info["LowVRAMTrainLoRA"]
-    assert train["input"]["hidden"] == {"unique_id": "UNIQUE_ID"}
+    assert train["input"]["hidden"] == {"unique_id": ["UNIQUE_ID"]}
     assert train["input_order"]["hidden"] == ["unique_id"]
     assert train["input_order"]["required"][:4] == ["model", "dataset", "offload", "steps"]
     assert train["output"] == ["LOWVRAM_LORA", "IMAGE", "IMAGE"]
@@ -151,7 +173,8 @@ def test_node_info_uses_the_loader_module_name_or_the_class_attribute():
     assert node_info("LowVRAMOffloadConfig", NODE_CLASS_MAPPINGS, {}, "custom_nodes.other")["python_module"] \
         == "custom_nodes.other"
     plain = node_info("LowVRAMOffloadConfig", NODE_CLASS_MAPPINGS, {}, None)
-    assert plain["python_module"] == "nodes" and plain["display_name"] == "LowVRAMOffloadConfig"
+    # A V3 node names itself (its schema's display_name) whatever the display-name mapping says.
+    assert plain["python_module"] is None and plain["display_name"] == "Offload Config"  # as ComfyUI's V3 nodes
 
 
 # --------------------------------------------------------------------------- comfy-cli

@@ -14,7 +14,8 @@ COMFY_BUILTIN_DISPLAY = {"Train LoRA", "Save LoRA Weights", "Load LoRA Model", "
 
 
 def test_pack_exports_and_display_names():
-    assert lowvram_lora.NODE_CLASS_MAPPINGS is NODE_CLASS_MAPPINGS
+    assert not hasattr(lowvram_lora, "NODE_CLASS_MAPPINGS") and callable(lowvram_lora.comfy_entrypoint)
+    assert all(cls.__name__ == node_id == cls.GET_SCHEMA().node_id for node_id, cls in NODE_CLASS_MAPPINGS.items())
     assert lowvram_lora.WEB_DIRECTORY == "./web"
     assert set(NODE_DISPLAY_NAME_MAPPINGS.values()) == {
         "Load Quantized Slab", "Cache Text Embeds", "Offload Config", "Dual-GPU Split", "Train LoRA (LowVRAM)",
@@ -32,7 +33,7 @@ def test_node_class_follows_comfyui_conventions(node_id):
     for name, entry in spec["required"].items():
         assert len(entry) == 2 and entry[1].get("tooltip"), f"{node_id}.{name} needs a tooltip"
         t = entry[0]
-        assert isinstance(t, list) or t in ("INT", "FLOAT", "STRING", "BOOLEAN") or t.startswith("LOWVRAM_")
+        assert t in ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO") or t.startswith("LOWVRAM_")
     for t in cls.RETURN_TYPES:
         assert t.startswith("LOWVRAM_") or t == "IMAGE"
     assert len(getattr(cls, "RETURN_NAMES", cls.RETURN_TYPES)) == len(cls.RETURN_TYPES)
@@ -132,9 +133,12 @@ def test_pack_loads_the_way_comfyui_loads_custom_nodes(monkeypatch):
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, name, module)
     spec.loader.exec_module(module)
-    assert set(module.NODE_CLASS_MAPPINGS) == set(NODE_CLASS_MAPPINGS)
+    # ComfyUI takes NODE_CLASS_MAPPINGS over comfy_entrypoint: the V3 entry point only works without it.
+    assert not hasattr(module, "NODE_CLASS_MAPPINGS") and callable(module.comfy_entrypoint)
     assert module.WEB_DIRECTORY == "./web" and (root / "web" / "lowvram_lora.js").exists()
-    for cls in module.NODE_CLASS_MAPPINGS.values():
+    nodes = importlib.import_module(name + ".nodes")
+    assert set(nodes.NODE_CLASS_MAPPINGS) == set(NODE_CLASS_MAPPINGS)
+    for cls in nodes.NODE_CLASS_MAPPINGS.values():
         cls.INPUT_TYPES()  # ComfyUI calls this at start-up, with folder_paths absent here
     assert sys.modules["nodes"] is fake_comfy_nodes
     for key in [k for k in sys.modules if k.startswith(name + ".")]:
@@ -145,18 +149,18 @@ def test_offload_node_maps_widget_sentinels_and_refuses_bad_combinations():
     from lowvram_lora.engine.errors import ConfigError
     from lowvram_lora.nodes.offload_config import LowVRAMOffloadConfig
 
-    node = LowVRAMOffloadConfig()
-    (auto,) = node.configure()
+    node = LowVRAMOffloadConfig
+    (auto,) = node.execute().args
     assert auto.mode == "auto" and auto.resident_blocks is None and auto.prefetch_depth is None
     assert auto.activation_offload is None and auto.vram_budget_gb == 0.0
-    (stream,) = node.configure(mode="stream", resident_blocks=3, prefetch_depth=1, activation_offload="on")
+    (stream,) = node.execute(mode="stream", resident_blocks=3, prefetch_depth=1, activation_offload="on").args
     assert (stream.resident_blocks, stream.prefetch_depth, stream.activation_offload) == (3, 1, True)
     with pytest.raises(ConfigError, match="gradient_checkpointing"):
-        node.configure(mode="stream", gradient_checkpointing=False)
+        node.execute(mode="stream", gradient_checkpointing=False)
     with pytest.raises(ConfigError, match="only apply to streaming"):
-        node.configure(mode="resident", prefetch_depth=2)
+        node.execute(mode="resident", prefetch_depth=2)
     with pytest.raises(ConfigError, match="only applies to mode='auto'"):
-        node.configure(mode="stream", vram_budget_gb=4)
+        node.execute(mode="stream", vram_budget_gb=4)
 
 
 def test_auto_trains_resident_on_cpu_and_stream_needs_cuda(tiny_pipeline, tiny_cache):
@@ -235,7 +239,7 @@ def test_a_relative_dataset_path_is_found_in_comfyuis_input_folder_first(tmp_pat
     assert f"{cwd / 'my_subject'} (the working directory)" in msg
     assert msg.index(str(comfy_input)) < msg.index(str(cwd))  # in the order tried
     assert f"Put the images (png/jpg/webp) with their .txt captions in {comfy_input / 'my_subject'}" in msg
-    assert LowVRAMCacheTextEmbeds.IS_CHANGED(dataset_path="my_subject") == "my_subject"  # no error before it runs
+    assert LowVRAMCacheTextEmbeds.fingerprint_inputs(dataset_path="my_subject") == "my_subject"  # no error before it runs
 
     (cwd / "my_subject").mkdir()
     assert resolve_dataset_path("my_subject") == (cwd / "my_subject").resolve()  # the working directory, second
