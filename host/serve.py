@@ -693,8 +693,7 @@ def build_app(host: PromptHost, static: Path):
             args = jobs.parse_list_query(request.rel_url.query)
         except jobs.JobsQueryError as exc:
             return web.json_response({"error": str(exc)}, status=400)
-        found, total = jobs.list_jobs(*host.snapshot(), **args)
-        return web.json_response(jobs.page(found, total, args["limit"], args["offset"]))
+        return web.json_response(jobs.list_reply(*host.snapshot(), **args))
 
     @routes.get("/api/jobs/{job_id}")
     async def get_job(request):
