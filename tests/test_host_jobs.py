@@ -370,6 +370,40 @@ def test_subgraphs_and_the_required_frontend_version(app_client):
     run(test)
 
 
+def test_what_the_editor_loads_on_every_start_is_answered_without_404s(app_client):
+    """Frontend 1.58.1 loads ./user.css, api/userdata/user.css and comfy.templates.json on every page load, and asks
+    api.comfy.org about ComfyUI releases unless Comfy.Notification.ShowVersionUpdates is off: with none of the
+    files made, each was a console error (tests/comfyui/editor_queue.py saw them). A user's own files and
+    settings still win, and the defaults are never written."""
+    host, run = app_client
+
+    async def test(c):
+        for url, kind, text in (("/user.css", "text/css", ""), ("/api/userdata/user.css", "text/css", ""),
+                                ("/api/userdata/comfy.templates.json", "application/json", "[]")):
+            r = await c.get(url)
+            assert r.status == 200 and r.content_type == kind and await r.text() == text, url
+        assert (await c.get("/api/userdata/other.json")).status == 404
+        assert (await c.get("/api/settings/Comfy.Notification.ShowVersionUpdates")).status == 200
+        assert await (await c.get("/api/settings/Comfy.Notification.ShowVersionUpdates")).json() is False
+        assert (await c.post("/api/settings", json={"Comfy.Locale": "en"})).status == 200
+        assert json.loads((host.user_dir / "comfy.settings.json").read_text()) == {"Comfy.Locale": "en"}
+        (host.user_dir / "user.css").write_text("body { color: red }")
+        assert await (await c.get("/api/userdata/user.css")).text() == "body { color: red }"
+        assert (await c.post("/api/settings/Comfy.Notification.ShowVersionUpdates", json=True)).status == 200
+        assert (await (await c.get("/api/settings")).json())["Comfy.Notification.ShowVersionUpdates"] is True
+
+    run(test)
+
+
+def test_the_startup_line_says_when_the_frontend_is_outside_the_checked_range():
+    from lowvram_lora.host.serve import MIN_FRONTEND_VERSION, NEWEST_CHECKED_FRONTEND, frontend_notice
+
+    for inside_range in (MIN_FRONTEND_VERSION, "1.49.6", NEWEST_CHECKED_FRONTEND, None, "not a version"):
+        assert frontend_notice(inside_range) is None, inside_range
+    assert "newer than 1.58.1" in frontend_notice("1.60.0") and "==1.58.1" in frontend_notice("1.60.0")
+    assert "older than 1.27.10" in frontend_notice("1.26.0")
+
+
 def test_a_queued_prompt_carries_create_time_and_client_id(tmp_path):
     """serve stamps extra_data as ComfyUI's POST /prompt does (the newer frontends require create_time)."""
     from lowvram_lora.host.serve import PromptHost
