@@ -7,11 +7,22 @@ while a prompt trains. The shapes and rules here are ComfyUI 0.33's (``comfy_exe
 routes in ``server.py``), written again for our queue: tests/test_host_jobs.py runs ComfyUI's own functions on
 the same queue and history and compares the JSON.
 
+Keyset paging (``after`` / ``pagination.next_cursor``): ComfyUI 0.33's ``/api/jobs`` has no cursor (offset and
+limit only). The shape here is the one the frontend's generated API types document for ``GET /api/jobs``
+(1.58.1, ``packages/ingest-types/src/zod.gen.ts``: ``zListJobsQuery.after``, ``zPaginationInfo.next_cursor``) and
+its cursor walkers follow (``assetService.ts``, ``assetsStore.ts``): ``next_cursor`` is an opaque string given
+while more jobs follow; a request with ``after`` resumes just past that job and ignores ``offset``. 1.58.1's own
+queue and history panels still page by offset; both work, and an offset reply carries a cursor too, so a client
+can switch to cursors after its first page (as assetsStore does).
+
 Inputs are ComfyUI's forms: a queue item is ``(number, prompt_id, prompt, extra_data, outputs_to_execute)``,
 a history entry ``{"prompt": (that tuple), "outputs", "status": {"status_str", "messages"}}``.
 """
 from __future__ import annotations
 
+import base64
+import binascii
+import json
 import uuid
 from typing import Any, Callable, Iterable
 
@@ -143,10 +154,55 @@ def history_job(prompt_id: str, entry: dict, full: bool = False) -> dict:
     return job
 
 
-def list_jobs(running: list, pending: list, history: dict, statuses: list[str] | None = None,
-              workflow_id: str | None = None, sort_by: str = "created_at", sort_order: str = "desc",
-              limit: int | None = None, offset: int = 0) -> tuple[list[dict], int]:
-    """(the page of jobs, how many match): running, pending and finished jobs, filtered, sorted, paged."""
+def _sort_key(sort_by: str) -> Callable[[dict], Any]:
+    if sort_by == "execution_duration":
+        def key(j):
+            s, e = j.get("execution_start_time", 0), j.get("execution_end_time", 0)
+            return e - s if s and e else 0
+        return key
+    return lambda j: j.get("create_time", 0)
+
+
+def encode_cursor(job: dict, sort_by: str = "created_at") -> str:
+    """The opaque ``next_cursor`` that resumes just past ``job``: its id and sort key, as base64url JSON."""
+    raw = json.dumps([job["id"], _sort_key(sort_by)(job)], separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[str, Any]:
+    """(job id, sort key) of a cursor from encode_cursor; JobsQueryError for anything else."""
+    try:
+        value = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+    except (binascii.Error, ValueError, UnicodeDecodeError):
+        value = None
+    if (not isinstance(value, list) or len(value) != 2 or not isinstance(value[0], str)
+            or not isinstance(value[1], (int, float)) or isinstance(value[1], bool)):
+        raise JobsQueryError("after must be a pagination.next_cursor from an earlier GET /api/jobs reply")
+    return value[0], value[1]
+
+
+def _resume_at(jobs: list[dict], after: str, sort_by: str, descending: bool) -> int:
+    """Where a page asked for with ``after`` starts in ``jobs`` (filtered and sorted as that cursor's page was).
+
+    Just past the cursor's job when it is still listed, so jobs queued since (which sort first in the default
+    newest-first order) shift nothing. If it left the list (a pending job that started, a status filter it
+    no longer matches, history pruned), at the first job whose sort key lies strictly past the cursor's:
+    none is repeated; jobs that share the vanished job's exact key (same millisecond) may be skipped."""
+    job_id, cursor_key = decode_cursor(after)
+    for i, job in enumerate(jobs):
+        if job["id"] == job_id:
+            return i + 1
+    key = _sort_key(sort_by)
+    for i, job in enumerate(jobs):
+        if (key(job) < cursor_key) if descending else (key(job) > cursor_key):
+            return i
+    return len(jobs)
+
+
+def _select(running: list, pending: list, history: dict, statuses: list[str] | None = None,
+            workflow_id: str | None = None, sort_by: str = "created_at", sort_order: str = "desc",
+            limit: int | None = None, offset: int = 0, after: str | None = None) -> tuple[list[dict], int, int]:
+    """(every matching job in order, where the page starts, where it ends)."""
     wanted = set(STATUSES if statuses is None else statuses)  # status="," asks for none, as in ComfyUI
     jobs = []
     if IN_PROGRESS in wanted:
@@ -157,17 +213,28 @@ def list_jobs(running: list, pending: list, history: dict, statuses: list[str] |
         jobs += [j for pid, e in history.items() if (j := history_job(pid, e))["status"] in wanted]
     if workflow_id:
         jobs = [j for j in jobs if j.get("workflow_id") == workflow_id]
-    if sort_by == "execution_duration":
-        def key(j):
-            s, e = j.get("execution_start_time", 0), j.get("execution_end_time", 0)
-            return e - s if s and e else 0
-    else:
-        def key(j):
-            return j.get("create_time", 0)
-    jobs = sorted(jobs, key=key, reverse=sort_order == "desc")
-    total = len(jobs)
-    jobs = jobs[offset:] if offset > 0 else jobs
-    return (jobs[:limit] if limit is not None else jobs), total
+    jobs = sorted(jobs, key=_sort_key(sort_by), reverse=sort_order == "desc")  # stable: ties keep queue order
+    start = _resume_at(jobs, after, sort_by, sort_order == "desc") if after else max(0, offset)
+    end = len(jobs) if limit is None else min(len(jobs), start + limit)
+    return jobs, min(start, len(jobs)), end
+
+
+def list_jobs(running: list, pending: list, history: dict, **query) -> tuple[list[dict], int]:
+    """(the page of jobs, how many match): running, pending and finished jobs, filtered, sorted, paged, as
+    ComfyUI's ``get_all_jobs``; ``query`` is parse_list_query's dict."""
+    jobs, start, end = _select(running, pending, history, **query)
+    return jobs[start:end], len(jobs)
+
+
+def list_reply(running: list, pending: list, history: dict, **query) -> dict:
+    """The body of ``GET /api/jobs``: ComfyUI's ``{"jobs", "pagination"}``, plus ``pagination.next_cursor``
+    while more jobs follow. With ``after``, ``pagination.offset`` says where the page starts."""
+    jobs, start, end = _select(running, pending, history, **query)
+    pagination = {"offset": start if query.get("after") else query.get("offset", 0), "limit": query.get("limit"),
+                  "total": len(jobs), "has_more": end < len(jobs)}
+    if end < len(jobs) and end > start:
+        pagination["next_cursor"] = encode_cursor(jobs[end - 1], query.get("sort_by", "created_at"))
+    return {"jobs": jobs[start:end], "pagination": pagination}
 
 
 def find_job(prompt_id: str, running: list, pending: list, history: dict) -> dict | None:
@@ -208,13 +275,11 @@ def parse_list_query(query) -> dict:
             offset = max(0, int(query["offset"]))
         except (TypeError, ValueError):
             raise JobsQueryError("offset must be an integer") from None
+    after = query.get("after") or None
+    if after is not None:
+        decode_cursor(after)  # a malformed cursor is a 400 before anything is listed
     return {"statuses": statuses, "workflow_id": query.get("workflow_id"), "sort_by": sort_by,
-            "sort_order": sort_order, "limit": limit, "offset": offset}
-
-
-def page(jobs: list[dict], total: int, limit: int | None, offset: int) -> dict:
-    return {"jobs": jobs, "pagination": {"offset": offset, "limit": limit, "total": total,
-                                         "has_more": offset + len(jobs) < total}}
+            "sort_order": sort_order, "limit": limit, "offset": offset, "after": after}
 
 
 def is_job_id(value: Any) -> bool:

@@ -7,8 +7,9 @@ backed by our node classes and the executor ``lowvram-lora run`` uses (host/exec
 message shapes follow ComfyUI 0.3.64 (``server.py``, ``app/user_manager.py``, ``app/app_settings.py``,
 ``app/custom_node_manager.py``, ``execution.py``, ``main.py``), which serves frontend 1.27, the oldest the
 ``editor`` extra accepts; every route answers with and without the ``/api`` prefix, as ComfyUI's do. Newer
-frontends (1.5x; 1.58.1 checked) read the queue and history only from ComfyUI 0.33's ``/api/jobs``
-(host/jobs.py) and ask for ``/global_subgraphs``; both are here too, so 1.27 to 1.58 work.
+frontends (1.5x; 1.58.1 checked: NEWEST_CHECKED_FRONTEND) read the queue and history only from ComfyUI 0.33's
+``/api/jobs`` (host/jobs.py) and ask for ``/global_subgraphs``; both are here too, so 1.27 to 1.58 work. The
+startup line names the installed frontend and says when it lies outside that range.
 
 - One prompt runs at a time, in a worker thread (the event loop stays free for the websocket);
   ``POST /interrupt`` stops it at the next step (the engine saves its resumable state).
@@ -44,6 +45,17 @@ FEATURE_FLAGS = {"supports_preview_metadata": True, "max_upload_size": MAX_BODY_
 #: The oldest frontend serve works with (the extras' lower bound; tests/test_host_jobs.py checks they agree).
 #: Reported as /system_stats' required_frontend_version: an older frontend shows ComfyUI's "outdated" warning.
 MIN_FRONTEND_VERSION = "1.27.10"
+#: The newest frontend checked in the browser under serve (tests/comfyui/editor_queue.py: the queue panel shows the
+#: running job, no console errors; docs/screenshots/issue28-serve158/). A newer one is served, with a notice.
+NEWEST_CHECKED_FRONTEND = "1.58.1"
+#: Settings serve answers while the user has not set them. The frontend asks api.comfy.org about ComfyUI releases
+#: for the version /system_stats reports; serve is no ComfyUI (its "lowvram-lora ... (serve)" is no release),
+#: so the answer could only announce updates that do not apply, and offline it logs two console errors.
+SETTING_DEFAULTS = {"Comfy.Notification.ShowVersionUpdates": False}
+#: User files the editor loads on every start (index.html links both user.css; the legacy node-template manager
+#: reads comfy.templates.json): while absent, serve answers what an empty one means. ComfyUI answers 404, which the
+#: frontend handles but the browser logs as a console error on every page load.
+EDITOR_USERDATA_DEFAULTS = {"user.css": ("text/css", ""), "comfy.templates.json": ("application/json", "[]")}
 PACK = "lowvram-lora"
 WEB_DIR = Path(__file__).resolve().parent.parent / "web"
 SERVE_WEB_DIR = Path(__file__).resolve().parent / "serve_web"  # extensions only this server loads
@@ -129,6 +141,34 @@ def frontend_static_dir() -> Path:
     from importlib.resources import files
 
     return Path(str(files(comfyui_frontend_package) / "static"))
+
+
+def frontend_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("comfyui-frontend-package")
+    except PackageNotFoundError:
+        return None
+
+
+def frontend_notice(installed: str | None) -> str | None:
+    """A line for the console when the installed frontend lies outside what serve was checked with, else None."""
+    try:
+        from packaging.version import InvalidVersion, Version  # there with transformers (its dependency)
+    except ImportError:
+        return None
+    try:
+        v = Version(installed or "")
+    except InvalidVersion:
+        return None
+    if v < Version(MIN_FRONTEND_VERSION):
+        return (f"comfyui-frontend-package {installed} is older than {MIN_FRONTEND_VERSION}, the oldest serve works "
+                f"with: pip install 'comfyui-frontend-package>={MIN_FRONTEND_VERSION}'")
+    if v > Version(NEWEST_CHECKED_FRONTEND):
+        return (f"comfyui-frontend-package {installed} is newer than {NEWEST_CHECKED_FRONTEND}, the newest checked "
+                f"with serve; if the editor misbehaves, pip install 'comfyui-frontend-package=={NEWEST_CHECKED_FRONTEND}'")
+    return None
 
 
 def inside(root: Path, relative: str) -> Path:
@@ -428,6 +468,12 @@ def build_app(host: PromptHost, static: Path):
         resp.headers["Cache-Control"] = "no-cache"
         return resp
 
+    @routes.get("/user.css")
+    async def root_user_css(request):
+        # index.html links ./user.css (a leftover of ComfyUI's old web folder; ComfyUI answers 404) besides
+        # api/userdata/user.css, which carries the user's own stylesheet.
+        return web.Response(text="", content_type="text/css")
+
     @both("GET", "/ws")
     async def websocket(request):
         # Messages from the editor are small (feature flags); a larger one closes the socket (1009).
@@ -466,11 +512,11 @@ def build_app(host: PromptHost, static: Path):
 
     @both("GET", "/settings")
     async def get_settings(request):
-        return web.json_response(read_settings())
+        return web.json_response({**SETTING_DEFAULTS, **read_settings()})  # defaults are never written
 
     @both("GET", "/settings/{id}")
     async def get_setting(request):
-        return web.json_response(read_settings().get(request.match_info["id"]))
+        return web.json_response({**SETTING_DEFAULTS, **read_settings()}.get(request.match_info["id"]))
 
     @both("POST", "/settings")
     async def post_settings(request):
@@ -504,6 +550,9 @@ def build_app(host: PromptHost, static: Path):
     async def get_userdata(request):
         path = inside(host.user_dir, request.match_info["file"])
         if not path.is_file():
+            default = EDITOR_USERDATA_DEFAULTS.get(request.match_info["file"])
+            if default is not None:
+                return web.Response(text=default[1], content_type=default[0])
             return web.json_response({"error": "not found"}, status=404)
         return web.FileResponse(path)
 
@@ -693,8 +742,7 @@ def build_app(host: PromptHost, static: Path):
             args = jobs.parse_list_query(request.rel_url.query)
         except jobs.JobsQueryError as exc:
             return web.json_response({"error": str(exc)}, status=400)
-        found, total = jobs.list_jobs(*host.snapshot(), **args)
-        return web.json_response(jobs.page(found, total, args["limit"], args["offset"]))
+        return web.json_response(jobs.list_reply(*host.snapshot(), **args))
 
     @routes.get("/api/jobs/{job_id}")
     async def get_job(request):
@@ -825,8 +873,12 @@ def serve_command(args, mappings, display) -> int:
         threading.Thread(target=host.worker, name="lowvram-prompt-worker", daemon=True).start()
 
     app.on_startup.append(start)
-    print(f"lowvram-lora serve: http://{args.listen}:{args.port} (editor from {static}; models {models}, "
-          f"outputs {output}, user data {user})", flush=True)
+    installed = frontend_version()
+    print(f"lowvram-lora serve: http://{args.listen}:{args.port} (editor {installed or '?'} from {static}; "
+          f"models {models}, outputs {output}, user data {user})", flush=True)
+    notice = frontend_notice(installed)
+    if notice:
+        print(f"lowvram-lora serve: {notice}", flush=True)
     try:
         web.run_app(app, host=args.listen, port=args.port, print=None)
     except OSError as exc:  # the bind: port in use, an address that is not ours, a privileged port

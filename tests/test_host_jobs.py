@@ -3,6 +3,8 @@
 - host/jobs.py against ComfyUI 0.33's own ``comfy_execution/jobs.py`` (where LOWVRAM_COMFYUI_DIR points at a
   ComfyUI that has it): the same queue and history give the same JSON, for our nodes' outputs and for the
   odd outputs ComfyUI's rules single out (3D names, text, tuples, None, formats, the ``animated`` flag).
+- The ``after`` cursor (``pagination.next_cursor``), which ComfyUI 0.33 lacks: a walk lists every job once,
+  stays right when jobs are queued between pages, and resumes when the cursor's job left the list.
 - The routes through the app: the fields frontend 1.58.1's schema requires (its ``fetchJobsRaw``), paging,
   ComfyUI's 400 and 404 answers, cancelling a pending and the running job, ``/global_subgraphs``, and
   ``/system_stats``' required_frontend_version (the extras' lower bound).
@@ -155,6 +157,73 @@ def test_the_summary_rules_on_their_own():
     assert jobs.history_job(P[5], HISTORY[P[5]])["execution_error"]["node_type"] == "LowVRAMCacheTextEmbeds"
 
 
+# ----------------------------------------------------------------- the ``after`` cursor (not in ComfyUI 0.33)
+
+
+def _walk(running, pending, history, limit, **query):
+    """Every page of a cursor walk (the frontend's assetsStore loop: ``after`` = the last ``next_cursor``
+    until there is none), as lists of ids."""
+    pages, after = [], None
+    for _ in range(20):
+        reply = jobs.list_reply(running, pending, history, **{**jobs.parse_list_query(
+            {"limit": str(limit), **query, **({"after": after} if after else {})})})
+        pages.append([j["id"] for j in reply["jobs"]])
+        after = reply["pagination"].get("next_cursor")
+        assert (after is not None) == reply["pagination"]["has_more"]
+        if after is None:
+            return pages
+    raise AssertionError("the cursor walk did not end")
+
+
+@pytest.mark.parametrize("query", [{}, {"sort_order": "asc"}, {"sort_by": "execution_duration"},
+                                   {"status": "completed,failed,cancelled"}, {"status": "in_progress,pending"}])
+@pytest.mark.parametrize("limit", [1, 2, 3, 50])
+def test_a_cursor_walk_lists_every_job_once_in_order(query, limit):
+    everything = [j["id"] for j in jobs.list_jobs(RUNNING, PENDING, HISTORY, **jobs.parse_list_query(query))[0]]
+    pages = _walk(RUNNING, PENDING, HISTORY, limit, **query)
+    assert [i for p in pages for i in p] == everything
+    assert all(len(p) == limit for p in pages[:-1])
+
+
+def test_a_cursor_walk_is_stable_when_jobs_are_queued_between_pages():
+    """The point of a keyset cursor: a job queued between two pages (newest, so first) shifts an offset walk,
+    which then shows a job twice; the cursor walk goes on just past the last job it showed."""
+    query = jobs.parse_list_query({"limit": "2"})
+    first = jobs.list_reply(RUNNING, PENDING, HISTORY, **query)
+    newer = PENDING + [(8, P[7], PROMPT, _extra(7000), ["1"])]
+    by_offset = jobs.list_reply(RUNNING, newer, HISTORY, **{**query, "offset": 2})
+    by_cursor = jobs.list_reply(RUNNING, newer, HISTORY, **{**query, "after": first["pagination"]["next_cursor"]})
+    shown = [j["id"] for j in first["jobs"]]
+    assert shown == [P[1], P[0]]
+    assert by_offset["jobs"][0]["id"] in shown  # the offset walk repeats P[0]
+    assert [j["id"] for j in by_cursor["jobs"]] == [P[6], P[5]]
+    assert by_cursor["pagination"]["offset"] == 3  # where the page starts now (P[7], P[1], P[0] come first)
+
+
+def test_a_cursor_whose_job_left_the_list_resumes_past_its_time():
+    """The running job of page one finished before page two was asked for (status filter: queue only): the
+    walk goes on with the jobs created before it, repeating none."""
+    query = jobs.parse_list_query({"status": "in_progress,pending", "limit": "2"})
+    pending = PENDING[:1] + [(4, P[7], PROMPT, _extra(4500), ["1"])]
+    first = jobs.list_reply(RUNNING, pending, HISTORY, **query)
+    assert [j["id"] for j in first["jobs"]] == [P[1], P[0]]
+    later = jobs.list_reply([], pending, HISTORY, **{**query, "after": first["pagination"]["next_cursor"]})
+    assert [j["id"] for j in later["jobs"]] == [P[7]] and "next_cursor" not in later["pagination"]
+
+
+def test_the_cursor_is_ignored_by_comfyuis_fields_and_bad_cursors_are_400s():
+    reply = jobs.list_reply(RUNNING, PENDING, HISTORY, **jobs.parse_list_query({"limit": "2", "offset": "0"}))
+    assert {k: v for k, v in reply["pagination"].items() if k != "next_cursor"} == {
+        "offset": 0, "limit": 2, "total": 7, "has_more": True}
+    cursor = reply["pagination"]["next_cursor"]
+    ignoring_offset = jobs.list_reply(RUNNING, PENDING, HISTORY,
+                                      **jobs.parse_list_query({"limit": "2", "offset": "5", "after": cursor}))
+    assert [j["id"] for j in ignoring_offset["jobs"]] == [P[6], P[5]]
+    for bad in ("x", "bm9wZQ", cursor[:-3], "WzEsMl0"):  # not base64 JSON, "nope", cut short, [1, 2]
+        with pytest.raises(jobs.JobsQueryError, match="after must be a pagination.next_cursor"):
+            jobs.parse_list_query({"after": bad})
+
+
 # ----------------------------------------------------------------- the routes
 
 
@@ -220,10 +289,15 @@ def test_the_queue_panel_request_lists_the_running_job(app_client):
             if job["id"] != P[2]:  # P[2] was queued without create_time (not by serve): ComfyUI omits it too
                 _frontend_job_schema_ok(job)
         history = await (await c.get("/api/jobs?status=completed,failed,cancelled&limit=2&offset=0")).json()
+        cursor = history["pagination"].pop("next_cursor")
         assert history["pagination"] == {"offset": 0, "limit": 2, "total": 4, "has_more": True}
         assert [j["id"] for j in history["jobs"]] == [P[6], P[5]]  # newest first
         for job in history["jobs"]:
             _frontend_job_schema_ok(job)
+        rest = await (await c.get("/api/jobs", params={"status": "completed,failed,cancelled", "limit": "2",
+                                                       "after": cursor})).json()
+        assert [j["id"] for j in rest["jobs"]] == [P[4], P[3]]
+        assert rest["pagination"] == {"offset": 2, "limit": 2, "total": 4, "has_more": False}
         one = await (await c.get(f"/api/jobs/{P[3]}")).json()
         assert one["status"] == "completed" and one["outputs"]["5"]["files"][0]["subfolder"] == "loras"
         assert one["workflow"]["prompt"] == PROMPT
@@ -238,7 +312,8 @@ def test_bad_queries_get_comfyuis_400s(app_client):
     async def test(c):
         for query, message in (("status=done", "Invalid status value(s): done"), ("limit=0", "positive integer"),
                                ("limit=x", "limit must be an integer"), ("offset=y", "offset must be an integer"),
-                               ("sort_by=name", "sort_by must be"), ("sort_order=up", "sort_order must be")):
+                               ("sort_by=name", "sort_by must be"), ("sort_order=up", "sort_order must be"),
+                               ("after=x", "after must be a pagination.next_cursor")):
             r = await c.get(f"/api/jobs?{query}")
             assert r.status == 400 and message in (await r.json())["error"], query
         r = await c.post("/api/jobs/cancel", data=b"{nope")
@@ -293,6 +368,40 @@ def test_subgraphs_and_the_required_frontend_version(app_client):
         assert system["required_frontend_version"] == MIN_FRONTEND_VERSION
 
     run(test)
+
+
+def test_what_the_editor_loads_on_every_start_is_answered_without_404s(app_client):
+    """Frontend 1.58.1 loads ./user.css, api/userdata/user.css and comfy.templates.json on every page load, and asks
+    api.comfy.org about ComfyUI releases unless Comfy.Notification.ShowVersionUpdates is off: with none of the
+    files made, each was a console error (tests/comfyui/editor_queue.py saw them). A user's own files and
+    settings still win, and the defaults are never written."""
+    host, run = app_client
+
+    async def test(c):
+        for url, kind, text in (("/user.css", "text/css", ""), ("/api/userdata/user.css", "text/css", ""),
+                                ("/api/userdata/comfy.templates.json", "application/json", "[]")):
+            r = await c.get(url)
+            assert r.status == 200 and r.content_type == kind and await r.text() == text, url
+        assert (await c.get("/api/userdata/other.json")).status == 404
+        assert (await c.get("/api/settings/Comfy.Notification.ShowVersionUpdates")).status == 200
+        assert await (await c.get("/api/settings/Comfy.Notification.ShowVersionUpdates")).json() is False
+        assert (await c.post("/api/settings", json={"Comfy.Locale": "en"})).status == 200
+        assert json.loads((host.user_dir / "comfy.settings.json").read_text()) == {"Comfy.Locale": "en"}
+        (host.user_dir / "user.css").write_text("body { color: red }")
+        assert await (await c.get("/api/userdata/user.css")).text() == "body { color: red }"
+        assert (await c.post("/api/settings/Comfy.Notification.ShowVersionUpdates", json=True)).status == 200
+        assert (await (await c.get("/api/settings")).json())["Comfy.Notification.ShowVersionUpdates"] is True
+
+    run(test)
+
+
+def test_the_startup_line_says_when_the_frontend_is_outside_the_checked_range():
+    from lowvram_lora.host.serve import MIN_FRONTEND_VERSION, NEWEST_CHECKED_FRONTEND, frontend_notice
+
+    for inside_range in (MIN_FRONTEND_VERSION, "1.49.6", NEWEST_CHECKED_FRONTEND, None, "not a version"):
+        assert frontend_notice(inside_range) is None, inside_range
+    assert "newer than 1.58.1" in frontend_notice("1.60.0") and "==1.58.1" in frontend_notice("1.60.0")
+    assert "older than 1.27.10" in frontend_notice("1.26.0")
 
 
 def test_a_queued_prompt_carries_create_time_and_client_id(tmp_path):

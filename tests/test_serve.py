@@ -20,7 +20,7 @@ pytest.importorskip("comfyui_frontend_package", reason="the editor is not instal
 
 from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
 
-from lowvram_lora.host.serve import PromptHost, build_app, frontend_static_dir  # noqa: E402
+from lowvram_lora.host.serve import SETTING_DEFAULTS, PromptHost, build_app, frontend_static_dir  # noqa: E402
 from lowvram_lora.host.templates import WORKFLOWS_DIR  # noqa: E402
 from lowvram_lora.nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: E402
 from lowvram_lora.nodes import paths  # noqa: E402
@@ -70,7 +70,8 @@ def test_editor_endpoints(served):
         assert await (await c.get("/api/users")).json() == {"storage": "server", "migrated": True}
         assert (await c.post("/api/settings", json={"Comfy.TutorialCompleted": True})).status == 200
         assert (await c.post("/api/settings/Comfy.Locale", json="en")).status == 200
-        assert await (await c.get("/api/settings")).json() == {"Comfy.TutorialCompleted": True, "Comfy.Locale": "en"}
+        assert await (await c.get("/api/settings")).json() == {"Comfy.TutorialCompleted": True, "Comfy.Locale": "en",
+                                                              **SETTING_DEFAULTS}
         assert await (await c.get("/api/settings/Comfy.Locale")).json() == "en"
         ext = await (await c.get("/api/extensions")).json()
         assert "/extensions/lowvram-lora/lowvram_lora.js" in ext

@@ -42,14 +42,15 @@ function textWidget(node, name) {
     getMinHeight: height, getMaxHeight: height, getHeight: height,
   });
   widget.serialize = false; // display only: never in the workflow's widgets_values or the prompt
-  widget.inputEl = el;
+  // Our own name for the element: frontend 1.58 deprecates `inputEl` (its setter logs a console warning).
+  widget.lowvramEl = el;
   widget.computeSize = (width) => [width, height() + 4];
   return widget;
 }
 
 function showText(node, name, lines) {
   const widget = textWidget(node, name);
-  const el = widget.inputEl;
+  const el = widget.lowvramEl ?? widget.element;
   el.value = lines.join("\n");
   // Lines as drawn: a long path wraps, so count the wrapped lines at the node's width (7.2 px per character).
   const perLine = Math.max(20, Math.floor((node.size[0] - 40) / 7.2));

@@ -9,7 +9,8 @@ server with the demo prepared (as editor_demo.py), Debian's chromium + chromium-
 
 Writes ``queue_running.png`` (mid-run, the overlay open), ``queue_done.png`` (after) and ``browser_problems.json``
 (console warnings and errors, HTTP answers >= 400). Exits 1 if the jobs list never showed the running job, or
-the browser saw a 404 or a JobsApiError.
+the browser saw a console error or an HTTP error from this server, a JobsApiError, or a deprecation warning our
+extension caused.
 """
 from __future__ import annotations
 
@@ -33,9 +34,24 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     d = headless_chromium(("browser", "performance"))
     try:
+        # Where each deprecation warning comes from (the console log has no stack): ours or the frontend's.
+        d.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": """
+            window.__warnStacks = [];
+            const warn = console.warn;
+            console.warn = function (...a) {
+              if (String(a[0]).includes("deprecated")) window.__warnStacks.push([String(a[0]), new Error().stack]);
+              return warn.apply(this, a);
+            };
+            const error = console.error;
+            console.error = function (...a) {
+              window.__warnStacks.push([String(a[0]), new Error().stack]);
+              return error.apply(this, a);
+            };"""})
         d.get(args.url)
         for _ in range(90):
-            if d.execute_script("return !!(window.app && window.app.graph)"):
+            # Not app.graph: frontend 1.49 logs "ComfyApp graph accessed before initialization" (a console error)
+            # when its getter is read before the graph exists.
+            if d.execute_script("return !!(window.app && window.app.canvas && window.app.canvas.graph)"):
                 break
             time.sleep(1)
         time.sleep(4)
@@ -81,12 +97,20 @@ def main(argv=None) -> int:
                                    ".then(r => r.json())")
         print("history:", json.dumps(history)[:800])
         console, network = _browser_problems(d)
+        stacks = d.execute_script("return window.__warnStacks || []")
+        ours = [m for m, stack in stacks if "/extensions/lowvram-lora" in stack]
         (out / "browser_problems.json").write_text(json.dumps({"frontend": version, "console": console,
-                                                               "network": network}, indent=1))
+                                                               "network": network, "deprecation_stacks": stacks},
+                                                              indent=1))
         print(json.dumps({"console": console, "network": network}, indent=1))
-        # 404s ComfyUI 0.33 gives too (user.css, comfy.templates.json before the user saves any) are not ours.
-        bad = [n for n in network if n.get("status", 0) >= 400 and ("/jobs" in n["url"] or "subgraphs" in n["url"])]
+        # Every console error and every answer >= 400 of this server counts (serve answers what the editor loads on
+        # start); warnings count when our extension caused them (the stack names it); pages outside (api.comfy.org)
+        # are not ours.
+        origin = args.url.rstrip("/")
+        bad = [n for n in network if n.get("status", 0) >= 400 and n.get("url", "").startswith(origin)]
+        bad += [c for c in console if c["level"] == "SEVERE" and origin in c["message"]]
         bad += [c for c in console if "JobsApiError" in c["message"] or "Jobs API" in c["message"]]
+        bad += [{"from our extension": m} for m in ours]
         print("problems of ours:", bad)
         return 0 if running_seen and not bad else 1
     finally:

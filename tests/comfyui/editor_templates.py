@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     try:
         d.get(args.url)
         for _ in range(120):
-            if d.execute_script("return !!(window.app && window.app.graph)"):
+            if d.execute_script("return !!(window.app && window.app.canvas && window.app.canvas.graph)"):
                 break
             time.sleep(1)
         time.sleep(5)
