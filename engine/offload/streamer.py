@@ -65,6 +65,10 @@ class CudaCopyEngine:
         # the compute stream sat waiting for a copy (a stall: the step was copy-bound there).
         self._copy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._stall_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        # Benches: LOWVRAM_EMULATE_LINK_GBPS paces the copies to a slower link (engine/offload/link.py).
+        from .link import pacer_for
+
+        self.pacer = pacer_for(device)
 
     def load(self, block: int, slot: int, evicted: Optional[int]) -> None:
         compute = torch.cuda.current_stream(self.device)
@@ -92,6 +96,8 @@ class CudaCopyEngine:
                 self.stream.wait_event(self.released[slot])
             start.record(self.stream)
             buffer.copy_(host.buffer, non_blocking=True)
+            if self.pacer is not None:  # the copy lands (done) once the emulated link would have carried it
+                self.pacer.after_copy(host.nbytes)
             done.record(self.stream)
         self.slots[slot] = buffer
         self.ready[slot] = done
@@ -190,7 +196,9 @@ class OffloadHandle:
         """Counters since apply (copies, bytes, synchronous loads = prefetch misses, resyncs) and, per
         training step, copy-engine busy and compute stall seconds (CUDA; see ``end_step``)."""
         out = {"bytes_copied": 0, "pin_seconds": round(self.pin_seconds, 2), "pinned_reused": self.pinned_reused,
-               "step_copy_s": self.step_copy_s, "step_stall_s": self.step_stall_s}
+               "step_copy_s": self.step_copy_s, "step_stall_s": self.step_stall_s,
+               "paced_s": round(getattr(self.engine, "pacer", None).paced_s, 3)
+               if getattr(self.engine, "pacer", None) is not None else 0.0}
         if self.scheduler is not None:
             out.update(self.scheduler.stats.as_dict())
             out["bytes_copied"] = self.engine.bytes_copied
@@ -310,7 +318,10 @@ def apply_offload(model: nn.Module, family, config: OffloadConfig, device: torch
         if workload is None:
             raise ValueError("apply_offload needs a plan or a workload to plan for")
         fp = measure_footprint(model, family, name or type(model).__name__)
-        plan = make_plan(fp, workload, config, resolve_budget_bytes(config, device), physical_ram_bytes())
+        from .link import resolve_machine
+
+        plan = make_plan(fp, workload, config, resolve_budget_bytes(config, device), physical_ram_bytes(),
+                         machine=resolve_machine(device) if _engine_factory is None else None)
     handle = OffloadHandle(model, plan, device)
 
     # Everything outside the streamed blocks lives on the device for the whole run.
