@@ -4,6 +4,7 @@ against the resident row of the same run. Random full-size model built in GPU me
 Modes (``--modes``), run in order for every resolution:
 
 - ``resident``: bf16, every weight on the GPU (the baseline of the run; skip it at large batch);
+  ``resident-compiled``: the same with compiled blocks (the compute the compiled streamed rows are predicted from);
 - ``stream-k<K>[-act][-c<N>][-host][-m<M>][-b<B>]``: stream with prefetch K, activation offload, recompute in N
   token chunks, AdamW moments on the host, each batch run M samples at a time, compiled blocks at
   activation-memory budget B (else eager);
@@ -12,6 +13,15 @@ Modes (``--modes``), run in order for every resolution:
   lower); the allocator is held to the budget (engine/offload/streamer.cap_allocator).
 
 ``--precision int8`` converts the blocks to int8 slab layers after the bf16 modes (list ``resident`` first).
+
+``--link-gbps N`` emulates a slower host-to-GPU link: ``LOWVRAM_EMULATE_LINK_GBPS=N`` makes the copy engine pace its
+copies to N GB/s (engine/offload/link.py) and the planner plan for it. Every streamed row records the step time the
+model predicts (engine/offload/steptime.py) on the link measured here (through the pacer when emulating): from FLOPs
+(``predicted_step_s``), and from the measured resident step of the same run and compile mode
+(``predicted_step_s_from_resident``), beside the measured step, the copy stall and the link rate the copies got.
+
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 bench/bench_memory.py --res 1024 --precision int8 \
+        --modes resident resident-compiled auto-8-compiled --link-gbps 25 --out "$OUT/results.jsonl"
 
     source bench/gpu_env.sh
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 bench/bench_memory.py --res 1024 2048 \\
@@ -22,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import gc
+import os
 import re
 import sys
 import tempfile
@@ -57,6 +68,9 @@ def parse_args(argv=None):
     p.add_argument("--cap-gb", type=float, default=0.0,
                    help="stream-* modes: hold the allocator to this many GB (torch.cuda.set_per_process_memory_"
                         "fraction), as a card of that size would; auto modes hold it to their budget themselves")
+    p.add_argument("--link-gbps", type=float, default=0.0,
+                   help="emulate a host-to-GPU link of this many GB/s (LOWVRAM_EMULATE_LINK_GBPS): streamed copies are "
+                        "paced to it and auto plans for it; 0: the real link")
     p.add_argument("--snapshot", default="", help="a mode: record the allocator from its step 2 on and print what "
                                                   "is live at the peak (torch.cuda.memory._snapshot), by source line")
     return p.parse_args(argv)
@@ -149,6 +163,8 @@ def offload_for(mode: str):
 
     if mode == "resident":
         return None
+    if mode == "resident-compiled":
+        return OffloadConfig(mode="resident", compile="blocks")
     m = STREAM.match(mode)
     if m:
         compiled = {"compile": "blocks", "activation_memory_budget": float(m[6])} if m[6] else {"compile": "off"}
@@ -161,21 +177,58 @@ def offload_for(mode: str):
     raise SystemExit(f"unknown mode {mode!r}")
 
 
+def predicted_timing(model, family, variant, dataset, batch, summary: dict, machine, compiled: bool,
+                     resident_step_s, stats: dict, warmup: int) -> dict:
+    """The step-time model's prediction for the plan that ran (rebuilt from its summary on this model), on the link
+    measured here: from FLOPs, and from the resident step of this run in the same compile mode (when it ran); and
+    what the copies measured: the link rate they got (streamed bytes per step / copy-engine busy time)."""
+    import statistics
+
+    from lowvram_lora.engine.offload.footprint import measure_footprint, workload_for
+    from lowvram_lora.engine.offload.plan import build_plan, resident_order, with_step_time
+
+    fp = measure_footprint(model, family, variant)
+    wl = workload_for(dataset, family, variant, batch)
+    plan = build_plan(fp, wl, resident_order(fp.block_bytes)[:summary["resident_blocks"]], summary["prefetch_depth"],
+                      summary["activation_offload"], recompute_chunks=summary["recompute_chunks"],
+                      optimizer_on_host=summary["optimizer_on_host"], micro_batch=summary["micro_batch"],
+                      compiled_budget=summary["activation_memory_budget"])
+    out = {"predicted_step_s": round(with_step_time(plan, machine, None, compiled).predicted_step_s, 4),
+           "predicted_stall_s": round(plan.step_time.stall_s, 4),
+           "predicted_link_busy_s": round(plan.step_time.link_busy_s, 4),
+           "predicted_step_s_from_resident": None, "predicted_compiled": compiled,
+           "plan_predicted_step_s": summary.get("predicted_step_s"), "plan_link_gbps": summary.get("link_gbps")}
+    if resident_step_s:
+        out["predicted_step_s_from_resident"] = round(
+            with_step_time(plan, machine, resident_step_s, compiled).predicted_step_s, 4)
+    copy_s = [c for c in stats.get("step_copy_s", [])[warmup:] if c > 0]
+    if copy_s and plan.streamed_bytes_per_step:
+        out["copy_busy_s"] = statistics.median(copy_s)
+        out["measured_link_gbps"] = round(plan.streamed_bytes_per_step / 1e9 / out["copy_busy_s"], 2)
+    return out
+
+
 def main(argv=None) -> int:
     from lowvram_lora.engine.config import LoraSettings, ModelConfig, TrainConfig
     from lowvram_lora.engine.offload.footprint import named_blocks
     from lowvram_lora.engine.train import train_lora
 
     args = parse_args(argv)
+    if args.link_gbps:  # before anything plans or streams: the copy engine and the planner read it
+        os.environ["LOWVRAM_EMULATE_LINK_GBPS"] = f"{args.link_gbps:g}"
     device = torch.device("cuda")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     run_id = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
-    import os
+    from lowvram_lora.engine.offload.link import resolve_machine
 
+    machine = resolve_machine(device)  # the real link (probed once, cached), or the paced one
+    print(f"link: {machine.describe()}", flush=True)
     base = {"run_id": run_id, "gpu": _gpu_name(device), **_versions(), "model": args.variant, "lora_rank": args.rank,
             "lora_targets": "default", "batch": args.batch, "grad_ckpt": True, "command": _command(),
-            "note": args.note, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "bench": "memory"}
+            "note": args.note, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "bench": "memory",
+            "link_gbps_emulated": args.link_gbps or None, "link_gbps": round(machine.link_bytes_per_s / 1e9, 2),
+            "link_source": machine.source}
     emit = row_emitter(out, base)
     from lowvram_lora.engine.families import families
 
@@ -188,7 +241,8 @@ def main(argv=None) -> int:
     rows, on_gpu, precision = {}, True, "bf16"
     for mode in args.modes:
         offload = offload_for(mode)
-        if offload is not None and on_gpu:
+        streams = offload is not None and offload.mode != "resident"
+        if streams and on_gpu:
             for _, block in named_blocks(model, family):
                 block.to("cpu")
             torch.cuda.empty_cache()
@@ -198,8 +252,8 @@ def main(argv=None) -> int:
 
                 to_int8_on_host(model, family, device)
                 precision = "int8"
-        if offload is None and not on_gpu:
-            raise SystemExit("list 'resident' before the streamed modes")
+        if not streams and not on_gpu:
+            raise SystemExit("list 'resident' and 'resident-compiled' before the streamed modes")
         for res in args.res:
             gc.collect()
             torch.cuda.empty_cache()
@@ -249,12 +303,22 @@ def main(argv=None) -> int:
                 row["peak_breakdown"] = text
                 row["peak_by_block_kind_gb"] = kind_gb
             plan = (result.settings.get("offload_plan") if result is not None else None) or {}
+            timing = {}
+            if plan and streams and result is not None:
+                compiled = offload.compile == "blocks" or bool(re.search(r"-b[0-9.]+$", mode))
+                baseline = rows.get(("resident-compiled" if compiled else "resident", res), {}).get("step_s")
+                timing = predicted_timing(model, family, args.variant, datasets[res], args.batch, plan, machine,
+                                          compiled, baseline, result.settings.get("offload_stats") or {}, args.warmup)
             rows[(mode, res)] = emit({"mode": mode, "res": res, "precision": precision, **row, "plan": plan,
-                                      "predicted_peak_gb": plan.get("predicted_peak_gb")})
-    print("\nmode                       res   step s   x resident   peak alloc GB   predicted   reserved")
+                                      "predicted_peak_gb": plan.get("predicted_peak_gb"), **timing})
+    print(f"\nlink: {machine.describe()}")
+    print("mode                       res   step s   predicted (FLOPs / resident)   x resident   peak alloc GB   "
+          "predicted   reserved")
+    nan = float("nan")
     for (mode, res), r in rows.items():
-        print(f"{mode:26s} {str(res):>5s} {r['step_s'] or float('nan'):8.3f} {r['x_resident'] or float('nan'):12.3f}"
-              f" {r['peak_alloc_gb']:15.2f} {r['predicted_peak_gb'] or float('nan'):11.2f} {r['peak_reserved_gb']:10.2f}")
+        print(f"{mode:26s} {str(res):>5s} {r['step_s'] or nan:8.3f} {r.get('predicted_step_s') or nan:12.3f} / "
+              f"{r.get('predicted_step_s_from_resident') or nan:6.3f}        {r['x_resident'] or nan:12.3f}"
+              f" {r['peak_alloc_gb']:15.2f} {r['predicted_peak_gb'] or nan:11.2f} {r['peak_reserved_gb']:10.2f}")
     tmp.cleanup()
     return 0
 

@@ -1,7 +1,6 @@
 """Link-aware planning (issue 26 item 2): the link probe's cache, the copy pacer's arithmetic, the step-time model
 and ``auto`` choosing by predicted step time. No device: the probe and the GPU spin are replaced by fakes."""
 import json
-import os
 
 import pytest
 
@@ -239,3 +238,38 @@ def test_auto_keeps_the_users_choices():
     plan = make_plan(flux1(1), WL_1024, OffloadConfig(vram_budget_gb=8, prefetch_depth=1, activation_offload=True),
                      8 * GB, machine=Machine(25e9, H100), compiled=True)
     assert plan.prefetch_depth == 1 and plan.activation_offload
+
+
+# --------------------------------------------------------------------------- the bench's prediction
+
+def test_bench_rebuilds_the_plan_that_ran_and_predicts_it(tmp_path):
+    """bench/bench_memory.py predicts the step of the plan that ran from its summary: the rebuilt plan must be that
+    plan (same prediction as make_plan's on the same machine), and the link rate comes from the copy timings."""
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from bench_memory import offload_for, parse_args, predicted_timing
+    from train_bench import build_random_model, write_synthetic_cache
+
+    from lowvram_lora.engine.offload.footprint import measure_footprint, workload_for
+
+    assert parse_args(["--link-gbps", "25"]).link_gbps == 25.0
+    assert offload_for("resident-compiled").mode == "resident" and offload_for("resident-compiled").compile == "blocks"
+    model, family, cfg = build_random_model("flux1-tiny", torch.device("cpu"), torch.float32, 0.02, 0, "flux1")
+    dataset = write_synthetic_cache(tmp_path, family, "flux1-tiny", cfg, 64, 2, 0)
+    fp = measure_footprint(model, family, "flux1-tiny")
+    wl = workload_for(dataset, family, "flux1-tiny", 1)
+    machine = Machine(1e6, 1e9, "slow", "test")  # a tiny model needs a tiny link to stream visibly
+    ran = make_plan(fp, wl, OffloadConfig(mode="stream", resident_blocks=1, prefetch_depth=2, activation_offload=True),
+                    machine=machine, compiled=True)
+    summary = ran.summary()
+    stats = {"step_copy_s": [9.0, 0.5, 0.25, 0.5]}
+    out = predicted_timing(model, family, "flux1-tiny", dataset, 1, summary, machine, True, None, stats, 1)
+    assert out["predicted_step_s"] == round(ran.predicted_step_s, 4) == summary["predicted_step_s"]
+    assert out["predicted_step_s"] > out["predicted_link_busy_s"] > 0
+    assert out["copy_busy_s"] == 0.5 and out["measured_link_gbps"] == round(ran.streamed_bytes_per_step / 1e9 / 0.5, 2)
+    from_resident = predicted_timing(model, family, "flux1-tiny", dataset, 1, summary, machine, True, 2.0, stats, 1)
+    assert from_resident["predicted_step_s_from_resident"] > 2.0  # at least the measured compute
