@@ -68,9 +68,9 @@ def parse_args(argv=None):
     p.add_argument("--cap-gb", type=float, default=0.0,
                    help="stream-* modes: hold the allocator to this many GB (torch.cuda.set_per_process_memory_"
                         "fraction), as a card of that size would; auto modes hold it to their budget themselves")
-    p.add_argument("--link-gbps", type=float, default=0.0,
+    p.add_argument("--link-gbps", type=float, nargs="+", default=[0.0],
                    help="emulate a host-to-GPU link of this many GB/s (LOWVRAM_EMULATE_LINK_GBPS): streamed copies are "
-                        "paced to it and auto plans for it; 0: the real link")
+                        "paced to it and auto plans for it; 0: the real link. Several: each streamed mode runs at each")
     p.add_argument("--snapshot", default="", help="a mode: record the allocator from its step 2 on and print what "
                                                   "is live at the peak (torch.cuda.memory._snapshot), by source line")
     return p.parse_args(argv)
@@ -214,21 +214,28 @@ def main(argv=None) -> int:
     from lowvram_lora.engine.train import train_lora
 
     args = parse_args(argv)
-    if args.link_gbps:  # before anything plans or streams: the copy engine and the planner read it
-        os.environ["LOWVRAM_EMULATE_LINK_GBPS"] = f"{args.link_gbps:g}"
     device = torch.device("cuda")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     run_id = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
-    from lowvram_lora.engine.offload.link import resolve_machine
+    from lowvram_lora.engine.offload.link import ENV_EMULATE_GBPS, resolve_machine
 
-    machine = resolve_machine(device)  # the real link (probed once, cached), or the paced one
-    print(f"link: {machine.describe()}", flush=True)
+    def use_link(gbps: float):
+        """Emulate ``gbps`` (0: the real link) from here on: the copy engine and the planner read the variable when
+        a run starts. The machine the predictions use: the real link (probed once, cached) or the paced one."""
+        if gbps:
+            os.environ[ENV_EMULATE_GBPS] = f"{gbps:g}"
+        else:
+            os.environ.pop(ENV_EMULATE_GBPS, None)
+        machine = resolve_machine(device)
+        print(f"link: {machine.describe()}", flush=True)
+        return machine
+
+    machine = use_link(0.0)
     base = {"run_id": run_id, "gpu": _gpu_name(device), **_versions(), "model": args.variant, "lora_rank": args.rank,
             "lora_targets": "default", "batch": args.batch, "grad_ckpt": True, "command": _command(),
             "note": args.note, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "bench": "memory",
-            "link_gbps_emulated": args.link_gbps or None, "link_gbps": round(machine.link_bytes_per_s / 1e9, 2),
-            "link_source": machine.source}
+            "real_link_gbps": round(machine.link_bytes_per_s / 1e9, 2)}
     emit = row_emitter(out, base)
     from lowvram_lora.engine.families import families
 
@@ -254,70 +261,78 @@ def main(argv=None) -> int:
                 precision = "int8"
         if not streams and not on_gpu:
             raise SystemExit("list 'resident' and 'resident-compiled' before the streamed modes")
-        for res in args.res:
-            gc.collect()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-            base_bytes = [0]
+        for gbps in (args.link_gbps if streams else [None]):
+            machine = use_link(gbps) if streams else None
+            link_fields = {"link_gbps_emulated": gbps or None,
+                           "link_gbps": round(machine.link_bytes_per_s / 1e9, 2) if machine else None,
+                           "link_source": machine.source if machine else None}
+            for res in args.res:
+                gc.collect()
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+                base_bytes = [0]
 
-            units = marked_units(model, family)
-            markers = install_block_markers(units) if mode == args.snapshot else []
+                units = marked_units(model, family)
+                markers = install_block_markers(units) if mode == args.snapshot else []
 
-            def start_recording(info, mode=mode):
-                if mode == args.snapshot and info.step == 1:
-                    torch.cuda.synchronize()
-                    base_bytes[0] = torch.cuda.memory_allocated()
-                    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+                def start_recording(info, mode=mode):
+                    if mode == args.snapshot and info.step == 1:
+                        torch.cuda.synchronize()
+                        base_bytes[0] = torch.cuda.memory_allocated()
+                        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
 
-            rec = StepRecorder(f"{mode} {res}", start_recording)
-            capped = bool(args.cap_gb) and mode.startswith("stream-")
-            if capped:
-                torch.cuda.set_per_process_memory_fraction(
-                    args.cap_gb * 1e9 / torch.cuda.get_device_properties(device).total_memory, torch.cuda.current_device())
-            t = time.perf_counter()
-            error, result = None, None
-            try:
-                result = train_lora(ModelConfig(dtype="bf16", family=family.id), datasets[res],
-                                    LoraSettings(rank=args.rank, alpha=float(args.rank)),
-                                    TrainConfig(steps=args.warmup + args.timed, device="cuda", learning_rate=1e-4,
-                                                batch_size=args.batch),
-                                    rec.callback, preloaded=(model, family, args.variant), offload=offload)
-            except Exception as exc:  # noqa: BLE001 - a row per failure
-                import traceback
+                rec = StepRecorder(f"{mode} {res}", start_recording)
+                capped = bool(args.cap_gb) and mode.startswith("stream-")
+                if capped:
+                    total = torch.cuda.get_device_properties(device).total_memory
+                    torch.cuda.set_per_process_memory_fraction(args.cap_gb * 1e9 / total, torch.cuda.current_device())
+                t = time.perf_counter()
+                error, result = None, None
+                try:
+                    result = train_lora(ModelConfig(dtype="bf16", family=family.id), datasets[res],
+                                        LoraSettings(rank=args.rank, alpha=float(args.rank)),
+                                        TrainConfig(steps=args.warmup + args.timed, device="cuda", learning_rate=1e-4,
+                                                    batch_size=args.batch),
+                                        rec.callback, preloaded=(model, family, args.variant), offload=offload)
+                except Exception as exc:  # noqa: BLE001 - a row per failure
+                    import traceback
 
-                error = f"{type(exc).__name__}: {str(exc)[:500]}"
-                print("ERROR", error, flush=True)
-                traceback.print_exc()
-            if capped:
-                torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
-            row = training_row(rec, args.warmup, t, error, rows.get(("resident", res), {}).get("step_s"), device)
-            if capped:
-                row["cap_gb"] = args.cap_gb
-            if mode == args.snapshot:
-                for h in markers:
-                    h.remove()
-                kinds = [k for k, _ in units]
-                text, kind_gb = peak_breakdown(torch.cuda.memory._snapshot(), base_bytes[0], kinds)
-                torch.cuda.memory._record_memory_history(enabled=None)
-                print(f"\n[{mode} {res}] memory at the peak (steps 2+):\n{text}\n", flush=True)
-                row["peak_breakdown"] = text
-                row["peak_by_block_kind_gb"] = kind_gb
-            plan = (result.settings.get("offload_plan") if result is not None else None) or {}
-            timing = {}
-            if plan and streams and result is not None:
-                compiled = offload.compile == "blocks" or bool(re.search(r"-b[0-9.]+$", mode))
-                baseline = rows.get(("resident-compiled" if compiled else "resident", res), {}).get("step_s")
-                timing = predicted_timing(model, family, args.variant, datasets[res], args.batch, plan, machine,
-                                          compiled, baseline, result.settings.get("offload_stats") or {}, args.warmup)
-            rows[(mode, res)] = emit({"mode": mode, "res": res, "precision": precision, **row, "plan": plan,
-                                      "predicted_peak_gb": plan.get("predicted_peak_gb"), **timing})
-    print(f"\nlink: {machine.describe()}")
-    print("mode                       res   step s   predicted (FLOPs / resident)   x resident   peak alloc GB   "
-          "predicted   reserved")
+                    error = f"{type(exc).__name__}: {str(exc)[:500]}"
+                    print("ERROR", error, flush=True)
+                    traceback.print_exc()
+                if capped:
+                    torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
+                resident_s = rows.get(("resident", res, None), {}).get("step_s")
+                row = training_row(rec, args.warmup, t, error, resident_s, device)
+                if capped:
+                    row["cap_gb"] = args.cap_gb
+                if mode == args.snapshot:
+                    for h in markers:
+                        h.remove()
+                    kinds = [k for k, _ in units]
+                    text, kind_gb = peak_breakdown(torch.cuda.memory._snapshot(), base_bytes[0], kinds)
+                    torch.cuda.memory._record_memory_history(enabled=None)
+                    print(f"\n[{mode} {res}] memory at the peak (steps 2+):\n{text}\n", flush=True)
+                    row["peak_breakdown"] = text
+                    row["peak_by_block_kind_gb"] = kind_gb
+                plan = (result.settings.get("offload_plan") if result is not None else None) or {}
+                timing = {}
+                if plan and streams and result is not None:
+                    compiled = offload.compile == "blocks" or bool(re.search(r"-b[0-9.]+$", mode))
+                    baseline = rows.get(("resident-compiled" if compiled else "resident", res, None), {})
+                    timing = predicted_timing(model, family, args.variant, datasets[res], args.batch, plan, machine,
+                                              compiled, baseline.get("step_s"), result.settings.get("offload_stats")
+                                              or {}, args.warmup)
+                rows[(mode, res, gbps)] = emit({"mode": mode, "res": res, "precision": precision, **row,
+                                                "plan": plan, "predicted_peak_gb": plan.get("predicted_peak_gb"),
+                                                **link_fields, **timing})
+    print("\nmode                     link   res   step s   predicted (FLOPs / resident)   x resident   "
+          "peak alloc GB   predicted   reserved")
     nan = float("nan")
-    for (mode, res), r in rows.items():
-        print(f"{mode:26s} {str(res):>5s} {r['step_s'] or nan:8.3f} {r.get('predicted_step_s') or nan:12.3f} / "
-              f"{r.get('predicted_step_s_from_resident') or nan:6.3f}        {r['x_resident'] or nan:12.3f}"
+    for (mode, res, gbps), r in rows.items():
+        print(f"{mode:22s} {r.get('link_gbps') or nan:5.1f} {str(res):>5s} {r['step_s'] or nan:8.3f} "
+              f"{r.get('predicted_step_s') or nan:12.3f} / {r.get('predicted_step_s_from_resident') or nan:6.3f}"
+              f"        {r['x_resident'] or nan:12.3f}"
               f" {r['peak_alloc_gb']:15.2f} {r['predicted_peak_gb'] or nan:11.2f} {r['peak_reserved_gb']:10.2f}")
     tmp.cleanup()
     return 0

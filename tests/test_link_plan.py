@@ -256,7 +256,7 @@ def test_bench_rebuilds_the_plan_that_ran_and_predicts_it(tmp_path):
 
     from lowvram_lora.engine.offload.footprint import measure_footprint, workload_for
 
-    assert parse_args(["--link-gbps", "25"]).link_gbps == 25.0
+    assert parse_args(["--link-gbps", "55", "25"]).link_gbps == [55.0, 25.0] and parse_args([]).link_gbps == [0.0]
     assert offload_for("resident-compiled").mode == "resident" and offload_for("resident-compiled").compile == "blocks"
     model, family, cfg = build_random_model("flux1-tiny", torch.device("cpu"), torch.float32, 0.02, 0, "flux1")
     dataset = write_synthetic_cache(tmp_path, family, "flux1-tiny", cfg, 64, 2, 0)
@@ -273,3 +273,17 @@ def test_bench_rebuilds_the_plan_that_ran_and_predicts_it(tmp_path):
     assert out["copy_busy_s"] == 0.5 and out["measured_link_gbps"] == round(ran.streamed_bytes_per_step / 1e9 / 0.5, 2)
     from_resident = predicted_timing(model, family, "flux1-tiny", dataset, 1, summary, machine, True, 2.0, stats, 1)
     assert from_resident["predicted_step_s_from_resident"] > 2.0  # at least the measured compute
+
+
+def test_the_handle_reports_predicted_against_measured_step():
+    import torch
+
+    from lowvram_lora.engine.offload.streamer import OffloadHandle
+
+    plan = make_plan(flux1(1), WL_1024, OffloadConfig(vram_budget_gb=8), 8 * GB,
+                     machine=Machine(25e9, H100, "H100", "test"), compiled=True)
+    handle = OffloadHandle(None, plan, torch.device("cpu"))
+    handle.step_stall_s.append(0.05)
+    text = handle.step_report(3, plan.predicted_step_s * 1.1)
+    assert f"predicted {plan.predicted_step_s:.3f} s (+10%)" in text and "25.0 GB/s" in text
+    assert "copy stall 0.050 s" in text

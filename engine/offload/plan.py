@@ -186,8 +186,9 @@ class Plan:
         lines.append(f"  predicted peak {self.predicted_peak_bytes / GB:.2f} GB{budget} ({parts})")
         if self.step_time is not None:
             st = self.step_time
-            lines.append(f"  predicted step {st.seconds:.3f} s on a {self.machine.describe()}: compute {st.compute_s:.3f}"
-                         f" s ({'measured resident' if st.compute_source == 'measured' else 'from FLOPs'})"
+            origin = "measured resident" if st.compute_source == "measured" else "from FLOPs"
+            lines.append(f"  predicted step {st.seconds:.3f} s on a {self.machine.describe()}: compute "
+                         f"{st.compute_s:.3f} s ({origin})"
                          + (f", copy stall {st.stall_s:.3f} s, link busy {st.link_busy_s:.3f} s"
                             if self.mode != "resident" else ""))
         if self.mode != "resident":

@@ -62,9 +62,9 @@ CHUNKED_FACTOR = 1.07
 LINEAR_PASSES, ATTENTION_PASSES = 3.0, 4.5
 # Compute-stream time each visit of a streamed or activation-offloaded unit adds on top of the resident compute
 # (its checkpoint boundary, the streamer's events and waits, a graph per unit when compiled). Fitted on four H100
-# Flux.1-dev 1024² compiled rows at ~54 GB/s (bench/results.jsonl, 2026-11-25/26): bf16 `auto` 8 GB (53 blocks, prefetch
-# 2), int8 and bf16 streamed + activation offload with prefetch 1 and 2; each alone wants 0.6-0.9 ms. This is the
-# overhead issue 26 item 1 is removing: refit it when that lands (bench/bench_memory.py prints both figures).
+# Flux.1-dev 1024² compiled rows at ~54 GB/s (bench/results.jsonl, 2026-11-25/26): bf16 `auto` 8 GB (53 blocks,
+# prefetch 2), int8 and bf16 streamed + activation offload with prefetch 1 and 2; each alone wants 0.6-0.9 ms. This is
+# the overhead issue 26 item 1 is removing: refit it when that lands (bench/bench_memory.py prints both figures).
 VISIT_OVERHEAD_S = 0.0008
 DEFAULT_LINK_BYTES_PER_S = 25 * GB  # no probe (CPU, tests): a PCIe 4.0 x16 board, the common case
 

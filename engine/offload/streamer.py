@@ -218,6 +218,17 @@ class OffloadHandle:
         return (f"peak VRAM after {when}: measured {measured_bytes / GB:.2f} GB, predicted {predicted / GB:.2f} GB "
                 f"({'+' if diff >= 0 else '-'}{abs(diff) / GB:.2f} GB, {100 * diff / max(predicted, 1):+.0f}%)")
 
+    def step_report(self, step: int, measured_s: float) -> str:
+        """Predicted vs measured step time (engine/offload/steptime.py; from step 3 on, once compiling is over),
+        with this step's copy stall: where the model drifts, the log says by how much and on which link."""
+        st = self.plan.step_time
+        if st is None:
+            return f"step {step}: {measured_s:.3f} s (no step-time prediction)"
+        diff = measured_s - st.seconds
+        stall = f", copy stall {self.step_stall_s[-1]:.3f} s (predicted {st.stall_s:.3f})" if self.step_stall_s else ""
+        return (f"step time at step {step}: measured {measured_s:.3f} s, predicted {st.seconds:.3f} s "
+                f"({100 * diff / max(st.seconds, 1e-9):+.0f}%) on a {self.plan.machine.describe()}{stall}")
+
     def remove(self) -> None:
         """Stop streaming; every frozen tensor goes back to where it was before apply (streamed blocks to
         their pinned host buffers, kept for the next apply). Trainable parameters stay on the device."""
