@@ -4,6 +4,7 @@ against the resident row of the same run. Random full-size model built in GPU me
 Modes (``--modes``), run in order for every resolution:
 
 - ``resident``: bf16, every weight on the GPU (the baseline of the run; skip it at large batch);
+  ``resident-compiled``: the same with compiled blocks (the compute the compiled streamed rows are predicted from);
 - ``stream-k<K>[-act][-c<N>][-host][-m<M>][-b<B>]``: stream with prefetch K, activation offload, recompute in N
   token chunks, AdamW moments on the host, each batch run M samples at a time, compiled blocks at
   activation-memory budget B (else eager);
@@ -12,6 +13,15 @@ Modes (``--modes``), run in order for every resolution:
   lower); the allocator is held to the budget (engine/offload/streamer.cap_allocator).
 
 ``--precision int8`` converts the blocks to int8 slab layers after the bf16 modes (list ``resident`` first).
+
+``--link-gbps N`` emulates a slower host-to-GPU link: ``LOWVRAM_EMULATE_LINK_GBPS=N`` makes the copy engine pace its
+copies to N GB/s (engine/offload/link.py) and the planner plan for it. Every streamed row records the step time the
+model predicts (engine/offload/steptime.py) on the link measured here (through the pacer when emulating): from FLOPs
+(``predicted_step_s``), and from the measured resident step of the same run and compile mode
+(``predicted_step_s_from_resident``), beside the measured step, the copy stall and the link rate the copies got.
+
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 bench/bench_memory.py --res 1024 --precision int8 \
+        --modes resident resident-compiled auto-8-compiled --link-gbps 25 --out "$OUT/results.jsonl"
 
     source bench/gpu_env.sh
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 bench/bench_memory.py --res 1024 2048 \\
@@ -22,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import gc
+import os
 import re
 import sys
 import tempfile
@@ -57,6 +68,9 @@ def parse_args(argv=None):
     p.add_argument("--cap-gb", type=float, default=0.0,
                    help="stream-* modes: hold the allocator to this many GB (torch.cuda.set_per_process_memory_"
                         "fraction), as a card of that size would; auto modes hold it to their budget themselves")
+    p.add_argument("--link-gbps", type=float, nargs="+", default=[0.0],
+                   help="emulate a host-to-GPU link of this many GB/s (LOWVRAM_EMULATE_LINK_GBPS): streamed copies are "
+                        "paced to it and auto plans for it; 0: the real link. Several: each streamed mode runs at each")
     p.add_argument("--snapshot", default="", help="a mode: record the allocator from its step 2 on and print what "
                                                   "is live at the peak (torch.cuda.memory._snapshot), by source line")
     return p.parse_args(argv)
@@ -149,6 +163,8 @@ def offload_for(mode: str):
 
     if mode == "resident":
         return None
+    if mode == "resident-compiled":
+        return OffloadConfig(mode="resident", compile="blocks")
     m = STREAM.match(mode)
     if m:
         compiled = {"compile": "blocks", "activation_memory_budget": float(m[6])} if m[6] else {"compile": "off"}
@@ -161,6 +177,37 @@ def offload_for(mode: str):
     raise SystemExit(f"unknown mode {mode!r}")
 
 
+def predicted_timing(model, family, variant, dataset, batch, summary: dict, machine, compiled: bool,
+                     resident_step_s, stats: dict, warmup: int) -> dict:
+    """The step-time model's prediction for the plan that ran (rebuilt from its summary on this model), on the link
+    measured here: from FLOPs, and from the resident step of this run in the same compile mode (when it ran); and
+    what the copies measured: the link rate they got (streamed bytes per step / copy-engine busy time)."""
+    import statistics
+
+    from lowvram_lora.engine.offload.footprint import measure_footprint, workload_for
+    from lowvram_lora.engine.offload.plan import build_plan, resident_order, with_step_time
+
+    fp = measure_footprint(model, family, variant)
+    wl = workload_for(dataset, family, variant, batch)
+    plan = build_plan(fp, wl, resident_order(fp.block_bytes)[:summary["resident_blocks"]], summary["prefetch_depth"],
+                      summary["activation_offload"], recompute_chunks=summary["recompute_chunks"],
+                      optimizer_on_host=summary["optimizer_on_host"], micro_batch=summary["micro_batch"],
+                      compiled_budget=summary["activation_memory_budget"])
+    out = {"predicted_step_s": round(with_step_time(plan, machine, None, compiled).predicted_step_s, 4),
+           "predicted_stall_s": round(plan.step_time.stall_s, 4),
+           "predicted_link_busy_s": round(plan.step_time.link_busy_s, 4),
+           "predicted_step_s_from_resident": None, "predicted_compiled": compiled,
+           "plan_predicted_step_s": summary.get("predicted_step_s"), "plan_link_gbps": summary.get("link_gbps")}
+    if resident_step_s:
+        out["predicted_step_s_from_resident"] = round(
+            with_step_time(plan, machine, resident_step_s, compiled).predicted_step_s, 4)
+    copy_s = [c for c in stats.get("step_copy_s", [])[warmup:] if c > 0]
+    if copy_s and plan.streamed_bytes_per_step:
+        out["copy_busy_s"] = statistics.median(copy_s)
+        out["measured_link_gbps"] = round(plan.streamed_bytes_per_step / 1e9 / out["copy_busy_s"], 2)
+    return out
+
+
 def main(argv=None) -> int:
     from lowvram_lora.engine.config import LoraSettings, ModelConfig, TrainConfig
     from lowvram_lora.engine.offload.footprint import named_blocks
@@ -171,11 +218,24 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     run_id = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
-    import os
+    from lowvram_lora.engine.offload.link import ENV_EMULATE_GBPS, resolve_machine
 
+    def use_link(gbps: float):
+        """Emulate ``gbps`` (0: the real link) from here on: the copy engine and the planner read the variable when
+        a run starts. The machine the predictions use: the real link (probed once, cached) or the paced one."""
+        if gbps:
+            os.environ[ENV_EMULATE_GBPS] = f"{gbps:g}"
+        else:
+            os.environ.pop(ENV_EMULATE_GBPS, None)
+        machine = resolve_machine(device)
+        print(f"link: {machine.describe()}", flush=True)
+        return machine
+
+    machine = use_link(0.0)
     base = {"run_id": run_id, "gpu": _gpu_name(device), **_versions(), "model": args.variant, "lora_rank": args.rank,
             "lora_targets": "default", "batch": args.batch, "grad_ckpt": True, "command": _command(),
-            "note": args.note, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "bench": "memory"}
+            "note": args.note, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "bench": "memory",
+            "real_link_gbps": round(machine.link_bytes_per_s / 1e9, 2)}
     emit = row_emitter(out, base)
     from lowvram_lora.engine.families import families
 
@@ -188,7 +248,8 @@ def main(argv=None) -> int:
     rows, on_gpu, precision = {}, True, "bf16"
     for mode in args.modes:
         offload = offload_for(mode)
-        if offload is not None and on_gpu:
+        streams = offload is not None and offload.mode != "resident"
+        if streams and on_gpu:
             for _, block in named_blocks(model, family):
                 block.to("cpu")
             torch.cuda.empty_cache()
@@ -198,63 +259,81 @@ def main(argv=None) -> int:
 
                 to_int8_on_host(model, family, device)
                 precision = "int8"
-        if offload is None and not on_gpu:
-            raise SystemExit("list 'resident' before the streamed modes")
-        for res in args.res:
-            gc.collect()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-            base_bytes = [0]
+        if not streams and not on_gpu:
+            raise SystemExit("list 'resident' and 'resident-compiled' before the streamed modes")
+        for gbps in (args.link_gbps if streams else [None]):
+            machine = use_link(gbps) if streams else None
+            link_fields = {"link_gbps_emulated": gbps or None,
+                           "link_gbps": round(machine.link_bytes_per_s / 1e9, 2) if machine else None,
+                           "link_source": machine.source if machine else None}
+            for res in args.res:
+                gc.collect()
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+                base_bytes = [0]
 
-            units = marked_units(model, family)
-            markers = install_block_markers(units) if mode == args.snapshot else []
+                units = marked_units(model, family)
+                markers = install_block_markers(units) if mode == args.snapshot else []
 
-            def start_recording(info, mode=mode):
-                if mode == args.snapshot and info.step == 1:
-                    torch.cuda.synchronize()
-                    base_bytes[0] = torch.cuda.memory_allocated()
-                    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+                def start_recording(info, mode=mode):
+                    if mode == args.snapshot and info.step == 1:
+                        torch.cuda.synchronize()
+                        base_bytes[0] = torch.cuda.memory_allocated()
+                        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
 
-            rec = StepRecorder(f"{mode} {res}", start_recording)
-            capped = bool(args.cap_gb) and mode.startswith("stream-")
-            if capped:
-                torch.cuda.set_per_process_memory_fraction(
-                    args.cap_gb * 1e9 / torch.cuda.get_device_properties(device).total_memory, torch.cuda.current_device())
-            t = time.perf_counter()
-            error, result = None, None
-            try:
-                result = train_lora(ModelConfig(dtype="bf16", family=family.id), datasets[res],
-                                    LoraSettings(rank=args.rank, alpha=float(args.rank)),
-                                    TrainConfig(steps=args.warmup + args.timed, device="cuda", learning_rate=1e-4,
-                                                batch_size=args.batch),
-                                    rec.callback, preloaded=(model, family, args.variant), offload=offload)
-            except Exception as exc:  # noqa: BLE001 - a row per failure
-                import traceback
+                rec = StepRecorder(f"{mode} {res}", start_recording)
+                capped = bool(args.cap_gb) and mode.startswith("stream-")
+                if capped:
+                    total = torch.cuda.get_device_properties(device).total_memory
+                    torch.cuda.set_per_process_memory_fraction(args.cap_gb * 1e9 / total, torch.cuda.current_device())
+                t = time.perf_counter()
+                error, result = None, None
+                try:
+                    result = train_lora(ModelConfig(dtype="bf16", family=family.id), datasets[res],
+                                        LoraSettings(rank=args.rank, alpha=float(args.rank)),
+                                        TrainConfig(steps=args.warmup + args.timed, device="cuda", learning_rate=1e-4,
+                                                    batch_size=args.batch),
+                                        rec.callback, preloaded=(model, family, args.variant), offload=offload)
+                except Exception as exc:  # noqa: BLE001 - a row per failure
+                    import traceback
 
-                error = f"{type(exc).__name__}: {str(exc)[:500]}"
-                print("ERROR", error, flush=True)
-                traceback.print_exc()
-            if capped:
-                torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
-            row = training_row(rec, args.warmup, t, error, rows.get(("resident", res), {}).get("step_s"), device)
-            if capped:
-                row["cap_gb"] = args.cap_gb
-            if mode == args.snapshot:
-                for h in markers:
-                    h.remove()
-                kinds = [k for k, _ in units]
-                text, kind_gb = peak_breakdown(torch.cuda.memory._snapshot(), base_bytes[0], kinds)
-                torch.cuda.memory._record_memory_history(enabled=None)
-                print(f"\n[{mode} {res}] memory at the peak (steps 2+):\n{text}\n", flush=True)
-                row["peak_breakdown"] = text
-                row["peak_by_block_kind_gb"] = kind_gb
-            plan = (result.settings.get("offload_plan") if result is not None else None) or {}
-            rows[(mode, res)] = emit({"mode": mode, "res": res, "precision": precision, **row, "plan": plan,
-                                      "predicted_peak_gb": plan.get("predicted_peak_gb")})
-    print("\nmode                       res   step s   x resident   peak alloc GB   predicted   reserved")
-    for (mode, res), r in rows.items():
-        print(f"{mode:26s} {str(res):>5s} {r['step_s'] or float('nan'):8.3f} {r['x_resident'] or float('nan'):12.3f}"
-              f" {r['peak_alloc_gb']:15.2f} {r['predicted_peak_gb'] or float('nan'):11.2f} {r['peak_reserved_gb']:10.2f}")
+                    error = f"{type(exc).__name__}: {str(exc)[:500]}"
+                    print("ERROR", error, flush=True)
+                    traceback.print_exc()
+                if capped:
+                    torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
+                resident_s = rows.get(("resident", res, None), {}).get("step_s")
+                row = training_row(rec, args.warmup, t, error, resident_s, device)
+                if capped:
+                    row["cap_gb"] = args.cap_gb
+                if mode == args.snapshot:
+                    for h in markers:
+                        h.remove()
+                    kinds = [k for k, _ in units]
+                    text, kind_gb = peak_breakdown(torch.cuda.memory._snapshot(), base_bytes[0], kinds)
+                    torch.cuda.memory._record_memory_history(enabled=None)
+                    print(f"\n[{mode} {res}] memory at the peak (steps 2+):\n{text}\n", flush=True)
+                    row["peak_breakdown"] = text
+                    row["peak_by_block_kind_gb"] = kind_gb
+                plan = (result.settings.get("offload_plan") if result is not None else None) or {}
+                timing = {}
+                if plan and streams and result is not None:
+                    compiled = offload.compile == "blocks" or bool(re.search(r"-b[0-9.]+$", mode))
+                    baseline = rows.get(("resident-compiled" if compiled else "resident", res, None), {})
+                    timing = predicted_timing(model, family, args.variant, datasets[res], args.batch, plan, machine,
+                                              compiled, baseline.get("step_s"), result.settings.get("offload_stats")
+                                              or {}, args.warmup)
+                rows[(mode, res, gbps)] = emit({"mode": mode, "res": res, "precision": precision, **row,
+                                                "plan": plan, "predicted_peak_gb": plan.get("predicted_peak_gb"),
+                                                **link_fields, **timing})
+    print("\nmode                     link   res   step s   predicted (FLOPs / resident)   x resident   "
+          "peak alloc GB   predicted   reserved")
+    nan = float("nan")
+    for (mode, res, gbps), r in rows.items():
+        print(f"{mode:22s} {r.get('link_gbps') or nan:5.1f} {str(res):>5s} {r['step_s'] or nan:8.3f} "
+              f"{r.get('predicted_step_s') or nan:12.3f} / {r.get('predicted_step_s_from_resident') or nan:6.3f}"
+              f"        {r['x_resident'] or nan:12.3f}"
+              f" {r['peak_alloc_gb']:15.2f} {r['predicted_peak_gb'] or nan:11.2f} {r['peak_reserved_gb']:10.2f}")
     tmp.cleanup()
     return 0
 

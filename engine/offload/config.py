@@ -37,15 +37,17 @@ class OffloadConfig:
     )})
     prefetch_depth: Optional[int] = field(default=None, metadata={"help": (
         "stream/auto: blocks copied ahead of the one computing (the ring holds depth + 1 blocks). 1 is double "
-        "buffering (least memory); 2 absorbs uneven block times; more rarely helps. None: 2, or 1 when auto "
-        "needs the memory."
+        "buffering (least memory); 2 absorbs uneven block times; 3 helps where the forward is copy-bound (a slow "
+        "link). None: 2 in stream mode; auto picks 1-3, whichever its step-time model predicts fastest on this "
+        "machine's measured host-to-GPU link within the budget."
     )})
     activation_offload: Optional[bool] = field(default=None, metadata={"help": (
         "stream/auto: move each checkpointed block's inputs to pinned host RAM after its forward and back "
         "before its backward, overlapped with compute. Saves about blocks x tokens x hidden x 2 bytes "
         "(1.6 GB for Flux.1-dev at 1024, 6 GB at 2048) for extra PCIe traffic. With it, large blocks (Flux "
         "double blocks) stream and recompute as two parts, attention and feed-forward, which halves the "
-        "weights on the GPU at once. None: off in stream mode; auto turns it on only when the budget needs it."
+        "weights on the GPU at once. None: off in stream mode; auto turns it on when the budget needs it, or "
+        "when its step-time model predicts it faster (more blocks resident for the memory it frees)."
     )})
     gradient_checkpointing: bool = field(default=True, metadata={"help": (
         "Recompute each block's activations during backward instead of storing them: much less VRAM for "

@@ -43,8 +43,13 @@ def measure_footprint(model: nn.Module, family, name: str = "",
         other_bytes=other, trainable_params=trainable_params, hidden_size=family.hidden_size(dict(model.config)),
         unit_bytes=[unit_bytes(family, b, frozen_bytes) for _, b in blocks],
         activation_scale=family.activation_scale, parts_activation_scale=family.parts_activation_scale,
-        chunkable=family.chunked_recompute,
+        chunkable=family.chunked_recompute, block_params=[frozen_elements(b) for _, b in blocks],
     )
+
+
+def frozen_elements(module: nn.Module) -> int:
+    """Elements of a module's frozen tensors (its weights' FLOPs per token are twice this)."""
+    return sum(t.numel() for t in list(module.parameters()) + list(module.buffers()) if not t.requires_grad)
 
 
 def lora_param_count(model: nn.Module, family, lora: LoraSettings) -> int:

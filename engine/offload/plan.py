@@ -31,6 +31,7 @@ from typing import Optional, Sequence
 from ..errors import ConfigError
 from .config import OffloadConfig
 from .schedule import simulate_step
+from .steptime import Machine, StepTime, predict_step_time
 
 GB = 1e9
 LORA_BYTES_PER_PARAM = 16
@@ -64,7 +65,7 @@ OFFLOADED_KEPT_BYTES = int(0.125 * GB)  # ... plus this (fitted)
 # Training under an explicit auto budget caps the allocator at the budget (streamer.cap_allocator): at the cap
 # it hands cached memory back and retries instead of reserving more, as it does on a card of that size.
 HEADROOM_BYTES = int(0.5 * GB)
-K1_PENALTY = 1.15  # auto: one block of lookahead overlaps worse than two; count its bytes 15% dearer
+AUTO_DEPTHS = (3, 2, 1)  # prefetch depths auto weighs (a deeper ring absorbs a copy-bound forward, for a slot)
 
 
 @dataclass
@@ -91,6 +92,9 @@ class ModelFootprint:
     parts_activation_scale: Optional[float] = None
     # The family's token-wise block parts can recompute in chunks (``ModelFamily.chunked_recompute``).
     chunkable: bool = True
+    # Frozen elements per block (FLOPs for the step-time model, engine/offload/steptime.py). Empty: the block's
+    # bytes at ``act_bytes_per_elem`` per element (bf16 weights).
+    block_params: list = field(default_factory=list)
 
     def stream_units(self, activation_offload: bool) -> tuple[list[int], list[list[int]]]:
         """(bytes per streaming unit, unit indexes per block): parts only with activation offload."""
@@ -155,6 +159,12 @@ class Plan:
     ring_bytes: int = 0  # the most the slots hold at once (slots are sized per streamed unit)
     activation_memory_budget: float = 1.0  # of the compiled blocks (auto may lower it); 1 when eager
     streamed_units: int = 0  # large blocks stream in parts with activation offload (engine/offload/units.py)
+    step_time: Optional[StepTime] = None  # predicted on ``machine`` (engine/offload/steptime.py)
+    machine: Optional[Machine] = None
+
+    @property
+    def predicted_step_s(self) -> Optional[float]:
+        return self.step_time.seconds if self.step_time is not None else None
 
     def describe(self) -> str:
         fp, wl = self.footprint, self.workload
@@ -174,6 +184,13 @@ class Plan:
         budget = f" of a {self.budget_bytes / GB:.1f} GB budget" if self.budget_bytes else ""
         parts = ", ".join(f"{k} {v / GB:.2f}" for k, v in self.breakdown.items())
         lines.append(f"  predicted peak {self.predicted_peak_bytes / GB:.2f} GB{budget} ({parts})")
+        if self.step_time is not None:
+            st = self.step_time
+            origin = "measured resident" if st.compute_source == "measured" else "from FLOPs"
+            lines.append(f"  predicted step {st.seconds:.3f} s on a {self.machine.describe()}: compute "
+                         f"{st.compute_s:.3f} s ({origin})"
+                         + (f", copy stall {st.stall_s:.3f} s, link busy {st.link_busy_s:.3f} s"
+                            if self.mode != "resident" else ""))
         if self.mode != "resident":
             lines.append(f"  per step: {self.streamed_bytes_per_step / GB:.1f} GB of weights host->GPU"
                          + (f", {self.activation_bytes_per_step / GB:.2f} GB of activations each way"
@@ -197,6 +214,9 @@ class Plan:
             "recompute_chunks": self.recompute_chunks, "optimizer_on_host": self.optimizer_on_host,
             "micro_batch": self.micro_batch or self.workload.batch,
             "activation_memory_budget": self.activation_memory_budget,
+            **(self.step_time.as_dict() if self.step_time is not None else {}),
+            "link_gbps": round(self.machine.link_bytes_per_s / GB, 2) if self.machine is not None else None,
+            "link_source": self.machine.source if self.machine is not None else None,
         }
 
 
@@ -281,20 +301,32 @@ def _fits(plan: Plan, budget: int) -> bool:
     return plan.predicted_peak_bytes + HEADROOM_BYTES <= budget
 
 
+def with_step_time(plan: Plan, machine: Optional[Machine], compute_s_per_step: Optional[float] = None,
+                   compiled: bool = False) -> Plan:
+    """``plan`` with its predicted step time on ``machine`` (None: the default machine, a 25 GB/s link)."""
+    plan.machine = machine or Machine()
+    plan.step_time = predict_step_time(plan, plan.machine, compute_s_per_step, compiled)
+    return plan
+
+
 def _cost(plan: Plan) -> tuple:
-    """Lower is faster: bytes over PCIe per step. Lookahead 1 overlaps worse (K1_PENALTY); activations
-    cross twice (out and back) and their copies wait on compute, so they count double."""
+    """Lower is better: the predicted step time (to the millisecond); at the same time, fewer bytes over the link
+    (host-to-GPU weights, activations both ways), then no activation offload, then deeper prefetch."""
     io = plan.streamed_bytes_per_step + 2 * plan.activation_bytes_per_step
-    return (io * (K1_PENALTY if plan.prefetch_depth == 1 and plan.streamed else 1.0), plan.activation_offload,
-            -plan.prefetch_depth)
+    return (round(plan.predicted_step_s, 3), io, plan.activation_offload, -plan.prefetch_depth)
 
 
 def make_plan(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, budget_bytes: Optional[int] = None,
-              host_ram_bytes: Optional[int] = None, compiled: bool = False) -> Plan:
+              host_ram_bytes: Optional[int] = None, compiled: bool = False, machine: Optional[Machine] = None,
+              compute_s_per_step: Optional[float] = None) -> Plan:
     """The plan for ``cfg``. ``budget_bytes`` is required for mode='auto' (the caller resolves
     vram_budget_gb=0 to the free VRAM). Raises ConfigError when auto cannot fit the budget, or the plan
     would pin more than ``cfg.max_pinned_fraction`` of ``host_ram_bytes``. ``compiled``: the blocks will be
-    compiled (engine/train/compile.py), so cfg.activation_memory_budget applies, and auto may lower it."""
+    compiled (engine/train/compile.py), so cfg.activation_memory_budget applies, and auto may lower it.
+    ``machine``: the link and GPU the step time is predicted for (engine/offload/link.py measures it; None: a
+    25 GB/s link); auto picks the fastest plan on it. ``compute_s_per_step``: the measured resident step of this
+    model and workload, when known (else estimated from FLOPs; engine/offload/steptime.py)."""
+    timing = {"machine": machine, "compute_s_per_step": compute_s_per_step, "compiled": compiled}
     n = fp.num_blocks
     if (cfg.recompute_chunks or 1) > 1 and not fp.chunkable:
         raise ConfigError(f"recompute_chunks={cfg.recompute_chunks}: {fp.name} has no token-wise block parts to "
@@ -306,15 +338,15 @@ def make_plan(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, budget_bytes
              "micro_batch": cfg.micro_batch_size,
              "compiled_budget": cfg.activation_memory_budget if compiled else 1.0}
     if cfg.mode == "resident":
-        plan = build_plan(fp, wl, range(n), 1, False, reason="mode=resident", **fixed)
+        plan = with_step_time(build_plan(fp, wl, range(n), 1, False, reason="mode=resident", **fixed), **timing)
     elif cfg.mode == "stream":
         r = cfg.resident_blocks or 0
-        plan = build_plan(fp, wl, order[:r], cfg.prefetch_depth or 2, bool(cfg.activation_offload),
-                          reason="mode=stream", **fixed)
+        plan = with_step_time(build_plan(fp, wl, order[:r], cfg.prefetch_depth or 2, bool(cfg.activation_offload),
+                                         reason="mode=stream", **fixed), **timing)
     else:
         if budget_bytes is None:
             raise ValueError("mode='auto' needs budget_bytes")
-        plan = _auto(fp, wl, cfg, order, budget_bytes, compiled)
+        plan = _auto(fp, wl, cfg, order, budget_bytes, compiled, timing)
     if host_ram_bytes and plan.pinned_host_bytes > cfg.max_pinned_fraction * host_ram_bytes:
         raise ConfigError(
             f"the plan pins {plan.pinned_host_bytes / GB:.1f} GB of host RAM but max_pinned_fraction="
@@ -326,7 +358,7 @@ def make_plan(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, budget_bytes
 
 
 def _auto(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: list[int], budget: int,
-          compiled: bool = False) -> Plan:
+          compiled: bool = False, timing: Optional[dict] = None) -> Plan:
     """The fastest plan that fits. Finer recompute and host-held moments cost time but no PCIe bytes, so
     they are escalations: tried only when nothing fits without them (unless set explicitly). Compiled blocks
     at activation-memory budget 1 (the default) may go down to AUTO_COMPILED_BUDGET as a last escalation."""
@@ -343,7 +375,7 @@ def _auto(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: list[int]
     # then a lower activation-memory budget (pointwise recompute in backward).
     escalations = [(c, h, m, b) for b in budget_steps for c in chunk_steps for m in micro_steps for h in host_steps]
     for chunks, host, micro, cbudget in escalations:
-        plan = _auto_fixed(fp, wl, cfg, order, budget, chunks, host, micro, cbudget)
+        plan = _auto_fixed(fp, wl, cfg, order, budget, chunks, host, micro, cbudget, timing or {})
         if plan is not None:
             return plan
     chunks, host, micro, cbudget = escalations[-1]
@@ -365,7 +397,11 @@ def _auto(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: list[int]
 
 
 def _auto_fixed(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: list[int], budget: int,
-                chunks: int, host: bool, micro: int, compiled_budget: float = 1.0) -> Optional[Plan]:
+                chunks: int, host: bool, micro: int, compiled_budget: float = 1.0,
+                timing: Optional[dict] = None) -> Optional[Plan]:
+    """The fastest plan that fits at these escalations: for each prefetch depth and activation offload setting the
+    most resident blocks that fit (more resident is never slower), then the lowest predicted step time."""
+    timing = timing or {}
     n = fp.num_blocks
     extra = {"recompute_chunks": chunks, "optimizer_on_host": host, "micro_batch": micro,
              "compiled_budget": compiled_budget}
@@ -373,8 +409,8 @@ def _auto_fixed(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: lis
         everything = build_plan(fp, wl, range(n), 1, False, budget, reason="auto: everything fits the budget",
                                 **extra)
         if _fits(everything, budget):
-            return everything
-    depths = [cfg.prefetch_depth] if cfg.prefetch_depth else [2, 1]
+            return with_step_time(everything, **timing)
+    depths = [cfg.prefetch_depth] if cfg.prefetch_depth else AUTO_DEPTHS
     acts = [cfg.activation_offload] if cfg.activation_offload is not None else [False, True]
     counts = [cfg.resident_blocks] if cfg.resident_blocks is not None else range(n - 1, -1, -1)
     best = None
@@ -384,9 +420,11 @@ def _auto_fixed(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: lis
                 plan = build_plan(fp, wl, order[:r], k, act, budget, **extra)
                 if not _fits(plan, budget):
                     continue
+                with_step_time(plan, **timing)
                 if best is None or _cost(plan) < _cost(best):
                     best = plan
                 break
     if best is not None:
-        best.reason = "auto: the fastest plan that fits the budget (fewest bytes over PCIe per step)"
+        best.reason = (f"auto: the fastest plan that fits the budget (predicted step time on a "
+                       f"{best.machine.describe()})")
     return best

@@ -65,6 +65,10 @@ class CudaCopyEngine:
         # the compute stream sat waiting for a copy (a stall: the step was copy-bound there).
         self._copy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._stall_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        # Benches: LOWVRAM_EMULATE_LINK_GBPS paces the copies to a slower link (engine/offload/link.py).
+        from .link import pacer_for
+
+        self.pacer = pacer_for(device)
 
     def load(self, block: int, slot: int, evicted: Optional[int]) -> None:
         compute = torch.cuda.current_stream(self.device)
@@ -92,6 +96,8 @@ class CudaCopyEngine:
                 self.stream.wait_event(self.released[slot])
             start.record(self.stream)
             buffer.copy_(host.buffer, non_blocking=True)
+            if self.pacer is not None:  # the copy lands (done) once the emulated link would have carried it
+                self.pacer.after_copy(host.nbytes)
             done.record(self.stream)
         self.slots[slot] = buffer
         self.ready[slot] = done
@@ -190,7 +196,9 @@ class OffloadHandle:
         """Counters since apply (copies, bytes, synchronous loads = prefetch misses, resyncs) and, per
         training step, copy-engine busy and compute stall seconds (CUDA; see ``end_step``)."""
         out = {"bytes_copied": 0, "pin_seconds": round(self.pin_seconds, 2), "pinned_reused": self.pinned_reused,
-               "step_copy_s": self.step_copy_s, "step_stall_s": self.step_stall_s}
+               "step_copy_s": self.step_copy_s, "step_stall_s": self.step_stall_s,
+               "paced_s": round(getattr(self.engine, "pacer", None).paced_s, 3)
+               if getattr(self.engine, "pacer", None) is not None else 0.0}
         if self.scheduler is not None:
             out.update(self.scheduler.stats.as_dict())
             out["bytes_copied"] = self.engine.bytes_copied
@@ -209,6 +217,17 @@ class OffloadHandle:
         when = "step 1 (before the AdamW moments exist)" if step == 1 else f"step {step}"
         return (f"peak VRAM after {when}: measured {measured_bytes / GB:.2f} GB, predicted {predicted / GB:.2f} GB "
                 f"({'+' if diff >= 0 else '-'}{abs(diff) / GB:.2f} GB, {100 * diff / max(predicted, 1):+.0f}%)")
+
+    def step_report(self, step: int, measured_s: float) -> str:
+        """Predicted vs measured step time (engine/offload/steptime.py; from step 3 on, once compiling is over),
+        with this step's copy stall: where the model drifts, the log says by how much and on which link."""
+        st = self.plan.step_time
+        if st is None:
+            return f"step {step}: {measured_s:.3f} s (no step-time prediction)"
+        diff = measured_s - st.seconds
+        stall = f", copy stall {self.step_stall_s[-1]:.3f} s (predicted {st.stall_s:.3f})" if self.step_stall_s else ""
+        return (f"step time at step {step}: measured {measured_s:.3f} s, predicted {st.seconds:.3f} s "
+                f"({100 * diff / max(st.seconds, 1e-9):+.0f}%) on a {self.plan.machine.describe()}{stall}")
 
     def remove(self) -> None:
         """Stop streaming; every frozen tensor goes back to where it was before apply (streamed blocks to
@@ -310,7 +329,10 @@ def apply_offload(model: nn.Module, family, config: OffloadConfig, device: torch
         if workload is None:
             raise ValueError("apply_offload needs a plan or a workload to plan for")
         fp = measure_footprint(model, family, name or type(model).__name__)
-        plan = make_plan(fp, workload, config, resolve_budget_bytes(config, device), physical_ram_bytes())
+        from .link import resolve_machine
+
+        plan = make_plan(fp, workload, config, resolve_budget_bytes(config, device), physical_ram_bytes(),
+                         machine=resolve_machine(device) if _engine_factory is None else None)
     handle = OffloadHandle(model, plan, device)
 
     # Everything outside the streamed blocks lives on the device for the whole run.

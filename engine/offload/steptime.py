@@ -1,0 +1,250 @@
+"""How long a training step takes under an offload plan, on a given link: pure arithmetic (no device), so
+``auto`` can choose the fastest plan that fits before anything is loaded (engine/offload/plan.py).
+
+The model, per micro-step (one forward + backward; the loop synchronises after the optimizer step):
+
+* **compute**: the resident step's compute, either measured (``compute_s_per_step``: the step time of the same
+  model, workload and compile mode with every block resident) or estimated from FLOPs at the GPU's dense bf16
+  peak x an efficiency fitted on the H100 (``FLOP_EFFICIENCY``). Per block, forward FLOPs are
+  ``2 x frozen params x B x T`` (the Linears) + ``4 x B x T^2 x D`` (attention); LoRA on a frozen base needs no
+  weight gradient, so a checkpointed step is forward + recompute + input-gradient backward: 3 x the Linears,
+  4.5 x the attention (its backward is ~2.5 forwards). The step's compute is spread over the blocks (or their
+  streaming parts, by bytes) by these FLOPs: a forward visit runs the forward share, a backward visit the
+  recompute + backward.
+* **copies**: the scheduler (schedule.py) is driven through the exact visit sequence of training
+  (0..N-1 forward, N-1..0 backward) with a copy engine that keeps a GPU timeline, as
+  ``CudaCopyEngine`` orders its work (engine/offload/streamer.py): a copy starts when the copy stream is free,
+  the compute stream is past the point where it was issued (its buffer's allocation: the end of the previous
+  visit) and the slot's previous block was released; it takes ``bytes / link``; a visit's compute starts when
+  its block's copy has landed (the stall).
+* **activation offload**: each unit's inputs (B x T x D x 2 bytes) go to the host after its forward on their
+  own lane (device-to-host: the other direction of the link, which nothing else uses) and come back one unit
+  ahead of its backward on their own stream, sharing the host-to-device bandwidth with the weight copies (half
+  each while both run; the weights are delayed by the activations' bytes); the unit's backward waits for them.
+* The step ends when compute and every copy have finished (the loop synchronises).
+
+* Each visit of a streamed (or activation-offloaded) unit adds ``VISIT_OVERHEAD_S`` of compute: the overhead of
+  streaming itself (checkpoint boundaries, events, a compiled graph per unit; issue 26 item 1), fitted.
+
+What it leaves out: host time (Python, launches: eager steps are launch-bound and the measured
+``compute_s_per_step`` includes that) and copies slowed by concurrent HBM traffic. bench/bench_memory.py prints the
+prediction beside the measured step so a drift shows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from .schedule import BlockScheduler
+
+GB = 1e9
+# Dense bf16 tensor throughput (FLOP/s, fp32 accumulate, no sparsity) by a substring of the CUDA device name,
+# most specific first. Vendor datasheets.
+PEAK_BF16_TFLOPS = (
+    ("H100 PCIe", 756), ("H100 NVL", 835), ("H200", 989), ("H100", 989), ("GH200", 989), ("B200", 2250),
+    ("A100", 312), ("A800", 312), ("L40S", 362), ("L40", 181), ("L4", 121), ("A10", 125),
+    ("RTX 6000 Ada", 364), ("A6000", 155), ("RTX 5090", 209), ("4090", 165), ("4080", 97), ("4070 Ti", 80),
+    ("4070", 58), ("4060", 44), ("3090", 71), ("3080", 60), ("3070", 41), ("3060", 25),
+)
+DEFAULT_PEAK_TFLOPS = 100.0  # an unknown GPU
+# Achieved / peak over a Flux.1-dev 1024² LoRA step with every block resident (the FLOPs above; 3.94e14 per
+# step): H100 80GB HBM3, 2026-11-25 (issue 26): compiled blocks 0.689 s, eager 0.976 s.
+FLOP_EFFICIENCY = {"compiled": 0.578, "eager": 0.408}
+# Eager int8 slab layers dequantise in their own kernels (compiled, the dequant fuses into the matmul): Qwen-Image
+# 1024² int8 auto 4 GB eager 1.30 s against 1.18-1.27 s bf16 resident with no copy stall (bench/NOTES.md).
+EAGER_INT8_FACTOR = 1.07
+# Recompute in token chunks reruns the token-wise parts (another forward of the MLPs): Flux.1 2048², 4 chunks,
+# 1.07x the resident step (bench/results.jsonl 2026-11-23). Smaller chunks are launch-bound (1024², 4 chunks,
+# 1.69x); auto only chunks when nothing else fits, so this only ranks plans that all chunk.
+CHUNKED_FACTOR = 1.07
+# Shares of one unit's work: forward 1, recompute 1, backward 1 (Linears: the input gradient only);
+# attention backward ~2.5 forwards.
+LINEAR_PASSES, ATTENTION_PASSES = 3.0, 4.5
+# Compute-stream time each visit of a streamed or activation-offloaded unit adds on top of the resident compute
+# (its checkpoint boundary, the streamer's events and waits, a graph per unit when compiled). Fitted on four H100
+# Flux.1-dev 1024² compiled rows at ~54 GB/s (bench/results.jsonl, 2026-11-25/26): bf16 `auto` 8 GB (53 blocks,
+# prefetch 2), int8 and bf16 streamed + activation offload with prefetch 1 and 2; each alone wants 0.6-0.9 ms. This is
+# the overhead issue 26 item 1 is removing: refit it when that lands (bench/bench_memory.py prints both figures).
+VISIT_OVERHEAD_S = 0.0008
+DEFAULT_LINK_BYTES_PER_S = 25 * GB  # no probe (CPU, tests): a PCIe 4.0 x16 board, the common case
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the step-time model knows about the machine: the pinned host-to-GPU link and the GPU's peak."""
+
+    link_bytes_per_s: float = DEFAULT_LINK_BYTES_PER_S
+    peak_flops: float = DEFAULT_PEAK_TFLOPS * 1e12
+    name: str = ""
+    source: str = "default"  # where the link figure came from: probe, cache, env, emulated, default
+
+    def describe(self) -> str:
+        return f"{self.link_bytes_per_s / GB:.1f} GB/s host->GPU ({self.source})"
+
+
+def peak_flops_for(gpu_name: str) -> float:
+    """The GPU's dense bf16 peak, FLOP/s (DEFAULT_PEAK_TFLOPS when the name is not in the table)."""
+    for key, tflops in PEAK_BF16_TFLOPS:
+        if key.lower() in gpu_name.lower():
+            return tflops * 1e12
+    return DEFAULT_PEAK_TFLOPS * 1e12
+
+
+@dataclass
+class StepTime:
+    seconds: float  # one optimizer step (all micro-batches)
+    compute_s: float  # the resident compute it contains
+    stall_s: float  # compute waiting for copies (weights and activations)
+    link_busy_s: float  # host->GPU link busy (weights + restored activations)
+    compute_source: str  # "measured" | "FLOPs"
+
+    def as_dict(self) -> dict:
+        return {"predicted_step_s": round(self.seconds, 4), "predicted_compute_s": round(self.compute_s, 4),
+                "predicted_stall_s": round(self.stall_s, 4), "predicted_link_busy_s": round(self.link_busy_s, 4),
+                "compute_source": self.compute_source}
+
+
+def block_params(fp) -> list[int]:
+    """Frozen elements per block (the footprint's, or its bytes at the activation dtype's size)."""
+    if fp.block_params:
+        return list(fp.block_params)
+    return [b // fp.act_bytes_per_elem for b in fp.block_bytes]
+
+
+def block_flops(fp, tokens: int, batch: int) -> list[tuple[float, float]]:
+    """(Linear, attention) forward FLOPs of each block for ``batch`` samples of ``tokens`` tokens."""
+    attention = 4.0 * batch * tokens * tokens * fp.hidden_size
+    return [(2.0 * p * batch * tokens, attention) for p in block_params(fp)]
+
+
+def estimate_compute_s(fp, tokens: int, batch: int, peak_flops: float, compiled: bool,
+                       recompute_chunks: int = 1) -> float:
+    """The resident step's compute from FLOPs (one forward + recompute + backward of ``batch`` samples)."""
+    flops = sum(LINEAR_PASSES * lin + ATTENTION_PASSES * att for lin, att in block_flops(fp, tokens, batch))
+    seconds = flops / (peak_flops * FLOP_EFFICIENCY["compiled" if compiled else "eager"])
+    int8 = fp.block_params and sum(fp.block_bytes) < 1.5 * sum(fp.block_params)  # ~1 byte per weight
+    if int8 and not compiled:
+        seconds *= EAGER_INT8_FACTOR
+    return seconds * (CHUNKED_FACTOR if recompute_chunks > 1 else 1.0)
+
+
+class _Timeline:
+    """A copy engine for BlockScheduler that keeps the GPU's timeline instead of copying (seconds)."""
+
+    def __init__(self, sizes: Sequence[int], num_slots: int, link: float):
+        self.sizes, self.link = sizes, link
+        self.now = 0.0  # end of the last compute enqueued on the compute stream
+        self.h2d_free = 0.0  # the host->device link (weights and restored activations)
+        self.ready = [0.0] * num_slots
+        self.released = [0.0] * num_slots
+        self.stall = 0.0
+        self.busy = 0.0
+
+    def copy_in(self, nbytes: int, after: float) -> float:
+        """A weight copy: the copy stream runs its copies one after the other."""
+        start = max(self.h2d_free, after)
+        self.h2d_free = start + nbytes / self.link
+        self.busy += nbytes / self.link
+        return self.h2d_free
+
+    def copy_beside(self, nbytes: int, after: float) -> float:
+        """An activation copy on its own stream: it shares the link with a weight copy in flight (half the
+        bandwidth each) instead of queueing behind it, and delays the weight copies by its bytes."""
+        seconds = nbytes / self.link
+        busy_then = self.h2d_free > after
+        self.h2d_free = max(self.h2d_free, after) + seconds
+        self.busy += seconds
+        return after + (2 * seconds if busy_then else seconds)
+
+    def load(self, block, slot, evicted):
+        # CudaCopyEngine: the buffer is allocated on the compute stream (the copy waits for what compute has
+        # queued so far) and the copy waits for the slot's release; a replaced buffer's old copy must have landed.
+        self.now = max(self.now, self.ready[slot])
+        self.ready[slot] = self.copy_in(self.sizes[block], max(self.now, self.released[slot]))
+
+    def wait_ready(self, slot):
+        if self.ready[slot] > self.now:
+            self.stall += self.ready[slot] - self.now
+            self.now = self.ready[slot]
+
+    def release(self, slot):
+        self.released[slot] = self.now
+
+
+def simulate_step_time(sizes: Sequence[int], streamed: Sequence[int], prefetch_depth: int, num_slots: int,
+                       fwd_s: Sequence[float], bwd_s: Sequence[float], link: float,
+                       act_bytes: Sequence[int] = (), steps: int = 3,
+                       visit_overhead_s: float = 0.0) -> tuple[float, float, float]:
+    """(seconds, stall s, link busy s) of the last of ``steps`` micro-steps over units of ``sizes`` bytes of which
+    ``streamed`` live on the host; ``fwd_s`` / ``bwd_s``: each unit's forward and recompute + backward compute;
+    ``act_bytes``: each unit's offloaded inputs (empty: no activation offload); ``visit_overhead_s``: added to each
+    visit of a streamed unit (every unit with activation offload)."""
+    managed = set(range(len(sizes))) if act_bytes else set(streamed)
+    fwd_s = [f + (visit_overhead_s if u in managed else 0.0) for u, f in enumerate(fwd_s)]
+    bwd_s = [b + (visit_overhead_s if u in managed else 0.0) for u, b in enumerate(bwd_s)]
+    n = len(sizes)
+    eng = _Timeline(sizes, num_slots, link)
+    sched = BlockScheduler(n, streamed, num_slots, prefetch_depth, eng) if streamed else None
+    if sched is not None:
+        sched.prime()
+    d2h_free, start, stall0, busy0 = 0.0, 0.0, 0.0, 0.0
+    for _ in range(steps):
+        start, stall0, busy0 = eng.now, eng.stall, eng.busy
+        for u in range(n):  # forward
+            if sched is not None:
+                sched.visit(u)
+            eng.now += fwd_s[u]
+            if act_bytes:  # inputs out after the forward, on their own lane
+                d2h_free = max(d2h_free, eng.now) + act_bytes[u] / link
+        restored = {n - 1: eng.now}  # the last unit's inputs: its backward follows its forward at once
+        for u in range(n - 1, -1, -1):  # recompute + backward
+            if sched is not None:
+                sched.visit(u)
+            if act_bytes:
+                if u - 1 >= 0:  # the next unit's inputs come back while this one computes
+                    restored[u - 1] = eng.copy_beside(act_bytes[u - 1], max(eng.now, d2h_free))
+                if restored[u] > eng.now:
+                    eng.stall += restored[u] - eng.now
+                    eng.now = restored[u]
+            eng.now += bwd_s[u]
+        eng.now = max(eng.now, eng.h2d_free, d2h_free)  # the loop synchronises after the step
+    return eng.now - start, eng.stall - stall0, eng.busy - busy0
+
+
+def predict_step_time(plan, machine: Machine, compute_s_per_step: Optional[float] = None,
+                      compiled: bool = False) -> StepTime:
+    """The plan's step time on ``machine``. ``compute_s_per_step``: the measured resident step of the same model,
+    workload and compile mode (its batch); None: estimated from FLOPs (``estimate_compute_s``)."""
+    fp, wl = plan.footprint, plan.workload
+    micro = plan.micro_batch or wl.batch
+    pieces = -(-wl.batch // micro)
+    if compute_s_per_step is not None:
+        compute, source = compute_s_per_step * (CHUNKED_FACTOR if plan.recompute_chunks > 1 else 1.0), "measured"
+    else:
+        compute = estimate_compute_s(fp, wl.tokens, wl.batch, machine.peak_flops, compiled, plan.recompute_chunks)
+        source = "FLOPs"
+    if plan.mode == "resident":
+        return StepTime(compute, compute, 0.0, 0.0, source)
+    # Units as the scheduler streams them; each block's work split over its parts by bytes (attention with the
+    # first part, where it runs).
+    sizes, groups = fp.stream_units(plan.activation_offload)
+    fwd, bwd = [0.0] * len(sizes), [0.0] * len(sizes)
+    flops = block_flops(fp, wl.tokens, micro)
+    total = sum(LINEAR_PASSES * lin + ATTENTION_PASSES * att for lin, att in flops)
+    per_flop = compute / pieces / total
+    for (lin, att), units in zip(flops, groups):
+        block_total = sum(sizes[u] for u in units) or 1
+        for j, u in enumerate(units):
+            share = sizes[u] / block_total
+            a = att if j == 0 else 0.0
+            fwd[u] = (lin * share + a) * per_flop
+            bwd[u] = ((LINEAR_PASSES - 1) * lin * share + (ATTENTION_PASSES - 1) * a) * per_flop
+    streamed_units = [u for i in plan.streamed for u in groups[i]]
+    act = []
+    if plan.activation_offload:
+        unit_act = micro * wl.tokens * fp.hidden_size * fp.act_bytes_per_elem
+        act = [unit_act] * len(sizes)
+    seconds, stall, busy = simulate_step_time(sizes, streamed_units, plan.prefetch_depth, plan.num_slots,
+                                              fwd, bwd, machine.link_bytes_per_s, act,
+                                              visit_overhead_s=VISIT_OVERHEAD_S)
+    return StepTime(seconds * pieces, compute, stall * pieces, busy * pieces, source)
