@@ -95,6 +95,11 @@ class ActivationOffloader:
         if self.cuda:
             self.d2h = torch.cuda.Stream(device)
             self.h2d = torch.cuda.Stream(device)
+            from .link import pacer_for
+
+            # Benches only (LOWVRAM_EMULATE_LINK_GBPS): activation copies are paced like the block copies, so an
+            # emulated slow link slows both directions of this traffic too.
+            self.pacer = pacer_for(device)
         self.stack: list[_Packed] = []
         # A reentrant checkpoint's outputs require grad only if an input does. Block 0's inputs come from
         # frozen embedders, so without this its LoRA weights would get no gradient.
@@ -151,6 +156,8 @@ class ActivationOffloader:
                     if _offloadable(t):
                         h = next(hosts)
                         h.copy_(t, non_blocking=True)
+                        if self.pacer is not None:
+                            self.pacer.after_copy(h.numel() * h.element_size())
                         packed.leaving.append(t)  # released at the next pack (or unpack), see above
                         packed.host.append(h)
                         packed.kept.append(None)
@@ -190,6 +197,8 @@ class ActivationOffloader:
                 for g, h in zip(gpu, p.host):
                     if h is not None:
                         g.copy_(h, non_blocking=True)
+                        if self.pacer is not None:
+                            self.pacer.after_copy(h.numel() * h.element_size())
                 p.ready = torch.cuda.Event()
                 p.ready.record(self.h2d)
         else:

@@ -234,6 +234,7 @@ class Streamed(Placement):
         loaded model): the dataset's largest bucket, the optimizer's bytes per LoRA weight, the budget."""
         from ..offload.footprint import workload_for
         from ..offload.host import physical_ram_bytes
+        from ..offload.link import resolve_machine
         from ..offload.plan import make_plan
         from ..offload.streamer import resolve_budget_bytes
 
@@ -245,7 +246,7 @@ class Streamed(Placement):
             offload = replace(offload, optimizer_on_host=False)
         return make_plan(fp, workload_for(dataset, family, variant, train.batch_size), offload,
                          resolve_budget_bytes(offload, self.device), physical_ram_bytes(),
-                         compiled=self.compiles(train)[0])
+                         compiled=self.compiles(train)[0], machine=resolve_machine(self.device))
 
     def plan_before_loading(self, ident, family_id, dataset, lora, train, dtype):
         from ..offload.footprint import footprint_before_loading
