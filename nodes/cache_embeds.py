@@ -147,7 +147,7 @@ class LowVRAMCacheTextEmbeds(io.Node):
 
         from ..engine.caching import build_dataset_cache
         from ..engine.config import DataConfig
-        from .progress import free_comfy_vram, make_callback
+        from .progress import free_comfy_vram, make_callback, node_library_bars
 
         free_comfy_vram()
         model_cfg = model.config
@@ -169,7 +169,9 @@ class LowVRAMCacheTextEmbeds(io.Node):
 
             video = VideoConfig(frame_counts=_frame_counts(video_frames), fps=float(video_fps), window=video_window,
                                 windows_per_clip=int(windows_per_clip))
-        dataset = build_dataset_cache(model_cfg, data, cache_dir(), max_sequence_length=max_sequence_length,
-                                      callback=make_callback(cls.hidden.unique_id), sample_prompts=sample_prompts.splitlines(),
-                                      video=video, control_dirs=_control_dirs(control_folder))
+        with node_library_bars():
+            dataset = build_dataset_cache(model_cfg, data, cache_dir(), max_sequence_length=max_sequence_length,
+                                          callback=make_callback(cls.hidden.unique_id),
+                                          sample_prompts=sample_prompts.splitlines(), video=video,
+                                          control_dirs=_control_dirs(control_folder))
         return io.NodeOutput(dataset)

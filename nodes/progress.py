@@ -269,6 +269,18 @@ def console_bars(enabled: bool):
         _CONSOLE_BARS.reset(token)
 
 
+@contextlib.contextmanager
+def node_library_bars():
+    """Around a node's engine call: inside ComfyUI or ``serve`` the node shows its own progress, so the libraries'
+    console bars (transformers' "Loading weights ... it/s" while a text encoder loads) are off: they only ran
+    into the log's next line. Headless runs keep them unless ``--no-progress`` (``console_bars``)."""
+    if _host is None and _comfy() is None:
+        yield
+        return
+    with console_bars(False):
+        yield
+
+
 def set_host(host) -> None:
     """Called by ``lowvram-lora serve`` (host/serve.py) so nodes report to its websocket; None to stop."""
     global _host

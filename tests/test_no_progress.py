@@ -27,3 +27,23 @@ def test_no_progress_draws_no_bars(tmp_path, capfd, progress):
     else:
         assert not bars, bars
     assert "trained 3 steps: final loss" in out and "done: 5 node(s)" in out  # the summary lines stay
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_library_bars_are_off_around_a_node_inside_a_server(monkeypatch, inside):
+    """Inside ComfyUI or ``serve`` (here: a host set, as serve sets one) the node shows its own progress, so
+    transformers' and diffusers' loading bars are off around the node's engine call and back afterwards; headless
+    they stay as they are."""
+    import diffusers.utils.logging as dlog
+    import transformers.utils.logging as tlog
+
+    from lowvram_lora.nodes import progress
+
+    monkeypatch.setattr(progress, "_host", object() if inside else None)
+    monkeypatch.setattr(progress, "_comfy", lambda: None)
+    tlog.enable_progress_bar()
+    dlog.enable_progress_bar()
+    with progress.node_library_bars():
+        assert tlog.is_progress_bar_enabled() is not inside
+        assert dlog.is_progress_bar_enabled() is not inside
+    assert tlog.is_progress_bar_enabled() and dlog.is_progress_bar_enabled()
