@@ -56,6 +56,8 @@ class LowVRAMOffloadConfig(io.Node):
                 io.Combo("compile", list(COMPILE_MODES), default="auto", tooltip=_help("compile")),
                 io.Float("activation_memory_budget", default=1.0, min=0.05, max=1.0, step=0.05,
                          tooltip=_help("activation_memory_budget")),
+                io.Combo("outer_on_host", ["auto", "on", "off"], default="auto",
+                         tooltip=_help("outer_on_host", "auto = let the planner choose.")),
             ])
 
     @classmethod
@@ -63,10 +65,11 @@ class LowVRAMOffloadConfig(io.Node):
                 prefetch_depth: int = 0, activation_offload: str = "auto", gradient_checkpointing: bool = True,
                 max_pinned_fraction: float = 0.8, int8_compute: str = "dequant", recompute_chunks: int = 0,
                 optimizer_on_host: str = "auto", micro_batch_size: int = 0, compile: str = "auto",
-                activation_memory_budget: float = 1.0) -> io.NodeOutput:
+                activation_memory_budget: float = 1.0, outer_on_host: str = "auto") -> io.NodeOutput:
         from ..engine.offload import OffloadConfig
 
-        for name, value in (("activation_offload", activation_offload), ("optimizer_on_host", optimizer_on_host)):
+        for name, value in (("activation_offload", activation_offload), ("optimizer_on_host", optimizer_on_host),
+                            ("outer_on_host", outer_on_host)):
             if value not in ("auto", "on", "off"):
                 raise ValueError(f"{name}={value!r} is not one of auto, on, off")
         return io.NodeOutput(OffloadConfig(
@@ -79,4 +82,5 @@ class LowVRAMOffloadConfig(io.Node):
             optimizer_on_host=None if optimizer_on_host == "auto" else optimizer_on_host == "on",
             micro_batch_size=micro_batch_size or None, compile=compile,
             activation_memory_budget=activation_memory_budget,
+            outer_on_host=None if outer_on_host == "auto" else outer_on_host == "on",
         ))

@@ -342,7 +342,9 @@ class ModelFamily(ABC):
     video: ClassVar[bool] = False
 
     # memory engine
-    #: Linears outside the blocks that are large enough to be int8 in a slab (Flux.2's global modulation).
+    #: Linears outside the blocks that are large enough to be int8 in a slab (Flux.2's global modulation). Each runs
+    #: once per forward on frozen inputs, so streaming may also hold them in pinned host memory between runs
+    #: (``OffloadConfig.outer_on_host``, engine/offload/outer.py).
     int8_extra_linears: ClassVar[tuple[str, ...]] = ()
     #: A block's recompute + backward working set against Flux.1's at the same tokens x width (the
     #: planner's constants are Flux.1 fits). Fitted on GPU rows per family.

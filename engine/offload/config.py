@@ -72,6 +72,12 @@ class OffloadConfig:
         "between steps; they are copied in for the optimizer step, after the activations are gone, and back. "
         "None: off, unless auto needs the memory. adamw only."
     )})
+    outer_on_host: Optional[bool] = field(default=None, metadata={"help": (
+        "Keep the large layers outside the blocks (the family's int8_extra_linears: Flux.2-dev's global modulation "
+        "and text embedder, 0.66 GB in int8; Wan's time and text embedders) in pinned host RAM, each copied in for "
+        "its one run per forward and dropped after it, so they are not on the GPU when the backward peaks. Costs "
+        "one copy of them per forward. None: off, unless auto needs the memory."
+    )})
     micro_batch_size: Optional[int] = field(default=None, metadata={"help": (
         "Samples per forward/backward: a batch of more runs in pieces of this size, their gradients "
         "accumulated, which gives the same gradient as the whole batch with activations for one piece "
@@ -127,7 +133,7 @@ class OffloadConfig:
         if not 0.0 < self.max_pinned_fraction <= 0.95:
             raise ConfigError(f"max_pinned_fraction={self.max_pinned_fraction} must be in (0, 0.95]")
         if self.mode == "resident":
-            set_fields = [n for n in ("resident_blocks", "prefetch_depth", "activation_offload")
+            set_fields = [n for n in ("resident_blocks", "prefetch_depth", "activation_offload", "outer_on_host")
                           if getattr(self, n) is not None]
             if set_fields:
                 raise ConfigError(

@@ -44,7 +44,16 @@ def measure_footprint(model: nn.Module, family, name: str = "",
         unit_bytes=[unit_bytes(family, b, frozen_bytes) for _, b in blocks],
         activation_scale=family.activation_scale, parts_activation_scale=family.parts_activation_scale,
         chunkable=family.chunked_recompute, block_params=[frozen_elements(b) for _, b in blocks],
+        outer_bytes=sum(frozen_bytes(m) for _, m in outer_modules(model, family)),
     )
+
+
+def outer_modules(model: nn.Module, family) -> list[tuple[str, nn.Module]]:
+    """The large layers outside the blocks (the family's ``int8_extra_linears``, those the model has) with no
+    trainable tensor: what ``outer_on_host`` may hold in host memory (engine/offload/outer.py)."""
+    named = dict(model.named_modules())
+    return [(n, named[n]) for n in family.int8_extra_linears
+            if n in named and not any(p.requires_grad for p in named[n].parameters())]
 
 
 def frozen_elements(module: nn.Module) -> int:

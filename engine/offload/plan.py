@@ -95,6 +95,9 @@ class ModelFootprint:
     # Frozen elements per block (FLOPs for the step-time model, engine/offload/steptime.py). Empty: the block's
     # bytes at ``act_bytes_per_elem`` per element (bf16 weights).
     block_params: list = field(default_factory=list)
+    # Frozen bytes (part of ``other_bytes``) of the large layers outside the blocks that may wait in pinned host
+    # memory between their one run per forward (``outer_on_host``; the family's ``int8_extra_linears``).
+    outer_bytes: int = 0
 
     def stream_units(self, activation_offload: bool) -> tuple[list[int], list[list[int]]]:
         """(bytes per streaming unit, unit indexes per block): parts only with activation offload."""
@@ -155,6 +158,7 @@ class Plan:
     reason: str = ""
     recompute_chunks: int = 1
     optimizer_on_host: bool = False
+    outer_on_host: bool = False  # the large layers outside the blocks wait in pinned host memory (outer.py)
     micro_batch: int = 0  # samples per forward/backward (0: the whole batch)
     ring_bytes: int = 0  # the most the slots hold at once (slots are sized per streamed unit)
     activation_memory_budget: float = 1.0  # of the compiled blocks (auto may lower it); 1 when eager
@@ -177,6 +181,8 @@ class Plan:
                     f"activation offload {'on' if self.activation_offload else 'off'}")
                  + (f", recompute in {self.recompute_chunks} token chunks" if self.recompute_chunks > 1 else "")
                  + (", AdamW moments on the host" if self.optimizer_on_host else "")
+                 + (f", {fp.outer_bytes / GB:.2f} GB of layers outside the blocks on the host"
+                    if self.outer_on_host else "")
                  + (f", each batch run {self.micro_batch} sample(s) at a time"
                     if 0 < self.micro_batch < wl.batch else "")
                  + (f", compiled blocks at activation-memory budget {self.activation_memory_budget:g}"
@@ -212,6 +218,7 @@ class Plan:
             "pinned_host_gb": round(self.pinned_host_bytes / GB, 3),
             "budget_gb": round(self.budget_bytes / GB, 3) if self.budget_bytes else None,
             "recompute_chunks": self.recompute_chunks, "optimizer_on_host": self.optimizer_on_host,
+            "outer_on_host": self.outer_on_host,
             "micro_batch": self.micro_batch or self.workload.batch,
             "activation_memory_budget": self.activation_memory_budget,
             **(self.step_time.as_dict() if self.step_time is not None else {}),
@@ -238,11 +245,13 @@ def transient_units(chunks: int, compiled_budget: float = 1.0) -> float:
 def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefetch_depth: int,
                activation_offload: bool, budget_bytes: Optional[int] = None, reason: str = "",
                recompute_chunks: int = 1, optimizer_on_host: bool = False,
-               micro_batch: Optional[int] = None, compiled_budget: float = 1.0) -> Plan:
+               micro_batch: Optional[int] = None, compiled_budget: float = 1.0, outer_on_host: bool = False) -> Plan:
     """One plan's numbers (the step's copies are simulated once per ring layout and cached: schedule.py).
     ``micro_batch``: samples per forward/backward; a batch of more runs as that many gradient-accumulated
     pieces (the same gradient), so activations are sized for it. ``compiled_budget``: the blocks are compiled at
-    this activation-memory budget (1: eager, or compiled at 1)."""
+    this activation-memory budget (1: eager, or compiled at 1). ``outer_on_host``: the footprint's ``outer_bytes``
+    wait in pinned host memory, on the GPU only while they run (in the forward, not at the backward's peak), copied
+    in once per forward."""
     resident = sorted(set(resident))
     if resident and (resident[0] < 0 or resident[-1] >= fp.num_blocks):
         raise ConfigError(f"resident block ids {resident} must be in [0, {fp.num_blocks}) for {fp.name}")
@@ -269,11 +278,13 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
     else:
         k, num_slots, slot_bytes, streamed_per_step, ring_bytes, ring_at_peak = prefetch_depth, 0, 0, 0, 0, 0
         activation_offload = False  # nothing streams: the resident plan has no use for it
+        outer_on_host = False  # ... nor for host-held outer layers (only the streamer holds them)
         groups = [[i] for i in range(fp.num_blocks)]
     kept_inputs = OFFLOADED_KEPT_UNITS if activation_offload else fp.num_blocks * SAVED_INPUT_UNITS
     moments = MOMENT_BYTES_PER_PARAM if optimizer_on_host else 0  # on the GPU only for the step
+    outer = fp.outer_bytes if outer_on_host else 0
     breakdown = {
-        "weights": fp.other_bytes + sum(fp.block_bytes[i] for i in resident) + ring_at_peak,
+        "weights": fp.other_bytes - outer + sum(fp.block_bytes[i] for i in resident) + ring_at_peak,
         "lora+adam": int(fp.trainable_params * (fp.lora_bytes_per_param - moments)),
         # The fitted line has a negative intercept; clamp so tiny models never predict < 0.
         "activations": max(0, int((kept_inputs + fp.working_set_scale(activation_offload)
@@ -288,10 +299,11 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
     return Plan(
         mode="stream" if streamed else "resident", resident=resident, streamed=streamed, prefetch_depth=k,
         num_slots=num_slots, slot_bytes=slot_bytes, activation_offload=activation_offload,
-        predicted_peak_bytes=int(peak), breakdown=breakdown, streamed_bytes_per_step=streamed_per_step,
-        activation_bytes_per_step=act_io, pinned_host_bytes=sum(fp.block_bytes[i] for i in streamed) + act_io,
+        predicted_peak_bytes=int(peak), breakdown=breakdown, streamed_bytes_per_step=streamed_per_step + outer,
+        activation_bytes_per_step=act_io,
+        pinned_host_bytes=sum(fp.block_bytes[i] for i in streamed) + act_io + outer,
         budget_bytes=budget_bytes, footprint=fp, workload=wl, reason=reason,
-        recompute_chunks=max(1, recompute_chunks), optimizer_on_host=optimizer_on_host, micro_batch=micro,
+        recompute_chunks=max(1, recompute_chunks), optimizer_on_host=optimizer_on_host, outer_on_host=bool(outer), micro_batch=micro,
         ring_bytes=ring_bytes, streamed_units=len(streamed_units) if streamed else 0,
         activation_memory_budget=compiled_budget,
     )
@@ -335,6 +347,7 @@ def make_plan(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, budget_bytes
     if cfg.resident_blocks is not None and cfg.resident_blocks > n:
         raise ConfigError(f"resident_blocks={cfg.resident_blocks} but {fp.name} has only {n} blocks")
     fixed = {"recompute_chunks": cfg.recompute_chunks or 1, "optimizer_on_host": bool(cfg.optimizer_on_host),
+             "outer_on_host": bool(cfg.outer_on_host),
              "micro_batch": cfg.micro_batch_size,
              "compiled_budget": cfg.activation_memory_budget if compiled else 1.0}
     if cfg.mode == "resident":
@@ -365,25 +378,28 @@ def _auto(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: list[int]
     auto_chunks = min(16, max(2, math.ceil(wl.tokens / CHUNK_TOKENS)))
     chunk_steps = [cfg.recompute_chunks] if cfg.recompute_chunks else [1] + ([auto_chunks] if fp.chunkable else [])
     host_steps = [cfg.optimizer_on_host] if cfg.optimizer_on_host is not None else [False, True]
+    outer_steps = [cfg.outer_on_host] if cfg.outer_on_host is not None else [False] + ([True] if fp.outer_bytes else [])
     micro_steps = [cfg.micro_batch_size] if cfg.micro_batch_size else sorted({wl.batch, 1}, reverse=True)
     budget_steps = [1.0]
     if compiled:
         budget_steps = [cfg.activation_memory_budget] + (
             [AUTO_COMPILED_BUDGET] if cfg.activation_memory_budget >= 1.0 else [])
-    # Cheapest first: host moments (two small copies per step), then a batch run one sample at a time
-    # (the same gradient; only the per-call overheads repeat), then chunks (another forward of the MLPs),
-    # then a lower activation-memory budget (pointwise recompute in backward).
-    escalations = [(c, h, m, b) for b in budget_steps for c in chunk_steps for m in micro_steps for h in host_steps]
-    for chunks, host, micro, cbudget in escalations:
-        plan = _auto_fixed(fp, wl, cfg, order, budget, chunks, host, micro, cbudget, timing or {})
+    # Cheapest first: host moments (two small copies per step) and the layers outside the blocks on the host
+    # (one copy of them per forward), then a batch run one sample at a time (the same gradient; only the per-call
+    # overheads repeat), then chunks (another forward of the MLPs), then a lower activation-memory budget
+    # (pointwise recompute in backward).
+    escalations = [(c, h, m, b, o) for b in budget_steps for c in chunk_steps for m in micro_steps
+                   for h in host_steps for o in outer_steps]
+    for chunks, host, micro, cbudget, outer in escalations:
+        plan = _auto_fixed(fp, wl, cfg, order, budget, chunks, host, micro, cbudget, timing or {}, outer)
         if plan is not None:
             return plan
-    chunks, host, micro, cbudget = escalations[-1]
+    chunks, host, micro, cbudget, outer = escalations[-1]
     smallest = build_plan(fp, wl, order[:cfg.resident_blocks or 0], min([cfg.prefetch_depth] if cfg.prefetch_depth
                                                                         else [2, 1]),
                           cfg.activation_offload if cfg.activation_offload is not None else True, budget,
                           recompute_chunks=chunks, optimizer_on_host=host, micro_batch=micro,
-                          compiled_budget=cbudget)
+                          compiled_budget=cbudget, outer_on_host=outer)
     need = math.ceil((smallest.predicted_peak_bytes + HEADROOM_BYTES) / GB * 10) / 10
     raise ConfigError(
         f"vram_budget_gb={budget / GB:.3g} is below the smallest plan for {fp.name} at "
@@ -398,13 +414,13 @@ def _auto(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: list[int]
 
 def _auto_fixed(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: list[int], budget: int,
                 chunks: int, host: bool, micro: int, compiled_budget: float = 1.0,
-                timing: Optional[dict] = None) -> Optional[Plan]:
+                timing: Optional[dict] = None, outer: bool = False) -> Optional[Plan]:
     """The fastest plan that fits at these escalations: for each prefetch depth and activation offload setting the
     most resident blocks that fit (more resident is never slower), then the lowest predicted step time."""
     timing = timing or {}
     n = fp.num_blocks
     extra = {"recompute_chunks": chunks, "optimizer_on_host": host, "micro_batch": micro,
-             "compiled_budget": compiled_budget}
+             "compiled_budget": compiled_budget, "outer_on_host": outer}
     if cfg.resident_blocks in (None, n):  # nothing streams when everything fits: fastest by far
         everything = build_plan(fp, wl, range(n), 1, False, budget, reason="auto: everything fits the budget",
                                 **extra)

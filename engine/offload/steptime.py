@@ -247,4 +247,7 @@ def predict_step_time(plan, machine: Machine, compute_s_per_step: Optional[float
     seconds, stall, busy = simulate_step_time(sizes, streamed_units, plan.prefetch_depth, plan.num_slots,
                                               fwd, bwd, machine.link_bytes_per_s, act,
                                               visit_overhead_s=VISIT_OVERHEAD_S)
-    return StepTime(seconds * pieces, compute, stall * pieces, busy * pieces, source)
+    # Layers outside the blocks held on the host (``outer_on_host``): copied in on the compute stream where they
+    # run, once per forward; nothing overlaps that copy (engine/offload/outer.py).
+    outer = fp.outer_bytes / machine.link_bytes_per_s if plan.outer_on_host else 0.0
+    return StepTime((seconds + outer) * pieces, compute, (stall + outer) * pieces, (busy + outer) * pieces, source)

@@ -35,7 +35,7 @@ from torch import nn
 from ..callbacks import TrainingCallback
 from ..errors import ConfigError
 from .config import OffloadConfig
-from .footprint import measure_footprint, named_blocks
+from .footprint import measure_footprint, named_blocks, outer_modules
 from .hooks import HookRegistry, ModelHook
 from .host import HostBlock, host_rss_bytes, physical_ram_bytes
 from .plan import GB, Plan, Workload, make_plan
@@ -176,6 +176,7 @@ class OffloadHandle:
         self.engine = None
         self.activations = None  # ActivationOffloader when activation offload is on
         self.units: Optional[StreamUnits] = None  # blocks streamed in parts (activation offload only)
+        self.outer = None  # HeldOuter: the layers outside the blocks held on the host (plan.outer_on_host)
         self._visited: list[nn.Module] = []  # units carrying our STREAM_HOOK
         self._moved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, its data before apply)
         self._hosts: dict[int, HostBlock] = {}
@@ -244,6 +245,8 @@ class OffloadHandle:
             self.activations.remove()
         if self.units is not None:
             self.units.remove()
+        if self.outer is not None:
+            self.outer.remove()
         for hb in self._hosts.values():
             hb.bind_host()
         for t, data in self._moved:
@@ -335,9 +338,12 @@ def apply_offload(model: nn.Module, family, config: OffloadConfig, device: torch
                          machine=resolve_machine(device) if _engine_factory is None else None)
     handle = OffloadHandle(model, plan, device)
 
-    # Everything outside the streamed blocks lives on the device for the whole run.
+    # Everything outside the streamed blocks lives on the device for the whole run, except the large layers outside
+    # the blocks when the plan holds them on the host (engine/offload/outer.py).
     streamed = set(plan.streamed)
     streamed_tensors = {id(t) for i in streamed for t in list(blocks[i][1].parameters()) + list(blocks[i][1].buffers())}
+    held = outer_modules(model, family) if plan.outer_on_host and whole else []
+    streamed_tensors |= {id(t) for _, m in held for t in list(m.parameters()) + list(m.buffers())}
     owned = [model] if whole else [b for _, b in blocks]
     for t in [t for m in owned for t in list(m.parameters()) + list(m.buffers())]:
         if t.requires_grad:
@@ -345,6 +351,11 @@ def apply_offload(model: nn.Module, family, config: OffloadConfig, device: torch
                 t.data = t.data.to(device)  # trainable: stays there; the optimizer is built on these
         elif id(t) not in streamed_tensors:
             _move(handle, t, device)
+
+    if held:
+        from .outer import HeldOuter
+
+        handle.outer = HeldOuter(held, device, pin=_engine_factory is None)
 
     # With activation offload every checkpointed unit is streamed on its own, so large blocks stream in
     # parts (engine/offload/units.py); the plan's indexes count whole blocks, the scheduler's count units.
@@ -389,6 +400,9 @@ def apply_offload(model: nn.Module, family, config: OffloadConfig, device: torch
         cb.log(f"  pinned {pinned / GB:.1f} GB of blocks{split} in {handle.pin_seconds:.1f} s "
                f"({handle.pinned_reused} of {len(streamed_units)} reused from an earlier run); "
                f"host RSS {host_rss_bytes() / GB:.1f} GB of {physical_ram_bytes() / GB:.0f} GB")
+    if handle.outer is not None:
+        cb.log(f"  {handle.outer.nbytes / GB:.2f} GB of layers outside the blocks wait on the host between their runs "
+               f"({', '.join(h.name for _, h in handle.outer.hooks)}): copied in once per forward")
     return handle
 
 
