@@ -190,23 +190,35 @@ def _overlap(a: tuple[float, float], merged: list[tuple[float, float]], starts: 
 GAP_BUCKETS = [(10.0, "idle: gaps < 10 us"), (100.0, "idle: gaps 10-100 us"), (1000.0, "idle: gaps 0.1-1 ms"),
                (float("inf"), "idle: gaps >= 1 ms")]
 LEAD, TAIL = "idle: before the first kernel", "idle: after the last kernel"
+#: Gaps at least this long (us) are listed with what the host was doing (shorter ones: launch spacing).
+DETAIL_US = 10.0
 
 
-class CpuIndex:
-    """The innermost CPU range (latest start still open) at a time, over all threads."""
-
-    def __init__(self, events: list[Ev], only=None):
-        evs = sorted((e for e in events if e.kind in ("annotation", "cpu_op", "runtime")
-                      and not e.name.startswith("ProfilerStep#") and (only is None or only(e))),
-                     key=lambda e: e.start)
-        self.evs, self.starts = evs, [e.start for e in evs]
-
-    def at(self, t: float, max_scan: int = 50000) -> Ev | None:
-        i = bisect.bisect_right(self.starts, t) - 1
-        for j in range(i, max(i - max_scan, -1), -1):
-            if self.evs[j].end >= t:
-                return self.evs[j]
-        return None
+def innermost_at(events: list[Ev], times: list[float], only=None) -> list[Ev | None]:
+    """For each time, the innermost CPU range open then (the latest-starting one still open, over all threads;
+    ranges of one thread nest), by one sweep over the ranges of each thread in start order."""
+    by_lane: dict[int, list[Ev]] = defaultdict(list)
+    for e in events:
+        if (e.kind in ("annotation", "cpu_op", "runtime") and not e.name.startswith("ProfilerStep#")
+                and (only is None or only(e))):
+            by_lane[e.lane].append(e)
+    lanes = [(sorted(v, key=lambda e: (e.start, -e.end)), [0], []) for v in by_lane.values()]
+    out: list[Ev | None] = [None] * len(times)
+    for i in sorted(range(len(times)), key=times.__getitem__):
+        t, best = times[i], None
+        for evs, ptr, stack in lanes:
+            while ptr[0] < len(evs) and evs[ptr[0]].start <= t:
+                e = evs[ptr[0]]
+                ptr[0] += 1
+                while stack and stack[-1].end < e.start:
+                    stack.pop()
+                stack.append(e)
+            while stack and stack[-1].end < t:
+                stack.pop()
+            if stack and (best is None or stack[-1].start > best.start):
+                best = stack[-1]
+        out[i] = best
+    return out
 
 
 # ------------------------------------------------------------------------------------------ analysis
@@ -231,8 +243,6 @@ def analyze(events: list[Ev], top_kernels: int = 25, top_gaps: int = 10) -> dict
     for e in device:
         lane_kernel_us[e.lane] += e.end - e.start
     compute = max(lane_kernel_us, key=lane_kernel_us.get) if lane_kernel_us else -1
-    cpu_index = CpuIndex(events)
-    lowvram_index = CpuIndex(events, only=lambda e: e.name.startswith("lowvram::"))
 
     acc = _Acc()
     per_step = []
@@ -245,58 +255,47 @@ def analyze(events: list[Ev], top_kernels: int = 25, top_gaps: int = 10) -> dict
         wall = we - ws
         busy_all = _total(_union([(e.start, e.end) for e in mine]))
         part: dict[str, float] = defaultdict(float)
-        reach = ws
-        gaps = []
+        reach, prev = ws, None
+        inner = []  # (start, end, kernel before, kernel after) of each idle gap between kernels
         for e in on_compute:
-            if e.start > reach:
-                gaps.append((reach, e.start, e))
+            if e.start > reach and prev is not None:
+                inner.append((reach, e.start, prev, e))
             s = max(e.start, reach)
             if e.end > s:
                 part["busy: " + category(e)] += e.end - s
-            reach = max(reach, e.end)
-        busy_compute = sum(v for v in part.values())
-        lead = on_compute[0].start - ws if on_compute else wall
-        tail = we - reach if on_compute else 0.0
-        part[LEAD] += lead
-        part[TAIL] += tail
-        inner = gaps[1:] if on_compute and gaps and gaps[0][0] == ws else gaps
-        for (s, e, after) in inner:
-            d = e - s
-            part[next(label for lim, label in GAP_BUCKETS if d < lim)] += d
-        # Gap details: what else ran, what the host was doing.
-        before = {}
-        last = None
-        for e in on_compute:
-            before[id(e)] = last
-            last = e
+            reach, prev = max(reach, e.end), e
+        busy_compute = sum(part.values())
+        part[LEAD] += on_compute[0].start - ws if on_compute else wall
+        part[TAIL] += we - reach if on_compute else 0.0
+        for (s, e, _, _) in inner:
+            part[next(label for lim, label in GAP_BUCKETS if e - s < lim)] += e - s
         starts_o, starts_c = [a for a, _ in others], [a for a, _ in copies]
-        for (s, e, after) in inner:
-            mid = (s + e) / 2
-            ctx = cpu_index.at(mid)
-            low = lowvram_index.at(mid)
-            prev = before.get(id(after))
-            gaps_all.append({
-                "step": k, "at_ms": round((s - ws) / 1e3, 3), "us": round(e - s, 1),
-                "other_streams_busy_us": round(_overlap((s, e), others, starts_o), 1),
-                "copy_in_flight_us": round(_overlap((s, e), copies, starts_c), 1),
-                "cpu": ctx.name if ctx else "-", "lowvram": low.name if low else "-",
-                "before": prev.name[:120] if prev else "-", "after": after.name[:120]})
-        step = {"wall_ms": wall / 1e3, "busy_all_ms": busy_all / 1e3, "busy_compute_ms": busy_compute / 1e3,
-                "kernels": sum(1 for e in mine if e.kind == "kernel"),
-                "gaps": len(inner), "gaps_ms": sum(e - s for s, e, _ in inner) / 1e3,
-                "partition_ms": {r: v / 1e3 for r, v in part.items()}}
-        per_step.append(step)
-        acc.add_step(mine, events, ws, we, compute)
+        for (s, e, before, after) in inner:
+            if e - s >= DETAIL_US:
+                gaps_all.append({
+                    "step": k, "at_ms": round((s - ws) / 1e3, 3), "us": round(e - s, 1),
+                    "other_streams_busy_us": round(_overlap((s, e), others, starts_o), 1),
+                    "copy_in_flight_us": round(_overlap((s, e), copies, starts_c), 1),
+                    "before": before.name[:120], "after": after.name[:120], "mid": (s + e) / 2})
+        per_step.append({"wall_ms": wall / 1e3, "busy_all_ms": busy_all / 1e3, "busy_compute_ms": busy_compute / 1e3,
+                         "kernels": sum(1 for e in mine if e.kind == "kernel"),
+                         "gaps": len(inner), "gaps_ms": sum(e - s for s, e, _, _ in inner) / 1e3,
+                         "partition_ms": {r: v / 1e3 for r, v in part.items()}})
+        acc.add_step(mine, events, ws, we)
+    # What the host was doing at each gap's middle: its innermost range, and the innermost lowvram:: one.
+    mids = [g.pop("mid") for g in gaps_all]
+    for g, ctx, low in zip(gaps_all, innermost_at(events, mids),
+                           innermost_at(events, mids, only=lambda e: e.name.startswith("lowvram::"))):
+        g["cpu"], g["lowvram"] = (ctx.name[:120] if ctx else "-"), (low.name if low else "-")
 
     mean = lambda key: sum(s[key] for s in per_step) / n  # noqa: E731
     rows = sorted({r for s in per_step for r in s["partition_ms"]})
     partition = {r: sum(s["partition_ms"].get(r, 0.0) for s in per_step) / n for r in rows}
     by_ctx: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for g in gaps_all:
-        if g["us"] >= 10:
-            key = f"{g['lowvram']} | {g['cpu']}"
-            by_ctx[key][0] += 1
-            by_ctx[key][1] += g["us"]
+        key = f"{g['lowvram']} | {g['cpu']}"
+        by_ctx[key][0] += 1
+        by_ctx[key][1] += g["us"]
     lanes = []
     for lane in sorted(acc.lane_stats, key=lambda l: -acc.lane_stats[l]["busy_us"]):
         st = acc.lane_stats[lane]
@@ -347,7 +346,7 @@ class _Acc:
         self.runtime = defaultdict(lambda: [0, 0.0])
         self.lane_stats = defaultdict(lambda: {"kernel": 0, "memcpy": 0, "memset": 0, "busy_us": 0.0, "iv": []})
 
-    def add_step(self, mine: list[Ev], events: list[Ev], ws: float, we: float, compute: int) -> None:
+    def add_step(self, mine: list[Ev], events: list[Ev], ws: float, we: float) -> None:
         per_lane = defaultdict(list)
         for e in mine:
             d = e.end - e.start

@@ -132,8 +132,19 @@ def annotate_engine() -> list[str]:
             return wrapper
 
         setattr(owner, attr, staticmethod(wrap()) if static else wrap())
+        _ANNOTATED.append((owner, attr, raw))
         installed.append(label)
     return installed
+
+
+_ANNOTATED: list[tuple[object, str, object]] = []  # (owner, name, what it was) of every wrapped function
+
+
+def remove_annotations() -> None:
+    """Put every function annotate_engine wrapped back (tests: the engine is shared by the process)."""
+    while _ANNOTATED:
+        owner, attr, raw = _ANNOTATED.pop()
+        setattr(owner, attr, raw)
 
 
 # ------------------------------------------------------------------------------------------ a mode
