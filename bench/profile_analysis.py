@@ -42,6 +42,7 @@ class Ev:
     start: float  # us since the trace started
     end: float
     lane: int  # the CUDA stream for device events, the thread for CPU ones
+    corr: int = 0  # CUPTI's correlation id: the same on a kernel (memcpy, memset) and the runtime call that launched it
 
 
 # ------------------------------------------------------------------------------------------- events
@@ -60,7 +61,8 @@ def kineto_events(results) -> list[Ev]:
             continue
         s = _start_ns(e) - base
         d = e.duration_ns() if hasattr(e, "duration_ns") else int(e.duration_us() * 1000)
-        out.append(Ev(kind, e.name(), s / 1000.0, (s + max(d, 0)) / 1000.0, int(e.device_resource_id())))
+        corr = int(e.correlation_id()) if kind in DEVICE_KINDS or kind == "runtime" else 0
+        out.append(Ev(kind, e.name(), s / 1000.0, (s + max(d, 0)) / 1000.0, int(e.device_resource_id()), corr))
     return out
 
 
@@ -187,8 +189,16 @@ def _overlap(a: tuple[float, float], merged: list[tuple[float, float]], starts: 
     return got
 
 
-GAP_BUCKETS = [(10.0, "idle: gaps < 10 us"), (100.0, "idle: gaps 10-100 us"), (1000.0, "idle: gaps 0.1-1 ms"),
-               (float("inf"), "idle: gaps >= 1 ms")]
+GAP_BUCKETS = [(10.0, "gaps < 10 us"), (100.0, "gaps 10-100 us"), (1000.0, "gaps 0.1-1 ms"),
+               (float("inf"), "gaps >= 1 ms")]
+#: Why the compute stream sat idle before a kernel (gaps of DETAIL_US or more), from when its launch call returned:
+#: after the gap began (the kernel was not queued yet: the host was late, host-bound), or before (it was queued and
+#: waited on the stream: for an event of another stream, e.g. a copy), or no launch call found (CPU-only profiles).
+IDLE_SHORT = "idle: gaps < 10 us (launch spacing)"
+IDLE_HOST = "idle: host late (next kernel launched after the stream went idle)"
+IDLE_COPY = "idle: queued, waiting while a copy ran on another stream"
+IDLE_WAIT = "idle: queued, waiting (no copy in flight)"
+IDLE_UNKNOWN = "idle: launch call not found"
 LEAD, TAIL = "idle: before the first kernel", "idle: after the last kernel"
 #: Gaps at least this long (us) are listed with what the host was doing (shorter ones: launch spacing).
 DETAIL_US = 10.0
@@ -229,11 +239,13 @@ def step_windows(events: list[Ev]) -> list[tuple[float, float]]:
     return steps
 
 
-def analyze(events: list[Ev], top_kernels: int = 25, top_gaps: int = 10) -> dict:
-    """The summary of the profiled steps in ``events`` (see the module docstring); ms per step unless named."""
+def analyze(events: list[Ev], steps: int | None = None, top_kernels: int = 25, top_gaps: int = 10) -> dict:
+    """The summary of the profiled steps in ``events`` (see the module docstring; the last ``steps`` of them when
+    given); ms per step unless named."""
     windows = step_windows(events)
     if not windows:
         raise ValueError("no ProfilerStep# ranges in the profile: was prof.step() called after each step?")
+    windows = windows[-steps:] if steps else windows
     device = [e for e in events if e.kind in DEVICE_KINDS]
     cpu_stand_in = not any(e.kind == "kernel" for e in device)
     if cpu_stand_in:
@@ -243,18 +255,20 @@ def analyze(events: list[Ev], top_kernels: int = 25, top_gaps: int = 10) -> dict
     for e in device:
         lane_kernel_us[e.lane] += e.end - e.start
     compute = max(lane_kernel_us, key=lane_kernel_us.get) if lane_kernel_us else -1
+    launches = {e.corr: e.end for e in events if e.kind == "runtime" and e.corr}  # when each launch was enqueued
 
     acc = _Acc()
     per_step = []
     gaps_all = []
     for k, (ws, we) in enumerate(windows):
-        mine = [Ev(e.kind, e.name, e.start, min(e.end, we), e.lane) for e in device if ws <= e.start < we]
+        mine = [Ev(e.kind, e.name, e.start, min(e.end, we), e.lane, e.corr) for e in device if ws <= e.start < we]
         on_compute = sorted((e for e in mine if e.lane == compute), key=lambda e: (e.start, e.end))
         others = _union([(e.start, e.end) for e in mine if e.lane != compute])
         copies = _union([(e.start, e.end) for e in mine if e.lane != compute and e.kind == "memcpy"])
         wall = we - ws
         busy_all = _total(_union([(e.start, e.end) for e in mine]))
         part: dict[str, float] = defaultdict(float)
+        sizes: dict[str, float] = defaultdict(float)
         reach, prev = ws, None
         inner = []  # (start, end, kernel before, kernel after) of each idle gap between kernels
         for e in on_compute:
@@ -267,20 +281,28 @@ def analyze(events: list[Ev], top_kernels: int = 25, top_gaps: int = 10) -> dict
         busy_compute = sum(part.values())
         part[LEAD] += on_compute[0].start - ws if on_compute else wall
         part[TAIL] += we - reach if on_compute else 0.0
-        for (s, e, _, _) in inner:
-            part[next(label for lim, label in GAP_BUCKETS if e - s < lim)] += e - s
         starts_o, starts_c = [a for a, _ in others], [a for a, _ in copies]
         for (s, e, before, after) in inner:
-            if e - s >= DETAIL_US:
-                gaps_all.append({
-                    "step": k, "at_ms": round((s - ws) / 1e3, 3), "us": round(e - s, 1),
-                    "other_streams_busy_us": round(_overlap((s, e), others, starts_o), 1),
-                    "copy_in_flight_us": round(_overlap((s, e), copies, starts_c), 1),
-                    "before": before.name[:120], "after": after.name[:120], "mid": (s + e) / 2})
+            sizes[next(label for lim, label in GAP_BUCKETS if e - s < lim)] += e - s
+            if e - s < DETAIL_US:
+                part[IDLE_SHORT] += e - s
+                continue
+            copy_us = _overlap((s, e), copies, starts_c)
+            launch = launches.get(after.corr) if after.corr else None
+            cause = (IDLE_UNKNOWN if launch is None else IDLE_HOST if launch > s
+                     else IDLE_COPY if copy_us > 0.5 * (e - s) else IDLE_WAIT)
+            part[cause] += e - s
+            gaps_all.append({
+                "step": k, "at_ms": round((s - ws) / 1e3, 3), "us": round(e - s, 1), "cause": cause.split(": ")[1],
+                "launched_us_after_idle": round(launch - s, 1) if launch is not None else None,
+                "other_streams_busy_us": round(_overlap((s, e), others, starts_o), 1),
+                "copy_in_flight_us": round(copy_us, 1),
+                "before": before.name[:120], "after": after.name[:120], "mid": (s + e) / 2})
         per_step.append({"wall_ms": wall / 1e3, "busy_all_ms": busy_all / 1e3, "busy_compute_ms": busy_compute / 1e3,
                          "kernels": sum(1 for e in mine if e.kind == "kernel"),
                          "gaps": len(inner), "gaps_ms": sum(e - s for s, e, _, _ in inner) / 1e3,
-                         "partition_ms": {r: v / 1e3 for r, v in part.items()}})
+                         "partition_ms": {r: v / 1e3 for r, v in part.items()},
+                         "gap_sizes_ms": {r: v / 1e3 for r, v in sizes.items()}})
         acc.add_step(mine, events, ws, we)
     # What the host was doing at each gap's middle: its innermost range, and the innermost lowvram:: one.
     mids = [g.pop("mid") for g in gaps_all]
@@ -291,9 +313,10 @@ def analyze(events: list[Ev], top_kernels: int = 25, top_gaps: int = 10) -> dict
     mean = lambda key: sum(s[key] for s in per_step) / n  # noqa: E731
     rows = sorted({r for s in per_step for r in s["partition_ms"]})
     partition = {r: sum(s["partition_ms"].get(r, 0.0) for s in per_step) / n for r in rows}
+    gap_sizes = {r: sum(s["gap_sizes_ms"].get(r, 0.0) for s in per_step) / n for _, r in GAP_BUCKETS}
     by_ctx: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for g in gaps_all:
-        key = f"{g['lowvram']} | {g['cpu']}"
+        key = f"{g['cause']} | {g['lowvram']} | {g['cpu']}"
         by_ctx[key][0] += 1
         by_ctx[key][1] += g["us"]
     lanes = []
@@ -308,7 +331,7 @@ def analyze(events: list[Ev], top_kernels: int = 25, top_gaps: int = 10) -> dict
         "idle_compute_ms": mean("wall_ms") - mean("busy_compute_ms"),
         "kernels_per_step": mean("kernels"), "compute_gaps_per_step": mean("gaps"),
         "compute_gaps_ms": mean("gaps_ms"),
-        "partition_ms": partition,
+        "partition_ms": partition, "gap_sizes_ms": gap_sizes,
         "categories": {c: {"count": v[0] / n, "ms": v[1] / n / 1e3} for c, v in
                        sorted(acc.cats.items(), key=lambda kv: -kv[1][1])},
         "kernel_total_ms": sum(v[1] for v in acc.cats.values()) / n / 1e3,
@@ -325,7 +348,7 @@ def analyze(events: list[Ev], top_kernels: int = 25, top_gaps: int = 10) -> dict
         "runtime_calls": [{"name": k, "count": v[0] / n, "ms": v[1] / n / 1e3}
                           for k, v in sorted(acc.runtime.items(), key=lambda kv: -kv[1][1])[:15]],
         "lanes": lanes,
-        "per_step": [{k: v for k, v in s.items() if k != "partition_ms"} for s in per_step],
+        "per_step": [{k: v for k, v in s.items() if k not in ("partition_ms", "gap_sizes_ms")} for s in per_step],
     }
 
 
@@ -410,6 +433,8 @@ def mode_markdown(label: str, s: dict, extra: dict) -> str:
     out += ["Wall time of a step, cut on the compute stream (rows add up to the step):", "",
             _t(["row", "ms/step"], [[r, v] for r, v in sorted(s["partition_ms"].items(), key=lambda kv: -kv[1])]
                + [["**total**", sum(s["partition_ms"].values())]]), ""]
+    out += ["Idle gaps between kernels on the compute stream by size:", "",
+            _t(["size", "ms/step"], [[r, v] for r, v in s["gap_sizes_ms"].items()]), ""]
     out += ["Kernel time by category, all streams:", "",
             _t(["category", "count/step", "ms/step"], [[c, f"{v['count']:.0f}", v["ms"]] for c, v in
                                                        s["categories"].items()] + [["**total**", "", s["kernel_total_ms"]]]), ""]
@@ -418,10 +443,13 @@ def mode_markdown(label: str, s: dict, extra: dict) -> str:
                [[k["name"][:110], k["category"], f"{k['count']:.0f}", k["ms"], f"{k['mean_us']:.1f}"]
                 for k in s["top_kernels"]]), ""]
     out += ["Largest idle gaps on the compute stream (the host's innermost range at the gap's middle):", "",
-            _t(["step", "at ms", "us", "copy in flight us", "other streams busy us", "lowvram range", "CPU", "after"],
-               [[g["step"], g["at_ms"], g["us"], g["copy_in_flight_us"], g["other_streams_busy_us"], g["lowvram"],
-                 g["cpu"][:60], g["after"][:60]] for g in s["largest_gaps"]]), ""]
-    out += ["Idle gaps of 10 us or more, by what the host was doing (lowvram range | innermost CPU range):", "",
+            _t(["step", "at ms", "us", "cause", "launched us after idle", "copy in flight us", "other streams busy us",
+                "lowvram range", "CPU", "after"],
+               [[g["step"], g["at_ms"], g["us"], g["cause"], g["launched_us_after_idle"], g["copy_in_flight_us"],
+                 g["other_streams_busy_us"], g["lowvram"], g["cpu"][:60], g["after"][:60]]
+                for g in s["largest_gaps"]]), ""]
+    out += ["Idle gaps of 10 us or more, by cause and what the host was doing at their middle (cause | lowvram range "
+            "| innermost CPU range):", "",
             _t(["context", "gaps/step", "ms/step"], [[c["context"][:120], f"{c['gaps']:.0f}", c["ms"]]
                                                      for c in s["idle_by_cpu_context"]]), ""]
     if s["lowvram_ranges"]:

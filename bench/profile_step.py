@@ -225,12 +225,17 @@ def profile_mode(args, mode: str, model, family, dataset, state: dict, device: t
         row["error"] = row["error"] or f"the profiler recorded nothing ({len(times)} of {steps} steps ran)"
         return row
     t1 = time.perf_counter()
-    events = kineto_events(results[-1])
-    row["summary"] = analyze(events)
+    try:
+        events = kineto_events(results[-1])
+        row["events"] = len(events)
+        row["summary"] = analyze(events, steps=args.profiled)
+        if args.trace:
+            write_trace(events, out_dir / f"trace_{mode}.json.gz")
+    except Exception as exc:  # noqa: BLE001 - keep the run's other fields and the next mode
+        row["error"] = (row["error"] + "; " if row["error"] else "") + f"analysis: {type(exc).__name__}: {exc}"
+        traceback.print_exc()
     row["analysis_s"] = round(time.perf_counter() - t1, 1)
-    print(f"[{mode}] {len(events)} events analysed in {row['analysis_s']} s", flush=True)
-    if args.trace:
-        write_trace(events, out_dir / f"trace_{mode}.json.gz")
+    print(f"[{mode}] {row.get('events')} events analysed in {row['analysis_s']} s", flush=True)
     return row
 
 

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from profile_analysis import CAST_MUL, LEAD, TAIL, Ev, analyze, category, diff  # noqa: E402
+from profile_analysis import (CAST_MUL, IDLE_COPY, IDLE_HOST, LEAD, TAIL, Ev, analyze, category,  # noqa: E402
+                              diff)
 
 
 def step(lane_cpu=1, scale=1.0):
@@ -26,13 +27,15 @@ def step(lane_cpu=1, scale=1.0):
     return [
         Ev("annotation", "ProfilerStep#3", 0.0, t(1000), lane_cpu),
         Ev("kernel", "nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_NNT", t(100), t(300), 7),
-        Ev("kernel", "flash_fwd_kernel", t(310), t(400), 7),
+        Ev("kernel", "flash_fwd_kernel", t(310), t(400), 7, corr=4),  # launched late: the host held it up
         Ev("kernel", "triton_poi_fused__to_copy_mul_3", t(400), t(450), 7),
-        Ev("kernel", "triton_red_fused_add_native_layer_norm_7", t(600), t(700), 7),
+        Ev("kernel", "triton_red_fused_add_native_layer_norm_7", t(600), t(700), 7, corr=5),  # queued, waited
         Ev("kernel", "void at::native::vectorized_elementwise_kernel<4>", t(690), t(720), 7),  # overlaps: clipped
         Ev("memcpy", "Memcpy HtoD (Pinned -> Device)", t(450), t(650), 20),
         Ev("annotation", "lowvram::visit", t(440), t(560), lane_cpu),
         Ev("runtime", "cudaStreamSynchronize", t(900), t(990), lane_cpu),
+        Ev("runtime", "cudaLaunchKernel", t(300), t(305), lane_cpu, corr=5),
+        Ev("runtime", "cudaLaunchKernel", t(305), t(309), lane_cpu, corr=4),
     ]
 
 
@@ -42,8 +45,10 @@ def test_the_step_is_cut_on_the_compute_stream_and_adds_up():
     p = {k: round(v * 1e3, 6) for k, v in s["partition_ms"].items()}  # in us
     assert p == {"busy: gemm": 200, "busy: attention": 90, f"busy: {CAST_MUL}": 50,
                  "busy: triton fused (inductor)": 100, "busy: native elementwise/copy/reduce (at::native)": 20,
-                 LEAD: 100, TAIL: 280, "idle: gaps 10-100 us": 10, "idle: gaps 0.1-1 ms": 150}
+                 LEAD: 100, TAIL: 280, IDLE_HOST: 10, IDLE_COPY: 150}
     assert sum(p.values()) == pytest.approx(1000) and s["wall_ms"] == pytest.approx(1.0)
+    assert {k: round(v * 1e3, 6) for k, v in s["gap_sizes_ms"].items()} == {
+        "gaps < 10 us": 0, "gaps 10-100 us": 10, "gaps 0.1-1 ms": 150, "gaps >= 1 ms": 0}
     assert s["busy_compute_ms"] == pytest.approx(0.46) and s["busy_all_ms"] == pytest.approx(0.61)
     cats = s["categories"]
     assert cats["memcpy HtoD"] == {"count": 1, "ms": pytest.approx(0.2)}
@@ -52,6 +57,7 @@ def test_the_step_is_cut_on_the_compute_stream_and_adds_up():
     big = s["largest_gaps"][0]  # 450-600: the copy is in flight all along; the host is in the streamer's visit
     assert (big["us"], big["copy_in_flight_us"], big["lowvram"], big["cpu"]) == (150, 150, "lowvram::visit",
                                                                                    "lowvram::visit")
+    assert big["launched_us_after_idle"] == -145 and s["largest_gaps"][1]["launched_us_after_idle"] == 9
     assert s["lowvram_ranges"]["lowvram::visit"] == {"count": 1, "ms": pytest.approx(0.12)}
     assert s["runtime_calls"][0]["name"] == "cudaStreamSynchronize"
 
