@@ -422,7 +422,8 @@ def mode_markdown(label: str, s: dict, extra: dict) -> str:
     out = [f"## {label}", "",
            f"- step without the profiler (median of the timed steps): {extra.get('step_s_unprofiled')} s; "
            f"profiled steps: {', '.join(f'{x:.3f}' for x in extra.get('step_s_profiled', []))} s (the loop's own "
-           f"clock); profiled range {s['wall_ms']:.1f} ms/step over {s['steps']} steps",
+           f"clock; the recorded step before them, left out: {extra.get('step_s_recorded_dropped')} s); profiled "
+           f"range {s['wall_ms']:.1f} ms/step over {s['steps']} steps",
            f"- GPU busy: {s['busy_all_ms']:.1f} ms on all streams, {s['busy_compute_ms']:.1f} ms on the compute "
            f"stream ({s['compute_lane']}); compute stream idle {s['idle_compute_ms']:.1f} ms/step, of which "
            f"{s['compute_gaps_ms']:.1f} ms in {s['compute_gaps_per_step']:.0f} gaps between {unit}",

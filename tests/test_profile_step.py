@@ -134,3 +134,37 @@ def test_the_script_on_the_tiny_model_adds_up(tmp_path):
     assert any("Torch-Compiled Region" in k for k in b["compiled_regions"])
     text = (tmp_path / "summary.md").read_text()
     assert "## resident-compiled minus resident" in text and "**total**" in text
+
+
+class _FakeKineto:
+    """What kineto_events reads of a torch profiler event."""
+
+    def __init__(self, name, device, activity, start_ns, dur_ns, resource, corr=0):
+        self._v = dict(name=name, device=device, activity=activity, start=start_ns, dur=dur_ns, res=resource, corr=corr)
+
+    def name(self): return self._v["name"]  # noqa: E704
+    def device_type(self): return f"DeviceType.{self._v['device']}"  # noqa: E704
+    def activity_type(self): return self._v["activity"]  # noqa: E704
+    def start_ns(self): return self._v["start"]  # noqa: E704
+    def duration_ns(self): return self._v["dur"]  # noqa: E704
+    def device_resource_id(self): return self._v["res"]  # noqa: E704
+    def correlation_id(self): return self._v["corr"]  # noqa: E704
+    def is_user_annotation(self): return "annotation" in self._v["activity"]  # noqa: E704
+
+
+def test_kineto_events_keep_kernels_copies_ranges_and_launches_with_ns_precision():
+    from profile_analysis import kineto_events
+
+    base = 1_795_664_331_715_770_137  # absolute ns: beyond a double's integer precision
+    raw = [_FakeKineto("ProfilerStep#3", "CPU", "user_annotation", base + 1_001, 10_000, 11),
+           _FakeKineto("ProfilerStep#3", "CUDA", "gpu_user_annotation", base + 1_001, 10_000, 7),
+           _FakeKineto("cudaLaunchKernel", "CPU", "cuda_runtime", base + 2_000, 500, 11, corr=42),
+           _FakeKineto("sm90_xmma_gemm", "CUDA", "kernel", base + 3_003, 1_000, 7, corr=42),
+           _FakeKineto("Memcpy HtoD (Pinned -> Device)", "CUDA", "gpu_memcpy", base + 3_000, 2_000, 20, corr=43),
+           _FakeKineto("Stream Sync", "CUDA", "cuda_sync", base + 3_000, 2_000, 7),
+           _FakeKineto("aten::mm", "CPU", "cpu_op", base + 1_900, 800, 11)]
+    results = type("R", (), {"events": lambda self: raw, "trace_start_ns": lambda self: base})()
+    evs = kineto_events(results)
+    assert [(e.kind, e.lane, e.corr) for e in evs] == [("annotation", 11, 0), ("runtime", 11, 42), ("kernel", 7, 42),
+                                                      ("memcpy", 20, 43), ("cpu_op", 11, 0)]
+    assert evs[2].start == 3.003 and evs[2].end == 4.003  # us, exact to the ns
