@@ -90,25 +90,45 @@ def help_text(name: str) -> str:
     raise KeyError(name)
 
 
+@dataclass
+class PartnerExpert:
+    """The other expert of a mixture, for previews of one expert (``ModelFamily.preview_partner``): ``model`` (frozen
+    base weights, no LoRA) denoises the steps on its side of ``boundary`` (sigma >= boundary when ``high``, below
+    when not) with its own guidance scale ``guidance``; the trained model denoises the rest."""
+
+    model: object
+    boundary: float
+    high: bool
+    guidance: float
+
+    def takes(self, sigma: float) -> bool:
+        """Whether this step is the partner's. WanPipeline compares the scheduler's timestep (1000 sigma) with
+        ``boundary_ratio * 1000``; the same comparison on sigma."""
+        return (sigma >= self.boundary) == self.high
+
+
 @torch.no_grad()
 def sample_latents(model, family, embeds: dict[str, torch.Tensor], width: int, height: int, steps: int, seed: int,
                    guidance: float, device: torch.device, dtype: torch.dtype, autocast=None,
                    rule: Guidance | None = None, negative: dict[str, torch.Tensor] | None = None,
-                   noise: torch.Tensor | None = None, frames: int = 1, poll=None) -> torch.Tensor:
+                   noise: torch.Tensor | None = None, frames: int = 1, poll=None,
+                   partner: PartnerExpert | None = None) -> torch.Tensor:
     """One image's (or, for a video family, a ``frames``-frame clip's) latents (1, C, ...), fp32, from noise drawn
     with ``seed`` (or ``noise``). ``rule``: how the model is guided (default: an embedding fed ``guidance``, which
     models without one ignore); with a ``cfg`` rule, ``negative`` holds the empty prompt's embeddings and
     ``guidance`` is the scale. ``poll`` is called before every Euler step (a stop raised there ends sampling at
     once). ``sample_prompts`` with one prompt: both guidance branches in one forward per step."""
     return sample_prompts(model, family, [embeds], width, height, steps, seed, guidance, device, dtype, autocast,
-                          rule, [negative], None if noise is None else [noise], frames, poll)[0]
+                          rule, [negative], None if noise is None else [noise], frames, poll,
+                          partner=partner)[0]
 
 
 @torch.no_grad()
 def sample_prompts(model, family, embeds: list[dict[str, torch.Tensor]], width: int, height: int, steps: int,
                    seed: int, guidance: float, device: torch.device, dtype: torch.dtype, autocast=None,
                    rule: Guidance | None = None, negatives: list | None = None, noise: list | None = None,
-                   frames: int = 1, poll=None, max_rows: int | None = None) -> list[torch.Tensor]:
+                   frames: int = 1, poll=None, max_rows: int | None = None,
+                   partner: PartnerExpert | None = None) -> list[torch.Tensor]:
     """Every prompt's latents (each (1, C, ...), fp32), sampled together: each denoising step runs the rows (every
     prompt, and with classifier-free guidance every prompt's negative) as few forwards as possible, so a streamed
     block is copied in once per step rather than once per prompt and branch. ``max_rows``: the most rows one forward
@@ -116,7 +136,9 @@ def sample_prompts(model, family, embeds: list[dict[str, torch.Tensor]], width: 
     tensors differ in shape (an edit prompt's control images of another size) go in separate forwards; a family
     that cannot batch (``ModelFamily.batched_sampling`` false) runs one row per forward. Each prompt's first noise
     is drawn on the CPU from ``seed`` (or taken from ``noise``), as ``sample_latents`` draws it alone, so batching
-    changes no preview beyond float rounding. ``negatives``: one per prompt (with a ``cfg`` rule)."""
+    changes no preview beyond float rounding. ``negatives``: one per prompt (with a ``cfg`` rule). ``partner``: the
+    other expert of a mixture, which takes the steps on its side of the boundary with its own guidance scale
+    (WanPipeline's ``transformer`` / ``transformer_2`` with ``guidance_scale`` / ``guidance_scale_2``)."""
     import contextlib
 
     rule = rule or Guidance("embedded")
@@ -129,24 +151,34 @@ def sample_prompts(model, family, embeds: list[dict[str, torch.Tensor]], width: 
         first = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
         noise = [first] * len(embeds)  # every prompt starts from the seed's noise, as it does sampled alone
     x = torch.cat([z.to(device, torch.float32) for z in noise])
-    guided = rule.mode == "cfg" and bool(guidance)
-    rows = list(embeds) + (negatives if guided else [])
-    forwards = batch_rows(rows, max_rows if family.batched_sampling else 1)
-    forwards = [(idx, {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in emb.items()})
-                for idx, emb in forwards]
     n = len(embeds)
+
+    def batched(rows):
+        out = batch_rows(rows, max_rows if family.batched_sampling else 1)
+        return [(idx, {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in emb.items()})
+                for idx, emb in out]
+
+    cfg = rule.mode == "cfg"
+    # With guidance, the negatives are rows n.. of the same forwards; a model sampled at scale 0 (no guidance)
+    # runs the prompts alone.
+    forwards = {False: batched(list(embeds)),
+                True: batched(list(embeds) + negatives) if cfg and (guidance or (partner and partner.guidance))
+                else None}
     sigmas = family.sample_sigmas(x, steps)
     for i in range(steps):
         if poll is not None:
             poll()
+        mine = partner is None or not partner.takes(sigmas[i])
+        net, scale = (model, guidance) if mine else (partner.model, partner.guidance)
+        guided = cfg and bool(scale)
         xs = torch.cat([x, x]) if guided else x  # row r's latents: prompt r % n's
         v = torch.empty(xs.shape, dtype=torch.float32, device=device)
         with autocast or contextlib.nullcontext():
-            for idx, emb in forwards:
+            for idx, emb in forwards[guided]:
                 s = torch.full((len(idx),), sigmas[i], dtype=torch.float32, device=device)
-                v[idx] = family.predict_velocity(model, xs[idx].to(dtype), emb, s, guidance).float()
+                v[idx] = family.predict_velocity(net, xs[idx].to(dtype), emb, s, scale).float()
             if guided:
-                v = rule.combine(v[:n], v[n:], guidance)
+                v = rule.combine(v[:n], v[n:], scale)
         x = x + (sigmas[i + 1] - sigmas[i]) * v
     return list(x.split(1))
 

@@ -481,6 +481,13 @@ class ModelFamily(ABC):
         only ever sees its own range when sampling, so it trains on that range alone."""
         return (0.0, 1.0)
 
+    def preview_partner(self, variant: str) -> tuple[str, float] | None:
+        """For one expert of a mixture: ``(the other expert's variant, the boundary sigma)``; None for a model that
+        denoises the whole path alone. A preview then samples with both (``engine/sampling.py``): sigma >= boundary
+        through the high-noise expert, below it through the low-noise one, each with its own guidance scale
+        (``guidance``), as the family's pipeline does."""
+        return None
+
     def latent_frames(self, frames: int) -> int:
         """Latent frames of a clip of ``frames`` frames (the planner's workload); 1 for image families."""
         return 1

@@ -233,6 +233,15 @@ class WanFamily(ModelFamily):
             return (0.0, A14B_BOUNDARY)
         return (0.0, 1.0)
 
+    def preview_partner(self, variant: str) -> tuple[str, float] | None:
+        """An A14B expert's previews need the other expert: WanPipeline(transformer=high, transformer_2=low,
+        boundary_ratio=0.875) runs the high-noise one while the timestep is >= 875, the low-noise one below."""
+        if variant == _A14B["high_noise"]:
+            return _A14B["low_noise"], A14B_BOUNDARY
+        if variant == _A14B["low_noise"]:
+            return _A14B["high_noise"], A14B_BOUNDARY
+        return None
+
     def latent_frames(self, frames: int) -> int:
         """The causal VAE's 4x temporal compression: the first frame alone, then 4 per latent frame."""
         return (max(1, frames) - 1) // 4 + 1
