@@ -297,6 +297,10 @@ class TrainingTemplate:
     #: A chain's ``label`` (a string) ends its nodes' titles, as ``label`` does the first chain's.
     chains: tuple[dict[str, Any], ...] = ()
     label: str = ""
+    #: Links between chains: ``(chain, Train LoRA input, source chain)`` feeds that input of the chain's Train LoRA
+    #: from the source chain's Load Quantized Slab (chain 0 is this template's own). Wan 2.2 A14B: each expert's
+    #: ``preview_partner`` is the other chain's model, so previews switch expert at the boundary.
+    chain_links: tuple[tuple[int, str, int], ...] = ()
 
 
 def sigma_schedule(steps: int, mu: float) -> list[float]:
