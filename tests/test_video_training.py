@@ -131,3 +131,51 @@ def test_an_expert_with_its_partner_writes_preview_clips_and_without_names_the_i
 
     with pytest.raises(ConfigError, match="need wan-tiny-low-noise"):
         run(ModelConfig(transformer_path=str(high)), tmp_path / "wrong")
+
+
+def test_a_streamed_partner_samples_as_a_resident_one_and_is_released(tmp_path):
+    """The partner's streaming path (on CUDA: apply_offload with its forward-only plan; here the same hooks through
+    the inline copy engine on the CPU): every block streamed through a ring of 2 slots, the previews' latents equal
+    those with the partner resident (1e-6), and after the preview no tensor of it is held (released: the model is
+    dropped and the yielded PartnerExpert lets go of it); a kept partner goes back to its host copies."""
+    import gc
+    import weakref
+
+    from lowvram_lora.engine.callbacks import TrainingCallback
+    from lowvram_lora.engine.models import load_transformer
+    from lowvram_lora.engine.offload.streamer import InlineCopyEngine
+    from lowvram_lora.engine.sampling import sample_latents
+    from lowvram_lora.engine.train.preview_partner import PreviewPartner
+
+    family = get_family("wan")
+    high, low = _expert_pipelines(tmp_path)
+    cpu = torch.device("cpu")
+    model, _, _, variant = load_transformer(high, dtype=torch.float32)
+    assert variant == "wan-tiny-high-noise"
+    emb = {"prompt_embeds": torch.randn(1, 32, model.config.text_dim, generator=torch.Generator().manual_seed(1))}
+    neg = {"prompt_embeds": torch.zeros_like(emb["prompt_embeds"])}
+    rule = family.guidance(variant)
+
+    def sample(partner):
+        return sample_latents(model, family, emb, 64, 32, 4, 3, rule.scale, cpu, torch.float32, rule=rule,
+                              negative=neg, frames=5, partner=partner)
+
+    resident = PreviewPartner(ModelConfig(transformer_path=str(low)), family, variant, cpu, torch.float32, None,
+                              TrainingCallback())
+    with resident.placed() as p:
+        want = sample(p)
+    streamed = PreviewPartner(ModelConfig(transformer_path=str(low)), family, variant, cpu, torch.float32, None,
+                              TrainingCallback())
+    streamed.stream, streamed.plan = streamed._plan()
+    streamed._engine_factory, streamed.keep = InlineCopyEngine, False
+    assert streamed.plan.streamed == [0, 1] and streamed.plan.num_slots == 2 and not streamed.plan.activation_offload
+    assert streamed.rows_bytes() == streamed.plan.footprint.other_bytes + streamed.plan.ring_bytes > 0
+    with streamed.placed() as p:
+        ref = weakref.ref(p.model)
+        assert p.high is False and p.guidance == 3.0 and p.boundary == 0.875
+        got = sample(p)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    gc.collect()
+    assert p.model is None and streamed.model is None and ref() is None  # released
+    with resident.placed() as p:  # kept (the CPU keeps it): the same model object at the next preview
+        assert p.model is resident.model

@@ -38,6 +38,9 @@ class PreviewPartner:
     """The partner expert of a run: checked when made (the right family and variant), loaded and placed only
     inside ``placed()``."""
 
+    #: Tests: stream on the CPU through this copy engine (``apply_offload``'s ``_engine_factory``), with a plan.
+    _engine_factory = None
+
     def __init__(self, cfg: ModelConfig, family, trained_variant: str, device: torch.device, dtype: torch.dtype,
                  offload, cb):
         from ..models.inspect import inspect_transformer
@@ -108,21 +111,25 @@ class PreviewPartner:
         """The partner ready to sample (``PartnerExpert``); its tensors back on the host afterwards, and the model
         dropped unless it is kept."""
         model = self.model if self.model is not None else self._load()
-        handle = None
+        handle = expert = None
         try:
-            if self.device.type == "cuda":
+            if self.plan is not None:
                 from ..offload.streamer import apply_offload
 
                 t0 = time.perf_counter()
-                handle = apply_offload(model, self.family, self.stream, self.device, self.cb, plan=self.plan)
+                handle = apply_offload(model, self.family, self.stream, self.device, self.cb, plan=self.plan,
+                                       _engine_factory=self._engine_factory)
                 self.cb.log(f"preview partner streams ({self.rows_bytes() / GB:.2f} GB on the GPU while it "
                             f"samples), placed in {time.perf_counter() - t0:.1f} s")
             elif next(model.parameters()).device != self.device:
                 model.to(self.device)
-            yield PartnerExpert(model, self.boundary, self.high, self.guidance)
+            expert = PartnerExpert(model, self.boundary, self.high, self.guidance)
+            yield expert
         finally:
             if handle is not None:
                 handle.remove()
+            if expert is not None:  # the caller may still hold it: it must not keep a released model alive
+                expert.model = None
             self.model = model if self.keep else None
             del model, handle
             release_device_memory(self.device)

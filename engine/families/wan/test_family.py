@@ -383,6 +383,7 @@ def test_an_a14b_expert_alone_is_not_previewed():
     from lowvram_lora.engine.sampling import preview_blocker
 
     for variant in ("wan2.2-t2v-a14b-high-noise", "wan2.2-t2v-a14b-low-noise"):
-        msg = preview_blocker(variant, FAMILY.train_sigma_range(variant))
+        msg = preview_blocker(variant, FAMILY.train_sigma_range(variant), FAMILY.preview_partner(variant))
         assert msg and variant in msg and "both experts" in msg and "0.875" in msg
+        assert "preview_partner" in msg and FAMILY.preview_partner(variant)[0] in msg  # the fix, named
     assert preview_blocker("wan2.1-t2v-1.3b", FAMILY.train_sigma_range("wan2.1-t2v-1.3b")) is None
