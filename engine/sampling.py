@@ -90,25 +90,45 @@ def help_text(name: str) -> str:
     raise KeyError(name)
 
 
+@dataclass
+class PartnerExpert:
+    """The other expert of a mixture, for previews of one expert (``ModelFamily.preview_partner``): ``model`` (frozen
+    base weights, no LoRA) denoises the steps on its side of ``boundary`` (sigma >= boundary when ``high``, below
+    when not) with its own guidance scale ``guidance``; the trained model denoises the rest."""
+
+    model: object
+    boundary: float
+    high: bool
+    guidance: float
+
+    def takes(self, sigma: float) -> bool:
+        """Whether this step is the partner's. WanPipeline compares the scheduler's timestep (1000 sigma) with
+        ``boundary_ratio * 1000``; the same comparison on sigma."""
+        return (sigma >= self.boundary) == self.high
+
+
 @torch.no_grad()
 def sample_latents(model, family, embeds: dict[str, torch.Tensor], width: int, height: int, steps: int, seed: int,
                    guidance: float, device: torch.device, dtype: torch.dtype, autocast=None,
                    rule: Guidance | None = None, negative: dict[str, torch.Tensor] | None = None,
-                   noise: torch.Tensor | None = None, frames: int = 1, poll=None) -> torch.Tensor:
+                   noise: torch.Tensor | None = None, frames: int = 1, poll=None,
+                   partner: PartnerExpert | None = None) -> torch.Tensor:
     """One image's (or, for a video family, a ``frames``-frame clip's) latents (1, C, ...), fp32, from noise drawn
     with ``seed`` (or ``noise``). ``rule``: how the model is guided (default: an embedding fed ``guidance``, which
     models without one ignore); with a ``cfg`` rule, ``negative`` holds the empty prompt's embeddings and
     ``guidance`` is the scale. ``poll`` is called before every Euler step (a stop raised there ends sampling at
     once). ``sample_prompts`` with one prompt: both guidance branches in one forward per step."""
     return sample_prompts(model, family, [embeds], width, height, steps, seed, guidance, device, dtype, autocast,
-                          rule, [negative], None if noise is None else [noise], frames, poll)[0]
+                          rule, [negative], None if noise is None else [noise], frames, poll,
+                          partner=partner)[0]
 
 
 @torch.no_grad()
 def sample_prompts(model, family, embeds: list[dict[str, torch.Tensor]], width: int, height: int, steps: int,
                    seed: int, guidance: float, device: torch.device, dtype: torch.dtype, autocast=None,
                    rule: Guidance | None = None, negatives: list | None = None, noise: list | None = None,
-                   frames: int = 1, poll=None, max_rows: int | None = None) -> list[torch.Tensor]:
+                   frames: int = 1, poll=None, max_rows: int | None = None,
+                   partner: PartnerExpert | None = None) -> list[torch.Tensor]:
     """Every prompt's latents (each (1, C, ...), fp32), sampled together: each denoising step runs the rows (every
     prompt, and with classifier-free guidance every prompt's negative) as few forwards as possible, so a streamed
     block is copied in once per step rather than once per prompt and branch. ``max_rows``: the most rows one forward
@@ -116,7 +136,9 @@ def sample_prompts(model, family, embeds: list[dict[str, torch.Tensor]], width: 
     tensors differ in shape (an edit prompt's control images of another size) go in separate forwards; a family
     that cannot batch (``ModelFamily.batched_sampling`` false) runs one row per forward. Each prompt's first noise
     is drawn on the CPU from ``seed`` (or taken from ``noise``), as ``sample_latents`` draws it alone, so batching
-    changes no preview beyond float rounding. ``negatives``: one per prompt (with a ``cfg`` rule)."""
+    changes no preview beyond float rounding. ``negatives``: one per prompt (with a ``cfg`` rule). ``partner``: the
+    other expert of a mixture, which takes the steps on its side of the boundary with its own guidance scale
+    (WanPipeline's ``transformer`` / ``transformer_2`` with ``guidance_scale`` / ``guidance_scale_2``)."""
     import contextlib
 
     rule = rule or Guidance("embedded")
@@ -129,24 +151,34 @@ def sample_prompts(model, family, embeds: list[dict[str, torch.Tensor]], width: 
         first = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
         noise = [first] * len(embeds)  # every prompt starts from the seed's noise, as it does sampled alone
     x = torch.cat([z.to(device, torch.float32) for z in noise])
-    guided = rule.mode == "cfg" and bool(guidance)
-    rows = list(embeds) + (negatives if guided else [])
-    forwards = batch_rows(rows, max_rows if family.batched_sampling else 1)
-    forwards = [(idx, {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in emb.items()})
-                for idx, emb in forwards]
     n = len(embeds)
+
+    def batched(rows):
+        out = batch_rows(rows, max_rows if family.batched_sampling else 1)
+        return [(idx, {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in emb.items()})
+                for idx, emb in out]
+
+    cfg = rule.mode == "cfg"
+    # With guidance, the negatives are rows n.. of the same forwards; a model sampled at scale 0 (no guidance)
+    # runs the prompts alone.
+    forwards = {False: batched(list(embeds)),
+                True: batched(list(embeds) + negatives) if cfg and (guidance or (partner and partner.guidance))
+                else None}
     sigmas = family.sample_sigmas(x, steps)
     for i in range(steps):
         if poll is not None:
             poll()
+        mine = partner is None or not partner.takes(sigmas[i])
+        net, scale = (model, guidance) if mine else (partner.model, partner.guidance)
+        guided = cfg and bool(scale)
         xs = torch.cat([x, x]) if guided else x  # row r's latents: prompt r % n's
         v = torch.empty(xs.shape, dtype=torch.float32, device=device)
         with autocast or contextlib.nullcontext():
-            for idx, emb in forwards:
+            for idx, emb in forwards[guided]:
                 s = torch.full((len(idx),), sigmas[i], dtype=torch.float32, device=device)
-                v[idx] = family.predict_velocity(model, xs[idx].to(dtype), emb, s, guidance).float()
+                v[idx] = family.predict_velocity(net, xs[idx].to(dtype), emb, s, scale).float()
             if guided:
-                v = rule.combine(v[:n], v[n:], guidance)
+                v = rule.combine(v[:n], v[n:], scale)
         x = x + (sigmas[i + 1] - sigmas[i]) * v
     return list(x.split(1))
 
@@ -221,7 +253,7 @@ SAMPLE_FORWARD_UNITS = 20.0
 
 
 def rows_per_forward(plans, workload, family, variant: str, width: int, height: int, frames: int = 1,
-                     micro_batch: int = 0) -> int:
+                     micro_batch: int = 0, extra_bytes: int = 0) -> int:
     """The most rows (prompts and guidance branches) one sampling forward may carry so that sampling stays at or
     below the training peak the plan predicts.
 
@@ -235,7 +267,8 @@ def rows_per_forward(plans, workload, family, variant: str, width: int, height: 
     weights) the activations are not predicted: R rows may carry at most the tokens of one training micro-batch
     (a no-grad forward holds less than the recompute and backward of as many tokens; ``micro_batch``: samples per
     training forward, 0 = the whole batch). Several plans (a split):
-    each part's bound, the smallest."""
+    each part's bound, the smallest. ``extra_bytes``: what else sampling holds on the GPU (a mixture's partner
+    expert while it streams: ``PreviewPartner.rows_bytes``), taken off the room of every plan."""
     from .offload.plan import MOMENT_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, TRANSIENT_BYTES
 
     tokens = family.image_tokens(width, height, variant) * family.latent_frames(frames) + workload.text_tokens
@@ -252,7 +285,7 @@ def rows_per_forward(plans, workload, family, variant: str, width: int, height: 
         moments = MOMENT_BYTES_PER_PARAM if plan.optimizer_on_host else 0  # as build_plan counts them
         room = max(plan.breakdown["activations"], fp.trainable_params * (OPTIMIZER_BYTES_PER_PARAM + moments))
         ring_at_peak = plan.breakdown["weights"] - fp.other_bytes - sum(fp.block_bytes[i] for i in plan.resident)
-        room -= max(0, plan.ring_bytes - ring_at_peak) + TRANSIENT_BYTES
+        room -= max(0, plan.ring_bytes - ring_at_peak) + TRANSIENT_BYTES + extra_bytes
         per_row = SAMPLE_FORWARD_UNITS * fp.working_set_scale(plan.activation_offload) * tokens * fp.hidden_size \
             * fp.act_bytes_per_elem
         rows.append(max(1, int(room // per_row)))
@@ -342,17 +375,31 @@ def grid_image(columns: list[tuple[str, list]], prompts: list[str], cell: int = 
     return grid
 
 
-def preview_blocker(variant: str, sigma_range: tuple[float, float]) -> str | None:
+#: The tooltip of Train LoRA's ``preview_partner`` input.
+PREVIEW_PARTNER_HELP = (
+    "Wan 2.2 T2V-A14B: the other expert's Load Quantized Slab, so samples of this expert's LoRA can be drawn. A "
+    "preview needs both experts: the high-noise one denoises sigma >= 0.875, the low-noise one below (as "
+    "WanPipeline and ComfyUI's own Wan 2.2 workflow switch). The partner runs with its base weights (no LoRA) and "
+    "its own CFG scale (high 4, low 3); it streams only while sampling and never stays in VRAM. Unconnected: no "
+    "samples for an A14B expert. Other models ignore it."
+)
+
+
+def preview_blocker(variant: str, sigma_range: tuple[float, float], partner: tuple[str, float] | None = None
+                    ) -> str | None:
     """Why a model cannot be previewed alone, or None. An expert of a mixture (Wan 2.2 A14B: the high-noise expert
     denoises sigma >= 0.875, the low-noise one below) only takes part of the path from noise to a clip: sampled alone
-    it gives noise or mush that says nothing about the LoRA, so no samples are drawn (never silently wrong ones)."""
+    it gives noise or mush that says nothing about the LoRA, so without its partner (``partner``: the family's
+    ``preview_partner``, the other expert and the boundary) no samples are drawn (never silently wrong ones)."""
     lo, hi = sigma_range
     if (lo, hi) == (0.0, 1.0):
         return None
+    other = f"the {partner[0]} file" if partner else "the other expert"
     return (f"sampling is off for this run: {variant} is one expert of a mixture and denoises only sigma in "
             f"[{lo}, {hi}]; a preview needs both experts (the other one switches in at the boundary), and previews "
-            f"of an expert alone are not images or clips a user can judge. Judge the LoRA by loading both experts' "
-            f"LoRAs in ComfyUI's own Wan 2.2 workflow")
+            f"of an expert alone are not images or clips a user can judge. To draw samples, connect the Load "
+            f"Quantized Slab of {other} to Train LoRA's preview_partner input (the Wan 2.2 T2V template wires it); "
+            f"or judge the LoRA by loading both experts' LoRAs in ComfyUI's own Wan 2.2 workflow")
 
 
 class Sampler:
@@ -360,13 +407,16 @@ class Sampler:
     writes the grid (prompts x checkpoints so far) and hands it to the callback."""
 
     def __init__(self, cfg: SamplingConfig, dataset, family, model, device, dtype, out_dir: Optional[Path], cb,
-                 max_rows: Optional[int] = None):
+                 max_rows: Optional[int] = None, partner=None):
         if not dataset.sample_prompts:
             raise ConfigError("sampling is on (sample_every > 0) but the dataset cache has no sample prompts: put "
                               "one prompt per line in Cache Text Embeds' sample_prompts")
         self.cfg, self.dataset, self.family, self.model = cfg, dataset, family, model
         self.device, self.dtype, self.out_dir, self.cb = device, dtype, out_dir, cb
         self.max_rows = max_rows  # rows per sampling forward (rows_per_forward); None: every row in one
+        # A mixture's other expert (engine/train/preview_partner.py: ``placed()`` gives a PartnerExpert for the
+        # time of one preview), or None.
+        self.partner = partner
         self.embeds = [dataset.load_text(key) for _, key in dataset.sample_prompts]
         self.rule = family.guidance(dataset.variant)
         # One negative per prompt: an edit model's carries that prompt's control images (DatasetCache.negative_keys).
@@ -470,10 +520,14 @@ class Sampler:
         was_training = self.model.training
         self.model.eval()
         try:
-            latents = sample_prompts(self.model, self.family, self.embeds, self.cfg.resolution, self.cfg.resolution,
-                                     self.cfg.steps, self.cfg.seed, self.cfg.guidance, self.device, self.dtype,
-                                     autocast, self.rule, self.negatives, frames=self.frames, poll=self._poll,
-                                     max_rows=self.max_rows)
+            import contextlib
+
+            with self.partner.placed() if self.partner is not None else contextlib.nullcontext() as partner:
+                latents = sample_prompts(self.model, self.family, self.embeds, self.cfg.resolution,
+                                         self.cfg.resolution, self.cfg.steps, self.cfg.seed, self.cfg.guidance,
+                                         self.device, self.dtype, autocast, self.rule, self.negatives,
+                                         frames=self.frames, poll=self._poll, max_rows=self.max_rows,
+                                         partner=partner)
             images = decode_latents(self.vae(), self.family, latents, self.device, self.dataset.variant)
         finally:
             self.model.train(was_training)

@@ -222,6 +222,12 @@ def _graph(t: TrainingTemplate) -> tuple[list[NodeSpec], list[NoteSpec]]:
             node.pos = (node.pos[0], node.pos[1] + k * CHAIN_DY)
             node.links = {name: (src + k * CHAIN_IDS, slot) for name, (src, slot) in node.links.items()}
             nodes.append(node)
+    for chain, name, source in t.chain_links:
+        if not (0 <= chain <= len(t.chains) and 0 <= source <= len(t.chains)) or chain == source:
+            raise ValueError(f"template {t.name!r}: chain link {(chain, name, source)} must join two different "
+                             f"chains of 0..{len(t.chains)}")
+        train = next(n for n in nodes if n.id == 4 + chain * CHAIN_IDS)
+        train.links[name] = (1 + source * CHAIN_IDS, 0)
     _attach_models(t, nodes)
     return nodes, [NoteSpec(6, t.note, t.note_pos)]
 

@@ -82,6 +82,7 @@ class LowVRAMTrainLoRA(io.Node):
                 io.Custom("LOWVRAM_SPLIT", "split", optional=True,
                           tooltip="From Dual-GPU Split: train across two GPUs (split the model, or data "
                                   "parallel). Unconnected: one GPU."),
+                io.Custom("LOWVRAM_MODEL", "preview_partner", optional=True, tooltip=_partner_help()),
             ])
 
     @classmethod
@@ -91,7 +92,7 @@ class LowVRAMTrainLoRA(io.Node):
                 guidance: float = 1.0, max_grad_norm: float = 1.0, optimizer: str = "adamw", save_every: int = 0,
                 sample_every: int = 0, sample_steps: int = 20, sample_resolution: int = 512, sample_seed: int = 42,
                 sample_at_start: bool = True, sample_guidance: float = 3.5, sample_frames: int = 17,
-                split=None) -> io.NodeOutput:
+                split=None, preview_partner=None) -> io.NodeOutput:
         from ..engine.config import LoraSettings, TrainConfig
         from ..engine.sampling import SamplingConfig
         from ..engine.runs.result_reuse import train_or_reuse
@@ -116,11 +117,17 @@ class LowVRAMTrainLoRA(io.Node):
                                   seed=sample_seed, at_start=sample_at_start, guidance=sample_guidance,
                                   frames=sample_frames)
         lora = train_or_reuse(model, dataset, lora_cfg, train_cfg, cache_dir(), callback,
-                              parallel=split, offload=offload, sampling=sampling,
+                              parallel=split, offload=offload, sampling=sampling, preview_partner=preview_partner,
                               sample_dir=output_dir() / "lowvram_samples" / uuid.uuid4().hex[:12])
         image, ui = _loss_curve_outputs(lora)
         _add_sample_clips(lora, ui)
         return io.NodeOutput(lora, image, _samples_output(lora), ui=ui)
+
+
+def _partner_help() -> str:
+    from ..engine.sampling import PREVIEW_PARTNER_HELP
+
+    return PREVIEW_PARTNER_HELP
 
 
 def _sample_help(name: str) -> str:

@@ -151,11 +151,13 @@ def write_template_files(template, root, scratch):
     pipeline = fixtures.build_tiny_pipeline(scratch / "pipe", seed=zlib.crc32(template.name.encode()) % 997)
     models = root / "models"
     written = [fixtures.write_single_file(pipeline, models / "diffusion_models" / template.load["checkpoint"])]
-    for chain in getattr(template, "chains", ()):  # a further chain's model (an A14B expert): the same tiny model
+    for k, chain in enumerate(getattr(template, "chains", ()), 1):  # a further chain's model (an A14B expert)
         other = chain.get("load", {}).get("checkpoint")
         if other and other != template.load["checkpoint"]:
-            shutil.copy(written[0], models / "diffusion_models" / other)
-            written.append(models / "diffusion_models" / other)
+            # The tiny model with other weights, as the real experts differ: content-keyed slabs would otherwise
+            # make one expert's slab stand for the other (its manifest names the first file's variant).
+            again = fixtures.build_tiny_pipeline(scratch / f"pipe{k}", seed=zlib.crc32(template.name.encode()) % 997 + k)
+            written.append(fixtures.write_single_file(again, models / "diffusion_models" / other))
     files = fixtures.write_text_and_vae_files(pipeline, scratch / "files")
     for key, folder, source in (("text_encoder_1", "text_encoders", files["text_encoder"]),
                                 ("vae_file", "vae", files["vae"])):

@@ -177,7 +177,17 @@ def test_a_template_with_chains_lays_out_one_full_training_chain_each():
     prefixes = {v["inputs"]["filename_prefix"] for v in api.values() if v["class_type"] == "LowVRAMSaveLoRA"}
     assert prefixes == {"loras/wan22_t2v_high_noise_lora", "loras/wan22_t2v_low_noise_lora"}
     assert api["14"]["inputs"]["sample_guidance"] == 3.0 and api["4"]["inputs"]["sample_guidance"] == 4.0
-    assert {l[1] // 10 == l[3] // 10 for l in ui["links"]} == {True}  # no link crosses chains
+    # The only links across chains: each Train LoRA's preview_partner is the other chain's Load (the other expert).
+    assert api["4"]["inputs"]["preview_partner"] == ["11", 0] and api["14"]["inputs"]["preview_partner"] == ["1", 0]
+    assert api["11"]["inputs"]["checkpoint"] == t.chains[0]["load"]["checkpoint"]
+    assert api["4"]["inputs"]["sample_every"] == api["14"]["inputs"]["sample_every"] == 250
+    crossing = [l for l in ui["links"] if l[1] // 10 != l[3] // 10]
+    assert sorted((l[1], l[3]) for l in crossing) == [(1, 14), (11, 4)]
+    train_ui = next(n for n in ui["nodes"] if n["id"] == 4)
+    slot = next(i for i, x in enumerate(train_ui["inputs"]) if x["name"] == "preview_partner")
+    assert all(l[4] == slot and l[5] == "LOWVRAM_MODEL" for l in crossing)
+    with pytest.raises(ValueError, match="two different chains"):
+        T._graph(TrainingTemplate(**{**t.__dict__, "chain_links": ((0, "preview_partner", 0),)}))
     bad = TrainingTemplate(**{**t.__dict__, "chains": ({"laod": {}},)})
     with pytest.raises(ValueError, match="laod"):
         T._graph(bad)

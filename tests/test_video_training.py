@@ -69,3 +69,113 @@ def test_a_high_noise_expert_trains_only_above_the_boundary(tmp_path, monkeypatc
     assert len(drawn) == 12 and (drawn >= 0.875).all() and (drawn <= 1.0).all()
     assert any("sigma in [0.875, 1]" in line for line in logs)
     del loop
+
+
+def _expert_pipelines(tmp_path):
+    """Two tiny Wan pipelines named as the A14B experts' files are (``wan-tiny-high-noise`` / ``-low-noise``: the
+    name tells the role, as ComfyUI's wan2.2_t2v_high_noise_14B / low_noise files), with different weights."""
+    family = get_family("wan")
+    high = family.fixtures().build_tiny_pipeline(tmp_path / "wan_tiny_high_noise", seed=0)
+    low = family.fixtures().build_tiny_pipeline(tmp_path / "wan_tiny_low_noise", seed=1)
+    return high, low
+
+
+def test_an_expert_with_its_partner_writes_preview_clips_and_without_names_the_input(tmp_path):
+    """A run on the tiny high-noise expert with the low-noise one as preview_partner writes a preview clip per
+    checkpoint (its first steps by the trained expert, the rest by the partner: the log says so); the same run
+    without the partner draws none and its log names the input that fixes it. A partner of the wrong role (the
+    expert itself) is refused before any step, naming the file it needs."""
+    import pytest
+
+    from lowvram_lora.engine.callbacks import TrainingCallback
+    from lowvram_lora.engine.errors import ConfigError
+    from lowvram_lora.engine.sampling import SamplingConfig, saved_clips
+
+    high, low = _expert_pipelines(tmp_path)
+    clips = make_tiny_video_dataset(tmp_path / "clips", count=1, frames=5, size=(64, 48))
+    cache = build_dataset_cache(ModelConfig(transformer_path=str(high)),
+                                DataConfig(path=str(clips), resolution=64, bucket_step=16), tmp_path / "cache",
+                                sample_prompts=("a red circle",), video=VideoConfig(frame_counts=(5,), fps=0))
+    assert cache.variant == "wan-tiny-high-noise"
+    sampling = SamplingConfig(every=2, steps=4, resolution=64, frames=5, guidance=4.0)
+
+    class Log(TrainingCallback):
+        def __init__(self):
+            self.lines = []
+
+        def log(self, message):
+            self.lines.append(message)
+
+    def run(partner, out):
+        log = Log()
+        result = train_lora(ModelConfig(transformer_path=str(high)), cache, LoraSettings(rank=2, alpha=2),
+                            TrainConfig(steps=2, device="cpu"), log, sampling=sampling, sample_dir=out,
+                            preview_partner=partner)
+        return result, log.lines
+
+    result, lines = run(ModelConfig(transformer_path=str(low)), tmp_path / "with")
+    assert len(result.sample_grids) == 2  # before the first step and after the last
+    clip = saved_clips(result.sample_grids[-1])
+    assert len(clip) == 1 and clip[0].is_file()
+    from lowvram_lora.engine.sampling import load_clip
+
+    assert len(load_clip(clip[0])) == 5
+    assert any("previews switch to wan-tiny-low-noise" in line and "below sigma 0.875" in line and "CFG 3" in line
+               for line in lines)
+    assert sum("preview partner loaded" in line for line in lines) == 1  # on the CPU it is kept between previews
+
+    result, lines = run(None, tmp_path / "without")
+    assert result.sample_grids == [] and not (tmp_path / "without").exists()
+    assert any("sampling is off" in line and "preview_partner" in line and "wan-tiny-low-noise" in line
+               for line in lines)
+
+    with pytest.raises(ConfigError, match="need wan-tiny-low-noise"):
+        run(ModelConfig(transformer_path=str(high)), tmp_path / "wrong")
+
+
+def test_a_streamed_partner_samples_as_a_resident_one_and_is_released(tmp_path):
+    """The partner's streaming path (on CUDA: apply_offload with its forward-only plan; here the same hooks through
+    the inline copy engine on the CPU): every block streamed through a ring of 2 slots, the previews' latents equal
+    those with the partner resident (1e-6), and after the preview no tensor of it is held (released: the model is
+    dropped and the yielded PartnerExpert lets go of it); a kept partner goes back to its host copies."""
+    import gc
+    import weakref
+
+    from lowvram_lora.engine.callbacks import TrainingCallback
+    from lowvram_lora.engine.models import load_transformer
+    from lowvram_lora.engine.offload.streamer import InlineCopyEngine
+    from lowvram_lora.engine.sampling import sample_latents
+    from lowvram_lora.engine.train.preview_partner import PreviewPartner
+
+    family = get_family("wan")
+    high, low = _expert_pipelines(tmp_path)
+    cpu = torch.device("cpu")
+    model, _, _, variant = load_transformer(high, dtype=torch.float32)
+    assert variant == "wan-tiny-high-noise"
+    emb = {"prompt_embeds": torch.randn(1, 32, model.config.text_dim, generator=torch.Generator().manual_seed(1))}
+    neg = {"prompt_embeds": torch.zeros_like(emb["prompt_embeds"])}
+    rule = family.guidance(variant)
+
+    def sample(partner):
+        return sample_latents(model, family, emb, 64, 32, 4, 3, rule.scale, cpu, torch.float32, rule=rule,
+                              negative=neg, frames=5, partner=partner)
+
+    resident = PreviewPartner(ModelConfig(transformer_path=str(low)), family, variant, cpu, torch.float32, None,
+                              TrainingCallback())
+    with resident.placed() as p:
+        want = sample(p)
+    streamed = PreviewPartner(ModelConfig(transformer_path=str(low)), family, variant, cpu, torch.float32, None,
+                              TrainingCallback())
+    streamed.stream, streamed.plan = streamed._plan()
+    streamed._engine_factory, streamed.keep = InlineCopyEngine, False
+    assert streamed.plan.streamed == [0, 1] and streamed.plan.num_slots == 2 and not streamed.plan.activation_offload
+    assert streamed.rows_bytes() == streamed.plan.footprint.other_bytes + streamed.plan.ring_bytes > 0
+    with streamed.placed() as p:
+        ref = weakref.ref(p.model)
+        assert p.high is False and p.guidance == 3.0 and p.boundary == 0.875
+        got = sample(p)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    gc.collect()
+    assert p.model is None and streamed.model is None and ref() is None  # released
+    with resident.placed() as p:  # kept (the CPU keeps it): the same model object at the next preview
+        assert p.model is resident.model

@@ -297,6 +297,10 @@ class TrainingTemplate:
     #: A chain's ``label`` (a string) ends its nodes' titles, as ``label`` does the first chain's.
     chains: tuple[dict[str, Any], ...] = ()
     label: str = ""
+    #: Links between chains: ``(chain, Train LoRA input, source chain)`` feeds that input of the chain's Train LoRA
+    #: from the source chain's Load Quantized Slab (chain 0 is this template's own). Wan 2.2 A14B: each expert's
+    #: ``preview_partner`` is the other chain's model, so previews switch expert at the boundary.
+    chain_links: tuple[tuple[int, str, int], ...] = ()
 
 
 def sigma_schedule(steps: int, mu: float) -> list[float]:
@@ -482,6 +486,13 @@ class ModelFamily(ABC):
         model that denoises everything; one expert of a mixture (Wan 2.2 A14B's high- and low-noise models)
         only ever sees its own range when sampling, so it trains on that range alone."""
         return (0.0, 1.0)
+
+    def preview_partner(self, variant: str) -> tuple[str, float] | None:
+        """For one expert of a mixture: ``(the other expert's variant, the boundary sigma)``; None for a model that
+        denoises the whole path alone. A preview then samples with both (``engine/sampling.py``): sigma >= boundary
+        through the high-noise expert, below it through the low-noise one, each with its own guidance scale
+        (``guidance``), as the family's pipeline does."""
+        return None
 
     def latent_frames(self, frames: int) -> int:
         """Latent frames of a clip of ``frames`` frames (the planner's workload); 1 for image families."""

@@ -82,7 +82,7 @@ def _importable_root(run_dir: Path) -> str:
 
 
 def train_data_parallel(model_cfg, dataset, lora, train, callback, parallel, store_args: dict, cache_dir: Path,
-                        offload=None, preloaded=None, sampling=None, sample_dir=None):
+                        offload=None, preloaded=None, sampling=None, sample_dir=None, preview_partner=None):
     """Train with one process per device in ``parallel.devices``; returns rank 0's TrainedLora."""
     from ..lora_io.trained import read_trained
 
@@ -102,6 +102,7 @@ def train_data_parallel(model_cfg, dataset, lora, train, callback, parallel, sto
         "resume": store_args, "run_dir": str(run_dir), "stop_file": str(run_dir / "STOP"),
         "sampling": asdict(sampling) if sampling is not None else None,
         "sample_dir": str(sample_dir) if sample_dir is not None else None,
+        "preview_partner": asdict(preview_partner) if preview_partner is not None else None,
     }
     spec_path = run_dir / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=1))

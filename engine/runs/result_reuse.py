@@ -57,13 +57,19 @@ def train_or_reuse(model, dataset, lora: LoraSettings, train: TrainConfig, cache
     while one runs (another process) is refused with a message: they would share one resume folder.
     """
     world = parallel.world_size if parallel is not None else 1
+    # A mixture expert's preview partner (a ModelInfo from its Load node) changes the samples only: its identity
+    # goes into what the samples were made with, not into the run's key; the loop takes its ModelConfig.
+    partner = train_kwargs.pop("preview_partner", None)
+    partner_identity = getattr(partner, "identity", None)
+    if partner is not None:
+        train_kwargs["preview_partner"] = getattr(partner, "config", partner)
     key = training_key(model.identity, dataset.dataset_hash, lora, train, world)
     found = load_finished(Path(cache_dir), key)
     if found is not None:
         if callback is not None:
             callback.log(f"reusing the finished run {key} (same model, dataset and settings); "
                          f"change a setting or the seed to train again")
-        return _check_reused_samples(found, dataset, train_kwargs.get("sampling"), callback)
+        return _check_reused_samples(found, dataset, train_kwargs.get("sampling"), callback, partner_identity)
     # One run per key at a time: two would share one resume folder and remove each other's states.
     lock = FileLock(Path(cache_dir) / "locks" / f"training-{key}.lock", "the training run's lock")
     if not lock.acquire():
@@ -77,12 +83,13 @@ def train_or_reuse(model, dataset, lora: LoraSettings, train: TrainConfig, cache
         if found is not None:
             if callback is not None:
                 callback.log(f"reusing the finished run {key}, which another process just finished")
-            return _check_reused_samples(found, dataset, train_kwargs.get("sampling"), callback)
-        return _train_and_store(model, dataset, lora, train, cache_dir, callback, parallel, key, **train_kwargs)
+            return _check_reused_samples(found, dataset, train_kwargs.get("sampling"), callback, partner_identity)
+        return _train_and_store(model, dataset, lora, train, cache_dir, callback, parallel, key, partner_identity,
+                                **train_kwargs)
 
 
 def _train_and_store(model, dataset, lora: LoraSettings, train: TrainConfig, cache_dir: Path, callback, parallel,
-                     key: str, **train_kwargs) -> TrainedLora:
+                     key: str, partner_identity: str | None = None, **train_kwargs) -> TrainedLora:
     from ..train.loop import train_lora
     from ..train.resume import ResumeStore, auto_save_every
 
@@ -103,26 +110,30 @@ def _train_and_store(model, dataset, lora: LoraSettings, train: TrainConfig, cac
         if not result.interrupted and result.state_dict:
             store.discard()
     if not result.interrupted and result.state_dict:
-        result.settings["samples"] = samples_made_with(dataset, train_kwargs.get("sampling")) \
+        result.settings["samples"] = samples_made_with(dataset, train_kwargs.get("sampling"), partner_identity) \
             if result.sample_grids else None
         store_finished(Path(cache_dir), key, result)
     return result
 
 
-def samples_made_with(dataset, sampling) -> dict | None:
-    """What a run's sample grid shows (the prompts and the sampling settings), or None without sampling.
-    Not part of the run's key: samples do not change the trained weights."""
+def samples_made_with(dataset, sampling, partner_identity: str | None = None) -> dict | None:
+    """What a run's sample grid shows (the prompts and the sampling settings, and a mixture expert's preview
+    partner: its weights' identity), or None without sampling. Not part of the run's key: samples do not change the
+    trained weights."""
     if sampling is None or not getattr(sampling, "enabled", False):
         return None
-    return {"prompts": [p for p, _ in getattr(dataset, "sample_prompts", None) or []], "config": asdict(sampling)}
+    out = {"prompts": [p for p, _ in getattr(dataset, "sample_prompts", None) or []], "config": asdict(sampling)}
+    if partner_identity is not None:
+        out["preview_partner"] = partner_identity
+    return out
 
 
-def _check_reused_samples(found: TrainedLora, dataset, sampling, callback) -> TrainedLora:
+def _check_reused_samples(found: TrainedLora, dataset, sampling, callback, partner_identity=None) -> TrainedLora:
     """A reused run keeps the sample grid made while it trained. When the sampling asked for now differs (other
     prompts or settings; sampling was off then), that grid is left out of the result, so the node and Save
     LoRA never pass it off as samples of the new prompts, and the log says so; samples are made only while
     training. A grid from before this was recorded is kept, and the log says it is the earlier run's."""
-    now = samples_made_with(dataset, sampling)
+    now = samples_made_with(dataset, sampling, partner_identity)
     then = found.settings.get("samples", "unrecorded")
     grids = [g for g in found.sample_grids if Path(g).exists()]
     say = callback.log if callback is not None else (lambda msg: None)
@@ -141,6 +152,8 @@ def _check_reused_samples(found: TrainedLora, dataset, sampling, callback) -> Tr
     elif then["prompts"] != now["prompts"]:
         why = (f"its samples show {len(then['prompts'])} other prompt(s) "
                f"({'; '.join(p[:40] for p in then['prompts'][:3])}), not today's {len(now['prompts'])}")
+    elif then.get("preview_partner") != now.get("preview_partner"):
+        why = "its samples were drawn with another preview_partner (or none)"
     else:
         changed = ", ".join(f"sample_{k} {then['config'].get(k)} -> {v}" for k, v in now["config"].items()
                             if then["config"].get(k) != v)

@@ -117,9 +117,13 @@ def _train(spec: dict, local_rank: int, events: _Events) -> int:
             from ..sampling import SamplingConfig
 
             sampling = SamplingConfig(**spec["sampling"])
+        partner = spec.get("preview_partner")  # a mixture expert's partner, for rank 0's previews
+        if partner is not None:
+            partner = ModelConfig(**{**partner, "text_encoder_files": tuple(partner.get("text_encoder_files") or ())})
         result = train_lora(model_cfg, open_dataset_cache(spec["dataset_manifest"]), LoraSettings(**spec["lora"]),
                             TrainConfig(**{**spec["train"], "device": str(device)}), events, offload=offload,
-                            resume=store, ranks=ranks, sampling=sampling, sample_dir=spec.get("sample_dir"))
+                            resume=store, ranks=ranks, sampling=sampling, sample_dir=spec.get("sample_dir"),
+                            preview_partner=partner)
         if ranks.is_main:
             if not result.interrupted and result.state_dict:
                 store.discard()

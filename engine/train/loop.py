@@ -81,6 +81,7 @@ def train_lora(
     ranks=None,
     sampling=None,
     sample_dir=None,
+    preview_partner: ModelConfig | None = None,
 ) -> TrainedLora:
     """Train a LoRA on ``dataset`` and return its weights. ``preloaded`` = (model,
     family, variant) skips loading (benchmarks build a random full-size model).
@@ -95,16 +96,18 @@ def train_lora(
     rank 0 saves training states.
     ``sampling`` (engine/sampling.SamplingConfig): sample the dataset's sample prompts at checkpoints,
     grids written to ``sample_dir`` (rank 0 only); the time is kept out of the step times.
+    ``preview_partner``: for one expert of a mixture (Wan 2.2 A14B), the other expert's checkpoint, which previews
+    switch to at the boundary (engine/train/preview_partner.py); without it such an expert draws no samples.
 
     Runs with autograd on even when called under ``torch.inference_mode()`` (ComfyUI
     runs every node that way); the returned weights are ordinary tensors."""
     with autograd_enabled():
         return _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, resume, split, ranks,
-                           sampling, sample_dir)
+                           sampling, sample_dir, preview_partner)
 
 
 def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, resume, split, ranks, sampling,
-                sample_dir) -> TrainedLora:
+                sample_dir, preview_partner=None) -> TrainedLora:
     """The run as named phases; each is a function below, in this order."""
     from ..parallel.data_parallel import Ranks
 
@@ -126,7 +129,7 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
         _make_optimizer(run)
         _prepare_data(run)
         _resume(run)
-        _make_sampler(run, sampling, sample_dir)
+        _make_sampler(run, sampling, sample_dir, preview_partner)
         _run_steps(run)
     finally:
         bad = _finish(run, drop_model=preloaded is None)
@@ -294,22 +297,36 @@ def _resume(run: _Run) -> None:
     run.snapshot = RngSnapshot.take(run.first - 1, run.drawn)
 
 
-def _make_sampler(run: _Run, sampling, sample_dir) -> None:
-    """Samples of the dataset's prompts at checkpoints (rank 0 only)."""
+def _make_sampler(run: _Run, sampling, sample_dir, preview_partner=None) -> None:
+    """Samples of the dataset's prompts at checkpoints (rank 0 only); an expert of a mixture samples with its
+    partner expert (``preview_partner``) or not at all."""
     if sampling is not None and sampling.enabled and run.ranks.is_main:
         from ..sampling import Sampler, preview_blocker
 
-        blocker = preview_blocker(run.variant, run.sigma_range)
-        if blocker is not None:  # never silently wrong samples: say why there are none
-            run.cb.log(blocker)
-            return
+        wanted = run.family.preview_partner(run.variant)
+        partner = None
+        if wanted is not None and preview_partner is not None:
+            from .preview_partner import PreviewPartner
+
+            partner = PreviewPartner(preview_partner, run.family, run.variant, run.device, run.dtype,
+                                     run.placement.offload, run.cb)
+            run.undo.callback(partner.close)  # its kept host copies (pinned) go with the run
+            run.cb.log(f"previews switch to {partner.variant} (base weights, no LoRA; CFG {partner.guidance:g}) "
+                       f"{'above' if partner.high else 'below'} sigma {partner.boundary}, as the family's pipeline")
+        else:
+            if preview_partner is not None:
+                run.cb.log(f"preview_partner is ignored: {run.variant} denoises the whole path alone")
+            blocker = preview_blocker(run.variant, run.sigma_range, wanted)
+            if blocker is not None:  # never silently wrong samples: say why there are none
+                run.cb.log(blocker)
+                return
         run.sampler = Sampler(sampling, run.dataset, run.family, run.model, run.device, run.dtype, sample_dir, run.cb,
-                              max_rows=_sampling_rows(run, sampling))
+                              max_rows=_sampling_rows(run, sampling, partner), partner=partner)
         if run.resume is not None and run.resume.enabled:  # the columns drawn before a stop, kept with the state
             run.sampler.keep_columns(run.resume.folder / "samples", upto=run.first - 1)
 
 
-def _sampling_rows(run: _Run, sampling) -> int:
+def _sampling_rows(run: _Run, sampling, partner=None) -> int:
     """Rows per sampling forward (prompts and guidance branches batched, each streamed block copied in once per
     denoising step) that keep sampling at or below the training peak of this run's plan (sampling.rows_per_forward)."""
     from ..offload.footprint import workload_for
@@ -318,7 +335,8 @@ def _sampling_rows(run: _Run, sampling) -> int:
     workload = workload_for(run.dataset, run.family, run.variant, run.train.batch_size)
     frames = sampling.frames if run.family.video else 1
     rows = rows_per_forward(run.placement.plans(), workload, run.family, run.variant, sampling.resolution,
-                            sampling.resolution, frames, run.placement.memory_options().micro_batch)
+                            sampling.resolution, frames, run.placement.memory_options().micro_batch,
+                            extra_bytes=partner.rows_bytes() if partner is not None else 0)
     run.cb.log(f"sampling runs at most {rows} row(s) (prompts x guidance branches) per forward: at or below the "
                f"training peak")
     return rows

@@ -493,6 +493,9 @@ def test_template_trains_its_tiny_model_through_comfy_run(comfy, tmp_path, templ
         assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:], log[-4000:])
         assert "Traceback" not in log and "!!! Exception" not in log, log[-4000:]
         assert "[lowvram-lora] step 8/8" in log and "sampled 1 prompt(s) at step 8" in log, log[-3000:]
+        if template.chain_links:  # Wan 2.2 A14B: each expert previews with the other chain's model at the boundary
+            assert log.count("previews switch to") == len(template.chains) + 1, log[-3000:]
+            assert "sampling is off" not in log, log[-3000:]
         prefix = template.save["filename_prefix"]
         saved = sorted((comfy.base / "output").glob(f"{prefix}_*_.safetensors"))
         assert len(saved) == 1, (sorted((comfy.base / "output" / "loras").iterdir()), log[-3000:])

@@ -51,6 +51,10 @@ A14B_BOUNDARY = 0.875
 TEXT_TOKENS = 512
 
 _A14B = {"high_noise": "wan2.2-t2v-a14b-high-noise", "low_noise": "wan2.2-t2v-a14b-low-noise"}
+#: Tiny stand-ins for the two experts (tests and the demo): wan-tiny's shapes, told apart by the name as A14B's are.
+_A14B_TINY = {"high_noise": "wan-tiny-high-noise", "low_noise": "wan-tiny-low-noise"}
+_HIGH = {_A14B["high_noise"]: _A14B["low_noise"], _A14B_TINY["high_noise"]: _A14B_TINY["low_noise"]}
+_LOW = {low: high for high, low in _HIGH.items()}
 _TI2V = ("wan2.2-ti2v-5b", "wan2.2-ti2v-tiny")
 
 
@@ -70,6 +74,8 @@ class WanFamily(ModelFamily):
         "wan2.2-t2v-a14b-low-noise": "wan2.1-t2v-14b.json",
         "wan2.2-ti2v-5b": "wan2.2-ti2v-5b.json",
         "wan-tiny": "wan-tiny.json",  # tests and the demo (width 32, 2 blocks, the Wan 2.1 VAE)
+        "wan-tiny-high-noise": "wan-tiny.json",  # tests: the A14B experts' roles on wan-tiny (by name, as A14B)
+        "wan-tiny-low-noise": "wan-tiny.json",
         "wan2.2-ti2v-tiny": "wan2.2-ti2v-tiny.json",  # tests: 48 channels, the Wan 2.2 VAE
     }
     tiny_variant = "wan-tiny"
@@ -119,17 +125,19 @@ class WanFamily(ModelFamily):
             raise ConfigError(f"'{name}' looks like a Wan image-to-video model. I2V LoRAs need image conditioning "
                               f"(first-frame latents, a mask), which lowvram-lora does not support yet; train on the "
                               f"T2V files (wan2.2_t2v_high_noise_14B / low_noise, wan2.1_t2v_*, wan2.2_ti2v_5B)")
-        if variant == "wan2.1-t2v-14b":
-            for key, expert in _A14B.items():
-                if key in lower:
-                    return expert
+        for base, experts in (("wan2.1-t2v-14b", _A14B), ("wan-tiny", _A14B_TINY)):
+            if variant == base:
+                for key, expert in experts.items():
+                    if key in lower:
+                        return expert
         return variant
 
     # --- text ------------------------------------------------------------------------------------
 
     def text_encoder_specs(self, variant: str) -> tuple[TextEncoderSpec, ...]:
         """umT5-XXL's last hidden state, 512 tokens, zero rows after each caption (``zero_padded``)."""
-        length = 32 if variant in ("wan-tiny", "wan2.2-ti2v-tiny") else TEXT_TOKENS  # the tiny fixtures: short
+        tiny = variant.startswith("wan-tiny") or variant == "wan2.2-ti2v-tiny"
+        length = 32 if tiny else TEXT_TOKENS  # the tiny fixtures: short
         return (TextEncoderSpec("text_encoder", "tokenizer", "umt5", length, "prompt_embeds", length="zero_padded"),)
 
     def text_widths(self, config: dict[str, Any]) -> dict[str, int]:
@@ -227,11 +235,17 @@ class WanFamily(ModelFamily):
     def train_sigma_range(self, variant: str) -> tuple[float, float]:
         """The A14B experts split the noise levels at the pipeline's boundary (``boundary_ratio`` 0.875: the high-
         noise expert denoises sigma >= 0.875, the low-noise one below): each trains on its own side only."""
-        if variant == _A14B["high_noise"]:
+        if variant in _HIGH:
             return (A14B_BOUNDARY, 1.0)
-        if variant == _A14B["low_noise"]:
+        if variant in _LOW:
             return (0.0, A14B_BOUNDARY)
         return (0.0, 1.0)
+
+    def preview_partner(self, variant: str) -> tuple[str, float] | None:
+        """An A14B expert's previews need the other expert: WanPipeline(transformer=high, transformer_2=low,
+        boundary_ratio=0.875) runs the high-noise one while the timestep is >= 875, the low-noise one below."""
+        other = _HIGH.get(variant) or _LOW.get(variant)
+        return (other, A14B_BOUNDARY) if other else None
 
     def latent_frames(self, frames: int) -> int:
         """The causal VAE's 4x temporal compression: the first frame alone, then 4 per latent frame."""
@@ -240,5 +254,5 @@ class WanFamily(ModelFamily):
     def guidance(self, variant: str) -> Guidance:
         """CFG ``uncond + g (cond - uncond)`` against the empty prompt: g = 5 (WanPipeline's default; Wan 2.1 and
         TI2V-5B's official one); the A14B experts' official (low 3.0, high 4.0). 20 preview steps."""
-        scale = {_A14B["high_noise"]: 4.0, _A14B["low_noise"]: 3.0}.get(variant, 5.0)
+        scale = 4.0 if variant in _HIGH else 3.0 if variant in _LOW else 5.0
         return Guidance(mode="cfg", scale=scale, steps=20, formula="standard")

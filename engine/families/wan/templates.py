@@ -84,15 +84,17 @@ TEMPLATES = [
         cache={"text_encoders": "(single files below)", "dataset_path": "my_clips", "resolution": 624,
                "text_encoder_1": _UMT5, "vae_file": "wan_2.1_vae.safetensors",
                "sample_prompts": "ohwx, a dog running on a beach", "video_frames": "81", "video_fps": 16.0},
-        offload={"mode": "auto", "vram_budget_gb": 12.0},
-        # Off: an expert alone cannot be previewed (it denoises only its side of sigma 0.875; the run logs why).
+        offload={"mode": "auto", "vram_budget_gb": 8.0},
+        # Previews need both experts (each denoises only its side of sigma 0.875): each chain's Train LoRA takes
+        # the other chain's model as its preview_partner (chain_links).
         train={"steps": 1500, "learning_rate": 1e-4, "rank": 16, "alpha": 16.0, "warmup_steps": 0,
-               "training_seed": 42, "sample_every": 0, "sample_steps": _PREVIEW.steps, "sample_resolution": 512,
+               "training_seed": 42, "sample_every": 250, "sample_steps": _PREVIEW.steps, "sample_resolution": 512,
                "sample_guidance": FAMILY.guidance("wan2.2-t2v-a14b-high-noise").scale, "sample_frames": 17},
         save={"filename_prefix": "loras/wan22_t2v_high_noise_lora"},
         chains=({"label": "low noise", "load": {"checkpoint": _LOW},
                  "train": {"sample_guidance": FAMILY.guidance("wan2.2-t2v-a14b-low-noise").scale},
                  "save": {"filename_prefix": "loras/wan22_t2v_low_noise_lora"}},),
+        chain_links=((0, "preview_partner", 1), (1, "preview_partner", 0)),
         downloads={  # as in ComfyUI's own Wan 2.2 T2V-A14B template
             _HIGH: _REPO22 + "diffusion_models/" + _HIGH,
             _LOW: _REPO22 + "diffusion_models/" + _LOW,
@@ -103,11 +105,11 @@ TEMPLATES = [
             "Wan 2.2 T2V-A14B LoRAs, one per expert: the top chain trains the high-noise expert (sigma >= 0.875: "
             "layout and motion), the bottom one the low-noise expert (sigma < 0.875: detail), each on its own noise "
             "levels, each saving its own LoRA (loras/wan22_t2v_high_noise_lora / _low_noise_lora). Only the expert "
-            "a chain trains is loaded; the chains run one after the other. To train one expert, bypass (Ctrl-B) "
-            "the other chain's Save LoRA.\n\n"
-            "Clips: 81 frames at 16 fps, buckets of about 624x624 pixels (832x480). VRAM: measured on an H100 "
-            "(bench/NOTES.md) 10.0 GB compiled at 832x480x81 (8 GB is not reached yet), hence the 12 GB budget; "
-            "fewer frames (video_frames 33) need less.\n\n"
+            "a chain trains streams while it trains; the chains run one after the other. To train one expert, bypass "
+            "(Ctrl-B) the other chain's Save LoRA.\n\n"
+            "Clips: 81 frames at 16 fps, buckets of about 624x624 pixels (832x480), on an 8 GB VRAM budget: measured "
+            "on an H100 (bench/NOTES.md) 7.0 GB at 0.95x the eager resident step at 832x480x81 (blocks streamed as "
+            "three parts, compiled); 33 frames 6.7 GB.\n\n"
             "Files (what ComfyUI's own Wan 2.2 T2V template uses):\n"
             f"- models/diffusion_models/{_HIGH} and {_LOW}. precision 'int8 slab' builds each expert's slab once into "
             "models/slabs.\n"
@@ -115,8 +117,13 @@ TEMPLATES = [
             "2.1 VAE).\n"
             "- input/my_clips/: your clips (.mp4, .webm, .mov, animated .gif/.webp, or a folder of frames; images "
             "count as one-frame clips) with same-name .txt captions.\n\n"
-            "No samples while training (sample_every 0): a preview needs both experts, switching at sigma 0.875, and "
-            "an expert alone gives nothing to judge (the run says so if sampling is turned on). Load both LoRAs in "
-            "ComfyUI's own Wan 2.2 T2V workflow (LoraLoaderModelOnly after each expert's loader) to see them."),
+            "Samples: every 250 steps a 17-frame 512x512 clip per prompt. A preview needs both experts, switching at "
+            "sigma 0.875 as ComfyUI's own Wan 2.2 workflow does, so each Train LoRA's preview_partner input takes the "
+            "other chain's Load Quantized Slab: the expert being trained runs with its LoRA (CFG 4 high, 3 low), the "
+            "other with its base weights (its LoRA from the other chain is not applied). The partner streams only "
+            "while sampling (about 1 GB of VRAM) and is kept in host RAM between previews only where the machine has "
+            "room (the log says which). Disconnect preview_partner (or set sample_every 0) for no samples. To see "
+            "both LoRAs together, load them in ComfyUI's own Wan 2.2 T2V workflow (LoraLoaderModelOnly after each "
+            "expert's loader)."),
     ),
 ]

@@ -266,6 +266,62 @@ def test_engine_sampling_with_cfg_matches_pipeline(pipe, ti2v_folder, frames, la
     assert (plain - ours).abs().max() > 1e-3
 
 
+def _tiny_expert(seed: int):
+    """A second tiny transformer (other weights), standing in for the other A14B expert."""
+    from lowvram_lora.engine.families.tiny import randomize_zero_inits
+
+    torch.manual_seed(seed)
+    model = FAMILY.transformer_class().from_config(FAMILY.load_config(TINY))
+    randomize_zero_inits(model, seed)
+    return model.eval()
+
+
+@pytest.mark.parametrize("trained", ["high", "low"])
+def test_a14b_previews_switch_expert_as_the_pipeline(pipe, trained):
+    """An A14B expert's preview with its partner (PartnerExpert, from ModelFamily.preview_partner) gives the
+    latents of WanPipeline(transformer=high, transformer_2=low, boundary_ratio=0.875, guidance_scale=4,
+    guidance_scale_2=3) from the same noise, with the trained expert either one: 4 steps put sigma 1 and 0.9 on the
+    high-noise side, 0.75 and 0.5 on the low-noise one. 1e-4 (fp32). Each expert matters: previews of one expert
+    alone (the other replaced by it) are far off."""
+    from diffusers import WanPipeline
+
+    from lowvram_lora.engine.sampling import PartnerExpert, sample_latents
+
+    high_v, low_v = "wan2.2-t2v-a14b-high-noise", "wan2.2-t2v-a14b-low-noise"
+    assert FAMILY.preview_partner(high_v) == (low_v, 0.875) and FAMILY.preview_partner(low_v) == (high_v, 0.875)
+    assert FAMILY.preview_partner(TINY) is None
+    high, low = pipe.transformer, _tiny_expert(7)
+    steps, seed, width, height, frames = 4, 5, 64, 32, 5
+    embeds, neg = _reference_embeds(pipe, CAPTIONS[:1]), _reference_embeds(pipe, [""])
+    shape = (1, *FAMILY.latent_shape(high, width, height, frames))
+    noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    sigmas = FAMILY.sample_sigmas(noise, steps)
+    assert [s >= 0.875 for s in sigmas[:-1]] == [True, True, False, False]
+    g_high, g_low = FAMILY.guidance(high_v).scale, FAMILY.guidance(low_v).scale
+    assert (g_high, g_low) == (4.0, 3.0)
+    two = WanPipeline(tokenizer=pipe.tokenizer, text_encoder=pipe.text_encoder, vae=pipe.vae,
+                      scheduler=_EulerOver(sigmas), transformer=high, transformer_2=low, boundary_ratio=0.875)
+    with torch.no_grad():
+        ref = two(prompt_embeds=embeds, negative_prompt_embeds=neg, guidance_scale=g_high, guidance_scale_2=g_low,
+                  num_inference_steps=steps, latents=noise.clone(), height=height, width=width, num_frames=frames,
+                  output_type="latent").frames
+    model, partner = (high, PartnerExpert(low, 0.875, False, g_low)) if trained == "high" else \
+        (low, PartnerExpert(high, 0.875, True, g_high))
+    rule = FAMILY.guidance(high_v if trained == "high" else low_v)
+
+    def ours(model, partner):
+        with torch.no_grad():
+            return sample_latents(model, FAMILY, {"prompt_embeds": embeds}, width, height, steps, seed, rule.scale,
+                                  torch.device("cpu"), torch.float32, rule=rule, negative={"prompt_embeds": neg},
+                                  frames=frames, partner=partner)
+
+    got = ours(model, partner)
+    assert got.shape == ref.shape == shape
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    alone = ours(model, PartnerExpert(model, 0.875, partner.high, partner.guidance))
+    assert (alone - ref).abs().max() > 1e-2
+
+
 def test_the_planner_counts_each_variants_tokens():
     """One latent frame at 1280x704: 80 x 44 = 3520 tokens through the Wan 2.1 VAE (8x, 2x2 patches), a quarter
     of that (40 x 22) for TI2V-5B's 16x VAE; 49 frames are 13 latent frames."""
@@ -327,6 +383,7 @@ def test_an_a14b_expert_alone_is_not_previewed():
     from lowvram_lora.engine.sampling import preview_blocker
 
     for variant in ("wan2.2-t2v-a14b-high-noise", "wan2.2-t2v-a14b-low-noise"):
-        msg = preview_blocker(variant, FAMILY.train_sigma_range(variant))
+        msg = preview_blocker(variant, FAMILY.train_sigma_range(variant), FAMILY.preview_partner(variant))
         assert msg and variant in msg and "both experts" in msg and "0.875" in msg
+        assert "preview_partner" in msg and FAMILY.preview_partner(variant)[0] in msg  # the fix, named
     assert preview_blocker("wan2.1-t2v-1.3b", FAMILY.train_sigma_range("wan2.1-t2v-1.3b")) is None
