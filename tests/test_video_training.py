@@ -4,6 +4,7 @@ cached clip latents, checked against the reference model from the pipeline folde
 high-noise expert run draws every training sigma from its own range."""
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import eval_flow_loss, merged
 
@@ -179,3 +180,45 @@ def test_a_streamed_partner_samples_as_a_resident_one_and_is_released(tmp_path):
     assert p.model is None and streamed.model is None and ref() is None  # released
     with resident.placed() as p:  # kept (the CPU keeps it): the same model object at the next preview
         assert p.model is resident.model
+
+
+@pytest.mark.gpu
+def test_a_partner_streamed_on_cuda_samples_as_a_resident_one(tmp_path):
+    """The partner's real CUDA path (pinned host copies, the copy stream, its forward-only plan): the previews'
+    latents equal those with the partner resident on the GPU (1e-4, fp32), and afterwards no tensor of the released
+    partner is on the GPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from lowvram_lora.engine.callbacks import TrainingCallback
+    from lowvram_lora.engine.models import load_transformer
+    from lowvram_lora.engine.sampling import sample_latents
+    from lowvram_lora.engine.train.preview_partner import PreviewPartner
+
+    family = get_family("wan")
+    cuda = torch.device("cuda")
+    high, low = _expert_pipelines(tmp_path)
+    model, _, _, variant = load_transformer(high, dtype=torch.float32)
+    model.to(cuda)
+    emb = {"prompt_embeds": torch.randn(1, 32, model.config.text_dim, generator=torch.Generator().manual_seed(1))}
+    neg = {"prompt_embeds": torch.zeros_like(emb["prompt_embeds"])}
+    rule = family.guidance(variant)
+
+    def sample(partner):
+        return sample_latents(model, family, emb, 64, 32, 4, 3, rule.scale, cuda, torch.float32, rule=rule,
+                              negative=neg, frames=5, partner=partner).cpu()
+
+    resident = PreviewPartner(ModelConfig(transformer_path=str(low)), family, variant, cuda, torch.float32, None,
+                              TrainingCallback())
+    resident.plan, resident.keep = None, False  # resident on the GPU: no streaming plan
+    with resident.placed() as p:
+        want = sample(p)
+    streamed = PreviewPartner(ModelConfig(transformer_path=str(low)), family, variant, cuda, torch.float32, None,
+                              TrainingCallback())
+    streamed.keep = False
+    assert streamed.plan is not None and streamed.plan.streamed  # on CUDA the partner streams
+    before = torch.cuda.memory_allocated(cuda)
+    with streamed.placed() as p:
+        got = sample(p)
+    torch.cuda.synchronize(cuda)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert torch.cuda.memory_allocated(cuda) <= before  # nothing of the released partner stays on the GPU
