@@ -19,6 +19,7 @@ Models dialog then offers the download. The URLs are the family's data (``Traini
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -73,13 +74,37 @@ TITLE_H = 30  # LiteGraph draws the title bar above ``pos``
 GAP = 30
 
 
+#: A widget row's width in the frontend's widget font (LiteGraph, 12 px): about this many pixels per character of
+#: its label and value, plus the arrows and padding. Checked against screenshots of frontend 1.49: below this a
+#: label is cut to "t…" (Wan's "text_encoder_1" beside umt5_xxl_fp8_e4m3fn_scaled.safetensors at 340 px).
+WIDGET_CHAR_PX, WIDGET_PAD_PX, MAX_NODE_W = 7.5, 70, 640
+
+
 def _fitted_size(node: NodeSpec, cls: type) -> tuple[int, int]:
     """At least the height LiteGraph needs for the node's slots and widgets (frontends 1.27-1.49:
-    ~22 px per slot row, up to ~28 px per widget), so the stored size never cuts widgets off."""
+    ~22 px per slot row, up to ~28 px per widget), so the stored size never cuts widgets off; and at least the
+    width that shows every widget's label beside its value (long file names), up to ``MAX_NODE_W``."""
     specs = input_specs(cls)
     widgets = sum(1 + s.control_slots for s in specs if s.is_widget and s.name not in node.links)
     slot_rows = max(len(node.links), len(return_types(cls)))
-    return max(node.size[0], 320), max(node.size[1], 22 * slot_rows + 28 * widgets + 16)
+    rows = [len(s.name) + len(str(node.widgets.get(s.name, s.options.get("default", ""))))
+            for s in specs if s.is_widget and s.name not in node.links and not s.options.get("multiline")]
+    wide = math.ceil(WIDGET_PAD_PX + WIDGET_CHAR_PX * max(rows, default=0))
+    return max(node.size[0], 320, min(wide, MAX_NODE_W)), max(node.size[1], 22 * slot_rows + 28 * widgets + 16)
+
+
+def _reflow_columns(nodes: list[NodeSpec], boxes: dict[int, list]) -> None:
+    """Nodes stand in columns (the same ``pos`` x); a column widened by ``_fitted_size`` pushes the columns to its
+    right along, so keeping the gap between them (nothing overlaps sideways)."""
+    columns = sorted({n.pos[0] for n in nodes})
+    x, shift = {}, 0
+    for i, col in enumerate(columns):
+        x[col] = col + shift
+        if i + 1 < len(columns):
+            right = max(x[col] + boxes[n.id][2] for n in nodes if n.pos[0] == col)
+            shift = max(shift, right + 40 - columns[i + 1])
+    for n in nodes:
+        boxes[n.id][0] = x[n.pos[0]]
 
 
 def _layout(boxes: list[list]) -> None:
@@ -100,6 +125,7 @@ def to_ui(nodes: list[NodeSpec], notes: list[NoteSpec], mappings: Mapping[str, t
           display: Mapping[str, str]) -> dict:
     links = _links(nodes, mappings)
     boxes = {n.id: [n.pos[0], n.pos[1], *_fitted_size(n, mappings[n.class_type])] for n in nodes}
+    _reflow_columns(nodes, boxes)
     boxes.update({n.id: [n.pos[0], n.pos[1], *n.size] for n in notes})
     _layout([boxes[i] for i in sorted(boxes, key=lambda i: (boxes[i][1], boxes[i][0]))])
     ui_nodes = []

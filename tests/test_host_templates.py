@@ -191,3 +191,33 @@ def test_a_template_with_chains_lays_out_one_full_training_chain_each():
     bad = TrainingTemplate(**{**t.__dict__, "chains": ({"laod": {}},)})
     with pytest.raises(ValueError, match="laod"):
         T._graph(bad)
+
+
+@pytest.mark.parametrize("path", sorted(T.WORKFLOWS_DIR.glob("*.json")), ids=lambda p: p.stem)
+def test_shipped_nodes_are_wide_enough_for_their_values_and_never_overlap(path):
+    """Frontend 1.49 cuts a widget's label to "t…" when label and value do not fit the node (Wan's
+    text_encoder_1 beside umt5_xxl_fp8_e4m3fn_scaled.safetensors at 340 px): every node is at least as wide as its
+    longest single-line widget row needs (``templates._fitted_size``'s estimate), and no two boxes (title bars
+    included) overlap after the columns were pushed along."""
+    from lowvram_lora.host.workflow import input_specs
+
+    ui = json.loads(path.read_text())
+    boxes = []
+    for n in ui["nodes"]:
+        boxes.append((n["pos"][0], n["pos"][1] - T.TITLE_H, n["size"][0], n["size"][1] + T.TITLE_H, n["id"]))
+        if n["type"] == "Note":
+            continue
+        specs = [s for s in input_specs(NODE_CLASS_MAPPINGS[n["type"]])
+                 if s.is_widget and s.name not in {i["name"] for i in n["inputs"]}]
+        values = iter(n["widgets_values"])
+        for s in specs:
+            value = next(values)
+            for _ in range(s.control_slots):
+                next(values)
+            if not s.options.get("multiline"):
+                need = min(T.WIDGET_PAD_PX + T.WIDGET_CHAR_PX * (len(s.name) + len(str(value))), T.MAX_NODE_W)
+                assert n["size"][0] >= need, (n["type"], s.name, value)
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            apart = a[0] + a[2] <= b[0] or b[0] + b[2] <= a[0] or a[1] + a[3] <= b[1] or b[1] + b[3] <= a[1]
+            assert apart, (a[4], b[4])

@@ -20,9 +20,10 @@ TEMPLATES = [
         save={"filename_prefix": "loras/flux2_dev_lora"},
         downloads=_DEV_DOWNLOADS,
         note=(
-        "Flux.2-dev (32B) LoRA at 1024x1024 on an 8.5 GB VRAM budget (measured 6.6 GB peak at 1.07x the "
-        "all-resident step on an H100; the plan keeps 1 GB of headroom, so 8.1 GB is the least auto accepts at "
-        "1024, 6.3 GB at 512).\n\nFiles:\n"
+        "Flux.2-dev (32B) LoRA at 1024x1024 on an 8.5 GB VRAM budget. Smaller cards: set vram_budget_gb lower; "
+        "measured on an H100 (bench/NOTES.md, compiled): a 6 GB budget peaks at 5.6 GB at 0.90x the eager "
+        "all-resident step, 5.5 GB at 4.9 GB at 0.84x (auto then keeps the global modulation and text embedder in "
+        "host RAM between their runs: outer_on_host), 5 GB at 4.0 GB at 0.94x.\n\nFiles:\n"
         "- models/diffusion_models/flux2_dev_fp8mixed.safetensors (ComfyUI's file; flux2-dev.safetensors in bf16 "
         "works too). precision 'int8 slab' builds a 32 GB int8 slab once into models/slabs.\n"
         "- models/text_encoders/mistral_3_small_flux2_bf16.safetensors (ComfyUI's file, or its pruned 30-layer "
