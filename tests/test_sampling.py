@@ -124,3 +124,28 @@ def test_sampling_during_a_compiled_streamed_run_on_gpu(tiny_pipeline, prompt_ca
                         offload=OffloadConfig(mode="stream", compile="blocks"),
                         sampling=SamplingConfig(every=2, steps=2, resolution=64, seed=1), sample_dir=tmp_path)
     assert len(result.sample_grids) == 3 and result.settings["compile"]["graphs"] > 0, cb.logs
+
+
+def test_the_grid_labels_each_row_with_its_prompt():
+    """Each cell carries its prompt on a dark band along its bottom edge (long prompts cut to the cell's width), and
+    the band holds the text (light pixels: PIL's own font); the grid's size is unchanged."""
+    from PIL import Image, ImageDraw
+
+    from lowvram_lora.engine.sampling import PROMPT_BAND, _fit_text, grid_image
+
+    cell = 64
+    white = Image.new("RGB", (cell, cell), (255, 255, 255))
+    prompts = ["ohwx, a red circle", "ohwx, a blue square on a very long and winding road"]
+    grid = grid_image([("step 0", [white, white]), ("step 10", [white, white])], prompts, cell=cell)
+    assert grid.size == (2 * cell, 18 + 2 * cell)
+    for r in range(2):
+        band = grid.crop((0, 18 + r * cell + cell - PROMPT_BAND, cell, 18 + (r + 1) * cell))
+        pixels = list(band.getdata())
+        dark = sum(1 for p in pixels if max(p) < 40)
+        light = sum(1 for p in pixels if min(p) > 150)
+        assert dark > len(pixels) // 2 and light > 10  # a dark band with text on it
+        above = grid.crop((0, 18 + r * cell, cell, 18 + r * cell + cell - PROMPT_BAND))
+        assert set(above.getdata()) == {(255, 255, 255)}  # the image itself is untouched above the band
+    draw = ImageDraw.Draw(grid)
+    cut = _fit_text(draw, prompts[1], cell - 8)
+    assert cut.endswith("...") and draw.textlength(cut) <= cell - 8
