@@ -48,7 +48,7 @@ from train_bench import (  # noqa: E402
 )
 
 
-STREAM = re.compile(r"^stream-k(\d)(-act)?(-rows1)?$")
+STREAM = re.compile(r"^stream-k(\d)(-act)?(-rows1)?(-compiled)?$")
 
 
 def parse_args(argv=None):
@@ -83,9 +83,11 @@ def offload_for(mode: str):
 
     m = STREAM.match(mode)
     if m:
-        return OffloadConfig(mode="stream", prefetch_depth=int(m[1]), activation_offload=bool(m[2]))
-    if mode.startswith("auto-"):
-        return OffloadConfig(mode="auto", vram_budget_gb=float(mode[5:]))
+        return OffloadConfig(mode="stream", prefetch_depth=int(m[1]), activation_offload=bool(m[2]),
+                             compile="blocks" if m[4] else "off")
+    m = re.match(r"^auto-([0-9.]+)(-compiled)?$", mode)
+    if m:
+        return OffloadConfig(mode="auto", vram_budget_gb=float(m[1]), compile="blocks" if m[2] else "off")
     raise SystemExit(f"unknown mode {mode!r}")
 
 
@@ -137,6 +139,14 @@ def main(argv=None) -> int:
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
+            if mode == "resident-batched-compiled":  # compiled blocks, as a run of 200+ steps has them
+                from lowvram_lora.engine.train.compile import compile_blocks
+
+                compiled_handle = compile_blocks(model, family, 1.0, backend=None if cuda else "aot_eager")
+                with torch.no_grad():  # the first pass compiles the no-grad graphs: not timed
+                    sample_prompts(model, family, embeds, res, res, args.sample_steps, 0, 3.5, device, dtype, autocast)
+                if cuda:
+                    torch.cuda.synchronize()
             t = time.perf_counter()
             with torch.no_grad():
                 if mode == "resident":
@@ -150,6 +160,8 @@ def main(argv=None) -> int:
                 torch.cuda.synchronize()
             per_image = (time.perf_counter() - t) / len(prompts)
             resident_best = min(resident_best or per_image, per_image)
+            if mode == "resident-batched-compiled":
+                compiled_handle.remove()  # the streamed modes compile (or not) on their own
             peak = torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0
             results.append(emit({"mode": f"sampling-{mode}", "precision": "bf16" if cuda else "fp32", "seconds_per_image": round(per_image, 3),
                                  "sample_steps": args.sample_steps, "peak_alloc_gb": round(peak, 3),
@@ -177,6 +189,18 @@ def main(argv=None) -> int:
             return rows
 
         rec = StepRecorder(mode)
+        compiled = mode.endswith("-compiled")
+        runs: list[float] = []  # each checkpoint's sampling, timed (compiled: only the last counts, the first compiles)
+        real_run = sampling_mod.Sampler.run
+
+        def timed_run(self, *a, **k):
+            t0 = time.perf_counter()
+            try:
+                return real_run(self, *a, **k)
+            finally:
+                runs.append(time.perf_counter() - t0)
+
+        sampling_mod.Sampler.run = timed_run
         t = time.perf_counter()
         sampling_mod.rows_per_forward = rows_per_forward
         try:
@@ -184,15 +208,18 @@ def main(argv=None) -> int:
                                 LoraSettings(rank=16, alpha=16.0),
                                 TrainConfig(steps=args.steps, device=str(device), learning_rate=1e-4), rec.callback,
                                 preloaded=(model, family, variant), offload=offload,
-                                sampling=SamplingConfig(every=args.steps, steps=args.sample_steps, resolution=res,
-                                                        seed=0),
+                                sampling=SamplingConfig(every=1 if compiled else args.steps, steps=args.sample_steps,
+                                                        resolution=res, seed=0, at_start=not compiled),
                                 sample_dir=Path(tmp.name) / "samples" / mode)
         finally:
             sampling_mod.rows_per_forward = rows_of_plan
+            sampling_mod.Sampler.run = real_run
         row = training_row(rec, 1, t, None, None, device)
         info = result.settings.get("sampling", {})
         train_peak = max((s.peak_vram_gb for s in rec.steps), default=0.0)
         per_image = info["seconds"] / max(info["images"], 1)
+        if compiled and runs:  # the last checkpoint's sampling: compiled graphs warm
+            per_image = runs[-1] / len(prompts)
         plan = result.settings.get("offload_plan") or {}
         results.append(emit({
             "mode": f"{mode}+sampling", "precision": precision if cuda else "fp32", "step_s": row["step_s"],
@@ -201,7 +228,7 @@ def main(argv=None) -> int:
             "sample_seconds": info.get("seconds"), "seconds_per_image": round(per_image, 3),
             "x_resident_sampling": round(per_image / resident_best, 3) if resident_best else None,
             "rows_per_forward": rows_logged[0] if rows_logged else None, "sample_steps": args.sample_steps,
-            "every": args.steps, "steps": args.steps, "plan": plan,
+            "every": 1 if compiled else args.steps, "steps": args.steps, "plan": plan,
             "note": "seconds per image include the tiled VAE decode on the GPU; samples at step 0 and the last"}))
     print("\nmode                          s/image   x resident   rows   sample peak   train peak   predicted")
     for r in results:
