@@ -1,6 +1,6 @@
 """The demo job: the shipped demo workflow, run headless on a tiny Flux.1 model on CPU.
 
-Builds (once) a tiny random Flux.1 pipeline folder, its BFL single-file twin and a
+Builds (once) a tiny random Flux.1 pipeline folder (its VAE trained to reconstruct: demo_models.py), its BFL single-file twin and a
 synthetic captioned dataset under ``--dir`` in ComfyUI's layout (``models/``, ``input/``), then runs
 ``example_workflows/demo_tiny_lora.json`` through the same executor as
 ``lowvram-lora run``: cache, ~30 training steps, LoRA + loss-curve PNG.
@@ -18,6 +18,7 @@ DEMO_DATASET = "lowvram_demo/shapes"
 
 def ensure_demo_assets(root: Path) -> dict[str, Path]:
     """Build the tiny model and dataset if absent; returns their paths."""
+    from .demo_models import MARKER, train_demo_vae
     from .engine.testing import build_tiny_flux1_pipeline, make_tiny_dataset, write_bfl_single_file
 
     pipeline = root / "models" / "diffusers" / "flux1-tiny"
@@ -25,6 +26,8 @@ def ensure_demo_assets(root: Path) -> dict[str, Path]:
     data = root / "input" / DEMO_DATASET
     if not (pipeline / "model_index.json").exists():
         build_tiny_flux1_pipeline(pipeline)
+    if not (pipeline / "vae" / MARKER).exists():  # a random VAE decodes everything to texture (issue 28)
+        train_demo_vae(pipeline)
     if not single.exists():
         write_bfl_single_file(pipeline, single)
     if not any(data.glob("*.png")):

@@ -1,0 +1,126 @@
+"""The demo's tiny VAE, trained to reconstruct: a random AutoencoderKL's decoder does not invert its encoder,
+so every image it decodes (even a training image's own latents) is texture, and the demo's sample grid showed
+the same noise in every cell (issue 28). Trained for a minute on synthetic coloured shapes, it decodes
+flat colours and shape edges, so what the transformer draws becomes visible.
+
+Only the demo uses this: the tests keep their random tiny models (``build_tiny_pipeline`` is unchanged).
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+#: Written beside the VAE weights once trained; ``ensure_demo_assets`` trains only a folder without it.
+MARKER = "demo_trained.json"
+#: Trained weights by (config, starting weights, steps), so one process trains once: the tests build many demo
+#: folders, all from the same seed.
+_TRAINED: dict[tuple, tuple[dict, float, float]] = {}
+
+
+def shape_image(rng: random.Random, size: int) -> torch.Tensor:
+    """(3, size, size) in [-1, 1]: a coloured circle, square or triangle on another colour, anywhere."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    from .engine.families.tiny import COLORS, SHAPES
+
+    fg, bg = rng.sample(list(COLORS), 2)
+    shape = rng.choice(SHAPES)
+    img = Image.new("RGB", (size, size), COLORS[bg])
+    draw = ImageDraw.Draw(img)
+    r = int(size * rng.uniform(0.2, 0.4))
+    cx, cy = rng.randint(r, size - r), rng.randint(r, size - r)
+    box = (cx - r, cy - r, cx + r, cy + r)
+    if shape == "circle":
+        draw.ellipse(box, fill=COLORS[fg])
+    elif shape == "square":
+        draw.rectangle(box, fill=COLORS[fg])
+    else:
+        draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=COLORS[fg])
+    return torch.from_numpy(np.array(img)).permute(2, 0, 1).float() / 127.5 - 1.0
+
+
+class _Threads:
+    """One intra-op thread while training: the convolutions are tiny, and on a busy 2-core machine two
+    threads waited on each other for seconds per step (measured: 5 s vs 0.02 s a step)."""
+
+    def __enter__(self):
+        self.before = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.before)
+
+
+def reconstruction_error(vae, count: int = 4, size: int = 128, seed: int = 100) -> float:
+    """Mean absolute error of decode(encode(x)) on ``count`` fresh shape images (pixels in [-1, 1])."""
+    rng = random.Random(seed)
+    x = torch.stack([shape_image(rng, size) for _ in range(count)])
+    with torch.no_grad():
+        y = vae.decode(vae.encode(x).latent_dist.mean).sample.clamp(-1, 1)
+    return float((y - x).abs().mean())
+
+
+def train_vae(vae, steps: int = 1200, size: int = 48, batch: int = 8, lr: float = 2e-3, seed: int = 0,
+              log=None) -> float:
+    """Train ``vae`` (an AutoencoderKL, float32) in place to reconstruct random shape images; returns the
+    reconstruction error afterwards (``reconstruction_error``).
+
+    Small images are enough: the VAE is convolutional and the shapes are flat colours with edges, so what it
+    learns at 48 px holds at 128. The latents are kept near N(0, 1) after the VAE's own shift and scale (the
+    Flux constants in its config), which is what the transformer's flow-matching noise assumes, and the decoder
+    sees them with a little noise, so a transformer's imperfect latents still decode to clean colours.
+    """
+    scale, shift = float(vae.config.scaling_factor), float(vae.config.shift_factor)
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.Adam(vae.parameters(), lr=lr)
+    vae.train()
+    with _Threads():
+        for step in range(steps):
+            x = torch.stack([shape_image(rng, size) for _ in range(batch)])
+            z = vae.encode(x).latent_dist.mean
+            normed = (z - shift) * scale
+            noisy = z + (0.05 / scale) * torch.randn(z.shape, generator=gen)
+            y = vae.decode(noisy).sample
+            recon = (y - x).abs().mean() + (y - x).pow(2).mean()
+            keep_normal = normed.mean().pow(2) + (normed.std() - 1.0).pow(2)
+            loss = recon + 0.1 * keep_normal
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if log and (step % 200 == 0 or step == steps - 1):
+                log(f"demo VAE step {step}: reconstruction loss {recon.item():.4f}")
+        vae.eval()
+        return reconstruction_error(vae)
+
+
+def train_demo_vae(pipeline: str | Path, steps: int = 1200, log=print) -> float:
+    """Train the VAE of a tiny Flux.1 pipeline folder (``build_tiny_flux1_pipeline``) and save it back in place
+    (safetensors), with a marker holding the measured error; returns that error."""
+    from diffusers import AutoencoderKL
+
+    folder = Path(pipeline) / "vae"
+    vae = AutoencoderKL.from_pretrained(folder, torch_dtype=torch.float32, local_files_only=True,
+                                        use_safetensors=True)
+    key = (json.dumps(dict(vae.config), sort_keys=True, default=str), steps,
+           tuple(round(float(p.detach().double().sum()), 6) for p in vae.parameters()))
+    start = time.perf_counter()
+    if key in _TRAINED:
+        state, before, after = _TRAINED[key]
+        vae.load_state_dict(state)
+    else:
+        before = reconstruction_error(vae)
+        after = train_vae(vae, steps=steps, log=log)
+        _TRAINED[key] = ({k: v.clone() for k, v in vae.state_dict().items()}, before, after)
+    vae.save_pretrained(folder, safe_serialization=True)
+    seconds = time.perf_counter() - start
+    (folder / MARKER).write_text(json.dumps({"steps": steps, "mae_before": before, "mae_after": after,
+                                             "seconds": round(seconds, 1)}))
+    if log:
+        log(f"demo VAE trained in {seconds:.0f} s: reconstruction error {before:.3f} -> {after:.3f}")
+    return after
