@@ -107,7 +107,8 @@ def train_demo_vae(pipeline: str | Path, steps: int = 1200, log=print) -> float:
     folder = Path(pipeline) / "vae"
     vae = AutoencoderKL.from_pretrained(folder, torch_dtype=torch.float32, local_files_only=True,
                                         use_safetensors=True)
-    key = (json.dumps(dict(vae.config), sort_keys=True, default=str), steps,
+    config = {k: v for k, v in vae.config.items() if not k.startswith("_")}  # not the folder's path
+    key = (json.dumps(config, sort_keys=True, default=str), steps,
            tuple(round(float(p.detach().double().sum()), 6) for p in vae.parameters()))
     start = time.perf_counter()
     if key in _TRAINED:
