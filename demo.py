@@ -18,8 +18,8 @@ DEMO_DATASET = "lowvram_demo/shapes"
 
 def ensure_demo_assets(root: Path) -> dict[str, Path]:
     """Build the tiny model and dataset if absent; returns their paths."""
-    from .demo_models import MARKER, train_demo_vae
-    from .engine.testing import build_tiny_flux1_pipeline, make_tiny_dataset, write_bfl_single_file
+    from .demo_models import MARKER, make_demo_dataset, pretrain_demo_transformer, train_demo_vae
+    from .engine.testing import build_tiny_flux1_pipeline, write_bfl_single_file
 
     pipeline = root / "models" / "diffusers" / "flux1-tiny"
     single = root / "models" / "diffusion_models" / "flux1-tiny.safetensors"
@@ -28,10 +28,13 @@ def ensure_demo_assets(root: Path) -> dict[str, Path]:
         build_tiny_flux1_pipeline(pipeline)
     if not (pipeline / "vae" / MARKER).exists():  # a random VAE decodes everything to texture (issue 28)
         train_demo_vae(pipeline)
+    if not (pipeline / "transformer" / MARKER).exists():  # a random transformer draws one texture for all prompts
+        single.unlink(missing_ok=True)  # the twin is written from the pretrained weights below
+        pretrain_demo_transformer(pipeline)
     if not single.exists():
         write_bfl_single_file(pipeline, single)
     if not any(data.glob("*.png")):
-        make_tiny_dataset(data, count=6)
+        make_demo_dataset(data, count=6)
     return {"pipeline": pipeline, "single_file": single, "dataset": data, "models": root / "models"}
 
 

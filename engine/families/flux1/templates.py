@@ -8,8 +8,8 @@ TEMPLATES = [
         cache={"text_encoders": "diffusers/flux1-tiny", "dataset_path": "lowvram_demo/shapes",
                "resolution": 128, "sample_prompts": "ohwx, a red circle\nohwx, a blue square"},
         offload={"mode": "resident"},
-        train={"steps": 30, "learning_rate": 2e-3, "rank": 8, "alpha": 8.0, "warmup_steps": 3, "training_seed": 0,
-               "sample_every": 15, "sample_steps": 8, "sample_resolution": 128, "sample_seed": 0},
+        train={"steps": 300, "learning_rate": 5e-3, "rank": 8, "alpha": 8.0, "warmup_steps": 10, "training_seed": 0,
+               "sample_every": 100, "sample_steps": 8, "sample_resolution": 128, "sample_seed": 0},
         save={"filename_prefix": "loras/demo_tiny_lora"},
         note=(
         "Demo: trains a LoRA on a tiny random Flux.1-architecture model, on CPU, in about a minute.\n\n"
