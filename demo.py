@@ -1,9 +1,10 @@
 """The demo job: the shipped demo workflow, run headless on a tiny Flux.1 model on CPU.
 
-Builds (once) a tiny random Flux.1 pipeline folder (its VAE trained to reconstruct: demo_models.py), its BFL single-file twin and a
-synthetic captioned dataset under ``--dir`` in ComfyUI's layout (``models/``, ``input/``), then runs
-``example_workflows/demo_tiny_lora.json`` through the same executor as
-``lowvram-lora run``: cache, ~30 training steps, LoRA + loss-curve PNG.
+Builds (once) a tiny Flux.1 pipeline folder (its VAE trained to reconstruct and its transformer pretrained on
+captioned shapes: demo_models.py), its BFL single-file twin and a synthetic captioned dataset of what the sample
+prompts name, under ``--dir`` in ComfyUI's layout (``models/``, ``input/``), then runs
+``example_workflows/demo_tiny_lora.json`` through the same executor as ``lowvram-lora run``: cache, 300
+training steps, LoRA + loss-curve and sample-grid PNGs.
 """
 from __future__ import annotations
 

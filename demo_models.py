@@ -111,8 +111,7 @@ def train_demo_vae(pipeline: str | Path, steps: int = 1200, log=print) -> float:
     from diffusers import AutoencoderKL
 
     folder = Path(pipeline) / "vae"
-    vae = AutoencoderKL.from_pretrained(folder, torch_dtype=torch.float32, local_files_only=True,
-                                        use_safetensors=True)
+    vae = AutoencoderKL.from_pretrained(folder, local_files_only=True, use_safetensors=True)  # float32
     config = {k: v for k, v in vae.config.items() if not k.startswith("_")}  # not the folder's path
     key = (json.dumps(config, sort_keys=True, default=str), steps, _sums(vae))
     start = time.perf_counter()
@@ -165,8 +164,7 @@ def pretrain_demo_transformer(pipeline: str | Path, steps: int = 2500, count: in
     pipeline = Path(pipeline)
     start = time.perf_counter()
     with _Threads():
-        pipe = FluxPipeline.from_pretrained(pipeline, torch_dtype=torch.float32, local_files_only=True,
-                                            use_safetensors=True)
+        pipe = FluxPipeline.from_pretrained(pipeline, local_files_only=True, use_safetensors=True)  # float32
         key = ("transformer", steps, count, batch, lr, seed, _sums(pipe.transformer), _sums(pipe.vae),
                _sums(pipe.text_encoder), _sums(pipe.text_encoder_2))
         if key in _TRAINED:  # this process pretrained these same weights already (the tests build many folders)
