@@ -1,9 +1,10 @@
 """The demo job: the shipped demo workflow, run headless on a tiny Flux.1 model on CPU.
 
-Builds (once) a tiny random Flux.1 pipeline folder, its BFL single-file twin and a
-synthetic captioned dataset under ``--dir`` in ComfyUI's layout (``models/``, ``input/``), then runs
-``example_workflows/demo_tiny_lora.json`` through the same executor as
-``lowvram-lora run``: cache, ~30 training steps, LoRA + loss-curve PNG.
+Builds (once) a tiny Flux.1 pipeline folder (its VAE trained to reconstruct and its transformer pretrained on
+captioned shapes: demo_models.py), its BFL single-file twin and a synthetic captioned dataset of what the sample
+prompts name, under ``--dir`` in ComfyUI's layout (``models/``, ``input/``), then runs
+``example_workflows/demo_tiny_lora.json`` through the same executor as ``lowvram-lora run``: cache, 300
+training steps, LoRA + loss-curve and sample-grid PNGs.
 """
 from __future__ import annotations
 
@@ -18,17 +19,23 @@ DEMO_DATASET = "lowvram_demo/shapes"
 
 def ensure_demo_assets(root: Path) -> dict[str, Path]:
     """Build the tiny model and dataset if absent; returns their paths."""
-    from .engine.testing import build_tiny_flux1_pipeline, make_tiny_dataset, write_bfl_single_file
+    from .demo_models import MARKER, make_demo_dataset, pretrain_demo_transformer, train_demo_vae
+    from .engine.testing import build_tiny_flux1_pipeline, write_bfl_single_file
 
     pipeline = root / "models" / "diffusers" / "flux1-tiny"
     single = root / "models" / "diffusion_models" / "flux1-tiny.safetensors"
     data = root / "input" / DEMO_DATASET
     if not (pipeline / "model_index.json").exists():
         build_tiny_flux1_pipeline(pipeline)
+    if not (pipeline / "vae" / MARKER).exists():  # a random VAE decodes everything to texture (issue 28)
+        train_demo_vae(pipeline)
+    if not (pipeline / "transformer" / MARKER).exists():  # a random transformer draws one texture for all prompts
+        single.unlink(missing_ok=True)  # the twin is written from the pretrained weights below
+        pretrain_demo_transformer(pipeline)
     if not single.exists():
         write_bfl_single_file(pipeline, single)
     if not any(data.glob("*.png")):
-        make_tiny_dataset(data, count=6)
+        make_demo_dataset(data, count=6)
     return {"pipeline": pipeline, "single_file": single, "dataset": data, "models": root / "models"}
 
 

@@ -46,7 +46,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("caching, sampling, fixtures", ("engine/caching/", "engine/sampling.py", "engine/testing.py")),
     ("train", ("engine/train/",)),
     ("runs", ("engine/runs/",)),
-    ("top", ("nodes/", "host/", "cli.py", "demo.py", "slab_cli.py", "__main__.py", "__init__.py")),
+    ("top", ("nodes/", "host/", "cli.py", "demo.py", "demo_models.py", "slab_cli.py", "__main__.py", "__init__.py")),
 )
 
 #: ComfyUI's own top-level modules: engine/ must run without ComfyUI (headless, under torchrun).
