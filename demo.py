@@ -17,8 +17,10 @@ WORKFLOW = Path(__file__).resolve().parent / "example_workflows" / "demo_tiny_lo
 DEMO_DATASET = "lowvram_demo/shapes"
 
 
-def ensure_demo_assets(root: Path) -> dict[str, Path]:
-    """Build the tiny model and dataset if absent; returns their paths."""
+def ensure_demo_assets(root: Path, trained: bool = True) -> dict[str, Path]:
+    """Build the tiny model and dataset if absent; returns their paths. ``trained``: the demo's VAE learns to
+    reconstruct shapes and its transformer to draw them (about two minutes on a CPU, once per folder), so the
+    sample grid shows the LoRA at work; tests of the plumbing pass False and get the random tiny models."""
     from .demo_models import MARKER, make_demo_dataset, pretrain_demo_transformer, train_demo_vae
     from .engine.testing import build_tiny_flux1_pipeline, write_bfl_single_file
 
@@ -27,9 +29,10 @@ def ensure_demo_assets(root: Path) -> dict[str, Path]:
     data = root / "input" / DEMO_DATASET
     if not (pipeline / "model_index.json").exists():
         build_tiny_flux1_pipeline(pipeline)
-    if not (pipeline / "vae" / MARKER).exists():  # a random VAE decodes everything to texture (issue 28)
+    if trained and not (pipeline / "vae" / MARKER).exists():  # a random VAE decodes everything to texture (issue 28)
         train_demo_vae(pipeline)
-    if not (pipeline / "transformer" / MARKER).exists():  # a random transformer draws one texture for all prompts
+    # a random transformer draws one texture for all prompts
+    if trained and not (pipeline / "transformer" / MARKER).exists():
         single.unlink(missing_ok=True)  # the twin is written from the pretrained weights below
         pretrain_demo_transformer(pipeline)
     if not single.exists():

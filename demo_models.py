@@ -1,6 +1,8 @@
-"""The demo's tiny models, trained before it runs. The VAE, trained to reconstruct: a random AutoencoderKL's decoder does not invert its encoder,
-so every image it decodes (even a training image's own latents) is texture, and the demo's sample grid showed
-the same noise in every cell (issue 28). Trained for a minute on synthetic coloured shapes, it decodes
+"""The demo's tiny models, trained before it runs.
+
+The VAE, trained to reconstruct: a random AutoencoderKL's decoder does not invert its encoder, so every image it
+decodes (even a training image's own latents) is texture, and the demo's sample grid showed the same noise in every
+cell (issue 28). Trained for a minute on synthetic coloured shapes, it decodes
 flat colours and shape edges, so what the transformer draws becomes visible. The transformer, pretrained
 briefly on captioned shapes, draws coloured blobs for coloured words, so the demo's LoRA can visibly steer it.
 

@@ -13,7 +13,7 @@ def test_no_progress_draws_no_bars(tmp_path, capfd, progress):
     from lowvram_lora.nodes import NODE_CLASS_MAPPINGS
     from lowvram_lora.nodes.paths import configure_standalone_dirs
 
-    assets = ensure_demo_assets(tmp_path / "demo")
+    assets = ensure_demo_assets(tmp_path / "demo", trained=False)
     capfd.readouterr()  # building the demo model draws diffusers' own bars: not the run's
     args = argparse.Namespace(
         workflow=str(WORKFLOWS_DIR / "demo_tiny_lora.json"), models_dir=str(assets["models"]),

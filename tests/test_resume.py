@@ -138,7 +138,7 @@ def test_ctrl_c_in_lowvram_lora_run_saves_state_and_the_rerun_resumes(tmp_path, 
     from lowvram_lora.nodes import NODE_CLASS_MAPPINGS
     from lowvram_lora.nodes.paths import configure_standalone_dirs
 
-    assets = ensure_demo_assets(tmp_path / "demo")
+    assets = ensure_demo_assets(tmp_path / "demo", trained=False)
     args = argparse.Namespace(
         workflow=str(WORKFLOWS_DIR / "demo_tiny_lora.json"), models_dir=str(assets["models"]),
         output_dir=str(tmp_path / "out"), no_progress=True, traceback=False,

@@ -189,7 +189,7 @@ def test_single_file_without_text_encoders_names_the_node_input(tiny_single_file
 def test_bad_filename_prefix_fails_before_training(tmp_path, capsys, prefix, match):
     from lowvram_lora.demo import ensure_demo_assets
 
-    assets = ensure_demo_assets(tmp_path / "demo")
+    assets = ensure_demo_assets(tmp_path / "demo", trained=False)
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "afile").write_text("")
     args = _args(WORKFLOWS_DIR / "api" / "demo_tiny_lora.json", assets["models"], tmp_path / "out",
@@ -229,7 +229,7 @@ def test_pickle_only_vae_is_refused_not_loaded(tiny_pipeline, tmp_path, monkeypa
 def test_warmup_not_below_steps_is_clamped_with_a_note(tmp_path, capsys):
     from lowvram_lora.demo import ensure_demo_assets
 
-    assets = ensure_demo_assets(tmp_path / "demo")
+    assets = ensure_demo_assets(tmp_path / "demo", trained=False)
     args = _args(WORKFLOWS_DIR / "demo_tiny_lora.json", assets["models"], tmp_path / "out",
                  [f"2.dataset_path={assets['dataset']}", "4.steps=2", "4.warmup_steps=50"])
     assert run_workflow_command(args, NODE_CLASS_MAPPINGS, configure_dirs=configure_standalone_dirs) == 0

@@ -34,7 +34,7 @@ def demo_root(tmp_path_factory):
     from lowvram_lora.demo import ensure_demo_assets
 
     root = tmp_path_factory.mktemp("serve")
-    ensure_demo_assets(root)
+    ensure_demo_assets(root, trained=False)
     return root
 
 

@@ -89,7 +89,7 @@ def test_demo_workflow_runs_end_to_end_and_reruns_without_training(tmp_path, cap
     from lowvram_lora.demo import ensure_demo_assets
     from lowvram_lora.engine.lora_io import load_lora
 
-    assets = ensure_demo_assets(tmp_path / "demo")
+    assets = ensure_demo_assets(tmp_path / "demo", trained=False)
     # No dataset_path override: the template runs as shipped after `demo --prepare-only` (issue 9 item 1).
     args = _args(WORKFLOWS_DIR / "demo_tiny_lora.json", assets["models"], tmp_path / "out", ["4.steps=6"])
     code = run_workflow_command(args, NODE_CLASS_MAPPINGS, configure_dirs=configure_standalone_dirs)
@@ -117,7 +117,7 @@ def test_demo_workflow_runs_end_to_end_and_reruns_without_training(tmp_path, cap
 def test_demo_workflow_api_twin_runs(tmp_path):
     from lowvram_lora.demo import ensure_demo_assets
 
-    assets = ensure_demo_assets(tmp_path / "demo")
+    assets = ensure_demo_assets(tmp_path / "demo", trained=False)
     args = _args(WORKFLOWS_DIR / "api" / "demo_tiny_lora.json", assets["models"], tmp_path / "out",
                  [f"2.dataset_path={assets['dataset']}", "4.steps=2", "4.warmup_steps=0", "5.format=diffusers"])
     assert run_workflow_command(args, NODE_CLASS_MAPPINGS, configure_dirs=configure_standalone_dirs) == 0
@@ -153,7 +153,7 @@ def _assert_diffusers_file_loads_in_diffusers(pipeline, path):
 def test_node_error_names_node_and_fix(tmp_path, capsys):
     from lowvram_lora.demo import ensure_demo_assets
 
-    assets = ensure_demo_assets(tmp_path / "demo")
+    assets = ensure_demo_assets(tmp_path / "demo", trained=False)
     args = _args(WORKFLOWS_DIR / "demo_tiny_lora.json", assets["models"], tmp_path / "out",
                  [f"2.dataset_path={tmp_path / 'no_such_folder'}"])
     args.traceback = False
@@ -182,7 +182,7 @@ def test_bad_workflows_fail_with_named_message(tmp_path, models_with_empty_files
 def test_demo_workflow_trains_on_an_int8_slab_built_once(tmp_path, capsys):
     from lowvram_lora.demo import ensure_demo_assets
 
-    assets = ensure_demo_assets(tmp_path / "demo")
+    assets = ensure_demo_assets(tmp_path / "demo", trained=False)
     args = _args(WORKFLOWS_DIR / "demo_tiny_lora.json", assets["models"], tmp_path / "out",
                  [f"2.dataset_path={assets['dataset']}", "1.precision=int8 slab", "4.steps=4", "4.warmup_steps=0"])
     assert run_workflow_command(args, NODE_CLASS_MAPPINGS, configure_dirs=configure_standalone_dirs) == 0
