@@ -30,6 +30,7 @@ def shape_image(rng: random.Random, size: int) -> torch.Tensor:
     from PIL import Image, ImageDraw
 
     from .engine.families.tiny import COLORS, SHAPES
+    from .engine.testing import draw_shape
 
     fg, bg = rng.sample(list(COLORS), 2)
     shape = rng.choice(SHAPES)
@@ -37,13 +38,7 @@ def shape_image(rng: random.Random, size: int) -> torch.Tensor:
     draw = ImageDraw.Draw(img)
     r = int(size * rng.uniform(0.2, 0.4))
     cx, cy = rng.randint(r, size - r), rng.randint(r, size - r)
-    box = (cx - r, cy - r, cx + r, cy + r)
-    if shape == "circle":
-        draw.ellipse(box, fill=COLORS[fg])
-    elif shape == "square":
-        draw.rectangle(box, fill=COLORS[fg])
-    else:
-        draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=COLORS[fg])
+    draw_shape(draw, shape, cx, cy, r, COLORS[fg])
     return torch.from_numpy(np.array(img)).permute(2, 0, 1).float() / 127.5 - 1.0
 
 
@@ -224,6 +219,7 @@ def make_demo_dataset(folder: str | Path, count: int = 6, size: int = 128, backg
     from PIL import Image, ImageDraw
 
     from .engine.families.tiny import COLORS
+    from .engine.testing import draw_shape
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -234,7 +230,7 @@ def make_demo_dataset(folder: str | Path, count: int = 6, size: int = 128, backg
         draw = ImageDraw.Draw(img)
         r = rng.randint(size * 7 // 32, size * 11 // 32)
         cx, cy = rng.randint(r, size - r), rng.randint(r, size - r)
-        (draw.ellipse if shape == "circle" else draw.rectangle)((cx - r, cy - r, cx + r, cy + r), fill=COLORS[colour])
+        draw_shape(draw, shape, cx, cy, r, COLORS[colour])
         img.save(folder / f"img_{i:03d}.png")
         (folder / f"img_{i:03d}.txt").write_text(f"a {colour} {shape}")
     return folder

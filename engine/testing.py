@@ -19,6 +19,18 @@ from .families.flux2.fixtures import write_text_and_vae_files as write_flux2_tex
 from .families.tiny import COLORS, SHAPES
 
 
+def draw_shape(draw, shape: str, cx: int, cy: int, r: int, fill) -> None:
+    """A circle, square or triangle of radius ``r`` centred at (cx, cy) on a PIL ``ImageDraw`` (the synthetic
+    datasets' shapes, one drawing for all of them)."""
+    box = (cx - r, cy - r, cx + r, cy + r)
+    if shape == "circle":
+        draw.ellipse(box, fill=fill)
+    elif shape == "square":
+        draw.rectangle(box, fill=fill)
+    else:
+        draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=fill)
+
+
 def build_tiny_pipeline(family_id: str, folder: str | Path, seed: int = 0) -> Path:
     """The tiny pipeline folder of any registered family (its folder's ``fixtures.build_tiny_pipeline``)."""
     from .families import get_family
@@ -43,13 +55,7 @@ def make_tiny_dataset(folder: str | Path, count: int = 6, seed: int = 0, sizes=(
         draw = ImageDraw.Draw(img)
         r = min(w, h) // 3
         cx, cy = w // 2 + rng.randint(-8, 8), h // 2 + rng.randint(-8, 8)
-        box = (cx - r, cy - r, cx + r, cy + r)
-        if shape == "circle":
-            draw.ellipse(box, fill=COLORS[fg])
-        elif shape == "square":
-            draw.rectangle(box, fill=COLORS[fg])
-        else:
-            draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=COLORS[fg])
+        draw_shape(draw, shape, cx, cy, r, COLORS[fg])
         img.save(folder / f"img_{i:03d}.png")
         (folder / f"img_{i:03d}.txt").write_text(f"a {fg} {shape} on a {bg} background")
     return folder
@@ -83,14 +89,7 @@ def make_tiny_video_dataset(folder: str | Path, count: int = 3, frames: int = 9,
                 draw = ImageDraw.Draw(img)
                 t = f / max(frames - 1, 1)
                 cx = int(r + (w - 2 * r) * (t if direction == "right" else 1 - t))
-                cy = h // 2
-                box = (cx - r, cy - r, cx + r, cy + r)
-                if shape == "circle":
-                    draw.ellipse(box, fill=COLORS[fg])
-                elif shape == "square":
-                    draw.rectangle(box, fill=COLORS[fg])
-                else:
-                    draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=COLORS[fg])
+                draw_shape(draw, shape, cx, h // 2, r, COLORS[fg])
                 frame = av.VideoFrame.from_ndarray(np.asarray(img), format="rgb24")
                 for packet in stream.encode(frame):
                     container.mux(packet)

@@ -268,11 +268,11 @@ class Node:
 
     @classmethod
     def define_schema(cls) -> Schema:
-        raise NotImplementedError
+        raise TypeError(f"{cls.__name__} declares no schema: a pack node defines define_schema, as io.ComfyNode")
 
     @classmethod
     def execute(cls, **kwargs) -> NodeOutput:
-        raise NotImplementedError
+        raise TypeError(f"{cls.__name__} has no execute: a pack node defines it, as io.ComfyNode")
 
     @classmethod
     def GET_SCHEMA(cls) -> Schema:
