@@ -165,7 +165,8 @@ def mode_peer(ctx, dataset, steps, callback):
     from lowvram_lora.engine.callbacks import StepInfo
     from lowvram_lora.engine.config import LoraSettings, TrainConfig
     from lowvram_lora.engine.train.batching import bucket_batches
-    from lowvram_lora.engine.train.loop import _attention_backends, _clip, _load_batch, _micro_step
+    from lowvram_lora.engine.attention import training_attention
+    from lowvram_lora.engine.train.loop import _clip, _load_batch, _micro_step
     from lowvram_lora.engine.train.lora_attach import attach_lora, detach_lora, lora_state_dict
     from lowvram_lora.engine.lora_io.trained import TrainedLora
 
@@ -187,7 +188,7 @@ def mode_peer(ctx, dataset, steps, callback):
         batches = bucket_batches(dataset.training_items(), train.batch_size, train.seed, lambda it: it.bucket)
         torch.cuda.reset_peak_memory_stats(device)
         model.train()
-        with _attention_backends(device):
+        with training_attention(device):
             for step in range(1, steps + 1):
                 t0 = time.perf_counter()
                 lat, emb = _load_batch(dataset, next(batches), device, dtype, gen)

@@ -32,7 +32,7 @@ from train_bench import build_random_model  # noqa: E402
 
 def run_variant(model, family, variant: str, targets: str, res: int, warmup: int, timed: int, device) -> dict:
     from lowvram_lora.engine.config import LoraSettings
-    from lowvram_lora.engine.train.loop import _attention_backends
+    from lowvram_lora.engine.attention import training_attention
     from lowvram_lora.engine.train.lora_attach import attach_lora, detach_lora
 
     names = None
@@ -65,7 +65,7 @@ def run_variant(model, family, variant: str, targets: str, res: int, warmup: int
         torch.cuda.reset_peak_memory_stats(device)
     times = []
     model.train()
-    with _attention_backends(device):
+    with training_attention(device):
         for _ in range(warmup + timed):
             sync()
             t0 = time.perf_counter()

@@ -32,6 +32,7 @@ from typing import Optional
 
 import torch
 
+from .attention import forward_attention
 from .errors import ConfigError
 from .families import Guidance
 
@@ -173,7 +174,7 @@ def sample_prompts(model, family, embeds: list[dict[str, torch.Tensor]], width: 
         guided = cfg and bool(scale)
         xs = torch.cat([x, x]) if guided else x  # row r's latents: prompt r % n's
         v = torch.empty(xs.shape, dtype=torch.float32, device=device)
-        with autocast or contextlib.nullcontext():
+        with autocast or contextlib.nullcontext(), forward_attention(x.device):
             for idx, emb in forwards[guided]:
                 s = torch.full((len(idx),), sigmas[i], dtype=torch.float32, device=device)
                 v[idx] = family.predict_velocity(net, xs[idx].to(dtype), emb, s, scale).float()
@@ -186,15 +187,21 @@ def sample_prompts(model, family, embeds: list[dict[str, torch.Tensor]], width: 
 def batch_rows(rows: list[dict[str, torch.Tensor]], max_rows: int | None) -> list[tuple[list[int], dict]]:
     """Rows (each a batch of embeddings as ``DatasetCache.load_text`` gives them) -> the forwards of one denoising
     step: ``(row indexes, their embeddings as one batch)``. Rows go together when every fixed-shape tensor has one
-    shape (``_row_kind``), at most ``max_rows`` (None: no limit) per forward, in order."""
+    shape (``_row_kind``), at most ``max_rows`` (None: no limit) per forward, in order. The forwards of a kind are
+    as even as they can be (5 rows at most 3: 3 + 2; 4 rows: 2 + 2, not 3 + 1): a streamed forward copies every
+    block whatever its rows, so a forward of one row leaves the copies nothing to hide behind."""
     kinds: dict[tuple, list[int]] = {}
     for r, row in enumerate(rows):
         kinds.setdefault(_row_kind(row), []).append(r)
     limit = max(1, max_rows) if max_rows else len(rows)
     out = []
     for idx in kinds.values():
-        for start in range(0, len(idx), limit):
-            part = idx[start:start + limit]
+        forwards = -(-len(idx) // limit)
+        start = 0
+        for f in range(forwards):
+            size = len(idx) // forwards + (1 if f < len(idx) % forwards else 0)
+            part = idx[start:start + size]
+            start += size
             out.append((part, merge_embeds([rows[r] for r in part])))
     return out
 

@@ -37,7 +37,7 @@ PACKAGE = "lowvram_lora"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundation", ("engine/__init__.py", "engine/errors.py", "engine/callbacks.py", "engine/version.py",
                     "engine/quiet.py", "engine/hashing.py", "engine/fileio.py", "engine/config.py",
-                    "engine/plotting.py")),
+                    "engine/plotting.py", "engine/attention.py")),
     ("families", ("engine/families/",)),
     ("checkpoint", ("engine/checkpoint/",)),
     ("formats", ("engine/slab/", "engine/data/", "engine/lora_io/", "engine/models/")),

@@ -144,6 +144,42 @@ def test_out_of_order_calls_load_synchronously_and_resync():
     assert sched.stats.sync_loads == misses  # back on the cycle: no more misses
 
 
+def test_forward_only_passes_prefetch_the_next_pass():
+    """Sampling between training steps: each no-grad pass's end prefetches the next pass's first blocks, so
+    passes after the first never wait for a cold copy; training afterwards is back on its own cycle."""
+    sched, eng = make(n=6, k=2)
+    sched.prime()
+    run(sched, eng, training_step(6))
+    sched.start_pass(forward_only=True)
+    for _ in range(4):  # 4 forwards (2 denoising steps of 2 forwards)
+        run(sched, eng, range(6))
+        sched.start_pass(forward_only=True)  # every forward of the model says so; no change: nothing happens
+    assert sched.stats.sync_loads == 0 and sched.stats.resyncs == 0
+    eng.loads.clear()
+    run(sched, eng, range(6))
+    assert eng.loads == [2, 3, 4, 5, 0, 1]  # each block once per pass, the next pass's first ones at its end
+    sched.start_pass(forward_only=False)
+    misses = sched.stats.sync_loads
+    for _ in range(2):
+        run(sched, eng, training_step(6))
+        sched.start_pass(forward_only=False)
+    assert sched.stats.sync_loads == misses and sched.stats.resyncs == 0
+
+
+def test_forward_only_cycle_saves_the_cold_load_of_each_pass():
+    """Against the training cycle (the scheduler before start_pass): every pass began with a synchronous load."""
+    old, eng_old = make(n=8, k=1)
+    old.prime()
+    for _ in range(5):
+        run(old, eng_old, range(8))
+    new, eng_new = make(n=8, k=1)
+    new.prime()
+    new.start_pass(forward_only=True)
+    for _ in range(5):
+        run(new, eng_new, range(8))
+    assert old.stats.sync_loads >= 4 and new.stats.sync_loads == 0
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_random_call_orders_keep_every_hand_over_safe(seed):
     rng = random.Random(seed)
@@ -153,11 +189,12 @@ def test_random_call_orders_keep_every_hand_over_safe(seed):
     sched, eng = make(n=n, streamed=streamed, k=k, slots=k + 1 + rng.randint(0, 1))
     if rng.random() < 0.5:
         sched.prime()
-    calls = []
     for _ in range(30):
         r = rng.random()
-        calls += training_step(n) if r < 0.5 else list(range(n)) if r < 0.7 else [rng.randrange(n)]
-    run(sched, eng, calls)  # CheckingEngine asserts every load and every run
+        if rng.random() < 0.3:  # the model's forward begins: with or without a backward to follow
+            sched.start_pass(forward_only=r >= 0.5)
+        run(sched, eng, training_step(n) if r < 0.5 else list(range(n)) if r < 0.7 else [rng.randrange(n)])
+    # CheckingEngine asserts every load and every run
 
 
 # ------------------------------------------------------------------------------- plan

@@ -22,7 +22,7 @@ from lowvram_lora.engine.offload.footprint import measure_footprint
 from lowvram_lora.engine.offload.streamer import apply_offload
 from lowvram_lora.engine.train import train_lora
 from lowvram_lora.engine.train.lora_attach import attach_lora, detach_lora
-from lowvram_lora.engine.train.loop import _attention_backends
+from lowvram_lora.engine.attention import training_attention
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -91,7 +91,7 @@ def lora_grads(base, size, cfg, plan_spec):
     torch.cuda.reset_peak_memory_stats()
     model.train()
     losses = []
-    with _attention_backends(DEV), torch.autocast("cuda", dtype=torch.bfloat16):
+    with training_attention(DEV), torch.autocast("cuda", dtype=torch.bfloat16):
         for i, (lat, emb, target) in enumerate(micro_batches(size, cfg)):
             inp = FAMILY.model_inputs(model, lat.to(DEV, torch.bfloat16),
                                       {k: v.to(DEV, torch.bfloat16) for k, v in emb.items()},

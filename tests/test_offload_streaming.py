@@ -91,6 +91,30 @@ def test_streamed_gradients_equal_resident(resident, k, act):
     handle.remove()
 
 
+@pytest.mark.parametrize("act", [False, True])
+def test_no_grad_passes_follow_the_forward_cycle(act):
+    """Sampling's no-grad forwards, back to back between training steps, as the sampler runs them: the model's
+    forward tells the scheduler no backward follows, so after the first pass no block is loaded synchronously,
+    the outputs equal the resident model's, and training afterwards equals it too."""
+    ref, _ = lora_model()
+    model = copy.deepcopy(ref)
+    handle = streamed(model, (), 2, act)
+    calls = [("train", 1, 8, 8)] + [("eval", s) for s in (2, 3, 4, 5)] + [("train", 6, 8, 8), ("train", 7, 8, 8)]
+    ref_losses = run_steps(ref, calls[:2])
+    losses = run_steps(model, calls[:2])
+    misses = handle.stats()["sync_loads"]
+    ref_losses += run_steps(ref, calls[2:])
+    losses += run_steps(model, calls[2:])
+    assert losses == pytest.approx(ref_losses, rel=1e-6)
+    assert handle.stats()["sync_loads"] == misses and handle.stats()["resyncs"] == 0
+    for name, g in grads(ref).items():
+        torch.testing.assert_close(grads(model)[name], g, rtol=1e-5, atol=1e-7, msg=name)
+    handle.remove()
+    from lowvram_lora.engine.offload.hooks import HookRegistry
+
+    assert HookRegistry.find(model) is None  # the pass hook went with the handle
+
+
 def test_remove_restores_the_model_and_the_host_copy_is_reused():
     ref, _ = lora_model(seed=3)
     model = copy.deepcopy(ref)

@@ -95,6 +95,10 @@ def test_rows_are_merged_with_masks_and_split_by_shape():
     forwards = batch_rows([a, c, b], None)
     assert [idx for idx, _ in forwards] == [[0, 2], [1]]
     assert [idx for idx, _ in batch_rows([a, b, b], 2)] == [[0, 1], [2]]
+    # As even as the bound allows: a streamed forward costs its copies whatever its rows.
+    assert [idx for idx, _ in batch_rows([a, a, a, a], 3)] == [[0, 1], [2, 3]]
+    assert [idx for idx, _ in batch_rows([a] * 5, 3)] == [[0, 1, 2], [3, 4]]
+    assert [idx for idx, _ in batch_rows([a] * 7, 3)] == [[0, 1, 2], [3, 4], [5, 6]]
 
 
 @pytest.mark.parametrize("family_id", ["flux1", "z_image"])

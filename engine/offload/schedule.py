@@ -14,10 +14,14 @@ blocks along the cycle into slots nobody needs soon (the slot whose block is use
 farthest in the future is overwritten first, so blocks near the turnarounds stay
 loaded and are not copied twice).
 
-It never trusts its prediction: a block that is called out of order (an eval
-forward without backward, an interrupted step, accumulation) is loaded
-synchronously if needed and the position resyncs to that block's next
-occurrence in the cycle.
+A forward without backward (sampling previews, under ``torch.no_grad``) visits
+0, 1, ..., N-1 and then 0 again. The streamer says so at the model's forward
+(``start_pass``), and the scheduler follows that cycle instead, so the end of one
+pass prefetches the start of the next rather than a backward that never comes.
+
+It never trusts its prediction: a block that is called out of order (an
+interrupted step, accumulation) is loaded synchronously if needed and the position
+resyncs to that block's next occurrence in the cycle.
 
 The copy engine does the device work (``engine/offload/streamer.py`` for CUDA,
 fakes in the tests). The contract it relies on:
@@ -53,10 +57,13 @@ class CopyEngine(Protocol):
         """Everything enqueued on the compute stream so far may read the slot; nothing after."""
 
 
-def visit_cycle(num_blocks: int) -> list[int]:
-    """Block order of one training step with the duplicate turnaround visits merged."""
+def visit_cycle(num_blocks: int, forward_only: bool = False) -> list[int]:
+    """Block order of one training step with the duplicate turnaround visits merged (``forward_only``: of one
+    forward without backward)."""
     if num_blocks < 1:
         raise ValueError("num_blocks must be >= 1")
+    if forward_only:
+        return list(range(num_blocks))
     return list(range(num_blocks)) + list(range(num_blocks - 2, 0, -1))
 
 
@@ -87,8 +94,8 @@ class BlockScheduler:
         self.streamed = frozenset(streamed)
         self.prefetch_depth = min(prefetch_depth, max(len(streamed) - 1, 1))
         self.engine = engine
-        self.cycle = visit_cycle(num_blocks)
-        self._occurrences = {b: [i for i, c in enumerate(self.cycle) if c == b] for b in range(num_blocks)}
+        self.forward_only = False
+        self._set_cycle(False)
         self.slots: list[Optional[int]] = [None] * (num_slots if streamed else 0)
         self.where: dict[int, int] = {}  # block -> slot
         self.position: Optional[int] = None  # index into cycle of the current visit
@@ -122,7 +129,24 @@ class BlockScheduler:
         self.position, self.current = len(self.cycle) - 1, None
         self._prefetch()
 
+    def start_pass(self, forward_only: bool) -> None:
+        """The model's forward begins (its first block runs next): with a backward to follow (training), or
+        without (``forward_only``: sampling). On a change the scheduler takes the other cycle, placed right
+        before block 0 (or at it, when block 0 is the one still loaded from the last visit), and starts the
+        copies that cycle wants next."""
+        if forward_only == self.forward_only:
+            return
+        self._set_cycle(forward_only)
+        self.position = 0 if self.current == self.cycle[0] else len(self.cycle) - 1
+        if self.streamed:
+            self._prefetch()
+
     # -- internals ------------------------------------------------------------
+
+    def _set_cycle(self, forward_only: bool) -> None:
+        self.forward_only = forward_only
+        self.cycle = visit_cycle(self.num_blocks, forward_only)
+        self._occurrences = {b: [i for i, c in enumerate(self.cycle) if c == b] for b in range(self.num_blocks)}
 
     def _advance(self, block: int) -> int:
         n = len(self.cycle)

@@ -178,6 +178,7 @@ class OffloadHandle:
         self.units: Optional[StreamUnits] = None  # blocks streamed in parts (activation offload only)
         self.outer = None  # HeldOuter: the layers outside the blocks held on the host (plan.outer_on_host)
         self._visited: list[nn.Module] = []  # units carrying our STREAM_HOOK
+        self._pass_hooked: Optional[nn.Module] = None  # the model carrying our PASS_HOOK
         self._moved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, its data before apply)
         self._hosts: dict[int, HostBlock] = {}
         self.pin_seconds = 0.0
@@ -241,6 +242,9 @@ class OffloadHandle:
         for unit in self._visited:
             HookRegistry.of(unit).remove(STREAM_HOOK)
         self._visited.clear()
+        if self._pass_hooked is not None:
+            HookRegistry.of(self._pass_hooked).remove(PASS_HOOK)
+            self._pass_hooked = None
         if self.activations is not None:
             self.activations.remove()
         if self.units is not None:
@@ -386,6 +390,9 @@ def apply_offload(model: nn.Module, family, config: OffloadConfig, device: torch
         for u, (_, unit) in enumerate(units):
             HookRegistry.of(unit).register(STREAM_HOOK, VisitBlock(handle.scheduler, u))
             handle._visited.append(unit)
+        if whole:  # each forward of the model says whether a backward follows (a part of a split cannot tell)
+            HookRegistry.of(model).register(PASS_HOOK, StartPass(handle.scheduler))
+            handle._pass_hooked = model
         handle.scheduler.prime()
     if plan.activation_offload:
         from .activations import ActivationOffloader
@@ -408,6 +415,8 @@ def apply_offload(model: nn.Module, family, config: OffloadConfig, device: torch
 
 #: The name of the streamer's hook on each block (or unit) it schedules.
 STREAM_HOOK = "block_streaming"
+#: The name of the streamer's hook on the model: each forward tells the scheduler whether a backward follows.
+PASS_HOOK = "block_streaming_pass"
 
 
 class VisitBlock(ModelHook):
@@ -419,4 +428,18 @@ class VisitBlock(ModelHook):
 
     def pre_forward(self, module, args, kwargs):
         self.scheduler.visit(self.index)
+        return args, kwargs
+
+
+class StartPass(ModelHook):
+    """Before the model's forward: a forward under ``torch.no_grad`` (sampling) has no backward to follow, so the
+    scheduler follows the forward-only cycle and each pass's end prefetches the next pass's first blocks. (Inside
+    a training step the blocks may run without grad, in a checkpoint's forward, but the model's forward itself
+    runs with grad on.)"""
+
+    def __init__(self, scheduler: BlockScheduler):
+        self.scheduler = scheduler
+
+    def pre_forward(self, module, args, kwargs):
+        self.scheduler.start_pass(forward_only=not torch.is_grad_enabled())
         return args, kwargs

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..attention import training_attention
 from ..caching import DatasetCache
 from ..callbacks import StepInfo, TrainingCallback
 from ..checkpoint import identify
@@ -36,17 +37,6 @@ from .resume import ResumeStore, RngSnapshot
 from .step_timing import StepTimer
 from .step_timing import describe as describe_step
 from ..lora_io.trained import TrainedLora
-
-
-def _attention_backends(device: torch.device):
-    """cuDNN's SDPA backward fails under gradient checkpointing on torch 2.11 + H100
-    (illegal memory access): train with flash / memory-efficient / math only. Scoped
-    to training rather than a process-wide flag."""
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def _make_scheduler(optimizer, cfg: TrainConfig):
@@ -350,7 +340,7 @@ def _run_steps(run: _Run) -> None:
     run.start = time.perf_counter()
     run.model.train()
     try:
-        with _attention_backends(run.device), run.placement.cap_allocator(run.held_before, run.cb):
+        with training_attention(run.device), run.placement.cap_allocator(run.held_before, run.cb):
             before = run.first - 1  # 0: the base model; else the resumed step, when its samples were cut short
             if sampler is not None and sampler.due(before, train.steps) and not sampler.has(before):
                 _take_samples_or_save(run, before)
