@@ -26,8 +26,11 @@ def flux1(bytes_per_weight: int) -> ModelFootprint:
     params = [int(679.5 * MB / 2)] * 19 + [int(283.2 * MB / 2)] * 38
     blocks = [p * bytes_per_weight for p in params]
     parts = [[int(b * 0.56), b - int(b * 0.56)] for b in blocks[:19]] + [None] * 38
+    # Linear weights by the rows they multiply, as measure_footprint gives them for Flux.1-dev (tests/test_step_flops.py)
+    token = 113_246_208
+    by_rows = [{"image": token, "text": token, "vector": token}] * 19 + [{"all": token, "vector": 28_311_552}] * 38
     return ModelFootprint("Flux.1-dev", [f"b{i}" for i in range(57)], blocks, int(128 * MB), 46_700_000, 3072,
-                          unit_bytes=parts, block_params=params)
+                          unit_bytes=parts, block_params=params, block_token_params=by_rows)
 
 
 # --------------------------------------------------------------------------- the probe's cache
@@ -214,10 +217,11 @@ def key(p):
 
 
 def test_auto_picks_the_fastest_plan_for_the_link():
-    """The shipped Flux.1 workflow's footprint (int8 slab, 1024², auto at 8 GB, compiled): on a 55 GB/s link the
-    copies hide behind compute and the least copying wins; on 25 GB/s the step is copy-bound in the forward and a
-    deeper prefetch pays for the resident block it costs. Each link's choice is the fastest of all candidates on it,
-    and slower on the other link than that link's own choice."""
+    """The shipped Flux.1 workflow's footprint (int8 slab, 1024², auto at 8 GB, compiled): each link's choice is the
+    fastest of all candidates on it. The forward is copy-bound on the double blocks (2.4x a single block's bytes for
+    the same FLOPs), so a deeper prefetch pays for the resident block it costs, the more so on a slow link: on
+    25 GB/s the one-deep plan that keeps a block more loses >= 10 ms. Measured on the H100 at 55 GB/s (bench/NOTES.md,
+    2026-11-26): this choice (10 resident, prefetch 3) 0.693 s against 0.698 s for 11 resident, prefetch 1."""
     fp, budget = flux1(1), 8 * GB
     fast, slow = Machine(55e9, H100, "H100", "test"), Machine(25e9, H100, "H100", "test")
     chosen = {}
@@ -227,11 +231,12 @@ def test_auto_picks_the_fastest_plan_for_the_link():
         assert key(plan) in times and plan.predicted_step_s == pytest.approx(min(times.values()), abs=1e-3)
         chosen[m.link_bytes_per_s] = plan
     on_fast, on_slow = chosen[55e9], chosen[25e9]
-    assert key(on_fast) != key(on_slow)
-    assert on_slow.prefetch_depth > on_fast.prefetch_depth and len(on_slow.resident) < len(on_fast.resident)
+    assert on_fast.prefetch_depth > 1 and on_slow.prefetch_depth > 1
     slow_times = {key(c): c.predicted_step_s for c in candidates(fp, WL_1024, budget, slow)}
-    assert slow_times[key(on_fast)] > on_slow.predicted_step_s + 0.01  # the fast link's plan costs >= 10 ms here
-    assert on_slow.predicted_step_s <= 1.0  # issue 26: <= 1.0 s/step at 25 GB/s (predicted here; measure it)
+    one_deep = max((k for k in slow_times if k[1] == 1 and not k[2]), key=lambda k: k[0])
+    assert slow_times[one_deep] > on_slow.predicted_step_s + 0.01
+    assert on_slow.predicted_step_s <= 1.0  # issue 26: <= 1.0 s/step at 25 GB/s (measured 0.881)
+    assert on_slow.predicted_step_s > on_fast.predicted_step_s + 0.05  # the slow link shows in the prediction
 
 
 def test_auto_keeps_the_users_choices():

@@ -522,6 +522,19 @@ class ModelFamily(ABC):
         """The transformer's block lists, in the order the forward runs them."""
         return [getattr(model, name) for name in self.lora_targets]
 
+    def block_tokens(self, block: str) -> str:
+        """Which tokens a block runs on, by its name in ``named_blocks`` (``"layers.0"``): ``"all"`` (the image and
+        text tokens as one sequence: the default), ``"image"`` or ``"text"`` (a refiner of one of them). The step-time
+        model counts each block's FLOPs with it (engine/offload/steptime.py)."""
+        return "all"
+
+    def linear_tokens(self, block: str, linear: str) -> str:
+        """Which rows a frozen Linear of a block multiplies, by the block's name and the Linear's within it
+        (``"attn.add_q_proj"``): ``"all"``, ``"image"``, ``"text"`` (one stream of a dual-stream block), or
+        ``"vector"`` (one row per sample: an AdaLN modulation fed by the time embedding, a third of a Flux.1 double
+        block's weights for almost none of its FLOPs). The default: the block's tokens."""
+        return self.block_tokens(block)
+
     def block_parts(self, block: nn.Module) -> list[tuple[str, nn.Module]] | None:
         """A block that streams as several parts (``engine/offload/units.py``), or None for whole."""
         return None
@@ -558,6 +571,14 @@ class ModelFamily(ABC):
 
     def __repr__(self) -> str:
         return f"<family {self.id}>"
+
+
+def dual_stream_tokens(linear: str, text: tuple[str, ...], vector: tuple[str, ...] = ()) -> str:
+    """``ModelFamily.linear_tokens`` of a dual-stream (MMDiT) block: ``"vector"`` for a Linear whose name starts
+    with one of ``vector``, ``"text"`` for ``text``, else ``"image"``."""
+    if linear.startswith(vector) and vector:
+        return "vector"
+    return "text" if linear.startswith(text) else "image"
 
 
 def family_package(family: ModelFamily) -> str:

@@ -44,6 +44,8 @@ def measure_footprint(model: nn.Module, family, name: str = "",
         unit_bytes=[unit_bytes(family, b, frozen_bytes) for _, b in blocks],
         activation_scale=family.activation_scale, parts_activation_scale=family.parts_activation_scale,
         chunkable=family.chunked_recompute, block_params=[frozen_elements(b) for _, b in blocks],
+        block_token_params=[linear_params_by_tokens(family, n, b) for n, b in blocks],
+        block_attention_tokens=[family.block_tokens(n) for n, _ in blocks],
         outer_bytes=sum(frozen_bytes(m) for _, m in outer_modules(model, family)),
     )
 
@@ -54,6 +56,19 @@ def outer_modules(model: nn.Module, family) -> list[tuple[str, nn.Module]]:
     named = dict(model.named_modules())
     return [(n, named[n]) for n in family.int8_extra_linears
             if n in named and not any(p.requires_grad for p in named[n].parameters())]
+
+
+def linear_params_by_tokens(family, block_name: str, block: nn.Module) -> dict[str, int]:
+    """The block's frozen Linear weights (in x out, whatever their storage: bf16, int8 slab layers, under a peft
+    LoRA wrapper) summed by the rows they multiply (``family.linear_tokens``)."""
+    out: dict[str, int] = {}
+    for name, m in block.named_modules():
+        if not isinstance(m, nn.Linear) or any(p.requires_grad for p in m.parameters(recurse=False)):
+            continue  # LoRA's own A and B are trainable: not the frozen model's FLOPs
+        name = name.removesuffix(".base_layer")  # peft keeps the frozen Linear as ``<name>.base_layer``
+        kind = family.linear_tokens(block_name, name)
+        out[kind] = out.get(kind, 0) + m.in_features * m.out_features
+    return out
 
 
 def frozen_elements(module: nn.Module) -> int:

@@ -95,6 +95,11 @@ class ModelFootprint:
     # Frozen elements per block (FLOPs for the step-time model, engine/offload/steptime.py). Empty: the block's
     # bytes at ``act_bytes_per_elem`` per element (bf16 weights).
     block_params: list = field(default_factory=list)
+    # Per block, frozen Linear weights by the rows they multiply (``ModelFamily.linear_tokens``: "all", "image",
+    # "text", "vector") and the tokens its attention runs over (``block_tokens``): the step-time model's FLOPs.
+    # Empty: every frozen element multiplies every token (``block_params``).
+    block_token_params: list = field(default_factory=list)
+    block_attention_tokens: list = field(default_factory=list)
     # Frozen bytes (part of ``other_bytes``) of the large layers outside the blocks that may wait in pinned host
     # memory between their one run per forward (``outer_on_host``; the family's ``int8_extra_linears``).
     outer_bytes: int = 0

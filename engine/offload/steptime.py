@@ -9,8 +9,9 @@ The model, per micro-step (one forward + backward; the loop synchronises after t
   ``2 x frozen params x B x T`` (the Linears) + ``4 x B x T^2 x D`` (attention); LoRA on a frozen base needs no
   weight gradient, so a checkpointed step is forward + recompute + input-gradient backward: 3 x the Linears,
   4.5 x the attention (its backward is ~2.5 forwards). The step's compute is spread over the blocks (or their
-  streaming parts, by bytes) by these FLOPs: a forward visit runs the forward share, a backward visit the
-  recompute + backward.
+  streaming parts, by bytes) by their exact FLOPs, each Linear on the rows it multiplies (``block_flops``:
+  a Flux.1 double block has 2.4x a single block's bytes but the same FLOPs, so its copy outlasts its forward):
+  a forward visit runs the forward share, a backward visit the recompute + backward.
 * **copies**: the scheduler (schedule.py) is driven through the exact visit sequence of training
   (0..N-1 forward, N-1..0 backward) with a copy engine that keeps a GPU timeline, as
   ``CudaCopyEngine`` orders its work (engine/offload/streamer.py): a copy starts when the copy stream is free,
@@ -47,8 +48,10 @@ PEAK_BF16_TFLOPS = (
     ("4070", 58), ("4060", 44), ("3090", 71), ("3080", 60), ("3070", 41), ("3060", 25),
 )
 DEFAULT_PEAK_TFLOPS = 100.0  # an unknown GPU
-# Achieved / peak over a Flux.1-dev 1024² LoRA step with every block resident (the FLOPs above; 3.94e14 per
-# step): H100 80GB HBM3, 2026-11-25 (issue 26): compiled blocks 0.689 s, eager 0.976 s.
+# Achieved / peak over a Flux.1-dev 1024² LoRA step with every block resident (the calibration's FLOP count: every
+# frozen element on every token, 3.94e14 per step): H100 80GB HBM3, 2026-11-25 (issue 26): compiled blocks 0.689 s,
+# eager 0.976 s. The count is a size measure fitted across resolutions (2048² within 10%), not the exact FLOPs:
+# the exact per-block counts (``block_flops``) only decide where a step's compute goes.
 FLOP_EFFICIENCY = {"compiled": 0.578, "eager": 0.408}
 # Eager int8 slab layers dequantise in their own kernels (compiled, the dequant fuses into the matmul): Qwen-Image
 # 1024² int8 auto 4 GB eager 1.30 s against 1.18-1.27 s bf16 resident with no copy stall (bench/NOTES.md).
@@ -111,16 +114,27 @@ def block_params(fp) -> list[int]:
     return [b // fp.act_bytes_per_elem for b in fp.block_bytes]
 
 
-def block_flops(fp, tokens: int, batch: int) -> list[tuple[float, float]]:
-    """(Linear, attention) forward FLOPs of each block for ``batch`` samples of ``tokens`` tokens."""
-    attention = 4.0 * batch * tokens * tokens * fp.hidden_size
-    return [(2.0 * p * batch * tokens, attention) for p in block_params(fp)]
+def block_flops(fp, tokens: int, batch: int, text_tokens: int = 0, exact: bool = True) -> list[tuple[float, float]]:
+    """(Linear, attention) forward FLOPs of each block for ``batch`` samples of ``tokens`` tokens, of which
+    ``text_tokens`` are the text's. With the footprint's ``block_token_params`` (and ``exact``) each Linear counts
+    the rows it really multiplies (a dual-stream block's image Linears the image tokens, its text Linears the
+    text's, a modulation Linear one row per sample: what torch's FLOP counter gives, tests/test_step_flops.py) and
+    each attention its block's sequence; otherwise every frozen element multiplies every token."""
+    if not (exact and fp.block_token_params):
+        attention = 4.0 * batch * tokens * tokens * fp.hidden_size
+        return [(2.0 * p * batch * tokens, attention) for p in block_params(fp)]
+    rows = {"all": tokens, "image": tokens - text_tokens, "text": text_tokens, "vector": 1}
+    seqs = fp.block_attention_tokens or ["all"] * len(fp.block_token_params)
+    return [(2.0 * batch * sum(n * rows[kind] for kind, n in params.items()),
+             4.0 * batch * rows[seq] ** 2 * fp.hidden_size) for params, seq in zip(fp.block_token_params, seqs)]
 
 
 def estimate_compute_s(fp, tokens: int, batch: int, peak_flops: float, compiled: bool,
                        recompute_chunks: int = 1) -> float:
-    """The resident step's compute from FLOPs (one forward + recompute + backward of ``batch`` samples)."""
-    flops = sum(LINEAR_PASSES * lin + ATTENTION_PASSES * att for lin, att in block_flops(fp, tokens, batch))
+    """The resident step's compute from FLOPs (one forward + recompute + backward of ``batch`` samples), by the
+    calibration's count (every frozen element on every token; ``FLOP_EFFICIENCY``)."""
+    flops = sum(LINEAR_PASSES * lin + ATTENTION_PASSES * att
+                for lin, att in block_flops(fp, tokens, batch, exact=False))
     seconds = flops / (peak_flops * FLOP_EFFICIENCY["compiled" if compiled else "eager"])
     int8 = fp.block_params and sum(fp.block_bytes) < 1.5 * sum(fp.block_params)  # ~1 byte per weight
     if int8 and not compiled:
@@ -229,7 +243,7 @@ def predict_step_time(plan, machine: Machine, compute_s_per_step: Optional[float
     # first part, where it runs).
     sizes, groups = fp.stream_units(plan.activation_offload)
     fwd, bwd = [0.0] * len(sizes), [0.0] * len(sizes)
-    flops = block_flops(fp, wl.tokens, micro)
+    flops = block_flops(fp, wl.tokens, micro, wl.text_tokens)
     total = sum(LINEAR_PASSES * lin + ATTENTION_PASSES * att for lin, att in flops)
     per_flop = compute / pieces / total
     for (lin, att), units in zip(flops, groups):

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..base import Guidance, ModelFamily, PromptTemplate, TextEncoderSpec, VaeSpec
+from ..base import Guidance, ModelFamily, PromptTemplate, TextEncoderSpec, VaeSpec, dual_stream_tokens
 from .names import flux2_param_table
 
 # LoRA targets: every attention projection of the double blocks, image and text streams
@@ -274,6 +274,13 @@ class Flux2Family(ModelFamily):
         for block in model.transformer_blocks:
             chunk_token_wise(block.ff, chunks, undo)
             chunk_token_wise(block.ff_context, chunks, undo)
+
+    def linear_tokens(self, block: str, linear: str) -> str:
+        """Double blocks: the ``context`` stream's Linears run on the text tokens, the rest on the image's (the
+        modulation is global, outside the blocks); single blocks on all."""
+        if block.startswith("single_transformer_blocks."):
+            return "all"
+        return dual_stream_tokens(linear, text=("attn.add_", "attn.to_add_out", "ff_context."))
 
     def block_parts(self, block: nn.Module):
         """A double block streams as two parts: attention (0.60 GB bf16 at Flux.2-dev's size) and the

@@ -116,6 +116,16 @@ class Lumina2Family(ModelFamily):
 
     # --- latents ---------------------------------------------------------------------------------
 
+    def block_tokens(self, block: str) -> str:
+        """The refiners run on one kind of tokens before the joint layers: ``context_refiner`` the text's,
+        ``noise_refiner`` the image's."""
+        if block.startswith("context_refiner."):
+            return "text"
+        return "image" if block.startswith("noise_refiner.") else "all"
+
+    def linear_tokens(self, block: str, linear: str) -> str:
+        return "vector" if linear.startswith("norm1.linear") else self.block_tokens(block)
+
     def hidden_size(self, config: dict[str, Any]) -> int:
         return int(config["hidden_size"])
 

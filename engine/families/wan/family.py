@@ -220,6 +220,13 @@ class WanFamily(ModelFamily):
     #: (``constant_outputs``), so no part is asked for that gradient. A switch for tests and benches.
     stream_in_parts: ClassVar[bool] = True
 
+    def block_tokens(self, block: str) -> str:
+        """A block's sequence is the video's tokens; the text enters only as cross-attention keys and values."""
+        return "image"
+
+    def linear_tokens(self, block: str, linear: str) -> str:
+        return "text" if linear in ("attn2.to_k", "attn2.to_v") else "image"
+
     def block_parts(self, block: nn.Module):
         """With ``stream_in_parts``: a block as three parts (``parts.py``): self-attention (with the block's
         modulation), cross-attention, FFN; each checkpointed on its own, so a block's recompute + backward holds

@@ -130,6 +130,16 @@ class ZImageFamily(ModelFamily):
             return variant  # the tiny model, or a custom config
         return "z-image-turbo" if "turbo" in name.lower() else "z-image-base"
 
+    def block_tokens(self, block: str) -> str:
+        """The refiners run on one kind of tokens before the joint layers: ``context_refiner`` the text's,
+        ``noise_refiner`` the image's."""
+        if block.startswith("context_refiner."):
+            return "text"
+        return "image" if block.startswith("noise_refiner.") else "all"
+
+    def linear_tokens(self, block: str, linear: str) -> str:
+        return "vector" if linear.startswith("adaLN_modulation.") else self.block_tokens(block)
+
     def hidden_size(self, config: dict[str, Any]) -> int:
         return int(config["dim"])
 
