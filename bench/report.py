@@ -88,7 +88,7 @@ def _millions(n) -> str:
 
 
 SLAB_ONLY = ("slab-build", "int8-accuracy")  # rows without a training step
-OTHER_ONLY = ("w8a8-layer", "w8a8-accuracy", "text-cache-layer-major")  # likewise, their own tables
+OTHER_ONLY = ("w8a8-layer", "w8a8-accuracy", "text-cache-layer-major", "vae-encode-clips")  # their own tables
 
 
 def render(rows: list[dict]) -> str:
@@ -173,6 +173,17 @@ def render(rows: list[dict]) -> str:
                        f"{r.get('captions')} x {r.get('max_length')} | {r.get('wall_s')} | "
                        f"{_fmt(r.get('peak_alloc_gb'), 2)} | {_fmt(r.get('peak_reserved_gb'), 2)} | "
                        f"`{r.get('command')}`{note} |")
+        out.append("")
+    if other["vae-encode-clips"]:
+        out.append("## Video clips through the VAE (bench/bench_vae_encode.py)\n")
+        out.append("| date | gpu | VAE | clip | clips | wall s | s per clip (median) | first clip s | peak alloc GB | "
+                   "peak reserved GB | command |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in other["vae-encode-clips"]:
+            out.append(f"| {r.get('date', '')[:16].replace('T', ' ')} | {r.get('gpu')} | {r.get('model')} | "
+                       f"{r.get('res')} | {r.get('clips')} | {r.get('wall_s')} | {r.get('s_per_clip_median')} | "
+                       f"{r.get('first_clip_s')} | {_fmt(r.get('peak_alloc_gb'), 2)} | "
+                       f"{_fmt(r.get('peak_reserved_gb'), 2)} | `{r.get('command')}` |")
         out.append("")
     if parallel:
         out.append("## Multi-GPU: split and data parallel (bench/bench_parallel.py)\n")
