@@ -75,6 +75,10 @@ def _links(nodes: list[NodeSpec], mappings: Mapping[str, type]) -> list[list]:
 
 TITLE_H = 30  # LiteGraph draws the title bar above ``pos``
 GAP = 30
+#: The space a column leaves to the next one; a column beside which a rerouted link runs up or down leaves
+#: ``ROUTE_GAP``: the frontend draws a link as a spline whose control points stand a quarter of its length out
+#: sideways, so a link running 700 px down bows about 50 px to each side (``host/reroutes.py``).
+COLUMN_GAP, ROUTE_GAP = 40, 110
 
 
 #: A widget row's width in the frontend's widget font (LiteGraph, 12 px): about this many pixels per character of
@@ -98,14 +102,18 @@ def _fitted_size(node: NodeSpec, cls: type) -> tuple[int, int]:
 
 def _reflow_columns(nodes: list[NodeSpec], boxes: dict[int, list]) -> None:
     """Nodes stand in columns (the same ``pos`` x); a column widened by ``_fitted_size`` pushes the columns to its
-    right along, so keeping the gap between them (nothing overlaps sideways)."""
+    right along, so keeping the gap between them (nothing overlaps sideways). The gaps a rerouted link runs
+    through (right of its source's column, left of its target's) are ``ROUTE_GAP`` wide."""
     columns = sorted({n.pos[0] for n in nodes})
+    by_id = {n.id: n for n in nodes}
+    routed = {by_id[n.links[name][0]].pos[0] for n in nodes for name in n.rerouted}
+    routed |= {max(c for c in columns if c < n.pos[0]) for n in nodes if n.rerouted and n.pos[0] > columns[0]}
     x, shift = {}, 0
     for i, col in enumerate(columns):
         x[col] = col + shift
         if i + 1 < len(columns):
             right = max(x[col] + boxes[n.id][2] for n in nodes if n.pos[0] == col)
-            shift = max(shift, right + 40 - columns[i + 1])
+            shift = max(shift, right + (ROUTE_GAP if col in routed else COLUMN_GAP) - columns[i + 1])
     for n in nodes:
         boxes[n.id][0] = x[n.pos[0]]
 

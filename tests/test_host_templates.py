@@ -9,6 +9,7 @@
 import glob
 import importlib.util
 import json
+import math
 import os
 from pathlib import Path
 
@@ -259,6 +260,18 @@ def _passes_under(p, q, box):
     return False
 
 
+def _bezier(p, q):
+    """The link p -> q as the frontend's default spline mode draws it (LGraphCanvas.renderLink, frontend 1.49:
+    control points a quarter of the distance right of the output and left of the input), every ~half pixel."""
+    d = math.dist(p, q)
+    a, b = (p[0] + d / 4, p[1]), (q[0] - d / 4, q[1])
+    n = int(3 * d) + 4
+    for i in range(n + 1):
+        t = i / n
+        yield tuple((1 - t) ** 3 * p[k] + 3 * (1 - t) ** 2 * t * a[k] + 3 * (1 - t) * t ** 2 * b[k] + t ** 3 * q[k]
+                    for k in (0, 1))
+
+
 def _segments(ui, link):
     """The straight pieces a link is drawn as, from its real source through every Reroute to its target:
     [(from node id, point, to node id, point)]. Slots sit where LiteGraph draws them: outputs on the right edge,
@@ -289,8 +302,8 @@ def _segments(ui, link):
 @pytest.mark.parametrize("name", sorted(n for n, t in T.SHIPPED.items() if t.chain_links))
 def test_links_between_chains_run_clear_of_every_node(name, models_with_empty_files):
     """Each link between chains (chain_links: Wan 2.2 A14B's preview_partner) is drawn through Reroute nodes,
-    and no straight piece of it passes under a node other than the two it joins: drawn directly it would run
-    behind the Cache Text Embeds column. The API form is untouched: the Train LoRA's input names the other
+    and no piece of it passes under a node other than the two it joins, drawn straight (the linear and straight
+    link modes) or as the default spline: drawn directly it would run behind the Cache Text Embeds column. The API form is untouched: the Train LoRA's input names the other
     chain's Load node, and the UI file (its reroutes followed, as the frontend's graphToPrompt does) gives the
     same prompt."""
     from lowvram_lora.host.workflow import load_workflow, to_api_graph
@@ -315,6 +328,10 @@ def test_links_between_chains_run_clear_of_every_node(name, models_with_empty_fi
         for a, p, b, q in pieces:
             under = [i for i, box in boxes.items() if i not in (a, b) and _passes_under(p, q, box)]
             assert not under, f"{name}: the piece {a} -> {b} of link {link[0]} passes under node(s) {under}"
+            curve = list(_bezier(p, q))
+            under = [i for i, (x, y, w, h) in boxes.items()
+                     if i not in (a, b) and any(x < cx < x + w and y < cy < y + h for cx, cy in curve)]
+            assert not under, f"{name}: the spline {a} -> {b} of link {link[0]} passes under node(s) {under}"
     strip = lambda g: {k: {"class_type": v["class_type"], "inputs": v["inputs"]} for k, v in g.items()}
     from_ui = to_api_graph(load_workflow(T.WORKFLOWS_DIR / f"{name}.json"), NODE_CLASS_MAPPINGS)
     assert strip(from_ui) == strip(api)
