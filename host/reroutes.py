@@ -27,8 +27,10 @@ from dataclasses import dataclass
 REROUTE_SIZE = (75, 26)
 #: LiteGraph.NODE_SLOT_HEIGHT: slot ``i`` sits ``(i + 0.7) * SLOT_H`` below ``pos``.
 SLOT_H = 20
-#: How far a reroute stands from the column edge it follows.
-EDGE_GAP = 5
+#: Where in the column gap (a fraction of its width) the run down/up from the source and the run into the target
+#: stand. The spline leaves a reroute to the right, towards the target's column, and bows that way by about 7% of
+#: its length: the run into the target keeps further from it.
+SOURCE_RUN, TARGET_RUN = 0.5, 0.6
 
 
 @dataclass(frozen=True)
@@ -88,12 +90,13 @@ def _inside(point: tuple[float, float], box: list) -> bool:
 
 
 def plan(requests: list[Request], boxes: dict[int, list], frames: dict[int, list], chain: dict[int, int],
-         first_id: int, gap: int) -> list[list[tuple[int, list]]]:
+         first_id: int, gap: int, run_gap: int) -> list[list[tuple[int, list]]]:
     """The reroutes of each request, ``[(reroute id, [x, y, w, h]), ...]`` in link order, ids from ``first_id``.
     ``boxes``: every node's and note's body ([x, y, w, h], what ``pos``/``size`` hold); ``frames``: the area the
     editor paints for each (title bar included); ``chain``: each training node's chain (notes have none);
-    ``gap``: the space kept to the chains' rows. Raises ValueError naming the link when a reroute would overlap
-    a node or a straight segment would pass under one."""
+    ``gap``: the space kept to the chains' rows; ``run_gap``: the width of the column gaps right of a source and
+    left of a target. Raises ValueError naming the link when a reroute would overlap a node or a piece of the
+    link would pass under one (the two it joins included: only its ends may touch them)."""
     routes, paths, next_id = [], [], first_id
     for r in requests:
         upper, lower = sorted((r.src_chain, r.dst_chain))
@@ -105,8 +108,10 @@ def plan(requests: list[Request], boxes: dict[int, list], frames: dict[int, list
                              f"{r.dst}: lay the chains further apart")
         levels = (round(lo + (hi - lo) / 3), round(lo + 2 * (hi - lo) / 3))
         src, dst = boxes[r.src], boxes[r.dst]
-        route = [(next_id, [src[0] + src[2] + EDGE_GAP, levels[r.src_chain != upper], *REROUTE_SIZE]),
-                 (next_id + 1, [dst[0] - EDGE_GAP - REROUTE_SIZE[0], levels[r.dst_chain != upper], *REROUTE_SIZE])]
+        near_src = round(src[0] + src[2] + SOURCE_RUN * run_gap)
+        near_dst = round(dst[0] - TARGET_RUN * run_gap) - REROUTE_SIZE[0]
+        route = [(next_id, [near_src, levels[r.src_chain != upper], *REROUTE_SIZE]),
+                 (next_id + 1, [near_dst, levels[r.dst_chain != upper], *REROUTE_SIZE])]
         next_id += 2
         routes.append(route)
         paths.append([(r.src, output_point(src, r.src_slot)),
@@ -121,8 +126,7 @@ def plan(requests: list[Request], boxes: dict[int, list], frames: dict[int, list
                                  f"overlap node(s) {hit}")
         for (a, p), (b, q) in zip(path[::2], path[1::2]):
             curve = spline(p, q)
-            hit = [i for i, f in everything.items()
-                   if i not in (a, b) and (crosses(p, q, f) or any(_inside(c, f) for c in curve))]
+            hit = [i for i, f in everything.items() if crosses(p, q, f) or any(_inside(c, f) for c in curve)]
             if hit:
                 raise ValueError(f"the link {path[0][0]} -> {path[-1][0]} would pass under node(s) {hit} between "
                                  f"{a} and {b}; its reroutes cannot be placed in this layout")

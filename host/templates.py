@@ -78,7 +78,7 @@ GAP = 30
 #: The space a column leaves to the next one; a column beside which a rerouted link runs up or down leaves
 #: ``ROUTE_GAP``: the frontend draws a link as a spline whose control points stand a quarter of its length out
 #: sideways, so a link running 700 px down bows about 50 px to each side (``host/reroutes.py``).
-COLUMN_GAP, ROUTE_GAP = 40, 110
+COLUMN_GAP, ROUTE_GAP = 40, 120
 
 
 #: A widget row's width in the frontend's widget font (LiteGraph, 12 px): about this many pixels per character of
@@ -204,7 +204,7 @@ def _reroute(nodes: list[NodeSpec], notes: list[NoteSpec], mappings: Mapping[str
     chain = {n.id: n.id // CHAIN_IDS for n in nodes}
     first = (max(boxes) // CHAIN_IDS + 1) * CHAIN_IDS + 1  # after every chain's block of ids
     out = []
-    for link, route in zip(held, reroutes.plan(requests, boxes, frames, chain, first, GAP)):
+    for link, route in zip(held, reroutes.plan(requests, boxes, frames, chain, first, GAP, ROUTE_GAP)):
         (r1, box1), (r2, box2) = route
         a, b = len(links) + 1, len(links) + 2
         links += [[a, link[1], link[2], r1, 0, link[5]], [b, r1, 0, r2, 0, link[5]]]

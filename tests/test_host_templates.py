@@ -302,8 +302,9 @@ def _segments(ui, link):
 @pytest.mark.parametrize("name", sorted(n for n, t in T.SHIPPED.items() if t.chain_links))
 def test_links_between_chains_run_clear_of_every_node(name, models_with_empty_files):
     """Each link between chains (chain_links: Wan 2.2 A14B's preview_partner) is drawn through Reroute nodes,
-    and no piece of it passes under a node other than the two it joins, drawn straight (the linear and straight
-    link modes) or as the default spline: drawn directly it would run behind the Cache Text Embeds column. The API form is untouched: the Train LoRA's input names the other
+    and no piece of it passes under a node (the two it joins included; its slots are on their edges), drawn
+    straight (the linear and straight link modes) or as the default spline: drawn directly it would run behind
+    the Cache Text Embeds column. The API form is untouched: the Train LoRA's input names the other
     chain's Load node, and the UI file (its reroutes followed, as the frontend's graphToPrompt does) gives the
     same prompt."""
     from lowvram_lora.host.workflow import load_workflow, to_api_graph
@@ -325,12 +326,12 @@ def test_links_between_chains_run_clear_of_every_node(name, models_with_empty_fi
         assert a == int(api[str(b)]["inputs"][_input_name(ui, link)][0])
         direct = [i for i, box in boxes.items() if i not in (a, b) and _passes_under(p, q, box)]
         assert direct, "drawn straight this link would be visible anyway; the check below proves nothing"
-        for a, p, b, q in pieces:
-            under = [i for i, box in boxes.items() if i not in (a, b) and _passes_under(p, q, box)]
+        for a, p, b, q in pieces:  # the two nodes a piece joins included: it may only touch their edges
+            under = [i for i, box in boxes.items() if _passes_under(p, q, box)]
             assert not under, f"{name}: the piece {a} -> {b} of link {link[0]} passes under node(s) {under}"
             curve = list(_bezier(p, q))
             under = [i for i, (x, y, w, h) in boxes.items()
-                     if i not in (a, b) and any(x < cx < x + w and y < cy < y + h for cx, cy in curve)]
+                     if any(x < cx < x + w and y < cy < y + h for cx, cy in curve)]
             assert not under, f"{name}: the spline {a} -> {b} of link {link[0]} passes under node(s) {under}"
     strip = lambda g: {k: {"class_type": v["class_type"], "inputs": v["inputs"]} for k, v in g.items()}
     from_ui = to_api_graph(load_workflow(T.WORKFLOWS_DIR / f"{name}.json"), NODE_CLASS_MAPPINGS)
