@@ -7,10 +7,10 @@ of the frontend's classic ``Reroute`` nodes (a virtual node: one ``*`` input, on
 comfy-cli and ``host.workflow`` follow it, so the API prompt is the same), placed in the empty band between the
 two chains' rows:
 
-- the first just right of the source's output, so the link drops (or rises) straight from it through the
-  gap between its column and the next;
-- the second just left of the target's input, so the link rises (or drops) into it through the gap between
-  the target's column and the one before.
+- the first below (or above) the gap right of the source's column, so the link drops (or rises) from the
+  source's output through that gap (``SOURCE_RUN``);
+- the second below (or above) the gap left of the target's column, so the link rises (or drops) into the
+  target's input through that gap (``TARGET_RUN``).
 
 The reroute near the upper chain's node sits on the band's upper level, the one near the lower chain's node on
 its lower level: a downward and an upward link between the same two chains then use different heights in each
