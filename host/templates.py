@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..engine.families import TrainingTemplate, families
-from .workflow import input_specs, return_types
+from . import reroutes
+from .workflow import REROUTE_TYPE, input_specs, return_types
 
 WORKFLOWS_DIR = Path(__file__).resolve().parent.parent / "example_workflows"
 #: The folder the templates sat in before (``lowvram-lora run workflows/NAME.json`` still finds them).
@@ -47,6 +48,8 @@ class NodeSpec:
     links: dict[str, tuple[int, int]] = field(default_factory=dict)  # input -> (source node id, output slot)
     size: tuple[int, int] = (320, 200)
     models: list[dict] = field(default_factory=list)  # properties.models: [{name, url, directory}]
+    #: Inputs whose link the UI file draws through Reroute nodes (a link between chains); the API form is direct.
+    rerouted: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -72,6 +75,10 @@ def _links(nodes: list[NodeSpec], mappings: Mapping[str, type]) -> list[list]:
 
 TITLE_H = 30  # LiteGraph draws the title bar above ``pos``
 GAP = 30
+#: The space a column leaves to the next one; a column beside which a rerouted link runs up or down leaves
+#: ``ROUTE_GAP``: the frontend draws a link as a spline whose control points stand a quarter of its length out
+#: sideways, so a link running 700 px down bows about 50 px to each side (``host/reroutes.py``).
+COLUMN_GAP, ROUTE_GAP = 40, 120
 
 
 #: A widget row's width in the frontend's widget font (LiteGraph, 12 px): about this many pixels per character of
@@ -95,14 +102,18 @@ def _fitted_size(node: NodeSpec, cls: type) -> tuple[int, int]:
 
 def _reflow_columns(nodes: list[NodeSpec], boxes: dict[int, list]) -> None:
     """Nodes stand in columns (the same ``pos`` x); a column widened by ``_fitted_size`` pushes the columns to its
-    right along, so keeping the gap between them (nothing overlaps sideways)."""
+    right along, so keeping the gap between them (nothing overlaps sideways). The gaps a rerouted link runs
+    through (right of its source's column, left of its target's) are ``ROUTE_GAP`` wide."""
     columns = sorted({n.pos[0] for n in nodes})
+    by_id = {n.id: n for n in nodes}
+    routed = {by_id[n.links[name][0]].pos[0] for n in nodes for name in n.rerouted}
+    routed |= {max(c for c in columns if c < n.pos[0]) for n in nodes if n.rerouted and n.pos[0] > columns[0]}
     x, shift = {}, 0
     for i, col in enumerate(columns):
         x[col] = col + shift
         if i + 1 < len(columns):
             right = max(x[col] + boxes[n.id][2] for n in nodes if n.pos[0] == col)
-            shift = max(shift, right + 40 - columns[i + 1])
+            shift = max(shift, right + (ROUTE_GAP if col in routed else COLUMN_GAP) - columns[i + 1])
     for n in nodes:
         boxes[n.id][0] = x[n.pos[0]]
 
@@ -128,6 +139,7 @@ def to_ui(nodes: list[NodeSpec], notes: list[NoteSpec], mappings: Mapping[str, t
     _reflow_columns(nodes, boxes)
     boxes.update({n.id: [n.pos[0], n.pos[1], *n.size] for n in notes})
     _layout([boxes[i] for i in sorted(boxes, key=lambda i: (boxes[i][1], boxes[i][0]))])
+    routes = _reroute(nodes, notes, mappings, boxes, links)
     ui_nodes = []
     for order, node in enumerate(nodes):
         cls = mappings[node.class_type]
@@ -157,10 +169,48 @@ def to_ui(nodes: list[NodeSpec], notes: list[NoteSpec], mappings: Mapping[str, t
             "order": len(ui_nodes), "mode": 0, "inputs": [], "outputs": [], "properties": {},
             "widgets_values": [note.text], "color": "#432", "bgcolor": "#653",
         })
+    for rid, box, link_in, link_out, link_type in routes:
+        # What the frontend saves for its classic Reroute (a RerouteNode, e.g. ComfyUI's hidream_e1_1 template).
+        ui_nodes.append({
+            "id": rid, "type": REROUTE_TYPE, "pos": box[:2], "size": box[2:], "flags": {}, "order": len(ui_nodes),
+            "mode": 0, "inputs": [{"name": "", "type": "*", "link": link_in}],
+            "outputs": [{"name": "", "type": link_type, "links": [link_out], "slot_index": 0}],
+            "properties": {"showOutputText": False, "horizontal": False},
+        })
     return {
         "last_node_id": max(n["id"] for n in ui_nodes), "last_link_id": len(links), "nodes": ui_nodes,
         "links": links, "groups": [], "config": {}, "extra": {"ds": {"scale": 1.0, "offset": [0, 0]}}, "version": 0.4,
     }
+
+
+def _reroute(nodes: list[NodeSpec], notes: list[NoteSpec], mappings: Mapping[str, type], boxes: dict[int, list],
+             links: list[list]) -> list[tuple[int, list, int, int, str]]:
+    """Draw each ``NodeSpec.rerouted`` input's link through two Reroute nodes (``host/reroutes.py``): the link
+    into the input now comes from the second reroute (keeping its id), and new links join the source to the
+    first reroute and the first to the second. Returns ``(id, box, input link, output link, type)`` per reroute."""
+    requests, held = [], []
+    for node in nodes:
+        cls = mappings[node.class_type]
+        linked = [s.name for s in input_specs(cls) if s.name in node.links]
+        sockets = [s.name for s in input_specs(cls) if not s.is_widget]
+        for name in sorted(node.rerouted, key=linked.index):
+            link = next(l for l in links if l[3] == node.id and l[4] == linked.index(name))
+            requests.append(reroutes.Request(link[1], link[2], node.id, sockets.index(name),
+                                             link[1] // CHAIN_IDS, node.id // CHAIN_IDS))
+            held.append(link)
+    if not requests:
+        return []
+    frames = {i: [b[0], b[1] - TITLE_H, b[2], b[3] + TITLE_H] for i, b in boxes.items()}
+    chain = {n.id: n.id // CHAIN_IDS for n in nodes}
+    first = (max(boxes) // CHAIN_IDS + 1) * CHAIN_IDS + 1  # after every chain's block of ids
+    out = []
+    for link, route in zip(held, reroutes.plan(requests, boxes, frames, chain, first, GAP, ROUTE_GAP)):
+        (r1, box1), (r2, box2) = route
+        a, b = len(links) + 1, len(links) + 2
+        links += [[a, link[1], link[2], r1, 0, link[5]], [b, r1, 0, r2, 0, link[5]]]
+        link[1], link[2] = r2, 0
+        out += [(r1, box1, a, b, link[5]), (r2, box2, b, link[0], link[5])]
+    return out
 
 
 def to_api(nodes: list[NodeSpec], mappings: Mapping[str, type]) -> dict:
@@ -193,11 +243,18 @@ def render_thumbnail(ui: dict, path: Path, width: int = 640, height: int = 360) 
 
     img = Image.new("RGB", (width, height), (32, 32, 36))
     d = ImageDraw.Draw(img)
+    def end(n, side):  # where a link meets a node: its top corner row, or a reroute's middle
+        b = box(n)
+        return ((b[0] + b[2]) / 2, (b[1] + b[3]) / 2) if n["type"] == REROUTE_TYPE else (b[side], b[1] + 12)
+
     for link in ui["links"]:
-        a, b = box(nodes[link[1]]), box(nodes[link[3]])
-        d.line([(a[2], a[1] + 12), (b[0], b[1] + 12)], fill=(120, 170, 240), width=2)
+        d.line([end(nodes[link[1]], 2), end(nodes[link[3]], 0)], fill=(120, 170, 240), width=2)
     for n in nodes.values():
         b = box(n)
+        if n["type"] == REROUTE_TYPE:
+            x, y = end(n, 0)
+            d.ellipse((x - 3, y - 3, x + 3, y + 3), fill=(120, 170, 240))
+            continue
         note = n["type"] == "Note"
         d.rectangle(b, fill=(80, 64, 40) if note else (55, 55, 62), outline=(150, 150, 160))
         d.rectangle((b[0], b[1], b[2], b[1] + 16), fill=(100, 80, 50) if note else (75, 75, 90))
@@ -254,6 +311,7 @@ def _graph(t: TrainingTemplate) -> tuple[list[NodeSpec], list[NoteSpec]]:
                              f"chains of 0..{len(t.chains)}")
         train = next(n for n in nodes if n.id == 4 + chain * CHAIN_IDS)
         train.links[name] = (1 + source * CHAIN_IDS, 0)
+        train.rerouted.add(name)  # drawn around the nodes between the chains, not behind them
     _attach_models(t, nodes)
     return nodes, [NoteSpec(6, t.note, t.note_pos)]
 

@@ -9,6 +9,7 @@
 import glob
 import importlib.util
 import json
+import math
 import os
 from pathlib import Path
 
@@ -181,8 +182,9 @@ def test_a_template_with_chains_lays_out_one_full_training_chain_each():
     assert api["4"]["inputs"]["preview_partner"] == ["11", 0] and api["14"]["inputs"]["preview_partner"] == ["1", 0]
     assert api["11"]["inputs"]["checkpoint"] == t.chains[0]["load"]["checkpoint"]
     assert api["4"]["inputs"]["sample_every"] == api["14"]["inputs"]["sample_every"] == 250
-    crossing = [l for l in ui["links"] if l[1] // 10 != l[3] // 10]
-    assert sorted((l[1], l[3]) for l in crossing) == [(1, 14), (11, 4)]
+    # In the UI file each runs through Reroute nodes (host/reroutes.py): followed back to its real source.
+    crossing = [l for l in ui["links"] if _kind(ui, l[3]) != "Reroute" and _source(ui, l)[1] // 10 != l[3] // 10]
+    assert sorted((_source(ui, l)[1], l[3]) for l in crossing) == [(1, 14), (11, 4)]
     train_ui = next(n for n in ui["nodes"] if n["id"] == 4)
     slot = next(i for i, x in enumerate(train_ui["inputs"]) if x["name"] == "preview_partner")
     assert all(l[4] == slot and l[5] == "LOWVRAM_MODEL" for l in crossing)
@@ -205,7 +207,7 @@ def test_shipped_nodes_are_wide_enough_for_their_values_and_never_overlap(path):
     boxes = []
     for n in ui["nodes"]:
         boxes.append((n["pos"][0], n["pos"][1] - T.TITLE_H, n["size"][0], n["size"][1] + T.TITLE_H, n["id"]))
-        if n["type"] == "Note":
+        if n["type"] in ("Note", "Reroute"):
             continue
         specs = [s for s in input_specs(NODE_CLASS_MAPPINGS[n["type"]])
                  if s.is_widget and s.name not in {i["name"] for i in n["inputs"]}]
@@ -221,3 +223,121 @@ def test_shipped_nodes_are_wide_enough_for_their_values_and_never_overlap(path):
         for b in boxes[i + 1:]:
             apart = a[0] + a[2] <= b[0] or b[0] + b[2] <= a[0] or a[1] + a[3] <= b[1] or b[1] + b[3] <= a[1]
             assert apart, (a[4], b[4])
+
+
+# ------------------------------------------------------------- links between chains: drawn where they can be seen
+
+
+def _kind(ui, node_id):
+    return next(n["type"] for n in ui["nodes"] if n["id"] == node_id)
+
+
+def _source(ui, link):
+    """The link that leaves a real node, followed back through Reroute nodes."""
+    while _kind(ui, link[1]) == "Reroute":
+        link = next(l for l in ui["links"] if l[3] == link[1])
+    return link
+
+
+def _input_name(ui, link):
+    return next(n for n in ui["nodes"] if n["id"] == link[3])["inputs"][link[4]]["name"]
+
+
+def _painted(node):
+    """The area the editor paints for a node: its title bar stands TITLE_H above pos (a Reroute has none)."""
+    x, y = node["pos"]
+    w, h = node["size"]
+    return (x, y, w, h) if node["type"] == "Reroute" else (x, y - T.TITLE_H, w, h + T.TITLE_H)
+
+
+def _passes_under(p, q, box):
+    """Whether segment p-q enters the inside of box (x, y, w, h): sampled at least every half pixel."""
+    steps = int(2 * max(abs(q[0] - p[0]), abs(q[1] - p[1]))) + 2
+    for i in range(steps + 1):
+        x, y = p[0] + (q[0] - p[0]) * i / steps, p[1] + (q[1] - p[1]) * i / steps
+        if box[0] < x < box[0] + box[2] and box[1] < y < box[1] + box[3]:
+            return True
+    return False
+
+
+def _bezier(p, q):
+    """The link p -> q as the frontend's default spline mode draws it (LGraphCanvas.renderLink, frontend 1.49:
+    control points a quarter of the distance right of the output and left of the input), every ~half pixel."""
+    d = math.dist(p, q)
+    a, b = (p[0] + d / 4, p[1]), (q[0] - d / 4, q[1])
+    n = int(3 * d) + 4
+    for i in range(n + 1):
+        t = i / n
+        yield tuple((1 - t) ** 3 * p[k] + 3 * (1 - t) ** 2 * t * a[k] + 3 * (1 - t) * t ** 2 * b[k] + t ** 3 * q[k]
+                    for k in (0, 1))
+
+
+def _segments(ui, link):
+    """The straight pieces a link is drawn as, from its real source through every Reroute to its target:
+    [(from node id, point, to node id, point)]. Slots sit where LiteGraph draws them: outputs on the right edge,
+    inputs on the left, slot i (i + 0.7) * 20 px below pos, counted over the node's socket inputs (the frontend
+    draws widgets' sockets at the widgets); a Reroute's in the middle of its left and right edges."""
+    from lowvram_lora.host.workflow import input_specs
+
+    nodes = {n["id"]: n for n in ui["nodes"]}
+    out = []
+    while True:
+        src, dst = nodes[link[1]], nodes[link[3]]
+        if src["type"] == "Reroute":
+            p = (src["pos"][0] + src["size"][0], src["pos"][1] + src["size"][1] / 2)
+        else:
+            p = (src["pos"][0] + src["size"][0], src["pos"][1] + (link[2] + 0.7) * 20)
+        if dst["type"] == "Reroute":
+            q = (dst["pos"][0], dst["pos"][1] + dst["size"][1] / 2)
+        else:
+            name = dst["inputs"][link[4]]["name"]
+            sockets = [s.name for s in input_specs(NODE_CLASS_MAPPINGS[dst["type"]]) if not s.is_widget]
+            q = (dst["pos"][0], dst["pos"][1] + (sockets.index(name) + 0.7) * 20)
+        out.insert(0, (src["id"], p, dst["id"], q))
+        if src["type"] != "Reroute":
+            return out
+        link = next(l for l in ui["links"] if l[3] == src["id"])
+
+
+@pytest.mark.parametrize("name", sorted(n for n, t in T.SHIPPED.items() if t.chain_links))
+def test_links_between_chains_run_clear_of_every_node(name, models_with_empty_files):
+    """Each link between chains (chain_links: Wan 2.2 A14B's preview_partner) is drawn through Reroute nodes,
+    and no piece of it passes under a node (the two it joins included; its slots are on their edges), drawn
+    straight (the linear and straight link modes) or as the default spline: drawn directly it would run behind
+    the Cache Text Embeds column. The API form is untouched: the Train LoRA's input names the other
+    chain's Load node, and the UI file (its reroutes followed, as the frontend's graphToPrompt does) gives the
+    same prompt."""
+    from lowvram_lora.host.workflow import load_workflow, to_api_graph
+
+    ui = _ui(name)
+    api = json.loads((T.WORKFLOWS_DIR / "api" / f"{name}.json").read_text())
+    template = T.SHIPPED[name]
+    boxes = {n["id"]: _painted(n) for n in ui["nodes"]}
+    ends = [l for l in ui["links"]
+            if _kind(ui, l[3]) != "Reroute" and _source(ui, l)[1] // T.CHAIN_IDS != l[3] // T.CHAIN_IDS]
+    assert len(ends) == len(template.chain_links)
+    for chain, input_name, source in template.chain_links:
+        train, load = str(4 + chain * T.CHAIN_IDS), str(1 + source * T.CHAIN_IDS)
+        assert api[train]["inputs"][input_name] == [load, 0]
+    for link in ends:
+        pieces = _segments(ui, link)
+        assert len(pieces) >= 2, f"link {link} is drawn directly"
+        (a, p, _, _), (_, _, b, q) = pieces[0], pieces[-1]
+        assert a == int(api[str(b)]["inputs"][_input_name(ui, link)][0])
+        direct = [i for i, box in boxes.items() if i not in (a, b) and _passes_under(p, q, box)]
+        assert direct, "drawn straight this link would be visible anyway; the check below proves nothing"
+        for a, p, b, q in pieces:  # the two nodes a piece joins included: it may only touch their edges
+            under = [i for i, box in boxes.items() if _passes_under(p, q, box)]
+            assert not under, f"{name}: the piece {a} -> {b} of link {link[0]} passes under node(s) {under}"
+            curve = list(_bezier(p, q))
+            under = [i for i, (x, y, w, h) in boxes.items()
+                     if any(x < cx < x + w and y < cy < y + h for cx, cy in curve)]
+            assert not under, f"{name}: the spline {a} -> {b} of link {link[0]} passes under node(s) {under}"
+    strip = lambda g: {k: {"class_type": v["class_type"], "inputs": v["inputs"]} for k, v in g.items()}
+    from_ui = to_api_graph(load_workflow(T.WORKFLOWS_DIR / f"{name}.json"), NODE_CLASS_MAPPINGS)
+    assert strip(from_ui) == strip(api)
+    # ... and it is what the graph gives without the reroutes
+    nodes, _ = T._graph(template)
+    for node in nodes:
+        node.rerouted.clear()
+    assert T.to_api(nodes, NODE_CLASS_MAPPINGS) == api
