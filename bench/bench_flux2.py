@@ -22,19 +22,17 @@ The copy floor of a streamed row is ``bytes streamed per step / --pinned-gbps`` 
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import gc
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_bench import (  # noqa: E402
-    StepRecorder, _command, _gpu_name, _versions, build_random_model, row_emitter, training_row,
+    StepRecorder, _command, _gpu_name, _versions, build_random_model, row_emitter, training_row, new_run_id,
 )
 
 
@@ -95,6 +93,19 @@ def to_int8_on_host(model, family, device) -> None:
             torch.cuda.empty_cache()
 
 
+def to_streamed_form(model, family, precision: str, device) -> None:
+    """Blocks to host memory (int8 slab layers when ``precision`` is int8): what a loaded checkpoint looks like to a
+    streamed mode. Shared by the benches that run resident modes first, then streamed ones."""
+    from lowvram_lora.engine.offload.footprint import named_blocks
+
+    if precision == "int8":
+        to_int8_on_host(model, family, device)
+    else:
+        for _, block in named_blocks(model, family):
+            block.to("cpu")
+    torch.cuda.empty_cache()
+
+
 def main(argv=None) -> int:
     from lowvram_lora.engine.config import LoraSettings, ModelConfig, TrainConfig
     from lowvram_lora.engine.offload import OffloadConfig
@@ -103,7 +114,7 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    run_id = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
+    run_id = new_run_id()
     cuda = device.type == "cuda"  # CPU only for a smoke test of this script on a tiny model
     base = {"run_id": run_id, "gpu": _gpu_name(device) if cuda else "cpu", **_versions(), "model": args.variant, "lora_rank": args.rank,
             "lora_targets": "default", "batch": 1, "grad_ckpt": True, "command": _command(), "note": args.note}

@@ -30,14 +30,12 @@ model predicts (engine/offload/steptime.py) on the link measured here (through t
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import gc
 import os
 import re
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import torch
@@ -45,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_bench import (  # noqa: E402
     StepRecorder, _command, _gpu_name, _versions, build_random_model, row_emitter, training_row,
-    write_synthetic_cache,
+    write_synthetic_cache, new_run_id,
 )
 
 STREAM = re.compile(r"^stream-k(\d)(-act)?(?:-c(\d+))?(-host)?(?:-m(\d+))?(?:-b([0-9.]+))?$")
@@ -217,7 +215,7 @@ def main(argv=None) -> int:
     device = torch.device("cuda")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    run_id = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
+    run_id = new_run_id()
     from lowvram_lora.engine.offload.link import ENV_EMULATE_GBPS, resolve_machine
 
     def use_link(gbps: float):

@@ -38,13 +38,12 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_bench import GB, GIB, StepRecorder, _command, _gpu_name, _versions, write_synthetic_cache  # noqa: E402
+from train_bench import GB, GIB, StepRecorder, _command, _gpu_name, _versions, write_synthetic_cache, new_run_id  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- model
@@ -266,7 +265,7 @@ def main(argv=None) -> int:
     dtype = resolve_dtype(args.dtype, device)
     cuda = device.type == "cuda"
     modes = [m for m in args.modes if cuda or m == "resident"]
-    run_id = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
+    run_id = new_run_id()
     versions, command, gpu = _versions(), _command(), _gpu_name(device)
     print(f"run {run_id} on {gpu}: {versions}\ncommand: {command}", flush=True)
     t0 = time.perf_counter()

@@ -21,22 +21,21 @@ images/s = batch x world size / step s; scaling = dp images/s / (one images/s x 
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import gc
 import json
 import os
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_bench import (  # noqa: E402
-    StepRecorder, _command, _gpu_name, _versions, build_random_model, row_emitter, training_row,
+    StepRecorder, _command, _gpu_name, _versions, build_random_model, row_emitter, training_row, new_run_id,
 )
+from bench_flux2 import to_streamed_form  # noqa: E402
 
 for _k, _v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
     os.environ.setdefault(_k, _v)
@@ -88,7 +87,7 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     flag_dir = Path(os.environ.get("BENCH_FLAG_DIR", out.parent))
     dp_flag = flag_dir / f".dp-start-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}"
-    run_id = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
+    run_id = new_run_id()
     base = {"run_id": run_id, "gpu": f"{me.world_size}x {_gpu_name(device)}", **_versions(), "model": args.variant,
             "lora_rank": args.rank, "lora_targets": "default", "batch": 1, "grad_ckpt": True, "res": args.res,
             "precision": args.precision, "budget_gb_per_gpu": args.budget, "command": _command(), "note": args.note,
@@ -146,7 +145,7 @@ def main(argv=None) -> int:
         dataset = _cache(Path(tmp.name), family, args.variant, cfg, args.res)
         if "resident" in args.modes:
             run("resident", model, family, dataset, None)
-        _to_streamed_form(model, family, args.precision, device)
+        to_streamed_form(model, family, args.precision, device)
         auto = OffloadConfig(mode="auto", vram_budget_gb=args.budget)
         if "one" in args.modes:
             run("one", model, family, dataset, auto)
@@ -162,7 +161,7 @@ def main(argv=None) -> int:
             model, family, cfg = build_random_model(args.variant, device, torch.bfloat16, 0.02, 0,
                                                     family_id=args.family)
             dataset = _cache(Path(tmp.name), family, args.variant, cfg, args.res)
-            _to_streamed_form(model, family, args.precision, device)
+            to_streamed_form(model, family, args.precision, device)
         torch.distributed.barrier()
         run("dp", model, family, dataset, OffloadConfig(mode="auto", vram_budget_gb=args.budget), ranks=ranks)
         shutdown()
@@ -175,20 +174,6 @@ def main(argv=None) -> int:
         print(json.dumps({m: r.get("plan") for m, r in rows.items()})[:4000])
     tmp.cleanup()
     return 0
-
-
-def _to_streamed_form(model, family, precision: str, device) -> None:
-    """Blocks to host memory (int8 slab layers when asked); what a loaded checkpoint looks like."""
-    from lowvram_lora.engine.offload.footprint import named_blocks
-
-    if precision == "int8":
-        from bench_flux2 import to_int8_on_host
-
-        to_int8_on_host(model, family, device)
-    else:
-        for _, block in named_blocks(model, family):
-            block.to("cpu")
-    torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -38,14 +38,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as _dt
 import inspect
 import json
 import re
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import torch
@@ -53,7 +51,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_bench import (  # noqa: E402
     StepRecorder, _command, _gpu_name, _versions, build_random_model, row_emitter, training_row,
-    write_synthetic_cache,
+    write_synthetic_cache, new_run_id,
 )
 
 
@@ -221,7 +219,6 @@ def main(argv=None) -> int:
 
     from lowvram_lora.engine import sampling as sampling_mod
     from lowvram_lora.engine.config import LoraSettings, ModelConfig, TrainConfig
-    from lowvram_lora.engine.offload.footprint import named_blocks
     from lowvram_lora.engine.sampling import SamplingConfig, decode_latents, sample_latents
     from lowvram_lora.engine.train import train_lora
 
@@ -233,7 +230,7 @@ def main(argv=None) -> int:
     res = 64 if args.tiny else args.res
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    run_id = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
+    run_id = new_run_id()
     emit = row_emitter(out, {"run_id": run_id, "gpu": _gpu_name(device), **_versions(), "model": variant,
                              "lora_rank": 16, "batch": 1, "res": res, "prompts": args.prompts,
                              "command": _command(), "bench": "sampling"})
@@ -313,14 +310,10 @@ def main(argv=None) -> int:
             continue
         offload = offload_for(mode) if cuda else None  # the CPU check trains resident (streaming needs CUDA)
         if on_gpu and cuda:
-            for _, block in named_blocks(model, family):
-                block.to("cpu")
-            torch.cuda.empty_cache()
-            if args.precision == "int8":
-                from bench_flux2 import to_int8_on_host
+            from bench_flux2 import to_streamed_form
 
-                to_int8_on_host(model, family, device)
-                precision = "int8"
+            to_streamed_form(model, family, args.precision, device)
+            precision = args.precision
         on_gpu = False
         if cuda:
             torch.cuda.reset_peak_memory_stats()

@@ -18,21 +18,19 @@ On the GPU machine (carry .whl)::
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import gc
 import json
 import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_bench import (  # noqa: E402
-    GB, StepRecorder, _command, _gpu_name, _versions, row_emitter, training_row, write_synthetic_cache,
+    GB, StepRecorder, _command, _gpu_name, _versions, row_emitter, training_row, write_synthetic_cache, new_run_id,
 )
 
 BUILD_CHILD = """
@@ -100,7 +98,7 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    run_id = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
+    run_id = new_run_id()
     base = {"run_id": run_id, "gpu": _gpu_name(device), **_versions(), "model": args.variant, "res": args.res,
             "lora_rank": args.rank, "lora_targets": "default", "batch": 1, "grad_ckpt": True,
             "command": _command(), "note": args.note}

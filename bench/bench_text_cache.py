@@ -15,17 +15,15 @@ the files in the page cache (just written; ``--warm`` reads them once more first
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_bench import GB, _command, _gpu_name, _versions  # noqa: E402
+from train_bench import GB, _command, _gpu_name, _versions, new_run_id, row_emitter  # noqa: E402
 
 # Mistral-Small-3.x 24B text part (comfy/text_encoders/llama.py Mistral3Small24BConfig; HF config).
 MISTRAL_24B = dict(vocab_size=131072, hidden_size=5120, intermediate_size=32768, num_hidden_layers=40,
@@ -157,18 +155,14 @@ def main(argv=None) -> int:
     out = encode_stacked(root, spec, captions, device, torch.bfloat16, args.max_length)
     torch.cuda.synchronize(device)
     wall = time.perf_counter() - t
-    row = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-           "run_id": _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6],
-           "gpu": _gpu_name(device), **_versions(), "model": model_name, "family": args.family,
-           "mode": "text-cache-layer-major", "res": None, "step_s": None, "captions": args.captions,
-           "max_length": args.max_length, "wall_s": round(wall, 2),
-           "peak_alloc_gb": round(torch.cuda.max_memory_allocated(device) / GB, 3),
-           "peak_reserved_gb": round(torch.cuda.max_memory_reserved(device) / GB, 3),
-           "embed_shape": list(out[0].shape), "command": _command(), "note": args.note}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "a") as f:
-        f.write(json.dumps(row) + "\n")
-    print("ROW", json.dumps({k: v for k, v in row.items() if k != "command"}), flush=True)
+    emit = row_emitter(Path(args.out), {"run_id": new_run_id(), "gpu": _gpu_name(device), **_versions()})
+    emit({"model": model_name, "family": args.family,
+          "mode": "text-cache-layer-major", "res": None, "step_s": None, "captions": args.captions,
+          "max_length": args.max_length, "wall_s": round(wall, 2),
+          "peak_alloc_gb": round(torch.cuda.max_memory_allocated(device) / GB, 3),
+          "peak_reserved_gb": round(torch.cuda.max_memory_reserved(device) / GB, 3),
+          "embed_shape": list(out[0].shape), "command": _command(), "note": args.note})
     return 0
 
 

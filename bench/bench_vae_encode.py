@@ -12,17 +12,14 @@ does not depend on the weights' values, so the time and memory are the real ones
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_bench import GB, _command, _gpu_name, _versions  # noqa: E402
+from train_bench import GB, _command, _gpu_name, _versions, new_run_id, row_emitter  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -70,19 +67,15 @@ def main(argv=None) -> int:
     wall = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated(device) / GB if device.type == "cuda" else None
     reserved = torch.cuda.max_memory_reserved(device) / GB if device.type == "cuda" else None
-    row = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-           "run_id": _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6],
-           "gpu": _gpu_name(device), **_versions(), "model": f"{args.vae}-vae", "family": "wan",
-           "mode": "vae-encode-clips", "res": args.res, "step_s": None, "clips": args.clips,
-           "wall_s": round(wall, 2), "s_per_clip_median": round(sorted(times)[len(times) // 2], 3),
-           "first_clip_s": round(times[0], 3),
-           "peak_alloc_gb": round(peak, 3) if peak is not None else None,
-           "peak_reserved_gb": round(reserved, 3) if reserved is not None else None,
-           "latent_shape": list(latents[0].shape), "command": _command(), "note": args.note}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "a") as f:
-        f.write(json.dumps(row) + "\n")
-    print("ROW", json.dumps({k: v for k, v in row.items() if k != "command"}), flush=True)
+    emit = row_emitter(Path(args.out), {"run_id": new_run_id(), "gpu": _gpu_name(device), **_versions()})
+    emit({"model": f"{args.vae}-vae", "family": "wan",
+          "mode": "vae-encode-clips", "res": args.res, "step_s": None, "clips": args.clips,
+          "wall_s": round(wall, 2), "s_per_clip_median": round(sorted(times)[len(times) // 2], 3),
+          "first_clip_s": round(times[0], 3),
+          "peak_alloc_gb": round(peak, 3) if peak is not None else None,
+          "peak_reserved_gb": round(reserved, 3) if reserved is not None else None,
+          "latent_shape": list(latents[0].shape), "command": _command(), "note": args.note})
     return 0
 
 

@@ -25,13 +25,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime as _dt
 import gc
 import json
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import torch
@@ -40,7 +38,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_bench import (  # noqa: E402
     StepRecorder, _command, _gpu_name, _versions, build_random_model, row_emitter, training_row,
-    write_synthetic_cache,
+    write_synthetic_cache, new_run_id,
 )
 
 
@@ -169,7 +167,7 @@ def main(argv=None) -> int:
     device = torch.device("cuda")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    run_id = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
+    run_id = new_run_id()
     base = {"run_id": run_id, "gpu": _gpu_name(device), **_versions(), "model": args.variant, "res": args.res,
             "lora_rank": args.rank, "lora_targets": "default", "batch": 1, "grad_ckpt": True,
             "command": _command(), "note": args.note}

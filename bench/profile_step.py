@@ -152,21 +152,14 @@ def remove_annotations() -> None:
 
 def place_for(mode: str, offload, state: dict, model, family, precision: str, device: torch.device) -> None:
     """Streamed modes want the blocks on the host (int8: quantized on the GPU block by block, then moved, as
-    bench_flux2.to_int8_on_host does); resident modes want them on the device, so they must come first."""
-    from lowvram_lora.engine.offload.footprint import named_blocks
-
+    bench_flux2.to_streamed_form does); resident modes want them on the device, so they must come first."""
     streams = offload is not None and offload.mode != "resident"
     if streams and state["on_device"]:
         if device.type != "cuda":
             raise SystemExit(f"{mode}: streaming needs CUDA; on the CPU (--tiny) profile resident modes only")
-        if precision == "int8":
-            from bench_flux2 import to_int8_on_host
+        from bench_flux2 import to_streamed_form
 
-            to_int8_on_host(model, family, device)
-        else:
-            for _, block in named_blocks(model, family):
-                block.to("cpu")
-        torch.cuda.empty_cache()
+        to_streamed_form(model, family, precision, device)
         state["on_device"], state["precision"] = False, precision
     if not streams and not state["on_device"]:
         raise SystemExit("list the resident modes before the streamed ones (the blocks have left the device)")

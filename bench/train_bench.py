@@ -214,6 +214,11 @@ def _report_profile(prof, label: str, step_s: float, out_dir: Path) -> None:
     (out_dir / name).write_text(summary + "\n" + text + "\n" + by_cpu)
 
 
+def new_run_id() -> str:
+    """A run's id in the results: its UTC start time and 6 random hex digits."""
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
+
+
 def row_emitter(out: Path, base: dict):
     """``emit(row)``: stamp the date and the run's common fields, append to ``out`` (jsonl), print a
     short ROW line (without the per-step lists); returns the full row. Shared by the bench scripts."""
@@ -313,7 +318,7 @@ def main(argv=None) -> int:
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    run_id = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
+    run_id = new_run_id()
     versions = _versions()
     command = _command()
     gpu = _gpu_name(device)

@@ -15,19 +15,18 @@ import torch
 
 def training_attention(device: torch.device):
     """The backends of a training step: cuDNN's left out (its backward fails under gradient checkpointing)."""
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+    return _backends(device, "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 
 
 def forward_attention(device: torch.device):
     """The backends of a forward without backward (sampling): all of them, torch's default priority (which puts
     cuDNN first where it is fastest), also inside a training step's scope, which left cuDNN out."""
+    return _backends(device, "CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+
+
+def _backends(device: torch.device, *names: str):
     if device.type != "cuda":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    return sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                        SDPBackend.MATH])
+    return sdpa_kernel([getattr(SDPBackend, n) for n in names])

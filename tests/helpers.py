@@ -76,6 +76,22 @@ def family_inputs(model, family, width=64, height=64, length=7, sigma=0.4):
     return latents, embeds, torch.tensor([sigma])
 
 
+def flow_steps(model, family, guidance: float = 1.0, device=None):
+    """Two micro-steps of the flow loss on ``family_inputs`` (texts of 8 and 9 tokens, targets from seeds 1 and 2),
+    each with its backward: (losses, the LoRA gradients as fp32 CPU copies). ``device``: where the inputs go."""
+    losses = []
+    for seed in (1, 2):
+        latents, embeds, sigma = family_inputs(model, family, length=7 + seed)
+        target = torch.randn(latents.shape, generator=torch.Generator().manual_seed(seed))
+        if device is not None:
+            latents, sigma, target = latents.to(device), sigma.to(device), target.to(device)
+            embeds = {k: v.to(device) for k, v in embeds.items()}
+        loss = torch.nn.functional.mse_loss(family.predict_velocity(model, latents, embeds, sigma, guidance), target)
+        loss.backward()
+        losses.append(loss.item())
+    return losses, {n: p.grad.detach().float().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
 def block_inputs(model, family):
     """Model inputs for the tiny Flux.1 (16x16 latents) or Flux.2 (8x8) transformer at t=0.4."""
     cfg = model.config

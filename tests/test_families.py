@@ -15,7 +15,7 @@ import copy
 
 import pytest
 import torch
-from helpers import family_inputs
+from helpers import family_inputs, flow_steps
 
 from lowvram_lora.engine.config import LoraSettings
 from lowvram_lora.engine.families import families, get_family, meta_model
@@ -103,17 +103,6 @@ def _lora_model(family, seed=0):
     return model.train()
 
 
-def _steps(model, family):
-    losses = []
-    for seed in (1, 2):
-        latents, embeds, sigma = family_inputs(model, family, length=7 + seed)
-        target = torch.randn(latents.shape, generator=torch.Generator().manual_seed(seed))
-        loss = torch.nn.functional.mse_loss(family.predict_velocity(model, latents, embeds, sigma, 1.0), target)
-        loss.backward()
-        losses.append(loss.item())
-    return losses
-
-
 @pytest.mark.parametrize("act", [False, True])
 @pytest.mark.parametrize("family_id", FAMILIES)
 def test_streamed_gradients_equal_resident(family_id, act):
@@ -124,7 +113,7 @@ def test_streamed_gradients_equal_resident(family_id, act):
     family = get_family(family_id)
     ref = _lora_model(family)
     model = copy.deepcopy(ref)
-    want = _steps(ref, family)
+    want, _ = flow_steps(ref, family)
     plan = build_plan(measure_footprint(model, family), Workload(1, 64, 9), (), 1, act)
     handle = apply_offload(model, family, OffloadConfig(mode="stream"), torch.device("cpu"), plan=plan,
                            _engine_factory=InlineCopyEngine)
@@ -132,7 +121,7 @@ def test_streamed_gradients_equal_resident(family_id, act):
 
     recompute = install_chunked_recompute(model, family, 1)  # as training does: every block checkpointed
     try:
-        got = _steps(model, family)
+        got, _ = flow_steps(model, family)
         assert got == pytest.approx(want, rel=1e-6)
         g_ref = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
         g = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
@@ -158,11 +147,11 @@ def test_token_chunked_recompute_gives_the_same_losses_and_gradients(family_id):
     family = get_family(family_id)
     ref = _lora_model(family)
     model = copy.deepcopy(ref)
-    want = _steps(ref, family)
+    want, _ = flow_steps(ref, family)
     recompute = install_chunked_recompute(model, family, 3)
     try:
         assert any("forward" in vars(m) for m in model.modules()), "install_chunked_recompute changed nothing"
-        got = _steps(model, family)
+        got, _ = flow_steps(model, family)
     finally:
         recompute.remove()
     assert got == pytest.approx(want, rel=1e-5)
@@ -186,13 +175,13 @@ def test_training_checkpoints_every_block_with_the_same_result(family_id):
     ref = _lora_model(family)
     ref.disable_gradient_checkpointing()
     model = copy.deepcopy(ref)
-    want = _steps(ref, family)
+    want, _ = flow_steps(ref, family)
     seen = []
     model.enable_gradient_checkpointing(gradient_checkpointing_func=lambda block, *args: seen.append(id(block))
                                         or checkpoint(block, *args, use_reentrant=False))
     recompute = install_chunked_recompute(model, family, 1)
     try:
-        got = _steps(model, family)
+        got, _ = flow_steps(model, family)
     finally:
         recompute.remove()
     assert got == pytest.approx(want, rel=1e-6)
@@ -240,25 +229,13 @@ def test_streamed_on_cuda_equals_resident(family_id, act):
     ref.to(device)
     undo_ref = install_chunked_recompute(ref, family, 1)
 
-    def steps(m):
-        losses = []
-        for seed in (1, 2):
-            latents, embeds, sigma = family_inputs(m, family, length=7 + seed)
-            latents, sigma = latents.to(device), sigma.to(device)
-            embeds = {k: v.to(device) for k, v in embeds.items()}
-            target = torch.randn(latents.shape, generator=torch.Generator().manual_seed(seed)).to(device)
-            loss = torch.nn.functional.mse_loss(family.predict_velocity(m, latents, embeds, sigma, 1.0), target)
-            loss.backward()
-            losses.append(loss.item())
-        return losses
-
-    want = steps(ref)
+    want, _ = flow_steps(ref, family, device=device)
     undo_ref.remove()
     plan = build_plan(measure_footprint(model, family), Workload(1, 64, 9), (), 1, act)
     handle = apply_offload(model, family, OffloadConfig(mode="stream"), device, plan=plan)
     recompute = install_chunked_recompute(model, family, 1)
     try:
-        got = steps(model)
+        got, _ = flow_steps(model, family, device=device)
         torch.cuda.synchronize()
         assert got == pytest.approx(want, rel=1e-4)
         g_ref = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}

@@ -16,27 +16,16 @@ from lowvram_lora.engine.offload.host import frozen_bytes
 from lowvram_lora.engine.offload.plan import GB, make_plan
 from lowvram_lora.engine.offload.streamer import InlineCopyEngine, apply_offload
 
-from helpers import family_inputs, tiny_lora_model
+from helpers import flow_steps, tiny_lora_model
 
 FAMILY = get_family("flux2")
-
-
-def _steps(model, n=2):
-    losses = []
-    for seed in range(1, n + 1):
-        latents, embeds, sigma = family_inputs(model, FAMILY, length=7 + seed)
-        target = torch.randn(latents.shape, generator=torch.Generator().manual_seed(seed))
-        loss = torch.nn.functional.mse_loss(FAMILY.predict_velocity(model, latents, embeds, sigma, 4.0), target)
-        loss.backward()
-        losses.append(loss.item())
-    return losses, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
 @pytest.mark.parametrize("act", [False, True])
 def test_held_outer_layers_train_like_the_resident_model(act):
     ref, _ = tiny_lora_model("flux2", 2, 2)
     model = copy.deepcopy(ref)
-    want, want_grads = _steps(ref)
+    want, want_grads = flow_steps(ref, FAMILY, 4.0)
     held = outer_modules(model, FAMILY)
     assert [n for n, _ in held] == list(FAMILY.int8_extra_linears)  # all four exist in the tiny model too
     fp = measure_footprint(model, FAMILY)
@@ -47,7 +36,7 @@ def test_held_outer_layers_train_like_the_resident_model(act):
     try:
         hooks = [h for _, h in handle.outer.hooks]
         assert len(hooks) == len(held)
-        got, grads = _steps(model)
+        got, grads = flow_steps(model, FAMILY, 4.0)
         assert [h.copies for h in hooks] == [2] * len(hooks)  # once per forward, never in the backward
         assert all(h.host.bound_to_host() for h in hooks)  # back on the host buffer after each run
     finally:
@@ -115,23 +104,11 @@ def test_held_outer_layers_on_cuda_train_like_the_resident_model():
     model = copy.deepcopy(ref)
     ref.to(device)
 
-    def steps(m):
-        losses = []
-        for seed in (1, 2):
-            latents, embeds, sigma = family_inputs(m, FAMILY, length=7 + seed)
-            latents, sigma = latents.to(device), sigma.to(device)
-            embeds = {k: v.to(device) for k, v in embeds.items()}
-            target = torch.randn(latents.shape, generator=torch.Generator().manual_seed(seed)).to(device)
-            loss = torch.nn.functional.mse_loss(FAMILY.predict_velocity(m, latents, embeds, sigma, 4.0), target)
-            loss.backward()
-            losses.append(loss.item())
-        return losses, {n: p.grad.float().cpu() for n, p in m.named_parameters() if p.requires_grad}
-
-    want, want_grads = steps(ref)
+    want, want_grads = flow_steps(ref, FAMILY, 4.0, device)
     plan = build_plan(measure_footprint(model, FAMILY), Workload(1, 64, 9), (), 1, True, outer_on_host=True)
     handle = apply_offload(model, FAMILY, OffloadConfig(mode="stream"), device, plan=plan)
     try:
-        got, grads = steps(model)
+        got, grads = flow_steps(model, FAMILY, 4.0, device)
         hooks = [h for _, h in handle.outer.hooks]
         assert all(h.host.pinned and h.host.bound_to_host() and h.copies == 2 for h in hooks)
     finally:

@@ -76,10 +76,14 @@ def test_batched_previews_equal_each_prompt_alone(family_id, tiny_models):
                                   rule=rule, negatives=negatives)
         one_row = sample_prompts(model, family, prompts, width, height, steps, 5, guidance, CPU, torch.float32,
                                  rule=rule, negatives=negatives, max_rows=1)
-        for a, b, c in zip(alone, together, one_row):
-            assert b.shape == a.shape == c.shape
+        # Two rows at most: 3 prompts as 2 + 1 forwards, 6 rows (with guidance) as 2 + 2 + 2 (batch_rows' even split).
+        two_rows = sample_prompts(model, family, prompts, width, height, steps, 5, guidance, CPU, torch.float32,
+                                  rule=rule, negatives=negatives, max_rows=2)
+        for a, b, c, d in zip(alone, together, one_row, two_rows):
+            assert b.shape == a.shape == c.shape == d.shape
             torch.testing.assert_close(b, a, **TOL)
             torch.testing.assert_close(c, a, **TOL)
+            torch.testing.assert_close(d, a, **TOL)
         assert (together[0] - together[1]).abs().max() > 1e-3  # the prompts do differ (no broadcast of one row)
 
 

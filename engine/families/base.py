@@ -350,6 +350,14 @@ class ModelFamily(ABC):
     #: once per forward on frozen inputs, so streaming may also hold them in pinned host memory between runs
     #: (``OffloadConfig.outer_on_host``, engine/offload/outer.py).
     int8_extra_linears: ClassVar[tuple[str, ...]] = ()
+    # Which rows each block Linear multiplies (``linear_tokens``; the step-time model's FLOPs). Block lists that run
+    # on one kind of tokens ({list name: "image" | "text"}: a refiner, Wan's video-only sequence); Linears (name
+    # prefixes within a block) fed by the time embedding alone (AdaLN modulation: one row per sample); Linears that
+    # run on the text tokens; block lists whose blocks are dual-stream (their other Linears run on the image tokens).
+    block_list_tokens: ClassVar[dict[str, str]] = {}
+    modulation_linears: ClassVar[tuple[str, ...]] = ()
+    text_linears: ClassVar[tuple[str, ...]] = ()
+    dual_stream_lists: ClassVar[tuple[str, ...]] = ()
     #: A block's recompute + backward working set against Flux.1's at the same tokens x width (the
     #: planner's constants are Flux.1 fits). Fitted on GPU rows per family.
     activation_scale: ClassVar[float] = 1.0
@@ -523,16 +531,22 @@ class ModelFamily(ABC):
         return [getattr(model, name) for name in self.lora_targets]
 
     def block_tokens(self, block: str) -> str:
-        """Which tokens a block runs on, by its name in ``named_blocks`` (``"layers.0"``): ``"all"`` (the image and
-        text tokens as one sequence: the default), ``"image"`` or ``"text"`` (a refiner of one of them). The step-time
-        model counts each block's FLOPs with it (engine/offload/steptime.py)."""
-        return "all"
+        """Which tokens a block runs on, by its name in ``named_blocks`` (``"layers.0"``): its list's entry in
+        ``block_list_tokens``, else ``"all"`` (the image and text tokens as one sequence). The step-time model counts
+        each block's FLOPs with it (engine/offload/steptime.py)."""
+        return self.block_list_tokens.get(block.rpartition(".")[0], "all")
 
     def linear_tokens(self, block: str, linear: str) -> str:
         """Which rows a frozen Linear of a block multiplies, by the block's name and the Linear's within it
-        (``"attn.add_q_proj"``): ``"all"``, ``"image"``, ``"text"`` (one stream of a dual-stream block), or
-        ``"vector"`` (one row per sample: an AdaLN modulation fed by the time embedding, a third of a Flux.1 double
-        block's weights for almost none of its FLOPs). The default: the block's tokens."""
+        (``"attn.add_q_proj"``): ``"vector"`` (``modulation_linears``: one row per sample), ``"text"``
+        (``text_linears``), ``"image"`` (any other Linear of a ``dual_stream_lists`` block), else the block's
+        tokens. Checked against torch's FLOP counter for every family (tests/test_step_flops.py)."""
+        if linear.startswith(self.modulation_linears):
+            return "vector"
+        if linear.startswith(self.text_linears):
+            return "text"
+        if block.rpartition(".")[0] in self.dual_stream_lists:
+            return "image"
         return self.block_tokens(block)
 
     def block_parts(self, block: nn.Module) -> list[tuple[str, nn.Module]] | None:
@@ -571,14 +585,6 @@ class ModelFamily(ABC):
 
     def __repr__(self) -> str:
         return f"<family {self.id}>"
-
-
-def dual_stream_tokens(linear: str, text: tuple[str, ...], vector: tuple[str, ...] = ()) -> str:
-    """``ModelFamily.linear_tokens`` of a dual-stream (MMDiT) block: ``"vector"`` for a Linear whose name starts
-    with one of ``vector``, ``"text"`` for ``text``, else ``"image"``."""
-    if linear.startswith(vector) and vector:
-        return "vector"
-    return "text" if linear.startswith(text) else "image"
 
 
 def family_package(family: ModelFamily) -> str:

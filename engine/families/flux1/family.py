@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..base import Guidance, ModelFamily, TextEncoderSpec, dual_stream_tokens
+from ..base import Guidance, ModelFamily, TextEncoderSpec
 from ..names import NativeParam
 from ..patches import linear_mu, pack_2x2, unpack_2x2
 from .names import flux1_param_table
@@ -32,6 +32,10 @@ _T5 = TextEncoderSpec("text_encoder_2", "tokenizer_2", "t5", 512, "prompt_embeds
 
 class Flux1Family(ModelFamily):
     id = "flux1"
+    # Which rows the block Linears multiply (ModelFamily.linear_tokens: the step-time model's FLOPs).
+    modulation_linears = ("norm1.linear", "norm1_context.linear", "norm.linear")
+    text_linears = ("attn.add_", "attn.to_add_out", "ff_context.")
+    dual_stream_lists = ("transformer_blocks",)
     display_name = "Flux.1"
     variants = {
         "flux1-dev": "flux1-dev.json",
@@ -149,14 +153,6 @@ class Flux1Family(ModelFamily):
             chunk_token_wise(block.ff_context, chunks, undo)
         for block in model.single_transformer_blocks:
             undo.set_forward(block, types.MethodType(single_block_forward_chunked(chunks), block))
-
-    def linear_tokens(self, block: str, linear: str) -> str:
-        """Double blocks: the ``context`` stream's Linears run on the text tokens, the rest on the image's; every
-        block's AdaLN modulation (``norm*.linear``) on the time embedding alone."""
-        if block.startswith("single_transformer_blocks."):
-            return "vector" if linear == "norm.linear" else "all"
-        return dual_stream_tokens(linear, text=("attn.add_", "attn.to_add_out", "ff_context."),
-                                  vector=("norm1.linear", "norm1_context.linear"))
 
     def block_parts(self, block: nn.Module):
         """A double block streams as two parts: modulation + attention (0.38 GB bf16 at full size) and the

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..base import Guidance, ModelFamily, PromptTemplate, TextEncoderSpec, VaeSpec, dual_stream_tokens
+from ..base import Guidance, ModelFamily, PromptTemplate, TextEncoderSpec, VaeSpec
 from .names import flux2_param_table
 
 # LoRA targets: every attention projection of the double blocks, image and text streams
@@ -137,6 +137,9 @@ def unpatchify(latents: torch.Tensor) -> torch.Tensor:
 
 class Flux2Family(ModelFamily):
     id = "flux2"
+    # Which rows the block Linears multiply (ModelFamily.linear_tokens: the step-time model's FLOPs).
+    text_linears = ("attn.add_", "attn.to_add_out", "ff_context.")  # its modulation is global, outside the blocks
+    dual_stream_lists = ("transformer_blocks",)
     display_name = "Flux.2"
     variants = {
         "flux2-dev": "flux2-dev.json",
@@ -274,13 +277,6 @@ class Flux2Family(ModelFamily):
         for block in model.transformer_blocks:
             chunk_token_wise(block.ff, chunks, undo)
             chunk_token_wise(block.ff_context, chunks, undo)
-
-    def linear_tokens(self, block: str, linear: str) -> str:
-        """Double blocks: the ``context`` stream's Linears run on the text tokens, the rest on the image's (the
-        modulation is global, outside the blocks); single blocks on all."""
-        if block.startswith("single_transformer_blocks."):
-            return "all"
-        return dual_stream_tokens(linear, text=("attn.add_", "attn.to_add_out", "ff_context."))
 
     def block_parts(self, block: nn.Module):
         """A double block streams as two parts: attention (0.60 GB bf16 at Flux.2-dev's size) and the

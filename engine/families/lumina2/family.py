@@ -54,6 +54,9 @@ def _gemma(max_length: int, last_layer: int) -> TextEncoderSpec:
 
 class Lumina2Family(ModelFamily):
     id = "lumina2"
+    # Which rows the block Linears multiply (ModelFamily.linear_tokens: the step-time model's FLOPs).
+    block_list_tokens = {"context_refiner": "text", "noise_refiner": "image"}
+    modulation_linears = ("norm1.linear",)
     display_name = "Lumina 2"
     diffusers_class_name = "Lumina2Transformer2DModel"
     variants = {
@@ -115,16 +118,6 @@ class Lumina2Family(ModelFamily):
         return {"prompt_embeds": int(config["cap_feat_dim"])}
 
     # --- latents ---------------------------------------------------------------------------------
-
-    def block_tokens(self, block: str) -> str:
-        """The refiners run on one kind of tokens before the joint layers: ``context_refiner`` the text's,
-        ``noise_refiner`` the image's."""
-        if block.startswith("context_refiner."):
-            return "text"
-        return "image" if block.startswith("noise_refiner.") else "all"
-
-    def linear_tokens(self, block: str, linear: str) -> str:
-        return "vector" if linear.startswith("norm1.linear") else self.block_tokens(block)
 
     def hidden_size(self, config: dict[str, Any]) -> int:
         return int(config["hidden_size"])

@@ -36,8 +36,7 @@ import torch
 from torch import nn
 
 from ...errors import ConfigError
-from ..base import (ControlImages, Guidance, ModelFamily, PromptTemplate, TextEncoderSpec, dual_stream_tokens,
-                    sigma_schedule)
+from ..base import ControlImages, Guidance, ModelFamily, PromptTemplate, TextEncoderSpec, sigma_schedule
 from ..names import NativeParam
 from ..patches import linear_mu, pack_2x2, unpack_2x2
 from ..wan_vae import WanVaeSpec
@@ -79,6 +78,10 @@ INDEX_TIMESTEP_ZERO = "__index_timestep_zero__"
 
 class QwenImageFamily(ModelFamily):
     id = "qwen_image"
+    # Which rows the block Linears multiply (ModelFamily.linear_tokens: the step-time model's FLOPs).
+    modulation_linears = ("img_mod.", "txt_mod.")
+    text_linears = ("attn.add_", "attn.to_add_out", "txt_mlp.")
+    dual_stream_lists = ("transformer_blocks",)
     display_name = "Qwen-Image"
     diffusers_class_name = "QwenImageTransformer2DModel"
     variants = {
@@ -112,12 +115,6 @@ class QwenImageFamily(ModelFamily):
     }
 
     # --- identity --------------------------------------------------------------------------------
-
-    def linear_tokens(self, block: str, linear: str) -> str:
-        """Every block is dual-stream: ``txt_*`` and the added projections on the text tokens, the rest on the
-        image's; ``img_mod`` / ``txt_mod`` on the time embedding alone."""
-        return dual_stream_tokens(linear, text=("attn.add_", "attn.to_add_out", "txt_mlp."),
-                                  vector=("img_mod.", "txt_mod."))
 
     def looks_like_single_file(self, keys: set[str]) -> bool:
         """ComfyUI's own test (model_detection: ``txt_norm.weight``) plus the double-stream block modulation."""

@@ -65,6 +65,10 @@ def _spatial(out_channels: int) -> int:
 
 class WanFamily(ModelFamily):
     id = "wan"
+    # Which rows the block Linears multiply (ModelFamily.linear_tokens: the step-time model's FLOPs).
+    # The sequence is the video's tokens; the text enters only as cross-attention keys and values.
+    block_list_tokens = {"blocks": "image"}
+    text_linears = ("attn2.to_k", "attn2.to_v")
     display_name = "Wan"
     diffusers_class_name = "WanTransformer3DModel"
     variants = {
@@ -219,13 +223,6 @@ class WanFamily(ModelFamily):
     #: for a [1, 1, 5120] input); the parts now hand their modulation vectors on as constants
     #: (``constant_outputs``), so no part is asked for that gradient. A switch for tests and benches.
     stream_in_parts: ClassVar[bool] = True
-
-    def block_tokens(self, block: str) -> str:
-        """A block's sequence is the video's tokens; the text enters only as cross-attention keys and values."""
-        return "image"
-
-    def linear_tokens(self, block: str, linear: str) -> str:
-        return "text" if linear in ("attn2.to_k", "attn2.to_v") else "image"
 
     def block_parts(self, block: nn.Module):
         """With ``stream_in_parts``: a block as three parts (``parts.py``): self-attention (with the block's

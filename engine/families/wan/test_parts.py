@@ -202,7 +202,7 @@ def test_parts_with_activation_offload_train_like_the_resident_model(backend):
     states handed from part to part leave as constants (the time embedding and the text are frozen), so no part
     computes a gradient for them (compiled: AOTAutograd, whose CompiledFunctionBackward once returned the FFN part
     one in the wrong shape on the H100: "invalid gradient at index 1 - got [D] but expected [1, 1, D]")."""
-    from helpers import family_inputs
+    from helpers import flow_steps
     from lowvram_lora.engine.families.tiny import randomize_zero_inits
     from lowvram_lora.engine.config import LoraSettings
     from lowvram_lora.engine.offload import OffloadConfig, Workload, build_plan
@@ -225,17 +225,7 @@ def test_parts_with_activation_offload_train_like_the_resident_model(backend):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
     model = copy.deepcopy(ref)
 
-    def steps(m):
-        losses = []
-        for seed in (1, 2):
-            latents, embeds, sigma = family_inputs(m, FAMILY, length=7 + seed)
-            target = torch.randn(latents.shape, generator=torch.Generator().manual_seed(seed))
-            loss = torch.nn.functional.mse_loss(FAMILY.predict_velocity(m, latents, embeds, sigma, 1.0), target)
-            loss.backward()
-            losses.append(loss.item())
-        return losses, {n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad}
-
-    want, want_grads = steps(ref)
+    want, want_grads = flow_steps(ref, FAMILY)
     plan = build_plan(measure_footprint(model, FAMILY), Workload(1, 64, 9), (), 1, True)
     handle = apply_offload(model, FAMILY, OffloadConfig(mode="stream"), torch.device("cpu"), plan=plan,
                            _engine_factory=InlineCopyEngine)
@@ -252,7 +242,7 @@ def test_parts_with_activation_offload_train_like_the_resident_model(backend):
     model._gradient_checkpointing_func = recording
     compiled = compile_mod.compile_blocks(model, FAMILY, 1.0, backend=backend) if backend != "eager" else None
     try:
-        got, grads = steps(model)
+        got, grads = flow_steps(model, FAMILY)
     finally:
         model._gradient_checkpointing_func = checkpoint
         if compiled is not None:

@@ -57,6 +57,9 @@ _TEMPLATE = PromptTemplate(style="chat", enable_thinking=True)  # ZImagePipeline
 
 class ZImageFamily(ModelFamily):
     id = "z_image"
+    # Which rows the block Linears multiply (ModelFamily.linear_tokens: the step-time model's FLOPs).
+    block_list_tokens = {"context_refiner": "text", "noise_refiner": "image"}
+    modulation_linears = ("adaLN_modulation.",)
     display_name = "Z-Image"
     diffusers_class_name = "ZImageTransformer2DModel"
     variants = {
@@ -129,16 +132,6 @@ class ZImageFamily(ModelFamily):
         if variant not in ("z-image-turbo", "z-image-base"):
             return variant  # the tiny model, or a custom config
         return "z-image-turbo" if "turbo" in name.lower() else "z-image-base"
-
-    def block_tokens(self, block: str) -> str:
-        """The refiners run on one kind of tokens before the joint layers: ``context_refiner`` the text's,
-        ``noise_refiner`` the image's."""
-        if block.startswith("context_refiner."):
-            return "text"
-        return "image" if block.startswith("noise_refiner.") else "all"
-
-    def linear_tokens(self, block: str, linear: str) -> str:
-        return "vector" if linear.startswith("adaLN_modulation.") else self.block_tokens(block)
 
     def hidden_size(self, config: dict[str, Any]) -> int:
         return int(config["dim"])
