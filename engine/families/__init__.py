@@ -1,11 +1,16 @@
-"""Model families, one folder each (``engine/families/<id>/``), behind one interface (``base.py``)."""
-from .base import (ControlImages, Guidance, ModelFamily, Prediction, PromptTemplate, TextEncoderSpec, TrainingTemplate, VaeSpec,
-                   meta_model, shared_config, sigma_schedule, text_architecture_config)
-from .registry import families, family_for_class_name, family_for_single_file, family_ids, get_family
+"""Model families, one folder each (``engine/families/<id>/``), behind one interface (``base.py``) and its specs
+(``specs/``)."""
+from .base import (ControlImages, Guidance, ModelFamily, PromptTemplate, TextEncoderSpec, TrainingTemplate, VaeSpec,
+                   default_max_sequence_length, image_only, meta_model, predict_velocity, shared_config,
+                   text_architecture_config)
+from .registry import (families, family_for_class_name, family_for_single_file, family_fixtures, family_ids,
+                       family_templates, get_family)
+from .specs import LoraForm, MemoryProfile, NoiseSchedule, Prediction, sigma_schedule, static_shift_mu
 
 __all__ = [
-    "ControlImages", "Guidance", "ModelFamily", "Prediction", "PromptTemplate", "TextEncoderSpec", "TrainingTemplate", "VaeSpec",
-    "families",
-    "family_for_class_name", "family_for_single_file", "family_ids", "get_family", "meta_model", "shared_config",
-    "sigma_schedule", "text_architecture_config",
+    "ControlImages", "Guidance", "LoraForm", "MemoryProfile", "ModelFamily", "NoiseSchedule", "Prediction",
+    "PromptTemplate", "TextEncoderSpec", "TrainingTemplate", "VaeSpec",
+    "default_max_sequence_length", "families", "family_fixtures", "family_for_class_name", "family_for_single_file",
+    "family_ids", "family_templates", "get_family", "image_only", "meta_model", "predict_velocity", "shared_config",
+    "sigma_schedule", "static_shift_mu", "text_architecture_config",
 ]

@@ -2,29 +2,31 @@
 
 A family lives in ``engine/families/<id>/``: its ``__init__.py`` defines ``FAMILY`` (an instance of a
 ``ModelFamily`` subclass); beside it sit its name map, block parts, shipped configs, tiny-model
-fixtures and workflow templates. The registry finds the folders by itself, so adding a family touches
-no file outside its folder.
+fixtures (``fixtures.py``) and workflow templates (``templates.py``). The registry finds the folders and
+those modules by their names, so adding a family touches no file outside its folder.
 
-The engine talks to families only through this class. Every member is declared here, typed, with a
-default where one makes sense; what a family can do beyond the minimum is declared as data
-(``int8_extra_linears``, ``block_parts``, ``chunked_recompute``), never probed with ``getattr``.
+The engine talks to families only through this class and its specs. The class is a small core (identity,
+text, latents, the forward); every other concern is a spec, a frozen dataclass in its own file under
+``engine/families/specs/`` that the family declares (a subclass of its own where it needs code), as the text
+encoders (``TextEncoderSpec``), the VAE (``VaeSpec``) and guidance (``Guidance``) are. Nothing is probed with
+``getattr``. A new capability is a new spec or handler file, not another member here.
 
 How the pieces flow:
 - identity: ``diffusers_class_name`` (a diffusers folder), ``looks_like_single_file`` + ``param_table``
   (a single file with native names), ``variants`` + ``structural_keys`` (which shipped config it is);
 - text: ``text_encoder_specs`` (kinds, templates, hidden layers, length policy) -> the dataset cache;
-- latents: ``vae`` / ``vae_for(variant)`` (``VaeSpec``): pixels <-> what the transformer takes, N-D (images;
+- latents: ``vae_for(variant)`` (``VaeSpec``): pixels <-> what the transformer takes, N-D (images;
   video clips as (C, F', h, w), an image one frame);
-- training: ``model_inputs`` + ``unpack_prediction`` under the family's ``prediction`` convention
-  (the timestep it is given, the sign of its output) and its timestep shift;
-- memory: ``block_lists`` (execution order), ``block_parts``, ``chunked_recompute``,
-  ``activation_scale`` (``parts_activation_scale`` for blocks in parts), ``image_tokens``;
-- LoRA: ``lora_targets`` (default modules), ``comfyui_lora_form`` (how ComfyUI's loader wants them).
+- the forward: ``model_inputs`` + ``unpack_prediction`` (``predict_velocity`` below puts them together);
+- ``schedule`` (``NoiseSchedule``): the prediction convention (the timestep the model is given, the sign of its
+  output), the training and sampling shifts, sigmas and ranges;
+- ``memory`` (``MemoryProfile``): block lists (execution order), blocks in parts, chunked recompute, the
+  activation scales, the rows each Linear multiplies, the planner's token counts;
+- ``lora`` (``LoraForm``): default targets, the form ComfyUI's loader wants, the file's architecture name.
 """
 from __future__ import annotations
 
 import json
-import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from importlib import import_module, resources
@@ -34,6 +36,7 @@ import torch
 from torch import nn
 
 from .names import NativeParam
+from .specs import LoraForm, MemoryProfile, NoiseSchedule, Prediction, sigma_schedule, static_shift_mu  # noqa: F401
 
 # --- text ------------------------------------------------------------------------------------------
 
@@ -190,31 +193,7 @@ class VaeSpec:
                                  f"BFL/LDM names (encoder.down.0.block.0...), as ae.safetensors has") from exc
 
 
-# --- the prediction convention ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Prediction:
-    """How a family's transformer is asked and what it answers (new-families-facts §0).
-
-    Training noises ``x_sigma = (1 - sigma) x0 + sigma noise`` and regresses the velocity
-    ``noise - x0`` everywhere; the family says how that maps onto its model:
-    ``timestep``: what the model is given, ``sigma`` (Flux, Qwen-Image; the model scales by 1000
-    inside), ``one_minus_sigma`` (Z-Image, Lumina 2) or ``sigma_x1000`` (Wan);
-    ``sign``: +1 when the output is the velocity, -1 when it is ``x0 - noise`` (Z-Image, Lumina 2).
-    """
-
-    timestep: str = "sigma"
-    sign: float = 1.0
-
-    def model_timestep(self, sigmas: torch.Tensor) -> torch.Tensor:
-        if self.timestep == "sigma":
-            return sigmas
-        if self.timestep == "one_minus_sigma":
-            return 1.0 - sigmas
-        if self.timestep == "sigma_x1000":
-            return sigmas * 1000.0
-        raise ValueError(f"unknown timestep convention {self.timestep!r}")
+# --- sampling ------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -303,23 +282,15 @@ class TrainingTemplate:
     chain_links: tuple[tuple[int, str, int], ...] = ()
 
 
-def sigma_schedule(steps: int, mu: float) -> list[float]:
-    """The sampling sigmas of the families' pipelines (FlowMatchEulerDiscreteScheduler): ``linspace(1, 1/steps,
-    steps)`` under the exponential time shift ``exp(mu) / (exp(mu) + 1/sigma - 1)``, then 0."""
-    base = [1.0 - i * (1.0 - 1.0 / steps) / max(steps - 1, 1) for i in range(steps)] if steps > 1 else [1.0]
-    return [math.exp(mu) / (math.exp(mu) + (1.0 / s - 1.0)) for s in base] + [0.0]
-
-
-def static_shift_mu(shift: float) -> float:
-    """A static shift s (sigma' = s sigma / (1 + (s - 1) sigma)) as the exponential shift's mu = ln s."""
-    return math.log(shift)
-
-
 # --- the family ------------------------------------------------------------------------------------
 
 
 class ModelFamily(ABC):
-    """Base of every family; a family folder subclasses it and sets ``FAMILY`` in its ``__init__``."""
+    """Base of every family; a family folder subclasses it and sets ``FAMILY`` in its ``__init__``.
+
+    The core: identity, text, latents and the forward. Everything else a family declares is a spec
+    (``engine/families/specs/``): ``memory``, ``schedule``, ``lora``; fixtures and templates are modules of the
+    folder, found by the registry (``registry.family_fixtures``, ``registry.family_templates``)."""
 
     # identity
     id: ClassVar[str]
@@ -337,51 +308,14 @@ class ModelFamily(ABC):
     #: Native tensors real files carry that the model does not use (not in ``param_table``): ignored on reading.
     unused_native_keys: ClassVar[tuple[str, ...]] = ()
 
-    # conventions
-    prediction: ClassVar[Prediction] = Prediction()
-    vae: ClassVar[VaeSpec] = VaeSpec()
-
     #: The model trains on clips (5-D latents): Cache Text Embeds reads the dataset folder's clips by its video
     #: settings (images count as one-frame clips). Image families read images only.
     video: ClassVar[bool] = False
 
-    # memory engine
-    #: Linears outside the blocks that are large enough to be int8 in a slab (Flux.2's global modulation). Each runs
-    #: once per forward on frozen inputs, so streaming may also hold them in pinned host memory between runs
-    #: (``OffloadConfig.outer_on_host``, engine/offload/outer.py).
-    int8_extra_linears: ClassVar[tuple[str, ...]] = ()
-    # Which rows each block Linear multiplies (``linear_tokens``; the step-time model's FLOPs). Block lists that run
-    # on one kind of tokens ({list name: "image" | "text"}: a refiner, Wan's video-only sequence); Linears (name
-    # prefixes within a block) fed by the time embedding alone (AdaLN modulation: one row per sample); Linears that
-    # run on the text tokens; block lists whose blocks are dual-stream (their other Linears run on the image tokens).
-    block_list_tokens: ClassVar[dict[str, str]] = {}
-    modulation_linears: ClassVar[tuple[str, ...]] = ()
-    text_linears: ClassVar[tuple[str, ...]] = ()
-    dual_stream_lists: ClassVar[tuple[str, ...]] = ()
-    #: A block's recompute + backward working set against Flux.1's at the same tokens x width (the
-    #: planner's constants are Flux.1 fits). Fitted on GPU rows per family.
-    activation_scale: ClassVar[float] = 1.0
-    #: The same when its blocks stream in parts (``block_parts``, used with activation offload): the largest part's
-    #: working set against Flux.1's block at the same tokens x width. None: ``activation_scale`` (Flux.1's and
-    #: Flux.2's constants were fitted with their blocks in parts already).
-    parts_activation_scale: ClassVar[float | None] = None
-    #: ``install_chunked_recompute`` does something (token-wise parts in checkpointed chunks).
-    chunked_recompute: ClassVar[bool] = False
-
-    # sampling
-    #: Previews may run several prompts (and both classifier-free guidance branches) as one batch per denoising
-    #: step (engine/sampling.py), so a streamed block is copied in once per step, not once per prompt: the
-    #: family's ``model_inputs`` takes a batch of captions of different lengths (padded, with their masks) and
-    #: gives each row the output it gives that row alone. False: every row is its own forward (give the reason).
-    batched_sampling: ClassVar[bool] = True
-
-    # LoRA
-    #: Block-list attribute -> module names (relative to a block) that get a LoRA by default.
-    lora_targets: ClassVar[dict[str, tuple[str, ...]]]
-    #: How ComfyUI's loader takes this family's LoRAs: ``diffusers_names`` (``transformer.<diffusers module>``,
-    #: mapped by ComfyUI into its fused tensors) or ``native_fused`` (``diffusion_model.<native module>``,
-    #: parts of a fused native Linear joined as one block-diagonal LoRA: Lumina 2's qkv).
-    comfyui_lora_form: ClassVar[str] = "diffusers_names"
+    # specs (engine/families/specs/)
+    memory: ClassVar[MemoryProfile]
+    schedule: ClassVar[NoiseSchedule] = NoiseSchedule()
+    lora: ClassVar[LoraForm]
 
     # --- identity --------------------------------------------------------------------------------
 
@@ -402,16 +336,12 @@ class ModelFamily(ABC):
                 return variant
         return "custom"
 
-    def variant_from_name(self, variant: str, name: str) -> str:
-        """Variants that no shape tells apart (Z-Image Turbo and Base) told apart by the file or folder
-        ``name``; the default keeps the variant the config matched."""
+    def variant_from_name(self, variant: str, name: str, keys: frozenset[str] | set[str] = frozenset()) -> str:
+        """Variants that no shape tells apart (Z-Image Turbo and Base) told apart by the file or folder ``name``,
+        and for a single file by its (prefix-stripped) tensor ``keys``, unused ones included (ComfyUI marks
+        Qwen-Image-Edit-2511 with a flag tensor). The default keeps the variant the config matched. When the answer
+        differs from the shape-matched variant, a file is built with that variant's shipped config."""
         return variant
-
-    def variant_from_file(self, variant: str, name: str, keys: set[str]) -> str:
-        """A single file's variant from its name and its (prefix-stripped) tensor ``keys``, unused ones included
-        (ComfyUI marks Qwen-Image-Edit-2511 with a flag tensor); the default asks ``variant_from_name``. When the
-        answer differs from the shape-matched variant, the file is built with that variant's shipped config."""
-        return self.variant_from_name(variant, name)
 
     @abstractmethod
     def looks_like_single_file(self, keys: set[str]) -> bool:
@@ -425,11 +355,8 @@ class ModelFamily(ABC):
 
     @abstractmethod
     def text_encoder_specs(self, variant: str) -> tuple[TextEncoderSpec, ...]:
-        """The variant's text encoders, in the order the cache runs them."""
-
-    def default_max_sequence_length(self, variant: str) -> int:
-        """Tokens of the sequence encoder (the longest one) by default."""
-        return max(s.max_length for s in self.text_encoder_specs(variant) if s.kind != "clip_pooled")
+        """The variant's text encoders, in the order the cache runs them; a sequence encoder's ``max_length`` is
+        the variant's default (``default_max_sequence_length``)."""
 
     @abstractmethod
     def text_widths(self, config: dict[str, Any]) -> dict[str, int]:
@@ -437,33 +364,17 @@ class ModelFamily(ABC):
 
     # --- latents ---------------------------------------------------------------------------------
 
+    def vae_for(self, variant: str | None) -> VaeSpec:
+        """The VAE of ``variant`` (None or ``custom``: the family's default). The default: the Flux.1 AE
+        (``VaeSpec()``); a family with another VAE, or VAEs per variant (Wan 2.2 TI2V-5B), overrides it."""
+        return VaeSpec()
+
     @abstractmethod
     def latent_shape(self, model: nn.Module, width: int, height: int, frames: int = 1) -> tuple[int, ...]:
         """The cached latent's shape (without batch) for a width x height image, or a clip of ``frames`` frames
         (video families; image families refuse ``frames`` > 1 with ``image_only``)."""
 
-    def image_only(self, frames: int) -> None:
-        """The check of an image family's ``latent_shape``: one frame only."""
-        if frames != 1:
-            from ..errors import ConfigError
-
-            raise ConfigError(f"{self.display_name} is an image model; it takes one frame, not {frames}")
-
-    def vae_for(self, variant: str | None) -> VaeSpec:
-        """The VAE of ``variant`` (None or ``custom``: the family's default ``vae``). Families whose variants use
-        different VAEs (Wan 2.2 TI2V-5B) override it."""
-        return self.vae
-
-    def hidden_size(self, config: dict[str, Any]) -> int:
-        """The transformer's width (the planner sizes activations with it)."""
-        return int(config["num_attention_heads"] * config["attention_head_dim"])
-
-    def image_tokens(self, width: int, height: int, variant: str = "") -> int:
-        """Image tokens of a width x height image, or of one latent frame (the planner's workload): /8 VAE, 2x2
-        patches. ``variant``: for families whose variants differ (Wan 2.2 TI2V-5B's 16x VAE)."""
-        return (width // 16) * (height // 16)
-
-    # --- training --------------------------------------------------------------------------------
+    # --- the forward -----------------------------------------------------------------------------
 
     @abstractmethod
     def model_inputs(self, model: nn.Module, latents: torch.Tensor, embeds: dict[str, torch.Tensor],
@@ -472,48 +383,11 @@ class ModelFamily(ABC):
         ``sigmas`` (B,); ``embeds`` holds the cached embeddings and, for variable-length encoders,
         their masks (``TextEncoderSpec.mask_key``), and any other per-sample conditioning the family caches as
         tensors with a batch axis (Qwen-Image-Edit's control latents, under keys the family documents).
-        Timesteps follow ``self.prediction``."""
+        Timesteps follow ``self.schedule.prediction``."""
 
     @abstractmethod
     def unpack_prediction(self, output: Any, latents: torch.Tensor) -> torch.Tensor:
         """The forward's raw output (``return_dict=False``) in the latents' shape, sign as the model gives it."""
-
-    def predict_velocity(self, model: nn.Module, noisy: torch.Tensor, embeds: dict[str, torch.Tensor],
-                         sigmas: torch.Tensor, guidance: float) -> torch.Tensor:
-        """The model's velocity (noise - x0) at ``sigmas`` in the latents' shape, whatever its convention (the
-        timestep it is given, the sign of its output): the one place training and sampling call the model."""
-        velocity = self.unpack_prediction(model(**self.model_inputs(model, noisy, embeds, sigmas, guidance))[0], noisy)
-        return velocity if self.prediction.sign > 0 else -velocity
-
-    @abstractmethod
-    def train_shift_mu(self, latents: torch.Tensor) -> float:
-        """The exponential timestep shift training samples with (``flow_matching.sample_sigmas``)."""
-
-    def train_sigma_range(self, variant: str) -> tuple[float, float]:
-        """The noise levels (after the shift) training draws from, ``(lo, hi)``: the whole ``(0, 1)`` for a
-        model that denoises everything; one expert of a mixture (Wan 2.2 A14B's high- and low-noise models)
-        only ever sees its own range when sampling, so it trains on that range alone."""
-        return (0.0, 1.0)
-
-    def preview_partner(self, variant: str) -> tuple[str, float] | None:
-        """For one expert of a mixture: ``(the other expert's variant, the boundary sigma)``; None for a model that
-        denoises the whole path alone. A preview then samples with both (``engine/sampling.py``): sigma >= boundary
-        through the high-noise expert, below it through the low-noise one, each with its own guidance scale
-        (``guidance``), as the family's pipeline does."""
-        return None
-
-    def latent_frames(self, frames: int) -> int:
-        """Latent frames of a clip of ``frames`` frames (the planner's workload); 1 for image families."""
-        return 1
-
-    def sample_shift_mu(self, latents: torch.Tensor, steps: int) -> float:
-        """The shift the family's pipeline samples with at ``steps`` steps."""
-        return self.train_shift_mu(latents)
-
-    def sample_sigmas(self, latents: torch.Tensor, steps: int) -> list[float]:
-        """The ``steps`` + 1 noise levels previews step through (the last is 0), as the family's pipeline
-        schedules them; by default ``sigma_schedule`` under ``sample_shift_mu``."""
-        return sigma_schedule(steps, self.sample_shift_mu(latents, steps))
 
     def control_images(self, variant: str) -> ControlImages | None:
         """How an edit ``variant`` takes control images (its text spec then has ``control_images``); None for a model
@@ -524,67 +398,30 @@ class ModelFamily(ABC):
         """How ``variant`` samples previews."""
         return Guidance()
 
-    # --- memory engine ---------------------------------------------------------------------------
-
-    def block_lists(self, model: nn.Module) -> list[nn.ModuleList]:
-        """The transformer's block lists, in the order the forward runs them."""
-        return [getattr(model, name) for name in self.lora_targets]
-
-    def block_tokens(self, block: str) -> str:
-        """Which tokens a block runs on, by its name in ``named_blocks`` (``"layers.0"``): its list's entry in
-        ``block_list_tokens``, else ``"all"`` (the image and text tokens as one sequence). The step-time model counts
-        each block's FLOPs with it (engine/offload/steptime.py)."""
-        return self.block_list_tokens.get(block.rpartition(".")[0], "all")
-
-    def linear_tokens(self, block: str, linear: str) -> str:
-        """Which rows a frozen Linear of a block multiplies, by the block's name and the Linear's within it
-        (``"attn.add_q_proj"``): ``"vector"`` (``modulation_linears``: one row per sample), ``"text"``
-        (``text_linears``), ``"image"`` (any other Linear of a ``dual_stream_lists`` block), else the block's
-        tokens. Checked against torch's FLOP counter for every family (tests/test_step_flops.py)."""
-        if linear.startswith(self.modulation_linears):
-            return "vector"
-        if linear.startswith(self.text_linears):
-            return "text"
-        if block.rpartition(".")[0] in self.dual_stream_lists:
-            return "image"
-        return self.block_tokens(block)
-
-    def block_parts(self, block: nn.Module) -> list[tuple[str, nn.Module]] | None:
-        """A block that streams as several parts (``engine/offload/units.py``), or None for whole."""
-        return None
-
-    def install_chunked_recompute(self, model: nn.Module, chunks: int, undo) -> None:
-        """Token-wise parts in ``chunks`` checkpointed chunks (when ``chunked_recompute``)."""
-
-    def checkpoint_every_block(self, model: nn.Module, undo) -> None:
-        """Make the model's forward run every block of ``block_lists`` through its checkpoint function while
-        training (``undo.set_forward`` swaps, undone after). Block streaming needs it: a block's weights come
-        back for its backward only through its recompute. The default: the model already does (diffusers'
-        Flux, Z-Image); Lumina 2 leaves its refiners out."""
-
-    # --- LoRA ------------------------------------------------------------------------------------
-
-    def lora_target_modules(self, model: nn.Module) -> list[str]:
-        """Full module names of the default LoRA targets: ``lora_targets`` in every block of each list."""
-        return [f"{name}.{i}.{t}" for name, targets in self.lora_targets.items()
-                for i in range(len(getattr(model, name))) for t in targets]
-
-    # --- fixtures and templates ------------------------------------------------------------------
-
-    def fixtures(self):
-        """The folder's ``fixtures`` module: ``build_tiny_pipeline(folder, seed=0) -> Path`` and
-        ``write_single_file(pipeline, out_file) -> Path`` (tests and the demo; never downloads)."""
-        return import_module(".fixtures", family_package(self))
-
-    def templates(self) -> list[TrainingTemplate]:
-        """The folder's shipped workflows (``templates.py``'s ``TEMPLATES``; none if it has no such module)."""
-        import importlib.util
-
-        name = f"{family_package(self)}.templates"
-        return list(import_module(name).TEMPLATES) if importlib.util.find_spec(name) else []
-
     def __repr__(self) -> str:
         return f"<family {self.id}>"
+
+
+def predict_velocity(family: ModelFamily, model: nn.Module, noisy: torch.Tensor, embeds: dict[str, torch.Tensor],
+                     sigmas: torch.Tensor, guidance: float) -> torch.Tensor:
+    """The model's velocity (noise - x0) at ``sigmas`` in the latents' shape, whatever its convention (the timestep
+    it is given, the sign of its output: ``family.schedule.prediction``): the one place training and sampling call
+    the model."""
+    velocity = family.unpack_prediction(model(**family.model_inputs(model, noisy, embeds, sigmas, guidance))[0], noisy)
+    return velocity if family.schedule.prediction.sign > 0 else -velocity
+
+
+def default_max_sequence_length(family: ModelFamily, variant: str) -> int:
+    """Tokens of the variant's sequence encoder (the longest one) by default: its spec's ``max_length``."""
+    return max(s.max_length for s in family.text_encoder_specs(variant) if s.kind != "clip_pooled")
+
+
+def image_only(family: ModelFamily, frames: int) -> None:
+    """The check of an image family's ``latent_shape``: one frame only."""
+    if frames != 1:
+        from ..errors import ConfigError
+
+        raise ConfigError(f"{family.display_name} is an image model; it takes one frame, not {frames}")
 
 
 def family_package(family: ModelFamily) -> str:

@@ -2,15 +2,18 @@
 
 Found by ``pkgutil`` when first asked, so a new family is a new folder and nothing else: the Load
 node's family choices, Cache Text Embeds' tooltips, the templates and the tests' parametrization all
-read this registry.
+read this registry. A folder's other parts are found by their file names, as the folders are:
+``fixtures.py`` (tiny models for tests and the demo) and ``templates.py`` (shipped workflows).
 """
 from __future__ import annotations
 
+import importlib.util
 import pkgutil
 from importlib import import_module
+from types import ModuleType
 
 from ..errors import ConfigError
-from .base import ModelFamily
+from .base import ModelFamily, TrainingTemplate, family_package
 
 _FOUND: dict[str, ModelFamily] = {}
 
@@ -22,7 +25,7 @@ def families() -> dict[str, ModelFamily]:
 
         found = {}
         for info in sorted(pkgutil.iter_modules(here), key=lambda m: m.name):
-            if not info.ispkg or info.name.startswith("_") or info.name == "configs":
+            if not info.ispkg or info.name.startswith("_") or info.name in ("configs", "specs"):
                 continue
             family = getattr(import_module(f"{package}.{info.name}"), "FAMILY", None)
             if isinstance(family, ModelFamily):
@@ -54,3 +57,19 @@ def family_for_class_name(class_name: str) -> ModelFamily | None:
 def family_for_single_file(keys: set[str]) -> ModelFamily | None:
     """The family whose native names a single file's (prefix-stripped) tensor names are."""
     return next((f for f in families().values() if f.looks_like_single_file(keys)), None)
+
+
+def family_fixtures(family: ModelFamily) -> ModuleType:
+    """The folder's ``fixtures`` module: ``build_tiny_pipeline(folder, seed=0) -> Path`` and
+    ``write_single_file(pipeline, out_file) -> Path`` (tests and the demo; never downloads)."""
+    name = f"{family_package(family)}.fixtures"
+    if importlib.util.find_spec(name) is None:
+        raise ConfigError(f"{family.display_name} has no fixtures.py in its folder; tiny models for tests and the "
+                          f"demo are built there (build_tiny_pipeline, write_single_file)")
+    return import_module(name)
+
+
+def family_templates(family: ModelFamily) -> list[TrainingTemplate]:
+    """The folder's shipped workflows (``templates.py``'s ``TEMPLATES``; none if it has no such module)."""
+    name = f"{family_package(family)}.templates"
+    return list(import_module(name).TEMPLATES) if importlib.util.find_spec(name) else []

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..base import Guidance, ModelFamily, TextEncoderSpec
+from ..base import Guidance, ModelFamily, TextEncoderSpec, image_only
+from ..specs import LoraForm, MemoryProfile, NoiseSchedule
 from ..names import NativeParam
 from ..patches import linear_mu, pack_2x2, unpack_2x2
 from .names import flux1_param_table
@@ -27,15 +28,52 @@ DOUBLE_BLOCK_TARGETS = (
 SINGLE_BLOCK_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp", "proj_out")
 
 _CLIP = TextEncoderSpec("text_encoder", "tokenizer", "clip_pooled", 77, "pooled_prompt_embeds")
+# T5's default length is what the diffusers pipelines use: dev 512, schnell 256. The tiny model keeps it short.
 _T5 = TextEncoderSpec("text_encoder_2", "tokenizer_2", "t5", 512, "prompt_embeds")
+_T5_SCHNELL = TextEncoderSpec("text_encoder_2", "tokenizer_2", "t5", 256, "prompt_embeds")
+_T5_TINY = TextEncoderSpec("text_encoder_2", "tokenizer_2", "t5", 32, "prompt_embeds")
+
+
+class Flux1Memory(MemoryProfile):
+    """Flux.1's block surgery: double blocks in two parts, token-wise parts in chunks."""
+
+    def install_chunked_recompute(self, model: nn.Module, chunks: int, undo) -> None:
+        """The double blocks' feed-forwards, and in single blocks everything after attention (proj_mlp,
+        GELU, the 5x-wide concatenation, proj_out, gate, residual), in checkpointed token chunks."""
+        import types
+
+        from ..recompute import chunk_token_wise
+        from .parts import single_block_forward_chunked
+
+        for block in model.transformer_blocks:
+            chunk_token_wise(block.ff, chunks, undo)
+            chunk_token_wise(block.ff_context, chunks, undo)
+        for block in model.single_transformer_blocks:
+            undo.set_forward(block, types.MethodType(single_block_forward_chunked(chunks), block))
+
+    def block_parts(self, block: nn.Module):
+        """A double block streams as two parts: modulation + attention (0.38 GB bf16 at full size) and the
+        feed-forwards (0.30 GB). Single blocks (0.28 GB) stream whole."""
+        from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
+
+        from .parts import DoubleAttention, DoubleFeedForward
+
+        if not isinstance(block, FluxTransformerBlock):
+            return None
+        return [("attention", DoubleAttention(block)), ("feed_forward", DoubleFeedForward(block))]
+
+
+class Flux1Schedule(NoiseSchedule):
+    """Flux's resolution-dependent shift, in training and sampling."""
+
+    def train_shift_mu(self, latents: torch.Tensor) -> float:
+        """Flux's resolution-dependent shift: mu grows linearly with the token count,
+        0.5 at 256 tokens to 1.15 at 4096 (the values in Flux's scheduler config)."""
+        return linear_mu((latents.shape[2] // 2) * (latents.shape[3] // 2), 256, 4096, 0.5, 1.15)
 
 
 class Flux1Family(ModelFamily):
     id = "flux1"
-    # Which rows the block Linears multiply (ModelFamily.linear_tokens: the step-time model's FLOPs).
-    modulation_linears = ("norm1.linear", "norm1_context.linear", "norm.linear")
-    text_linears = ("attn.add_", "attn.to_add_out", "ff_context.")
-    dual_stream_lists = ("transformer_blocks",)
     display_name = "Flux.1"
     variants = {
         "flux1-dev": "flux1-dev.json",
@@ -47,8 +85,21 @@ class Flux1Family(ModelFamily):
     diffusers_class_name = "FluxTransformer2DModel"
     structural_keys = ("num_layers", "num_single_layers", "attention_head_dim", "num_attention_heads",
                        "guidance_embeds")
-    lora_targets = {"transformer_blocks": DOUBLE_BLOCK_TARGETS, "single_transformer_blocks": SINGLE_BLOCK_TARGETS}
-    chunked_recompute = True
+    memory = Flux1Memory(
+        block_lists=("transformer_blocks", "single_transformer_blocks"),
+        # Which rows the block Linears multiply (MemoryProfile.linear_tokens: the step-time model's FLOPs).
+        modulation_linears=("norm1.linear", "norm1_context.linear", "norm.linear"),
+        text_linears=("attn.add_", "attn.to_add_out", "ff_context."),
+        dual_stream_lists=("transformer_blocks",),
+        chunked_recompute=True,
+    )
+    schedule = Flux1Schedule()
+    lora = LoraForm(
+        targets={"transformer_blocks": DOUBLE_BLOCK_TARGETS, "single_transformer_blocks": SINGLE_BLOCK_TARGETS},
+        architecture="flux1/lora",
+        # The SAI model spec's names for the two released models.
+        variant_architectures={"flux1-dev": "flux-1-dev/lora", "flux1-schnell": "flux-1-schnell/lora"},
+    )
     file_help = {
         "checkpoint": "flux1-dev.safetensors or flux1-schnell.safetensors (BFL names; bf16, fp16, fp8, scaled fp8)",
         "pipeline": "text_encoder (CLIP-L), text_encoder_2 (T5-XXL), tokenizer, tokenizer_2, vae",
@@ -77,11 +128,7 @@ class Flux1Family(ModelFamily):
     # --- text ------------------------------------------------------------------------------
 
     def text_encoder_specs(self, variant: str) -> tuple[TextEncoderSpec, ...]:
-        return (_CLIP, _T5)
-
-    def default_max_sequence_length(self, variant: str) -> int:
-        # What the diffusers pipelines use: dev 512, schnell 256. The tiny model keeps it short.
-        return {"flux1-schnell": 256, "flux1-tiny": 32}.get(variant, 512)
+        return (_CLIP, {"flux1-schnell": _T5_SCHNELL, "flux1-tiny": _T5_TINY}.get(variant, _T5))
 
     def text_widths(self, config: dict) -> dict[str, int]:
         return {"prompt_embeds": int(config["joint_attention_dim"]),
@@ -91,7 +138,7 @@ class Flux1Family(ModelFamily):
 
     def latent_shape(self, model, width: int, height: int, frames: int = 1) -> tuple[int, int, int]:
         """(C, h, w) of the latents of a width x height image (C: the packed channels / 4)."""
-        self.image_only(frames)
+        image_only(self, frames)
         return (model.config.in_channels // 4, height // 8, width // 8)
 
     pack_latents = staticmethod(pack_2x2)  # (B, C, H, W) -> (B, H/2 * W/2, 4C)
@@ -117,7 +164,7 @@ class Flux1Family(ModelFamily):
             "hidden_states": self.pack_latents(latents),
             "encoder_hidden_states": prompt,
             "pooled_projections": embeds["pooled_prompt_embeds"].to(dtype),  # (B, 768)
-            "timestep": self.prediction.model_timestep(sigmas).to(dtype),  # sigma; the model scales by 1000
+            "timestep": self.schedule.prediction.model_timestep(sigmas).to(dtype),  # sigma; the model scales by 1000
             "img_ids": self.image_ids(h, w, latents.device, dtype),
             "txt_ids": torch.zeros(prompt.shape[1], 3, device=latents.device, dtype=dtype),
             "return_dict": False,
@@ -129,38 +176,7 @@ class Flux1Family(ModelFamily):
     def unpack_prediction(self, output: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
         return self.unpack_latents(output, latents.shape[2], latents.shape[3])
 
-    def train_shift_mu(self, latents: torch.Tensor) -> float:
-        """Flux's resolution-dependent shift: mu grows linearly with the token count,
-        0.5 at 256 tokens to 1.15 at 4096 (the values in Flux's scheduler config)."""
-        return linear_mu((latents.shape[2] // 2) * (latents.shape[3] // 2), 256, 4096, 0.5, 1.15)
-
     def guidance(self, variant: str) -> Guidance:
         """dev is guidance-distilled (an embedding, 3.5 by default); schnell samples without any."""
         return Guidance("none") if variant == "flux1-schnell" else Guidance("embedded", 3.5)
 
-    # --- memory engine -----------------------------------------------------------------------
-
-    def install_chunked_recompute(self, model: nn.Module, chunks: int, undo) -> None:
-        """The double blocks' feed-forwards, and in single blocks everything after attention (proj_mlp,
-        GELU, the 5x-wide concatenation, proj_out, gate, residual), in checkpointed token chunks."""
-        import types
-
-        from ..recompute import chunk_token_wise
-        from .parts import single_block_forward_chunked
-
-        for block in model.transformer_blocks:
-            chunk_token_wise(block.ff, chunks, undo)
-            chunk_token_wise(block.ff_context, chunks, undo)
-        for block in model.single_transformer_blocks:
-            undo.set_forward(block, types.MethodType(single_block_forward_chunked(chunks), block))
-
-    def block_parts(self, block: nn.Module):
-        """A double block streams as two parts: modulation + attention (0.38 GB bf16 at full size) and the
-        feed-forwards (0.30 GB). Single blocks (0.28 GB) stream whole."""
-        from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
-
-        from .parts import DoubleAttention, DoubleFeedForward
-
-        if not isinstance(block, FluxTransformerBlock):
-            return None
-        return [("attention", DoubleAttention(block)), ("feed_forward", DoubleFeedForward(block))]

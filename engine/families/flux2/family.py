@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..base import Guidance, ModelFamily, PromptTemplate, TextEncoderSpec, VaeSpec
+from ..base import Guidance, ModelFamily, PromptTemplate, TextEncoderSpec, VaeSpec, image_only
+from ..specs import LoraForm, MemoryProfile, NoiseSchedule
 from .names import flux2_param_table
 
 # LoRA targets: every attention projection of the double blocks, image and text streams
@@ -135,11 +136,51 @@ def unpatchify(latents: torch.Tensor) -> torch.Tensor:
     return x.reshape(b, c4 // 4, h * 2, w * 2)
 
 
+class Flux2Memory(MemoryProfile):
+    """Flux.2's block surgery: double blocks in two parts, their feed-forwards in chunks."""
+
+    def install_chunked_recompute(self, model: nn.Module, chunks: int, undo) -> None:
+        """The double blocks' feed-forwards in checkpointed token chunks. Single blocks are left whole: their
+        MLP input projection is fused with q/k/v (``to_qkv_mlp_proj``), so chunking them needs a rewritten
+        attention processor (not done)."""
+        from ..recompute import chunk_token_wise
+
+        for block in model.transformer_blocks:
+            chunk_token_wise(block.ff, chunks, undo)
+            chunk_token_wise(block.ff_context, chunks, undo)
+
+    def block_parts(self, block: nn.Module):
+        """A double block streams as two parts: attention (0.60 GB bf16 at Flux.2-dev's size) and the
+        feed-forwards (1.36 GB). Single blocks (0.98 GB) stream whole."""
+        from diffusers.models.transformers.transformer_flux2 import Flux2TransformerBlock
+
+        from .parts import DoubleAttention, DoubleFeedForward
+
+        if not isinstance(block, Flux2TransformerBlock):
+            return None
+        return [("attention", DoubleAttention(block)), ("feed_forward", DoubleFeedForward(block))]
+
+
+class Flux2Schedule(NoiseSchedule):
+    """BFL's empirical shift (``compute_empirical_mu``) over the image tokens and the step count."""
+
+    def train_shift_mu(self, latents: torch.Tensor) -> float:
+        """The shift Flux.2 samples with (BFL ``sampling.py`` ``compute_empirical_mu``, also in
+        diffusers' pipeline and ComfyUI's Flux2Scheduler) at its 50-step default: training
+        concentrates on the noise levels inference visits (mu 2.02 at 1024², ComfyUI's shift)."""
+        return compute_empirical_mu(latents.shape[2] * latents.shape[3], 50)
+
+    def sample_shift_mu(self, latents: torch.Tensor, steps: int) -> float:
+        """Flux2Pipeline's shift for ``steps`` sampling steps (compute_empirical_mu)."""
+        return compute_empirical_mu(latents.shape[2] * latents.shape[3], steps)
+
+
+#: The Flux.2 VAE; its single file has its own loader (``Flux2VaeSpec.load_file``).
+FLUX2_VAE = Flux2VaeSpec("AutoencoderKLFlux2", "")
+
+
 class Flux2Family(ModelFamily):
     id = "flux2"
-    # Which rows the block Linears multiply (ModelFamily.linear_tokens: the step-time model's FLOPs).
-    text_linears = ("attn.add_", "attn.to_add_out", "ff_context.")  # its modulation is global, outside the blocks
-    dual_stream_lists = ("transformer_blocks",)
     display_name = "Flux.2"
     variants = {
         "flux2-dev": "flux2-dev.json",
@@ -152,9 +193,6 @@ class Flux2Family(ModelFamily):
     diffusers_class_name = "Flux2Transformer2DModel"
     structural_keys = ("num_layers", "num_single_layers", "attention_head_dim", "num_attention_heads",
                        "guidance_embeds")
-    vae = Flux2VaeSpec("AutoencoderKLFlux2", "")  # its single file has its own loader (caching/single_files.py)
-    lora_targets = {"transformer_blocks": DOUBLE_BLOCK_TARGETS, "single_transformer_blocks": SINGLE_BLOCK_TARGETS}
-    chunked_recompute = True
     file_help = {
         "checkpoint": "flux2_dev_fp8mixed.safetensors or flux2-dev.safetensors, or a klein 4B/9B file (and its base "
                       "variants)",
@@ -163,17 +201,28 @@ class Flux2Family(ModelFamily):
         "single_files": "mistral_3_small_flux2_bf16.safetensors (its embedded tokenizer is used) or the Qwen3 file "
                         "for klein (tokenizer files in a folder named like it), and flux2-vae.safetensors",
     }
-    # Outside the blocks but large (Flux.2-dev: 566 M modulation + 94 M text-embedder parameters, 1.3 GB
-    # in bf16): int8 in slabs like the block Linears. They run once per forward, outside checkpointing.
-    int8_extra_linears = (
-        "double_stream_modulation_img.linear", "double_stream_modulation_txt.linear",
-        "single_stream_modulation.linear", "context_embedder",
+    memory = Flux2Memory(
+        block_lists=("transformer_blocks", "single_transformer_blocks"),
+        # Outside the blocks but large (Flux.2-dev: 566 M modulation + 94 M text-embedder parameters, 1.3 GB
+        # in bf16): int8 in slabs like the block Linears. They run once per forward, outside checkpointing.
+        int8_extra_linears=("double_stream_modulation_img.linear", "double_stream_modulation_txt.linear",
+                            "single_stream_modulation.linear", "context_embedder"),
+        # Which rows the block Linears multiply (MemoryProfile.linear_tokens: the step-time model's FLOPs); its
+        # modulation is global, outside the blocks.
+        text_linears=("attn.add_", "attn.to_add_out", "ff_context."),
+        dual_stream_lists=("transformer_blocks",),
+        # A block's recompute + backward working set against Flux.1's at the same tokens x width (the planner's
+        # constants are Flux.1 fits): the single blocks' fused projection is 9x the width (Flux.1: 7x) and the
+        # SwiGLU feed-forward 6x. Fitted on 2026-11-25 (H100, Flux.2-dev int8, stream + activation offload,
+        # blocks in parts, compiled, 1024²): 6.24 GB measured against 5.54 GB predicted at 1.0.
+        activation_scale=1.37,
+        chunked_recompute=True,
     )
-    # A block's recompute + backward working set against Flux.1's at the same tokens x width (the planner's
-    # constants are Flux.1 fits): the single blocks' fused projection is 9x the width (Flux.1: 7x) and the
-    # SwiGLU feed-forward 6x. Fitted on 2026-11-25 (H100, Flux.2-dev int8, stream + activation offload,
-    # blocks in parts, compiled, 1024²): 6.24 GB measured against 5.54 GB predicted at 1.0.
-    activation_scale = 1.37
+    schedule = Flux2Schedule()
+    lora = LoraForm(
+        targets={"transformer_blocks": DOUBLE_BLOCK_TARGETS, "single_transformer_blocks": SINGLE_BLOCK_TARGETS},
+        architecture="flux2/lora",
+    )
 
     # --- identity ----------------------------------------------------------------------------
 
@@ -208,9 +257,12 @@ class Flux2Family(ModelFamily):
 
     # --- latents -----------------------------------------------------------------------------
 
+    def vae_for(self, variant: str | None) -> VaeSpec:
+        return FLUX2_VAE
+
     def latent_shape(self, model, width: int, height: int, frames: int = 1) -> tuple[int, int, int]:
         """(C, h, w) of the (patchified) latents of a width x height image."""
-        self.image_only(frames)
+        image_only(self, frames)
         return (model.config.in_channels, height // 16, width // 16)
 
     @staticmethod
@@ -238,7 +290,7 @@ class Flux2Family(ModelFamily):
         inputs = {
             "hidden_states": latents.reshape(b, c, h * w).permute(0, 2, 1),
             "encoder_hidden_states": prompt,
-            "timestep": self.prediction.model_timestep(sigmas).to(dtype),  # sigma; the model scales by 1000
+            "timestep": self.schedule.prediction.model_timestep(sigmas).to(dtype),  # sigma; the model scales by 1000
             "img_ids": self.image_ids(h, w, latents.device, dtype),
             "txt_ids": self.text_ids(prompt.shape[1], latents.device, dtype),
             "return_dict": False,
@@ -251,43 +303,11 @@ class Flux2Family(ModelFamily):
         b, c, h, w = latents.shape
         return output.permute(0, 2, 1).reshape(b, c, h, w)
 
-    def train_shift_mu(self, latents: torch.Tensor) -> float:
-        """The shift Flux.2 samples with (BFL ``sampling.py`` ``compute_empirical_mu``, also in
-        diffusers' pipeline and ComfyUI's Flux2Scheduler) at its 50-step default: training
-        concentrates on the noise levels inference visits (mu 2.02 at 1024², ComfyUI's shift)."""
-        return compute_empirical_mu(latents.shape[2] * latents.shape[3], 50)
-
-    def sample_shift_mu(self, latents: torch.Tensor, steps: int) -> float:
-        """Flux2Pipeline's shift for ``steps`` sampling steps (compute_empirical_mu)."""
-        return compute_empirical_mu(latents.shape[2] * latents.shape[3], steps)
-
     def guidance(self, variant: str) -> Guidance:
         """dev is guidance-distilled (an embedding, 4 by default); klein samples without guidance here
         (its distilled models need none; previews of the base variants stay unguided)."""
         return Guidance("embedded", 4.0) if variant in ("flux2-dev", "flux2-tiny") else Guidance("none")
 
-    # --- memory engine -----------------------------------------------------------------------
-
-    def install_chunked_recompute(self, model: nn.Module, chunks: int, undo) -> None:
-        """The double blocks' feed-forwards in checkpointed token chunks. Single blocks are left whole: their
-        MLP input projection is fused with q/k/v (``to_qkv_mlp_proj``), so chunking them needs a rewritten
-        attention processor (not done)."""
-        from ..recompute import chunk_token_wise
-
-        for block in model.transformer_blocks:
-            chunk_token_wise(block.ff, chunks, undo)
-            chunk_token_wise(block.ff_context, chunks, undo)
-
-    def block_parts(self, block: nn.Module):
-        """A double block streams as two parts: attention (0.60 GB bf16 at Flux.2-dev's size) and the
-        feed-forwards (1.36 GB). Single blocks (0.98 GB) stream whole."""
-        from diffusers.models.transformers.transformer_flux2 import Flux2TransformerBlock
-
-        from .parts import DoubleAttention, DoubleFeedForward
-
-        if not isinstance(block, Flux2TransformerBlock):
-            return None
-        return [("attention", DoubleAttention(block)), ("feed_forward", DoubleFeedForward(block))]
 
 
 def compute_empirical_mu(image_seq_len: int, num_steps: int) -> float:

@@ -18,13 +18,13 @@ Facts used here (new-families-facts §0 and §4; checked against diffusers 0.42.
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
 
-from ..base import (Guidance, ModelFamily, Prediction, PromptTemplate, TextEncoderSpec, VaeSpec,
-                    static_shift_mu)
+from ..base import Guidance, ModelFamily, PromptTemplate, TextEncoderSpec, image_only
+from ..specs import LoraForm, MemoryProfile, NoiseSchedule, Prediction
 from ..names import NativeParam
 from .names import UNUSED_NATIVE_KEYS, lumina2_param_table
 
@@ -52,11 +52,38 @@ def _gemma(max_length: int, last_layer: int) -> TextEncoderSpec:
     )
 
 
+class Lumina2Memory(MemoryProfile):
+    """Lumina 2's refiners checkpointed like its main blocks."""
+
+    def checkpoint_every_block(self, model: nn.Module, undo) -> None:
+        """diffusers' forward checkpoints the 26 ``layers`` only: swap in the same forward with the four
+        refiner blocks checkpointed too (``parts.py``), so they stream and recompute like the rest."""
+        import types
+
+        from .parts import forward_checkpointing_every_block
+
+        undo.set_forward(model, types.MethodType(forward_checkpointing_every_block, model))
+
+
+class Lumina2Schedule(NoiseSchedule):
+    """Training on Flux's resolution-linear shift, sampling at the static shift 6."""
+
+    def train_shift_mu(self, latents: torch.Tensor) -> float:
+        """Flux's resolution-linear mu (0.5 at 256 image tokens to 1.15 at 4096) on sigma.
+
+        Why this and not the sampling shift 6 (mu 1.79): it is what Lumina's own fine-tuning applies
+        (Alpha-VLLM transport.py ``do_shift``: base_shift 0.5, max_shift 1.15) and what diffusion-pipe's
+        ``lumina_shift`` does (``time_shift(lin(256->0.5, 4096->1.15)((h/2)(w/2)), 1, t)`` on the noise
+        fraction t, target x0 - noise, model given 1 - t); a LoRA learns the model's training
+        distribution rather than the sampler's."""
+        seq_len = (latents.shape[-2] // 2) * (latents.shape[-1] // 2)
+        base_len, max_len, base_shift, max_shift = 256, 4096, 0.5, 1.15
+        slope = (max_shift - base_shift) / (max_len - base_len)
+        return seq_len * slope + (base_shift - slope * base_len)
+
+
 class Lumina2Family(ModelFamily):
     id = "lumina2"
-    # Which rows the block Linears multiply (ModelFamily.linear_tokens: the step-time model's FLOPs).
-    block_list_tokens = {"context_refiner": "text", "noise_refiner": "image"}
-    modulation_linears = ("norm1.linear",)
     display_name = "Lumina 2"
     diffusers_class_name = "Lumina2Transformer2DModel"
     variants = {
@@ -68,24 +95,30 @@ class Lumina2Family(ModelFamily):
     structural_keys = ("hidden_size", "num_layers", "num_refiner_layers", "num_attention_heads", "num_kv_heads",
                        "cap_feat_dim", "patch_size", "in_channels")
 
-    # Lumina's model takes 1 - sigma WITHOUT x1000 and answers x0 - noise (new-families-facts §4.3).
-    prediction = Prediction(timestep="one_minus_sigma", sign=-1.0)
-    vae = VaeSpec()  # the Flux.1 AE
-
-    lora_targets: ClassVar[dict[str, tuple[str, ...]]] = {
+    # Lumina's model takes 1 - sigma WITHOUT x1000 and answers x0 - noise (new-families-facts §4.3). Sampling:
+    # static shift 6 at every resolution (ComfyUI's Lumina2 ``sampling_settings``, Alpha-VLLM sample.sh
+    # ``time_shifting_factor=6``).
+    schedule = Lumina2Schedule(Prediction(timestep="one_minus_sigma", sign=-1.0), sample_shift=6.0)
+    memory = Lumina2Memory(
         # Forward execution order (Lumina2Transformer2DModel.forward): captions, then image, then joint.
-        "context_refiner": ATTENTION,
-        "noise_refiner": ATTENTION,
-        "layers": ATTENTION,
-    }
-    # ComfyUI maps diffusers-named Lumina 2 LoRAs nowhere (its Lumina2 branch uses Z-Image's names and
-    # MHA offsets); native names on the fused qkv load through its generic ``diffusion_model.`` map.
-    comfyui_lora_form = "native_fused"
-    # Fitted on the GPU rows of 2026-11-25 (H200, 1024², r16, every block checkpointed; bench/logs/
-    # issue23_lumina2_h200_2.log): each row alone would want 1.42 (eager, activation offload: 1.69 GB measured /
-    # 1.40 predicted), 0.83 (compiled, activation offload: 1.28 / 1.40) and 0.84 (compiled, no offload: 3.30 /
-    # 3.41); 1.0 fits the three best (within +21% / -9% / -3%), and the 0.5 GB headroom covers the eager case.
-    activation_scale = 1.0
+        block_lists=("context_refiner", "noise_refiner", "layers"),
+        # Which rows the block Linears multiply (MemoryProfile.linear_tokens: the step-time model's FLOPs).
+        block_list_tokens={"context_refiner": "text", "noise_refiner": "image"},
+        modulation_linears=("norm1.linear",),
+        # Fitted on the GPU rows of 2026-11-25 (H200, 1024², r16, every block checkpointed; bench/logs/
+        # issue23_lumina2_h200_2.log): each row alone would want 1.42 (eager, activation offload: 1.69 GB measured /
+        # 1.40 predicted), 0.83 (compiled, activation offload: 1.28 / 1.40) and 0.84 (compiled, no offload: 3.30 /
+        # 3.41); 1.0 fits the three best (within +21% / -9% / -3%), and the 0.5 GB headroom covers the eager case.
+        activation_scale=1.0,
+        width_keys=("hidden_size",),
+    )
+    lora = LoraForm(
+        targets={"context_refiner": ATTENTION, "noise_refiner": ATTENTION, "layers": ATTENTION},
+        architecture="lumina2/lora",
+        # ComfyUI maps diffusers-named Lumina 2 LoRAs nowhere (its Lumina2 branch uses Z-Image's names and
+        # MHA offsets); native names on the fused qkv load through its generic ``diffusion_model.`` map.
+        comfyui_form="native_fused",
+    )
     file_help = {
         "checkpoint": "lumina_2_model_bf16.safetensors (ComfyUI's NextDiT names; the all-in-one lumina_2.safetensors "
                       "is not read)",
@@ -119,11 +152,8 @@ class Lumina2Family(ModelFamily):
 
     # --- latents ---------------------------------------------------------------------------------
 
-    def hidden_size(self, config: dict[str, Any]) -> int:
-        return int(config["hidden_size"])
-
     def latent_shape(self, model: nn.Module, width: int, height: int, frames: int = 1) -> tuple[int, ...]:
-        self.image_only(frames)
+        image_only(self, frames)
         return (int(model.config.in_channels), height // 8, width // 8)
 
     # --- training --------------------------------------------------------------------------------
@@ -142,7 +172,7 @@ class Lumina2Family(ModelFamily):
             mask = torch.ones(prompt.shape[:2], dtype=torch.bool, device=prompt.device)
         return {
             "hidden_states": latents,
-            "timestep": self.prediction.model_timestep(sigmas.float()),
+            "timestep": self.schedule.prediction.model_timestep(sigmas.float()),
             "encoder_hidden_states": prompt,
             "encoder_attention_mask": mask.to(prompt.device).bool(),  # (B, L)
             "return_dict": False,
@@ -155,36 +185,8 @@ class Lumina2Family(ModelFamily):
             raise ValueError(f"Lumina 2 prediction has shape {tuple(pred.shape)}, expected {tuple(latents.shape)}")
         return pred
 
-    def train_shift_mu(self, latents: torch.Tensor) -> float:
-        """Flux's resolution-linear mu (0.5 at 256 image tokens to 1.15 at 4096) on sigma.
-
-        Why this and not the sampling shift 6 (mu 1.79): it is what Lumina's own fine-tuning applies
-        (Alpha-VLLM transport.py ``do_shift``: base_shift 0.5, max_shift 1.15) and what diffusion-pipe's
-        ``lumina_shift`` does (``time_shift(lin(256->0.5, 4096->1.15)((h/2)(w/2)), 1, t)`` on the noise
-        fraction t, target x0 - noise, model given 1 - t); a LoRA learns the model's training
-        distribution rather than the sampler's."""
-        seq_len = (latents.shape[-2] // 2) * (latents.shape[-1] // 2)
-        base_len, max_len, base_shift, max_shift = 256, 4096, 0.5, 1.15
-        slope = (max_shift - base_shift) / (max_len - base_len)
-        return seq_len * slope + (base_shift - slope * base_len)
-
-    def sample_shift_mu(self, latents: torch.Tensor, steps: int) -> float:
-        """Static shift 6 at every resolution (ComfyUI's Lumina2 ``sampling_settings``, Alpha-VLLM
-        sample.sh ``time_shifting_factor=6``)."""
-        return static_shift_mu(6.0)
-
     def guidance(self, variant: str) -> Guidance:
         """Lumina2Pipeline: ``uncond + 4 (cond - uncond)`` rescaled to the conditional norm
         (``cfg_normalization=True``); the negative prompt is the empty string WITHOUT the system prompt."""
         return Guidance(mode="cfg", scale=4.0, steps=25, formula="standard", renormalize="last_axis")
 
-    # --- memory engine ---------------------------------------------------------------------------
-
-    def checkpoint_every_block(self, model: nn.Module, undo) -> None:
-        """diffusers' forward checkpoints the 26 ``layers`` only: swap in the same forward with the four
-        refiner blocks checkpointed too (``parts.py``), so they stream and recompute like the rest."""
-        import types
-
-        from .parts import forward_checkpointing_every_block
-
-        undo.set_forward(model, types.MethodType(forward_checkpointing_every_block, model))

@@ -26,7 +26,7 @@ Qwen-Image-Edit (Edit, Edit-2509, Edit-2511) has the same transformer shape and 
   the transformer, from ``img_shapes``). The cached control latents reach ``model_inputs`` in ``embeds`` under
   ``control_latents_0``, ``control_latents_1``, ... (``CONTROL_KEY``), each (B, 16, h_k, w_k) like a target latent.
 Which one a file is: its name ("edit", "2509", "2511") or, for 2511, the ``__index_timestep_zero__`` flag tensor
-ComfyUI's 2511 file carries (``variant_from_file``).
+ComfyUI's 2511 file carries (``variant_from_name`` with the file's keys).
 """
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ import torch
 from torch import nn
 
 from ...errors import ConfigError
-from ..base import ControlImages, Guidance, ModelFamily, PromptTemplate, TextEncoderSpec, sigma_schedule
+from ..base import ControlImages, Guidance, ModelFamily, PromptTemplate, TextEncoderSpec, VaeSpec, image_only
+from ..specs import LoraForm, MemoryProfile, NoiseSchedule, sigma_schedule
 from ..names import NativeParam
 from ..patches import linear_mu, pack_2x2, unpack_2x2
 from ..wan_vae import WanVaeSpec
@@ -45,7 +46,7 @@ from .names import qwen_image_param_table
 
 #: Both streams' attention projections in every block: what DiffSynth's and musubi-tuner's Qwen-Image LoRAs
 #: train (musubi adds the MLPs, DiffSynth the modulation too; diffusers' script trains the image stream only).
-#: 8 Linears of 3072x3072 in 60 blocks, less the 2 whose output nothing reads (``lora_target_modules``):
+#: 8 Linears of 3072x3072 in 60 blocks, less the 2 whose output nothing reads (``QwenImageLora.target_modules``):
 #: 478 modules, 47.0 M parameters at rank 16.
 ATTENTION_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                      "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
@@ -76,12 +77,56 @@ EDIT_MODE = {"qwen-image": "", "qwen-image-tiny": "", "qwen-image-edit": "edit",
 INDEX_TIMESTEP_ZERO = "__index_timestep_zero__"
 
 
+class QwenImageMemory(MemoryProfile):
+    """Qwen-Image's token-wise parts: both streams' MLPs."""
+
+    def install_chunked_recompute(self, model: nn.Module, chunks: int, undo) -> None:
+        """Every block's feed-forward (``img_mlp``, ``txt_mlp``: token-wise, the widest intermediates of a block) in
+        checkpointed token chunks."""
+        from ..recompute import chunk_token_wise
+
+        for block in model.transformer_blocks:
+            chunk_token_wise(block.img_mlp, chunks, undo)
+            chunk_token_wise(block.txt_mlp, chunks, undo)
+
+
+class QwenImageSchedule(NoiseSchedule):
+    """The hub scheduler's dynamic shift and terminal stretch when sampling (training: no shift)."""
+
+    def sample_shift_mu(self, latents: torch.Tensor, steps: int) -> float:
+        """QwenImagePipeline's ``calculate_shift`` over the image tokens, with the hub scheduler's constants."""
+        return linear_mu((latents.shape[-2] // 2) * (latents.shape[-1] // 2), BASE_SEQ, MAX_SEQ, BASE_SHIFT, MAX_SHIFT)
+
+    def sample_sigmas(self, latents: torch.Tensor, steps: int) -> list[float]:
+        """The shifted schedule stretched so its last sigma is ``SHIFT_TERMINAL`` (FlowMatchEulerDiscreteScheduler
+        ``stretch_shift_to_terminal``), then 0."""
+        shifted = sigma_schedule(steps, self.sample_shift_mu(latents, steps))[:-1]
+        scale = (1.0 - shifted[-1]) / (1.0 - SHIFT_TERMINAL)
+        if scale <= 0:  # one step: sigma 1 cannot be stretched (the scheduler would divide by zero)
+            return shifted + [0.0]
+        return [1.0 - (1.0 - s) / scale for s in shifted] + [0.0]
+
+
+class QwenImageLora(LoraForm):
+    """Qwen-Image's targets less the last block's dead text-stream outputs."""
+
+    def target_modules(self, model: nn.Module) -> list[str]:
+        """``targets`` in every block, less the last block's text-query and text-output projections
+        (``attn.add_q_proj``, ``attn.to_add_out``) and text MLP: the model's output is the image stream alone,
+        so the last block's text-stream results feed nothing and a LoRA there could never learn (its gradient is
+        zero, and ComfyUI would still patch it)."""
+        last = f"transformer_blocks.{len(model.transformer_blocks) - 1}."
+        dead = tuple(last + t for t in ("attn.add_q_proj", "attn.to_add_out", "txt_mlp."))
+        return [m for m in super().target_modules(model) if not m.startswith(dead)]
+
+
+#: The Wan 2.1 causal 3-D VAE as Qwen-Image ships it, one frame.
+QWEN_IMAGE_VAE = WanVaeSpec(class_name="AutoencoderKLQwenImage", config_package=__package__,
+                            single_file_config="qwen_image")
+
+
 class QwenImageFamily(ModelFamily):
     id = "qwen_image"
-    # Which rows the block Linears multiply (ModelFamily.linear_tokens: the step-time model's FLOPs).
-    modulation_linears = ("img_mod.", "txt_mod.")
-    text_linears = ("attn.add_", "attn.to_add_out", "txt_mlp.")
-    dual_stream_lists = ("transformer_blocks",)
     display_name = "Qwen-Image"
     diffusers_class_name = "QwenImageTransformer2DModel"
     variants = {
@@ -99,12 +144,24 @@ class QwenImageFamily(ModelFamily):
                        "in_channels", "out_channels", "patch_size", "zero_cond_t", "use_additional_t_cond")
     unused_native_keys = ("__index_timestep_zero__",)
 
-    vae = WanVaeSpec(class_name="AutoencoderKLQwenImage", config_package=__package__, single_file_config="qwen_image")
-    lora_targets = {"transformer_blocks": ATTENTION_TARGETS}
-    # ComfyUI maps diffusers-named Qwen-Image LoRAs as they are (comfy/lora.py, QwenImage branch:
-    # ``transformer.<name>`` and the bare name).
-    comfyui_lora_form = "diffusers_names"
-    chunked_recompute = True  # install_chunked_recompute: both streams' MLPs in token chunks
+    # Training draws sigmas without shift (diffusers' script: its scheduler config has dynamic shifting, so the
+    # table is unshifted): shift 1, mu = 0. The model answers the velocity at timestep sigma (the default prediction).
+    schedule = QwenImageSchedule(train_shift=1.0)
+    memory = QwenImageMemory(
+        block_lists=("transformer_blocks",),
+        # Which rows the block Linears multiply (MemoryProfile.linear_tokens: the step-time model's FLOPs).
+        modulation_linears=("img_mod.", "txt_mod."),
+        text_linears=("attn.add_", "attn.to_add_out", "txt_mlp."),
+        dual_stream_lists=("transformer_blocks",),
+        chunked_recompute=True,  # install_chunked_recompute: both streams' MLPs in token chunks
+    )
+    lora = QwenImageLora(
+        targets={"transformer_blocks": ATTENTION_TARGETS},
+        architecture="qwen_image/lora",
+        # ComfyUI maps diffusers-named Qwen-Image LoRAs as they are (comfy/lora.py, QwenImage branch:
+        # ``transformer.<name>`` and the bare name).
+        comfyui_form="diffusers_names",
+    )
     file_help = {
         "checkpoint": "qwen_image_bf16.safetensors, qwen_image_fp8_e4m3fn.safetensors or the 2512 release "
                       "(diffusers names)",
@@ -123,11 +180,14 @@ class QwenImageFamily(ModelFamily):
     def param_table(self, config: dict[str, Any]) -> list[NativeParam]:
         return qwen_image_param_table(self, config)
 
-    def variant_from_name(self, variant: str, name: str) -> str:
+    def variant_from_name(self, variant: str, name: str, keys: frozenset[str] | set[str] = frozenset()) -> str:
         """Edit, 2509 and 2511 share Qwen-Image's shapes; the file or folder name tells them apart, as ComfyUI's
         names do (``qwen_image_edit_fp8_e4m3fn``, ``qwen_image_edit_2509_*``, ``qwen_image_edit_2511_bf16``; the hub's
-        ``Qwen-Image-Edit-2509``). A config with ``zero_cond_t`` is 2511 whatever its name."""
+        ``Qwen-Image-Edit-2509``). A config with ``zero_cond_t`` is 2511 whatever its name, and so is a single file
+        with ComfyUI's flag tensor ``__index_timestep_zero__`` (in ``keys``), even when renamed."""
         tiny = variant in (self.tiny_variant, "qwen-image-edit-tiny", "qwen-image-edit-2511-tiny")
+        if INDEX_TIMESTEP_ZERO in keys:
+            return "qwen-image-edit-2511-tiny" if tiny else "qwen-image-edit-2511"
         lowered = name.lower()
         if variant in ("qwen-image-edit-2511", "qwen-image-edit-2511-tiny") or "2511" in lowered and "edit" in lowered:
             return "qwen-image-edit-2511-tiny" if tiny else "qwen-image-edit-2511"
@@ -136,13 +196,6 @@ class QwenImageFamily(ModelFamily):
         if tiny:
             return "qwen-image-edit-tiny"
         return "qwen-image-edit-2509" if "2509" in lowered else "qwen-image-edit"
-
-    def variant_from_file(self, variant: str, name: str, keys: set[str]) -> str:
-        """ComfyUI's 2511 file carries the flag tensor ``__index_timestep_zero__``: 2511 even when renamed."""
-        if INDEX_TIMESTEP_ZERO in keys:
-            tiny = variant in (self.tiny_variant, "qwen-image-edit-tiny", "qwen-image-edit-2511-tiny")
-            return "qwen-image-edit-2511-tiny" if tiny else "qwen-image-edit-2511"
-        return self.variant_from_name(variant, name)
 
     def edit_mode(self, variant: str) -> str:
         """"" (text-to-image), "edit" or "plus" (``EDIT_MODE``): which Edit pipeline ``variant`` follows."""
@@ -185,24 +238,6 @@ class QwenImageFamily(ModelFamily):
             return {"condition_area": 64 * 64, "vae_area": 96 * 96}
         return {"condition_area": CONDITION_AREA, "vae_area": VAE_AREA}
 
-    def install_chunked_recompute(self, model: nn.Module, chunks: int, undo) -> None:
-        """Every block's feed-forward (``img_mlp``, ``txt_mlp``: token-wise, the widest intermediates of a block) in
-        checkpointed token chunks."""
-        from ..recompute import chunk_token_wise
-
-        for block in model.transformer_blocks:
-            chunk_token_wise(block.img_mlp, chunks, undo)
-            chunk_token_wise(block.txt_mlp, chunks, undo)
-
-    def lora_target_modules(self, model: nn.Module) -> list[str]:
-        """``lora_targets`` in every block, less the last block's text-query and text-output projections
-        (``attn.add_q_proj``, ``attn.to_add_out``) and text MLP: the model's output is the image stream alone,
-        so the last block's text-stream results feed nothing and a LoRA there could never learn (its gradient is
-        zero, and ComfyUI would still patch it)."""
-        last = f"transformer_blocks.{len(model.transformer_blocks) - 1}."
-        dead = tuple(last + t for t in ("attn.add_q_proj", "attn.to_add_out", "txt_mlp."))
-        return [m for m in super().lora_target_modules(model) if not m.startswith(dead)]
-
     # --- text ------------------------------------------------------------------------------------
 
     def text_encoder_specs(self, variant: str) -> tuple[TextEncoderSpec, ...]:
@@ -235,9 +270,12 @@ class QwenImageFamily(ModelFamily):
 
     # --- latents ---------------------------------------------------------------------------------
 
+    def vae_for(self, variant: str | None) -> VaeSpec:
+        return QWEN_IMAGE_VAE
+
     def latent_shape(self, model: nn.Module, width: int, height: int, frames: int = 1) -> tuple[int, ...]:
         """(16, H/8, W/8): one frame of the VAE, the frame axis dropped (packed 2x2 in ``model_inputs``)."""
-        self.image_only(frames)
+        image_only(self, frames)
         return (int(model.config.in_channels) // 4, height // 8, width // 8)
 
     # --- training --------------------------------------------------------------------------------
@@ -270,7 +308,7 @@ class QwenImageFamily(ModelFamily):
             "hidden_states": hidden,
             "encoder_hidden_states": prompt,
             "encoder_hidden_states_mask": mask.to(latents.device),
-            "timestep": self.prediction.model_timestep(sigmas.to(latents.device)).to(latents.dtype),
+            "timestep": self.schedule.prediction.model_timestep(sigmas.to(latents.device)).to(latents.dtype),
             "img_shapes": [list(shapes)] * b,
             "return_dict": False,
         }
@@ -279,23 +317,6 @@ class QwenImageFamily(ModelFamily):
         """The target's tokens (the first h/2 * w/2; an Edit forward also answers for the control tokens) unpacked."""
         h, w = latents.shape[-2], latents.shape[-1]
         return unpack_2x2(output[:, : (h // 2) * (w // 2)], h, w)
-
-    def train_shift_mu(self, latents: torch.Tensor) -> float:
-        """No shift: diffusers' training script draws from the unshifted sigma table (see the module doc)."""
-        return 0.0
-
-    def sample_shift_mu(self, latents: torch.Tensor, steps: int) -> float:
-        """QwenImagePipeline's ``calculate_shift`` over the image tokens, with the hub scheduler's constants."""
-        return linear_mu((latents.shape[-2] // 2) * (latents.shape[-1] // 2), BASE_SEQ, MAX_SEQ, BASE_SHIFT, MAX_SHIFT)
-
-    def sample_sigmas(self, latents: torch.Tensor, steps: int) -> list[float]:
-        """The shifted schedule stretched so its last sigma is ``SHIFT_TERMINAL`` (FlowMatchEulerDiscreteScheduler
-        ``stretch_shift_to_terminal``), then 0."""
-        shifted = sigma_schedule(steps, self.sample_shift_mu(latents, steps))[:-1]
-        scale = (1.0 - shifted[-1]) / (1.0 - SHIFT_TERMINAL)
-        if scale <= 0:  # one step: sigma 1 cannot be stretched (the scheduler would divide by zero)
-            return shifted + [0.0]
-        return [1.0 - (1.0 - s) / scale for s in shifted] + [0.0]
 
     def guidance(self, variant: str) -> Guidance:
         """True CFG 4 (the pipeline's ``true_cfg_scale`` default) against the negative prompt, rescaled per

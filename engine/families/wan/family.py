@@ -26,14 +26,16 @@ supported yet: files named "i2v" are refused.
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from ...errors import ConfigError
-from ..base import Guidance, ModelFamily, Prediction, TextEncoderSpec, VaeSpec, static_shift_mu
+from ..base import Guidance, ModelFamily, TextEncoderSpec, VaeSpec
+from ..specs import LoraForm, MemoryProfile, NoiseSchedule, Prediction, static_shift_mu
 from ..names import NativeParam
 from .names import wan_param_table
 from .vae import WAN21_VAE, WAN22_VAE
@@ -63,12 +65,85 @@ def _spatial(out_channels: int) -> int:
     return 16 if int(out_channels) == 48 else 8
 
 
+@dataclass(frozen=True)
+class WanMemory(MemoryProfile):
+    """Wan's blocks in three parts, the FFN in token chunks, and TI2V-5B's 16x VAE in the token count."""
+
+    #: Blocks stream as three parts (``parts.py``) with activation offload: measured on the H100 (bench/NOTES.md
+    #: "Wan (issue 25)"), A14B at 480x832x81 went from 12.05 GB (whole blocks, eager) to 8.20 GB (parts, eager).
+    #: Compiled parts once failed in the backward (inductor returned the FFN part's modulation gradient as [5120]
+    #: for a [1, 1, 5120] input); the parts now hand their modulation vectors on as constants
+    #: (``constant_outputs``), so no part is asked for that gradient. A switch for tests and benches
+    #: (``dataclasses.replace(FAMILY.memory, stream_in_parts=False)``).
+    stream_in_parts: bool = True
+
+    def image_tokens(self, width: int, height: int, variant: str = "") -> int:
+        """One latent frame's tokens: 1x2x2 patches of the Wan 2.1 VAE's 8x latents, or of the Wan 2.2 VAE's 16x
+        latents for TI2V-5B (a quarter as many)."""
+        spatial = 32 if variant in _TI2V else 16
+        return (width // spatial) * (height // spatial)
+
+    def install_chunked_recompute(self, model: nn.Module, chunks: int, undo) -> None:
+        """Every block's feed-forward (``ffn``: token-wise, the widest intermediates of a block) in
+        checkpointed token chunks."""
+        from ..recompute import chunk_token_wise
+
+        for block in model.blocks:
+            chunk_token_wise(block.ffn, chunks, undo)
+
+    def block_parts(self, block: nn.Module):
+        """With ``stream_in_parts``: a block as three parts (``parts.py``): self-attention (with the block's
+        modulation), cross-attention, FFN; each checkpointed on its own, so a block's recompute + backward holds
+        one part's intermediates, not the whole block's."""
+        if not self.stream_in_parts:
+            return None
+        from diffusers.models.transformers.transformer_wan import WanTransformerBlock
+
+        from .parts import wan_block_parts
+
+        return wan_block_parts(block) if isinstance(block, WanTransformerBlock) else None
+
+
+def flow_shift(latents: torch.Tensor) -> float:
+    """The hub scheduler's ``flow_shift``: 5.0 for TI2V-5B (its 48-channel latents), 3.0 for T2V."""
+    return FLOW_SHIFT_TI2V if latents.shape[1] == 48 else FLOW_SHIFT_T2V
+
+
+class WanSchedule(NoiseSchedule):
+    """The hub schedulers' static ``flow_shift``, UniPC's flow sigmas, and the A14B experts' halves of the path."""
+
+    def train_shift_mu(self, latents: torch.Tensor) -> float:
+        """The static ``flow_shift`` the pipeline samples with (musubi-tuner's ``--discrete_flow_shift 3.0``)."""
+        return static_shift_mu(flow_shift(latents))
+
+    def sample_sigmas(self, latents: torch.Tensor, steps: int) -> list[float]:
+        """UniPCMultistepScheduler's flow sigmas with the hub config: ``linspace(1, 1/1000, steps + 1)[:-1]`` under
+        the static shift, the first nudged below 1 by 1e-6 (as the scheduler does), then 0."""
+        s = flow_shift(latents)
+        base = np.linspace(1.0, 1.0 / 1000, steps + 1)[:-1]
+        shifted = s * base / (1 + (s - 1) * base)
+        if abs(shifted[0] - 1.0) < 1e-6:
+            shifted[0] -= 1e-6
+        return [float(x) for x in np.concatenate([shifted, [0.0]]).astype(np.float32)]
+
+    def train_sigma_range(self, variant: str) -> tuple[float, float]:
+        """The A14B experts split the noise levels at the pipeline's boundary (``boundary_ratio`` 0.875: the high-
+        noise expert denoises sigma >= 0.875, the low-noise one below): each trains on its own side only."""
+        if variant in _HIGH:
+            return (A14B_BOUNDARY, 1.0)
+        if variant in _LOW:
+            return (0.0, A14B_BOUNDARY)
+        return (0.0, 1.0)
+
+    def preview_partner(self, variant: str) -> tuple[str, float] | None:
+        """An A14B expert's previews need the other expert: WanPipeline(transformer=high, transformer_2=low,
+        boundary_ratio=0.875) runs the high-noise one while the timestep is >= 875, the low-noise one below."""
+        other = _HIGH.get(variant) or _LOW.get(variant)
+        return (other, A14B_BOUNDARY) if other else None
+
+
 class WanFamily(ModelFamily):
     id = "wan"
-    # Which rows the block Linears multiply (ModelFamily.linear_tokens: the step-time model's FLOPs).
-    # The sequence is the video's tokens; the text enters only as cross-attention keys and values.
-    block_list_tokens = {"blocks": "image"}
-    text_linears = ("attn2.to_k", "attn2.to_v")
     display_name = "Wan"
     diffusers_class_name = "WanTransformer3DModel"
     variants = {
@@ -86,22 +161,33 @@ class WanFamily(ModelFamily):
     structural_keys = ("num_layers", "num_attention_heads", "attention_head_dim", "ffn_dim", "in_channels",
                        "out_channels", "text_dim", "image_dim", "added_kv_proj_dim")
 
-    prediction = Prediction(timestep="sigma_x1000", sign=+1)
-    vae = WAN21_VAE
+    schedule = WanSchedule(Prediction(timestep="sigma_x1000", sign=+1))
     video = True
-    chunked_recompute = True  # install_chunked_recompute: the FFN in token chunks
-    # Blocks in parts (``block_parts``): the largest part, self-attention, holds 0.63 of the whole block's recompute +
-    # backward working set with the FFN in token chunks (25.3 of 40.5 B*T*D units alive at once; 0.50 of the bytes
-    # saved for backward; 0.50-0.56 unchunked), the same for every variant: bench/parts_working_set.py on CPU (bf16,
-    # LoRA on q/k/v/o, head dim 128). An estimate, not a GPU fit: refit on the bench rows of blocks in parts.
-    parts_activation_scale = 0.63
-    lora_targets = {"blocks": ATTENTION_TARGETS}
-    # ComfyUI 0.33 maps no diffusers name of Wan (facts §3.6): the LoRA carries the native module names
-    # (``diffusion_model.blocks.N.self_attn.q``), one native Linear per diffusers Linear.
-    comfyui_lora_form = "native_fused"
-    # Outside the blocks but large (14B: time_proj 157 M, text_embedder 47 M parameters): int8 in slabs.
-    int8_extra_linears = ("condition_embedder.time_proj", "condition_embedder.text_embedder.linear_1",
-                          "condition_embedder.text_embedder.linear_2")
+    memory = WanMemory(
+        block_lists=("blocks",),
+        # Which rows the block Linears multiply (MemoryProfile.linear_tokens: the step-time model's FLOPs).
+        # The sequence is the video's tokens; the text enters only as cross-attention keys and values.
+        block_list_tokens={"blocks": "image"},
+        text_linears=("attn2.to_k", "attn2.to_v"),
+        # Outside the blocks but large (14B: time_proj 157 M, text_embedder 47 M parameters): int8 in slabs.
+        int8_extra_linears=("condition_embedder.time_proj", "condition_embedder.text_embedder.linear_1",
+                            "condition_embedder.text_embedder.linear_2"),
+        chunked_recompute=True,  # install_chunked_recompute: the FFN in token chunks
+        # Blocks in parts (``block_parts``): the largest part, self-attention, holds 0.63 of the whole block's
+        # recompute + backward working set with the FFN in token chunks (25.3 of 40.5 B*T*D units alive at once;
+        # 0.50 of the bytes saved for backward; 0.50-0.56 unchunked), the same for every variant:
+        # bench/parts_working_set.py on CPU (bf16, LoRA on q/k/v/o, head dim 128). An estimate, not a GPU fit:
+        # refit on the bench rows of blocks in parts.
+        parts_activation_scale=0.63,
+        temporal_compression=4,  # the causal VAE: the first frame alone, then 4 per latent frame
+    )
+    lora = LoraForm(
+        targets={"blocks": ATTENTION_TARGETS},
+        architecture="wan/lora",
+        # ComfyUI 0.33 maps no diffusers name of Wan (facts §3.6): the LoRA carries the native module names
+        # (``diffusion_model.blocks.N.self_attn.q``), one native Linear per diffusers Linear.
+        comfyui_form="native_fused",
+    )
     file_help = {
         "checkpoint": "wan2.1_t2v_1.3B_bf16.safetensors, wan2.1_t2v_14B_bf16.safetensors, "
                       "wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors / wan2.2_t2v_low_noise_14B_fp8_scaled."
@@ -121,7 +207,7 @@ class WanFamily(ModelFamily):
     def param_table(self, config: dict[str, Any]) -> list[NativeParam]:
         return wan_param_table(self, config)
 
-    def variant_from_name(self, variant: str, name: str) -> str:
+    def variant_from_name(self, variant: str, name: str, keys: frozenset[str] | set[str] = frozenset()) -> str:
         """A 14B file named ``..._high_noise_...`` / ``..._low_noise_...`` is that Wan 2.2 A14B expert; I2V files
         are refused (image conditioning is not supported yet)."""
         lower = name.lower().replace("-", "_")
@@ -162,12 +248,6 @@ class WanFamily(ModelFamily):
         s = _spatial(c)
         return (c, (frames - 1) // 4 + 1, height // s, width // s)
 
-    def image_tokens(self, width: int, height: int, variant: str = "") -> int:
-        """One latent frame's tokens: 1x2x2 patches of the Wan 2.1 VAE's 8x latents, or of the Wan 2.2 VAE's 16x
-        latents for TI2V-5B (a quarter as many)."""
-        spatial = 32 if variant in _TI2V else 16
-        return (width // spatial) * (height // spatial)
-
     # --- training --------------------------------------------------------------------------------
 
     def model_inputs(self, model: nn.Module, latents: torch.Tensor, embeds: dict[str, torch.Tensor],
@@ -182,78 +262,13 @@ class WanFamily(ModelFamily):
             raise ValueError(f"Wan batch mismatch: {latents.shape[0]} latents, {prompt.shape[0]} captions")
         return {
             "hidden_states": latents,
-            "timestep": self.prediction.model_timestep(sigmas.to(latents.device, torch.float32)),
+            "timestep": self.schedule.prediction.model_timestep(sigmas.to(latents.device, torch.float32)),
             "encoder_hidden_states": prompt,
             "return_dict": False,
         }
 
     def unpack_prediction(self, output: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
         return output
-
-    @staticmethod
-    def flow_shift(latents: torch.Tensor) -> float:
-        """The hub scheduler's ``flow_shift``: 5.0 for TI2V-5B (its 48-channel latents), 3.0 for T2V."""
-        return FLOW_SHIFT_TI2V if latents.shape[1] == 48 else FLOW_SHIFT_T2V
-
-    def train_shift_mu(self, latents: torch.Tensor) -> float:
-        """The static ``flow_shift`` the pipeline samples with (musubi-tuner's ``--discrete_flow_shift 3.0``)."""
-        return static_shift_mu(self.flow_shift(latents))
-
-    def sample_sigmas(self, latents: torch.Tensor, steps: int) -> list[float]:
-        """UniPCMultistepScheduler's flow sigmas with the hub config: ``linspace(1, 1/1000, steps + 1)[:-1]`` under
-        the static shift, the first nudged below 1 by 1e-6 (as the scheduler does), then 0."""
-        s = self.flow_shift(latents)
-        base = np.linspace(1.0, 1.0 / 1000, steps + 1)[:-1]
-        shifted = s * base / (1 + (s - 1) * base)
-        if abs(shifted[0] - 1.0) < 1e-6:
-            shifted[0] -= 1e-6
-        return [float(x) for x in np.concatenate([shifted, [0.0]]).astype(np.float32)]
-
-    def install_chunked_recompute(self, model: nn.Module, chunks: int, undo) -> None:
-        """Every block's feed-forward (``ffn``: token-wise, the widest intermediates of a block) in
-        checkpointed token chunks."""
-        from ..recompute import chunk_token_wise
-
-        for block in model.blocks:
-            chunk_token_wise(block.ffn, chunks, undo)
-
-    #: Blocks stream as three parts (``parts.py``) with activation offload: measured on the H100 (bench/NOTES.md
-    #: "Wan (issue 25)"), A14B at 480x832x81 went from 12.05 GB (whole blocks, eager) to 8.20 GB (parts, eager).
-    #: Compiled parts once failed in the backward (inductor returned the FFN part's modulation gradient as [5120]
-    #: for a [1, 1, 5120] input); the parts now hand their modulation vectors on as constants
-    #: (``constant_outputs``), so no part is asked for that gradient. A switch for tests and benches.
-    stream_in_parts: ClassVar[bool] = True
-
-    def block_parts(self, block: nn.Module):
-        """With ``stream_in_parts``: a block as three parts (``parts.py``): self-attention (with the block's
-        modulation), cross-attention, FFN; each checkpointed on its own, so a block's recompute + backward holds
-        one part's intermediates, not the whole block's."""
-        if not self.stream_in_parts:
-            return None
-        from diffusers.models.transformers.transformer_wan import WanTransformerBlock
-
-        from .parts import wan_block_parts
-
-        return wan_block_parts(block) if isinstance(block, WanTransformerBlock) else None
-
-    def train_sigma_range(self, variant: str) -> tuple[float, float]:
-        """The A14B experts split the noise levels at the pipeline's boundary (``boundary_ratio`` 0.875: the high-
-        noise expert denoises sigma >= 0.875, the low-noise one below): each trains on its own side only."""
-        if variant in _HIGH:
-            return (A14B_BOUNDARY, 1.0)
-        if variant in _LOW:
-            return (0.0, A14B_BOUNDARY)
-        return (0.0, 1.0)
-
-    def preview_partner(self, variant: str) -> tuple[str, float] | None:
-        """An A14B expert's previews need the other expert: WanPipeline(transformer=high, transformer_2=low,
-        boundary_ratio=0.875) runs the high-noise one while the timestep is >= 875, the low-noise one below."""
-        other = _HIGH.get(variant) or _LOW.get(variant)
-        return (other, A14B_BOUNDARY) if other else None
-
-    def latent_frames(self, frames: int) -> int:
-        """The causal VAE's 4x temporal compression: the first frame alone, then 4 per latent frame."""
-        return (max(1, frames) - 1) // 4 + 1
 
     def guidance(self, variant: str) -> Guidance:
         """CFG ``uncond + g (cond - uncond)`` against the empty prompt: g = 5 (WanPipeline's default; Wan 2.1 and

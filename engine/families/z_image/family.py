@@ -35,7 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..base import Guidance, ModelFamily, Prediction, PromptTemplate, TextEncoderSpec, static_shift_mu
+from ..base import Guidance, ModelFamily, PromptTemplate, TextEncoderSpec, image_only
+from ..specs import LoraForm, MemoryProfile, NoiseSchedule, Prediction
 from ..names import NativeParam
 from .names import z_image_param_table
 
@@ -57,9 +58,6 @@ _TEMPLATE = PromptTemplate(style="chat", enable_thinking=True)  # ZImagePipeline
 
 class ZImageFamily(ModelFamily):
     id = "z_image"
-    # Which rows the block Linears multiply (ModelFamily.linear_tokens: the step-time model's FLOPs).
-    block_list_tokens = {"context_refiner": "text", "noise_refiner": "image"}
-    modulation_linears = ("adaLN_modulation.",)
     display_name = "Z-Image"
     diffusers_class_name = "ZImageTransformer2DModel"
     variants = {
@@ -72,20 +70,36 @@ class ZImageFamily(ModelFamily):
     structural_keys = ("dim", "n_layers", "n_refiner_layers", "n_heads", "n_kv_heads", "cap_feat_dim",
                        "in_channels", "all_patch_size", "all_f_patch_size")
 
-    prediction = Prediction(timestep="one_minus_sigma", sign=-1.0)
-
-    lora_targets = {  # in forward execution order (ZImageTransformer2DModel.forward)
-        "noise_refiner": ATTENTION_TARGETS,
-        "context_refiner": ATTENTION_TARGETS,
-        "layers": ATTENTION_TARGETS,
-    }
-    # ComfyUI maps diffusers-named Z-Image LoRAs (``transformer.layers.N.attention.to_q``) onto its fused qkv
-    # (comfy/lora.py model_lora_keys_unet, model_base.Lumina2 branch, through z_image_to_diffusers).
-    comfyui_lora_form = "diffusers_names"
-    # The planner's Flux.1-fitted activation constants fit Z-Image as they are. GPU rows, 2026-11-25 (H200,
-    # 1024², r16, activation offload, bench/logs/issue23_zimage_*): bf16 eager 2.45 GB measured / 2.31 GB
-    # predicted (+6%), bf16 compiled 2.32 / 2.31, int8 slab compiled 2.49 / 2.49.
-    activation_scale = 1.0
+    # The model takes t = 1 - sigma and answers x0 - noise. Training: the static shift 3 at every resolution
+    # (diffusers' script draws timesteps uniformly from the scheduler's shift-3 table, as DiffSynth and ai-toolkit
+    # do; musubi's example uses 2). Sampling: ZImagePipeline computes a dynamic ``mu`` but its scheduler ignores it
+    # (``use_dynamic_shifting`` false): the static shift 3 over ``linspace(1, 1/N, N)``, at every step count.
+    schedule = NoiseSchedule(Prediction(timestep="one_minus_sigma", sign=-1.0), train_shift=SHIFT, sample_shift=SHIFT)
+    memory = MemoryProfile(
+        block_lists=("noise_refiner", "context_refiner", "layers"),  # forward order (ZImageTransformer2DModel)
+        # Which rows the block Linears multiply (MemoryProfile.linear_tokens: the step-time model's FLOPs).
+        block_list_tokens={"context_refiner": "text", "noise_refiner": "image"},
+        modulation_linears=("adaLN_modulation.",),
+        # The planner's Flux.1-fitted activation constants fit Z-Image as they are. GPU rows, 2026-11-25 (H200,
+        # 1024², r16, activation offload, bench/logs/issue23_zimage_*): bf16 eager 2.45 GB measured / 2.31 GB
+        # predicted (+6%), bf16 compiled 2.32 / 2.31, int8 slab compiled 2.49 / 2.49.
+        activation_scale=1.0,
+        width_keys=("dim",),
+        # 2x2 patches of the /8 latents, padded to a multiple of 32 as the transformer runs them (1024²: 4096, no
+        # padding). Caption tokens (<= 512 + padding) come on top in the joint ``layers``.
+        token_multiple=SEQ_MULTI_OF,
+    )
+    lora = LoraForm(
+        targets={  # in forward execution order (ZImageTransformer2DModel.forward)
+            "noise_refiner": ATTENTION_TARGETS,
+            "context_refiner": ATTENTION_TARGETS,
+            "layers": ATTENTION_TARGETS,
+        },
+        architecture="z_image/lora",
+        # ComfyUI maps diffusers-named Z-Image LoRAs (``transformer.layers.N.attention.to_q``) onto its fused qkv
+        # (comfy/lora.py model_lora_keys_unet, model_base.Lumina2 branch, through z_image_to_diffusers).
+        comfyui_form="diffusers_names",
+    )
     file_help = {
         "checkpoint": "z_image_turbo_bf16.safetensors or z_image_bf16.safetensors (Base; ComfyUI's NextDiT names)",
         "pipeline": "text_encoder (Qwen3-4B; layers 0-34 are read), tokenizer, vae (the Flux.1 AE)",
@@ -125,22 +139,13 @@ class ZImageFamily(ModelFamily):
 
     def latent_shape(self, model: nn.Module, width: int, height: int, frames: int = 1) -> tuple[int, ...]:
         """The Flux.1 AE's (16, H/8, W/8); the 2x2 patches are made inside the transformer."""
-        self.image_only(frames)
+        image_only(self, frames)
         return (int(model.config.in_channels), height // 8, width // 8)
 
-    def variant_from_name(self, variant: str, name: str) -> str:
+    def variant_from_name(self, variant: str, name: str, keys: frozenset[str] | set[str] = frozenset()) -> str:
         if variant not in ("z-image-turbo", "z-image-base"):
             return variant  # the tiny model, or a custom config
         return "z-image-turbo" if "turbo" in name.lower() else "z-image-base"
-
-    def hidden_size(self, config: dict[str, Any]) -> int:
-        return int(config["dim"])
-
-    def image_tokens(self, width: int, height: int, variant: str = "") -> int:
-        """2x2 patches of the /8 latents, padded to a multiple of 32 as the transformer runs them
-        (1024²: 4096, no padding). Caption tokens (<= 512 + padding) come on top in the joint ``layers``."""
-        tokens = (width // 16) * (height // 16)
-        return tokens + (-tokens) % SEQ_MULTI_OF
 
     # --- training --------------------------------------------------------------------------------
 
@@ -163,24 +168,14 @@ class ZImageFamily(ModelFamily):
             caps.append(rows.to(latents.dtype))
         return {
             "x": list(latents.unsqueeze(2).unbind(0)),
-            "t": self.prediction.model_timestep(sigmas.to(latents.device, torch.float32)),
+            "t": self.schedule.prediction.model_timestep(sigmas.to(latents.device, torch.float32)),
             "cap_feats": caps,
             "return_dict": False,
         }
 
     def unpack_prediction(self, output: Any, latents: torch.Tensor) -> torch.Tensor:
-        """The forward's list of (16, 1, h, w) -> (B, 16, h, w), still ``x0 - noise`` (``prediction.sign``)."""
+        """The forward's list of (16, 1, h, w) -> (B, 16, h, w), still ``x0 - noise`` (``schedule.prediction.sign``)."""
         return torch.stack([o.squeeze(1) for o in output], dim=0)
-
-    def train_shift_mu(self, latents: torch.Tensor) -> float:
-        """The static shift 3 at every resolution: diffusers' script draws timesteps uniformly from the
-        scheduler's shift-3 table, as DiffSynth and ai-toolkit do (musubi's example uses 2)."""
-        return static_shift_mu(SHIFT)
-
-    def sample_shift_mu(self, latents: torch.Tensor, steps: int) -> float:
-        """ZImagePipeline computes a dynamic ``mu`` but its scheduler ignores it (``use_dynamic_shifting``
-        false): the static shift 3 over ``linspace(1, 1/N, N)``, at every step count."""
-        return static_shift_mu(SHIFT)
 
     def guidance(self, variant: str) -> Guidance:
         if variant == "z-image-base":
