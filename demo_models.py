@@ -155,6 +155,7 @@ def pretrain_demo_transformer(pipeline: str | Path, steps: int = 2500, count: in
     images cannot teach it to draw; a base that draws coloured blobs for coloured words can be steered by one."""
     from diffusers import AutoencoderKL, FluxPipeline
 
+    from .engine.families import default_max_sequence_length
     from .engine.families.flux1 import FAMILY
     from .engine.train.flow_matching import noisy_latents_and_target, sample_sigmas
 
@@ -177,7 +178,7 @@ def pretrain_demo_transformer(pipeline: str | Path, steps: int = 2500, count: in
             latents = torch.cat([(vae.encode(images[i:i + 32]).latent_dist.mean - shift) * scale
                                  for i in range(0, count, 32)])
             prompt_embeds, pooled, _ = pipe.encode_prompt(captions, None, max_sequence_length=
-                                                          FAMILY.default_max_sequence_length(FAMILY.tiny_variant))
+                                                          default_max_sequence_length(FAMILY, FAMILY.tiny_variant))
         model = pipe.transformer.train()
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
         gen = torch.Generator().manual_seed(seed)
@@ -187,7 +188,7 @@ def pretrain_demo_transformer(pipeline: str | Path, steps: int = 2500, count: in
             idx = torch.randint(0, count, (batch,), generator=gen)
             x0 = latents[idx]
             noise = torch.randn(x0.shape, generator=gen)
-            sigmas = sample_sigmas(batch, gen, mu=FAMILY.train_shift_mu(x0))
+            sigmas = sample_sigmas(batch, gen, mu=FAMILY.schedule.train_shift_mu(x0))
             noisy, target = noisy_latents_and_target(x0, noise, sigmas)
             embeds = {"prompt_embeds": prompt_embeds[idx], "pooled_prompt_embeds": pooled[idx]}
             out = model(**FAMILY.model_inputs(model, noisy, embeds, sigmas, guidance))[0]

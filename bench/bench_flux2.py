@@ -56,9 +56,10 @@ def write_synthetic_cache(root: Path, family, variant: str, cfg: dict, res: int,
     from safetensors.torch import save_file
 
     from lowvram_lora.engine.caching import CachedItem, DatasetCache
+    from lowvram_lora.engine.families import default_max_sequence_length
 
     gen = torch.Generator().manual_seed(seed + res)
-    seq = family.default_max_sequence_length(variant)
+    seq = default_max_sequence_length(family, variant)
     (root / "latents").mkdir(parents=True, exist_ok=True)
     (root / "text").mkdir(parents=True, exist_ok=True)
     items = []
@@ -79,7 +80,7 @@ def to_int8_on_host(model, family, device) -> None:
     from lowvram_lora.engine.offload.footprint import named_blocks
     from lowvram_lora.engine.slab import Int8Linear
 
-    for name in family.int8_extra_linears:  # as a slab has them: int8, resident
+    for name in family.memory.int8_extra_linears:  # as a slab has them: int8, resident
         parent, _, child = name.rpartition(".")
         holder = model.get_submodule(parent) if parent else model
         setattr(holder, child, Int8Linear.from_linear(getattr(holder, child)))

@@ -135,7 +135,7 @@ def _train(ctx, dataset, steps, callback, offload):
 def _targets(ctx):
     if ctx["args"].lora_targets == "default":
         return None
-    return [n for n in ctx["family"].lora_target_modules(ctx["model"]) if ".attn." in n]
+    return [n for n in ctx["family"].lora.target_modules(ctx["model"]) if ".attn." in n]
 
 
 def mode_fn(name: str):

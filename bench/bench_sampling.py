@@ -53,6 +53,7 @@ from train_bench import (  # noqa: E402
     StepRecorder, _command, _gpu_name, _versions, build_random_model, row_emitter, training_row,
     write_synthetic_cache, new_run_id,
 )
+from lowvram_lora.engine.families import default_max_sequence_length  # noqa: E402
 
 
 RESIDENT = re.compile(r"^resident(-batched)?(-lora)?(-compiled)?$")
@@ -241,7 +242,7 @@ def main(argv=None) -> int:
     prompts = []
     for i in range(args.prompts):
         key = f"sample-prompt-{i}"
-        save_file({"prompt_embeds": torch.randn(family.default_max_sequence_length(variant), cfg["joint_attention_dim"],
+        save_file({"prompt_embeds": torch.randn(default_max_sequence_length(family, variant), cfg["joint_attention_dim"],
                                                 generator=gen).to(torch.bfloat16),
                    "pooled_prompt_embeds": torch.randn(cfg["pooled_projection_dim"], generator=gen).to(torch.bfloat16)},
                   str(Path(tmp.name) / "text" / f"{key}.safetensors"))

@@ -37,7 +37,7 @@ def run_variant(model, family, variant: str, targets: str, res: int, warmup: int
 
     names = None
     if targets == "attention":
-        names = [n for n in family.lora_target_modules(model) if ".attn." in n]
+        names = [n for n in family.lora.target_modules(model) if ".attn." in n]
     model.enable_gradient_checkpointing()
     params = attach_lora(model, family, LoraSettings(rank=16, alpha=16.0, target_modules=names), seed=0)
     if variant == "bf16-lora":

@@ -107,10 +107,10 @@ def main(argv=None) -> int:
         for chunks in args.chunks:
             undo = ChunkedRecompute()
             if chunks > 1:
-                FAMILY.install_chunked_recompute(model, chunks, undo)
+                FAMILY.memory.install_chunked_recompute(model, chunks, undo)
             whole = measure(block, inputs, skip)
             parts, x = [], inputs
-            for _, part in FAMILY.block_parts(block):
+            for _, part in FAMILY.memory.block_parts(block):
                 parts.append(measure(part, x, skip))
                 with torch.no_grad():
                     x = part(*x)

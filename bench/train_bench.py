@@ -100,6 +100,7 @@ def write_synthetic_cache(root: Path, family, variant: str, cfg: dict, res, n_it
     from safetensors.torch import save_file
 
     from lowvram_lora.engine.caching import CachedItem, DatasetCache
+    from lowvram_lora.engine.families import default_max_sequence_length
 
     from types import SimpleNamespace
 
@@ -107,7 +108,7 @@ def write_synthetic_cache(root: Path, family, variant: str, cfg: dict, res, n_it
     gen = torch.Generator().manual_seed(seed + w * h * frames)
     latent_shape = family.latent_shape(SimpleNamespace(config=SimpleNamespace(**cfg)), w, h,
                                        **({"frames": frames} if frames > 1 else {}))
-    seq_len = family.default_max_sequence_length(variant)
+    seq_len = default_max_sequence_length(family, variant)
     widths = family.text_widths(cfg)
     (root / "latents").mkdir(parents=True, exist_ok=True)
     (root / "text").mkdir(parents=True, exist_ok=True)
@@ -182,7 +183,7 @@ def lora_targets(ctx: dict) -> list[str] | None:
     (no single-block proj_mlp / proj_out), the set of DESIGN.md's earlier reference."""
     if ctx["args"].lora_targets == "default":
         return None
-    return [n for n in ctx["family"].lora_target_modules(ctx["model"]) if ".attn." in n]
+    return [n for n in ctx["family"].lora.target_modules(ctx["model"]) if ".attn." in n]
 
 
 # name -> fn(ctx, dataset, steps, callback) -> TrainedLora. Add offload modes here.

@@ -10,7 +10,7 @@ The sampler follows the families' diffusers pipelines (FluxPipeline, Flux2Pipeli
 Lumina2Pipeline, all with FlowMatchEulerDiscreteScheduler): sigmas ``linspace(1, 1/steps, steps)``
 shifted by the family's ``mu`` (``exp(mu) / (exp(mu) + 1/sigma - 1)``), then 0; one Euler step per
 sigma, ``x += (sigma_next - sigma) * v`` in fp32, with ``v`` the model's velocity under the family's
-convention (``ModelFamily.predict_velocity``). Guidance is the family's (``family.guidance``): a
+convention (``families.predict_velocity``). Guidance is the family's (``family.guidance``): a
 guidance embedding (Flux.1-dev, Flux.2-dev), classifier-free guidance against the empty prompt with the
 pipeline's own formula (Z-Image Base, Lumina 2), or none. The first noise is drawn on the CPU from
 ``seed`` in the latent shape, as the pipelines do, so a fixed seed gives comparable images at every
@@ -34,7 +34,7 @@ import torch
 
 from .attention import forward_attention
 from .errors import ConfigError
-from .families import Guidance
+from .families import Guidance, predict_velocity
 
 
 @dataclass
@@ -93,7 +93,7 @@ def help_text(name: str) -> str:
 
 @dataclass
 class PartnerExpert:
-    """The other expert of a mixture, for previews of one expert (``ModelFamily.preview_partner``): ``model`` (frozen
+    """The other expert of a mixture, for previews of one expert (``NoiseSchedule.preview_partner``): ``model`` (frozen
     base weights, no LoRA) denoises the steps on its side of ``boundary`` (sigma >= boundary when ``high``, below
     when not) with its own guidance scale ``guidance``; the trained model denoises the rest."""
 
@@ -135,7 +135,7 @@ def sample_prompts(model, family, embeds: list[dict[str, torch.Tensor]], width: 
     block is copied in once per step rather than once per prompt and branch. ``max_rows``: the most rows one forward
     may carry (``rows_per_forward``: the sampling peak stays at or below the training peak); rows whose cached
     tensors differ in shape (an edit prompt's control images of another size) go in separate forwards; a family
-    that cannot batch (``ModelFamily.batched_sampling`` false) runs one row per forward. Each prompt's first noise
+    that cannot batch (``MemoryProfile.batched_sampling`` false) runs one row per forward. Each prompt's first noise
     is drawn on the CPU from ``seed`` (or taken from ``noise``), as ``sample_latents`` draws it alone, so batching
     changes no preview beyond float rounding. ``negatives``: one per prompt (with a ``cfg`` rule). ``partner``: the
     other expert of a mixture, which takes the steps on its side of the boundary with its own guidance scale
@@ -155,7 +155,7 @@ def sample_prompts(model, family, embeds: list[dict[str, torch.Tensor]], width: 
     n = len(embeds)
 
     def batched(rows):
-        out = batch_rows(rows, max_rows if family.batched_sampling else 1)
+        out = batch_rows(rows, max_rows if family.memory.batched_sampling else 1)
         return [(idx, {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in emb.items()})
                 for idx, emb in out]
 
@@ -165,7 +165,7 @@ def sample_prompts(model, family, embeds: list[dict[str, torch.Tensor]], width: 
     forwards = {False: batched(list(embeds)),
                 True: batched(list(embeds) + negatives) if cfg and (guidance or (partner and partner.guidance))
                 else None}
-    sigmas = family.sample_sigmas(x, steps)
+    sigmas = family.schedule.sample_sigmas(x, steps)
     for i in range(steps):
         if poll is not None:
             poll()
@@ -177,7 +177,7 @@ def sample_prompts(model, family, embeds: list[dict[str, torch.Tensor]], width: 
         with autocast or contextlib.nullcontext(), forward_attention(x.device):
             for idx, emb in forwards[guided]:
                 s = torch.full((len(idx),), sigmas[i], dtype=torch.float32, device=device)
-                v[idx] = family.predict_velocity(net, xs[idx].to(dtype), emb, s, scale).float()
+                v[idx] = predict_velocity(family, net, xs[idx].to(dtype), emb, s, scale).float()
             if guided:
                 v = rule.combine(v[:n], v[n:], scale)
         x = x + (sigmas[i + 1] - sigmas[i]) * v
@@ -278,7 +278,7 @@ def rows_per_forward(plans, workload, family, variant: str, width: int, height: 
     expert while it streams: ``PreviewPartner.rows_bytes``), taken off the room of every plan."""
     from .offload.plan import MOMENT_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, TRANSIENT_BYTES
 
-    tokens = family.image_tokens(width, height, variant) * family.latent_frames(frames) + workload.text_tokens
+    tokens = family.memory.image_tokens(width, height, variant) * family.memory.latent_frames(frames) + workload.text_tokens
     if family.control_images(variant) is not None:
         # An edit prompt's control images join its image tokens; the training item's (the largest) stand in for
         # the sample prompt's, which are encoded at the same reference area.

@@ -1,7 +1,7 @@
 """Shared test and demo fixtures: a small captioned image dataset, and the families' tiny models.
 
 Each family's tiny pipeline and files are built by its own folder's ``fixtures.py``
-(``get_family(id).fixtures()``); the names below are the ones the tests and the demo have always used.
+(``family_fixtures(get_family(id))``); the names below are the ones the tests and the demo have always used.
 Nothing is downloaded.
 """
 from __future__ import annotations
@@ -33,9 +33,9 @@ def draw_shape(draw, shape: str, cx: int, cy: int, r: int, fill) -> None:
 
 def build_tiny_pipeline(family_id: str, folder: str | Path, seed: int = 0) -> Path:
     """The tiny pipeline folder of any registered family (its folder's ``fixtures.build_tiny_pipeline``)."""
-    from .families import get_family
+    from .families import family_fixtures, get_family
 
-    return get_family(family_id).fixtures().build_tiny_pipeline(folder, seed=seed)
+    return family_fixtures(get_family(family_id)).build_tiny_pipeline(folder, seed=seed)
 
 
 def make_tiny_dataset(folder: str | Path, count: int = 6, seed: int = 0, sizes=((128, 128), (160, 112), (112, 160))) -> Path:

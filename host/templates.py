@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..engine.families import TrainingTemplate, families
+from ..engine.families import TrainingTemplate, families, family_templates
 from . import reroutes
 from .workflow import REROUTE_TYPE, input_specs, return_types
 
@@ -343,7 +343,7 @@ def shipped() -> dict[str, TrainingTemplate]:
     """Every family's templates (``engine/families/<id>/templates.py``), by name."""
     out: dict[str, TrainingTemplate] = {}
     for family in families().values():
-        for t in family.templates():
+        for t in family_templates(family):
             if t.name in out:
                 raise ValueError(f"two families ship a template named {t.name!r}")
             out[t.name] = t

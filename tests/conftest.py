@@ -60,14 +60,14 @@ def tiny_cache(tiny_pipeline, tmp_path_factory):
 @pytest.fixture
 def models_with_empty_files(tmp_path):
     """Combos list what is on disk: make the files every family's shipped templates name exist."""
-    from lowvram_lora.engine.families import families
+    from lowvram_lora.engine.families import families, family_templates
     from lowvram_lora.nodes.paths import configure_standalone_dirs
 
     models = tmp_path / "models"
     for folder in ("diffusion_models", "text_encoders", "vae", "diffusers"):
         (models / folder).mkdir(parents=True)
     for family in families().values():
-        for t in family.templates():
+        for t in family_templates(family):
             for load in [t.load] + [c.get("load", {}) for c in t.chains]:  # every chain's model (A14B experts)
                 if "checkpoint" in load:
                     (models / "diffusion_models" / load["checkpoint"]).write_bytes(b"")

@@ -3,7 +3,7 @@ import copy
 
 import torch
 
-from lowvram_lora.engine.families import get_family
+from lowvram_lora.engine.families import family_fixtures, get_family, predict_velocity
 
 
 def model_inputs(model, seed=0, h=8, w=8, length=7, sigma=0.3):
@@ -52,7 +52,7 @@ def eval_flow_loss(model, family, dataset, n=16):
         for _ in range(n):
             sigma = sample_sigmas(1, g)
             noisy, target = noisy_latents_and_target(lat, torch.randn(lat.shape, generator=g), sigma)
-            pred = family.predict_velocity(model, noisy, emb, sigma, 1.0)
+            pred = predict_velocity(family, model, noisy, emb, sigma, 1.0)
             total += torch.nn.functional.mse_loss(pred, target).item()
     return total / n
 
@@ -86,7 +86,7 @@ def flow_steps(model, family, guidance: float = 1.0, device=None):
         if device is not None:
             latents, sigma, target = latents.to(device), sigma.to(device), target.to(device)
             embeds = {k: v.to(device) for k, v in embeds.items()}
-        loss = torch.nn.functional.mse_loss(family.predict_velocity(model, latents, embeds, sigma, guidance), target)
+        loss = torch.nn.functional.mse_loss(predict_velocity(family, model, latents, embeds, sigma, guidance), target)
         loss.backward()
         losses.append(loss.item())
     return losses, {n: p.grad.detach().float().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -160,7 +160,7 @@ def write_template_files(template, root, scratch):
 
     import zlib
 
-    fixtures = get_family(template.load["family"]).fixtures()
+    fixtures = family_fixtures(get_family(template.load["family"]))
     # A seed per template: two templates of one family must not write byte-identical files (a real T2I and Edit
     # file never are), or content-keyed caches (slabs, ComfyUI's node cache) would serve one template's run to
     # the other inside one ComfyUI server.
@@ -201,7 +201,7 @@ def check_checkpoint_forms(family, pipeline_folder, tmp_path, fp8_bound: float |
     bf16 cast, and each fp8 tensor within ``fp8_bound`` relative L2 of the fp32 reference."""
     from lowvram_lora.engine.checkpoint.transformer import identify, open_checkpoint
 
-    write = family.fixtures().write_single_file
+    write = family_fixtures(family).write_single_file
     ref = family.transformer_class().from_pretrained(pipeline_folder / "transformer", use_safetensors=True)
     expected = ref.to(torch.bfloat16).state_dict()
     files = {"bf16": write(pipeline_folder, tmp_path / "form_bf16.safetensors", dtype=torch.bfloat16),

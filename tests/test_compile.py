@@ -36,7 +36,7 @@ def test_compiled_blocks_match_eager_and_keep_hooks(tiny_pipeline, tiny_flux2, f
     ref_grads = torch.autograd.grad(ref.square().mean(), params)
 
     calls = []
-    blocks = [b for blocks in family.block_lists(model) for b in blocks]
+    blocks = [b for blocks in family.memory.block_lists_of(model) for b in blocks]
     hook = blocks[0].register_forward_pre_hook(lambda m, a: calls.append(1))  # a streamer's pre-hook
     handle = compile_mod.compile_blocks(model, family, 1.0, backend="aot_eager")
     out = model(**inputs)[0]

@@ -18,7 +18,8 @@ import torch
 from helpers import family_inputs, flow_steps
 
 from lowvram_lora.engine.config import LoraSettings
-from lowvram_lora.engine.families import families, get_family, meta_model
+from lowvram_lora.engine.families import (families, family_fixtures, family_templates, get_family, meta_model,
+                                          predict_velocity)
 
 FAMILIES = sorted(families())
 
@@ -32,8 +33,8 @@ def tiny(tmp_path_factory):
         if family_id not in built:
             family = get_family(family_id)
             root = tmp_path_factory.mktemp(family_id)
-            pipe = family.fixtures().build_tiny_pipeline(root / "pipe")
-            single = family.fixtures().write_single_file(pipe, root / f"{family_id}.safetensors")
+            pipe = family_fixtures(family).build_tiny_pipeline(root / "pipe")
+            single = family_fixtures(family).write_single_file(pipe, root / f"{family_id}.safetensors")
             built[family_id] = (pipe, single)
         return built[family_id]
     return get
@@ -43,9 +44,10 @@ def test_the_registry_finds_every_family_folder():
     from pathlib import Path
 
     import lowvram_lora.engine.families as pkg
+    from lowvram_lora.engine.families.registry import NOT_FAMILIES
 
     folders = {p.name for p in Path(pkg.__file__).parent.iterdir() if (p / "__init__.py").exists()}
-    assert {f for f in folders if f != "configs"} == {type(f).__module__.split(".")[-2] for f in families().values()}
+    assert {f for f in folders if f not in NOT_FAMILIES} == {type(f).__module__.split(".")[-2] for f in families().values()}
     assert {"flux1", "flux2", "z_image", "lumina2"} <= set(families())
 
 
@@ -63,8 +65,8 @@ def test_the_folder_is_complete(family_id):
     covered = {p.name for param in family.param_table(dict(model.config)) for p in param.parts}
     assert covered == set(model.state_dict())  # the native name map covers the model, nothing more
     names = dict(model.named_modules())
-    assert all(t in names for t in family.lora_target_modules(model))
-    assert family.block_lists(model) and family.templates()
+    assert all(t in names for t in family.lora.target_modules(model))
+    assert family.memory.block_lists_of(model) and family_templates(family)
 
 
 @pytest.mark.parametrize("family_id", FAMILIES)
@@ -80,8 +82,8 @@ def test_int8_slab_of_the_native_file_holds_the_reference(family_id, tiny, tmp_p
     assert slab_family is family and variant == family.tiny_variant
     latents, embeds, sigma = family_inputs(ref, family)
     with torch.no_grad():
-        want = family.predict_velocity(ref, latents, embeds, sigma, 1.0)
-        got = family.predict_velocity(model, latents, embeds, sigma, 1.0)
+        want = predict_velocity(family, ref, latents, embeds, sigma, 1.0)
+        got = predict_velocity(family, model, latents, embeds, sigma, 1.0)
     assert ((got - want).norm() / want.norm()).item() < 0.02
 
 
@@ -137,7 +139,7 @@ def test_streamed_gradients_equal_resident(family_id, act):
         handle.remove()
 
 
-@pytest.mark.parametrize("family_id", [f for f in FAMILIES if get_family(f).chunked_recompute])
+@pytest.mark.parametrize("family_id", [f for f in FAMILIES if get_family(f).memory.chunked_recompute])
 def test_token_chunked_recompute_gives_the_same_losses_and_gradients(family_id):
     """A family that declares token-chunked recompute: its token-wise parts in 3 checkpointed chunks give the
     whole-block losses and LoRA gradients (rtol 1e-5), and the chunks really run (the parts' forwards are
@@ -266,7 +268,7 @@ def test_auto_plans_token_chunks_only_for_families_that_have_them(family_id):
             plans.append(make_plan(fp, wl, OffloadConfig(mode="auto"), int(budget * 1e9)))
         except ConfigError:
             pass
-    if family.chunked_recompute:
+    if family.memory.chunked_recompute:
         assert any(p.recompute_chunks > 1 for p in plans)  # the budgets do reach the chunked plans
     else:
         assert plans and all(p.recompute_chunks == 1 for p in plans)

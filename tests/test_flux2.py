@@ -128,7 +128,7 @@ def test_vae_latents_are_patchified_and_normalised_like_the_pipeline(tiny_flux2)
     image = torch.rand(1, 3, 64, 96) * 2 - 1
     with torch.no_grad():
         mean = vae.encode(image).latent_dist.mode()
-        got = FAMILY.vae.to_model(vae, mean)
+        got = FAMILY.vae_for(None).to_model(vae, mean)
         x = Flux2Pipeline._patchify_latents(mean)
         bn_mean = vae.bn.running_mean.view(1, -1, 1, 1)
         bn_std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)

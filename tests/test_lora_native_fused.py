@@ -29,7 +29,7 @@ def _model():
 def _random_lora(model, rank_of=lambda name: 3, skip=()) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
     state = {}
-    for name in FAMILY.lora_target_modules(model):
+    for name in FAMILY.lora.target_modules(model):
         if name in skip:
             continue
         linear = model.get_submodule(name)
@@ -120,10 +120,10 @@ def test_comfyui_application_equals_peft_merge():
     for name, delta in _comfyui_deltas(to_native_fused(state, table)).items():
         native[name] = native[name] + delta
     merged = model
-    inject_adapter_in_model(LoraConfig(r=3, lora_alpha=3, target_modules=FAMILY.lora_target_modules(model)), merged)
+    inject_adapter_in_model(LoraConfig(r=3, lora_alpha=3, target_modules=FAMILY.lora.target_modules(model)), merged)
     result = set_peft_model_state_dict(merged, state)
     assert not result.unexpected_keys
-    for module in FAMILY.lora_target_modules(merged):
+    for module in FAMILY.lora.target_modules(merged):
         merged.get_submodule(module).merge()
     merged_sd = {k.replace(".base_layer", ""): v for k, v in merged.state_dict().items() if "lora_" not in k}
     for param in table:

@@ -125,7 +125,7 @@ def test_bad_paths(tmp_path, make, match):
 
 def test_lora_targets_never_the_final_projection(tiny_pipeline):
     model, family, *_ = load_transformer(tiny_pipeline, dtype=torch.float32)
-    targets = family.lora_target_modules(model)
+    targets = family.lora.target_modules(model)
     assert "proj_out" not in targets
     assert "single_transformer_blocks.0.proj_out" in targets
     assert "transformer_blocks.1.attn.add_k_proj" in targets

@@ -27,7 +27,7 @@ def test_held_outer_layers_train_like_the_resident_model(act):
     model = copy.deepcopy(ref)
     want, want_grads = flow_steps(ref, FAMILY, 4.0)
     held = outer_modules(model, FAMILY)
-    assert [n for n, _ in held] == list(FAMILY.int8_extra_linears)  # all four exist in the tiny model too
+    assert [n for n, _ in held] == list(FAMILY.memory.int8_extra_linears)  # all four exist in the tiny model too
     fp = measure_footprint(model, FAMILY)
     assert fp.outer_bytes == sum(frozen_bytes(m) for _, m in held) > 0
     plan = build_plan(fp, Workload(1, 64, 9), (), 1, act, outer_on_host=True)
@@ -75,7 +75,7 @@ def test_the_planner_takes_the_held_bytes_off_and_auto_holds_them_only_when_need
     elements = sum(p.numel() for _, m in outer_modules(model, FAMILY) for p in m.parameters())
     assert elements == pytest.approx(660e6, rel=0.01)
     assert fp.outer_bytes == pytest.approx(4 * elements, rel=1e-4)
-    wl = Workload(1, FAMILY.image_tokens(1024, 1024, "flux2-dev"), 512)
+    wl = Workload(1, FAMILY.memory.image_tokens(1024, 1024, "flux2-dev"), 512)
     kept = build_plan(fp, wl, (), 1, True, recompute_chunks=2)
     held = build_plan(fp, wl, (), 1, True, recompute_chunks=2, outer_on_host=True)
     assert kept.breakdown["weights"] - held.breakdown["weights"] == fp.outer_bytes

@@ -1,6 +1,6 @@
 """The step-time model's FLOPs per block (engine/offload/steptime.block_flops) against torch's own FLOP counter
 (torch.utils.flop_counter.FlopCounterMode) over a real forward of every family's tiny transformer: each block's
-Linear FLOPs must be what torch counts for its matmuls, exactly. This is what ``ModelFamily.linear_tokens`` is for:
+Linear FLOPs must be what torch counts for its matmuls, exactly. This is what ``MemoryProfile.linear_tokens`` is for:
 a dual-stream block's image and text Linears multiply different rows, and an AdaLN modulation Linear one row per
 sample (counted as every token before, a Flux.1 double block came out at 2.9x its FLOPs and the model saw no copy
 stall where the profile showed 79 ms: bench/NOTES.md, issue 26). Text of 32 real tokens (no padding: Lumina 2 and
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from lowvram_lora.engine.families import families
+from lowvram_lora.engine.families import families, predict_velocity
 from lowvram_lora.engine.offload.footprint import measure_footprint, named_blocks
 from lowvram_lora.engine.offload.steptime import block_flops
 
@@ -27,9 +27,9 @@ def test_block_linear_flops_equal_torchs_count(family_id):
     latents, embeds, sigma = family_inputs(model, family, length=TEXT)
     embeds = {k: torch.ones_like(v) if k.endswith("_mask") else v for k, v in embeds.items()}
     with FlopCounterMode(display=False, depth=None) as counter:
-        family.predict_velocity(model, latents, embeds, sigma, 1.0)
+        predict_velocity(family, model, latents, embeds, sigma, 1.0)
     counts = counter.get_flop_counts()
-    image = family.image_tokens(64, 64, family.tiny_variant)
+    image = family.memory.image_tokens(64, 64, family.tiny_variant)
     ours = block_flops(measure_footprint(model, family), image + TEXT, 1, TEXT)
     root = type(model).__name__
     blocks = named_blocks(model, family)

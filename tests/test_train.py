@@ -117,11 +117,11 @@ def test_cuda_required_error_is_clear(tiny_pipeline, tiny_cache):
 def test_flux_time_shift_pushes_toward_noise_at_high_resolution():
     family = get_family("flux1")
     small, large = torch.zeros(1, 16, 64, 64), torch.zeros(1, 16, 128, 128)
-    assert family.train_shift_mu(small) == pytest.approx(1.15 * 0 + 0.5 + (1024 - 256) * (0.65 / 3840), rel=1e-6)
+    assert family.schedule.train_shift_mu(small) == pytest.approx(1.15 * 0 + 0.5 + (1024 - 256) * (0.65 / 3840), rel=1e-6)
     g = torch.Generator().manual_seed(0)
-    s_small = sample_sigmas(4096, g, mu=family.train_shift_mu(small)).mean()
+    s_small = sample_sigmas(4096, g, mu=family.schedule.train_shift_mu(small)).mean()
     g = torch.Generator().manual_seed(0)
-    s_large = sample_sigmas(4096, g, mu=family.train_shift_mu(large)).mean()
+    s_large = sample_sigmas(4096, g, mu=family.schedule.train_shift_mu(large)).mean()
     assert 0.5 < s_small < s_large < 1.0
 
 
@@ -150,10 +150,10 @@ def test_a14b_experts_train_on_their_side_of_the_boundary():
     """Wan 2.2 A14B: the high-noise expert's range is [0.875, 1], the low-noise one's [0, 0.875]; other models
     (and other families) train on everything."""
     wan = get_family("wan")
-    assert wan.train_sigma_range("wan2.2-t2v-a14b-high-noise") == (0.875, 1.0)
-    assert wan.train_sigma_range("wan2.2-t2v-a14b-low-noise") == (0.0, 0.875)
-    assert wan.train_sigma_range("wan2.1-t2v-14b") == (0.0, 1.0)
-    assert get_family("flux1").train_sigma_range("flux1-dev") == (0.0, 1.0)
+    assert wan.schedule.train_sigma_range("wan2.2-t2v-a14b-high-noise") == (0.875, 1.0)
+    assert wan.schedule.train_sigma_range("wan2.2-t2v-a14b-low-noise") == (0.0, 0.875)
+    assert wan.schedule.train_sigma_range("wan2.1-t2v-14b") == (0.0, 1.0)
+    assert get_family("flux1").schedule.train_sigma_range("flux1-dev") == (0.0, 1.0)
 
 
 def test_stop_between_micro_steps_keeps_finished_steps(tiny_pipeline, tiny_cache):

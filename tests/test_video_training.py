@@ -11,14 +11,14 @@ from helpers import eval_flow_loss, merged
 from lowvram_lora.engine.caching import build_dataset_cache
 from lowvram_lora.engine.config import DataConfig, LoraSettings, ModelConfig, TrainConfig
 from lowvram_lora.engine.data.video_config import VideoConfig
-from lowvram_lora.engine.families import get_family
+from lowvram_lora.engine.families import family_fixtures, get_family
 from lowvram_lora.engine.testing import make_tiny_video_dataset
 from lowvram_lora.engine.train import train_lora
 
 
 def test_a_wan_video_lora_trains_on_clip_windows(tmp_path):
     family = get_family("wan")
-    pipe = family.fixtures().build_tiny_pipeline(tmp_path / "pipe")
+    pipe = family_fixtures(family).build_tiny_pipeline(tmp_path / "pipe")
     clips = make_tiny_video_dataset(tmp_path / "clips", count=2, frames=9, size=(64, 48))
     cache = build_dataset_cache(ModelConfig(transformer_path=str(pipe)),
                                 DataConfig(path=str(clips), resolution=64, bucket_step=16), tmp_path / "cache",
@@ -42,19 +42,19 @@ def test_a_high_noise_expert_trains_only_above_the_boundary(tmp_path, monkeypatc
     from lowvram_lora.engine.models import load_transformer
 
     family = get_family("wan")
-    pipe = family.fixtures().build_tiny_pipeline(tmp_path / "pipe")
+    pipe = family_fixtures(family).build_tiny_pipeline(tmp_path / "pipe")
     clips = make_tiny_video_dataset(tmp_path / "clips", count=1, frames=5, size=(64, 48))
     cache = build_dataset_cache(ModelConfig(transformer_path=str(pipe)),
                                 DataConfig(path=str(clips), resolution=64, bucket_step=16), tmp_path / "cache",
                                 video=VideoConfig(frame_counts=(5,), fps=0))
     seen = []
-    real = family.predict_velocity
+    real = family.model_inputs
 
     def spy(model, noisy, embeds, sigmas, guidance):
         seen.append(sigmas.detach().clone())
         return real(model, noisy, embeds, sigmas, guidance)
 
-    monkeypatch.setattr(family, "predict_velocity", spy)
+    monkeypatch.setattr(family, "model_inputs", spy)
     model, fam, _, _ = load_transformer(pipe, dtype=torch.float32)
     logs = []
 
@@ -76,8 +76,8 @@ def _expert_pipelines(tmp_path):
     """Two tiny Wan pipelines named as the A14B experts' files are (``wan-tiny-high-noise`` / ``-low-noise``: the
     name tells the role, as ComfyUI's wan2.2_t2v_high_noise_14B / low_noise files), with different weights."""
     family = get_family("wan")
-    high = family.fixtures().build_tiny_pipeline(tmp_path / "wan_tiny_high_noise", seed=0)
-    low = family.fixtures().build_tiny_pipeline(tmp_path / "wan_tiny_low_noise", seed=1)
+    high = family_fixtures(family).build_tiny_pipeline(tmp_path / "wan_tiny_high_noise", seed=0)
+    low = family_fixtures(family).build_tiny_pipeline(tmp_path / "wan_tiny_low_noise", seed=1)
     return high, low
 
 

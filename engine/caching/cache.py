@@ -33,7 +33,7 @@ from ..data import (VideoConfig, assign_bucket, clip_content_hash, expand_repeat
                     make_buckets, scan_dataset, scan_video_dataset)
 from ..errors import CacheError, ConfigError, ModelLoadError
 from ..fileio import atomic_write, write_json_atomic
-from ..families import ModelFamily, get_family
+from ..families import ModelFamily, default_max_sequence_length, get_family
 from ..checkpoint import SafetensorsFile, identify, resolve_path
 from ..models import resolve_device, resolve_dtype
 from ..hashing import path_identity, sha256_file, stable_hash
@@ -313,7 +313,7 @@ def build_dataset_cache(
     else:
         records = scan_video_dataset(data_cfg, video, log=cb.log) if video else scan_dataset(data_cfg, log=cb.log)
     buckets = make_buckets(data_cfg.resolution, data_cfg.bucket_step, data_cfg.max_aspect)
-    max_len = max_sequence_length or family.default_max_sequence_length(variant)
+    max_len = max_sequence_length or default_max_sequence_length(family, variant)
 
     specs = family.text_encoder_specs(variant)
 

@@ -158,7 +158,7 @@ def _identify_single_file(f: SafetensorsFile, family_id: str) -> tuple[ModelFami
     keys = set(found)
     found = {n: s for n, s in found.items() if n not in family.unused_native_keys}
     matched, config = _match_variant(f.path, family, found)
-    variant = family.variant_from_file(matched, f.path.name, keys)
+    variant = family.variant_from_name(matched, f.path.name, keys)
     if variant != matched and variant in family.variants:  # told apart by name or flag: that variant's config
         config = family.load_config(variant)  # (the same shapes; Qwen-Image-Edit-2511's zero_cond_t differs)
         count, first = _first_mismatch(found, expected_single_file_shapes(family, config))

@@ -16,6 +16,8 @@ from ..errors import ConfigError
 from .base import ModelFamily, TrainingTemplate, family_package
 
 _FOUND: dict[str, ModelFamily] = {}
+#: Folders beside the family folders that are not families: shared configs, the family specs.
+NOT_FAMILIES = ("configs", "specs")
 
 
 def families() -> dict[str, ModelFamily]:
@@ -25,7 +27,7 @@ def families() -> dict[str, ModelFamily]:
 
         found = {}
         for info in sorted(pkgutil.iter_modules(here), key=lambda m: m.name):
-            if not info.ispkg or info.name.startswith("_") or info.name in ("configs", "specs"):
+            if not info.ispkg or info.name.startswith("_") or info.name in NOT_FAMILIES:
                 continue
             family = getattr(import_module(f"{package}.{info.name}"), "FAMILY", None)
             if isinstance(family, ModelFamily):

@@ -20,7 +20,6 @@ from .formats import (NATIVE_PREFIX, fold_scale, from_diffusers, from_kohya_fuse
 
 FORMATS = ("comfyui", "diffusers")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-_ARCH = {"flux1-dev": "flux-1-dev/lora", "flux1-schnell": "flux-1-schnell/lora"}
 
 
 @dataclass
@@ -38,7 +37,7 @@ def _metadata(lora: TrainedLora, fmt: str) -> dict[str, str]:
     final_loss = lora.loss_history[-1] if lora.loss_history else float("nan")
     return {
         "format": "pt",
-        "modelspec.architecture": _ARCH.get(lora.variant, f"{lora.family}/lora"),
+        "modelspec.architecture": get_family(lora.family).lora.architecture_of(lora.variant),
         "lowvram_lora.version": VERSION,
         "lowvram_lora.format": fmt,
         "lowvram_lora.family": lora.family,
@@ -70,7 +69,7 @@ def save_lora(lora: TrainedLora, path: str | Path, fmt: str = "comfyui", dtype: 
     if path.exists() and not overwrite:
         raise LoraFormatError(f"'{path}' already exists; choose another name or allow overwriting")
     folded = fold_scale(lora.state_dict, lora.scale)
-    if fmt == "comfyui":  # the form ComfyUI's loader maps for this family (its comfyui_lora_form)
+    if fmt == "comfyui":  # the form ComfyUI's loader maps for this family (its LoraForm.comfyui_form)
         tensors = to_comfyui_form(folded, get_family(lora.family), lora.model_config)
     else:
         tensors = to_diffusers(folded)

@@ -24,7 +24,7 @@ File forms:
   rank-3r LoRA); they are still read (``from_kohya_fused``) but no longer
   written: that form is exact too but 2.1x the size (194 vs 94 MB for a
   Flux.1-dev r16 LoRA).
-- "comfyui" for a family whose ``comfyui_lora_form`` is ``native_fused`` (Lumina 2):
+- "comfyui" for a family whose ``lora.comfyui_form`` is ``native_fused`` (Lumina 2):
   ComfyUI maps that family's diffusers names nowhere, so the file uses the native
   module names its generic loader maps (``diffusion_model.<native module>``, e.g.
   ``diffusion_model.layers.0.attention.qkv``) with ``lora_down/lora_up/alpha``.
@@ -201,13 +201,13 @@ def from_native_fused(sd: dict[str, torch.Tensor], table: list[NativeParam]) -> 
 
 
 def to_comfyui_form(state: dict[str, torch.Tensor], family, config: dict) -> dict[str, torch.Tensor]:
-    """The "comfyui" file of ``family`` (its ``comfyui_lora_form``) from a folded peft state."""
+    """The "comfyui" file of ``family`` (its ``lora.comfyui_form``) from a folded peft state."""
     table = family.param_table(config)
-    if family.comfyui_lora_form == "native_fused":
+    if family.lora.comfyui_form == "native_fused":
         return to_native_fused(state, table)
-    if family.comfyui_lora_form == "diffusers_names":
+    if family.lora.comfyui_form == "diffusers_names":
         return to_comfyui(state, table)
-    raise LoraFormatError(f"{family.display_name} declares comfyui_lora_form={family.comfyui_lora_form!r}; "
+    raise LoraFormatError(f"{family.display_name} declares LoraForm comfyui_form={family.lora.comfyui_form!r}; "
                           f"known forms: diffusers_names, native_fused")
 
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..config import LoraSettings
+from ..families import default_max_sequence_length
 from .host import frozen_bytes
 from .plan import ModelFootprint, Workload
 
@@ -20,7 +21,7 @@ def named_blocks(model: nn.Module, family) -> list[tuple[str, nn.Module]]:
     """The family's transformer blocks, flattened in execution order, with their module names."""
     names = {id(m): n for n, m in model.named_modules()}
     out = []
-    for blocks in family.block_lists(model):
+    for blocks in family.memory.block_lists_of(model):
         prefix = names[id(blocks)]
         out += [(f"{prefix}.{i}", b) for i, b in enumerate(blocks)]
     return out
@@ -40,12 +41,12 @@ def measure_footprint(model: nn.Module, family, name: str = "",
 
     return ModelFootprint(
         name=name or type(model).__name__, block_names=[n for n, _ in blocks], block_bytes=block_bytes,
-        other_bytes=other, trainable_params=trainable_params, hidden_size=family.hidden_size(dict(model.config)),
+        other_bytes=other, trainable_params=trainable_params, hidden_size=family.memory.hidden_size(dict(model.config)),
         unit_bytes=[unit_bytes(family, b, frozen_bytes) for _, b in blocks],
-        activation_scale=family.activation_scale, parts_activation_scale=family.parts_activation_scale,
-        chunkable=family.chunked_recompute, block_params=[frozen_elements(b) for _, b in blocks],
+        activation_scale=family.memory.activation_scale, parts_activation_scale=family.memory.parts_activation_scale,
+        chunkable=family.memory.chunked_recompute, block_params=[frozen_elements(b) for _, b in blocks],
         block_token_params=[linear_params_by_tokens(family, n, b) for n, b in blocks],
-        block_attention_tokens=[family.block_tokens(n) for n, _ in blocks],
+        block_attention_tokens=[family.memory.block_tokens(n) for n, _ in blocks],
         outer_bytes=sum(frozen_bytes(m) for _, m in outer_modules(model, family)),
     )
 
@@ -54,19 +55,19 @@ def outer_modules(model: nn.Module, family) -> list[tuple[str, nn.Module]]:
     """The large layers outside the blocks (the family's ``int8_extra_linears``, those the model has) with no
     trainable tensor: what ``outer_on_host`` may hold in host memory (engine/offload/outer.py)."""
     named = dict(model.named_modules())
-    return [(n, named[n]) for n in family.int8_extra_linears
+    return [(n, named[n]) for n in family.memory.int8_extra_linears
             if n in named and not any(p.requires_grad for p in named[n].parameters())]
 
 
 def linear_params_by_tokens(family, block_name: str, block: nn.Module) -> dict[str, int]:
     """The block's frozen Linear weights (in x out, whatever their storage: bf16, int8 slab layers, under a peft
-    LoRA wrapper) summed by the rows they multiply (``family.linear_tokens``)."""
+    LoRA wrapper) summed by the rows they multiply (``family.memory.linear_tokens``)."""
     out: dict[str, int] = {}
     for name, m in block.named_modules():
         if not isinstance(m, nn.Linear) or any(p.requires_grad for p in m.parameters(recurse=False)):
             continue  # LoRA's own A and B are trainable: not the frozen model's FLOPs
         name = name.removesuffix(".base_layer")  # peft keeps the frozen Linear as ``<name>.base_layer``
-        kind = family.linear_tokens(block_name, name)
+        kind = family.memory.linear_tokens(block_name, name)
         out[kind] = out.get(kind, 0) + m.in_features * m.out_features
     return out
 
@@ -79,7 +80,7 @@ def frozen_elements(module: nn.Module) -> int:
 def lora_param_count(model: nn.Module, family, lora: LoraSettings) -> int:
     """Elements a LoRA of ``lora`` adds: rank x (in + out) per targeted Linear (peft's name matching:
     the full module name or a dotted suffix of it)."""
-    targets = lora.target_modules or family.lora_target_modules(model)
+    targets = lora.target_modules or family.lora.target_modules(model)
     total = 0
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and any(name == t or name.endswith("." + t) for t in targets):
@@ -125,16 +126,16 @@ def _slab_footprint(path, family_id: str, dtype: torch.dtype, lora: LoraSettings
 
 
 def workload_for(dataset, family, variant: str, batch: int) -> Workload:
-    """The largest item of a dataset cache as tokens: its bucket's (``family.image_tokens`` per latent frame, times
-    the clip's latent frames: ``family.latent_frames``) plus, for an edit model, its control images' (reference
+    """The largest item of a dataset cache as tokens: its bucket's (``family.memory.image_tokens`` per latent frame, times
+    the clip's latent frames: ``family.memory.latent_frames``) plus, for an edit model, its control images' (reference
     latents join the image tokens), and the text length the cache was built with."""
     def tokens(it) -> int:
         w, h = it.bucket
-        own = family.image_tokens(w, h, variant) * family.latent_frames(len(it.frames))
-        return own + sum(family.image_tokens(int(cw), int(ch), variant) for cw, ch in getattr(it, "control_sizes", []))
+        own = family.memory.image_tokens(w, h, variant) * family.memory.latent_frames(len(it.frames))
+        return own + sum(family.memory.image_tokens(int(cw), int(ch), variant) for cw, ch in getattr(it, "control_sizes", []))
 
     item = max(dataset.items, key=tokens)
     (w, h), frames, controls = item.bucket, len(item.frames), len(getattr(item, "control_sizes", []))
     label = f"{w}x{h}" + (f"x{frames}f" if frames > 1 else "") + (f"+{controls} control" if controls else "")
     return Workload(batch=batch, image_tokens=tokens(item),
-                    text_tokens=family.default_max_sequence_length(variant), label=label)
+                    text_tokens=default_max_sequence_length(family, variant), label=label)

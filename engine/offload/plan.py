@@ -88,14 +88,14 @@ class ModelFootprint:
     # the family's ``activation_scale``.
     activation_scale: float = 1.0
     # The same while blocks stream in parts (activation offload with ``unit_bytes``): the largest part's working set
-    # (``ModelFamily.parts_activation_scale``); None: ``activation_scale``.
+    # (``MemoryProfile.parts_activation_scale``); None: ``activation_scale``.
     parts_activation_scale: Optional[float] = None
-    # The family's token-wise block parts can recompute in chunks (``ModelFamily.chunked_recompute``).
+    # The family's token-wise block parts can recompute in chunks (``MemoryProfile.chunked_recompute``).
     chunkable: bool = True
     # Frozen elements per block (FLOPs for the step-time model, engine/offload/steptime.py). Empty: the block's
     # bytes at ``act_bytes_per_elem`` per element (bf16 weights).
     block_params: list = field(default_factory=list)
-    # Per block, frozen Linear weights by the rows they multiply (``ModelFamily.linear_tokens``: "all", "image",
+    # Per block, frozen Linear weights by the rows they multiply (``MemoryProfile.linear_tokens``: "all", "image",
     # "text", "vector") and the tokens its attention runs over (``block_tokens``): the step-time model's FLOPs.
     # Empty: every frozen element multiplies every token (``block_params``).
     block_token_params: list = field(default_factory=list)

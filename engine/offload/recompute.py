@@ -12,7 +12,7 @@ block's backward only one slice's MLP intermediates exist at a time. Attention s
 The cost is one more forward of the chunked parts per step (they are recomputed inside
 the block's recompute), about a tenth of a block's FLOPs for Flux.1.
 
-A family says which parts are token-wise (``family.install_chunked_recompute``, with the tools in
+A family says which parts are token-wise (``family.memory.install_chunked_recompute``, with the tools in
 ``engine/families/recompute.py``); this module installs them for a run.
 """
 from __future__ import annotations
@@ -26,12 +26,12 @@ from ..families.recompute import ChunkedRecompute
 
 def install_chunked_recompute(model: torch.nn.Module, family: ModelFamily, chunks: int) -> ChunkedRecompute:
     """How the family's blocks recompute while training: every block checkpointed
-    (``family.checkpoint_every_block``), and the token-wise block parts in ``chunks`` slices (1: whole)."""
+    (``family.memory.checkpoint_every_block``), and the token-wise block parts in ``chunks`` slices (1: whole)."""
     undo = ChunkedRecompute()
-    family.checkpoint_every_block(model, undo)
+    family.memory.checkpoint_every_block(model, undo)
     if chunks > 1:
-        if not family.chunked_recompute:  # auto never plans chunks for such a family; an explicit setting can
+        if not family.memory.chunked_recompute:  # auto never plans chunks for such a family; an explicit setting can
             raise ConfigError(f"recompute_chunks={chunks}: {family.display_name} has no token-wise block parts to "
                               f"recompute in chunks; set recompute_chunks to 0 (auto) or 1")
-        family.install_chunked_recompute(model, chunks, undo)
+        family.memory.install_chunked_recompute(model, chunks, undo)
     return undo

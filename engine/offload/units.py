@@ -34,7 +34,7 @@ def parts_of(family, block: nn.Module) -> Optional[list[tuple[str, nn.Module]]]:
     """The block's parts (made once and kept on the block), or None when the family streams it whole."""
     parts = block.__dict__.get(_PARTS)
     if parts is None:
-        parts = family.block_parts(block)
+        parts = family.memory.block_parts(block)
         if parts is None:
             return None
         _check_partition(block, parts)

@@ -1,7 +1,7 @@
 """Which tensors a slab holds for a model, in which order: shared by build and load.
 
 The model (built on the meta device from the family and config) decides: every
-``nn.Linear`` inside ``family.block_lists(model)`` is quantized (its weight becomes
+``nn.Linear`` inside ``family.memory.block_lists_of(model)`` is quantized (its weight becomes
 ``weight_int8`` + ``weight_scale``); every other state-dict tensor is stored plain.
 Order: non-block tensors first, then each block's tensors together, so one block
 is one contiguous byte range of the file.
@@ -23,7 +23,7 @@ INT8, SCALE, PLAIN = "int8_weight", "scale", "plain"
 def block_prefixes(model: nn.Module, family: ModelFamily) -> list[str]:
     """``["transformer_blocks.0", ..., "single_transformer_blocks.37"]`` in execution order."""
     names = {id(m): n for n, m in model.named_modules()}
-    return [f"{names[id(blocks)]}.{i}" for blocks in family.block_lists(model) for i in range(len(blocks))]
+    return [f"{names[id(blocks)]}.{i}" for blocks in family.memory.block_lists_of(model) for i in range(len(blocks))]
 
 
 def swap_in_int8_linears(model: nn.Module, family: ModelFamily) -> None:
@@ -43,13 +43,13 @@ def block_linears(model: nn.Module, family: ModelFamily) -> dict[str, nn.Linear]
     modulation and text embedder, 1.6 GB in bf16, which otherwise stay resident in bf16)."""
     names = {id(m): n for n, m in model.named_modules()}
     out: dict[str, nn.Linear] = {}
-    for blocks in family.block_lists(model):
+    for blocks in family.memory.block_lists_of(model):
         prefix = names[id(blocks)]
         for i, block in enumerate(blocks):
             for sub, module in block.named_modules():
                 if isinstance(module, nn.Linear) and "lora_" not in sub:
                     out[f"{prefix}.{i}.{sub}"] = module
-    for name in family.int8_extra_linears:
+    for name in family.memory.int8_extra_linears:
         module = model.get_submodule(name)
         if isinstance(module, nn.Linear):
             out[name] = module

@@ -115,7 +115,7 @@ def _eager(fn: Callable) -> Callable:
 
 
 def compile_blocks(model: nn.Module, family, budget: float = 1.0, backend: str | None = None) -> CompiledBlocks:
-    """Compile the forward of every block in ``family.block_lists(model)``, or of every streaming unit where
+    """Compile the forward of every block in ``family.memory.block_lists_of(model)``, or of every streaming unit where
     blocks stream in parts (engine/offload/units.py).
 
     Call after LoRA is attached, chunked recompute installed and blocks are placed (the
@@ -131,7 +131,7 @@ def compile_blocks(model: nn.Module, family, budget: float = 1.0, backend: str |
     from ..offload.units import installed_units
 
     units = installed_units(model)  # blocks streamed in parts: compile the parts, the block only chains them
-    for blocks in ([[u for _, u in units]] if units is not None else family.block_lists(model)):
+    for blocks in ([[u for _, u in units]] if units is not None else family.memory.block_lists_of(model)):
         for block in blocks:
             for sub in block.modules():
                 if isinstance(sub, nn.Dropout) and sub.p > 0:

@@ -3,7 +3,7 @@
 x_t = (1 - t) * x0 + t * noise, and the target is the velocity noise - x0. t is drawn logit-normal
 (SD3/Flux), then shifted toward noise by the family's shift (Flux: resolution-dependent; Z-Image: a
 static 3). Families whose model answers x0 - noise (``Prediction.sign`` = -1) or takes 1 - t are
-handled by ``ModelFamily.predict_velocity``, so the objective is written once. Latents may have any number of
+handled by ``families.predict_velocity``, so the objective is written once. Latents may have any number of
 dimensions after the batch (images (B, C, H, W); video (B, C, F, H, W)).
 """
 from __future__ import annotations

@@ -24,6 +24,7 @@ from ..callbacks import StepInfo, TrainingCallback
 from ..checkpoint import identify
 from ..config import LoraSettings, ModelConfig, TrainConfig
 from ..errors import ConfigError, StorageError, TrainingDivergedError
+from ..families import predict_velocity
 from ..models import load_transformer, resolve_dtype
 from ..models.dtypes import release_device_memory
 from ..offload import OffloadConfig
@@ -162,7 +163,7 @@ class _Run:
     sampler: Any = None
     timer: StepTimer | None = None
     start: float = field(default_factory=time.perf_counter)
-    sigma_range: tuple[float, float] = (0.0, 1.0)  # the noise levels this model trains on (family.train_sigma_range)
+    sigma_range: tuple[float, float] = (0.0, 1.0)  # the noise levels this model trains on (family.schedule.train_sigma_range)
 
     @property
     def device(self) -> torch.device:
@@ -190,7 +191,7 @@ def _load_model(run: _Run, model_cfg, lora, preloaded) -> None:
         run.model, run.family, _, run.variant = load_transformer(ident, model_cfg.family, run.dtype)
     else:
         run.model, run.family, run.variant = preloaded
-    run.sigma_range = run.family.train_sigma_range(run.variant)
+    run.sigma_range = run.family.schedule.train_sigma_range(run.variant)
     if run.sigma_range != (0.0, 1.0):
         run.cb.log(f"{run.variant}: an expert of a mixture, trained on its own noise levels only: sigma in "
                    f"[{run.sigma_range[0]:g}, {run.sigma_range[1]:g}]")
@@ -293,7 +294,7 @@ def _make_sampler(run: _Run, sampling, sample_dir, preview_partner=None) -> None
     if sampling is not None and sampling.enabled and run.ranks.is_main:
         from ..sampling import Sampler, preview_blocker
 
-        wanted = run.family.preview_partner(run.variant)
+        wanted = run.family.schedule.preview_partner(run.variant)
         partner = None
         if wanted is not None and preview_partner is not None:
             from .preview_partner import PreviewPartner
@@ -637,7 +638,7 @@ def _micro_step(model, family, latents, embeds, cfg: TrainConfig, gen: torch.Gen
     batch; with ``micro_batch`` the batch then runs that many samples at a time, each piece's loss weighted
     by its share, so the accumulated gradient is the whole batch's (activations are one piece's)."""
     b = latents.shape[0]
-    mu = family.train_shift_mu(latents) if cfg.shift_timesteps else None
+    mu = family.schedule.train_shift_mu(latents) if cfg.shift_timesteps else None
     sigmas = sample_sigmas(b, gen, cfg.timestep_mean, cfg.timestep_std, mu, *sigma_range).to(latents.device)
     noise = torch.randn(latents.shape, generator=gen).to(latents.device, latents.dtype)
     noisy, target = noisy_latents_and_target(latents, noise, sigmas)
@@ -646,7 +647,7 @@ def _micro_step(model, family, latents, embeds, cfg: TrainConfig, gen: torch.Gen
     for start in range(0, b, step):
         piece = slice(start, min(b, start + step))
         with autocast:
-            pred = family.predict_velocity(model, noisy[piece], {k: v[piece] for k, v in embeds.items()},
+            pred = predict_velocity(family, model, noisy[piece], {k: v[piece] for k, v in embeds.items()},
                                            sigmas[piece], cfg.guidance)
         loss = torch.nn.functional.mse_loss(pred.float(), target[piece].float())
         share = (piece.stop - piece.start) / b

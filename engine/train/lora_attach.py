@@ -15,7 +15,7 @@ def attach_lora(model: nn.Module, family: ModelFamily, settings: LoraSettings, s
     trainable parameters, kept in fp32: bf16 LoRA weights lose small updates."""
     from peft import LoraConfig
 
-    targets = settings.target_modules or family.lora_target_modules(model)
+    targets = settings.target_modules or family.lora.target_modules(model)
     config = LoraConfig(
         r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
         target_modules=targets, init_lora_weights=True,

@@ -1,6 +1,6 @@
 """The other expert of a mixture, for previews of one expert (Wan 2.2 T2V-A14B: the high- and low-noise models).
 
-A preview of one expert needs both (``ModelFamily.preview_partner``): the high-noise expert denoises sigma >= the
+A preview of one expert needs both (``NoiseSchedule.preview_partner``): the high-noise expert denoises sigma >= the
 boundary, the low-noise one below, as WanPipeline does with ``transformer`` and ``transformer_2``. The run trains
 one of them; the partner is the other's frozen base weights, from the checkpoint connected to Train LoRA's
 ``preview_partner`` input, without LoRA (a LoRA the other chain trained is not known to this run).
@@ -45,7 +45,7 @@ class PreviewPartner:
                  offload, cb):
         from ..models.inspect import inspect_transformer
 
-        wanted, self.boundary = family.preview_partner(trained_variant)
+        wanted, self.boundary = family.schedule.preview_partner(trained_variant)
         info = inspect_transformer(cfg)
         if info.family != family.id or info.variant != wanted:
             raise ConfigError(
@@ -54,7 +54,7 @@ class PreviewPartner:
                 f"the {wanted} file to Train LoRA's preview_partner, or disconnect it (no samples then)")
         self.cfg, self.family, self.variant, self.info = info.config, family, wanted, info
         self.device, self.dtype, self.offload, self.cb = device, dtype, offload, cb
-        self.high = family.train_sigma_range(wanted)[0] > 0  # the high-noise expert trains on [boundary, 1]
+        self.high = family.schedule.train_sigma_range(wanted)[0] > 0  # the high-noise expert trains on [boundary, 1]
         self.guidance = family.guidance(wanted).scale
         self.model = None
         self.keep: bool | None = None  # decided at the first load

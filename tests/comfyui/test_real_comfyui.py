@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from lowvram_lora.engine.families import families
+from lowvram_lora.engine.families import families, family_fixtures
 from lowvram_lora.demo import WORKFLOW as DEMO_WORKFLOW
 from lowvram_lora.host.templates import shipped
 
@@ -378,7 +378,7 @@ def test_lora_maps_completely_in_comfyuis_own_loader(comfy, tmp_path, family_id)
     from helpers import merged
 
     family = families()[family_id]
-    fixtures = family.fixtures()
+    fixtures = family_fixtures(family)
     model_class, unet_config = fixtures.comfyui_model(family.load_config(family.tiny_variant))
     if not _comfy_has(comfy, model_class):
         pytest.skip(f"this ComfyUI has no comfy.model_base.{model_class} (0.3.64 predates Flux.2)")

@@ -5,7 +5,7 @@ diffusers' ``Lumina2Transformer2DModel.forward`` (0.42.1) checkpoints its 26 ``l
 worth at 1024²) and, worse for block streaming, needing their weights in the backward without a recompute
 that would bring them back. This is that forward, the same arithmetic in the same order, with the refiners
 also run through the model's checkpoint function (which the engine replaces with its activation offloader
-when blocks stream). Installed by ``Lumina2Family.checkpoint_every_block`` while training; the model's own
+when blocks stream). Installed by ``Lumina2Memory.checkpoint_every_block`` while training; the model's own
 forward is restored afterwards.
 """
 from __future__ import annotations

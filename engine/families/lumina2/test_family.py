@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 
-from lowvram_lora.engine.families import family_for_single_file, get_family
+from lowvram_lora.engine.families import family_fixtures, family_for_single_file, get_family
 from lowvram_lora.engine.families.base import meta_model
 
 FAMILY = get_family("lumina2")
@@ -25,7 +25,7 @@ CAPTIONS = ["a red circle", "a small blue square on a bright yellow background, 
 
 @pytest.fixture(scope="module")
 def pipeline_folder(tmp_path_factory):
-    return FAMILY.fixtures().build_tiny_pipeline(tmp_path_factory.mktemp("lumina2") / "pipe")
+    return family_fixtures(FAMILY).build_tiny_pipeline(tmp_path_factory.mktemp("lumina2") / "pipe")
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_real_config_is_lumina_image_2():
 def test_single_file_names_tell_lumina2_from_z_image(pipeline_folder, tmp_path):
     from safetensors import safe_open
 
-    path = FAMILY.fixtures().write_single_file(pipeline_folder, tmp_path / "l2.safetensors")
+    path = family_fixtures(FAMILY).write_single_file(pipeline_folder, tmp_path / "l2.safetensors")
     with safe_open(str(path), "pt") as f:
         keys = set(f.keys())
     assert "norm_final.weight" in keys and FAMILY.looks_like_single_file(keys)
@@ -77,7 +77,7 @@ def test_native_single_file_loads_bit_for_bit(pipeline_folder, tmp_path, prefix,
 
     from lowvram_lora.engine.checkpoint import identify, open_checkpoint
 
-    path = FAMILY.fixtures().write_single_file(pipeline_folder, tmp_path / "l2.safetensors", prefix=prefix,
+    path = family_fixtures(FAMILY).write_single_file(pipeline_folder, tmp_path / "l2.safetensors", prefix=prefix,
                                                norm_final=norm_final)
     ident = identify(path)
     assert ident.kind == "single_file" and ident.family is FAMILY and ident.variant == FAMILY.tiny_variant
@@ -92,7 +92,7 @@ def test_native_single_file_loads_bit_for_bit(pipeline_folder, tmp_path, prefix,
 def test_text_and_vae_files_hold_the_pipeline_weights(pipeline_folder, tmp_path):
     from safetensors.torch import load_file
 
-    files = FAMILY.fixtures().write_text_and_vae_files(pipeline_folder, tmp_path)
+    files = family_fixtures(FAMILY).write_text_and_vae_files(pipeline_folder, tmp_path)
     gemma = load_file(str(files["text_encoder"]))
     assert "model.embed_tokens.weight" in gemma and all(k.startswith("model.") for k in gemma)
     companion = files["text_encoder"].with_suffix("")
@@ -133,7 +133,7 @@ def test_training_forward_equals_the_pipeline_prediction(pipe):
     reference = -model(hidden_states=latents, timestep=timestep, encoder_hidden_states=embeds,
                        encoder_attention_mask=mask, return_dict=False)[0]
     inputs = FAMILY.model_inputs(model, latents, _engine_batch(_cached(embeds, mask)), sigmas, 0.0)
-    got = FAMILY.prediction.sign * FAMILY.unpack_prediction(model(**inputs)[0], latents)
+    got = FAMILY.schedule.prediction.sign * FAMILY.unpack_prediction(model(**inputs)[0], latents)
     assert got.shape == latents.shape and got.shape[1:] == FAMILY.latent_shape(model, 48, 64)
     torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5)
     # Each caption alone gives the same rows (padding in the batch changes nothing).
@@ -146,11 +146,11 @@ def test_training_forward_equals_the_pipeline_prediction(pipe):
 def test_latent_shape_and_shifts():
     model = meta_model(FAMILY, FAMILY.load_config("lumina2"))
     assert FAMILY.latent_shape(model, 1024, 768) == (16, 96, 128)
-    assert FAMILY.image_tokens(1024, 1024) == 4096
+    assert FAMILY.memory.image_tokens(1024, 1024) == 4096
     lat = torch.zeros(1, 16, 128, 128)
-    assert FAMILY.train_shift_mu(lat) == pytest.approx(1.15)  # 4096 tokens: Flux's max_shift
-    assert FAMILY.train_shift_mu(torch.zeros(1, 16, 32, 32)) == pytest.approx(0.5)  # 256 tokens
-    assert torch.exp(torch.tensor(FAMILY.sample_shift_mu(lat, 25))).item() == pytest.approx(6.0)
+    assert FAMILY.schedule.train_shift_mu(lat) == pytest.approx(1.15)  # 4096 tokens: Flux's max_shift
+    assert FAMILY.schedule.train_shift_mu(torch.zeros(1, 16, 32, 32)) == pytest.approx(0.5)  # 256 tokens
+    assert torch.exp(torch.tensor(FAMILY.schedule.sample_shift_mu(lat, 25))).item() == pytest.approx(6.0)
     g = FAMILY.guidance("lumina2")
     assert (g.mode, g.scale, g.formula, g.renormalize) == ("cfg", 4.0, "standard", "last_axis")
 

@@ -7,7 +7,7 @@ import torch
 from helpers import check_checkpoint_forms
 from safetensors.torch import load_file
 
-from lowvram_lora.engine.families import family_for_single_file, get_family
+from lowvram_lora.engine.families import family_for_single_file, get_family, predict_velocity
 from lowvram_lora.engine.families.qwen_image import FAMILY
 from lowvram_lora.engine.families.qwen_image.family import SYSTEM_PREFIX
 from lowvram_lora.engine.families.qwen_image.fixtures import (build_tiny_pipeline, write_single_file,
@@ -56,7 +56,7 @@ def test_registry_variants_and_detection(pipeline_folder, tmp_path):
     real = FAMILY.load_config("qwen-image")
     assert real["num_layers"] == 60 and real["joint_attention_dim"] == 3584 and real["axes_dims_rope"] == [16, 56, 56]
     assert FAMILY.variant_for_config(real) == "qwen-image"
-    assert FAMILY.hidden_size(real) == 3072
+    assert FAMILY.memory.hidden_size(real) == 3072
     single = write_single_file(pipeline_folder, tmp_path / "qwen_image_bf16.safetensors", prefix="model.diffusion_model.")
     assert family_for_single_file({k[len("model.diffusion_model."):] for k in load_file(str(single))}) is FAMILY
     # Edit files are identified (test_edit.py covers every name and the 2511 flag), no longer refused
@@ -122,14 +122,14 @@ def test_vae_single_file_encode_and_decode_match_diffusers(pipeline_folder, pipe
     assert all(torch.equal(vae.state_dict()[k], v) for k, v in ref.state_dict().items())
     image = torch.rand(1, 3, 32, 48, generator=torch.Generator().manual_seed(0)) * 2 - 1
     with torch.no_grad():
-        ours = FAMILY.vae.encode(vae, image)
+        ours = FAMILY.vae_for(None).encode(vae, image)
         z = ref.encode(image[:, :, None]).latent_dist.mean
         mean = torch.tensor(ref.config.latents_mean).view(1, 16, 1, 1, 1)
         std = torch.tensor(ref.config.latents_std).view(1, 16, 1, 1, 1)
         want = ((z - mean) * (1.0 / std))[:, :, 0]
         assert ours.shape == (1, 16, 4, 6) == (1, *FAMILY.latent_shape(pipe.transformer, 48, 32))
         torch.testing.assert_close(ours, want, atol=1e-5, rtol=1e-5)
-        pixels = FAMILY.vae.decode(vae, ours)
+        pixels = FAMILY.vae_for(None).decode(vae, ours)
         lat = want[:, :, None] / (1.0 / std) + mean
         torch.testing.assert_close(pixels, ref.decode(lat, return_dict=False)[0][:, :, 0], atol=1e-5, rtol=1e-5)
 
@@ -148,13 +148,13 @@ def test_training_forward_matches_the_pipelines_call(pipe, caption_embeds):
     latents = torch.randn(2, 16, 8, 6, generator=torch.Generator().manual_seed(3))
     sigmas = torch.tensor([0.3, 0.85])
     with torch.no_grad():
-        ours = FAMILY.predict_velocity(model, latents, _batch(embeds, mask), sigmas, 0.0)
+        ours = predict_velocity(FAMILY, model, latents, _batch(embeds, mask), sigmas, 0.0)
         packed = QwenImagePipeline._pack_latents(latents, 2, 16, 8, 6)
         out = model(hidden_states=packed, timestep=sigmas, encoder_hidden_states=embeds,
                     encoder_hidden_states_mask=mask, img_shapes=[[(1, 4, 3)]] * 2, return_dict=False)[0]
         ref = QwenImagePipeline._unpack_latents(out, 64, 48, 8)[:, :, 0]
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
-    assert FAMILY.prediction.sign == 1.0 and FAMILY.prediction.timestep == "sigma"
+    assert FAMILY.schedule.prediction.sign == 1.0 and FAMILY.schedule.prediction.timestep == "sigma"
 
 
 def test_default_lora_targets_are_both_streams_attention_that_feeds_the_output(pipe):
@@ -163,7 +163,7 @@ def test_default_lora_targets_are_both_streams_attention_that_feeds_the_output(p
     from peft import LoraConfig
 
     model = pipe.transformer
-    ours = FAMILY.lora_target_modules(model)
+    ours = FAMILY.lora.target_modules(model)
     last = len(model.transformer_blocks) - 1
     dead = {f"transformer_blocks.{last}.attn.add_q_proj", f"transformer_blocks.{last}.attn.to_add_out"}
     attn = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".attn." in n}
@@ -178,7 +178,7 @@ def test_default_lora_targets_are_both_streams_attention_that_feeds_the_output(p
                 p.normal_(0, 0.1)
     latents = torch.randn(1, 16, 8, 6, generator=torch.Generator().manual_seed(1))
     embeds = {"prompt_embeds": torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(2))}
-    FAMILY.predict_velocity(probe, latents, embeds, torch.tensor([0.5]), 0.0).square().mean().backward()
+    predict_velocity(FAMILY, probe, latents, embeds, torch.tensor([0.5]), 0.0).square().mean().backward()
     modules = dict(probe.named_modules())
     grads = {t: modules[f"{t}.lora_A.default"].weight.grad for t in attn}
     assert all(grads[t] is not None and grads[t].abs().sum() > 0 for t in ours)
@@ -202,8 +202,8 @@ def test_sample_sigmas_equal_the_schedulers(pipe):
             mu = calculate_shift((h // 2) * (w // 2), sched.config.base_image_seq_len, sched.config.max_image_seq_len,
                                  sched.config.base_shift, sched.config.max_shift)
             sched.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
-            np.testing.assert_allclose(FAMILY.sample_sigmas(latents, steps), sched.sigmas.numpy(), atol=1e-6)
-    assert abs(FAMILY.sample_shift_mu(torch.zeros(1, 16, 128, 128), 20) - 0.6935) < 1e-3  # facts §2.3: e^mu = 2.00
+            np.testing.assert_allclose(FAMILY.schedule.sample_sigmas(latents, steps), sched.sigmas.numpy(), atol=1e-6)
+    assert abs(FAMILY.schedule.sample_shift_mu(torch.zeros(1, 16, 128, 128), 20) - 0.6935) < 1e-3  # facts §2.3: e^mu = 2.00
 
 
 def test_engine_sampling_with_true_cfg_matches_pipeline(pipe, caption_embeds):

@@ -9,7 +9,7 @@ from helpers import check_checkpoint_forms
 from safetensors.torch import load_file
 
 from lowvram_lora.engine.errors import ConfigError
-from lowvram_lora.engine.families import family_for_single_file, get_family
+from lowvram_lora.engine.families import family_for_single_file, get_family, predict_velocity
 from lowvram_lora.engine.families.wan import FAMILY
 from lowvram_lora.engine.families.wan.fixtures import (build_tiny_pipeline, write_single_file,
                                                        write_text_and_vae_files)
@@ -52,9 +52,9 @@ def _reference_embeds(pipe, prompts):
 def test_variants_detection_and_names(pipeline_folder, tmp_path):
     assert get_family("wan") is FAMILY
     c13, c14, c5 = (FAMILY.load_config(v) for v in ("wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "wan2.2-ti2v-5b"))
-    assert (FAMILY.hidden_size(c13), c13["num_layers"], c13["ffn_dim"]) == (1536, 30, 8960)
-    assert (FAMILY.hidden_size(c14), c14["num_layers"], c14["ffn_dim"]) == (5120, 40, 13824)
-    assert (FAMILY.hidden_size(c5), c5["in_channels"], c5["ffn_dim"]) == (3072, 48, 14336)
+    assert (FAMILY.memory.hidden_size(c13), c13["num_layers"], c13["ffn_dim"]) == (1536, 30, 8960)
+    assert (FAMILY.memory.hidden_size(c14), c14["num_layers"], c14["ffn_dim"]) == (5120, 40, 13824)
+    assert (FAMILY.memory.hidden_size(c5), c5["in_channels"], c5["ffn_dim"]) == (3072, 48, 14336)
     n14 = sum(t.numel() for t in __import__("lowvram_lora.engine.families", fromlist=["x"]).meta_model(
         FAMILY, c14).state_dict().values())
     assert n14 == 14_288_491_584  # facts §3.2 (computed there; here from diffusers' own model)
@@ -189,18 +189,18 @@ def test_training_forward_matches_the_pipelines_call(pipe):
     for frames in (1, 5):
         latents = torch.randn(2, *FAMILY.latent_shape(model, 48, 32, frames), generator=torch.Generator().manual_seed(3))
         with torch.no_grad():
-            ours = FAMILY.predict_velocity(model, latents, {"prompt_embeds": embeds}, sigmas, 0.0)
+            ours = predict_velocity(FAMILY, model, latents, {"prompt_embeds": embeds}, sigmas, 0.0)
             ref = model(hidden_states=latents, timestep=sigmas * 1000, encoder_hidden_states=embeds,
                         return_dict=False)[0]
         torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
-    assert FAMILY.prediction == type(FAMILY.prediction)(timestep="sigma_x1000", sign=1.0)
+    assert FAMILY.schedule.prediction == type(FAMILY.schedule.prediction)(timestep="sigma_x1000", sign=1.0)
     with pytest.raises(ConfigError, match="4k"):
         FAMILY.latent_shape(model, 64, 64, 4)
 
 
 def test_default_lora_targets_are_both_attentions(pipe):
     model = pipe.transformer
-    ours = FAMILY.lora_target_modules(model)
+    ours = FAMILY.lora.target_modules(model)
     attn = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and (".attn1." in n or ".attn2." in n)}
     assert len(ours) == len(set(ours)) == 8 * len(model.blocks) and set(ours) == attn
 
@@ -216,7 +216,7 @@ def test_sample_sigmas_equal_the_hub_scheduler(pipe, ti2v_folder):
     for sched, channels in ((pipe.scheduler, 16), (ti2v, 48)):
         for steps in (1, 4, 20):
             sched.set_timesteps(steps)
-            np.testing.assert_allclose(FAMILY.sample_sigmas(torch.zeros(1, channels, 1, 4, 4), steps),
+            np.testing.assert_allclose(FAMILY.schedule.sample_sigmas(torch.zeros(1, channels, 1, 4, 4), steps),
                                        sched.sigmas.numpy(), atol=1e-6)
     assert (pipe.scheduler.config.flow_shift, ti2v.config.flow_shift) == (3.0, 5.0)
 
@@ -250,7 +250,7 @@ def test_engine_sampling_with_cfg_matches_pipeline(pipe, ti2v_folder, frames, la
     embeds, neg = _reference_embeds(p, CAPTIONS[:1]), _reference_embeds(p, [""])
     shape = (1, *FAMILY.latent_shape(p.transformer, width, height, frames))
     noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
-    p.scheduler = _EulerOver(FAMILY.sample_sigmas(noise, steps))
+    p.scheduler = _EulerOver(FAMILY.schedule.sample_sigmas(noise, steps))
     with torch.no_grad():
         ours = sample_latents(p.transformer, FAMILY, {"prompt_embeds": embeds}, width, height, steps, seed,
                               rule.scale, torch.device("cpu"), torch.float32, rule=rule,
@@ -278,7 +278,7 @@ def _tiny_expert(seed: int):
 
 @pytest.mark.parametrize("trained", ["high", "low"])
 def test_a14b_previews_switch_expert_as_the_pipeline(pipe, trained):
-    """An A14B expert's preview with its partner (PartnerExpert, from ModelFamily.preview_partner) gives the
+    """An A14B expert's preview with its partner (PartnerExpert, from NoiseSchedule.preview_partner) gives the
     latents of WanPipeline(transformer=high, transformer_2=low, boundary_ratio=0.875, guidance_scale=4,
     guidance_scale_2=3) from the same noise, with the trained expert either one: 4 steps put sigma 1 and 0.9 on the
     high-noise side, 0.75 and 0.5 on the low-noise one. 1e-4 (fp32). Each expert matters: previews of one expert
@@ -288,14 +288,14 @@ def test_a14b_previews_switch_expert_as_the_pipeline(pipe, trained):
     from lowvram_lora.engine.sampling import PartnerExpert, sample_latents
 
     high_v, low_v = "wan2.2-t2v-a14b-high-noise", "wan2.2-t2v-a14b-low-noise"
-    assert FAMILY.preview_partner(high_v) == (low_v, 0.875) and FAMILY.preview_partner(low_v) == (high_v, 0.875)
-    assert FAMILY.preview_partner(TINY) is None
+    assert FAMILY.schedule.preview_partner(high_v) == (low_v, 0.875) and FAMILY.schedule.preview_partner(low_v) == (high_v, 0.875)
+    assert FAMILY.schedule.preview_partner(TINY) is None
     high, low = pipe.transformer, _tiny_expert(7)
     steps, seed, width, height, frames = 4, 5, 64, 32, 5
     embeds, neg = _reference_embeds(pipe, CAPTIONS[:1]), _reference_embeds(pipe, [""])
     shape = (1, *FAMILY.latent_shape(high, width, height, frames))
     noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
-    sigmas = FAMILY.sample_sigmas(noise, steps)
+    sigmas = FAMILY.schedule.sample_sigmas(noise, steps)
     assert [s >= 0.875 for s in sigmas[:-1]] == [True, True, False, False]
     g_high, g_low = FAMILY.guidance(high_v).scale, FAMILY.guidance(low_v).scale
     assert (g_high, g_low) == (4.0, 3.0)
@@ -326,9 +326,9 @@ def test_the_planner_counts_each_variants_tokens():
     """One latent frame at 1280x704: 80 x 44 = 3520 tokens through the Wan 2.1 VAE (8x, 2x2 patches), a quarter
     of that (40 x 22) for TI2V-5B's 16x VAE; 49 frames are 13 latent frames."""
 
-    assert FAMILY.image_tokens(1280, 704, "wan2.1-t2v-1.3b") == (1280 // 16) * (704 // 16)
-    assert FAMILY.image_tokens(1280, 704, "wan2.2-ti2v-5b") == (1280 // 32) * (704 // 32) == 880
-    assert FAMILY.latent_frames(49) == 13 and FAMILY.latent_frames(1) == 1 and FAMILY.latent_frames(81) == 21
+    assert FAMILY.memory.image_tokens(1280, 704, "wan2.1-t2v-1.3b") == (1280 // 16) * (704 // 16)
+    assert FAMILY.memory.image_tokens(1280, 704, "wan2.2-ti2v-5b") == (1280 // 32) * (704 // 32) == 880
+    assert FAMILY.memory.latent_frames(49) == 13 and FAMILY.memory.latent_frames(1) == 1 and FAMILY.memory.latent_frames(81) == 21
 
 
 def test_sample_clip_decodes_as_the_pipeline_and_saves_every_frame(pipe, tmp_path):
@@ -385,7 +385,7 @@ def test_an_a14b_expert_alone_is_not_previewed():
     from lowvram_lora.engine.sampling import preview_blocker
 
     for variant in ("wan2.2-t2v-a14b-high-noise", "wan2.2-t2v-a14b-low-noise"):
-        msg = preview_blocker(variant, FAMILY.train_sigma_range(variant), FAMILY.preview_partner(variant))
+        msg = preview_blocker(variant, FAMILY.schedule.train_sigma_range(variant), FAMILY.schedule.preview_partner(variant))
         assert msg and variant in msg and "both experts" in msg and "0.875" in msg
-        assert "preview_partner" in msg and FAMILY.preview_partner(variant)[0] in msg  # the fix, named
-    assert preview_blocker("wan2.1-t2v-1.3b", FAMILY.train_sigma_range("wan2.1-t2v-1.3b")) is None
+        assert "preview_partner" in msg and FAMILY.schedule.preview_partner(variant)[0] in msg  # the fix, named
+    assert preview_blocker("wan2.1-t2v-1.3b", FAMILY.schedule.train_sigma_range("wan2.1-t2v-1.3b")) is None

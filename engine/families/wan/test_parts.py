@@ -4,6 +4,7 @@ the gradients of its inputs and of every block parameter (rtol 1e-5, fp32), for 
 temb layouts (one per sample; one per token: TI2V-5B's ``expand_timesteps``). In bf16 the forward is bit-identical
 (the same ops and casts in the same order)."""
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -19,8 +20,8 @@ VARIANTS = (FAMILY.tiny_variant, "wan2.2-ti2v-tiny")
 
 @pytest.fixture(autouse=True)
 def _parts_on(monkeypatch):
-    """The parts are on by default (WanFamily.stream_in_parts); kept on here whatever the default."""
-    monkeypatch.setattr(type(FAMILY), "stream_in_parts", True)
+    """The parts are on by default (WanMemory.stream_in_parts); kept on here whatever the default."""
+    monkeypatch.setattr(type(FAMILY), "memory", dataclasses.replace(FAMILY.memory, stream_in_parts=True))
 
 
 def _model(variant: str, dtype=torch.float32):
@@ -94,12 +95,12 @@ def _run(block, parts, inputs, checkpointed: bool):
 def test_parts_compose_to_the_diffusers_block(variant, per_token):
     model = _model(variant)
     block = model.blocks[0]
-    names = [n for n, _ in FAMILY.block_parts(block)]
+    names = [n for n, _ in FAMILY.memory.block_parts(block)]
     assert names == ["self_attention", "cross_attention", "feed_forward"]
     inputs = _block_inputs(model, per_token)
     want, want_grads = _run(block, None, inputs, False)
     for checkpointed in (False, True):
-        got, grads = _run(block, [m for _, m in FAMILY.block_parts(block)], inputs, checkpointed)
+        got, grads = _run(block, [m for _, m in FAMILY.memory.block_parts(block)], inputs, checkpointed)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         assert grads.keys() == want_grads.keys()
         for name, g in want_grads.items():
@@ -114,7 +115,7 @@ def test_parts_are_bit_identical_in_bf16(variant):
     block = model.blocks[1]
     inputs = _block_inputs(model, False)
     want, want_grads = _run(block, None, inputs, False)
-    got, grads = _run(block, [m for _, m in FAMILY.block_parts(block)], inputs, True)
+    got, grads = _run(block, [m for _, m in FAMILY.memory.block_parts(block)], inputs, True)
     assert torch.equal(got, want)
     for name in ("hidden", "encoder", "temb", "attn1.to_q.weight", "ffn.net.2.weight", "scale_shift_table"):
         assert torch.equal(grads[name], want_grads[name]), name
@@ -129,7 +130,7 @@ def test_parts_hold_each_block_tensor_once_and_ffn_chunks_apply():
 
     model = _model(FAMILY.tiny_variant)
     block = model.blocks[0]
-    parts = FAMILY.block_parts(block)
+    parts = FAMILY.memory.block_parts(block)
     _check_partition(block, parts)
     assert [type(m) for _, m in parts] == [SelfAttention, CrossAttention, FeedForward]
     assert parts[2][1].ffn is block.ffn and parts[0][1].scale_shift_table is block.scale_shift_table
@@ -137,7 +138,7 @@ def test_parts_hold_each_block_tensor_once_and_ffn_chunks_apply():
     plain, plain_grads = _run(block, None, inputs, False)
     undo = ChunkedRecompute()
     calls = []
-    FAMILY.install_chunked_recompute(model, 3, undo)
+    FAMILY.memory.install_chunked_recompute(model, 3, undo)
     chunked = block.ffn.forward
     block.ffn.forward = lambda *a, **k: calls.append(1) or chunked(*a, **k)
     try:
@@ -185,14 +186,14 @@ def test_the_planner_sizes_the_working_set_by_the_largest_part():
     model.requires_grad_(False)
     fp = measure_footprint(model, FAMILY, trainable_params=0)
     assert all(len(u) == 3 and sum(u) == b for u, b in zip(fp.unit_bytes, fp.block_bytes))
-    assert fp.working_set_scale(True) == FAMILY.parts_activation_scale < FAMILY.activation_scale
-    assert fp.working_set_scale(False) == FAMILY.activation_scale
-    wl = Workload(1, FAMILY.image_tokens(832, 480, variant) * FAMILY.latent_frames(81), 512)
+    assert fp.working_set_scale(True) == FAMILY.memory.parts_activation_scale < FAMILY.memory.activation_scale
+    assert fp.working_set_scale(False) == FAMILY.memory.activation_scale
+    wl = Workload(1, FAMILY.memory.image_tokens(832, 480, variant) * FAMILY.memory.latent_frames(81), 512)
     unit = wl.tokens * fp.hidden_size * 2
     parts = build_plan(fp, wl, (), 1, True).breakdown["activations"]
     fp.parts_activation_scale = None  # as before parts: the whole block's working set
     whole = build_plan(fp, wl, (), 1, True).breakdown["activations"]
-    assert whole - parts == pytest.approx((1 - FAMILY.parts_activation_scale) * TRANSIENT_UNITS * unit, rel=1e-6)
+    assert whole - parts == pytest.approx((1 - FAMILY.memory.parts_activation_scale) * TRANSIENT_UNITS * unit, rel=1e-6)
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])

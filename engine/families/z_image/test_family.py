@@ -155,13 +155,13 @@ def test_lora_targets_are_the_training_scripts_modules(pipe):
     """Our default targets are exactly the modules diffusers' train_dreambooth_lora_z_image.py gets from PEFT's
     suffix match on ["to_k", "to_q", "to_v", "to_out.0"], listed in forward order (refiners first)."""
     model = pipe.transformer
-    ours = FAMILY.lora_target_modules(model)
+    ours = FAMILY.lora.target_modules(model)
     script = {n for n, m in model.named_modules()
               if isinstance(m, torch.nn.Linear) and n.endswith((".to_k", ".to_q", ".to_v", ".to_out.0"))}
     assert len(ours) == len(set(ours)) and set(ours) == script
     assert ours[0].startswith("noise_refiner.0.") and ours[-1].startswith(f"layers.{len(model.layers) - 1}.")
-    assert [type(b).__name__ for b in FAMILY.block_lists(model)[0]] == ["ZImageTransformerBlock"] * 2
-    assert list(FAMILY.lora_targets) == ["noise_refiner", "context_refiner", "layers"]
+    assert [type(b).__name__ for b in FAMILY.memory.block_lists_of(model)[0]] == ["ZImageTransformerBlock"] * 2
+    assert list(FAMILY.lora.targets) == ["noise_refiner", "context_refiner", "layers"]
 
 
 def test_engine_checkpoint_reads_every_form(pipeline_folder, tmp_path):
@@ -185,7 +185,7 @@ def test_training_forward_matches_pipeline(pipe, caption_embeds):
     sigmas = torch.tensor([0.3, 0.85])
     assert caption_embeds[0].shape[0] != caption_embeds[1].shape[0]
     with torch.no_grad():
-        ours = FAMILY.prediction.sign * FAMILY.unpack_prediction(
+        ours = FAMILY.schedule.prediction.sign * FAMILY.unpack_prediction(
             model(**FAMILY.model_inputs(model, latents, _padded(caption_embeds), sigmas, 0.0))[0], latents)
         t = (1000 - sigmas * 1000) / 1000
         out = model(list(latents.unsqueeze(2).unbind(0)), t, list(caption_embeds), return_dict=False)[0]
@@ -208,11 +208,11 @@ def _family_sampler(model, variant, x, pos, neg, steps):
     from lowvram_lora.engine.families import sigma_schedule
 
     guide = FAMILY.guidance(variant)
-    sigmas = sigma_schedule(steps, FAMILY.sample_shift_mu(x, steps))
+    sigmas = sigma_schedule(steps, FAMILY.schedule.sample_shift_mu(x, steps))
 
     def velocity(embeds, sigma):
         out = model(**FAMILY.model_inputs(model, x, embeds, torch.tensor([sigma]), 0.0))[0]
-        return FAMILY.prediction.sign * FAMILY.unpack_prediction(out, x).float()
+        return FAMILY.schedule.prediction.sign * FAMILY.unpack_prediction(out, x).float()
 
     for i in range(steps):
         v = velocity(pos, sigmas[i])
@@ -240,8 +240,8 @@ def test_family_settings_reproduce_the_pipeline(pipe, caption_embeds, variant):
 
 
 def test_engine_sampling_matches_pipeline_turbo(pipe, caption_embeds):
-    """NEEDS THE LEAD'S ENGINE CHANGE: engine/sampling.sample_latents must honour family.prediction (timestep
-    1 - sigma, sign -1) and family.sample_shift_mu; today it passes sigma and treats the output as velocity.
+    """NEEDS THE LEAD'S ENGINE CHANGE: engine/sampling.sample_latents must honour family.schedule.prediction (timestep
+    1 - sigma, sign -1) and family.schedule.sample_shift_mu; today it passes sigma and treats the output as velocity.
     Its latents from seed 11 equal ZImagePipeline's (Turbo, no CFG) from the same noise; tolerance 1e-5."""
     from lowvram_lora.engine.sampling import sample_latents
 
@@ -299,7 +299,7 @@ def test_lora_step_reaches_every_default_target(pipeline_folder, caption_embeds)
     from peft import LoraConfig
 
     model = ZImageTransformer2DModel.from_pretrained(pipeline_folder / "transformer", use_safetensors=True)
-    targets = FAMILY.lora_target_modules(model)
+    targets = FAMILY.lora.target_modules(model)
     model.requires_grad_(False)
     model.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=targets))
     g = torch.Generator().manual_seed(5)
@@ -307,7 +307,7 @@ def test_lora_step_reaches_every_default_target(pipeline_folder, caption_embeds)
     sigmas = torch.tensor([0.2, 0.7])
     s = sigmas.view(-1, 1, 1, 1)
     noisy = (1 - s) * x0 + s * noise
-    pred = FAMILY.prediction.sign * FAMILY.unpack_prediction(
+    pred = FAMILY.schedule.prediction.sign * FAMILY.unpack_prediction(
         model(**FAMILY.model_inputs(model, noisy, _padded(caption_embeds), sigmas, 0.0))[0], noisy)
     loss = torch.nn.functional.mse_loss(pred, noise - x0)
     loss.backward()
