@@ -69,6 +69,43 @@ def test_the_folder_is_complete(family_id):
     assert family.memory.block_lists_of(model) and family_templates(family)
 
 
+#: What each family's saved LoRA said in ``modelspec.architecture`` before LoraForm declared it (files.py's table):
+#: the SAI names for Flux.1 dev and schnell, ``<family>/lora`` for everything else. Files keep saying the same.
+ARCHITECTURES_BEFORE = {"flux1-dev": "flux-1-dev/lora", "flux1-schnell": "flux-1-schnell/lora"}
+
+
+@pytest.mark.parametrize("family_id", FAMILIES)
+def test_the_family_declares_its_specs(family_id):
+    """Every family declares a MemoryProfile, a NoiseSchedule and a LoraForm (frozen); its LoRA targets sit in the
+    block lists it streams, in execution order; the lists are the model's; its fixtures module is found by name."""
+    import dataclasses
+
+    from lowvram_lora.engine.families import LoraForm, MemoryProfile, NoiseSchedule, family_fixtures
+
+    family = get_family(family_id)
+    assert isinstance(family.memory, MemoryProfile) and isinstance(family.schedule, NoiseSchedule)
+    assert isinstance(family.lora, LoraForm)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        family.memory.activation_scale = 2.0
+    lists = family.memory.block_lists
+    assert [name for name in lists if name in family.lora.targets] == list(family.lora.targets)
+    model = meta_model(family, family.load_config(family.tiny_variant))
+    assert all(isinstance(getattr(model, name), torch.nn.ModuleList) for name in lists)
+    assert set(family.memory.block_list_tokens) | set(family.memory.dual_stream_lists) <= set(lists)
+    assert callable(family_fixtures(family).build_tiny_pipeline)
+    for variant in family.variants:
+        assert family.lora.architecture_of(variant) == ARCHITECTURES_BEFORE.get(variant, f"{family_id}/lora")
+        lo, hi = family.schedule.train_sigma_range(variant)
+        assert 0.0 <= lo < hi <= 1.0
+
+
+def test_a_spec_refuses_an_unknown_lora_form():
+    from lowvram_lora.engine.families import LoraForm
+
+    with pytest.raises(ValueError, match="native_fused"):
+        LoraForm(targets={"blocks": ("attn.to_q",)}, architecture="x/lora", comfyui_form="kohya")
+
+
 @pytest.mark.parametrize("family_id", FAMILIES)
 def test_int8_slab_of_the_native_file_holds_the_reference(family_id, tiny, tmp_path):
     from lowvram_lora.engine.slab import build_slab, load_slab_transformer

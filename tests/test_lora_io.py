@@ -148,6 +148,17 @@ def test_read_back_both_formats(trained, tmp_path, fmt):
     _assert_same_deltas(loaded, trained)
 
 
+def test_the_file_names_its_architecture_from_the_family(trained, tmp_path):
+    """``modelspec.architecture`` comes from the family's LoraForm: the SAI name for Flux.1-dev, ``flux1/lora`` for
+    a variant without one (the tiny model)."""
+    import dataclasses
+
+    for variant, want in (("flux1-tiny", "flux1/lora"), ("flux1-dev", "flux-1-dev/lora")):
+        path = save_lora(dataclasses.replace(trained, variant=variant), tmp_path / f"{variant}.safetensors")
+        with safe_open(str(path), framework="pt") as f:
+            assert f.metadata()["modelspec.architecture"] == want
+
+
 def test_save_never_clobbers_and_writes_atomically(trained, tmp_path):
     path = tmp_path / "keep.safetensors"
     path.write_bytes(b"precious")

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from .names import NativeParam
-from .specs import LoraForm, MemoryProfile, NoiseSchedule, Prediction, sigma_schedule, static_shift_mu  # noqa: F401
+from .specs import LoraForm, MemoryProfile, NoiseSchedule
 
 # --- text ------------------------------------------------------------------------------------------
 
