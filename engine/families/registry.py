@@ -13,7 +13,8 @@ from importlib import import_module
 from types import ModuleType
 
 from ..errors import ConfigError
-from .base import ModelFamily, TrainingTemplate, family_package
+from .base import ModelFamily, family_package
+from .specs import TrainingTemplate
 
 _FOUND: dict[str, ModelFamily] = {}
 #: Folders beside the family folders that are not families: shared configs, the family specs.

@@ -18,7 +18,7 @@ from importlib import resources
 
 import torch
 
-from .base import VaeSpec
+from .specs import VaeSpec
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..base import Guidance, ModelFamily, TextEncoderSpec, image_only
-from ..specs import LoraForm, MemoryProfile, NoiseSchedule
+from ..base import ModelFamily, image_only
+from ..specs import Guidance, LoraForm, MemoryProfile, NoiseSchedule, TextEncoderSpec
 from ..names import NativeParam
 from ..patches import linear_mu, pack_2x2, unpack_2x2
 from .names import flux1_param_table

@@ -1,5 +1,5 @@
 """Flux.1's shipped workflows (``host/templates.py`` writes them to ``example_workflows/`` in UI and API form)."""
-from ..base import TrainingTemplate
+from ..specs import TrainingTemplate
 
 TEMPLATES = [
     TrainingTemplate(

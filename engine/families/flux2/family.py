@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..base import Guidance, ModelFamily, PromptTemplate, TextEncoderSpec, VaeSpec, image_only
-from ..specs import LoraForm, MemoryProfile, NoiseSchedule
+from ..base import ModelFamily, image_only
+from ..specs import Guidance, LoraForm, MemoryProfile, NoiseSchedule, PromptTemplate, TextEncoderSpec, VaeSpec
 from .names import flux2_param_table
 
 # LoRA targets: every attention projection of the double blocks, image and text streams

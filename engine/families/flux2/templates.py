@@ -1,5 +1,5 @@
 """Flux.2's shipped workflows (``host/templates.py`` writes them to ``example_workflows/`` in UI and API form)."""
-from ..base import TrainingTemplate
+from ..specs import TrainingTemplate
 
 _DEV = "https://huggingface.co/Comfy-Org/flux2-dev/resolve/main/split_files/"
 _DEV_DOWNLOADS = {  # as in ComfyUI's own Flux.2-dev templates

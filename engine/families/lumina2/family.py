@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..base import Guidance, ModelFamily, PromptTemplate, TextEncoderSpec, image_only
-from ..specs import LoraForm, MemoryProfile, NoiseSchedule, Prediction
+from ..base import ModelFamily, image_only
+from ..specs import Guidance, LoraForm, MemoryProfile, NoiseSchedule, Prediction, PromptTemplate, TextEncoderSpec
 from ..names import NativeParam
 from .names import UNUSED_NATIVE_KEYS, lumina2_param_table
 

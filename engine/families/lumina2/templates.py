@@ -1,5 +1,5 @@
 """Lumina 2's shipped workflow (``host/templates.py`` writes it to ``example_workflows/`` in UI and API form)."""
-from ..base import TrainingTemplate
+from ..specs import TrainingTemplate
 from . import FAMILY
 
 _PREVIEW = FAMILY.guidance("lumina2")  # the pipeline's CFG scale, and steps enough for a preview

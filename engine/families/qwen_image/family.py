@@ -36,8 +36,9 @@ import torch
 from torch import nn
 
 from ...errors import ConfigError
-from ..base import ControlImages, Guidance, ModelFamily, PromptTemplate, TextEncoderSpec, VaeSpec, image_only
-from ..specs import LoraForm, MemoryProfile, NoiseSchedule, sigma_schedule
+from ..base import ModelFamily, image_only
+from ..specs import (ControlImages, Guidance, LoraForm, MemoryProfile, NoiseSchedule, PromptTemplate, TextEncoderSpec,
+                     VaeSpec, sigma_schedule)
 from ..names import NativeParam
 from ..patches import linear_mu, pack_2x2, unpack_2x2
 from ..wan_vae import WanVaeSpec

@@ -1,5 +1,5 @@
 """Qwen-Image's shipped workflow (``host/templates.py`` writes it in UI and API form)."""
-from ..base import TrainingTemplate
+from ..specs import TrainingTemplate
 from . import FAMILY
 
 _PREVIEW = FAMILY.guidance("qwen-image")  # true CFG 4, 20 steps

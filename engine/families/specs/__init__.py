@@ -1,13 +1,21 @@
-"""The family's specs beyond its core (``base.ModelFamily``): one frozen dataclass per concern, one file each.
+"""The family's specs beside its core (``base.ModelFamily``): one frozen dataclass per concern, one file each.
 
-``memory.MemoryProfile`` (the planner's and step-time model's knobs), ``schedule.NoiseSchedule`` (shifts, sigmas,
-ranges, the prediction convention), ``lora.LoraForm`` (default targets, the saved file's form and architecture).
-A family folder declares an instance of each (a subclass of its own where it needs code). A new capability is a
-new spec file here, not another member of ``ModelFamily``.
+``text`` (``PromptTemplate``, ``TextEncoderSpec``: what the dataset cache keeps of each text encoder), ``vae``
+(``VaeSpec``: pixels <-> latents), ``guidance`` (``Guidance``: how previews sample), ``controls``
+(``ControlImages``: an edit model's control images), ``memory`` (``MemoryProfile``: the planner's and step-time
+model's knobs), ``schedule`` (``NoiseSchedule``, ``Prediction``: shifts, sigmas, ranges, the model's convention),
+``lora`` (``LoraForm``: default targets, the saved file's form and architecture), ``templates``
+(``TrainingTemplate``: a shipped workflow). A family folder declares its instances (a subclass of its own where it
+needs code). A new capability is a new spec file here, not another member of ``ModelFamily``.
 """
+from .controls import ControlImages
+from .guidance import Guidance
 from .lora import COMFYUI_FORMS, LoraForm
 from .memory import MemoryProfile
 from .schedule import NoiseSchedule, Prediction, sigma_schedule, static_shift_mu
+from .templates import TrainingTemplate
+from .text import PromptTemplate, TextEncoderSpec
+from .vae import VaeSpec
 
-__all__ = ["COMFYUI_FORMS", "LoraForm", "MemoryProfile", "NoiseSchedule", "Prediction", "sigma_schedule",
-           "static_shift_mu"]
+__all__ = ["COMFYUI_FORMS", "ControlImages", "Guidance", "LoraForm", "MemoryProfile", "NoiseSchedule", "Prediction",
+           "PromptTemplate", "TextEncoderSpec", "TrainingTemplate", "VaeSpec", "sigma_schedule", "static_shift_mu"]

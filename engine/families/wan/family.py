@@ -34,8 +34,9 @@ import torch
 from torch import nn
 
 from ...errors import ConfigError
-from ..base import Guidance, ModelFamily, TextEncoderSpec, VaeSpec
-from ..specs import LoraForm, MemoryProfile, NoiseSchedule, Prediction, static_shift_mu
+from ..base import ModelFamily
+from ..specs import (Guidance, LoraForm, MemoryProfile, NoiseSchedule, Prediction, TextEncoderSpec, VaeSpec,
+                     static_shift_mu)
 from ..names import NativeParam
 from .names import wan_param_table
 from .vae import WAN21_VAE, WAN22_VAE

@@ -1,5 +1,5 @@
 """Wan's shipped workflow (``host/templates.py`` writes it in UI and API form)."""
-from ..base import TrainingTemplate
+from ..specs import TrainingTemplate
 from . import FAMILY
 
 _REPO = "https://huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged/resolve/main/split_files/"

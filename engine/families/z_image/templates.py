@@ -1,5 +1,5 @@
 """Z-Image's shipped workflow (``host/templates.py`` writes it to ``example_workflows/`` in UI and API form)."""
-from ..base import TrainingTemplate
+from ..specs import TrainingTemplate
 from . import FAMILY
 
 _PREVIEW = FAMILY.guidance("z-image-turbo")  # the template's file is Turbo: no CFG
