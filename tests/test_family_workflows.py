@@ -29,7 +29,7 @@ OVERRIDES = [(2, "resolution=128"), (2, "sample_prompts=ohwx, a red circle"), (4
              (4, "warmup_steps=0"), (4, "sample_every=4"), (4, "sample_resolution=64"), (4, "sample_steps=2"),
              (4, "sample_frames=5")]
 
-SINGLE_TE = [pytest.param(f.id, t, id=t.name) for f in families().values() for t in f.templates()
+SINGLE_TE = [pytest.param(f.id, t, id=t.name) for f in families().values() for t in family_templates(f)
              if t.cache.get("text_encoders") == "(single files below)" and "text_encoder_2" not in t.cache
              and t.split is None]
 
