@@ -3,6 +3,7 @@ import copy
 
 import torch
 
+from lowvram_lora.engine.callbacks import TrainingCallback
 from lowvram_lora.engine.families import get_family
 
 
@@ -106,7 +107,7 @@ def block_inputs(model, family):
     return family.model_inputs(model, latents, embeds, torch.tensor([0.4]), 1.0)
 
 
-class LogRecorder:
+class LogRecorder(TrainingCallback):
     """A training callback that keeps the log lines (and the last step's info); stops never."""
 
     def __init__(self):

@@ -3,8 +3,10 @@
 - ``files``: raw safetensors access (headers, row ranges) for every file the engine reads;
 - ``tensors``: every decoding rule (prefixes, fp8, scaled fp8, ComfyUI ``comfy_quant``), with named
   refusals for what cannot be decoded (nvfp4, other quantized formats, GGUF, pickles);
-- ``transformer``: a transformer checkpoint's identity (family, variant, config) and its tensors
-  under diffusers names, loaded or read row by row.
+- ``identity``: a transformer checkpoint's identity (family, variant, config), made once and passed on, and its
+  tensors under diffusers names, loaded or read row by row;
+- ``kinds/``: the kinds of checkpoint (diffusers folder, single file, slab), one file each, found by file name;
+- ``transformer``: ``identify`` and ``open_checkpoint``, through the kind that claims a path.
 
 Loading, the slab build, the footprint before loading, cache identification, the Load node and
 single-file text encoders all read through here.
