@@ -3,6 +3,7 @@ import copy
 
 import torch
 
+from lowvram_lora.engine.caching.encoders import encoder_kind
 from lowvram_lora.engine.callbacks import TrainingCallback
 from lowvram_lora.engine.families import get_family
 
@@ -68,7 +69,7 @@ def family_inputs(model, family, width=64, height=64, length=7, sigma=0.4):
     specs = {s.cache_key: s for s in family.text_encoder_specs(family.tiny_variant if variant == "custom" else variant)}
     embeds = {}
     for key, w in family.text_widths(config).items():
-        if specs[key].kind == "clip_pooled":
+        if encoder_kind(specs[key].kind).output == "pooled":
             embeds[key] = torch.randn(1, w, generator=g)
             continue
         embeds[key] = torch.randn(1, length, w, generator=g)

@@ -12,6 +12,7 @@ Loading, the slab build, the footprint before loading, cache identification, the
 single-file text encoders all read through here.
 """
 from .files import SLAB_FORMAT, SafetensorsFile
+from .kinds import CheckpointKind, checkpoint_kinds, get_kind
 from .tensors import DECODER_VERSION, StoredTensor, TensorStore, is_side_tensor, open_files, refuse_unreadable_form
 from .transformer import (
     KEY_PREFIXES, Checkpoint, CheckpointIdentity, SourceTensor, expected_single_file_shapes, identify,
@@ -19,7 +20,7 @@ from .transformer import (
 )
 
 __all__ = [
-    "Checkpoint", "CheckpointIdentity", "DECODER_VERSION", "KEY_PREFIXES", "SLAB_FORMAT", "SafetensorsFile",
-    "SourceTensor", "StoredTensor", "TensorStore", "expected_single_file_shapes", "identify", "is_side_tensor",
-    "open_checkpoint", "open_files", "refuse_unreadable_form", "resolve_path",
+    "Checkpoint", "CheckpointIdentity", "CheckpointKind", "DECODER_VERSION", "KEY_PREFIXES", "SLAB_FORMAT",
+    "SafetensorsFile", "SourceTensor", "StoredTensor", "TensorStore", "expected_single_file_shapes", "identify", "is_side_tensor",
+    "checkpoint_kinds", "get_kind", "open_checkpoint", "open_files", "refuse_unreadable_form", "resolve_path",
 ]
