@@ -21,6 +21,6 @@ from .transformer import (
 
 __all__ = [
     "Checkpoint", "CheckpointIdentity", "CheckpointKind", "DECODER_VERSION", "KEY_PREFIXES", "SLAB_FORMAT",
-    "SafetensorsFile", "SourceTensor", "StoredTensor", "TensorStore", "expected_single_file_shapes", "identify", "is_side_tensor",
-    "checkpoint_kinds", "get_kind", "open_checkpoint", "open_files", "refuse_unreadable_form", "resolve_path",
+    "SafetensorsFile", "SourceTensor", "StoredTensor", "TensorStore", "expected_single_file_shapes", "identify",
+    "is_side_tensor", "checkpoint_kinds", "get_kind", "open_checkpoint", "open_files", "refuse_unreadable_form", "resolve_path",
 ]

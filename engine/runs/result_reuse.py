@@ -120,7 +120,8 @@ def _train_and_store(model, dataset, lora: LoraSettings, train: TrainConfig, cac
     return result
 
 
-def samples_made_with(dataset: DatasetCache, sampling: SamplingConfig | None, partner_identity: str | None = None) -> dict | None:
+def samples_made_with(dataset: DatasetCache, sampling: SamplingConfig | None,
+                      partner_identity: str | None = None) -> dict | None:
     """What a run's sample grid shows (the prompts and the sampling settings, and a mixture expert's preview
     partner: its weights' identity), or None without sampling. Not part of the run's key: samples do not change the
     trained weights."""

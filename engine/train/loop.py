@@ -99,8 +99,8 @@ def train_lora(
     if isinstance(model_cfg, ModelInfo):
         model_cfg, identity = model_cfg.config, model_cfg.checkpoint
     with autograd_enabled():
-        return _train_lora(model_cfg, identity, dataset, lora, train, callback, preloaded, offload, resume, split, ranks,
-                           sampling, sample_dir, preview_partner)
+        return _train_lora(model_cfg, identity, dataset, lora, train, callback, preloaded, offload, resume, split,
+                           ranks, sampling, sample_dir, preview_partner)
 
 
 def _train_lora(model_cfg, identity, dataset, lora, train, callback, preloaded, offload, resume, split, ranks,

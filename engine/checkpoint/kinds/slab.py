@@ -35,7 +35,8 @@ class Slab(CheckpointKind):
         return resolve_slab_family(slab, family_id), slab.variant, slab.manifest["config"]
 
     def open(self, ident: CheckpointIdentity) -> Checkpoint:
-        raise ModelLoadError(f"'{ident.path}' is already a slab; load it directly, or build from the original checkpoint")
+        raise ModelLoadError(f"'{ident.path}' is already a slab; load it directly, or build from the original "
+                             f"checkpoint")
 
     def load_model(self, ident: CheckpointIdentity, dtype: torch.dtype) -> torch.nn.Module:
         model, _, _ = load_slab_transformer(ident.path, dtype, "cpu", ident.family.id, ident.variant)
