@@ -201,7 +201,8 @@ class OffloadHandle:
         training step, copy-engine busy and compute stall seconds (CUDA; see ``end_step``)."""
         out = {"bytes_copied": 0, "pin_seconds": round(self.pin_seconds, 2), "pinned_reused": self.pinned_reused,
                "step_copy_s": self.step_copy_s, "step_stall_s": self.step_stall_s,
-               "paced_s": round(self.engine.pacer.paced_s, 3) if self.engine.pacer is not None else 0.0}
+               "paced_s": round(self.engine.pacer.paced_s, 3)
+               if self.engine is not None and self.engine.pacer is not None else 0.0}
         if self.scheduler is not None:
             out.update(self.scheduler.stats.as_dict())
             out["bytes_copied"] = self.engine.bytes_copied
