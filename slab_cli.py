@@ -55,7 +55,7 @@ def _build(args) -> int:
 
     start = time.perf_counter()
     path = build_slab(args.checkpoint, args.output, family=args.family, progress=not args.quiet,
-                      overwrite=getattr(args, "force", False))
+                      overwrite=args.force)
     summary = verify_slab(path)["summary"]
     print(f"slab: {path}\nmanifest: {manifest_path_for(path)}\n"
           f"{summary['bytes'] / 1e9:.2f} GB, {summary['quantized_linears']} int8 Linears, "

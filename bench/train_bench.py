@@ -101,6 +101,7 @@ def write_synthetic_cache(root: Path, family, variant: str, cfg: dict, res, n_it
 
     from lowvram_lora.engine.caching import CachedItem, DatasetCache
     from lowvram_lora.engine.families import default_max_sequence_length
+    from lowvram_lora.engine.caching.encoders import encoder_kind
 
     from types import SimpleNamespace
 
@@ -121,10 +122,10 @@ def write_synthetic_cache(root: Path, family, variant: str, cfg: dict, res, n_it
         for spec in family.text_encoder_specs(variant):
             # Padded encoders: the full length, as cached; variable-length ones: a 128-token caption (template
             # included), a typical length for Z-Image's and Lumina 2's captions.
-            shape = ((widths[spec.cache_key],) if spec.kind == "clip_pooled"
+            shape = ((widths[spec.cache_key],) if encoder_kind(spec.kind).output == "pooled"
                      else (seq_len if spec.length == "padded" else min(128, seq_len), widths[spec.cache_key]))
             text[spec.cache_key] = torch.randn(shape, generator=gen).to(torch.bfloat16)
-        controls = any(getattr(spec, "control_images", False) for spec in family.text_encoder_specs(variant))
+        controls = any(spec.control_images for spec in family.text_encoder_specs(variant))
         if controls:  # an edit model: one control image at the target's size, its latent in the text entry
             text["control_latents_0"] = torch.randn(latent_shape, generator=gen)
         save_file(text, str(root / "text" / f"{key}.safetensors"))

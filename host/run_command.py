@@ -178,7 +178,7 @@ def run_workflow_command(
         return EXIT_INTERRUPTED
     except (WorkflowError, NodeExecutionError) as exc:
         _report(exc, show_traceback)
-        if getattr(exc, "missing_choice", False) and configure_dirs is not None:
+        if isinstance(exc, WorkflowError) and exc.missing_choice and configure_dirs is not None:
             print(_models_dir_hint(_absolute(getattr(args, "models_dir", DEFAULT_MODELS_DIR))), file=sys.stderr)
         return EXIT_FAILED
     _print_summary(results, graph, time.perf_counter() - start)

@@ -56,6 +56,7 @@ class ComfyCallback(TrainingCallback):
         self._last_console: dict[str, float] = {}
         self._set_progress = _v3_progress() if node_id is not None else None
         self._last_progress = (float("-inf"), None)  # (time, (value, total)) of the last update sent
+        self._train_step = (0, 1)  # (step, total) of the last step: samples at step 0 come before any step
 
     def _console(self, stage: str, text: str, force: bool = False) -> None:
         now = time.monotonic()
@@ -121,7 +122,7 @@ class ComfyCallback(TrainingCallback):
     def on_sample(self, step: int, grid, path: str | None) -> None:
         """The grid becomes the node's preview image while training runs (the progress bar's preview, as
         ComfyUI's samplers show latents)."""
-        done, total = getattr(self, "_train_step", (0, 1))  # samples at step 0 come before any step
+        done, total = self._train_step
         self._progress("train", done, total, preview=grid)
         self._console("samples", f"samples at step {step}: {path}", force=True)
 

@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import schema as io
 from .load_model import CATEGORY
 from .paths import output_dir
+
+if TYPE_CHECKING:
+    from ..engine.lora_io.trained import TrainedLora
 
 
 _MAX_COUNTER = 99_999
@@ -124,13 +128,13 @@ class LowVRAMSaveLoRA(io.Node):
         return io.NodeOutput(ui={"text": [str(path)], "loss_curve": [str(curve)], "files": files})
 
 
-def _copy_last_samples(lora, path: Path):
+def _copy_last_samples(lora: TrainedLora, path: Path):
     """The last sample grid next to the LoRA as ``<name>_samples.png`` (a new name: never replaces a file)."""
     import shutil
 
     from ..engine.fileio import atomic_write, claim_names
 
-    grids = [g for g in getattr(lora, "sample_grids", []) if Path(g).exists()]
+    grids = [g for g in lora.sample_grids if Path(g).exists()]
     if not grids:
         return None
     target = path.with_name(path.stem + "_samples.png")
@@ -141,14 +145,14 @@ def _copy_last_samples(lora, path: Path):
     return target
 
 
-def _copy_last_clips(lora, path: Path) -> list[Path]:
+def _copy_last_clips(lora: TrainedLora, path: Path) -> list[Path]:
     """A video model's last checkpoint clips next to the LoRA as ``<name>_samples_pNN.webp`` (new names only)."""
     import shutil
 
     from ..engine.fileio import atomic_write, claim_names
     from ..engine.sampling import saved_clips
 
-    grids = [g for g in getattr(lora, "sample_grids", []) if Path(g).exists()]
+    grids = [g for g in lora.sample_grids if Path(g).exists()]
     clips = saved_clips(grids[-1]) if grids else []
     targets = [path.with_name(f"{path.stem}_samples_{c.stem.rsplit('_', 1)[-1]}.webp") for c in clips]
     if not clips or not claim_names(targets, "the sample clips"):

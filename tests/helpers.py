@@ -3,6 +3,8 @@ import copy
 
 import torch
 
+from lowvram_lora.engine.caching.encoders import encoder_kind
+from lowvram_lora.engine.callbacks import TrainingCallback
 from lowvram_lora.engine.families import family_fixtures, get_family, predict_velocity
 
 
@@ -67,7 +69,7 @@ def family_inputs(model, family, width=64, height=64, length=7, sigma=0.4):
     specs = {s.cache_key: s for s in family.text_encoder_specs(family.tiny_variant if variant == "custom" else variant)}
     embeds = {}
     for key, w in family.text_widths(config).items():
-        if specs[key].kind == "clip_pooled":
+        if encoder_kind(specs[key].kind).output == "pooled":
             embeds[key] = torch.randn(1, w, generator=g)
             continue
         embeds[key] = torch.randn(1, length, w, generator=g)
@@ -106,7 +108,7 @@ def block_inputs(model, family):
     return family.model_inputs(model, latents, embeds, torch.tensor([0.4]), 1.0)
 
 
-class LogRecorder:
+class LogRecorder(TrainingCallback):
     """A training callback that keeps the log lines (and the last step's info); stops never."""
 
     def __init__(self):

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from lowvram_lora.engine.caching import build_dataset_cache, layer_major, main_layer_list, open_dataset_cache
+from lowvram_lora.engine.caching.encoders import encoder_kind
 from lowvram_lora.engine.caching.text_encoding import load_text_encoder
 from lowvram_lora.engine.config import DataConfig, ModelConfig
 from lowvram_lora.engine.errors import CacheError, DatasetError, ModelLoadError
@@ -20,7 +21,7 @@ def test_layer_major_matches_plain_forward(tiny_pipeline, encoder):
     tok, model = load_text_encoder(tiny_pipeline, spec, torch.float32)
     captions = ["a red circle", "a blue square on a green background", "ohwx", "the big cat", "a dog"]
     ids = tok(captions, padding="max_length", max_length=16, truncation=True, return_tensors="pt").input_ids
-    attr = "pooler_output" if spec.output == "pooled" else "last_hidden_state"
+    attr = "pooler_output" if encoder_kind(spec.kind).output == "pooled" else "last_hidden_state"
     with torch.no_grad():
         ref = getattr(model(input_ids=ids), attr)
         layers = main_layer_list(model)

@@ -1,6 +1,8 @@
 """The package's layers, checked from its source: every import points to its own layer or a lower one,
-no modules import each other in a loop, imports inside the package are relative, and engine/ never
-imports ComfyUI.
+no modules import each other in a loop, imports inside the package are relative, engine/ never
+imports ComfyUI, and no code probes an object for an attribute (``getattr(x, "name", ...)``, ``hasattr``)
+except the library reflection listed in ``REFLECTION``: the project's own objects have the attributes their
+types declare.
 
 Nothing is imported: every .py of the package is parsed with ``ast``, and every import statement counts,
 the ones inside functions too (a deferred import is still an arrow; deferring it only hides a cycle
@@ -24,8 +26,9 @@ PACKAGE = "lowvram_lora"
 #:  0 foundation  - errors, callbacks, configs, file writing: plain values every layer passes around.
 #:  1 families    - what a model family is (names, shapes, loading); knows only the foundation, so every
 #:                  format and the offloader can ask "which family?" without knowing how training runs.
-#:  2 checkpoint  - reading checkpoint files, keyed by a family's name maps.
-#:  3 formats     - slabs, datasets, LoRA files, model loading: data on disk, built on the checkpoint reader.
+#:  2 checkpoint  - reading checkpoint files, keyed by a family's name maps; a slab is one of its kinds (the
+#:                  reader identifies and loads it), built from the others by the same reader.
+#:  3 formats     - datasets, LoRA files, model loading: data on disk, built on the checkpoint reader.
 #:  4 offload     - streaming a model's blocks through a small GPU; it moves weights, whatever their format.
 #:  5 placement   - where the computation runs over several devices (split, data-parallel process group),
 #:                  used by the training loop; it places blocks the offloader streams.
@@ -39,8 +42,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                     "engine/quiet.py", "engine/hashing.py", "engine/fileio.py", "engine/config.py",
                     "engine/plotting.py", "engine/attention.py")),
     ("families", ("engine/families/",)),
-    ("checkpoint", ("engine/checkpoint/",)),
-    ("formats", ("engine/slab/", "engine/data/", "engine/lora_io/", "engine/models/")),
+    ("checkpoint", ("engine/checkpoint/", "engine/slab/")),
+    ("formats", ("engine/data/", "engine/lora_io/", "engine/models/")),
     ("offload", ("engine/offload/",)),
     ("placement", ("engine/parallel/",)),
     ("caching, sampling, fixtures", ("engine/caching/", "engine/sampling.py", "engine/testing.py")),
@@ -261,3 +264,84 @@ def test_the_checks_can_fail():
                              ("engine/offload/plan.py", 5, "engine/offload/__init__.py")]
     assert sorted(p.split(" ")[0] for p in problems) == ["engine/offload/plan.py:1", "engine/offload/plan.py:4"]
     assert layer_of("engine/parallel/split.py") == 5 and layer_of("engine/errors.py") == 0
+
+
+# --- no duck-typing of the project's own objects ----------------------------------------------------------------
+
+#: The attribute probes allowed, by attribute name: reflection on objects the project does not define, whose
+#: attributes vary by version, subclass or input. Every other ``getattr(x, "name", default)`` / ``hasattr(x, "name")``
+#: is a probe of the project's own objects, which have the attributes their types declare: give the object the
+#: attribute (a default on its class), or an explicit type to ``isinstance``.
+REFLECTION: dict[str, str] = {
+    **dict.fromkeys(("text_config", "vision_config", "tokenizer", "rotary_emb", "embed_scale"),
+                    "transformers configs, processors and models: which parts a model has varies by architecture"),
+    **dict.fromkeys(("shift_factor", "tile_sample_min_size", "gradient_checkpointing"),
+                    "diffusers models and their configs: varies by class"),
+    **dict.fromkeys(("peft_config", "cast_input_dtype_enabled"), "peft's layers and models, by version"),
+    **dict.fromkeys(("rotation", "n_frames"), "PyAV frames and PIL images, by format"),
+    "errno": "an OSError's number (other exceptions have none)",
+    **dict.fromkeys(("__path__", "__func__"), "Python's own: a package's path, a bound method's function"),
+    "FAMILY": "the family registry reads each family folder's module",
+    **dict.fromkeys(("get_folder_paths", "unload_all_models", "soft_empty_cache"),
+                    "ComfyUI's modules, which differ between its versions (nodes/ only)"),
+    "models_dir": "ComfyUI's folder_paths module (by version); an argparse Namespace (as below)",
+    **dict.fromkeys((
+        "INPUT_IS_LIST", "OUTPUT_IS_LIST", "HAS_INTERMEDIATE_OUTPUT", "DEPRECATED", "EXPERIMENTAL", "DEV_ONLY",
+        "API_NODE", "SEARCH_ALIASES", "ESSENTIALS_CATEGORY", "VALIDATE_INPUTS", "GET_NODE_INFO_V1", "RETURN_NAMES",
+        "RETURN_TYPES", "DESCRIPTION", "RELATIVE_PYTHON_MODULE", "OUTPUT_NODE", "CATEGORY", "OUTPUT_TOOLTIPS",
+        "PREPARE_CLASS_CLONE", "define_schema", "expand", "block_execution", "args", "ui", "unique_id"),
+        "ComfyUI's node protocol: optional attributes of node classes, their outputs and hidden values, read as "
+        "ComfyUI reads them (its classes and ours)"),
+    **dict.fromkeys(("overrides", "traceback", "output_dir", "no_progress"),
+                    "an argparse Namespace: the run command is also called with the options of other parsers"),
+    "_lowvram_host_block": "offload/host.py keeps a block's HostBlock on the torch module it copies",
+}
+
+
+def _string_constants(tree: ast.Module) -> dict[str, str]:
+    return {t.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+            for t in node.targets if isinstance(t, ast.Name)}
+
+
+def attribute_probes(files: list[str], sources: dict[str, str] | None = None) -> list[tuple[str, int, str]]:
+    """(file, line, attribute) of every ``getattr(x, name, ...)`` / ``hasattr(x, name)`` whose name is a string
+    literal, or a module constant holding one. A computed name (``getattr(self, f.name)`` over a dataclass's
+    fields, ``getattr(torch, dtype)``) is reflection over a table, not a probe."""
+    out = []
+    for rel in files:
+        text = (sources or {}).get(rel)
+        tree = ast.parse(text if text is not None else (ROOT / rel).read_text(encoding="utf-8"), filename=rel)
+        constants = _string_constants(tree)
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2):
+                continue
+            arg = node.args[1]
+            name = arg.value if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else \
+                constants.get(arg.id) if isinstance(arg, ast.Name) else None
+            if name is not None:
+                out.append((rel, node.lineno, name))
+    return sorted(out)
+
+
+def test_no_attribute_probes_of_the_projects_own_objects():
+    probes = attribute_probes(package_files())
+    assert any(name == "FAMILY" for _, _, name in probes)  # the walk sees the registry's probe
+    bad = [f"{rel}:{line} probes .{name}" for rel, line, name in probes if name not in REFLECTION]
+    if bad:
+        pytest.fail(f"{len(bad)} attribute probe(s) of the project's own objects; give the object the attribute "
+                    f"(a default on its class) or test its type with isinstance, or, for library reflection, add the "
+                    f"name to REFLECTION in tests/test_layering.py with the reason:\n" + "\n".join(bad),
+                    pytrace=False)
+
+
+def test_the_probe_check_can_fail():
+    source = ("HOOK = 'constant_outputs'\n"
+              "def f(block, cfg, spec):\n"
+              "    a = getattr(block, HOOK, None)\n    b = hasattr(cfg, 'text_config')\n"
+              "    c = getattr(spec, 'pacer', None)\n    d = getattr(spec, spec.name)\n")
+    probes = attribute_probes(["engine/offload/plan.py"], {"engine/offload/plan.py": source})
+    assert probes == [("engine/offload/plan.py", 3, "constant_outputs"), ("engine/offload/plan.py", 4, "text_config"),
+                      ("engine/offload/plan.py", 5, "pacer")]
+    assert [name for _, _, name in probes if name not in REFLECTION] == ["constant_outputs", "pacer"]

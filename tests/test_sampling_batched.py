@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lowvram_lora.engine.caching.encoders import encoder_kind
 from lowvram_lora.engine.families import Guidance, families, get_family
 from lowvram_lora.engine.families.tiny import tiny_transformer
 from lowvram_lora.engine.sampling import batch_rows, merge_embeds, sample_latents, sample_prompts
@@ -27,7 +28,7 @@ def prompt_embeds(model, family, length: int, seed: int) -> dict[str, torch.Tens
     out = {}
     for key, width in family.text_widths(dict(model.config)).items():
         spec = specs[key]
-        if spec.kind == "clip_pooled":
+        if encoder_kind(spec.kind).output == "pooled":
             out[key] = torch.randn(1, width, generator=g)
         elif spec.length == "variable":
             out[key] = torch.randn(1, length, width, generator=g)

@@ -37,9 +37,8 @@ from ..families import ModelFamily, default_max_sequence_length, get_family
 from ..checkpoint import SafetensorsFile, identify, resolve_path
 from ..models import resolve_device, resolve_dtype
 from ..hashing import path_identity, sha256_file, stable_hash
-from .text_encoding import encode_captions
-from .single_files import decoder_lm_source, load_text_encoder_file, load_vae_file, sources_for
-from .stacked_text import encode_stacked
+from .encoders import encoder_kind
+from .single_files import load_vae_file, sources_for
 from .vae_encoding import encode_images
 
 MANIFEST_VERSION = 1
@@ -202,26 +201,10 @@ def _single_file_sources(model_cfg: ModelConfig):
     the family and variant come from the transformer itself."""
     ident = identify(model_cfg.transformer_path, model_cfg.family)
     family, variant = ident.family, ident.variant
-    if ident.kind == "slab":
-        from ..slab.load import open_slab, resolve_slab_family
-
-        slab = open_slab(ident.path)
-        family, variant = resolve_slab_family(slab, model_cfg.family), slab.variant
     files = [Path(p) for p in model_cfg.text_encoder_files]
     vae = Path(model_cfg.vae_file) if model_cfg.vae_file else None
     singles = sources_for(family, variant, files, vae, {k: Path(v) for k, v in (model_cfg.tokenizer_dirs or {}).items()})
     return singles, family, variant
-
-
-def _tokenizer_identity(f: Path, spec, singles) -> str:
-    from .single_files import FILE_KIND_FOR_SPEC, companion_dir, tokenizer_origin
-
-    if spec.kind == "decoder_lm":  # the companion folder holds the tokenizer (and maybe the config)
-        return path_identity(companion_dir(f))
-    kind = FILE_KIND_FOR_SPEC[spec.kind]
-    origin = tokenizer_origin(f, kind, kind, singles.tokenizer_dirs)
-    # An embedded tokenizer is part of the file, whose identity the text identity has already.
-    return path_identity(origin) if isinstance(origin, Path) else f"embedded:{origin}"
 
 
 def _family_and_variant(model_cfg: ModelConfig, pipeline: Path) -> tuple[ModelFamily, str]:
@@ -318,14 +301,14 @@ def build_dataset_cache(
     specs = family.text_encoder_specs(variant)
 
     def encoder_ident(s) -> list:
+        kind = encoder_kind(s.kind)
         if singles is not None:  # the file (content identity) and its tokenizer
             f = singles.text_encoders[s.subfolder]
-            return [s.subfolder, path_identity(f), _tokenizer_identity(f, s, singles), s.output]
+            return [s.subfolder, path_identity(f), kind.tokenizer_identity(f, s, singles), kind.output]
         return [s.subfolder, path_identity(pipeline / s.subfolder), path_identity(pipeline / s.tokenizer_subfolder),
-                s.output]
+                kind.output]
 
-    text_ident = stable_hash([encoder_ident(s) + ([list(s.hidden_layers), repr(s.template), s.length]
-                                                  if s.kind == "decoder_lm" else []) for s in specs]
+    text_ident = stable_hash([encoder_ident(s) + encoder_kind(s.kind).cache_identity(s) for s in specs]
                              + [max_len, str(dtype)])
     vae_spec = family.vae_for(variant)
     vae_ident = stable_hash([path_identity(singles.vae if singles is not None else pipeline / "vae"), str(dtype)]
@@ -432,20 +415,11 @@ def _build_text(cache_dir, family, specs, pipeline, items, device, dtype, max_le
     keys, captions = list(todo), list(todo.values())
     per_encoder = {}
     for spec in specs:
-        length = spec.max_length if spec.output == "pooled" else max_len
+        kind = encoder_kind(spec.kind)
         stage = f"encode captions ({spec.subfolder})"
-        encode = encode_stacked if spec.output == "stacked" else encode_captions
-        extra = {}
-        if singles is not None and spec.output == "stacked":
-            extra["source"] = decoder_lm_source(singles.text_encoders[spec.subfolder], family, spec,
-                                                    singles.tokenizer_dirs)
-        elif singles is not None:
-            f = singles.text_encoders[spec.subfolder]
-            extra["loader"] = lambda f=f: load_text_encoder_file(f, dtype, singles.tokenizer_dirs)
-        per_encoder[spec.cache_key] = encode(
-            pipeline, spec, captions, device, dtype, length, progress=lambda d, t, s=stage: cb.on_progress(s, d, t),
-            **extra,
-        )
+        per_encoder[spec.cache_key] = kind.encode(pipeline, singles, family, spec, captions, device, dtype,
+                                                  kind.caption_length(spec, max_len),
+                                                  progress=lambda d, t, s=stage: cb.on_progress(s, d, t))
     for i, key in enumerate(keys):
         _atomic_save({name: outs[i] for name, outs in per_encoder.items()}, text_dir / f"{key}.safetensors")
     stats["text_built"] = len(keys)

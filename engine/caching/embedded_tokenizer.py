@@ -11,7 +11,8 @@ into the tokenizer the family's pipeline uses:
   user-defined pieces so that it encodes like ``SentencePieceProcessor.encode``), given the model read here by
   a small protobuf reader: transformers' own reader needs the ``protobuf`` package, which neither ComfyUI nor
   this project requires. The special tokens added around a text and the padding side are the ones the
-  pipeline's tokenizer uses (``SPIECE_LAYOUTS``: umT5 as google/umt5-xxl's T5Tokenizer, Gemma-2 as
+  pipeline's tokenizer uses (a ``SpieceLayout``, declared by the text-encoder kind whose files embed it:
+  ``encoders/umt5.py`` as google/umt5-xxl's T5Tokenizer, ``encoders/decoder_lm.py`` for Gemma-2 as
   GemmaTokenizer), which are also what ComfyUI's ``SPieceTokenizer`` adds for these encoders.
 """
 from __future__ import annotations
@@ -39,17 +40,6 @@ class SpieceLayout:
     name: str = ""  # for messages
 
 
-#: By text encoder (the single file's kind, or the spec's ``architecture``):
-#: - ``umt5xxl``: WanPipeline's tokenizer (google/umt5-xxl, a T5Tokenizer): ``</s>`` (1) appended, no BOS, <pad> 0,
-#:   right padding; ComfyUI's ``UMT5XXlTokenizer``: ``add_eos=True``, no start token, pad 0.
-#: - ``gemma2-2b``: Lumina2Pipeline's GemmaTokenizer: ``<bos>`` (2) first, no EOS, <pad> 0; the pipeline pads right
-#:   (``padding_side = "right"``); ComfyUI's ``Gemma2BTokenizer``: ``add_bos=True, add_eos=False``.
-SPIECE_LAYOUTS = {
-    "umt5xxl": SpieceLayout(bos=False, eos=True, padding_side="right", name="umT5-XXL"),
-    "gemma2-2b": SpieceLayout(bos=True, eos=False, padding_side="right", name="Gemma-2"),
-}
-
-
 #: Mistral's chat layout for a system + user turn without a generation prompt, as the Mistral-Small 3.x
 #: processor renders it for Flux2Pipeline and as ComfyUI's Flux2 tokenizer writes it:
 #: ``<s>[SYSTEM_PROMPT]...[/SYSTEM_PROMPT][INST]...[/INST]``. Content may be a string or text parts.
@@ -61,25 +51,25 @@ MISTRAL_CHAT_TEMPLATE = (
 )
 
 
-def embedded_tensor(store, encoder: str) -> str | None:
-    """The name of the embedded tokenizer tensor in ``store`` (a TensorStore) that can serve the text encoder
-    ``encoder`` (a tekken one always: only Mistral's files carry it; a SentencePiece one when its layout is
-    known, ``SPIECE_LAYOUTS``), or None."""
+def embedded_tensor(store, layout: SpieceLayout | None) -> str | None:
+    """The name of the embedded tokenizer tensor in ``store`` (a TensorStore) that can serve a text encoder (a
+    tekken one always: only Mistral's files carry it; a SentencePiece one when the encoder's ``layout`` is known),
+    or None."""
     if TEKKEN in store:
         return TEKKEN
-    if SPIECE in store and encoder in SPIECE_LAYOUTS:
+    if SPIECE in store and layout is not None:
         return SPIECE
     return None
 
 
-def tokenizer_from_tensor(name: str, raw: bytes, encoder: str):
-    """The transformers tokenizer of the embedded tensor ``name`` (its bytes ``raw``), for the text encoder
-    ``encoder`` (a key of ``SPIECE_LAYOUTS`` for a SentencePiece model)."""
+def tokenizer_from_tensor(name: str, raw: bytes, layout: SpieceLayout | None):
+    """The transformers tokenizer of the embedded tensor ``name`` (its bytes ``raw``), framed by ``layout`` (the
+    encoder's, needed for a SentencePiece model)."""
     if name == TEKKEN:
         return _tekken(raw)
-    if name != SPIECE or encoder not in SPIECE_LAYOUTS:
-        raise ValueError(f"no conversion of an embedded {name!r} tensor for the text encoder {encoder!r}")
-    return spiece_tokenizer(raw, SPIECE_LAYOUTS[encoder])
+    if name != SPIECE or layout is None:
+        raise ValueError(f"no conversion of an embedded {name!r} tensor without the encoder's SentencePiece layout")
+    return spiece_tokenizer(raw, layout)
 
 
 def _tekken(raw: bytes):

@@ -14,6 +14,7 @@ import torch
 from ..errors import ModelLoadError, safetensors_only_message
 from ..models.dtypes import release_device_memory
 from ..families import TextEncoderSpec
+from .encoders import encoder_kind
 from .layer_major import layer_major
 
 
@@ -49,7 +50,7 @@ def _run_encoder(model, spec: TextEncoderSpec, input_ids: torch.Tensor, mask: to
         out = model(input_ids=input_ids, attention_mask=mask, output_hidden_states=False).last_hidden_state
         return out.masked_fill(mask[..., None] == 0, 0.0)
     out = model(input_ids=input_ids, output_hidden_states=False)
-    if spec.output == "pooled":
+    if encoder_kind(spec.kind).output == "pooled":
         return out.pooler_output  # (N, D)
     return out.last_hidden_state  # (N, L, D)
 

@@ -7,8 +7,9 @@ on the LOWVRAM_MODEL edge, so the run does not identify the checkpoint again.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from ..checkpoint import CheckpointIdentity, identify
 from ..config import ModelConfig
@@ -23,23 +24,39 @@ class ModelInfo:
     config: ModelConfig
     family: str
     variant: str
-    kind: str  # "diffusers" | "single_file" | "slab"
+    kind: str  # the checkpoint's kind (engine/checkpoint/kinds): "diffusers" | "single_file" | "slab"
     identity: str  # content identity of the weights (header hashes), keys trained-result reuse
-    checkpoint: CheckpointIdentity | None = field(default=None, compare=False)
+    checkpoint: CheckpointIdentity = field(compare=False)  # what the checkpoint is, made here once: the run uses it
+
+    def to_json(self) -> dict[str, Any]:
+        """All of it as JSON, for a process that uses this identity instead of making its own (a data-parallel
+        worker)."""
+        return {"config": asdict(self.config), "family": self.family, "variant": self.variant, "kind": self.kind,
+                "identity": self.identity, "checkpoint": self.checkpoint.to_json()}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ModelInfo:
+        """What ``to_json`` wrote; nothing is read from the checkpoint."""
+        return cls(model_config_from_json(data["config"]), data["family"], data["variant"], data["kind"],
+                   data["identity"], CheckpointIdentity.from_json(data["checkpoint"]))
 
     def describe(self) -> str:
-        what = {"slab": "int8 slab", "single_file": "single file", "diffusers": "diffusers folder"}[self.kind]
-        return f"{get_family(self.family).display_name} ({self.variant}) from {what} {self.config.transformer_path}"
+        return (f"{get_family(self.family).display_name} ({self.variant}) from {self.checkpoint.form.description} "
+                f"{self.config.transformer_path}")
 
 
 def inspect_transformer(config: ModelConfig) -> ModelInfo:
     ident = identify(config.transformer_path, config.family)
-    family, variant = ident.family, ident.variant
-    if ident.kind == "slab":
-        from ..slab.load import open_slab, resolve_slab_family
+    resolved = replace(config, transformer_path=str(Path(config.transformer_path).expanduser().resolve()),
+                       family=ident.family.id)
+    return ModelInfo(resolved, ident.family.id, ident.variant, ident.kind, path_identity(ident.path), ident)
 
-        slab = open_slab(ident.path)  # quick verify: size + header against the manifest
-        family, variant = resolve_slab_family(slab, config.family), slab.variant
-    where = ident.path if ident.kind == "slab" else Path(config.transformer_path)
-    resolved = replace(config, transformer_path=str(where.resolve()), family=family.id)
-    return ModelInfo(resolved, family.id, variant, ident.kind, path_identity(ident.path), ident)
+
+def model_config_from_json(data: dict[str, Any]) -> ModelConfig:
+    """A ``ModelConfig`` from ``asdict``'s JSON (its tuple came back as a list)."""
+    return ModelConfig(**{**data, "text_encoder_files": tuple(data.get("text_encoder_files") or ())})
+
+
+def model_info(model: ModelConfig | ModelInfo) -> ModelInfo:
+    """A Load node's ``ModelInfo`` as it is; a ``ModelConfig`` (library use, tests) identified here."""
+    return model if isinstance(model, ModelInfo) else inspect_transformer(model)

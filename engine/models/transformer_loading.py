@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import CheckpointIdentity, identify, open_checkpoint
+from ..checkpoint import CheckpointIdentity, identify
 from ..families import ModelFamily
 
 
@@ -23,10 +23,4 @@ def load_transformer(
     A slab (``*.slab.safetensors`` with its manifest, see ``engine/slab``) loads with its
     block Linears as int8 ``Int8Linear`` modules; its identity's kind is "slab"."""
     ident = path if isinstance(path, CheckpointIdentity) else identify(path, family_id)
-    if ident.kind == "slab":
-        from ..slab.load import load_slab_transformer
-
-        model, family, variant = load_slab_transformer(ident.path, dtype, "cpu", family_id)
-        return model, family, ident, variant
-    model = open_checkpoint(ident).load_model(dtype)
-    return model, ident.family, ident, ident.variant
+    return ident.form.load_model(ident, dtype), ident.family, ident, ident.variant

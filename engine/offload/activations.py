@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..families.block_part import BlockPart
 from .host import ALIGN, _register, _unregister
 from .plan import Workload
 
@@ -124,8 +125,7 @@ class ActivationOffloader:
         # no gradient (``constant_outputs(*args)``: Wan's modulation vectors, handed from part to part, when the
         # time embedding is frozen); they leave marked non-differentiable, so the next part is not asked for a
         # gradient nobody uses (and compiled parts do not compute one: inductor returned it in the wrong shape).
-        constant = getattr(block, "constant_outputs", None)
-        constant = tuple(constant(*args)) if constant is not None else ()
+        constant = tuple(block.constant_outputs(*args)) if isinstance(block, BlockPart) else ()
         return _OffloadedCheckpoint.apply(self, block, (spec, is_tensor, others, constant), self._needs_grad,
                                           *tensors)
 

@@ -90,39 +90,17 @@ def lora_param_count(model: nn.Module, family, lora: LoraSettings) -> int:
 
 def footprint_before_loading(checkpoint, dtype: torch.dtype, lora: LoraSettings, family_id: str = "auto"):
     """(footprint, family, variant) of a checkpoint from its header and config alone, no weights.
-    ``checkpoint``: a ``CheckpointIdentity`` (made once per run) or a path."""
+    ``checkpoint``: a ``CheckpointIdentity`` (made once per run) or a path. The model is built on the meta device
+    as its kind of checkpoint loads it (a slab: int8 block Linears, 1 byte per weight + fp32 row scales)."""
     from ..checkpoint import CheckpointIdentity, identify
-    from ..families.base import meta_model
 
     ident = checkpoint if isinstance(checkpoint, CheckpointIdentity) else identify(checkpoint, family_id)
-    if ident.kind == "slab":
-        return _slab_footprint(ident.path, family_id, dtype, lora)
-    family, variant = ident.family, ident.variant
-    model = meta_model(family, ident.config)
-    # The parameters in ``dtype`` as the loader assigns them (meta: free); buffers stay as the model builds them,
-    # as in the loaded model (Wan's fp32 RoPE tables are not in the file and are not cast).
-    for param in model.parameters():
-        param.data = param.data.to(dtype)
-    model.requires_grad_(False)  # as loaded: only LoRA will train
-    fp = measure_footprint(model, family, f"{family.display_name} ({variant})",
-                           trainable_params=lora_param_count(model, family, lora))
-    return fp, family, variant
-
-
-def _slab_footprint(path, family_id: str, dtype: torch.dtype, lora: LoraSettings):
-    """An int8 slab: block Linears are Int8Linear (1 byte per weight + fp32 row scales), as loaded."""
-    from ..slab.layout import meta_model, swap_in_int8_linears
-    from ..slab.load import open_slab, resolve_slab_family
-
-    slab = open_slab(path, "quick")
-    family = resolve_slab_family(slab, family_id)
-    model = meta_model(family, slab.manifest["config"])
-    nn.Module.to(model, dtype=dtype)
-    model.requires_grad_(False)
-    trainable = lora_param_count(model, family, lora)  # from the float Linears' shapes, before the swap
-    swap_in_int8_linears(model, family)
-    variant = slab.variant
-    return measure_footprint(model, family, f"{family.display_name} ({variant}, int8 slab)", trainable), family, variant
+    family, variant, form = ident.family, ident.variant, ident.form
+    model = form.meta_model(ident, dtype)  # frozen, as loaded: only LoRA will train
+    trainable = lora_param_count(model, family, lora)  # from the float Linears' shapes, before a slab's swap
+    form.as_loaded(model, family)
+    label = f"{family.display_name} ({variant}{', ' + form.weights_note if form.weights_note else ''})"
+    return measure_footprint(model, family, label, trainable_params=trainable), family, variant
 
 
 def workload_for(dataset, family, variant: str, batch: int) -> Workload:
@@ -132,10 +110,10 @@ def workload_for(dataset, family, variant: str, batch: int) -> Workload:
     def tokens(it) -> int:
         w, h = it.bucket
         own = family.memory.image_tokens(w, h, variant) * family.memory.latent_frames(len(it.frames))
-        return own + sum(family.memory.image_tokens(int(cw), int(ch), variant) for cw, ch in getattr(it, "control_sizes", []))
+        return own + sum(family.memory.image_tokens(int(cw), int(ch), variant) for cw, ch in it.control_sizes)
 
     item = max(dataset.items, key=tokens)
-    (w, h), frames, controls = item.bucket, len(item.frames), len(getattr(item, "control_sizes", []))
+    (w, h), frames, controls = item.bucket, len(item.frames), len(item.control_sizes)
     label = f"{w}x{h}" + (f"x{frames}f" if frames > 1 else "") + (f"+{controls} control" if controls else "")
     return Workload(batch=batch, image_tokens=tokens(item),
                     text_tokens=default_max_sequence_length(family, variant), label=label)

@@ -217,7 +217,7 @@ def resolve_machine(device) -> Optional[Machine]:
     None off CUDA (the planner then assumes a 25 GB/s link)."""
     import torch
 
-    if getattr(device, "type", str(device)) != "cuda" or not torch.cuda.is_available():
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
         return None
     raw, source, name = raw_link_bytes_per_s(device)
     pacer = pacer_for(device)

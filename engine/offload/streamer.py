@@ -138,6 +138,8 @@ class CudaCopyEngine:
 class InlineCopyEngine:
     """Synchronous copies between CPU buffers: the same binding, scheduling and slot sizing, no CUDA (tests)."""
 
+    pacer = None  # no emulated link: copies land at once
+
     def __init__(self, hosts: dict[int, HostBlock], num_slots: int, slot_bytes: int, device: torch.device):
         self.hosts, self.device = hosts, device
         self.slots: list[Optional[torch.Tensor]] = [None] * num_slots
@@ -199,8 +201,8 @@ class OffloadHandle:
         training step, copy-engine busy and compute stall seconds (CUDA; see ``end_step``)."""
         out = {"bytes_copied": 0, "pin_seconds": round(self.pin_seconds, 2), "pinned_reused": self.pinned_reused,
                "step_copy_s": self.step_copy_s, "step_stall_s": self.step_stall_s,
-               "paced_s": round(getattr(self.engine, "pacer", None).paced_s, 3)
-               if getattr(self.engine, "pacer", None) is not None else 0.0}
+               "paced_s": round(self.engine.pacer.paced_s, 3)
+               if self.engine is not None and self.engine.pacer is not None else 0.0}
         if self.scheduler is not None:
             out.update(self.scheduler.stats.as_dict())
             out["bytes_copied"] = self.engine.bytes_copied

@@ -30,6 +30,7 @@ from pathlib import Path
 from ..callbacks import StepInfo, TrainingCallback
 from ..errors import ConfigError, LowVRAMError, WorkerError
 from ..fileio import write_json_atomic
+from ..models.inspect import ModelInfo
 from ..parallel.data_parallel import NCCL_SAFE_ENV
 
 #: Lines rank 0 prints for the launcher start with this; anything else is passed on as a log line.
@@ -81,9 +82,28 @@ def _importable_root(run_dir: Path) -> str:
     return str(link_dir)
 
 
-def train_data_parallel(model_cfg, dataset, lora, train, callback, parallel, store_args: dict, cache_dir: Path,
-                        offload=None, preloaded=None, sampling=None, sample_dir=None, preview_partner=None):
-    """Train with one process per device in ``parallel.devices``; returns rank 0's TrainedLora."""
+def run_spec(model: ModelInfo, dataset, lora, train, parallel, store_args: dict, run_dir: Path, offload=None,
+             sampling=None, sample_dir=None, preview_partner: ModelInfo | None = None) -> dict:
+    """The run as JSON, for the workers (and for torchrun on several hosts). ``model_info`` is the Load node's
+    identity of the checkpoint, which each worker uses instead of identifying it again; ``model`` is its
+    ``ModelConfig``, which is all an older spec has (the worker identifies the checkpoint then)."""
+    return {
+        "model": asdict(model.config), "model_info": model.to_json(), "dataset_manifest": str(dataset.manifest_path),
+        "lora": asdict(lora), "train": asdict(train), "offload": asdict(offload) if offload is not None else None,
+        "devices": list(parallel.devices), "budgets_gb": list(parallel.vram_budget_gb),
+        "resume": store_args, "run_dir": str(run_dir), "stop_file": str(run_dir / "STOP"),
+        "sampling": asdict(sampling) if sampling is not None else None,
+        "sample_dir": str(sample_dir) if sample_dir is not None else None,
+        "preview_partner": asdict(preview_partner.config) if preview_partner is not None else None,
+        "preview_partner_info": preview_partner.to_json() if preview_partner is not None else None,
+    }
+
+
+def train_data_parallel(model: ModelInfo, dataset, lora, train, callback, parallel, store_args: dict,
+                        cache_dir: Path, offload=None, preloaded=None, sampling=None, sample_dir=None,
+                        preview_partner: ModelInfo | None = None):
+    """Train with one process per device in ``parallel.devices``; returns rank 0's TrainedLora. ``model`` (and
+    ``preview_partner``): the Load node's, whose checkpoint identity each worker uses as it is."""
     from ..lora_io.trained import read_trained
 
     if preloaded is not None:
@@ -95,15 +115,8 @@ def train_data_parallel(model_cfg, dataset, lora, train, callback, parallel, sto
     run_root = Path(cache_dir) / "parallel"
     run_root.mkdir(parents=True, exist_ok=True)
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=run_root))
-    spec = {
-        "model": asdict(model_cfg), "dataset_manifest": str(dataset.manifest_path), "lora": asdict(lora),
-        "train": asdict(train), "offload": asdict(offload) if offload is not None else None,
-        "devices": list(parallel.devices), "budgets_gb": list(parallel.vram_budget_gb),
-        "resume": store_args, "run_dir": str(run_dir), "stop_file": str(run_dir / "STOP"),
-        "sampling": asdict(sampling) if sampling is not None else None,
-        "sample_dir": str(sample_dir) if sample_dir is not None else None,
-        "preview_partner": asdict(preview_partner) if preview_partner is not None else None,
-    }
+    spec = run_spec(model, dataset, lora, train, parallel, store_args, run_dir, offload, sampling, sample_dir,
+                    preview_partner)
     spec_path = run_dir / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=1))
     # Kept after the run: the same training under torchrun on several hosts (README, Multi-GPU).
@@ -219,7 +232,7 @@ def _dispatch(events: queue.Queue, cb: TrainingCallback, raise_errors: bool = Tr
             cb.on_progress(ev["stage"], ev["done"], ev["total"])
         elif kind == "log":
             cb.log(ev["message"])
-        elif kind == "resume" and hasattr(cb, "on_resume"):
+        elif kind == "resume":
             cb.on_resume(ev["step"], ev["total"], ev["loss"], ev["lr"])
         elif kind == "sample" and ev.get("path"):
             from PIL import Image

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..hashing import stable_hash
 from ..config import LoraSettings, TrainConfig
@@ -17,6 +18,11 @@ from ..errors import ConfigError
 from ..fileio import FileLock
 from ..version import VERSION
 from ..lora_io.trained import TrainedLora, read_trained, write_trained
+from ..models.inspect import ModelInfo
+
+if TYPE_CHECKING:
+    from ..caching import DatasetCache
+    from ..sampling import SamplingConfig
 
 REUSE_FORMAT = 1  # bump when the stored entry's layout changes
 
@@ -44,7 +50,7 @@ def store_finished(cache_dir: Path, key: str, lora: TrainedLora) -> None:
     write_trained(Path(cache_dir) / "trained", key, lora, "the finished-run cache")
 
 
-def train_or_reuse(model, dataset, lora: LoraSettings, train: TrainConfig, cache_dir: Path, callback=None,
+def train_or_reuse(model: ModelInfo, dataset, lora: LoraSettings, train: TrainConfig, cache_dir: Path, callback=None,
                    parallel=None, **train_kwargs) -> TrainedLora:
     """Return the stored result of an identical finished run, else train (and store it).
 
@@ -58,11 +64,9 @@ def train_or_reuse(model, dataset, lora: LoraSettings, train: TrainConfig, cache
     """
     world = parallel.world_size if parallel is not None else 1
     # A mixture expert's preview partner (a ModelInfo from its Load node) changes the samples only: its identity
-    # goes into what the samples were made with, not into the run's key; the loop takes its ModelConfig.
-    partner = train_kwargs.pop("preview_partner", None)
-    partner_identity = getattr(partner, "identity", None)
-    if partner is not None:
-        train_kwargs["preview_partner"] = getattr(partner, "config", partner)
+    # goes into what the samples were made with, not into the run's key; the loop takes it as it is.
+    partner: ModelInfo | None = train_kwargs.get("preview_partner")
+    partner_identity = partner.identity if partner is not None else None
     key = training_key(model.identity, dataset.dataset_hash, lora, train, world)
     found = load_finished(Path(cache_dir), key)
     if found is not None:
@@ -101,11 +105,11 @@ def _train_and_store(model, dataset, lora: LoraSettings, train: TrainConfig, cac
     if parallel is not None and parallel.mode == "data_parallel":
         from .launch import train_data_parallel
 
-        result = train_data_parallel(model.config, dataset, lora, train, callback, parallel, store_args,
+        result = train_data_parallel(model, dataset, lora, train, callback, parallel, store_args,
                                      Path(cache_dir), **train_kwargs)
     else:
         store = ResumeStore.from_args(store_args, log=callback.log if callback is not None else None)
-        result = train_lora(model.config, dataset, lora, train, callback, resume=store, split=parallel,
+        result = train_lora(model, dataset, lora, train, callback, resume=store, split=parallel,
                             **train_kwargs)
         if not result.interrupted and result.state_dict:
             store.discard()
@@ -116,13 +120,14 @@ def _train_and_store(model, dataset, lora: LoraSettings, train: TrainConfig, cac
     return result
 
 
-def samples_made_with(dataset, sampling, partner_identity: str | None = None) -> dict | None:
+def samples_made_with(dataset: DatasetCache, sampling: SamplingConfig | None,
+                      partner_identity: str | None = None) -> dict | None:
     """What a run's sample grid shows (the prompts and the sampling settings, and a mixture expert's preview
     partner: its weights' identity), or None without sampling. Not part of the run's key: samples do not change the
     trained weights."""
-    if sampling is None or not getattr(sampling, "enabled", False):
+    if sampling is None or not sampling.enabled:
         return None
-    out = {"prompts": [p for p, _ in getattr(dataset, "sample_prompts", None) or []], "config": asdict(sampling)}
+    out = {"prompts": [p for p, _ in dataset.sample_prompts], "config": asdict(sampling)}
     if partner_identity is not None:
         out["preview_partner"] = partner_identity
     return out

@@ -91,7 +91,8 @@ def _train(spec: dict, local_rank: int, events: _Events) -> int:
     import torch
 
     from ..caching.cache import open_dataset_cache
-    from ..config import LoraSettings, ModelConfig, TrainConfig
+    from ..config import LoraSettings, TrainConfig
+    from ..models.inspect import ModelInfo, model_config_from_json
     from ..offload import OffloadConfig
     from ..train.loop import train_lora
     from ..lora_io.trained import write_trained
@@ -104,8 +105,10 @@ def _train(spec: dict, local_rank: int, events: _Events) -> int:
         torch.cuda.set_device(device)
     ranks = init_from_env(device)
     try:
-        model = spec["model"]
-        model_cfg = ModelConfig(**{**model, "text_encoder_files": tuple(model.get("text_encoder_files") or ())})
+        # The Load node's identity of the checkpoint, used as it is (a spec written before it was passed: the
+        # ModelConfig alone, identified in train_lora).
+        info = spec.get("model_info")
+        model = ModelInfo.from_json(info) if info else model_config_from_json(spec["model"])
         offload = spec["offload"]
         offload = OffloadConfig(**offload) if offload is not None else None
         budgets = spec.get("budgets_gb") or []
@@ -118,9 +121,11 @@ def _train(spec: dict, local_rank: int, events: _Events) -> int:
 
             sampling = SamplingConfig(**spec["sampling"])
         partner = spec.get("preview_partner")  # a mixture expert's partner, for rank 0's previews
-        if partner is not None:
-            partner = ModelConfig(**{**partner, "text_encoder_files": tuple(partner.get("text_encoder_files") or ())})
-        result = train_lora(model_cfg, open_dataset_cache(spec["dataset_manifest"]), LoraSettings(**spec["lora"]),
+        if spec.get("preview_partner_info"):
+            partner = ModelInfo.from_json(spec["preview_partner_info"])
+        elif partner is not None:
+            partner = model_config_from_json(partner)
+        result = train_lora(model, open_dataset_cache(spec["dataset_manifest"]), LoraSettings(**spec["lora"]),
                             TrainConfig(**{**spec["train"], "device": str(device)}), events, offload=offload,
                             resume=store, ranks=ranks, sampling=sampling, sample_dir=spec.get("sample_dir"),
                             preview_partner=partner)

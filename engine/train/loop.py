@@ -21,12 +21,13 @@ import torch
 from ..attention import training_attention
 from ..caching import DatasetCache
 from ..callbacks import StepInfo, TrainingCallback
-from ..checkpoint import identify
+from ..checkpoint import CheckpointIdentity, identify
 from ..config import LoraSettings, ModelConfig, TrainConfig
 from ..errors import ConfigError, StorageError, TrainingDivergedError
 from ..families import predict_velocity
 from ..models import load_transformer, resolve_dtype
 from ..models.dtypes import release_device_memory
+from ..models.inspect import ModelInfo
 from ..offload import OffloadConfig
 from .batching import bucket_batches, micro_generator
 from .flow_matching import noisy_latents_and_target, sample_sigmas
@@ -60,7 +61,7 @@ def _load_batch(dataset: DatasetCache, batch, device, dtype, rng: torch.Generato
 
 
 def train_lora(
-    model_cfg: ModelConfig,
+    model_cfg: ModelConfig | ModelInfo,
     dataset: DatasetCache,
     lora: LoraSettings,
     train: TrainConfig,
@@ -72,9 +73,11 @@ def train_lora(
     ranks=None,
     sampling=None,
     sample_dir=None,
-    preview_partner: ModelConfig | None = None,
+    preview_partner: ModelConfig | ModelInfo | None = None,
 ) -> TrainedLora:
-    """Train a LoRA on ``dataset`` and return its weights. ``preloaded`` = (model,
+    """Train a LoRA on ``dataset`` and return its weights. ``model_cfg``: the Load node's ``ModelInfo``, whose
+    checkpoint identity the run uses as it is (never identified again), or a ``ModelConfig`` (identified here,
+    once). ``preloaded`` = (model,
     family, variant) skips loading (benchmarks build a random full-size model).
     ``offload``: None or mode='resident' keeps every weight on the device (as before);
     'stream' / 'auto' stream blocks through the GPU (CUDA only). A preloaded model is
@@ -87,18 +90,22 @@ def train_lora(
     rank 0 saves training states.
     ``sampling`` (engine/sampling.SamplingConfig): sample the dataset's sample prompts at checkpoints,
     grids written to ``sample_dir`` (rank 0 only); the time is kept out of the step times.
-    ``preview_partner``: for one expert of a mixture (Wan 2.2 A14B), the other expert's checkpoint, which previews
-    switch to at the boundary (engine/train/preview_partner.py); without it such an expert draws no samples.
+    ``preview_partner``: for one expert of a mixture (Wan 2.2 A14B), the other expert's checkpoint (its Load node's
+    ``ModelInfo``, or a ``ModelConfig``), which previews switch to at the boundary (engine/train/preview_partner.py);
+    without it such an expert draws no samples.
 
     Runs with autograd on even when called under ``torch.inference_mode()`` (ComfyUI
     runs every node that way); the returned weights are ordinary tensors."""
+    identity = None
+    if isinstance(model_cfg, ModelInfo):
+        model_cfg, identity = model_cfg.config, model_cfg.checkpoint
     with autograd_enabled():
-        return _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, resume, split, ranks,
-                           sampling, sample_dir, preview_partner)
+        return _train_lora(model_cfg, identity, dataset, lora, train, callback, preloaded, offload, resume, split,
+                           ranks, sampling, sample_dir, preview_partner)
 
 
-def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, resume, split, ranks, sampling,
-                sample_dir, preview_partner=None) -> TrainedLora:
+def _train_lora(model_cfg, identity, dataset, lora, train, callback, preloaded, offload, resume, split, ranks,
+                sampling, sample_dir, preview_partner=None) -> TrainedLora:
     """The run as named phases; each is a function below, in this order."""
     from ..parallel.data_parallel import Ranks
 
@@ -111,7 +118,7 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
     placement = choose_placement(offload, split, device, cb)
     run = _Run(cb=cb, ranks=ranks or Ranks(), dataset=dataset, train=train, resume=resume, placement=placement,
                dtype=dtype, held_before=held_before)
-    _load_model(run, model_cfg, lora, preloaded)
+    _load_model(run, model_cfg, identity, lora, preloaded)
     run.result = _new_result(run, model_cfg, lora)
     _prepare_model(run)
     try:  # from the placement on, whatever happens, _finish takes the LoRA out and undoes every phase
@@ -179,14 +186,13 @@ def _check_settings(train: TrainConfig, offload: OffloadConfig | None, device: t
     _check_int8_compute(offload, device)
 
 
-def _load_model(run: _Run, model_cfg, lora, preloaded) -> None:
+def _load_model(run: _Run, model_cfg, identity: CheckpointIdentity | None, lora, preloaded) -> None:
     """The preloaded (model, family, variant), or the checkpoint's, loaded after the dataset cache and the
-    plan are checked against its header (identified once, memoized per file state: the Load node's identity
-    is this one)."""
+    plan are checked against its header. ``identity``: the Load node's, used as it is; without one (a
+    ``ModelConfig`` was given) the checkpoint is identified here, once."""
     if preloaded is None:
-        ident = identify(model_cfg.transformer_path, model_cfg.family)
-        if ident.family is not None:
-            run.dataset.check_fits(ident.family, ident.config)
+        ident = identity if identity is not None else identify(model_cfg.transformer_path, model_cfg.family)
+        run.dataset.check_fits(ident.family, ident.config)
         run.placement.plan_before_loading(ident, model_cfg.family, run.dataset, lora, run.train, run.dtype)
         run.model, run.family, _, run.variant = load_transformer(ident, model_cfg.family, run.dtype)
     else:
@@ -282,9 +288,8 @@ def _resume(run: _Run) -> None:
         run.result.loss_history[:] = loaded.info["loss_history"]
         run.result.lr_history[:] = loaded.info["lr_history"]
         run.cb.log(f"resuming from step {loaded.step}/{run.train.steps} (state saved in '{loaded.path.parent}')")
-        on_resume = getattr(run.cb, "on_resume", None)  # duck-typed callbacks may lack it
-        if on_resume is not None:  # the node's chart goes on from the steps before, not empty
-            on_resume(loaded.step, run.train.steps, list(run.result.loss_history), list(run.result.lr_history))
+        # the node's chart goes on from the steps before, not empty
+        run.cb.on_resume(loaded.step, run.train.steps, list(run.result.loss_history), list(run.result.lr_history))
     run.snapshot = RngSnapshot.take(run.first - 1, run.drawn)
 
 

@@ -184,8 +184,11 @@ class Placement(ABC):
             self.handle.end_step()
             if step <= 2:  # step 2: steady state, the AdamW moments exist during backward
                 callback.log(self.handle.peak_report(step))
-        stalls = getattr(self.handle, "step_stall_s", None)
-        return stalls[-1] if stalls else 0.0
+        return self.last_stall_s()
+
+    def last_stall_s(self) -> float:
+        """The last step's compute stall on copies (s): none where nothing streams."""
+        return 0.0
 
     def record_peaks(self, settings: dict) -> None:
         """After the last step: per-device peaks where there is more than one device."""
@@ -272,6 +275,10 @@ class Streamed(Placement):
 
     def plans(self):
         return (self.handle.plan,) if self.handle is not None else ()
+
+    def last_stall_s(self) -> float:
+        stalls = self.handle.step_stall_s if self.handle is not None else []
+        return stalls[-1] if stalls else 0.0
 
     def compile_budget(self):
         return self.handle.plan.activation_memory_budget  # auto may have lowered it

@@ -1,6 +1,6 @@
 """The other expert of a mixture, for previews of one expert (Wan 2.2 T2V-A14B: the high- and low-noise models).
 
-A preview of one expert needs both (``NoiseSchedule.preview_partner``): the high-noise expert denoises sigma >= the
+A preview of one expert needs both (``ModelFamily.preview_partner``): the high-noise expert denoises sigma >= the
 boundary, the low-noise one below, as WanPipeline does with ``transformer`` and ``transformer_2``. The run trains
 one of them; the partner is the other's frozen base weights, from the checkpoint connected to Train LoRA's
 ``preview_partner`` input, without LoRA (a LoRA the other chain trained is not known to this run).
@@ -26,6 +26,8 @@ import torch
 from ..config import LoraSettings, ModelConfig
 from ..errors import ConfigError
 from ..models.dtypes import release_device_memory
+from ..models.inspect import ModelInfo, model_info
+from ..offload import OffloadConfig
 from ..sampling import PartnerExpert
 
 GB = 1e9
@@ -41,12 +43,10 @@ class PreviewPartner:
     #: Tests: stream on the CPU through this copy engine (``apply_offload``'s ``_engine_factory``), with a plan.
     _engine_factory = None
 
-    def __init__(self, cfg: ModelConfig, family, trained_variant: str, device: torch.device, dtype: torch.dtype,
-                 offload, cb):
-        from ..models.inspect import inspect_transformer
-
+    def __init__(self, cfg: ModelConfig | ModelInfo, family, trained_variant: str, device: torch.device,
+                 dtype: torch.dtype, offload: OffloadConfig | None, cb):
         wanted, self.boundary = family.schedule.preview_partner(trained_variant)
-        info = inspect_transformer(cfg)
+        info = model_info(cfg)  # its Load node's identity as it is; a ModelConfig identified here
         if info.family != family.id or info.variant != wanted:
             raise ConfigError(
                 f"preview_partner is {info.describe()}, but previews of {trained_variant} need {wanted} (the other "
@@ -68,16 +68,20 @@ class PreviewPartner:
         """The forward-only streaming plan, from the checkpoint's header (nothing loaded): every block streamed
         through two slots (prefetch 1: the least VRAM), activation offload off (no backward), no LoRA. The
         plan's workload only sizes its activation estimate, which is not used: ``rows_bytes`` is its weights."""
-        from ..offload import OffloadConfig
         from ..offload.footprint import footprint_before_loading
         from ..offload.plan import Workload, make_plan
 
-        fp, _, _ = footprint_before_loading(self.info.checkpoint or self.cfg.transformer_path, self.dtype,
+        fp, _, _ = footprint_before_loading(self.info.checkpoint, self.dtype,
                                             LoraSettings(rank=1, alpha=1.0), self.family.id)
         fp.trainable_params = 0
         cfg = OffloadConfig(mode="stream", resident_blocks=0, prefetch_depth=1, activation_offload=False,
-                            int8_compute=getattr(self.offload, "int8_compute", "dequant"))
+                            int8_compute=self.int8_compute)
         return cfg, make_plan(fp, Workload(batch=1, image_tokens=1, text_tokens=0), cfg)
+
+    @property
+    def int8_compute(self) -> str:
+        """How the partner's int8 slab layers multiply: as the run's own (the default without an OffloadConfig)."""
+        return self.offload.int8_compute if self.offload is not None else OffloadConfig().int8_compute
 
     def rows_bytes(self) -> int:
         """What the partner holds on the GPU while it samples (its weights outside the blocks and the fullest
@@ -92,9 +96,9 @@ class PreviewPartner:
         from ..slab.int8_linear import set_int8_compute
 
         t0 = time.perf_counter()
-        model, _, _, _ = load_transformer(self.cfg.transformer_path, self.family.id, self.dtype)
+        model, _, _, _ = load_transformer(self.info.checkpoint, self.family.id, self.dtype)
         model.requires_grad_(False).eval()
-        set_int8_compute(model, getattr(self.offload, "int8_compute", "dequant"))
+        set_int8_compute(model, self.int8_compute)
         size = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
         if self.keep is None:
             rss, ram = host_rss_bytes(), physical_ram_bytes()

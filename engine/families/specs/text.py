@@ -74,7 +74,7 @@ class TextEncoderSpec:
 
     subfolder: str  # "text_encoder_2"
     tokenizer_subfolder: str  # "tokenizer_2"
-    kind: str  # "clip_pooled" | "t5" | "umt5" | "decoder_lm"
+    kind: str  # a text-encoder kind (engine/caching/encoders/): "clip_pooled" | "t5" | "umt5" | "decoder_lm" | ...
     max_length: int
     cache_key: str  # name of the tensor in the cache ("pooled_prompt_embeds")
     hidden_layers: tuple[int, ...] = ()  # decoder_lm: k = the output of k decoder layers (0 = embeddings)
@@ -93,11 +93,6 @@ class TextEncoderSpec:
     #: The prompt carries the sample's control images through the encoder's vision tower (Qwen-Image-Edit): such a
     #: caption is encoded with its images by the family's own multimodal encoder, not by text alone.
     control_images: bool = False
-
-    @property
-    def output(self) -> str:
-        """What one caption becomes: one vector, one per token, or stacked hidden states per token."""
-        return {"clip_pooled": "pooled", "t5": "sequence", "umt5": "sequence", "decoder_lm": "stacked"}[self.kind]
 
     @property
     def mask_key(self) -> str:

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..block_part import BlockPart
+
 
 def modulation(table: torch.Tensor, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The six fp32 modulation vectors of a block, as diffusers splits ``scale_shift_table + temb``: (B, 1, D) each
@@ -30,7 +32,7 @@ def modulation(table: torch.Tensor, temb: torch.Tensor) -> tuple[torch.Tensor, .
     return (table + temb.float()).chunk(6, dim=1)
 
 
-class SelfAttention(nn.Module):
+class SelfAttention(BlockPart):
     """Modulation, the modulated ``norm1``, self-attention with RoPE and its gated residual. Returns the inputs of
     ``CrossAttention``: (hidden_states, encoder_hidden_states, c_shift_msa, c_scale_msa, c_gate_msa)."""
 
@@ -54,7 +56,7 @@ class SelfAttention(nn.Module):
                 c_shift_msa.contiguous(), c_scale_msa.contiguous(), c_gate_msa.contiguous())
 
 
-class CrossAttention(nn.Module):
+class CrossAttention(BlockPart):
     """``norm2``, cross-attention to the text and the residual. Returns the inputs of ``FeedForward``."""
 
     def __init__(self, block: nn.Module):
@@ -72,7 +74,7 @@ class CrossAttention(nn.Module):
         return hidden_states, c_shift_msa, c_scale_msa, c_gate_msa
 
 
-class FeedForward(nn.Module):
+class FeedForward(BlockPart):
     """The modulated ``norm3``, the feed-forward and its gated residual: what the block returns."""
 
     def __init__(self, block: nn.Module):
