@@ -19,6 +19,11 @@ startup line names the installed frontend and says when it lies outside that ran
   absolute paths, no symlink escape); request bodies are limited to ``MAX_BODY_BYTES``; a malformed body or
   query gets HTTP 400 with a message, never a traceback.
 - Workflows saved in the editor's sidebar persist under ``<output>/../user/default/workflows``.
+
+Where the parts are: ``PromptHost`` (here) holds the websocket clients, the nodes' progress hooks and the worker
+thread; ``prompt_queue.PromptQueue`` the queue and history, behind its own lock; ``routes/`` the route groups
+(editor, userdata, queue, info), which ``build_app`` registers; ``serve_api`` the limits and request checks they
+share.
 """
 from __future__ import annotations
 

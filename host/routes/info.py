@@ -5,8 +5,16 @@ from __future__ import annotations
 import os
 import sys
 
+from aiohttp import web
+
 from ..object_info import object_info
 from ..serve_api import FEATURE_FLAGS, MIN_FRONTEND_VERSION, Routes
+
+#: Routes whose answer never changes: ComfyUI fills them from its own models, embeddings and translations.
+FIXED = (("/embeddings", []), ("/models", []), ("/experiment/models", []), ("/i18n", {}), ("/features", FEATURE_FLAGS),
+         ("/models/{folder}", []),
+         ("/global_subgraphs", {}),  # ComfyUI lists custom nodes' and its blueprints' subgraphs; we have none
+         ("/global_subgraphs/{id}", None))  # ComfyUI's answer for an id it does not know
 
 
 class InfoRoutes:
@@ -14,45 +22,28 @@ class InfoRoutes:
         self.mappings, self.display = mappings, display
 
     def register(self, routes: Routes) -> None:
-        from aiohttp import web
-
-        mappings, display = self.mappings, self.display
-
-        @routes.both("GET", "/object_info")
-        async def get_object_info(request):
-            return web.json_response(object_info(mappings, display))
-
-        @routes.both("GET", "/object_info/{node_class}")
-        async def get_one_node(request):
-            info = object_info(mappings, display)
-            name = request.match_info["node_class"]
-            return web.json_response({name: info[name]} if name in info else {})
-
-        @routes.both("GET", "/system_stats")
-        async def system_stats(request):
-            return web.json_response(system_stats_reply())
-
-        for path, value in (("/embeddings", []), ("/models", []), ("/experiment/models", []), ("/i18n", {}),
-                            ("/features", FEATURE_FLAGS)):
+        routes.both("GET", "/object_info")(self.get_object_info)
+        routes.both("GET", "/object_info/{node_class}")(self.get_one_node)
+        routes.both("GET", "/system_stats")(self.system_stats)
+        for path, value in FIXED:
             async def fixed(request, value=value):
                 return web.json_response(value)
             routes.both("GET", path)(fixed)
+        routes.both("POST", "/free")(self.free)
 
-        @routes.both("GET", "/models/{folder}")
-        async def models_in(request):
-            return web.json_response([])
+    async def get_object_info(self, request):
+        return web.json_response(object_info(self.mappings, self.display))
 
-        @routes.both("GET", "/global_subgraphs")
-        async def global_subgraphs(request):
-            return web.json_response({})  # ComfyUI lists custom nodes' and its blueprints' subgraphs; we have none
+    async def get_one_node(self, request):
+        info = object_info(self.mappings, self.display)
+        name = request.match_info["node_class"]
+        return web.json_response({name: info[name]} if name in info else {})
 
-        @routes.both("GET", "/global_subgraphs/{id}")
-        async def global_subgraph(request):
-            return web.json_response(None)  # ComfyUI's answer for an id it does not know
+    async def system_stats(self, request):
+        return web.json_response(system_stats_reply())
 
-        @routes.both("POST", "/free")
-        async def free(request):
-            return web.Response(status=200)
+    async def free(self, request):
+        return web.Response(status=200)  # ComfyUI unloads its models here; the editor only needs the 200
 
 
 def system_stats_reply() -> dict:
