@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
+from ..config import field_help
 from ..errors import ConfigError
 
 
@@ -55,7 +56,4 @@ class SamplingConfig:
 
 
 def help_text(name: str) -> str:
-    for f in fields(SamplingConfig):
-        if f.name == name:
-            return f.metadata["help"]
-    raise KeyError(name)
+    return field_help(SamplingConfig, name)
