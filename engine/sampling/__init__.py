@@ -40,7 +40,7 @@ from .clips import clip_paths, load_clip, save_clip, saved_clips
 from .config import SamplingConfig, help_text
 from .decode import decode_latents
 from .denoise import sample_latents, sample_prompts
-from .grid import PROMPT_BAND, STRIP, _fit_text, grid_image, strip_frames
+from .grid import PROMPT_BAND, STRIP, _fit_text, grid_image, strip_frames  # noqa: F401  (_fit_text: tests)
 from .partner import PREVIEW_PARTNER_HELP, PartnerExpert, preview_blocker
 from .rows import batch_rows, merge_embeds
 from .sampler import Sampler
