@@ -185,17 +185,18 @@ def build_dataset_cache(
     model takes), keys, text entries, latent entries, manifest."""
     cb = callback or TrainingCallback()
     cache_dir = Path(cache_dir)
-    models = open_models(model_cfg, device)
+    models = open_models(model_cfg, device)  # sources
     source = record_source(models, data_cfg, video, control_dirs)
-    records = source.scan(cb.log)
-    keys = cache_keys(models, max_sequence_length)
+    records = source.scan(cb.log)  # records: files and captions, before any model loads
+    keys = cache_keys(models, max_sequence_length)  # keys
     buckets = make_buckets(data_cfg.resolution, data_cfg.bucket_step, data_cfg.max_aspect)
     items = source.items(records, buckets, keys, data_cfg.flip)
-    samples = source.samples(list(dict.fromkeys(p.strip() for p in sample_prompts if p.strip())), records, keys)
+    lines = list(dict.fromkeys(p.strip() for p in sample_prompts if p.strip()))  # blank lines out, repeats once
+    samples = source.samples(lines, records, keys)
     stats = {"text_built": 0, "text_reused": 0, "latents_built": 0, "latents_reused": 0}
-    source.build_text(cache_dir, models, keys, items, samples, cb, stats)
+    source.build_text(cache_dir, models, keys, items, samples, cb, stats)  # text entries
     build_latents(cache_dir, models.family, items, data_cfg.flip, models.device, models.dtype, cb, stats,
-                  models.load_vae, models.variant)
+                  models.load_vae, models.variant)  # latent entries
     cache = _write_manifest(cache_dir, models, data_cfg, video, keys, items, samples, stats)
     cb.log(f"dataset cache {cache.dataset_hash}: {len(items)} {source.label}; text {stats['text_built']} built / "
            f"{stats['text_reused']} reused; latents {stats['latents_built']} built / {stats['latents_reused']} reused")
