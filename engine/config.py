@@ -1,15 +1,27 @@
 """Plain configuration dataclasses for the engine.
 
 Nodes and the CLI translate their widgets into these; the engine never sees a graph.
-Each default is the one a first-time user should keep, with the reason beside it.
+Each default is the one a first-time user should keep, with the reason beside it. A field a user sets carries its
+help text once, in ``field(metadata={"help": ...})``; the nodes' tooltips read it (``field_help``).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from .errors import ConfigError
+
+
+def field_help(config_cls, name: str, extra: str = "") -> str:
+    """The help text of one field of a config dataclass (``metadata["help"]``), with ``extra`` after it (what a
+    node's widget adds: its own stand-in values, where it looks a path up)."""
+    for f in fields(config_cls):
+        if f.name == name:
+            if "help" not in f.metadata:
+                raise KeyError(f"{config_cls.__name__}.{name} has no help text; give it field(metadata={{'help': ...}})")
+            return f.metadata["help"] + (" " + extra if extra else "")
+    raise KeyError(f"{config_cls.__name__} has no field {name!r}")
 
 
 def _require_finite(obj, names: tuple[str, ...]) -> None:
@@ -51,22 +63,34 @@ class ModelConfig:
 class DataConfig:
     """A folder of images with same-stem .txt captions."""
 
-    path: str = ""
-    # Target side length; buckets keep about resolution**2 pixels at other aspect ratios.
-    resolution: int = 1024
-    # Prepended to every caption ("ohwx, a photo of ..."), so the LoRA learns a handle.
-    trigger_word: str = ""
-    # Used for images with no .txt; None makes a missing caption an error (safer).
-    default_caption: Optional[str] = None
-    # How many times each image appears per epoch (balances small datasets).
-    repeats: int = 1
-    # Bucket sides are multiples of this (VAE /8 then 2x2 packing needs 16; 64 is safer).
-    bucket_step: int = 64
-    # Widest aspect ratio a bucket may have (long side / short side).
-    max_aspect: float = 2.0
-    # Also cache a horizontally flipped latent and pick one of the two at random.
-    flip: bool = False
-    caption_extension: str = ".txt"
+    path: str = field(default="", metadata={"help": (
+        "Folder of images (png/jpg/webp; for Wan also clips: mp4/webm/mov/gif/webp or folders of frames) with "
+        "same-name .txt captions."
+    )})
+    resolution: int = field(default=1024, metadata={"help": (
+        "Training resolution. Images go to aspect-ratio buckets of about this many pixels squared. 1024 is Flux's "
+        "native size; 512 trains ~3x faster."
+    )})
+    trigger_word: str = field(default="", metadata={"help": (
+        "Prepended to every caption, e.g. 'ohwx', so the LoRA learns a handle. Use it in prompts to call the LoRA."
+    )})
+    default_caption: Optional[str] = field(default=None, metadata={"help": (
+        "Caption for images without a .txt file. Empty: such images are an error listing them (safer than "
+        "training on a missing caption)."
+    )})
+    repeats: int = field(default=1, metadata={"help": (
+        "How often each image appears per epoch; balances several datasets."
+    )})
+    bucket_step: int = field(default=64, metadata={"help": (
+        "Bucket sides are multiples of this: the VAE's /8 then 2x2 packing needs 16; 64 is safer."
+    )})
+    max_aspect: float = field(default=2.0, metadata={"help": (
+        "Widest aspect ratio a bucket may have (long side / short side)."
+    )})
+    flip: bool = field(default=False, metadata={"help": (
+        "Also cache mirrored images and use one at random. Off for text, logos, faces with asymmetric features."
+    )})
+    caption_extension: str = field(default=".txt", metadata={"help": "The extension of the caption files."})
 
     def __post_init__(self) -> None:
         if self.resolution < 64 or self.resolution % 16:
@@ -83,12 +107,16 @@ class DataConfig:
 class LoraSettings:
     """Shape of the adapter."""
 
-    rank: int = 16
-    # Scale = alpha / rank. alpha == rank gives scale 1, which every loader agrees on.
-    alpha: float = 16.0
-    dropout: float = 0.0
-    # "default" = the family's attention + projection set; or explicit module names.
-    target_modules: Optional[list[str]] = None
+    rank: int = field(default=16, metadata={"help": (
+        "LoRA rank: capacity and file size. 16 suits most subjects; 32-64 for styles."
+    )})
+    alpha: float = field(default=16.0, metadata={"help": (
+        "LoRA alpha; the update is scaled by alpha/rank. Equal to rank = scale 1, which every loader agrees on."
+    )})
+    dropout: float = field(default=0.0, metadata={"help": "peft's lora_dropout (on the LoRA's input); 0 = none."})
+    target_modules: Optional[list[str]] = field(default=None, metadata={"help": (
+        "Module names the LoRA attaches to; None = the family's attention and projection set."
+    )})
 
     def __post_init__(self) -> None:
         _require_finite(self, ("alpha", "dropout"))
@@ -108,29 +136,48 @@ INT8_COMPUTE_MODES = ("dequant", "w8a8", "fp8")
 class TrainConfig:
     """The optimisation loop."""
 
-    steps: int = 1000
-    learning_rate: float = 1e-4
-    batch_size: int = 1
-    gradient_accumulation: int = 1
-    lr_scheduler: str = "constant"  # constant | cosine
-    warmup_steps: int = 0
-    max_grad_norm: float = 1.0  # 0 disables clipping
-    weight_decay: float = 0.0
-    seed: int = 42
-    # Flux.1-dev is guidance-distilled; training at guidance 1.0 is the common recipe.
-    guidance: float = 1.0
-    # Logit-normal timestep sampling (SD3/Flux), then Flux's resolution-dependent shift.
-    timestep_mean: float = 0.0
-    timestep_std: float = 1.0
-    shift_timesteps: bool = True
-    device: str = "auto"  # auto -> cuda if available, else cpu
-    # adamw: fp32 moments (8 bytes per LoRA weight). adamw8bit: torchao's 8-bit moments
-    # (2 bytes): 0.28 GB less VRAM for Flux.1 r16 but ~0.5 s/step slower (its per-tensor
-    # step over ~1000 LoRA tensors, H100); CUDA only.
-    optimizer: str = "adamw"
-    # Write a resumable state every N steps (0: about 10 per run, see train/resume.py;
-    # -1: never). Does not change the result, so it is not part of the run's identity.
-    save_every: int = 0
+    steps: int = field(default=1000, metadata={"help": "Optimizer steps. 500-2000 is typical for a subject or style."})
+    learning_rate: float = field(default=1e-4, metadata={"help": (
+        "AdamW learning rate. 1e-4 is a safe start for Flux LoRAs."
+    )})
+    batch_size: int = field(default=1, metadata={"help": (
+        "Images per micro-batch (same aspect bucket). More uses more VRAM."
+    )})
+    gradient_accumulation: int = field(default=1, metadata={"help": (
+        "Micro-batches per optimizer step: a larger effective batch without more VRAM."
+    )})
+    lr_scheduler: str = field(default="constant", metadata={"help": (
+        "constant: flat after warmup; cosine: decays to 0."
+    )})
+    warmup_steps: int = field(default=0, metadata={"help": "Steps of linear learning-rate warmup at the start."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping; 0 disables it."})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay of the LoRA weights."})
+    seed: int = field(default=42, metadata={"help": (
+        "Seeds LoRA init, noise, timesteps and data order: same seed, same run."
+    )})
+    guidance: float = field(default=1.0, metadata={"help": (
+        "Guidance value fed to guidance-distilled models (Flux.1-dev, Flux.2-dev) while training; 1.0 is the usual "
+        "recipe. Ignored by models without a guidance embedding (schnell, Flux.2 klein)."
+    )})
+    timestep_mean: float = field(default=0.0, metadata={"help": (
+        "Mean of the logit-normal timestep sampling (SD3/Flux), before the family's resolution-dependent shift."
+    )})
+    timestep_std: float = field(default=1.0, metadata={"help": "Standard deviation of the logit-normal timesteps."})
+    shift_timesteps: bool = field(default=True, metadata={"help": (
+        "Apply the family's resolution-dependent shift (Flux's mu) to the sampled timesteps."
+    )})
+    device: str = field(default="auto", metadata={"help": "auto: cuda if available, else cpu."})
+    optimizer: str = field(default="adamw", metadata={"help": (
+        "adamw: fp32 optimizer state (16 bytes per LoRA weight with its gradient); fastest. adamw8bit: torchao's "
+        "8-bit moments (~10 bytes): 0.28 GB less VRAM for a Flux.1 r16 LoRA at the same speed (one step over all "
+        "LoRA weights at once: 0.98x adamw's step time, H100, 1024). Its first step compiles for a few seconds. "
+        "CUDA only."
+    )})
+    save_every: int = field(default=0, metadata={"help": (
+        "Save a resumable training state every N steps (0: about 10 per run, at most every 250 steps; -1: never). "
+        "Stopping (Cancel, Ctrl-C) also saves one, and running the same graph again resumes from the latest. Does "
+        "not change the result, so it is not part of the run's identity."
+    )})
 
     def __post_init__(self) -> None:
         _require_finite(self, ("learning_rate", "max_grad_norm", "weight_decay", "guidance",

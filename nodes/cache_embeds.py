@@ -15,9 +15,10 @@ NONE = "(none)"
 
 
 def _video_help(name: str) -> str:
-    from ..engine.data.video_config import help_text
+    from ..engine.config import field_help
+    from ..engine.data.video_config import VideoConfig
 
-    return "Video families (Wan) only. " + help_text(name)
+    return "Video families (Wan) only. " + field_help(VideoConfig, name)
 
 
 def _frame_counts(text: str) -> tuple[int, ...]:
@@ -56,6 +57,11 @@ DESCRIPTION = (
 class LowVRAMCacheTextEmbeds(io.Node):
     @classmethod
     def define_schema(cls) -> io.Schema:
+        from ..engine.config import DataConfig, field_help
+
+        def data(name: str, extra: str = "") -> str:
+            return field_help(DataConfig, name, extra)
+
         return io.Schema(
             node_id="LowVRAMCacheTextEmbeds", display_name="Cache Text Embeds", category=CATEGORY,
             description=DESCRIPTION, hidden=["unique_id"],
@@ -69,23 +75,19 @@ class LowVRAMCacheTextEmbeds(io.Node):
                                  "checkpoint is itself a pipeline folder. '(single files below)' uses the "
                                  "text_encoder_1/2 and vae_file inputs instead."),
                 io.String("dataset_path", default="",
-                          tooltip="Folder of images (png/jpg/webp; for Wan also clips: mp4/webm/mov/gif/webp or "
-                                  "folders of frames) with same-name .txt captions. A relative path (e.g. "
-                                  "my_subject) is looked up in ComfyUI's input folder (input/my_subject), then in "
-                                  "the working directory; an absolute path is used as given."),
+                          tooltip=data("path", "A relative path (e.g. my_subject) is looked up in ComfyUI's input "
+                                               "folder (input/my_subject), then in the working directory; an "
+                                               "absolute path is used as given.")),
                 io.Int("resolution", default=1024, min=64, max=4096, step=64,
-                       tooltip="Training resolution. Images go to aspect-ratio buckets of about this many pixels "
-                               "squared. 1024 is Flux's native size; 512 trains ~3x faster."),
+                       tooltip=data("resolution")),
                 io.String("trigger_word", default="",
-                          tooltip="Prepended to every caption, e.g. 'ohwx'. Use it in prompts to call the LoRA."),
+                          tooltip=data("trigger_word")),
                 io.String("default_caption", default="",
-                          tooltip="Caption for images without a .txt file. Empty: such images are an error listing "
-                                  "them."),
+                          tooltip=data("default_caption")),
                 io.Int("repeats", default=1, min=1, max=1000,
-                       tooltip="How often each image appears per epoch; balances several datasets."),
+                       tooltip=data("repeats")),
                 io.Boolean("flip", default=False,
-                           tooltip="Also cache mirrored images and use one at random. Off for text, logos, faces "
-                                   "with asymmetric features."),
+                           tooltip=data("flip")),
                 io.Int("max_sequence_length", default=0, min=0, max=512,
                        tooltip="Text tokens kept per caption (by the sequence encoder: T5, or the LLM). 0 = the "
                                "model's own default (its pipeline's). Shorter is faster if captions are short."),

@@ -11,9 +11,10 @@ from .load_model import CATEGORY
 
 
 def _help(name: str, extra: str = "") -> str:
-    from ..engine.parallel.config import help_text  # torch-free module
+    from ..engine.config import field_help
+    from ..engine.parallel.config import ParallelConfig  # torch-free module
 
-    return help_text(name) + (" " + extra if extra else "")
+    return field_help(ParallelConfig, name, extra)
 
 
 DESCRIPTION = (

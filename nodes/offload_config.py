@@ -11,9 +11,10 @@ from .load_model import CATEGORY
 
 
 def _help(name: str, extra: str = "") -> str:
-    from ..engine.offload.config import help_text  # torch-free module
+    from ..engine.config import field_help
+    from ..engine.offload.config import OffloadConfig  # torch-free module
 
-    return help_text(name) + (" " + extra if extra else "")
+    return field_help(OffloadConfig, name, extra)
 
 
 DESCRIPTION = (

@@ -19,6 +19,11 @@ DESCRIPTION = (
 class LowVRAMTrainLoRA(io.Node):
     @classmethod
     def define_schema(cls) -> io.Schema:
+        from ..engine.config import OPTIMIZERS, LoraSettings, TrainConfig, field_help
+
+        def train(name: str, extra: str = "") -> str:
+            return field_help(TrainConfig, name, extra)
+
         return io.Schema(
             node_id="LowVRAMTrainLoRA", display_name="Train LoRA (LowVRAM)",  # ComfyUI has a built-in "Train LoRA"
             category=CATEGORY, description=DESCRIPTION, hidden=["unique_id"],
@@ -33,42 +38,33 @@ class LowVRAMTrainLoRA(io.Node):
                 io.Custom("LOWVRAM_DATASET", "dataset", tooltip="The cached dataset from Cache Text Embeds."),
                 io.Custom("LOWVRAM_OFFLOAD", "offload", tooltip="Memory settings from Offload Config."),
                 io.Int("steps", default=1000, min=1, max=1_000_000,
-                       tooltip="Optimizer steps. 500-2000 is typical for a subject or style."),
+                       tooltip=train("steps")),
                 io.Float("learning_rate", default=1e-4, min=1e-6, max=1.0, step=1e-6, round=False,
-                         tooltip="AdamW learning rate. 1e-4 is a safe start for Flux LoRAs."),
+                         tooltip=train("learning_rate")),
                 io.Int("rank", default=16, min=1, max=256,
-                       tooltip="LoRA rank: capacity and file size. 16 suits most subjects; 32-64 for styles."),
+                       tooltip=field_help(LoraSettings, "rank")),
                 io.Float("alpha", default=16.0, min=0.01, max=1024.0, step=0.5,
-                         tooltip="LoRA alpha; the update is scaled by alpha/rank. Equal to rank = scale 1."),
+                         tooltip=field_help(LoraSettings, "alpha")),
                 io.Int("batch_size", default=1, min=1, max=64,
-                       tooltip="Images per micro-batch (same aspect bucket). More uses more VRAM."),
+                       tooltip=train("batch_size")),
                 io.Int("gradient_accumulation", default=1, min=1, max=256,
-                       tooltip="Micro-batches per optimizer step: a larger effective batch without more VRAM."),
+                       tooltip=train("gradient_accumulation")),
                 io.Combo("lr_scheduler", ["constant", "cosine"], default="constant",
-                         tooltip="constant: flat after warmup; cosine: decays to 0."),
+                         tooltip=train("lr_scheduler")),
                 io.Int("warmup_steps", default=0, min=0, max=100_000,
-                       tooltip="Steps of linear learning-rate warmup at the start."),
+                       tooltip=train("warmup_steps")),
                 # Not named "seed": ComfyUI gives inputs named seed a "control after generate"
                 # widget that defaults to randomize, which would retrain on every queue.
                 io.Int("training_seed", default=42, min=0, max=0xFFFFFFFF,
-                       tooltip="Seeds LoRA init, noise, timesteps and data order: same seed, same run. Change it "
-                               "to train again with identical settings."),
+                       tooltip=train("seed", "Change it to train again with identical settings.")),
                 io.Float("guidance", default=1.0, min=0.0, max=10.0, step=0.1,
-                         tooltip="Guidance value fed to guidance-distilled models (Flux.1-dev, Flux.2-dev) while "
-                                 "training; 1.0 is the usual recipe. Ignored by models without a guidance "
-                                 "embedding (schnell, Flux.2 klein)."),
+                         tooltip=train("guidance")),
                 io.Float("max_grad_norm", default=1.0, min=0.0, max=100.0, step=0.1,
-                         tooltip="Gradient clipping; 0 disables it."),
-                io.Combo("optimizer", ["adamw", "adamw8bit"], default="adamw",
-                         tooltip="adamw: fp32 optimizer state (16 bytes per LoRA weight with its gradient); "
-                                 "fastest. adamw8bit: torchao's 8-bit moments (~10 bytes): 0.28 GB less VRAM for a "
-                                 "Flux.1 r16 LoRA at the same speed (one step over all LoRA weights at once: 0.98x "
-                                 "adamw's step time, H100, 1024). Its first step compiles for a few seconds. CUDA "
-                                 "only."),
+                         tooltip=train("max_grad_norm")),
+                io.Combo("optimizer", list(OPTIMIZERS), default="adamw",
+                         tooltip=train("optimizer")),
                 io.Int("save_every", default=0, min=-1, max=1_000_000,
-                       tooltip="Save a resumable training state every N steps (0: about 10 per run, at most every "
-                               "250 steps; -1: never). Stopping (Cancel, Ctrl-C) also saves one, and running the "
-                               "same graph again resumes from the latest. Does not change the result."),
+                       tooltip=train("save_every")),
                 # Last: UI-format workflows store widget values by position.
                 io.Int("sample_every", default=0, min=0, max=1_000_000, tooltip=_sample_help("every")),
                 io.Int("sample_steps", default=20, min=1, max=200, tooltip=_sample_help("steps")),
@@ -131,9 +127,10 @@ def _partner_help() -> str:
 
 
 def _sample_help(name: str) -> str:
-    from ..engine.sampling import help_text
+    from ..engine.config import field_help
+    from ..engine.sampling import SamplingConfig
 
-    return help_text(name)
+    return field_help(SamplingConfig, name)
 
 
 def _samples_output(lora):

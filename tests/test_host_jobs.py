@@ -247,9 +247,9 @@ def app_client(tmp_path):
         return {"number": number, "prompt_id": pid, "prompt": prompt, "extra": extra, "outputs": outputs,
                 "client_id": "c1"}
 
-    host.running = item(RUNNING[0])  # no worker thread: the queue stays as set here
-    host.pending = [item(e) for e in PENDING]
-    host.history = {k: {**v, "prompt": list(v["prompt"])} for k, v in HISTORY.items()}
+    host.queue.running = item(RUNNING[0])  # no worker thread: the queue stays as set here
+    host.queue.pending = [item(e) for e in PENDING]
+    host.queue.history = {k: {**v, "prompt": list(v["prompt"])} for k, v in HISTORY.items()}
 
     def run(test):
         async def main():
@@ -322,7 +322,7 @@ def test_bad_queries_get_comfyuis_400s(app_client):
         assert r.status == 400 and (await r.json())["error"] == "job_ids must be a list"
         r = await c.post("/api/jobs/cancel", json={"job_ids": [P[1], "bad", 7]})
         assert r.status == 400 and (await r.json())["invalid_ids"] == ["bad", "7"]
-        assert len(host.pending) == 2  # a batch with a malformed id cancels nothing
+        assert len(host.queue.pending) == 2  # a batch with a malformed id cancels nothing
 
     run(test)
 
@@ -332,15 +332,15 @@ def test_cancel_dequeues_a_pending_job_and_interrupts_only_the_running_one(app_c
 
     async def test(c):
         assert await (await c.post(f"/api/jobs/{P[1]}/cancel")).json() == {"cancelled": True}
-        assert [i["prompt_id"] for i in host.pending] == [P[2]] and not host.interrupt_flag.is_set()
+        assert [i["prompt_id"] for i in host.queue.pending] == [P[2]] and not host.queue.interrupt_flag.is_set()
         # finished or unknown: a no-op, 200
         assert await (await c.post(f"/api/jobs/{P[3]}/cancel")).json() == {"cancelled": False}
         assert await (await c.post("/api/jobs/cancel", json={"job_ids": [P[7]]})).json() == {"cancelled": False}
         # /interrupt naming a prompt that is not running does nothing (frontends >= 1.5x send prompt_id)
         assert (await c.post("/api/interrupt", json={"prompt_id": P[2]})).status == 200
-        assert not host.interrupt_flag.is_set()
+        assert not host.queue.interrupt_flag.is_set()
         assert await (await c.post("/api/jobs/cancel", json={"job_ids": [P[0], P[2]]})).json() == {"cancelled": True}
-        assert host.interrupt_flag.is_set() and host.pending == []
+        assert host.queue.interrupt_flag.is_set() and host.queue.pending == []
 
     run(test)
 
@@ -417,6 +417,6 @@ def test_a_queued_prompt_carries_create_time_and_client_id(tmp_path):
     assert graph["3"]["class_type"] == "LowVRAMOffloadConfig"
     item = host.enqueue(graph, "client-9", {"extra_pnginfo": {"workflow": {"id": "wf"}}})
     assert item["extra"]["client_id"] == "client-9" and isinstance(item["extra"]["create_time"], int)
-    job = jobs.find_job(item["prompt_id"], *host.snapshot())
+    job = jobs.find_job(item["prompt_id"], *host.queue.snapshot())
     assert job["status"] == "pending" and job["workflow_id"] == "wf"
     _frontend_job_schema_ok(job)

@@ -46,7 +46,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("formats", ("engine/data/", "engine/lora_io/", "engine/models/")),
     ("offload", ("engine/offload/",)),
     ("placement", ("engine/parallel/",)),
-    ("caching, sampling, fixtures", ("engine/caching/", "engine/sampling.py", "engine/testing.py")),
+    ("caching, sampling, fixtures", ("engine/caching/", "engine/sampling/", "engine/testing.py")),
     ("train", ("engine/train/",)),
     ("runs", ("engine/runs/",)),
     ("top", ("nodes/", "host/", "cli.py", "demo.py", "demo_models.py", "slab_cli.py", "__main__.py", "__init__.py")),

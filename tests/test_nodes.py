@@ -285,3 +285,36 @@ def test_text_under_a_node_wraps_between_words_and_a_resume_sends_the_history(mo
     assert events[1][0] == progress.PROGRESS_EVENT and events[1][1]["step"] == 3
     assert sent[-1] == "step 3/10: loss 0.1250\nlr 2.00e-04, 0.25 s/step"
     assert all(len(line) <= progress.NODE_TEXT_WIDTH for t in (text, sent[-1]) for line in t.splitlines())
+
+
+@pytest.mark.parametrize("node_id, widget, config, field", [
+    ("LowVRAMTrainLoRA", "steps", "TrainConfig", "steps"),
+    ("LowVRAMTrainLoRA", "learning_rate", "TrainConfig", "learning_rate"),
+    ("LowVRAMTrainLoRA", "training_seed", "TrainConfig", "seed"),
+    ("LowVRAMTrainLoRA", "optimizer", "TrainConfig", "optimizer"),
+    ("LowVRAMTrainLoRA", "save_every", "TrainConfig", "save_every"),
+    ("LowVRAMTrainLoRA", "rank", "LoraSettings", "rank"),
+    ("LowVRAMTrainLoRA", "alpha", "LoraSettings", "alpha"),
+    ("LowVRAMCacheTextEmbeds", "dataset_path", "DataConfig", "path"),
+    ("LowVRAMCacheTextEmbeds", "resolution", "DataConfig", "resolution"),
+    ("LowVRAMCacheTextEmbeds", "flip", "DataConfig", "flip"),
+])
+def test_tooltips_are_the_config_fields_help(node_id, widget, config, field):
+    """Each explanation is written once, in the config field's metadata; the node's tooltip starts with it."""
+    from lowvram_lora.engine import config as cfg
+
+    want = cfg.field_help(getattr(cfg, config), field)
+    inputs = NODE_CLASS_MAPPINGS[node_id].INPUT_TYPES()
+    tooltip = {**inputs["required"], **inputs.get("optional", {})}[widget][1]["tooltip"]
+    assert len(want) > 20 and tooltip.startswith(want)
+
+
+def test_every_user_setting_of_the_configs_has_help():
+    from dataclasses import fields
+
+    from lowvram_lora.engine import config as cfg
+
+    for config in (cfg.TrainConfig, cfg.LoraSettings, cfg.DataConfig):
+        assert all(f.metadata.get("help") for f in fields(config)), config.__name__
+    with pytest.raises(KeyError, match="TrainConfig has no field 'sed'"):
+        cfg.field_help(cfg.TrainConfig, "sed")

@@ -248,11 +248,11 @@ def test_full_disk_on_a_stop_names_the_folder_and_keeps_the_last_good_state(mode
 
 
 def test_full_disk_while_caching_names_the_folder(tiny_pipeline, tiny_dataset, tmp_path, monkeypatch):
-    from lowvram_lora.engine.caching import build_dataset_cache, cache
+    from lowvram_lora.engine.caching import build_dataset_cache, entries
     from lowvram_lora.engine.config import DataConfig
     from lowvram_lora.engine.errors import StorageError
 
-    monkeypatch.setattr(cache, "save_file", _disk_fills_after(cache.save_file, good_saves=0))
+    monkeypatch.setattr(entries, "save_file", _disk_fills_after(entries.save_file, good_saves=0))
     with pytest.raises(StorageError) as failed:
         build_dataset_cache(ModelConfig(transformer_path=str(tiny_pipeline)),
                             DataConfig(path=str(tiny_dataset), resolution=64), tmp_path / "cache")

@@ -108,7 +108,7 @@ def test_editor_endpoints(served):
         for url, data in (("/api/free", {"unload_models": True}), ("/api/queue", {"clear": True}),
                           ("/api/history", {"clear": True}), ("/interrupt", {})):
             assert (await c.post(url, json=data)).status == 200, url
-        host.interrupt_flag.clear()
+        host.queue.interrupt_flag.clear()
 
     run(test)
     assert (host.user_dir / "comfy.settings.json").exists()

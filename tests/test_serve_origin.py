@@ -94,7 +94,7 @@ def test_every_state_changing_route_refuses_a_foreign_origin(app_run):
     run(test)
     # nothing happened: no file written, moved or deleted, no setting, nothing stopped
     assert sorted(p.name for p in host.user_dir.iterdir()) == ["workflows", "x.json"]
-    assert not host.interrupt_flag.is_set() and not host.pending
+    assert not host.queue.interrupt_flag.is_set() and not host.queue.pending
 
 
 def test_the_editor_page_and_clients_without_origin_still_work(app_run):
@@ -167,7 +167,7 @@ def test_malformed_bodies_and_queries_get_400(app_run, capfd):
         for query in ("abc", "-1", "1e3", ""):
             r = await c.get(f"/api/history?max_items={query}")
             assert r.status == (200 if query == "" else 400), query
-        host.history.update({"a": {}, "b": {}, "c": {}})
+        host.queue.history.update({"a": {}, "b": {}, "c": {}})
         assert list(await (await c.get("/api/history?max_items=2")).json()) == ["b", "c"]
         assert list(await (await c.get("/api/history?max_items=0")).json()) == []
         assert (await c.post("/api/queue", json={"delete": ["nope"], "clear": True})).status == 200

@@ -14,7 +14,9 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from lowvram_lora.engine.caching import cache as cache_mod
-from lowvram_lora.engine.caching import open_dataset_cache
+from lowvram_lora.engine.caching import entries, open_dataset_cache
+from lowvram_lora.engine.caching.keys import CacheKeys
+from lowvram_lora.engine.caching.records import ClipSource
 from lowvram_lora.engine.callbacks import TrainingCallback
 from lowvram_lora.engine.config import DataConfig
 from lowvram_lora.engine.data import VideoConfig, make_buckets, scan_video_dataset
@@ -23,6 +25,11 @@ av = pytest.importorskip("av")
 diffusers = pytest.importorskip("diffusers")
 
 S = 64  # clips at the bucket size: the pixels the VAE sees are exactly the frames written
+
+
+def _window_items(records, buckets, text_ident: str, vae_ident: str):
+    """The clip source's keys phase alone (no model needed: the identities are given)."""
+    return ClipSource(None, None, None).items(records, buckets, CacheKeys(text_ident, vae_ident, 0), False)
 
 
 class _WanNormalised:
@@ -67,7 +74,7 @@ def _pixels(frames, indices) -> torch.Tensor:
     return torch.from_numpy(a).permute(3, 0, 1, 2)[None].float() / 127.5 - 1
 
 
-def test_video_latents_are_cached_per_window(tmp_path, monkeypatch):
+def test_video_latents_are_cached_per_window(tmp_path):
     frames = _frames(7)
     data = tmp_path / "data"
     data.mkdir()
@@ -80,19 +87,18 @@ def test_video_latents_are_cached_per_window(tmp_path, monkeypatch):
     video = VideoConfig(frame_counts=(5, 9), fps=16, window="uniform", windows_per_clip=2)
 
     records = scan_video_dataset(data_cfg, video, log=print)
-    items = cache_mod._dataset_items(records, make_buckets(64, 16), "text-id", "vae-id", False, video=True)
+    items = _window_items(records, make_buckets(64, 16), "text-id", "vae-id")
     assert [(Path(i.image).name, i.bucket, i.frames) for i in items] == [
         ("still.png", (64, 64), [0]), ("walk.mp4", (64, 64), [0, 1, 2, 3, 4]), ("walk.mp4", (64, 64), [2, 3, 4, 5, 6])]
     assert len({i.latent_key for i in items}) == 3  # one entry per window
 
     vae = _tiny_wan_vae()
-    monkeypatch.setattr(cache_mod, "load_vae_file", lambda path, family, dtype, variant=None: vae)
     from lowvram_lora.engine.families.wan.vae import WAN21_VAE
 
     family = SimpleNamespace(vae=WAN21_VAE, vae_for=lambda variant: WAN21_VAE)  # the Wan family's VAE spec
     stats: dict = {}
-    cache_mod._build_latents(tmp_path / "cache", family, None, items, False, torch.device("cpu"), torch.float32,
-                             TrainingCallback(), stats, singles=SimpleNamespace(vae=Path("unused")))
+    entries.build_latents(tmp_path / "cache", family, items, False, torch.device("cpu"), torch.float32,
+                          TrainingCallback(), stats, vae_loader=lambda: vae)
     assert stats == {"latents_reused": 0, "latents_built": 3}
 
     norm = _WanNormalised()
@@ -107,8 +113,8 @@ def test_video_latents_are_cached_per_window(tmp_path, monkeypatch):
     assert not torch.allclose(a, b)
 
     stats = {}
-    cache_mod._build_latents(tmp_path / "cache", family, None, items, False, torch.device("cpu"), torch.float32,
-                             TrainingCallback(), stats, singles=SimpleNamespace(vae=Path("unused")))
+    entries.build_latents(tmp_path / "cache", family, items, False, torch.device("cpu"), torch.float32,
+                          TrainingCallback(), stats, vae_loader=lambda: vae)
     assert stats == {"latents_reused": 3}
 
 
@@ -123,7 +129,7 @@ def test_window_keys_follow_frames_and_content(tmp_path):
 
     def keys(video):
         recs = scan_video_dataset(cfg, video, log=print)
-        return [i.latent_key for i in cache_mod._dataset_items(recs, buckets, "t", "v", False, video=True)]
+        return [i.latent_key for i in _window_items(recs, buckets, "t", "v")]
 
     head = keys(VideoConfig(frame_counts=(9,)))
     assert head == keys(VideoConfig(frame_counts=(9,)))  # stable

@@ -15,6 +15,11 @@ VAE files + image bytes + bucket + flip), so a rerun with the same inputs
 reuses everything and a changed caption, image or model rebuilds just that.
 Files are written to a temporary name and renamed, so an interrupted run never
 leaves a half-written entry that looks complete.
+
+``build_dataset_cache`` runs as named phases, each in its own module: sources (``model_sources``: the family and
+its model files), records (``records/``: images, clip windows or edit pairs, the one source chosen once), keys
+(``keys``), text and latent entries (``entries``; an edit model's text in ``edit_cache``), then the manifest (here,
+beside ``open_dataset_cache`` that reads it back).
 """
 from __future__ import annotations
 
@@ -25,43 +30,26 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from ..callbacks import TrainingCallback
 from ..config import DataConfig, ModelConfig
-from ..data import (VideoConfig, assign_bucket, clip_content_hash, expand_repeats, load_clip_tensor, load_image_tensor,
-                    make_buckets, scan_dataset, scan_video_dataset)
-from ..errors import CacheError, ConfigError, ModelLoadError
-from ..fileio import atomic_write, write_json_atomic
-from ..families import ModelFamily, default_max_sequence_length, get_family
-from ..checkpoint import SafetensorsFile, identify, resolve_path
-from ..models import resolve_device, resolve_dtype
-from ..hashing import path_identity, sha256_file, stable_hash
-from .encoders import encoder_kind
-from .single_files import load_vae_file, sources_for
-from .vae_encoding import encode_images
+from ..data import VideoConfig, expand_repeats, make_buckets
+from ..errors import CacheError, ConfigError
+from ..fileio import write_json_atomic
+from ..families import ModelFamily, get_family
+from ..hashing import stable_hash
+from .entries import build_latents
+from .items import CachedItem, SampleItems
+from .keys import CacheKeys, cache_keys
+from .model_sources import CacheModels, open_models, resolve_pipeline_folder
+from .records import record_source
+from .single_files import load_vae_file
 
 MANIFEST_VERSION = 1
 
-
-@dataclass
-class CachedItem:
-    image: str
-    caption: str
-    bucket: tuple[int, int]  # (width, height) in pixels
-    text_key: str
-    latent_key: str
-    # A video dataset's window: the clip's source frame indices (presentation order); empty for an image
-    # dataset. Batches must group by (bucket, len(frames)), the frame count being the second bucket axis.
-    frames: list[int] = field(default_factory=list)
-    # An edit dataset's control images (in the model's order) and their (width, height) at the reference area;
-    # empty otherwise. Their latents live in the text entry; batches group by control_sizes too.
-    controls: list[str] = field(default_factory=list)
-    control_sizes: list[list[int]] = field(default_factory=list)
-
-    def batch_key(self) -> tuple:
-        """Items of one key stack into one batch: the bucket, the frame count, the control latents' shapes."""
-        return self.bucket, len(self.frames), tuple(tuple(s) for s in self.control_sizes)
+__all__ = ["CachedItem", "DatasetCache", "MANIFEST_VERSION", "build_dataset_cache", "open_dataset_cache",
+           "resolve_pipeline_folder"]
 
 
 @dataclass
@@ -175,80 +163,6 @@ class DatasetCache:
                          f"version); rebuild it to sample during training")
 
 
-def resolve_pipeline_folder(model_cfg: ModelConfig) -> Path:
-    """The diffusers pipeline folder whose text encoders, tokenizers and VAE we use."""
-    if model_cfg.pipeline_path:
-        folder = Path(model_cfg.pipeline_path).expanduser()
-        if not (folder / "model_index.json").exists():
-            raise ModelLoadError(
-                f"pipeline_path '{folder}' is not a diffusers pipeline folder (no model_index.json); "
-                f"it must hold text_encoder*/, tokenizer*/ and vae/"
-            )
-        return folder
-    _, _, pipeline = resolve_path(model_cfg.transformer_path)
-    if pipeline is None:
-        raise ModelLoadError(
-            f"'{model_cfg.transformer_path}' is a single transformer file; caching also needs the text encoders, "
-            f"tokenizers and VAE of a diffusers pipeline folder (text_encoder*/, tokenizer*/, vae/). In Cache Text "
-            f"Embeds, set text_encoders to a folder under models/diffusers (e.g. diffusers/FLUX.1-dev); "
-            f"from Python, set ModelConfig.pipeline_path"
-        )
-    return pipeline
-
-
-def _single_file_sources(model_cfg: ModelConfig):
-    """(SingleFileSources, family, variant) for caching from single files (no pipeline folder);
-    the family and variant come from the transformer itself."""
-    ident = identify(model_cfg.transformer_path, model_cfg.family)
-    family, variant = ident.family, ident.variant
-    files = [Path(p) for p in model_cfg.text_encoder_files]
-    vae = Path(model_cfg.vae_file) if model_cfg.vae_file else None
-    singles = sources_for(family, variant, files, vae, {k: Path(v) for k, v in (model_cfg.tokenizer_dirs or {}).items()})
-    return singles, family, variant
-
-
-def _family_and_variant(model_cfg: ModelConfig, pipeline: Path) -> tuple[ModelFamily, str]:
-    if (pipeline / "transformer" / "config.json").exists():
-        ident = identify(pipeline / "transformer", model_cfg.family)
-        return ident.family, ident.variant
-    if model_cfg.family == "auto":
-        raise ModelLoadError(f"cannot tell the model family of '{pipeline}'; set family explicitly")
-    return get_family(model_cfg.family), "custom"
-
-
-def _load_entry(path: Path, item: CachedItem) -> dict[str, torch.Tensor]:
-    try:
-        return load_file(str(path))
-    except Exception as exc:
-        raise CacheError(
-            f"dataset-cache entry '{path}' (for '{item.image}') is unreadable ({type(exc).__name__}: {exc}); "
-            f"run Cache Text Embeds again: it rebuilds unreadable entries"
-        ) from None
-
-
-def _usable(path: Path, cb: TrainingCallback) -> bool:
-    """True for a readable entry. A missing one is False; a corrupt, truncated or empty one
-    (a disk problem, a copy gone wrong) is removed with a notice, so it is built again
-    instead of failing every later run."""
-    if not path.exists():
-        return False
-    try:
-        entry = SafetensorsFile(path)  # checks the header parses and every tensor's bytes are in the file
-        if entry.entries:
-            return True
-        problem = "no tensors"
-    except Exception as exc:
-        problem = f"{type(exc).__name__}: {exc}"
-    cb.log(f"dataset-cache entry '{path}' is unreadable ({problem}); rebuilding it")
-    path.unlink(missing_ok=True)
-    return False
-
-
-def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
-    with atomic_write(path, "a dataset-cache entry") as tmp:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-
-
 def build_dataset_cache(
     model_cfg: ModelConfig,
     data_cfg: DataConfig,
@@ -265,195 +179,66 @@ def build_dataset_cache(
     clips (images count as one-frame clips) and each window of each clip is cached as one item.
     An edit model's dataset is pairs (``data.scan_pairs``): ``control_dirs`` are its control folders in order
     (empty: ``control/`` or ``controls/`` inside the dataset folder); sample prompt line i is drawn against pair
-    i's control images (``edit_cache.py``)."""
+    i's control images (``edit_cache.py``).
+
+    The phases, in order: sources (the model files), records (the dataset, through the one ``RecordSource`` the
+    model takes), keys, text entries, latent entries, manifest."""
     cb = callback or TrainingCallback()
     cache_dir = Path(cache_dir)
-    dev = resolve_device(device)
-    dtype = resolve_dtype(model_cfg.dtype, dev)
-    singles = None
-    if model_cfg.text_encoder_files or model_cfg.vae_file:
-        pipeline = None  # every encoder and the VAE come from singles
-        singles, family, variant = _single_file_sources(model_cfg)
-    else:
-        pipeline = resolve_pipeline_folder(model_cfg)
-        family, variant = _family_and_variant(model_cfg, pipeline)
-    edit = any(s.control_images for s in family.text_encoder_specs(variant))
-    pairs = []
-    if edit:
-        if video:
-            raise ConfigError(f"{family.display_name} ({variant}) is an image edit model; it takes no video dataset")
-        if data_cfg.flip:  # a flipped target with unflipped controls would teach the LoRA to mirror the image
-            raise ConfigError(f"flip is not supported for an edit model ({family.display_name} {variant}): the "
-                              f"target would be mirrored but not its control images; turn flip off")
-        from ..data.pairs import scan_pairs
-
-        pairs = scan_pairs(data_cfg, control_dirs, max_controls=family.control_images(variant).max_count,
-                           log=cb.log)
-        records = [p.target for p in pairs]
-    elif control_dirs:
-        raise ConfigError(f"control folders were given but {family.display_name} ({variant}) is not an edit model; "
-                          f"clear control_folder, or load a Qwen-Image-Edit file")
-    else:
-        records = scan_video_dataset(data_cfg, video, log=cb.log) if video else scan_dataset(data_cfg, log=cb.log)
+    models = open_models(model_cfg, device)  # sources
+    source = record_source(models, data_cfg, video, control_dirs)
+    records = source.scan(cb.log)  # records: files and captions, before any model loads
+    keys = cache_keys(models, max_sequence_length)  # keys
     buckets = make_buckets(data_cfg.resolution, data_cfg.bucket_step, data_cfg.max_aspect)
-    max_len = max_sequence_length or default_max_sequence_length(family, variant)
-
-    specs = family.text_encoder_specs(variant)
-
-    def encoder_ident(s) -> list:
-        kind = encoder_kind(s.kind)
-        if singles is not None:  # the file (content identity) and its tokenizer
-            f = singles.text_encoders[s.subfolder]
-            return [s.subfolder, path_identity(f), kind.tokenizer_identity(f, s, singles), kind.output]
-        return [s.subfolder, path_identity(pipeline / s.subfolder), path_identity(pipeline / s.tokenizer_subfolder),
-                kind.output]
-
-    text_ident = stable_hash([encoder_ident(s) + encoder_kind(s.kind).cache_identity(s) for s in specs]
-                             + [max_len, str(dtype)])
-    vae_spec = family.vae_for(variant)
-    vae_ident = stable_hash([path_identity(singles.vae if singles is not None else pipeline / "vae"), str(dtype)]
-                            + ([vae_spec.class_name] if vae_spec.class_name != "AutoencoderKL" else []))
-
-    items = _dataset_items(records, buckets, text_ident, vae_ident, data_cfg.flip, video is not None)
-    lines = list(dict.fromkeys(p.strip() for p in sample_prompts if p.strip()))
-    if edit:
-        from . import edit_cache
-
-        items = edit_cache.attach_controls(items, pairs, text_ident, vae_ident, family, variant)
-        prompts, edit_negatives = edit_cache.sample_items(lines, pairs, text_ident, vae_ident, family, variant,
-                                                          CachedItem)
-    else:
-        prompts = [CachedItem(image="", caption=p, bucket=(0, 0), text_key=stable_hash([text_ident, p]),
-                              latent_key="") for p in lines]
-    # Classifier-free guidance samples against the empty prompt, tokenized as the family's pipeline does it
-    # (``negative_template``; Lumina 2 leaves out its system prompt): encoded with its own specs.
-    from dataclasses import replace
-
-    negative_specs = tuple(replace(s, template=s.negative_template) if s.negative_template else s for s in specs)
-    negative = ([CachedItem(image="", caption="", bucket=(0, 0), latent_key="",
-                            text_key=stable_hash([text_ident, "", [repr(s.negative_template) for s in specs]]))]
-                if prompts and family.guidance(variant).mode == "cfg" and not edit else [])
+    items = source.items(records, buckets, keys, data_cfg.flip)
+    lines = list(dict.fromkeys(p.strip() for p in sample_prompts if p.strip()))  # blank lines out, repeats once
+    samples = source.samples(lines, records, keys)
     stats = {"text_built": 0, "text_reused": 0, "latents_built": 0, "latents_reused": 0}
-    if edit:
-        from . import edit_cache
+    source.build_text(cache_dir, models, keys, items, samples, cb, stats)  # text entries
+    build_latents(cache_dir, models.family, items, data_cfg.flip, models.device, models.dtype, cb, stats,
+                  models.load_vae, models.variant)  # latent entries
+    cache = _write_manifest(cache_dir, models, data_cfg, video, keys, items, samples, stats)
+    cb.log(f"dataset cache {cache.dataset_hash}: {len(items)} {source.label}; text {stats['text_built']} built / "
+           f"{stats['text_reused']} reused; latents {stats['latents_built']} built / {stats['latents_reused']} reused")
+    return cache
 
-        sample_negatives = edit_negatives if family.guidance(variant).mode == "cfg" else []
-        vae_loader = ((lambda: load_vae_file(singles.vae, family, dtype, variant)) if singles is not None else
-                      (lambda: _pipeline_vae(pipeline, dtype, vae_spec.class_name)))
-        edit_cache.build_edit_entries(cache_dir, family, variant, specs[0], pipeline, singles,
-                                      items + prompts + sample_negatives, dev, dtype, vae_loader, _atomic_save,
-                                      _usable, cb, stats)
-    else:
-        sample_negatives = []
-        _build_text(cache_dir, family, specs, pipeline, items + prompts, dev, dtype, max_len, cb, stats, singles)
-    if negative:
-        _build_text(cache_dir, family, negative_specs, pipeline, negative, dev, dtype, max_len, cb, {}, singles)
-    _build_latents(cache_dir, family, pipeline, items, data_cfg.flip, dev, dtype, cb, stats, singles, variant)
 
+def _write_manifest(cache_dir: Path, models: CacheModels, data_cfg: DataConfig, video: VideoConfig | None,
+                    keys: CacheKeys, items: list[CachedItem], samples: SampleItems, stats: dict) -> DatasetCache:
+    """The manifest phase: the dataset's items and settings under ``datasets/<hash>.json`` (what
+    ``open_dataset_cache`` reads back), and the handle to the built cache."""
+    singles = models.singles
     dataset_hash = stable_hash([[i.text_key, i.latent_key] for i in items] + [data_cfg.repeats, data_cfg.flip])
     manifest_path = cache_dir / "datasets" / f"{dataset_hash}.json"
+    negative = samples.shared_negative
     manifest = {
-        "version": MANIFEST_VERSION, "dataset_hash": dataset_hash, "family": family.id, "variant": variant,
-        "source": str(Path(data_cfg.path).resolve()),
-        "pipeline": str(pipeline.resolve()) if singles is None else None,
+        "version": MANIFEST_VERSION, "dataset_hash": dataset_hash, "family": models.family.id,
+        "variant": models.variant, "source": str(Path(data_cfg.path).resolve()),
+        "pipeline": str(models.pipeline.resolve()) if singles is None else None,
         "single_files": None if singles is None else {k: str(v) for k, v in singles.text_encoders.items()}
         | {"vae": str(singles.vae)},
-        "settings": asdict(data_cfg), "video": asdict(video) if video else None, "max_sequence_length": max_len,
+        "settings": asdict(data_cfg), "video": asdict(video) if video else None, "max_sequence_length": keys.max_len,
         "repeats": data_cfg.repeats,
         "flip": data_cfg.flip, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "items": [asdict(i) for i in items],
-        "sample_prompts": [[p.caption, p.text_key] for p in prompts],
-        "negative_text_key": negative[0].text_key if negative else "",
-        "sample_negative_keys": [n.text_key for n in sample_negatives],
+        "sample_prompts": [[p.caption, p.text_key] for p in samples.prompts],
+        "negative_text_key": negative.text_key if negative is not None else "",
+        "sample_negative_keys": [n.text_key for n in samples.negatives],
     }
     write_json_atomic(manifest_path, manifest, "the dataset-cache manifest")
-    cb.log(
-        f"dataset cache {dataset_hash}: {len(items)} {'clip windows' if video else 'images'}; "
-        f"text {stats['text_built']} built / "
-        f"{stats['text_reused']} reused; latents {stats['latents_built']} built / {stats['latents_reused']} reused"
-    )
-    return DatasetCache(cache_dir, manifest_path, dataset_hash, family.id, variant, items,
-                        data_cfg.repeats, data_cfg.flip, stats, [(p.caption, p.text_key) for p in prompts],
+    return DatasetCache(cache_dir, manifest_path, dataset_hash, models.family.id, models.variant, items,
+                        data_cfg.repeats, data_cfg.flip, stats, [(p.caption, p.text_key) for p in samples.prompts],
                         manifest["negative_text_key"], manifest["pipeline"],
                         str(singles.vae) if singles is not None else None, manifest["sample_negative_keys"])
 
 
-def _pipeline_vae(pipeline: Path, dtype: torch.dtype, class_name: str):
-    from .vae_encoding import load_vae
-
-    return load_vae(pipeline, dtype, class_name)
-
-
-def _dataset_items(records, buckets, text_ident: str, vae_ident: str, flip: bool, video: bool) -> list[CachedItem]:
-    """One item per image (``ImageRecord``) or per clip window (``ClipRecord``), keyed by what it depends on."""
-    items = []
-    content: dict[Path, str] = {}  # a clip's windows share one content hash
-    for rec in records:
-        bucket = assign_bucket(rec.width, rec.height, buckets)
-        source = rec.path if video else rec.image_path
-        if source not in content:
-            content[source] = clip_content_hash(source) if video else sha256_file(source)
-        frames = list(rec.frames) if video else []
-        items.append(CachedItem(
-            image=str(source), caption=rec.caption, bucket=tuple(bucket),
-            text_key=stable_hash([text_ident, rec.caption]),
-            latent_key=stable_hash([vae_ident, content[source], list(bucket), flip]
-                                   + ([frames] if video else [])),  # image keys as before: their caches stay valid
-            frames=frames,
-        ))
-    return items
-
-
-def _build_text(cache_dir, family, specs, pipeline, items, device, dtype, max_len, cb, stats, singles=None) -> None:
-    text_dir = cache_dir / "text"
-    todo: dict[str, str] = {}
-    for it in items:
-        if it.text_key not in todo and not _usable(text_dir / f"{it.text_key}.safetensors", cb):
-            todo.setdefault(it.text_key, it.caption)
-    stats["text_reused"] = len({i.text_key for i in items}) - len(todo)
-    if not todo:
-        return
-    keys, captions = list(todo), list(todo.values())
-    per_encoder = {}
-    for spec in specs:
-        kind = encoder_kind(spec.kind)
-        stage = f"encode captions ({spec.subfolder})"
-        per_encoder[spec.cache_key] = kind.encode(pipeline, singles, family, spec, captions, device, dtype,
-                                                  kind.caption_length(spec, max_len),
-                                                  progress=lambda d, t, s=stage: cb.on_progress(s, d, t))
-    for i, key in enumerate(keys):
-        _atomic_save({name: outs[i] for name, outs in per_encoder.items()}, text_dir / f"{key}.safetensors")
-    stats["text_built"] = len(keys)
-
-
-def _build_latents(cache_dir, family, pipeline, items, flip, device, dtype, cb, stats, singles=None,
-                   variant=None) -> None:
-    lat_dir = cache_dir / "latents"
-    todo = {}
-    for it in items:
-        if it.latent_key not in todo and not _usable(lat_dir / f"{it.latent_key}.safetensors", cb):
-            todo.setdefault(it.latent_key, it)
-    stats["latents_reused"] = len({i.latent_key for i in items}) - len(todo)
-    if not todo:
-        return
-    jobs = [(it, False) for it in todo.values()] + ([(it, True) for it in todo.values()] if flip else [])
-    images = (_pixels(it, f) for it, f in jobs)
-    latents = encode_images(pipeline, family, images, len(jobs), device, dtype,
-                            vae_loader=(lambda: load_vae_file(singles.vae, family, dtype, variant)) if singles else None,
-                            progress=lambda d, t: cb.on_progress("encode images (vae)", d, t), variant=variant)
-    n = len(todo)
-    for i, (key, it) in enumerate(todo.items()):
-        tensors = {"latent": latents[i]}
-        if flip:
-            tensors["latent_flipped"] = latents[n + i]
-        _atomic_save(tensors, lat_dir / f"{key}.safetensors", metadata={"image": it.image})
-    stats["latents_built"] = n
-
-
-def _pixels(item: CachedItem, flip: bool) -> torch.Tensor:
-    """What the VAE encodes for one item: (3, H, W) for an image, (3, F, H, W) for a video window."""
-    if item.frames:
-        return load_clip_tensor(Path(item.image), item.frames, item.bucket, flip=flip)
-    return load_image_tensor(Path(item.image), item.bucket, flip=flip)
+def _load_entry(path: Path, item: CachedItem) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except Exception as exc:
+        raise CacheError(
+            f"dataset-cache entry '{path}' (for '{item.image}') is unreadable ({type(exc).__name__}: {exc}); "
+            f"run Cache Text Embeds again: it rebuilds unreadable entries"
+        ) from None
 
 
 def open_dataset_cache(manifest_path: str | Path) -> DatasetCache:

@@ -7,8 +7,9 @@ are bucketed exactly like images, and the frame count is a second bucket axis.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
+from ..config import field_help
 from ..errors import ConfigError
 from .buckets import check_frame_counts
 
@@ -67,7 +68,4 @@ class VideoConfig:
 
 def help_text(name: str) -> str:
     """The help text of one VideoConfig field (node tooltips)."""
-    for f in fields(VideoConfig):
-        if f.name == name:
-            return f.metadata["help"]
-    raise KeyError(f"VideoConfig has no field {name!r}")
+    return field_help(VideoConfig, name)

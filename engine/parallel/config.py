@@ -6,8 +6,9 @@ Torch-free, so the node can build its widgets without importing torch.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
+from ..config import field_help
 from ..errors import ConfigError
 
 MODES = ("split", "data_parallel")
@@ -76,10 +77,7 @@ class ParallelConfig:
 
 
 def help_text(name: str) -> str:
-    for f in fields(ParallelConfig):
-        if f.name == name:
-            return f.metadata["help"]
-    raise KeyError(f"ParallelConfig has no field {name!r}")
+    return field_help(ParallelConfig, name)
 
 
 def parse_devices(text: str) -> tuple[str, ...]:

@@ -1,0 +1,36 @@
+"""The records phase of a cache build: which kind of dataset the model takes, chosen once (``record_source``).
+
+One file per source, each a ``RecordSource`` (``base.py``): ``images.py`` (captioned images), ``clips.py``
+(captioned clips, cached per window), ``edit_pairs.py`` (an edit model's target / instruction / control images).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from ...config import DataConfig
+from ...data import VideoConfig
+from ...errors import ConfigError
+from ..model_sources import CacheModels
+from .base import CaptionSource, RecordSource
+from .clips import ClipSource
+from .edit_pairs import EditPairSource
+from .images import ImageSource
+
+
+def record_source(models: CacheModels, data_cfg: DataConfig, video: VideoConfig | None,
+                  control_dirs: Sequence) -> RecordSource:
+    """The one place that tells an edit dataset, a video dataset and an image dataset apart: an edit model (a text
+    spec with ``control_images``) takes pairs, ``video`` clips, anything else images. Settings the chosen source
+    cannot honour are refused here, before any file is read."""
+    family, variant = models.family, models.variant
+    if any(s.control_images for s in models.specs):
+        if video:
+            raise ConfigError(f"{family.display_name} ({variant}) is an image edit model; it takes no video dataset")
+        return EditPairSource(models, data_cfg, control_dirs)
+    if control_dirs:
+        raise ConfigError(f"control folders were given but {family.display_name} ({variant}) is not an edit model; "
+                          f"clear control_folder, or load a Qwen-Image-Edit file")
+    return ClipSource(models, data_cfg, video) if video else ImageSource(models, data_cfg)
+
+
+__all__ = ["CaptionSource", "ClipSource", "EditPairSource", "ImageSource", "RecordSource", "record_source"]

@@ -1,0 +1,46 @@
+"""Record source: an edit model's pairs (Qwen-Image-Edit; ``data.pairs.scan_pairs``): each target image with its
+instruction and control images. The target's latent is cached as an image's; the text entry holds the multimodal
+prompt and the control latents (``edit_cache.py``)."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from ...errors import ConfigError
+from .. import edit_cache
+from ..entries import atomic_save, usable
+from ..items import CachedItem, SampleItems
+from .images import ImageSource
+
+
+class EditPairSource:
+    label = "images"
+
+    def __init__(self, models, data_cfg, control_dirs: Sequence):
+        family, variant = models.family, models.variant
+        if data_cfg.flip:  # a flipped target with unflipped controls would teach the LoRA to mirror the image
+            raise ConfigError(f"flip is not supported for an edit model ({family.display_name} {variant}): the "
+                              f"target would be mirrored but not its control images; turn flip off")
+        self.models, self.data_cfg, self.control_dirs = models, data_cfg, control_dirs
+        self.targets = ImageSource(models, data_cfg)
+
+    def scan(self, log):
+        from ...data.pairs import scan_pairs
+
+        max_controls = self.models.family.control_images(self.models.variant).max_count
+        return scan_pairs(self.data_cfg, self.control_dirs, max_controls=max_controls, log=log)
+
+    def items(self, records, buckets, keys, flip):
+        targets = self.targets.items([p.target for p in records], buckets, keys, flip)
+        return edit_cache.attach_controls(targets, records, keys.text, keys.vae, self.models.family,
+                                          self.models.variant)
+
+    def samples(self, prompts, records, keys) -> SampleItems:
+        family, variant = self.models.family, self.models.variant
+        made, negatives = edit_cache.sample_items(prompts, records, keys.text, keys.vae, family, variant, CachedItem)
+        return SampleItems(made, negatives=negatives if family.guidance(variant).mode == "cfg" else [])
+
+    def build_text(self, cache_dir, models, keys, items, samples, cb, stats) -> None:
+        vae_loader = models.load_vae
+        edit_cache.build_edit_entries(cache_dir, models.family, models.variant, models.specs[0], models.pipeline,
+                                      models.singles, items + samples.prompts + samples.negatives, models.device,
+                                      models.dtype, vae_loader, atomic_save, usable, cb, stats)

@@ -1,0 +1,175 @@
+"""``Sampler``: what the training loop calls at checkpoints (sample, keep every checkpoint's images, write the
+grid)."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..errors import ConfigError
+from .clips import _dataset_fps, clip_paths, load_clip, save_clip
+from .decode import decode_latents
+from .denoise import sample_prompts
+from .grid import grid_image
+
+
+class Sampler:
+    """What the training loop calls at checkpoints: samples every prompt, keeps every checkpoint's images,
+    writes the grid (prompts x checkpoints so far) and hands it to the callback."""
+
+    def __init__(self, cfg: SamplingConfig, dataset, family, model, device, dtype, out_dir: Optional[Path], cb,
+                 max_rows: Optional[int] = None, partner=None):
+        if not dataset.sample_prompts:
+            raise ConfigError("sampling is on (sample_every > 0) but the dataset cache has no sample prompts: put "
+                              "one prompt per line in Cache Text Embeds' sample_prompts")
+        self.cfg, self.dataset, self.family, self.model = cfg, dataset, family, model
+        self.device, self.dtype, self.out_dir, self.cb = device, dtype, out_dir, cb
+        self.max_rows = max_rows  # rows per sampling forward (rows_per_forward); None: every row in one
+        # A mixture's other expert (engine/train/preview_partner.py: ``placed()`` gives a PartnerExpert for the
+        # time of one preview), or None.
+        self.partner = partner
+        self.embeds = [dataset.load_text(key) for _, key in dataset.sample_prompts]
+        self.rule = family.guidance(dataset.variant)
+        # One negative per prompt: an edit model's carries that prompt's control images (DatasetCache.negative_keys).
+        self.negatives = [dataset.load_text(k) if self.rule.mode == "cfg" and k else None
+                          for k in dataset.negative_keys()]
+        self.prompts = [p for p, _ in dataset.sample_prompts]
+        # A video family samples clips (cfg.frames; checked against the family's frame rule here, not at the first
+        # checkpoint), an image family one image.
+        self.frames = cfg.frames if family.video else 1
+        if family.video:
+            family.latent_shape(model, 64, 64, self.frames)
+        self.fps = _dataset_fps(dataset)
+        self.columns: list[tuple[str, list]] = []
+        self.seconds = 0.0
+        self.images = 0
+        self.peak_vram_gb = 0.0  # the highest allocation while sampling (CUDA)
+        self._vae = None
+        self.keep_dir: Optional[Path] = None
+
+    def _what(self) -> dict:
+        """What a kept column was drawn with: columns of other prompts or settings are never mixed in."""
+        from dataclasses import asdict
+
+        return {"prompts": self.prompts, "config": asdict(self.cfg)}
+
+    def keep_columns(self, folder: Path, upto: int) -> None:
+        """Keep every checkpoint's images in ``folder`` (beside a resumable run's state) and take back those
+        kept there by the run before a stop, up to step ``upto`` (where it resumes): a resumed run's grid holds
+        every checkpoint. Columns of later steps (drawn after the state that is resumed) are dropped."""
+        import json
+        import shutil
+
+        from PIL import Image
+
+        self.keep_dir = Path(folder)
+        manifest = self.keep_dir / "columns.json"
+        try:
+            kept = json.loads(manifest.read_text())
+        except (OSError, ValueError):
+            kept = None
+        if not isinstance(kept, dict) or kept.get("what") != json.loads(json.dumps(self._what())):
+            shutil.rmtree(self.keep_dir, ignore_errors=True)  # none, or of other prompts/settings
+            return
+        for step in sorted(int(s) for s in kept.get("steps", [])):
+            paths = [self._kept_path(step, r) for r in range(len(self.prompts))]
+            if step > upto or not all(p.is_file() for p in paths):
+                continue
+            images = []
+            for path in paths:
+                if self.family.video:
+                    images.append(load_clip(path))
+                    continue
+                with Image.open(path) as img:
+                    images.append(img.convert("RGB"))
+            self.columns.append((f"step {step}", images))
+        self._write_manifest()
+        if self.columns:
+            self.cb.log(f"the sample grid goes on from the {len(self.columns)} checkpoint(s) drawn before the "
+                        f"resume (steps {', '.join(t.split()[1] for t, _ in self.columns)})")
+
+    def has(self, step: int) -> bool:
+        return any(title == f"step {step}" for title, _ in self.columns)
+
+    def _write_manifest(self) -> None:
+        from ..fileio import write_json_atomic
+
+        steps = [int(title.split()[1]) for title, _ in self.columns]
+        write_json_atomic(self.keep_dir / "columns.json", {"what": self._what(), "steps": steps},
+                          "the kept sample columns", indent=None)
+
+    def _kept_path(self, step: int, r: int) -> Path:
+        return self.keep_dir / f"step-{step:07d}-p{r:02d}.{'webp' if self.family.video else 'png'}"
+
+    def _keep(self, step: int, images: list) -> None:
+        """One checkpoint's images (lossless PNGs) or clips (lossless animated WebPs) beside the run's state, then
+        the manifest naming them."""
+        from ..fileio import atomic_write
+
+        for r, img in enumerate(images):
+            with atomic_write(self._kept_path(step, r), "a kept sample") as tmp:
+                if isinstance(img, list):
+                    save_clip(img, tmp, self.fps)
+                else:
+                    img.save(tmp, format="PNG")
+        self._write_manifest()
+
+    def _poll(self) -> None:
+        """Between Euler steps: a Cancel (ComfyUI's, the editor's under serve, Ctrl-C) raised by the callback
+        ends sampling at once instead of after every prompt. A stop flag (returned True) waits for the loop."""
+        self.cb.should_stop()
+
+    def due(self, step: int, total: int) -> bool:
+        return self.cfg.enabled and (step % self.cfg.every == 0 or step == total or (step == 0 and self.cfg.at_start))
+
+    def run(self, step: int, autocast=None):
+        """Sample every prompt at this checkpoint; returns the grid (PIL) and its path (or None)."""
+        t0 = time.perf_counter()
+        cuda = self.device.type == "cuda"
+        if cuda:  # training re-reaches its own peak every step, so its running maximum is not lost
+            torch.cuda.reset_peak_memory_stats(self.device)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            import contextlib
+
+            with self.partner.placed() if self.partner is not None else contextlib.nullcontext() as partner:
+                latents = sample_prompts(self.model, self.family, self.embeds, self.cfg.resolution,
+                                         self.cfg.resolution, self.cfg.steps, self.cfg.seed, self.cfg.guidance,
+                                         self.device, self.dtype, autocast, self.rule, self.negatives,
+                                         frames=self.frames, poll=self._poll, max_rows=self.max_rows,
+                                         partner=partner)
+            images = decode_latents(self.vae(), self.family, latents, self.device, self.dataset.variant)
+        finally:
+            self.model.train(was_training)
+        if cuda:
+            self.peak_vram_gb = max(self.peak_vram_gb, torch.cuda.max_memory_allocated(self.device) / 1e9)
+        self.images += len(images)
+        self.columns = [c for c in self.columns if c[0] != f"step {step}"] + [(f"step {step}", images)]
+        if self.keep_dir is not None:
+            self._keep(step, images)
+        grid = grid_image(self.columns, self.prompts)
+        path = None
+        if self.out_dir is not None:
+            from ..fileio import atomic_write
+
+            path = Path(self.out_dir) / f"samples_step{step:07d}.png"
+            with atomic_write(path, "the sample grid") as tmp:
+                grid.save(tmp, format="PNG")
+            for r, img in enumerate(images):  # each prompt's clip, animated, beside the grid (clip_paths)
+                if isinstance(img, list):
+                    with atomic_write(clip_paths(path, len(images))[r], "a sample clip") as tmp:
+                        save_clip(img, tmp, self.fps)
+        seconds = time.perf_counter() - t0
+        self.seconds += seconds
+        self.cb.log(f"sampled {len(self.prompts)} prompt(s) at step {step} in {seconds:.1f} s"
+                    + (f": {path}" if path else ""))
+        self.cb.on_sample(step, grid, str(path) if path else None)
+        return grid, path
+
+    def vae(self):
+        if self._vae is None:
+            self._vae = self.dataset.load_vae(self.family, self.dtype)
+        return self._vae
