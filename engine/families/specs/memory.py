@@ -5,7 +5,7 @@ big a block's recompute + backward working set is against Flux.1's (the planner'
 large Linears outside the blocks are int8 in a slab, and the family's own block surgery: blocks in parts, token-wise
 parts in checkpointed chunks, every block checkpointed. Read by ``engine/offload/footprint.py`` (the footprint),
 ``engine/offload/recompute.py`` and ``units.py`` (installed for a run), ``engine/slab/layout.py`` (what a slab
-quantizes) and ``engine/sampling.py`` (preview batching).
+quantizes) and ``engine/sampling/`` (preview batching).
 
 Data is declared in fields; a family whose blocks need code (parts, chunking) subclasses it in its folder, as a
 ``VaeSpec`` is subclassed, and overrides the methods below.
@@ -55,7 +55,7 @@ class MemoryProfile:
     #: Frames per latent frame of a causal video VAE after the first (Wan: 4); None for image families.
     temporal_compression: int | None = None
     #: Previews may run several prompts (and both classifier-free guidance branches) as one batch per denoising
-    #: step (engine/sampling.py), so a streamed block is copied in once per step, not once per prompt: the
+    #: step (engine/sampling/), so a streamed block is copied in once per step, not once per prompt: the
     #: family's ``model_inputs`` takes a batch of captions of different lengths (padded, with their masks) and
     #: gives each row the output it gives that row alone. False: every row is its own forward (give the reason).
     batched_sampling: bool = True

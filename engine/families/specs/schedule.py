@@ -79,7 +79,7 @@ class NoiseSchedule:
 
     def preview_partner(self, variant: str) -> tuple[str, float] | None:
         """For one expert of a mixture: ``(the other expert's variant, the boundary sigma)``; None for a model that
-        denoises the whole path alone. A preview then samples with both (``engine/sampling.py``): sigma >= boundary
+        denoises the whole path alone. A preview then samples with both (``engine/sampling/``): sigma >= boundary
         through the high-noise expert, below it through the low-noise one, each with its own guidance scale
         (``ModelFamily.guidance``), as the family's pipeline does."""
         return None
