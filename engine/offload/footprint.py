@@ -121,7 +121,9 @@ def _slab_footprint(path, family_id: str, dtype: torch.dtype, lora: LoraSettings
     trainable = lora_param_count(model, family, lora)  # from the float Linears' shapes, before the swap
     swap_in_int8_linears(model, family)
     variant = slab.variant
-    return measure_footprint(model, family, f"{family.display_name} ({variant}, int8 slab)", trainable), family, variant
+    fp = measure_footprint(model, family, f"{family.display_name} ({variant}, int8 slab)", trainable)
+    fp.file_backed = fp.disk_capable = True  # loaded as views of the file map; blocks can be read from the file
+    return fp, family, variant
 
 
 def workload_for(dataset, family, variant: str, batch: int) -> Workload:

@@ -37,7 +37,8 @@ from ..errors import ConfigError
 from .config import OffloadConfig
 from .footprint import measure_footprint, named_blocks, outer_modules
 from .hooks import HookRegistry, ModelHook
-from .host import HostBlock, host_rss_bytes, physical_ram_bytes
+from .host import HostBlock
+from .hostmem import process_memory, ram_cap_bytes
 from .plan import GB, Plan, Workload, make_plan
 from .schedule import BlockScheduler
 from .units import StreamUnits, install_units
@@ -338,7 +339,7 @@ def apply_offload(model: nn.Module, family, config: OffloadConfig, device: torch
         fp = measure_footprint(model, family, name or type(model).__name__)
         from .link import resolve_machine
 
-        plan = make_plan(fp, workload, config, resolve_budget_bytes(config, device), physical_ram_bytes(),
+        plan = make_plan(fp, workload, config, resolve_budget_bytes(config, device), ram_cap_bytes(),
                          machine=resolve_machine(device) if _engine_factory is None else None)
     handle = OffloadHandle(model, plan, device)
 
@@ -406,11 +407,23 @@ def apply_offload(model: nn.Module, family, config: OffloadConfig, device: torch
         split = f", as {len(streamed_units)} units" if len(streamed_units) != len(plan.streamed) else ""
         cb.log(f"  pinned {pinned / GB:.1f} GB of blocks{split} in {handle.pin_seconds:.1f} s "
                f"({handle.pinned_reused} of {len(streamed_units)} reused from an earlier run); "
-               f"host RSS {host_rss_bytes() / GB:.1f} GB of {physical_ram_bytes() / GB:.0f} GB")
+               f"{host_memory_line(plan)}")
     if handle.outer is not None:
         cb.log(f"  {handle.outer.nbytes / GB:.2f} GB of layers outside the blocks wait on the host between their runs "
                f"({', '.join(h.name for _, h in handle.outer.hooks)}): copied in once per forward")
     return handle
+
+
+def host_memory_line(plan: Optional[Plan] = None) -> str:
+    """This process's host memory now beside the RAM plan's prediction: what cannot be reclaimed (anonymous +
+    shared pages, pinned buffers included), the page-locked part, and the file pages mapped (a slab's map: clean
+    page cache the kernel can drop, not counted against the plan)."""
+    mem = process_memory()
+    predicted = (f" (predicted peak {plan.predicted_host_peak_bytes / GB:.1f} GB"
+                 + (f" of a {plan.ram_budget_bytes / GB:.1f} GB budget" if plan.ram_budget_bytes else "") + ")"
+                 if plan is not None and plan.host_phases else "")
+    return (f"host RAM {mem.unreclaimable / GB:.1f} GB{predicted}, {mem.locked / GB:.1f} GB of it page-locked, "
+            f"+ {mem.file / GB:.1f} GB of mapped file pages; machine {ram_cap_bytes() / GB:.0f} GB")
 
 
 #: The name of the streamer's hook on each block (or unit) it schedules.
