@@ -157,7 +157,11 @@ def run_child(args, kind: str, extra: list[str], cgroup: Path | None) -> dict:
         if cgroup is not None:
             (cgroup / "cgroup.procs").write_text(str(os.getpid()))
 
-    proc = subprocess.Popen(cmd, preexec_fn=enter)
+    # As the memory benches run (bench_memory.py): without expandable segments the allocator's fragmentation at an
+    # 8 GB cap overran the budget by 0.67 GB on the first try (a VRAM matter, not this bench's).
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+           or "expandable_segments:True"}
+    proc = subprocess.Popen(cmd, preexec_fn=enter, env=env)
     peaks = {"host": 0, "rss": 0, "file": 0, "locked": 0}
     while proc.poll() is None:
         s = status_of(proc.pid)

@@ -14,8 +14,8 @@ them on a fake tree under a temporary folder.
 cgroup v2: ``/proc/self/cgroup`` has one line ``0::<path>``; the limit is ``memory.max`` of that folder under
 ``/sys/fs/cgroup`` and of every folder above it (the smallest wins; ``max`` = none). cgroup v1: the line whose
 controllers include ``memory`` names the folder under ``/sys/fs/cgroup/memory``; ``memory.limit_in_bytes`` (a value
-near 2^63 = none). Usage: ``memory.current`` (v2) / ``memory.usage_in_bytes`` (v1), less the inactive page cache
-(``inactive_file`` of ``memory.stat``), which the kernel reclaims before it OOM-kills anything.
+near 2^63 = none). Usage: ``memory.current`` (v2) / ``memory.usage_in_bytes`` (v1), less the page cache
+(``file`` of ``memory.stat``), which the kernel reclaims before it OOM-kills anything.
 """
 from __future__ import annotations
 
@@ -123,8 +123,9 @@ def cgroup_limit_bytes(root: str | Path = "/") -> Optional[int]:
 
 
 def cgroup_usage_bytes(root: str | Path = "/") -> Optional[int]:
-    """What the process's cgroup holds now, less its inactive page cache (the kernel reclaims that first);
-    None without a cgroup."""
+    """What the process's cgroup holds now, less its page cache (clean file pages are dropped before anything is
+    OOM-killed; a slab read by the previous run sits there and would otherwise count as held); None without a
+    cgroup."""
     cg = own_cgroup(root)
     if cg is None:
         return None
@@ -132,8 +133,8 @@ def cgroup_usage_bytes(root: str | Path = "/") -> Optional[int]:
     if not raw.isdigit():
         return None
     stat = _read(cg.path / "memory.stat")
-    inactive = _kv_bytes(stat, "inactive_file" if cg.version == 2 else "total_inactive_file") or 0
-    return max(0, int(raw) - inactive)
+    cache = _kv_bytes(stat, "file" if cg.version == 2 else "total_cache") or 0
+    return max(0, int(raw) - cache)
 
 
 @dataclass(frozen=True)

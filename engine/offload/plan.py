@@ -68,11 +68,12 @@ HEADROOM_BYTES = int(0.5 * GB)
 AUTO_DEPTHS = (3, 2, 1)  # prefetch depths auto weighs (a deeper ring absorbs a copy-bound forward, for a slot)
 
 # --- host RAM (the RAM plan: every host byte the run causes, engine/offload/hostmem.py holds the budget) ---
-# The process itself before any model: Python, torch, diffusers/transformers imports, the CUDA context and its
-# host-side allocations (cuBLAS handles, the pinned staging of torch's allocator), the dataset cache's index.
-# Unreclaimable RSS (RssAnon + RssShmem) of a training process on the H100 before the model loads
-# (bench/bench_ram.py "process base" figure).
-PROCESS_BASE_BYTES = int(2.0 * GB)
+# The process itself beside the run's own buffers: Python, torch, diffusers/transformers, the CUDA context and the
+# libraries' host-side state once kernels ran (cuBLAS handles, workspaces), the step's small host tensors. Measured
+# on the H200 with bench/bench_ram.py, 2026-11-27 (Flux.1-dev int8 slab, 1024², auto 8 GB): 0.69 GB of unreclaimable
+# RSS (RssAnon + RssShmem) after the imports, CUDA start and one matmul; 1.61 GB while training (peak 9.85 GB less
+# the 8.24 GB of pinned blocks and kept tensors the plan counts). The larger figure, rounded up.
+PROCESS_BASE_BYTES = int(1.7 * GB)
 # The disk tier's pinned staging ring: reads from the slab file land here, a few blocks ahead of their copy to the
 # GPU (engine/offload/disk.py); each slot holds the largest disk block.
 DISK_STAGING_SLOTS = 4
@@ -303,7 +304,8 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
                recompute_chunks: int = 1, optimizer_on_host: bool = False,
                micro_batch: Optional[int] = None, compiled_budget: float = 1.0, outer_on_host: bool = False,
                disk_blocks: Sequence[int] = (), host_extra: Optional[dict] = None,
-               ram_budget_bytes: Optional[int] = None, keeps_host_copies: bool = True) -> Plan:
+               ram_budget_bytes: Optional[int] = None, keeps_host_copies: bool = True,
+               resume_staging: bool = True) -> Plan:
     """One plan's numbers (the step's copies are simulated once per ring layout and cached: schedule.py).
     ``micro_batch``: samples per forward/backward; a batch of more runs as that many gradient-accumulated
     pieces (the same gradient), so activations are sized for it. ``compiled_budget``: the blocks are compiled at
@@ -313,7 +315,8 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
     instead of held in host RAM. ``host_extra``: host bytes the run holds beside the plan, by name ("preview
     partner": the other expert's pinned blocks; "caching": the Cache Text Embeds pass, a phase of its own).
     ``keeps_host_copies``: the streamer places the model and keeps the host copies of what it moves to the GPU
-    (False: mode='resident', whose placement moves the model and lets the host copies go)."""
+    (False: mode='resident', whose placement moves the model and lets the host copies go). ``resume_staging``: the run
+    writes resumable states (each save copies the LoRA and its moments to a pinned host buffer)."""
     resident = sorted(set(resident))
     if resident and (resident[0] < 0 or resident[-1] >= fp.num_blocks):
         raise ConfigError(f"resident block ids {resident} must be in [0, {fp.num_blocks}) for {fp.name}")
@@ -370,7 +373,7 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
     disk_set = {u for i in disk for u in groups[i]}
     disk_per_step = sum(sizes[u] for u in loads if u in disk_set) if disk else 0
     host = host_bytes(fp, streamed, disk, act_io, outer, optimizer_on_host, staging_slots, host_extra or {},
-                      resident, keeps_host_copies)
+                      resident, keeps_host_copies, resume_staging)
     return Plan(
         mode="stream" if streamed else "resident", resident=resident, streamed=streamed, prefetch_depth=k,
         num_slots=num_slots, slot_bytes=slot_bytes, activation_offload=activation_offload,
@@ -388,7 +391,7 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
 
 def host_bytes(fp: ModelFootprint, streamed: Sequence[int], disk: Sequence[int], act_io: int, outer: int,
                moments_on_host: bool, staging_slots: int, extra: dict, resident: Sequence[int],
-               keeps_host_copies: bool = True) -> dict:
+               keeps_host_copies: bool = True, resume_staging: bool = True) -> dict:
     """Every host byte a run causes, by part and by phase (the RAM plan):
 
     * process: the interpreter, torch and the CUDA context (PROCESS_BASE_BYTES, measured);
@@ -416,7 +419,7 @@ def host_bytes(fp: ModelFootprint, streamed: Sequence[int], disk: Sequence[int],
     moments = int(lora * MOMENT_BYTES_PER_PARAM) if moments_on_host else 0
     # A resume save stages the fp32 LoRA weights and the optimizer's moments (lora_bytes_per_param less the weight
     # and its gradient: 8 for AdamW, ~2 for 8-bit AdamW).
-    resume = int(lora * (4 + max(0.0, fp.lora_bytes_per_param - 8)))
+    resume = int(lora * (4 + max(0.0, fp.lora_bytes_per_param - 8))) if resume_staging else 0
     kept = (fp.other_bytes - outer + (0 if fp.file_backed else sum(fp.block_bytes[i] for i in resident))
             if keeps_host_copies else 0)
     train = {"process": PROCESS_BASE_BYTES, "blocks": pinned_blocks, "staging": staging, "activations": act_io,
@@ -511,13 +514,13 @@ def _with_disk(fp: ModelFootprint, wl: Workload, plan_args: dict, ram: RamLimits
 def make_plan(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, budget_bytes: Optional[int] = None,
               host_ram_bytes: Optional[int] = None, compiled: bool = False, machine: Optional[Machine] = None,
               compute_s_per_step: Optional[float] = None, ram_budget_bytes: Optional[int] = None,
-              host_extra: Optional[dict] = None, ram_source: str = "") -> Plan:
+              host_extra: Optional[dict] = None, ram_source: str = "", resume_staging: bool = True) -> Plan:
     """The plan for ``cfg``. ``budget_bytes`` is required for mode='auto' (the caller resolves
     vram_budget_gb=0 to the free VRAM). ``ram_budget_bytes``: the RAM plan's budget (the caller resolves
     ram_budget_gb=0 with engine/offload/hostmem.py; None: unlimited); ``host_ram_bytes``: the machine's RAM (the
     smaller of physical and the cgroup limit), of which the streamer may pin ``cfg.max_pinned_fraction``;
     ``host_extra``: host bytes the run holds beside the plan (``build_plan``); ``ram_source``: how the RAM budget
-    was set, for messages. Raises ConfigError when auto cannot fit both budgets, or an explicit plan does not fit
+    was set, for messages; ``resume_staging``: the run saves resumable states (``build_plan``). Raises ConfigError when auto cannot fit both budgets, or an explicit plan does not fit
     the RAM budget. ``compiled``: the blocks will be compiled (engine/train/compile.py), so
     cfg.activation_memory_budget applies, and auto may lower it. ``machine``: the link, disk and GPU the step time is
     predicted for (engine/offload/link.py measures it; None: a 25 GB/s link, no disk tier); auto picks the fastest
@@ -536,7 +539,7 @@ def make_plan(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, budget_bytes
              "outer_on_host": bool(cfg.outer_on_host),
              "micro_batch": cfg.micro_batch_size,
              "compiled_budget": cfg.activation_memory_budget if compiled else 1.0,
-             "host_extra": host_extra, "ram_budget_bytes": ram_budget_bytes}
+             "host_extra": host_extra, "ram_budget_bytes": ram_budget_bytes, "resume_staging": resume_staging}
     if cfg.mode == "resident":
         plan = with_step_time(build_plan(fp, wl, range(n), 1, False, reason="mode=resident",
                                          keeps_host_copies=False, **fixed), **timing)
@@ -547,7 +550,8 @@ def make_plan(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, budget_bytes
     else:
         if budget_bytes is None:
             raise ValueError("mode='auto' needs budget_bytes")
-        plan = _auto(fp, wl, cfg, order, budget_bytes, compiled, timing, ram, ram_source)
+        plan = _auto(fp, wl, cfg, order, budget_bytes, compiled, timing, ram, ram_source,
+                     {"host_extra": host_extra, "resume_staging": resume_staging})
     if ram.pinned is not None and plan.pinned_host_bytes > ram.pinned:
         raise ConfigError(
             f"the plan pins {plan.pinned_host_bytes / GB:.1f} GB of host RAM but max_pinned_fraction="
@@ -569,7 +573,7 @@ def make_plan(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, budget_bytes
 
 def _auto(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: list[int], budget: int,
           compiled: bool = False, timing: Optional[dict] = None, ram: RamLimits = RamLimits(),
-          ram_source: str = "") -> Plan:
+          ram_source: str = "", host: Optional[dict] = None) -> Plan:
     """The fastest plan that fits both budgets. Finer recompute and host-held moments cost time but no PCIe bytes,
     so they are escalations: tried only when nothing fits without them (unless set explicitly), or when what fits
     without them needs blocks on the disk tier. Compiled blocks at activation-memory budget 1 (the default) may go
@@ -592,32 +596,35 @@ def _auto(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: list[int]
                    for h in host_steps for o in outer_steps]
     disk_ok = can_use_disk(fp, timing.get("machine"))
     found, ram_refused = [], []
-    for chunks, host, micro, cbudget, outer in escalations:
-        plan = _auto_fixed(fp, wl, cfg, order, budget, chunks, host, micro, cbudget, timing, outer, ram, disk_ok,
-                           ram_refused)
+    for chunks, moments, micro, cbudget, outer in escalations:
+        plan = _auto_fixed(fp, wl, cfg, order, budget, chunks, moments, micro, cbudget, timing, outer, ram, disk_ok,
+                           ram_refused, host)
         if plan is not None:
             found.append(plan)
             if not plan.disk_blocks:  # a later escalation only costs time: stop at the first without disk reads
                 break
     if found:
         best = min(found, key=_cost)
-        if ram_refused and not best.activation_offload:
+        faster = [p for p in ram_refused if _cost(p) < _cost(best)]  # what the RAM budget ruled out
+        if faster and not best.activation_offload:
+            over = min(p.predicted_host_peak_bytes for p in faster) - ram.budget
             best.ram_note = (f"activations stay on the GPU (recompute{' in token chunks' if best.recompute_chunks > 1 else ''}"
-                             f" instead of activation offload): offloading them would pin "
-                             f"{max(ram_refused) / GB:.1f} GB more host RAM than the RAM budget leaves, and "
-                             f"activations are never written to disk (SSD wear)")
+                             f" instead of activation offload, which would be faster here): offloading them would "
+                             f"need {over / GB:.1f} GB more host RAM than the RAM budget allows, and activations are "
+                             f"never written to disk (SSD wear)")
         if best.disk_blocks:
             best.ram_note = (best.ram_note + "; " if best.ram_note else "") + (
                 f"{len(best.disk_blocks)} streamed blocks ({sum(fp.block_bytes[i] for i in best.disk_blocks) / GB:.1f}"
                 f" GB) are read from the slab file each time they load: the RAM budget holds the rest")
         return best
-    raise _refusal(fp, wl, cfg, order, budget, compiled, escalations[-1], ram, disk_ok, ram_source)
+    raise _refusal(fp, wl, cfg, order, budget, compiled, escalations[-1], ram, disk_ok, ram_source, host)
 
 
-def _refusal(fp, wl, cfg, order, budget, compiled, last, ram: RamLimits, disk_ok: bool, ram_source: str):
+def _refusal(fp, wl, cfg, order, budget, compiled, last, ram: RamLimits, disk_ok: bool, ram_source: str,
+             host_args: Optional[dict] = None):
     """The ConfigError when no plan fits: the smallest (VRAM, RAM) pairs that work, and the fix."""
     chunks, host, micro, cbudget, outer = last
-    common = {"recompute_chunks": chunks, "micro_batch": micro, "compiled_budget": cbudget}
+    common = {"recompute_chunks": chunks, "micro_batch": micro, "compiled_budget": cbudget, **(host_args or {})}
     smallest = build_plan(fp, wl, order[:cfg.resident_blocks or 0], min([cfg.prefetch_depth] if cfg.prefetch_depth
                                                                         else [2, 1]),
                           cfg.activation_offload if cfg.activation_offload is not None else True, budget,
@@ -655,23 +662,26 @@ def _refusal(fp, wl, cfg, order, budget, compiled, last, ram: RamLimits, disk_ok
         f"{budget / GB:.3g} and ram_budget_gb={ram.budget / GB:.3g}{ram_source} together; the smallest pairs that "
         f"work: {' or '.join(f'{v:.1f} GB VRAM + {r:.1f} GB RAM' for v, r in shown)}. Free host RAM or raise "
         f"ram_budget_gb, or raise vram_budget_gb (more blocks resident need less RAM)"
-        + ("" if disk_ok else "; load the model as an int8 slab (precision 'int8 slab'): its blocks can then stream "
-                              "from the slab file on disk instead of RAM")
+        + ("" if disk_ok else
+           "; the disk tier needs the slab file's read rate, which was not measured" if fp.disk_capable else
+           "; load the model as an int8 slab (precision 'int8 slab'): its blocks can then stream from the slab file "
+           "on disk instead of RAM")
         + ", or lower the resolution or batch size")
 
 
 def _auto_fixed(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: list[int], budget: int,
                 chunks: int, host: bool, micro: int, compiled_budget: float = 1.0,
                 timing: Optional[dict] = None, outer: bool = False, ram: RamLimits = RamLimits(),
-                disk_ok: bool = False, ram_refused: Optional[list] = None) -> Optional[Plan]:
+                disk_ok: bool = False, ram_refused: Optional[list] = None,
+                host_args: Optional[dict] = None) -> Optional[Plan]:
     """The fastest plan that fits both budgets at these escalations: for each prefetch depth and activation offload
     setting the most resident blocks that fit the VRAM budget (more resident is never slower and needs less RAM),
     with the fewest blocks on the disk tier that make it fit the RAM budget; then the lowest predicted step time.
-    ``ram_refused`` collects how far over the RAM budget the activation-offload plans that fit the VRAM were."""
+    ``ram_refused`` collects the activation-offload plans that fit the VRAM budget but not the RAM one."""
     timing = timing or {}
     n = fp.num_blocks
     extra = {"recompute_chunks": chunks, "optimizer_on_host": host, "micro_batch": micro,
-             "compiled_budget": compiled_budget, "outer_on_host": outer}
+             "compiled_budget": compiled_budget, "outer_on_host": outer, **(host_args or {})}
     if cfg.resident_blocks in (None, n):  # nothing streams when everything fits: fastest by far
         everything = build_plan(fp, wl, range(n), 1, False, budget, reason="auto: everything fits the budget",
                                 ram_budget_bytes=ram.budget, **extra)
@@ -692,7 +702,7 @@ def _auto_fixed(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: lis
                 fitted = _with_disk(fp, wl, args, ram, disk_ok)
                 if fitted is None:
                     if act and ram_refused is not None and ram.budget is not None:
-                        ram_refused.append(plan.predicted_host_peak_bytes - ram.budget)
+                        ram_refused.append(with_step_time(plan, **timing))
                     break
                 with_step_time(fitted, **timing)
                 if best is None or _cost(fitted) < _cost(best):

@@ -184,6 +184,7 @@ class OffloadHandle:
         self._hosts: dict[int, HostBlock] = {}
         self.pin_seconds = 0.0
         self.pinned_reused = 0
+        self.pinned_bytes = 0  # page-locked host bytes of this handle (blocks, activation buffers)
         self.step_copy_s: list[float] = []  # per training step: copy engine busy
         self.step_stall_s: list[float] = []  # per training step: compute waiting for copies
         self._removed = False
@@ -199,6 +200,7 @@ class OffloadHandle:
         """Counters since apply (copies, bytes, synchronous loads = prefetch misses, resyncs) and, per
         training step, copy-engine busy and compute stall seconds (CUDA; see ``end_step``)."""
         out = {"bytes_copied": 0, "pin_seconds": round(self.pin_seconds, 2), "pinned_reused": self.pinned_reused,
+               "pinned_gb": round(self.pinned_bytes / GB, 3),
                "step_copy_s": self.step_copy_s, "step_stall_s": self.step_stall_s,
                "paced_s": round(getattr(self.engine, "pacer", None).paced_s, 3)
                if getattr(self.engine, "pacer", None) is not None else 0.0}
@@ -402,7 +404,9 @@ def apply_offload(model: nn.Module, family, config: OffloadConfig, device: torch
             model, units, device, plan.workload, plan.footprint.hidden_size, inline=_engine_factory is not None,
             passthrough=handle.units.split if handle.units is not None else ())
     cb.log(plan.describe())
-    pinned = sum(hb.nbytes for hb in handle._hosts.values())
+    pinned = sum(hb.nbytes for hb in handle._hosts.values() if hb.pinned)
+    handle.pinned_bytes = pinned + (handle.outer.nbytes if handle.outer is not None else 0) + (
+        sum(a.buffer.numel() for a in handle.activations.arenas) if handle.activations is not None else 0)
     if plan.streamed:
         split = f", as {len(streamed_units)} units" if len(streamed_units) != len(plan.streamed) else ""
         cb.log(f"  pinned {pinned / GB:.1f} GB of blocks{split} in {handle.pin_seconds:.1f} s "

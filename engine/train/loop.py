@@ -111,6 +111,7 @@ def _train_lora(model_cfg, dataset, lora, train, callback, preloaded, offload, r
     placement = choose_placement(offload, split, device, cb)
     run = _Run(cb=cb, ranks=ranks or Ranks(), dataset=dataset, train=train, resume=resume, placement=placement,
                dtype=dtype, held_before=held_before)
+    placement.saves_state = resume is not None and resume.enabled
     if preview_partner is not None and sampling is not None and sampling.enabled and device.type == "cuda":
         _count_partner(placement, preview_partner, dtype)
     _load_model(run, model_cfg, lora, preloaded)

@@ -97,6 +97,7 @@ class Placement(ABC):
         # RAM plan counts them (engine/offload/plan.py host_bytes).
         self.host_extra: dict[str, int] = {}
         self.slab_path = None  # the checkpoint is an int8 slab here: its blocks can stream from disk
+        self.saves_state = True  # the run writes resumable states (the loop says): a save stages them in host RAM
         self._model = None  # the model LoRA is attached to, until remove()
         self._checkpointing_on = False  # whether apply turned gradient checkpointing on
 
@@ -247,7 +248,7 @@ class Resident(Placement):
         fp.lora_bytes_per_param = lora_bytes_per_param(train)
         ram, cap, source = ram_budget(self.offload)
         make_plan(fp, workload_for(dataset, family, variant, train.batch_size), self.offload, None, cap,
-                  ram_budget_bytes=ram, host_extra=self.host_extra, ram_source=source)
+                  ram_budget_bytes=ram, host_extra=self.host_extra, ram_source=source, resume_staging=self.saves_state)
 
     def apply(self, model, family, variant, dataset, lora, train, callback):
         model.to(self.device)
@@ -285,7 +286,7 @@ class Streamed(Placement):
         return make_plan(fp, workload_for(dataset, family, variant, train.batch_size), offload,
                          resolve_budget_bytes(offload, self.device), cap,
                          compiled=self.compiles(train)[0], machine=self.machine(fp), ram_budget_bytes=ram,
-                         host_extra=self.host_extra, ram_source=source)
+                         host_extra=self.host_extra, ram_source=source, resume_staging=self.saves_state)
 
     def machine(self, fp):
         """The link (measured once), and the slab file's disk when the model can stream from it."""
