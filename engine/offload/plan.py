@@ -170,6 +170,11 @@ class Plan:
     streamed_units: int = 0  # large blocks stream in parts with activation offload (engine/offload/units.py)
     step_time: Optional[StepTime] = None  # predicted on ``machine`` (engine/offload/steptime.py)
     machine: Optional[Machine] = None
+    # The disk tier (engine/offload/disk.py): streamed blocks read from the slab file on every load, through a
+    # ring of ``staging_slots`` pinned buffers; the bytes one steady-state step reads from disk.
+    disk_blocks: list[int] = field(default_factory=list)
+    staging_slots: int = 0
+    disk_bytes_per_step: int = 0
 
     @property
     def predicted_step_s(self) -> Optional[float]:
@@ -207,6 +212,10 @@ class Plan:
                          + (f", {self.activation_bytes_per_step / GB:.2f} GB of activations each way"
                             if self.activation_offload else "")
                          + f"; pinned host memory {self.pinned_host_bytes / GB:.1f} GB")
+            if self.disk_blocks:
+                lines.append(f"  {len(self.disk_blocks)} blocks read from the slab on disk at each load: "
+                             f"{self.disk_bytes_per_step / GB:.1f} GB per step through {self.staging_slots} pinned "
+                             f"staging buffers (weights only: activations never go to disk)")
         if self.reason:
             lines.append(f"  {self.reason}")
         return "\n".join(lines)
@@ -229,6 +238,8 @@ class Plan:
             **(self.step_time.as_dict() if self.step_time is not None else {}),
             "link_gbps": round(self.machine.link_bytes_per_s / GB, 2) if self.machine is not None else None,
             "link_source": self.machine.source if self.machine is not None else None,
+            "disk_blocks": len(self.disk_blocks), "staging_slots": self.staging_slots,
+            "disk_gb_per_step": round(self.disk_bytes_per_step / GB, 3),
         }
 
 
@@ -359,8 +370,13 @@ def make_plan(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, budget_bytes
         plan = with_step_time(build_plan(fp, wl, range(n), 1, False, reason="mode=resident", **fixed), **timing)
     elif cfg.mode == "stream":
         r = cfg.resident_blocks or 0
-        plan = with_step_time(build_plan(fp, wl, order[:r], cfg.prefetch_depth or 2, bool(cfg.activation_offload),
-                                         reason="mode=stream", **fixed), **timing)
+        plan = build_plan(fp, wl, order[:r], cfg.prefetch_depth or 2, bool(cfg.activation_offload),
+                          reason="mode=stream", **fixed)
+        if cfg.disk_blocks:  # the disk tier, forced (benches, tests): the blocks next to the turn
+            from .disk import last_streamed, with_disk_blocks
+
+            with_disk_blocks(plan, last_streamed(plan, cfg.disk_blocks))
+        plan = with_step_time(plan, **timing)
     else:
         if budget_bytes is None:
             raise ValueError("mode='auto' needs budget_bytes")
