@@ -35,6 +35,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -393,6 +394,8 @@ class StagingRing:
         self.slot_bytes = max(u.nbytes for u in units.values())
         self.memory = aligned_empty(slots * self.slot_bytes)  # one region: one registration
         self.pinned = _register(self.memory) if pin else False
+        # unregistered before the memory can be freed, even when close() is never called
+        self._unpin = weakref.finalize(self, _unregister, self.memory) if self.pinned else None
         self.buffers = [_Buffer(self.memory[i * self.slot_bytes:(i + 1) * self.slot_bytes]) for i in range(slots)]
         self.policy = StagingPolicy(slots, predict)
         self.bytes_read = self.reads = self.sync_reads = self.reused = 0
@@ -466,9 +469,9 @@ class StagingRing:
             for f in b.futures:
                 f.cancel()
         self.reader.close()
-        if self.pinned:
-            _unregister(self.memory)
-            self.pinned = False
+        if self._unpin is not None:
+            self._unpin()
+            self._unpin, self.pinned = None, False
 
 
 # --- the plan's side ----------------------------------------------------------------------------------------------

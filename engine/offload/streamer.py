@@ -437,6 +437,8 @@ def apply_offload(model: nn.Module, family, config: OffloadConfig, device: torch
             HookRegistry.of(model).register(PASS_HOOK, StartPass(handle.scheduler))
             handle._pass_hooked = model
         if disk_units:
+            # The disk's rate first (a probe on first use): measured while the ring's first reads run, it reads low.
+            rate = _disk_rate(source) if _engine_factory is None else None
             handle.disk = handle.engine.disk = _staging_ring(plan, handle, disk_units, source, pin)
         handle.scheduler.prime()
     if plan.activation_offload:
@@ -448,7 +450,7 @@ def apply_offload(model: nn.Module, family, config: OffloadConfig, device: torch
     cb.log(plan.describe())
     pinned = sum(hb.nbytes for hb in handle._hosts.values() if not isinstance(hb, DiskUnit))
     if handle.disk is not None:
-        _log_disk_tier(plan, handle.disk, source, cb, measure=_engine_factory is None)
+        _log_disk_tier(plan, handle.disk, source, cb, rate)
     if plan.streamed:
         split = f", as {len(streamed_units)} units" if len(streamed_units) != len(plan.streamed) else ""
         cb.log(f"  pinned {pinned / GB:.1f} GB of blocks{split} in {handle.pin_seconds:.1f} s "
@@ -487,15 +489,20 @@ def _staging_ring(plan: Plan, handle: OffloadHandle, disk_units: set, source, pi
         raise
 
 
-def _log_disk_tier(plan: Plan, ring, source, cb: TrainingCallback, measure: bool) -> None:
-    from .disk import disk_rate_for, slow_disk_warning
+def _disk_rate(source) -> float:
+    from .disk import disk_rate_for
+
+    return disk_rate_for(source.path)
+
+
+def _log_disk_tier(plan: Plan, ring, source, cb: TrainingCallback, rate: Optional[float]) -> None:
+    from .disk import slow_disk_warning
 
     stored = sum(ring.units[u].stored_bytes for u in ring.units)
     cb.log(f"  disk tier: {len(plan.disk_blocks)} blocks ({stored / GB:.2f} GB) read from '{source.path}' at each "
            f"load ({ring.reader.mode}), {len(ring.buffers)} staging buffers of {ring.slot_bytes / 1e6:.0f} MB "
            f"pinned")
-    if measure:
-        rate = disk_rate_for(source.path)
+    if rate is not None:
         warning = slow_disk_warning(plan, rate, source.path)
         cb.log(warning or f"  the slab's disk reads {rate / GB:.2f} GB/s: {plan.disk_bytes_per_step / GB:.2f} GB "
                           f"per step take {plan.disk_bytes_per_step / rate:.2f} s")
