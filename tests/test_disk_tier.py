@@ -102,6 +102,7 @@ def test_disk_units_bind_the_slabs_own_bytes_at_aligned_offsets(slab):
     with safe_open(str(slab), framework="pt") as f:
         reference = {k: f.get_tensor(k) for k in f.keys()}
     names = {id(m): n for n, m in model.named_modules()}
+    ids = {u: [id(e.tensor()) for e in unit.entries] for u, unit in ring.units.items()}
     checked = 0
     for b in visit_cycle(handle.scheduler.num_blocks):
         handle.scheduler.visit(b)
@@ -109,7 +110,8 @@ def test_disk_units_bind_the_slabs_own_bytes_at_aligned_offsets(slab):
             for off, length, dst in unit.runs:
                 assert off % ALIGN == 0 and length % ALIGN == 0 and dst % ALIGN == 0
             if u not in handle.scheduler.where:
-                assert all(e.tensor().device.type == "meta" for e in unit.entries)  # evicted: no bytes anywhere
+                assert all(e.tensor().device.type == "cpu" and e.tensor().untyped_storage().nbytes() <= 8
+                           for e in unit.entries)  # evicted: no bytes anywhere
                 continue
             for e, key in zip(unit.entries, unit.keys):
                 assert disk_mod.slab_key(names, e.module, e.name) == key
@@ -117,6 +119,8 @@ def test_disk_units_bind_the_slabs_own_bytes_at_aligned_offsets(slab):
                 assert torch.equal(e.tensor(), reference[key]), key  # the slab's bytes, bit for bit
                 checked += 1
     assert checked > 0
+    # the same tensor objects all along (their data swapped, as for RAM blocks): compiled blocks keep their guards
+    assert ids == {u: [id(e.tensor()) for e in unit.entries] for u, unit in ring.units.items()}
     stored = sum(u.stored_bytes for u in ring.units.values())
     assert stored == sum(t.numel() * t.element_size() for u in ring.units.values() for t in
                          (reference[k] for k in u.keys))
@@ -338,3 +342,18 @@ def test_disk_blocks_config_and_plan(slab):
     plain.__dict__.pop("_lowvram_slab_source")
     with pytest.raises(ConfigError, match="not loaded from an int8 slab"):
         apply_offload(plain, FAMILY, OffloadConfig(mode="stream"), CPU, plan=plan, _engine_factory=InlineCopyEngine)
+
+
+def test_a_disk_too_slow_for_the_plan_is_warned_with_the_predicted_step(slab):
+    from lowvram_lora.engine.offload.steptime import Machine
+
+    model = load_slab_transformer(slab, torch.bfloat16, verify="quick")[0]
+    plan = make_plan(measure_footprint(model, FAMILY), Workload(1, 4096, 512), OffloadConfig(mode="stream", disk_blocks=5),
+                     machine=Machine())
+    compute = plan.step_time.compute_s
+    fast = plan.disk_bytes_per_step / compute * 2
+    assert disk_mod.slow_disk_warning(plan, fast, slab) is None
+    slow = plan.disk_bytes_per_step / compute / 3
+    warning = disk_mod.slow_disk_warning(plan, slow, slab)
+    assert warning is not None and str(slab) in warning and "predicted step" in warning
+    assert f"{max(plan.predicted_step_s, 3 * compute):.2f} s" in warning

@@ -83,7 +83,9 @@ class DiskUnit(HostBlock):
     """A streamed unit whose frozen bytes are read from the slab file: where each tensor lies in the file, and how
     it lies in the staging buffer and the GPU slot (the same layout: the file's runs, back to back).
 
-    Evicted, its tensors are meta tensors of their shape (no bytes anywhere; a stray use fails loudly)."""
+    Evicted, its tensors are zero-stride CPU views of one element (their shape, no bytes: a stray use on the GPU
+    fails loudly, on the device mismatch, as with an evicted RAM block). The tensor objects are kept throughout
+    (``tensor.data`` is swapped, as for RAM blocks), so compiled blocks see the same parameters every load."""
 
     def __init__(self, unit: nn.Module, unit_name: str, source, names: dict[int, str]):
         self.name, self.source = unit_name, source
@@ -132,16 +134,16 @@ class DiskUnit(HostBlock):
             t.data = tensor
 
     def bind_host(self) -> None:
-        """Evicted: meta tensors (the bytes are on disk only)."""
+        """Evicted: the bytes are on disk only."""
         for e in self.entries:
-            self._put(e, torch.empty(e.shape, dtype=e.dtype, device="meta"))
+            self._put(e, torch.zeros((), dtype=e.dtype).expand(e.shape))
 
     def bound_to_host(self) -> bool:
         return False
 
     def restore(self) -> Optional[str]:
         """After streaming: the tensors back as views of the slab's memory map (read lazily, as the loader left
-        them). Returns why not when the file cannot be opened any more (the tensors then stay meta)."""
+        them). Returns why not when the file cannot be opened any more (the tensors then stay empty views)."""
         try:
             self.source.check()
             from safetensors import safe_open

@@ -290,7 +290,7 @@ class OffloadHandle:
             self.engine.close()
         self.engine = None
         # Not raised: remove() runs while a run's own error (a slab removed mid-run) may be on its way out. Those
-        # blocks stay meta: a later use fails loudly; a model loaded for this run is dropped anyway.
+        # blocks stay empty views: a later use fails; a model loaded for this run is dropped anyway.
         self.unrestored = unrestored
 
 
