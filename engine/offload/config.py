@@ -106,6 +106,13 @@ class OffloadConfig:
         "them: less VRAM in each block's backward for a little more compute. With mode=auto, 1 lets auto go "
         "down to 0.5 when its VRAM budget needs it (its last resort); a lower value is kept as set."
     )})
+    disk_blocks: Optional[int] = field(default=None, metadata={"help": (
+        "stream only: how many streamed blocks are read from the slab file on disk at every load instead of "
+        "being held in pinned host RAM (the disk tier; int8 slabs only). The blocks that run last in the forward "
+        "are chosen (next to the turn into the backward, they are read the fewest times). Saves their host RAM "
+        "for disk reads each step: fine on an NVMe drive when the step's compute hides them. Activations never "
+        "go to disk. None: none (auto decides from the RAM budget)."
+    )})
     max_pinned_fraction: float = field(default=0.8, metadata={"help": (
         "Largest share of the machine's RAM (the smaller of physical RAM and the cgroup limit) the plan may "
         "page-lock: pinned memory cannot be swapped, and pinning too much starves the rest of the system. A cap on "
@@ -144,6 +151,12 @@ class OffloadConfig:
         if self.activation_memory_budget < 1.0 and self.compile == "off":
             raise ConfigError(f"activation_memory_budget={self.activation_memory_budget} applies to compiled "
                               f"blocks only; set compile='blocks' or leave the budget at 1")
+        if self.disk_blocks is not None and self.disk_blocks < 0:
+            raise ConfigError(f"disk_blocks={self.disk_blocks} must be >= 0 (or None)")
+        if self.disk_blocks and self.mode != "stream":
+            raise ConfigError(f"disk_blocks={self.disk_blocks} only applies to mode='stream' (mode is "
+                              f"{self.mode!r}); auto picks disk blocks from the RAM budget. Set mode='stream' or "
+                              f"leave disk_blocks at None")
         if not 0.0 < self.max_pinned_fraction <= 0.95:
             raise ConfigError(f"max_pinned_fraction={self.max_pinned_fraction} must be in (0, 0.95]")
         if self.mode == "resident":

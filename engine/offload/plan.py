@@ -74,9 +74,6 @@ AUTO_DEPTHS = (3, 2, 1)  # prefetch depths auto weighs (a deeper ring absorbs a 
 # RSS (RssAnon + RssShmem) after the imports, CUDA start and one matmul; 1.61 GB while training (peak 9.85 GB less
 # the 8.24 GB of pinned blocks and kept tensors the plan counts). The larger figure, rounded up.
 PROCESS_BASE_BYTES = int(1.7 * GB)
-# The disk tier's pinned staging ring: reads from the slab file land here, a few blocks ahead of their copy to the
-# GPU (engine/offload/disk.py); each slot holds the largest disk block.
-DISK_STAGING_SLOTS = 4
 
 
 @dataclass
@@ -199,6 +196,7 @@ class Plan:
     host_breakdown: dict = field(default_factory=dict)
     ram_budget_bytes: Optional[int] = None
     ram_note: str = ""  # why the RAM plan looks as it does (recompute instead of offload, blocks on disk)
+    host_args: dict = field(default_factory=dict, repr=False)  # what ``rehost`` needs to count the host bytes again
 
     @property
     def predicted_host_peak_bytes(self) -> int:
@@ -240,9 +238,11 @@ class Plan:
             lines.append(f"  per step: {self.streamed_bytes_per_step / GB:.1f} GB of weights host->GPU"
                          + (f", {self.activation_bytes_per_step / GB:.2f} GB of activations each way"
                             if self.activation_offload else "")
-                         + (f", {self.disk_bytes_per_step / GB:.1f} GB read from disk ({len(self.disk_blocks)} "
-                            f"blocks on the disk tier, {self.staging_slots} staging slots)" if self.disk_blocks else "")
                          + f"; pinned host memory {self.pinned_host_bytes / GB:.1f} GB")
+            if self.disk_blocks:
+                lines.append(f"  {len(self.disk_blocks)} blocks read from the slab on disk at each load: "
+                             f"{self.disk_bytes_per_step / GB:.1f} GB per step through {self.staging_slots} pinned "
+                             f"staging buffers (weights only: activations never go to disk)")
         if self.host_phases:
             ram = (f" of a {self.ram_budget_bytes / GB:.1f} GB RAM budget" if self.ram_budget_bytes else "")
             parts = ", ".join(f"{k} {v / GB:.2f}" for k, v in self.host_breakdown.items() if v)
@@ -365,14 +365,15 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
     disk = sorted(set(disk_blocks))
     if disk and not set(disk) <= set(streamed):
         raise ConfigError(f"disk blocks {disk} must be streamed blocks of {fp.name} (resident: {resident})")
-    if disk and not fp.disk_capable:
-        raise ConfigError(f"{fp.name} is not loaded from an int8 slab: only a slab's blocks can be read from disk "
-                          f"each step (the disk tier); load the model with precision 'int8 slab'")
-    staging_slots = min(DISK_STAGING_SLOTS, len(disk))
-    # Each disk block is read every time it loads: what the scheduler loads of it in a step.
-    disk_set = {u for i in disk for u in groups[i]}
-    disk_per_step = sum(sizes[u] for u in loads if u in disk_set) if disk else 0
-    host = host_bytes(fp, streamed, disk, act_io, outer, optimizer_on_host, staging_slots, host_extra or {},
+    staging_slots, staging_bytes, disk_per_step = 0, 0, 0
+    if disk:  # the staging ring and the reads its policy makes in a steady-state step (engine/offload/disk.py)
+        from .disk import default_staging_slots, read_bytes_of, simulate_disk_reads
+
+        disk_units = {u for i in disk for u in groups[i]}
+        staging_slots = default_staging_slots(k)
+        staging_bytes = staging_slots * max(read_bytes_of(sizes[u]) for u in disk_units)
+        disk_per_step = sum(read_bytes_of(sizes[u]) for u in simulate_disk_reads(loads, disk_units, staging_slots))
+    host = host_bytes(fp, streamed, disk, act_io, outer, optimizer_on_host, staging_bytes, host_extra or {},
                       resident, keeps_host_copies, resume_staging)
     return Plan(
         mode="stream" if streamed else "resident", resident=resident, streamed=streamed, prefetch_depth=k,
@@ -386,17 +387,31 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
         activation_memory_budget=compiled_budget, disk_blocks=disk, staging_slots=staging_slots,
         disk_bytes_per_step=disk_per_step, host_phases=host["phases"], host_breakdown=host["train"],
         ram_budget_bytes=ram_budget_bytes,
+        host_args={"extra": dict(host_extra or {}), "keeps_host_copies": keeps_host_copies,
+                   "resume_staging": resume_staging},
     )
 
 
+def rehost(plan: Plan, staging_bytes: int) -> Plan:
+    """Count ``plan``'s host bytes again after its disk blocks changed (engine/offload/disk.py ``with_disk_blocks``),
+    with a staging ring of ``staging_bytes``."""
+    fp = plan.footprint
+    host = host_bytes(fp, plan.streamed, plan.disk_blocks, plan.activation_bytes_per_step,
+                      fp.outer_bytes if plan.outer_on_host else 0, plan.optimizer_on_host, staging_bytes,
+                      plan.host_args.get("extra", {}), plan.resident, plan.host_args.get("keeps_host_copies", True),
+                      plan.host_args.get("resume_staging", True))
+    plan.host_phases, plan.host_breakdown, plan.pinned_host_bytes = host["phases"], host["train"], host["pinned"]
+    return plan
+
+
 def host_bytes(fp: ModelFootprint, streamed: Sequence[int], disk: Sequence[int], act_io: int, outer: int,
-               moments_on_host: bool, staging_slots: int, extra: dict, resident: Sequence[int],
+               moments_on_host: bool, staging: int, extra: dict, resident: Sequence[int],
                keeps_host_copies: bool = True, resume_staging: bool = True) -> dict:
     """Every host byte a run causes, by part and by phase (the RAM plan):
 
     * process: the interpreter, torch and the CUDA context (PROCESS_BASE_BYTES, measured);
     * blocks: the pinned copies of streamed blocks not on the disk tier (engine/offload/host.py);
-    * staging: the disk tier's pinned ring (``staging_slots`` x the largest disk block);
+    * staging: the disk tier's pinned ring (``staging`` bytes: its slots x the largest disk unit's read);
     * activations: the pinned buffers activation offload keeps, one per streamed unit (activations.py);
     * moments: AdamW's moments between steps with optimizer_on_host (host_moments.py);
     * outer: the layers outside the blocks held in pinned memory with outer_on_host (outer.py);
@@ -414,7 +429,6 @@ def host_bytes(fp: ModelFootprint, streamed: Sequence[int], disk: Sequence[int],
     caching = extra.pop("caching", 0)
     disk_set = set(disk)
     pinned_blocks = sum(fp.block_bytes[i] for i in streamed if i not in disk_set)
-    staging = staging_slots * max((fp.block_bytes[i] for i in disk), default=0)
     lora = fp.trainable_params
     moments = int(lora * MOMENT_BYTES_PER_PARAM) if moments_on_host else 0
     # A resume save stages the fp32 LoRA weights and the optimizer's moments (lora_bytes_per_param less the weight
@@ -503,8 +517,8 @@ def _with_disk(fp: ModelFootprint, wl: Workload, plan_args: dict, ram: RamLimits
     if ram.fits(plan) or not disk_ok or not plan.streamed:
         return plan if ram.fits(plan) else None
     order = disk_order(fp, plan.streamed)
-    # Each disk block frees its bytes once it is past the staging ring's slots (which hold the largest of them).
-    for d in range(DISK_STAGING_SLOTS + 1, len(order) + 1):
+    # Each disk block frees its bytes once there are more than the staging ring's slots (they hold the largest).
+    for d in range(1, len(order) + 1):
         plan = build_plan(fp, wl, disk_blocks=order[:d], **plan_args)
         if ram.fits(plan):
             return plan
@@ -545,8 +559,14 @@ def make_plan(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, budget_bytes
                                          keeps_host_copies=False, **fixed), **timing)
     elif cfg.mode == "stream":
         r = cfg.resident_blocks or 0
-        plan = with_step_time(build_plan(fp, wl, order[:r], cfg.prefetch_depth or 2, bool(cfg.activation_offload),
-                                         reason="mode=stream", **fixed), **timing)
+        plan = build_plan(fp, wl, order[:r], cfg.prefetch_depth or 2, bool(cfg.activation_offload),
+                          reason="mode=stream", **fixed)
+        if cfg.disk_blocks:  # the disk tier, forced (benches, tests): the blocks next to the turn
+            from .disk import last_streamed
+
+            plan = build_plan(fp, wl, order[:r], cfg.prefetch_depth or 2, bool(cfg.activation_offload),
+                              reason="mode=stream", disk_blocks=last_streamed(plan, cfg.disk_blocks), **fixed)
+        plan = with_step_time(plan, **timing)
     else:
         if budget_bytes is None:
             raise ValueError("mode='auto' needs budget_bytes")
@@ -630,16 +650,17 @@ def _refusal(fp, wl, cfg, order, budget, compiled, last, ram: RamLimits, disk_ok
                           cfg.activation_offload if cfg.activation_offload is not None else True, budget,
                           optimizer_on_host=host, outer_on_host=outer, **common)
     need = math.ceil((smallest.predicted_peak_bytes + HEADROOM_BYTES) / GB * 10) / 10
-    if ram.budget is None or _fits(smallest, budget):
-        if ram.budget is None or ram.fits(smallest) or not _fits(smallest, budget):
-            return ConfigError(
-                f"vram_budget_gb={budget / GB:.3g} is below the smallest plan for {fp.name} at "
-                f"{wl.label or f'{wl.tokens} tokens'}, batch {wl.batch} ({need:.1f} GB: "
-                f"{', '.join(f'{k} {v / GB:.2f}' for k, v in smallest.breakdown.items())} GB + "
-                f"{HEADROOM_BYTES / GB:.1f} GB headroom); raise the budget to at least {need:.1f} GB, "
-                f"or lower the resolution or batch size"
-                + ("" if compiled else "; compiled blocks (compile='blocks', or auto for runs of 200+ steps on a CUDA "
-                                       "GPU with Triton) need less"))
+    if ram.budget is None or not _fits(smallest, budget):  # the VRAM budget is below any plan
+        return ConfigError(
+            f"vram_budget_gb={budget / GB:.3g} is below the smallest plan for {fp.name} at "
+            f"{wl.label or f'{wl.tokens} tokens'}, batch {wl.batch} ({need:.1f} GB: "
+            f"{', '.join(f'{k} {v / GB:.2f}' for k, v in smallest.breakdown.items())} GB + "
+            f"{HEADROOM_BYTES / GB:.1f} GB headroom"
+            + (f"; that plan needs {smallest.predicted_host_peak_bytes / GB:.1f} GB of host RAM"
+               if ram.budget is not None else "")
+            + f"); raise the budget to at least {need:.1f} GB, or lower the resolution or batch size"
+            + ("" if compiled else "; compiled blocks (compile='blocks', or auto for runs of 200+ steps on a CUDA "
+                                   "GPU with Triton) need less"))
     # Both budgets matter: the pairs that work at the two ends (the least VRAM, the least RAM).
     pairs = []
     for resident, act, moments, outer_host, c in (

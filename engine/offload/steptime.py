@@ -76,6 +76,9 @@ LINEAR_PASSES, ATTENTION_PASSES = 3.0, 4.5
 # the overhead issue 26 item 1 is removing: refit it when that lands (bench/bench_memory.py prints both figures).
 VISIT_OVERHEAD_S = 0.0008
 DEFAULT_LINK_BYTES_PER_S = 25 * GB  # no probe (CPU, tests): a PCIe 4.0 x16 board, the common case
+# A plan with disk blocks on a machine whose disk was not probed (an explicit stream plan on the CPU, tests): a PCIe
+# 4.0 NVMe drive's sequential read. auto never puts blocks on disk without a measured rate.
+DEFAULT_DISK_BYTES_PER_S = 3.5 * GB
 
 
 @dataclass(frozen=True)
@@ -297,13 +300,10 @@ def predict_step_time(plan, machine: Machine, compute_s_per_step: Optional[float
         unit_act = micro * wl.tokens * fp.hidden_size * fp.act_bytes_per_elem
         act = [unit_act] * len(sizes)
     disk_units = [u for i in getattr(plan, "disk_blocks", ()) for u in groups[i]]
-    if disk_units and not machine.disk_bytes_per_s:
-        raise ValueError(f"the plan reads {len(plan.disk_blocks)} blocks from disk but the machine has no disk rate "
-                         f"(Machine.disk_bytes_per_s)")
     seconds, stall, busy, disk = simulate_step_time(sizes, streamed_units, plan.prefetch_depth, plan.num_slots,
                                                     fwd, bwd, machine.link_bytes_per_s, act,
                                                     visit_overhead_s=VISIT_OVERHEAD_S, disk_units=disk_units,
-                                                    disk_rate=machine.disk_bytes_per_s or 0.0,
+                                                    disk_rate=machine.disk_bytes_per_s or DEFAULT_DISK_BYTES_PER_S,
                                                     staging_slots=max(1, getattr(plan, "staging_slots", 1)))
     # Layers outside the blocks held on the host (``outer_on_host``): copied in on the compute stream where they
     # run, once per forward; nothing overlaps that copy (engine/offload/outer.py).

@@ -289,10 +289,18 @@ class Streamed(Placement):
                          host_extra=self.host_extra, ram_source=source, resume_staging=self.saves_state)
 
     def machine(self, fp):
-        """The link (measured once), and the slab file's disk when the model can stream from it."""
+        """The link (measured once), and the read rate of the slab file's disk (probed once, cached) when the model
+        is a slab: only then may auto put blocks on the disk tier (engine/offload/disk.py)."""
+        from dataclasses import replace
+
         from ..offload.link import resolve_machine
 
-        return resolve_machine(self.device)
+        machine = resolve_machine(self.device)
+        if self.slab_path is None or not fp.disk_capable:
+            return machine
+        from ..offload.disk import disk_rate_for
+
+        return replace(machine, disk_bytes_per_s=disk_rate_for(self.slab_path))
 
     def plan_before_loading(self, ident, family_id, dataset, lora, train, dtype):
         from ..offload.footprint import footprint_before_loading
@@ -309,6 +317,10 @@ class Streamed(Placement):
         # Plan before touching the model: a refused plan leaves a preloaded model as it was.
         fp = measure_footprint(model, family, f"{family.display_name} ({variant})",
                                trainable_params=lora_param_count(model, family, lora))
+        if fp.disk_capable and self.slab_path is None:  # a preloaded slab: its file, as the loader recorded it
+            from ..slab.source import slab_source_of
+
+            self.slab_path = slab_source_of(model).path
         plan = self.plan(fp, family, variant, dataset, train)
         params = self._attach(model, family, lora, train, True)  # fp32, wherever the blocks are (CPU)
         try:
