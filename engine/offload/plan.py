@@ -484,10 +484,12 @@ def _cost(plan: Plan) -> tuple:
     return (round(plan.predicted_step_s, 3), io, plan.activation_offload, -plan.prefetch_depth)
 
 
-def disk_order(fp: ModelFootprint, streamed: Sequence[int]) -> list[int]:
-    """The order streamed blocks move to the disk tier: smallest first (the staging slots are sized for the largest
-    disk block), and blocks of one size spread evenly over the model (alternate halves, quarters, ...) so the disk's
-    reads interleave with the compute of the blocks between them."""
+def disk_orders(fp: ModelFootprint, streamed: Sequence[int]) -> list[list[int]]:
+    """The orders streamed blocks may move to the disk tier in, each tried by auto (the step-time model picks):
+    the last streamed first (next to the turn, where the staging ring carries a block from the forward into the
+    backward, so they are read the fewest times; engine/offload/disk.py), and the smallest first spread evenly over
+    the model (alternate halves, quarters, ...; the staging slots are sized for the largest disk block, and the disk's
+    reads interleave with the compute of the blocks between them)."""
     def spread(rank: int) -> float:  # van der Corput: 0, 1/2, 1/4, 3/4, ...
         out, base, r = 0.0, 0.5, rank
         while r:
@@ -497,11 +499,12 @@ def disk_order(fp: ModelFootprint, streamed: Sequence[int]) -> list[int]:
     by_size: dict[int, list[int]] = {}
     for i in streamed:
         by_size.setdefault(fp.block_bytes[i], []).append(i)
-    out = []
+    spread_order = []
     for size in sorted(by_size):
         ids = by_size[size]
-        out += [ids[j] for j in sorted(range(len(ids)), key=lambda j: spread(j))]  # evenly spaced picks first
-    return out
+        spread_order += [ids[j] for j in sorted(range(len(ids)), key=spread)]
+    last = list(reversed(list(streamed)))
+    return [last] + ([spread_order] if spread_order != last else [])
 
 
 def can_use_disk(fp: ModelFootprint, machine: Optional[Machine]) -> bool:
@@ -510,19 +513,24 @@ def can_use_disk(fp: ModelFootprint, machine: Optional[Machine]) -> bool:
     return fp.disk_capable and machine is not None and bool(machine.disk_bytes_per_s)
 
 
-def _with_disk(fp: ModelFootprint, wl: Workload, plan_args: dict, ram: RamLimits, disk_ok: bool) -> Optional[Plan]:
+def _with_disk(fp: ModelFootprint, wl: Workload, plan_args: dict, ram: RamLimits, disk_ok: bool,
+               timing: dict) -> Optional[Plan]:
     """The plan of ``plan_args`` with the fewest blocks on the disk tier that make it fit ``ram`` (none when it fits
-    as it is); None when even every streamed block on disk does not fit."""
+    as it is), in the disk order the step-time model finds fastest; None when even every streamed block on disk
+    does not fit."""
     plan = build_plan(fp, wl, **plan_args)
     if ram.fits(plan) or not disk_ok or not plan.streamed:
         return plan if ram.fits(plan) else None
-    order = disk_order(fp, plan.streamed)
-    # Each disk block frees its bytes once there are more than the staging ring's slots (they hold the largest).
-    for d in range(1, len(order) + 1):
-        plan = build_plan(fp, wl, disk_blocks=order[:d], **plan_args)
-        if ram.fits(plan):
-            return plan
-    return None
+    best = None
+    for order in disk_orders(fp, plan.streamed):
+        for d in range(1, len(order) + 1):  # disk blocks free RAM once there are more than the staging slots
+            candidate = build_plan(fp, wl, disk_blocks=order[:d], **plan_args)
+            if ram.fits(candidate):
+                with_step_time(candidate, **timing)
+                if best is None or _cost(candidate) < _cost(best):
+                    best = candidate
+                break
+    return best
 
 
 def make_plan(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, budget_bytes: Optional[int] = None,
@@ -720,7 +728,7 @@ def _auto_fixed(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: lis
                 plan = build_plan(fp, wl, **args)
                 if not _fits(plan, budget):
                     continue
-                fitted = _with_disk(fp, wl, args, ram, disk_ok)
+                fitted = _with_disk(fp, wl, args, ram, disk_ok, timing)
                 if fitted is None:
                     if act and ram_refused is not None and ram.budget is not None:
                         ram_refused.append(with_step_time(plan, **timing))
