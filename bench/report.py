@@ -99,8 +99,9 @@ def render(rows: list[dict]) -> str:
     parallel = [r for r in rows if r.get("bench") == "parallel"]
     sampling = [r for r in rows if r.get("bench") == "sampling"]
     disk_tier = [r for r in rows if r.get("bench") == "disk_tier"]
+    ram_rows = [r for r in rows if r.get("bench") == "ram"]
     rows = [r for r in rows if r.get("mode") not in SLAB_ONLY + OTHER_ONLY
-            and r.get("bench") not in ("parallel", "sampling", "disk_tier")]
+            and r.get("bench") not in ("parallel", "sampling", "disk_tier", "ram")]
     out = [HEADER]
     models = sorted({r.get("model", "?") for r in rows})
     if not rows:
@@ -243,6 +244,28 @@ def render(rows: list[dict]) -> str:
                        f"{_fmt(r.get('pinned_gb_measured'), 2)} ({_fmt(r.get('pinned_gb_plan'), 2)}) | "
                        f"{_fmt(r.get('disk_gb_per_step_plan'), 2)} | {_fmt(sorted(waits)[len(waits) // 2]) if waits else '–'} | "
                        f"{(r.get('rates') or {}).get('o_direct_gbps')} | `{r.get('command')}` |")
+        out.append("")
+    if ram_rows:
+        out.append("## Host RAM budget (bench/bench_ram.py)\n")
+        out.append("Each row its own process, trained from a real int8 slab on the machine's disk, beside the "
+                   "RAM-unlimited row of the same run (`x unlimited`). Host RAM measured: the highest RssAnon + "
+                   "RssShmem of the process (heap, pinned blocks, staging; sampled every 20 ms), the figure the RAM "
+                   "plan predicts; page cache not included (the slab's mapped pages are in `RSS GB`, clean and "
+                   "reclaimable). `held by`: a cgroup v2 memory.max, or the planner's budget alone (emulated) where "
+                   "the machine gives no cgroup.\n")
+        out.append("| date | gpu | model | res | mode | held by | step s | x unlimited | peak VRAM GB | host RAM GB "
+                   "(predicted) | RSS GB | disk blocks | disk GB/step | disk GB/s | command |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in ram_rows:
+            plan = r.get("plan") or {}
+            step = _fmt(r.get("step_s")) if r.get("step_s") else "**" + (r.get("error") or "failed").split(":")[0] + "**"
+            out.append(f"| {r.get('date', '')[:16].replace('T', ' ')} | {r.get('gpu')} | {r.get('model')} | "
+                       f"{r.get('res')}² | {r.get('mode')} | {r.get('ram_limit')} | {step} | "
+                       f"{_fmt(r.get('x_unlimited'))} | {_fmt(r.get('peak_alloc_gb'), 2)} | "
+                       f"{_fmt(r.get('peak_host_gb'), 2)} ({_fmt(r.get('predicted_host_peak_gb'), 2)}) | "
+                       f"{_fmt(r.get('peak_rss_gb'), 2)} | {plan.get('disk_blocks', '–')} | "
+                       f"{_fmt(r.get('disk_gb_per_step'), 2)} | {plan.get('disk_gbps') or '–'} | "
+                       f"`{r.get('command')}` |")
         out.append("")
     frontier = [r for r in rows if (r.get("plan") or {}).get("ring_gb") is not None or r.get("cap_gb")]
     if frontier:
