@@ -313,7 +313,9 @@ def _graph(t: TrainingTemplate) -> tuple[list[NodeSpec], list[NoteSpec]]:
         train.links[name] = (1 + source * CHAIN_IDS, 0)
         train.rerouted.add(name)  # drawn around the nodes between the chains, not behind them
     _attach_models(t, nodes)
-    return nodes, [NoteSpec(6, t.note, t.note_pos)]
+    from .template_needs import shipped_needs  # the planner's VRAM and RAM figures (imports torch)
+
+    return nodes, [NoteSpec(6, f"{t.note}\n\n{shipped_needs(t).text()}", t.note_pos)]
 
 
 def _labelled(nodes: list[NodeSpec], label: str) -> list[NodeSpec]:

@@ -220,3 +220,25 @@ def test_disk_pipe_bounds_the_step():
     slow_plan = plans["slow"]
     assert slow_plan.predicted_step_s >= slow_plan.disk_bytes_per_step / 1e9 * 0.999
     assert plans["fast"].predicted_step_s <= slow_plan.predicted_step_s
+
+
+# --- the templates' needs (host/template_needs.py) ------------------------------------------------------------------
+
+
+def test_every_template_names_its_variant_and_its_note_states_its_needs():
+    """Each shipped template is planned for (its variant known), and its Note ends with the planner's VRAM and RAM
+    figures (the files are what ``python -m lowvram_lora.host.templates`` writes: test_host_templates checks that)."""
+    import json
+
+    from lowvram_lora.engine.families import get_family
+    from lowvram_lora.host.template_needs import TEMPLATE_VARIANTS
+    from lowvram_lora.host.templates import SHIPPED, WORKFLOWS_DIR
+
+    assert set(TEMPLATE_VARIANTS) == set(SHIPPED)
+    for name, t in SHIPPED.items():
+        family = t.load.get("family")
+        if family not in (None, "auto"):
+            assert TEMPLATE_VARIANTS[name] in get_family(family).variants
+        ui = json.loads((WORKFLOWS_DIR / f"{name}.json").read_text())
+        note = next(n for n in ui["nodes"] if n["type"] == "Note")["widgets_values"][0]
+        assert "Needs (the planner's prediction" in note and "host RAM" in note and "VRAM budget" in note
