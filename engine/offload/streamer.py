@@ -478,7 +478,7 @@ def host_memory_line(plan: Optional[Plan] = None) -> str:
     mem = process_memory()
     predicted = (f" (predicted peak {plan.predicted_host_peak_bytes / GB:.1f} GB"
                  + (f" of a {plan.ram_budget_bytes / GB:.1f} GB budget" if plan.ram_budget_bytes else "") + ")"
-                 if plan is not None and plan.host_phases else "")
+                 if getattr(plan, "host_phases", None) else "")
     return (f"host RAM {mem.unreclaimable / GB:.1f} GB{predicted}, {mem.locked / GB:.1f} GB of it page-locked, "
             f"+ {mem.file / GB:.1f} GB of mapped file pages; machine {ram_cap_bytes() / GB:.0f} GB")
 

@@ -208,6 +208,10 @@ class Placement(ABC):
             self.handle.end_step()
             if step <= 2:  # step 2: steady state, the AdamW moments exist during backward
                 callback.log(self.handle.peak_report(step))
+                if getattr(self.handle, "plan", None) is not None and self.device.type == "cuda":
+                    from ..offload.streamer import host_memory_line
+
+                    callback.log(f"  {host_memory_line(self.handle.plan)}")
         stalls = getattr(self.handle, "step_stall_s", None)
         return stalls[-1] if stalls else 0.0
 
