@@ -91,7 +91,8 @@ def train_one(slab: Path, disk: int, steps: int, side: int) -> dict:
     from lowvram_lora.engine.config import LoraSettings
     from lowvram_lora.engine.families import get_family
     from lowvram_lora.engine.offload import OffloadConfig, Workload, build_plan
-    from lowvram_lora.engine.offload.disk import disk_rate_for, with_disk_blocks
+    from lowvram_lora.engine.offload.disk import disk_rate_for
+    from lowvram_lora.engine.offload.plan import with_disk_blocks
     from lowvram_lora.engine.offload.footprint import measure_footprint
     from lowvram_lora.engine.offload.plan import with_step_time
     from lowvram_lora.engine.offload.link import resolve_machine

@@ -4,7 +4,7 @@ Each template's first chain is planned from its family's shipped config on the m
 file), with the template's own Offload Config values, for a reference machine with 32 GB of RAM (and, for image
 templates, 16 GB): ``ram_budget_gb`` left at 0 gives auto's budget, SAFETY_FRACTION x (RAM - what the OS, a browser
 and ComfyUI itself hold, ``OTHERS_GB``). The result goes into the template's Note (``host/templates.py``) and the
-README's table (``python -m lowvram_lora.host.template_needs`` prints it).
+README's table (``python -m lowvram_lora.host.templates --needs`` prints it).
 
 The reference machine: a PCIe 4.0 x16 link (25 GB/s, the planner's default), an RTX 4090's dense bf16 peak, a
 PCIe 4.0 NVMe drive (3.5 GB/s) under the slab; a template whose VRAM budget is 0 (90% of what is free) is planned
@@ -167,12 +167,9 @@ def needs(t: TrainingTemplate) -> Needs:
 _CACHE: dict[str, Needs] = {}
 
 
-def shipped_needs(t: TrainingTemplate) -> Needs:
-    """``needs`` of a shipped template, computed once per process (the template files and the README use it)."""
-    from .templates import SHIPPED
-
-    if SHIPPED.get(t.name) is not t:
-        return needs(t)
+def cached_needs(t: TrainingTemplate) -> Needs:
+    """``needs`` of a shipped template, computed once per process (its Note and the README's table use it); the
+    caller says it is the shipped one (host/templates.py)."""
     if t.name not in _CACHE:
         _CACHE[t.name] = needs(t)
     return _CACHE[t.name]
@@ -213,12 +210,6 @@ def _split_plan(t, fp, model, family, wl, offload, ram_budget: Optional[int]):
     return _SplitNeeds(plans)
 
 
-def all_needs() -> list[Needs]:
-    from .templates import SHIPPED
-
-    return [shipped_needs(t) for t in SHIPPED.values()]
-
-
 def markdown(rows: list[Needs]) -> str:
     """The README's table."""
     out = ["| template | VRAM budget (predicted peak) | host RAM (32 GB machine) | fits 32 GB RAM | host RAM (16 GB "
@@ -229,7 +220,3 @@ def markdown(rows: list[Needs]) -> str:
         out.append(f"| {n.name} | {n.vram} ({n.peak_vram_gb:.1f} GB) | {n.ram_gb:.1f} GB{disk} | "
                    f"{'yes' if n.fits32 else '**no**'} | {small} | {f'{n.step_s:.2f}' if n.step_s else '–'} |")
     return "\n".join(out)
-
-
-if __name__ == "__main__":
-    print(markdown(all_needs()))

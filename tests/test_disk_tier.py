@@ -16,8 +16,9 @@ from lowvram_lora.engine.families import get_family
 from lowvram_lora.engine.offload import OffloadConfig, Workload, build_plan, make_plan
 from lowvram_lora.engine.offload import disk as disk_mod
 from lowvram_lora.engine.offload.disk import (
-    ALIGN, DiskPacer, DiskReader, StagingPolicy, disk_rate_for, simulate_disk_reads, with_disk_blocks,
+    ALIGN, DiskPacer, DiskReader, StagingPolicy, disk_rate_for, simulate_disk_reads,
 )
+from lowvram_lora.engine.offload.plan import with_disk_blocks
 from lowvram_lora.engine.offload.footprint import measure_footprint
 from lowvram_lora.engine.offload.schedule import BlockScheduler, simulate_step, visit_cycle
 from lowvram_lora.engine.offload.streamer import InlineCopyEngine, apply_offload

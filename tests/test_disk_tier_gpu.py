@@ -11,7 +11,7 @@ from lowvram_lora.engine.attention import training_attention
 from lowvram_lora.engine.config import LoraSettings
 from lowvram_lora.engine.families import get_family
 from lowvram_lora.engine.offload import OffloadConfig, Workload, build_plan
-from lowvram_lora.engine.offload.disk import with_disk_blocks
+from lowvram_lora.engine.offload.plan import with_disk_blocks
 from lowvram_lora.engine.offload.footprint import measure_footprint
 from lowvram_lora.engine.offload.streamer import apply_offload
 from lowvram_lora.engine.slab import build_slab, load_slab_transformer

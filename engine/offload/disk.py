@@ -484,34 +484,6 @@ def read_bytes_of(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN + ALIGN
 
 
-def with_disk_blocks(plan, blocks: Sequence[int], staging_slots: int = 0):
-    """``plan`` with ``blocks`` (some of its streamed ones) read from the slab on every load: the staging ring's
-    size, the disk bytes one steady-state step reads (the scheduler's loads replayed through the staging policy)
-    and the pinned host bytes (the disk blocks' host copies gone, the ring added)."""
-    from .schedule import simulate_step
-
-    blocks = sorted(set(blocks))
-    if not blocks:
-        from .plan import rehost
-
-        plan.disk_blocks, plan.staging_slots, plan.disk_bytes_per_step = [], 0, 0
-        return rehost(plan, 0)
-    if not set(blocks) <= set(plan.streamed):
-        raise ConfigError(f"disk blocks {blocks} must be streamed blocks of the plan ({plan.streamed})")
-    fp = plan.footprint
-    sizes, groups = fp.stream_units(plan.activation_offload)
-    streamed_units = [u for i in plan.streamed for u in groups[i]]
-    disk_units = {u for i in blocks for u in groups[i]}
-    slots = staging_slots or default_staging_slots(plan.prefetch_depth)
-    loads, _, _ = simulate_step(len(sizes), streamed_units, plan.prefetch_depth, plan.num_slots, sizes)
-    reads = simulate_disk_reads(loads, disk_units, slots)
-    plan.disk_blocks, plan.staging_slots = blocks, slots
-    plan.disk_bytes_per_step = sum(read_bytes_of(sizes[u]) for u in reads)
-    from .plan import rehost  # the RAM plan: the disk blocks' host copies gone, the ring added
-
-    return rehost(plan, slots * max(read_bytes_of(sizes[u]) for u in disk_units))
-
-
 def last_streamed(plan, count: int) -> list[int]:
     """The ``count`` streamed blocks that run last in the forward: next to the turn, where the staging ring carries
     a block from the forward into the backward, so they are read the fewest times."""

@@ -392,6 +392,30 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
     )
 
 
+def with_disk_blocks(plan: Plan, blocks: Sequence[int], staging_slots: int = 0) -> Plan:
+    """``plan`` with ``blocks`` (some of its streamed ones) read from the slab on every load (benches, tests: a plan
+    forced onto the disk tier): the staging ring's size, the disk bytes one steady-state step reads (the scheduler's
+    loads replayed through the staging policy, engine/offload/disk.py) and the host bytes (the disk blocks' host
+    copies gone, the ring added)."""
+    from .disk import default_staging_slots, read_bytes_of, simulate_disk_reads
+
+    blocks = sorted(set(blocks))
+    if not blocks:
+        plan.disk_blocks, plan.staging_slots, plan.disk_bytes_per_step = [], 0, 0
+        return rehost(plan, 0)
+    if not set(blocks) <= set(plan.streamed):
+        raise ConfigError(f"disk blocks {blocks} must be streamed blocks of the plan ({plan.streamed})")
+    fp = plan.footprint
+    sizes, groups = fp.stream_units(plan.activation_offload)
+    streamed_units = [u for i in plan.streamed for u in groups[i]]
+    disk_units = {u for i in blocks for u in groups[i]}
+    slots = staging_slots or default_staging_slots(plan.prefetch_depth)
+    loads, _, _ = simulate_step(len(sizes), streamed_units, plan.prefetch_depth, plan.num_slots, sizes)
+    plan.disk_blocks, plan.staging_slots = blocks, slots
+    plan.disk_bytes_per_step = sum(read_bytes_of(sizes[u]) for u in simulate_disk_reads(loads, disk_units, slots))
+    return rehost(plan, slots * max(read_bytes_of(sizes[u]) for u in disk_units))
+
+
 def rehost(plan: Plan, staging_bytes: int) -> Plan:
     """Count ``plan``'s host bytes again after its disk blocks changed (engine/offload/disk.py ``with_disk_blocks``),
     with a staging ring of ``staging_bytes``."""
