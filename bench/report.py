@@ -98,7 +98,10 @@ def render(rows: list[dict]) -> str:
     other = {m: [r for r in rows if r.get("mode") == m] for m in OTHER_ONLY}
     parallel = [r for r in rows if r.get("bench") == "parallel"]
     sampling = [r for r in rows if r.get("bench") == "sampling"]
-    rows = [r for r in rows if r.get("mode") not in SLAB_ONLY + OTHER_ONLY and r.get("bench") not in ("parallel", "sampling")]
+    disk_tier = [r for r in rows if r.get("bench") == "disk_tier"]
+    ram_rows = [r for r in rows if r.get("bench") == "ram"]
+    rows = [r for r in rows if r.get("mode") not in SLAB_ONLY + OTHER_ONLY
+            and r.get("bench") not in ("parallel", "sampling", "disk_tier", "ram")]
     out = [HEADER]
     models = sorted({r.get("model", "?") for r in rows})
     if not rows:
@@ -216,6 +219,52 @@ def render(rows: list[dict]) -> str:
             out.append(f"| {r.get('date', '')[:16].replace('T', ' ')} | {r.get('gpu')} | {r.get('model')} | {r.get('res')}² | "
                        f"{r.get('mode')} | {_fmt(r.get('seconds_per_image'))} | {_fmt(r.get('x_resident_sampling'))} | "
                        f"{_fmt(peak, 2)} | {_fmt(r.get('train_peak_alloc_gb'), 2)} | {_fmt(r.get('step_s'))} | "
+                       f"`{r.get('command')}` |")
+        out.append("")
+    if disk_tier:
+        out.append("## Disk tier: blocks read from the slab at each load (bench/bench_disk_tier.py)\n")
+        out.append("Each mode in its own process. `ram`: every streamed block in pinned host RAM (the RAM-unlimited "
+                   "baseline of the same run); `disk`: that many blocks read from the slab (O_DIRECT) into the pinned "
+                   "staging ring at each load, at the disk's own rate or paced (`LOWVRAM_EMULATE_DISK_GBPS`). Host RAM: "
+                   "the process's RssAnon (pinned blocks + staging + heap) and RssFile (mapped slab pages and "
+                   "libraries) after the steps; page cache outside the process not counted. disk GB/s: the O_DIRECT "
+                   "probe of the slab's disk.\n")
+        out.append("| date | gpu | model | res | mode | disk blocks | step s | x ram | peak VRAM GB | RssAnon GB | "
+                   "RssFile GB | pinned GB (plan) | disk GB/step | disk wait s/step | disk GB/s | command |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        base = {r.get("command"): r["s_per_step"] for r in disk_tier if r.get("mode") == "ram"}
+        for r in disk_tier:
+            rss, ram = r.get("rss_after_steps") or {}, base.get(r.get("command"))
+            waits = r.get("step_disk_wait_s") or []
+            mode = r.get("mode") + (f" @{r['emulated_disk_gbps']} GB/s" if r.get("emulated_disk_gbps") else "")
+            out.append(f"| {r.get('date', '')[:16].replace('T', ' ')} | {r.get('gpu')} | {r.get('model')} | "
+                       f"{r.get('resolution')} | {mode} | {r.get('disk_blocks')} of {r.get('streamed_blocks')} | "
+                       f"{_fmt(r.get('s_per_step'))} | {_fmt(r['s_per_step'] / ram) if ram else '–'} | "
+                       f"{_fmt(r.get('peak_vram_gb'), 2)} | {_fmt(rss.get('RssAnon'), 2)} | {_fmt(rss.get('RssFile'), 2)} | "
+                       f"{_fmt(r.get('pinned_gb_measured'), 2)} ({_fmt(r.get('pinned_gb_plan'), 2)}) | "
+                       f"{_fmt(r.get('disk_gb_per_step_plan'), 2)} | {_fmt(sorted(waits)[len(waits) // 2]) if waits else '–'} | "
+                       f"{(r.get('rates') or {}).get('o_direct_gbps')} | `{r.get('command')}` |")
+        out.append("")
+    if ram_rows:
+        out.append("## Host RAM budget (bench/bench_ram.py)\n")
+        out.append("Each row its own process, trained from a real int8 slab on the machine's disk, beside the "
+                   "RAM-unlimited row of the same run (`x unlimited`). Host RAM measured: the highest RssAnon + "
+                   "RssShmem of the process (heap, pinned blocks, staging; sampled every 20 ms), the figure the RAM "
+                   "plan predicts; page cache not included (the slab's mapped pages are in `RSS GB`, clean and "
+                   "reclaimable). `held by`: a cgroup v2 memory.max, or the planner's budget alone (emulated) where "
+                   "the machine gives no cgroup.\n")
+        out.append("| date | gpu | model | res | mode | held by | step s | x unlimited | peak VRAM GB | host RAM GB "
+                   "(predicted) | RSS GB | disk blocks | disk GB/step | disk GB/s | command |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in ram_rows:
+            plan = r.get("plan") or {}
+            step = _fmt(r.get("step_s")) if r.get("step_s") else "**" + (r.get("error") or "failed").split(":")[0] + "**"
+            out.append(f"| {r.get('date', '')[:16].replace('T', ' ')} | {r.get('gpu')} | {r.get('model')} | "
+                       f"{r.get('res')}² | {r.get('mode')} | {r.get('ram_limit')} | {step} | "
+                       f"{_fmt(r.get('x_unlimited'))} | {_fmt(r.get('peak_alloc_gb'), 2)} | "
+                       f"{_fmt(r.get('peak_host_gb'), 2)} ({_fmt(r.get('predicted_host_peak_gb'), 2)}) | "
+                       f"{_fmt(r.get('peak_rss_gb'), 2)} | {plan.get('disk_blocks', '–')} | "
+                       f"{_fmt(r.get('disk_gb_per_step'), 2)} | {plan.get('disk_gbps') or '–'} | "
                        f"`{r.get('command')}` |")
         out.append("")
     frontier = [r for r in rows if (r.get("plan") or {}).get("ring_gb") is not None or r.get("cap_gb")]

@@ -23,6 +23,10 @@ class StepInfo:
     pinned_host_gb: float = 0.0  # host RAM pinned for streamed blocks and activations
     sample_seconds: float = 0.0  # time spent sampling so far (not in seconds_per_step)
     breakdown: dict | None = None  # seconds per part of this step (engine/train/step_timing.py)
+    # This process's host RAM now (engine/offload/hostmem.py: anonymous + shared resident pages, pinned buffers
+    # included; a slab's mapped file pages are not) and the RAM plan's predicted peak (0: no plan).
+    host_ram_gb: float = 0.0
+    predicted_host_gb: float = 0.0
 
 
 class TrainingCallback:
@@ -105,7 +109,8 @@ class ConsoleCallback(TrainingCallback):
         bar = self._bar("train", info.total_steps)
         bar.set_postfix(
             loss=f"{info.loss:.4f}", lr=f"{info.lr:.2e}", s_it=f"{info.seconds_per_step:.2f}",
-            **({"vram": f"{info.peak_vram_gb:.1f}G"} if info.peak_vram_gb else {}), refresh=False,
+            **({"vram": f"{info.peak_vram_gb:.1f}G"} if info.peak_vram_gb else {}),
+            **({"ram": f"{info.host_ram_gb:.1f}G"} if info.host_ram_gb else {}), refresh=False,
         )
         bar.update(info.step - bar.n)
         if info.step >= info.total_steps:
@@ -115,6 +120,9 @@ class ConsoleCallback(TrainingCallback):
 
             tqdm.write(f"trained {info.step} steps: final loss {info.loss:.4f}, {info.seconds_per_step:.2f} s/step"
                        + (f", peak VRAM {info.peak_vram_gb:.2f} GB" if info.peak_vram_gb else "")  # 0 on a CPU run
+                       + (f", host RAM {info.host_ram_gb:.1f} GB" if info.host_ram_gb else "")
+                       + (f" (predicted {info.predicted_host_gb:.1f})" if info.host_ram_gb and info.predicted_host_gb
+                          else "")
                        + (f", pinned host RAM {info.pinned_host_gb:.1f} GB" if info.pinned_host_gb else "")
                        + (f", sampling {info.sample_seconds:.1f} s" if info.sample_seconds else ""))
 

@@ -313,7 +313,10 @@ def _graph(t: TrainingTemplate) -> tuple[list[NodeSpec], list[NoteSpec]]:
         train.links[name] = (1 + source * CHAIN_IDS, 0)
         train.rerouted.add(name)  # drawn around the nodes between the chains, not behind them
     _attach_models(t, nodes)
-    return nodes, [NoteSpec(6, t.note, t.note_pos)]
+    from .template_needs import cached_needs, needs  # the planner's VRAM and RAM figures (imports torch)
+
+    figures = cached_needs(t) if SHIPPED.get(t.name) is t else needs(t)
+    return nodes, [NoteSpec(6, f"{t.note}\n\n{figures.text()}", t.note_pos)]
 
 
 def _labelled(nodes: list[NodeSpec], label: str) -> list[NodeSpec]:
@@ -373,5 +376,12 @@ def write_all(folder: Path = WORKFLOWS_DIR) -> list[Path]:
 
 
 if __name__ == "__main__":
-    for p in write_all():
-        print(p)
+    import sys
+
+    if "--needs" in sys.argv[1:]:  # the README's table "What each template needs"
+        from .template_needs import cached_needs, markdown
+
+        print(markdown([cached_needs(t) for t in SHIPPED.values()]))
+    else:
+        for p in write_all():
+            print(p)

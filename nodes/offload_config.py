@@ -20,8 +20,9 @@ def _help(name: str, extra: str = "") -> str:
 DESCRIPTION = (
     "How weights, activations and recomputation are managed during training. 'auto' plans from a VRAM budget: "
     "everything resident when it fits, otherwise transformer blocks stream from pinned host RAM to the GPU just "
-    "ahead of use (forward and backward order), overlapped with compute. The plan (predicted peak VRAM, bytes "
-    "streamed per step, pinned host RAM) is printed before training and checked after the first steps. "
+    "ahead of use (forward and backward order), overlapped with compute. It also plans for a host RAM budget "
+    "(ram_budget_gb). The plan (predicted peak VRAM and host RAM, bytes streamed per step) is printed before "
+    "training and checked after the first steps. "
     "Streaming needs a CUDA GPU; on a CPU 'auto' trains resident."
 )
 
@@ -59,6 +60,7 @@ class LowVRAMOffloadConfig(io.Node):
                          tooltip=_help("activation_memory_budget")),
                 io.Combo("outer_on_host", ["auto", "on", "off"], default="auto",
                          tooltip=_help("outer_on_host", "auto = let the planner choose.")),
+                io.Float("ram_budget_gb", default=0.0, min=0.0, max=4096.0, step=0.5, tooltip=_help("ram_budget_gb")),
             ])
 
     @classmethod
@@ -66,7 +68,8 @@ class LowVRAMOffloadConfig(io.Node):
                 prefetch_depth: int = 0, activation_offload: str = "auto", gradient_checkpointing: bool = True,
                 max_pinned_fraction: float = 0.8, int8_compute: str = "dequant", recompute_chunks: int = 0,
                 optimizer_on_host: str = "auto", micro_batch_size: int = 0, compile: str = "auto",
-                activation_memory_budget: float = 1.0, outer_on_host: str = "auto") -> io.NodeOutput:
+                activation_memory_budget: float = 1.0, outer_on_host: str = "auto",
+                ram_budget_gb: float = 0.0) -> io.NodeOutput:
         from ..engine.offload import OffloadConfig
 
         for name, value in (("activation_offload", activation_offload), ("optimizer_on_host", optimizer_on_host),
@@ -74,7 +77,7 @@ class LowVRAMOffloadConfig(io.Node):
             if value not in ("auto", "on", "off"):
                 raise ValueError(f"{name}={value!r} is not one of auto, on, off")
         return io.NodeOutput(OffloadConfig(
-            mode=mode, vram_budget_gb=vram_budget_gb,
+            mode=mode, vram_budget_gb=vram_budget_gb, ram_budget_gb=ram_budget_gb,
             resident_blocks=None if resident_blocks < 0 else resident_blocks,
             prefetch_depth=None if prefetch_depth == 0 else prefetch_depth,
             activation_offload=None if activation_offload == "auto" else activation_offload == "on",

@@ -117,6 +117,7 @@ class ComfyCallback(TrainingCallback):
             "seconds_per_step": info.seconds_per_step,
             "eta_seconds": info.seconds_per_step * (info.total_steps - info.step),
             "peak_vram_gb": info.peak_vram_gb, "pinned_host_gb": info.pinned_host_gb,
+            "host_ram_gb": info.host_ram_gb, "predicted_host_gb": info.predicted_host_gb,
             "sample_seconds": info.sample_seconds})
 
     def on_sample(self, step: int, grid, path: str | None) -> None:
@@ -183,8 +184,10 @@ def resume_event(node_id, step: int, total: int, loss_history, lr_history) -> di
 def format_step(info: StepInfo, lines: bool = False) -> str:
     """One step's numbers; ``lines``: on two lines, for the text under a node."""
     vram = f", VRAM {info.peak_vram_gb:.1f} GB" if info.peak_vram_gb else ""
+    ram = (f", RAM {info.host_ram_gb:.1f} GB" + (f" (plan {info.predicted_host_gb:.1f})" if info.predicted_host_gb else "")
+           + (f", {info.pinned_host_gb:.1f} pinned" if info.pinned_host_gb else "")) if info.host_ram_gb else ""
     return (f"step {info.step}/{info.total_steps}: loss {info.loss:.4f}" + ("\n" if lines else ", ")
-            + f"lr {info.lr:.2e}, {info.seconds_per_step:.2f} s/step{vram}")
+            + f"lr {info.lr:.2e}, {info.seconds_per_step:.2f} s/step{vram}{ram}")
 
 
 class HostCallback(TrainingCallback):
@@ -216,6 +219,7 @@ class HostCallback(TrainingCallback):
             "seconds_per_step": info.seconds_per_step,
             "eta_seconds": info.seconds_per_step * (info.total_steps - info.step),
             "peak_vram_gb": info.peak_vram_gb, "pinned_host_gb": info.pinned_host_gb,
+            "host_ram_gb": info.host_ram_gb, "predicted_host_gb": info.predicted_host_gb,
             "sample_seconds": info.sample_seconds})
 
     def on_sample(self, step: int, grid, path: str | None) -> None:

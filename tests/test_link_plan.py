@@ -157,15 +157,15 @@ def test_the_simulation_is_bounded_by_compute_and_by_the_link():
     fwd, bwd = [0.01] * n, [0.02] * n
     compute = sum(fwd) + sum(bwd)
     for link in (1e9, 10e9, 30e9, 1e12):
-        seconds, stall, busy = simulate_step_time(sizes, streamed, 2, 3, fwd, bwd, link)
+        seconds, stall, busy, _ = simulate_step_time(sizes, streamed, 2, 3, fwd, bwd, link)
         assert busy == pytest.approx(copy_bytes / link)
         assert max(compute, busy) - 1e-9 <= seconds <= compute + busy + 1e-9
-    fast, _, _ = simulate_step_time(sizes, streamed, 2, 3, fwd, bwd, 1e13)
+    fast, _, _, _ = simulate_step_time(sizes, streamed, 2, 3, fwd, bwd, 1e13)
     assert fast == pytest.approx(compute, rel=1e-3)
-    bound, _, _ = simulate_step_time(sizes, streamed, 2, 3, [0.0] * n, [0.0] * n, 1e9)
+    bound, _, _, _ = simulate_step_time(sizes, streamed, 2, 3, [0.0] * n, [0.0] * n, 1e9)
     assert bound == pytest.approx(copy_bytes / 1e9, rel=1e-9)
     # resident units cost no link time
-    seconds, stall, busy = simulate_step_time(sizes, [], 2, 0, fwd, bwd, 1e9)
+    seconds, stall, busy, _ = simulate_step_time(sizes, [], 2, 0, fwd, bwd, 1e9)
     assert (seconds, stall, busy) == (pytest.approx(compute), 0.0, 0.0)
 
 

@@ -93,7 +93,7 @@ def test_pack_nodes_keep_their_widget_order_and_defaults():
     assert list(order["LowVRAMOffloadConfig"]) == [
         "mode", "vram_budget_gb", "resident_blocks", "prefetch_depth", "activation_offload",
         "gradient_checkpointing", "max_pinned_fraction", "int8_compute", "recompute_chunks", "optimizer_on_host",
-        "micro_batch_size", "compile", "activation_memory_budget", "outer_on_host"]  # new inputs go last
+        "micro_batch_size", "compile", "activation_memory_budget", "outer_on_host", "ram_budget_gb"]  # new inputs go last
     assert list(order["LowVRAMTrainLoRA"])[-8:] == ["save_every", "sample_every", "sample_steps",
                                                     "sample_resolution", "sample_seed", "sample_at_start",
                                                     "sample_guidance", "sample_frames"]

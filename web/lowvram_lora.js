@@ -203,7 +203,9 @@ function drawChart(canvas, entry) {
   ctx.fillText(`loss ${last.loss.toFixed(4)} (avg ${pts[pts.length - 1].avg.toFixed(4)})  lr ${last.lr.toExponential(1)}`,
                x0 + 6, y0 + 13);
   const vram = last.peak_vram_gb ? ` · peak ${last.peak_vram_gb.toFixed(2)} GB` : "";
-  const pinned = last.pinned_host_gb ? ` · pinned ${last.pinned_host_gb.toFixed(1)} GB` : "";
+  const pinned = (last.host_ram_gb ? ` · RAM ${last.host_ram_gb.toFixed(1)} GB` +
+                  (last.predicted_host_gb ? ` (plan ${last.predicted_host_gb.toFixed(1)})` : "") : "") +
+                 (last.pinned_host_gb ? ` · pinned ${last.pinned_host_gb.toFixed(1)} GB` : "");
   let status;
   if (entry.stopped != null) {
     status = entry.how === "cancelled" ? `stopped at step ${entry.stopped}/${last.total} · Run again to resume`

@@ -31,6 +31,15 @@ class OffloadConfig:
         "is kept: while training, torch's allocator may reserve no more than it (plus what the process held "
         "before), as on a card of that size. Flux.1-dev trains 2048x2048 in 4 GB with compiled blocks."
     )})
+    ram_budget_gb: float = field(default=0.0, metadata={"help": (
+        "Host RAM the run may use, in GB: pinned streamed blocks, offloaded activations, host-held AdamW moments, "
+        "the disk tier's staging buffers, the resume-save copy, a preview partner and the process itself. 0 = 85% "
+        "of what is free when training starts: the smaller of the machine's RAM and its container (cgroup) memory "
+        "limit, less what other programs hold. auto plans for this budget and the VRAM one together: when RAM is "
+        "short it recomputes instead of offloading activations (activations never go to disk), keeps more blocks "
+        "on the GPU where VRAM allows, and streams the remaining blocks from the slab file on disk; an explicit "
+        "stream or resident plan that does not fit is refused before loading, with the smallest budget that works."
+    )})
     resident_blocks: Optional[int] = field(default=None, metadata={"help": (
         "stream/auto: blocks kept on the GPU for the whole run; the largest blocks are chosen, since they save "
         "the most copy time. None: 0 in stream mode, as many as the budget allows in auto."
@@ -97,9 +106,18 @@ class OffloadConfig:
         "them: less VRAM in each block's backward for a little more compute. With mode=auto, 1 lets auto go "
         "down to 0.5 when its VRAM budget needs it (its last resort); a lower value is kept as set."
     )})
+    disk_blocks: Optional[int] = field(default=None, metadata={"help": (
+        "stream only: how many streamed blocks are read from the slab file on disk at every load instead of "
+        "being held in pinned host RAM (the disk tier; int8 slabs only). The blocks that run last in the forward "
+        "are chosen (next to the turn into the backward, they are read the fewest times). Saves their host RAM "
+        "for disk reads each step: fine on an NVMe drive when the step's compute hides them. Activations never "
+        "go to disk. None: none (auto decides from the RAM budget)."
+    )})
     max_pinned_fraction: float = field(default=0.8, metadata={"help": (
-        "Largest share of the machine's physical RAM the plan may pin (page-locked memory cannot be swapped; "
-        "pinning too much starves the rest of the system). Training refuses to start beyond it."
+        "Largest share of the machine's RAM (the smaller of physical RAM and the cgroup limit) the plan may "
+        "page-lock: pinned memory cannot be swapped, and pinning too much starves the rest of the system. A cap on "
+        "the pinned part only, inside ram_budget_gb (which counts every host byte and is what auto plans for); "
+        "auto keeps to both."
     )})
 
     def __post_init__(self) -> None:
@@ -112,6 +130,9 @@ class OffloadConfig:
                 f"vram_budget_gb={self.vram_budget_gb} only applies to mode='auto' (mode is {self.mode!r}); "
                 f"set mode='auto' or leave the budget at 0"
             )
+        if not self.ram_budget_gb >= 0 or self.ram_budget_gb == float("inf"):  # NaN fails this too
+            raise ConfigError(f"ram_budget_gb={self.ram_budget_gb} must be a finite number >= 0 (0 = 85% of the "
+                              f"RAM free when training starts)")
         if self.resident_blocks is not None and self.resident_blocks < 0:
             raise ConfigError(f"resident_blocks={self.resident_blocks} must be >= 0 (or None to let auto choose)")
         if self.prefetch_depth is not None and not 1 <= self.prefetch_depth <= 8:
@@ -130,6 +151,12 @@ class OffloadConfig:
         if self.activation_memory_budget < 1.0 and self.compile == "off":
             raise ConfigError(f"activation_memory_budget={self.activation_memory_budget} applies to compiled "
                               f"blocks only; set compile='blocks' or leave the budget at 1")
+        if self.disk_blocks is not None and self.disk_blocks < 0:
+            raise ConfigError(f"disk_blocks={self.disk_blocks} must be >= 0 (or None)")
+        if self.disk_blocks and self.mode != "stream":
+            raise ConfigError(f"disk_blocks={self.disk_blocks} only applies to mode='stream' (mode is "
+                              f"{self.mode!r}); auto picks disk blocks from the RAM budget. Set mode='stream' or "
+                              f"leave disk_blocks at None")
         if not 0.0 < self.max_pinned_fraction <= 0.95:
             raise ConfigError(f"max_pinned_fraction={self.max_pinned_fraction} must be in (0, 0.95]")
         if self.mode == "resident":

@@ -37,6 +37,7 @@ def measure_footprint(model: nn.Module, family, name: str = "",
                 if id(t) not in in_blocks and not t.requires_grad)
     if trainable_params is None:
         trainable_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    from ..slab.source import slab_source_of
     from .units import unit_bytes
 
     return ModelFootprint(
@@ -48,6 +49,9 @@ def measure_footprint(model: nn.Module, family, name: str = "",
         block_token_params=[linear_params_by_tokens(family, n, b) for n, b in blocks],
         block_attention_tokens=[family.memory.block_tokens(n) for n, _ in blocks],
         outer_bytes=sum(frozen_bytes(m) for _, m in outer_modules(model, family)),
+        # Loaded from an int8 slab (engine/slab/source.py records it): its int8 weights are the file map's pages, and
+        # its blocks can be read from the file (the disk tier).
+        file_backed=slab_source_of(model) is not None, disk_capable=slab_source_of(model) is not None,
     )
 
 
@@ -100,7 +104,9 @@ def footprint_before_loading(checkpoint, dtype: torch.dtype, lora: LoraSettings,
     trainable = lora_param_count(model, family, lora)  # from the float Linears' shapes, before a slab's swap
     form.as_loaded(model, family)
     label = f"{family.display_name} ({variant}{', ' + form.weights_note if form.weights_note else ''})"
-    return measure_footprint(model, family, label, trainable_params=trainable), family, variant
+    fp = measure_footprint(model, family, label, trainable_params=trainable)
+    fp.file_backed = fp.disk_capable = form.file_backed  # a slab: weights are file pages, blocks readable from it
+    return fp, family, variant
 
 
 def workload_for(dataset, family, variant: str, batch: int) -> Workload:

@@ -17,7 +17,6 @@ next ``apply_offload`` (only the bytes are refreshed, if the tensors moved).
 """
 from __future__ import annotations
 
-import os
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -26,6 +25,8 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+# Host-RAM facts live in hostmem.py; these names stay importable from here for existing callers.
+from .hostmem import host_rss_bytes, physical_ram_bytes  # noqa: F401
 
 ALIGN = 256  # bytes; keeps every view aligned for vectorised kernels
 _ATTR = "_lowvram_host_block"
@@ -178,18 +179,3 @@ class HostBlock:
         return all(e.tensor().device.type == "cpu" and e.tensor().data_ptr() == base + e.offset
                    for e in self.entries)
 
-
-def physical_ram_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def host_rss_bytes() -> int:
-    """Resident set size of this process (Linux /proc; 0 where unavailable)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0

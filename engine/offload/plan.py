@@ -67,6 +67,14 @@ OFFLOADED_KEPT_BYTES = int(0.125 * GB)  # ... plus this (fitted)
 HEADROOM_BYTES = int(0.5 * GB)
 AUTO_DEPTHS = (3, 2, 1)  # prefetch depths auto weighs (a deeper ring absorbs a copy-bound forward, for a slot)
 
+# --- host RAM (the RAM plan: every host byte the run causes, engine/offload/hostmem.py holds the budget) ---
+# The process itself beside the run's own buffers: Python, torch, diffusers/transformers, the CUDA context and the
+# libraries' host-side state once kernels ran (cuBLAS handles, workspaces), the step's small host tensors. Measured
+# on the H200 with bench/bench_ram.py, 2026-11-27 (Flux.1-dev int8 slab, 1024², auto 8 GB): 0.69 GB of unreclaimable
+# RSS (RssAnon + RssShmem) after the imports, CUDA start and one matmul; 1.61 GB while training (peak 9.85 GB less
+# the 8.24 GB of pinned blocks and kept tensors the plan counts). The larger figure, rounded up.
+PROCESS_BASE_BYTES = int(1.7 * GB)
+
 
 @dataclass
 class ModelFootprint:
@@ -103,6 +111,13 @@ class ModelFootprint:
     # Frozen bytes (part of ``other_bytes``) of the large layers outside the blocks that may wait in pinned host
     # memory between their one run per forward (``outer_on_host``; the family's ``int8_extra_linears``).
     outer_bytes: int = 0
+    # The frozen weights are views of a read-only file map (an int8 slab, engine/slab/load.py): their pages are clean
+    # page cache the kernel may drop, so only the copies made from them (pinned blocks, tensors converted to bf16)
+    # count as host bytes. False (a checkpoint loaded into host memory): every frozen byte is held on the host while
+    # loading, and a tensor moved to the GPU keeps its host copy for the run (the streamer restores it on remove).
+    file_backed: bool = False
+    # The model can read its blocks from the slab file on disk each time they load (the disk tier; a slab only).
+    disk_capable: bool = False
 
     def stream_units(self, activation_offload: bool) -> tuple[list[int], list[list[int]]]:
         """(bytes per streaming unit, unit indexes per block): parts only with activation offload."""
@@ -170,6 +185,23 @@ class Plan:
     streamed_units: int = 0  # large blocks stream in parts with activation offload (engine/offload/units.py)
     step_time: Optional[StepTime] = None  # predicted on ``machine`` (engine/offload/steptime.py)
     machine: Optional[Machine] = None
+    # The disk tier: streamed blocks whose frozen bytes are NOT held in host RAM; each load reads them from the slab
+    # file into one of ``staging_slots`` pinned buffers (each the size of the largest disk block), then to the GPU.
+    disk_blocks: list[int] = field(default_factory=list)
+    staging_slots: int = 0
+    disk_bytes_per_step: int = 0
+    # The RAM plan: host bytes per phase of the run ("load": the model read and its blocks pinned; "train": steady
+    # state; "caching": the Cache Text Embeds pass when it is known), the training phase's parts, and the budget.
+    host_phases: dict = field(default_factory=dict)
+    host_breakdown: dict = field(default_factory=dict)
+    ram_budget_bytes: Optional[int] = None
+    ram_note: str = ""  # why the RAM plan looks as it does (recompute instead of offload, blocks on disk)
+    host_args: dict = field(default_factory=dict, repr=False)  # what ``rehost`` needs to count the host bytes again
+
+    @property
+    def predicted_host_peak_bytes(self) -> int:
+        """The most host RAM the run holds at once: the largest phase."""
+        return max(self.host_phases.values()) if self.host_phases else 0
 
     @property
     def predicted_step_s(self) -> Optional[float]:
@@ -207,6 +239,18 @@ class Plan:
                          + (f", {self.activation_bytes_per_step / GB:.2f} GB of activations each way"
                             if self.activation_offload else "")
                          + f"; pinned host memory {self.pinned_host_bytes / GB:.1f} GB")
+            if self.disk_blocks:
+                lines.append(f"  {len(self.disk_blocks)} blocks read from the slab on disk at each load: "
+                             f"{self.disk_bytes_per_step / GB:.1f} GB per step through {self.staging_slots} pinned "
+                             f"staging buffers (weights only: activations never go to disk)")
+        if self.host_phases:
+            ram = (f" of a {self.ram_budget_bytes / GB:.1f} GB RAM budget" if self.ram_budget_bytes else "")
+            parts = ", ".join(f"{k} {v / GB:.2f}" for k, v in self.host_breakdown.items() if v)
+            phases = ", ".join(f"{k} {v / GB:.1f}" for k, v in self.host_phases.items())
+            lines.append(f"  predicted host RAM peak {self.predicted_host_peak_bytes / GB:.2f} GB{ram} "
+                         f"(training: {parts}; by phase: {phases})")
+        if self.ram_note:
+            lines.append(f"  {self.ram_note}")
         if self.reason:
             lines.append(f"  {self.reason}")
         return "\n".join(lines)
@@ -229,6 +273,14 @@ class Plan:
             **(self.step_time.as_dict() if self.step_time is not None else {}),
             "link_gbps": round(self.machine.link_bytes_per_s / GB, 2) if self.machine is not None else None,
             "link_source": self.machine.source if self.machine is not None else None,
+            "predicted_host_peak_gb": round(self.predicted_host_peak_bytes / GB, 3),
+            "host_breakdown_gb": {k: round(v / GB, 3) for k, v in self.host_breakdown.items()},
+            "host_phases_gb": {k: round(v / GB, 3) for k, v in self.host_phases.items()},
+            "ram_budget_gb": round(self.ram_budget_bytes / GB, 3) if self.ram_budget_bytes else None,
+            "disk_blocks": len(self.disk_blocks), "staging_slots": self.staging_slots,
+            "disk_gb_per_step": round(self.disk_bytes_per_step / GB, 3),
+            "disk_gbps": (round(self.machine.disk_bytes_per_s / GB, 2)
+                          if self.machine is not None and self.machine.disk_bytes_per_s else None),
         }
 
 
@@ -250,13 +302,21 @@ def transient_units(chunks: int, compiled_budget: float = 1.0) -> float:
 def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefetch_depth: int,
                activation_offload: bool, budget_bytes: Optional[int] = None, reason: str = "",
                recompute_chunks: int = 1, optimizer_on_host: bool = False,
-               micro_batch: Optional[int] = None, compiled_budget: float = 1.0, outer_on_host: bool = False) -> Plan:
+               micro_batch: Optional[int] = None, compiled_budget: float = 1.0, outer_on_host: bool = False,
+               disk_blocks: Sequence[int] = (), host_extra: Optional[dict] = None,
+               ram_budget_bytes: Optional[int] = None, keeps_host_copies: bool = True,
+               resume_staging: bool = True) -> Plan:
     """One plan's numbers (the step's copies are simulated once per ring layout and cached: schedule.py).
     ``micro_batch``: samples per forward/backward; a batch of more runs as that many gradient-accumulated
     pieces (the same gradient), so activations are sized for it. ``compiled_budget``: the blocks are compiled at
     this activation-memory budget (1: eager, or compiled at 1). ``outer_on_host``: the footprint's ``outer_bytes``
     wait in pinned host memory, on the GPU only while they run (in the forward, not at the backward's peak), copied
-    in once per forward."""
+    in once per forward. ``disk_blocks``: streamed blocks read from the slab file each time they load (the disk tier)
+    instead of held in host RAM. ``host_extra``: host bytes the run holds beside the plan, by name ("preview
+    partner": the other expert's pinned blocks; "caching": the Cache Text Embeds pass, a phase of its own).
+    ``keeps_host_copies``: the streamer places the model and keeps the host copies of what it moves to the GPU
+    (False: mode='resident', whose placement moves the model and lets the host copies go). ``resume_staging``: the run
+    writes resumable states (each save copies the LoRA and its moments to a pinned host buffer)."""
     resident = sorted(set(resident))
     if resident and (resident[0] < 0 or resident[-1] >= fp.num_blocks):
         raise ConfigError(f"resident block ids {resident} must be in [0, {fp.num_blocks}) for {fp.name}")
@@ -282,6 +342,7 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
         ring_at_peak = ring_bytes if activation_offload else ring_at_turn
     else:
         k, num_slots, slot_bytes, streamed_per_step, ring_bytes, ring_at_peak = prefetch_depth, 0, 0, 0, 0, 0
+        loads, sizes = (), list(fp.block_bytes)
         activation_offload = False  # nothing streams: the resident plan has no use for it
         outer_on_host = False  # ... nor for host-held outer layers (only the streamer holds them)
         groups = [[i] for i in range(fp.num_blocks)]
@@ -301,21 +362,134 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
             + max(breakdown["activations"], fp.trainable_params * (OPTIMIZER_BYTES_PER_PARAM + moments)))
     # Each checkpointed unit's inputs go out and come back (a block in parts has one input set per part).
     act_io = int(sum(len(g) for g in groups) * SAVED_INPUT_UNITS * unit) if activation_offload else 0
+    disk = sorted(set(disk_blocks))
+    if disk and not set(disk) <= set(streamed):
+        raise ConfigError(f"disk blocks {disk} must be streamed blocks of {fp.name} (resident: {resident})")
+    staging_slots, staging_bytes, disk_per_step = 0, 0, 0
+    if disk:  # the staging ring and the reads its policy makes in a steady-state step (engine/offload/disk.py)
+        from .disk import default_staging_slots, read_bytes_of, simulate_disk_reads
+
+        disk_units = {u for i in disk for u in groups[i]}
+        staging_slots = default_staging_slots(k)
+        staging_bytes = staging_slots * max(read_bytes_of(sizes[u]) for u in disk_units)
+        disk_per_step = sum(read_bytes_of(sizes[u]) for u in simulate_disk_reads(loads, disk_units, staging_slots))
+    host = host_bytes(fp, streamed, disk, act_io, outer, optimizer_on_host, staging_bytes, host_extra or {},
+                      resident, keeps_host_copies, resume_staging)
     return Plan(
         mode="stream" if streamed else "resident", resident=resident, streamed=streamed, prefetch_depth=k,
         num_slots=num_slots, slot_bytes=slot_bytes, activation_offload=activation_offload,
         predicted_peak_bytes=int(peak), breakdown=breakdown, streamed_bytes_per_step=streamed_per_step + outer,
         activation_bytes_per_step=act_io,
-        pinned_host_bytes=sum(fp.block_bytes[i] for i in streamed) + act_io + outer,
+        pinned_host_bytes=host["pinned"],
         budget_bytes=budget_bytes, footprint=fp, workload=wl, reason=reason,
         recompute_chunks=max(1, recompute_chunks), optimizer_on_host=optimizer_on_host, outer_on_host=bool(outer), micro_batch=micro,
         ring_bytes=ring_bytes, streamed_units=len(streamed_units) if streamed else 0,
-        activation_memory_budget=compiled_budget,
+        activation_memory_budget=compiled_budget, disk_blocks=disk, staging_slots=staging_slots,
+        disk_bytes_per_step=disk_per_step, host_phases=host["phases"], host_breakdown=host["train"],
+        ram_budget_bytes=ram_budget_bytes,
+        host_args={"extra": dict(host_extra or {}), "keeps_host_copies": keeps_host_copies,
+                   "resume_staging": resume_staging},
     )
+
+
+def with_disk_blocks(plan: Plan, blocks: Sequence[int], staging_slots: int = 0) -> Plan:
+    """``plan`` with ``blocks`` (some of its streamed ones) read from the slab on every load (benches, tests: a plan
+    forced onto the disk tier): the staging ring's size, the disk bytes one steady-state step reads (the scheduler's
+    loads replayed through the staging policy, engine/offload/disk.py) and the host bytes (the disk blocks' host
+    copies gone, the ring added)."""
+    from .disk import default_staging_slots, read_bytes_of, simulate_disk_reads
+
+    blocks = sorted(set(blocks))
+    if not blocks:
+        plan.disk_blocks, plan.staging_slots, plan.disk_bytes_per_step = [], 0, 0
+        return rehost(plan, 0)
+    if not set(blocks) <= set(plan.streamed):
+        raise ConfigError(f"disk blocks {blocks} must be streamed blocks of the plan ({plan.streamed})")
+    fp = plan.footprint
+    sizes, groups = fp.stream_units(plan.activation_offload)
+    streamed_units = [u for i in plan.streamed for u in groups[i]]
+    disk_units = {u for i in blocks for u in groups[i]}
+    slots = staging_slots or default_staging_slots(plan.prefetch_depth)
+    loads, _, _ = simulate_step(len(sizes), streamed_units, plan.prefetch_depth, plan.num_slots, sizes)
+    plan.disk_blocks, plan.staging_slots = blocks, slots
+    plan.disk_bytes_per_step = sum(read_bytes_of(sizes[u]) for u in simulate_disk_reads(loads, disk_units, slots))
+    return rehost(plan, slots * max(read_bytes_of(sizes[u]) for u in disk_units))
+
+
+def rehost(plan: Plan, staging_bytes: int) -> Plan:
+    """Count ``plan``'s host bytes again after its disk blocks changed (engine/offload/disk.py ``with_disk_blocks``),
+    with a staging ring of ``staging_bytes``."""
+    fp = plan.footprint
+    host = host_bytes(fp, plan.streamed, plan.disk_blocks, plan.activation_bytes_per_step,
+                      fp.outer_bytes if plan.outer_on_host else 0, plan.optimizer_on_host, staging_bytes,
+                      plan.host_args.get("extra", {}), plan.resident, plan.host_args.get("keeps_host_copies", True),
+                      plan.host_args.get("resume_staging", True))
+    plan.host_phases, plan.host_breakdown, plan.pinned_host_bytes = host["phases"], host["train"], host["pinned"]
+    return plan
+
+
+def host_bytes(fp: ModelFootprint, streamed: Sequence[int], disk: Sequence[int], act_io: int, outer: int,
+               moments_on_host: bool, staging: int, extra: dict, resident: Sequence[int],
+               keeps_host_copies: bool = True, resume_staging: bool = True) -> dict:
+    """Every host byte a run causes, by part and by phase (the RAM plan):
+
+    * process: the interpreter, torch and the CUDA context (PROCESS_BASE_BYTES, measured);
+    * blocks: the pinned copies of streamed blocks not on the disk tier (engine/offload/host.py);
+    * staging: the disk tier's pinned ring (``staging`` bytes: its slots x the largest disk unit's read);
+    * activations: the pinned buffers activation offload keeps, one per streamed unit (activations.py);
+    * moments: AdamW's moments between steps with optimizer_on_host (host_moments.py);
+    * outer: the layers outside the blocks held in pinned memory with outer_on_host (outer.py);
+    * resume: the pinned copy a resume save takes of the LoRA and its moments (state_writer.py HostStaging);
+    * weights kept: host copies of tensors moved to the GPU, kept for the run so ``remove()`` can put them back
+      (the streamer's ``_moved``): the tensors outside the blocks, and with a model loaded into host memory (not a
+      slab's file map) the resident blocks too;
+    * extra: what the caller names (a preview partner's pinned blocks).
+
+    Phases: "load" holds the process, the model as read (a slab: its tensors converted to bf16, the int8 weights
+    are the file map's clean pages; else every frozen byte) and the pinned blocks made from it; "train" the parts
+    above; "caching" (``extra["caching"]``) the process and the caching pass's own peak. The plan's peak is the
+    largest phase."""
+    extra = dict(extra)
+    caching = extra.pop("caching", 0)
+    disk_set = set(disk)
+    pinned_blocks = sum(fp.block_bytes[i] for i in streamed if i not in disk_set)
+    lora = fp.trainable_params
+    moments = int(lora * MOMENT_BYTES_PER_PARAM) if moments_on_host else 0
+    # A resume save stages the fp32 LoRA weights and the optimizer's moments (lora_bytes_per_param less the weight
+    # and its gradient: 8 for AdamW, ~2 for 8-bit AdamW).
+    resume = int(lora * (4 + max(0.0, fp.lora_bytes_per_param - 8))) if resume_staging else 0
+    kept = (fp.other_bytes - outer + (0 if fp.file_backed else sum(fp.block_bytes[i] for i in resident))
+            if keeps_host_copies else 0)
+    train = {"process": PROCESS_BASE_BYTES, "blocks": pinned_blocks, "staging": staging, "activations": act_io,
+             "moments": moments, "outer": outer, "resume": resume, "weights kept": kept}
+    train.update({k: int(v) for k, v in extra.items()})
+    as_read = fp.other_bytes if fp.file_backed else fp.other_bytes + fp.total_block_bytes
+    # While pinning, a loaded (not file-backed) model's streamed blocks are copied one at a time and the originals
+    # let go, so the load phase holds the model as read plus one block; a slab's pinned copies add up.
+    load = PROCESS_BASE_BYTES + as_read + (pinned_blocks + staging if fp.file_backed
+                                            else max(fp.block_bytes, default=0))
+    phases = {"load": int(load), "train": int(sum(train.values()))}
+    if caching:
+        phases["caching"] = int(PROCESS_BASE_BYTES + caching)
+    pinned = pinned_blocks + staging + act_io + outer  # the streamer's (max_pinned_fraction holds it)
+    return {"train": train, "phases": phases, "pinned": int(pinned)}
 
 
 def _fits(plan: Plan, budget: int) -> bool:
     return plan.predicted_peak_bytes + HEADROOM_BYTES <= budget
+
+
+@dataclass(frozen=True)
+class RamLimits:
+    """What the RAM plan is held to: ``budget`` (every host byte at the peak phase; None: unlimited) and ``pinned``
+    (the streamer's page-locked bytes: max_pinned_fraction x the machine's RAM; None: unlimited)."""
+
+    budget: Optional[int] = None
+    pinned: Optional[int] = None
+
+    def fits(self, plan: Plan) -> bool:
+        return ((self.budget is None or plan.predicted_host_peak_bytes <= self.budget)
+                and (self.pinned is None or plan.pinned_host_bytes <= self.pinned))
 
 
 def with_step_time(plan: Plan, machine: Optional[Machine], compute_s_per_step: Optional[float] = None,
@@ -328,22 +502,78 @@ def with_step_time(plan: Plan, machine: Optional[Machine], compute_s_per_step: O
 
 def _cost(plan: Plan) -> tuple:
     """Lower is better: the predicted step time (to the millisecond); at the same time, fewer bytes over the link
-    (host-to-GPU weights, activations both ways), then no activation offload, then deeper prefetch."""
-    io = plan.streamed_bytes_per_step + 2 * plan.activation_bytes_per_step
+    and from disk (host-to-GPU weights, activations both ways, disk reads), then no activation offload, then deeper
+    prefetch."""
+    io = plan.streamed_bytes_per_step + 2 * plan.activation_bytes_per_step + plan.disk_bytes_per_step
     return (round(plan.predicted_step_s, 3), io, plan.activation_offload, -plan.prefetch_depth)
+
+
+def disk_orders(fp: ModelFootprint, streamed: Sequence[int]) -> list[list[int]]:
+    """The orders streamed blocks may move to the disk tier in, each tried by auto (the step-time model picks):
+    the last streamed first (next to the turn, where the staging ring carries a block from the forward into the
+    backward, so they are read the fewest times; engine/offload/disk.py), and the smallest first spread evenly over
+    the model (alternate halves, quarters, ...; the staging slots are sized for the largest disk block, and the disk's
+    reads interleave with the compute of the blocks between them)."""
+    def spread(rank: int) -> float:  # van der Corput: 0, 1/2, 1/4, 3/4, ...
+        out, base, r = 0.0, 0.5, rank
+        while r:
+            out, r, base = out + base * (r & 1), r >> 1, base / 2
+        return out
+
+    by_size: dict[int, list[int]] = {}
+    for i in streamed:
+        by_size.setdefault(fp.block_bytes[i], []).append(i)
+    spread_order = []
+    for size in sorted(by_size):
+        ids = by_size[size]
+        spread_order += [ids[j] for j in sorted(range(len(ids)), key=spread)]
+    last = list(reversed(list(streamed)))
+    return [last] + ([spread_order] if spread_order != last else [])
+
+
+def can_use_disk(fp: ModelFootprint, machine: Optional[Machine]) -> bool:
+    """auto may put blocks on the disk tier: the model is a slab (its blocks can be read from the file) and the
+    machine's disk read rate is known (engine/offload/disk.py probes it)."""
+    return fp.disk_capable and machine is not None and bool(machine.disk_bytes_per_s)
+
+
+def _with_disk(fp: ModelFootprint, wl: Workload, plan_args: dict, ram: RamLimits, disk_ok: bool,
+               timing: dict) -> Optional[Plan]:
+    """The plan of ``plan_args`` with the fewest blocks on the disk tier that make it fit ``ram`` (none when it fits
+    as it is), in the disk order the step-time model finds fastest; None when even every streamed block on disk
+    does not fit."""
+    plan = build_plan(fp, wl, **plan_args)
+    if ram.fits(plan) or not disk_ok or not plan.streamed:
+        return plan if ram.fits(plan) else None
+    best = None
+    for order in disk_orders(fp, plan.streamed):
+        for d in range(1, len(order) + 1):  # disk blocks free RAM once there are more than the staging slots
+            candidate = build_plan(fp, wl, disk_blocks=order[:d], **plan_args)
+            if ram.fits(candidate):
+                with_step_time(candidate, **timing)
+                if best is None or _cost(candidate) < _cost(best):
+                    best = candidate
+                break
+    return best
 
 
 def make_plan(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, budget_bytes: Optional[int] = None,
               host_ram_bytes: Optional[int] = None, compiled: bool = False, machine: Optional[Machine] = None,
-              compute_s_per_step: Optional[float] = None) -> Plan:
+              compute_s_per_step: Optional[float] = None, ram_budget_bytes: Optional[int] = None,
+              host_extra: Optional[dict] = None, ram_source: str = "", resume_staging: bool = True) -> Plan:
     """The plan for ``cfg``. ``budget_bytes`` is required for mode='auto' (the caller resolves
-    vram_budget_gb=0 to the free VRAM). Raises ConfigError when auto cannot fit the budget, or the plan
-    would pin more than ``cfg.max_pinned_fraction`` of ``host_ram_bytes``. ``compiled``: the blocks will be
-    compiled (engine/train/compile.py), so cfg.activation_memory_budget applies, and auto may lower it.
-    ``machine``: the link and GPU the step time is predicted for (engine/offload/link.py measures it; None: a
-    25 GB/s link); auto picks the fastest plan on it. ``compute_s_per_step``: the measured resident step of this
-    model and workload, when known (else estimated from FLOPs; engine/offload/steptime.py)."""
+    vram_budget_gb=0 to the free VRAM). ``ram_budget_bytes``: the RAM plan's budget (the caller resolves
+    ram_budget_gb=0 with engine/offload/hostmem.py; None: unlimited); ``host_ram_bytes``: the machine's RAM (the
+    smaller of physical and the cgroup limit), of which the streamer may pin ``cfg.max_pinned_fraction``;
+    ``host_extra``: host bytes the run holds beside the plan (``build_plan``); ``ram_source``: how the RAM budget
+    was set, for messages; ``resume_staging``: the run saves resumable states (``build_plan``). Raises ConfigError when auto cannot fit both budgets, or an explicit plan does not fit
+    the RAM budget. ``compiled``: the blocks will be compiled (engine/train/compile.py), so
+    cfg.activation_memory_budget applies, and auto may lower it. ``machine``: the link, disk and GPU the step time is
+    predicted for (engine/offload/link.py measures it; None: a 25 GB/s link, no disk tier); auto picks the fastest
+    plan on it. ``compute_s_per_step``: the measured resident step of this model and workload, when known (else
+    estimated from FLOPs; engine/offload/steptime.py)."""
     timing = {"machine": machine, "compute_s_per_step": compute_s_per_step, "compiled": compiled}
+    ram = RamLimits(ram_budget_bytes, int(cfg.max_pinned_fraction * host_ram_bytes) if host_ram_bytes else None)
     n = fp.num_blocks
     if (cfg.recompute_chunks or 1) > 1 and not fp.chunkable:
         raise ConfigError(f"recompute_chunks={cfg.recompute_chunks}: {fp.name} has no token-wise block parts to "
@@ -354,32 +584,53 @@ def make_plan(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, budget_bytes
     fixed = {"recompute_chunks": cfg.recompute_chunks or 1, "optimizer_on_host": bool(cfg.optimizer_on_host),
              "outer_on_host": bool(cfg.outer_on_host),
              "micro_batch": cfg.micro_batch_size,
-             "compiled_budget": cfg.activation_memory_budget if compiled else 1.0}
+             "compiled_budget": cfg.activation_memory_budget if compiled else 1.0,
+             "host_extra": host_extra, "ram_budget_bytes": ram_budget_bytes, "resume_staging": resume_staging}
     if cfg.mode == "resident":
-        plan = with_step_time(build_plan(fp, wl, range(n), 1, False, reason="mode=resident", **fixed), **timing)
+        plan = with_step_time(build_plan(fp, wl, range(n), 1, False, reason="mode=resident",
+                                         keeps_host_copies=False, **fixed), **timing)
     elif cfg.mode == "stream":
         r = cfg.resident_blocks or 0
-        plan = with_step_time(build_plan(fp, wl, order[:r], cfg.prefetch_depth or 2, bool(cfg.activation_offload),
-                                         reason="mode=stream", **fixed), **timing)
+        plan = build_plan(fp, wl, order[:r], cfg.prefetch_depth or 2, bool(cfg.activation_offload),
+                          reason="mode=stream", **fixed)
+        if cfg.disk_blocks:  # the disk tier, forced (benches, tests): the blocks next to the turn
+            from .disk import last_streamed
+
+            plan = build_plan(fp, wl, order[:r], cfg.prefetch_depth or 2, bool(cfg.activation_offload),
+                              reason="mode=stream", disk_blocks=last_streamed(plan, cfg.disk_blocks), **fixed)
+        plan = with_step_time(plan, **timing)
     else:
         if budget_bytes is None:
             raise ValueError("mode='auto' needs budget_bytes")
-        plan = _auto(fp, wl, cfg, order, budget_bytes, compiled, timing)
-    if host_ram_bytes and plan.pinned_host_bytes > cfg.max_pinned_fraction * host_ram_bytes:
+        plan = _auto(fp, wl, cfg, order, budget_bytes, compiled, timing, ram, ram_source,
+                     {"host_extra": host_extra, "resume_staging": resume_staging})
+    if ram.pinned is not None and plan.pinned_host_bytes > ram.pinned:
         raise ConfigError(
             f"the plan pins {plan.pinned_host_bytes / GB:.1f} GB of host RAM but max_pinned_fraction="
             f"{cfg.max_pinned_fraction} of this machine's {host_ram_bytes / GB:.0f} GB allows "
-            f"{cfg.max_pinned_fraction * host_ram_bytes / GB:.1f} GB; keep more blocks resident (a larger "
+            f"{ram.pinned / GB:.1f} GB; keep more blocks resident (a larger "
             f"budget or resident_blocks), turn activation offload off, or raise max_pinned_fraction"
         )
+    if ram.budget is not None and not ram.fits(plan):
+        raise ConfigError(
+            f"mode={cfg.mode!r} needs {plan.predicted_host_peak_bytes / GB:.1f} GB of host RAM but ram_budget_gb="
+            f"{ram.budget / GB:.3g}{ram_source} allows {ram.budget / GB:.1f} GB "
+            f"({', '.join(f'{k} {v / GB:.2f}' for k, v in plan.host_breakdown.items() if v)} GB in training; "
+            f"by phase {', '.join(f'{k} {v / GB:.1f}' for k, v in plan.host_phases.items())} GB). Use mode='auto' "
+            f"(it plans for both budgets and can stream a slab's blocks from disk), keep more blocks resident, turn "
+            f"activation offload off, or free host RAM / raise ram_budget_gb to at least "
+            f"{math.ceil(plan.predicted_host_peak_bytes / GB * 10) / 10:.1f}")
     return plan
 
 
 def _auto(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: list[int], budget: int,
-          compiled: bool = False, timing: Optional[dict] = None) -> Plan:
-    """The fastest plan that fits. Finer recompute and host-held moments cost time but no PCIe bytes, so
-    they are escalations: tried only when nothing fits without them (unless set explicitly). Compiled blocks
-    at activation-memory budget 1 (the default) may go down to AUTO_COMPILED_BUDGET as a last escalation."""
+          compiled: bool = False, timing: Optional[dict] = None, ram: RamLimits = RamLimits(),
+          ram_source: str = "", host: Optional[dict] = None) -> Plan:
+    """The fastest plan that fits both budgets. Finer recompute and host-held moments cost time but no PCIe bytes,
+    so they are escalations: tried only when nothing fits without them (unless set explicitly), or when what fits
+    without them needs blocks on the disk tier. Compiled blocks at activation-memory budget 1 (the default) may go
+    down to AUTO_COMPILED_BUDGET as a last escalation."""
+    timing = timing or {}
     auto_chunks = min(16, max(2, math.ceil(wl.tokens / CHUNK_TOKENS)))
     chunk_steps = [cfg.recompute_chunks] if cfg.recompute_chunks else [1] + ([auto_chunks] if fp.chunkable else [])
     host_steps = [cfg.optimizer_on_host] if cfg.optimizer_on_host is not None else [False, True]
@@ -395,41 +646,99 @@ def _auto(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: list[int]
     # (pointwise recompute in backward).
     escalations = [(c, h, m, b, o) for b in budget_steps for c in chunk_steps for m in micro_steps
                    for h in host_steps for o in outer_steps]
-    for chunks, host, micro, cbudget, outer in escalations:
-        plan = _auto_fixed(fp, wl, cfg, order, budget, chunks, host, micro, cbudget, timing or {}, outer)
+    disk_ok = can_use_disk(fp, timing.get("machine"))
+    found, ram_refused = [], []
+    for chunks, moments, micro, cbudget, outer in escalations:
+        plan = _auto_fixed(fp, wl, cfg, order, budget, chunks, moments, micro, cbudget, timing, outer, ram, disk_ok,
+                           ram_refused, host)
         if plan is not None:
-            return plan
-    chunks, host, micro, cbudget, outer = escalations[-1]
+            found.append(plan)
+            if not plan.disk_blocks:  # a later escalation only costs time: stop at the first without disk reads
+                break
+    if found:
+        best = min(found, key=_cost)
+        faster = [p for p in ram_refused if _cost(p) < _cost(best)]  # what the RAM budget ruled out
+        if faster and not best.activation_offload:
+            over = min(p.predicted_host_peak_bytes for p in faster) - ram.budget
+            best.ram_note = (f"activations stay on the GPU (recompute{' in token chunks' if best.recompute_chunks > 1 else ''}"
+                             f" instead of activation offload, which would be faster here): offloading them would "
+                             f"need {over / GB:.1f} GB more host RAM than the RAM budget allows, and activations are "
+                             f"never written to disk (SSD wear)")
+        if best.disk_blocks:
+            best.ram_note = (best.ram_note + "; " if best.ram_note else "") + (
+                f"{len(best.disk_blocks)} streamed blocks ({sum(fp.block_bytes[i] for i in best.disk_blocks) / GB:.1f}"
+                f" GB) are read from the slab file each time they load: the RAM budget holds the rest")
+        return best
+    raise _refusal(fp, wl, cfg, order, budget, compiled, escalations[-1], ram, disk_ok, ram_source, host)
+
+
+def _refusal(fp, wl, cfg, order, budget, compiled, last, ram: RamLimits, disk_ok: bool, ram_source: str,
+             host_args: Optional[dict] = None):
+    """The ConfigError when no plan fits: the smallest (VRAM, RAM) pairs that work, and the fix."""
+    chunks, host, micro, cbudget, outer = last
+    common = {"recompute_chunks": chunks, "micro_batch": micro, "compiled_budget": cbudget, **(host_args or {})}
     smallest = build_plan(fp, wl, order[:cfg.resident_blocks or 0], min([cfg.prefetch_depth] if cfg.prefetch_depth
                                                                         else [2, 1]),
                           cfg.activation_offload if cfg.activation_offload is not None else True, budget,
-                          recompute_chunks=chunks, optimizer_on_host=host, micro_batch=micro,
-                          compiled_budget=cbudget, outer_on_host=outer)
+                          optimizer_on_host=host, outer_on_host=outer, **common)
     need = math.ceil((smallest.predicted_peak_bytes + HEADROOM_BYTES) / GB * 10) / 10
-    raise ConfigError(
-        f"vram_budget_gb={budget / GB:.3g} is below the smallest plan for {fp.name} at "
-        f"{wl.label or f'{wl.tokens} tokens'}, batch {wl.batch} ({need:.1f} GB: "
-        f"{', '.join(f'{k} {v / GB:.2f}' for k, v in smallest.breakdown.items())} GB + "
-        f"{HEADROOM_BYTES / GB:.1f} GB headroom); raise the budget to at least {need:.1f} GB, "
-        f"or lower the resolution or batch size"
-        + ("" if compiled else "; compiled blocks (compile='blocks', or auto for runs of 200+ steps on a CUDA GPU "
-                               "with Triton) need less")
-    )
+    if ram.budget is None or not _fits(smallest, budget):  # the VRAM budget is below any plan
+        return ConfigError(
+            f"vram_budget_gb={budget / GB:.3g} is below the smallest plan for {fp.name} at "
+            f"{wl.label or f'{wl.tokens} tokens'}, batch {wl.batch} ({need:.1f} GB: "
+            f"{', '.join(f'{k} {v / GB:.2f}' for k, v in smallest.breakdown.items())} GB + "
+            f"{HEADROOM_BYTES / GB:.1f} GB headroom"
+            + (f"; that plan needs {smallest.predicted_host_peak_bytes / GB:.1f} GB of host RAM"
+               if ram.budget is not None else "")
+            + f"); raise the budget to at least {need:.1f} GB, or lower the resolution or batch size"
+            + ("" if compiled else "; compiled blocks (compile='blocks', or auto for runs of 200+ steps on a CUDA "
+                                   "GPU with Triton) need less"))
+    # Both budgets matter: the pairs that work at the two ends (the least VRAM, the least RAM).
+    pairs = []
+    for resident, act, moments, outer_host, c in (
+            (order[:cfg.resident_blocks or 0], True if cfg.activation_offload is None else cfg.activation_offload,
+             host, outer, chunks),
+            (order[:cfg.resident_blocks or 0], bool(cfg.activation_offload), False, False, chunks),
+            (list(range(fp.num_blocks)), False, False, False, 1)):
+        plan = build_plan(fp, wl, resident, 1, act, budget, optimizer_on_host=moments, outer_on_host=outer_host,
+                          **{**common, "recompute_chunks": c})
+        if disk_ok and plan.streamed:
+            plan = build_plan(fp, wl, resident, 1, act, budget, optimizer_on_host=moments, outer_on_host=outer_host,
+                              disk_blocks=plan.streamed, **{**common, "recompute_chunks": c})
+        pairs.append((math.ceil((plan.predicted_peak_bytes + HEADROOM_BYTES) / GB * 10) / 10,
+                      math.ceil(plan.predicted_host_peak_bytes / GB * 10) / 10))
+    least_vram = min(pairs)
+    least_ram = min(pairs, key=lambda p: (p[1], p[0]))
+    shown = [least_vram] + ([least_ram] if least_ram != least_vram else [])
+    return ConfigError(
+        f"no plan for {fp.name} at {wl.label or f'{wl.tokens} tokens'}, batch {wl.batch} fits vram_budget_gb="
+        f"{budget / GB:.3g} and ram_budget_gb={ram.budget / GB:.3g}{ram_source} together; the smallest pairs that "
+        f"work: {' or '.join(f'{v:.1f} GB VRAM + {r:.1f} GB RAM' for v, r in shown)}. Free host RAM or raise "
+        f"ram_budget_gb, or raise vram_budget_gb (more blocks resident need less RAM)"
+        + ("" if disk_ok else
+           "; the disk tier needs the slab file's read rate, which was not measured" if fp.disk_capable else
+           "; load the model as an int8 slab (precision 'int8 slab'): its blocks can then stream from the slab file "
+           "on disk instead of RAM")
+        + ", or lower the resolution or batch size")
 
 
 def _auto_fixed(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: list[int], budget: int,
                 chunks: int, host: bool, micro: int, compiled_budget: float = 1.0,
-                timing: Optional[dict] = None, outer: bool = False) -> Optional[Plan]:
-    """The fastest plan that fits at these escalations: for each prefetch depth and activation offload setting the
-    most resident blocks that fit (more resident is never slower), then the lowest predicted step time."""
+                timing: Optional[dict] = None, outer: bool = False, ram: RamLimits = RamLimits(),
+                disk_ok: bool = False, ram_refused: Optional[list] = None,
+                host_args: Optional[dict] = None) -> Optional[Plan]:
+    """The fastest plan that fits both budgets at these escalations: for each prefetch depth and activation offload
+    setting the most resident blocks that fit the VRAM budget (more resident is never slower and needs less RAM),
+    with the fewest blocks on the disk tier that make it fit the RAM budget; then the lowest predicted step time.
+    ``ram_refused`` collects the activation-offload plans that fit the VRAM budget but not the RAM one."""
     timing = timing or {}
     n = fp.num_blocks
     extra = {"recompute_chunks": chunks, "optimizer_on_host": host, "micro_batch": micro,
-             "compiled_budget": compiled_budget, "outer_on_host": outer}
+             "compiled_budget": compiled_budget, "outer_on_host": outer, **(host_args or {})}
     if cfg.resident_blocks in (None, n):  # nothing streams when everything fits: fastest by far
         everything = build_plan(fp, wl, range(n), 1, False, budget, reason="auto: everything fits the budget",
-                                **extra)
-        if _fits(everything, budget):
+                                ram_budget_bytes=ram.budget, **extra)
+        if _fits(everything, budget) and ram.fits(everything):
             return with_step_time(everything, **timing)
     depths = [cfg.prefetch_depth] if cfg.prefetch_depth else AUTO_DEPTHS
     acts = [cfg.activation_offload] if cfg.activation_offload is not None else [False, True]
@@ -438,14 +747,21 @@ def _auto_fixed(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: lis
     for k in depths:
         for act in acts:
             for r in counts:  # most resident first: the first that fits is the best for this (k, act)
-                plan = build_plan(fp, wl, order[:r], k, act, budget, **extra)
+                args = {"resident": order[:r], "prefetch_depth": k, "activation_offload": act,
+                        "budget_bytes": budget, "ram_budget_bytes": ram.budget, **extra}
+                plan = build_plan(fp, wl, **args)
                 if not _fits(plan, budget):
                     continue
-                with_step_time(plan, **timing)
-                if best is None or _cost(plan) < _cost(best):
-                    best = plan
+                fitted = _with_disk(fp, wl, args, ram, disk_ok, timing)
+                if fitted is None:
+                    if act and ram_refused is not None and ram.budget is not None:
+                        ram_refused.append(with_step_time(plan, **timing))
+                    break
+                with_step_time(fitted, **timing)
+                if best is None or _cost(fitted) < _cost(best):
+                    best = fitted
                 break
     if best is not None:
-        best.reason = (f"auto: the fastest plan that fits the budget (predicted step time on a "
-                       f"{best.machine.describe()})")
+        best.reason = (f"auto: the fastest plan that fits the budget{'s' if ram.budget is not None else ''} "
+                       f"(predicted step time on a {best.machine.describe()})")
     return best

@@ -40,6 +40,7 @@ fakes in the tests). The contract it relies on:
 """
 from __future__ import annotations
 
+import copy
 import functools
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
@@ -140,6 +141,36 @@ class BlockScheduler:
         self.position = 0 if self.current == self.cycle[0] else len(self.cycle) - 1
         if self.streamed:
             self._prefetch()
+
+    def future_loads(self, count: int, wanted: Optional[frozenset] = None, cycles: int = 2) -> list[int]:
+        """The next ``count`` loads (of ``wanted`` blocks only, when given) this scheduler will start if the
+        visits follow its cycle from now on: a copy of its state replays the rest of the current visit's
+        prefetch, then up to ``cycles`` cycles of visits. The disk tier reads ahead in this order
+        (engine/offload/disk.py); called from inside a load, the block being loaded is already placed."""
+        out: list[int] = []
+        if self.position is None or not self.streamed:
+            return out
+
+        class _Record:
+            def load(self, block, slot, evicted):
+                if wanted is None or block in wanted:
+                    out.append(block)
+
+            def wait_ready(self, slot):
+                pass
+
+            def release(self, slot):
+                pass
+
+        sim = copy.copy(self)
+        sim.engine, sim.slots, sim.where, sim.stats = _Record(), list(self.slots), dict(self.where), ScheduleStats()
+        sim._prefetch()
+        n = len(sim.cycle)
+        for d in range(1, cycles * n + 1):
+            if len(out) >= count:
+                break
+            sim.visit(sim.cycle[(self.position + d) % n])
+        return out[:count]
 
     # -- internals ------------------------------------------------------------
 

@@ -22,7 +22,13 @@ The model, per micro-step (one forward + backward; the loop synchronises after t
   own lane (device-to-host: the other direction of the link, which nothing else uses) and come back one unit
   ahead of its backward on their own stream, sharing the host-to-device bandwidth with the weight copies (half
   each while both run; the weights are delayed by the activations' bytes); the unit's backward waits for them.
-* The step ends when compute and every copy have finished (the loop synchronises).
+* **disk** (the disk tier, ``plan.disk_blocks``): a disk block's load first reads its bytes from the slab file into
+  a pinned staging slot (``bytes / disk rate``), then copies them to the GPU. Reads run one after the other in the
+  order the scheduler loads blocks (forward then backward), as far ahead as the staging ring allows: the j-th read
+  needs the slot of read j - ``staging_slots``, free once that block's copy to the GPU has landed. A load's copy
+  starts when its read has landed (so a disk-bound step stalls on the read, through the copy).
+* The step ends when compute and every copy have finished (the loop synchronises). Each pipe (compute, link, disk)
+  bounds it from below: step >= max(compute, link bytes / link rate, disk bytes / disk rate).
 
 * Each visit of a streamed (or activation-offloaded) unit adds ``VISIT_OVERHEAD_S`` of compute: the overhead of
   streaming itself (checkpoint boundaries, events, a compiled graph per unit; issue 26 item 1), fitted.
@@ -70,19 +76,26 @@ LINEAR_PASSES, ATTENTION_PASSES = 3.0, 4.5
 # the overhead issue 26 item 1 is removing: refit it when that lands (bench/bench_memory.py prints both figures).
 VISIT_OVERHEAD_S = 0.0008
 DEFAULT_LINK_BYTES_PER_S = 25 * GB  # no probe (CPU, tests): a PCIe 4.0 x16 board, the common case
+# A plan with disk blocks on a machine whose disk was not probed (an explicit stream plan on the CPU, tests): a PCIe
+# 4.0 NVMe drive's sequential read. auto never puts blocks on disk without a measured rate.
+DEFAULT_DISK_BYTES_PER_S = 3.5 * GB
 
 
 @dataclass(frozen=True)
 class Machine:
-    """What the step-time model knows about the machine: the pinned host-to-GPU link and the GPU's peak."""
+    """What the step-time model knows about the machine: the pinned host-to-GPU link, the GPU's peak, and the read
+    rate of the disk the slab file is on (None: no disk tier: the model is not a slab, or its disk was not probed,
+    so the planner puts no block on disk)."""
 
     link_bytes_per_s: float = DEFAULT_LINK_BYTES_PER_S
     peak_flops: float = DEFAULT_PEAK_TFLOPS * 1e12
     name: str = ""
     source: str = "default"  # where the link figure came from: probe, cache, env, emulated, default
+    disk_bytes_per_s: Optional[float] = None  # engine/offload/disk.py: disk_rate_for(slab path)
 
     def describe(self) -> str:
-        return f"{self.link_bytes_per_s / GB:.1f} GB/s host->GPU ({self.source})"
+        disk = f", disk {self.disk_bytes_per_s / GB:.1f} GB/s" if self.disk_bytes_per_s else ""
+        return f"{self.link_bytes_per_s / GB:.1f} GB/s host->GPU ({self.source}){disk}"
 
 
 def peak_flops_for(gpu_name: str) -> float:
@@ -100,11 +113,12 @@ class StepTime:
     stall_s: float  # compute waiting for copies (weights and activations)
     link_busy_s: float  # host->GPU link busy (weights + restored activations)
     compute_source: str  # "measured" | "FLOPs"
+    disk_busy_s: float = 0.0  # the disk reading disk-tier blocks
 
     def as_dict(self) -> dict:
         return {"predicted_step_s": round(self.seconds, 4), "predicted_compute_s": round(self.compute_s, 4),
                 "predicted_stall_s": round(self.stall_s, 4), "predicted_link_busy_s": round(self.link_busy_s, 4),
-                "compute_source": self.compute_source}
+                "predicted_disk_busy_s": round(self.disk_busy_s, 4), "compute_source": self.compute_source}
 
 
 def block_params(fp) -> list[int]:
@@ -145,7 +159,8 @@ def estimate_compute_s(fp, tokens: int, batch: int, peak_flops: float, compiled:
 class _Timeline:
     """A copy engine for BlockScheduler that keeps the GPU's timeline instead of copying (seconds)."""
 
-    def __init__(self, sizes: Sequence[int], num_slots: int, link: float):
+    def __init__(self, sizes: Sequence[int], num_slots: int, link: float, disk_units: frozenset = frozenset(),
+                 disk_rate: float = 0.0, staging_slots: int = 1):
         self.sizes, self.link = sizes, link
         self.now = 0.0  # end of the last compute enqueued on the compute stream
         self.h2d_free = 0.0  # the host->device link (weights and restored activations)
@@ -153,6 +168,21 @@ class _Timeline:
         self.released = [0.0] * num_slots
         self.stall = 0.0
         self.busy = 0.0
+        # The disk tier: reads in load order, each into a staging slot freed when the copy made from it landed.
+        self.disk_units, self.disk_rate = disk_units, disk_rate
+        self.disk_free = 0.0
+        self.staging_free = [0.0] * max(1, staging_slots)
+        self.reads = 0
+        self.disk_busy = 0.0
+
+    def read(self, unit: int) -> float:
+        """When the disk block's bytes are in a staging slot (its read, as early as the ring allows)."""
+        slot = self.reads % len(self.staging_free)
+        self.reads += 1
+        seconds = self.sizes[unit] / self.disk_rate
+        self.disk_free = max(self.disk_free, self.staging_free[slot]) + seconds
+        self.disk_busy += seconds
+        return self.disk_free
 
     def copy_in(self, nbytes: int, after: float) -> float:
         """A weight copy: the copy stream runs its copies one after the other."""
@@ -174,7 +204,13 @@ class _Timeline:
         # CudaCopyEngine: the buffer is allocated on the compute stream (the copy waits for what compute has
         # queued so far) and the copy waits for the slot's release; a replaced buffer's old copy must have landed.
         self.now = max(self.now, self.ready[slot])
-        self.ready[slot] = self.copy_in(self.sizes[block], max(self.now, self.released[slot]))
+        after = max(self.now, self.released[slot])
+        if block in self.disk_units:
+            read = self.read(block)
+            self.ready[slot] = self.copy_in(self.sizes[block], max(after, read))
+            self.staging_free[(self.reads - 1) % len(self.staging_free)] = self.ready[slot]
+        else:
+            self.ready[slot] = self.copy_in(self.sizes[block], after)
 
     def wait_ready(self, slot):
         if self.ready[slot] > self.now:
@@ -188,22 +224,27 @@ class _Timeline:
 def simulate_step_time(sizes: Sequence[int], streamed: Sequence[int], prefetch_depth: int, num_slots: int,
                        fwd_s: Sequence[float], bwd_s: Sequence[float], link: float,
                        act_bytes: Sequence[int] = (), steps: int = 3,
-                       visit_overhead_s: float = 0.0) -> tuple[float, float, float]:
+                       visit_overhead_s: float = 0.0, disk_units: Sequence[int] = (), disk_rate: float = 0.0,
+                       staging_slots: int = 1) -> tuple[float, float, float, float]:
     """(seconds, stall s, link busy s) of the last of ``steps`` micro-steps over units of ``sizes`` bytes of which
     ``streamed`` live on the host; ``fwd_s`` / ``bwd_s``: each unit's forward and recompute + backward compute;
     ``act_bytes``: each unit's offloaded inputs (empty: no activation offload); ``visit_overhead_s``: added to each
-    visit of a streamed unit (every unit with activation offload)."""
+    visit of a streamed unit (every unit with activation offload); ``disk_units``: streamed units read from disk
+    at ``disk_rate`` through ``staging_slots`` staging buffers on each load. Returns (seconds, stall s, link busy s,
+    disk busy s)."""
     managed = set(range(len(sizes))) if act_bytes else set(streamed)
     fwd_s = [f + (visit_overhead_s if u in managed else 0.0) for u, f in enumerate(fwd_s)]
     bwd_s = [b + (visit_overhead_s if u in managed else 0.0) for u, b in enumerate(bwd_s)]
     n = len(sizes)
-    eng = _Timeline(sizes, num_slots, link)
+    if disk_units and not disk_rate > 0:
+        raise ValueError("disk units need a disk read rate (Machine.disk_bytes_per_s)")
+    eng = _Timeline(sizes, num_slots, link, frozenset(disk_units), disk_rate, staging_slots)
     sched = BlockScheduler(n, streamed, num_slots, prefetch_depth, eng) if streamed else None
     if sched is not None:
         sched.prime()
-    d2h_free, start, stall0, busy0 = 0.0, 0.0, 0.0, 0.0
+    d2h_free, start, stall0, busy0, disk0 = 0.0, 0.0, 0.0, 0.0, 0.0
     for _ in range(steps):
-        start, stall0, busy0 = eng.now, eng.stall, eng.busy
+        start, stall0, busy0, disk0 = eng.now, eng.stall, eng.busy, eng.disk_busy
         for u in range(n):  # forward
             if sched is not None:
                 sched.visit(u)
@@ -222,7 +263,7 @@ def simulate_step_time(sizes: Sequence[int], streamed: Sequence[int], prefetch_d
                     eng.now = restored[u]
             eng.now += bwd_s[u]
         eng.now = max(eng.now, eng.h2d_free, d2h_free)  # the loop synchronises after the step
-    return eng.now - start, eng.stall - stall0, eng.busy - busy0
+    return eng.now - start, eng.stall - stall0, eng.busy - busy0, eng.disk_busy - disk0
 
 
 def predict_step_time(plan, machine: Machine, compute_s_per_step: Optional[float] = None,
@@ -258,10 +299,14 @@ def predict_step_time(plan, machine: Machine, compute_s_per_step: Optional[float
     if plan.activation_offload:
         unit_act = micro * wl.tokens * fp.hidden_size * fp.act_bytes_per_elem
         act = [unit_act] * len(sizes)
-    seconds, stall, busy = simulate_step_time(sizes, streamed_units, plan.prefetch_depth, plan.num_slots,
-                                              fwd, bwd, machine.link_bytes_per_s, act,
-                                              visit_overhead_s=VISIT_OVERHEAD_S)
+    disk_units = [u for i in getattr(plan, "disk_blocks", ()) for u in groups[i]]
+    seconds, stall, busy, disk = simulate_step_time(sizes, streamed_units, plan.prefetch_depth, plan.num_slots,
+                                                    fwd, bwd, machine.link_bytes_per_s, act,
+                                                    visit_overhead_s=VISIT_OVERHEAD_S, disk_units=disk_units,
+                                                    disk_rate=machine.disk_bytes_per_s or DEFAULT_DISK_BYTES_PER_S,
+                                                    staging_slots=max(1, getattr(plan, "staging_slots", 1)))
     # Layers outside the blocks held on the host (``outer_on_host``): copied in on the compute stream where they
     # run, once per forward; nothing overlaps that copy (engine/offload/outer.py).
     outer = fp.outer_bytes / machine.link_bytes_per_s if plan.outer_on_host else 0.0
-    return StepTime((seconds + outer) * pieces, compute, (stall + outer) * pieces, (busy + outer) * pieces, source)
+    return StepTime((seconds + outer) * pieces, compute, (stall + outer) * pieces, (busy + outer) * pieces, source,
+                    disk * pieces)

@@ -37,7 +37,9 @@ from ..errors import ConfigError
 from .config import OffloadConfig
 from .footprint import measure_footprint, named_blocks, outer_modules
 from .hooks import HookRegistry, ModelHook
-from .host import HostBlock, host_rss_bytes, physical_ram_bytes
+from .disk import DiskUnit
+from .host import HostBlock
+from .hostmem import process_memory, ram_cap_bytes
 from .plan import GB, Plan, Workload, make_plan
 from .schedule import BlockScheduler
 from .units import StreamUnits, install_units
@@ -69,6 +71,7 @@ class CudaCopyEngine:
         from .link import pacer_for
 
         self.pacer = pacer_for(device)
+        self.disk = None  # the staging ring of the disk tier (engine/offload/disk.py), when the plan has disk blocks
 
     def load(self, block: int, slot: int, evicted: Optional[int]) -> None:
         compute = torch.cuda.current_stream(self.device)
@@ -83,6 +86,8 @@ class CudaCopyEngine:
             compute.wait_event(self.ready[slot])
             self.slots[slot] = None
         host = self.hosts[block]
+        # A disk unit's bytes come from its staging buffer (read ahead; this waits only if its read is late).
+        source = self.disk.fetch(block) if self.disk is not None and block in self.disk.units else host.buffer
         buffer = torch.empty(host.nbytes, dtype=torch.uint8, device=self.device)  # on the compute stream
         allocated = torch.cuda.Event()
         allocated.record(compute)
@@ -95,10 +100,12 @@ class CudaCopyEngine:
             if self.released[slot] is not None:
                 self.stream.wait_event(self.released[slot])
             start.record(self.stream)
-            buffer.copy_(host.buffer, non_blocking=True)
+            buffer.copy_(source, non_blocking=True)
             if self.pacer is not None:  # the copy lands (done) once the emulated link would have carried it
                 self.pacer.after_copy(host.nbytes)
             done.record(self.stream)
+        if source is not getattr(host, "buffer", None):  # the staging buffer may be read into again after `done`
+            self.disk.copied(block, done)
         self.slots[slot] = buffer
         self.ready[slot] = done
         self.bytes_copied += host.nbytes
@@ -145,13 +152,18 @@ class InlineCopyEngine:
         self.slots: list[Optional[torch.Tensor]] = [None] * num_slots
         self.bytes_copied = 0
         self.log: list[tuple] = []
+        self.disk = None
 
     def load(self, block: int, slot: int, evicted: Optional[int]) -> None:
         if evicted is not None:
             self.hosts[evicted].bind_host()
         self.slots[slot] = None
         host = self.hosts[block]
-        self.slots[slot] = host.buffer.clone().to(self.device)
+        disk = self.disk is not None and block in self.disk.units
+        source = self.disk.fetch(block) if disk else host.buffer
+        self.slots[slot] = source.clone().to(self.device)
+        if disk:
+            self.disk.copied(block, None)
         self.bytes_copied += host.nbytes
         host.bind(self.slots[slot])
         self.log.append(("load", block, slot, evicted))
@@ -185,8 +197,12 @@ class OffloadHandle:
         self._hosts: dict[int, HostBlock] = {}
         self.pin_seconds = 0.0
         self.pinned_reused = 0
+        self.pinned_bytes = 0  # page-locked host bytes of this handle (blocks, activation buffers)
         self.step_copy_s: list[float] = []  # per training step: copy engine busy
         self.step_stall_s: list[float] = []  # per training step: compute waiting for copies
+        self.disk = None  # StagingRing: the disk tier's reads (engine/offload/disk.py)
+        self.step_disk_bytes: list[int] = []  # per training step: bytes read from the slab
+        self.step_disk_wait_s: list[float] = []  # per training step: the training thread waiting for those reads
         self._removed = False
 
     def end_step(self) -> None:
@@ -195,11 +211,16 @@ class OffloadHandle:
             copy_s, stall_s = self.engine.harvest()
             self.step_copy_s.append(round(copy_s, 4))
             self.step_stall_s.append(round(stall_s, 4))
+        if self.disk is not None:
+            read, waited = self.disk.harvest()
+            self.step_disk_bytes.append(read)
+            self.step_disk_wait_s.append(round(waited, 4))
 
     def stats(self) -> dict:
         """Counters since apply (copies, bytes, synchronous loads = prefetch misses, resyncs) and, per
         training step, copy-engine busy and compute stall seconds (CUDA; see ``end_step``)."""
         out = {"bytes_copied": 0, "pin_seconds": round(self.pin_seconds, 2), "pinned_reused": self.pinned_reused,
+               "pinned_gb": round(self.pinned_bytes / GB, 3),
                "step_copy_s": self.step_copy_s, "step_stall_s": self.step_stall_s,
                "paced_s": round(self.engine.pacer.paced_s, 3)
                if self.engine is not None and self.engine.pacer is not None else 0.0}
@@ -208,6 +229,9 @@ class OffloadHandle:
             out["bytes_copied"] = self.engine.bytes_copied
         if self.activations is not None:
             out.update(self.activations.stats())
+        if self.disk is not None:
+            out.update(self.disk.stats(), step_disk_bytes=self.step_disk_bytes,
+                       step_disk_wait_s=self.step_disk_wait_s)
         return out
 
     def peak_report(self, step: int = 1, measured_bytes: Optional[int] = None) -> str:
@@ -253,14 +277,26 @@ class OffloadHandle:
             self.units.remove()
         if self.outer is not None:
             self.outer.remove()
+        if self.disk is not None:
+            self.disk.close()
+            self.disk = None
+        unrestored = []
         for hb in self._hosts.values():
-            hb.bind_host()
+            if isinstance(hb, DiskUnit):  # back to views of the slab's map, read lazily as the loader left them
+                why = hb.restore()
+                if why:
+                    unrestored.append(why)
+            else:
+                hb.bind_host()
         for t, data in self._moved:
             t.data = data
         self._moved.clear()
         if self.engine is not None:
             self.engine.close()
         self.engine = None
+        # Not raised: remove() runs while a run's own error (a slab removed mid-run) may be on its way out. Those
+        # blocks stay empty views: a later use fails; a model loaded for this run is dropped anyway.
+        self.unrestored = unrestored
 
 
 def resolve_budget_bytes(cfg: OffloadConfig, device: torch.device) -> Optional[int]:
@@ -340,7 +376,7 @@ def apply_offload(model: nn.Module, family, config: OffloadConfig, device: torch
         fp = measure_footprint(model, family, name or type(model).__name__)
         from .link import resolve_machine
 
-        plan = make_plan(fp, workload, config, resolve_budget_bytes(config, device), physical_ram_bytes(),
+        plan = make_plan(fp, workload, config, resolve_budget_bytes(config, device), ram_cap_bytes(),
                          machine=resolve_machine(device) if _engine_factory is None else None)
     handle = OffloadHandle(model, plan, device)
 
@@ -371,16 +407,26 @@ def apply_offload(model: nn.Module, family, config: OffloadConfig, device: torch
         units, groups = handle.units.units, handle.units.groups
     streamed_units = [u for i in plan.streamed for u in groups[i]]
 
-    # Streamed units: frozen tensors to (reused) pinned host buffers.
+    # Streamed units: frozen tensors to (reused) pinned host buffers; the disk tier's are read from the slab at each
+    # load and hold no host copy (engine/offload/disk.py).
     import time
 
+    disk_units = {u for i in plan.disk_blocks for u in groups[i]}
+    source = _slab_source(model, disk_units)
+    names = {id(m): n for n, m in model.named_modules()} if disk_units else {}
     t0 = time.perf_counter()
     pin = _engine_factory is None
     for n, u in enumerate(streamed_units):
         unit_name, unit = units[u]
-        hb, reused = HostBlock.for_block(unit, unit_name, pin=pin)
+        if u in disk_units:
+            hb = DiskUnit(unit, unit_name, source, names)
+            for t in hb.kept:  # as loaded, not as stored (a bias converted to another dtype): small, on the GPU
+                _move(handle, t, device)
+            hb.bind_host()
+        else:
+            hb, reused = HostBlock.for_block(unit, unit_name, pin=pin)
+            handle.pinned_reused += int(reused)
         handle._hosts[u] = hb
-        handle.pinned_reused += int(reused)
         cb.on_progress("pinning blocks", n + 1, len(streamed_units))
     handle.pin_seconds = time.perf_counter() - t0
 
@@ -395,6 +441,10 @@ def apply_offload(model: nn.Module, family, config: OffloadConfig, device: torch
         if whole:  # each forward of the model says whether a backward follows (a part of a split cannot tell)
             HookRegistry.of(model).register(PASS_HOOK, StartPass(handle.scheduler))
             handle._pass_hooked = model
+        if disk_units:
+            # The disk's rate first (a probe on first use): measured while the ring's first reads run, it reads low.
+            rate = _disk_rate(source) if _engine_factory is None else None
+            handle.disk = handle.engine.disk = _staging_ring(plan, handle, disk_units, source, pin)
         handle.scheduler.prime()
     if plan.activation_offload:
         from .activations import ActivationOffloader
@@ -403,16 +453,82 @@ def apply_offload(model: nn.Module, family, config: OffloadConfig, device: torch
             model, units, device, plan.workload, plan.footprint.hidden_size, inline=_engine_factory is not None,
             passthrough=handle.units.split if handle.units is not None else ())
     cb.log(plan.describe())
-    pinned = sum(hb.nbytes for hb in handle._hosts.values())
+    pinned = sum(hb.nbytes for hb in handle._hosts.values() if not isinstance(hb, DiskUnit))
+    if handle.disk is not None:
+        _log_disk_tier(plan, handle.disk, source, cb, rate)
+    handle.pinned_bytes = (sum(hb.nbytes for hb in handle._hosts.values()
+                               if not isinstance(hb, DiskUnit) and hb.pinned)
+                           + (handle.outer.nbytes if handle.outer is not None else 0)
+                           + (sum(a.buffer.numel() for a in handle.activations.arenas)
+                              if handle.activations is not None else 0)
+                           + (len(handle.disk.buffers) * handle.disk.slot_bytes if handle.disk is not None else 0))
     if plan.streamed:
         split = f", as {len(streamed_units)} units" if len(streamed_units) != len(plan.streamed) else ""
         cb.log(f"  pinned {pinned / GB:.1f} GB of blocks{split} in {handle.pin_seconds:.1f} s "
                f"({handle.pinned_reused} of {len(streamed_units)} reused from an earlier run); "
-               f"host RSS {host_rss_bytes() / GB:.1f} GB of {physical_ram_bytes() / GB:.0f} GB")
+               f"{host_memory_line(plan)}")
     if handle.outer is not None:
         cb.log(f"  {handle.outer.nbytes / GB:.2f} GB of layers outside the blocks wait on the host between their runs "
                f"({', '.join(h.name for _, h in handle.outer.hooks)}): copied in once per forward")
     return handle
+
+
+def host_memory_line(plan: Optional[Plan] = None) -> str:
+    """This process's host memory now beside the RAM plan's prediction: what cannot be reclaimed (anonymous +
+    shared pages, pinned buffers included), the page-locked part, and the file pages mapped (a slab's map: clean
+    page cache the kernel can drop, not counted against the plan)."""
+    mem = process_memory()
+    predicted = (f" (predicted peak {plan.predicted_host_peak_bytes / GB:.1f} GB"
+                 + (f" of a {plan.ram_budget_bytes / GB:.1f} GB budget" if plan.ram_budget_bytes else "") + ")"
+                 if getattr(plan, "host_phases", None) else "")
+    return (f"host RAM {mem.unreclaimable / GB:.1f} GB{predicted}, {mem.locked / GB:.1f} GB of it page-locked, "
+            f"+ {mem.file / GB:.1f} GB of mapped file pages; machine {ram_cap_bytes() / GB:.0f} GB")
+
+
+def _slab_source(model: nn.Module, disk_units: set):
+    if not disk_units:
+        return None
+    from ..slab.source import slab_source_of
+
+    source = slab_source_of(model)
+    if source is None:
+        raise ConfigError("the plan reads blocks from disk (disk_blocks), but this model was not loaded from an int8 "
+                          "slab: only a slab file has each block as one byte range to read. Load a slab, or set "
+                          "disk_blocks to 0 (hold every streamed block in RAM)")
+    return source
+
+
+def _staging_ring(plan: Plan, handle: OffloadHandle, disk_units: set, source, pin: bool):
+    from .disk import DiskReader, StagingRing, default_staging_slots, pacer_from_env
+
+    wanted = frozenset(disk_units)
+    reader = DiskReader(source.path, source.stamp.size, pacer=pacer_from_env())
+    try:
+        return StagingRing({u: handle._hosts[u] for u in disk_units},
+                           plan.staging_slots or default_staging_slots(plan.prefetch_depth), reader,
+                           lambda n: handle.scheduler.future_loads(n, wanted), pin)
+    except BaseException:
+        reader.close()
+        raise
+
+
+def _disk_rate(source) -> float:
+    from .disk import disk_rate_for
+
+    return disk_rate_for(source.path)
+
+
+def _log_disk_tier(plan: Plan, ring, source, cb: TrainingCallback, rate: Optional[float]) -> None:
+    from .disk import slow_disk_warning
+
+    stored = sum(ring.units[u].stored_bytes for u in ring.units)
+    cb.log(f"  disk tier: {len(plan.disk_blocks)} blocks ({stored / GB:.2f} GB) read from '{source.path}' at each "
+           f"load ({ring.reader.mode}), {len(ring.buffers)} staging buffers of {ring.slot_bytes / 1e6:.0f} MB "
+           f"pinned")
+    if rate is not None:
+        warning = slow_disk_warning(plan, rate, source.path)
+        cb.log(warning or f"  the slab's disk reads {rate / GB:.2f} GB/s: {plan.disk_bytes_per_step / GB:.2f} GB "
+                          f"per step take {plan.disk_bytes_per_step / rate:.2f} s")
 
 
 #: The name of the streamer's hook on each block (or unit) it schedules.

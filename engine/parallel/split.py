@@ -79,7 +79,7 @@ def part_footprints(fp: ModelFootprint, block_trainable: list[int], other_traina
 def plan_split(fp: ModelFootprint, block_trainable: list[int], other_trainable: int, workload: Workload,
                offload: OffloadConfig, devices: tuple[torch.device, torch.device],
                budgets: tuple[Optional[int], Optional[int]], cut: Optional[int] = None,
-               host_ram_bytes: Optional[int] = None) -> SplitPlan:
+               host_ram_bytes: Optional[int] = None, ram_budget_bytes: Optional[int] = None) -> SplitPlan:
     """The plan for both parts: at ``cut``, or at the best cut when it is None (see the module doc)."""
     cuts = [cut] if cut is not None else list(range(1, fp.num_blocks))
     best, best_key, last_error = None, None, None
@@ -105,6 +105,16 @@ def plan_split(fp: ModelFootprint, block_trainable: list[int], other_trainable: 
             f"{offload.max_pinned_fraction} of {host_ram_bytes / GB:.0f} GB allows "
             f"{offload.max_pinned_fraction * host_ram_bytes / GB:.1f} GB. Raise the GPU budgets (more blocks "
             f"resident) or turn activation offload off")
+    if ram_budget_bytes is not None:
+        from ..offload.plan import PROCESS_BASE_BYTES
+
+        # One process holds both parts: its base once, each part's other host bytes.
+        host = sum(p.predicted_host_peak_bytes for p in best.plans) - (len(best.plans) - 1) * PROCESS_BASE_BYTES
+        if host > ram_budget_bytes:
+            raise ConfigError(
+                f"the two parts together need {host / GB:.1f} GB of host RAM (pinned blocks, activations, the "
+                f"process) but ram_budget_gb allows {ram_budget_bytes / GB:.1f} GB. Raise the GPU budgets (more "
+                f"blocks resident), turn activation offload off, or free host RAM / raise ram_budget_gb")
     best.reason = ("as asked" if cut is not None else
                    "the cut that streams the fewest bytes per step, peaks balanced")
     return best

@@ -31,6 +31,7 @@ from .format import (
     manifest_path_for, sha256_range,
 )
 from .layout import INT8, PLAIN, meta_model, slab_tensors, swap_in_int8_linears
+from .source import FileStamp, record_slab_source
 
 
 def rebuild_command(slab_path: str | Path, manifest: dict | None = None) -> str:
@@ -275,6 +276,7 @@ def load_slab_transformer(
     copied from the map on CPU), every other tensor in ``dtype``. ``device="cuda"`` puts the
     whole model on the GPU as stored: resident int8 mode, each Linear dequantized on the fly."""
     slab = open_slab(slab_path, verify)
+    stamp = FileStamp.of(slab.path)  # the file as loaded: the disk tier refuses to read a changed one
     family = resolve_slab_family(slab, family_id, variant)
     model = meta_model(family, slab.manifest["config"])
     check_slab_fits_model(slab, model, family)
@@ -294,6 +296,9 @@ def load_slab_transformer(
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)
     model.eval()
+    # Where each tensor sits in the file: the disk tier (engine/offload/disk.py) reads blocks from there. Block
+    # tensors stay views of the map until something reads them, so a block kept on disk is never in RAM.
+    record_slab_source(model, slab.path, slab.file, stamp, rebuild_command(slab.path, slab.manifest))
     if torch.device(device).type != "cpu":
         model.to(device)
     return model, family, slab.variant

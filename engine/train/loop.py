@@ -29,6 +29,7 @@ from ..models import load_transformer, resolve_dtype
 from ..models.dtypes import release_device_memory
 from ..models.inspect import ModelInfo
 from ..offload import OffloadConfig
+from ..offload.hostmem import process_memory
 from .batching import bucket_batches, micro_generator
 from .flow_matching import noisy_latents_and_target, sample_sigmas
 from .grad_mode import autograd_enabled, autograd_safe_tensor, make_autograd_safe
@@ -118,6 +119,9 @@ def _train_lora(model_cfg, identity, dataset, lora, train, callback, preloaded, 
     placement = choose_placement(offload, split, device, cb)
     run = _Run(cb=cb, ranks=ranks or Ranks(), dataset=dataset, train=train, resume=resume, placement=placement,
                dtype=dtype, held_before=held_before)
+    placement.saves_state = resume is not None and resume.enabled
+    if preview_partner is not None and sampling is not None and sampling.enabled and device.type == "cuda":
+        _count_partner(placement, preview_partner, dtype)
     _load_model(run, model_cfg, identity, lora, preloaded)
     run.result = _new_result(run, model_cfg, lora)
     _prepare_model(run)
@@ -184,6 +188,17 @@ def _check_settings(train: TrainConfig, offload: OffloadConfig | None, device: t
         raise ConfigError(f"optimizer_on_host keeps AdamW's fp32 moments on the host; optimizer={train.optimizer!r} "
                           f"keeps its 8-bit moments on the GPU. Use one or the other")
     _check_int8_compute(offload, device)
+
+
+def _count_partner(placement, partner_cfg, dtype) -> None:
+    """The preview partner's host bytes into the RAM plan (it is pinned while previews sample). A partner that cannot
+    be read is refused with its own message when previews start (preview_partner.py); here it only goes uncounted."""
+    from .preview_partner import host_bytes
+
+    try:
+        placement.host_extra["preview partner"] = host_bytes(partner_cfg, dtype)
+    except (ConfigError, OSError):
+        placement.host_extra.pop("preview partner", None)
 
 
 def _load_model(run: _Run, model_cfg, identity: CheckpointIdentity | None, lora, preloaded) -> None:
@@ -449,7 +464,9 @@ def _record_step(run: _Run, step: int, loss_sum: float, grad_norm: float, t0: fl
     try:  # ComfyUI's progress hook raises its interrupt here too: keep this step
         run.cb.on_step(StepInfo(step, train.steps, result.loss_history[-1], result.lr_history[-1],
                                 grad_norm, time.perf_counter() - t0, peak, run.placement.pinned_gb,
-                                run.sampler.seconds if run.sampler is not None else 0.0, breakdown))
+                                run.sampler.seconds if run.sampler is not None else 0.0, breakdown,
+                                host_ram_gb=round(process_memory().unreclaimable / 1e9, 2),
+                                predicted_host_gb=run.placement.predicted_host_gb))
     except BaseException:
         if step < train.steps:
             _save_state(run)

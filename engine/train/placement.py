@@ -42,6 +42,15 @@ class MemoryOptions(NamedTuple):
     micro_batch: int  # samples per forward/backward (0: the whole batch)
 
 
+def ram_budget(offload: OffloadConfig) -> tuple[int, int, str]:
+    """(the RAM budget in bytes, the machine's RAM: min(physical, cgroup limit), how the budget was set for
+    messages): ``ram_budget_gb``, or with 0 the auto budget (engine/offload/hostmem.py)."""
+    from ..offload.hostmem import ram_cap_bytes, resolve_ram_budget
+
+    ram = resolve_ram_budget(offload.ram_budget_gb)
+    return ram.bytes, ram_cap_bytes(), "" if ram.source == "set" else f" (0 = auto: {ram.describe()})"
+
+
 def training_device(train: TrainConfig, split=None) -> torch.device:
     """The device training runs on: the split's first device, else TrainConfig's."""
     return torch.device(split.devices[0]) if split is not None else resolve_device(train.device)
@@ -84,6 +93,11 @@ class Placement(ABC):
     def __init__(self, offload: Optional[OffloadConfig], device: torch.device):
         self.offload, self.device = offload, device
         self.handle = None
+        # Host bytes the run holds beside the plan, by name (the loop sets "preview partner" before planning): the
+        # RAM plan counts them (engine/offload/plan.py host_bytes).
+        self.host_extra: dict[str, int] = {}
+        self.slab_path = None  # the checkpoint is an int8 slab here: its blocks can stream from disk
+        self.saves_state = True  # the run writes resumable states (the loop says): a save stages them in host RAM
         self._model = None  # the model LoRA is attached to, until remove()
         self._checkpointing_on = False  # whether apply turned gradient checkpointing on
 
@@ -173,6 +187,16 @@ class Placement(ABC):
     def pinned_gb(self) -> float:
         return sum(p.pinned_host_bytes for p in self.plans()) / 1e9
 
+    @property
+    def predicted_host_gb(self) -> float:
+        """The RAM plan's predicted peak (one process holds every part: its base once); 0 without a plan."""
+        from ..offload.plan import PROCESS_BASE_BYTES
+
+        plans = self.plans()
+        if not plans:
+            return 0.0
+        return round((sum(p.predicted_host_peak_bytes for p in plans) - (len(plans) - 1) * PROCESS_BASE_BYTES) / 1e9, 2)
+
     def cap_allocator(self, held_before: int, callback: TrainingCallback):
         """The context training runs in: the allocator held to an explicit auto budget (streaming only)."""
         return contextlib.nullcontext()
@@ -184,6 +208,10 @@ class Placement(ABC):
             self.handle.end_step()
             if step <= 2:  # step 2: steady state, the AdamW moments exist during backward
                 callback.log(self.handle.peak_report(step))
+                if self.handle.plan is not None and self.device.type == "cuda":
+                    from ..offload.streamer import host_memory_line
+
+                    callback.log(f"  {host_memory_line(self.handle.plan)}")
         return self.last_stall_s()
 
     def last_stall_s(self) -> float:
@@ -215,6 +243,20 @@ class Resident(Placement):
 
     kind = "resident"
 
+    def plan_before_loading(self, ident, family_id, dataset, lora, train, dtype):
+        """On a GPU, the RAM plan of the resident run (the model as read, the process), checked against the RAM
+        budget before loading; the CPU keeps the model in host memory, which is the model's own size."""
+        if self.device.type != "cuda" or self.offload is None:
+            return
+        from ..offload.footprint import footprint_before_loading, workload_for
+        from ..offload.plan import make_plan
+
+        fp, family, variant = footprint_before_loading(ident, dtype, lora, family_id)
+        fp.lora_bytes_per_param = lora_bytes_per_param(train)
+        ram, cap, source = ram_budget(self.offload)
+        make_plan(fp, workload_for(dataset, family, variant, train.batch_size), self.offload, None, cap,
+                  ram_budget_bytes=ram, host_extra=self.host_extra, ram_source=source, resume_staging=self.saves_state)
+
     def apply(self, model, family, variant, dataset, lora, train, callback):
         model.to(self.device)
         params = self._attach(model, family, lora, train, self.checkpointing)
@@ -236,24 +278,42 @@ class Streamed(Placement):
         """The one place training asks for an offload plan (from the header before loading, and from the
         loaded model): the dataset's largest bucket, the optimizer's bytes per LoRA weight, the budget."""
         from ..offload.footprint import workload_for
-        from ..offload.host import physical_ram_bytes
-        from ..offload.link import resolve_machine
         from ..offload.plan import make_plan
         from ..offload.streamer import resolve_budget_bytes
 
         offload = self.offload
         fp.lora_bytes_per_param = lora_bytes_per_param(train)
+        if self.slab_path is not None:  # the int8 weights are the file map's pages; the file can be read per load
+            fp.file_backed = fp.disk_capable = True
         if train.optimizer != "adamw":  # host-held moments are AdamW's fp32 ones: auto must not count on them
             from dataclasses import replace
 
             offload = replace(offload, optimizer_on_host=False)
+        ram, cap, source = ram_budget(offload)
         return make_plan(fp, workload_for(dataset, family, variant, train.batch_size), offload,
-                         resolve_budget_bytes(offload, self.device), physical_ram_bytes(),
-                         compiled=self.compiles(train)[0], machine=resolve_machine(self.device))
+                         resolve_budget_bytes(offload, self.device), cap,
+                         compiled=self.compiles(train)[0], machine=self.machine(fp), ram_budget_bytes=ram,
+                         host_extra=self.host_extra, ram_source=source, resume_staging=self.saves_state)
+
+    def machine(self, fp):
+        """The link (measured once), and the read rate of the slab file's disk (probed once, cached) when the model
+        is a slab: only then may auto put blocks on the disk tier (engine/offload/disk.py)."""
+        from dataclasses import replace
+
+        from ..offload.link import resolve_machine
+
+        machine = resolve_machine(self.device)
+        if self.slab_path is None or not fp.disk_capable:
+            return machine
+        from ..offload.disk import disk_rate_for
+
+        return replace(machine, disk_bytes_per_s=disk_rate_for(self.slab_path))
 
     def plan_before_loading(self, ident, family_id, dataset, lora, train, dtype):
         from ..offload.footprint import footprint_before_loading
 
+        if ident.kind == "slab":
+            self.slab_path = ident.path
         fp, family, variant = footprint_before_loading(ident, dtype, lora, family_id)
         self.plan(fp, family, variant, dataset, train)
 
@@ -264,6 +324,10 @@ class Streamed(Placement):
         # Plan before touching the model: a refused plan leaves a preloaded model as it was.
         fp = measure_footprint(model, family, f"{family.display_name} ({variant})",
                                trainable_params=lora_param_count(model, family, lora))
+        if fp.disk_capable and self.slab_path is None:  # a preloaded slab: its file, as the loader recorded it
+            from ..slab.source import slab_source_of
+
+            self.slab_path = slab_source_of(model).path
         plan = self.plan(fp, family, variant, dataset, train)
         params = self._attach(model, family, lora, train, True)  # fp32, wherever the blocks are (CPU)
         try:
@@ -307,7 +371,6 @@ class Split(Placement):
         """Both parts' plans and the cut, from each device's budget. LoRA must be attached: each part's
         trainable elements are counted off the model."""
         from ..offload.footprint import measure_footprint, workload_for
-        from ..offload.host import physical_ram_bytes
         from ..parallel.split import plan_split, split_budgets, trainable_per_block
 
         fp = measure_footprint(model, family, f"{family.display_name} ({variant})")
@@ -315,7 +378,8 @@ class Split(Placement):
         per_block, outside = trainable_per_block(model, family)
         return plan_split(fp, per_block, outside, workload_for(dataset, family, variant, train.batch_size),
                           self.offload, self.devices, split_budgets(self.split, self.offload),
-                          cut=None if self.split.cut == -1 else self.split.cut, host_ram_bytes=physical_ram_bytes())
+                          cut=None if self.split.cut == -1 else self.split.cut, host_ram_bytes=ram_budget(self.offload)[1],
+                          ram_budget_bytes=ram_budget(self.offload)[0])
 
     def apply(self, model, family, variant, dataset, lora, train, callback):
         from ..parallel.split import apply_split

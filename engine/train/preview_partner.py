@@ -11,10 +11,12 @@ offload), only while a preview samples; afterwards every tensor goes back to the
 the blocks and the ring) is taken off the rows one sampling forward may carry (``rows_bytes``), so sampling stays at
 or below the training peak where the training plan leaves room for it. On the CPU (tests) it runs where it is.
 
-Host RAM: an A14B expert is about 14 GB as an int8 slab, pinned while it streams. Kept between previews it would
-hold that for the whole run; released, each preview loads and pins it again (tens of seconds, against previews every
-few hundred steps of several seconds each: a few percent). So it is kept only where the host has room to spare
-(``KEEP_FRACTION``), and released after each preview otherwise; the log says which, and what it cost.
+Host RAM: an A14B expert is about 14 GB as an int8 slab, pinned while it streams. The training plan counts it
+(``host_bytes``: the run's RAM plan holds it under "preview partner", engine/offload/plan.py), since a preview holds
+it whether it is kept or not. Kept between previews it holds that for the whole run; released, each preview loads
+and pins it again (tens of seconds, against previews every few hundred steps of several seconds each: a few
+percent). So it is kept only while the process with it stays within the run's RAM budget (``ram_budget_gb``,
+engine/offload/hostmem.py), and released after each preview otherwise; the log says which, and what it cost.
 """
 from __future__ import annotations
 
@@ -31,9 +33,17 @@ from ..offload import OffloadConfig
 from ..sampling import PartnerExpert
 
 GB = 1e9
-#: The partner stays loaded (and pinned) between previews when the process's host RSS plus the partner stays within
-#: this fraction of the machine's RAM: pinned pages cannot be swapped, and ComfyUI keeps its own models in RAM too.
-KEEP_FRACTION = 0.5
+
+
+def host_bytes(cfg: ModelConfig | ModelInfo, dtype: torch.dtype) -> int:
+    """Host bytes the partner holds while it samples, from its checkpoint's header (nothing loaded): every block
+    pinned (it streams whole) and the tensors outside the blocks (read into host memory, kept there while they run
+    on the GPU)."""
+    from ..offload.footprint import footprint_before_loading
+
+    info = model_info(cfg)  # its Load node's identity as it is; a ModelConfig identified here
+    fp, _, _ = footprint_before_loading(info.checkpoint, dtype, LoraSettings(rank=1, alpha=1.0), info.family)
+    return fp.total_block_bytes + fp.other_bytes
 
 
 class PreviewPartner:
@@ -92,7 +102,7 @@ class PreviewPartner:
 
     def _load(self):
         from ..models import load_transformer
-        from ..offload.host import host_rss_bytes, physical_ram_bytes
+        from ..offload.hostmem import process_memory, resolve_ram_budget
         from ..slab.int8_linear import set_int8_compute
 
         t0 = time.perf_counter()
@@ -101,12 +111,14 @@ class PreviewPartner:
         set_int8_compute(model, self.int8_compute)
         size = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
         if self.keep is None:
-            rss, ram = host_rss_bytes(), physical_ram_bytes()
-            self.keep = self.device.type != "cuda" or rss + size <= KEEP_FRACTION * ram
+            held = process_memory().unreclaimable  # the partner's tensors included, as read
+            budget = resolve_ram_budget(getattr(self.offload, "ram_budget_gb", 0.0) or 0.0)
+            self.keep = self.device.type != "cuda" or held + size <= budget.bytes
             self.cb.log(
                 f"preview partner {self.variant}: {size / GB:.1f} GB on the host, "
                 + ("kept between previews" if self.keep else "loaded for each preview and released after it")
-                + f" (host RSS {rss / GB:.1f} GB of {ram / GB:.0f} GB; kept when within {KEEP_FRACTION:.0%})")
+                + f" (host RAM {held / GB:.1f} GB now, pinned copies to come; kept while within the "
+                  f"{budget.describe()})")
         self.cb.log(f"preview partner loaded in {time.perf_counter() - t0:.1f} s")
         return model
 

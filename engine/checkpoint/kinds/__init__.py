@@ -30,6 +30,9 @@ class CheckpointKind(ABC):
     description: str
     #: Said beside the variant in the footprint's label ("int8 slab"); empty for weights held as stored.
     weights_note: str = ""
+    #: The loaded weights are views of the file's pages, and a block can be read back from the file at any time
+    #: (one contiguous byte range): the disk tier may stream its blocks (engine/offload/disk.py).
+    file_backed: bool = False
 
     @abstractmethod
     def claims(self, path: Path) -> bool:

@@ -22,6 +22,7 @@ class Slab(CheckpointKind):
     name = "slab"
     description = "int8 slab"
     weights_note = "int8 slab"
+    file_backed = True
 
     def claims(self, path: Path) -> bool:
         return path.is_file() and is_slab_file(path)
