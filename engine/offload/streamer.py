@@ -38,7 +38,7 @@ from .config import OffloadConfig
 from .footprint import measure_footprint, named_blocks, outer_modules
 from .hooks import HookRegistry, ModelHook
 from .disk import DiskUnit
-from .host import HostBlock, host_rss_bytes, physical_ram_bytes
+from .host import HostBlock, frozen_tensors, host_rss_bytes, physical_ram_bytes
 from .plan import GB, Plan, Workload, make_plan
 from .schedule import BlockScheduler
 from .units import StreamUnits, install_units
@@ -193,6 +193,7 @@ class OffloadHandle:
         self._moved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, its data before apply)
         self._hosts: dict[int, HostBlock] = {}
         self.pin_seconds = 0.0
+        self.map_released = 0  # bytes of the slab's map given back after their copies (engine/slab/source.py)
         self.pinned_reused = 0
         self.step_copy_s: list[float] = []  # per training step: copy engine busy
         self.step_stall_s: list[float] = []  # per training step: compute waiting for copies
@@ -216,6 +217,7 @@ class OffloadHandle:
         """Counters since apply (copies, bytes, synchronous loads = prefetch misses, resyncs) and, per
         training step, copy-engine busy and compute stall seconds (CUDA; see ``end_step``)."""
         out = {"bytes_copied": 0, "pin_seconds": round(self.pin_seconds, 2), "pinned_reused": self.pinned_reused,
+               "map_released": self.map_released,
                "step_copy_s": self.step_copy_s, "step_stall_s": self.step_stall_s,
                "paced_s": round(getattr(self.engine, "pacer", None).paced_s, 3)
                if getattr(self.engine, "pacer", None) is not None else 0.0}
@@ -348,6 +350,11 @@ def _move(handle: OffloadHandle, t: torch.Tensor, device: torch.device) -> None:
         t.data = t.data.to(device, non_blocking=False)
 
 
+def _host_ranges(tensors) -> list[tuple[int, int]]:
+    """(address, bytes) of the CPU tensors among ``tensors``: those that may be views of a slab's map."""
+    return [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors if t.device.type == "cpu" and t.numel()]
+
+
 def apply_offload(model: nn.Module, family, config: OffloadConfig, device: torch.device,
                   callback: Optional[TrainingCallback] = None, workload: Optional[Workload] = None,
                   plan: Optional[Plan] = None, name: str = "",
@@ -408,6 +415,10 @@ def apply_offload(model: nn.Module, family, config: OffloadConfig, device: torch
 
     disk_units = {u for i in plan.disk_blocks for u in groups[i]}
     source = _slab_source(model, disk_units)
+    # The slab map's pages behind what was copied to the GPU or into pinned memory are given back after each copy, so
+    # the peak RSS holds one unit twice at most, not the whole model (engine/slab/source.py SlabSource.release).
+    release = source.release if source is not None else (lambda ranges: 0)
+    handle.map_released = release(_host_ranges(data for _, data in handle._moved))
     names = {id(m): n for n, m in model.named_modules()} if disk_units else {}
     t0 = time.perf_counter()
     pin = _engine_factory is None
@@ -419,8 +430,10 @@ def apply_offload(model: nn.Module, family, config: OffloadConfig, device: torch
                 _move(handle, t, device)
             hb.bind_host()
         else:
+            copied = _host_ranges(t for _, _, _, t in frozen_tensors(unit))
             hb, reused = HostBlock.for_block(unit, unit_name, pin=pin)
             handle.pinned_reused += int(reused)
+            handle.map_released += release(copied)
         handle._hosts[u] = hb
         cb.on_progress("pinning blocks", n + 1, len(streamed_units))
     handle.pin_seconds = time.perf_counter() - t0
@@ -454,7 +467,9 @@ def apply_offload(model: nn.Module, family, config: OffloadConfig, device: torch
     if plan.streamed:
         split = f", as {len(streamed_units)} units" if len(streamed_units) != len(plan.streamed) else ""
         cb.log(f"  pinned {pinned / GB:.1f} GB of blocks{split} in {handle.pin_seconds:.1f} s "
-               f"({handle.pinned_reused} of {len(streamed_units)} reused from an earlier run); "
+               f"({handle.pinned_reused} of {len(streamed_units)} reused from an earlier run"
+               + (f"; {handle.map_released / GB:.1f} GB of the slab's map given back" if handle.map_released else "")
+               + "); "
                f"host RSS {host_rss_bytes() / GB:.1f} GB of {physical_ram_bytes() / GB:.0f} GB")
     if handle.outer is not None:
         cb.log(f"  {handle.outer.nbytes / GB:.2f} GB of layers outside the blocks wait on the host between their runs "
@@ -463,12 +478,10 @@ def apply_offload(model: nn.Module, family, config: OffloadConfig, device: torch
 
 
 def _slab_source(model: nn.Module, disk_units: set):
-    if not disk_units:
-        return None
     from ..slab.source import slab_source_of
 
     source = slab_source_of(model)
-    if source is None:
+    if source is None and disk_units:
         raise ConfigError("the plan reads blocks from disk (disk_blocks), but this model was not loaded from an int8 "
                           "slab: only a slab file has each block as one byte range to read. Load a slab, or set "
                           "disk_blocks to 0 (hold every streamed block in RAM)")
