@@ -166,6 +166,52 @@ def train_one(slab: Path, disk: int, steps: int, side: int) -> dict:
     return row
 
 
+def cpu_rss(root: Path, disk: int) -> None:
+    """Host RSS of RAM streaming against the disk tier on the CPU (synchronous copies stand in for CUDA), each in its
+    own process, on a smaller slab built with the CPU generator: what the loader's map, the host copies and the
+    staging ring cost, without a GPU."""
+    if disk < 0:
+        import torch
+
+        from lowvram_lora.engine.families import get_family
+        from lowvram_lora.engine.slab import build_slab
+        from lowvram_lora.engine.slab.testing import write_random_checkpoint
+
+        family = get_family("flux1")
+        slab = root / "small.slab.safetensors"
+        if not slab.exists():
+            cfg = dict(family.load_config("flux1-dev"), num_layers=2, num_single_layers=6, num_attention_heads=8,
+                       attention_head_dim=128)
+            build_slab(write_random_checkpoint(root / "ckpt_small", "flux1", config=cfg, layout="diffusers"), slab,
+                       progress=False)
+        for count in (0, 6):
+            proc = subprocess.run([sys.executable, __file__, "--root", str(root), "--cpu-rss", str(count)],
+                                  capture_output=True, text=True)
+            print(proc.stdout.strip() or proc.stderr[-3000:], flush=True)
+        return
+    import torch
+
+    from lowvram_lora.engine.families import get_family
+    from lowvram_lora.engine.offload import OffloadConfig, Workload, build_plan
+    from lowvram_lora.engine.offload.disk import with_disk_blocks
+    from lowvram_lora.engine.offload.footprint import measure_footprint
+    from lowvram_lora.engine.offload.streamer import InlineCopyEngine, apply_offload
+    from lowvram_lora.engine.slab import load_slab_transformer
+
+    family, slab = get_family("flux1"), root / "small.slab.safetensors"
+    model = load_slab_transformer(slab, torch.bfloat16, verify="quick")[0]
+    model.enable_gradient_checkpointing()
+    loaded = proc_status()
+    plan = build_plan(measure_footprint(model, family), Workload(1, 1024, 64), (), 1, False)
+    with_disk_blocks(plan, plan.streamed[len(plan.streamed) - disk:] if disk else [], 2)
+    handle = apply_offload(model, family, OffloadConfig(mode="stream"), torch.device("cpu"), plan=plan,
+                           _engine_factory=InlineCopyEngine)
+    print("CPU_RSS " + json.dumps({"slab_gb": round(slab.stat().st_size / 1e9, 3), "disk_blocks": disk,
+                                   "blocks": len(plan.streamed), "after_load": loaded, "after_apply": proc_status(),
+                                   "map_released_gb": round(handle.map_released / 1e9, 3),
+                                   "host_copies_gb": round(plan.pinned_host_bytes / 1e9, 3)}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--root", type=Path, default=Path("/tmp/disk_bench"))
@@ -175,7 +221,12 @@ def main() -> None:
     ap.add_argument("--disk", type=int, default=7, help="blocks read from disk (of 9)")
     ap.add_argument("--emulate", default="3.5", help="also run the disk mode paced to this many GB/s ('' to skip)")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # child: "disk_count"
+    ap.add_argument("--cpu-rss", type=int, default=None, help="-1: host RSS of RAM vs disk streaming on the CPU")
     args = ap.parse_args()
+    if args.cpu_rss is not None:
+        args.root.mkdir(parents=True, exist_ok=True)
+        cpu_rss(args.root, args.cpu_rss)
+        return
     if args.one:
         print("CHILD " + json.dumps(train_one(args.root / "mid.slab.safetensors", int(args.one), args.steps,
                                               args.side)), flush=True)

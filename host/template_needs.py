@@ -161,7 +161,7 @@ def needs(t: TrainingTemplate) -> Needs:
         shown = f"0 = 90% of free VRAM ({vram:.1f} GB on a {CARD_GB:g} GB card)"
     return Needs(t.name, shown, plan.predicted_peak_bytes / GB, plan.predicted_host_peak_bytes / GB,
                  _ram_budget(32) / GB, not why, plan.predicted_step_s if t.split is None else None,
-                 len(getattr(plan, "disk_blocks", ())), ram16, fits16, why)
+                 len(plan.disk_blocks), ram16, fits16, why)
 
 
 _CACHE: dict[str, Needs] = {}
@@ -198,7 +198,7 @@ def _split_plan(t, fp, model, family, wl, offload, ram_budget: Optional[int]):
     per_block = []
     for _, block in named_blocks(model, family):
         per_block.append(sum(rank * (m.in_features + m.out_features) for n, m in block.named_modules()
-                             if hasattr(m, "in_features") and any(n == x or n.endswith("." + x) for x in targets)))
+                             if isinstance(m, nn.Linear) and any(n == x or n.endswith("." + x) for x in targets)))
     budgets = tuple(int(float(b) * GB) for b in str(t.split["vram_budget_gb"]).split(","))
     devices = tuple(torch.device("cpu") for _ in budgets)  # no device is touched: the budgets are given
     plans = plan_split(replace(fp), per_block, max(0, fp.trainable_params - sum(per_block)), wl, offload, devices,

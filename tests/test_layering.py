@@ -280,6 +280,7 @@ REFLECTION: dict[str, str] = {
     **dict.fromkeys(("peft_config", "cast_input_dtype_enabled"), "peft's layers and models, by version"),
     **dict.fromkeys(("rotation", "n_frames"), "PyAV frames and PIL images, by format"),
     "errno": "an OSError's number (other exceptions have none)",
+    **dict.fromkeys(("O_DIRECT", "posix_fadvise"), "the os module: O_DIRECT and fadvise exist on Linux only"),
     **dict.fromkeys(("__path__", "__func__"), "Python's own: a package's path, a bound method's function"),
     "FAMILY": "the family registry reads each family folder's module",
     **dict.fromkeys(("get_folder_paths", "unload_all_models", "soft_empty_cache"),

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
-from ..config import INT8_COMPUTE_MODES  # noqa: F401  (defined below the slab kernels; offered here)
+from ..config import INT8_COMPUTE_MODES, field_help  # noqa: F401  (INT8_COMPUTE_MODES: defined below the slab kernels; offered here)
 from ..errors import ConfigError
 
 MODES = ("auto", "resident", "stream")
@@ -183,7 +183,4 @@ class OffloadConfig:
 
 def help_text(name: str) -> str:
     """The help text of one OffloadConfig field (node tooltips)."""
-    for f in fields(OffloadConfig):
-        if f.name == name:
-            return f.metadata["help"]
-    raise KeyError(f"OffloadConfig has no field {name!r}")
+    return field_help(OffloadConfig, name)

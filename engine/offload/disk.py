@@ -536,10 +536,14 @@ def probe_disk_bytes_per_s(path: Path, nbytes: int = PROBE_BYTES, direct: bool =
     try:
         if not reader.direct and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(reader.fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        buffer = aligned_empty(n)
+        # One small buffer the readers share (its bytes are thrown away): the probe must not itself take the RAM
+        # the tier is there to save.
+        window = min(n, READERS * CHUNK_BYTES)
+        buffer = aligned_empty(window)
         buffer[::ALIGN].zero_()  # touch the pages first: the probe times the disk, not page faults
+        runs = [(at, min(CHUNK_BYTES, n - at), at % window) for at in range(0, n, CHUNK_BYTES)]
         t0 = time.perf_counter()
-        for f in reader.submit([(0, n, 0)], buffer):
+        for f in reader.submit(runs, buffer):
             f.result()
         return n / max(time.perf_counter() - t0, 1e-9), reader.direct
     finally:

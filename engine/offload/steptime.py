@@ -299,12 +299,12 @@ def predict_step_time(plan, machine: Machine, compute_s_per_step: Optional[float
     if plan.activation_offload:
         unit_act = micro * wl.tokens * fp.hidden_size * fp.act_bytes_per_elem
         act = [unit_act] * len(sizes)
-    disk_units = [u for i in getattr(plan, "disk_blocks", ()) for u in groups[i]]
+    disk_units = [u for i in plan.disk_blocks for u in groups[i]]
     seconds, stall, busy, disk = simulate_step_time(sizes, streamed_units, plan.prefetch_depth, plan.num_slots,
                                                     fwd, bwd, machine.link_bytes_per_s, act,
                                                     visit_overhead_s=VISIT_OVERHEAD_S, disk_units=disk_units,
                                                     disk_rate=machine.disk_bytes_per_s or DEFAULT_DISK_BYTES_PER_S,
-                                                    staging_slots=max(1, getattr(plan, "staging_slots", 1)))
+                                                    staging_slots=max(1, plan.staging_slots))
     # Layers outside the blocks held on the host (``outer_on_host``): copied in on the compute stream where they
     # run, once per forward; nothing overlaps that copy (engine/offload/outer.py).
     outer = fp.outer_bytes / machine.link_bytes_per_s if plan.outer_on_host else 0.0

@@ -38,7 +38,7 @@ from .config import OffloadConfig
 from .footprint import measure_footprint, named_blocks, outer_modules
 from .hooks import HookRegistry, ModelHook
 from .disk import DiskUnit
-from .host import HostBlock
+from .host import HostBlock, frozen_tensors
 from .hostmem import process_memory, ram_cap_bytes
 from .plan import GB, Plan, Workload, make_plan
 from .schedule import BlockScheduler
@@ -87,7 +87,8 @@ class CudaCopyEngine:
             self.slots[slot] = None
         host = self.hosts[block]
         # A disk unit's bytes come from its staging buffer (read ahead; this waits only if its read is late).
-        source = self.disk.fetch(block) if self.disk is not None and block in self.disk.units else host.buffer
+        from_disk = self.disk is not None and block in self.disk.units
+        source = self.disk.fetch(block) if from_disk else host.buffer
         buffer = torch.empty(host.nbytes, dtype=torch.uint8, device=self.device)  # on the compute stream
         allocated = torch.cuda.Event()
         allocated.record(compute)
@@ -104,7 +105,7 @@ class CudaCopyEngine:
             if self.pacer is not None:  # the copy lands (done) once the emulated link would have carried it
                 self.pacer.after_copy(host.nbytes)
             done.record(self.stream)
-        if source is not getattr(host, "buffer", None):  # the staging buffer may be read into again after `done`
+        if from_disk:  # the staging buffer may be read into again after `done`
             self.disk.copied(block, done)
         self.slots[slot] = buffer
         self.ready[slot] = done
@@ -196,6 +197,7 @@ class OffloadHandle:
         self._moved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, its data before apply)
         self._hosts: dict[int, HostBlock] = {}
         self.pin_seconds = 0.0
+        self.map_released = 0  # bytes of the slab's map given back after their copies (engine/slab/source.py)
         self.pinned_reused = 0
         self.pinned_bytes = 0  # page-locked host bytes of this handle (blocks, activation buffers)
         self.step_copy_s: list[float] = []  # per training step: copy engine busy
@@ -220,7 +222,7 @@ class OffloadHandle:
         """Counters since apply (copies, bytes, synchronous loads = prefetch misses, resyncs) and, per
         training step, copy-engine busy and compute stall seconds (CUDA; see ``end_step``)."""
         out = {"bytes_copied": 0, "pin_seconds": round(self.pin_seconds, 2), "pinned_reused": self.pinned_reused,
-               "pinned_gb": round(self.pinned_bytes / GB, 3),
+               "pinned_gb": round(self.pinned_bytes / GB, 3), "map_released": self.map_released,
                "step_copy_s": self.step_copy_s, "step_stall_s": self.step_stall_s,
                "paced_s": round(self.engine.pacer.paced_s, 3)
                if self.engine is not None and self.engine.pacer is not None else 0.0}
@@ -353,6 +355,11 @@ def _move(handle: OffloadHandle, t: torch.Tensor, device: torch.device) -> None:
         t.data = t.data.to(device, non_blocking=False)
 
 
+def _host_ranges(tensors) -> list[tuple[int, int]]:
+    """(address, bytes) of the CPU tensors among ``tensors``: those that may be views of a slab's map."""
+    return [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors if t.device.type == "cpu" and t.numel()]
+
+
 def apply_offload(model: nn.Module, family, config: OffloadConfig, device: torch.device,
                   callback: Optional[TrainingCallback] = None, workload: Optional[Workload] = None,
                   plan: Optional[Plan] = None, name: str = "",
@@ -413,6 +420,10 @@ def apply_offload(model: nn.Module, family, config: OffloadConfig, device: torch
 
     disk_units = {u for i in plan.disk_blocks for u in groups[i]}
     source = _slab_source(model, disk_units)
+    # The slab map's pages behind what was copied to the GPU or into pinned memory are given back after each copy, so
+    # the peak RSS holds one unit twice at most, not the whole model (engine/slab/source.py SlabSource.release).
+    release = source.release if source is not None else (lambda ranges: 0)
+    handle.map_released = release(_host_ranges(data for _, data in handle._moved))
     names = {id(m): n for n, m in model.named_modules()} if disk_units else {}
     t0 = time.perf_counter()
     pin = _engine_factory is None
@@ -424,8 +435,10 @@ def apply_offload(model: nn.Module, family, config: OffloadConfig, device: torch
                 _move(handle, t, device)
             hb.bind_host()
         else:
+            copied = _host_ranges(t for _, _, _, t in frozen_tensors(unit))
             hb, reused = HostBlock.for_block(unit, unit_name, pin=pin)
             handle.pinned_reused += int(reused)
+            handle.map_released += release(copied)
         handle._hosts[u] = hb
         cb.on_progress("pinning blocks", n + 1, len(streamed_units))
     handle.pin_seconds = time.perf_counter() - t0
@@ -465,8 +478,9 @@ def apply_offload(model: nn.Module, family, config: OffloadConfig, device: torch
     if plan.streamed:
         split = f", as {len(streamed_units)} units" if len(streamed_units) != len(plan.streamed) else ""
         cb.log(f"  pinned {pinned / GB:.1f} GB of blocks{split} in {handle.pin_seconds:.1f} s "
-               f"({handle.pinned_reused} of {len(streamed_units)} reused from an earlier run); "
-               f"{host_memory_line(plan)}")
+               f"({handle.pinned_reused} of {len(streamed_units)} reused from an earlier run"
+               + (f"; {handle.map_released / GB:.1f} GB of the slab's map given back" if handle.map_released else "")
+               + f"); {host_memory_line(plan)}")
     if handle.outer is not None:
         cb.log(f"  {handle.outer.nbytes / GB:.2f} GB of layers outside the blocks wait on the host between their runs "
                f"({', '.join(h.name for _, h in handle.outer.hooks)}): copied in once per forward")
@@ -480,18 +494,16 @@ def host_memory_line(plan: Optional[Plan] = None) -> str:
     mem = process_memory()
     predicted = (f" (predicted peak {plan.predicted_host_peak_bytes / GB:.1f} GB"
                  + (f" of a {plan.ram_budget_bytes / GB:.1f} GB budget" if plan.ram_budget_bytes else "") + ")"
-                 if getattr(plan, "host_phases", None) else "")
+                 if plan is not None and plan.host_phases else "")
     return (f"host RAM {mem.unreclaimable / GB:.1f} GB{predicted}, {mem.locked / GB:.1f} GB of it page-locked, "
             f"+ {mem.file / GB:.1f} GB of mapped file pages; machine {ram_cap_bytes() / GB:.0f} GB")
 
 
 def _slab_source(model: nn.Module, disk_units: set):
-    if not disk_units:
-        return None
     from ..slab.source import slab_source_of
 
     source = slab_source_of(model)
-    if source is None:
+    if source is None and disk_units:
         raise ConfigError("the plan reads blocks from disk (disk_blocks), but this model was not loaded from an int8 "
                           "slab: only a slab file has each block as one byte range to read. Load a slab, or set "
                           "disk_blocks to 0 (hold every streamed block in RAM)")

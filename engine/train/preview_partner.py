@@ -112,7 +112,7 @@ class PreviewPartner:
         size = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
         if self.keep is None:
             held = process_memory().unreclaimable  # the partner's tensors included, as read
-            budget = resolve_ram_budget(getattr(self.offload, "ram_budget_gb", 0.0) or 0.0)
+            budget = resolve_ram_budget(self.offload.ram_budget_gb if self.offload is not None else 0.0)
             self.keep = self.device.type != "cuda" or held + size <= budget.bytes
             self.cb.log(
                 f"preview partner {self.variant}: {size / GB:.1f} GB on the host, "
