@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
-from ..config import INT8_COMPUTE_MODES, field_help  # noqa: F401  (INT8_COMPUTE_MODES: defined below the slab kernels; offered here)
+from ..config import INT8_COMPUTE_MODES, field_help  # noqa: F401  (the modes: offered here)
 from ..errors import ConfigError
 
 MODES = ("auto", "resident", "stream")
