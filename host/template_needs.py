@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..engine.config import LoraSettings
-from ..engine.families import TrainingTemplate, get_family
+from ..engine.families import TrainingTemplate, default_max_sequence_length, get_family
 from ..engine.offload import OffloadConfig
 from ..engine.offload.hostmem import SAFETY_FRACTION
 from ..engine.offload.plan import GB, Workload, make_plan
@@ -98,10 +98,10 @@ def _footprint(family, variant: str, int8: bool, rank: int):
 def _workload(t: TrainingTemplate, family, variant: str) -> Workload:
     side = int(t.cache.get("resolution", 1024))
     frames = int(t.cache.get("video_frames", 1) or 1)
-    tokens = family.image_tokens(side, side, variant) * family.latent_frames(frames)
-    if "edit" in variant:  # one control image of the same size joins the image tokens
-        tokens += family.image_tokens(side, side, variant)
-    return Workload(1, tokens, family.default_max_sequence_length(variant),
+    tokens = family.memory.image_tokens(side, side, variant) * family.memory.latent_frames(frames)
+    if family.control_images(variant) is not None:  # one control image of the same size joins the image tokens
+        tokens += family.memory.image_tokens(side, side, variant)
+    return Workload(1, tokens, default_max_sequence_length(family, variant),
                     f"{side}x{side}" + (f"x{frames}f" if frames > 1 else ""))
 
 
@@ -194,7 +194,7 @@ def _split_plan(t, fp, model, family, wl, offload, ram_budget: Optional[int]):
     from ..engine.parallel.split import plan_split
 
     rank = int(t.train.get("rank", 16))
-    targets = family.lora_target_modules(model)
+    targets = family.lora.target_modules(model)
     per_block = []
     for _, block in named_blocks(model, family):
         per_block.append(sum(rank * (m.in_features + m.out_features) for n, m in block.named_modules()

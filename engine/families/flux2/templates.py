@@ -30,7 +30,7 @@ TEMPLATES = [
         "version; only layers 0-29 are read, one at a time; its embedded tokenizer is used) and "
         "models/vae/flux2-vae.safetensors. Or set text_encoders to a diffusers folder (models/diffusers/FLUX.2-dev).\n"
         "- input/my_subject/: your images with same-name .txt captions.\n\n"
-        "Memory: blocks stream from pinned host RAM (~35 GB free RAM for the int8 slab). The LoRA loads in ComfyUI "
+        "Memory: blocks stream from pinned host RAM, and from the slab file where RAM is short (ram_budget_gb 0 = auto). The LoRA loads in ComfyUI "
         "versions with Flux.2 support (0.33 checked)."),
     ),
     TrainingTemplate(
@@ -62,11 +62,11 @@ TEMPLATES = [
                "training_seed": 42},
         save={"filename_prefix": "loras/flux2_dev_dual_gpu"},
         downloads=_DEV_DOWNLOADS,
-        split={"mode": "split", "devices": "cuda:0,cuda:1", "cut": -1, "vram_budget_gb": "12,12"},
+        split={"mode": "split", "devices": "cuda:0,cuda:1", "cut": -1, "vram_budget_gb": "14,14"},
         note=(
         "Flux.2-dev (32B) LoRA at 1024x1024 on two GPUs (files as in flux2_dev_lora).\n\n"
         "Dual-GPU Split, mode split: the blocks are cut in two; each GPU holds its part of the int8 slab within "
-        "its budget (12 GB each here) and streams the rest from pinned host RAM. The cut is chosen so both GPUs "
+        "its budget (14 GB each here) and streams the rest from pinned host RAM. The cut is chosen so both GPUs "
         "peak at about the same level; the plan for each GPU is printed before training.\n"
         "mode data_parallel instead: one training process per GPU, each with the whole streamed model and its "
         "own images; LoRA gradients are averaged, so the effective batch doubles and images/s about double "

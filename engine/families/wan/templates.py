@@ -84,7 +84,9 @@ TEMPLATES = [
         cache={"text_encoders": "(single files below)", "dataset_path": "my_clips", "resolution": 624,
                "text_encoder_1": _UMT5, "vae_file": "wan_2.1_vae.safetensors",
                "sample_prompts": "ohwx, a dog running on a beach", "video_frames": "81", "video_fps": 16.0},
-        offload={"mode": "auto", "vram_budget_gb": 8.0},
+        # 24 GB: the budget at which auto's plan also fits a 32 GB RAM machine. Below it the plan offloads every
+        # block's activations (40 x 0.34 GB pinned) and needs ~58 GB of RAM (host/template_needs.py says so).
+        offload={"mode": "auto", "vram_budget_gb": 24.0},
         # Previews need both experts (each denoises only its side of sigma 0.875): each chain's Train LoRA takes
         # the other chain's model as its preview_partner (chain_links).
         train={"steps": 1500, "learning_rate": 1e-4, "rank": 16, "alpha": 16.0, "warmup_steps": 0,
@@ -107,9 +109,10 @@ TEMPLATES = [
             "levels, each saving its own LoRA (loras/wan22_t2v_high_noise_lora / _low_noise_lora). Only the expert "
             "a chain trains streams while it trains; the chains run one after the other. To train one expert, bypass "
             "(Ctrl-B) the other chain's Save LoRA.\n\n"
-            "Clips: 81 frames at 16 fps, buckets of about 624x624 pixels (832x480), on an 8 GB VRAM budget: measured "
-            "on an H100 (bench/NOTES.md) 7.0 GB at 0.95x the eager resident step at 832x480x81 (blocks streamed as "
-            "three parts, compiled); 33 frames 6.7 GB.\n\n"
+            "Clips: 81 frames at 16 fps, buckets of about 624x624 pixels (832x480), on a 24 GB VRAM budget, planned "
+            "for 32 GB of RAM. Smaller cards: vram_budget_gb 8 measured on an H100 (bench/NOTES.md) 7.0 GB at 0.95x "
+            "the eager resident step at 832x480x81, but offloads every block's activations to pinned RAM: about "
+            "58 GB of RAM (the plan line says what your machine allows).\n\n"
             "Files (what ComfyUI's own Wan 2.2 T2V template uses):\n"
             f"- models/diffusion_models/{_HIGH} and {_LOW}. precision 'int8 slab' builds each expert's slab once into "
             "models/slabs.\n"
