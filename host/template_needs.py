@@ -63,7 +63,9 @@ class Needs:
     def text(self) -> str:
         """The paragraph the template's Note ends with."""
         disk = f", {self.disk_blocks} blocks streamed from the slab on disk" if self.disk_blocks else ""
-        step = f"; about {self.step_s:.1f} s/step on a PCIe 4.0 RTX 4090-class card" if self.step_s else ""
+        # A step under 0.05 s is a tiny model's (the demo, on any device): no card-class prediction worth reading.
+        step = (f"; about {self.step_s:.1f} s/step on a PCIe 4.0 RTX 4090-class card"
+                if self.step_s and self.step_s >= 0.05 else "")
         head = (f"Needs (the planner's prediction, ram_budget_gb 0 = auto): VRAM budget {self.vram} (predicted "
                 f"peak {self.peak_vram_gb:.1f} GB), host RAM {self.ram_gb:.1f} GB{disk}{step}.")
         if self.fits32:
