@@ -480,21 +480,21 @@ def apply_offload(model: nn.Module, family, config: OffloadConfig, device: torch
         cb.log(f"  pinned {pinned / GB:.1f} GB of blocks{split} in {handle.pin_seconds:.1f} s "
                f"({handle.pinned_reused} of {len(streamed_units)} reused from an earlier run"
                + (f"; {handle.map_released / GB:.1f} GB of the slab's map given back" if handle.map_released else "")
-               + f"); {host_memory_line(plan)}")
+               + f"); {host_memory_line(plan.predicted_host_peak_bytes, plan.ram_budget_bytes or 0)}")
     if handle.outer is not None:
         cb.log(f"  {handle.outer.nbytes / GB:.2f} GB of layers outside the blocks wait on the host between their runs "
                f"({', '.join(h.name for _, h in handle.outer.hooks)}): copied in once per forward")
     return handle
 
 
-def host_memory_line(plan: Optional[Plan] = None) -> str:
+def host_memory_line(predicted_bytes: int = 0, budget_bytes: int = 0) -> str:
     """This process's host memory now beside the RAM plan's prediction: what cannot be reclaimed (anonymous +
     shared pages, pinned buffers included), the page-locked part, and the file pages mapped (a slab's map: clean
     page cache the kernel can drop, not counted against the plan)."""
     mem = process_memory()
-    predicted = (f" (predicted peak {plan.predicted_host_peak_bytes / GB:.1f} GB"
-                 + (f" of a {plan.ram_budget_bytes / GB:.1f} GB budget" if plan.ram_budget_bytes else "") + ")"
-                 if plan is not None and plan.host_phases else "")
+    predicted = (f" (predicted peak {predicted_bytes / GB:.1f} GB"
+                 + (f" of a {budget_bytes / GB:.1f} GB budget" if budget_bytes else "") + ")"
+                 if predicted_bytes else "")
     return (f"host RAM {mem.unreclaimable / GB:.1f} GB{predicted}, {mem.locked / GB:.1f} GB of it page-locked, "
             f"+ {mem.file / GB:.1f} GB of mapped file pages; machine {ram_cap_bytes() / GB:.0f} GB")
 

@@ -208,10 +208,11 @@ class Placement(ABC):
             self.handle.end_step()
             if step <= 2:  # step 2: steady state, the AdamW moments exist during backward
                 callback.log(self.handle.peak_report(step))
-                if self.handle.plan is not None and self.device.type == "cuda":
+                if self.plans() and self.device.type == "cuda":
                     from ..offload.streamer import host_memory_line
 
-                    callback.log(f"  {host_memory_line(self.handle.plan)}")
+                    budget = max(p.ram_budget_bytes or 0 for p in self.plans())
+                    callback.log(f"  {host_memory_line(int(self.predicted_host_gb * 1e9), budget)}")
         return self.last_stall_s()
 
     def last_stall_s(self) -> float:
