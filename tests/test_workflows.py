@@ -49,7 +49,7 @@ def _assert_trained_the_right_thing(models, output, pipeline, family_id, lora_pa
     """What a workflow run trained, against independent references:
     - the base model it trained on (the slab it built, else the file it loaded) gives the forward of diffusers'
       own model read from the pipeline folder, within ``bound`` (relative L2 of the output: int8 slab of an fp8
-      file 0.06, a lossless file 1e-5);
+      file 0.06, of a bf16 file 5e-3, a lossless file 1e-5);
     - the saved LoRA, merged into that reference, fits the cached training image better than the reference
       alone (flow-matching loss at fixed noise and timesteps)."""
     import torch
@@ -304,4 +304,5 @@ def test_flux1_dev_workflow_runs_from_comfyui_single_files(tmp_path, tiny_pipeli
     assert code == 0, out
     saved = sorted((root / "output" / "loras").glob("flux1_dev_lora_*_.safetensors"))
     assert len(saved) == 1
-    _assert_trained_the_right_thing(root / "models", root / "output", tiny_pipeline, "flux1", saved[0], bound=1e-5)
+    # The template trains an int8 slab built from the file (0.09% of the output measured; per-row int8 of a bf16 file)
+    _assert_trained_the_right_thing(root / "models", root / "output", tiny_pipeline, "flux1", saved[0], bound=5e-3)
