@@ -8,10 +8,10 @@ read this registry. A folder's other parts are found by their file names, as the
 from __future__ import annotations
 
 import importlib.util
-import pkgutil
 from importlib import import_module
 from types import ModuleType
 
+from ..discovery import discover
 from ..errors import ConfigError
 from .base import ModelFamily, family_package
 from .specs import TrainingTemplate
@@ -26,16 +26,8 @@ def families() -> dict[str, ModelFamily]:
     if not _FOUND:
         from . import __path__ as here, __name__ as package
 
-        found = {}
-        for info in sorted(pkgutil.iter_modules(here), key=lambda m: m.name):
-            if not info.ispkg or info.name.startswith("_") or info.name in NOT_FAMILIES:
-                continue
-            family = getattr(import_module(f"{package}.{info.name}"), "FAMILY", None)
-            if isinstance(family, ModelFamily):
-                if family.id in found:
-                    raise RuntimeError(f"two family folders declare the id {family.id!r}")
-                found[family.id] = family
-        _FOUND.update(found)
+        _FOUND.update(discover(package, here, "FAMILY", lambda f: f.id, "family folders", packages=True,
+                               skip=NOT_FAMILIES))
     return _FOUND
 
 

@@ -8,14 +8,13 @@ here and no list elsewhere names the kinds. Found by ``pkgutil`` when first aske
 """
 from __future__ import annotations
 
-import pkgutil
 from abc import ABC, abstractmethod
-from importlib import import_module
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from ...discovery import discover
 from ...errors import ConfigError, ModelLoadError
 
 if TYPE_CHECKING:
@@ -82,16 +81,10 @@ def encoder_kinds() -> dict[str, TextEncoderKind]:
     if not _FOUND:
         from . import __name__ as package, __path__ as here
 
-        found: dict[str, TextEncoderKind] = {}
-        for info in sorted(pkgutil.iter_modules(here), key=lambda m: m.name):
-            if info.name.startswith("_") or info.name.startswith("test_"):
-                continue
-            kind = import_module(f"{package}.{info.name}").KIND
-            if kind.kind in found:
-                raise RuntimeError(f"two text-encoder kinds are named {kind.kind!r}")
+        found = discover(package, here, "KIND", lambda k: k.kind, "text-encoder kinds")
+        for kind in found.values():
             if kind.output not in OUTPUTS:
                 raise RuntimeError(f"text-encoder kind {kind.kind!r} has output {kind.output!r}, not one of {OUTPUTS}")
-            found[kind.kind] = kind
         _FOUND.update(found)
     return _FOUND
 

@@ -7,14 +7,13 @@ Found by ``pkgutil`` when first asked, as the family registry finds family folde
 """
 from __future__ import annotations
 
-import pkgutil
 from abc import ABC, abstractmethod
-from importlib import import_module
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ...discovery import discover
 from ...errors import ConfigError, ModelLoadError
 from ...families import ModelFamily, meta_model
 
@@ -80,15 +79,7 @@ def checkpoint_kinds() -> dict[str, CheckpointKind]:
     if not _FOUND:
         from . import __name__ as package, __path__ as here
 
-        found: dict[str, CheckpointKind] = {}
-        for info in sorted(pkgutil.iter_modules(here), key=lambda m: m.name):
-            if info.name.startswith("_") or info.name.startswith("test_"):
-                continue
-            kind = import_module(f"{package}.{info.name}").KIND
-            if kind.name in found:
-                raise RuntimeError(f"two checkpoint kinds are named {kind.name!r}")
-            found[kind.name] = kind
-        _FOUND.update(found)
+        _FOUND.update(discover(package, here, "KIND", lambda k: k.name, "checkpoint kinds"))
     return _FOUND
 
 
