@@ -2,6 +2,7 @@
 streamed through the real staging ring, reader threads and scheduler, with synchronous copies (InlineCopyEngine)
 standing in for CUDA. Checked against the file's own bytes and against RAM streaming of the same slab."""
 import copy
+import json
 import os
 import time
 from pathlib import Path
@@ -289,7 +290,8 @@ def test_emulated_rate_paces_real_reads(slab, monkeypatch, tmp_path):
     first, second = disk_rate_for(slab), disk_rate_for(slab)
     raw, source = disk_mod.raw_disk_rate(slab)
     assert first == second == min(raw, 0.05e9) and calls == [1] and source == "cache"  # probed once, then cached
-    assert (tmp_path / "disk.json").exists()
+    cached = json.loads((tmp_path / "disk.json").read_text())["links"]  # the probe's figure, kept for the next run
+    assert [entry["bytes_per_s"] for entry in cached.values()] == [raw]
     monkeypatch.delenv("LOWVRAM_EMULATE_DISK_GBPS")
     assert disk_rate_for(slab) == raw and calls == [1]
 

@@ -183,7 +183,10 @@ def test_auto_moves_blocks_to_disk_when_ram_is_short():
     plan = auto(6, ram=9, machine=DISK)
     assert plan.disk_blocks and set(plan.disk_blocks) <= set(plan.streamed)
     assert plan.predicted_host_peak_bytes <= 9 * GB
-    assert plan.disk_bytes_per_step > 0 and plan.step_time.disk_busy_s > 0
+    on_disk = sum(plan.footprint.block_bytes[i] for i in plan.disk_blocks)
+    # Each disk block is read once or twice a step (forward, recompute/backward; once where it stays staged at the turn)
+    assert on_disk <= plan.disk_bytes_per_step <= 2 * on_disk
+    assert plan.step_time.disk_busy_s >= plan.disk_bytes_per_step / DISK.disk_bytes_per_s
     assert "read from the slab file" in plan.describe()
     # no disk rate (not a slab, or not probed): the same budgets are refused, with the pairs that work
     with pytest.raises(ConfigError, match=r"smallest pairs that work: [0-9.]+ GB VRAM \+ [0-9.]+ GB RAM"):

@@ -67,7 +67,7 @@ class ModelFamily(ABC):
 
     # specs (engine/families/specs/)
     memory: ClassVar[MemoryProfile]
-    schedule: ClassVar[NoiseSchedule] = NoiseSchedule()
+    schedule: ClassVar[NoiseSchedule]
     lora: ClassVar[LoraForm]
 
     # --- identity --------------------------------------------------------------------------------

@@ -64,11 +64,14 @@ class NoiseSchedule:
     #: The static shift the family's pipeline samples with. None: the training shift (``train_shift_mu``).
     sample_shift: float | None = None
 
+    def __post_init__(self) -> None:
+        # Checked where the family declares its schedule (import time), not at the first training step.
+        if self.train_shift is None and type(self).train_shift_mu is NoiseSchedule.train_shift_mu:
+            raise TypeError(f"{type(self).__name__} sets no train_shift and does not override train_shift_mu; "
+                            f"declare one of them")
+
     def train_shift_mu(self, latents: torch.Tensor) -> float:
         """The exponential timestep shift training samples with (``flow_matching.sample_sigmas``)."""
-        if self.train_shift is None:
-            raise NotImplementedError(f"{type(self).__name__} sets no train_shift and does not override "
-                                      f"train_shift_mu; declare one of them")
         return static_shift_mu(self.train_shift)
 
     def train_sigma_range(self, variant: str) -> tuple[float, float]:
