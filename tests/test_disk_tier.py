@@ -159,21 +159,10 @@ def test_disk_streamed_training_equals_ram_streamed(slab):
 
 
 def test_future_loads_predict_the_scheduler():
-    class Log:
-        def __init__(self):
-            self.loaded = []
-
-        def load(self, block, slot, evicted):
-            self.loaded.append(block)
-
-        def wait_ready(self, slot):
-            pass
-
-        def release(self, slot):
-            pass
+    from lowvram_lora.engine.offload.schedule import RecordingCopyEngine
 
     for k, slots in ((1, 2), (2, 3), (1, 3)):
-        eng = Log()
+        eng = RecordingCopyEngine()
         s = BlockScheduler(9, [0, 2, 3, 4, 5, 6, 8], slots, k, eng)
         s.prime()
         cycle = visit_cycle(9)

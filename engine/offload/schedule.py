@@ -242,22 +242,26 @@ def simulate_step_loads(num_blocks: int, streamed: Sequence[int], prefetch_depth
 
 
 @functools.lru_cache(maxsize=4096)
+class RecordingCopyEngine:
+    """A copy engine that moves nothing and records the blocks loaded, in order: the scheduler's decisions alone
+    (the planner's simulation, tests)."""
+
+    def __init__(self):
+        self.loaded: list[int] = []
+
+    def load(self, block, slot, evicted):
+        self.loaded.append(block)
+
+    def wait_ready(self, slot):
+        pass
+
+    def release(self, slot):
+        pass
+
+
 def _simulate(num_blocks: int, streamed: tuple, prefetch_depth: int, num_slots: int, sizes: tuple,
               steps: int) -> tuple[tuple, int, int]:
-    class _Count:
-        def __init__(self):
-            self.loaded: list[int] = []
-
-        def load(self, block, slot, evicted):
-            self.loaded.append(block)
-
-        def wait_ready(self, slot):
-            pass
-
-        def release(self, slot):
-            pass
-
-    eng = _Count()
+    eng = RecordingCopyEngine()
     sched = BlockScheduler(num_blocks, streamed, num_slots, prefetch_depth, eng)
     sched.prime()
     cycle = sched.cycle
