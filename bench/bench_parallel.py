@@ -118,6 +118,10 @@ def main(argv=None) -> int:
         row["images_per_s"] = round(world / row["step_s"], 4) if row["step_s"] else None
         settings = result.settings if result is not None else {}
         row["plan"] = settings.get("offload_plan")
+        predicted = (row["plan"] or {}).get("predicted_step_s")  # the split's: both parts + the crossing
+        if predicted and row["step_s"]:  # issue 42: the split's prediction within 10% of the measured step
+            row["predicted_step_s"] = predicted
+            row["measured_over_predicted"] = round(row["step_s"] / predicted, 3)
         if mode == "split":
             row["peak_alloc_gb_per_gpu"] = settings.get("split_peak_vram_gb")
         elif mode == "dp":

@@ -204,11 +204,7 @@ def _split_plan(t, fp, model, family, wl, offload, ram_budget: Optional[int]):
     budgets = tuple(int(float(b) * GB) for b in str(t.split["vram_budget_gb"]).split(","))
     devices = tuple(torch.device("cpu") for _ in budgets)  # no device is touched: the budgets are given
     plans = plan_split(replace(fp), per_block, max(0, fp.trainable_params - sum(per_block)), wl, offload, devices,
-                       budgets, ram_budget_bytes=ram_budget)
-    for p in plans.plans:
-        from ..engine.offload.plan import with_step_time
-
-        with_step_time(p, REFERENCE)
+                       budgets, ram_budget_bytes=ram_budget, machines=(REFERENCE, REFERENCE))
     return _SplitNeeds(plans)
 
 

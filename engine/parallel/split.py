@@ -17,6 +17,13 @@ Autograd carries the gradients back across ``.to()``.
 The cut: every cut point is planned (pure arithmetic, engine/offload/plan.py), and the
 one kept streams the fewest bytes per step with both parts inside their budgets; ties
 go to the cut whose predicted peaks are closest, so both GPUs peak at about the same level.
+
+The step time: the parts run one after the other (forward through part one, then part
+two; backward the other way), so a step is the sum of the parts' steps, each predicted on
+its own device's measured link and GPU (engine/offload/steptime.py), plus the hidden
+states crossing the cut (forward) and their gradient (backward) at the peer link's rate.
+Before issue 42 the parts were planned on the default machine (a 25 GB/s link and an
+unknown GPU's peak): 8.9 s + 17.4 s predicted against 2.27 s measured on 2x H200.
 """
 from __future__ import annotations
 
@@ -31,6 +38,12 @@ from ..errors import ConfigError
 from ..offload.config import OffloadConfig
 from ..offload.footprint import named_blocks
 from ..offload.plan import GB, ModelFootprint, Plan, Workload, make_plan
+from ..offload.steptime import Machine
+
+#: Peer bandwidth assumed for the hidden states crossing the cut (bytes/s) when it was not measured: PCIe 4.0 x16's
+#: practical rate, the slow end of what two GPUs of one host share (NVLink is ~10x that). The crossing is a few MB
+#: per micro-batch, so the assumption moves a step by milliseconds.
+DEFAULT_PEER_BYTES_PER_S = 20 * GB
 
 
 @dataclass
@@ -39,22 +52,43 @@ class SplitPlan:
     devices: tuple[torch.device, torch.device]
     plans: tuple[Plan, Plan]
     reason: str = ""
+    crossing_bytes: int = 0  # hidden states crossing the cut per micro-step, each way
+    peer_bytes_per_s: float = DEFAULT_PEER_BYTES_PER_S
 
     @property
     def predicted_peak_bytes(self) -> int:
         return max(p.predicted_peak_bytes for p in self.plans)
 
+    @property
+    def crossing_s(self) -> float:
+        """The cut's hidden states forward and their gradient backward, over the peer link."""
+        return 2 * self.crossing_bytes / self.peer_bytes_per_s
+
+    @property
+    def predicted_step_s(self) -> Optional[float]:
+        """One micro-step (as a part's ``step_time``): the parts one after the other, plus the crossing (None: a part has no step time)."""
+        if any(p.step_time is None for p in self.plans):
+            return None
+        return sum(p.step_time.seconds for p in self.plans) + self.crossing_s
+
     def describe(self) -> str:
         n = self.plans[0].footprint.num_blocks + self.plans[1].footprint.num_blocks
         lines = [f"split at block {self.cut} of {n}: blocks 0-{self.cut - 1} on {self.devices[0]}, "
                  f"{self.cut}-{n - 1} on {self.devices[1]}" + (f" ({self.reason})" if self.reason else "")]
+        step = self.predicted_step_s
+        if step is not None:
+            parts = " + ".join(f"{p.step_time.seconds:.3f}" for p in self.plans)
+            lines.append(f"predicted step {step:.3f} s: the parts one after the other ({parts} s) + "
+                         f"{self.crossing_s * 1e3:.1f} ms for the hidden states crossing the cut")
         for dev, plan in zip(self.devices, self.plans):
             lines += [f"[{dev}] " + line for line in plan.describe().splitlines()]
         return "\n".join(lines)
 
     def summary(self) -> dict:
+        step = self.predicted_step_s
         return {"mode": "split", "cut": self.cut, "devices": [str(d) for d in self.devices],
                 "predicted_peak_gb": [round(p.predicted_peak_bytes / GB, 3) for p in self.plans],
+                "predicted_step_s": round(step, 4) if step is not None else None,
                 "parts": [p.summary() for p in self.plans]}
 
 
@@ -79,14 +113,19 @@ def part_footprints(fp: ModelFootprint, block_trainable: list[int], other_traina
 def plan_split(fp: ModelFootprint, block_trainable: list[int], other_trainable: int, workload: Workload,
                offload: OffloadConfig, devices: tuple[torch.device, torch.device],
                budgets: tuple[Optional[int], Optional[int]], cut: Optional[int] = None,
-               host_ram_bytes: Optional[int] = None, ram_budget_bytes: Optional[int] = None) -> SplitPlan:
-    """The plan for both parts: at ``cut``, or at the best cut when it is None (see the module doc)."""
+               host_ram_bytes: Optional[int] = None, ram_budget_bytes: Optional[int] = None,
+               machines: tuple[Optional[Machine], Optional[Machine]] = (None, None),
+               compiled: bool = False) -> SplitPlan:
+    """The plan for both parts: at ``cut``, or at the best cut when it is None (see the module doc).
+    ``machines``: each device's link and GPU (engine/offload/link.py ``resolve_machine``; None: the default
+    machine), so each part's step time is predicted where it runs."""
     cuts = [cut] if cut is not None else list(range(1, fp.num_blocks))
     best, best_key, last_error = None, None, None
     for c in cuts:
         parts = part_footprints(fp, block_trainable, other_trainable, c)
         try:
-            plans = tuple(make_plan(p, workload, offload, b, host_ram_bytes) for p, b in zip(parts, budgets))
+            plans = tuple(make_plan(p, workload, offload, b, host_ram_bytes, compiled=compiled, machine=m)
+                          for p, b, m in zip(parts, budgets, machines))
         except ConfigError as exc:
             last_error = exc
             continue
@@ -94,7 +133,7 @@ def plan_split(fp: ModelFootprint, block_trainable: list[int], other_trainable: 
         peaks = [p.predicted_peak_bytes for p in plans]
         key = (io, max(peaks) - min(peaks))
         if best_key is None or key < best_key:
-            best, best_key = SplitPlan(c, devices, plans), key
+            best, best_key = SplitPlan(c, devices, plans, crossing_bytes=_crossing_bytes(fp, workload)), key
     if best is None:
         where = f"at cut {cut}" if cut is not None else "at any cut"
         raise ConfigError(f"the split does not fit {where} on {devices[0]} + {devices[1]}: {last_error}")
@@ -118,6 +157,12 @@ def plan_split(fp: ModelFootprint, block_trainable: list[int], other_trainable: 
     best.reason = ("as asked" if cut is not None else
                    "the cut that streams the fewest bytes per step, peaks balanced")
     return best
+
+
+def _crossing_bytes(fp: ModelFootprint, workload: Workload) -> int:
+    """The hidden states at the cut per micro-step (what a part's step time covers): the batch's tokens x
+    hidden size in the activation dtype (a dual-stream model's text tokens cross too: the workload counts them)."""
+    return int(workload.batch * workload.tokens * fp.hidden_size * fp.act_bytes_per_elem)
 
 
 def trainable_per_block(model: nn.Module, family) -> tuple[list[int], int]:

@@ -376,11 +376,15 @@ class Split(Placement):
 
         fp = measure_footprint(model, family, f"{family.display_name} ({variant})")
         fp.lora_bytes_per_param = lora_bytes_per_param(train)
+        from ..offload.link import resolve_machine
+
         per_block, outside = trainable_per_block(model, family)
         return plan_split(fp, per_block, outside, workload_for(dataset, family, variant, train.batch_size),
                           self.offload, self.devices, split_budgets(self.split, self.offload),
                           cut=None if self.split.cut == -1 else self.split.cut, host_ram_bytes=ram_budget(self.offload)[1],
-                          ram_budget_bytes=ram_budget(self.offload)[0])
+                          ram_budget_bytes=ram_budget(self.offload)[0],
+                          machines=tuple(resolve_machine(d) for d in self.devices),
+                          compiled=self.compiles(train)[0])
 
     def apply(self, model, family, variant, dataset, lora, train, callback):
         from ..parallel.split import apply_split
