@@ -17,10 +17,18 @@ def _help(name: str, extra: str = "") -> str:
     return field_help(ParallelConfig, name, extra)
 
 
+def _modes() -> tuple[str, ...]:
+    from ..engine.parallel.config import MODES  # torch-free module
+
+    return MODES
+
+
 DESCRIPTION = (
     "Train on two GPUs. split: the model's blocks are cut in two, each GPU holds (and streams) its part, "
     "for a model too big for one card. data_parallel: each GPU trains on its own images with the whole "
-    "streamed model, and the LoRA gradients are averaged: about twice the images per second. Connect it to "
+    "streamed model, and the LoRA gradients are averaged: about twice the images per second. experts: both experts "
+    "of Wan 2.2 A14B at once, Train LoRA's model on the first GPU and its preview_partner on the second; Save LoRA "
+    "then writes two LoRAs. Connect it to "
     "Train LoRA's split input; Offload Config still chooses resident / stream / auto for each GPU."
 )
 
@@ -32,7 +40,7 @@ class LowVRAMDualGPUSplit(io.Node):
             node_id="LowVRAMDualGPUSplit", display_name="Dual-GPU Split", category=CATEGORY, description=DESCRIPTION,
             outputs=[io.Output("LOWVRAM_SPLIT", "split", "Multi-GPU settings for Train LoRA's split input.")],
             inputs=[
-                io.Combo("mode", ["split", "data_parallel"], default="split", tooltip=_help("mode")),
+                io.Combo("mode", list(_modes()), default="split", tooltip=_help("mode")),
                 io.String("devices", default="cuda:0,cuda:1", tooltip=_help("devices", "Comma-separated.")),
                 io.Int("cut", default=-1, min=-1, max=1024, tooltip=_help("cut")),
                 io.String("vram_budget_gb", default="0", tooltip=_help(

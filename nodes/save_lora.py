@@ -102,30 +102,48 @@ class LowVRAMSaveLoRA(io.Node):
     @classmethod
     def execute(cls, lora, filename_prefix: str = "loras/flux_lora", format: str = "comfyui",
                 dtype: str = "bf16") -> io.NodeOutput:
-        from ..engine.lora_io import save_lora
-        from ..engine.plotting import save_loss_curve
+        # A two-expert run (Dual-GPU Split mode 'experts') carries the other expert's LoRA: each is saved under the
+        # prefix + its role (loras/wan22_lora_high_noise_00001_.safetensors and ..._low_noise_...).
+        loras = [lora] + ([lora.companion] if lora.companion is not None else [])
+        texts, curves, files = [], [], []
+        for one in loras:
+            role = one.settings.get("expert_role", "")
+            prefix = f"{filename_prefix}_{role.split()[0].replace('-', '_')}" if len(loras) > 1 and role else \
+                filename_prefix
+            path, curve, saved = _save_one(one, prefix, format, dtype)
+            texts.append(str(path))
+            curves.append(str(curve))
+            files += saved
+        return io.NodeOutput(ui={"text": texts, "loss_curve": curves, "files": files})
 
-        path, curve = claim_output_paths(output_dir(), filename_prefix)
-        try:  # the two names are ours (claimed, empty): write over them
-            save_lora(lora, path, fmt=format, dtype=dtype, overwrite=True)
-            save_loss_curve(lora.loss_history, curve, overwrite=True)
-        except BaseException:
-            for p in (path, curve):
-                if p.exists() and p.stat().st_size == 0:
-                    p.unlink()
-            raise
-        print(f"[lowvram-lora] saved LoRA: {path}\n[lowvram-lora] loss curve: {curve}")
-        samples = _copy_last_samples(lora, path)
-        if samples is not None:
-            print(f"[lowvram-lora] sample grid: {samples}")
-        clips = _copy_last_clips(lora, path)
-        for clip in clips:
-            print(f"[lowvram-lora] sample clip: {clip}")
-        # filename/subfolder/type entries are what ComfyUI clients (comfy run --wait) list as outputs.
-        root = output_dir().resolve()
-        files = [{"filename": p.name, "subfolder": p.parent.resolve().relative_to(root).as_posix(), "type": "output"}
-                 for p in (path, curve) + ((samples,) if samples is not None else ()) + tuple(clips)]
-        return io.NodeOutput(ui={"text": [str(path)], "loss_curve": [str(curve)], "files": files})
+
+def _save_one(lora: TrainedLora, filename_prefix: str, format: str, dtype: str):
+    """One LoRA, its loss curve and its last samples under a new numbered name; (LoRA path, curve path, the
+    files as ComfyUI's output entries)."""
+    from ..engine.lora_io import save_lora
+    from ..engine.plotting import save_loss_curve
+
+    path, curve = claim_output_paths(output_dir(), filename_prefix)
+    try:  # the two names are ours (claimed, empty): write over them
+        save_lora(lora, path, fmt=format, dtype=dtype, overwrite=True)
+        save_loss_curve(lora.loss_history, curve, overwrite=True)
+    except BaseException:
+        for p in (path, curve):
+            if p.exists() and p.stat().st_size == 0:
+                p.unlink()
+        raise
+    print(f"[lowvram-lora] saved LoRA: {path}\n[lowvram-lora] loss curve: {curve}")
+    samples = _copy_last_samples(lora, path)
+    if samples is not None:
+        print(f"[lowvram-lora] sample grid: {samples}")
+    clips = _copy_last_clips(lora, path)
+    for clip in clips:
+        print(f"[lowvram-lora] sample clip: {clip}")
+    # filename/subfolder/type entries are what ComfyUI clients (comfy run --wait) list as outputs.
+    root = output_dir().resolve()
+    files = [{"filename": p.name, "subfolder": p.parent.resolve().relative_to(root).as_posix(), "type": "output"}
+             for p in (path, curve) + ((samples,) if samples is not None else ()) + tuple(clips)]
+    return path, curve, files
 
 
 def _copy_last_samples(lora: TrainedLora, path: Path):

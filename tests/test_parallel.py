@@ -244,6 +244,19 @@ def test_split_plan_balances_and_respects_budgets():
     assert "split at block" in plan.describe() and plan.summary()["cut"] == plan.cut
 
 
+def test_worker_processes_share_the_runs_ram_budget():
+    """Data parallel and the two-expert run start one process per GPU on one host: each plans within its share of
+    the run's RAM budget (a set budget halved; with 0 the auto budget resolved once, then halved), not the whole."""
+    from lowvram_lora.engine.offload.hostmem import resolve_ram_budget
+    from lowvram_lora.engine.runs.launch import per_process_offload
+
+    assert per_process_offload(OffloadConfig(mode="auto", ram_budget_gb=20.0), 2).ram_budget_gb == pytest.approx(10.0)
+    assert per_process_offload(OffloadConfig(mode="auto", ram_budget_gb=20.0), 1).ram_budget_gb == 20.0
+    assert per_process_offload(None, 2) is None
+    auto = per_process_offload(OffloadConfig(mode="auto"), 2).ram_budget_gb
+    assert auto == pytest.approx(resolve_ram_budget(0).bytes / 2 / 1e9, rel=0.05) and auto > 0
+
+
 def test_split_step_time_is_the_parts_on_their_own_machines_plus_the_crossing():
     """Issue 42 item 3: each part is timed on its device's link and GPU (not the default 25 GB/s, unknown-GPU
     machine that predicted 8.9 + 17.4 s for a measured 2.27 s step), and the sequential split's step is the sum of

@@ -4,6 +4,8 @@ cached clip latents, checked against the reference model from the pipeline folde
 high-noise expert run draws every training sigma from its own range."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from helpers import eval_flow_loss, merged
@@ -222,3 +224,68 @@ def test_a_partner_streamed_on_cuda_samples_as_a_resident_one(tmp_path):
     torch.cuda.synchronize(cuda)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert torch.cuda.memory_allocated(cuda) <= before  # nothing of the released partner stays on the GPU
+
+
+def test_both_experts_in_one_run_equal_two_one_expert_runs(tmp_path, monkeypatch):
+    """Dual-GPU Split mode 'experts' (issue 42; here on cpu,cpu): the high-noise expert (Train LoRA's model) and the
+    low-noise one (its preview_partner) train at once in two worker processes, and each LoRA equals the one-expert
+    run of the same seed in this process (1e-6: the same computation in another process). The two-expert run stores
+    each under the one-expert run's key, so one-expert reruns reuse them; a partner of the wrong role is refused
+    before any worker starts."""
+    from lowvram_lora.engine.callbacks import TrainingCallback
+    from lowvram_lora.engine.errors import ConfigError
+    from lowvram_lora.engine.models.inspect import inspect_transformer
+    from lowvram_lora.engine.parallel import ParallelConfig
+    from lowvram_lora.engine.runs.result_reuse import train_or_reuse
+
+    high, low = _expert_pipelines(tmp_path)
+    clips = make_tiny_video_dataset(tmp_path / "clips", count=1, frames=5, size=(64, 48))
+    cache = build_dataset_cache(ModelConfig(transformer_path=str(high)),
+                                DataConfig(path=str(clips), resolution=64, bucket_step=16), tmp_path / "cache",
+                                video=VideoConfig(frame_counts=(5,), fps=0))
+    m_high, m_low = (inspect_transformer(ModelConfig(transformer_path=str(p))) for p in (high, low))
+    lora, train = LoraSettings(rank=2, alpha=2), TrainConfig(steps=3, learning_rate=1e-2, device="cpu", seed=3)
+    experts = ParallelConfig(mode="experts", devices=("cpu", "cpu"))
+
+    class Log(TrainingCallback):
+        def __init__(self):
+            self.lines, self.steps = [], []
+
+        def log(self, message):
+            self.lines.append(message)
+
+        def on_step(self, info):
+            self.steps.append(info.step)
+
+    log = Log()
+    both = train_or_reuse(m_high, cache, lora, train, tmp_path / "two", log, parallel=experts, preview_partner=m_low)
+    assert both.variant == "wan-tiny-high-noise" and both.companion.variant == "wan-tiny-low-noise"
+    assert log.steps == [1, 2, 3]  # the connected expert drives the progress
+    assert any("[low-noise expert (cpu)] step 3/3" in line for line in log.lines)
+    for got, (model, partner) in ((both, (m_high, m_low)), (both.companion, (m_low, m_high))):
+        alone = train_or_reuse(model, cache, lora, train, tmp_path / "one", None, preview_partner=partner)
+        assert set(got.state_dict) == set(alone.state_dict)
+        for k, v in alone.state_dict.items():
+            torch.testing.assert_close(got.state_dict[k], v, rtol=1e-6, atol=1e-7)
+    # Save LoRA writes both, each under the prefix + its role, each the LoRA of its expert
+    from safetensors.torch import load_file
+
+    from lowvram_lora.engine.lora_io import save_lora
+    from lowvram_lora.nodes import paths
+    from lowvram_lora.nodes.save_lora import LowVRAMSaveLoRA
+
+    monkeypatch.setitem(paths._standalone, "output_dir", tmp_path / "out")
+    saved = LowVRAMSaveLoRA.execute(both, "loras/wan22").ui["text"]
+    assert [Path(p).name for p in saved] == ["wan22_high_noise_00001_.safetensors",
+                                            "wan22_low_noise_00001_.safetensors"]
+    for path, one in zip(saved, (both, both.companion)):
+        ref = load_file(str(save_lora(one, tmp_path / f"ref_{one.variant}.safetensors")))
+        assert load_file(path).keys() == ref.keys()
+        assert all(torch.equal(load_file(path)[k], v) for k, v in ref.items())
+    log = Log()  # both one-expert runs are now stored: the two-expert run reuses them, no worker starts
+    again = train_or_reuse(m_high, cache, lora, train, tmp_path / "one", log, parallel=experts, preview_partner=m_low)
+    assert sum("reusing the finished run" in line for line in log.lines) == 2 and again.companion is not None
+    with pytest.raises(ConfigError, match="the other expert of wan-tiny-high-noise is wan-tiny-low-noise"):
+        train_or_reuse(m_high, cache, lora, train, tmp_path / "bad", None, parallel=experts, preview_partner=m_high)
+    with pytest.raises(ConfigError, match="connect the other expert"):
+        train_or_reuse(m_high, cache, lora, train, tmp_path / "bad", None, parallel=experts)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Optional
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -36,6 +37,9 @@ class TrainedLora:
     model_config: dict = field(default_factory=dict)  # the transformer's config (LoRA export needs its shapes)
     sample_grids: list = field(default_factory=list)  # paths of the sample grids written while training
     sample_seconds: float = 0.0  # time spent sampling (not in the step times)
+    # The other expert's LoRA of a two-expert run (Dual-GPU Split mode 'experts', engine/runs/experts.py), which
+    # Save LoRA writes beside this one. Not stored with this run: each expert's run is stored under its own key.
+    companion: Optional["TrainedLora"] = field(default=None, compare=False, repr=False)
 
     @property
     def scale(self) -> float:
@@ -56,7 +60,7 @@ def read_trained(folder: Path, name: str) -> TrainedLora | None:
 
 def write_trained(folder: Path, name: str, lora: TrainedLora, what: str) -> None:
     """Weights first, then the metadata JSON, which marks the pair complete (both atomic)."""
-    meta = {f.name: getattr(lora, f.name) for f in fields(lora) if f.name != "state_dict"}
+    meta = {f.name: getattr(lora, f.name) for f in fields(lora) if f.name not in ("state_dict", "companion")}
     with atomic_write(Path(folder) / f"{name}.safetensors", what) as tmp:
         save_file({k: v.contiguous() for k, v in lora.state_dict.items()}, str(tmp))
     write_json_atomic(Path(folder) / f"{name}.json", meta, what, indent=None)

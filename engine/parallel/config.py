@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from ..config import field_help
 from ..errors import ConfigError
 
-MODES = ("split", "data_parallel")
+MODES = ("split", "data_parallel", "experts")
 
 
 @dataclass
@@ -21,7 +21,10 @@ class ParallelConfig:
         "second (each part may stream from host RAM and use int8 slabs). One image at a time, each GPU holds "
         "about half the model: for a model too big for one card's budget. data_parallel: one training "
         "process per GPU, each with the whole (streamed) model and its own images; LoRA gradients are averaged "
-        "after every micro-batch, so the effective batch is GPUs x batch_size and images/s scale with the GPUs."
+        "after every micro-batch, so the effective batch is GPUs x batch_size and images/s scale with the GPUs. "
+        "experts: a two-expert model (Wan 2.2 A14B): the expert connected to Train LoRA's model trains on the first "
+        "GPU and the one connected to its preview_partner on the second, at the same time, each on its own noise "
+        "levels from the one cached dataset; two LoRAs, each the same as a one-expert run with the same seed."
     )})
     devices: tuple[str, ...] = field(default=("cuda:0", "cuda:1"), metadata={"help": (
         "The GPUs to use, e.g. cuda:0,cuda:1. split uses exactly two; data_parallel one process per device."
@@ -51,9 +54,10 @@ class ParallelConfig:
         for d in devices:
             if not (d.startswith("cuda:") and d[5:].isdigit()) and d != "cpu":
                 raise ConfigError(f"device {d!r} is not of the form cuda:N (e.g. cuda:1)")
-        if self.mode == "split" and len(devices) != 2:
-            raise ConfigError(f"split uses exactly two GPUs; devices={devices!r} names {len(devices)}. "
-                              f"Use data_parallel for more")
+        if self.mode in ("split", "experts") and len(devices) != 2:
+            raise ConfigError(f"{self.mode} uses exactly two GPUs; devices={devices!r} names {len(devices)}"
+                              + (". Use data_parallel for more" if self.mode == "split" else
+                                 " (one per expert)"))
         self.devices = devices
         budgets = tuple(self.vram_budget_gb) if isinstance(self.vram_budget_gb, (list, tuple)) else (self.vram_budget_gb,)
         for b in budgets:

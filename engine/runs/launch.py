@@ -66,6 +66,23 @@ def check_devices(devices: tuple[str, ...]) -> None:
             f"mode='split', which sizes each side by its own budget")
 
 
+def per_process_offload(offload, processes: int, cb: TrainingCallback | None = None):
+    """``offload`` for each of ``processes`` worker processes on this host. They share its RAM, so each plans within
+    its share of the run's RAM budget, resolved once here: with ``ram_budget_gb`` 0 each process would take the whole
+    auto budget for itself (and a set budget is the run's, not each process's)."""
+    if offload is None or processes <= 1:
+        return offload
+    from dataclasses import replace
+
+    from ..offload.hostmem import resolve_ram_budget
+
+    ram = resolve_ram_budget(offload.ram_budget_gb)
+    share = ram.bytes / processes / 1e9
+    if cb is not None:
+        cb.log(f"RAM: {processes} worker processes share the run's {ram.describe()}: {share:.1f} GB each")
+    return replace(offload, ram_budget_gb=share)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -115,29 +132,23 @@ def train_data_parallel(model: ModelInfo, dataset, lora, train, callback, parall
     run_root = Path(cache_dir) / "parallel"
     run_root.mkdir(parents=True, exist_ok=True)
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=run_root))
-    spec = run_spec(model, dataset, lora, train, parallel, store_args, run_dir, offload, sampling, sample_dir,
-                    preview_partner)
+    spec = run_spec(model, dataset, lora, train, parallel, store_args, run_dir, per_process_offload(offload, world, cb),
+                    sampling, sample_dir, preview_partner)
     spec_path = run_dir / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=1))
     # Kept after the run: the same training under torchrun on several hosts (README, Multi-GPU).
     write_json_atomic(run_root / "spec-latest.json", spec, "the data-parallel run description")
-    env = {**os.environ, **NCCL_SAFE_ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "WORLD_SIZE": str(world), "PYTHONUNBUFFERED": "1", "LOWVRAM_PARENT_PID": str(os.getpid())}
+    env = worker_env(world)
     env["PYTHONPATH"] = os.pathsep.join([_importable_root(run_dir)] + [p for p in [env.get("PYTHONPATH")] if p])
     cb.log(f"data parallel: starting {world} worker processes on {', '.join(parallel.devices)} "
            f"(run description for torchrun: {run_root / 'spec-latest.json'})")
-    procs, logs = [], []
+    workers = []
     try:
         for rank in range(world):
-            log = open(run_dir / f"rank{rank}.log", "wb")
-            logs.append(log)
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "lowvram_lora.engine.runs.worker", str(spec_path)],
-                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                stdout=subprocess.PIPE if rank == 0 else log, stderr=log, stdin=subprocess.DEVNULL,
-                start_new_session=True))
+            workers.append(Worker.start(spec_path, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, run_dir,
+                                        f"rank{rank}", f"data-parallel worker rank {rank}", main=rank == 0))
         try:
-            _supervise(procs, run_dir, cb)
+            supervise(workers, cb)
         except WorkerError as exc:
             raise WorkerError(f"{exc}\n{_resume_note(store_args, train)}") from exc
         result = read_trained(run_dir, "result")
@@ -146,9 +157,48 @@ def train_data_parallel(model: ModelInfo, dataset, lora, train, callback, parall
         shutil.rmtree(run_dir, ignore_errors=True)
         return result
     finally:
-        _kill(procs)
-        for log in logs:
+        stop_workers(workers)
+
+
+def worker_env(world: int) -> dict:
+    """The environment every worker process starts with (its RANK / LOCAL_RANK are added per process)."""
+    return {**os.environ, **NCCL_SAFE_ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+            "WORLD_SIZE": str(world), "PYTHONUNBUFFERED": "1", "LOWVRAM_PARENT_PID": str(os.getpid())}
+
+
+class Worker:
+    """One worker process: its log file, its stop file, and whether its events drive the caller's progress
+    (``main``) or are relayed as log lines under ``label`` (a data-parallel rank other than 0 prints none)."""
+
+    def __init__(self, proc: subprocess.Popen, log, log_path: Path, run_dir: Path, label: str, main: bool,
+                 relay: bool):
+        self.proc, self.log, self.log_path, self.run_dir = proc, log, log_path, run_dir
+        self.label, self.main, self.relay = label, main, relay
+        self.stop_file = run_dir / "STOP"
+
+    @classmethod
+    def start(cls, spec_path: Path, env: dict, run_dir: Path, name: str, label: str, main: bool,
+              relay: bool | None = None):
+        """``python -m <package>.engine.runs.worker SPEC``; stdout piped when its events are read (``relay``,
+        default: the main worker's), stderr (and an unread stdout) into ``run_dir/<name>.log``. ``label`` names it
+        in messages."""
+        relay = main if relay is None else relay
+        log_path = run_dir / f"{name}.log"
+        log = open(log_path, "wb")
+        try:
+            proc = subprocess.Popen([sys.executable, "-m", "lowvram_lora.engine.runs.worker", str(spec_path)],
+                                    env=env, stdout=subprocess.PIPE if relay else log, stderr=log,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        except BaseException:
             log.close()
+            raise
+        return cls(proc, log, log_path, run_dir, label, main, relay)
+
+
+def stop_workers(workers: list[Worker]) -> None:
+    _kill([w.proc for w in workers])
+    for w in workers:
+        w.log.close()
 
 
 def _resume_note(store_args: dict, train) -> str:
@@ -167,66 +217,85 @@ def _resume_note(store_args: dict, train) -> str:
     return f"No training state was saved yet{first}: a rerun starts over."
 
 
-def _supervise(procs, run_dir: Path, cb: TrainingCallback) -> None:
+def supervise(workers: list[Worker], cb: TrainingCallback) -> None:
+    """Relay the workers' events until every one has exited; a stop (Cancel, Ctrl-C, ``cb.should_stop``) touches
+    each stop file and waits up to ``STOP_GRACE_S`` for them to save and exit; one that dies stops the others."""
     events: queue.Queue = queue.Queue()
-    reader = threading.Thread(target=_read_events, args=(procs[0].stdout, events), daemon=True)
-    reader.start()
-    stop_file = run_dir / "STOP"
+    readers = [threading.Thread(target=_read_events, args=(w.proc.stdout, events, i), daemon=True)
+               for i, w in enumerate(workers) if w.relay]
+    for r in readers:
+        r.start()
     pending: BaseException | None = None
     stop_deadline = None
+
+    def stop_all():
+        for w in workers:
+            w.stop_file.touch()
+        return time.monotonic() + STOP_GRACE_S
+
     while True:
         try:
-            _dispatch(events, cb)
+            _dispatch(events, cb, workers)
             if pending is None and stop_deadline is None and cb.should_stop():
-                stop_file.touch()
-                stop_deadline = time.monotonic() + STOP_GRACE_S
+                stop_deadline = stop_all()
         except BaseException as exc:  # ComfyUI's Cancel raises in on_step / should_stop; Ctrl-C
             if pending is None:
                 pending = exc
-                stop_file.touch()
-                stop_deadline = time.monotonic() + STOP_GRACE_S
-        codes = [p.poll() for p in procs]
-        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+                stop_deadline = stop_all()
+        codes = [w.proc.poll() for w in workers]
+        failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
         if failed:
-            _kill(procs)
-            reader.join(timeout=5)
-            _dispatch(events, cb, raise_errors=False)
+            _kill([w.proc for w in workers])
+            for r in readers:
+                r.join(timeout=5)
+            _dispatch(events, cb, workers, raise_errors=False)
             if pending is not None:
                 raise pending
-            raise _worker_failure(failed[0], codes[failed[0]], run_dir, events)
+            raise _worker_failure(workers[failed[0]], failed[0], codes[failed[0]], events)
         if all(c == 0 for c in codes):
-            reader.join(timeout=10)
-            _dispatch(events, cb, raise_errors=False)
+            for r in readers:
+                r.join(timeout=10)
+            _dispatch(events, cb, workers, raise_errors=False)
             if pending is not None:
                 raise pending
             return
         if stop_deadline is not None and time.monotonic() > stop_deadline:
-            _kill(procs)
+            _kill([w.proc for w in workers])
             raise pending or WorkerError(f"the workers did not stop within {STOP_GRACE_S:.0f} s; killed them")
         time.sleep(0.05)
 
 
-def _read_events(stream, events: queue.Queue) -> None:
+def _read_events(stream, events: queue.Queue, worker: int) -> None:
     for raw in iter(stream.readline, b""):
         line = raw.decode("utf-8", "replace").rstrip("\n")
         if line.startswith(EVENT_PREFIX):
             try:
-                events.put(json.loads(line[len(EVENT_PREFIX):]))
+                events.put({**json.loads(line[len(EVENT_PREFIX):]), "worker": worker})
                 continue
             except json.JSONDecodeError:
                 pass
         if line.strip():
-            events.put({"type": "log", "message": line})
+            events.put({"type": "log", "message": line, "worker": worker})
 
 
-def _dispatch(events: queue.Queue, cb: TrainingCallback, raise_errors: bool = True) -> None:
+#: A relayed (not main) worker's training steps are logged every this many steps, and its last.
+RELAY_STEP_EVERY = 25
+
+
+def _dispatch(events: queue.Queue, cb: TrainingCallback, workers: list[Worker], raise_errors: bool = True) -> None:
     while True:
         try:
             ev = events.get_nowait()
         except queue.Empty:
             return
         kind = ev.get("type")
-        if kind == "step":
+        w = workers[ev.get("worker", 0)]
+        if kind == "error":
+            events.put(ev)  # kept for _worker_failure
+            return
+        if not w.main:
+            _relay_as_log(ev, w, cb)
+        elif kind == "step":
             cb.on_step(StepInfo(**ev["info"]))
         elif kind == "progress":
             cb.on_progress(ev["stage"], ev["done"], ev["total"])
@@ -239,32 +308,48 @@ def _dispatch(events: queue.Queue, cb: TrainingCallback, raise_errors: bool = Tr
 
             with Image.open(ev["path"]) as grid:
                 cb.on_sample(ev["step"], grid.convert("RGB"), ev["path"])
-        elif kind == "error":
-            events.put(ev)  # kept for _worker_failure
-            return
 
 
-def _worker_failure(rank: int, code: int, run_dir: Path, events: queue.Queue) -> BaseException:
-    """The error to raise for a dead worker: rank 0's own (same class when it is one of ours), else the
-    tail of the worker's log."""
+def _relay_as_log(ev: dict, w: Worker, cb: TrainingCallback) -> None:
+    """A worker beside the main one (the other expert): its news as log lines under its label."""
+    kind = ev.get("type")
+    if kind == "step":
+        info = ev["info"]
+        if info["step"] % RELAY_STEP_EVERY == 0 or info["step"] == info["total_steps"]:
+            cb.log(f"[{w.label}] step {info['step']}/{info['total_steps']} loss {info['loss']:.4f}")
+    elif kind == "log":
+        cb.log(f"[{w.label}] {ev['message']}")
+    elif kind == "resume":
+        cb.log(f"[{w.label}] resumed at step {ev['step']}/{ev['total']}")
+    elif kind == "sample" and ev.get("path"):
+        cb.log(f"[{w.label}] samples at step {ev['step']}: {ev['path']}")
+
+
+def _worker_failure(w: Worker, index: int, code: int, events: queue.Queue) -> BaseException:
+    """The error to raise for a dead worker: its own (same class when it is one of ours), else the tail of
+    its log."""
     from .. import errors
 
+    reported = []  # error events; a data-parallel rank other than 0 prints none, and rank 0 has the same error
     while True:
         try:
             ev = events.get_nowait()
         except queue.Empty:
             break
         if ev.get("type") == "error":
-            cls = getattr(errors, ev.get("kind", ""), None)
-            if isinstance(cls, type) and issubclass(cls, LowVRAMError):
-                return cls(ev["message"])
-            return WorkerError(f"data-parallel rank {rank} failed: {ev.get('kind')}: {ev['message']}")
+            reported.append(ev)
+    reported.sort(key=lambda ev: ev.get("worker", 0) != index)  # the dead worker's own first
+    for ev in reported[:1]:
+        cls = getattr(errors, ev.get("kind", ""), None)
+        if isinstance(cls, type) and issubclass(cls, LowVRAMError):
+            return cls(ev["message"])
+        return WorkerError(f"{w.label} failed: {ev.get('kind')}: {ev['message']}")
     tail = ""
-    log = run_dir / f"rank{rank}.log"
+    log = w.log_path
     if log.exists():
         tail = "\n".join(log.read_text(errors="replace").strip().splitlines()[-15:])
     how = f"signal {-code}" if code < 0 else f"exit code {code}"
-    return WorkerError(f"data-parallel worker rank {rank} died ({how}); the other workers were stopped. "
+    return WorkerError(f"{w.label} died ({how}); the other workers were stopped. "
                        f"Last lines of its log ({log}):\n{tail}")
 
 

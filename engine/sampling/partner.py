@@ -28,7 +28,8 @@ PREVIEW_PARTNER_HELP = (
     "preview needs both experts: the high-noise one denoises sigma >= 0.875, the low-noise one below (as "
     "WanPipeline and ComfyUI's own Wan 2.2 workflow switch). The partner runs with its base weights (no LoRA) and "
     "its own CFG scale (high 4, low 3); it streams only while sampling and never stays in VRAM. Unconnected: no "
-    "samples for an A14B expert. Other models ignore it."
+    "samples for an A14B expert. With Dual-GPU Split mode 'experts' the partner is trained too, at the same time on "
+    "the second GPU. Other models ignore it."
 )
 
 

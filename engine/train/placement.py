@@ -27,6 +27,7 @@ import torch
 
 from ..callbacks import TrainingCallback
 from ..config import TrainConfig
+from ..errors import ConfigError
 from ..models import resolve_device
 from ..offload import OffloadConfig
 from .lora_attach import attach_lora, detach_lora
@@ -63,6 +64,9 @@ def choose_placement(offload: Optional[OffloadConfig], split, device: torch.devi
     explicit 'stream' is refused). ``split`` (engine/parallel/config.ParallelConfig, mode 'split') plans
     each part on its own device; auto on a CPU keeps both parts resident."""
     cb = callback or TrainingCallback()
+    if split is not None and split.mode != "split":
+        raise ConfigError(f"Dual-GPU Split mode {split.mode!r} starts worker processes: train through "
+                          f"engine.runs.result_reuse.train_or_reuse (what the node and `lowvram-lora run` call)")
     if split is not None:
         from ..parallel.split import check_split_devices
 
