@@ -9,7 +9,7 @@ import torch
 from lowvram_lora.engine.callbacks import TrainingCallback
 from lowvram_lora.engine.config import LoraSettings, ModelConfig, TrainConfig
 from lowvram_lora.engine.models.inspect import inspect_transformer
-from lowvram_lora.engine.runs.result_reuse import load_finished, train_or_reuse, training_key
+from lowvram_lora.engine.runs.result_reuse import load_finished, model_key, train_or_reuse, training_key
 
 
 class Log(TrainingCallback):
@@ -121,7 +121,7 @@ def test_interrupted_run_is_never_stored_as_finished(model, tiny_cache, tmp_path
     lora, train = LoraSettings(rank=2, alpha=2), TrainConfig(steps=10, seed=3, save_every=4)
     result = train_or_reuse(model, tiny_cache, lora, train, tmp_path, Log(stop_after=2))
     assert result.interrupted
-    assert load_finished(tmp_path, training_key(model.identity, tiny_cache.dataset_hash, lora, train)) is None
+    assert load_finished(tmp_path, training_key(model_key(model), tiny_cache.dataset_hash, lora, train)) is None
 
 
 def test_ctrl_c_in_lowvram_lora_run_saves_state_and_the_rerun_resumes(tmp_path, capsys, monkeypatch):
@@ -319,7 +319,7 @@ def test_a_second_run_of_the_same_key_is_refused_while_one_runs(model, tiny_cach
     from lowvram_lora.engine.fileio import FileLock
 
     lora, train = LoraSettings(rank=2, alpha=2), TrainConfig(steps=3, seed=3)
-    key = training_key(model.identity, tiny_cache.dataset_hash, lora, train)
+    key = training_key(model_key(model), tiny_cache.dataset_hash, lora, train)
     other = FileLock(tmp_path / "locks" / f"training-{key}.lock")  # what the first run holds while it trains
     assert other.acquire()
     try:

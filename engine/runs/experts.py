@@ -34,8 +34,8 @@ from ..lora_io.trained import TrainedLora, read_trained
 from ..models.inspect import ModelInfo
 from .launch import (Worker, _importable_root, per_process_offload, run_spec, stop_workers, supervise,
                      worker_env)
-from .finished import (check_reused_samples, load_finished, resume_args, samples_made_with, store_finished,
-                       training_key)
+from .finished import (check_reused_samples, load_finished, model_key, resume_args, samples_made_with,
+                       store_finished, training_key)
 
 
 class _OneDevice:
@@ -83,7 +83,7 @@ def train_experts(model: ModelInfo, dataset, lora, train, cache_dir: Path, callb
     family = get_family(model.family)
     roles = (expert_pair(model, preview_partner, family), _role(family, preview_partner.variant))
     experts = ((model, preview_partner), (preview_partner, model))
-    keys = [training_key(m.identity, dataset.dataset_hash, lora, train) for m, _ in experts]
+    keys = [training_key(model_key(m), dataset.dataset_hash, lora, train) for m, _ in experts]
     found = [load_finished(Path(cache_dir), k) for k in keys]
     for f, role, (m, other) in zip(found, roles, experts):
         if f is not None:

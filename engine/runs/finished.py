@@ -22,6 +22,13 @@ REUSE_FORMAT = 1  # bump when the stored entry's layout changes
 _KEEP_OUT = ("device", "save_every")  # settings that do not change the trained weights
 
 
+def model_key(model: ModelInfo) -> str:
+    """The base model as a run's key sees it: its weights' identity and the variant it trains as. The variant
+    counts: a Wan 2.2 A14B expert trains only on its own noise levels, and which expert a file is comes from its
+    name, so two byte-identical files named as the two experts are two different runs."""
+    return f"{model.identity}:{model.variant}"
+
+
 def training_key(model_identity: str, dataset_hash: str, lora: LoraSettings, train: TrainConfig,
                  world_size: int = 1) -> str:
     """The engine version is in the key: a fixed loop or new defaults must train again. Data parallel

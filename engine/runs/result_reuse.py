@@ -15,10 +15,10 @@ from ..errors import ConfigError
 from ..fileio import FileLock
 from ..lora_io.trained import TrainedLora
 from ..models.inspect import ModelInfo
-from .finished import (check_reused_samples, load_finished, resume_args, samples_made_with, store_finished,
-                       training_key)
+from .finished import (check_reused_samples, load_finished, model_key, resume_args, samples_made_with,
+                       store_finished, training_key)
 
-__all__ = ["load_finished", "train_or_reuse", "training_key"]  # tests and callers import them from here
+__all__ = ["load_finished", "model_key", "train_or_reuse", "training_key"]  # tests and callers import them from here
 
 
 def train_or_reuse(model: ModelInfo, dataset, lora: LoraSettings, train: TrainConfig, cache_dir: Path, callback=None,
@@ -42,7 +42,7 @@ def train_or_reuse(model: ModelInfo, dataset, lora: LoraSettings, train: TrainCo
     # goes into what the samples were made with, not into the run's key; the loop takes it as it is.
     partner: ModelInfo | None = train_kwargs.get("preview_partner")
     partner_identity = partner.identity if partner is not None else None
-    key = training_key(model.identity, dataset.dataset_hash, lora, train, world)
+    key = training_key(model_key(model), dataset.dataset_hash, lora, train, world)
     found = load_finished(Path(cache_dir), key)
     if found is not None:
         if callback is not None:

@@ -599,3 +599,46 @@ def test_video_template_trains_on_clips_and_shows_the_animated_preview(comfy, tm
     finally:
         for path in written:
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+def test_both_wan_experts_train_at_once_through_comfy_run(comfy, tmp_path):
+    """Issue 42: wan22_t2v_lora's API graph on its tiny experts, with a Dual-GPU Split node in mode 'experts' on
+    cpu,cpu joined to the top Train LoRA and the bottom chain's Save LoRA left out (the Note's two steps): one
+    comfy run trains both experts at once in two worker processes, Save LoRA writes ..._high_noise_ and
+    ..._low_noise_, each lowers the flow loss of diffusers' reference model, and no worker is left behind."""
+    from datetime import datetime
+
+    from helpers import write_template_files
+    from lowvram_lora.engine.lora_io import load_lora
+
+    template = shipped()["wan22_t2v_lora"]
+    _, written = write_template_files(template, comfy.base, tmp_path)
+    try:
+        graph = json.loads((comfy.pack / "example_workflows" / "api" / f"{template.name}.json").read_text())
+        graph["2"]["inputs"].update(resolution=64, sample_prompts="ohwx, a red circle", video_frames="1")
+        graph["4"]["inputs"].update(steps=6, learning_rate=0.01, warmup_steps=0, sample_every=0, training_seed=4242,
+                                    split=["7", 0])
+        graph["5"]["inputs"]["filename_prefix"] = "loras/wan22_both_experts"
+        graph["7"] = {"class_type": "LowVRAMDualGPUSplit",
+                      "inputs": {"mode": "experts", "devices": "cpu,cpu", "cut": -1, "vram_budget_gb": "0"}}
+        del graph[str(5 + 10)]  # the bottom chain's Save LoRA (the Note: bypass it)
+        (tmp_path / "experts.json").write_text(json.dumps(graph))
+        start = datetime.now().isoformat()
+        done = comfy.comfy_run(tmp_path / "experts.json")
+        log = _log_since(comfy.port, start)
+        assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:], log[-4000:])
+        assert "Traceback" not in log, log[-4000:]
+        assert "experts: training the high-noise expert on cpu and the low-noise expert on cpu" in log, log[-3000:]
+        assert "[lowvram-lora] step 6/6" in log and "[low-noise expert (cpu)] step 6/6" in log, log[-3000:]
+        for role in ("high_noise", "low_noise"):
+            saved = sorted((comfy.base / "output" / "loras").glob(f"wan22_both_experts_{role}_*_.safetensors"))
+            assert len(saved) == 1, sorted((comfy.base / "output" / "loras").iterdir())
+            lora = load_lora(saved[0])
+            assert lora.metadata["lowvram_lora.steps"] == "6"
+            assert lora.metadata["lowvram_lora.variant"].endswith(role.replace("_", "-")), lora.metadata
+            pipe = tmp_path / ("pipe" if role == "high_noise" else "pipe1")
+            _check_lora_lowers_the_reference_loss(comfy, template, pipe, lora)
+        assert not _dp_workers()
+    finally:
+        for path in written:
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
