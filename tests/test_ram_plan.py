@@ -193,6 +193,9 @@ def test_auto_moves_blocks_to_disk_when_ram_is_short():
         auto(6, ram=9)
     with pytest.raises(ConfigError, match="int8 slab"):
         auto(6, ram=9, machine=DISK, slab=False)
+    # disk_blocks=0 keeps every block off the disk: refused, naming the setting
+    with pytest.raises(ConfigError, match="disk_blocks=0 keeps every block off the disk"):
+        auto(6, ram=9, machine=DISK, disk_blocks=0)
 
 
 def test_refusal_names_both_budgets():

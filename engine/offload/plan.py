@@ -646,7 +646,7 @@ def _auto(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: list[int]
     # (pointwise recompute in backward).
     escalations = [(c, h, m, b, o) for b in budget_steps for c in chunk_steps for m in micro_steps
                    for h in host_steps for o in outer_steps]
-    disk_ok = can_use_disk(fp, timing.get("machine"))
+    disk_ok = can_use_disk(fp, timing.get("machine")) and cfg.disk_blocks != 0  # 0: the user keeps them off disk
     found, ram_refused = [], []
     for chunks, moments, micro, cbudget, outer in escalations:
         plan = _auto_fixed(fp, wl, cfg, order, budget, chunks, moments, micro, cbudget, timing, outer, ram, disk_ok,
@@ -716,6 +716,8 @@ def _refusal(fp, wl, cfg, order, budget, compiled, last, ram: RamLimits, disk_ok
         f"work: {' or '.join(f'{v:.1f} GB VRAM + {r:.1f} GB RAM' for v, r in shown)}. Free host RAM or raise "
         f"ram_budget_gb, or raise vram_budget_gb (more blocks resident need less RAM)"
         + ("" if disk_ok else
+           "; disk_blocks=0 keeps every block off the disk tier: leave it unset (-1 on the node) to let auto read "
+           "some from the slab file" if cfg.disk_blocks == 0 and fp.disk_capable else
            "; the disk tier needs the slab file's read rate, which was not measured" if fp.disk_capable else
            "; load the model as an int8 slab (precision 'int8 slab'): its blocks can then stream from the slab file "
            "on disk instead of RAM")
