@@ -93,12 +93,15 @@ def test_streamed_gradients_equal_resident(resident, k, act):
 
 def test_partial_activation_offload_trains_like_all_and_none():
     """Some blocks' inputs offloaded (a double block, in parts, and a single block), the others recomputed with their
-    inputs on the GPU: the losses and LoRA gradients equal the all-recompute and the all-offload runs'."""
+    inputs on the GPU: the losses and LoRA gradients equal the all-recompute and the all-offload runs', and those of
+    offloading every block whole (no parts)."""
     ref, _ = lora_model()
     runs = {}
-    for name, act, blocks in (("none", False, None), ("all", True, None), ("partial", True, [0, 3])):
+    for name, act, blocks, parts in (("none", False, None, True), ("all", True, None, True),
+                                      ("partial", True, [0, 3], True), ("whole", True, None, False)):
         model = copy.deepcopy(ref)
-        plan = build_plan(measure_footprint(model, FAMILY), Workload(1, 64, 7), (), 1, act, offload_blocks=blocks)
+        plan = build_plan(measure_footprint(model, FAMILY), Workload(1, 64, 7), (), 1, act, offload_blocks=blocks,
+                          offload_parts=parts)
         handle = apply_offload(model, FAMILY, OffloadConfig(mode="stream"), torch.device("cpu"), plan=plan,
                                _engine_factory=InlineCopyEngine)
         units = [n for n, _ in installed_units(model) or []]
@@ -109,7 +112,10 @@ def test_partial_activation_offload_trains_like_all_and_none():
     assert units[:3] == ["transformer_blocks.0.attention", "transformer_blocks.0.feed_forward", "transformer_blocks.1"]
     assert 0 < stats["activation_bytes_out"] < runs["all"][2]["activation_bytes_out"]
     assert stats["activation_bytes_in"] == stats["activation_bytes_out"]
-    for other in ("none", "all"):
+    # whole blocks: no parts, one input set per block (fewer bytes out than the parts' three for two double blocks)
+    assert runs["whole"][3][:2] == ["transformer_blocks.0", "transformer_blocks.1"]
+    assert 0 < runs["whole"][2]["activation_bytes_out"] < runs["all"][2]["activation_bytes_out"]
+    for other in ("none", "all", "whole"):
         assert losses == pytest.approx(runs[other][0], rel=1e-6)
         assert g.keys() == runs[other][1].keys() and g
         for n in g:

@@ -201,6 +201,20 @@ def test_partial_activation_offload_counts_its_blocks():
     assert t[0].link_busy_s < t[1].link_busy_s < t[2].link_busy_s
 
 
+def test_whole_block_offload_holds_one_input_set_per_block():
+    """A family that streams its large blocks in parts offloads one input set per part; offloading whole blocks holds
+    one per block (less host RAM and link traffic) for the whole block's working set on the GPU."""
+    fp = flux_like()
+    fp.unit_bytes, fp.parts_activation_scale = [[DOUBLE // 2, DOUBLE - DOUBLE // 2]] * 19 + [None] * 38, 0.6
+    parts, whole = (build_plan(fp, WL, [], 1, True, offload_parts=p) for p in (True, False))
+    unit = WL.tokens * fp.hidden_size * 2
+    assert (parts.streamed_units, whole.streamed_units) == (76, 57)
+    assert parts.activation_bytes_per_step == 76 * unit and whole.activation_bytes_per_step == 57 * unit
+    assert whole.host_breakdown["activations"] == 57 * unit
+    assert whole.breakdown["activations"] > parts.breakdown["activations"]  # 1.0 against 0.6 of the working set
+    assert "whole blocks, one input set each" in whole.describe() and not whole.split_blocks
+
+
 @pytest.mark.parametrize("short", [0.7, 0.8])
 def test_auto_offloads_some_activations_when_all_do_not_fit_ram(short):
     """At 4 GB of VRAM every block streams; a RAM budget a little below what offloading every block's activations

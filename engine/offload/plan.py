@@ -206,6 +206,14 @@ class Plan:
     # the others keep theirs on the GPU and recompute as without offload. Every block when activation_offload is on
     # for all, none when off.
     offloaded_blocks: list[int] = field(default_factory=list)
+    # The offloaded blocks stream (and offload their inputs) in parts where the family has them (False: whole, one
+    # input set per block: a third of Wan's activation host RAM for a larger working set on the GPU).
+    offload_in_parts: bool = True
+
+    @property
+    def split_blocks(self) -> list[int]:
+        """The blocks that stream in parts (``ModelFootprint.stream_units``)."""
+        return self.offloaded_blocks if self.offload_in_parts else []
 
     @property
     def partial_offload(self) -> bool:
@@ -230,7 +238,9 @@ class Plan:
                     f"(prefetch {self.prefetch_depth}), "
                     "activation offload " + (f"for {len(self.offloaded_blocks)} of {fp.num_blocks} blocks (the rest "
                                              f"recompute with their inputs on the GPU)" if self.partial_offload else
-                                             'on' if self.activation_offload else 'off'))
+                                             'on' if self.activation_offload else 'off')
+                    + (" (whole blocks, one input set each)" if self.activation_offload and not self.offload_in_parts
+                       and any(fp.unit_bytes) else ""))
                  + (f", recompute in {self.recompute_chunks} token chunks" if self.recompute_chunks > 1 else "")
                  + (", AdamW moments on the host" if self.optimizer_on_host else "")
                  + (f", {fp.outer_bytes / GB:.2f} GB of layers outside the blocks on the host"
@@ -277,7 +287,7 @@ class Plan:
             "prefetch_depth": self.prefetch_depth, "num_slots": self.num_slots,
             "slot_gb": round(self.slot_bytes / GB, 3), "ring_gb": round(self.ring_bytes / GB, 3),
             "streamed_units": self.streamed_units, "activation_offload": self.activation_offload,
-            "offloaded_blocks": len(self.offloaded_blocks),
+            "offloaded_blocks": len(self.offloaded_blocks), "offload_in_parts": self.offload_in_parts,
             "predicted_peak_gb": round(self.predicted_peak_bytes / GB, 3),
             "streamed_gb_per_step": round(self.streamed_bytes_per_step / GB, 3),
             "pinned_host_gb": round(self.pinned_host_bytes / GB, 3),
@@ -321,7 +331,8 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
                micro_batch: Optional[int] = None, compiled_budget: float = 1.0, outer_on_host: bool = False,
                disk_blocks: Sequence[int] = (), host_extra: Optional[dict] = None,
                ram_budget_bytes: Optional[int] = None, keeps_host_copies: bool = True,
-               resume_staging: bool = True, offload_blocks: Optional[Sequence[int]] = None) -> Plan:
+               resume_staging: bool = True, offload_blocks: Optional[Sequence[int]] = None,
+               offload_parts: bool = True) -> Plan:
     """One plan's numbers (the step's copies are simulated once per ring layout and cached: schedule.py).
     ``micro_batch``: samples per forward/backward; a batch of more runs as that many gradient-accumulated
     pieces (the same gradient), so activations are sized for it. ``compiled_budget``: the blocks are compiled at
@@ -333,7 +344,8 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
     ``keeps_host_copies``: the streamer places the model and keeps the host copies of what it moves to the GPU
     (False: mode='resident', whose placement moves the model and lets the host copies go). ``resume_staging``: the run
     writes resumable states (each save copies the LoRA and its moments to a pinned host buffer). ``offload_blocks``:
-    with activation offload, the blocks whose inputs are offloaded (None: all; partial offload, ``offload_prefix``)."""
+    with activation offload, the blocks whose inputs are offloaded (None: all; partial offload, ``offload_prefix``);
+    ``offload_parts``: they stream in parts where the family has them (False: whole, one input set per block)."""
     resident = sorted(set(resident))
     if resident and (resident[0] < 0 or resident[-1] >= fp.num_blocks):
         raise ConfigError(f"resident block ids {resident} must be in [0, {fp.num_blocks}) for {fp.name}")
@@ -343,10 +355,11 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
     offloaded = (sorted(set(range(fp.num_blocks) if offload_blocks is None else offload_blocks))
                  if activation_offload and streamed else [])
     activation_offload = bool(offloaded)
+    split = offloaded if offload_parts else []
     if streamed:
         # Slots are sized per unit (engine/offload/streamer.py): what the ring holds is the largest sum of
         # the units it holds at once over a step.
-        sizes, groups = fp.stream_units(offloaded)
+        sizes, groups = fp.stream_units(split)
         streamed_units = [u for i in streamed for u in groups[i]]
         k = max(1, min(prefetch_depth, len(streamed) - 1)) if len(streamed) > 1 else 1
         # The ring holds what the scheduler moves: units (a block in parts is several). One streamed block of
@@ -376,7 +389,7 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
         "weights": fp.other_bytes - outer + sum(fp.block_bytes[i] for i in resident) + ring_at_peak,
         "lora+adam": int(fp.trainable_params * (fp.lora_bytes_per_param - moments)),
         # The fitted line has a negative intercept; clamp so tiny models never predict < 0.
-        "activations": max(0, int((kept_inputs + fp.working_set_scale(offloaded)
+        "activations": max(0, int((kept_inputs + fp.working_set_scale(split)
                                    * transient_units(recompute_chunks, compiled_budget)) * unit
                                   + TRANSIENT_BYTES
                                   + (OFFLOADED_KEPT_BYTES if activation_offload else 0))),
@@ -401,6 +414,7 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
     return Plan(
         mode="stream" if streamed else "resident", resident=resident, streamed=streamed, prefetch_depth=k,
         num_slots=num_slots, slot_bytes=slot_bytes, activation_offload=activation_offload, offloaded_blocks=offloaded,
+        offload_in_parts=offload_parts,
         predicted_peak_bytes=int(peak), breakdown=breakdown, streamed_bytes_per_step=streamed_per_step + outer,
         activation_bytes_per_step=act_io,
         pinned_host_bytes=host["pinned"],
@@ -429,7 +443,7 @@ def with_disk_blocks(plan: Plan, blocks: Sequence[int], staging_slots: int = 0) 
     if not set(blocks) <= set(plan.streamed):
         raise ConfigError(f"disk blocks {blocks} must be streamed blocks of the plan ({plan.streamed})")
     fp = plan.footprint
-    sizes, groups = fp.stream_units(plan.offloaded_blocks)
+    sizes, groups = fp.stream_units(plan.split_blocks)
     streamed_units = [u for i in plan.streamed for u in groups[i]]
     disk_units = {u for i in blocks for u in groups[i]}
     slots = staging_slots or default_staging_slots(plan.prefetch_depth)
@@ -724,6 +738,9 @@ def _auto(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: list[int]
     if found:
         best = min(found, key=_cost)
         faster = [p for p in ram_refused if _cost(p) < _cost(best)]  # what the RAM budget ruled out
+        if faster and best.activation_offload and not best.offload_in_parts and any(fp.unit_bytes):
+            best.ram_note = ("activations are offloaded per whole block (one input set each, not one per part): a larger "
+                             "working set on the GPU for less host RAM")
         if faster and (not best.activation_offload or best.partial_offload):
             over = min(p.predicted_host_peak_bytes for p in faster) - ram.budget
             which = (f"{fp.num_blocks - len(best.offloaded_blocks)} of {fp.num_blocks} blocks' activations"
@@ -815,25 +832,29 @@ def _auto_fixed(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: lis
     # Partial activation offload (auto only): the inputs of some blocks go to the host, the rest recompute with theirs
     # on the GPU; tried when offloading every block's does not fit the RAM budget (or needs the disk tier), so auto
     # trades host RAM against speed in steps instead of all or nothing.
-    levels = [(act, None) for act in acts]
-    if cfg.activation_offload is None and ram.budget is not None:
-        levels += [(True, offload_prefix(fp, m)) for m in partial_offload_counts(n)]
+    # Where the family streams large blocks in parts, offloading whole blocks (one input set each instead of one per
+    # part) is the next step down in host RAM, for a larger working set on the GPU.
+    levels = [(act, None, True) for act in acts]
+    if cfg.activation_offload is not False and ram.budget is not None:
+        partial = [offload_prefix(fp, m) for m in partial_offload_counts(n)] if cfg.activation_offload is None else []
+        for parts in [True] + ([False] if any(fp.unit_bytes) else []):
+            levels += [(True, blocks, parts) for blocks in ([None] if not parts else []) + partial]
     counts = [cfg.resident_blocks] if cfg.resident_blocks is not None else range(n - 1, -1, -1)
     best = None
     for k in depths:
         all_short = False  # offloading every block's inputs did not fit the RAM budget without the disk tier
-        for act, offloaded in levels:
-            if offloaded is not None and not all_short:
+        for act, offloaded, parts in levels:
+            if (offloaded is not None or not parts) and not all_short:
                 continue
             for r in counts:  # most resident first: the first that fits is the best for this (k, act)
                 args = {"resident": order[:r], "prefetch_depth": k, "activation_offload": act,
                         "budget_bytes": budget, "ram_budget_bytes": ram.budget, "offload_blocks": offloaded,
-                        **extra}
+                        "offload_parts": parts, **extra}
                 plan = build_plan(fp, wl, **args)
                 if not _fits(plan, budget):
                     continue
                 fitted = _with_disk(fp, wl, args, ram, disk_ok, timing)
-                if act and offloaded is None and (fitted is None or fitted.disk_blocks):
+                if act and offloaded is None and parts and (fitted is None or fitted.disk_blocks):
                     all_short = True
                 if fitted is None:
                     if act and ram_refused is not None and ram.budget is not None:

@@ -283,7 +283,7 @@ def predict_step_time(plan, machine: Machine, compute_s_per_step: Optional[float
         return StepTime(compute, compute, 0.0, 0.0, source)
     # Units as the scheduler streams them; each block's work split over its parts by bytes (attention with the
     # first part, where it runs).
-    sizes, groups = fp.stream_units(plan.offloaded_blocks)
+    sizes, groups = fp.stream_units(plan.split_blocks)
     fwd, bwd = [0.0] * len(sizes), [0.0] * len(sizes)
     flops = block_flops(fp, wl.tokens, micro, wl.text_tokens)
     total = sum(LINEAR_PASSES * lin + ATTENTION_PASSES * att for lin, att in flops)

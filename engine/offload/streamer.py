@@ -410,7 +410,7 @@ def apply_offload(model: nn.Module, family, config: OffloadConfig, device: torch
     # parts (engine/offload/units.py); the plan's indexes count whole blocks, the scheduler's count units.
     units, groups = blocks, [[i] for i in range(len(blocks))]
     if plan.activation_offload and whole:  # partial offload: only the offloaded blocks run in parts
-        handle.units = install_units(model, family, blocks, only=set(plan.offloaded_blocks))
+        handle.units = install_units(model, family, blocks, only=set(plan.split_blocks))
         units, groups = handle.units.units, handle.units.groups
     streamed_units = [u for i in plan.streamed for u in groups[i]]
 
