@@ -92,7 +92,10 @@ def _fitted_size(node: NodeSpec, cls: type) -> tuple[int, int]:
     ~22 px per slot row, up to ~28 px per widget), so the stored size never cuts widgets off; and at least the
     width that shows every widget's label beside its value (long file names), up to ``MAX_NODE_W``."""
     specs = input_specs(cls)
-    widgets = sum(1 + s.control_slots for s in specs if s.is_widget and s.name not in node.links)
+    # Advanced inputs are drawn only with the node's advanced toggle on: one row for the toggle instead.
+    shown = [s for s in specs if s.is_widget and s.name not in node.links and not s.options.get("advanced")]
+    widgets = sum(1 + s.control_slots for s in shown) + (len(shown) < sum(
+        1 for s in specs if s.is_widget and s.name not in node.links))
     slot_rows = max(len(node.links), len(return_types(cls)))
     rows = [len(s.name) + len(str(node.widgets.get(s.name, s.options.get("default", ""))))
             for s in specs if s.is_widget and s.name not in node.links and not s.options.get("multiline")]

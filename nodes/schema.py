@@ -42,6 +42,9 @@ class Input:
     optional: bool = False
     default: Any = None
     options: dict = field(default_factory=dict)
+    # Drawn behind the node's "advanced inputs" toggle (ComfyUI's ``advanced=True``): rarely changed settings. The
+    # widget stays in its place, so UI-format workflows (widget values by position) load unchanged.
+    advanced: bool = False
 
     @property
     def is_widget(self) -> bool:
@@ -49,7 +52,7 @@ class Input:
 
     def as_dict(self) -> dict:
         """``io.<Type>.Input.as_dict()`` (V1 form: without ``optional``), key for key."""
-        d = _prune({"tooltip": self.tooltip})
+        d = _prune({"tooltip": self.tooltip, "advanced": self.advanced or None})
         if not self.is_widget:
             return d
         d |= _prune({"default": self.default})
@@ -67,15 +70,16 @@ class Input:
 
 def Int(id: str, *, default: int | None = None, min: int | None = None, max: int | None = None,  # noqa: A002
         step: int | None = None, tooltip: str | None = None, optional: bool = False,
-        control_after_generate: bool | None = None) -> Input:
+        control_after_generate: bool | None = None, advanced: bool = False) -> Input:
     return Input("Int", id, "INT", tooltip, optional, default,
-                 {"min": min, "max": max, "step": step, "control_after_generate": control_after_generate})
+                 {"min": min, "max": max, "step": step, "control_after_generate": control_after_generate}, advanced)
 
 
 def Float(id: str, *, default: float | None = None, min: float | None = None, max: float | None = None,  # noqa: A002
           step: float | None = None, round: float | bool | None = None, tooltip: str | None = None,
-          optional: bool = False) -> Input:
-    return Input("Float", id, "FLOAT", tooltip, optional, default, {"min": min, "max": max, "step": step, "round": round})
+          optional: bool = False, advanced: bool = False) -> Input:
+    return Input("Float", id, "FLOAT", tooltip, optional, default, {"min": min, "max": max, "step": step, "round": round},
+                 advanced)
 
 
 def String(id: str, *, default: str | None = None, multiline: bool = False, tooltip: str | None = None,  # noqa: A002
@@ -83,13 +87,14 @@ def String(id: str, *, default: str | None = None, multiline: bool = False, tool
     return Input("String", id, "STRING", tooltip, optional, default, {"multiline": multiline})
 
 
-def Boolean(id: str, *, default: bool | None = None, tooltip: str | None = None, optional: bool = False) -> Input:  # noqa: A002
-    return Input("Boolean", id, "BOOLEAN", tooltip, optional, default)
+def Boolean(id: str, *, default: bool | None = None, tooltip: str | None = None, optional: bool = False,  # noqa: A002
+            advanced: bool = False) -> Input:
+    return Input("Boolean", id, "BOOLEAN", tooltip, optional, default, advanced=advanced)
 
 
 def Combo(id: str, options: list, *, default: Any = None, tooltip: str | None = None,  # noqa: A002
-          optional: bool = False) -> Input:
-    return Input("Combo", id, "COMBO", tooltip, optional, default, {"options": list(options)})
+          optional: bool = False, advanced: bool = False) -> Input:
+    return Input("Combo", id, "COMBO", tooltip, optional, default, {"options": list(options)}, advanced)
 
 
 def Custom(io_type: str, id: str, *, tooltip: str | None = None, optional: bool = False) -> Input:  # noqa: A002

@@ -17,6 +17,9 @@ from .schema import Input, Node, Output, Schema, call_with_accepted, normalize_o
 def to_io_input(io, i: Input):
     o = i.options
     common = {"tooltip": i.tooltip, "optional": i.optional}
+    # Only when set, and where this ComfyUI's inputs know it (0.3.64's have no ``advanced``).
+    if i.advanced and "advanced" in inspect.signature(io.Int.Input.__init__).parameters:
+        common["advanced"] = True
     if i.kind == "Custom":
         return io.Custom(i.io_type).Input(i.id, **common)
     if i.kind == "Combo":

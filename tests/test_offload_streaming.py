@@ -91,6 +91,37 @@ def test_streamed_gradients_equal_resident(resident, k, act):
     handle.remove()
 
 
+def test_partial_activation_offload_trains_like_all_and_none():
+    """Some blocks' inputs offloaded (a double block, in parts, and a single block), the others recomputed with their
+    inputs on the GPU: the losses and LoRA gradients equal the all-recompute and the all-offload runs', and those of
+    offloading every block whole (no parts)."""
+    ref, _ = lora_model()
+    runs = {}
+    for name, act, blocks, parts in (("none", False, None, True), ("all", True, None, True),
+                                      ("partial", True, [0, 3], True), ("whole", True, None, False)):
+        model = copy.deepcopy(ref)
+        plan = build_plan(measure_footprint(model, FAMILY), Workload(1, 64, 7), (), 1, act, offload_blocks=blocks,
+                          offload_parts=parts)
+        handle = apply_offload(model, FAMILY, OffloadConfig(mode="stream"), torch.device("cpu"), plan=plan,
+                               _engine_factory=InlineCopyEngine)
+        units = [n for n, _ in installed_units(model) or []]
+        runs[name] = (run_steps(model, CALLS), grads(model), handle.stats(), units)
+        handle.remove()
+    losses, g, stats, units = runs["partial"]
+    # only the offloaded double block streams in parts; the other double block runs whole
+    assert units[:3] == ["transformer_blocks.0.attention", "transformer_blocks.0.feed_forward", "transformer_blocks.1"]
+    assert 0 < stats["activation_bytes_out"] < runs["all"][2]["activation_bytes_out"]
+    assert stats["activation_bytes_in"] == stats["activation_bytes_out"]
+    # whole blocks: no parts, one input set per block (fewer bytes out than the parts' three for two double blocks)
+    assert runs["whole"][3][:2] == ["transformer_blocks.0", "transformer_blocks.1"]
+    assert 0 < runs["whole"][2]["activation_bytes_out"] < runs["all"][2]["activation_bytes_out"]
+    for other in ("none", "all", "whole"):
+        assert losses == pytest.approx(runs[other][0], rel=1e-6)
+        assert g.keys() == runs[other][1].keys() and g
+        for n in g:
+            torch.testing.assert_close(g[n], runs[other][1][n], rtol=1e-5, atol=1e-7, msg=f"{other}: {n}")
+
+
 @pytest.mark.parametrize("act", [False, True])
 def test_no_grad_passes_follow_the_forward_cycle(act):
     """Sampling's no-grad forwards, back to back between training steps, as the sampler runs them: the model's
@@ -178,6 +209,26 @@ def test_resident_offload_config_trains_on_cpu(tiny_pipeline, tiny_cache):
     off = train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), tiny_cache, LoraSettings(rank=2),
                      TrainConfig(steps=2), offload=OffloadConfig(mode="resident", gradient_checkpointing=False))
     assert off.steps == 2 and off.settings["offload"]["gradient_checkpointing"] is False
+
+
+def test_cpu_training_is_held_to_the_ram_budget(tiny_single_file, tiny_cache):
+    """On the CPU the model, LoRA and activations are host memory: a RAM budget below them is refused before loading,
+    naming the need; a budget above trains."""
+    from lowvram_lora.engine.checkpoint import identify
+    from lowvram_lora.engine.offload.plan import PROCESS_BASE_BYTES, cpu_resident_plan, GB
+    from lowvram_lora.engine.train.placement import Resident
+
+    fp, _, _ = footprint_before_loading(tiny_single_file, torch.float32, LoraSettings(rank=4))
+    plan = cpu_resident_plan(fp, Workload(1, 64, 7), None, resume_staging=False)
+    # the process, and the model + LoRA + AdamW + activations a GPU would hold (the checkpoint is read into memory)
+    assert plan.host_phases["train"] == PROCESS_BASE_BYTES + plan.predicted_peak_bytes
+    assert plan.predicted_peak_bytes > fp.other_bytes + fp.total_block_bytes
+    with pytest.raises(ConfigError, match=r"on the CPU .* needs [0-9.]+ GB of host RAM .* ram_budget_gb=1 allows"):
+        Resident(OffloadConfig(mode="resident", ram_budget_gb=1.0), torch.device("cpu")).plan_before_loading(
+            identify(tiny_single_file), "auto", tiny_cache, LoraSettings(rank=4), TrainConfig(), torch.float32)
+    need = plan.predicted_host_peak_bytes / GB
+    Resident(OffloadConfig(mode="resident", ram_budget_gb=need + 1), torch.device("cpu")).plan_before_loading(
+        identify(tiny_single_file), "auto", tiny_cache, LoraSettings(rank=4), TrainConfig(), torch.float32)
 
 
 def test_impossible_budget_is_refused_from_the_header_alone(tiny_single_file, tiny_cache):

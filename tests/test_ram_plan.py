@@ -179,6 +179,59 @@ def test_auto_trades_activation_offload_for_recompute_when_ram_is_short():
     assert "never written to disk" in short.ram_note and "never written to disk" in short.describe()
 
 
+def test_partial_activation_offload_counts_its_blocks():
+    """Offloading the inputs of some blocks: host RAM and link traffic for those, GPU inputs kept for the rest."""
+    fp = flux_like()
+    none, part, full = (build_plan(fp, WL, [], 1, act, offload_blocks=blocks)
+                        for act, blocks in ((False, None), (True, list(range(19))), (True, None)))
+    unit = WL.tokens * fp.hidden_size * 2
+    assert (none.offloaded_blocks, len(full.offloaded_blocks)) == ([], 57) and part.offloaded_blocks == list(range(19))
+    assert part.partial_offload and not full.partial_offload
+    assert part.activation_bytes_per_step == 19 * unit and full.activation_bytes_per_step == 57 * unit
+    assert part.host_breakdown["activations"] == 19 * unit
+    # the GPU keeps one input set per block not offloaded, beside what offloading keeps in flight
+    assert part.breakdown["activations"] - full.breakdown["activations"] == 38 * unit
+    assert none.breakdown["activations"] > part.breakdown["activations"] > full.breakdown["activations"]
+    assert "activation offload for 19 of 57 blocks" in part.describe()
+    assert part.summary()["offloaded_blocks"] == 19
+    assert none.step_time is None  # (timed by auto) and the partial plan is timed with only its blocks' traffic
+    from lowvram_lora.engine.offload.plan import with_step_time
+
+    t = [with_step_time(p, FAST).step_time for p in (none, part, full)]
+    assert t[0].link_busy_s < t[1].link_busy_s < t[2].link_busy_s
+
+
+def test_whole_block_offload_holds_one_input_set_per_block():
+    """A family that streams its large blocks in parts offloads one input set per part; offloading whole blocks holds
+    one per block (less host RAM and link traffic) for the whole block's working set on the GPU."""
+    fp = flux_like()
+    fp.unit_bytes, fp.parts_activation_scale = [[DOUBLE // 2, DOUBLE - DOUBLE // 2]] * 19 + [None] * 38, 0.6
+    parts, whole = (build_plan(fp, WL, [], 1, True, offload_parts=p) for p in (True, False))
+    unit = WL.tokens * fp.hidden_size * 2
+    assert (parts.streamed_units, whole.streamed_units) == (76, 57)
+    assert parts.activation_bytes_per_step == 76 * unit and whole.activation_bytes_per_step == 57 * unit
+    assert whole.host_breakdown["activations"] == 57 * unit
+    assert whole.breakdown["activations"] > parts.breakdown["activations"]  # 1.0 against 0.6 of the working set
+    assert "whole blocks, one input set each" in whole.describe() and not whole.split_blocks
+
+
+@pytest.mark.parametrize("short", [0.7, 0.8])
+def test_auto_offloads_some_activations_when_all_do_not_fit_ram(short):
+    """At 4 GB of VRAM every block streams; a RAM budget a little below what offloading every block's activations
+    needs gets a plan that offloads some (a step between all and none), with the note saying how many stay."""
+    free = auto(4, compile="off")
+    assert len(free.offloaded_blocks) == 57
+    ram = free.predicted_host_peak_bytes / GB - short
+    plan = auto(4, ram=ram, compile="off")
+    assert plan.partial_offload and 0 < len(plan.offloaded_blocks) < 57 and not plan.disk_blocks
+    assert plan.offloaded_blocks == list(range(len(plan.offloaded_blocks)))  # the first blocks (the large ones)
+    assert plan.predicted_host_peak_bytes <= ram * GB
+    assert "blocks' activations stay on the GPU" in plan.ram_note
+    # offloading every block's at the same layout would not fit the RAM budget
+    every = build_plan(plan.footprint, WL, plan.resident, plan.prefetch_depth, True, resume_staging=False)
+    assert every.predicted_host_peak_bytes > ram * GB
+
+
 def test_auto_moves_blocks_to_disk_when_ram_is_short():
     plan = auto(6, ram=9, machine=DISK)
     assert plan.disk_blocks and set(plan.disk_blocks) <= set(plan.streamed)
@@ -193,6 +246,9 @@ def test_auto_moves_blocks_to_disk_when_ram_is_short():
         auto(6, ram=9)
     with pytest.raises(ConfigError, match="int8 slab"):
         auto(6, ram=9, machine=DISK, slab=False)
+    # disk_blocks=0 keeps every block off the disk: refused, naming the setting
+    with pytest.raises(ConfigError, match="disk_blocks=0 keeps every block off the disk"):
+        auto(6, ram=9, machine=DISK, disk_blocks=0)
 
 
 def test_refusal_names_both_budgets():

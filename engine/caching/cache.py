@@ -193,6 +193,11 @@ def build_dataset_cache(
     items = source.items(records, buckets, keys, data_cfg.flip)
     lines = list(dict.fromkeys(p.strip() for p in sample_prompts if p.strip()))  # blank lines out, repeats once
     samples = source.samples(lines, records, keys)
+    if any(not (cache_dir / "text" / f"{i.text_key}.safetensors").exists()
+           or not (cache_dir / "latents" / f"{i.latent_key}.safetensors").exists() for i in items):
+        from .ram import check_caching_ram  # a model will load: its host RAM against the budget first
+
+        check_caching_ram(models, cb)
     stats = {"text_built": 0, "text_reused": 0, "latents_built": 0, "latents_reused": 0}
     source.build_text(cache_dir, models, keys, items, samples, cb, stats)  # text entries
     build_latents(cache_dir, models.family, items, data_cfg.flip, models.device, models.dtype, cb, stats,

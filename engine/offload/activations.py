@@ -19,13 +19,20 @@ autocast state are replayed as torch.utils.checkpoint does.
 
 Which inputs move: the per-token states (tensors of 3 or more dims). Position
 embeddings and the conditioning vector are shared by every block and stay.
+
+Partial offload (the plan's ``offloaded_blocks``): only the units given as ``offloaded`` go
+through the offloading checkpoint; the others are checkpointed by the function the model had
+before (torch's non-reentrant checkpoint), keeping their inputs on the GPU, as without offload.
+Both recompute the same block under the same RNG state, so the gradients are the same.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Optional
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -85,14 +92,17 @@ class ActivationOffloader:
     """Installs itself as the model's checkpoint function; ``remove()`` restores torch's."""
 
     def __init__(self, model: nn.Module, blocks: list[tuple[str, nn.Module]], device: torch.device,
-                 workload: Workload, hidden_size: int, inline: bool = False, passthrough=()):
+                 workload: Workload, hidden_size: int, inline: bool = False, passthrough=(),
+                 offloaded: Optional[set] = None):
         self.model, self.device = model, device
-        self.index = {id(b): i for i, (_, b) in enumerate(blocks)}
+        # Only these units' inputs leave the GPU (None: every unit); the rest use the model's own checkpoint.
+        offloaded = set(range(len(blocks))) if offloaded is None else set(offloaded)
+        self.index = {id(b): i for i, (_, b) in enumerate(blocks) if i in offloaded}
         # Blocks split into parts (engine/offload/units.py): they run uncheckpointed, their parts are checkpointed.
         self.passthrough = {id(b) for b in passthrough}
         self.cuda = device.type == "cuda" and not inline
         per_block = workload.batch * workload.tokens * hidden_size * 2 + 2 * ALIGN  # bf16 (hidden, encoder)
-        self.arenas = [_Arena(per_block, pin=self.cuda) for _ in blocks]
+        self.arenas = [_Arena(per_block, pin=self.cuda) if i in offloaded else None for i in range(len(blocks))]
         if self.cuda:
             self.d2h = torch.cuda.Stream(device)
             self.h2d = torch.cuda.Stream(device)
@@ -109,6 +119,10 @@ class ActivationOffloader:
         self.bytes_in = 0
         self.sync_fetches = 0
         self._was_checkpointing = bool(getattr(model, "gradient_checkpointing", False))
+        # What the units not offloaded are checkpointed with: the model's own function when it had one.
+        self._recompute = model._gradient_checkpointing_func if self._was_checkpointing else None
+        if self._recompute is None:
+            self._recompute = partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
         model.enable_gradient_checkpointing(gradient_checkpointing_func=self.checkpoint)
 
     # -- the checkpoint function diffusers calls: fn(block, *args) ---------------
@@ -116,6 +130,8 @@ class ActivationOffloader:
     def checkpoint(self, block: nn.Module, *args):
         if id(block) in self.passthrough:
             return block(*args)
+        if id(block) not in self.index:  # partial offload: this unit keeps its inputs on the GPU
+            return self._recompute(block, *args)
         leaves, spec = tree_flatten(args)
         is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -238,7 +254,7 @@ class ActivationOffloader:
         else:
             self.model.disable_gradient_checkpointing()
         for a in self.arenas:
-            if a._finalizer is not None:
+            if a is not None and a._finalizer is not None:
                 a._finalizer()
         self.arenas = []
 

@@ -107,11 +107,12 @@ class OffloadConfig:
         "down to 0.5 when its VRAM budget needs it (its last resort); a lower value is kept as set."
     )})
     disk_blocks: Optional[int] = field(default=None, metadata={"help": (
-        "stream only: how many streamed blocks are read from the slab file on disk at every load instead of "
-        "being held in pinned host RAM (the disk tier; int8 slabs only). The blocks that run last in the forward "
-        "are chosen (next to the turn into the backward, they are read the fewest times). Saves their host RAM "
-        "for disk reads each step: fine on an NVMe drive when the step's compute hides them. Activations never "
-        "go to disk. None: none (auto decides from the RAM budget)."
+        "How many streamed blocks are read from the slab file on disk at every load instead of being held in "
+        "pinned host RAM (the disk tier; int8 slabs only). Saves their host RAM for disk reads each step: fine on "
+        "an NVMe drive when the step's compute hides them. Activations never go to disk. stream: this many blocks, "
+        "those that run last in the forward (next to the turn into the backward, they are read the fewest times). "
+        "auto: 0 keeps every block off the disk (a RAM budget that needs the disk tier is then refused); another "
+        "count is for stream mode. None: none in stream mode; auto decides from the RAM budget."
     )})
     max_pinned_fraction: float = field(default=0.8, metadata={"help": (
         "Largest share of the machine's RAM (the smaller of physical RAM and the cgroup limit) the plan may "
@@ -155,8 +156,8 @@ class OffloadConfig:
             raise ConfigError(f"disk_blocks={self.disk_blocks} must be >= 0 (or None)")
         if self.disk_blocks and self.mode != "stream":
             raise ConfigError(f"disk_blocks={self.disk_blocks} only applies to mode='stream' (mode is "
-                              f"{self.mode!r}); auto picks disk blocks from the RAM budget. Set mode='stream' or "
-                              f"leave disk_blocks at None")
+                              f"{self.mode!r}); auto picks disk blocks from the RAM budget (0 forbids them). Set "
+                              f"mode='stream', or disk_blocks to 0 or None (-1 on the node)")
         if not 0.0 < self.max_pinned_fraction <= 0.95:
             raise ConfigError(f"max_pinned_fraction={self.max_pinned_fraction} must be in (0, 0.95]")
         if self.mode == "resident":

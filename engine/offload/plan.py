@@ -119,20 +119,25 @@ class ModelFootprint:
     # The model can read its blocks from the slab file on disk each time they load (the disk tier; a slab only).
     disk_capable: bool = False
 
-    def stream_units(self, activation_offload: bool) -> tuple[list[int], list[list[int]]]:
-        """(bytes per streaming unit, unit indexes per block): parts only with activation offload."""
+    def stream_units(self, split) -> tuple[list[int], list[list[int]]]:
+        """(bytes per streaming unit, unit indexes per block). ``split``: the blocks that stream in parts, those whose
+        activations are offloaded (True: every block, False or empty: none); parts only with activation offload."""
+        chosen = range(self.num_blocks) if split is True else set(split or ())
         sizes, groups = [], []
         for i, b in enumerate(self.block_bytes):
-            parts = (self.unit_bytes[i] if activation_offload and i < len(self.unit_bytes) else None) or [b]
+            parts = (self.unit_bytes[i] if i in chosen and i < len(self.unit_bytes) else None) or [b]
             groups.append(list(range(len(sizes), len(sizes) + len(parts))))
             sizes += parts
         return sizes, groups
 
-    def working_set_scale(self, activation_offload: bool) -> float:
-        """The factor on the fitted block working set: the largest part's when blocks stream in parts (only with
-        activation offload, engine/offload/streamer.py), else the whole block's."""
-        split = activation_offload and any(u for u in self.unit_bytes)
-        return self.parts_activation_scale if split and self.parts_activation_scale is not None \
+    def working_set_scale(self, split) -> float:
+        """The factor on the fitted block working set: the largest part's when every block that has parts streams
+        in them (only with activation offload, engine/offload/streamer.py; ``split`` as in ``stream_units``), else
+        the whole block's (a large block left whole sets the largest working set)."""
+        chosen = range(self.num_blocks) if split is True else set(split or ())
+        big = [i for i, u in enumerate(self.unit_bytes) if u]
+        parts = bool(big) and all(i in chosen for i in big)
+        return self.parts_activation_scale if parts and self.parts_activation_scale is not None \
             else self.activation_scale
 
     @property
@@ -166,7 +171,7 @@ class Plan:
     prefetch_depth: int
     num_slots: int
     slot_bytes: int
-    activation_offload: bool
+    activation_offload: bool  # some (``offloaded_blocks``) or all blocks' inputs wait in pinned host memory
     predicted_peak_bytes: int
     breakdown: dict[str, int]
     streamed_bytes_per_step: int  # weights host->GPU per optimizer micro-step (fwd + recompute/bwd)
@@ -197,6 +202,22 @@ class Plan:
     ram_budget_bytes: Optional[int] = None
     ram_note: str = ""  # why the RAM plan looks as it does (recompute instead of offload, blocks on disk)
     host_args: dict = field(default_factory=dict, repr=False)  # what ``rehost`` needs to count the host bytes again
+    # Partial activation offload: the blocks whose checkpointed inputs go to pinned host memory (they stream in parts);
+    # the others keep theirs on the GPU and recompute as without offload. Every block when activation_offload is on
+    # for all, none when off.
+    offloaded_blocks: list[int] = field(default_factory=list)
+    # The offloaded blocks stream (and offload their inputs) in parts where the family has them (False: whole, one
+    # input set per block: a third of Wan's activation host RAM for a larger working set on the GPU).
+    offload_in_parts: bool = True
+
+    @property
+    def split_blocks(self) -> list[int]:
+        """The blocks that stream in parts (``ModelFootprint.stream_units``)."""
+        return self.offloaded_blocks if self.offload_in_parts else []
+
+    @property
+    def partial_offload(self) -> bool:
+        return self.activation_offload and len(self.offloaded_blocks) < self.footprint.num_blocks
 
     @property
     def predicted_host_peak_bytes(self) -> int:
@@ -215,7 +236,11 @@ class Plan:
                     + (f" as {self.streamed_units} units" if self.streamed_units != len(self.streamed) else "")
                     + f", ring of {self.num_slots} slots holding at most {self.ring_bytes / GB:.2f} GB "
                     f"(prefetch {self.prefetch_depth}), "
-                    f"activation offload {'on' if self.activation_offload else 'off'}")
+                    "activation offload " + (f"for {len(self.offloaded_blocks)} of {fp.num_blocks} blocks (the rest "
+                                             f"recompute with their inputs on the GPU)" if self.partial_offload else
+                                             'on' if self.activation_offload else 'off')
+                    + (" (whole blocks, one input set each)" if self.activation_offload and not self.offload_in_parts
+                       and any(fp.unit_bytes) else ""))
                  + (f", recompute in {self.recompute_chunks} token chunks" if self.recompute_chunks > 1 else "")
                  + (", AdamW moments on the host" if self.optimizer_on_host else "")
                  + (f", {fp.outer_bytes / GB:.2f} GB of layers outside the blocks on the host"
@@ -262,6 +287,7 @@ class Plan:
             "prefetch_depth": self.prefetch_depth, "num_slots": self.num_slots,
             "slot_gb": round(self.slot_bytes / GB, 3), "ring_gb": round(self.ring_bytes / GB, 3),
             "streamed_units": self.streamed_units, "activation_offload": self.activation_offload,
+            "offloaded_blocks": len(self.offloaded_blocks), "offload_in_parts": self.offload_in_parts,
             "predicted_peak_gb": round(self.predicted_peak_bytes / GB, 3),
             "streamed_gb_per_step": round(self.streamed_bytes_per_step / GB, 3),
             "pinned_host_gb": round(self.pinned_host_bytes / GB, 3),
@@ -305,7 +331,8 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
                micro_batch: Optional[int] = None, compiled_budget: float = 1.0, outer_on_host: bool = False,
                disk_blocks: Sequence[int] = (), host_extra: Optional[dict] = None,
                ram_budget_bytes: Optional[int] = None, keeps_host_copies: bool = True,
-               resume_staging: bool = True) -> Plan:
+               resume_staging: bool = True, offload_blocks: Optional[Sequence[int]] = None,
+               offload_parts: bool = True) -> Plan:
     """One plan's numbers (the step's copies are simulated once per ring layout and cached: schedule.py).
     ``micro_batch``: samples per forward/backward; a batch of more runs as that many gradient-accumulated
     pieces (the same gradient), so activations are sized for it. ``compiled_budget``: the blocks are compiled at
@@ -316,17 +343,23 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
     partner": the other expert's pinned blocks; "caching": the Cache Text Embeds pass, a phase of its own).
     ``keeps_host_copies``: the streamer places the model and keeps the host copies of what it moves to the GPU
     (False: mode='resident', whose placement moves the model and lets the host copies go). ``resume_staging``: the run
-    writes resumable states (each save copies the LoRA and its moments to a pinned host buffer)."""
+    writes resumable states (each save copies the LoRA and its moments to a pinned host buffer). ``offload_blocks``:
+    with activation offload, the blocks whose inputs are offloaded (None: all; partial offload, ``offload_prefix``);
+    ``offload_parts``: they stream in parts where the family has them (False: whole, one input set per block)."""
     resident = sorted(set(resident))
     if resident and (resident[0] < 0 or resident[-1] >= fp.num_blocks):
         raise ConfigError(f"resident block ids {resident} must be in [0, {fp.num_blocks}) for {fp.name}")
     streamed = [i for i in range(fp.num_blocks) if i not in set(resident)]
     micro = min(wl.batch, micro_batch or wl.batch)
     unit = micro * wl.tokens * fp.hidden_size * fp.act_bytes_per_elem  # one B*T*D activation
+    offloaded = (sorted(set(range(fp.num_blocks) if offload_blocks is None else offload_blocks))
+                 if activation_offload and streamed else [])
+    activation_offload = bool(offloaded)
+    split = offloaded if offload_parts else []
     if streamed:
         # Slots are sized per unit (engine/offload/streamer.py): what the ring holds is the largest sum of
         # the units it holds at once over a step.
-        sizes, groups = fp.stream_units(activation_offload)
+        sizes, groups = fp.stream_units(split)
         streamed_units = [u for i in streamed for u in groups[i]]
         k = max(1, min(prefetch_depth, len(streamed) - 1)) if len(streamed) > 1 else 1
         # The ring holds what the scheduler moves: units (a block in parts is several). One streamed block of
@@ -346,14 +379,17 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
         activation_offload = False  # nothing streams: the resident plan has no use for it
         outer_on_host = False  # ... nor for host-held outer layers (only the streamer holds them)
         groups = [[i] for i in range(fp.num_blocks)]
-    kept_inputs = OFFLOADED_KEPT_UNITS if activation_offload else fp.num_blocks * SAVED_INPUT_UNITS
+    # With activation offload the offloaded inputs on the GPU at once (fitted), plus one set per block that keeps its
+    # own (partial offload: those blocks stream and recompute whole).
+    kept_inputs = ((OFFLOADED_KEPT_UNITS + (fp.num_blocks - len(offloaded)) * SAVED_INPUT_UNITS) if activation_offload
+                   else fp.num_blocks * SAVED_INPUT_UNITS)
     moments = MOMENT_BYTES_PER_PARAM if optimizer_on_host else 0  # on the GPU only for the step
     outer = fp.outer_bytes if outer_on_host else 0
     breakdown = {
         "weights": fp.other_bytes - outer + sum(fp.block_bytes[i] for i in resident) + ring_at_peak,
         "lora+adam": int(fp.trainable_params * (fp.lora_bytes_per_param - moments)),
         # The fitted line has a negative intercept; clamp so tiny models never predict < 0.
-        "activations": max(0, int((kept_inputs + fp.working_set_scale(activation_offload)
+        "activations": max(0, int((kept_inputs + fp.working_set_scale(split)
                                    * transient_units(recompute_chunks, compiled_budget)) * unit
                                   + TRANSIENT_BYTES
                                   + (OFFLOADED_KEPT_BYTES if activation_offload else 0))),
@@ -361,7 +397,7 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
     peak = (breakdown["weights"] + breakdown["lora+adam"]
             + max(breakdown["activations"], fp.trainable_params * (OPTIMIZER_BYTES_PER_PARAM + moments)))
     # Each checkpointed unit's inputs go out and come back (a block in parts has one input set per part).
-    act_io = int(sum(len(g) for g in groups) * SAVED_INPUT_UNITS * unit) if activation_offload else 0
+    act_io = int(sum(len(groups[i]) for i in offloaded) * SAVED_INPUT_UNITS * unit)
     disk = sorted(set(disk_blocks))
     if disk and not set(disk) <= set(streamed):
         raise ConfigError(f"disk blocks {disk} must be streamed blocks of {fp.name} (resident: {resident})")
@@ -377,7 +413,8 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
                       resident, keeps_host_copies, resume_staging)
     return Plan(
         mode="stream" if streamed else "resident", resident=resident, streamed=streamed, prefetch_depth=k,
-        num_slots=num_slots, slot_bytes=slot_bytes, activation_offload=activation_offload,
+        num_slots=num_slots, slot_bytes=slot_bytes, activation_offload=activation_offload, offloaded_blocks=offloaded,
+        offload_in_parts=offload_parts,
         predicted_peak_bytes=int(peak), breakdown=breakdown, streamed_bytes_per_step=streamed_per_step + outer,
         activation_bytes_per_step=act_io,
         pinned_host_bytes=host["pinned"],
@@ -406,7 +443,7 @@ def with_disk_blocks(plan: Plan, blocks: Sequence[int], staging_slots: int = 0) 
     if not set(blocks) <= set(plan.streamed):
         raise ConfigError(f"disk blocks {blocks} must be streamed blocks of the plan ({plan.streamed})")
     fp = plan.footprint
-    sizes, groups = fp.stream_units(plan.activation_offload)
+    sizes, groups = fp.stream_units(plan.split_blocks)
     streamed_units = [u for i in plan.streamed for u in groups[i]]
     disk_units = {u for i in blocks for u in groups[i]}
     slots = staging_slots or default_staging_slots(plan.prefetch_depth)
@@ -475,6 +512,31 @@ def host_bytes(fp: ModelFootprint, streamed: Sequence[int], disk: Sequence[int],
     return {"train": train, "phases": phases, "pinned": int(pinned)}
 
 
+def cpu_resident_plan(fp: ModelFootprint, wl: Workload, ram_budget_bytes: Optional[int], ram_source: str = "",
+                      host_extra: Optional[dict] = None, resume_staging: bool = True) -> Plan:
+    """The RAM plan of training on the CPU: what a GPU would hold (the model, the LoRA with its gradients and AdamW
+    moments, the activations: the resident plan's device peak) is host memory here, beside the process. A slab's
+    int8 weights stay views of its file map (clean page cache, not counted, as in ``host_bytes``). Raises ConfigError
+    when that exceeds ``ram_budget_bytes`` (None: unlimited)."""
+    plan = build_plan(fp, wl, range(fp.num_blocks), 1, False, reason="training on the CPU",
+                      keeps_host_copies=False, host_extra=host_extra, ram_budget_bytes=ram_budget_bytes,
+                      resume_staging=resume_staging)
+    frozen = fp.other_bytes + fp.total_block_bytes
+    on_host = plan.predicted_peak_bytes - (frozen if fp.file_backed else 0)  # the "device" memory is host memory
+    plan.host_breakdown = {**plan.host_breakdown, "training on the CPU": int(on_host)}
+    plan.host_phases = {**plan.host_phases, "train": int(sum(plan.host_breakdown.values()))}
+    if ram_budget_bytes is not None and plan.predicted_host_peak_bytes > ram_budget_bytes:
+        need = math.ceil(plan.predicted_host_peak_bytes / GB * 10) / 10
+        raise ConfigError(
+            f"training {fp.name} on the CPU at {wl.label or f'{wl.tokens} tokens'}, batch {wl.batch} needs {need:.1f} "
+            f"GB of host RAM (the model, LoRA + AdamW and activations {on_host / GB:.2f} GB; by phase "
+            f"{', '.join(f'{k} {v / GB:.1f}' for k, v in plan.host_phases.items())} GB) but ram_budget_gb="
+            f"{ram_budget_bytes / GB:.3g}{ram_source} allows {ram_budget_bytes / GB:.1f} GB; free host RAM or raise "
+            f"ram_budget_gb to at least {need:.1f}, lower the resolution or batch size, or train on a CUDA GPU "
+            f"(where blocks can stream)")
+    return plan
+
+
 def _fits(plan: Plan, budget: int) -> bool:
     return plan.predicted_peak_bytes + HEADROOM_BYTES <= budget
 
@@ -506,6 +568,24 @@ def _cost(plan: Plan) -> tuple:
     prefetch."""
     io = plan.streamed_bytes_per_step + 2 * plan.activation_bytes_per_step + plan.disk_bytes_per_step
     return (round(plan.predicted_step_s, 3), io, plan.activation_offload, -plan.prefetch_depth)
+
+
+#: The shares of the blocks whose activations auto tries offloading when offloading all of them does not fit the RAM
+#: budget (partial activation offload: each step frees a quarter of the activation host RAM).
+PARTIAL_OFFLOAD_SHARES = (0.75, 0.5, 0.25)
+
+
+def partial_offload_counts(num_blocks: int) -> list[int]:
+    """How many blocks' activations auto tries offloading when not all fit the RAM budget, most first."""
+    return sorted({m for m in (round(num_blocks * f) for f in PARTIAL_OFFLOAD_SHARES) if 0 < m < num_blocks},
+                  reverse=True)
+
+
+def offload_prefix(fp: ModelFootprint, count: int) -> list[int]:
+    """The ``count`` blocks whose inputs are offloaded in a partial activation offload: the first in the forward. The
+    large blocks come first where a family has two kinds (Flux, Qwen-Image's double blocks, Flux.2's), and offloaded
+    blocks stream in parts, which shrinks the ring the most for the same host RAM."""
+    return list(range(min(count, fp.num_blocks)))
 
 
 def disk_orders(fp: ModelFootprint, streamed: Sequence[int]) -> list[list[int]]:
@@ -646,7 +726,7 @@ def _auto(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: list[int]
     # (pointwise recompute in backward).
     escalations = [(c, h, m, b, o) for b in budget_steps for c in chunk_steps for m in micro_steps
                    for h in host_steps for o in outer_steps]
-    disk_ok = can_use_disk(fp, timing.get("machine"))
+    disk_ok = can_use_disk(fp, timing.get("machine")) and cfg.disk_blocks != 0  # 0: the user keeps them off disk
     found, ram_refused = [], []
     for chunks, moments, micro, cbudget, outer in escalations:
         plan = _auto_fixed(fp, wl, cfg, order, budget, chunks, moments, micro, cbudget, timing, outer, ram, disk_ok,
@@ -658,10 +738,15 @@ def _auto(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: list[int]
     if found:
         best = min(found, key=_cost)
         faster = [p for p in ram_refused if _cost(p) < _cost(best)]  # what the RAM budget ruled out
-        if faster and not best.activation_offload:
+        if faster and best.activation_offload and not best.offload_in_parts and any(fp.unit_bytes):
+            best.ram_note = ("activations are offloaded per whole block (one input set each, not one per part): a larger "
+                             "working set on the GPU for less host RAM")
+        if faster and (not best.activation_offload or best.partial_offload):
             over = min(p.predicted_host_peak_bytes for p in faster) - ram.budget
-            best.ram_note = (f"activations stay on the GPU (recompute{' in token chunks' if best.recompute_chunks > 1 else ''}"
-                             f" instead of activation offload, which would be faster here): offloading them would "
+            which = (f"{fp.num_blocks - len(best.offloaded_blocks)} of {fp.num_blocks} blocks' activations"
+                     if best.partial_offload else "activations")
+            best.ram_note = (f"{which} stay on the GPU (recompute{' in token chunks' if best.recompute_chunks > 1 else ''}"
+                             f" instead of activation offload, which would be faster here): offloading them all would "
                              f"need {over / GB:.1f} GB more host RAM than the RAM budget allows, and activations are "
                              f"never written to disk (SSD wear)")
         if best.disk_blocks:
@@ -716,6 +801,8 @@ def _refusal(fp, wl, cfg, order, budget, compiled, last, ram: RamLimits, disk_ok
         f"work: {' or '.join(f'{v:.1f} GB VRAM + {r:.1f} GB RAM' for v, r in shown)}. Free host RAM or raise "
         f"ram_budget_gb, or raise vram_budget_gb (more blocks resident need less RAM)"
         + ("" if disk_ok else
+           "; disk_blocks=0 keeps every block off the disk tier: leave it unset (-1 on the node) to let auto read "
+           "some from the slab file" if cfg.disk_blocks == 0 and fp.disk_capable else
            "; the disk tier needs the slab file's read rate, which was not measured" if fp.disk_capable else
            "; load the model as an int8 slab (precision 'int8 slab'): its blocks can then stream from the slab file "
            "on disk instead of RAM")
@@ -742,17 +829,33 @@ def _auto_fixed(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: lis
             return with_step_time(everything, **timing)
     depths = [cfg.prefetch_depth] if cfg.prefetch_depth else AUTO_DEPTHS
     acts = [cfg.activation_offload] if cfg.activation_offload is not None else [False, True]
+    # Partial activation offload (auto only): the inputs of some blocks go to the host, the rest recompute with theirs
+    # on the GPU; tried when offloading every block's does not fit the RAM budget (or needs the disk tier), so auto
+    # trades host RAM against speed in steps instead of all or nothing.
+    # Where the family streams large blocks in parts, offloading whole blocks (one input set each instead of one per
+    # part) is the next step down in host RAM, for a larger working set on the GPU.
+    levels = [(act, None, True) for act in acts]
+    if cfg.activation_offload is not False and ram.budget is not None:
+        partial = [offload_prefix(fp, m) for m in partial_offload_counts(n)] if cfg.activation_offload is None else []
+        for parts in [True] + ([False] if any(fp.unit_bytes) else []):
+            levels += [(True, blocks, parts) for blocks in ([None] if not parts else []) + partial]
     counts = [cfg.resident_blocks] if cfg.resident_blocks is not None else range(n - 1, -1, -1)
     best = None
     for k in depths:
-        for act in acts:
+        all_short = False  # offloading every block's inputs did not fit the RAM budget without the disk tier
+        for act, offloaded, parts in levels:
+            if (offloaded is not None or not parts) and not all_short:
+                continue
             for r in counts:  # most resident first: the first that fits is the best for this (k, act)
                 args = {"resident": order[:r], "prefetch_depth": k, "activation_offload": act,
-                        "budget_bytes": budget, "ram_budget_bytes": ram.budget, **extra}
+                        "budget_bytes": budget, "ram_budget_bytes": ram.budget, "offload_blocks": offloaded,
+                        "offload_parts": parts, **extra}
                 plan = build_plan(fp, wl, **args)
                 if not _fits(plan, budget):
                     continue
                 fitted = _with_disk(fp, wl, args, ram, disk_ok, timing)
+                if act and offloaded is None and parts and (fitted is None or fitted.disk_blocks):
+                    all_short = True
                 if fitted is None:
                     if act and ram_refused is not None and ram.budget is not None:
                         ram_refused.append(with_step_time(plan, **timing))

@@ -249,15 +249,16 @@ def simulate_step_time(sizes: Sequence[int], streamed: Sequence[int], prefetch_d
             if sched is not None:
                 sched.visit(u)
             eng.now += fwd_s[u]
-            if act_bytes:  # inputs out after the forward, on their own lane
+            if act_bytes and act_bytes[u]:  # inputs out after the forward, on their own lane
                 d2h_free = max(d2h_free, eng.now) + act_bytes[u] / link
         restored = {n - 1: eng.now}  # the last unit's inputs: its backward follows its forward at once
         for u in range(n - 1, -1, -1):  # recompute + backward
             if sched is not None:
                 sched.visit(u)
             if act_bytes:
-                if u - 1 >= 0:  # the next unit's inputs come back while this one computes
-                    restored[u - 1] = eng.copy_beside(act_bytes[u - 1], max(eng.now, d2h_free))
+                if u - 1 >= 0:  # the next unit's inputs come back while this one computes (kept ones: on the GPU)
+                    restored[u - 1] = (eng.copy_beside(act_bytes[u - 1], max(eng.now, d2h_free)) if act_bytes[u - 1]
+                                       else eng.now)
                 if restored[u] > eng.now:
                     eng.stall += restored[u] - eng.now
                     eng.now = restored[u]
@@ -282,7 +283,7 @@ def predict_step_time(plan, machine: Machine, compute_s_per_step: Optional[float
         return StepTime(compute, compute, 0.0, 0.0, source)
     # Units as the scheduler streams them; each block's work split over its parts by bytes (attention with the
     # first part, where it runs).
-    sizes, groups = fp.stream_units(plan.activation_offload)
+    sizes, groups = fp.stream_units(plan.split_blocks)
     fwd, bwd = [0.0] * len(sizes), [0.0] * len(sizes)
     flops = block_flops(fp, wl.tokens, micro, wl.text_tokens)
     total = sum(LINEAR_PASSES * lin + ATTENTION_PASSES * att for lin, att in flops)
@@ -296,9 +297,10 @@ def predict_step_time(plan, machine: Machine, compute_s_per_step: Optional[float
             bwd[u] = ((LINEAR_PASSES - 1) * lin * share + (ATTENTION_PASSES - 1) * a) * per_flop
     streamed_units = [u for i in plan.streamed for u in groups[i]]
     act = []
-    if plan.activation_offload:
+    if plan.activation_offload:  # the units of blocks whose inputs are offloaded (partial offload: some)
         unit_act = micro * wl.tokens * fp.hidden_size * fp.act_bytes_per_elem
-        act = [unit_act] * len(sizes)
+        moving = {u for i in plan.offloaded_blocks for u in groups[i]}
+        act = [unit_act if u in moving else 0 for u in range(len(sizes))]
     disk_units = [u for i in plan.disk_blocks for u in groups[i]]
     seconds, stall, busy, disk = simulate_step_time(sizes, streamed_units, plan.prefetch_depth, plan.num_slots,
                                                     fwd, bwd, machine.link_bytes_per_s, act,

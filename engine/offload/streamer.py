@@ -409,8 +409,8 @@ def apply_offload(model: nn.Module, family, config: OffloadConfig, device: torch
     # With activation offload every checkpointed unit is streamed on its own, so large blocks stream in
     # parts (engine/offload/units.py); the plan's indexes count whole blocks, the scheduler's count units.
     units, groups = blocks, [[i] for i in range(len(blocks))]
-    if plan.activation_offload and whole:
-        handle.units = install_units(model, family, blocks)
+    if plan.activation_offload and whole:  # partial offload: only the offloaded blocks run in parts
+        handle.units = install_units(model, family, blocks, only=set(plan.split_blocks))
         units, groups = handle.units.units, handle.units.groups
     streamed_units = [u for i in plan.streamed for u in groups[i]]
 
@@ -464,7 +464,8 @@ def apply_offload(model: nn.Module, family, config: OffloadConfig, device: torch
 
         handle.activations = ActivationOffloader(
             model, units, device, plan.workload, plan.footprint.hidden_size, inline=_engine_factory is not None,
-            passthrough=handle.units.split if handle.units is not None else ())
+            passthrough=handle.units.split if handle.units is not None else (),
+            offloaded={u for i in plan.offloaded_blocks for u in groups[i]})
     cb.log(plan.describe())
     pinned = sum(hb.nbytes for hb in handle._hosts.values() if not isinstance(hb, DiskUnit))
     if handle.disk is not None:
@@ -472,7 +473,7 @@ def apply_offload(model: nn.Module, family, config: OffloadConfig, device: torch
     handle.pinned_bytes = (sum(hb.nbytes for hb in handle._hosts.values()
                                if not isinstance(hb, DiskUnit) and hb.pinned)
                            + (handle.outer.nbytes if handle.outer is not None else 0)
-                           + (sum(a.buffer.numel() for a in handle.activations.arenas)
+                           + (sum(a.buffer.numel() for a in handle.activations.arenas if a is not None)
                               if handle.activations is not None else 0)
                            + (len(handle.disk.buffers) * handle.disk.slot_bytes if handle.disk is not None else 0))
     if plan.streamed:

@@ -80,11 +80,13 @@ class StreamUnits:
         self.split = []
 
 
-def install_units(model: nn.Module, family, blocks: list[tuple[str, nn.Module]]) -> StreamUnits:
-    """Split every block of ``blocks`` the family cuts into parts; returns the units in run order."""
+def install_units(model: nn.Module, family, blocks: list[tuple[str, nn.Module]],
+                  only: Optional[set] = None) -> StreamUnits:
+    """Split every block of ``blocks`` the family cuts into parts (``only``: just the blocks of these indexes, those
+    whose activations are offloaded; the rest run whole); returns the units in run order."""
     units, groups, split = [], [], []
-    for name, block in blocks:
-        parts = parts_of(family, block)
+    for i, (name, block) in enumerate(blocks):
+        parts = parts_of(family, block) if only is None or i in only else None
         if parts is None:
             groups.append([len(units)])
             units.append((name, block))

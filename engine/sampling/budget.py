@@ -46,7 +46,7 @@ def rows_per_forward(plans, workload, family, variant: str, width: int, height: 
         room = max(plan.breakdown["activations"], fp.trainable_params * (OPTIMIZER_BYTES_PER_PARAM + moments))
         ring_at_peak = plan.breakdown["weights"] - fp.other_bytes - sum(fp.block_bytes[i] for i in plan.resident)
         room -= max(0, plan.ring_bytes - ring_at_peak) + TRANSIENT_BYTES + extra_bytes
-        per_row = SAMPLE_FORWARD_UNITS * fp.working_set_scale(plan.activation_offload) * tokens * fp.hidden_size \
+        per_row = SAMPLE_FORWARD_UNITS * fp.working_set_scale(plan.split_blocks) * tokens * fp.hidden_size \
             * fp.act_bytes_per_elem
         rows.append(max(1, int(room // per_row)))
     return min(rows)

@@ -249,16 +249,20 @@ class Resident(Placement):
     kind = "resident"
 
     def plan_before_loading(self, ident, family_id, dataset, lora, train, dtype):
-        """On a GPU, the RAM plan of the resident run (the model as read, the process), checked against the RAM
-        budget before loading; the CPU keeps the model in host memory, which is the model's own size."""
-        if self.device.type != "cuda" or self.offload is None:
+        """The RAM plan of the resident run, checked against the RAM budget before loading: on a GPU the model as
+        read and the process; on the CPU also everything a GPU would hold (model, LoRA, activations)."""
+        if self.offload is None:
             return
         from ..offload.footprint import footprint_before_loading, workload_for
-        from ..offload.plan import make_plan
+        from ..offload.plan import cpu_resident_plan, make_plan
 
         fp, family, variant = footprint_before_loading(ident, dtype, lora, family_id)
         fp.lora_bytes_per_param = lora_bytes_per_param(train)
         ram, cap, source = ram_budget(self.offload)
+        if self.device.type != "cuda":
+            cpu_resident_plan(fp, workload_for(dataset, family, variant, train.batch_size), ram, source,
+                              self.host_extra, self.saves_state)
+            return
         make_plan(fp, workload_for(dataset, family, variant, train.batch_size), self.offload, None, cap,
                   ram_budget_bytes=ram, host_extra=self.host_extra, ram_source=source, resume_staging=self.saves_state)
 

@@ -42,6 +42,9 @@ class TextEncoderKind(ABC):
     embedding_files: dict[str, str] = {}
     #: ComfyUI bundles a tokenizer for this kind (``tokenizer_dirs[file_kind]`` inside ComfyUI).
     comfyui_bundles_tokenizer: bool = False
+    #: The encoder is read into host memory whole while it encodes (False: layer by layer from the file's memory map).
+    #: The caching pass's RAM check counts it so (``caching/ram.py``).
+    host_loads_whole: bool = True
 
     @abstractmethod
     def match(self, shapes: dict[str, tuple[int, ...]]) -> int:

@@ -20,6 +20,7 @@ class DecoderLM(TextEncoderKind):
     file_kind = "decoder_lm"
     display_name = "decoder LLM (Mistral3 / Qwen3 / Gemma-2)"
     output = "stacked"
+    host_loads_whole = False  # run layer-major from the memory map (stacked_text)
     spiece_layouts = {"gemma2-2b": SpieceLayout(bos=True, eos=False, padding_side="right", name="Gemma-2")}
     embedding_files = {"gemma2-2b": "gemma_2_2b_fp16.safetensors",
                        "mistral3-small-24b": "mistral_3_small_flux2_bf16.safetensors"}
