@@ -143,8 +143,26 @@ def _forward_error(full, quant, family, items, draws) -> float:
 
 def lora_recovery(checkpoint: str | Path, workdir: str | Path, bits=(4, 8), family_id: str = "auto",
                   steps: int = 40, rank: int = 4, lr: float = 3e-3, seed: int = 0, samples: int = 2,
-                  eval_draws: int = 24) -> list[QualityRow]:
+                  eval_draws: int = 16) -> list[QualityRow]:
     """One ``QualityRow`` per entry of ``bits`` (the full-precision LoRA is trained once and shared)."""
+    with _one_thread():
+        return _lora_recovery(checkpoint, workdir, bits, family_id, steps, rank, lr, seed, samples, eval_draws)
+
+
+class _one_thread:
+    """torch on one CPU thread for the duration, then as it was. Why: these models are a few hundred kB; their ops
+    are far too small to split, and on a shared machine every op's thread handoff waits for busy cores (z-image-tiny:
+    471 s with the default threads on 2 loaded cores, 32 s on one)."""
+
+    def __enter__(self):
+        self.before = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.before)
+
+
+def _lora_recovery(checkpoint, workdir, bits, family_id, steps, rank, lr, seed, samples, eval_draws):
     from ..models import load_transformer
     from .build import build_slab
     from .load import load_slab_transformer
@@ -184,3 +202,25 @@ def markdown_table(rows: list[QualityRow]) -> str:
                      f"{r.loss_base:.4f} | {r.loss_full_lora:.4f} | {r.loss_quantized_lora:.4f} | "
                      f"{r.recovery:.1%} | {'pass' if r.recovery >= gate else 'FAIL'} (>= {gate:.0%}) |")
     return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """``python -m lowvram_lora.engine.slab.quality CHECKPOINT...``: the table docs/int4.md shows."""
+    import argparse
+    import tempfile
+
+    parser = argparse.ArgumentParser(description="LoRA recovery of int4 and int8 slabs against the full base")
+    parser.add_argument("checkpoints", nargs="+", help="checkpoints (any form the checkpoint reader takes)")
+    parser.add_argument("--steps", type=int, default=40)
+    args = parser.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="slab-quality-") as tmp:
+        for path in args.checkpoints:
+            rows += lora_recovery(path, tmp, steps=args.steps)
+            print(markdown_table(rows[-2:]).splitlines()[-2:], flush=True)
+    print(markdown_table(rows))
+    return 0 if all(r.recovery >= RECOVERY_GATE[r.bits] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
