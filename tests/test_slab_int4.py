@@ -17,7 +17,7 @@ from lowvram_lora.engine.offload.footprint import footprint_before_loading, meas
 from lowvram_lora.engine.slab import (
     Int4Linear, SlabError, build_slab, ensure_slab, load_slab_transformer, manifest_path_for, verify_slab,
 )
-from lowvram_lora.engine.slab.quality import RECOVERY_GATE, lora_recovery
+from lowvram_lora.engine.train.slab_quality import RECOVERY_GATE, lora_recovery
 from lowvram_lora.engine.slab.quantize import (
     INT4_GROUP, dequantize_groups, pack_int4, quantize_groups, unpack_int4,
 )
@@ -199,8 +199,8 @@ def test_cli_builds_an_int4_slab(tiny_pipeline, tmp_path, capsys):
 
 @pytest.mark.parametrize("family_id", sorted(families()))
 def test_a_lora_trained_on_the_slab_works_on_the_full_base(family_id, tmp_path):
-    """int4 >= 90% and int8 >= 97% of the full base's LoRA loss reduction (engine/slab/quality.py says how), on the
-    family's tiny transformer (docs/int4.md has the table, the demo's pretrained model included)."""
+    """int4 >= 90% and int8 >= 97% of the full base's LoRA loss reduction (engine/train/slab_quality.py says how),
+    on the family's tiny transformer (docs/int4.md has the table, the demo's pretrained model included)."""
     folder = tmp_path / "transformer"
     tiny_transformer(get_family(family_id)).save_pretrained(folder, safe_serialization=True)
     rows = lora_recovery(folder, tmp_path, bits=(4, 8))

@@ -78,8 +78,10 @@ def linear_params_by_tokens(family, block_name: str, block: nn.Module) -> dict[s
 
 def frozen_elements(module: nn.Module) -> int:
     """Elements of a module's frozen tensors (its weights' FLOPs per token are twice this); a packed tensor counts
-    the weights it holds (an int4 slab layer's ``weight_int4``: two per byte, its ``PACKED_ELEMENTS``)."""
-    per = {id(getattr(m, n)): k for m in module.modules() for n, k in getattr(m, "PACKED_ELEMENTS", {}).items()}
+    the weights it holds (an int4 slab layer's ``weight_int4``: two per byte)."""
+    from ..slab.int4_linear import Int4Linear
+
+    per = {id(m.weight_int4): 2 for m in module.modules() if isinstance(m, Int4Linear)}
     return sum(t.numel() * per.get(id(t), 1)
                for t in list(module.parameters()) + list(module.buffers()) if not t.requires_grad)
 

@@ -9,7 +9,8 @@ from .load import is_slab_file, load_slab_transformer, open_slab, rebuild_comman
 from .quantize import dequantize_groups, dequantize_rows, quantize_groups, quantize_rows
 
 __all__ = [
-    "FORMAT_VERSION", "Int4Linear", "Int4LinearFunction", "Int8Linear", "Int8LinearFunction", "SLAB_SUFFIX", "SlabError", "build_slab",
+    "FORMAT_VERSION", "Int4Linear", "Int4LinearFunction", "Int8Linear", "Int8LinearFunction", "SLAB_SUFFIX",
+    "SlabError", "build_slab",
     "default_slab_name", "dequantize_groups", "dequantize_rows", "ensure_slab", "int8_linear", "is_slab_file",
     "load_slab_transformer", "manifest_path_for", "open_slab", "quantize_groups", "quantize_rows",
     "rebuild_command", "verify_slab",

@@ -30,7 +30,9 @@ from .format import (
     plan_layout, slab_bits,
 )
 from .load import record_verified
-from .layout import INT4, INT8, MIN, PLAIN, QUANTIZED, SCALE, SlabTensor, block_prefixes, check_bits, meta_model, slab_tensors
+from .layout import (
+    INT4, INT8, PLAIN, QUANTIZED, SCALE, SlabTensor, block_prefixes, check_bits, meta_model, slab_tensors,
+)
 from .quantize import INT4_GROUP, INT4_LEVELS, QMAX, SCALE_DTYPE, GroupQuantizer, RowQuantizer
 from ..checkpoint import Checkpoint, SourceTensor, open_checkpoint
 

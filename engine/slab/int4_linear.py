@@ -53,8 +53,6 @@ class Int4Linear(nn.Linear):
     """A frozen ``nn.Linear`` whose weight is 4-bit, one fp16 scale and min per 64 input columns of a row."""
 
     STREAMED_TENSORS = ("weight_int4", "weight_scale", "weight_min", "bias")
-    #: Weights per stored element, for FLOP counts (engine/offload/footprint.py's ``frozen_elements``).
-    PACKED_ELEMENTS = {"weight_int4": 2}
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
                  bias_dtype: torch.dtype = torch.bfloat16) -> None:

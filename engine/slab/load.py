@@ -30,7 +30,7 @@ from .format import (
     FORMAT_VERSION, PAD_PREFIX, SLAB_FORMAT, SLAB_SUFFIX, SafetensorsFile, SlabError, dtype_name, is_slab_file,
     manifest_path_for, sha256_range, slab_bits,
 )
-from .layout import PLAIN, QUANTIZED, meta_model, slab_tensors, swap_in_int8_linears
+from .layout import INT8, PLAIN, QUANTIZED, meta_model, slab_tensors, swap_in_int8_linears
 from .source import FileStamp, record_slab_source
 
 
@@ -248,7 +248,8 @@ def check_slab_fits_model(slab: OpenSlab, model: torch.nn.Module, family: ModelF
     for key, t in expected.items():
         m = listed.get(key)
         if m is None:
-            what = f"block Linear weight '{t.canonical}' ({t.role})" if t.role in QUANTIZED else f"'{key}'"
+            what = (f"block Linear weight '{t.canonical}' ({'int8' if t.role == INT8 else 'int4'})"
+                    if t.role in QUANTIZED else f"'{key}'")
             problems.append(f"missing {what}")
         elif list(m["shape"]) != list(t.shape):
             problems.append(f"'{key}' is {list(m['shape'])} in the slab, the model needs {list(t.shape)}")

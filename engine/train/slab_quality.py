@@ -12,8 +12,8 @@ For a checkpoint (any form the one checkpoint reader takes), on the CPU in fp32:
    base without a LoRA: ``recovery = (L_base - L_quantized_lora) / (L_base - L_full_lora)``.
 
 The gate: int4 >= 0.90, int8 >= 0.97 (``RECOVERY_GATE``). tests/test_slab_int4.py runs it on every family's tiny
-model and on the demo's pretrained one; docs/int4.md has the table (``python -m lowvram_lora.engine.slab.quality``
-prints it).
+model; docs/int4.md has the table, the demo's pretrained model included
+(``python -m lowvram_lora.engine.train.slab_quality CHECKPOINT...`` prints it).
 """
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def synthetic_batch(model, family, count: int, seed: int, width: int = 32, heigh
 
 def _flow_loss(model, family, item, noise, sigma) -> torch.Tensor:
     from ..families import predict_velocity
-    from ..train.flow_matching import noisy_latents_and_target
+    from .flow_matching import noisy_latents_and_target
 
     latents, embeds = item
     noisy, target = noisy_latents_and_target(latents, noise, sigma)
@@ -78,7 +78,7 @@ def _flow_loss(model, family, item, noise, sigma) -> torch.Tensor:
 
 def _draws(items, count: int, seed: int):
     """(item index, noise, sigma) ``count`` times from one generator: the same for every model."""
-    from ..train.flow_matching import sample_sigmas
+    from .flow_matching import sample_sigmas
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -90,7 +90,7 @@ def _draws(items, count: int, seed: int):
 
 def _train_lora(model, family, items, draws, rank: int, lr: float, seed: int) -> dict[str, torch.Tensor]:
     from ..config import LoraSettings
-    from ..train.lora_attach import attach_lora, detach_lora
+    from .lora_attach import attach_lora, detach_lora
 
     params = attach_lora(model, family, LoraSettings(rank=rank, alpha=rank), seed=seed)
     names = {id(p): n for n, p in model.named_parameters()}
@@ -109,7 +109,7 @@ def _train_lora(model, family, items, draws, rank: int, lr: float, seed: int) ->
 
 def _eval_loss(model, family, items, draws, lora: dict | None, rank: int, seed: int) -> float:
     from ..config import LoraSettings
-    from ..train.lora_attach import attach_lora, detach_lora
+    from .lora_attach import attach_lora, detach_lora
 
     if lora is not None:
         attach_lora(model, family, LoraSettings(rank=rank, alpha=rank), seed=seed)
@@ -127,7 +127,7 @@ def _eval_loss(model, family, items, draws, lora: dict | None, rank: int, seed: 
 
 def _forward_error(full, quant, family, items, draws) -> float:
     from ..families import predict_velocity
-    from ..train.flow_matching import noisy_latents_and_target
+    from .flow_matching import noisy_latents_and_target
 
     num = den = 0.0
     with torch.no_grad():
@@ -164,8 +164,8 @@ class _one_thread:
 
 def _lora_recovery(checkpoint, workdir, bits, family_id, steps, rank, lr, seed, samples, eval_draws):
     from ..models import load_transformer
-    from .build import build_slab
-    from .load import load_slab_transformer
+    from ..slab.build import build_slab
+    from ..slab.load import load_slab_transformer
 
     full, family, _, variant = load_transformer(checkpoint, family_id, dtype=torch.float32)
     full.requires_grad_(False).eval()
@@ -180,7 +180,7 @@ def _lora_recovery(checkpoint, workdir, bits, family_id, steps, rank, lr, seed, 
                           progress=False, overwrite=True, bits=b)
         quant, _, _ = load_slab_transformer(slab, torch.float32, verify="quick")
         quant.requires_grad_(False).eval()
-        from .load import read_manifest
+        from ..slab.load import read_manifest
 
         weight_error = read_manifest(slab)["summary"]["mean_rel_error"]
         forward = _forward_error(full, quant, family, items, eval_set)
@@ -205,7 +205,7 @@ def markdown_table(rows: list[QualityRow]) -> str:
 
 
 def main(argv=None) -> int:
-    """``python -m lowvram_lora.engine.slab.quality CHECKPOINT...``: the table docs/int4.md shows."""
+    """``python -m lowvram_lora.engine.train.slab_quality CHECKPOINT...``: the table docs/int4.md shows."""
     import argparse
     import tempfile
 
