@@ -74,21 +74,23 @@ def write_synthetic_cache(root: Path, family, variant: str, cfg: dict, res: int,
     return DatasetCache(root, root / "datasets" / f"bench2-{res}.json", f"bench2-{res}", family.id, variant, items)
 
 
-def to_int8_on_host(model, family, device) -> None:
-    """Block by block on the GPU: quantize every block Linear, then move the block to the CPU (frees its
-    bf16 weights). Non-block modules stay where they are."""
+def to_int8_on_host(model, family, device, bits: int = 8) -> None:
+    """Block by block on the GPU: quantize every block Linear (int8 rows, or int4 groups with bits=4: the
+    slab's values), then move the block to the CPU (frees its bf16 weights). Non-block modules stay where they are."""
     from lowvram_lora.engine.offload.footprint import named_blocks
-    from lowvram_lora.engine.slab import Int8Linear
+    from lowvram_lora.engine.slab import Int4Linear, Int8Linear
 
-    for name in family.memory.int8_extra_linears:  # as a slab has them: int8, resident
+    quantized = Int4Linear if bits == 4 else Int8Linear
+    for name in family.memory.int8_extra_linears:  # as a slab has them: quantized, resident
         parent, _, child = name.rpartition(".")
         holder = model.get_submodule(parent) if parent else model
-        setattr(holder, child, Int8Linear.from_linear(getattr(holder, child)))
+        setattr(holder, child, quantized.from_linear(getattr(holder, child).to(device)))
     for _, block in named_blocks(model, family):
+        block.to(device)  # quantize on the GPU (blocks may already be on the host)
         for name, module in list(block.named_modules()):
-            if isinstance(module, torch.nn.Linear) and not isinstance(module, Int8Linear):
+            if isinstance(module, torch.nn.Linear) and not isinstance(module, (Int8Linear, Int4Linear)):
                 parent, _, child = name.rpartition(".")
-                setattr(block.get_submodule(parent) if parent else block, child, Int8Linear.from_linear(module))
+                setattr(block.get_submodule(parent) if parent else block, child, quantized.from_linear(module))
         block.to("cpu")
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -99,8 +101,8 @@ def to_streamed_form(model, family, precision: str, device) -> None:
     streamed mode. Shared by the benches that run resident modes first, then streamed ones."""
     from lowvram_lora.engine.offload.footprint import named_blocks
 
-    if precision == "int8":
-        to_int8_on_host(model, family, device)
+    if precision in ("int8", "int4"):
+        to_int8_on_host(model, family, device, 4 if precision == "int4" else 8)
     else:
         for _, block in named_blocks(model, family):
             block.to("cpu")

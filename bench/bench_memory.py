@@ -12,7 +12,8 @@ Modes (``--modes``), run in order for every resolution:
   with ``-compiled`` blocks compiled as auto compiles runs of 200+ steps, whose activation-memory budget it may
   lower); the allocator is held to the budget (engine/offload/streamer.cap_allocator).
 
-``--precision int8`` converts the blocks to int8 slab layers after the bf16 modes (list ``resident`` first).
+``--precision int8`` (or ``int4``) converts the blocks to int8 (int4) slab layers after the bf16 modes (list
+``resident`` first).
 
 ``--link-gbps N`` emulates a slower host-to-GPU link: ``LOWVRAM_EMULATE_LINK_GBPS=N`` makes the copy engine pace its
 copies to N GB/s (engine/offload/link.py) and the planner plan for it. Every streamed row records the step time the
@@ -57,7 +58,7 @@ def parse_args(argv=None):
                    help="sizes: a side (1024), WxH (832x480) or WxHxF for clips (832x480x81)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--modes", nargs="+", default=["resident", "stream-k1-act", "stream-k1-act-c8"])
-    p.add_argument("--precision", default="bf16", choices=["bf16", "int8"])
+    p.add_argument("--precision", default="bf16", choices=["bf16", "int8", "int4"])
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timed", type=int, default=3)
     p.add_argument("--rank", type=int, default=16)
@@ -252,11 +253,11 @@ def main(argv=None) -> int:
                 block.to("cpu")
             torch.cuda.empty_cache()
             on_gpu = False
-            if args.precision == "int8":
+            if args.precision in ("int8", "int4"):
                 from bench_flux2 import to_int8_on_host
 
-                to_int8_on_host(model, family, device)
-                precision = "int8"
+                to_int8_on_host(model, family, device, 4 if args.precision == "int4" else 8)
+                precision = args.precision
         if not streams and not on_gpu:
             raise SystemExit("list 'resident' and 'resident-compiled' before the streamed modes")
         for gbps in (args.link_gbps if streams else [None]):

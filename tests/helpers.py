@@ -222,3 +222,13 @@ def check_checkpoint_forms(family, pipeline_folder, tmp_path, fp8_bound: float |
     got = open_checkpoint(identify(fp8)).load_model(torch.float32).state_dict()
     for k, v in ref.float().state_dict().items():
         assert ((got[k] - v).norm() / v.norm().clamp_min(1e-12)).item() < fp8_bound, k
+
+
+def int4_decode(slab: dict, name: str, cols: int) -> torch.Tensor:
+    """An int4 slab's ``<name>`` weight (``name`` ends in ``.weight``) decoded from the file's tensors on its own terms,
+    without the engine's code: nibbles (column 2j low, 2j + 1 high), group = column // 64, w = q * scale + min."""
+    packed = slab[name + "_int4"]
+    q = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)[:, :cols].float()
+    group = torch.arange(cols) // 64
+    base = name[: -len("weight")]
+    return q * slab[base + "weight_scale"].float()[:, group] + slab[base + "weight_min"].float()[:, group]

@@ -9,7 +9,9 @@ Tolerances (relative Frobenius error per tensor, ``|a - b| / |b|``):
   within FP8_BOUND of the reference (e4m3 keeps 3 mantissa bits: at most 2^-4 per element, ~0.02-0.03 over
   a tensor of Gaussian weights, per-tensor scale);
 - slabs: int8 rows within INT8_BOUND of the source's decode (one scale per row, error at most scale / 2 per
-  element: ~0.005 over a Gaussian row), and within INT8_BOUND + FP8_BOUND of the reference.
+  element: ~0.005 over a Gaussian row), and within INT8_BOUND + FP8_BOUND of the reference; int4 slabs within
+  INT4_BOUND (groups of 64 with a min and a scale = range / 15: rounding error range / (15 sqrt 12) per element,
+  ~0.09 of a Gaussian tensor's norm, ~0.06 on these tiny rows of one 32-48 wide group) and INT4_BOUND + FP8_BOUND.
 """
 import json
 
@@ -26,8 +28,11 @@ from lowvram_lora.engine.models import load_transformer
 from lowvram_lora.engine.offload.footprint import footprint_before_loading, measure_footprint
 from lowvram_lora.engine.slab import build_slab, ensure_slab, load_slab_transformer, manifest_path_for
 
+from helpers import int4_decode
+
 FP8_BOUND = 0.04
 INT8_BOUND = 0.012
+INT4_BOUND = 0.10
 LOSSLESS = ("diffusers", "transformer_folder", "bfl", "bfl_bf16", "bfl_fp16")
 FP8 = ("fp8_plain", "scaled_fp8", "comfy_fp8mixed", "comfy_fp8_rowscale")
 FORMS = LOSSLESS + FP8
@@ -136,6 +141,18 @@ def test_every_path_gives_the_reference_weights(family_id, form, references, tmp
     for name, r in ref.items():  # everything else as stored (fp8 outside blocks would become bf16)
         if name not in int8_names:
             assert torch.equal(slab[name].float(), source[name].to(slab[name].dtype).float()), name
+
+    # Path 2b: the int4 slab of the same file, decoded independently (tests/helpers.int4_decode): the same Linears.
+    slab4 = load_file(str(build_slab(path, tmp_path / "s4.slab.safetensors", progress=False, bits=4)))
+    assert sorted(k[: -len("_int4")] for k in slab4 if k.endswith(".weight_int4")) == sorted(int8_names)
+    for name in int8_names:
+        deq = int4_decode(slab4, name, source[name].shape[1])
+        assert _rel(deq, source[name]) < INT4_BOUND, (name, _rel(deq, source[name]))
+        if form != "fp8_plain":
+            assert _rel(deq, ref[name]) < INT4_BOUND + (FP8_BOUND if form in FP8 else 0.0), name
+    for name in ref:
+        if name not in int8_names:
+            assert torch.equal(slab4[name].float(), slab[name].float()), name
 
     # Path 3: the footprint before loading equals the footprint of diffusers' model.
     lora = LoraSettings(rank=4)

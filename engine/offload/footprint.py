@@ -77,8 +77,13 @@ def linear_params_by_tokens(family, block_name: str, block: nn.Module) -> dict[s
 
 
 def frozen_elements(module: nn.Module) -> int:
-    """Elements of a module's frozen tensors (its weights' FLOPs per token are twice this)."""
-    return sum(t.numel() for t in list(module.parameters()) + list(module.buffers()) if not t.requires_grad)
+    """Elements of a module's frozen tensors (its weights' FLOPs per token are twice this); a packed tensor counts
+    the weights it holds (an int4 slab layer's ``weight_int4``: two per byte)."""
+    from ..slab.int4_linear import Int4Linear
+
+    per = {id(m.weight_int4): 2 for m in module.modules() if isinstance(m, Int4Linear)}
+    return sum(t.numel() * per.get(id(t), 1)
+               for t in list(module.parameters()) + list(module.buffers()) if not t.requires_grad)
 
 
 def lora_param_count(model: nn.Module, family, lora: LoraSettings) -> int:
@@ -102,8 +107,9 @@ def footprint_before_loading(checkpoint, dtype: torch.dtype, lora: LoraSettings,
     family, variant, form = ident.family, ident.variant, ident.form
     model = form.meta_model(ident, dtype)  # frozen, as loaded: only LoRA will train
     trainable = lora_param_count(model, family, lora)  # from the float Linears' shapes, before a slab's swap
-    form.as_loaded(model, family)
-    label = f"{family.display_name} ({variant}{', ' + form.weights_note if form.weights_note else ''})"
+    form.as_loaded(model, family, ident)
+    note = form.note_for(ident)
+    label = f"{family.display_name} ({variant}{', ' + note if note else ''})"
     fp = measure_footprint(model, family, label, trainable_params=trainable)
     fp.file_backed = fp.disk_capable = form.file_backed  # a slab: weights are file pages, blocks readable from it
     return fp, family, variant

@@ -150,7 +150,7 @@ def estimate_compute_s(fp, tokens: int, batch: int, peak_flops: float, compiled:
     flops = sum(LINEAR_PASSES * lin + ATTENTION_PASSES * att
                 for lin, att in block_flops(fp, tokens, batch, exact=False))
     seconds = flops / (peak_flops * FLOP_EFFICIENCY["compiled" if compiled else "eager"])
-    int8 = fp.block_params and sum(fp.block_bytes) < 1.5 * sum(fp.block_params)  # ~1 byte per weight
+    int8 = fp.block_params and sum(fp.block_bytes) < 1.5 * sum(fp.block_params)  # ~1 (int8) or ~0.56 (int4) B/weight
     if int8 and not compiled:
         seconds *= EAGER_INT8_FACTOR
     return seconds * (CHUNKED_FACTOR if recompute_chunks > 1 else 1.0)

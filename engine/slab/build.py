@@ -1,6 +1,7 @@
-"""Build an int8 slab from a checkpoint, tensor by tensor.
+"""Build a slab (int8, or int4 with ``bits=4``) from a checkpoint, tensor by tensor.
 
     build_slab("flux1-dev.safetensors", "models/slabs/")        # -> Path of the slab
+    build_slab("flux1-dev.safetensors", "models/slabs/", bits=4)  # 4-bit groups (quantize.py)
     ensure_slab("flux1-dev.safetensors", "models/slabs/")       # build once, reuse after
 
 Peak RAM is about four chunks of rows of one tensor (``chunk_bytes`` of fp32,
@@ -25,11 +26,14 @@ from ..errors import ModelLoadError
 from ..fileio import atomic_write, clean_stale_temps, ensure_dir, write_json_atomic
 from ..version import VERSION
 from .format import (
-    FORMAT_VERSION, SLAB_FORMAT, SLAB_SUFFIX, SafetensorsWriter, SlabError, dtype_name, manifest_path_for, plan_layout,
+    SLAB_FORMAT, SLAB_SUFFIX, SafetensorsWriter, SlabError, dtype_name, format_version_for, manifest_path_for,
+    plan_layout, slab_bits,
 )
 from .load import record_verified
-from .layout import INT8, PLAIN, SCALE, SlabTensor, block_prefixes, meta_model, slab_tensors
-from .quantize import QMAX, SCALE_DTYPE, RowQuantizer
+from .layout import (
+    INT4, INT8, PLAIN, QUANTIZED, SCALE, SlabTensor, block_prefixes, check_bits, meta_model, slab_tensors,
+)
+from .quantize import INT4_GROUP, INT4_LEVELS, QMAX, SCALE_DTYPE, GroupQuantizer, RowQuantizer
 from ..checkpoint import Checkpoint, SourceTensor, open_checkpoint
 
 ProgressCallback = Callable[[int, int], None]  # (bytes done, bytes total)
@@ -37,9 +41,10 @@ DEFAULT_CHUNK_BYTES = 32 << 20  # fp32 rows quantized at once: ~4x this is the b
 _KEPT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def default_slab_name(ckpt: Checkpoint) -> str:
-    """``<checkpoint stem>-<12 hex of the source key>.slab.safetensors``: readable and unique."""
-    return f"{ckpt.stem}-{ckpt.fingerprint()['key'][:12]}{SLAB_SUFFIX}"
+def default_slab_name(ckpt: Checkpoint, bits: int = 8) -> str:
+    """``<checkpoint stem>-<12 hex of the source key>.slab.safetensors`` (``...-int4.slab.safetensors`` for 4 bits):
+    readable and unique."""
+    return f"{ckpt.stem}-{ckpt.fingerprint()['key'][:12]}{'-int4' if check_bits(bits) == 4 else ''}{SLAB_SUFFIX}"
 
 
 def build_slab(
@@ -50,20 +55,22 @@ def build_slab(
     progress: bool = True,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     overwrite: bool = False,
+    bits: int = 8,
 ) -> Path:
     """Quantize ``checkpoint`` into a slab at ``out`` (a ``.safetensors`` path, or a folder
     that gets ``default_slab_name``). Returns the slab path; its manifest sits beside it.
     An existing file at the target is refused unless ``overwrite`` (``--force``); a file
-    of the source checkpoint never is replaced.
+    of the source checkpoint never is replaced. ``bits``: 8 (int8 rows, the default) or 4 (int4 groups).
 
     ``callback(done, total)`` is called as bytes are written; an exception raised from it
     aborts the build and leaves no slab behind (how a UI cancels).
     """
+    check_bits(bits)
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint, family)
     out = Path(out).expanduser()
-    path = out if out.name.endswith(".safetensors") else out / default_slab_name(ckpt)
+    path = out if out.name.endswith(".safetensors") else out / default_slab_name(ckpt, bits)
     _check_target(ckpt, path, overwrite)
-    return _build(ckpt, path, callback, progress, chunk_bytes)
+    return _build(ckpt, path, callback, progress, chunk_bytes, bits)
 
 
 def _check_target(ckpt: Checkpoint, path: Path, overwrite: bool) -> None:
@@ -124,12 +131,12 @@ class _Progress:
         self.bar.close()
 
 
-def _build(ckpt: Checkpoint, path: Path, callback, progress: bool, chunk_bytes: int) -> Path:
+def _build(ckpt: Checkpoint, path: Path, callback, progress: bool, chunk_bytes: int, bits: int = 8) -> Path:
     start = time.perf_counter()
     model = meta_model(ckpt.family, ckpt.config)
     _check_source_covers_model(ckpt, model)
-    tensors = slab_tensors(model, ckpt.family, lambda name: _plain_dtype(ckpt.tensors[name]))
-    metadata = {"format": SLAB_FORMAT, "format_version": str(FORMAT_VERSION),
+    tensors = slab_tensors(model, ckpt.family, lambda name: _plain_dtype(ckpt.tensors[name]), bits)
+    metadata = {"format": SLAB_FORMAT, "format_version": str(format_version_for(bits)),
                 "family": ckpt.family.id, "variant": ckpt.variant}
     header, planned = plan_layout([(t.key, t.dtype, t.shape) for t in tensors], metadata)
     ranges = {p.key: (len(header) + p.start, len(header) + p.end) for p in planned}
@@ -147,13 +154,17 @@ def _build(ckpt: Checkpoint, path: Path, callback, progress: bool, chunk_bytes: 
                 by_key = {t.key: t for t in tensors}
                 errors: dict[str, float] = {}
                 chunk_elements = max(1, chunk_bytes // 4)  # fp32 elements per chunk
-                quantizer = RowQuantizer(max((min(rows, _chunk_rows(cols, chunk_elements)) * cols
-                                              for rows, cols in (t.shape for t in tensors if t.role == INT8)),
-                                             default=1))
+                largest = max((min(rows, _chunk_rows(cols, chunk_elements)) * cols
+                               for rows, cols in (ckpt.tensors[t.canonical].shape for t in tensors
+                                                  if t.role in QUANTIZED)), default=1)
+                quantizer = RowQuantizer(largest) if bits == 8 else GroupQuantizer(largest)
                 for t in tensors:
                     if t.role == INT8:
                         errors[t.key] = _write_quantized(ckpt, t, by_key[_scale_key(t)], writer, quantizer,
                                                          chunk_elements, bar)
+                    elif t.role == INT4:
+                        errors[t.key] = _write_int4(ckpt, t, by_key[_scale_key(t)], by_key[_min_key(t)], writer,
+                                                    quantizer, chunk_elements, bar)
                     elif t.role == PLAIN:
                         data = ckpt.read(t.canonical).to(t.dtype)
                         writer.write(t.key, data)
@@ -163,7 +174,7 @@ def _build(ckpt: Checkpoint, path: Path, callback, progress: bool, chunk_bytes: 
                 writer.close()
                 raise
             manifest = _manifest(ckpt, model, path, header, total, tensors, ranges, hashes, errors,
-                                 time.perf_counter() - start)
+                                 time.perf_counter() - start, bits)
             # Never leave an old manifest beside a new slab: drop it before the rename.
             manifest_file.unlink(missing_ok=True)
         write_json_atomic(manifest_file, manifest, "the slab manifest")
@@ -174,7 +185,11 @@ def _build(ckpt: Checkpoint, path: Path, callback, progress: bool, chunk_bytes: 
 
 
 def _scale_key(t: SlabTensor) -> str:
-    return t.key[: -len("weight_int8")] + "weight_scale"
+    return t.key.rpartition(".")[0] + ".weight_scale"
+
+
+def _min_key(t: SlabTensor) -> str:
+    return t.key.rpartition(".")[0] + ".weight_min"
 
 
 def _chunk_rows(cols: int, chunk_elements: int) -> int:
@@ -205,7 +220,51 @@ def _write_quantized(ckpt: Checkpoint, t: SlabTensor, scale_t: SlabTensor, write
     return (err_sq / src_sq) ** 0.5 if src_sq > 0 else 0.0
 
 
-def _manifest(ckpt, model, path, header, total, tensors, ranges, hashes, errors, seconds) -> dict:
+def _write_int4(ckpt: Checkpoint, t: SlabTensor, scale_t: SlabTensor, min_t: SlabTensor, writer: SafetensorsWriter,
+                quantizer: GroupQuantizer, chunk_elements: int, bar: _Progress) -> float:
+    """Quantize one Linear weight to int4 groups in row chunks; writes the packed rows, then the scales and minima.
+    Returns the relative Frobenius error of the dequantized weight against the source."""
+    rows, cols = ckpt.tensors[t.canonical].shape
+    step = _chunk_rows(cols, chunk_elements)
+    scales, mins, err_sq, src_sq = [], [], 0.0, 0.0
+    for r0 in range(0, rows, step):
+        w = ckpt.read(t.canonical, r0, min(step, rows - r0), out=quantizer.raw)  # (n, in), source dtype
+        try:
+            packed, scale, low, e, s = quantizer(w)
+        except ValueError as exc:
+            raise ModelLoadError(f"'{ckpt.path}': tensor '{t.canonical}': {exc}") from None
+        err_sq, src_sq = err_sq + e, src_sq + s
+        writer.write(t.key, packed)  # a fresh tensor: the background writer may hold it
+        scales.append(scale)
+        mins.append(low)
+        bar.advance(packed.numel())
+    for key, parts in ((scale_t.key, scales), (min_t.key, mins)):
+        data = torch.cat(parts) if parts else torch.empty(scale_t.shape, dtype=scale_t.dtype)
+        writer.write(key, data)
+        bar.advance(data.numel() * data.element_size())
+    return (err_sq / src_sq) ** 0.5 if src_sq > 0 else 0.0
+
+
+def _quantization_entry(bits: int) -> dict:
+    if bits == 8:
+        return {
+            "bits": 8,
+            "scheme": "int8 symmetric, one scale per output row",
+            "formula": f"scale = max|row| / {QMAX}; q = clamp(round(w / scale), -{QMAX}, {QMAX}); w ~ q * scale",
+            "scale_dtype": dtype_name(SCALE_DTYPE),
+        }
+    return {
+        "bits": 4,
+        "scheme": f"int4 asymmetric, one scale and min per {INT4_GROUP} input columns of a row (the last group of "
+                  f"a row may be shorter); two columns per byte, column 2j in the low nibble",
+        "group_size": INT4_GROUP,
+        "formula": f"scale = (max - min) / {INT4_LEVELS}; q = clamp(round((w - min) / scale), 0, {INT4_LEVELS}); "
+                   f"w ~ q * scale + min",
+        "scale_dtype": "float16",
+    }
+
+
+def _manifest(ckpt, model, path, header, total, tensors, ranges, hashes, errors, seconds, bits: int = 8) -> dict:
     config = {k: v for k, v in dict(model.config).items() if not k.startswith("_")}
     config["_class_name"] = ckpt.family.diffusers_class_name
     entries = []
@@ -214,10 +273,12 @@ def _manifest(ckpt, model, path, header, total, tensors, ranges, hashes, errors,
         entry = {
             "key": t.key, "canonical": t.canonical, "role": t.role, "dtype": dtype_name(t.dtype),
             "shape": list(t.shape), "source_dtype": dtype_name(src.dtype),
-            "scale_key": _scale_key(t) if t.role == INT8 else t.key if t.role == SCALE else None,
+            "scale_key": _scale_key(t) if t.role in QUANTIZED else t.key if t.role == SCALE else None,
             "offsets": list(ranges[t.key]), "sha256": hashes[t.key],
         }
-        if t.role == INT8:
+        if t.role == INT4:
+            entry["min_key"] = _min_key(t)
+        if t.role in QUANTIZED:
             entry["rel_error"] = errors[t.key]
         entries.append(entry)
     blocks = []
@@ -227,7 +288,7 @@ def _manifest(ckpt, model, path, header, total, tensors, ranges, hashes, errors,
     errs = list(errors.values())
     return {
         "format": SLAB_FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": format_version_for(bits),
         "created_by": f"lowvram-lora {VERSION}",
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "slab": {"file": path.name, "size": total, "header_sha256": _sha256(header[8:])},
@@ -236,9 +297,7 @@ def _manifest(ckpt, model, path, header, total, tensors, ranges, hashes, errors,
         "variant": ckpt.variant,
         "config": config,
         "quantization": {
-            "scheme": "int8 symmetric, one scale per output row",
-            "formula": f"scale = max|row| / {QMAX}; q = clamp(round(w / scale), -{QMAX}, {QMAX}); w ~ q * scale",
-            "scale_dtype": dtype_name(SCALE_DTYPE),
+            **_quantization_entry(bits),
             "applies_to": "every nn.Linear weight inside the family's transformer blocks, and the family's "
                           "int8_extra_linears (Flux.2: global modulation, text embedder)",
         },
@@ -286,10 +345,11 @@ def ensure_slab(
     callback: ProgressCallback | None = None,
     progress: bool = True,
     log: Callable[[str], None] | None = None,
+    bits: int = 8,
 ) -> Path:
-    """The slab for ``checkpoint`` in ``slab_dir``: reused when one built from the same
-    weights (same source key: sizes + header hashes) is there and intact, built otherwise.
-    A path that already is a slab is checked and returned as is."""
+    """The slab for ``checkpoint`` in ``slab_dir`` holding ``bits``-bit weights (8 or 4): reused when one built
+    from the same weights (same source key: sizes + header hashes) with the same bits is there and intact, built
+    otherwise. A path that already is a slab is checked and returned as is (whatever its bits)."""
     from .load import is_slab_file, verify_slab
 
     say = log or (lambda msg: None)
@@ -300,10 +360,12 @@ def ensure_slab(
     ckpt = open_checkpoint(src, family)
     key = ckpt.fingerprint()["key"]
     slab_dir = Path(slab_dir).expanduser()
-    target = slab_dir / default_slab_name(ckpt)
+    check_bits(bits)
+    target = slab_dir / default_slab_name(ckpt, bits)
+    tag = "-int4" if bits == 4 else ""
     with _build_lock(slab_dir / f".{key[:12]}.lock"):
-        # Any slab of the same weights, whatever the checkpoint was called when it was built.
-        candidates = [target] + sorted(p for p in slab_dir.glob(f"*-{key[:12]}{SLAB_SUFFIX}") if p != target)
+        # Any slab of the same weights and bits, whatever the checkpoint was called when it was built.
+        candidates = [target] + sorted(p for p in slab_dir.glob(f"*-{key[:12]}{tag}{SLAB_SUFFIX}") if p != target)
         for path in candidates:
             if not path.exists():
                 continue
@@ -312,7 +374,7 @@ def ensure_slab(
             except SlabError as exc:
                 say(f"slab '{path}' is unusable ({exc}); rebuilding")
                 continue
-            if manifest["source"]["key"] == key:
+            if manifest["source"]["key"] == key and slab_bits(manifest) == bits:
                 say(f"reusing slab '{path}'")
                 return path
         legacy = ckpt.fingerprint()["legacy_key"]
@@ -321,4 +383,4 @@ def ensure_slab(
             say(f"not reusing slab '{stale[0]}': it was built from this checkpoint by an older version that ignored "
                 f"its fp8 weight_scale (weights off by that scale); building a correct one (the old file may be deleted)")
         say(f"building slab '{target}' from '{ckpt.path}' (once; reused afterwards)")
-        return _build(ckpt, target, callback, progress, DEFAULT_CHUNK_BYTES)
+        return _build(ckpt, target, callback, progress, DEFAULT_CHUNK_BYTES, bits)

@@ -9,9 +9,11 @@ The manifest is the completion mark: a slab without one is incomplete. Tensor
 layout in the safetensors file: non-block tensors first, then one contiguous
 byte range per transformer block (the streamer's unit), every tensor starting
 on a 64-byte boundary (``__padding__.N`` uint8 filler tensors where needed;
-safetensors forbids gaps between tensors). Names are the int8 model's own
+safetensors forbids gaps between tensors). Names are the quantized model's own
 state-dict keys: ``<linear>.weight_int8`` (int8, (out, in)), ``<linear>.weight_scale``
-(fp32, (out,)), everything else under its diffusers name.
+(fp32, (out,)) in an int8 slab; ``<linear>.weight_int4`` (uint8, (out, ceil(in/2))), ``<linear>.weight_scale``
+and ``<linear>.weight_min`` (fp16, (out, groups of 64)) in an int4 slab (quantize.py); everything else under
+its diffusers name.
 
 safetensors' own ``save_file`` needs every tensor in memory at once, so the file
 is written here: header first (offsets follow from shapes and dtypes), then
@@ -36,7 +38,20 @@ from ..checkpoint.files import (  # noqa: F401  (re-exported: slab code reads it
 )
 from ..errors import ModelLoadError
 
-FORMAT_VERSION = 1
+#: The newest slab format this version reads and writes. 1: int8 slabs (still written as 1, so older versions keep
+#: reading them); 2: int4 slabs (``weight_int4`` + fp16 group ``weight_scale`` and ``weight_min``), which a version
+#: that knows only 1 refuses with "update lowvram-lora" instead of misreading.
+FORMAT_VERSION = 2
+INT8_FORMAT_VERSION = 1
+
+
+def format_version_for(bits: int) -> int:
+    return INT8_FORMAT_VERSION if bits == 8 else FORMAT_VERSION
+
+
+def slab_bits(manifest: dict) -> int:
+    """8 or 4: what a slab's quantized Linears hold (manifests of version 1 are int8)."""
+    return int(manifest.get("quantization", {}).get("bits", 8))
 ALIGN = 64  # every tensor starts on a cache line: vector loads, clean DMA
 PAD_PREFIX = "__padding__."
 

@@ -28,9 +28,9 @@ from ..errors import ConfigError, ModelLoadError
 from ..families import ModelFamily, get_family
 from .format import (
     FORMAT_VERSION, PAD_PREFIX, SLAB_FORMAT, SLAB_SUFFIX, SafetensorsFile, SlabError, dtype_name, is_slab_file,
-    manifest_path_for, sha256_range,
+    manifest_path_for, sha256_range, slab_bits,
 )
-from .layout import INT8, PLAIN, meta_model, slab_tensors, swap_in_int8_linears
+from .layout import INT8, PLAIN, QUANTIZED, meta_model, slab_tensors, swap_in_int8_linears
 from .source import FileStamp, record_slab_source
 
 
@@ -38,7 +38,8 @@ def rebuild_command(slab_path: str | Path, manifest: dict | None = None) -> str:
     source = (manifest or {}).get("source", {}).get("path") or "CHECKPOINT"
     family = (manifest or {}).get("family")
     cmd = f"lowvram-lora slab build {shlex.quote(source)} -o {shlex.quote(str(slab_path))}"
-    return cmd + (f" --family {family}" if family else "")
+    bits = slab_bits(manifest or {})
+    return cmd + (f" --family {family}" if family else "") + (f" --bits {bits}" if bits != 8 else "")
 
 
 @dataclass
@@ -78,10 +79,10 @@ def read_manifest(slab_path: str | Path) -> dict[str, Any]:
     if manifest.get("format") != SLAB_FORMAT:
         raise SlabError(f"'{mpath}' is not a {SLAB_FORMAT} manifest; rebuild with: {rebuild_command(slab)}")
     version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
+    if not (isinstance(version, int) and 1 <= version <= FORMAT_VERSION):
         newer = isinstance(version, int) and version > FORMAT_VERSION
         raise SlabError(
-            f"slab '{slab}' has format version {version}; this lowvram-lora reads version {FORMAT_VERSION}"
+            f"slab '{slab}' has format version {version}; this lowvram-lora reads versions 1 to {FORMAT_VERSION}"
             + (" (update lowvram-lora, or " if newer else " (") + f"rebuild with: {rebuild_command(slab, manifest)})"
         )
     source = manifest.get("source") if isinstance(manifest.get("source"), dict) else {}
@@ -240,14 +241,15 @@ def resolve_slab_family(slab: OpenSlab, family_id: str = "auto", variant: str | 
 
 def check_slab_fits_model(slab: OpenSlab, model: torch.nn.Module, family: ModelFamily) -> None:
     """Every tensor the model needs is in the slab with its shape (every block Linear as
-    int8 + scale), and the slab holds nothing else. Lists every problem."""
-    expected = {t.key: t for t in slab_tensors(model, family, lambda name: None)}
+    int8 + scale, or int4 + scale + min), and the slab holds nothing else. Lists every problem."""
+    expected = {t.key: t for t in slab_tensors(model, family, lambda name: None, slab_bits(slab.manifest))}
     listed = {e["key"]: e for e in slab.manifest["tensors"]}
     problems = []
     for key, t in expected.items():
         m = listed.get(key)
         if m is None:
-            what = f"block Linear weight '{t.canonical}' (int8)" if t.role == INT8 else f"'{key}'"
+            what = (f"block Linear weight '{t.canonical}' ({'int8' if t.role == INT8 else 'int4'})"
+                    if t.role in QUANTIZED else f"'{key}'")
             problems.append(f"missing {what}")
         elif list(m["shape"]) != list(t.shape):
             problems.append(f"'{key}' is {list(m['shape'])} in the slab, the model needs {list(t.shape)}")
@@ -273,14 +275,14 @@ def load_slab_transformer(
     verify: str = "changed",
 ) -> tuple[torch.nn.Module, ModelFamily, str]:
     """(model, family, variant): block Linears are ``Int8Linear`` (int8 + fp32 scales, not
-    copied from the map on CPU), every other tensor in ``dtype``. ``device="cuda"`` puts the
+    copied from the map on CPU; ``Int4Linear`` for an int4 slab), every other tensor in ``dtype``. ``device="cuda"`` puts the
     whole model on the GPU as stored: resident int8 mode, each Linear dequantized on the fly."""
     slab = open_slab(slab_path, verify)
     stamp = FileStamp.of(slab.path)  # the file as loaded: the disk tier refuses to read a changed one
     family = resolve_slab_family(slab, family_id, variant)
     model = meta_model(family, slab.manifest["config"])
     check_slab_fits_model(slab, model, family)
-    swap_in_int8_linears(model, family)
+    swap_in_int8_linears(model, family, slab_bits(slab.manifest))
     roles = {e["key"]: e["role"] for e in slab.manifest["tensors"]}
     from safetensors import safe_open
 

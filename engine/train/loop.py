@@ -619,7 +619,8 @@ def _apply_int8_compute(model, offload: OffloadConfig | None, device: torch.devi
     count = set_int8_compute(model, mode)
     if mode != "dequant":
         if count == 0:
-            cb.log(f"int8_compute={mode!r} applies to int8 slabs only; this model is not a slab, so it has no effect")
+            cb.log(f"int8_compute={mode!r} applies to int8 slabs only; this model is not an int8 slab (bf16, or an "
+                   f"int4 slab, whose layers always dequantize), so it has no effect")
         else:
             cb.log(f"int8_compute={mode!r}: {count} slab layers multiply {'fp8 x fp8' if mode == 'fp8' else 'int8 x int8'}")
 

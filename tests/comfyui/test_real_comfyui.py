@@ -216,6 +216,30 @@ def test_compiled_blocks_train_inside_comfyui(comfy, tmp_path):
     assert len(list((comfy.base / "output" / "loras").glob("demo_compiled_*_.safetensors"))) == 1
 
 
+def test_int4_slab_trains_inside_comfyui(comfy, tmp_path):
+    """Load Quantized Slab with precision 'int4 slab' through comfy run: the int4 slab is built once into
+    models/slabs (its manifest says 4 bits), the LoRA trains on it (streamed, so the int4 blocks move as they are)
+    and is saved; Save LoRA's file loads back."""
+    from safetensors.torch import load_file
+
+    graph = json.loads((comfy.pack / "example_workflows" / "api" / "demo_tiny_lora.json").read_text())
+    graph["1"]["inputs"]["precision"] = "int4 slab"
+    graph["3"]["inputs"].update(mode="stream", prefetch_depth=1)
+    graph["4"]["inputs"].update(steps=4, sample_every=0, sample_at_start=False)
+    graph["5"]["inputs"]["filename_prefix"] = "loras/demo_int4"
+    (tmp_path / "int4.json").write_text(json.dumps(graph))
+    done = comfy.comfy_run(tmp_path / "int4.json", timeout=900)
+    log = json.dumps(_server_log(comfy.port))
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:], log[-4000:])
+    slabs = list((comfy.base / "models" / "slabs").glob("*-int4.slab.safetensors"))
+    assert len(slabs) == 1, list((comfy.base / "models" / "slabs").iterdir())
+    manifest = json.loads(slabs[0].with_name(slabs[0].name.replace(".safetensors", ".manifest.json")).read_text())
+    assert manifest["quantization"]["bits"] == 4 and manifest["format_version"] == 2
+    assert "-int4.slab.safetensors" in log, log[-3000:]  # "building slab ..." from the Load node
+    loras = list((comfy.base / "output" / "loras").glob("demo_int4_*_.safetensors"))
+    assert len(loras) == 1 and load_file(str(loras[0]))
+
+
 def _dp_workers() -> list[int]:
     """Live data-parallel worker processes (started by the ComfyUI server)."""
     out = []

@@ -63,8 +63,12 @@ class CheckpointKind(ABC):
             param.data = param.data.to(dtype)
         return model.requires_grad_(False)
 
-    def as_loaded(self, model: torch.nn.Module, family: ModelFamily) -> None:
-        """Make a ``meta_model`` hold its weights as ``load_model`` does (a slab: int8 block Linears)."""
+    def as_loaded(self, model: torch.nn.Module, family: ModelFamily, ident: CheckpointIdentity | None = None) -> None:
+        """Make a ``meta_model`` hold its weights as ``load_model`` does (a slab: int8 or int4 block Linears)."""
+
+    def note_for(self, ident: CheckpointIdentity) -> str:
+        """``weights_note`` for this checkpoint (a slab says its bits: "int4 slab")."""
+        return self.weights_note
 
     def readable_name(self, path: Path) -> str:
         """A short name for files made from this checkpoint (a slab's): its file or folder name."""

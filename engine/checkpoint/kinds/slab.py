@@ -1,7 +1,7 @@
-"""An int8 slab (``engine/slab``): a checkpoint quantized once, with a manifest beside it that says its family,
+"""An int8 or int4 slab (``engine/slab``): a checkpoint quantized once, with a manifest beside it that says its family,
 variant and config. Identifying it checks the manifest against the file (size and header; every tensor's bytes
 on its first use and after it changed) and against the family asked for; it loads with its block Linears as
-``Int8Linear``. A slab is never re-read as a checkpoint to build from."""
+``Int8Linear`` (``Int4Linear`` in an int4 slab). A slab is never re-read as a checkpoint to build from."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,8 +11,9 @@ import torch
 
 from ...errors import ModelLoadError
 from ...families import ModelFamily, meta_model
+from ...slab.format import slab_bits
 from ...slab.layout import swap_in_int8_linears
-from ...slab.load import load_slab_transformer, open_slab, resolve_slab_family
+from ...slab.load import load_slab_transformer, open_slab, read_manifest, resolve_slab_family
 from ..files import is_slab_file, manifest_path_for
 from ..identity import Checkpoint, CheckpointIdentity
 from . import CheckpointKind
@@ -48,8 +49,12 @@ class Slab(CheckpointKind):
         torch.nn.Module.to(model, dtype=dtype)  # the slab's plain tensors are converted to ``dtype`` at load
         return model.requires_grad_(False)
 
-    def as_loaded(self, model: torch.nn.Module, family: ModelFamily) -> None:
-        swap_in_int8_linears(model, family)  # 1 byte per block weight + fp32 row scales
+    def as_loaded(self, model: torch.nn.Module, family: ModelFamily, ident: CheckpointIdentity | None = None) -> None:
+        # int8: 1 byte per block weight + fp32 row scales; int4: half a byte + fp16 scale and min per 64 weights
+        swap_in_int8_linears(model, family, slab_bits(read_manifest(ident.path)) if ident is not None else 8)
+
+    def note_for(self, ident: CheckpointIdentity) -> str:
+        return f"int{slab_bits(read_manifest(ident.path))} slab"
 
 
 KIND = Slab()
