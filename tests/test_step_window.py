@@ -98,7 +98,7 @@ def _model(family):
     return model.requires_grad_(False)
 
 
-def _train(model, family, dataset, window, cb=None, lora=None, resume=None, **train):
+def _train(model, family, dataset, window, cb=None, lora=None, resume=None, offload=None, **train):
     """``cb.grads``: the LoRA gradients (fp32 copies, in the optimizer's order) each step stepped on."""
     settings = dict(steps=5, batch_size=2, gradient_accumulation=2, learning_rate=1e-3, seed=5, guidance=3.5,
                     max_grad_norm=0.0)
@@ -112,15 +112,16 @@ def _train(model, family, dataset, window, cb=None, lora=None, resume=None, **tr
 
     handle = register_optimizer_step_pre_hook(record)
     try:
-        return _train_lora_call(model, family, dataset, window, cb, lora, resume, settings)
+        return _train_lora_call(model, family, dataset, window, cb, lora, resume, settings,
+                                offload or OffloadConfig(mode="resident", micro_batch_size=1))
     finally:
         handle.remove()
 
 
-def _train_lora_call(model, family, dataset, window, cb, lora, resume, settings):
+def _train_lora_call(model, family, dataset, window, cb, lora, resume, settings, offload):
     return train_lora(ModelConfig(transformer_path=f"{family.id}-tiny", dtype="fp32"), dataset, lora or LoraSettings(rank=2, alpha=2), TrainConfig(**settings), cb,
                       preloaded=(model, family, family.tiny_variant), step_window=window, resume=resume,
-                      offload=OffloadConfig(mode="resident", micro_batch_size=1))
+                      offload=offload)
 
 
 def _assert_same(got, want, got_cb, want_cb):
@@ -210,3 +211,24 @@ def test_blocks_and_the_footprint_leave_the_windows_weights_out(family_id):
     assert [b - a for b, a in zip(before, after)] == inside
     assert sum(inside) > 0 or family_id in ("flux2", "wan")  # Flux.2's and Wan's modulation is outside the blocks
     assert measure_footprint(model, family).block_bytes == before
+
+
+def test_compiled_blocks_read_the_window_without_recompiling(monkeypatch):
+    """Compiled blocks (aot_eager: torch.compile's graph capture and autograd split) trace the window's stored output
+    as a graph input: the window run compiles exactly the graphs of the run without it (no graph per window, block or
+    call), and gives its losses and gradients."""
+    from lowvram_lora.engine.train import compile as compile_mod
+
+    monkeypatch.setattr(compile_mod, "DEFAULT_BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    family = get_family("flux1")
+    model = _model(family)
+    dataset = _Dataset(model, family, count=4)
+    compiled = OffloadConfig(mode="resident", compile="blocks")
+    want_cb, got_cb = _Record(), _Record()
+    want = _train(copy.deepcopy(model), family, dataset, 0, want_cb, offload=compiled, steps=4)
+    torch._dynamo.reset()
+    got = _train(model, family, dataset, 2, got_cb, offload=compiled, steps=4)
+    assert want.settings["compile"]["graphs"] > 0
+    assert got.settings["compile"]["graphs"] == want.settings["compile"]["graphs"]
+    _assert_same(got, want, got_cb, want_cb)

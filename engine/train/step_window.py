@@ -124,7 +124,7 @@ def _run_module(module: nn.Module, args: tuple, kwargs: dict) -> Any:
 def _windowed_forward(self: nn.Module, *args, **kwargs):
     # Traced by dynamo inside compiled blocks: the stored output is a tensor attribute (a graph input, guarded on its
     # shape and dtype, not its identity), so new windows and other blocks of the class reuse the graph.
-    out = getattr(self, OUT)
+    out = self._lowvram_window_out  # OUT: always set while this forward is installed
     if out is not None:
         return out
     return _run_module(self, args, kwargs)
@@ -181,7 +181,7 @@ class StepWindow:
 
     def vector_bytes_per_call_row(self, dtype: torch.dtype) -> int:
         """VRAM one sample of one call keeps (every flagged Linear's output row): the planner's K."""
-        width = sum(getattr(m, "out_features", 0) for _, m, _ in self.chosen.modules)
+        width = sum(m.out_features for _, m, _ in self.chosen.modules if isinstance(m, nn.Linear))
         return width * torch.empty((), dtype=dtype).element_size()
 
     def remove(self) -> None:
