@@ -13,7 +13,8 @@ Modes (``--modes``), run in order for every resolution:
   lower); the allocator is held to the budget (engine/offload/streamer.cap_allocator).
 
 The modulation window (engine/train/step_window.py) is on in streamed modes (the planner's K) and off in the resident
-baselines (the step as it was); ``<mode>-nowin`` runs a streamed mode without it.
+baselines (the step as it was); ``<mode>-nowin`` runs a streamed mode without it; ``<mode>-link<GBPS>`` runs a streamed
+mode at that emulated link only (0: the real one), whatever ``--link-gbps`` says.
 
 ``--precision int8`` converts the blocks to int8 slab layers after the bf16 modes (list ``resident`` first).
 
@@ -162,9 +163,16 @@ def peak_breakdown(snapshot: dict, base_bytes: int, kinds: list[str], top: int =
 def window_for(mode: str) -> tuple[str, int | None]:
     """(the mode without ``-nowin``, train_lora's ``step_window``): the resident baselines run as before the modulation
     window (off), streamed modes with it (the planner's K) unless ``-nowin`` turns it off."""
+    mode = re.sub(r"-link[0-9.]+$", "", mode)
     if mode.endswith("-nowin"):
         return mode[:-len("-nowin")], 0
     return mode, 0 if mode.startswith("resident") else None
+
+
+def links_for(mode: str, default: list) -> list:
+    """The links a streamed mode runs at: its own ``-link<GBPS>`` suffix (0: the real link), else ``--link-gbps``."""
+    m = re.search(r"-link([0-9.]+)$", mode)
+    return [float(m[1])] if m else default
 
 
 def offload_for(mode: str):
@@ -271,7 +279,7 @@ def main(argv=None) -> int:
                 precision = "int8"
         if not streams and not on_gpu:
             raise SystemExit("list 'resident' and 'resident-compiled' before the streamed modes")
-        for gbps in (args.link_gbps if streams else [None]):
+        for gbps in (links_for(mode, args.link_gbps) if streams else [None]):
             machine = use_link(gbps) if streams else None
             link_fields = {"link_gbps_emulated": gbps or None,
                            "link_gbps": round(machine.link_bytes_per_s / 1e9, 2) if machine else None,
@@ -340,6 +348,9 @@ def main(argv=None) -> int:
                     "window": (result.settings.get("step_window") if result is not None else None) or {"steps": 0},
                     "x_resident_compiled": round(row["step_s"] / compiled_base, 3) if row["step_s"] and compiled_base
                     else None,
+                    # the mean over the timed steps counts the window's pass at its share (the median may skip it)
+                    "step_s_mean": round(sum(s.seconds_per_step for s in timed_steps) / len(timed_steps), 4)
+                    if timed_steps and row["step_s"] else None,
                     "host_ram_gb": max((s.host_ram_gb for s in timed_steps), default=None),
                     # pinned: the streamer's blocks and activations, plus the window's held weights
                     "pinned_gb": round(max((s.pinned_host_gb for s in timed_steps), default=0.0)
