@@ -36,7 +36,9 @@ FAMILIES = sorted(f for f in families() if get_family(f).memory.step_constants i
 @dataclass(frozen=True)
 class _Item:
     index: int
-    bucket: tuple
+    bucket: tuple  # (width, height) in pixels
+    frames: tuple = (0,)  # one frame: an image
+    control_sizes: tuple = ()
 
     def batch_key(self):
         return self.bucket

@@ -290,7 +290,8 @@ def _start_window(run: _Run, step_window: int | None) -> None:
     per_step = window.vector_bytes_per_call_row(run.dtype) * run.train.batch_size * run.train.gradient_accumulation
     window.steps = step_window or window_steps(per_step, window.held_bytes, plans[0] if plans else None)
     run.result.settings["step_window"] = {"steps": window.steps, "modules": len(window.chosen.modules) + 1,
-                                          "excluded": window.chosen.excluded, "held_gb": round(window.held_bytes / 1e9, 3)}
+                                          "excluded": window.chosen.excluded, "held_gb": round(window.held_bytes / 1e9, 3),
+                                          "held_bytes": window.held_bytes}
     run.cb.log(f"modulation window: {len(window.chosen.modules)} modules and {window.chosen.source[0]} computed once "
                f"per {window.steps} steps" + (f", {window.held_bytes / 1e9:.2f} GB of their weights in pinned host "
                                               f"memory, copied in once per window" if window.held_bytes else ""))
