@@ -273,6 +273,10 @@ def _mark_window(run: _Run, lora: LoraSettings, step_window: int | None) -> None
     if chosen is not None:
         run.window = chosen
         run.undo.callback(chosen.unmark)
+        if run.device.type == "cuda":  # their weights wait in pinned host memory (step_window.StepWindow): in the RAM plan
+            from ..offload.host import frozen_bytes
+
+            run.placement.host_extra["modulation window"] = sum(frozen_bytes(m) for _, m in chosen.all())
 
 
 def _start_window(run: _Run, step_window: int | None) -> None:
