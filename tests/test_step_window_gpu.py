@@ -61,7 +61,8 @@ def test_streamed_window_equals_streamed_without(family_id, act):
                  if id(m) in flagged)
     chosen.unmark()
     saved = want.settings["offload_stats"]["bytes_copied"] - got.settings["offload_stats"]["bytes_copied"]
-    # Each micro-step loads every streamed block once or twice (a block still in its slot after the forward is not
-    # loaded again for its recompute), the same blocks with the window as without.
+    # Each micro-step loads a streamed block at most twice (forward, recompute), the same blocks with the window as
+    # without; a block still in its slot is not loaded again (Qwen-Image's tiny model: its 2 blocks fit the 2 slots, so
+    # each is loaded once in the whole run: saved == inside, measured on the H200).
     assert inside > 0 or family_id in ("flux2", "wan")  # their modulation is outside the blocks
-    assert steps * accumulation * inside <= saved <= 2 * steps * accumulation * inside, (saved, inside)
+    assert inside <= saved <= 2 * steps * accumulation * inside, (saved, inside)
