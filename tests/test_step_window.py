@@ -1,7 +1,7 @@
 """The modulation window (engine/train/step_window.py): per-step constants computed once for K steps drawn ahead.
 
-With the window on, a run gives today's run: the same losses, gradient norms and LoRA weights (rtol 1e-5 on CPU fp32:
-the window's matmul runs K x calls rows at once, so only the last bits may differ), over several windows, with
+With the window on, a run gives today's run bit for bit on the CPU: the same losses, gradients and LoRA weights (each
+module runs on the rows the forward would give it), over several windows, with
 gradient accumulation and micro-batches, for every family of the registry on its tiny model; a run stopped in the
 middle of a window and resumed equals the uninterrupted one; a LoRA on a modulation Linear leaves that Linear out of
 the window (it is trained, not constant) and still gives today's run.
@@ -126,18 +126,25 @@ def _train_lora_call(model, family, dataset, window, cb, lora, resume, settings,
                       offload=offload)
 
 
-def _assert_same(got, want, got_cb, want_cb):
-    """The same losses and gradient norms (rel 1e-5), every step's LoRA gradients (rtol 1e-4, atol 1e-8 of gradients
-    ~1e-2 in norm), and the same LoRA weights (atol 2e-6: AdamW's normalised step turns a last-bit difference of a
-    near-zero gradient into ~1e-7 of weight; the weights move ~5e-3 in these runs)."""
+def _assert_same(got, want, got_cb, want_cb, exact=True):
+    """The same losses, gradient norms, every step's LoRA gradients and the final LoRA weights: bit for bit (the window
+    runs each module on the rows the forward would, with the same ops), or within rtol 1e-5 where compiled graphs
+    differ (``exact=False``: AdamW's normalised step turns a last-bit gradient difference of a near-zero gradient into
+    ~1e-7 of weight, hence atol 2e-6 on the weights, which move ~5e-3 in these runs)."""
     assert got.steps == want.steps
+    assert len(got_cb.grads) == len(want_cb.grads) == got.steps
+    assert got.state_dict.keys() == want.state_dict.keys()
+    if exact:
+        assert got.loss_history == want.loss_history and got_cb.grad_norms == want_cb.grad_norms
+        for step, (gs, ws) in enumerate(zip(got_cb.grads, want_cb.grads), 1):
+            assert all(torch.equal(g, w) for g, w in zip(gs, ws)), f"step {step}"
+        assert all(torch.equal(got.state_dict[k], v) for k, v in want.state_dict.items())
+        return
     assert got.loss_history == pytest.approx(want.loss_history, rel=1e-5)
     assert got_cb.grad_norms == pytest.approx(want_cb.grad_norms, rel=1e-5)
-    assert len(got_cb.grads) == len(want_cb.grads) == got.steps
     for step, (gs, ws) in enumerate(zip(got_cb.grads, want_cb.grads), 1):
         for i, (g, w) in enumerate(zip(gs, ws)):
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-8, msg=f"step {step}, LoRA tensor {i}")
-    assert got.state_dict.keys() == want.state_dict.keys()
     for k, v in want.state_dict.items():
         torch.testing.assert_close(got.state_dict[k], v, rtol=1e-5, atol=2e-6, msg=k)
 
@@ -233,4 +240,4 @@ def test_compiled_blocks_read_the_window_without_recompiling(monkeypatch):
     got = _train(model, family, dataset, 2, got_cb, offload=compiled, steps=4)
     assert want.settings["compile"]["graphs"] > 0
     assert got.settings["compile"]["graphs"] == want.settings["compile"]["graphs"]
-    _assert_same(got, want, got_cb, want_cb)
+    _assert_same(got, want, got_cb, want_cb, exact=False)

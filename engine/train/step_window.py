@@ -18,8 +18,9 @@ How a window runs:
 - ``fill`` (when the queue is empty): the loop draws the next K steps' batches from the same streams in the same
   order (the noise, timesteps and flips are pure functions of the global micro-batch index: batching.py), and gives,
   for each call of the model those steps will make, its forward's arguments. The forward runs up to the source
-  module (the time embedding) and stops there (``_Probed``); then each flagged module runs once over every call's
-  vector (K x calls rows in one matmul) and the outputs are split back per call and kept on the GPU.
+  module (the time embedding) and stops there (``_Probed``); then each flagged module's weights come to the GPU once
+  and it runs on every call's vector in turn (the rows each forward would give it: the same matmul shapes, so the
+  outputs are bit for bit the forward's own), and the outputs stay on the GPU.
 - ``call`` (around one forward + backward): the flagged modules return that call's outputs; the checkpointed
   recompute reads them again. They carry no gradient, as the modules' own outputs did not.
 
@@ -209,13 +210,12 @@ class StepWindow:
                 per_draw.append([{source_name: self._probe(kwargs)} for kwargs in calls_of(draw)])
         calls = [c for cs in per_draw for c in cs]
         for name, module, form in self.chosen.modules:
-            inputs = [self.spec.module_input(name, form, self.spec.vector(c[source_name]), self.config) for c in calls]
+            # The weights come over once for the whole window; the module then runs call by call, on the rows the
+            # forward would give it (the same matmul shapes), so each output is bit for bit the forward's own.
             with torch.no_grad(), self.autocast, _weights_on_gpu(module):
-                for group in _same_shape(inputs):
-                    out = _original(module)(torch.cat([inputs[i] for i in group]))
-                    rows = [inputs[i].shape[0] for i in group]
-                    for i, piece in zip(group, torch.split(out, rows)):
-                        calls[i][name] = piece
+                run = _original(module)
+                for c in calls:
+                    c[name] = run(self.spec.module_input(name, form, self.spec.vector(c[source_name]), self.config))
         self.queue.extend(zip(draws, per_draw))
         self.windows += 1
 
@@ -264,10 +264,3 @@ def _original(module: nn.Module) -> Callable:
 def _frozen(module: nn.Module) -> list[torch.Tensor]:
     return [t for t in list(module.parameters()) + list(module.buffers()) if not t.requires_grad]
 
-
-def _same_shape(tensors: list[torch.Tensor]) -> list[list[int]]:
-    """Indexes of ``tensors`` grouped by their shape after the first axis (one matmul per group), in order."""
-    groups: dict[tuple, list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault((tuple(t.shape[1:]), t.dtype), []).append(i)
-    return list(groups.values())
