@@ -12,6 +12,10 @@ Modes (``--modes``), run in order for every resolution:
   with ``-compiled`` blocks compiled as auto compiles runs of 200+ steps, whose activation-memory budget it may
   lower); the allocator is held to the budget (engine/offload/streamer.cap_allocator).
 
+The modulation window (engine/train/step_window.py) is on in streamed modes (the planner's K) and off in the resident
+baselines (the step as it was); ``<mode>-nowin`` runs a streamed mode without it; ``<mode>-link<GBPS>`` runs a streamed
+mode at that emulated link only (0: the real one), whatever ``--link-gbps`` says.
+
 ``--precision int8`` (or ``int4``) converts the blocks to int8 (int4) slab layers after the bf16 modes (list
 ``resident`` first).
 
@@ -157,6 +161,21 @@ def peak_breakdown(snapshot: dict, base_bytes: int, kinds: list[str], top: int =
     return "\n".join(lines), kind_gb
 
 
+def window_for(mode: str) -> tuple[str, int | None]:
+    """(the mode without ``-nowin``, train_lora's ``step_window``): the resident baselines run as before the modulation
+    window (off), streamed modes with it (the planner's K) unless ``-nowin`` turns it off."""
+    mode = re.sub(r"-link[0-9.]+$", "", mode)
+    if mode.endswith("-nowin"):
+        return mode[:-len("-nowin")], 0
+    return mode, 0 if mode.startswith("resident") else None
+
+
+def links_for(mode: str, default: list) -> list:
+    """The links a streamed mode runs at: its own ``-link<GBPS>`` suffix (0: the real link), else ``--link-gbps``."""
+    m = re.search(r"-link([0-9.]+)$", mode)
+    return [float(m[1])] if m else default
+
+
 def offload_for(mode: str):
     from lowvram_lora.engine.offload import OffloadConfig
 
@@ -246,7 +265,8 @@ def main(argv=None) -> int:
                 for res in args.res}
     rows, on_gpu, precision = {}, True, "bf16"
     for mode in args.modes:
-        offload = offload_for(mode)
+        offload_mode, step_window = window_for(mode)
+        offload = offload_for(offload_mode)
         streams = offload is not None and offload.mode != "resident"
         if streams and on_gpu:
             for _, block in named_blocks(model, family):
@@ -260,7 +280,7 @@ def main(argv=None) -> int:
                 precision = args.precision
         if not streams and not on_gpu:
             raise SystemExit("list 'resident' and 'resident-compiled' before the streamed modes")
-        for gbps in (args.link_gbps if streams else [None]):
+        for gbps in (links_for(mode, args.link_gbps) if streams else [None]):
             machine = use_link(gbps) if streams else None
             link_fields = {"link_gbps_emulated": gbps or None,
                            "link_gbps": round(machine.link_bytes_per_s / 1e9, 2) if machine else None,
@@ -292,7 +312,8 @@ def main(argv=None) -> int:
                                         LoraSettings(rank=args.rank, alpha=float(args.rank)),
                                         TrainConfig(steps=args.warmup + args.timed, device="cuda", learning_rate=1e-4,
                                                     batch_size=args.batch),
-                                        rec.callback, preloaded=(model, family, args.variant), offload=offload)
+                                        rec.callback, preloaded=(model, family, args.variant), offload=offload,
+                                        step_window=step_window)
                 except Exception as exc:  # noqa: BLE001 - a row per failure
                     import traceback
 
@@ -322,6 +343,20 @@ def main(argv=None) -> int:
                     timing = predicted_timing(model, family, args.variant, datasets[res], args.batch, plan, machine,
                                               compiled, baseline.get("step_s"), result.settings.get("offload_stats")
                                               or {}, args.warmup)
+                compiled_base = rows.get(("resident-compiled", res, None), {}).get("step_s")
+                timed_steps = rec.steps[args.warmup:]
+                row.update({  # the modulation window (issue 37) and the host memory beside the VRAM
+                    "window": (result.settings.get("step_window") if result is not None else None) or {"steps": 0},
+                    "x_resident_compiled": round(row["step_s"] / compiled_base, 3) if row["step_s"] and compiled_base
+                    else None,
+                    # the mean over the timed steps counts the window's pass at its share (the median may skip it)
+                    "step_s_mean": round(sum(s.seconds_per_step for s in timed_steps) / len(timed_steps), 4)
+                    if timed_steps and row["step_s"] else None,
+                    "host_ram_gb": max((s.host_ram_gb for s in timed_steps), default=None),
+                    # pinned: the streamer's blocks and activations, plus the window's held weights
+                    "pinned_gb": round(max((s.pinned_host_gb for s in timed_steps), default=0.0)
+                                       + ((result.settings.get("step_window") or {}).get("held_gb", 0.0)
+                                          if result is not None else 0.0), 3)})
                 rows[(mode, res, gbps)] = emit({"mode": mode, "res": res, "precision": precision, **row,
                                                 "plan": plan, "predicted_peak_gb": plan.get("predicted_peak_gb"),
                                                 **link_fields, **timing})

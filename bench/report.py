@@ -302,6 +302,27 @@ def render(rows: list[dict]) -> str:
                        f"{step_txt} | {ratio} | {_fmt(alloc, 2)} | {_fmt(pred, 2)} | {err} | {_fmt(res_gb, 2)} | {gap} | "
                        f"{_fmt(held, 2) if held else '–'} | {desc} | `{r.get('command')}` |")
         out.append("")
+    windowed = [r for r in rows if r.get("window") is not None]
+    if windowed:
+        out.append("## The modulation window (issue 37)\n")
+        out.append("Rows of `bench/bench_memory.py` since the modulation window (engine/train/step_window.py): `K` steps per "
+                   "window (0: off; resident baselines run without it), `x compiled resident`: step time over the "
+                   "`resident-compiled` row of the same run (median step); the mean counts each window's pass at its share; host RAM: the process's unreclaimable RAM (anonymous + "
+                   "shared resident pages, pinned buffers included; the slab's mapped file pages not), highest over the "
+                   "timed steps; pinned: the streamer's blocks and activations plus the window's held weights.\n")
+        out.append("| date | gpu | model | res | mode | link GB/s | K | step s (median / mean) | x compiled resident | "
+                   "peak alloc GB | host RAM GB | pinned GB | command |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in windowed:
+            step = r.get("step_s")
+            step_txt = _fmt(step) if step is not None else ("**" + (r.get("error") or "failed").split(":")[0] + "**")
+            out.append(f"| {r.get('date', '')[:16].replace('T', ' ')} | {r.get('gpu')} | {r.get('model')} | "
+                       f"{r.get('res')}² | {r.get('mode')} ({r.get('precision')}) | {r.get('link_gbps') or '–'} | "
+                       f"{r['window'].get('steps', 0)} | {step_txt} / {_fmt(r.get('step_s_mean'))} | "
+                       f"{_fmt(r.get('x_resident_compiled'))} | "
+                       f"{_fmt(r.get('peak_alloc_gb'), 2)} | {_fmt(r.get('host_ram_gb'), 2)} | "
+                       f"{_fmt(r.get('pinned_gb'), 2)} | `{r.get('command')}` |")
+        out.append("")
     out.append(REFERENCE)
     timed = [r for r in rows if r.get("breakdown")]
     if timed:

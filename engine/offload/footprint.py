@@ -13,7 +13,7 @@ from torch import nn
 
 from ..config import LoraSettings
 from ..families import default_max_sequence_length
-from .host import frozen_bytes
+from .host import STEP_CONSTANT, frozen_bytes
 from .plan import ModelFootprint, Workload
 
 
@@ -60,7 +60,8 @@ def outer_modules(model: nn.Module, family) -> list[tuple[str, nn.Module]]:
     trainable tensor: what ``outer_on_host`` may hold in host memory (engine/offload/outer.py)."""
     named = dict(model.named_modules())
     return [(n, named[n]) for n in family.memory.int8_extra_linears
-            if n in named and not any(p.requires_grad for p in named[n].parameters())]
+            if n in named and not any(p.requires_grad for p in named[n].parameters())
+            and not named[n].__dict__.get(STEP_CONSTANT)]  # the modulation window holds those
 
 
 def linear_params_by_tokens(family, block_name: str, block: nn.Module) -> dict[str, int]:

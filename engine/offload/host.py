@@ -48,9 +48,22 @@ class Entry:
         return (self.module._parameters if self.is_param else self.module._buffers)[self.name]
 
 
+#: Set on a module whose output the modulation window serves (engine/train/step_window.py): its weights are the
+#: window's, so a block, an outer module or a footprint that contains it leaves them out.
+STEP_CONSTANT = "_lowvram_step_constant"
+
+
+def step_constant_tensors(model: nn.Module) -> set[int]:
+    """ids of the tensors of the modules the modulation window holds (``STEP_CONSTANT``)."""
+    return {id(t) for m in model.modules() if m.__dict__.get(STEP_CONSTANT)
+            for t in list(m.parameters()) + list(m.buffers())}
+
+
 def frozen_tensors(block: nn.Module) -> list[tuple[nn.Module, str, bool, torch.Tensor]]:
-    """(owner, name, is_param, tensor) of every frozen parameter and buffer, each shared tensor once."""
-    out, seen = [], set()
+    """(owner, name, is_param, tensor) of every frozen parameter and buffer, each shared tensor once; those of a
+    submodule the modulation window holds are not the block's (``STEP_CONSTANT``)."""
+    out, seen = [], {id(t) for m in block.modules() if m is not block and m.__dict__.get(STEP_CONSTANT)
+                     for t in list(m.parameters()) + list(m.buffers())}
     for module in block.modules():
         for name, p in module._parameters.items():
             if p is None or p.requires_grad or id(p) in seen:

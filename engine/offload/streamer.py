@@ -38,7 +38,7 @@ from .config import OffloadConfig
 from .footprint import measure_footprint, named_blocks, outer_modules
 from .hooks import HookRegistry, ModelHook
 from .disk import DiskUnit
-from .host import HostBlock, frozen_tensors
+from .host import HostBlock, frozen_tensors, step_constant_tensors
 from .hostmem import process_memory, ram_cap_bytes
 from .plan import GB, Plan, Workload, make_plan
 from .schedule import BlockScheduler
@@ -393,6 +393,7 @@ def apply_offload(model: nn.Module, family, config: OffloadConfig, device: torch
     streamed_tensors = {id(t) for i in streamed for t in list(blocks[i][1].parameters()) + list(blocks[i][1].buffers())}
     held = outer_modules(model, family) if plan.outer_on_host and whole else []
     streamed_tensors |= {id(t) for _, m in held for t in list(m.parameters()) + list(m.buffers())}
+    streamed_tensors |= step_constant_tensors(model)  # the modulation window's: it holds them (engine/train/step_window.py)
     owned = [model] if whole else [b for _, b in blocks]
     for t in [t for m in owned for t in list(m.parameters()) + list(m.buffers())]:
         if t.requires_grad:

@@ -75,6 +75,7 @@ def train_lora(
     sampling=None,
     sample_dir=None,
     preview_partner: ModelConfig | ModelInfo | None = None,
+    step_window: int | None = None,
 ) -> TrainedLora:
     """Train a LoRA on ``dataset`` and return its weights. ``model_cfg``: the Load node's ``ModelInfo``, whose
     checkpoint identity the run uses as it is (never identified again), or a ``ModelConfig`` (identified here,
@@ -94,6 +95,8 @@ def train_lora(
     ``preview_partner``: for one expert of a mixture (Wan 2.2 A14B), the other expert's checkpoint (its Load node's
     ``ModelInfo``, or a ``ModelConfig``), which previews switch to at the boundary (engine/train/preview_partner.py);
     without it such an expert draws no samples.
+    ``step_window``: steps per modulation window (engine/train/step_window.py: the family's per-step constants computed
+    for that many steps drawn ahead; the losses are the same); None: the planner's choice; 0: off.
 
     Runs with autograd on even when called under ``torch.inference_mode()`` (ComfyUI
     runs every node that way); the returned weights are ordinary tensors."""
@@ -102,11 +105,11 @@ def train_lora(
         model_cfg, identity = model_cfg.config, model_cfg.checkpoint
     with autograd_enabled():
         return _train_lora(model_cfg, identity, dataset, lora, train, callback, preloaded, offload, resume, split,
-                           ranks, sampling, sample_dir, preview_partner)
+                           ranks, sampling, sample_dir, preview_partner, step_window)
 
 
 def _train_lora(model_cfg, identity, dataset, lora, train, callback, preloaded, offload, resume, split, ranks,
-                sampling, sample_dir, preview_partner=None) -> TrainedLora:
+                sampling, sample_dir, preview_partner=None, step_window=None) -> TrainedLora:
     """The run as named phases; each is a function below, in this order."""
     from ..parallel.data_parallel import Ranks
 
@@ -126,11 +129,13 @@ def _train_lora(model_cfg, identity, dataset, lora, train, callback, preloaded, 
     run.result = _new_result(run, model_cfg, lora)
     _prepare_model(run)
     try:  # from the placement on, whatever happens, _finish takes the LoRA out and undoes every phase
+        _mark_window(run, lora, step_window)
         _place(run, lora)
         _prepare_compute(run)
         _make_optimizer(run)
         _prepare_data(run)
         _resume(run)
+        _start_window(run, step_window)
         _make_sampler(run, sampling, sample_dir, preview_partner)
         _run_steps(run)
     finally:
@@ -175,6 +180,7 @@ class _Run:
     timer: StepTimer | None = None
     start: float = field(default_factory=time.perf_counter)
     sigma_range: tuple[float, float] = (0.0, 1.0)  # the noise levels this model trains on (family.schedule.train_sigma_range)
+    window: Any = None  # the modulation window (step_window.StepWindow), or None
 
     @property
     def device(self) -> torch.device:
@@ -250,6 +256,70 @@ def _place(run: _Run, lora: LoraSettings) -> None:
     """LoRA attached and the weights placed (resident, streamed or split); undone in ``_finish``."""
     run.params = run.placement.apply(run.model, run.family, run.variant, run.dataset, lora, run.train, run.cb)
     run.undo.callback(run.placement.remove)
+
+
+def _mark_window(run: _Run, lora: LoraSettings, step_window: int | None) -> None:
+    """The family's per-step-constant modules flagged before the weights are placed, so blocks stream without them
+    (engine/train/step_window.py); not with Dual-GPU Split (each part would need its own window)."""
+    from .step_window import mark
+
+    if step_window == 0 or run.family.memory.step_constants is None:
+        return
+    if len(run.placement.devices) > 1:
+        run.cb.log("modulation window: off (Dual-GPU Split: the modulation runs where each part's blocks are)")
+        return
+    targets = lora.target_modules or run.family.lora.target_modules(run.model)
+    chosen = mark(run.model, run.family, list(targets), run.cb.log)
+    if chosen is not None:
+        run.window = chosen
+        run.undo.callback(chosen.unmark)
+        if run.device.type == "cuda":  # their weights wait in pinned host memory (step_window.StepWindow): in the RAM plan
+            from ..offload.host import frozen_bytes
+
+            run.placement.host_extra["modulation window"] = sum(frozen_bytes(m) for _, m in chosen.all())
+
+
+def _start_window(run: _Run, step_window: int | None) -> None:
+    """The window over the flagged modules (their weights held in pinned host memory where placement left them on
+    the host), K from the planner (engine/offload/window.py) unless ``step_window`` says it; undone in ``_finish``."""
+    from ..offload.window import window_steps
+    from .step_window import StepWindow
+
+    if run.window is None:
+        return
+    window = StepWindow(run.model, run.family, run.window, run.device, run.autocast)
+    run.window = window
+    run.undo.callback(window.remove)
+    plans = run.placement.plans()
+    per_step = window.vector_bytes_per_call_row(run.dtype) * run.train.batch_size * run.train.gradient_accumulation
+    window.steps = step_window or window_steps(per_step, window.held_bytes, plans[0] if plans else None)
+    run.result.settings["step_window"] = {"steps": window.steps, "modules": len(window.chosen.modules) + 1,
+                                          "excluded": window.chosen.excluded, "held_gb": round(window.held_bytes / 1e9, 3),
+                                          "held_bytes": window.held_bytes}
+    run.cb.log(f"modulation window: {len(window.chosen.modules)} modules and {window.chosen.source[0]} computed once "
+               f"per {window.steps} steps" + (f", {window.held_bytes / 1e9:.2f} GB of their weights in pinned host "
+                                              f"memory, copied in once per window" if window.held_bytes else ""))
+
+
+def _fill_window(run: _Run) -> None:
+    """The next window: the next K steps' batches (or the steps left) drawn from the stream in order, and the
+    per-step constants of every call they make (engine/train/step_window.py)."""
+    train = run.train
+    steps = max(1, min(run.window.steps, train.steps - run.result.steps))
+    first = run.drawn
+    draws = [(next(run.batches), first + j) for j in range(steps * train.gradient_accumulation)]
+
+    def calls_of(draw) -> list[dict]:
+        batch, index = draw
+        gen = micro_generator(train.seed, run.ranks.global_micro_index(index))
+        latents, embeds = _load_batch(run.dataset, batch, run.device, run.dtype, gen)
+        sigmas, noise = _draw_noise(run.family, latents, train, gen, run.sigma_range)
+        noisy, _ = noisy_latents_and_target(latents, noise, sigmas)
+        with run.autocast:
+            return [run.family.model_inputs(run.model, noisy[p], {k: v[p] for k, v in embeds.items()}, sigmas[p],
+                                            train.guidance) for p in _pieces(latents.shape[0], run.memory.micro_batch)]
+
+    run.window.fill(draws, calls_of)
 
 
 def _prepare_compute(run: _Run) -> None:
@@ -415,13 +485,22 @@ def _accumulate(run: _Run) -> float | None:
     loss_sum = 0.0
     for micro in range(train.gradient_accumulation):
         # Noise, timesteps and flips are keyed by the global micro-batch index (batching.py).
+        t_data = time.perf_counter()
+        calls = None
+        if run.window is not None:  # drawn ahead with the window's per-step constants (the same batch, same index)
+            if not run.window.queue:
+                _fill_window(run)
+            (batch, index), calls = run.window.next()
+            assert index == run.drawn, (index, run.drawn)
+        else:
+            batch = next(run.batches)
         gen = micro_generator(train.seed, run.ranks.global_micro_index(run.drawn))
         run.drawn += 1
-        t_data = time.perf_counter()
-        latents, embeds = _load_batch(run.dataset, next(run.batches), run.device, run.dtype, gen)
+        latents, embeds = _load_batch(run.dataset, batch, run.device, run.dtype, gen)
         run.timer.add_data(time.perf_counter() - t_data)
         loss_sum += _micro_step(run.model, run.family, latents, embeds, train, gen, run.autocast,
-                                1.0 / train.gradient_accumulation, run.memory.micro_batch, run.sigma_range)
+                                1.0 / train.gradient_accumulation, run.memory.micro_batch, run.sigma_range,
+                                window=run.window, calls=calls)
         # Between micro-steps too: with long accumulation, Stop must not wait a whole step.
         if micro < train.gradient_accumulation - 1 and _stop_requested(run):
             return None
@@ -655,26 +734,41 @@ def _compile_blocks(model, family, placement: Placement, train: TrainConfig, cb)
     return compile_blocks(model, family, placement.compile_budget())
 
 
+def _draw_noise(family, latents, cfg: TrainConfig, gen: torch.Generator,
+                sigma_range: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sigmas, noise) of one batch, drawn from its generator after the batch's flips: the one place they are drawn
+    (the modulation window draws them ahead from the same generator, step_window.py)."""
+    mu = family.schedule.train_shift_mu(latents) if cfg.shift_timesteps else None
+    sigmas = sample_sigmas(latents.shape[0], gen, cfg.timestep_mean, cfg.timestep_std, mu, *sigma_range)
+    noise = torch.randn(latents.shape, generator=gen).to(latents.device, latents.dtype)
+    return sigmas.to(latents.device), noise
+
+
+def _pieces(b: int, micro_batch: int) -> list[slice]:
+    """The rows of a batch of ``b`` each forward runs (``micro_batch`` at a time; 0: all)."""
+    step = micro_batch if 0 < micro_batch < b else b
+    return [slice(start, min(b, start + step)) for start in range(0, b, step)]
+
+
 def _micro_step(model, family, latents, embeds, cfg: TrainConfig, gen: torch.Generator, autocast,
-                scale: float, micro_batch: int = 0, sigma_range: tuple[float, float] = (0.0, 1.0)) -> float:
+                scale: float, micro_batch: int = 0, sigma_range: tuple[float, float] = (0.0, 1.0),
+                window=None, calls: list | None = None) -> float:
     """Forward and backward of one batch; returns its loss. The noise and timesteps are drawn for the whole
     batch; with ``micro_batch`` the batch then runs that many samples at a time, each piece's loss weighted
-    by its share, so the accumulated gradient is the whole batch's (activations are one piece's)."""
+    by its share, so the accumulated gradient is the whole batch's (activations are one piece's). ``calls``: the
+    modulation window's outputs for each piece (``window.call`` serves them through its forward and backward)."""
     b = latents.shape[0]
-    mu = family.schedule.train_shift_mu(latents) if cfg.shift_timesteps else None
-    sigmas = sample_sigmas(b, gen, cfg.timestep_mean, cfg.timestep_std, mu, *sigma_range).to(latents.device)
-    noise = torch.randn(latents.shape, generator=gen).to(latents.device, latents.dtype)
+    sigmas, noise = _draw_noise(family, latents, cfg, gen, sigma_range)
     noisy, target = noisy_latents_and_target(latents, noise, sigmas)
-    step = micro_batch if 0 < micro_batch < b else b
     total = 0.0
-    for start in range(0, b, step):
-        piece = slice(start, min(b, start + step))
-        with autocast:
-            pred = predict_velocity(family, model, noisy[piece], {k: v[piece] for k, v in embeds.items()},
-                                           sigmas[piece], cfg.guidance)
-        loss = torch.nn.functional.mse_loss(pred.float(), target[piece].float())
-        share = (piece.stop - piece.start) / b
-        (loss * (share * scale)).backward()
+    for i, piece in enumerate(_pieces(b, micro_batch)):
+        with window.call(calls[i]) if calls is not None else contextlib.nullcontext():
+            with autocast:
+                pred = predict_velocity(family, model, noisy[piece], {k: v[piece] for k, v in embeds.items()},
+                                        sigmas[piece], cfg.guidance)
+            loss = torch.nn.functional.mse_loss(pred.float(), target[piece].float())
+            share = (piece.stop - piece.start) / b
+            (loss * (share * scale)).backward()
         total += loss.item() * share
     return total
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..base import ModelFamily, image_only
-from ..specs import Guidance, LoraForm, MemoryProfile, NoiseSchedule, TextEncoderSpec
+from ..specs import Guidance, LoraForm, MemoryProfile, NoiseSchedule, StepConstants, TextEncoderSpec
 from ..names import NativeParam
 from ..patches import linear_mu, pack_2x2, unpack_2x2
 from .names import flux1_param_table
@@ -92,6 +92,10 @@ class Flux1Family(ModelFamily):
         text_linears=("attn.add_", "attn.to_add_out", "ff_context."),
         dual_stream_lists=("transformer_blocks",),
         chunked_recompute=True,
+        # The time / guidance / pooled-text embedding and every AdaLN modulation fed by it (27% of the block bytes).
+        step_constants=StepConstants(source="time_text_embed", modules={
+            "transformer_blocks.*.norm1.linear": "silu", "transformer_blocks.*.norm1_context.linear": "silu",
+            "single_transformer_blocks.*.norm.linear": "silu", "norm_out.linear": "silu"}),
     )
     schedule = Flux1Schedule()
     lora = LoraForm(

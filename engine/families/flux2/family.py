@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from ..base import ModelFamily, image_only
-from ..specs import Guidance, LoraForm, MemoryProfile, NoiseSchedule, PromptTemplate, TextEncoderSpec, VaeSpec
+from ..specs import (Guidance, LoraForm, MemoryProfile, NoiseSchedule, PromptTemplate, StepConstants,
+                     TextEncoderSpec, VaeSpec)
 from .names import flux2_param_table
 
 # LoRA targets: every attention projection of the double blocks, image and text streams
@@ -217,6 +218,10 @@ class Flux2Family(ModelFamily):
         # blocks in parts, compiled, 1024²): 6.24 GB measured against 5.54 GB predicted at 1.0.
         activation_scale=1.37,
         chunked_recompute=True,
+        # The time / guidance embedding and the global modulation it feeds (Flux2Modulation: linear(silu(temb))).
+        step_constants=StepConstants(source="time_guidance_embed", modules={
+            "double_stream_modulation_img.linear": "silu", "double_stream_modulation_txt.linear": "silu",
+            "single_stream_modulation.linear": "silu", "norm_out.linear": "silu"}),
     )
     schedule = Flux2Schedule()
     lora = LoraForm(

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from ..base import ModelFamily, image_only
-from ..specs import Guidance, LoraForm, MemoryProfile, NoiseSchedule, Prediction, PromptTemplate, TextEncoderSpec
+from ..specs import (Guidance, LoraForm, MemoryProfile, NoiseSchedule, Prediction, PromptTemplate, StepConstants,
+                     TextEncoderSpec)
 from ..names import NativeParam
 from .names import UNUSED_NATIVE_KEYS, lumina2_param_table
 
@@ -111,6 +112,10 @@ class Lumina2Family(ModelFamily):
         # 3.41); 1.0 fits the three best (within +21% / -9% / -3%), and the 0.5 GB headroom covers the eager case.
         activation_scale=1.0,
         width_keys=("hidden_size",),
+        # The time embedding (the caption embedder beside it runs on tokens) and the RMSNormZero modulation it feeds in
+        # the image refiner and the joint layers (the caption refiner has none), and norm_out's.
+        step_constants=StepConstants(source="time_caption_embed.timestep_embedder", modules={
+            "noise_refiner.*.norm1.linear": "silu", "layers.*.norm1.linear": "silu", "norm_out.linear_1": "silu"}),
     )
     lora = LoraForm(
         targets={"context_refiner": ATTENTION, "noise_refiner": ATTENTION, "layers": ATTENTION},

@@ -37,8 +37,8 @@ from torch import nn
 
 from ...errors import ConfigError
 from ..base import ModelFamily, image_only
-from ..specs import (ControlImages, Guidance, LoraForm, MemoryProfile, NoiseSchedule, PromptTemplate, TextEncoderSpec,
-                     VaeSpec, sigma_schedule)
+from ..specs import (ControlImages, Guidance, LoraForm, MemoryProfile, NoiseSchedule, PromptTemplate, StepConstants,
+                     TextEncoderSpec, VaeSpec, sigma_schedule)
 from ..names import NativeParam
 from ..patches import linear_mu, pack_2x2, unpack_2x2
 from ..wan_vae import WanVaeSpec
@@ -89,6 +89,16 @@ class QwenImageMemory(MemoryProfile):
         for block in model.transformer_blocks:
             chunk_token_wise(block.img_mlp, chunks, undo)
             chunk_token_wise(block.txt_mlp, chunks, undo)
+
+
+class QwenImageStepConstants(StepConstants):
+    """2511 (``zero_cond_t``) embeds the timesteps of a doubled batch (the sample's, then 0 for the reference tokens):
+    the image modulation reads both halves, the text modulation and ``norm_out`` the first (as the forward chunks it)."""
+
+    def module_input(self, name: str, form: str, vector: torch.Tensor, config: dict) -> torch.Tensor:
+        if config.get("zero_cond_t") and (".txt_mod." in name or name.startswith("norm_out.")):
+            vector = torch.chunk(vector, 2, dim=0)[0]
+        return super().module_input(name, form, vector, config)
 
 
 class QwenImageSchedule(NoiseSchedule):
@@ -155,6 +165,9 @@ class QwenImageFamily(ModelFamily):
         text_linears=("attn.add_", "attn.to_add_out", "txt_mlp."),
         dual_stream_lists=("transformer_blocks",),
         chunked_recompute=True,  # install_chunked_recompute: both streams' MLPs in token chunks
+        # The time embedding and the AdaLN modulation it feeds: (SiLU, Linear) per stream in every block, norm_out's.
+        step_constants=QwenImageStepConstants(source="time_text_embed", modules={
+            "transformer_blocks.*.img_mod.1": "silu", "transformer_blocks.*.txt_mod.1": "silu", "norm_out.linear": "silu"}),
     )
     lora = QwenImageLora(
         targets={"transformer_blocks": ATTENTION_TARGETS},

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from .step_constants import StepConstants
+
 
 @dataclass(frozen=True)
 class MemoryProfile:
@@ -59,6 +61,10 @@ class MemoryProfile:
     #: family's ``model_inputs`` takes a batch of captions of different lengths (padded, with their masks) and
     #: gives each row the output it gives that row alone. False: every row is its own forward (give the reason).
     batched_sampling: bool = True
+    #: The modules whose output is a constant of the training step (AdaLN modulation, the time / guidance / pooled-text
+    #: embedders): the modulation window computes them for K steps in one pass and blocks stream without them
+    #: (``step_constants.py``, engine/train/step_window.py). None: the family has none.
+    step_constants: StepConstants | None = None
 
     # --- the workload ----------------------------------------------------------------------------------
 

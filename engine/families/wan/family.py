@@ -35,8 +35,8 @@ from torch import nn
 
 from ...errors import ConfigError
 from ..base import ModelFamily
-from ..specs import (Guidance, LoraForm, MemoryProfile, NoiseSchedule, Prediction, TextEncoderSpec, VaeSpec,
-                     static_shift_mu)
+from ..specs import (Guidance, LoraForm, MemoryProfile, NoiseSchedule, Prediction, StepConstants, TextEncoderSpec,
+                     VaeSpec, static_shift_mu)
 from ..names import NativeParam
 from .names import wan_param_table
 from .vae import WAN21_VAE, WAN22_VAE
@@ -181,6 +181,10 @@ class WanFamily(ModelFamily):
         # refit on the bench rows of blocks in parts.
         parts_activation_scale=0.63,
         temporal_compression=4,  # the causal VAE: the first frame alone, then 4 per latent frame
+        # The time embedding and its projection to the blocks' six modulation vectors (the blocks add their own
+        # scale_shift_table: no Linear of theirs is constant).
+        step_constants=StepConstants(source="condition_embedder.time_embedder",
+                                     modules={"condition_embedder.time_proj": "silu"}),
     )
     lora = LoraForm(
         targets={"blocks": ATTENTION_TARGETS},

@@ -36,7 +36,8 @@ import torch
 from torch import nn
 
 from ..base import ModelFamily, image_only
-from ..specs import Guidance, LoraForm, MemoryProfile, NoiseSchedule, Prediction, PromptTemplate, TextEncoderSpec
+from ..specs import (Guidance, LoraForm, MemoryProfile, NoiseSchedule, Prediction, PromptTemplate, StepConstants,
+                     TextEncoderSpec)
 from ..names import NativeParam
 from .names import z_image_param_table
 
@@ -88,6 +89,11 @@ class ZImageFamily(ModelFamily):
         # 2x2 patches of the /8 latents, padded to a multiple of 32 as the transformer runs them (1024²: 4096, no
         # padding). Caption tokens (<= 512 + padding) come on top in the joint ``layers``.
         token_multiple=SEQ_MULTI_OF,
+        # The time embedding and the modulation it feeds: adaLN_modulation = (Linear) on it in the image refiner and
+        # the joint layers (the caption refiner has none), (SiLU, Linear) in the final layer.
+        step_constants=StepConstants(source="t_embedder", modules={
+            "noise_refiner.*.adaLN_modulation.0": "same", "layers.*.adaLN_modulation.0": "same",
+            "all_final_layer.*.adaLN_modulation.1": "silu"}),
     )
     lora = LoraForm(
         targets={  # in forward execution order (ZImageTransformer2DModel.forward)
