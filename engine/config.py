@@ -103,6 +103,38 @@ class DataConfig:
             raise ConfigError(f"max_aspect={self.max_aspect} must be >= 1.0")
 
 
+#: Adapter types, one handler file each in engine/lora_io/adapters/ (a test checks the two agree). Here, torch-free,
+#: because the config (layer 0) checks the choice before anything loads.
+ADAPTER_TYPES = ("lora", "loha", "lokr", "dora")
+
+
+@dataclass
+class AdapterConfig:
+    """Which kind of adapter trains (the LoRA Adapter node's settings). Rank and alpha stay on Train LoRA."""
+
+    type: str = field(default="lora", metadata={"help": (
+        "lora: B @ A, rank r (the default; loads everywhere). loha: LoHa, (A1 @ B1) * (A2 @ B2), a Hadamard product "
+        "of two rank-r pairs: rank up to r^2 for 2x LoRA's weights. lokr: LoKr, kron(W1, W2): very few weights, "
+        "its size set by lokr_factor (rank only matters where W2 is decomposed). dora: LoRA plus a trained "
+        "magnitude per output row (DoRA); about 1.3x LoRA's step time. loha/lokr/dora are saved in ComfyUI's "
+        "format only (diffusers has no loader for LoHa/LoKr)."
+    )})
+    lokr_factor: int = field(default=-1, metadata={"help": (
+        "LoKr only: how each side of a layer is split for the Kronecker product (W1 is about factor x factor). "
+        "-1 = the most balanced split (smallest file); 4-16 gives W1 more room. Ignored by other types."
+    )})
+    lokr_decompose_both: bool = field(default=False, metadata={"help": (
+        "LoKr only: also split W1 into a rank-r pair (W1 is already small, so this rarely saves anything). "
+        "Ignored by other types."
+    )})
+
+    def __post_init__(self) -> None:
+        if self.type not in ADAPTER_TYPES:
+            raise ConfigError(f"adapter type={self.type!r} is not one of {', '.join(ADAPTER_TYPES)}")
+        if self.lokr_factor == 0 or self.lokr_factor < -1:
+            raise ConfigError(f"lokr_factor={self.lokr_factor} must be -1 (balanced) or a positive factor")
+
+
 @dataclass
 class LoraSettings:
     """Shape of the adapter."""
@@ -117,8 +149,13 @@ class LoraSettings:
     target_modules: Optional[list[str]] = field(default=None, metadata={"help": (
         "Module names the LoRA attaches to; None = the family's attention and projection set."
     )})
+    adapter: AdapterConfig = field(default_factory=AdapterConfig, metadata={"help": (
+        "The adapter type and its own settings (the LoRA Adapter node); plain LoRA when not given."
+    )})
 
     def __post_init__(self) -> None:
+        if isinstance(self.adapter, dict):  # from asdict() (a data-parallel worker's spec, a stored run)
+            self.adapter = AdapterConfig(**self.adapter)
         _require_finite(self, ("alpha", "dropout"))
         if self.rank < 1:
             raise ConfigError(f"rank={self.rank} must be >= 1")

@@ -15,8 +15,9 @@ from ..fileio import atomic_write
 from ..families import get_family
 from .trained import TrainedLora
 from ..version import VERSION
-from .formats import (NATIVE_PREFIX, fold_scale, from_diffusers, from_kohya_fused, from_native_fused, lora_modules,
-                      to_comfyui_form, to_diffusers)
+from .adapters import get_adapter
+from .formats import (NATIVE_PREFIX, adapter_to_comfyui_form, fold_adapter, fold_scale, from_diffusers, from_kohya_fused,
+                      from_native_fused, lora_modules, to_comfyui_form, to_diffusers)
 
 FORMATS = ("comfyui", "diffusers")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -42,6 +43,7 @@ def _metadata(lora: TrainedLora, fmt: str) -> dict[str, str]:
         "lowvram_lora.format": fmt,
         "lowvram_lora.family": lora.family,
         "lowvram_lora.variant": lora.variant,
+        "lowvram_lora.adapter": lora.adapter,
         "lowvram_lora.rank": str(lora.rank),
         "lowvram_lora.alpha": str(lora.alpha),
         "lowvram_lora.scale_folded": "true",  # B already holds alpha/rank; files load at scale 1
@@ -68,11 +70,22 @@ def save_lora(lora: TrainedLora, path: str | Path, fmt: str = "comfyui", dtype: 
         raise LoraFormatError(f"'{path}' must end in .safetensors")
     if path.exists() and not overwrite:
         raise LoraFormatError(f"'{path}' already exists; choose another name or allow overwriting")
-    folded = fold_scale(lora.state_dict, lora.scale)
-    if fmt == "comfyui":  # the form ComfyUI's loader maps for this family (its LoraForm.comfyui_form)
-        tensors = to_comfyui_form(folded, get_family(lora.family), lora.model_config)
-    else:
-        tensors = to_diffusers(folded)
+    adapter = get_adapter(lora.adapter)
+    if fmt == "diffusers" and not adapter.diffusers_loads:
+        raise LoraFormatError(f"diffusers has no loader for {adapter.name} adapters; save this one in the comfyui "
+                              f"format (ComfyUI reads it)")
+    if adapter.name == "lora":
+        folded = fold_scale(lora.state_dict, lora.scale)
+        if fmt == "comfyui":  # the form ComfyUI's loader maps for this family (its LoraForm.comfyui_form)
+            tensors = to_comfyui_form(folded, get_family(lora.family), lora.model_config)
+        else:
+            tensors = to_diffusers(folded)
+    else:  # LoHa, LoKr, DoRA: the keys of comfy/weight_adapter/ (engine/lora_io/adapters/)
+        folded = fold_adapter(lora.state_dict, adapter, lora.scale)
+        if fmt == "comfyui":
+            tensors = adapter_to_comfyui_form(folded, adapter, get_family(lora.family), lora.model_config)
+        else:
+            tensors = to_diffusers(folded, adapter)
     tensors = {k: (v if k.endswith(".alpha") else v.to(_DTYPES[dtype])).contiguous() for k, v in tensors.items()}
     try:
         with atomic_write(path, "the LoRA file", overwrite=overwrite) as tmp:

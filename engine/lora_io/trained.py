@@ -18,7 +18,7 @@ from ..fileio import atomic_write, write_json_atomic
 
 @dataclass
 class TrainedLora:
-    state_dict: dict[str, torch.Tensor]  # peft names: "transformer_blocks.0.attn.to_q.lora_A.weight", fp32 CPU
+    state_dict: dict[str, torch.Tensor]  # peft names ("...attn.to_q.lora_A.weight", "...to_q.hada_w1_a"), fp32 CPU
     rank: int
     alpha: float
     family: str
@@ -36,6 +36,7 @@ class TrainedLora:
     model_config: dict = field(default_factory=dict)  # the transformer's config (LoRA export needs its shapes)
     sample_grids: list = field(default_factory=list)  # paths of the sample grids written while training
     sample_seconds: float = 0.0  # time spent sampling (not in the step times)
+    adapter: str = "lora"  # the adapter type (engine/lora_io/adapters/): which names state_dict holds
 
     @property
     def scale(self) -> float:

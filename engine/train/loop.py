@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -33,7 +33,7 @@ from ..offload.hostmem import process_memory
 from .batching import bucket_batches, micro_generator
 from .flow_matching import noisy_latents_and_target, sample_sigmas
 from .grad_mode import autograd_enabled, autograd_safe_tensor, make_autograd_safe
-from .lora_attach import lora_state_dict, skip_lora_input_cast
+from .lora_attach import adapter_parameters, lora_state_dict, skip_lora_input_cast
 from .optimizers import check_optimizer, make_optimizer
 from .placement import MemoryOptions, Placement, choose_placement, training_device
 from .resume import ResumeStore, RngSnapshot
@@ -123,7 +123,7 @@ def _train_lora(model_cfg, identity, dataset, lora, train, callback, preloaded, 
     if preview_partner is not None and sampling is not None and sampling.enabled and device.type == "cuda":
         _count_partner(placement, preview_partner, dtype)
     _load_model(run, model_cfg, identity, lora, preloaded)
-    run.result = _new_result(run, model_cfg, lora)
+    run.result, run.lora = _new_result(run, model_cfg, lora), lora
     _prepare_model(run)
     try:  # from the placement on, whatever happens, _finish takes the LoRA out and undoes every phase
         _place(run, lora)
@@ -159,6 +159,7 @@ class _Run:
     family: Any = None
     variant: str = ""
     result: TrainedLora | None = None
+    lora: LoraSettings | None = None
     undo: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     params: list = field(default_factory=list)
     named: list = field(default_factory=list)  # (name, LoRA parameter), in the order of ``params``
@@ -232,7 +233,7 @@ def _new_result(run: _Run, model_cfg, lora: LoraSettings) -> TrainedLora:
         state_dict={}, rank=lora.rank, alpha=lora.alpha, family=run.family.id, variant=run.variant, steps=0,
         requested_steps=run.train.steps, dataset_hash=run.dataset.dataset_hash,
         base_model=str(model_cfg.transformer_path),
-        settings={"lora": vars(lora), "train": vars(run.train),
+        adapter=lora.adapter.type, settings={"lora": asdict(lora), "train": vars(run.train),
                   **({"offload": vars(offload)} if offload is not None else {})},
         model_config={k: v for k, v in dict(run.model.config).items() if not k.startswith("_")},
     )
@@ -269,7 +270,7 @@ def _make_optimizer(run: _Run) -> None:
     """The optimizer (AdamW moments on the host when the plan or Offload Config say) and its schedule."""
     run.optimizer = make_optimizer(run.params, run.train, run.memory.optimizer_on_host)
     run.scheduler = _make_scheduler(run.optimizer, run.train)
-    run.named = [(n, p) for n, p in run.model.named_parameters() if "lora_" in n]  # the order of ``params``
+    run.named = adapter_parameters(run.model)  # the order of ``params``
 
 
 def _prepare_data(run: _Run) -> None:
@@ -552,7 +553,7 @@ def _finish(run: _Run, drop_model: bool) -> list[str]:
     preloaded model is left as found (benchmarks train it again); one we loaded is dropped."""
     result, model = run.result, run.model
     result.seconds = time.perf_counter() - run.start
-    result.state_dict = lora_state_dict(model) if result.steps else {}
+    result.state_dict = lora_state_dict(model, run.lora) if result.steps else {}
     bad = [k for k, v in result.state_dict.items() if not torch.isfinite(v).all()]
     if bad:  # never hand on (or save, or cache) a LoRA with NaN/inf weights
         result.state_dict, result.interrupted = {}, True
