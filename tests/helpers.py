@@ -222,3 +222,27 @@ def check_checkpoint_forms(family, pipeline_folder, tmp_path, fp8_bound: float |
     got = open_checkpoint(identify(fp8)).load_model(torch.float32).state_dict()
     for k, v in ref.float().state_dict().items():
         assert ((got[k] - v).norm() / v.norm().clamp_min(1e-12)).item() < fp8_bound, k
+
+
+def peft_merged(base, family, settings, state):
+    """A copy of ``base`` with an adapter of ``settings`` (any type) holding ``state``, merged into the weights by
+    peft's own ``merge`` (the independent reference for LoHa, LoKr and DoRA; ComfyUI-only keys such as DoRA's
+    dora_scale are not peft's and are left out)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils import set_peft_model_state_dict
+
+    from lowvram_lora.engine.lora_io.adapters import get_adapter
+    from lowvram_lora.engine.train.lora_attach import ADAPTER, attach_lora, detach_lora
+
+    model = copy.deepcopy(base)
+    attach_lora(model, family, settings, seed=0)
+    adapter = get_adapter(settings.adapter.type)
+    peft_state = {f"{m}.{k}": v for m, ms in adapter.modules(state).items() for k, v in adapter.diffusers(ms).items()}
+    result = set_peft_model_state_dict(model, peft_state, adapter_name=ADAPTER)
+    assert not result.unexpected_keys, result.unexpected_keys[:3]
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, BaseTunerLayer):
+                module.merge(adapter_names=[ADAPTER])
+    detach_lora(model)
+    return model

@@ -16,7 +16,9 @@ def attach_lora(model: nn.Module, family: ModelFamily, settings: LoraSettings, s
     """Inject the adapter ``settings.adapter.type`` (via peft, through diffusers' add_adapter) and return the
     trainable parameters, kept in fp32: bf16 adapter weights lose small updates."""
     targets = settings.target_modules or family.lora.target_modules(model)
-    config = get_adapter(settings.adapter.type).peft_config(settings, targets)
+    adapter = get_adapter(settings.adapter.type)
+    adapter.check_targets(family, {k: v for k, v in dict(model.config).items() if not k.startswith("_")}, targets)
+    config = adapter.peft_config(settings, targets)
     # Adapter weights are random-initialised from the global RNG: seed it without disturbing the caller's.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

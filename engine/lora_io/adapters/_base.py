@@ -25,6 +25,24 @@ class AdapterType:
     #: The suffixes a diffusers file holds (all of ``suffixes`` unless a type keeps a ComfyUI-only tensor).
     diffusers_suffixes: tuple[str, ...] = ()
 
+    #: Whether ``join`` can write the parts of a fused native Linear as one adapter (LoKr cannot).
+    joins_fused: bool = True
+
+    def check_targets(self, family, config: dict, targets: list[str]) -> None:
+        """Refuse, before training, targets whose saved ComfyUI form this type cannot write."""
+        if self.joins_fused or family.lora.comfyui_form != "native_fused":
+            return
+        from ..formats import _fused_layout
+        from ...errors import ConfigError
+
+        layout = _fused_layout(family.param_table(config))
+        fused = [t for t in targets if t in layout and len(layout[t][1]) > 1]
+        if fused:
+            raise ConfigError(
+                f"{self.name} cannot be saved for {family.display_name}: ComfyUI holds '{fused[0]}' inside the fused "
+                f"Linear '{layout[fused[0]][0]}', and a Kronecker product of stacked parts is not one; choose lora, "
+                f"loha or dora for this family")
+
     # --- attaching -------------------------------------------------------------------------------------------------
     def peft_config(self, settings, targets: list[str]):
         """The peft config that attaches this type with ``settings`` (a LoraSettings) to ``targets``."""

@@ -3,7 +3,7 @@ W' = m / ||W + s B A||_row * (W + s B A).
 
 Saved for ComfyUI as a LoRA with ``dora_scale`` (comfy/weight_adapter/base.py ``weight_decompose``). ComfyUI divides
 by the row norms of the *base* weight W, not of W + delta as peft (and the DoRA paper) do, so the file's
-``dora_scale`` is m * ||W|| / ||W + s B A||, computed from the base weights at export (``export``): ComfyUI then
+``dora_scale`` is m * (||W|| + eps) / ||W + s B A||, computed from the base weights at export (``export``): ComfyUI then
 builds exactly peft's merged weight, for the base weights the adapter was trained on (for an int8 slab, its
 dequantized weights; the bf16 original differs from them by the quantization error, as every LoRA's base does).
 diffusers reads peft's own form (``lora_magnitude_vector`` = m).
@@ -104,7 +104,9 @@ class Dora(Lora):
                 a, b = state[f"{name}.lora_A.weight"].float(), state[f"{name}.lora_B.weight"].float()
                 m = state[f"{name}.lora_magnitude_vector"].float()
                 merged_norm = torch.linalg.norm(w + scale * (b @ a), dim=1)
-                out[f"{name}.dora_scale"] = (m * torch.linalg.norm(w, dim=1) / merged_norm)[:, None].contiguous()
+                # ComfyUI adds fp32's eps to ||W|| (it patches in fp32): put it in too, so it cancels exactly.
+                base_norm = torch.linalg.norm(w, dim=1) + torch.finfo(torch.float32).eps
+                out[f"{name}.dora_scale"] = (m * base_norm / merged_norm)[:, None].contiguous()
         return out
 
     def fold(self, module_state, scale):

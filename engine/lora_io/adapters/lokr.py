@@ -12,6 +12,7 @@ from ._base import AdapterType, no_dropout, scalar
 
 class LoKr(AdapterType):
     name = "lokr"
+    joins_fused = False
     suffixes = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")
 
     def peft_config(self, settings, targets):
