@@ -133,6 +133,8 @@ class AdapterConfig:
             raise ConfigError(f"adapter type={self.type!r} is not one of {', '.join(ADAPTER_TYPES)}")
         if self.lokr_factor == 0 or self.lokr_factor < -1:
             raise ConfigError(f"lokr_factor={self.lokr_factor} must be -1 (balanced) or a positive factor")
+        if self.type != "lokr":  # settings of another type neither matter nor change the run's identity
+            self.lokr_factor, self.lokr_decompose_both = -1, False
 
 
 @dataclass

@@ -11,7 +11,7 @@ diffusers reads peft's own form (``lora_magnitude_vector`` = m).
 Glue for our quantized slab Linears (engine/slab/int8_linear.py): peft's DoRA reads the base weight through
 ``peft.utils.integrations.dequantize_module_weight``, which knows bitsandbytes, HQQ and torchao but would hand back
 our raw int8 storage. ``DoraLinear`` (registered with ``LoraConfig._register_custom_module``) is peft's own
-``lora.Linear`` whose DoRA layer sees a base layer with ``dequantized_weight()`` through a float view; float Linears
+``lora.Linear`` whose DoRA layer sees an ``Int8Linear`` base through a float view (its ``dequantized_weight()``); float Linears
 pass through unchanged. Everything else (init, forward, the detached norm of section 4.3) is peft's code.
 """
 from __future__ import annotations
@@ -39,7 +39,9 @@ class _FloatView:
 
 
 def _float_view(layer: nn.Module, dtype: torch.dtype):
-    return _FloatView(layer, dtype) if hasattr(layer, "dequantized_weight") else layer
+    from ...slab import Int8Linear
+
+    return _FloatView(layer, dtype) if isinstance(layer, Int8Linear) else layer
 
 
 @functools.cache
@@ -63,7 +65,7 @@ def _dora_classes():
             # peft's DoraLinearVariant.init with QuantDoraLayer (ephemeral GPU offload is not used here).
             if not module.lora_magnitude_vector:
                 module.adapter_layer_names = module.adapter_layer_names[:] + ("lora_magnitude_vector",)
-            layer = QuantDoraLayer(fan_in_fan_out=getattr(module, "fan_in_fan_out", False))
+            layer = QuantDoraLayer(fan_in_fan_out=module.fan_in_fan_out)
             layer.update_layer(base_layer=module.get_base_layer(), lora_A=module.lora_A[adapter_name].weight,
                                lora_B=module.lora_B[adapter_name].weight, scaling=module.scaling[adapter_name])
             module.lora_magnitude_vector[adapter_name] = layer
@@ -93,10 +95,11 @@ class Dora(Lora):
 
     def export(self, model, state, scale):
         """Adds ``<module>.dora_scale`` (out, 1): m * ||W|| / ||W + s B A||, ComfyUI's form (module doc)."""
+        from peft.tuners.lora.layer import LoraLayer
+
         out = dict(state)
         for name, module in model.named_modules():
-            magnitude = getattr(module, "lora_magnitude_vector", None)
-            if not magnitude or ADAPTER_NAME not in magnitude:
+            if not isinstance(module, LoraLayer) or ADAPTER_NAME not in module.lora_magnitude_vector:
                 continue
             base = _float_view(module.get_base_layer(), torch.float32).weight.detach()
             with torch.no_grad():

@@ -1,0 +1,47 @@
+"""LoRA Adapter: which kind of adapter Train LoRA trains (LoRA, LoHa, LoKr, DoRA) and its own settings.
+
+Plugged into Train LoRA's optional ``adapter`` socket; unconnected, Train LoRA trains plain LoRA. Tooltips come from
+the help text of AdapterConfig's fields (engine/config.py). Rank and alpha stay on Train LoRA (every type has them).
+Settings of a type other than the chosen one are ignored: AdapterConfig resets them to their defaults, so changing
+them neither alters the result nor retrains (the run's identity is unchanged).
+"""
+from __future__ import annotations
+
+from . import schema as io
+from .load_model import CATEGORY
+
+
+def _help(name: str, extra: str = "") -> str:
+    from ..engine.config import AdapterConfig, field_help
+
+    return field_help(AdapterConfig, name, extra)
+
+
+DESCRIPTION = (
+    "Chooses the adapter Train LoRA trains: lora, loha (LoHa), lokr (LoKr) or dora (DoRA), from peft, on every "
+    "model and memory mode LoRA trains on. All are saved so ComfyUI's own LoRA loader applies them exactly; "
+    "LoHa and LoKr files load in ComfyUI only (diffusers has no loader for them)."
+)
+
+
+class LowVRAMLoraAdapter(io.Node):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        from ..engine.config import ADAPTER_TYPES
+
+        return io.Schema(
+            node_id="LowVRAMLoraAdapter", display_name="LoRA Adapter (LowVRAM)", category=CATEGORY,
+            description=DESCRIPTION,
+            outputs=[io.Output("LOWVRAM_ADAPTER", "adapter", "The adapter settings, for Train LoRA's adapter input.")],
+            inputs=[
+                io.Combo("type", list(ADAPTER_TYPES), default="lora", tooltip=_help("type")),
+                io.Int("lokr_factor", default=-1, min=-1, max=4096, tooltip=_help("lokr_factor")),
+                io.Boolean("lokr_decompose_both", default=False, tooltip=_help("lokr_decompose_both")),
+            ])
+
+    @classmethod
+    def execute(cls, type: str = "lora", lokr_factor: int = -1, lokr_decompose_both: bool = False) -> io.NodeOutput:
+        from ..engine.config import AdapterConfig
+
+        return io.NodeOutput(AdapterConfig(type=type, lokr_factor=lokr_factor,
+                                           lokr_decompose_both=lokr_decompose_both))

@@ -1,0 +1,55 @@
+"""The LoRA Adapter node: its tooltips are AdapterConfig's help, settings of another type are ignored, and a workflow
+run by ``lowvram-lora run`` with it plugged into Train LoRA trains and saves that type."""
+import argparse
+import json
+
+import pytest
+
+from lowvram_lora.engine.config import AdapterConfig, field_help
+from lowvram_lora.host.run_command import run_workflow_command
+from lowvram_lora.host.templates import WORKFLOWS_DIR
+from lowvram_lora.nodes import NODE_CLASS_MAPPINGS
+from lowvram_lora.nodes.paths import configure_standalone_dirs
+
+NODE = NODE_CLASS_MAPPINGS["LowVRAMLoraAdapter"]
+
+
+@pytest.mark.parametrize("widget", ["type", "lokr_factor", "lokr_decompose_both"])
+def test_tooltips_are_the_adapter_configs_help(widget):
+    tooltip = NODE.INPUT_TYPES()["required"][widget][1]["tooltip"]
+    assert tooltip == field_help(AdapterConfig, widget)
+
+
+def test_settings_of_another_type_are_reset_so_they_do_not_change_the_run():
+    assert NODE.execute(type="loha", lokr_factor=8, lokr_decompose_both=True).args[0] == AdapterConfig("loha")
+    assert NODE.execute(type="lokr", lokr_factor=8).args[0] == AdapterConfig("lokr", lokr_factor=8)
+
+
+def test_train_lora_has_one_optional_adapter_socket():
+    optional = NODE_CLASS_MAPPINGS["LowVRAMTrainLoRA"].INPUT_TYPES()["optional"]
+    assert optional["adapter"][0] == "LOWVRAM_ADAPTER"
+
+
+def test_a_workflow_with_the_adapter_node_trains_and_saves_that_type(tmp_path):
+    from safetensors import safe_open
+
+    from lowvram_lora.demo import ensure_demo_assets
+
+    assets = ensure_demo_assets(tmp_path / "demo", trained=False)
+    graph = json.loads((WORKFLOWS_DIR / "api" / "demo_tiny_lora.json").read_text())
+    train = next(k for k, v in graph.items() if v["class_type"] == "LowVRAMTrainLoRA")
+    graph["90"] = {"class_type": "LowVRAMLoraAdapter",
+                   "inputs": {"type": "loha", "lokr_factor": -1, "lokr_decompose_both": False}}
+    graph[train]["inputs"]["adapter"] = ["90", 0]
+    path = tmp_path / "graph.json"
+    path.write_text(json.dumps(graph))
+    args = argparse.Namespace(workflow=str(path), models_dir=str(assets["models"]), output_dir=str(tmp_path / "out"),
+                              no_progress=True, traceback=True,
+                              overrides=[f"2.dataset_path={assets['dataset']}", f"{train}.steps=2",
+                                         f"{train}.warmup_steps=0"])
+    assert run_workflow_command(args, NODE_CLASS_MAPPINGS, configure_dirs=configure_standalone_dirs) == 0
+    saved = list((tmp_path / "out" / "loras").glob("*.safetensors"))
+    assert len(saved) == 1
+    with safe_open(str(saved[0]), "pt") as f:
+        assert f.metadata()["lowvram_lora.adapter"] == "loha"
+        assert any(k.endswith(".hada_w1_a") for k in f.keys()) and not any("lora_A" in k for k in f.keys())
