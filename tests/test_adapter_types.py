@@ -214,3 +214,24 @@ def test_resume_with_each_type_is_bit_exact(tiny_pipeline, tiny_cache, tmp_path,
     assert resumed.state_dict.keys() == whole.state_dict.keys()
     for k, v in whole.state_dict.items():
         assert torch.equal(resumed.state_dict[k], v), k
+
+
+@pytest.mark.parametrize("kind", ("dora",))  # the one with our glue; every type with inductor on the GPU
+def test_compiled_blocks_train_each_type_like_eager(tiny_pipeline, one_image_cache, monkeypatch, kind):
+    """torch.compile of each block (aot_eager on the CPU; inductor on the GPU: test_adapter_types_gpu.py) traces
+    peft's LoKr (lycoris) and DoRA (variant) layers: the same losses and weights as eager."""
+    from lowvram_lora.engine.offload import OffloadConfig
+    from lowvram_lora.engine.train import compile as compile_mod
+
+    monkeypatch.setattr(compile_mod, "DEFAULT_BACKEND", "aot_eager")
+
+    def run(offload):
+        return train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), one_image_cache, _settings(kind, rank=2),
+                          TrainConfig(steps=2, device="cpu", learning_rate=1e-3), offload=offload)
+
+    eager = run(OffloadConfig(mode="resident"))
+    compiled = run(OffloadConfig(mode="resident", compile="blocks"))
+    assert compiled.settings["compile"]["graphs"] > 0
+    assert compiled.loss_history == pytest.approx(eager.loss_history, rel=1e-3)
+    for k, v in eager.state_dict.items():
+        torch.testing.assert_close(compiled.state_dict[k], v, rtol=1e-3, atol=1e-5)
