@@ -128,6 +128,13 @@ class AdapterConfig:
         "Ignored by other types."
     )})
 
+    continue_from: str = field(default="", metadata={"help": (
+        "A LoRA file to start from instead of a fresh adapter: ours (any type), or a LoRA in kohya / musubi, "
+        "diffusers / ai-toolkit or ComfyUI-native names for this model's family. Its type, rank and modules must "
+        "be this run's (a mismatch is refused, naming it). A DoRA continues from its diffusers-format file, which "
+        "holds peft's magnitude. Empty: a fresh adapter."
+    )})
+
     def __post_init__(self) -> None:
         if self.type not in ADAPTER_TYPES:
             raise ConfigError(f"adapter type={self.type!r} is not one of {', '.join(ADAPTER_TYPES)}")

@@ -1,4 +1,5 @@
-"""LoRA Adapter: which kind of adapter Train LoRA trains (LoRA, LoHa, LoKr, DoRA) and its own settings.
+"""LoRA Adapter: which kind of adapter Train LoRA trains (LoRA, LoHa, LoKr, DoRA), its own settings, and a LoRA file
+to continue from.
 
 Plugged into Train LoRA's optional ``adapter`` socket; unconnected, Train LoRA trains plain LoRA. Tooltips come from
 the help text of AdapterConfig's fields (engine/config.py). Rank and alpha stay on Train LoRA (every type has them).
@@ -37,11 +38,21 @@ class LowVRAMLoraAdapter(io.Node):
                 io.Combo("type", list(ADAPTER_TYPES), default="lora", tooltip=_help("type")),
                 io.Int("lokr_factor", default=-1, min=-1, max=4096, tooltip=_help("lokr_factor")),
                 io.Boolean("lokr_decompose_both", default=False, tooltip=_help("lokr_decompose_both")),
+                io.String("continue_from", default="",
+                          tooltip=_help("continue_from", "A full path, or a file name in ComfyUI's models/loras "
+                                                         "folder.")),
             ])
 
     @classmethod
-    def execute(cls, type: str = "lora", lokr_factor: int = -1, lokr_decompose_both: bool = False) -> io.NodeOutput:
-        from ..engine.config import AdapterConfig
+    def execute(cls, type: str = "lora", lokr_factor: int = -1, lokr_decompose_both: bool = False,
+                continue_from: str = "") -> io.NodeOutput:
+        from pathlib import Path
 
+        from ..engine.config import AdapterConfig
+        from .paths import resolve_file
+
+        path = continue_from.strip()
+        if path and not Path(path).expanduser().is_absolute():
+            path = str(resolve_file(path, ("loras",)))
         return io.NodeOutput(AdapterConfig(type=type, lokr_factor=lokr_factor,
-                                           lokr_decompose_both=lokr_decompose_both))
+                                           lokr_decompose_both=lokr_decompose_both, continue_from=path))

@@ -14,10 +14,22 @@ from lowvram_lora.nodes.paths import configure_standalone_dirs
 NODE = NODE_CLASS_MAPPINGS["LowVRAMLoraAdapter"]
 
 
-@pytest.mark.parametrize("widget", ["type", "lokr_factor", "lokr_decompose_both"])
+@pytest.mark.parametrize("widget", ["type", "lokr_factor", "lokr_decompose_both", "continue_from"])
 def test_tooltips_are_the_adapter_configs_help(widget):
     tooltip = NODE.INPUT_TYPES()["required"][widget][1]["tooltip"]
-    assert tooltip == field_help(AdapterConfig, widget)
+    assert tooltip.startswith(field_help(AdapterConfig, widget))
+
+
+def test_a_continue_from_name_is_looked_up_in_the_loras_folder(tmp_path):
+    from lowvram_lora.nodes.paths import configure_standalone_dirs as dirs
+
+    (tmp_path / "models" / "loras").mkdir(parents=True)
+    (tmp_path / "models" / "loras" / "mine.safetensors").write_bytes(b"x")
+    dirs(str(tmp_path / "models"), str(tmp_path / "out"))
+    got = NODE.execute(type="lora", continue_from="mine.safetensors").args[0]
+    assert got.continue_from == str((tmp_path / "models" / "loras" / "mine.safetensors").resolve())
+    with pytest.raises(FileNotFoundError, match="'other.safetensors' was not found in"):
+        NODE.execute(type="lora", continue_from="other.safetensors")
 
 
 def test_settings_of_another_type_are_reset_so_they_do_not_change_the_run():
@@ -39,7 +51,8 @@ def test_a_workflow_with_the_adapter_node_trains_and_saves_that_type(tmp_path):
     graph = json.loads((WORKFLOWS_DIR / "api" / "demo_tiny_lora.json").read_text())
     train = next(k for k, v in graph.items() if v["class_type"] == "LowVRAMTrainLoRA")
     graph["90"] = {"class_type": "LowVRAMLoraAdapter",
-                   "inputs": {"type": "loha", "lokr_factor": -1, "lokr_decompose_both": False}}
+                   "inputs": {"type": "loha", "lokr_factor": -1, "lokr_decompose_both": False,
+                              "continue_from": ""}}
     graph[train]["inputs"]["adapter"] = ["90", 0]
     path = tmp_path / "graph.json"
     path.write_text(json.dumps(graph))

@@ -37,6 +37,11 @@ def training_key(model_identity: str, dataset_hash: str, lora: LoraSettings, tra
     settings = {k: v for k, v in asdict(train).items() if k not in _KEEP_OUT}
     if world_size > 1:
         settings["data_parallel_world_size"] = world_size
+    if lora.adapter.continue_from:  # the file's content, not only its name, is what the run starts from
+        from ..hashing import path_identity
+        from ..train.continue_from import continue_file
+
+        settings["continue_from_identity"] = path_identity(continue_file(lora))
     return stable_hash([VERSION, REUSE_FORMAT, model_identity, dataset_hash, asdict(lora), settings])
 
 

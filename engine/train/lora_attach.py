@@ -23,6 +23,17 @@ def attach_lora(model: nn.Module, family: ModelFamily, settings: LoraSettings, s
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model.add_adapter(config, adapter_name=ADAPTER)
+    if settings.adapter.continue_from:  # the file's weights instead of the fresh init (continue_from.py)
+        from peft.utils import set_peft_model_state_dict
+
+        from .continue_from import load_into
+
+        try:
+            state = load_into(model, family, settings, lora_state_dict(model))
+            set_peft_model_state_dict(model, state, adapter_name=ADAPTER)
+        except BaseException:
+            detach_lora(model)
+            raise
     params = []
     for _, p in adapter_parameters(model):
         p.data = p.data.float()
