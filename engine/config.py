@@ -135,7 +135,30 @@ class AdapterConfig:
         "holds peft's magnitude. Empty: a fresh adapter."
     )})
 
+    ema_decay: float = field(default=0.0, metadata={"help": (
+        "Keep an exponential moving average of the adapter weights (ema = decay * ema + (1 - decay) * weights after "
+        "every step) and save it instead of the last weights: smoother results. 0 = off; 0.99-0.999 is usual (the "
+        "average spans about 1 / (1 - decay) steps, so keep it well below the step count). Kept beside the "
+        "weights on their device, and in the resume state."
+    )})
+    snapshot_every: int = field(default=0, metadata={"help": (
+        "Every N steps, save a loadable LoRA file (the same format as Save LoRA's comfyui, named with its step) in "
+        "output/loras/snapshots/<run>/, to compare steps or keep one. 0 = off. Does not change the result."
+    )})
+    snapshot_keep: int = field(default=3, metadata={"help": (
+        "How many of the latest snapshots to keep (older ones of the same run are deleted); 0 = keep all."
+    )})
+    snapshot_dir: str = field(default="", metadata={"help": (
+        "Where snapshots go (the node sets output/loras/snapshots); each run writes into a new sub-folder."
+    )})
+
     def __post_init__(self) -> None:
+        _require_finite(self, ("ema_decay",))
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ConfigError(f"ema_decay={self.ema_decay} must be in [0, 1); 0 = off, 0.999 is usual")
+        if self.snapshot_every < 0 or self.snapshot_keep < 0:
+            raise ConfigError(f"snapshot_every={self.snapshot_every} and snapshot_keep={self.snapshot_keep} must be "
+                              f">= 0 (0 = off / keep all)")
         if self.type not in ADAPTER_TYPES:
             raise ConfigError(f"adapter type={self.type!r} is not one of {', '.join(ADAPTER_TYPES)}")
         if self.lokr_factor == 0 or self.lokr_factor < -1:

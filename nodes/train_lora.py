@@ -120,6 +120,8 @@ class LowVRAMTrainLoRA(io.Node):
                               sample_dir=output_dir() / "lowvram_samples" / uuid.uuid4().hex[:12])
         image, ui = _loss_curve_outputs(lora)
         _add_sample_clips(lora, ui)
+        if lora.snapshots:  # LoRA Adapter's snapshot_every: the loadable files kept, listed under the node
+            ui["snapshots"] = list(lora.snapshots)
         return io.NodeOutput(lora, image, _samples_output(lora), ui=ui)
 
 

@@ -54,6 +54,9 @@ def _metadata(lora: TrainedLora, fmt: str) -> dict[str, str]:
         "lowvram_lora.base_model": os.path.basename(lora.base_model.rstrip("/")),
         "lowvram_lora.final_loss": f"{final_loss:.6f}",
         "lowvram_lora.model_config": json.dumps(lora.model_config, sort_keys=True),
+        # what trained it (adapter type and settings, EMA, the loop's settings): a snapshot says it too
+        "lowvram_lora.settings": json.dumps({k: lora.settings[k] for k in ("lora", "train") if k in lora.settings},
+                                            sort_keys=True, default=str),
     }
 
 

@@ -37,6 +37,7 @@ class TrainedLora:
     sample_grids: list = field(default_factory=list)  # paths of the sample grids written while training
     sample_seconds: float = 0.0  # time spent sampling (not in the step times)
     adapter: str = "lora"  # the adapter type (engine/lora_io/adapters/): which names state_dict holds
+    snapshots: list = field(default_factory=list)  # paths of the loadable snapshots kept (engine/train/snapshots.py)
 
     @property
     def scale(self) -> float:

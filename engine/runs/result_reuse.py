@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 REUSE_FORMAT = 1  # bump when the stored entry's layout changes
 
 _KEEP_OUT = ("device", "save_every")  # settings that do not change the trained weights
+SNAPSHOT_FIELDS = ("snapshot_every", "snapshot_keep", "snapshot_dir")  # the same, of AdapterConfig
 
 
 def training_key(model_identity: str, dataset_hash: str, lora: LoraSettings, train: TrainConfig,
@@ -42,7 +43,10 @@ def training_key(model_identity: str, dataset_hash: str, lora: LoraSettings, tra
         from ..train.continue_from import continue_file
 
         settings["continue_from_identity"] = path_identity(continue_file(lora))
-    return stable_hash([VERSION, REUSE_FORMAT, model_identity, dataset_hash, asdict(lora), settings])
+    shape = asdict(lora)
+    for name in SNAPSHOT_FIELDS:  # where and how often loadable copies are written does not change the result
+        shape["adapter"].pop(name)
+    return stable_hash([VERSION, REUSE_FORMAT, model_identity, dataset_hash, shape, settings])
 
 
 def load_finished(cache_dir: Path, key: str) -> TrainedLora | None:

@@ -33,7 +33,9 @@ from ..offload.hostmem import process_memory
 from .batching import bucket_batches, micro_generator
 from .flow_matching import noisy_latents_and_target, sample_sigmas
 from .grad_mode import autograd_enabled, autograd_safe_tensor, make_autograd_safe
+from .ema import AdapterEma
 from .lora_attach import adapter_parameters, lora_state_dict, skip_lora_input_cast
+from .snapshots import Snapshots
 from .optimizers import check_optimizer, make_optimizer
 from .placement import MemoryOptions, Placement, choose_placement, training_device
 from .resume import ResumeStore, RngSnapshot
@@ -160,6 +162,8 @@ class _Run:
     variant: str = ""
     result: TrainedLora | None = None
     lora: LoraSettings | None = None
+    ema: Any = None  # AdapterEma (ema.py) when the adapter's ema_decay is set
+    snapshots: Any = None  # Snapshots (snapshots.py) when snapshot_every is set, rank 0
     undo: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     params: list = field(default_factory=list)
     named: list = field(default_factory=list)  # (name, LoRA parameter), in the order of ``params``
@@ -271,6 +275,9 @@ def _make_optimizer(run: _Run) -> None:
     run.optimizer = make_optimizer(run.params, run.train, run.memory.optimizer_on_host)
     run.scheduler = _make_scheduler(run.optimizer, run.train)
     run.named = adapter_parameters(run.model)  # the order of ``params``
+    if run.lora.adapter.ema_decay:  # its averages are saved and restored with the weights (resume)
+        run.ema = AdapterEma(run.named, run.lora.adapter.ema_decay)
+        run.named = run.named + run.ema.named
 
 
 def _prepare_data(run: _Run) -> None:
@@ -397,6 +404,9 @@ def _run_step(run: _Run, step: int) -> bool:
     if step == run.first + 1:  # the first step warms up (and compiles); the second is typical
         cb.log(describe_step(breakdown, gpu=run.device.type == "cuda"))
     _record_step(run, step, loss_sum, grad_norm, t0, breakdown)
+    if run.lora.adapter.snapshot_every and run.ranks.is_main and step % run.lora.adapter.snapshot_every == 0:
+        run.snapshots = run.snapshots or Snapshots(run.lora, run.family.id)
+        cb.log(f"snapshot of step {step}: '{run.snapshots.write(result, _adapter_state(run), step)}'")
     if step == run.first and run.compiled.graphs():
         result.settings["compile"] = {"first_step_s": round(breakdown["wall"], 2)}
         cb.log(f"{run.compiled.describe()}; the first step took {breakdown['wall']:.1f} s with compiling")
@@ -442,6 +452,8 @@ def _optimizer_step(run: _Run, step: int, loss_sum: float) -> tuple[float, float
             f"max_grad_norm > 0, and check alpha and the dataset cache"
             + (f"; the state of step {resume.last_saved_step} is kept" if resume and resume.last_saved_step else ""))
     run.optimizer.step()
+    if run.ema is not None:
+        run.ema.update()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.timer.mark("optimizer")
@@ -472,6 +484,14 @@ def _record_step(run: _Run, step: int, loss_sum: float, grad_norm: float, t0: fl
         if step < train.steps:
             _save_state(run)
         raise
+
+
+def _adapter_state(run: _Run) -> dict:
+    """The adapter's weights as saved (lora_attach.lora_state_dict): their EMA when on."""
+    if run.ema is None:
+        return lora_state_dict(run.model, run.lora)
+    with run.ema.swapped():
+        return lora_state_dict(run.model, run.lora)
 
 
 def _save_state(run: _Run, periodic: bool = False) -> None:
@@ -553,7 +573,8 @@ def _finish(run: _Run, drop_model: bool) -> list[str]:
     preloaded model is left as found (benchmarks train it again); one we loaded is dropped."""
     result, model = run.result, run.model
     result.seconds = time.perf_counter() - run.start
-    result.state_dict = lora_state_dict(model, run.lora) if result.steps else {}
+    result.state_dict = _adapter_state(run) if result.steps else {}
+    result.snapshots = [str(p) for p in run.snapshots.paths] if run.snapshots is not None else []
     bad = [k for k, v in result.state_dict.items() if not torch.isfinite(v).all()]
     if bad:  # never hand on (or save, or cache) a LoRA with NaN/inf weights
         result.state_dict, result.interrupted = {}, True
