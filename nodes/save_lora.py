@@ -125,7 +125,10 @@ class LowVRAMSaveLoRA(io.Node):
         root = output_dir().resolve()
         files = [{"filename": p.name, "subfolder": p.parent.resolve().relative_to(root).as_posix(), "type": "output"}
                  for p in (path, curve) + ((samples,) if samples is not None else ()) + tuple(clips)]
-        return io.NodeOutput(ui={"text": [str(path)], "loss_curve": [str(curve)], "files": files})
+        for snap in lora.snapshots:  # LoRA Adapter's snapshot_every: the loadable files of earlier steps
+            print(f"[lowvram-lora] snapshot: {snap}")
+        return io.NodeOutput(ui={"text": [str(path)], "loss_curve": [str(curve)], "files": files,
+                                 **({"snapshots": list(lora.snapshots)} if lora.snapshots else {})})
 
 
 def _copy_last_samples(lora: TrainedLora, path: Path):

@@ -14,7 +14,8 @@ from lowvram_lora.nodes.paths import configure_standalone_dirs
 NODE = NODE_CLASS_MAPPINGS["LowVRAMLoraAdapter"]
 
 
-@pytest.mark.parametrize("widget", ["type", "lokr_factor", "lokr_decompose_both", "continue_from"])
+@pytest.mark.parametrize("widget", ["type", "lokr_factor", "lokr_decompose_both", "continue_from", "ema_decay",
+                                    "snapshot_every", "snapshot_keep"])
 def test_tooltips_are_the_adapter_configs_help(widget):
     tooltip = NODE.INPUT_TYPES()["required"][widget][1]["tooltip"]
     assert tooltip.startswith(field_help(AdapterConfig, widget))
@@ -52,7 +53,7 @@ def test_a_workflow_with_the_adapter_node_trains_and_saves_that_type(tmp_path):
     train = next(k for k, v in graph.items() if v["class_type"] == "LowVRAMTrainLoRA")
     graph["90"] = {"class_type": "LowVRAMLoraAdapter",
                    "inputs": {"type": "loha", "lokr_factor": -1, "lokr_decompose_both": False,
-                              "continue_from": ""}}
+                              "continue_from": "", "ema_decay": 0.5, "snapshot_every": 1, "snapshot_keep": 0}}
     graph[train]["inputs"]["adapter"] = ["90", 0]
     path = tmp_path / "graph.json"
     path.write_text(json.dumps(graph))
@@ -65,4 +66,8 @@ def test_a_workflow_with_the_adapter_node_trains_and_saves_that_type(tmp_path):
     assert len(saved) == 1
     with safe_open(str(saved[0]), "pt") as f:
         assert f.metadata()["lowvram_lora.adapter"] == "loha"
+        assert json.loads(f.metadata()["lowvram_lora.settings"])["lora"]["adapter"]["ema_decay"] == 0.5
         assert any(k.endswith(".hada_w1_a") for k in f.keys()) and not any("lora_A" in k for k in f.keys())
+    # snapshot_every=1, keep all: a loadable file per step under output/loras/snapshots/<run>/
+    snaps = sorted((tmp_path / "out" / "loras" / "snapshots").glob("*/step_*.safetensors"))
+    assert [p.name for p in snaps] == ["step_0000001.safetensors", "step_0000002.safetensors"]
