@@ -128,18 +128,18 @@ def test_each_type_on_int8_slab_linears_equals_the_dequantized_float_model(int8_
 
 @pytest.fixture(scope="module")
 def trained(tiny_pipeline, one_image_cache):
-    """kind -> a TrainedLora of 20 steps on one image (float base)."""
+    """kind -> a TrainedLora of 12 steps on one image (float base)."""
     runs = {}
     for kind in NEW:
         runs[kind] = train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), one_image_cache, _settings(kind),
-                                TrainConfig(steps=20, learning_rate=5e-3, seed=0, device="cpu"))
+                                TrainConfig(steps=12, learning_rate=1e-2, seed=0, device="cpu"))
     return runs
 
 
 @pytest.mark.parametrize("kind", NEW)
 def test_each_type_lowers_the_flow_loss_against_the_base_model(tiny_pipeline, one_image_cache, trained, kind):
     lora = trained[kind]
-    assert lora.adapter == kind and lora.steps == 20 and not lora.interrupted
+    assert lora.adapter == kind and lora.steps == 12 and not lora.interrupted
     adapter = get_adapter(kind)
     assert lora.state_dict and all(adapter.owns(k) for k in lora.state_dict)
     base, family, _, _ = load_transformer(tiny_pipeline, dtype=torch.float32)
@@ -188,7 +188,7 @@ def test_the_comfyui_file_holds_comfyuis_names_for_the_type(trained, tmp_path, k
         assert keys[f"{q}.dora_scale"].shape == (32, 1)  # (out, 1): ComfyUI divides row by row
 
 
-@pytest.mark.parametrize("kind", NEW)
+@pytest.mark.parametrize("kind", ("loha", "lokr"))  # DoRA: with EMA, in test_ema_snapshots.py
 def test_resume_with_each_type_is_bit_exact(tiny_pipeline, tiny_cache, tmp_path, kind):
     from lowvram_lora.engine.callbacks import TrainingCallback
     from lowvram_lora.engine.models.inspect import inspect_transformer
@@ -215,23 +215,3 @@ def test_resume_with_each_type_is_bit_exact(tiny_pipeline, tiny_cache, tmp_path,
     for k, v in whole.state_dict.items():
         assert torch.equal(resumed.state_dict[k], v), k
 
-
-@pytest.mark.parametrize("kind", ("dora",))  # the one with our glue; every type with inductor on the GPU
-def test_compiled_blocks_train_each_type_like_eager(tiny_pipeline, one_image_cache, monkeypatch, kind):
-    """torch.compile of each block (aot_eager on the CPU; inductor on the GPU: test_adapter_types_gpu.py) traces
-    peft's LoKr (lycoris) and DoRA (variant) layers: the same losses and weights as eager."""
-    from lowvram_lora.engine.offload import OffloadConfig
-    from lowvram_lora.engine.train import compile as compile_mod
-
-    monkeypatch.setattr(compile_mod, "DEFAULT_BACKEND", "aot_eager")
-
-    def run(offload):
-        return train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), one_image_cache, _settings(kind, rank=2),
-                          TrainConfig(steps=2, device="cpu", learning_rate=1e-3), offload=offload)
-
-    eager = run(OffloadConfig(mode="resident"))
-    compiled = run(OffloadConfig(mode="resident", compile="blocks"))
-    assert compiled.settings["compile"]["graphs"] > 0
-    assert compiled.loss_history == pytest.approx(eager.loss_history, rel=1e-3)
-    for k, v in eager.state_dict.items():
-        torch.testing.assert_close(compiled.state_dict[k], v, rtol=1e-3, atol=1e-5)
