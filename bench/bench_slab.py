@@ -6,7 +6,8 @@
    relative output error of one forward at ``--res``, int8 vs bf16.
 4. Trains LoRA r16 through ``train_lora``: ``bf16-resident`` (the baseline of this run), then modes
    ``<bf16|int8>-<resident|stream-k<K>[-act]>[-8bit]``: int8 blocks resident or streamed from pinned
-   host memory (dequantized on the GPU), activation offload, torchao 8-bit AdamW moments.
+   host memory (dequantized on the GPU), activation offload, torchao 8-bit AdamW moments. ``--adapters`` trains
+   each mode once per adapter type (lora, loha, lokr, dora; rows ``<mode>+<type>`` beside plain LoRA's).
 
 Rows are appended to ``--out`` in train_bench.py's format (``bench/report.py`` renders them).
 
@@ -55,6 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--workdir", default="/tmp/slab-bench")
     p.add_argument("--out", default="bench/results.jsonl")
     p.add_argument("--note", default="")
+    p.add_argument("--adapters", nargs="+", default=["lora"],
+                   help="adapter types each mode trains (engine/lora_io/adapters/); rows <mode>+<type> after lora's")
     return p.parse_args(argv)
 
 
@@ -75,12 +78,13 @@ def _forward(family, model, res, device):
         return model(**_inputs(family, model, res, device))[0].float()
 
 
-def _train(model, family, variant, dataset, args, offload, recorder, optimizer="adamw"):
-    from lowvram_lora.engine.config import LoraSettings, ModelConfig, TrainConfig
+def _train(model, family, variant, dataset, args, offload, recorder, optimizer="adamw", adapter="lora"):
+    from lowvram_lora.engine.config import AdapterConfig, LoraSettings, ModelConfig, TrainConfig
     from lowvram_lora.engine.train import train_lora
 
     return train_lora(
-        ModelConfig(dtype="bf16", family="flux1"), dataset, LoraSettings(rank=args.rank, alpha=float(args.rank)),
+        ModelConfig(dtype="bf16", family="flux1"), dataset,
+        LoraSettings(rank=args.rank, alpha=float(args.rank), adapter=AdapterConfig(type=adapter)),
         TrainConfig(steps=args.warmup + args.timed, device="cuda", learning_rate=1e-4,
                     optimizer=optimizer),
         recorder.callback, preloaded=(model, family, variant), offload=offload,
@@ -158,18 +162,21 @@ def main(argv=None) -> int:
                                         activation_offload=spec.endswith("-act"))
             else:
                 raise SystemExit(f"unknown mode {mode!r}")
-            gc.collect()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-            rec = StepRecorder(mode)
-            t = time.perf_counter()
-            try:
-                _train(model, family, variant, dataset, args, offload, rec, optimizer)
-                error = None
-            except torch.cuda.OutOfMemoryError as exc:
-                error = f"OOM: {str(exc)[:300]}"
-            resident = rows.get("bf16-resident", {}).get("step_s")
-            rows[mode] = emit({"mode": mode, **training_row(rec, args.warmup, t, error, resident, device)})
+            for adapter in args.adapters:
+                label = mode if adapter == "lora" else f"{mode}+{adapter}"
+                gc.collect()
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+                rec = StepRecorder(label)
+                t = time.perf_counter()
+                try:
+                    _train(model, family, variant, dataset, args, offload, rec, optimizer, adapter)
+                    error = None
+                except torch.cuda.OutOfMemoryError as exc:
+                    error = f"OOM: {str(exc)[:300]}"
+                resident = rows.get("bf16-resident", {}).get("step_s")
+                rows[label] = emit({"mode": label, "adapter": adapter,
+                                    **training_row(rec, args.warmup, t, error, resident, device)})
     print("\nmode                 step s   x bf16-resident   peak alloc GB   peak reserved GB")
     for mode, r in rows.items():
         print(f"{mode:20s} {r['step_s'] or float('nan'):7.3f}   {r['x_resident'] or float('nan'):15.3f}"

@@ -103,6 +103,70 @@ class DataConfig:
             raise ConfigError(f"max_aspect={self.max_aspect} must be >= 1.0")
 
 
+#: Adapter types, one handler file each in engine/lora_io/adapters/ (a test checks the two agree). Here, torch-free,
+#: because the config (layer 0) checks the choice before anything loads.
+ADAPTER_TYPES = ("lora", "loha", "lokr", "dora")
+
+
+@dataclass
+class AdapterConfig:
+    """Which kind of adapter trains (the LoRA Adapter node's settings). Rank and alpha stay on Train LoRA."""
+
+    type: str = field(default="lora", metadata={"help": (
+        "lora: B @ A, rank r (the default; loads everywhere). loha: LoHa, (A1 @ B1) * (A2 @ B2), a Hadamard product "
+        "of two rank-r pairs: rank up to r^2 for 2x LoRA's weights. lokr: LoKr, kron(W1, W2): very few weights, "
+        "its size set by lokr_factor (rank only matters where W2 is decomposed). dora: LoRA plus a trained "
+        "magnitude per output row (DoRA); about 1.3x LoRA's step time. loha/lokr/dora are saved in ComfyUI's "
+        "format only (diffusers has no loader for LoHa/LoKr)."
+    )})
+    lokr_factor: int = field(default=-1, metadata={"help": (
+        "LoKr only: how each side of a layer is split for the Kronecker product (W1 is about factor x factor). "
+        "-1 = the most balanced split (smallest file); 4-16 gives W1 more room. Ignored by other types."
+    )})
+    lokr_decompose_both: bool = field(default=False, metadata={"help": (
+        "LoKr only: also split W1 into a rank-r pair (W1 is already small, so this rarely saves anything). "
+        "Ignored by other types."
+    )})
+
+    continue_from: str = field(default="", metadata={"help": (
+        "A LoRA file to start from instead of a fresh adapter: ours (any type), or a LoRA in kohya / musubi, "
+        "diffusers / ai-toolkit or ComfyUI-native names for this model's family. Its type, rank and modules must "
+        "be this run's (a mismatch is refused, naming it). A DoRA continues from its diffusers-format file, which "
+        "holds peft's magnitude. Empty: a fresh adapter."
+    )})
+
+    ema_decay: float = field(default=0.0, metadata={"help": (
+        "Keep an exponential moving average of the adapter weights (ema = decay * ema + (1 - decay) * weights after "
+        "every step) and save it instead of the last weights: smoother results. 0 = off; 0.99-0.999 is usual (the "
+        "average spans about 1 / (1 - decay) steps, so keep it well below the step count). Kept beside the "
+        "weights on their device, and in the resume state."
+    )})
+    snapshot_every: int = field(default=0, metadata={"help": (
+        "Every N steps, save a loadable LoRA file (the same format as Save LoRA's comfyui, named with its step) in "
+        "output/loras/snapshots/<run>/, to compare steps or keep one. 0 = off. Does not change the result."
+    )})
+    snapshot_keep: int = field(default=3, metadata={"help": (
+        "How many of the latest snapshots to keep (older ones of the same run are deleted); 0 = keep all."
+    )})
+    snapshot_dir: str = field(default="", metadata={"help": (
+        "Where snapshots go (the node sets output/loras/snapshots); each run writes into a new sub-folder."
+    )})
+
+    def __post_init__(self) -> None:
+        _require_finite(self, ("ema_decay",))
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ConfigError(f"ema_decay={self.ema_decay} must be in [0, 1); 0 = off, 0.999 is usual")
+        if self.snapshot_every < 0 or self.snapshot_keep < 0:
+            raise ConfigError(f"snapshot_every={self.snapshot_every} and snapshot_keep={self.snapshot_keep} must be "
+                              f">= 0 (0 = off / keep all)")
+        if self.type not in ADAPTER_TYPES:
+            raise ConfigError(f"adapter type={self.type!r} is not one of {', '.join(ADAPTER_TYPES)}")
+        if self.lokr_factor == 0 or self.lokr_factor < -1:
+            raise ConfigError(f"lokr_factor={self.lokr_factor} must be -1 (balanced) or a positive factor")
+        if self.type != "lokr":  # settings of another type neither matter nor change the run's identity
+            self.lokr_factor, self.lokr_decompose_both = -1, False
+
+
 @dataclass
 class LoraSettings:
     """Shape of the adapter."""
@@ -117,8 +181,13 @@ class LoraSettings:
     target_modules: Optional[list[str]] = field(default=None, metadata={"help": (
         "Module names the LoRA attaches to; None = the family's attention and projection set."
     )})
+    adapter: AdapterConfig = field(default_factory=AdapterConfig, metadata={"help": (
+        "The adapter type and its own settings (the LoRA Adapter node); plain LoRA when not given."
+    )})
 
     def __post_init__(self) -> None:
+        if isinstance(self.adapter, dict):  # from asdict() (a data-parallel worker's spec, a stored run)
+            self.adapter = AdapterConfig(**self.adapter)
         _require_finite(self, ("alpha", "dropout"))
         if self.rank < 1:
             raise ConfigError(f"rank={self.rank} must be >= 1")

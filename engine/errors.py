@@ -29,6 +29,10 @@ class LoraFormatError(LowVRAMError):
     """A LoRA file cannot be written or read in the requested format."""
 
 
+class LoraMismatchError(ConfigError):
+    """A LoRA file to continue from does not fit this run (another family, model size, type, rank or targets)."""
+
+
 class StorageError(LowVRAMError, OSError):
     """A file or folder cannot be written (read-only, disk full, a file in the way, name
     too long); says what was being written, where, and what to do."""

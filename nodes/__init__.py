@@ -6,6 +6,7 @@ Inside ComfyUI they are registered through ``comfy_entrypoint`` (package root), 
 prefers ``NODE_CLASS_MAPPINGS`` over ``comfy_entrypoint`` when a pack has both, and every ComfyUI the pack
 supports (``requires-comfyui >= 0.3.64``) has the V3 API. Nothing here imports ComfyUI or torch.
 """
+from .adapter_options import LowVRAMLoraAdapter
 from .cache_embeds import LowVRAMCacheTextEmbeds
 from .dual_gpu import LowVRAMDualGPUSplit
 from .load_model import LowVRAMLoadQuantizedSlab
@@ -15,7 +16,7 @@ from .train_lora import LowVRAMTrainLoRA
 
 #: In the order the editor lists them; each class is named as its node id (``Schema.node_id``).
 NODES = [LowVRAMLoadQuantizedSlab, LowVRAMCacheTextEmbeds, LowVRAMOffloadConfig, LowVRAMDualGPUSplit,
-         LowVRAMTrainLoRA, LowVRAMSaveLoRA]
+         LowVRAMTrainLoRA, LowVRAMSaveLoRA, LowVRAMLoraAdapter]
 
 NODE_CLASS_MAPPINGS = {cls.__name__: cls for cls in NODES}
 

@@ -114,7 +114,9 @@ class LowVRAMSaveLoRA(io.Node):
             texts.append(str(path))
             curves.append(str(curve))
             files += saved
-        return io.NodeOutput(ui={"text": texts, "loss_curve": curves, "files": files})
+        snapshots = [str(p) for one in loras for p in one.snapshots]
+        return io.NodeOutput(ui={"text": texts, "loss_curve": curves, "files": files,
+                                 **({"snapshots": snapshots} if snapshots else {})})
 
 
 def _save_one(lora: TrainedLora, filename_prefix: str, format: str, dtype: str):
@@ -143,6 +145,8 @@ def _save_one(lora: TrainedLora, filename_prefix: str, format: str, dtype: str):
     root = output_dir().resolve()
     files = [{"filename": p.name, "subfolder": p.parent.resolve().relative_to(root).as_posix(), "type": "output"}
              for p in (path, curve) + ((samples,) if samples is not None else ()) + tuple(clips)]
+    for snap in lora.snapshots:  # LoRA Adapter's snapshot_every: the loadable files of earlier steps
+        print(f"[lowvram-lora] snapshot: {snap}")
     return path, curve, files
 
 

@@ -79,6 +79,9 @@ class LowVRAMTrainLoRA(io.Node):
                           tooltip="From Dual-GPU Split: train across two GPUs (split the model, or data "
                                   "parallel). Unconnected: one GPU."),
                 io.Custom("LOWVRAM_MODEL", "preview_partner", optional=True, tooltip=_partner_help()),
+                io.Custom("LOWVRAM_ADAPTER", "adapter", optional=True,
+                          tooltip="From LoRA Adapter: train LoHa, LoKr or DoRA instead of LoRA, with their own "
+                                  "settings. Unconnected: plain LoRA."),
             ])
 
     @classmethod
@@ -88,7 +91,7 @@ class LowVRAMTrainLoRA(io.Node):
                 guidance: float = 1.0, max_grad_norm: float = 1.0, optimizer: str = "adamw", save_every: int = 0,
                 sample_every: int = 0, sample_steps: int = 20, sample_resolution: int = 512, sample_seed: int = 42,
                 sample_at_start: bool = True, sample_guidance: float = 3.5, sample_frames: int = 17,
-                split=None, preview_partner=None) -> io.NodeOutput:
+                split=None, preview_partner=None, adapter=None) -> io.NodeOutput:
         from ..engine.config import LoraSettings, TrainConfig
         from ..engine.sampling import SamplingConfig
         from ..engine.runs.result_reuse import train_or_reuse
@@ -102,7 +105,7 @@ class LowVRAMTrainLoRA(io.Node):
             callback.log(f"warmup_steps={warmup_steps} is not below steps={steps}; using {clamped} "
                          f"(a tenth of the steps) for this run")
             warmup_steps = clamped
-        lora_cfg = LoraSettings(rank=rank, alpha=alpha)
+        lora_cfg = LoraSettings(rank=rank, alpha=alpha, **({"adapter": adapter} if adapter is not None else {}))
         train_cfg = TrainConfig(
             steps=steps, learning_rate=learning_rate, batch_size=batch_size,
             gradient_accumulation=gradient_accumulation, lr_scheduler=lr_scheduler, warmup_steps=warmup_steps,
@@ -117,6 +120,8 @@ class LowVRAMTrainLoRA(io.Node):
                               sample_dir=output_dir() / "lowvram_samples" / uuid.uuid4().hex[:12])
         image, ui = _loss_curve_outputs(lora)
         _add_sample_clips(lora, ui)
+        if lora.snapshots:  # LoRA Adapter's snapshot_every: the loadable files kept, listed under the node
+            ui["snapshots"] = list(lora.snapshots)
         return io.NodeOutput(lora, image, _samples_output(lora), ui=ui)
 
 

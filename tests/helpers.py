@@ -232,3 +232,27 @@ def int4_decode(slab: dict, name: str, cols: int) -> torch.Tensor:
     group = torch.arange(cols) // 64
     base = name[: -len("weight")]
     return q * slab[base + "weight_scale"].float()[:, group] + slab[base + "weight_min"].float()[:, group]
+
+
+def peft_merged(base, family, settings, state):
+    """A copy of ``base`` with an adapter of ``settings`` (any type) holding ``state``, merged into the weights by
+    peft's own ``merge`` (the independent reference for LoHa, LoKr and DoRA; ComfyUI-only keys such as DoRA's
+    dora_scale are not peft's and are left out)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils import set_peft_model_state_dict
+
+    from lowvram_lora.engine.lora_io.adapters import get_adapter
+    from lowvram_lora.engine.train.lora_attach import ADAPTER, attach_lora, detach_lora
+
+    model = copy.deepcopy(base)
+    attach_lora(model, family, settings, seed=0)
+    adapter = get_adapter(settings.adapter.type)
+    peft_state = {f"{m}.{k}": v for m, ms in adapter.modules(state).items() for k, v in adapter.diffusers(ms).items()}
+    result = set_peft_model_state_dict(model, peft_state, adapter_name=ADAPTER)
+    assert not result.unexpected_keys, result.unexpected_keys[:3]
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, BaseTunerLayer):
+                module.merge(adapter_names=[ADAPTER])
+    detach_lora(model)
+    return model

@@ -211,8 +211,49 @@ def to_comfyui_form(state: dict[str, torch.Tensor], family, config: dict) -> dic
                           f"known forms: diffusers_names, native_fused")
 
 
-def to_diffusers(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {f"transformer.{k}": v.contiguous() for k, v in state.items()}
+def to_diffusers(state: dict[str, torch.Tensor], adapter=None) -> dict[str, torch.Tensor]:
+    """``transformer.``-prefixed peft names (an ``adapter`` type keeps only the tensors diffusers reads)."""
+    if adapter is None:
+        return {f"transformer.{k}": v.contiguous() for k, v in state.items()}
+    return {f"transformer.{m}.{k}": v.contiguous() for m, ms in adapter.modules(state).items()
+            for k, v in adapter.diffusers(ms).items()}
+
+
+def fold_adapter(state: dict[str, torch.Tensor], adapter, scale: float) -> dict[str, torch.Tensor]:
+    """``state`` of an adapter type with alpha/rank folded into its weights (``AdapterType.fold``)."""
+    return {f"{m}.{k}": v for m, ms in adapter.modules(state).items() for k, v in adapter.fold(ms, scale).items()}
+
+
+def adapter_to_comfyui_form(state: dict[str, torch.Tensor], adapter, family, config: dict) -> dict[str, torch.Tensor]:
+    """The "comfyui" file of a LoHa, LoKr or DoRA (folded state): the keys ComfyUI's ``comfy/weight_adapter/`` reads
+    for the type (``AdapterType.comfyui``), under the names its loader maps for the family: ``transformer.<diffusers
+    module>`` (each a row slice of a fused BFL Linear) or ``diffusion_model.<native module>`` with the parts of a fused
+    native Linear joined into one adapter (``AdapterType.join``, exact or refused)."""
+    layout = _fused_layout(family.param_table(config))
+    modules = adapter.modules(state)
+    missing = [m for m in modules if m not in layout]
+    if missing:
+        raise LoraFormatError(f"adapter module '{missing[0]}' has no counterpart in ComfyUI's layout of this model; "
+                              f"train only the default target modules")
+    out = {}
+    if family.lora.comfyui_form == "diffusers_names":
+        for module, ms in modules.items():
+            out.update({f"transformer.{module}.{k}": v for k, v in adapter.comfyui(ms).items()})
+    elif family.lora.comfyui_form == "native_fused":
+        by_native: dict[str, list[tuple[str, int, int]]] = {}
+        for module in modules:
+            native, parts = layout[module]
+            by_native[native] = parts
+        for native, parts in sorted(by_native.items()):
+            if len(parts) == 1:
+                tensors = adapter.comfyui(modules[parts[0][0]])
+            else:
+                tensors = adapter.join(native, [(off, rows, modules.get(name)) for name, off, rows in parts])
+            out.update({f"{NATIVE_PREFIX}{native}.{k}": v for k, v in tensors.items()})
+    else:
+        raise LoraFormatError(f"{family.display_name} declares LoraForm comfyui_form={family.lora.comfyui_form!r}; "
+                              f"known forms: diffusers_names, native_fused")
+    return {k: v.contiguous() for k, v in out.items()}
 
 
 def from_diffusers(sd: dict[str, torch.Tensor], alpha_from_metadata: float | None = None) -> dict[str, torch.Tensor]:

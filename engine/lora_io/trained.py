@@ -19,7 +19,7 @@ from ..fileio import atomic_write, write_json_atomic
 
 @dataclass
 class TrainedLora:
-    state_dict: dict[str, torch.Tensor]  # peft names: "transformer_blocks.0.attn.to_q.lora_A.weight", fp32 CPU
+    state_dict: dict[str, torch.Tensor]  # peft names ("...attn.to_q.lora_A.weight", "...to_q.hada_w1_a"), fp32 CPU
     rank: int
     alpha: float
     family: str
@@ -40,6 +40,8 @@ class TrainedLora:
     # The other expert's LoRA of a two-expert run (Dual-GPU Split mode 'experts', engine/runs/experts.py), which
     # Save LoRA writes beside this one. Not stored with this run: each expert's run is stored under its own key.
     companion: Optional["TrainedLora"] = field(default=None, compare=False, repr=False)
+    adapter: str = "lora"  # the adapter type (engine/lora_io/adapters/): which names state_dict holds
+    snapshots: list = field(default_factory=list)  # paths of the loadable snapshots kept (engine/train/snapshots.py)
 
     @property
     def scale(self) -> float:

@@ -88,13 +88,16 @@ def frozen_elements(module: nn.Module) -> int:
 
 
 def lora_param_count(model: nn.Module, family, lora: LoraSettings) -> int:
-    """Elements a LoRA of ``lora`` adds: rank x (in + out) per targeted Linear (peft's name matching:
-    the full module name or a dotted suffix of it)."""
+    """Elements an adapter of ``lora`` adds (its type's ``param_count`` per targeted Linear: rank x (in + out) for
+    LoRA) (peft's name matching: the full module name or a dotted suffix of it)."""
+    from ..lora_io.adapters import get_adapter
+
+    adapter = get_adapter(lora.adapter.type)
     targets = lora.target_modules or family.lora.target_modules(model)
     total = 0
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and any(name == t or name.endswith("." + t) for t in targets):
-            total += lora.rank * (module.in_features + module.out_features)
+            total += adapter.param_count(module.in_features, module.out_features, lora)
     return total
 
 

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 REUSE_FORMAT = 1  # bump when the stored entry's layout changes
 
 _KEEP_OUT = ("device", "save_every")  # settings that do not change the trained weights
+SNAPSHOT_FIELDS = ("snapshot_every", "snapshot_keep", "snapshot_dir")  # the same, of AdapterConfig
 
 
 def model_key(model: ModelInfo) -> str:
@@ -37,7 +38,15 @@ def training_key(model_identity: str, dataset_hash: str, lora: LoraSettings, tra
     settings = {k: v for k, v in asdict(train).items() if k not in _KEEP_OUT}
     if world_size > 1:
         settings["data_parallel_world_size"] = world_size
-    return stable_hash([VERSION, REUSE_FORMAT, model_identity, dataset_hash, asdict(lora), settings])
+    if lora.adapter.continue_from:  # the file's content, not only its name, is what the run starts from
+        from ..hashing import path_identity
+        from ..train.continue_from import continue_file
+
+        settings["continue_from_identity"] = path_identity(continue_file(lora))
+    shape = asdict(lora)
+    for name in SNAPSHOT_FIELDS:  # where and how often loadable copies are written does not change the result
+        shape["adapter"].pop(name)
+    return stable_hash([VERSION, REUSE_FORMAT, model_identity, dataset_hash, shape, settings])
 
 
 def load_finished(cache_dir: Path, key: str) -> TrainedLora | None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -33,7 +33,9 @@ from ..offload.hostmem import process_memory
 from .batching import bucket_batches, micro_generator
 from .flow_matching import noisy_latents_and_target, sample_sigmas
 from .grad_mode import autograd_enabled, autograd_safe_tensor, make_autograd_safe
-from .lora_attach import lora_state_dict, skip_lora_input_cast
+from .ema import AdapterEma
+from .lora_attach import adapter_parameters, lora_state_dict, skip_lora_input_cast
+from .snapshots import Snapshots
 from .optimizers import check_optimizer, make_optimizer
 from .placement import MemoryOptions, Placement, choose_placement, training_device
 from .resume import ResumeStore, RngSnapshot
@@ -126,7 +128,7 @@ def _train_lora(model_cfg, identity, dataset, lora, train, callback, preloaded, 
     if preview_partner is not None and sampling is not None and sampling.enabled and device.type == "cuda":
         _count_partner(placement, preview_partner, dtype)
     _load_model(run, model_cfg, identity, lora, preloaded)
-    run.result = _new_result(run, model_cfg, lora)
+    run.result, run.lora = _new_result(run, model_cfg, lora), lora
     _prepare_model(run)
     try:  # from the placement on, whatever happens, _finish takes the LoRA out and undoes every phase
         _mark_window(run, lora, step_window)
@@ -164,6 +166,9 @@ class _Run:
     family: Any = None
     variant: str = ""
     result: TrainedLora | None = None
+    lora: LoraSettings | None = None
+    ema: Any = None  # AdapterEma (ema.py) when the adapter's ema_decay is set
+    snapshots: Any = None  # Snapshots (snapshots.py) when snapshot_every is set, rank 0
     undo: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     params: list = field(default_factory=list)
     named: list = field(default_factory=list)  # (name, LoRA parameter), in the order of ``params``
@@ -238,7 +243,7 @@ def _new_result(run: _Run, model_cfg, lora: LoraSettings) -> TrainedLora:
         state_dict={}, rank=lora.rank, alpha=lora.alpha, family=run.family.id, variant=run.variant, steps=0,
         requested_steps=run.train.steps, dataset_hash=run.dataset.dataset_hash,
         base_model=str(model_cfg.transformer_path),
-        settings={"lora": vars(lora), "train": vars(run.train),
+        adapter=lora.adapter.type, settings={"lora": asdict(lora), "train": vars(run.train),
                   **({"offload": vars(offload)} if offload is not None else {})},
         model_config={k: v for k, v in dict(run.model.config).items() if not k.startswith("_")},
     )
@@ -339,7 +344,10 @@ def _make_optimizer(run: _Run) -> None:
     """The optimizer (AdamW moments on the host when the plan or Offload Config say) and its schedule."""
     run.optimizer = make_optimizer(run.params, run.train, run.memory.optimizer_on_host)
     run.scheduler = _make_scheduler(run.optimizer, run.train)
-    run.named = [(n, p) for n, p in run.model.named_parameters() if "lora_" in n]  # the order of ``params``
+    run.named = adapter_parameters(run.model)  # the order of ``params``
+    if run.lora.adapter.ema_decay:  # its averages are saved and restored with the weights (resume)
+        run.ema = AdapterEma(run.named, run.lora.adapter.ema_decay)
+        run.named = run.named + run.ema.named
 
 
 def _prepare_data(run: _Run) -> None:
@@ -466,6 +474,9 @@ def _run_step(run: _Run, step: int) -> bool:
     if step == run.first + 1:  # the first step warms up (and compiles); the second is typical
         cb.log(describe_step(breakdown, gpu=run.device.type == "cuda"))
     _record_step(run, step, loss_sum, grad_norm, t0, breakdown)
+    if run.lora.adapter.snapshot_every and run.ranks.is_main and step % run.lora.adapter.snapshot_every == 0:
+        run.snapshots = run.snapshots or Snapshots(run.lora, run.family.id)
+        cb.log(f"snapshot of step {step}: '{run.snapshots.write(result, _adapter_state(run), step)}'")
     if step == run.first and run.compiled.graphs():
         result.settings["compile"] = {"first_step_s": round(breakdown["wall"], 2)}
         cb.log(f"{run.compiled.describe()}; the first step took {breakdown['wall']:.1f} s with compiling")
@@ -520,6 +531,8 @@ def _optimizer_step(run: _Run, step: int, loss_sum: float) -> tuple[float, float
             f"max_grad_norm > 0, and check alpha and the dataset cache"
             + (f"; the state of step {resume.last_saved_step} is kept" if resume and resume.last_saved_step else ""))
     run.optimizer.step()
+    if run.ema is not None:
+        run.ema.update()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.timer.mark("optimizer")
@@ -550,6 +563,14 @@ def _record_step(run: _Run, step: int, loss_sum: float, grad_norm: float, t0: fl
         if step < train.steps:
             _save_state(run)
         raise
+
+
+def _adapter_state(run: _Run) -> dict:
+    """The adapter's weights as saved (lora_attach.lora_state_dict): their EMA when on."""
+    if run.ema is None:
+        return lora_state_dict(run.model, run.lora)
+    with run.ema.swapped():
+        return lora_state_dict(run.model, run.lora)
 
 
 def _save_state(run: _Run, periodic: bool = False) -> None:
@@ -631,7 +652,8 @@ def _finish(run: _Run, drop_model: bool) -> list[str]:
     preloaded model is left as found (benchmarks train it again); one we loaded is dropped."""
     result, model = run.result, run.model
     result.seconds = time.perf_counter() - run.start
-    result.state_dict = lora_state_dict(model) if result.steps else {}
+    result.state_dict = _adapter_state(run) if result.steps else {}
+    result.snapshots = [str(p) for p in run.snapshots.paths] if run.snapshots is not None else []
     bad = [k for k, v in result.state_dict.items() if not torch.isfinite(v).all()]
     if bad:  # never hand on (or save, or cache) a LoRA with NaN/inf weights
         result.state_dict, result.interrupted = {}, True

@@ -1,4 +1,5 @@
-"""Attach a peft LoRA to a frozen transformer and read it back out."""
+"""Attach a peft adapter (LoRA, LoHa, LoKr or DoRA: engine/lora_io/adapters/) to a frozen transformer and read it
+back out."""
 from __future__ import annotations
 
 import torch
@@ -6,39 +7,60 @@ from torch import nn
 
 from ..config import LoraSettings
 from ..families import ModelFamily
+from ..lora_io.adapters import get_adapter
 
 ADAPTER = "default"
 
 
 def attach_lora(model: nn.Module, family: ModelFamily, settings: LoraSettings, seed: int) -> list[nn.Parameter]:
-    """Inject LoRA layers (via peft, through diffusers' add_adapter) and return the
-    trainable parameters, kept in fp32: bf16 LoRA weights lose small updates."""
-    from peft import LoraConfig
-
+    """Inject the adapter ``settings.adapter.type`` (via peft, through diffusers' add_adapter) and return the
+    trainable parameters, kept in fp32: bf16 adapter weights lose small updates."""
     targets = settings.target_modules or family.lora.target_modules(model)
-    config = LoraConfig(
-        r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
-        target_modules=targets, init_lora_weights=True,
-    )
-    # LoRA A is random-initialised from the global RNG: seed it without disturbing the caller's.
+    adapter = get_adapter(settings.adapter.type)
+    adapter.check_targets(family, {k: v for k, v in dict(model.config).items() if not k.startswith("_")}, targets)
+    config = adapter.peft_config(settings, targets)
+    # Adapter weights are random-initialised from the global RNG: seed it without disturbing the caller's.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model.add_adapter(config, adapter_name=ADAPTER)
+    if settings.adapter.continue_from:  # the file's weights instead of the fresh init (continue_from.py)
+        from peft.utils import set_peft_model_state_dict
+
+        from .continue_from import load_into
+
+        try:
+            state = load_into(model, family, settings, lora_state_dict(model))
+            set_peft_model_state_dict(model, state, adapter_name=ADAPTER)
+        except BaseException:
+            detach_lora(model)
+            raise
     params = []
-    for name, p in model.named_parameters():
-        if "lora_" in name:
-            p.data = p.data.float()
-            p.requires_grad_(True)
-            params.append(p)
+    for _, p in adapter_parameters(model):
+        p.data = p.data.float()
+        params.append(p)
     return params
 
 
-def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """LoRA weights with peft/diffusers module names (``...to_q.lora_A.weight``), fp32 on CPU."""
+def adapter_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of every trainable adapter weight, in ``named_parameters`` order: peft leaves only these
+    with ``requires_grad`` (the base model is frozen)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    tuner = {id(p) for m in model.modules() if isinstance(m, BaseTunerLayer)
+             for n, p in m.named_parameters() if not n.startswith("base_layer.")}
+    return [(n, p) for n, p in model.named_parameters() if id(p) in tuner and p.requires_grad]
+
+
+def lora_state_dict(model: nn.Module, settings: LoraSettings | None = None) -> dict[str, torch.Tensor]:
+    """Adapter weights with peft/diffusers module names (``...to_q.lora_A.weight``, ``...to_q.hada_w1_a``), fp32
+    on CPU, plus what the type's saved file needs beyond them (``AdapterType.export``: DoRA's dora_scale)."""
     from peft.utils import get_peft_model_state_dict
 
     state = get_peft_model_state_dict(model, adapter_name=ADAPTER)
-    return {k: v.detach().float().cpu().clone() for k, v in state.items()}
+    state = {k: v.detach().float().cpu().clone() for k, v in state.items()}
+    if settings is not None:
+        state = get_adapter(settings.adapter.type).export(model, state, settings.alpha / settings.rank)
+    return state
 
 
 def detach_lora(model: nn.Module) -> None:

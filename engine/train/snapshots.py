@@ -1,0 +1,44 @@
+"""Loadable snapshots: every ``snapshot_every`` steps, the adapter as a LoRA file (Save LoRA's comfyui format, bf16,
+with the run's metadata and the step) in a folder of the run's own, keeping the latest ``snapshot_keep``.
+
+Each file is written to a temporary name and renamed (``save_lora``), never over an existing file; only files this
+run wrote are deleted when they fall out of the kept window. Rank 0 writes them (data parallel ranks hold the same
+weights).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import uuid
+from dataclasses import replace
+from pathlib import Path
+
+from ..config import LoraSettings
+from ..errors import ConfigError
+from ..lora_io import save_lora
+from ..lora_io.trained import TrainedLora
+
+
+class Snapshots:
+    def __init__(self, settings: LoraSettings, family_id: str):
+        cfg = settings.adapter
+        if not cfg.snapshot_dir:
+            raise ConfigError("snapshot_every is set but snapshot_dir is empty; give the folder for the snapshots")
+        self.every, self.keep = cfg.snapshot_every, cfg.snapshot_keep
+        stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        self.folder = Path(cfg.snapshot_dir).expanduser() / f"{family_id}_{stamp}_{uuid.uuid4().hex[:6]}"
+        self.paths: list[Path] = []
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def write(self, result: TrainedLora, state: dict, step: int) -> Path:
+        """``state`` (the adapter now: the EMA when on) as a file named with ``step``; the oldest beyond ``keep``
+        removed."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        snap = replace(result, state_dict=state, steps=step, loss_history=result.loss_history[:step],
+                       lr_history=result.lr_history[:step], interrupted=False)
+        path = save_lora(snap, self.folder / f"step_{step:07d}.safetensors", fmt="comfyui", dtype="bf16")
+        self.paths.append(path)
+        while self.keep and len(self.paths) > self.keep:
+            self.paths.pop(0).unlink(missing_ok=True)
+        return path
