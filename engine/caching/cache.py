@@ -35,16 +35,18 @@ from safetensors.torch import load_file
 from ..callbacks import TrainingCallback
 from ..config import DataConfig, ModelConfig
 from ..data import VideoConfig, expand_repeats, make_buckets
+from ..data.options import DatasetOptions
 from ..errors import CacheError, ConfigError
 from ..fileio import write_json_atomic
 from ..families import ModelFamily, get_family
 from ..hashing import stable_hash
-from .entries import build_latents
+from .entries import build_latents, build_masks
 from .items import CachedItem, SampleItems
 from .keys import CacheKeys, cache_keys
 from .model_sources import CacheModels, open_models, resolve_pipeline_folder
 from .records import record_source
 from .single_files import load_vae_file
+from .validation_split import validation_items
 
 MANIFEST_VERSION = 1
 
@@ -75,6 +77,9 @@ class DatasetCache:
     # An edit dataset's per-prompt negatives (the empty instruction with that prompt's control images), parallel to
     # sample_prompts; empty for other families (they share ``negative_text_key``).
     sample_negative_keys: list = field(default_factory=list)
+    # Held out of training (Dataset Options' validation split): cached like the items, never trained on.
+    validation_items: list = field(default_factory=list)
+    mask_source: str = "none"  # where the items' loss masks came from (engine/data/masks.py); "none": no masks
 
     def negative_keys(self) -> list[str]:
         """The negative prompt's text key for each sample prompt ("" where the family samples without one)."""
@@ -88,6 +93,14 @@ class DatasetCache:
         text = _load_entry(self.cache_dir / "text" / f"{item.text_key}.safetensors", item)
         latent = lat["latent_flipped"] if flipped and "latent_flipped" in lat else lat["latent"]
         return latent, text
+
+    def load_mask(self, item: CachedItem, flipped: bool = False) -> torch.Tensor | None:
+        """The item's loss mask at its bucket's pixel size, (H, W) uint8, mirrored with its latent; None without
+        masked loss. ``data.masks.latent_mask`` brings it to the latent grid."""
+        if not item.mask_key:
+            return None
+        entry = _load_entry(self.cache_dir / "masks" / f"{item.mask_key}.safetensors", item)
+        return entry["mask_flipped"] if flipped and "mask_flipped" in entry else entry["mask"]
 
     def text_widths(self) -> dict[str, int]:
         """Last-axis width of each cached embedding, from the first caption entry's header."""
@@ -173,42 +186,57 @@ def build_dataset_cache(
     sample_prompts: Sequence[str] = (),
     video: VideoConfig | None = None,
     control_dirs: Sequence[str | Path] = (),
+    options: DatasetOptions | None = None,
 ) -> DatasetCache:
     """Scan the dataset, compute what is missing from the cache, write the manifest. ``sample_prompts`` are
     encoded with the captions (keyed the same way), for samples during training. ``video``: the folder holds
     clips (images count as one-frame clips) and each window of each clip is cached as one item.
     An edit model's dataset is pairs (``data.scan_pairs``): ``control_dirs`` are its control folders in order
     (empty: ``control/`` or ``controls/`` inside the dataset folder); sample prompt line i is drawn against pair
-    i's control images (``edit_cache.py``).
+    i's control images (``edit_cache.py``). ``options`` (Dataset Options): loss masks, a held-out validation split.
 
     The phases, in order: sources (the model files), records (the dataset, through the one ``RecordSource`` the
-    model takes), keys, text entries, latent entries, manifest."""
+    model takes), keys, the validation split, text entries, latent entries, masks, manifest."""
     cb = callback or TrainingCallback()
     cache_dir = Path(cache_dir)
     models = open_models(model_cfg, device)  # sources
-    source = record_source(models, data_cfg, video, control_dirs)
+    source = record_source(models, data_cfg, video, control_dirs, options)
     records = source.scan(cb.log)  # records: files and captions, before any model loads
     keys = cache_keys(models, max_sequence_length)  # keys
     buckets = make_buckets(data_cfg.resolution, data_cfg.bucket_step, data_cfg.max_aspect)
     items = source.items(records, buckets, keys, data_cfg.flip)
+    items, held_out = validation_items(options, items, data_cfg,  # the validation split
+                                       lambda cfg: record_source(models, cfg, video, control_dirs, options),
+                                       buckets, keys, data_cfg.flip, cb.log)
     lines = list(dict.fromkeys(p.strip() for p in sample_prompts if p.strip()))  # blank lines out, repeats once
     samples = source.samples(lines, records, keys)
     stats = {"text_built": 0, "text_reused": 0, "latents_built": 0, "latents_reused": 0}
-    source.build_text(cache_dir, models, keys, items, samples, cb, stats)  # text entries
-    build_latents(cache_dir, models.family, items, data_cfg.flip, models.device, models.dtype, cb, stats,
+    source.build_text(cache_dir, models, keys, items + held_out, samples, cb, stats)  # text entries
+    build_latents(cache_dir, models.family, items + held_out, data_cfg.flip, models.device, models.dtype, cb, stats,
                   models.load_vae, models.variant)  # latent entries
-    cache = _write_manifest(cache_dir, models, data_cfg, video, keys, items, samples, stats)
+    mask_source = options.mask_source if options is not None else "none"
+    if mask_source != "none":
+        build_masks(cache_dir, items + held_out, data_cfg.flip, mask_source, cb, stats)  # masks
+    cache = _write_manifest(cache_dir, models, data_cfg, video, keys, items, samples, stats, held_out, mask_source)
+    extra = (f"; masks {stats['masks_built']} built / {stats['masks_reused']} reused" if mask_source != "none" else "")
+    extra += f"; {len(held_out)} held out for validation" if held_out else ""
     cb.log(f"dataset cache {cache.dataset_hash}: {len(items)} {source.label}; text {stats['text_built']} built / "
-           f"{stats['text_reused']} reused; latents {stats['latents_built']} built / {stats['latents_reused']} reused")
+           f"{stats['text_reused']} reused; latents {stats['latents_built']} built / {stats['latents_reused']} reused"
+           + extra)
     return cache
 
 
 def _write_manifest(cache_dir: Path, models: CacheModels, data_cfg: DataConfig, video: VideoConfig | None,
-                    keys: CacheKeys, items: list[CachedItem], samples: SampleItems, stats: dict) -> DatasetCache:
+                    keys: CacheKeys, items: list[CachedItem], samples: SampleItems, stats: dict,
+                    held_out: list[CachedItem] = (), mask_source: str = "none") -> DatasetCache:
     """The manifest phase: the dataset's items and settings under ``datasets/<hash>.json`` (what
-    ``open_dataset_cache`` reads back), and the handle to the built cache."""
+    ``open_dataset_cache`` reads back), and the handle to the built cache. Masks and a validation split enter the
+    hash only when there are some: a dataset without them keeps the hash it had before they existed."""
     singles = models.singles
-    dataset_hash = stable_hash([[i.text_key, i.latent_key] for i in items] + [data_cfg.repeats, data_cfg.flip])
+    extras = ([["masks", mask_source, [i.mask_key for i in items]]] if mask_source != "none" else []) + \
+        ([["validation", [[i.text_key, i.latent_key, i.mask_key] for i in held_out]]] if held_out else [])
+    dataset_hash = stable_hash([[i.text_key, i.latent_key] for i in items] + [data_cfg.repeats, data_cfg.flip]
+                               + extras)
     manifest_path = cache_dir / "datasets" / f"{dataset_hash}.json"
     negative = samples.shared_negative
     manifest = {
@@ -223,12 +251,14 @@ def _write_manifest(cache_dir: Path, models: CacheModels, data_cfg: DataConfig, 
         "sample_prompts": [[p.caption, p.text_key] for p in samples.prompts],
         "negative_text_key": negative.text_key if negative is not None else "",
         "sample_negative_keys": [n.text_key for n in samples.negatives],
+        "validation_items": [asdict(i) for i in held_out], "mask_source": mask_source,
     }
     write_json_atomic(manifest_path, manifest, "the dataset-cache manifest")
     return DatasetCache(cache_dir, manifest_path, dataset_hash, models.family.id, models.variant, items,
                         data_cfg.repeats, data_cfg.flip, stats, [(p.caption, p.text_key) for p in samples.prompts],
                         manifest["negative_text_key"], manifest["pipeline"],
-                        str(singles.vae) if singles is not None else None, manifest["sample_negative_keys"])
+                        str(singles.vae) if singles is not None else None, manifest["sample_negative_keys"],
+                        list(held_out), mask_source)
 
 
 def _load_entry(path: Path, item: CachedItem) -> dict[str, torch.Tensor]:
@@ -251,11 +281,12 @@ def open_dataset_cache(manifest_path: str | Path) -> DatasetCache:
     if m.get("version") != MANIFEST_VERSION:
         raise CacheError(f"cache manifest '{path}' has version {m.get('version')}, expected {MANIFEST_VERSION}; rebuild it")
     cache_dir = path.parent.parent
-    items = [CachedItem(**{**i, "bucket": tuple(i["bucket"]), "frames": list(i.get("frames", []))})
-             for i in m["items"]]
+    items, held_out = ([CachedItem(**{**i, "bucket": tuple(i["bucket"]), "frames": list(i.get("frames", []))})
+                        for i in m.get(name, [])] for name in ("items", "validation_items"))
     negatives = list(m.get("sample_negative_keys", []))
-    for it in items:
-        for sub, key in (("text", it.text_key), ("latents", it.latent_key)):
+    for it in items + held_out:
+        for sub, key in (("text", it.text_key), ("latents", it.latent_key)) + ((("masks", it.mask_key),)
+                                                                              if it.mask_key else ()):
             if not (cache_dir / sub / f"{key}.safetensors").exists():
                 raise CacheError(f"cache entry {sub}/{key} for '{it.image}' is missing; rebuild the cache")
     prompts = [tuple(p) for p in m.get("sample_prompts", [])]
@@ -265,4 +296,5 @@ def open_dataset_cache(manifest_path: str | Path) -> DatasetCache:
             raise CacheError(f"cache entry text/{key} (a sample prompt) is missing; rebuild the cache")
     return DatasetCache(cache_dir, path, m["dataset_hash"], m["family"], m["variant"], items, m["repeats"], m["flip"],
                         sample_prompts=prompts, negative_text_key=negative, pipeline=m.get("pipeline"),
-                        vae_file=(m.get("single_files") or {}).get("vae"), sample_negative_keys=negatives)
+                        vae_file=(m.get("single_files") or {}).get("vae"), sample_negative_keys=negatives,
+                        validation_items=held_out, mask_source=m.get("mask_source", "none"))

@@ -30,13 +30,15 @@ _KEEP_OUT = ("device", "save_every")  # settings that do not change the trained 
 
 
 def training_key(model_identity: str, dataset_hash: str, lora: LoraSettings, train: TrainConfig,
-                 world_size: int = 1) -> str:
+                 world_size: int = 1, loss=None) -> str:
     """The engine version is in the key: a fixed loop or new defaults must train again. Data parallel
     over W processes trains on W batches per micro-step, so W is part of the run; a split is not
     (it places the same computation on two devices)."""
     settings = {k: v for k, v in asdict(train).items() if k not in _KEEP_OUT}
     if world_size > 1:
         settings["data_parallel_world_size"] = world_size
+    if loss is not None and loss.result_key_settings():  # Loss & Validation Options that change the weights
+        settings["loss"] = loss.result_key_settings()
     return stable_hash([VERSION, REUSE_FORMAT, model_identity, dataset_hash, asdict(lora), settings])
 
 
@@ -67,7 +69,10 @@ def train_or_reuse(model: ModelInfo, dataset, lora: LoraSettings, train: TrainCo
     # goes into what the samples were made with, not into the run's key; the loop takes it as it is.
     partner: ModelInfo | None = train_kwargs.get("preview_partner")
     partner_identity = partner.identity if partner is not None else None
-    key = training_key(model.identity, dataset.dataset_hash, lora, train, world)
+    if world > 1 and (train_kwargs.get("loss") is not None or train_kwargs.get("log_dir")):
+        raise ConfigError("Loss & Validation Options (masked loss weight, validation, logs) are not built for data "
+                          "parallel training yet; unplug them or train on one GPU (or split mode)")
+    key = training_key(model.identity, dataset.dataset_hash, lora, train, world, train_kwargs.get("loss"))
     found = load_finished(Path(cache_dir), key)
     if found is not None:
         if callback is not None:

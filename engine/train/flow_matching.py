@@ -52,3 +52,22 @@ def noisy_latents_and_target(latents: torch.Tensor, noise: torch.Tensor,
     s = sigmas.view((-1,) + (1,) * (latents.dim() - 1)).to(latents.dtype)
     return (1.0 - s) * latents + s * noise, noise - latents
 
+
+
+def weighted_mse(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """The mean over every element of ``weights * (pred - target)^2`` (fp32); ``weights`` (B, h, w) is a latent-grid
+    mask, the same for every channel (and frame). Without weights, plain MSE."""
+    err = (pred.float() - target.float()).square()
+    if weights is None:
+        return err.mean()
+    w = weights.float().view(weights.shape[0], *([1] * (err.dim() - 3)), *weights.shape[1:])  # (B, 1, .., h, w)
+    return (err * w).mean()
+
+
+def mask_weights(masks: torch.Tensor, latent_hw, unmasked_weight: float) -> torch.Tensor:
+    """(B, H, W) uint8 pixel masks -> (B, h, w) loss weights on the latent grid: ``unmasked_weight`` outside the
+    mask, 1 inside (area resize, ``data.masks.latent_mask``)."""
+    from ..data.masks import latent_mask
+
+    m = latent_mask(masks, latent_hw)
+    return unmasked_weight + (1.0 - unmasked_weight) * m

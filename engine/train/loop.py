@@ -31,7 +31,7 @@ from ..models.inspect import ModelInfo
 from ..offload import OffloadConfig
 from ..offload.hostmem import process_memory
 from .batching import bucket_batches, micro_generator
-from .flow_matching import noisy_latents_and_target, sample_sigmas
+from .flow_matching import mask_weights, noisy_latents_and_target, sample_sigmas, weighted_mse
 from .grad_mode import autograd_enabled, autograd_safe_tensor, make_autograd_safe
 from .lora_attach import lora_state_dict, skip_lora_input_cast
 from .optimizers import check_optimizer, make_optimizer
@@ -50,15 +50,18 @@ def _make_scheduler(optimizer, cfg: TrainConfig):
 
 
 def _load_batch(dataset: DatasetCache, batch, device, dtype, rng: torch.Generator):
-    latents, texts = [], []
+    """(latents (B, C, ...), embeddings, pixel loss masks (B, H, W) uint8 or None without masked loss)."""
+    latents, texts, masks = [], [], []
     for item in batch:
         flipped = dataset.flip and bool(torch.randint(0, 2, (1,), generator=rng).item())
         lat, emb = dataset.load_item(item, flipped)
         latents.append(autograd_safe_tensor(lat))
         texts.append({k: autograd_safe_tensor(v) for k, v in emb.items()})
+        masks.append(dataset.load_mask(item, flipped))  # mirrored with its latent
     lat = torch.stack(latents).to(device, dtype)  # (B, C, ...)
     embeds = dataset.collate_text(texts)  # variable-length captions padded, with their masks
-    return lat, {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in embeds.items()}
+    embeds = {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in embeds.items()}
+    return lat, embeds, (torch.stack(masks) if masks[0] is not None else None)
 
 
 def train_lora(
@@ -75,6 +78,8 @@ def train_lora(
     sampling=None,
     sample_dir=None,
     preview_partner: ModelConfig | ModelInfo | None = None,
+    loss=None,
+    log_dir=None,
 ) -> TrainedLora:
     """Train a LoRA on ``dataset`` and return its weights. ``model_cfg``: the Load node's ``ModelInfo``, whose
     checkpoint identity the run uses as it is (never identified again), or a ``ModelConfig`` (identified here,
@@ -94,19 +99,31 @@ def train_lora(
     ``preview_partner``: for one expert of a mixture (Wan 2.2 A14B), the other expert's checkpoint (its Load node's
     ``ModelInfo``, or a ``ModelConfig``), which previews switch to at the boundary (engine/train/preview_partner.py);
     without it such an expert draws no samples.
+    ``loss`` (engine/train/loss_options.LossOptions): the unmasked area's weight (masked loss), validation on the
+    dataset's held-out split; ``log_dir``: a folder for the run's CSV and TensorBoard logs (engine/train/run_log.py).
 
     Runs with autograd on even when called under ``torch.inference_mode()`` (ComfyUI
     runs every node that way); the returned weights are ordinary tensors."""
     identity = None
     if isinstance(model_cfg, ModelInfo):
         model_cfg, identity = model_cfg.config, model_cfg.checkpoint
-    with autograd_enabled():
-        return _train_lora(model_cfg, identity, dataset, lora, train, callback, preloaded, offload, resume, split,
-                           ranks, sampling, sample_dir, preview_partner)
+    from .loss_options import LossOptions
+    from .run_log import RunLog
+
+    loss = loss or LossOptions()
+    _check_loss_options(loss, dataset)
+    cb = RunLog(callback or TrainingCallback(), log_dir, loss.tensorboard) if log_dir else callback
+    try:
+        with autograd_enabled():
+            return _train_lora(model_cfg, identity, dataset, lora, train, cb, preloaded, offload, resume, split,
+                               ranks, sampling, sample_dir, preview_partner, loss)
+    finally:
+        if log_dir:
+            cb.close()
 
 
 def _train_lora(model_cfg, identity, dataset, lora, train, callback, preloaded, offload, resume, split, ranks,
-                sampling, sample_dir, preview_partner=None) -> TrainedLora:
+                sampling, sample_dir, preview_partner=None, loss=None) -> TrainedLora:
     """The run as named phases; each is a function below, in this order."""
     from ..parallel.data_parallel import Ranks
 
@@ -118,7 +135,7 @@ def _train_lora(model_cfg, identity, dataset, lora, train, callback, preloaded, 
     held_before = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
     placement = choose_placement(offload, split, device, cb)
     run = _Run(cb=cb, ranks=ranks or Ranks(), dataset=dataset, train=train, resume=resume, placement=placement,
-               dtype=dtype, held_before=held_before)
+               dtype=dtype, held_before=held_before, loss=loss)
     placement.saves_state = resume is not None and resume.enabled
     if preview_partner is not None and sampling is not None and sampling.enabled and device.type == "cuda":
         _count_partner(placement, preview_partner, dtype)
@@ -132,6 +149,7 @@ def _train_lora(model_cfg, identity, dataset, lora, train, callback, preloaded, 
         _prepare_data(run)
         _resume(run)
         _make_sampler(run, sampling, sample_dir, preview_partner)
+        _make_validator(run)
         _run_steps(run)
     finally:
         bad = _finish(run, drop_model=preloaded is None)
@@ -175,6 +193,8 @@ class _Run:
     timer: StepTimer | None = None
     start: float = field(default_factory=time.perf_counter)
     sigma_range: tuple[float, float] = (0.0, 1.0)  # the noise levels this model trains on (family.schedule.train_sigma_range)
+    loss: Any = None  # LossOptions (engine/train/loss_options.py)
+    validator: Any = None  # the held-out split's loss (engine/train/validation.py), or None
 
     @property
     def device(self) -> torch.device:
@@ -188,6 +208,40 @@ def _check_settings(train: TrainConfig, offload: OffloadConfig | None, device: t
         raise ConfigError(f"optimizer_on_host keeps AdamW's fp32 moments on the host; optimizer={train.optimizer!r} "
                           f"keeps its 8-bit moments on the GPU. Use one or the other")
     _check_int8_compute(offload, device)
+
+
+def _check_loss_options(loss, dataset) -> None:
+    """Validation asked for without a split to validate on, refused before anything loads."""
+    if loss.validation_every > 0 and not getattr(dataset, "validation_items", None):
+        raise ConfigError(f"validation_every={loss.validation_every} but the dataset has no validation split; set "
+                          f"validation_fraction or validation_folder on Dataset Options (Cache Text Embeds), or "
+                          f"set validation_every to 0")
+
+
+def _make_validator(run: _Run) -> None:
+    """The validation loss on the dataset's held-out split (rank 0 only), when it has one and it is not off."""
+    if not getattr(run.dataset, "validation_items", None) or not run.ranks.is_main:
+        return
+    every = run.loss.validation_interval(run.train.steps)
+    if not every:
+        return
+    from .validation import Validator
+
+    run.validator = Validator(run.dataset, run.family, run.loss.validation_timesteps, run.train.seed,
+                              run.train.guidance, run.loss.unmasked_weight, run.sigma_range)
+    run.validator.every = every
+    run.cb.log(f"validation: {len(run.validator.items)} held-out item(s) x {len(run.validator.sigmas)} fixed noise "
+               f"levels every {every} steps")
+
+
+def _validate(run: _Run, step: int) -> float | None:
+    """The validation loss at ``step`` when due (every N steps and after the last), else None."""
+    v = run.validator
+    if v is None or not (step % v.every == 0 or step == run.train.steps):
+        return None
+    loss = v.run(run.model, run.device, run.dtype, run.autocast, step)
+    run.result.settings["validation"] = v.record()
+    return loss
 
 
 def _count_partner(placement, partner_cfg, dtype) -> None:
@@ -395,7 +449,8 @@ def _run_step(run: _Run, step: int) -> bool:
     breakdown = run.timer.finish(run.placement.end_step(step, cb))
     if step == run.first + 1:  # the first step warms up (and compiles); the second is typical
         cb.log(describe_step(breakdown, gpu=run.device.type == "cuda"))
-    _record_step(run, step, loss_sum, grad_norm, t0, breakdown)
+    validation = _validate(run, step)  # in this step's time: its cost shows in s/step
+    _record_step(run, step, loss_sum, grad_norm, t0, breakdown, validation)
     if step == run.first and run.compiled.graphs():
         result.settings["compile"] = {"first_step_s": round(breakdown["wall"], 2)}
         cb.log(f"{run.compiled.describe()}; the first step took {breakdown['wall']:.1f} s with compiling")
@@ -418,10 +473,12 @@ def _accumulate(run: _Run) -> float | None:
         gen = micro_generator(train.seed, run.ranks.global_micro_index(run.drawn))
         run.drawn += 1
         t_data = time.perf_counter()
-        latents, embeds = _load_batch(run.dataset, next(run.batches), run.device, run.dtype, gen)
+        latents, embeds, masks = _load_batch(run.dataset, next(run.batches), run.device, run.dtype, gen)
+        weights = None if masks is None else \
+            mask_weights(masks, latents.shape[-2:], run.loss.unmasked_weight).to(run.device)  # (B, h, w)
         run.timer.add_data(time.perf_counter() - t_data)
         loss_sum += _micro_step(run.model, run.family, latents, embeds, train, gen, run.autocast,
-                                1.0 / train.gradient_accumulation, run.memory.micro_batch, run.sigma_range)
+                                1.0 / train.gradient_accumulation, run.memory.micro_batch, run.sigma_range, weights)
         # Between micro-steps too: with long accumulation, Stop must not wait a whole step.
         if micro < train.gradient_accumulation - 1 and _stop_requested(run):
             return None
@@ -447,7 +504,8 @@ def _optimizer_step(run: _Run, step: int, loss_sum: float) -> tuple[float, float
     return loss_sum, grad_norm
 
 
-def _record_step(run: _Run, step: int, loss_sum: float, grad_norm: float, t0: float, breakdown) -> None:
+def _record_step(run: _Run, step: int, loss_sum: float, grad_norm: float, t0: float, breakdown,
+                 validation: float | None = None) -> None:
     """The step into the result, a periodic save when due, and the callback's ``on_step`` (its time since
     ``t0`` counts the save)."""
     train, result = run.train, run.result
@@ -466,7 +524,7 @@ def _record_step(run: _Run, step: int, loss_sum: float, grad_norm: float, t0: fl
                                 grad_norm, time.perf_counter() - t0, peak, run.placement.pinned_gb,
                                 run.sampler.seconds if run.sampler is not None else 0.0, breakdown,
                                 host_ram_gb=round(process_memory().unreclaimable / 1e9, 2),
-                                predicted_host_gb=run.placement.predicted_host_gb))
+                                predicted_host_gb=run.placement.predicted_host_gb, validation_loss=validation))
     except BaseException:
         if step < train.steps:
             _save_state(run)
@@ -655,10 +713,12 @@ def _compile_blocks(model, family, placement: Placement, train: TrainConfig, cb)
 
 
 def _micro_step(model, family, latents, embeds, cfg: TrainConfig, gen: torch.Generator, autocast,
-                scale: float, micro_batch: int = 0, sigma_range: tuple[float, float] = (0.0, 1.0)) -> float:
+                scale: float, micro_batch: int = 0, sigma_range: tuple[float, float] = (0.0, 1.0),
+                weights: torch.Tensor | None = None) -> float:
     """Forward and backward of one batch; returns its loss. The noise and timesteps are drawn for the whole
     batch; with ``micro_batch`` the batch then runs that many samples at a time, each piece's loss weighted
-    by its share, so the accumulated gradient is the whole batch's (activations are one piece's)."""
+    by its share, so the accumulated gradient is the whole batch's (activations are one piece's). ``weights``
+    (B, h, w): masked loss's latent-grid weights (``flow_matching.weighted_mse``)."""
     b = latents.shape[0]
     mu = family.schedule.train_shift_mu(latents) if cfg.shift_timesteps else None
     sigmas = sample_sigmas(b, gen, cfg.timestep_mean, cfg.timestep_std, mu, *sigma_range).to(latents.device)
@@ -671,7 +731,10 @@ def _micro_step(model, family, latents, embeds, cfg: TrainConfig, gen: torch.Gen
         with autocast:
             pred = predict_velocity(family, model, noisy[piece], {k: v[piece] for k, v in embeds.items()},
                                            sigmas[piece], cfg.guidance)
-        loss = torch.nn.functional.mse_loss(pred.float(), target[piece].float())
+        if weights is None:
+            loss = torch.nn.functional.mse_loss(pred.float(), target[piece].float())
+        else:
+            loss = weighted_mse(pred, target[piece], weights[piece])
         share = (piece.stop - piece.start) / b
         (loss * (share * scale)).backward()
         total += loss.item() * share
