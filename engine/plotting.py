@@ -54,11 +54,11 @@ def render_loss_curve(losses: list[float], width: int = 640, height: int = 360, 
 
 
 def save_loss_curve(losses: list[float], path: str | Path, title: str = "training loss",
-                    overwrite: bool = False) -> Path:
+                    overwrite: bool = False, validation: list[tuple[int, float]] = ()) -> Path:
     """Write the curve as a PNG; an existing file is kept (FileExistsError) unless ``overwrite``."""
     from .fileio import atomic_write
 
     path = Path(path)
     with atomic_write(path, "the loss-curve image", overwrite=overwrite) as tmp:
-        render_loss_curve(losses, title=title).save(tmp, format="PNG")
+        render_loss_curve(losses, title=title, validation=validation).save(tmp, format="PNG")
     return path

@@ -101,7 +101,7 @@ def _has_alpha(img: Image.Image) -> bool:
 
 def _alpha(img: Image.Image) -> Image.Image:
     if not _has_alpha(img):
-        raise DatasetError(f"image {getattr(img, 'filename', '')} has no alpha channel to take the mask from")
+        raise DatasetError(f"the image (mode {img.mode}) has no alpha channel to take the mask from")
     return img.convert("RGBA").getchannel("A")
 
 

@@ -115,11 +115,15 @@ def train_lora(
     cb = RunLog(callback or TrainingCallback(), log_dir, loss.tensorboard) if log_dir else callback
     try:
         with autograd_enabled():
-            return _train_lora(model_cfg, identity, dataset, lora, train, cb, preloaded, offload, resume, split,
-                               ranks, sampling, sample_dir, preview_partner, loss)
+            result = _train_lora(model_cfg, identity, dataset, lora, train, cb, preloaded, offload, resume, split,
+                                 ranks, sampling, sample_dir, preview_partner, loss)
     finally:
         if log_dir:
             cb.close()
+    if log_dir:  # Save LoRA copies the CSV beside the LoRA
+        result.settings["logs"] = {"folder": str(log_dir), "csv": str(cb.csv_path),
+                                   "tensorboard": cb.writer is not None}
+    return result
 
 
 def _train_lora(model_cfg, identity, dataset, lora, train, callback, preloaded, offload, resume, split, ranks,
@@ -212,7 +216,7 @@ def _check_settings(train: TrainConfig, offload: OffloadConfig | None, device: t
 
 def _check_loss_options(loss, dataset) -> None:
     """Validation asked for without a split to validate on, refused before anything loads."""
-    if loss.validation_every > 0 and not getattr(dataset, "validation_items", None):
+    if loss.validation_every > 0 and not dataset.validation_items:
         raise ConfigError(f"validation_every={loss.validation_every} but the dataset has no validation split; set "
                           f"validation_fraction or validation_folder on Dataset Options (Cache Text Embeds), or "
                           f"set validation_every to 0")
@@ -220,7 +224,7 @@ def _check_loss_options(loss, dataset) -> None:
 
 def _make_validator(run: _Run) -> None:
     """The validation loss on the dataset's held-out split (rank 0 only), when it has one and it is not off."""
-    if not getattr(run.dataset, "validation_items", None) or not run.ranks.is_main:
+    if not run.dataset.validation_items or not run.ranks.is_main:
         return
     every = run.loss.validation_interval(run.train.steps)
     if not every:

@@ -1,0 +1,50 @@
+"""Dataset Options: masked loss and a validation split, into Cache Text Embeds' optional ``options`` socket.
+
+Tooltips come from the help text of DatasetOptions' fields (engine/data/options.py), written once there.
+"""
+from __future__ import annotations
+
+from . import schema as io
+from .load_model import CATEGORY
+
+DESCRIPTION = (
+    "Optional dataset controls for Cache Text Embeds: loss masks (a '<name>_mask.png' beside each image, a masks/ "
+    "folder, or the alpha channel) and a held-out validation split (a fraction of the images, or a folder). Plug "
+    "its output into Cache Text Embeds' 'options' input; pair it with Loss & Validation Options on Train LoRA."
+)
+
+
+def _help(name: str, extra: str = "") -> str:
+    from ..engine.config import field_help
+    from ..engine.data.options import DatasetOptions
+
+    return field_help(DatasetOptions, name, extra)
+
+
+class LowVRAMDatasetOptions(io.Node):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        from ..engine.data.options import MASK_SOURCES, MISSING_MASK
+
+        return io.Schema(
+            node_id="LowVRAMDatasetOptions", display_name="Dataset Options", category=CATEGORY,
+            description=DESCRIPTION,
+            outputs=[io.Output("LOWVRAM_DATASET_OPTIONS", "options", "Dataset controls for Cache Text Embeds.")],
+            inputs=[
+                io.Combo("mask_source", list(MASK_SOURCES), default="none", tooltip=_help("mask_source")),
+                io.Combo("missing_mask", list(MISSING_MASK), default="error", tooltip=_help("missing_mask")),
+                io.Float("validation_fraction", default=0.0, min=0.0, max=0.9, step=0.05,
+                         tooltip=_help("validation_fraction")),
+                io.String("validation_folder", default="",
+                          tooltip=_help("validation_folder", "A relative path is looked up as dataset_path is.")),
+            ])
+
+    @classmethod
+    def execute(cls, mask_source: str = "none", missing_mask: str = "error", validation_fraction: float = 0.0,
+                validation_folder: str = "") -> io.NodeOutput:
+        from ..engine.data.options import DatasetOptions
+        from .paths import resolve_dataset_path
+
+        folder = str(resolve_dataset_path(validation_folder.strip())) if validation_folder.strip() else ""
+        return io.NodeOutput(DatasetOptions(mask_source=mask_source, missing_mask=missing_mask,
+                                            validation_fraction=validation_fraction, validation_folder=folder))

@@ -1,0 +1,47 @@
+"""Loss & Validation Options: the masked loss's weight, validation and logs, into Train LoRA's optional
+``loss_options`` socket.
+
+Tooltips come from the help text of LossOptions' fields (engine/train/loss_options.py), written once there.
+"""
+from __future__ import annotations
+
+from . import schema as io
+from .load_model import CATEGORY
+
+DESCRIPTION = (
+    "Optional loss and validation controls for Train LoRA: how much the area outside a loss mask counts, how "
+    "often the validation loss (on Dataset Options' held-out split) is measured, and TensorBoard logs. With it "
+    "plugged in, each run writes a CSV log (loss, validation loss, lr, step time, VRAM, RAM) that Save LoRA puts "
+    "beside the LoRA as '<name>_log.csv', and TensorBoard files under output/lowvram_logs/."
+)
+
+
+def _help(name: str, extra: str = "") -> str:
+    from ..engine.config import field_help
+    from ..engine.train.loss_options import LossOptions
+
+    return field_help(LossOptions, name, extra)
+
+
+class LowVRAMLossOptions(io.Node):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="LowVRAMLossOptions", display_name="Loss & Validation Options", category=CATEGORY,
+            description=DESCRIPTION,
+            outputs=[io.Output("LOWVRAM_LOSS_OPTIONS", "loss_options", "Loss, validation and log settings for "
+                                                                       "Train LoRA.")],
+            inputs=[
+                io.Float("unmasked_weight", default=0.0, min=0.0, max=1.0, step=0.05, tooltip=_help("unmasked_weight")),
+                io.Int("validation_every", default=0, min=-1, max=1_000_000, tooltip=_help("validation_every")),
+                io.Int("validation_timesteps", default=4, min=1, max=64, tooltip=_help("validation_timesteps")),
+                io.Boolean("tensorboard", default=True, tooltip=_help("tensorboard")),
+            ])
+
+    @classmethod
+    def execute(cls, unmasked_weight: float = 0.0, validation_every: int = 0, validation_timesteps: int = 4,
+                tensorboard: bool = True) -> io.NodeOutput:
+        from ..engine.train.loss_options import LossOptions
+
+        return io.NodeOutput(LossOptions(unmasked_weight=unmasked_weight, validation_every=validation_every,
+                                         validation_timesteps=validation_timesteps, tensorboard=tensorboard))
