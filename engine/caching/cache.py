@@ -40,6 +40,7 @@ from ..errors import CacheError, ConfigError
 from ..fileio import write_json_atomic
 from ..families import ModelFamily, get_family
 from ..hashing import stable_hash
+from .caption_entries import caption_entries
 from .entries import build_latents, build_masks
 from .items import CachedItem, SampleItems
 from .keys import CacheKeys, cache_keys
@@ -80,6 +81,8 @@ class DatasetCache:
     # Held out of training (Dataset Options' validation split): cached like the items, never trained on.
     validation_items: list = field(default_factory=list)
     mask_source: str = "none"  # where the items' loss masks came from (engine/data/masks.py); "none": no masks
+    caption_dropout: float = 0.0  # the chance a training item is given the empty caption (``empty_text_key``)
+    empty_text_key: str = ""
 
     def negative_keys(self) -> list[str]:
         """The negative prompt's text key for each sample prompt ("" where the family samples without one)."""
@@ -87,12 +90,26 @@ class DatasetCache:
             return list(self.sample_negative_keys)
         return [self.negative_text_key] * len(self.sample_prompts)
 
-    def load_item(self, item: CachedItem, flipped: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """(latent (C, h, w), or (C, F_lat, h, w) for a video window; {embedding name: tensor}) for one item."""
+    def load_item(self, item: CachedItem, flipped: bool = False,
+                  text_key: str | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(latent (C, h, w), or (C, F_lat, h, w) for a video window; {embedding name: tensor}) for one item;
+        ``text_key``: another of its captions (``caption_key``) instead of the one as written."""
         lat = _load_entry(self.cache_dir / "latents" / f"{item.latent_key}.safetensors", item)
-        text = _load_entry(self.cache_dir / "text" / f"{item.text_key}.safetensors", item)
+        text = _load_entry(self.cache_dir / "text" / f"{text_key or item.text_key}.safetensors", item)
         latent = lat["latent_flipped"] if flipped and "latent_flipped" in lat else lat["latent"]
         return latent, text
+
+    @property
+    def captions_vary(self) -> bool:
+        return self.caption_dropout > 0 or any(i.text_variants for i in self.items)
+
+    def caption_key(self, item: CachedItem, rng: torch.Generator) -> str:
+        """The caption a training step gives ``item``: the empty one with probability ``caption_dropout``, else one
+        of its cached orders (as written or shuffled), uniformly; drawn from ``rng``."""
+        if self.caption_dropout > 0 and torch.rand(1, generator=rng).item() < self.caption_dropout:
+            return self.empty_text_key
+        keys = [item.text_key] + list(item.text_variants)
+        return keys[int(torch.randint(0, len(keys), (1,), generator=rng))] if len(keys) > 1 else item.text_key
 
     def load_mask(self, item: CachedItem, flipped: bool = False) -> torch.Tensor | None:
         """The item's loss mask at its bucket's pixel size, (H, W) uint8, mirrored with its latent; None without
@@ -208,16 +225,19 @@ def build_dataset_cache(
     items, held_out = validation_items(options, items, data_cfg,  # the validation split
                                        lambda cfg: record_source(models, cfg, video, control_dirs, options),
                                        buckets, keys, data_cfg.flip, cb.log)
+    items, caption_texts, empty_key = caption_entries(options, items, keys)  # caption variants
     lines = list(dict.fromkeys(p.strip() for p in sample_prompts if p.strip()))  # blank lines out, repeats once
     samples = source.samples(lines, records, keys)
     stats = {"text_built": 0, "text_reused": 0, "latents_built": 0, "latents_reused": 0}
-    source.build_text(cache_dir, models, keys, items + held_out, samples, cb, stats)  # text entries
+    source.build_text(cache_dir, models, keys, items + held_out + caption_texts, samples, cb, stats)  # text entries
     build_latents(cache_dir, models.family, items + held_out, data_cfg.flip, models.device, models.dtype, cb, stats,
                   models.load_vae, models.variant)  # latent entries
     mask_source = options.mask_source if options is not None else "none"
     if mask_source != "none":
         build_masks(cache_dir, items + held_out, data_cfg.flip, mask_source, cb, stats)  # masks
-    cache = _write_manifest(cache_dir, models, data_cfg, video, keys, items, samples, stats, held_out, mask_source)
+    dropout = options.caption_dropout if options is not None else 0.0
+    cache = _write_manifest(cache_dir, models, data_cfg, video, keys, items, samples, stats, held_out, mask_source,
+                            (dropout, empty_key))
     extra = (f"; masks {stats['masks_built']} built / {stats['masks_reused']} reused" if mask_source != "none" else "")
     extra += f"; {len(held_out)} held out for validation" if held_out else ""
     cb.log(f"dataset cache {cache.dataset_hash}: {len(items)} {source.label}; text {stats['text_built']} built / "
@@ -228,13 +248,16 @@ def build_dataset_cache(
 
 def _write_manifest(cache_dir: Path, models: CacheModels, data_cfg: DataConfig, video: VideoConfig | None,
                     keys: CacheKeys, items: list[CachedItem], samples: SampleItems, stats: dict,
-                    held_out: list[CachedItem] = (), mask_source: str = "none") -> DatasetCache:
+                    held_out: list[CachedItem] = (), mask_source: str = "none",
+                    dropout: tuple[float, str] = (0.0, "")) -> DatasetCache:
     """The manifest phase: the dataset's items and settings under ``datasets/<hash>.json`` (what
     ``open_dataset_cache`` reads back), and the handle to the built cache. Masks and a validation split enter the
     hash only when there are some: a dataset without them keeps the hash it had before they existed."""
     singles = models.singles
     extras = ([["masks", mask_source, [i.mask_key for i in items]]] if mask_source != "none" else []) + \
-        ([["validation", [[i.text_key, i.latent_key, i.mask_key] for i in held_out]]] if held_out else [])
+        ([["validation", [[i.text_key, i.latent_key, i.mask_key] for i in held_out]]] if held_out else []) + \
+        ([["captions", list(dropout), [i.text_variants for i in items]]]
+         if dropout[0] > 0 or any(i.text_variants for i in items) else [])
     dataset_hash = stable_hash([[i.text_key, i.latent_key] for i in items] + [data_cfg.repeats, data_cfg.flip]
                                + extras)
     manifest_path = cache_dir / "datasets" / f"{dataset_hash}.json"
@@ -252,13 +275,14 @@ def _write_manifest(cache_dir: Path, models: CacheModels, data_cfg: DataConfig, 
         "negative_text_key": negative.text_key if negative is not None else "",
         "sample_negative_keys": [n.text_key for n in samples.negatives],
         "validation_items": [asdict(i) for i in held_out], "mask_source": mask_source,
+        "caption_dropout": dropout[0], "empty_text_key": dropout[1],
     }
     write_json_atomic(manifest_path, manifest, "the dataset-cache manifest")
     return DatasetCache(cache_dir, manifest_path, dataset_hash, models.family.id, models.variant, items,
                         data_cfg.repeats, data_cfg.flip, stats, [(p.caption, p.text_key) for p in samples.prompts],
                         manifest["negative_text_key"], manifest["pipeline"],
                         str(singles.vae) if singles is not None else None, manifest["sample_negative_keys"],
-                        list(held_out), mask_source)
+                        list(held_out), mask_source, dropout[0], dropout[1])
 
 
 def _load_entry(path: Path, item: CachedItem) -> dict[str, torch.Tensor]:
@@ -286,15 +310,19 @@ def open_dataset_cache(manifest_path: str | Path) -> DatasetCache:
     negatives = list(m.get("sample_negative_keys", []))
     for it in items + held_out:
         for sub, key in (("text", it.text_key), ("latents", it.latent_key)) + ((("masks", it.mask_key),)
-                                                                              if it.mask_key else ()):
+                                                                              if it.mask_key else ()) \
+                + tuple(("text", k) for k in it.text_variants):
             if not (cache_dir / sub / f"{key}.safetensors").exists():
                 raise CacheError(f"cache entry {sub}/{key} for '{it.image}' is missing; rebuild the cache")
     prompts = [tuple(p) for p in m.get("sample_prompts", [])]
     negative = m.get("negative_text_key", "")
-    for _, key in prompts + ([("", negative)] if negative else []) + [("", k) for k in negatives]:
+    empty = m.get("empty_text_key", "")
+    for _, key in prompts + ([("", negative)] if negative else []) + [("", k) for k in negatives] + \
+            ([("", empty)] if empty else []):
         if not (cache_dir / "text" / f"{key}.safetensors").exists():
             raise CacheError(f"cache entry text/{key} (a sample prompt) is missing; rebuild the cache")
     return DatasetCache(cache_dir, path, m["dataset_hash"], m["family"], m["variant"], items, m["repeats"], m["flip"],
                         sample_prompts=prompts, negative_text_key=negative, pipeline=m.get("pipeline"),
                         vae_file=(m.get("single_files") or {}).get("vae"), sample_negative_keys=negatives,
-                        validation_items=held_out, mask_source=m.get("mask_source", "none"))
+                        validation_items=held_out, mask_source=m.get("mask_source", "none"),
+                        caption_dropout=m.get("caption_dropout", 0.0), empty_text_key=m.get("empty_text_key", ""))

@@ -40,6 +40,23 @@ class DatasetOptions:
         "A folder of captioned images used only for validation (instead of validation_fraction). Empty: none."
     )})
 
+    caption_dropout: float = field(default=0.0, metadata={"help": (
+        "Train this fraction of steps' images on the empty caption instead of their own (0: never; 0.05-0.1 is "
+        "common), so the LoRA also works without its words. The empty caption is encoded once into the cache."
+    )})
+    shuffle_tags: bool = field(default=False, metadata={"help": (
+        "Shuffle the comma-separated tags of each caption (after the first keep_tags). Text encoders run only "
+        "while caching, so the cache holds caption_variants orders of each caption and each step picks one."
+    )})
+    keep_tags: int = field(default=1, metadata={"help": (
+        "With shuffle_tags: how many leading tags stay in place. The trigger word is the first tag, so 1 keeps it "
+        "in front."
+    )})
+    caption_variants: int = field(default=4, metadata={"help": (
+        "With shuffle_tags: how many orders of each caption are cached (the caption as written and the rest "
+        "shuffled). Each costs one caption's text encoding and cache entry; a rebuild encodes only new ones."
+    )})
+
     def __post_init__(self) -> None:
         if self.mask_source not in MASK_SOURCES:
             raise ConfigError(f"mask_source={self.mask_source!r} is not one of {', '.join(MASK_SOURCES)}")
@@ -48,6 +65,14 @@ class DatasetOptions:
         v = self.validation_fraction
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0.0 <= v < 1.0:
             raise ConfigError(f"validation_fraction={v!r} must be a number in [0, 1); 0.1 holds out a tenth")
+        d = self.caption_dropout
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not math.isfinite(d) or not 0.0 <= d < 1.0:
+            raise ConfigError(f"caption_dropout={d!r} must be a number in [0, 1)")
+        if self.keep_tags < 0:
+            raise ConfigError(f"keep_tags={self.keep_tags} must be >= 0")
+        if not 2 <= self.caption_variants <= 64:
+            raise ConfigError(f"caption_variants={self.caption_variants} must be between 2 and 64 (the caption as "
+                              f"written and at least one shuffle)")
         if v > 0 and self.validation_folder.strip():
             raise ConfigError("set validation_fraction or validation_folder, not both: the split comes from one of "
                               "them")
@@ -55,6 +80,10 @@ class DatasetOptions:
     @property
     def masked(self) -> bool:
         return self.mask_source != "none"
+
+    @property
+    def captions_vary(self) -> bool:
+        return self.shuffle_tags or self.caption_dropout > 0
 
     @property
     def validates(self) -> bool:

@@ -49,12 +49,15 @@ def _make_scheduler(optimizer, cfg: TrainConfig):
     return get_scheduler(name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.steps)
 
 
-def _load_batch(dataset: DatasetCache, batch, device, dtype, rng: torch.Generator):
-    """(latents (B, C, ...), embeddings, pixel loss masks (B, H, W) uint8 or None without masked loss)."""
+def _load_batch(dataset: DatasetCache, batch, device, dtype, rng: torch.Generator,
+                caption_rng: torch.Generator | None = None):
+    """(latents (B, C, ...), embeddings, pixel loss masks (B, H, W) uint8 or None without masked loss). With
+    ``caption_rng``, each item's caption is drawn (dropout, shuffled orders: ``DatasetCache.caption_key``)."""
     latents, texts, masks = [], [], []
     for item in batch:
         flipped = dataset.flip and bool(torch.randint(0, 2, (1,), generator=rng).item())
-        lat, emb = dataset.load_item(item, flipped)
+        text_key = dataset.caption_key(item, caption_rng) if caption_rng is not None else None
+        lat, emb = dataset.load_item(item, flipped, text_key)
         latents.append(autograd_safe_tensor(lat))
         texts.append({k: autograd_safe_tensor(v) for k, v in emb.items()})
         masks.append(dataset.load_mask(item, flipped))  # mirrored with its latent
@@ -474,10 +477,13 @@ def _accumulate(run: _Run) -> float | None:
     loss_sum = 0.0
     for micro in range(train.gradient_accumulation):
         # Noise, timesteps and flips are keyed by the global micro-batch index (batching.py).
-        gen = micro_generator(train.seed, run.ranks.global_micro_index(run.drawn))
+        index = run.ranks.global_micro_index(run.drawn)
+        gen = micro_generator(train.seed, index)
+        # Captions draw from a stream of their own: noise and timesteps stay those of the same run without them.
+        captions = micro_generator(train.seed ^ _CAPTION_STREAM, index) if run.dataset.captions_vary else None
         run.drawn += 1
         t_data = time.perf_counter()
-        latents, embeds, masks = _load_batch(run.dataset, next(run.batches), run.device, run.dtype, gen)
+        latents, embeds, masks = _load_batch(run.dataset, next(run.batches), run.device, run.dtype, gen, captions)
         weights = None if masks is None else \
             mask_weights(masks, latents.shape[-2:], run.loss.unmasked_weight).to(run.device)  # (B, h, w)
         run.timer.add_data(time.perf_counter() - t_data)
@@ -487,6 +493,9 @@ def _accumulate(run: _Run) -> float | None:
         if micro < train.gradient_accumulation - 1 and _stop_requested(run):
             return None
     return loss_sum
+
+
+_CAPTION_STREAM = 0x5DEECE66D  # any constant: the caption draws' generator differs from the noise's
 
 
 def _optimizer_step(run: _Run, step: int, loss_sum: float) -> tuple[float, float]:

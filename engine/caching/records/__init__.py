@@ -28,6 +28,9 @@ def record_source(models: CacheModels, data_cfg: DataConfig, video: VideoConfig 
         raise ConfigError(f"masked loss (mask_source={options.mask_source!r}) is built for image datasets only; "
                           f"{family.display_name} ({variant}) trains on "
                           f"{'clips' if video else 'edit pairs'} here. Set mask_source='none'")
+    if options is not None and options.captions_vary and any(s.control_images for s in models.specs):
+        raise ConfigError(f"shuffle_tags and caption_dropout change captions, but {family.display_name} ({variant}) "
+                          f"reads each pair's instruction with its control images; turn them off for edit models")
     if any(s.control_images for s in models.specs):
         if video:
             raise ConfigError(f"{family.display_name} ({variant}) is an image edit model; it takes no video dataset")
