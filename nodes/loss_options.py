@@ -10,7 +10,8 @@ from .load_model import CATEGORY
 
 DESCRIPTION = (
     "Optional loss and validation controls for Train LoRA: how much the area outside a loss mask counts, how "
-    "often the validation loss (on Dataset Options' held-out split) is measured, and TensorBoard logs. With it "
+    "often the validation loss (on Dataset Options' held-out split) is measured, TensorBoard logs, and how noise "
+    "levels are drawn and weighted (the family's own recipe by default). With it "
     "plugged in, each run writes a CSV log (loss, validation loss, lr, step time, VRAM, RAM) that Save LoRA puts "
     "beside the LoRA as '<name>_log.csv', and TensorBoard files under output/lowvram_logs/."
 )
@@ -26,6 +27,8 @@ def _help(name: str, extra: str = "") -> str:
 class LowVRAMLossOptions(io.Node):
     @classmethod
     def define_schema(cls) -> io.Schema:
+        from ..engine.train.loss_options import LOSS_WEIGHTINGS, TIMESTEP_SAMPLERS
+
         return io.Schema(
             node_id="LowVRAMLossOptions", display_name="Loss & Validation Options", category=CATEGORY,
             description=DESCRIPTION,
@@ -36,12 +39,25 @@ class LowVRAMLossOptions(io.Node):
                 io.Int("validation_every", default=0, min=-1, max=1_000_000, tooltip=_help("validation_every")),
                 io.Int("validation_timesteps", default=4, min=1, max=64, tooltip=_help("validation_timesteps")),
                 io.Boolean("tensorboard", default=True, tooltip=_help("tensorboard")),
+                io.Combo("timestep_sampling", ["family"] + list(TIMESTEP_SAMPLERS), default="family",
+                         tooltip=_help("timestep_sampling")),
+                io.Float("logit_mean", default=0.0, min=-5.0, max=5.0, step=0.1, tooltip=_help("logit_mean")),
+                io.Float("logit_std", default=1.0, min=0.05, max=5.0, step=0.05, tooltip=_help("logit_std")),
+                io.Float("sigmoid_scale", default=1.0, min=0.05, max=5.0, step=0.05, tooltip=_help("sigmoid_scale")),
+                io.Combo("loss_weighting", ["family"] + list(LOSS_WEIGHTINGS), default="family",
+                         tooltip=_help("loss_weighting")),
+                io.Float("snr_gamma", default=5.0, min=0.1, max=100.0, step=0.5, tooltip=_help("snr_gamma")),
             ])
 
     @classmethod
     def execute(cls, unmasked_weight: float = 0.0, validation_every: int = 0, validation_timesteps: int = 4,
-                tensorboard: bool = True) -> io.NodeOutput:
+                tensorboard: bool = True, timestep_sampling: str = "family", logit_mean: float = 0.0,
+                logit_std: float = 1.0, sigmoid_scale: float = 1.0, loss_weighting: str = "family",
+                snr_gamma: float = 5.0) -> io.NodeOutput:
         from ..engine.train.loss_options import LossOptions
 
         return io.NodeOutput(LossOptions(unmasked_weight=unmasked_weight, validation_every=validation_every,
-                                         validation_timesteps=validation_timesteps, tensorboard=tensorboard))
+                                         validation_timesteps=validation_timesteps, tensorboard=tensorboard,
+                                         timestep_sampling=timestep_sampling, logit_mean=logit_mean,
+                                         logit_std=logit_std, sigmoid_scale=sigmoid_scale,
+                                         loss_weighting=loss_weighting, snr_gamma=snr_gamma))

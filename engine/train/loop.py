@@ -31,7 +31,8 @@ from ..models.inspect import ModelInfo
 from ..offload import OffloadConfig
 from ..offload.hostmem import process_memory
 from .batching import bucket_batches, micro_generator
-from .flow_matching import mask_weights, noisy_latents_and_target, sample_sigmas, weighted_mse
+from .flow_matching import (draw_sigmas, loss_weights, mask_weights, noisy_latents_and_target, per_sample_mse,
+                            sample_sigmas, weighted_mse)
 from .grad_mode import autograd_enabled, autograd_safe_tensor, make_autograd_safe
 from .lora_attach import lora_state_dict, skip_lora_input_cast
 from .optimizers import check_optimizer, make_optimizer
@@ -488,7 +489,8 @@ def _accumulate(run: _Run) -> float | None:
             mask_weights(masks, latents.shape[-2:], run.loss.unmasked_weight).to(run.device)  # (B, h, w)
         run.timer.add_data(time.perf_counter() - t_data)
         loss_sum += _micro_step(run.model, run.family, latents, embeds, train, gen, run.autocast,
-                                1.0 / train.gradient_accumulation, run.memory.micro_batch, run.sigma_range, weights)
+                                1.0 / train.gradient_accumulation, run.memory.micro_batch, run.sigma_range, weights,
+                                run.loss)
         # Between micro-steps too: with long accumulation, Stop must not wait a whole step.
         if micro < train.gradient_accumulation - 1 and _stop_requested(run):
             return None
@@ -727,14 +729,15 @@ def _compile_blocks(model, family, placement: Placement, train: TrainConfig, cb)
 
 def _micro_step(model, family, latents, embeds, cfg: TrainConfig, gen: torch.Generator, autocast,
                 scale: float, micro_batch: int = 0, sigma_range: tuple[float, float] = (0.0, 1.0),
-                weights: torch.Tensor | None = None) -> float:
+                weights: torch.Tensor | None = None, loss_opts=None) -> float:
     """Forward and backward of one batch; returns its loss. The noise and timesteps are drawn for the whole
     batch; with ``micro_batch`` the batch then runs that many samples at a time, each piece's loss weighted
     by its share, so the accumulated gradient is the whole batch's (activations are one piece's). ``weights``
-    (B, h, w): masked loss's latent-grid weights (``flow_matching.weighted_mse``)."""
+    (B, h, w): masked loss's latent-grid weights (``flow_matching.weighted_mse``). ``loss_opts`` (LossOptions): the
+    noise-level sampler and loss weighting, the family's own by default."""
     b = latents.shape[0]
-    mu = family.schedule.train_shift_mu(latents) if cfg.shift_timesteps else None
-    sigmas = sample_sigmas(b, gen, cfg.timestep_mean, cfg.timestep_std, mu, *sigma_range).to(latents.device)
+    sigmas, level_weights = _draw_levels(family, latents, cfg, gen, sigma_range, loss_opts)
+    sigmas = sigmas.to(latents.device)
     noise = torch.randn(latents.shape, generator=gen).to(latents.device, latents.dtype)
     noisy, target = noisy_latents_and_target(latents, noise, sigmas)
     step = micro_batch if 0 < micro_batch < b else b
@@ -744,7 +747,10 @@ def _micro_step(model, family, latents, embeds, cfg: TrainConfig, gen: torch.Gen
         with autocast:
             pred = predict_velocity(family, model, noisy[piece], {k: v[piece] for k, v in embeds.items()},
                                            sigmas[piece], cfg.guidance)
-        if weights is None:
+        if level_weights is not None:  # per-sample weights of the noise levels (and the masks, if any)
+            per = per_sample_mse(pred, target[piece], None if weights is None else weights[piece])
+            loss = (per * level_weights[piece].to(per.device)).mean()
+        elif weights is None:
             loss = torch.nn.functional.mse_loss(pred.float(), target[piece].float())
         else:
             loss = weighted_mse(pred, target[piece], weights[piece])
@@ -752,6 +758,27 @@ def _micro_step(model, family, latents, embeds, cfg: TrainConfig, gen: torch.Gen
         (loss * (share * scale)).backward()
         total += loss.item() * share
     return total
+
+
+def _draw_levels(family, latents, cfg: TrainConfig, gen, sigma_range, loss_opts):
+    """(sigmas (B,), per-sample loss weights (B,) or None): the family's draw (TrainConfig's timestep_mean,
+    timestep_std, shift_timesteps, as before) unless Loss & Validation Options choose another sampler or weighting
+    (engine/train/flow_matching.py)."""
+    schedule = family.schedule
+    sampler, default = loss_opts.sampler(schedule) if loss_opts is not None else (schedule.train_sampling, True)
+    b = latents.shape[0]
+    if default:
+        mean, std, shifted = cfg.timestep_mean, cfg.timestep_std, cfg.shift_timesteps
+    else:
+        mean, std, shifted = loss_opts.logit_mean, loss_opts.logit_std, True
+    mu = schedule.train_shift_mu(latents) if sampler == "shift" and shifted else None
+    if sampler == "shift":
+        sigmas = sample_sigmas(b, gen, mean, std, mu, *sigma_range)
+    else:
+        sigmas = draw_sigmas(sampler, b, gen, mean, std, loss_opts.sigmoid_scale if loss_opts else 1.0, None,
+                             *sigma_range)
+    scheme = loss_opts.weighting(schedule) if loss_opts is not None else schedule.loss_weighting
+    return sigmas, loss_weights(scheme, sigmas, loss_opts.snr_gamma if loss_opts is not None else 5.0)
 
 
 def _clip(params, max_norm: float) -> float:

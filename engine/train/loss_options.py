@@ -11,6 +11,14 @@ from dataclasses import dataclass, field
 
 from ..errors import ConfigError
 
+#: Noise-level samplers (``flow_matching.draw_sigmas``): ``shift`` logit-normal(mean, std) under the family's shift
+#: (SD3/Flux); ``logit_normal`` the same without a shift; ``uniform`` U(0, 1); ``sigmoid`` sigmoid(scale x N(0, 1))
+#: (sd-scripts' ``--timestep_sampling sigmoid``). "family" here means the family's ``NoiseSchedule.train_sampling``.
+TIMESTEP_SAMPLERS = ("shift", "logit_normal", "uniform", "sigmoid")
+#: Loss weightings over noise levels (``flow_matching.loss_weights``): ``none``; ``min_snr`` min-SNR-gamma (Hang et
+#: al. 2023) for the velocity target; ``sigma_sqrt`` and ``cosmap`` as SD3 / diffusers' ``compute_loss_weighting_for_sd3``.
+LOSS_WEIGHTINGS = ("none", "min_snr", "sigma_sqrt", "cosmap")
+
 
 @dataclass
 class LossOptions:
@@ -30,6 +38,24 @@ class LossOptions:
         "Noise levels each validation image is measured at, evenly spread over (0, 1) (the mid-points of as many "
         "equal intervals). More gives a smoother curve and costs one forward pass each."
     )})
+    timestep_sampling: str = field(default="family", metadata={"help": (
+        "How each step draws its noise level. family: the model family's own recipe (logit-normal under its "
+        "shift for every family here). shift: logit-normal(logit_mean, logit_std) under the family's shift "
+        "(Flux: resolution-dependent; Z-Image: 3). logit_normal: the same without the shift. uniform: evenly over "
+        "(0, 1). sigmoid: sigmoid(sigmoid_scale x a normal draw), as sd-scripts."
+    )})
+    logit_mean: float = field(default=0.0, metadata={"help": (
+        "shift / logit_normal sampling: the mean of the normal draw before the sigmoid; above 0 trains noisier."
+    )})
+    logit_std: float = field(default=1.0, metadata={"help": "shift / logit_normal sampling: its standard deviation."})
+    sigmoid_scale: float = field(default=1.0, metadata={"help": "sigmoid sampling: the scale of the normal draw."})
+    loss_weighting: str = field(default="family", metadata={"help": (
+        "How the loss of each noise level is weighted. family: the family's own (none for every family here). "
+        "none: plain MSE of the velocity. min_snr: min-SNR-gamma for the velocity target, min(SNR, gamma) x "
+        "sigma^2 (damps the low-noise steps). sigma_sqrt, cosmap: SD3's weightings (diffusers' "
+        "compute_loss_weighting_for_sd3)."
+    )})
+    snr_gamma: float = field(default=5.0, metadata={"help": "min_snr weighting: gamma (5 in the paper)."})
     tensorboard: bool = field(default=True, metadata={"help": (
         "Also write TensorBoard event files (needs the optional 'tensorboard' package: pip install tensorboard). "
         "Without it the run goes on and says so; the CSV log is always written."
@@ -39,6 +65,17 @@ class LossOptions:
         w = self.unmasked_weight
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or not 0.0 <= w <= 1.0:
             raise ConfigError(f"unmasked_weight={w!r} must be a number in [0, 1]")
+        if self.timestep_sampling not in ("family",) + TIMESTEP_SAMPLERS:
+            raise ConfigError(f"timestep_sampling={self.timestep_sampling!r} is not one of family, "
+                              f"{', '.join(TIMESTEP_SAMPLERS)}")
+        if self.loss_weighting not in ("family",) + LOSS_WEIGHTINGS:
+            raise ConfigError(f"loss_weighting={self.loss_weighting!r} is not one of family, {', '.join(LOSS_WEIGHTINGS)}")
+        for name in ("logit_mean", "logit_std", "sigmoid_scale", "snr_gamma"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ConfigError(f"{name}={value!r} must be a finite number")
+        if self.logit_std <= 0 or self.sigmoid_scale <= 0 or self.snr_gamma <= 0:
+            raise ConfigError("logit_std, sigmoid_scale and snr_gamma must be > 0")
         if self.validation_every < -1:
             raise ConfigError(f"validation_every={self.validation_every} must be -1 (never), 0 (auto) or a step count")
         if not 1 <= self.validation_timesteps <= 64:
@@ -51,6 +88,22 @@ class LossOptions:
         return self.validation_every or max(1, steps // 20)
 
     def result_key_settings(self) -> dict:
-        """The settings that change the trained weights (into the run's key); empty when all are the defaults,
-        so a run without options keeps its key."""
-        return {"unmasked_weight": self.unmasked_weight} if self.unmasked_weight != 0.0 else {}
+        """The settings that change the trained weights (into the run's key): those not at their defaults, so a
+        run without options keeps its key."""
+        defaults = LossOptions()
+        return {name: getattr(self, name) for name in _WEIGHT_SETTINGS if getattr(self, name) != getattr(defaults, name)}
+
+    def sampler(self, schedule) -> tuple[str, bool]:
+        """(the sampler to draw with, whether it is the family's default draw, which TrainConfig's timestep_mean,
+        timestep_std and shift_timesteps govern)."""
+        if self.timestep_sampling == "family":
+            return schedule.train_sampling, True
+        return self.timestep_sampling, False
+
+    def weighting(self, schedule) -> str:
+        return schedule.loss_weighting if self.loss_weighting == "family" else self.loss_weighting
+
+
+#: The fields that change the trained weights (validation and logs only watch).
+_WEIGHT_SETTINGS = ("unmasked_weight", "timestep_sampling", "logit_mean", "logit_std", "sigmoid_scale",
+                    "loss_weighting", "snr_gamma")
