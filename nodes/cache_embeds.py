@@ -106,7 +106,10 @@ class LowVRAMCacheTextEmbeds(io.Node):
                 io.String("sample_prompts", default="", multiline=True,
                           tooltip="Prompts for sample images while training, one per line (empty: none). Encoded "
                                   "here once with the captions; Train LoRA's sample_every turns sampling on. "
-                                  "Include the trigger word where you want the LoRA's subject."),
+                                  "Include the trigger word where you want the LoRA's subject. A line may carry its "
+                                  "own settings as in sd-scripts and musubi-tuner prompt files: --w width, --h "
+                                  "height, --f frames, --d seed, --s steps, --g guidance, --l CFG scale, --n negative "
+                                  "prompt (e.g. 'a cat --w 768 --h 512 --d 3'); lines starting with # are comments."),
                 # Video families only (Wan): how clips become training windows. Optional and after every older
                 # widget, so saved workflows keep their positions; image families ignore them.
                 io.String("video_frames", default="33", optional=True,

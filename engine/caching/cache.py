@@ -41,7 +41,7 @@ from ..fileio import write_json_atomic
 from ..families import ModelFamily, get_family
 from ..hashing import stable_hash
 from .caption_entries import caption_entries
-from .entries import build_latents, build_masks
+from .entries import build_latents, build_masks, build_text, negative_specs
 from .items import CachedItem, SampleItems
 from .keys import CacheKeys, cache_keys
 from .model_sources import CacheModels, open_models, resolve_pipeline_folder
@@ -78,6 +78,9 @@ class DatasetCache:
     # An edit dataset's per-prompt negatives (the empty instruction with that prompt's control images), parallel to
     # sample_prompts; empty for other families (they share ``negative_text_key``).
     sample_negative_keys: list = field(default_factory=list)
+    # Each sample prompt's own settings from its line (--w --h ...: engine/sampling/prompt_lines.py), parallel to
+    # sample_prompts; empty dicts: Train LoRA's settings.
+    sample_settings: list = field(default_factory=list)
     # Held out of training (Dataset Options' validation split): cached like the items, never trained on.
     validation_items: list = field(default_factory=list)
     mask_source: str = "none"  # where the items' loss masks came from (engine/data/masks.py); "none": no masks
@@ -226,10 +229,13 @@ def build_dataset_cache(
                                        lambda cfg: record_source(models, cfg, video, control_dirs, options),
                                        buckets, keys, data_cfg.flip, cb.log)
     items, caption_texts, empty_key = caption_entries(options, items, keys)  # caption variants
-    lines = list(dict.fromkeys(p.strip() for p in sample_prompts if p.strip()))  # blank lines out, repeats once
-    samples = source.samples(lines, records, keys)
+    lines = _prompt_lines(sample_prompts)
+    samples = source.samples([line.prompt for line in lines], records, keys)
+    own_negatives = _own_negatives(models, keys, lines, samples, cb)
     stats = {"text_built": 0, "text_reused": 0, "latents_built": 0, "latents_reused": 0}
     source.build_text(cache_dir, models, keys, items + held_out + caption_texts, samples, cb, stats)  # text entries
+    if own_negatives:  # sample prompts' own negatives (--n), encoded as the empty prompt is
+        build_text(cache_dir, models, negative_specs(models.specs), own_negatives, keys.max_len, cb, {})
     build_latents(cache_dir, models.family, items + held_out, data_cfg.flip, models.device, models.dtype, cb, stats,
                   models.load_vae, models.variant)  # latent entries
     mask_source = options.mask_source if options is not None else "none"
@@ -237,7 +243,7 @@ def build_dataset_cache(
         build_masks(cache_dir, items + held_out, data_cfg.flip, mask_source, cb, stats)  # masks
     dropout = options.caption_dropout if options is not None else 0.0
     cache = _write_manifest(cache_dir, models, data_cfg, video, keys, items, samples, stats, held_out, mask_source,
-                            (dropout, empty_key))
+                            (dropout, empty_key), lines)
     extra = (f"; masks {stats['masks_built']} built / {stats['masks_reused']} reused" if mask_source != "none" else "")
     extra += f"; {len(held_out)} held out for validation" if held_out else ""
     cb.log(f"dataset cache {cache.dataset_hash}: {len(items)} {source.label}; text {stats['text_built']} built / "
@@ -246,10 +252,43 @@ def build_dataset_cache(
     return cache
 
 
+def _prompt_lines(sample_prompts: Sequence[str]) -> list:
+    """The sample prompt lines, each read with its options (``PromptLineError`` names a malformed one): blank lines
+    and ``#`` comments out, a repeated line once."""
+    from ..sampling.prompt_lines import is_comment, parse_prompt_line
+
+    lines = dict.fromkeys(p.strip() for p in sample_prompts if p.strip() and not is_comment(p))
+    return [parse_prompt_line(line) for line in lines]
+
+
+def _own_negatives(models: CacheModels, keys: CacheKeys, lines: list, samples: SampleItems, cb) -> list[CachedItem]:
+    """Lines with ``--n``: their negatives replace the shared empty prompt for those prompts (a family sampled with
+    classifier-free guidance; others have no negative, and the option is said to be ignored)."""
+    from .items import text_item
+
+    if not any(line.negative for line in lines):
+        return []
+    if samples.shared_negative is None:
+        if samples.negatives:
+            raise ConfigError("--n (a negative prompt) on a sample prompt line is not supported for edit models: their "
+                              "negatives carry each prompt's control images; remove --n")
+        cb.log(f"--n on a sample prompt line is ignored: {models.family.display_name} ({models.variant}) samples "
+               f"without a negative prompt")
+        return []
+    made = {}
+    for line in lines:
+        if line.negative:
+            key = keys.negative_prompt(line.negative, models.specs)
+            made.setdefault(key, text_item(line.negative, key))
+    samples.negatives = [made[keys.negative_prompt(line.negative, models.specs)] if line.negative
+                         else samples.shared_negative for line in lines]
+    return list(made.values())
+
+
 def _write_manifest(cache_dir: Path, models: CacheModels, data_cfg: DataConfig, video: VideoConfig | None,
                     keys: CacheKeys, items: list[CachedItem], samples: SampleItems, stats: dict,
                     held_out: list[CachedItem] = (), mask_source: str = "none",
-                    dropout: tuple[float, str] = (0.0, "")) -> DatasetCache:
+                    dropout: tuple[float, str] = (0.0, ""), lines: list = ()) -> DatasetCache:
     """The manifest phase: the dataset's items and settings under ``datasets/<hash>.json`` (what
     ``open_dataset_cache`` reads back), and the handle to the built cache. Masks and a validation split enter the
     hash only when there are some: a dataset without them keeps the hash it had before they existed."""
@@ -276,13 +315,15 @@ def _write_manifest(cache_dir: Path, models: CacheModels, data_cfg: DataConfig, 
         "sample_negative_keys": [n.text_key for n in samples.negatives],
         "validation_items": [asdict(i) for i in held_out], "mask_source": mask_source,
         "caption_dropout": dropout[0], "empty_text_key": dropout[1],
+        "sample_settings": [line.settings() for line in lines],
     }
     write_json_atomic(manifest_path, manifest, "the dataset-cache manifest")
     return DatasetCache(cache_dir, manifest_path, dataset_hash, models.family.id, models.variant, items,
                         data_cfg.repeats, data_cfg.flip, stats, [(p.caption, p.text_key) for p in samples.prompts],
                         manifest["negative_text_key"], manifest["pipeline"],
                         str(singles.vae) if singles is not None else None, manifest["sample_negative_keys"],
-                        list(held_out), mask_source, dropout[0], dropout[1])
+                        validation_items=list(held_out), mask_source=mask_source, caption_dropout=dropout[0],
+                        empty_text_key=dropout[1], sample_settings=manifest["sample_settings"])
 
 
 def _load_entry(path: Path, item: CachedItem) -> dict[str, torch.Tensor]:
@@ -325,4 +366,5 @@ def open_dataset_cache(manifest_path: str | Path) -> DatasetCache:
                         sample_prompts=prompts, negative_text_key=negative, pipeline=m.get("pipeline"),
                         vae_file=(m.get("single_files") or {}).get("vae"), sample_negative_keys=negatives,
                         validation_items=held_out, mask_source=m.get("mask_source", "none"),
-                        caption_dropout=m.get("caption_dropout", 0.0), empty_text_key=m.get("empty_text_key", ""))
+                        caption_dropout=m.get("caption_dropout", 0.0), empty_text_key=m.get("empty_text_key", ""),
+                        sample_settings=m.get("sample_settings", []))

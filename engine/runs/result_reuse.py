@@ -133,6 +133,8 @@ def samples_made_with(dataset: DatasetCache, sampling: SamplingConfig | None,
     if sampling is None or not sampling.enabled:
         return None
     out = {"prompts": [p for p, _ in dataset.sample_prompts], "config": asdict(sampling)}
+    if any(dataset.sample_settings):  # per-prompt options (--w --h ...): other lines, other samples
+        out["lines"] = list(dataset.sample_settings)
     if partner_identity is not None:
         out["preview_partner"] = partner_identity
     return out
