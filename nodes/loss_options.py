@@ -47,17 +47,21 @@ class LowVRAMLossOptions(io.Node):
                 io.Combo("loss_weighting", ["family"] + list(LOSS_WEIGHTINGS), default="family",
                          tooltip=_help("loss_weighting")),
                 io.Float("snr_gamma", default=5.0, min=0.1, max=100.0, step=0.5, tooltip=_help("snr_gamma")),
+                io.Float("reg_ratio", default=0.5, min=0.0, max=0.95, step=0.05, tooltip=_help("reg_ratio")),
+                io.Float("prior_loss_weight", default=1.0, min=0.0, max=10.0, step=0.05,
+                         tooltip=_help("prior_loss_weight")),
             ])
 
     @classmethod
     def execute(cls, unmasked_weight: float = 0.0, validation_every: int = 0, validation_timesteps: int = 4,
                 tensorboard: bool = True, timestep_sampling: str = "family", logit_mean: float = 0.0,
                 logit_std: float = 1.0, sigmoid_scale: float = 1.0, loss_weighting: str = "family",
-                snr_gamma: float = 5.0) -> io.NodeOutput:
+                snr_gamma: float = 5.0, reg_ratio: float = 0.5, prior_loss_weight: float = 1.0) -> io.NodeOutput:
         from ..engine.train.loss_options import LossOptions
 
         return io.NodeOutput(LossOptions(unmasked_weight=unmasked_weight, validation_every=validation_every,
                                          validation_timesteps=validation_timesteps, tensorboard=tensorboard,
                                          timestep_sampling=timestep_sampling, logit_mean=logit_mean,
                                          logit_std=logit_std, sigmoid_scale=sigmoid_scale,
-                                         loss_weighting=loss_weighting, snr_gamma=snr_gamma))
+                                         loss_weighting=loss_weighting, snr_gamma=snr_gamma, reg_ratio=reg_ratio,
+                                         prior_loss_weight=prior_loss_weight))

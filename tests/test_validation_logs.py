@@ -137,3 +137,24 @@ def test_the_option_nodes_build_the_configs_and_refuse_bad_values(tmp_path):
     # Only what changes the weights is in the run's key; the defaults leave it as before.
     assert LossOptions(validation_every=3, tensorboard=False).result_key_settings() == {}
     assert LossOptions(unmasked_weight=0.1).result_key_settings() == {"unmasked_weight": 0.1}
+
+
+def test_regularization_images_are_cached_apart_and_interleaved_by_ratio(tiny_pipeline, split_cache, tmp_path):
+    assert [LossOptions(reg_ratio=0.5).is_reg(i) for i in range(4)] == [False, True, False, True]
+    assert [LossOptions(reg_ratio=0.25).is_reg(i) for i in range(8)] == [False, False, False, True] * 2
+    data = split_cache.items[0].image.rsplit("/", 1)[0]
+    with pytest.raises(DatasetError, match="reg_folder '.*nowhere': dataset folder .* does not exist"):
+        _build(tiny_pipeline, data, tmp_path, reg_folder=str(tmp_path / "nowhere"))
+    reg = make_tiny_dataset(tmp_path / "reg", count=1, seed=9)
+    cache = _build(tiny_pipeline, data, tmp_path, reg_folder=str(reg), validation_fraction=0.3)
+    assert len(cache.reg_items) == 1 and cache.reg_items[0].image.startswith(str(reg))
+    assert open_dataset_cache(cache.manifest_path).reg_items == cache.reg_items
+    loaded = []
+    load = cache.load_item
+    cache.load_item = lambda item, *a: (loaded.append(item.image), load(item, *a))[1]
+    base, family, _, variant = load_transformer(tiny_pipeline, dtype=torch.float32)
+    result = train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), cache, LoraSettings(rank=4),
+                        TrainConfig(steps=4, learning_rate=1e-3, device="cpu"), preloaded=(base, family, variant),
+                        loss=LossOptions(reg_ratio=0.5, prior_loss_weight=0.0, validation_every=-1))
+    assert [p.startswith(str(reg)) for p in loaded] == [False, True, False, True]
+    assert result.loss_history[1] == result.loss_history[3] == 0.0 and result.loss_history[0] > 0

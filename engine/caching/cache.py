@@ -47,7 +47,7 @@ from .keys import CacheKeys, cache_keys
 from .model_sources import CacheModels, open_models, resolve_pipeline_folder
 from .records import record_source
 from .single_files import load_vae_file
-from .validation_split import validation_items
+from .validation_split import regularization_items, validation_items
 
 MANIFEST_VERSION = 1
 
@@ -83,6 +83,9 @@ class DatasetCache:
     sample_settings: list = field(default_factory=list)
     # Held out of training (Dataset Options' validation split): cached like the items, never trained on.
     validation_items: list = field(default_factory=list)
+    # Regularization images (Dataset Options' reg_folder): class images with their own captions, mixed into
+    # training by LossOptions.reg_ratio.
+    reg_items: list = field(default_factory=list)
     mask_source: str = "none"  # where the items' loss masks came from (engine/data/masks.py); "none": no masks
     caption_dropout: float = 0.0  # the chance a training item is given the empty caption (``empty_text_key``)
     empty_text_key: str = ""
@@ -228,24 +231,28 @@ def build_dataset_cache(
     items, held_out = validation_items(options, items, data_cfg,  # the validation split
                                        lambda cfg: record_source(models, cfg, video, control_dirs, options),
                                        buckets, keys, data_cfg.flip, cb.log)
+    reg = regularization_items(options, data_cfg, lambda cfg, opts: record_source(models, cfg, video, control_dirs,
+                                                                                   opts),
+                               buckets, keys, data_cfg.flip, cb.log)  # regularization images
     items, caption_texts, empty_key = caption_entries(options, items, keys)  # caption variants
     lines = _prompt_lines(sample_prompts)
     samples = source.samples([line.prompt for line in lines], records, keys)
     own_negatives = _own_negatives(models, keys, lines, samples, cb)
     stats = {"text_built": 0, "text_reused": 0, "latents_built": 0, "latents_reused": 0}
-    source.build_text(cache_dir, models, keys, items + held_out + caption_texts, samples, cb, stats)  # text entries
+    source.build_text(cache_dir, models, keys, items + held_out + reg + caption_texts, samples, cb, stats)  # text
     if own_negatives:  # sample prompts' own negatives (--n), encoded as the empty prompt is
         build_text(cache_dir, models, negative_specs(models.specs), own_negatives, keys.max_len, cb, {})
-    build_latents(cache_dir, models.family, items + held_out, data_cfg.flip, models.device, models.dtype, cb, stats,
+    build_latents(cache_dir, models.family, items + held_out + reg, data_cfg.flip, models.device, models.dtype, cb, stats,
                   models.load_vae, models.variant)  # latent entries
     mask_source = options.mask_source if options is not None else "none"
     if mask_source != "none":
         build_masks(cache_dir, items + held_out, data_cfg.flip, mask_source, cb, stats)  # masks
     dropout = options.caption_dropout if options is not None else 0.0
     cache = _write_manifest(cache_dir, models, data_cfg, video, keys, items, samples, stats, held_out, mask_source,
-                            (dropout, empty_key), lines)
+                            (dropout, empty_key), lines, reg)
     extra = (f"; masks {stats['masks_built']} built / {stats['masks_reused']} reused" if mask_source != "none" else "")
     extra += f"; {len(held_out)} held out for validation" if held_out else ""
+    extra += f"; {len(reg)} regularization images" if reg else ""
     cb.log(f"dataset cache {cache.dataset_hash}: {len(items)} {source.label}; text {stats['text_built']} built / "
            f"{stats['text_reused']} reused; latents {stats['latents_built']} built / {stats['latents_reused']} reused"
            + extra)
@@ -288,7 +295,7 @@ def _own_negatives(models: CacheModels, keys: CacheKeys, lines: list, samples: S
 def _write_manifest(cache_dir: Path, models: CacheModels, data_cfg: DataConfig, video: VideoConfig | None,
                     keys: CacheKeys, items: list[CachedItem], samples: SampleItems, stats: dict,
                     held_out: list[CachedItem] = (), mask_source: str = "none",
-                    dropout: tuple[float, str] = (0.0, ""), lines: list = ()) -> DatasetCache:
+                    dropout: tuple[float, str] = (0.0, ""), lines: list = (), reg: list = ()) -> DatasetCache:
     """The manifest phase: the dataset's items and settings under ``datasets/<hash>.json`` (what
     ``open_dataset_cache`` reads back), and the handle to the built cache. Masks and a validation split enter the
     hash only when there are some: a dataset without them keeps the hash it had before they existed."""
@@ -296,7 +303,8 @@ def _write_manifest(cache_dir: Path, models: CacheModels, data_cfg: DataConfig, 
     extras = ([["masks", mask_source, [i.mask_key for i in items]]] if mask_source != "none" else []) + \
         ([["validation", [[i.text_key, i.latent_key, i.mask_key] for i in held_out]]] if held_out else []) + \
         ([["captions", list(dropout), [i.text_variants for i in items]]]
-         if dropout[0] > 0 or any(i.text_variants for i in items) else [])
+         if dropout[0] > 0 or any(i.text_variants for i in items) else []) + \
+        ([["regularization", [[i.text_key, i.latent_key] for i in reg]]] if reg else [])
     dataset_hash = stable_hash([[i.text_key, i.latent_key] for i in items] + [data_cfg.repeats, data_cfg.flip]
                                + extras)
     manifest_path = cache_dir / "datasets" / f"{dataset_hash}.json"
@@ -315,7 +323,7 @@ def _write_manifest(cache_dir: Path, models: CacheModels, data_cfg: DataConfig, 
         "sample_negative_keys": [n.text_key for n in samples.negatives],
         "validation_items": [asdict(i) for i in held_out], "mask_source": mask_source,
         "caption_dropout": dropout[0], "empty_text_key": dropout[1],
-        "sample_settings": [line.settings() for line in lines],
+        "sample_settings": [line.settings() for line in lines], "reg_items": [asdict(i) for i in reg],
     }
     write_json_atomic(manifest_path, manifest, "the dataset-cache manifest")
     return DatasetCache(cache_dir, manifest_path, dataset_hash, models.family.id, models.variant, items,
@@ -323,7 +331,7 @@ def _write_manifest(cache_dir: Path, models: CacheModels, data_cfg: DataConfig, 
                         manifest["negative_text_key"], manifest["pipeline"],
                         str(singles.vae) if singles is not None else None, manifest["sample_negative_keys"],
                         validation_items=list(held_out), mask_source=mask_source, caption_dropout=dropout[0],
-                        empty_text_key=dropout[1], sample_settings=manifest["sample_settings"])
+                        empty_text_key=dropout[1], sample_settings=manifest["sample_settings"], reg_items=list(reg))
 
 
 def _load_entry(path: Path, item: CachedItem) -> dict[str, torch.Tensor]:
@@ -346,10 +354,10 @@ def open_dataset_cache(manifest_path: str | Path) -> DatasetCache:
     if m.get("version") != MANIFEST_VERSION:
         raise CacheError(f"cache manifest '{path}' has version {m.get('version')}, expected {MANIFEST_VERSION}; rebuild it")
     cache_dir = path.parent.parent
-    items, held_out = ([CachedItem(**{**i, "bucket": tuple(i["bucket"]), "frames": list(i.get("frames", []))})
-                        for i in m.get(name, [])] for name in ("items", "validation_items"))
+    items, held_out, reg = ([CachedItem(**{**i, "bucket": tuple(i["bucket"]), "frames": list(i.get("frames", []))})
+                             for i in m.get(name, [])] for name in ("items", "validation_items", "reg_items"))
     negatives = list(m.get("sample_negative_keys", []))
-    for it in items + held_out:
+    for it in items + held_out + reg:
         for sub, key in (("text", it.text_key), ("latents", it.latent_key)) + ((("masks", it.mask_key),)
                                                                               if it.mask_key else ()) \
                 + tuple(("text", k) for k in it.text_variants):
@@ -367,4 +375,4 @@ def open_dataset_cache(manifest_path: str | Path) -> DatasetCache:
                         vae_file=(m.get("single_files") or {}).get("vae"), sample_negative_keys=negatives,
                         validation_items=held_out, mask_source=m.get("mask_source", "none"),
                         caption_dropout=m.get("caption_dropout", 0.0), empty_text_key=m.get("empty_text_key", ""),
-                        sample_settings=m.get("sample_settings", []))
+                        sample_settings=m.get("sample_settings", []), reg_items=reg)

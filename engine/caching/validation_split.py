@@ -30,19 +30,31 @@ def split_by_fraction(items: list[CachedItem], fraction: float) -> tuple[list[Ca
     return [it for it in items if it.image not in held], [it for it in items if it.image in held]
 
 
-def folder_items(options: DatasetOptions, data_cfg, make_source, buckets, keys, flip: bool, log) -> list[CachedItem]:
-    """The items of ``options.validation_folder``, scanned as the dataset is (same captions rules, trigger word,
+def folder_items(options: DatasetOptions, data_cfg, make_source, buckets, keys, flip: bool, log,
+                 name: str = "validation_folder") -> list[CachedItem]:
+    """The items of the folder ``options.<name>``, scanned as the dataset is (same captions rules, trigger word,
     masks): ``make_source(data_cfg)`` is the build's record source for another folder."""
-    folder = options.validation_folder.strip()
+    folder = getattr(options, name).strip()
     try:
         source = make_source(replace(data_cfg, path=folder))
         records = source.scan(log)
     except DatasetError as exc:
-        raise DatasetError(f"validation_folder '{folder}': {exc}") from None
+        raise DatasetError(f"{name} '{folder}': {exc}") from None
     items = source.items(records, buckets, keys, flip)
     if not items:
-        raise DatasetError(f"validation_folder '{folder}' holds no usable image; add captioned images or clear it")
+        raise DatasetError(f"{name} '{folder}' holds no usable image; add captioned images or clear it")
     return items
+
+
+def regularization_items(options: DatasetOptions | None, data_cfg, make_source, buckets, keys, flip,
+                         log) -> list[CachedItem]:
+    """The regularization folder's items: its own captions, no trigger word, no masks (class images, not the
+    subject); none without a ``reg_folder``."""
+    if options is None or not options.reg_folder.strip():
+        return []
+    reg_cfg = replace(data_cfg, trigger_word="")
+    return folder_items(options, reg_cfg, lambda cfg: make_source(cfg, replace(options, mask_source="none")),
+                        buckets, keys, flip, log, name="reg_folder")
 
 
 def validation_items(options: DatasetOptions | None, items, data_cfg, make_source, buckets, keys, flip, log):

@@ -40,6 +40,11 @@ class DatasetOptions:
         "A folder of captioned images used only for validation (instead of validation_fraction). Empty: none."
     )})
 
+    reg_folder: str = field(default="", metadata={"help": (
+        "Regularization (prior preservation): a folder of captioned images of the subject's class (e.g. other "
+        "dogs), with their own .txt captions (no trigger word is added). Train LoRA mixes them in by reg_ratio, "
+        "their loss weighted by prior_loss_weight (Loss & Validation Options). Empty: none."
+    )})
     caption_dropout: float = field(default=0.0, metadata={"help": (
         "Train this fraction of steps' images on the empty caption instead of their own (0: never; 0.05-0.1 is "
         "common), so the LoRA also works without its words. The empty caption is encoded once into the cache."

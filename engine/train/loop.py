@@ -202,6 +202,7 @@ class _Run:
     start: float = field(default_factory=time.perf_counter)
     sigma_range: tuple[float, float] = (0.0, 1.0)  # the noise levels this model trains on (family.schedule.train_sigma_range)
     loss: Any = None  # LossOptions (engine/train/loss_options.py)
+    reg_batches: Any = None  # the regularization images' batch stream (Dataset Options' reg_folder), or None
     validator: Any = None  # the held-out split's loss (engine/train/validation.py), or None
 
     @property
@@ -342,6 +343,14 @@ def _prepare_data(run: _Run) -> None:
     # image sizes (CachedItem.batch_key).
     run.batches = run.ranks.shard(bucket_batches(run.dataset.training_items(), train.batch_size, train.seed,
                                                  lambda it: it.batch_key()))
+    if run.dataset.reg_items and run.loss.reg_ratio > 0:  # a stream of their own, interleaved by ``LossOptions.is_reg``
+        if run.ranks.distributed:
+            raise ConfigError("regularization images are not built for data-parallel training yet; clear reg_folder "
+                              "or train on one GPU (or split mode)")
+        run.reg_batches = bucket_batches(run.dataset.reg_items, train.batch_size, train.seed + 1,
+                                         lambda it: it.batch_key())
+        run.cb.log(f"regularization: {len(run.dataset.reg_items)} image(s), {run.loss.reg_ratio:g} of the "
+                   f"micro-batches, loss weight {run.loss.prior_loss_weight:g}")
     if device.type == "cuda" and run.dtype != torch.float32:
         run.autocast = torch.autocast("cuda", dtype=run.dtype)
         skip_lora_input_cast(run.model)
@@ -359,8 +368,8 @@ def _resume(run: _Run) -> None:
     loaded = run.resume.load_latest()
     if loaded is not None:
         loaded.apply(run.named, run.optimizer, run.scheduler)
-        for _ in range(loaded.batches_drawn):  # the data order is a pure function of the seed
-            next(run.batches)
+        for index in range(loaded.batches_drawn):  # the data order is a pure function of the seed
+            _next_batch(run, index)
         run.first, run.drawn, run.result.steps = loaded.step + 1, loaded.batches_drawn, loaded.step
         run.result.loss_history[:] = loaded.info["loss_history"]
         run.result.lr_history[:] = loaded.info["lr_history"]
@@ -482,19 +491,28 @@ def _accumulate(run: _Run) -> float | None:
         gen = micro_generator(train.seed, index)
         # Captions draw from a stream of their own: noise and timesteps stay those of the same run without them.
         captions = micro_generator(train.seed ^ _CAPTION_STREAM, index) if run.dataset.captions_vary else None
+        batch, weight = _next_batch(run, run.drawn)
         run.drawn += 1
         t_data = time.perf_counter()
-        latents, embeds, masks = _load_batch(run.dataset, next(run.batches), run.device, run.dtype, gen, captions)
+        latents, embeds, masks = _load_batch(run.dataset, batch, run.device, run.dtype, gen, captions)
         weights = None if masks is None else \
             mask_weights(masks, latents.shape[-2:], run.loss.unmasked_weight).to(run.device)  # (B, h, w)
         run.timer.add_data(time.perf_counter() - t_data)
-        loss_sum += _micro_step(run.model, run.family, latents, embeds, train, gen, run.autocast,
-                                1.0 / train.gradient_accumulation, run.memory.micro_batch, run.sigma_range, weights,
-                                run.loss)
+        loss_sum += weight * _micro_step(run.model, run.family, latents, embeds, train, gen, run.autocast,
+                                         weight / train.gradient_accumulation, run.memory.micro_batch,
+                                         run.sigma_range, weights, run.loss)
         # Between micro-steps too: with long accumulation, Stop must not wait a whole step.
         if micro < train.gradient_accumulation - 1 and _stop_requested(run):
             return None
     return loss_sum
+
+
+def _next_batch(run: _Run, index: int) -> tuple[list, float]:
+    """Micro-batch ``index``'s items and its loss weight: the regularization images' next batch (weighted by
+    prior_loss_weight) where ``LossOptions.is_reg`` says, else the dataset's."""
+    if run.reg_batches is not None and run.loss.is_reg(index):
+        return next(run.reg_batches), run.loss.prior_loss_weight
+    return next(run.batches), 1.0
 
 
 _CAPTION_STREAM = 0x5DEECE66D  # any constant: the caption draws' generator differs from the noise's

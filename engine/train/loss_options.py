@@ -29,6 +29,14 @@ class LossOptions:
         "masked area trains; 1: the mask has no effect. The loss is the mean over every latent element of "
         "weight x squared error (sd-scripts' rule: a small mask gives a small loss)."
     )})
+    reg_ratio: float = field(default=0.5, metadata={"help": (
+        "With regularization images (Dataset Options' reg_folder): the share of micro-batches drawn from them, "
+        "interleaved evenly (0.5: every other one; 0.25: one in four). 0 leaves them out."
+    )})
+    prior_loss_weight: float = field(default=1.0, metadata={"help": (
+        "With regularization images: the weight of their loss against the dataset's (sd-scripts' "
+        "prior_loss_weight)."
+    )})
     validation_every: int = field(default=0, metadata={"help": (
         "With a validation split (Dataset Options), measure the loss on it every N steps (0: about 20 times per "
         "run, and after the last step; -1: never). Measured at fixed timesteps with fixed noise, so the curve is "
@@ -65,6 +73,12 @@ class LossOptions:
         w = self.unmasked_weight
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or not 0.0 <= w <= 1.0:
             raise ConfigError(f"unmasked_weight={w!r} must be a number in [0, 1]")
+        for name in ("reg_ratio", "prior_loss_weight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ConfigError(f"{name}={value!r} must be a finite number >= 0")
+        if self.reg_ratio >= 1:
+            raise ConfigError(f"reg_ratio={self.reg_ratio} must be below 1: at 1 no step would train on the dataset")
         if self.timestep_sampling not in ("family",) + TIMESTEP_SAMPLERS:
             raise ConfigError(f"timestep_sampling={self.timestep_sampling!r} is not one of family, "
                               f"{', '.join(TIMESTEP_SAMPLERS)}")
@@ -80,6 +94,12 @@ class LossOptions:
             raise ConfigError(f"validation_every={self.validation_every} must be -1 (never), 0 (auto) or a step count")
         if not 1 <= self.validation_timesteps <= 64:
             raise ConfigError(f"validation_timesteps={self.validation_timesteps} must be between 1 and 64")
+
+    def is_reg(self, index: int) -> bool:
+        """Whether micro-batch ``index`` (0-based, global) is drawn from the regularization images: the ratio
+        spread evenly, floor((i + 1) r) > floor(i r), a pure function of the index (a resumed run draws the same)."""
+        r = self.reg_ratio
+        return math.floor((index + 1) * r + 1e-9) > math.floor(index * r + 1e-9)
 
     def validation_interval(self, steps: int) -> int:
         """Steps between validations (0: never)."""
@@ -105,5 +125,5 @@ class LossOptions:
 
 
 #: The fields that change the trained weights (validation and logs only watch).
-_WEIGHT_SETTINGS = ("unmasked_weight", "timestep_sampling", "logit_mean", "logit_std", "sigmoid_scale",
+_WEIGHT_SETTINGS = ("unmasked_weight", "reg_ratio", "prior_loss_weight", "timestep_sampling", "logit_mean", "logit_std", "sigmoid_scale",
                     "loss_weighting", "snr_gamma")
