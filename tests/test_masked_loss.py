@@ -101,7 +101,7 @@ def test_the_masked_loss_equals_a_hand_computed_masked_mse(tiny_pipeline, masked
 def test_unmasked_weight_one_is_the_plain_loss_and_a_black_mask_trains_nothing(tiny_pipeline, masked_cache, tmp_path):
     mc = ModelConfig(transformer_path=str(tiny_pipeline))
     base, family, _, variant = load_transformer(tiny_pipeline, dtype=torch.float32)
-    train = TrainConfig(steps=2, learning_rate=1e-3, seed=3, device="cpu")
+    train = TrainConfig(steps=1, learning_rate=1e-3, seed=3, device="cpu")
     plain_cache = _build(tiny_pipeline, masked_cache.items[0].image.rsplit("/", 1)[0], tmp_path)
 
     def run(cache, **loss):

@@ -154,7 +154,7 @@ def test_regularization_images_are_cached_apart_and_interleaved_by_ratio(tiny_pi
     cache.load_item = lambda item, *a: (loaded.append(item.image), load(item, *a))[1]
     base, family, _, variant = load_transformer(tiny_pipeline, dtype=torch.float32)
     result = train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), cache, LoraSettings(rank=4),
-                        TrainConfig(steps=4, learning_rate=1e-3, device="cpu"), preloaded=(base, family, variant),
+                        TrainConfig(steps=2, learning_rate=1e-3, device="cpu"), preloaded=(base, family, variant),
                         loss=LossOptions(reg_ratio=0.5, prior_loss_weight=0.0, validation_every=-1))
-    assert [p.startswith(str(reg)) for p in loaded] == [False, True, False, True]
-    assert result.loss_history[1] == result.loss_history[3] == 0.0 and result.loss_history[0] > 0
+    assert [p.startswith(str(reg)) for p in loaded] == [False, True]
+    assert result.loss_history[1] == 0.0 and result.loss_history[0] > 0
