@@ -602,7 +602,7 @@ def test_video_template_trains_on_clips_and_shows_the_animated_preview(comfy, tm
 
 
 def test_masked_loss_and_validation_through_comfy_run(comfy, tmp_path):
-    """The demo with Dataset Options (masks beside the images, a third of them held out) and Loss & Validation
+    """The demo with Dataset Options (masks beside the images, a quarter of them held out) and Loss & Validation
     Options (validation every 5 steps) through comfy run: the LoRA trains with masks, the validation loss is
     measured at fixed noise, and the CSV log lands beside the LoRA."""
     import csv
