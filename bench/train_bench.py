@@ -162,7 +162,7 @@ class StepRecorder:
 
 # ---------------------------------------------------------------------------- modes
 
-def mode_resident(ctx: dict, dataset, steps: int, callback):
+def mode_resident(ctx: dict, dataset, steps: int, callback, loss=None):
     """All weights resident on the device, gradient checkpointing: the engine's only mode today."""
     from lowvram_lora.engine.config import LoraSettings, ModelConfig, TrainConfig
     from lowvram_lora.engine.train import train_lora
@@ -176,7 +176,37 @@ def mode_resident(ctx: dict, dataset, steps: int, callback):
                     learning_rate=1e-4),
         callback,
         preloaded=(ctx["model"], ctx["family"], args.variant),
+        loss=loss,
     )
+
+
+def mode_resident_validate(ctx: dict, dataset, steps: int, callback):
+    """``resident`` plus a validation pass after every step (the first cached item held out, 4 fixed noise levels:
+    4 no-grad forwards per step, Loss & Validation Options' default): its cost beside ``resident``."""
+    from dataclasses import replace
+
+    from lowvram_lora.engine.train.loss_options import LossOptions
+
+    held = replace(dataset, validation_items=dataset.items[:1])
+    return mode_resident(ctx, held, steps, callback, LossOptions(validation_every=1, validation_timesteps=4))
+
+
+def mode_resident_masked(ctx: dict, dataset, steps: int, callback):
+    """``resident`` with masked loss (a half-white mask per item, cached at the bucket's pixel size): the mask's
+    load, area resize and weighted loss beside ``resident``."""
+    from dataclasses import replace
+
+    from safetensors.torch import save_file
+
+    (dataset.cache_dir / "masks").mkdir(exist_ok=True)
+    items = []
+    for it in dataset.items:
+        w, h = it.bucket
+        mask = torch.zeros(h, w, dtype=torch.uint8)
+        mask[:, : w // 2] = 255
+        save_file({"mask": mask}, str(dataset.cache_dir / "masks" / f"{it.latent_key}.safetensors"))
+        items.append(replace(it, mask_key=it.latent_key))
+    return mode_resident(ctx, replace(dataset, items=items, mask_source="beside"), steps, callback)
 
 
 def lora_targets(ctx: dict) -> list[str] | None:
@@ -188,7 +218,8 @@ def lora_targets(ctx: dict) -> list[str] | None:
 
 
 # name -> fn(ctx, dataset, steps, callback) -> TrainedLora. Add offload modes here.
-MODES: dict[str, Callable] = {"resident": mode_resident}
+MODES: dict[str, Callable] = {"resident": mode_resident, "resident-validate": mode_resident_validate,
+                              "resident-masked": mode_resident_masked}
 
 
 # ----------------------------------------------------------------------------- main

@@ -27,6 +27,7 @@ class StepInfo:
     # included; a slab's mapped file pages are not) and the RAM plan's predicted peak (0: no plan).
     host_ram_gb: float = 0.0
     predicted_host_gb: float = 0.0
+    validation_loss: float | None = None  # the held-out split's loss, on the steps validation ran (train/validation.py)
 
 
 class TrainingCallback:

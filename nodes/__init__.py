@@ -8,15 +8,17 @@ supports (``requires-comfyui >= 0.3.64``) has the V3 API. Nothing here imports C
 """
 from .adapter_options import LowVRAMLoraAdapter
 from .cache_embeds import LowVRAMCacheTextEmbeds
+from .dataset_options import LowVRAMDatasetOptions
 from .dual_gpu import LowVRAMDualGPUSplit
 from .load_model import LowVRAMLoadQuantizedSlab
+from .loss_options import LowVRAMLossOptions
 from .offload_config import LowVRAMOffloadConfig
 from .save_lora import LowVRAMSaveLoRA
 from .train_lora import LowVRAMTrainLoRA
 
 #: In the order the editor lists them; each class is named as its node id (``Schema.node_id``).
 NODES = [LowVRAMLoadQuantizedSlab, LowVRAMCacheTextEmbeds, LowVRAMOffloadConfig, LowVRAMDualGPUSplit,
-         LowVRAMTrainLoRA, LowVRAMSaveLoRA, LowVRAMLoraAdapter]
+         LowVRAMTrainLoRA, LowVRAMSaveLoRA, LowVRAMLoraAdapter, LowVRAMDatasetOptions, LowVRAMLossOptions]
 
 NODE_CLASS_MAPPINGS = {cls.__name__: cls for cls in NODES}
 

@@ -106,7 +106,10 @@ class LowVRAMCacheTextEmbeds(io.Node):
                 io.String("sample_prompts", default="", multiline=True,
                           tooltip="Prompts for sample images while training, one per line (empty: none). Encoded "
                                   "here once with the captions; Train LoRA's sample_every turns sampling on. "
-                                  "Include the trigger word where you want the LoRA's subject."),
+                                  "Include the trigger word where you want the LoRA's subject. A line may carry its "
+                                  "own settings as in sd-scripts and musubi-tuner prompt files: --w width, --h "
+                                  "height, --f frames, --d seed, --s steps, --g guidance, --l CFG scale, --n negative "
+                                  "prompt (e.g. 'a cat --w 768 --h 512 --d 3'); lines starting with # are comments."),
                 # Video families only (Wan): how clips become training windows. Optional and after every older
                 # widget, so saved workflows keep their positions; image families ignore them.
                 io.String("video_frames", default="33", optional=True,
@@ -127,6 +130,8 @@ class LowVRAMCacheTextEmbeds(io.Node):
                                   "folder's images are the TARGETS and their .txt files the instructions. For "
                                   "sample images while training, sample_prompts line 1 is drawn against the first "
                                   "target's control images, line 2 the second's (targets in file-name order)."),
+                io.Custom("LOWVRAM_DATASET_OPTIONS", "options", optional=True,
+                          tooltip="From Dataset Options: loss masks and a validation split. Unconnected: none."),
             ])
 
     @classmethod
@@ -144,7 +149,7 @@ class LowVRAMCacheTextEmbeds(io.Node):
                 default_caption: str = "", repeats: int = 1, flip: bool = False, max_sequence_length: int = 0,
                 text_encoder_1: str = NONE, text_encoder_2: str = NONE, vae_file: str = NONE, sample_prompts: str = "",
                 video_frames: str = "33", video_fps: float = 16.0, video_window: str = "head",
-                windows_per_clip: int = 1, control_folder: str = "") -> io.NodeOutput:
+                windows_per_clip: int = 1, control_folder: str = "", options=None) -> io.NodeOutput:
         from dataclasses import replace
 
         from ..engine.caching import build_dataset_cache
@@ -175,5 +180,5 @@ class LowVRAMCacheTextEmbeds(io.Node):
             dataset = build_dataset_cache(model_cfg, data, cache_dir(), max_sequence_length=max_sequence_length,
                                           callback=make_callback(cls.hidden.unique_id),
                                           sample_prompts=sample_prompts.splitlines(), video=video,
-                                          control_dirs=_control_dirs(control_folder))
+                                          control_dirs=_control_dirs(control_folder), options=options)
         return io.NodeOutput(dataset)

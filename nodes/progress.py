@@ -118,7 +118,7 @@ class ComfyCallback(TrainingCallback):
             "eta_seconds": info.seconds_per_step * (info.total_steps - info.step),
             "peak_vram_gb": info.peak_vram_gb, "pinned_host_gb": info.pinned_host_gb,
             "host_ram_gb": info.host_ram_gb, "predicted_host_gb": info.predicted_host_gb,
-            "sample_seconds": info.sample_seconds})
+            "sample_seconds": info.sample_seconds, "validation_loss": info.validation_loss})
 
     def on_sample(self, step: int, grid, path: str | None) -> None:
         """The grid becomes the node's preview image while training runs (the progress bar's preview, as
@@ -220,7 +220,7 @@ class HostCallback(TrainingCallback):
             "eta_seconds": info.seconds_per_step * (info.total_steps - info.step),
             "peak_vram_gb": info.peak_vram_gb, "pinned_host_gb": info.pinned_host_gb,
             "host_ram_gb": info.host_ram_gb, "predicted_host_gb": info.predicted_host_gb,
-            "sample_seconds": info.sample_seconds})
+            "sample_seconds": info.sample_seconds, "validation_loss": info.validation_loss})
 
     def on_sample(self, step: int, grid, path: str | None) -> None:
         self.host.preview(self.node_id, grid)

@@ -128,7 +128,9 @@ def _save_one(lora: TrainedLora, filename_prefix: str, format: str, dtype: str):
     path, curve = claim_output_paths(output_dir(), filename_prefix)
     try:  # the two names are ours (claimed, empty): write over them
         save_lora(lora, path, fmt=format, dtype=dtype, overwrite=True)
-        save_loss_curve(lora.loss_history, curve, overwrite=True)
+        val = lora.settings.get("validation") or {}
+        save_loss_curve(lora.loss_history, curve, overwrite=True,
+                        validation=list(zip(val.get("steps", []), val.get("loss", []))))
     except BaseException:
         for p in (path, curve):
             if p.exists() and p.stat().st_size == 0:
@@ -138,13 +140,17 @@ def _save_one(lora: TrainedLora, filename_prefix: str, format: str, dtype: str):
     samples = _copy_last_samples(lora, path)
     if samples is not None:
         print(f"[lowvram-lora] sample grid: {samples}")
+    log_csv = _copy_log(lora, path)
+    if log_csv is not None:
+        print(f"[lowvram-lora] training log: {log_csv}")
     clips = _copy_last_clips(lora, path)
     for clip in clips:
         print(f"[lowvram-lora] sample clip: {clip}")
     # filename/subfolder/type entries are what ComfyUI clients (comfy run --wait) list as outputs.
     root = output_dir().resolve()
     files = [{"filename": p.name, "subfolder": p.parent.resolve().relative_to(root).as_posix(), "type": "output"}
-             for p in (path, curve) + ((samples,) if samples is not None else ()) + tuple(clips)]
+             for p in (path, curve) + ((samples,) if samples is not None else ()) + tuple(clips)
+             + ((log_csv,) if log_csv is not None else ())]
     for snap in lora.snapshots:  # LoRA Adapter's snapshot_every: the loadable files of earlier steps
         print(f"[lowvram-lora] snapshot: {snap}")
     return path, curve, files
@@ -164,6 +170,23 @@ def _copy_last_samples(lora: TrainedLora, path: Path):
         return None
     with atomic_write(target, "the sample grid", overwrite=True) as tmp:
         shutil.copyfile(grids[-1], tmp)
+    return target
+
+
+def _copy_log(lora: TrainedLora, path: Path):
+    """The run's CSV log (Loss & Validation Options) next to the LoRA as ``<name>_log.csv`` (a new name only)."""
+    import shutil
+
+    from ..engine.fileio import atomic_write, claim_names
+
+    source = (lora.settings.get("logs") or {}).get("csv")
+    if not source or not Path(source).exists():
+        return None
+    target = path.with_name(path.stem + "_log.csv")
+    if not claim_names([target], "the training log"):
+        return None
+    with atomic_write(target, "the training log", overwrite=True) as tmp:
+        shutil.copyfile(source, tmp)
     return target
 
 

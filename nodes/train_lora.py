@@ -82,6 +82,9 @@ class LowVRAMTrainLoRA(io.Node):
                 io.Custom("LOWVRAM_ADAPTER", "adapter", optional=True,
                           tooltip="From LoRA Adapter: train LoHa, LoKr or DoRA instead of LoRA, with their own "
                                   "settings. Unconnected: plain LoRA."),
+                io.Custom("LOWVRAM_LOSS_OPTIONS", "loss_options", optional=True,
+                          tooltip="From Loss & Validation Options: masked-loss weight, validation loss, CSV and "
+                                  "TensorBoard logs. Unconnected: the defaults, without logs."),
             ])
 
     @classmethod
@@ -91,7 +94,7 @@ class LowVRAMTrainLoRA(io.Node):
                 guidance: float = 1.0, max_grad_norm: float = 1.0, optimizer: str = "adamw", save_every: int = 0,
                 sample_every: int = 0, sample_steps: int = 20, sample_resolution: int = 512, sample_seed: int = 42,
                 sample_at_start: bool = True, sample_guidance: float = 3.5, sample_frames: int = 17,
-                split=None, preview_partner=None, adapter=None) -> io.NodeOutput:
+                split=None, preview_partner=None, adapter=None, loss_options=None) -> io.NodeOutput:
         from ..engine.config import LoraSettings, TrainConfig
         from ..engine.sampling import SamplingConfig
         from ..engine.runs.result_reuse import train_or_reuse
@@ -115,9 +118,11 @@ class LowVRAMTrainLoRA(io.Node):
         sampling = SamplingConfig(every=sample_every, steps=sample_steps, resolution=sample_resolution,
                                   seed=sample_seed, at_start=sample_at_start, guidance=sample_guidance,
                                   frames=sample_frames)
+        extra = {"loss": loss_options, "log_dir": output_dir() / "lowvram_logs" / uuid.uuid4().hex[:12]} \
+            if loss_options is not None else {}  # unplugged: the call (and the run's key) as before
         lora = train_or_reuse(model, dataset, lora_cfg, train_cfg, cache_dir(), callback,
                               parallel=split, offload=offload, sampling=sampling, preview_partner=preview_partner,
-                              sample_dir=output_dir() / "lowvram_samples" / uuid.uuid4().hex[:12])
+                              sample_dir=output_dir() / "lowvram_samples" / uuid.uuid4().hex[:12], **extra)
         image, ui = _loss_curve_outputs(lora)
         _add_sample_clips(lora, ui)
         if lora.snapshots:  # LoRA Adapter's snapshot_every: the loadable files kept, listed under the node
@@ -184,7 +189,9 @@ def _loss_curve_outputs(lora):
 
     from ..engine.plotting import render_loss_curve
 
-    img = render_loss_curve(lora.loss_history, title=f"training loss, rank {lora.rank}")
+    val = lora.settings.get("validation") or {}
+    img = render_loss_curve(lora.loss_history, title=f"training loss, rank {lora.rank}",
+                            validation=list(zip(val.get("steps", []), val.get("loss", []))))
     tensor = torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0)[None]
     name = f"lowvram_loss_{uuid.uuid4().hex[:8]}.png"
     # Every ui value is a list: ComfyUI concatenates them across calls (execution.py).

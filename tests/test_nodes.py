@@ -19,7 +19,7 @@ def test_pack_exports_and_display_names():
     assert lowvram_lora.WEB_DIRECTORY == "./web"
     assert set(NODE_DISPLAY_NAME_MAPPINGS.values()) == {
         "Load Quantized Slab", "Cache Text Embeds", "Offload Config", "Dual-GPU Split", "Train LoRA (LowVRAM)",
-        "Save LoRA (LowVRAM)", "LoRA Adapter (LowVRAM)"}
+        "Save LoRA (LowVRAM)", "LoRA Adapter (LowVRAM)", "Dataset Options", "Loss & Validation Options"}
     assert not set(NODE_CLASS_MAPPINGS) & COMFY_BUILTIN_IDS
     assert not set(NODE_DISPLAY_NAME_MAPPINGS.values()) & COMFY_BUILTIN_DISPLAY
     assert all(k.startswith("LowVRAM") for k in NODE_CLASS_MAPPINGS)
@@ -298,12 +298,19 @@ def test_text_under_a_node_wraps_between_words_and_a_resume_sends_the_history(mo
     ("LowVRAMCacheTextEmbeds", "dataset_path", "DataConfig", "path"),
     ("LowVRAMCacheTextEmbeds", "resolution", "DataConfig", "resolution"),
     ("LowVRAMCacheTextEmbeds", "flip", "DataConfig", "flip"),
+    ("LowVRAMDatasetOptions", "mask_source", "DatasetOptions", "mask_source"),
+    ("LowVRAMDatasetOptions", "validation_fraction", "DatasetOptions", "validation_fraction"),
+    ("LowVRAMLossOptions", "unmasked_weight", "LossOptions", "unmasked_weight"),
+    ("LowVRAMLossOptions", "validation_every", "LossOptions", "validation_every"),
 ])
 def test_tooltips_are_the_config_fields_help(node_id, widget, config, field):
     """Each explanation is written once, in the config field's metadata; the node's tooltip starts with it."""
     from lowvram_lora.engine import config as cfg
+    from lowvram_lora.engine.data.options import DatasetOptions
+    from lowvram_lora.engine.train.loss_options import LossOptions
 
-    want = cfg.field_help(getattr(cfg, config), field)
+    classes = {"DatasetOptions": DatasetOptions, "LossOptions": LossOptions}
+    want = cfg.field_help(classes.get(config) or getattr(cfg, config), field)
     inputs = NODE_CLASS_MAPPINGS[node_id].INPUT_TYPES()
     tooltip = {**inputs["required"], **inputs.get("optional", {})}[widget][1]["tooltip"]
     assert len(want) > 20 and tooltip.startswith(want)

@@ -113,10 +113,10 @@ function redraw(id, entry) {
   }
 }
 
-function addPoint(entry, step, loss, lr) {
+function addPoint(entry, step, loss, lr, val = null) {
   const prev = entry.points[entry.points.length - 1];
   const avg = prev ? EMA * prev.avg + (1 - EMA) * loss : loss;
-  entry.points.push({ step, loss, avg, lr });
+  entry.points.push({ step, loss, avg, lr, val }); // val: the held-out split's loss, on steps it was measured
 }
 
 api.addEventListener("lowvram_lora.progress", ({ detail }) => {
@@ -129,7 +129,7 @@ api.addEventListener("lowvram_lora.progress", ({ detail }) => {
       entry = { points: [] };
     }
   }
-  addPoint(entry, detail.step, detail.loss, detail.lr);
+  addPoint(entry, detail.step, detail.loss, detail.lr, detail.validation_loss ?? null);
   entry.last = detail;
   entry.running = detail.step < detail.total;
   progress.set(id, entry);
@@ -173,7 +173,8 @@ function drawChart(canvas, entry) {
   ctx.fillStyle = "rgba(0,0,0,0.35)";
   ctx.fillRect(x0, y0, w, ch - 2);
   const pts = entry.points, last = entry.last;
-  const losses = pts.map((p) => p.loss);
+  const vals = pts.filter((p) => p.val != null);
+  const losses = pts.map((p) => p.loss).concat(vals.map((p) => p.val));
   const lo = Math.min(...losses), hi = Math.max(...losses);
   const lrMax = Math.max(...pts.map((p) => p.lr), 1e-12);
   const total = Math.max(last.total, 1);
@@ -198,9 +199,18 @@ function drawChart(canvas, entry) {
   line("rgba(120,170,255,0.6)", (p) => Y(p.loss), 1);
   line("#ffb040", (p) => Y(p.avg), 2);
   line("#60d080", (p) => y0 + 18 + (h - 4) * (1 - p.lr / lrMax), 1);
+  if (vals.length) { // the validation loss: a magenta line through its measured steps, a dot at each
+    ctx.strokeStyle = ctx.fillStyle = "#ff60d0";
+    ctx.lineWidth = 2;
+    ctx.beginPath();
+    vals.forEach((p, i) => (i ? ctx.lineTo : ctx.moveTo).call(ctx, X(p.step), Y(p.val)));
+    ctx.stroke();
+    vals.forEach((p) => { ctx.beginPath(); ctx.arc(X(p.step), Y(p.val), 2.5, 0, 2 * Math.PI); ctx.fill(); });
+  }
   ctx.font = "11px sans-serif";
   ctx.fillStyle = "#ddd";
-  ctx.fillText(`loss ${last.loss.toFixed(4)} (avg ${pts[pts.length - 1].avg.toFixed(4)})  lr ${last.lr.toExponential(1)}`,
+  const valText = vals.length ? `  val ${vals[vals.length - 1].val.toFixed(4)}` : "";
+  ctx.fillText(`loss ${last.loss.toFixed(4)} (avg ${pts[pts.length - 1].avg.toFixed(4)})${valText}  lr ${last.lr.toExponential(1)}`,
                x0 + 6, y0 + 13);
   const vram = last.peak_vram_gb ? ` · peak ${last.peak_vram_gb.toFixed(2)} GB` : "";
   const pinned = (last.host_ram_gb ? ` · RAM ${last.host_ram_gb.toFixed(1)} GB` +

@@ -35,16 +35,19 @@ from safetensors.torch import load_file
 from ..callbacks import TrainingCallback
 from ..config import DataConfig, ModelConfig
 from ..data import VideoConfig, expand_repeats, make_buckets
+from ..data.options import DatasetOptions
 from ..errors import CacheError, ConfigError
 from ..fileio import write_json_atomic
 from ..families import ModelFamily, get_family
 from ..hashing import stable_hash
-from .entries import build_latents
+from .caption_entries import caption_entries
+from .entries import build_latents, build_masks, build_text, negative_specs
 from .items import CachedItem, SampleItems
 from .keys import CacheKeys, cache_keys
 from .model_sources import CacheModels, open_models, resolve_pipeline_folder
 from .records import record_source
 from .single_files import load_vae_file
+from .validation_split import regularization_items, validation_items
 
 MANIFEST_VERSION = 1
 
@@ -75,6 +78,17 @@ class DatasetCache:
     # An edit dataset's per-prompt negatives (the empty instruction with that prompt's control images), parallel to
     # sample_prompts; empty for other families (they share ``negative_text_key``).
     sample_negative_keys: list = field(default_factory=list)
+    # Each sample prompt's own settings from its line (--w --h ...: engine/sampling/prompt_lines.py), parallel to
+    # sample_prompts; empty dicts: Train LoRA's settings.
+    sample_settings: list = field(default_factory=list)
+    # Held out of training (Dataset Options' validation split): cached like the items, never trained on.
+    validation_items: list = field(default_factory=list)
+    # Regularization images (Dataset Options' reg_folder): class images with their own captions, mixed into
+    # training by LossOptions.reg_ratio.
+    reg_items: list = field(default_factory=list)
+    mask_source: str = "none"  # where the items' loss masks came from (engine/data/masks.py); "none": no masks
+    caption_dropout: float = 0.0  # the chance a training item is given the empty caption (``empty_text_key``)
+    empty_text_key: str = ""
 
     def negative_keys(self) -> list[str]:
         """The negative prompt's text key for each sample prompt ("" where the family samples without one)."""
@@ -82,12 +96,34 @@ class DatasetCache:
             return list(self.sample_negative_keys)
         return [self.negative_text_key] * len(self.sample_prompts)
 
-    def load_item(self, item: CachedItem, flipped: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """(latent (C, h, w), or (C, F_lat, h, w) for a video window; {embedding name: tensor}) for one item."""
+    def load_item(self, item: CachedItem, flipped: bool = False,
+                  text_key: str | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(latent (C, h, w), or (C, F_lat, h, w) for a video window; {embedding name: tensor}) for one item;
+        ``text_key``: another of its captions (``caption_key``) instead of the one as written."""
         lat = _load_entry(self.cache_dir / "latents" / f"{item.latent_key}.safetensors", item)
-        text = _load_entry(self.cache_dir / "text" / f"{item.text_key}.safetensors", item)
+        text = _load_entry(self.cache_dir / "text" / f"{text_key or item.text_key}.safetensors", item)
         latent = lat["latent_flipped"] if flipped and "latent_flipped" in lat else lat["latent"]
         return latent, text
+
+    @property
+    def captions_vary(self) -> bool:
+        return self.caption_dropout > 0 or any(i.text_variants for i in self.items)
+
+    def caption_key(self, item: CachedItem, rng: torch.Generator) -> str:
+        """The caption a training step gives ``item``: the empty one with probability ``caption_dropout``, else one
+        of its cached orders (as written or shuffled), uniformly; drawn from ``rng``."""
+        if self.caption_dropout > 0 and torch.rand(1, generator=rng).item() < self.caption_dropout:
+            return self.empty_text_key
+        keys = [item.text_key] + list(item.text_variants)
+        return keys[int(torch.randint(0, len(keys), (1,), generator=rng))] if len(keys) > 1 else item.text_key
+
+    def load_mask(self, item: CachedItem, flipped: bool = False) -> torch.Tensor | None:
+        """The item's loss mask at its bucket's pixel size, (H, W) uint8, mirrored with its latent; None without
+        masked loss. ``data.masks.latent_mask`` brings it to the latent grid."""
+        if not item.mask_key:
+            return None
+        entry = _load_entry(self.cache_dir / "masks" / f"{item.mask_key}.safetensors", item)
+        return entry["mask_flipped"] if flipped and "mask_flipped" in entry else entry["mask"]
 
     def text_widths(self) -> dict[str, int]:
         """Last-axis width of each cached embedding, from the first caption entry's header."""
@@ -173,47 +209,109 @@ def build_dataset_cache(
     sample_prompts: Sequence[str] = (),
     video: VideoConfig | None = None,
     control_dirs: Sequence[str | Path] = (),
+    options: DatasetOptions | None = None,
 ) -> DatasetCache:
     """Scan the dataset, compute what is missing from the cache, write the manifest. ``sample_prompts`` are
     encoded with the captions (keyed the same way), for samples during training. ``video``: the folder holds
     clips (images count as one-frame clips) and each window of each clip is cached as one item.
     An edit model's dataset is pairs (``data.scan_pairs``): ``control_dirs`` are its control folders in order
     (empty: ``control/`` or ``controls/`` inside the dataset folder); sample prompt line i is drawn against pair
-    i's control images (``edit_cache.py``).
+    i's control images (``edit_cache.py``). ``options`` (Dataset Options): loss masks, a held-out validation split.
 
     The phases, in order: sources (the model files), records (the dataset, through the one ``RecordSource`` the
-    model takes), keys, text entries, latent entries, manifest."""
+    model takes), keys, the validation split, text entries, latent entries, masks, manifest."""
     cb = callback or TrainingCallback()
     cache_dir = Path(cache_dir)
     models = open_models(model_cfg, device)  # sources
-    source = record_source(models, data_cfg, video, control_dirs)
+    source = record_source(models, data_cfg, video, control_dirs, options)
     records = source.scan(cb.log)  # records: files and captions, before any model loads
     keys = cache_keys(models, max_sequence_length)  # keys
     buckets = make_buckets(data_cfg.resolution, data_cfg.bucket_step, data_cfg.max_aspect)
     items = source.items(records, buckets, keys, data_cfg.flip)
-    lines = list(dict.fromkeys(p.strip() for p in sample_prompts if p.strip()))  # blank lines out, repeats once
-    samples = source.samples(lines, records, keys)
+    items, held_out = validation_items(options, items, data_cfg,  # the validation split
+                                       lambda cfg: record_source(models, cfg, video, control_dirs, options),
+                                       buckets, keys, data_cfg.flip, cb.log)
+    reg = regularization_items(options, data_cfg, lambda cfg, opts: record_source(models, cfg, video, control_dirs,
+                                                                                   opts),
+                               buckets, keys, data_cfg.flip, cb.log)  # regularization images
+    items, caption_texts, empty_key = caption_entries(options, items, keys)  # caption variants
+    lines = _prompt_lines(sample_prompts)
+    samples = source.samples([line.prompt for line in lines], records, keys)
+    own_negatives = _own_negatives(models, keys, lines, samples, cb)
     if any(not (cache_dir / "text" / f"{i.text_key}.safetensors").exists()
-           or not (cache_dir / "latents" / f"{i.latent_key}.safetensors").exists() for i in items):
+           or not (cache_dir / "latents" / f"{i.latent_key}.safetensors").exists() for i in items + held_out + reg):
         from .ram import check_caching_ram  # a model will load: its host RAM against the budget first
 
         check_caching_ram(models, cb)
     stats = {"text_built": 0, "text_reused": 0, "latents_built": 0, "latents_reused": 0}
-    source.build_text(cache_dir, models, keys, items, samples, cb, stats)  # text entries
-    build_latents(cache_dir, models.family, items, data_cfg.flip, models.device, models.dtype, cb, stats,
+    source.build_text(cache_dir, models, keys, items + held_out + reg + caption_texts, samples, cb, stats)  # text
+    if own_negatives:  # sample prompts' own negatives (--n), encoded as the empty prompt is
+        build_text(cache_dir, models, negative_specs(models.specs), own_negatives, keys.max_len, cb, {})
+    build_latents(cache_dir, models.family, items + held_out + reg, data_cfg.flip, models.device, models.dtype, cb, stats,
                   models.load_vae, models.variant)  # latent entries
-    cache = _write_manifest(cache_dir, models, data_cfg, video, keys, items, samples, stats)
+    mask_source = options.mask_source if options is not None else "none"
+    if mask_source != "none":
+        build_masks(cache_dir, items + held_out, data_cfg.flip, mask_source, cb, stats)  # masks
+    dropout = options.caption_dropout if options is not None else 0.0
+    cache = _write_manifest(cache_dir, models, data_cfg, video, keys, items, samples, stats, held_out, mask_source,
+                            (dropout, empty_key), lines, reg)
+    extra = (f"; masks {stats['masks_built']} built / {stats['masks_reused']} reused" if mask_source != "none" else "")
+    extra += f"; {len(held_out)} held out for validation" if held_out else ""
+    extra += f"; {len(reg)} regularization images" if reg else ""
     cb.log(f"dataset cache {cache.dataset_hash}: {len(items)} {source.label}; text {stats['text_built']} built / "
-           f"{stats['text_reused']} reused; latents {stats['latents_built']} built / {stats['latents_reused']} reused")
+           f"{stats['text_reused']} reused; latents {stats['latents_built']} built / {stats['latents_reused']} reused"
+           + extra)
     return cache
 
 
+def _prompt_lines(sample_prompts: Sequence[str]) -> list:
+    """The sample prompt lines, each read with its options (``PromptLineError`` names a malformed one): blank lines
+    and ``#`` comments out, a repeated line once."""
+    from ..sampling.prompt_lines import is_comment, parse_prompt_line
+
+    lines = dict.fromkeys(p.strip() for p in sample_prompts if p.strip() and not is_comment(p))
+    return [parse_prompt_line(line) for line in lines]
+
+
+def _own_negatives(models: CacheModels, keys: CacheKeys, lines: list, samples: SampleItems, cb) -> list[CachedItem]:
+    """Lines with ``--n``: their negatives replace the shared empty prompt for those prompts (a family sampled with
+    classifier-free guidance; others have no negative, and the option is said to be ignored)."""
+    from .items import text_item
+
+    if not any(line.negative for line in lines):
+        return []
+    if samples.shared_negative is None:
+        if samples.negatives:
+            raise ConfigError("--n (a negative prompt) on a sample prompt line is not supported for edit models: their "
+                              "negatives carry each prompt's control images; remove --n")
+        cb.log(f"--n on a sample prompt line is ignored: {models.family.display_name} ({models.variant}) samples "
+               f"without a negative prompt")
+        return []
+    made = {}
+    for line in lines:
+        if line.negative:
+            key = keys.negative_prompt(line.negative, models.specs)
+            made.setdefault(key, text_item(line.negative, key))
+    samples.negatives = [made[keys.negative_prompt(line.negative, models.specs)] if line.negative
+                         else samples.shared_negative for line in lines]
+    return list(made.values())
+
+
 def _write_manifest(cache_dir: Path, models: CacheModels, data_cfg: DataConfig, video: VideoConfig | None,
-                    keys: CacheKeys, items: list[CachedItem], samples: SampleItems, stats: dict) -> DatasetCache:
+                    keys: CacheKeys, items: list[CachedItem], samples: SampleItems, stats: dict,
+                    held_out: list[CachedItem] = (), mask_source: str = "none",
+                    dropout: tuple[float, str] = (0.0, ""), lines: list = (), reg: list = ()) -> DatasetCache:
     """The manifest phase: the dataset's items and settings under ``datasets/<hash>.json`` (what
-    ``open_dataset_cache`` reads back), and the handle to the built cache."""
+    ``open_dataset_cache`` reads back), and the handle to the built cache. Masks and a validation split enter the
+    hash only when there are some: a dataset without them keeps the hash it had before they existed."""
     singles = models.singles
-    dataset_hash = stable_hash([[i.text_key, i.latent_key] for i in items] + [data_cfg.repeats, data_cfg.flip])
+    extras = ([["masks", mask_source, [i.mask_key for i in items]]] if mask_source != "none" else []) + \
+        ([["validation", [[i.text_key, i.latent_key, i.mask_key] for i in held_out]]] if held_out else []) + \
+        ([["captions", list(dropout), [i.text_variants for i in items]]]
+         if dropout[0] > 0 or any(i.text_variants for i in items) else []) + \
+        ([["regularization", [[i.text_key, i.latent_key] for i in reg]]] if reg else [])
+    dataset_hash = stable_hash([[i.text_key, i.latent_key] for i in items] + [data_cfg.repeats, data_cfg.flip]
+                               + extras)
     manifest_path = cache_dir / "datasets" / f"{dataset_hash}.json"
     negative = samples.shared_negative
     manifest = {
@@ -228,12 +326,17 @@ def _write_manifest(cache_dir: Path, models: CacheModels, data_cfg: DataConfig, 
         "sample_prompts": [[p.caption, p.text_key] for p in samples.prompts],
         "negative_text_key": negative.text_key if negative is not None else "",
         "sample_negative_keys": [n.text_key for n in samples.negatives],
+        "validation_items": [asdict(i) for i in held_out], "mask_source": mask_source,
+        "caption_dropout": dropout[0], "empty_text_key": dropout[1],
+        "sample_settings": [line.settings() for line in lines], "reg_items": [asdict(i) for i in reg],
     }
     write_json_atomic(manifest_path, manifest, "the dataset-cache manifest")
     return DatasetCache(cache_dir, manifest_path, dataset_hash, models.family.id, models.variant, items,
                         data_cfg.repeats, data_cfg.flip, stats, [(p.caption, p.text_key) for p in samples.prompts],
                         manifest["negative_text_key"], manifest["pipeline"],
-                        str(singles.vae) if singles is not None else None, manifest["sample_negative_keys"])
+                        str(singles.vae) if singles is not None else None, manifest["sample_negative_keys"],
+                        validation_items=list(held_out), mask_source=mask_source, caption_dropout=dropout[0],
+                        empty_text_key=dropout[1], sample_settings=manifest["sample_settings"], reg_items=list(reg))
 
 
 def _load_entry(path: Path, item: CachedItem) -> dict[str, torch.Tensor]:
@@ -256,18 +359,25 @@ def open_dataset_cache(manifest_path: str | Path) -> DatasetCache:
     if m.get("version") != MANIFEST_VERSION:
         raise CacheError(f"cache manifest '{path}' has version {m.get('version')}, expected {MANIFEST_VERSION}; rebuild it")
     cache_dir = path.parent.parent
-    items = [CachedItem(**{**i, "bucket": tuple(i["bucket"]), "frames": list(i.get("frames", []))})
-             for i in m["items"]]
+    items, held_out, reg = ([CachedItem(**{**i, "bucket": tuple(i["bucket"]), "frames": list(i.get("frames", []))})
+                             for i in m.get(name, [])] for name in ("items", "validation_items", "reg_items"))
     negatives = list(m.get("sample_negative_keys", []))
-    for it in items:
-        for sub, key in (("text", it.text_key), ("latents", it.latent_key)):
+    for it in items + held_out + reg:
+        for sub, key in (("text", it.text_key), ("latents", it.latent_key)) + ((("masks", it.mask_key),)
+                                                                              if it.mask_key else ()) \
+                + tuple(("text", k) for k in it.text_variants):
             if not (cache_dir / sub / f"{key}.safetensors").exists():
                 raise CacheError(f"cache entry {sub}/{key} for '{it.image}' is missing; rebuild the cache")
     prompts = [tuple(p) for p in m.get("sample_prompts", [])]
     negative = m.get("negative_text_key", "")
-    for _, key in prompts + ([("", negative)] if negative else []) + [("", k) for k in negatives]:
+    empty = m.get("empty_text_key", "")
+    for _, key in prompts + ([("", negative)] if negative else []) + [("", k) for k in negatives] + \
+            ([("", empty)] if empty else []):
         if not (cache_dir / "text" / f"{key}.safetensors").exists():
             raise CacheError(f"cache entry text/{key} (a sample prompt) is missing; rebuild the cache")
     return DatasetCache(cache_dir, path, m["dataset_hash"], m["family"], m["variant"], items, m["repeats"], m["flip"],
                         sample_prompts=prompts, negative_text_key=negative, pipeline=m.get("pipeline"),
-                        vae_file=(m.get("single_files") or {}).get("vae"), sample_negative_keys=negatives)
+                        vae_file=(m.get("single_files") or {}).get("vae"), sample_negative_keys=negatives,
+                        validation_items=held_out, mask_source=m.get("mask_source", "none"),
+                        caption_dropout=m.get("caption_dropout", 0.0), empty_text_key=m.get("empty_text_key", ""),
+                        sample_settings=m.get("sample_settings", []), reg_items=reg)

@@ -107,3 +107,24 @@ def _pixels(item: CachedItem, flip: bool) -> torch.Tensor:
     if item.frames:
         return load_clip_tensor(Path(item.image), item.frames, item.bucket, flip=flip)
     return load_image_tensor(Path(item.image), item.bucket, flip=flip)
+
+
+def build_masks(cache_dir: Path, items: list[CachedItem], flip: bool, source: str, cb: TrainingCallback,
+                stats: dict) -> None:
+    """The masks phase (masked loss): each item's mask at its bucket's pixel size, uint8 (and mirrored with
+    ``flip``), one entry per mask key; entries on disk are reused."""
+    from ..data.masks import load_mask
+
+    mask_dir = cache_dir / "masks"
+    todo = {}
+    for it in items:
+        if it.mask_key and it.mask_key not in todo and not usable(mask_dir / f"{it.mask_key}.safetensors", cb):
+            todo[it.mask_key] = it
+    stats["masks_reused"] = len({i.mask_key for i in items if i.mask_key}) - len(todo)
+    for done, (key, it) in enumerate(todo.items(), 1):
+        tensors = {"mask": load_mask(Path(it.image), source, it.bucket)}
+        if flip:
+            tensors["mask_flipped"] = load_mask(Path(it.image), source, it.bucket, flip=True)
+        atomic_save(tensors, mask_dir / f"{key}.safetensors", metadata={"image": it.image, "source": source})
+        cb.on_progress("masks", done, len(todo))
+    stats["masks_built"] = len(todo)

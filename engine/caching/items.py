@@ -20,6 +20,11 @@ class CachedItem:
     # empty otherwise. Their latents live in the text entry; batches group by control_sizes too.
     controls: list[str] = field(default_factory=list)
     control_sizes: list[list[int]] = field(default_factory=list)
+    # Masked loss: the key of the image's mask entry (masks/<key>.safetensors, engine/data/masks.py); "" = none.
+    mask_key: str = ""
+    # Tag shuffle: the text keys of the caption's other cached orders (engine/data/captions.py); training picks one
+    # of text_key and these at random. Empty: the caption as written only.
+    text_variants: list[str] = field(default_factory=list)
 
     def batch_key(self) -> tuple:
         """Items of one key stack into one batch: the bucket, the frame count, the control latents' shapes."""

@@ -34,6 +34,15 @@ class CacheKeys:
         clip window (its source frame indices)."""
         return stable_hash([self.vae, content, list(bucket), flip] + ([frames] if frames is not None else []))
 
+    def mask(self, content: str, bucket, flip: bool, source: str) -> str:
+        """The key of an image's loss mask: its file's content (the image's, for an alpha mask), the bucket, the
+        flip and where it came from. No model is in it: a mask is kept at the bucket's pixel size."""
+        return stable_hash(["mask", content, list(bucket), flip, source])
+
+    def negative_prompt(self, text: str, specs) -> str:
+        """The key of a sample prompt's own negative (``--n``), encoded as the empty prompt is (its templates)."""
+        return stable_hash([self.text, text, [repr(s.negative_template) for s in specs], "negative"])
+
     def empty_prompt(self, specs) -> CachedItem:
         """The empty prompt classifier-free guidance samples against, tokenized as the family's pipeline does it
         (``negative_template``): its key names the templates."""

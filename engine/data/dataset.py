@@ -44,15 +44,19 @@ class ImageRecord:
     height: int
 
 
-def scan_dataset(cfg: DataConfig, log: Callable[[str], None] | None = None) -> list[ImageRecord]:
+def scan_dataset(cfg: DataConfig, log: Callable[[str], None] | None = None,
+                 skip: Callable[[Path], bool] | None = None) -> list[ImageRecord]:
     """List the images directly inside ``cfg.path`` with their captions, sorted by file name.
 
     Sorting makes runs reproducible across file systems (directory order is arbitrary).
     Repeats are not expanded here; use :func:`expand_repeats`. ``log`` gets a one-line
-    notice for each sub-folder and broken link that is skipped.
+    notice for each sub-folder and broken link that is skipped. ``skip(path)`` True leaves a file out (masks
+    beside their images: engine/data/masks.py).
     """
     folder = _dataset_folder(cfg.path)
     files = _visible_files(folder, log or (lambda msg: None))
+    if skip is not None:
+        files = [p for p in files if not skip(p)]
     images = _image_files(folder, files)
     captions = _caption_files(files, cfg.caption_extension)
     pairs = _pair_captions(images, captions, cfg)

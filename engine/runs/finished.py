@@ -31,13 +31,15 @@ def model_key(model: ModelInfo) -> str:
 
 
 def training_key(model_identity: str, dataset_hash: str, lora: LoraSettings, train: TrainConfig,
-                 world_size: int = 1) -> str:
+                 world_size: int = 1, loss=None) -> str:
     """The engine version is in the key: a fixed loop or new defaults must train again. Data parallel
     over W processes trains on W batches per micro-step, so W is part of the run; a split is not
     (it places the same computation on two devices)."""
     settings = {k: v for k, v in asdict(train).items() if k not in _KEEP_OUT}
     if world_size > 1:
         settings["data_parallel_world_size"] = world_size
+    if loss is not None and loss.result_key_settings():  # Loss & Validation Options that change the weights
+        settings["loss"] = loss.result_key_settings()
     if lora.adapter.continue_from:  # the file's content, not only its name, is what the run starts from
         from ..hashing import path_identity
         from ..train.continue_from import continue_file
@@ -79,6 +81,8 @@ def samples_made_with(dataset: DatasetCache, sampling: SamplingConfig | None,
     if sampling is None or not sampling.enabled:
         return None
     out = {"prompts": [p for p, _ in dataset.sample_prompts], "config": asdict(sampling)}
+    if any(dataset.sample_settings):  # per-prompt options (--w --h ...): other lines, other samples
+        out["lines"] = list(dataset.sample_settings)
     if partner_identity is not None:
         out["preview_partner"] = partner_identity
     return out

@@ -42,7 +42,10 @@ def train_or_reuse(model: ModelInfo, dataset, lora: LoraSettings, train: TrainCo
     # goes into what the samples were made with, not into the run's key; the loop takes it as it is.
     partner: ModelInfo | None = train_kwargs.get("preview_partner")
     partner_identity = partner.identity if partner is not None else None
-    key = training_key(model_key(model), dataset.dataset_hash, lora, train, world)
+    if world > 1 and (train_kwargs.get("loss") is not None or train_kwargs.get("log_dir")):
+        raise ConfigError("Loss & Validation Options (masked loss weight, validation, logs) are not built for data "
+                          "parallel training yet; unplug them or train on one GPU (or split mode)")
+    key = training_key(model_key(model), dataset.dataset_hash, lora, train, world, train_kwargs.get("loss"))
     found = load_finished(Path(cache_dir), key)
     if found is not None:
         if callback is not None:

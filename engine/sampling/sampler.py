@@ -41,6 +41,8 @@ class Sampler:
         self.frames = cfg.frames if family.video else 1
         if family.video:
             family.latent_shape(model, 64, 64, self.frames)
+        # Each prompt's settings: its line's options (--w --h ...), else these (prompt_lines.py).
+        self.settings = [self._resolve(i, s) for i, s in enumerate(self._line_settings())]
         self.fps = _dataset_fps(dataset)
         self.columns: list[tuple[str, list]] = []
         self.seconds = 0.0
@@ -49,11 +51,37 @@ class Sampler:
         self._vae = None
         self.keep_dir: Optional[Path] = None
 
+    def _line_settings(self) -> list[dict]:
+        given = list(self.dataset.sample_settings)
+        return given + [{}] * (len(self.prompts) - len(given))
+
+    def _resolve(self, i: int, line: dict) -> tuple:
+        """(width, height, frames, seed, steps, guidance) of prompt ``i``: its line's options over the config's.
+        ``--g`` guides a guidance-distilled model, ``--l`` one sampled with classifier-free guidance; the other is
+        ignored, and said, as the tools that defined them do."""
+        cfg, family = self.cfg, self.family
+        frames = line.get("frames", self.frames if family.video else 1)
+        if not family.video and frames != 1:
+            raise ConfigError(f"sample prompt {i + 1} ('{self.prompts[i][:40]}') asks for --f {frames} frames, but "
+                              f"{family.display_name} is an image model; remove --f")
+        if family.video:
+            family.latent_shape(self.model, 64, 64, frames)  # the family's frame rule, checked before training
+        cfg_mode = self.rule.mode == "cfg"
+        used, unused = ("cfg_scale", "guidance") if cfg_mode else ("guidance", "cfg_scale")
+        if unused in line:
+            self.cb.log(f"sample prompt {i + 1}: --{'g' if unused == 'guidance' else 'l'} is ignored: "
+                        f"{family.display_name} takes {'a CFG scale (--l)' if cfg_mode else 'embedded guidance (--g)'}")
+        return (line.get("width", cfg.resolution), line.get("height", cfg.resolution), frames,
+                line.get("seed", cfg.seed), line.get("steps", cfg.steps), line.get(used, cfg.guidance))
+
     def _what(self) -> dict:
         """What a kept column was drawn with: columns of other prompts or settings are never mixed in."""
         from dataclasses import asdict
 
-        return {"prompts": self.prompts, "config": asdict(self.cfg)}
+        what = {"prompts": self.prompts, "config": asdict(self.cfg)}
+        if any(self.dataset.sample_settings):
+            what["lines"] = list(self.dataset.sample_settings)
+        return what
 
     def keep_columns(self, folder: Path, upto: int) -> None:
         """Keep every checkpoint's images in ``folder`` (beside a resumable run's state) and take back those
@@ -136,11 +164,7 @@ class Sampler:
             import contextlib
 
             with self.partner.placed() if self.partner is not None else contextlib.nullcontext() as partner:
-                latents = sample_prompts(self.model, self.family, self.embeds, self.cfg.resolution,
-                                         self.cfg.resolution, self.cfg.steps, self.cfg.seed, self.cfg.guidance,
-                                         self.device, self.dtype, autocast, self.rule, self.negatives,
-                                         frames=self.frames, poll=self._poll, max_rows=self.max_rows,
-                                         partner=partner)
+                latents = self._sample_groups(autocast, partner)
             images = decode_latents(self.vae(), self.family, latents, self.device, self.dataset.variant)
         finally:
             self.model.train(was_training)
@@ -168,6 +192,28 @@ class Sampler:
                     + (f": {path}" if path else ""))
         self.cb.on_sample(step, grid, str(path) if path else None)
         return grid, path
+
+    def _sample_groups(self, autocast, partner) -> list:
+        """Every prompt's latents, in order: prompts of one size, frame count, step count and guidance are sampled
+        together (each with its own seed's noise, as alone); a group larger than the configured sample size runs
+        one row per forward (``max_rows`` was planned for that size)."""
+        groups: dict[tuple, list[int]] = {}
+        for i, (w, h, f, _, steps, scale) in enumerate(self.settings):
+            groups.setdefault((w, h, f, steps, scale), []).append(i)
+        planned = self.cfg.resolution ** 2 * self.frames
+        out: list = [None] * len(self.settings)
+        for (w, h, f, steps, scale), idx in groups.items():
+            shape = (1, *self.family.latent_shape(self.model, w, h, f))
+            noise = [torch.randn(shape, generator=torch.Generator().manual_seed(self.settings[i][3]),
+                                 dtype=torch.float32) for i in idx]
+            rows = self.max_rows if w * h * f <= planned else 1
+            got = sample_prompts(self.model, self.family, [self.embeds[i] for i in idx], w, h, steps,
+                                 self.settings[idx[0]][3], scale, self.device, self.dtype, autocast, self.rule,
+                                 [self.negatives[i] for i in idx], noise=noise, frames=f, poll=self._poll,
+                                 max_rows=rows, partner=partner)
+            for i, lat in zip(idx, got):
+                out[i] = lat
+        return out
 
     def vae(self):
         if self._vae is None:

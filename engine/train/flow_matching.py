@@ -5,12 +5,17 @@ x_t = (1 - t) * x0 + t * noise, and the target is the velocity noise - x0. t is 
 static 3). Families whose model answers x0 - noise (``Prediction.sign`` = -1) or takes 1 - t are
 handled by ``families.predict_velocity``, so the objective is written once. Latents may have any number of
 dimensions after the batch (images (B, C, H, W); video (B, C, F, H, W)).
+
+Beside the family's draw, other noise-level samplers (``draw_sigmas``) and loss weightings over noise levels
+(``loss_weights``) that Loss & Validation Options choose; masked loss's weights (``mask_weights``, ``weighted_mse``).
 """
 from __future__ import annotations
 
 import math
 
 import torch
+
+from .loss_options import LOSS_WEIGHTINGS, TIMESTEP_SAMPLERS
 
 
 def sample_sigmas(batch: int, generator: torch.Generator, mean: float = 0.0, std: float = 1.0,
@@ -52,3 +57,63 @@ def noisy_latents_and_target(latents: torch.Tensor, noise: torch.Tensor,
     s = sigmas.view((-1,) + (1,) * (latents.dim() - 1)).to(latents.dtype)
     return (1.0 - s) * latents + s * noise, noise - latents
 
+
+
+def weighted_mse(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """The mean over every element of ``weights * (pred - target)^2`` (fp32); ``weights`` (B, h, w) is a latent-grid
+    mask, the same for every channel (and frame). Without weights, plain MSE."""
+    err = (pred.float() - target.float()).square()
+    if weights is None:
+        return err.mean()
+    w = weights.float().view(weights.shape[0], *([1] * (err.dim() - 3)), *weights.shape[1:])  # (B, 1, .., h, w)
+    return (err * w).mean()
+
+
+def mask_weights(masks: torch.Tensor, latent_hw, unmasked_weight: float) -> torch.Tensor:
+    """(B, H, W) uint8 pixel masks -> (B, h, w) loss weights on the latent grid: ``unmasked_weight`` outside the
+    mask, 1 inside (area resize, ``data.masks.latent_mask``)."""
+    from ..data.masks import latent_mask
+
+    m = latent_mask(masks, latent_hw)
+    return unmasked_weight + (1.0 - unmasked_weight) * m
+
+
+def draw_sigmas(sampler: str, batch: int, generator: torch.Generator, mean: float = 0.0, std: float = 1.0,
+                scale: float = 1.0, mu: float | None = None, lo: float = 0.0, hi: float = 1.0) -> torch.Tensor:
+    """(B,) noise levels from ``sampler`` (``TIMESTEP_SAMPLERS``), restricted to [lo, hi] (an expert of a mixture)
+    with the same distribution inside it. ``mu`` is the family's shift, used by ``shift`` only."""
+    if sampler == "shift":
+        return sample_sigmas(batch, generator, mean, std, mu, lo, hi)
+    if sampler == "logit_normal":
+        return sample_sigmas(batch, generator, mean, std, None, lo, hi)
+    if sampler == "sigmoid":
+        return sample_sigmas(batch, generator, 0.0, scale, None, lo, hi)
+    if sampler == "uniform":
+        u = torch.rand(batch, generator=generator)
+        return (lo + (hi - lo) * u).clamp(max(lo, 1e-5), min(hi, 1 - 1e-5))
+    raise ValueError(f"timestep sampler {sampler!r} is not one of {', '.join(TIMESTEP_SAMPLERS)}")
+
+
+def loss_weights(scheme: str, sigmas: torch.Tensor, gamma: float = 5.0) -> torch.Tensor | None:
+    """(B,) weights of each sample's loss at its noise level, or None for ``none``. ``min_snr``: the
+    velocity-target form of min-SNR-gamma, min(SNR, gamma) x sigma^2 with SNR = ((1 - sigma) / sigma)^2 (the x0
+    error is sigma times the velocity error, as sd-scripts' v-prediction form min(SNR, gamma) / (SNR + 1))."""
+    s = sigmas.double()
+    if scheme == "none":
+        return None
+    if scheme == "min_snr":
+        snr = ((1.0 - s) / s) ** 2
+        return (torch.minimum(snr, torch.full_like(snr, gamma)) * s ** 2).float()
+    if scheme == "sigma_sqrt":
+        return (s ** -2.0).float()
+    if scheme == "cosmap":
+        return (2.0 / (math.pi * (1.0 - 2.0 * s + 2.0 * s ** 2))).float()
+    raise ValueError(f"loss weighting {scheme!r} is not one of {', '.join(LOSS_WEIGHTINGS)}")
+
+
+def per_sample_mse(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """(B,) each sample's (masked) mean squared error: ``weighted_mse`` per sample."""
+    err = (pred.float() - target.float()).square()
+    if weights is not None:
+        err = err * weights.float().view(weights.shape[0], *([1] * (err.dim() - 3)), *weights.shape[1:])
+    return err.flatten(1).mean(1)

@@ -31,7 +31,8 @@ from ..models.inspect import ModelInfo
 from ..offload import OffloadConfig
 from ..offload.hostmem import process_memory
 from .batching import bucket_batches, micro_generator
-from .flow_matching import noisy_latents_and_target, sample_sigmas
+from .flow_matching import (draw_sigmas, loss_weights, mask_weights, noisy_latents_and_target, per_sample_mse,
+                            sample_sigmas, weighted_mse)
 from .grad_mode import autograd_enabled, autograd_safe_tensor, make_autograd_safe
 from .ema import AdapterEma
 from .lora_attach import adapter_parameters, lora_state_dict, skip_lora_input_cast
@@ -51,16 +52,22 @@ def _make_scheduler(optimizer, cfg: TrainConfig):
     return get_scheduler(name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.steps)
 
 
-def _load_batch(dataset: DatasetCache, batch, device, dtype, rng: torch.Generator):
-    latents, texts = [], []
+def _load_batch(dataset: DatasetCache, batch, device, dtype, rng: torch.Generator,
+                caption_rng: torch.Generator | None = None):
+    """(latents (B, C, ...), embeddings, pixel loss masks (B, H, W) uint8 or None without masked loss). With
+    ``caption_rng``, each item's caption is drawn (dropout, shuffled orders: ``DatasetCache.caption_key``)."""
+    latents, texts, masks = [], [], []
     for item in batch:
         flipped = dataset.flip and bool(torch.randint(0, 2, (1,), generator=rng).item())
-        lat, emb = dataset.load_item(item, flipped)
+        text_key = dataset.caption_key(item, caption_rng) if caption_rng is not None else None
+        lat, emb = dataset.load_item(item, flipped, text_key)
         latents.append(autograd_safe_tensor(lat))
         texts.append({k: autograd_safe_tensor(v) for k, v in emb.items()})
+        masks.append(dataset.load_mask(item, flipped))  # mirrored with its latent
     lat = torch.stack(latents).to(device, dtype)  # (B, C, ...)
     embeds = dataset.collate_text(texts)  # variable-length captions padded, with their masks
-    return lat, {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in embeds.items()}
+    embeds = {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in embeds.items()}
+    return lat, embeds, (torch.stack(masks) if masks[0] is not None else None)
 
 
 def train_lora(
@@ -78,6 +85,8 @@ def train_lora(
     sample_dir=None,
     preview_partner: ModelConfig | ModelInfo | None = None,
     step_window: int | None = None,
+    loss=None,
+    log_dir=None,
 ) -> TrainedLora:
     """Train a LoRA on ``dataset`` and return its weights. ``model_cfg``: the Load node's ``ModelInfo``, whose
     checkpoint identity the run uses as it is (never identified again), or a ``ModelConfig`` (identified here,
@@ -99,19 +108,35 @@ def train_lora(
     without it such an expert draws no samples.
     ``step_window``: steps per modulation window (engine/train/step_window.py: the family's per-step constants computed
     for that many steps drawn ahead; the losses are the same); None: the planner's choice; 0: off.
+    ``loss`` (engine/train/loss_options.LossOptions): the unmasked area's weight (masked loss), validation on the
+    dataset's held-out split; ``log_dir``: a folder for the run's CSV and TensorBoard logs (engine/train/run_log.py).
 
     Runs with autograd on even when called under ``torch.inference_mode()`` (ComfyUI
     runs every node that way); the returned weights are ordinary tensors."""
     identity = None
     if isinstance(model_cfg, ModelInfo):
         model_cfg, identity = model_cfg.config, model_cfg.checkpoint
-    with autograd_enabled():
-        return _train_lora(model_cfg, identity, dataset, lora, train, callback, preloaded, offload, resume, split,
-                           ranks, sampling, sample_dir, preview_partner, step_window)
+    from .loss_options import LossOptions
+    from .run_log import RunLog
+
+    loss = loss or LossOptions()
+    _check_loss_options(loss, dataset)
+    cb = RunLog(callback or TrainingCallback(), log_dir, loss.tensorboard) if log_dir else callback
+    try:
+        with autograd_enabled():
+            result = _train_lora(model_cfg, identity, dataset, lora, train, cb, preloaded, offload, resume, split,
+                                 ranks, sampling, sample_dir, preview_partner, step_window, loss)
+    finally:
+        if log_dir:
+            cb.close()
+    if log_dir:  # Save LoRA copies the CSV beside the LoRA
+        result.settings["logs"] = {"folder": str(log_dir), "csv": str(cb.csv_path),
+                                   "tensorboard": cb.writer is not None}
+    return result
 
 
 def _train_lora(model_cfg, identity, dataset, lora, train, callback, preloaded, offload, resume, split, ranks,
-                sampling, sample_dir, preview_partner=None, step_window=None) -> TrainedLora:
+                sampling, sample_dir, preview_partner=None, step_window=None, loss=None) -> TrainedLora:
     """The run as named phases; each is a function below, in this order."""
     from ..parallel.data_parallel import Ranks
 
@@ -123,7 +148,7 @@ def _train_lora(model_cfg, identity, dataset, lora, train, callback, preloaded, 
     held_before = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
     placement = choose_placement(offload, split, device, cb)
     run = _Run(cb=cb, ranks=ranks or Ranks(), dataset=dataset, train=train, resume=resume, placement=placement,
-               dtype=dtype, held_before=held_before)
+               dtype=dtype, held_before=held_before, loss=loss)
     placement.saves_state = resume is not None and resume.enabled
     if preview_partner is not None and sampling is not None and sampling.enabled and device.type == "cuda":
         _count_partner(placement, preview_partner, dtype)
@@ -139,6 +164,7 @@ def _train_lora(model_cfg, identity, dataset, lora, train, callback, preloaded, 
         _resume(run)
         _start_window(run, step_window)
         _make_sampler(run, sampling, sample_dir, preview_partner)
+        _make_validator(run)
         _run_steps(run)
     finally:
         bad = _finish(run, drop_model=preloaded is None)
@@ -186,6 +212,9 @@ class _Run:
     start: float = field(default_factory=time.perf_counter)
     sigma_range: tuple[float, float] = (0.0, 1.0)  # the noise levels this model trains on (family.schedule.train_sigma_range)
     window: Any = None  # the modulation window (step_window.StepWindow), or None
+    loss: Any = None  # LossOptions (engine/train/loss_options.py)
+    reg_batches: Any = None  # the regularization images' batch stream (Dataset Options' reg_folder), or None
+    validator: Any = None  # the held-out split's loss (engine/train/validation.py), or None
 
     @property
     def device(self) -> torch.device:
@@ -199,6 +228,40 @@ def _check_settings(train: TrainConfig, offload: OffloadConfig | None, device: t
         raise ConfigError(f"optimizer_on_host keeps AdamW's fp32 moments on the host; optimizer={train.optimizer!r} "
                           f"keeps its 8-bit moments on the GPU. Use one or the other")
     _check_int8_compute(offload, device)
+
+
+def _check_loss_options(loss, dataset) -> None:
+    """Validation asked for without a split to validate on, refused before anything loads."""
+    if loss.validation_every > 0 and not dataset.validation_items:
+        raise ConfigError(f"validation_every={loss.validation_every} but the dataset has no validation split; set "
+                          f"validation_fraction or validation_folder on Dataset Options (Cache Text Embeds), or "
+                          f"set validation_every to 0")
+
+
+def _make_validator(run: _Run) -> None:
+    """The validation loss on the dataset's held-out split (rank 0 only), when it has one and it is not off."""
+    if not run.dataset.validation_items or not run.ranks.is_main:
+        return
+    every = run.loss.validation_interval(run.train.steps)
+    if not every:
+        return
+    from .validation import Validator
+
+    run.validator = Validator(run.dataset, run.family, run.loss.validation_timesteps, run.train.seed,
+                              run.train.guidance, run.loss.unmasked_weight, run.sigma_range)
+    run.validator.every = every
+    run.cb.log(f"validation: {len(run.validator.items)} held-out item(s) x {len(run.validator.sigmas)} fixed noise "
+               f"levels every {every} steps")
+
+
+def _validate(run: _Run, step: int) -> float | None:
+    """The validation loss at ``step`` when due (every N steps and after the last), else None."""
+    v = run.validator
+    if v is None or not (step % v.every == 0 or step == run.train.steps):
+        return None
+    loss = v.run(run.model, run.device, run.dtype, run.autocast, step)
+    run.result.settings["validation"] = v.record()
+    return loss
 
 
 def _count_partner(placement, partner_cfg, dtype) -> None:
@@ -312,13 +375,14 @@ def _fill_window(run: _Run) -> None:
     train = run.train
     steps = max(1, min(run.window.steps, train.steps - run.result.steps))
     first = run.drawn
-    draws = [(next(run.batches), first + j) for j in range(steps * train.gradient_accumulation)]
+    draws = [(_next_batch(run, first + j), first + j) for j in range(steps * train.gradient_accumulation)]
 
     def calls_of(draw) -> list[dict]:
-        batch, index = draw
-        gen = micro_generator(train.seed, run.ranks.global_micro_index(index))
-        latents, embeds = _load_batch(run.dataset, batch, run.device, run.dtype, gen)
-        sigmas, noise = _draw_noise(run.family, latents, train, gen, run.sigma_range)
+        (batch, _), index = draw
+        at = run.ranks.global_micro_index(index)
+        gen = micro_generator(train.seed, at)
+        latents, embeds, _ = _load_batch(run.dataset, batch, run.device, run.dtype, gen, _caption_generator(run, at))
+        sigmas, noise, _ = _draw_noise(run.family, latents, train, gen, run.sigma_range, run.loss)
         noisy, _ = noisy_latents_and_target(latents, noise, sigmas)
         with run.autocast:
             return [run.family.model_inputs(run.model, noisy[p], {k: v[p] for k, v in embeds.items()}, sigmas[p],
@@ -358,6 +422,14 @@ def _prepare_data(run: _Run) -> None:
     # image sizes (CachedItem.batch_key).
     run.batches = run.ranks.shard(bucket_batches(run.dataset.training_items(), train.batch_size, train.seed,
                                                  lambda it: it.batch_key()))
+    if run.dataset.reg_items and run.loss.reg_ratio > 0:  # a stream of their own, interleaved by ``LossOptions.is_reg``
+        if run.ranks.distributed:
+            raise ConfigError("regularization images are not built for data-parallel training yet; clear reg_folder "
+                              "or train on one GPU (or split mode)")
+        run.reg_batches = bucket_batches(run.dataset.reg_items, train.batch_size, train.seed + 1,
+                                         lambda it: it.batch_key())
+        run.cb.log(f"regularization: {len(run.dataset.reg_items)} image(s), {run.loss.reg_ratio:g} of the "
+                   f"micro-batches, loss weight {run.loss.prior_loss_weight:g}")
     if device.type == "cuda" and run.dtype != torch.float32:
         run.autocast = torch.autocast("cuda", dtype=run.dtype)
         skip_lora_input_cast(run.model)
@@ -375,8 +447,8 @@ def _resume(run: _Run) -> None:
     loaded = run.resume.load_latest()
     if loaded is not None:
         loaded.apply(run.named, run.optimizer, run.scheduler)
-        for _ in range(loaded.batches_drawn):  # the data order is a pure function of the seed
-            next(run.batches)
+        for index in range(loaded.batches_drawn):  # the data order is a pure function of the seed
+            _next_batch(run, index)
         run.first, run.drawn, run.result.steps = loaded.step + 1, loaded.batches_drawn, loaded.step
         run.result.loss_history[:] = loaded.info["loss_history"]
         run.result.lr_history[:] = loaded.info["lr_history"]
@@ -473,7 +545,8 @@ def _run_step(run: _Run, step: int) -> bool:
     breakdown = run.timer.finish(run.placement.end_step(step, cb))
     if step == run.first + 1:  # the first step warms up (and compiles); the second is typical
         cb.log(describe_step(breakdown, gpu=run.device.type == "cuda"))
-    _record_step(run, step, loss_sum, grad_norm, t0, breakdown)
+    validation = _validate(run, step)  # in this step's time: its cost shows in s/step
+    _record_step(run, step, loss_sum, grad_norm, t0, breakdown, validation)
     if run.lora.adapter.snapshot_every and run.ranks.is_main and step % run.lora.adapter.snapshot_every == 0:
         run.snapshots = run.snapshots or Snapshots(run.lora, run.family.id)
         cb.log(f"snapshot of step {step}: '{run.snapshots.write(result, _adapter_state(run), step)}'")
@@ -496,26 +569,47 @@ def _accumulate(run: _Run) -> float | None:
     loss_sum = 0.0
     for micro in range(train.gradient_accumulation):
         # Noise, timesteps and flips are keyed by the global micro-batch index (batching.py).
+        index = run.ranks.global_micro_index(run.drawn)
+        gen = micro_generator(train.seed, index)
+        captions = _caption_generator(run, index)
         t_data = time.perf_counter()
         calls = None
         if run.window is not None:  # drawn ahead with the window's per-step constants (the same batch, same index)
             if not run.window.queue:
                 _fill_window(run)
-            (batch, index), calls = run.window.next()
-            assert index == run.drawn, (index, run.drawn)
+            ((batch, weight), drawn), calls = run.window.next()
+            assert drawn == run.drawn, (drawn, run.drawn)
         else:
-            batch = next(run.batches)
-        gen = micro_generator(train.seed, run.ranks.global_micro_index(run.drawn))
+            batch, weight = _next_batch(run, run.drawn)
         run.drawn += 1
-        latents, embeds = _load_batch(run.dataset, batch, run.device, run.dtype, gen)
+        latents, embeds, masks = _load_batch(run.dataset, batch, run.device, run.dtype, gen, captions)
+        weights = None if masks is None else \
+            mask_weights(masks, latents.shape[-2:], run.loss.unmasked_weight).to(run.device)  # (B, h, w)
         run.timer.add_data(time.perf_counter() - t_data)
-        loss_sum += _micro_step(run.model, run.family, latents, embeds, train, gen, run.autocast,
-                                1.0 / train.gradient_accumulation, run.memory.micro_batch, run.sigma_range,
-                                window=run.window, calls=calls)
+        loss_sum += weight * _micro_step(run.model, run.family, latents, embeds, train, gen, run.autocast,
+                                         weight / train.gradient_accumulation, run.memory.micro_batch,
+                                         run.sigma_range, weights, run.loss, window=run.window, calls=calls)
         # Between micro-steps too: with long accumulation, Stop must not wait a whole step.
         if micro < train.gradient_accumulation - 1 and _stop_requested(run):
             return None
     return loss_sum
+
+
+def _next_batch(run: _Run, index: int) -> tuple[list, float]:
+    """Micro-batch ``index``'s items and its loss weight: the regularization images' next batch (weighted by
+    prior_loss_weight) where ``LossOptions.is_reg`` says, else the dataset's."""
+    if run.reg_batches is not None and run.loss.is_reg(index):
+        return next(run.reg_batches), run.loss.prior_loss_weight
+    return next(run.batches), 1.0
+
+
+_CAPTION_STREAM = 0x5DEECE66D  # any constant: the caption draws' generator differs from the noise's
+
+
+def _caption_generator(run: _Run, index: int) -> torch.Generator | None:
+    """Global micro-batch ``index``'s caption draws (dropout, shuffled orders), when the dataset's captions vary:
+    a stream of their own, so noise and timesteps stay those of the same run without them."""
+    return micro_generator(run.train.seed ^ _CAPTION_STREAM, index) if run.dataset.captions_vary else None
 
 
 def _optimizer_step(run: _Run, step: int, loss_sum: float) -> tuple[float, float]:
@@ -539,7 +633,8 @@ def _optimizer_step(run: _Run, step: int, loss_sum: float) -> tuple[float, float
     return loss_sum, grad_norm
 
 
-def _record_step(run: _Run, step: int, loss_sum: float, grad_norm: float, t0: float, breakdown) -> None:
+def _record_step(run: _Run, step: int, loss_sum: float, grad_norm: float, t0: float, breakdown,
+                 validation: float | None = None) -> None:
     """The step into the result, a periodic save when due, and the callback's ``on_step`` (its time since
     ``t0`` counts the save)."""
     train, result = run.train, run.result
@@ -558,7 +653,7 @@ def _record_step(run: _Run, step: int, loss_sum: float, grad_norm: float, t0: fl
                                 grad_norm, time.perf_counter() - t0, peak, run.placement.pinned_gb,
                                 run.sampler.seconds if run.sampler is not None else 0.0, breakdown,
                                 host_ram_gb=round(process_memory().unreclaimable / 1e9, 2),
-                                predicted_host_gb=run.placement.predicted_host_gb))
+                                predicted_host_gb=run.placement.predicted_host_gb, validation_loss=validation))
     except BaseException:
         if step < train.steps:
             _save_state(run)
@@ -756,14 +851,14 @@ def _compile_blocks(model, family, placement: Placement, train: TrainConfig, cb)
     return compile_blocks(model, family, placement.compile_budget())
 
 
-def _draw_noise(family, latents, cfg: TrainConfig, gen: torch.Generator,
-                sigma_range: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sigmas, noise) of one batch, drawn from its generator after the batch's flips: the one place they are drawn
-    (the modulation window draws them ahead from the same generator, step_window.py)."""
-    mu = family.schedule.train_shift_mu(latents) if cfg.shift_timesteps else None
-    sigmas = sample_sigmas(latents.shape[0], gen, cfg.timestep_mean, cfg.timestep_std, mu, *sigma_range)
+def _draw_noise(family, latents, cfg: TrainConfig, gen: torch.Generator, sigma_range: tuple[float, float],
+                loss_opts=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(sigmas, noise, per-sample loss weights or None) of one batch, drawn from its generator after the batch's
+    flips: the one place they are drawn (the modulation window draws them ahead from the same generator,
+    step_window.py). The noise levels and their weights: ``_draw_levels``."""
+    sigmas, level_weights = _draw_levels(family, latents, cfg, gen, sigma_range, loss_opts)
     noise = torch.randn(latents.shape, generator=gen).to(latents.device, latents.dtype)
-    return sigmas.to(latents.device), noise
+    return sigmas.to(latents.device), noise, level_weights
 
 
 def _pieces(b: int, micro_batch: int) -> list[slice]:
@@ -774,13 +869,16 @@ def _pieces(b: int, micro_batch: int) -> list[slice]:
 
 def _micro_step(model, family, latents, embeds, cfg: TrainConfig, gen: torch.Generator, autocast,
                 scale: float, micro_batch: int = 0, sigma_range: tuple[float, float] = (0.0, 1.0),
-                window=None, calls: list | None = None) -> float:
+                weights: torch.Tensor | None = None, loss_opts=None, window=None,
+                calls: list | None = None) -> float:
     """Forward and backward of one batch; returns its loss. The noise and timesteps are drawn for the whole
     batch; with ``micro_batch`` the batch then runs that many samples at a time, each piece's loss weighted
-    by its share, so the accumulated gradient is the whole batch's (activations are one piece's). ``calls``: the
-    modulation window's outputs for each piece (``window.call`` serves them through its forward and backward)."""
+    by its share, so the accumulated gradient is the whole batch's (activations are one piece's). ``weights``
+    (B, h, w): masked loss's latent-grid weights (``flow_matching.weighted_mse``). ``loss_opts`` (LossOptions): the
+    noise-level sampler and loss weighting, the family's own by default. ``calls``: the modulation window's outputs
+    for each piece (``window.call`` serves them through its forward and backward)."""
     b = latents.shape[0]
-    sigmas, noise = _draw_noise(family, latents, cfg, gen, sigma_range)
+    sigmas, noise, level_weights = _draw_noise(family, latents, cfg, gen, sigma_range, loss_opts)
     noisy, target = noisy_latents_and_target(latents, noise, sigmas)
     total = 0.0
     for i, piece in enumerate(_pieces(b, micro_batch)):
@@ -788,11 +886,38 @@ def _micro_step(model, family, latents, embeds, cfg: TrainConfig, gen: torch.Gen
             with autocast:
                 pred = predict_velocity(family, model, noisy[piece], {k: v[piece] for k, v in embeds.items()},
                                         sigmas[piece], cfg.guidance)
-            loss = torch.nn.functional.mse_loss(pred.float(), target[piece].float())
+            if level_weights is not None:  # per-sample weights of the noise levels (and the masks, if any)
+                per = per_sample_mse(pred, target[piece], None if weights is None else weights[piece])
+                loss = (per * level_weights[piece].to(per.device)).mean()
+            elif weights is None:
+                loss = torch.nn.functional.mse_loss(pred.float(), target[piece].float())
+            else:
+                loss = weighted_mse(pred, target[piece], weights[piece])
             share = (piece.stop - piece.start) / b
             (loss * (share * scale)).backward()
         total += loss.item() * share
     return total
+
+
+def _draw_levels(family, latents, cfg: TrainConfig, gen, sigma_range, loss_opts):
+    """(sigmas (B,), per-sample loss weights (B,) or None): the family's draw (TrainConfig's timestep_mean,
+    timestep_std, shift_timesteps, as before) unless Loss & Validation Options choose another sampler or weighting
+    (engine/train/flow_matching.py)."""
+    schedule = family.schedule
+    sampler, default = loss_opts.sampler(schedule) if loss_opts is not None else (schedule.train_sampling, True)
+    b = latents.shape[0]
+    if default:
+        mean, std, shifted = cfg.timestep_mean, cfg.timestep_std, cfg.shift_timesteps
+    else:
+        mean, std, shifted = loss_opts.logit_mean, loss_opts.logit_std, True
+    mu = schedule.train_shift_mu(latents) if sampler == "shift" and shifted else None
+    if sampler == "shift":
+        sigmas = sample_sigmas(b, gen, mean, std, mu, *sigma_range)
+    else:
+        sigmas = draw_sigmas(sampler, b, gen, mean, std, loss_opts.sigmoid_scale if loss_opts else 1.0, None,
+                             *sigma_range)
+    scheme = loss_opts.weighting(schedule) if loss_opts is not None else schedule.loss_weighting
+    return sigmas, loss_weights(scheme, sigmas, loss_opts.snr_gamma if loss_opts is not None else 5.0)
 
 
 def _clip(params, max_norm: float) -> float:

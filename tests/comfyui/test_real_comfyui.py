@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(not COMFY_DIR, reason="set LOWVRAM_COMFYUI_DIR t
 
 REPO = Path(__file__).resolve().parents[2]
 OUR_NODES = {"LowVRAMLoadQuantizedSlab", "LowVRAMCacheTextEmbeds", "LowVRAMOffloadConfig", "LowVRAMDualGPUSplit",
-             "LowVRAMTrainLoRA", "LowVRAMSaveLoRA"}
+             "LowVRAMTrainLoRA", "LowVRAMSaveLoRA", "LowVRAMDatasetOptions", "LowVRAMLossOptions"}
 
 
 def _copy_checkout(dest: Path) -> None:
@@ -666,3 +666,45 @@ def test_both_wan_experts_train_at_once_through_comfy_run(comfy, tmp_path):
     finally:
         for path in written:
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+def test_masked_loss_and_validation_through_comfy_run(comfy, tmp_path):
+    """The demo with Dataset Options (masks beside the images, a quarter of them held out) and Loss & Validation
+    Options (validation every 5 steps) through comfy run: the LoRA trains with masks, the validation loss is
+    measured at fixed noise, and the CSV log lands beside the LoRA."""
+    import csv
+
+    from PIL import Image
+
+    data = comfy.base / "input" / "lowvram_demo" / "shapes"
+    for img in sorted(p for p in data.glob("*.png") if not p.stem.endswith("_mask")):
+        with Image.open(img) as im:
+            w, h = im.size
+        mask = Image.new("L", (w, h), 0)
+        mask.paste(255, (w // 4, h // 4, 3 * w // 4, 3 * h // 4))  # the shape in the middle trains
+        mask.save(img.with_name(img.stem + "_mask.png"))
+    graph = json.loads((comfy.pack / "example_workflows" / "api" / "demo_tiny_lora.json").read_text())
+    graph["6"] = {"class_type": "LowVRAMDatasetOptions",
+                  "inputs": {"mask_source": "beside", "missing_mask": "error", "validation_fraction": 0.25,
+                             "validation_folder": "", "caption_dropout": 0.0, "shuffle_tags": False,
+                             "keep_tags": 1, "caption_variants": 4, "reg_folder": ""}}
+    graph["7"] = {"class_type": "LowVRAMLossOptions",
+                  "inputs": {"unmasked_weight": 0.1, "validation_every": 5, "validation_timesteps": 4,
+                             "tensorboard": True, "timestep_sampling": "family", "logit_mean": 0.0,
+                             "logit_std": 1.0, "sigmoid_scale": 1.0, "loss_weighting": "family", "snr_gamma": 5.0,
+                             "reg_ratio": 0.5, "prior_loss_weight": 1.0}}
+    graph["2"]["inputs"]["options"] = ["6", 0]
+    graph["4"]["inputs"].update(steps=20, sample_every=0, loss_options=["7", 0])
+    graph["5"]["inputs"]["filename_prefix"] = "loras/demo_masked"
+    (tmp_path / "masked.json").write_text(json.dumps(graph))
+    done = comfy.comfy_run(tmp_path / "masked.json", timeout=900)
+    log = json.dumps(_server_log(comfy.port))
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:], log[-4000:])
+    assert "masks 6 built" in log and "2 held out for validation" in log, log[-3000:]  # 6 images, 2 held out
+    assert "validation: 2 held-out item(s) x 4 fixed noise levels every 5 steps" in log, log[-3000:]
+    new = sorted((comfy.base / "output" / "loras").glob("demo_masked_*_.safetensors"))
+    assert len(new) == 1
+    rows = list(csv.DictReader(open(new[0].with_name(new[0].stem + "_log.csv"))))
+    assert [r["step"] for r in rows] == [str(s) for s in range(1, 21)]
+    assert [r["step"] for r in rows if r["validation_loss"]] == ["5", "10", "15", "20"]
+    print("validation loss:", [r["validation_loss"] for r in rows if r["validation_loss"]])

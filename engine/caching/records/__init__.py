@@ -9,6 +9,7 @@ from typing import Sequence
 
 from ...config import DataConfig
 from ...data import VideoConfig
+from ...data.options import DatasetOptions
 from ...errors import ConfigError
 from ..model_sources import CacheModels
 from .base import CaptionSource, RecordSource
@@ -18,11 +19,18 @@ from .images import ImageSource
 
 
 def record_source(models: CacheModels, data_cfg: DataConfig, video: VideoConfig | None,
-                  control_dirs: Sequence) -> RecordSource:
+                  control_dirs: Sequence, options: DatasetOptions | None = None) -> RecordSource:
     """The one place that tells an edit dataset, a video dataset and an image dataset apart: an edit model (a text
     spec with ``control_images``) takes pairs, ``video`` clips, anything else images. Settings the chosen source
     cannot honour are refused here, before any file is read."""
     family, variant = models.family, models.variant
+    if options is not None and options.masked and (video or any(s.control_images for s in models.specs)):
+        raise ConfigError(f"masked loss (mask_source={options.mask_source!r}) is built for image datasets only; "
+                          f"{family.display_name} ({variant}) trains on "
+                          f"{'clips' if video else 'edit pairs'} here. Set mask_source='none'")
+    if options is not None and options.captions_vary and any(s.control_images for s in models.specs):
+        raise ConfigError(f"shuffle_tags and caption_dropout change captions, but {family.display_name} ({variant}) "
+                          f"reads each pair's instruction with its control images; turn them off for edit models")
     if any(s.control_images for s in models.specs):
         if video:
             raise ConfigError(f"{family.display_name} ({variant}) is an image edit model; it takes no video dataset")
@@ -30,7 +38,7 @@ def record_source(models: CacheModels, data_cfg: DataConfig, video: VideoConfig 
     if control_dirs:
         raise ConfigError(f"control folders were given but {family.display_name} ({variant}) is not an edit model; "
                           f"clear control_folder, or load a Qwen-Image-Edit file")
-    return ClipSource(models, data_cfg, video) if video else ImageSource(models, data_cfg)
+    return ClipSource(models, data_cfg, video) if video else ImageSource(models, data_cfg, options)
 
 
 __all__ = ["CaptionSource", "ClipSource", "EditPairSource", "ImageSource", "RecordSource", "record_source"]

@@ -1,17 +1,62 @@
-"""Record source: a folder of captioned images (``data.scan_dataset``), one cache item per image."""
+"""Record source: a folder of captioned images (``data.scan_dataset``), one cache item per image; with masked loss
+(``DatasetOptions.mask_source``), each item also names its mask entry."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ...data import scan_dataset
+from ...data.masks import is_mask_file, mask_file, mask_problem
+from ...data.options import DatasetOptions
+from ...errors import DatasetError
 from ...hashing import sha256_file
 from .base import CaptionSource
+
+#: How many images without a usable mask a message lists.
+_LISTED = 20
 
 
 class ImageSource(CaptionSource):
     label = "images"
 
+    def __init__(self, models, data_cfg, options: DatasetOptions | None = None):
+        super().__init__(models, data_cfg)
+        self.options = options or DatasetOptions()
+
     def scan(self, log):
-        return scan_dataset(self.data_cfg, log=log)
+        source = self.options.mask_source
+        records = scan_dataset(self.data_cfg, log=log, skip=is_mask_file)  # '<name>_mask.png' beside '<name>.png'
+
+        if source == "none":
+            return records
+        return _with_masks(records, source, self.options.missing_mask, log)
 
     def items(self, records, buckets, keys, flip):
-        return self.keyed(records, buckets, keys, flip, path_of=lambda r: r.image_path, content_of=sha256_file,
-                          frames_of=lambda r: None)
+        items = self.keyed(records, buckets, keys, flip, path_of=lambda r: r.image_path, content_of=sha256_file,
+                           frames_of=lambda r: None)
+        source = self.options.mask_source
+        if source == "none":
+            return items
+        return [replace(it, mask_key=keys.mask(sha256_file(mask_file(rec.image_path, source)), it.bucket, flip,
+                                               source))
+                for it, rec in zip(items, records)]
+
+
+def _with_masks(records, source: str, missing: str, log):
+    """The records whose mask is usable; the others are an error listing them (``missing='error'``) or left out,
+    each named in the log (``'skip'``). Never a silent full mask."""
+    problems = {id(r): mask_problem(r.image_path, (r.width, r.height), source) for r in records}
+    bad = [problems[id(r)] for r in records if problems[id(r)] is not None]
+    if not bad:
+        return records
+    if missing == "error":
+        more = f" ... and {len(bad) - _LISTED} more" if len(bad) > _LISTED else ""
+        raise DatasetError(f"masked loss (mask_source={source!r}): {len(bad)} image(s) have no usable mask: "
+                           f"{'; '.join(bad[:_LISTED])}{more}. Add the masks, or set missing_mask='skip' to train "
+                           f"without those images")
+    for problem in bad:
+        log(f"masked loss: skipping {problem}")
+    kept = [r for r in records if problems[id(r)] is None]
+    if not kept:
+        raise DatasetError(f"masked loss (mask_source={source!r}): no image has a usable mask, so none is left to "
+                           f"train on; add the masks or set mask_source='none'")
+    return kept

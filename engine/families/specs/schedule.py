@@ -63,6 +63,12 @@ class NoiseSchedule:
     train_shift: float | None = None
     #: The static shift the family's pipeline samples with. None: the training shift (``train_shift_mu``).
     sample_shift: float | None = None
+    #: How training draws its noise levels unless Loss & Validation Options say otherwise
+    #: (``flow_matching.TIMESTEP_SAMPLERS``): every family today trains as SD3/Flux do, logit-normal under its shift.
+    train_sampling: str = "shift"
+    #: The loss weighting over noise levels unless Loss & Validation Options say otherwise
+    #: (``flow_matching.LOSS_WEIGHTINGS``): none, the plain velocity MSE, for every family's reference trainer.
+    loss_weighting: str = "none"
 
     def __post_init__(self) -> None:
         # Checked where the family declares its schedule (import time), not at the first training step.
