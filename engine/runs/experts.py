@@ -70,7 +70,7 @@ def _role(family, variant: str) -> str:
 
 def train_experts(model: ModelInfo, dataset, lora, train, cache_dir: Path, callback, parallel,
                   preview_partner: ModelInfo | None = None, offload=None, sampling=None, sample_dir=None,
-                  preloaded=None) -> TrainedLora:
+                  preloaded=None, loss=None, log_dir=None) -> TrainedLora:
     """Train ``model`` on ``parallel.devices[0]`` and ``preview_partner`` on ``devices[1]`` at once; returns
     ``model``'s TrainedLora with the partner's as ``companion`` (Save LoRA writes both). Each expert's finished run
     is reused when it exists (a one-expert run of the same settings counts), and stored when it finishes."""
@@ -79,6 +79,9 @@ def train_experts(model: ModelInfo, dataset, lora, train, cache_dir: Path, callb
     if preloaded is not None:
         raise ConfigError("mode 'experts' loads each expert in its own worker process; a preloaded model cannot "
                           "be shared")
+    if loss is not None or log_dir:
+        raise ConfigError("Loss & Validation Options (masked loss weight, validation, logs) are not built for Dual-GPU "
+                          "Split mode 'experts' yet; unplug them, or train each expert on its own")
     cb = callback or TrainingCallback()
     family = get_family(model.family)
     roles = (expert_pair(model, preview_partner, family), _role(family, preview_partner.variant))
