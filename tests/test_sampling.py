@@ -149,3 +149,27 @@ def test_the_grid_labels_each_row_with_its_prompt():
     draw = ImageDraw.Draw(grid)
     cut = _fit_text(draw, prompts[1], cell - 8)
     assert cut.endswith("...") and draw.textlength(cut) <= cell - 8
+
+
+def test_a_100_kb_prompt_is_labelled_in_a_moment():
+    """Label fitting is linear in the prompt's length (issue 43: it re-measured the whole string once per character
+    dropped, so a 5,000-character prompt took 54 s a label and a 100 KB one stalled training): a 100 KB prompt with
+    newlines is cut to the same one-line label as its first words, well within a second."""
+    import time
+
+    from PIL import Image, ImageDraw
+
+    from lowvram_lora.engine.sampling import _fit_text
+
+    draw = ImageDraw.Draw(Image.new("RGB", (8, 8)))
+    head = "ohwx, a red circle on a white background,\nsharp edges, "
+    prompt = head + "soft light, " * (100_000 // 12)
+    start = time.perf_counter()
+    cut = _fit_text(draw, prompt, 248)
+    seconds = time.perf_counter() - start
+    assert seconds < 0.5, seconds
+    assert cut.endswith("...") and "\n" not in cut and draw.textlength(cut) <= 248
+    assert " ".join(prompt.split()).startswith(cut[:-3])
+    # the longest prefix that fits: one more character would not
+    flat = " ".join(prompt.split())
+    assert draw.textlength(flat[:len(cut) - 3 + 1] + "...") > 248

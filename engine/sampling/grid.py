@@ -47,9 +47,20 @@ PROMPT_BAND = 14
 
 
 def _fit_text(draw, text: str, width: int) -> str:
-    """``text`` cut (with an ellipsis) to at most ``width`` pixels in the draw's font."""
-    if draw.textlength(text) <= width:
+    """``text`` on one line, cut (with an ellipsis) to at most ``width`` pixels in the draw's font.
+
+    Linear in the prompt's length, whatever it is (LLM-written captions of thousands of characters are common sample
+    prompts): the text is cut to ``width`` characters before anything is measured (no glyph that shows is narrower
+    than a pixel), then the longest prefix that fits is found by bisection, a few measurements of a short string."""
+    text = " ".join(text.split())  # textlength refuses multi-line text; a label is one line
+    if len(text) <= width and draw.textlength(text) <= width:
         return text
-    while text and draw.textlength(text + "...") > width:
-        text = text[:-1]
-    return text + "..."
+    text = text[:width]
+    lo, hi = 0, len(text)  # the longest fitting prefix lies in [lo, hi]; the empty one is taken if none fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if draw.textlength(text[:mid] + "...") <= width:
+            lo = mid
+        else:
+            hi = mid - 1
+    return text[:lo] + "..."
