@@ -34,7 +34,7 @@ def usable(path: Path, cb: TrainingCallback) -> bool:
             return True
         problem = "no tensors"
     except Exception as exc:
-        problem = f"{type(exc).__name__}: {exc}"
+        problem = getattr(exc, "problem", None) or f"{type(exc).__name__}: {exc}"  # rebuilt here: no fix to name
     cb.log(f"dataset-cache entry '{path}' is unreadable ({problem}); rebuilding it")
     path.unlink(missing_ok=True)
     return False

@@ -152,8 +152,8 @@ def open_slab(slab_path: str | Path, verify: str = "changed") -> OpenSlab:
         )
     try:
         file = SafetensorsFile(slab)
-    except ModelLoadError as exc:
-        raise SlabError(f"slab '{slab}' is corrupted ({exc}). Rebuild it with: {again}") from None
+    except ModelLoadError as exc:  # a slab's fix is a rebuild, not a download
+        raise SlabError(f"slab '{slab}' is corrupted ({getattr(exc, 'problem', exc)}). Rebuild it with: {again}") from None
     if file.header_sha256 != manifest["slab"]["header_sha256"]:
         raise SlabError(
             f"slab '{slab}': its header does not match the manifest (hash mismatch): the file is corrupted "
