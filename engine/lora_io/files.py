@@ -53,6 +53,21 @@ def _metadata(lora: TrainedLora, fmt: str) -> dict[str, str]:
     }
 
 
+def lora_tensors(lora: TrainedLora, fmt: str = "comfyui", dtype: str = "bf16") -> dict[str, torch.Tensor]:
+    """The tensors a LoRA file of ``fmt`` holds, scale folded in: what ``save_lora`` writes, and (``comfyui``) the
+    LORA_MODEL that ComfyUI's LoraModelLoader applies, the same dict its LoraLoader reads from the saved file."""
+    if fmt not in FORMATS:
+        raise LoraFormatError(f"format={fmt!r} is not one of {', '.join(FORMATS)}")
+    if dtype not in _DTYPES:
+        raise LoraFormatError(f"dtype={dtype!r} is not one of {', '.join(_DTYPES)}")
+    folded = fold_scale(lora.state_dict, lora.scale)
+    if fmt == "comfyui":  # the form ComfyUI's loader maps for this family (its LoraForm.comfyui_form)
+        tensors = to_comfyui_form(folded, get_family(lora.family), lora.model_config)
+    else:
+        tensors = to_diffusers(folded)
+    return {k: (v if k.endswith(".alpha") else v.to(_DTYPES[dtype])).contiguous() for k, v in tensors.items()}
+
+
 def save_lora(lora: TrainedLora, path: str | Path, fmt: str = "comfyui", dtype: str = "bf16",
               overwrite: bool = False) -> Path:
     """Write ``lora`` to ``path``. Written to a temporary name, then renamed, so an existing
@@ -68,12 +83,7 @@ def save_lora(lora: TrainedLora, path: str | Path, fmt: str = "comfyui", dtype: 
         raise LoraFormatError(f"'{path}' must end in .safetensors")
     if path.exists() and not overwrite:
         raise LoraFormatError(f"'{path}' already exists; choose another name or allow overwriting")
-    folded = fold_scale(lora.state_dict, lora.scale)
-    if fmt == "comfyui":  # the form ComfyUI's loader maps for this family (its LoraForm.comfyui_form)
-        tensors = to_comfyui_form(folded, get_family(lora.family), lora.model_config)
-    else:
-        tensors = to_diffusers(folded)
-    tensors = {k: (v if k.endswith(".alpha") else v.to(_DTYPES[dtype])).contiguous() for k, v in tensors.items()}
+    tensors = lora_tensors(lora, fmt, dtype)
     try:
         with atomic_write(path, "the LoRA file", overwrite=overwrite) as tmp:
             save_file(tensors, str(tmp), metadata=_metadata(lora, fmt))
