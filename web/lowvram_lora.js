@@ -159,7 +159,36 @@ function markStopped(how) {
   }
 }
 api.addEventListener("execution_interrupted", () => markStopped("cancelled"));
-api.addEventListener("execution_error", () => markStopped("failed"));
+api.addEventListener("execution_error", ({ detail }) => {
+  markStopped("failed");
+  showError(detail);
+});
+
+// A node of ours that failed says why on itself, whole: the toast names only the node, and the message sat
+// below the fold of the error log. Cleared when the next run starts.
+const PACK_PREFIX = "LowVRAM";
+function showError(detail) {
+  const node = detail ? findNode(detail.node_id) : null;
+  if (!node || !String(node.comfyClass ?? node.type ?? "").startsWith(PACK_PREFIX)) return;
+  const message = String(detail.exception_message ?? "").trim();
+  if (!message) return;
+  showText(node, "error", message.split("\n").filter((l) => l.trim()));
+  const el = textWidget(node, "error").lowvramEl;
+  el.style.color = "#ffb4a0";
+  el.title = detail.exception_type ?? "";
+}
+function clearErrors() {
+  for (const node of app.graph?._nodes ?? []) {
+    const i = node.widgets?.findIndex((w) => w.name === "error") ?? -1;
+    if (i < 0) continue;
+    const [widget] = node.widgets.splice(i, 1);
+    widget.onRemove?.();
+    widget.lowvramEl?.remove?.();
+    node.setSize([node.size[0], node.computeSize()[1]]);
+    node.setDirtyCanvas(true, true);
+  }
+}
+api.addEventListener("execution_start", clearErrors);
 
 function drawChart(canvas, entry) {
   const scale = window.devicePixelRatio || 1;
