@@ -173,3 +173,26 @@ def test_a_100_kb_prompt_is_labelled_in_a_moment():
     # the longest prefix that fits: one more character would not
     flat = " ".join(prompt.split())
     assert draw.textlength(flat[:len(cut) - 3 + 1] + "...") > 248
+
+
+def test_a_wide_grid_draws_its_labels_large_enough_to_read_in_the_node():
+    """The editor shows the grid scaled to the node's width (~380 px): a 4-column grid of 256 px cells carries its
+    labels in a font of a 36th of its width (28 px: ~10 px on screen), on a band that tall; the labels fit."""
+    from PIL import Image, ImageDraw
+
+    from lowvram_lora.engine.sampling.grid import GRID_WIDTH_PER_FONT_PX, _label_font, grid_image
+
+    cell, cols = 256, 4
+    white = Image.new("RGB", (cell, cell), (255, 255, 255))
+    grid = grid_image([(f"step {i}", [white]) for i in range(cols)], ["ohwx, a red circle on a white background"],
+                      cell=cell)
+    font, size = _label_font(cell * cols)
+    assert size == cell * cols // GRID_WIDTH_PER_FONT_PX == 28
+    header = size + 8
+    assert grid.size == (cols * cell, header + cell)
+    band = grid.crop((0, header + cell - size - 8, cell, header + cell))
+    text_rows = [y for y in range(band.height) if any(min(band.getpixel((x, y))) > 150 for x in range(cell))]
+    assert len(text_rows) >= 0.5 * size  # letters about as tall as the font, not 11 px ones
+    above = grid.crop((0, header, cell, header + cell - size - 8))
+    assert set(above.getdata()) == {(255, 255, 255)}
+    assert ImageDraw.Draw(grid).textlength("step 0", font=font) > 60
