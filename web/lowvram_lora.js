@@ -197,8 +197,10 @@ function drawChart(canvas, entry) {
   canvas.height = ch * scale;
   const ctx = canvas.getContext("2d");
   ctx.setTransform(scale, 0, 0, scale, 0, 0);
-  const pad = 2, w = cw - 2 * pad, h = ch - (entry.resumedFrom != null ? 44 : 30);
-  const x0 = pad, y0 = 0;
+  // Layout, top to bottom: the numbers line, the plot (loss values on a y axis at its left), the status line(s).
+  // Nothing is drawn over the curve.
+  const pad = 2, w = cw - 2 * pad;
+  const x0 = pad, y0 = 0, top = y0 + 22, bottom = ch - (entry.resumedFrom != null ? 40 : 24);
   ctx.fillStyle = "rgba(0,0,0,0.35)";
   ctx.fillRect(x0, y0, w, ch - 2);
   const pts = entry.points, last = entry.last;
@@ -206,8 +208,23 @@ function drawChart(canvas, entry) {
   const lo = Math.min(...losses), hi = Math.max(...losses);
   const lrMax = Math.max(...pts.map((p) => p.lr), 1e-12);
   const total = Math.max(last.total, 1);
-  const X = (step) => x0 + 4 + (w - 8) * (step / total);
-  const Y = (v) => y0 + 18 + (h - 4) * (1 - (v - lo) / Math.max(hi - lo, 1e-12));
+  const axis = (v) => (Math.abs(v) >= 1e-3 && Math.abs(v) < 1e4 ? v.toPrecision(3) : v.toExponential(1));
+  ctx.font = "10px sans-serif";
+  const left = x0 + 6 + Math.max(...[hi, lo].map((v) => ctx.measureText(axis(v)).width)) + 4;
+  const X = (step) => left + 2 + (x0 + w - 6 - left) * (step / total);
+  const span = (f) => top + (bottom - top) * (1 - f);
+  const Y = (v) => span((v - lo) / Math.max(hi - lo, 1e-12));
+  ctx.fillStyle = "#aaa";
+  ctx.textBaseline = "middle";
+  for (const v of hi > lo ? [hi, (hi + lo) / 2, lo] : [lo]) ctx.fillText(axis(v), x0 + 4, Y(v));
+  ctx.textBaseline = "alphabetic";
+  ctx.strokeStyle = "rgba(255,255,255,0.25)";
+  ctx.lineWidth = 1;
+  ctx.beginPath();
+  ctx.moveTo(left, top - 2);
+  ctx.lineTo(left, bottom + 2);
+  ctx.lineTo(x0 + w - 4, bottom + 2);
+  ctx.stroke();
   const line = (color, value, width) => {
     ctx.strokeStyle = color;
     ctx.lineWidth = width;
@@ -219,14 +236,14 @@ function drawChart(canvas, entry) {
     ctx.strokeStyle = "rgba(255,255,255,0.45)";
     ctx.setLineDash([3, 3]);
     ctx.beginPath();
-    ctx.moveTo(X(entry.resumedFrom), y0 + 16);
-    ctx.lineTo(X(entry.resumedFrom), y0 + h + 14);
+    ctx.moveTo(X(entry.resumedFrom), top);
+    ctx.lineTo(X(entry.resumedFrom), bottom);
     ctx.stroke();
     ctx.setLineDash([]);
   }
   line("rgba(120,170,255,0.6)", (p) => Y(p.loss), 1);
   line("#ffb040", (p) => Y(p.avg), 2);
-  line("#60d080", (p) => y0 + 18 + (h - 4) * (1 - p.lr / lrMax), 1);
+  line("#60d080", (p) => span(p.lr / lrMax), 1);
   ctx.font = "11px sans-serif";
   ctx.fillStyle = "#ddd";
   ctx.fillText(`loss ${last.loss.toFixed(4)} (avg ${pts[pts.length - 1].avg.toFixed(4)})  lr ${last.lr.toExponential(1)}`,
@@ -247,11 +264,11 @@ function drawChart(canvas, entry) {
   }
   if (entry.resumedFrom != null) {
     ctx.fillStyle = "#bbb";
-    ctx.fillText(`resumed from step ${entry.resumedFrom} (saved state)`, x0 + 6, y0 + ch - 24);
+    ctx.fillText(`resumed from step ${entry.resumedFrom} (saved state)`, x0 + 6, y0 + ch - 22);
     ctx.fillStyle = "#ddd";
   }
   ctx.fillStyle = entry.stopped != null ? "#ffb040" : "#ddd";
-  ctx.fillText(status, x0 + 6, y0 + ch - 10);
+  ctx.fillText(status, x0 + 6, y0 + ch - 8);
   ctx.fillStyle = "#ffb040";
   ctx.fillText("avg", x0 + w - 52, y0 + 13);
   ctx.fillStyle = "#60d080";
