@@ -91,7 +91,7 @@ class LowVRAMSaveLoRA(io.Node):
             ])
 
     @classmethod
-    def validate_inputs(cls, filename_prefix=None, **_):
+    def validate_inputs(cls, filename_prefix=None):
         """ComfyUI calls this when the prompt is queued (the headless runner too), before any
         node runs: a bad prefix is reported before hours of training, not after."""
         if isinstance(filename_prefix, str):

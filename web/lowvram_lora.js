@@ -179,16 +179,53 @@ function showError(detail) {
 }
 function clearErrors() {
   for (const node of app.graph?._nodes ?? []) {
-    const i = node.widgets?.findIndex((w) => w.name === "error") ?? -1;
-    if (i < 0) continue;
-    const [widget] = node.widgets.splice(i, 1);
-    widget.onRemove?.();
-    widget.lowvramEl?.remove?.();
-    node.setSize([node.size[0], node.computeSize()[1]]);
-    node.setDirtyCanvas(true, true);
+    node.__lowvramInputErrors = "";
+    clearError(node);
   }
 }
 api.addEventListener("execution_start", clearErrors);
+
+// An input our node refused when the graph was queued (validate_inputs): the editor outlines the node and its toast
+// says only "Invalid input"; ComfyUI files the message once per input the check read ("dataset_path - ...",
+// "control_folder - ..."). The node shows it once, whole, until the errors change.
+function syncInputErrors(node) {
+  const errors = app.lastNodeErrors?.[node.id]?.errors ?? [];
+  const lines = [...new Set(errors.map((e) => String(e.details || e.message || "").replace(/^[\w.]+ - /, "")))];
+  const key = lines.join("\n");
+  if (key === (node.__lowvramInputErrors ?? "")) return;
+  node.__lowvramInputErrors = key;
+  if (lines.length) showError({ node_id: node.id, exception_message: key, exception_type: "invalid input" });
+  else clearError(node);
+}
+function clearError(node) {
+  const i = node.widgets?.findIndex((w) => w.name === "error") ?? -1;
+  if (i < 0) return;
+  const [widget] = node.widgets.splice(i, 1);
+  widget.onRemove?.();
+  widget.lowvramEl?.remove?.();
+  node.setSize([node.size[0], node.computeSize()[1]]);
+  node.setDirtyCanvas(true, true);
+}
+
+// The frontend's own progress-text box ($$node-text-preview) is two lines high with a scroll bar, so our status
+// lines were cut; on our nodes it grows to its text.
+const PROGRESS_TEXT = "$$node-text-preview";
+api.addEventListener("progress_text", ({ detail }) => {
+  const node = detail ? findNode(detail.nodeId) : null;
+  if (!node || !String(node.comfyClass ?? node.type ?? "").startsWith(PACK_PREFIX)) return;
+  requestAnimationFrame(() => {
+    const widget = node.widgets?.find((w) => w.name === PROGRESS_TEXT);
+    if (!widget?.options) return;
+    const perLine = Math.max(20, Math.floor((node.size[0] - 40) / 7.2));
+    const lines = String(detail.text ?? "").split("\n")
+      .reduce((n, l) => n + Math.max(1, Math.ceil(l.length / perLine)), 0);
+    const height = Math.max(58, lines * LINE_H + 12);
+    widget.options.getMinHeight = () => height;
+    widget.options.getMaxHeight = () => height;
+    node.setSize([node.size[0], Math.max(node.size[1], node.computeSize()[1])]);
+    node.setDirtyCanvas(true, true);
+  });
+});
 
 function drawChart(canvas, entry) {
   const scale = window.devicePixelRatio || 1;
@@ -313,6 +350,13 @@ function showClips(node, message) {
 app.registerExtension({
   name: "lowvram_lora.results",
   async beforeRegisterNodeDef(nodeType, nodeData) {
+    if (String(nodeData.name).startsWith(PACK_PREFIX)) {
+      const onDrawForeground = nodeType.prototype.onDrawForeground;
+      nodeType.prototype.onDrawForeground = function () {
+        onDrawForeground?.apply(this, arguments);
+        syncInputErrors(this);
+      };
+    }
     if (!OUR_NODES.has(nodeData.name)) return;
     const onExecuted = nodeType.prototype.onExecuted;
     nodeType.prototype.onExecuted = function (message) {

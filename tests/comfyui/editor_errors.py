@@ -62,6 +62,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     d = headless_chromium()
+    d.set_window_size(1600, 1250)  # the whole Train LoRA node with its chart, at 100% zoom
     d.set_script_timeout(120)
     try:
         d.get(args.url)
