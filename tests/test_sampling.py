@@ -9,6 +9,7 @@ from lowvram_lora.engine.errors import ConfigError
 from lowvram_lora.engine.families import get_family
 from lowvram_lora.engine.models import load_transformer
 from lowvram_lora.engine.sampling import SamplingConfig, sample_latents
+from lowvram_lora.engine.sampling.grid import title_height
 from lowvram_lora.engine.testing import make_tiny_dataset
 from lowvram_lora.engine.train import train_lora
 
@@ -69,7 +70,9 @@ def test_sampling_during_training(tiny_pipeline, prompt_cache, tmp_path):
     result = train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), prompt_cache, LoraSettings(rank=4, alpha=4),
                         TrainConfig(steps=10, learning_rate=5e-3, seed=0), cb, sampling=cfg, sample_dir=tmp_path)
     assert [g[0] for g in grids] == [0, 5, 10]
-    assert grids[-1][1] == (3 * 256, 18 + 2 * 256)  # checkpoints x prompts
+    # checkpoints x prompts, under a title row as tall as the labels' font (a 36th of the grid's width) + 8
+    top = title_height(3 * 256)
+    assert top == 3 * 256 // 36 + 8 and grids[-1][1] == (3 * 256, top + 2 * 256)
     assert [p.rsplit("/", 1)[1] for p in result.sample_grids] == [
         "samples_step0000000.png", "samples_step0000005.png", "samples_step0000010.png"]
     assert 0 < cb.last.sample_seconds < result.sample_seconds  # the last checkpoint samples after its step
@@ -77,9 +80,10 @@ def test_sampling_during_training(tiny_pipeline, prompt_cache, tmp_path):
     from PIL import Image
 
     last = Image.open(result.sample_grids[-1]).convert("RGB")
-    first_col = last.crop((0, 18, 256, 18 + 256))
-    again = Image.open(result.sample_grids[0]).convert("RGB").crop((0, 18, 256, 18 + 256))
-    trained_col = last.crop((512, 18, 768, 18 + 256))
+    image = 256 - top - 2  # above the prompt band, as tall as the title row: it grows with the grid's width
+    first_col = last.crop((0, top, 256, top + image))
+    again = Image.open(result.sample_grids[0]).convert("RGB").crop((0, title_height(256), 256, title_height(256) + image))
+    trained_col = last.crop((512, top, 768, top + image))
     assert list(first_col.getdata()) == list(again.getdata())
     diff = sum(abs(a - b) for pa, pb in zip(first_col.getdata(), trained_col.getdata()) for a, b in zip(pa, pb))
     assert diff > 0

@@ -25,7 +25,7 @@ def grid_image(columns: list[tuple[str, list]], prompts: list[str], cell: int = 
     strip_h = cell // STRIP if clips else 0
     font, size = _label_font(cell * len(columns))
     band = PROMPT_BAND if font is None else size + 8
-    label_h, label_w, row_h = (18 if font is None else size + 8), 0, cell + strip_h
+    label_h, label_w, row_h = title_height(cell * len(columns)), 0, cell + strip_h
     grid = Image.new("RGB", (label_w + cell * len(columns), label_h + row_h * len(prompts)), (24, 24, 24))
     draw = ImageDraw.Draw(grid)
     for c, (title, images) in enumerate(columns):
@@ -49,6 +49,12 @@ PROMPT_BAND = 14
 #: Pixels of grid width per pixel of label font: the editor shows a grid scaled to the node's width (~380 px at
 #: 100% zoom), so a 4-column grid (1024 px) with the default 11 px font drew 4 px letters. This keeps ~10 px.
 GRID_WIDTH_PER_FONT_PX = 36
+
+
+def title_height(grid_width: int) -> int:
+    """Height of the grid's title row (the checkpoints' labels): 18 px, or the labels' font size + 8 on a wide grid."""
+    font, size = _label_font(grid_width)
+    return 18 if font is None else size + 8
 
 
 def _label_font(grid_width: int):
