@@ -69,9 +69,15 @@ def reconstruction_error(vae, count: int = 4, size: int = 128, seed: int = 100) 
 
 
 def train_vae(vae, steps: int = 1200, size: int = 48, batch: int = 8, lr: float = 2e-3, seed: int = 0,
-              log=None) -> float:
+              log=None, target: float | None = None, check_every: int = 50) -> float:
     """Train ``vae`` (an AutoencoderKL, float32) in place to reconstruct random shape images; returns the
-    reconstruction error afterwards (``reconstruction_error``).
+    reconstruction error afterwards (``reconstruction_error``). ``target``: stop as soon as the error (measured
+    every ``check_every`` steps) is below it, ``steps`` being the most.
+
+    Why a target: where a fixed number of steps leaves the error is not the same on every machine. The same seeds
+    on another CPU kernel (AVX2 against AVX-512) ended 400 steps at 0.291 instead of 0.273, and seeds alone spread
+    it over 0.236-0.291; a fresh clone elsewhere measured 0.333. How far training goes to reach an error is the
+    robust measure.
 
     Small images are enough: the VAE is convolutional and the shapes are flat colours with edges, so what it
     learns at 48 px holds at 128. The latents are kept near N(0, 1) after the VAE's own shift and scale (the
@@ -98,26 +104,28 @@ def train_vae(vae, steps: int = 1200, size: int = 48, batch: int = 8, lr: float 
             opt.step()
             if log and (step % 200 == 0 or step == steps - 1):
                 log(f"demo VAE step {step}: reconstruction loss {recon.item():.4f}")
+            if target is not None and (step + 1) % check_every == 0 and reconstruction_error(vae) < target:
+                break
         vae.eval()
         return reconstruction_error(vae)
 
 
-def train_demo_vae(pipeline: str | Path, steps: int = 1200, log=print) -> float:
+def train_demo_vae(pipeline: str | Path, steps: int = 1200, log=print, target: float | None = None) -> float:
     """Train the VAE of a tiny Flux.1 pipeline folder (``build_tiny_flux1_pipeline``) and save it back in place
-    (safetensors), with a marker holding the measured error; returns that error."""
+    (safetensors), with a marker holding the measured error; returns that error. ``target``: see ``train_vae``."""
     from diffusers import AutoencoderKL
 
     folder = Path(pipeline) / "vae"
     vae = AutoencoderKL.from_pretrained(folder, local_files_only=True, use_safetensors=True)  # float32
     config = {k: v for k, v in vae.config.items() if not k.startswith("_")}  # not the folder's path
-    key = (json.dumps(config, sort_keys=True, default=str), steps, _sums(vae))
+    key = (json.dumps(config, sort_keys=True, default=str), steps, target, _sums(vae))
     start = time.perf_counter()
     if key in _TRAINED:
         state, before, after = _TRAINED[key]
         vae.load_state_dict(state)
     else:
         before = reconstruction_error(vae)
-        after = train_vae(vae, steps=steps, log=log)
+        after = train_vae(vae, steps=steps, log=log, target=target)
         _TRAINED[key] = ({k: v.clone() for k, v in vae.state_dict().items()}, before, after)
     vae.save_pretrained(folder, safe_serialization=True)
     seconds = time.perf_counter() - start

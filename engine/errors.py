@@ -5,8 +5,24 @@ these reach users through a node's error popup or the headless runner's stderr.
 """
 
 
+#: The package's module path as imported here: "lowvram_lora" from pip, but inside ComfyUI the folder's path
+#: ("/home/.../custom_nodes/lowvram-lora"), which the editor then printed before every message of ours.
+_ROOT = __name__.removesuffix(".engine.errors")
+
+
+def _readable_module(name: str) -> str:
+    """``<the pack's folder path>.engine.x`` -> ``lowvram_lora.engine.x`` (importable wherever the pack is installed)."""
+    return "lowvram_lora" + name[len(_ROOT):] if name == _ROOT or name.startswith(_ROOT + ".") else name
+
+
 class LowVRAMError(Exception):
-    """Base class: a problem the user can fix (bad path, wrong model, bad setting)."""
+    """Base class: a problem the user can fix (bad path, wrong model, bad setting). Its classes are named by the
+    package (``lowvram_lora.engine.errors.DatasetError``) wherever the pack was imported from, so an editor's
+    error shows no file-system path."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.__module__ = _readable_module(cls.__module__)
 
 
 class ConfigError(LowVRAMError, ValueError):
@@ -57,3 +73,6 @@ def safetensors_only_message(folder, what: str, exc: BaseException) -> str:
                 f".safetensors only, because loading a pickle can run arbitrary code. Get the .safetensors "
                 f"version of this model (or convert it in a trusted environment)")
     return f"could not load the {what} from '{folder}': {exc}"
+
+
+LowVRAMError.__module__ = _readable_module(LowVRAMError.__module__)

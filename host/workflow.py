@@ -712,7 +712,6 @@ def _check_node(node_id: str, node: Any, graph: Mapping[str, dict], mappings: Ma
             )
     for spec in specs:
         _check_input(spec, node, where, graph, mappings)
-    _call_validate_inputs(_node_class(where, mappings), node, where)
 
 
 def _call_validate_inputs(cls: type, node: dict, where: _Where) -> None:
@@ -797,9 +796,15 @@ def validate_graph(graph: dict[str, dict], node_class_mappings: Mapping[str, typ
     """
     if not isinstance(graph, dict) or not graph:
         raise WorkflowError("the workflow has no nodes to run. Fix: add nodes in ComfyUI and save again")
-    for node_id in sorted(graph, key=node_sort_key):
+    order = sorted(graph, key=node_sort_key)
+    for node_id in order:
         _check_node(node_id, graph[node_id], graph, node_class_mappings)
     _check_cycles(graph)
+    # The nodes' own checks last: they may read files (a dataset folder), and a typo in a number must not hide
+    # behind a missing folder, nor be found only after the folder is fixed.
+    for node_id in order:
+        node = graph[node_id]
+        _call_validate_inputs(_node_class(_where(node_id, node), node_class_mappings), node, _where(node_id, node))
 
 
 # --------------------------------------------------------------------------- overrides

@@ -40,6 +40,39 @@ def _control_dirs(text: str) -> tuple[str, ...]:
     return tuple(str(resolve_dataset_path(part.strip())) for part in (text or "").split(";") if part.strip())
 
 
+def _dataset_problem(folder, default_caption) -> str | None:
+    """Why the dataset folder cannot be trained on, told by the engine's own scan (file headers and captions only),
+    or None. A folder whose images fail but which holds clips is left to the video scan at run time."""
+    from ..engine.config import DataConfig
+    from ..engine.data.dataset import scan_dataset
+    from ..engine.data.video import clip_kind
+
+    if folder is None:
+        return "dataset_path is empty: set it to a folder of images with .txt captions (under ComfyUI's input/ or absolute)"
+    try:
+        scan_dataset(DataConfig(path=str(folder), default_caption=(default_caption or "").strip() or None))
+    except DatasetError as exc:
+        if folder.is_dir() and any(clip_kind(p) not in (None, "image") for p in folder.iterdir()):
+            return None
+        return str(exc)
+    return None
+
+
+def _check_control_folders(text: str) -> None:
+    """Each of control_folder's ';'-separated folders exists (resolved as dataset_path is), or a DatasetError."""
+    for part in (text or "").split(";"):
+        if not part.strip():
+            continue
+        try:
+            folder = resolve_dataset_path(part.strip())
+        except DatasetError:
+            folder = None
+        if folder is None or not folder.is_dir():
+            raise DatasetError(f"control_folder: '{part.strip()}' is not a folder; point it at the folder of the "
+                               f"control images (named as their targets), or leave it empty to use the dataset's "
+                               f"control/ folder")
+
+
 def _per_family(kind: str) -> str:
     """One help line per registered family (``ModelFamily.file_help``): the help is written once, in the family."""
     from ..engine.families import families
@@ -133,6 +166,24 @@ class LowVRAMCacheTextEmbeds(io.Node):
                 io.Custom("LOWVRAM_DATASET_OPTIONS", "options", optional=True,
                           tooltip="From Dataset Options: loss masks and a validation split. Unconnected: none."),
             ])
+
+    @classmethod
+    def validate_inputs(cls, dataset_path=None, control_folder=None, default_caption=None):
+        """Checked when the graph is queued, before any node runs (so before a 20-60 GB checkpoint loads): the dataset
+        folder exists and its images have captions, and each control folder exists. The editor marks the node with
+        the message. A value that comes from a link is not known yet (None) and is checked when the node runs. The
+        family is not known here either: a folder of clips (video families) is left to the run's own scan."""
+        if dataset_path is None:
+            return True
+        try:
+            folder = resolve_dataset_path(dataset_path) if str(dataset_path).strip() else None
+            problem = _dataset_problem(folder, default_caption)
+            if problem:
+                return problem
+            _check_control_folders(control_folder)
+        except DatasetError as exc:
+            return str(exc)
+        return True
 
     @classmethod
     def fingerprint_inputs(cls, dataset_path="", **_):

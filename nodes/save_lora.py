@@ -77,7 +77,9 @@ class LowVRAMSaveLoRA(io.Node):
                 io.Custom("LOWVRAM_LORA", "lora", tooltip="The trained LoRA from Train LoRA."),
                 io.String("filename_prefix", default="loras/flux_lora",
                           tooltip="Path inside the output folder; a counter is added, existing files are never "
-                                  "replaced. Copy the file to models/loras to use it."),
+                                  "replaced. Under loras/ (the default), ComfyUI's LoRA loaders list the file as it "
+                                  "is (ComfyUI adds output/loras to their folders); elsewhere, copy it to "
+                                  "models/loras. To try it without saving, use Train LoRA's lora_model output."),
                 io.Combo("format", ["comfyui", "diffusers"], default="comfyui",
                          tooltip="comfyui: one LoRA per projection under 'transformer.' names with an explicit "
                                  "alpha tensor (scale 1); ComfyUI maps every key into its fused layers, and "
@@ -89,7 +91,7 @@ class LowVRAMSaveLoRA(io.Node):
             ])
 
     @classmethod
-    def validate_inputs(cls, filename_prefix=None, **_):
+    def validate_inputs(cls, filename_prefix=None):
         """ComfyUI calls this when the prompt is queued (the headless runner too), before any
         node runs: a bad prefix is reported before hours of training, not after."""
         if isinstance(filename_prefix, str):

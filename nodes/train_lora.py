@@ -32,6 +32,12 @@ class LowVRAMTrainLoRA(io.Node):
                 io.Output("IMAGE", "loss_curve", "The loss curve as an image."),
                 io.Output("IMAGE", "samples", "The last sample grid (prompts x checkpoints); a blank image when "
                                               "sampling is off."),
+                # After the older outputs: UI-format workflows link outputs by position.
+                io.Output("LORA_MODEL", "lora_model",
+                          "The LoRA in ComfyUI's own form, for its Load LoRA Model node (LoraModelLoader): apply it "
+                          "to a MODEL from ComfyUI's loaders and sample in this graph. The same tensors Save LoRA "
+                          "writes (bf16), so it samples as the saved file does through LoraLoaderModelOnly."),
+                io.Output("LOSS_MAP", "loss_map", "The loss per step, for ComfyUI's Plot Loss Graph node."),
             ],
             inputs=[
                 io.Custom("LOWVRAM_MODEL", "model", tooltip="The base model from Load Quantized Slab."),
@@ -127,7 +133,15 @@ class LowVRAMTrainLoRA(io.Node):
         _add_sample_clips(lora, ui)
         if lora.snapshots:  # LoRA Adapter's snapshot_every: the loadable files kept, listed under the node
             ui["snapshots"] = list(lora.snapshots)
-        return io.NodeOutput(lora, image, _samples_output(lora), ui=ui)
+        return io.NodeOutput(lora, image, _samples_output(lora), _comfy_lora(lora),
+                             {"loss": [float(x) for x in lora.loss_history]}, ui=ui)
+
+
+def _comfy_lora(lora) -> dict:
+    """LORA_MODEL: ComfyUI's LoRA key form of this family (empty when training stopped before its first step)."""
+    from ..engine.lora_io.files import lora_tensors
+
+    return lora_tensors(lora) if lora.state_dict else {}
 
 
 def _partner_help() -> str:

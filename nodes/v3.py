@@ -76,6 +76,12 @@ def to_comfy_node(node: type[Node], io) -> type:
         if overrides(node, hook):
             def call(cls, __hook=hook, **kwargs):
                 return call_with_accepted(getattr(node.PREPARE_CLASS_CLONE(cls.hidden), __hook), kwargs)
+            # ComfyUI reads the hook's argspec: with **kwargs it skips its own type and range checks of every
+            # input and files a failed check once per input (17 copies of one message on Cache Text Embeds).
+            # The node's own parameters, shown as the wrapper's, keep both as ComfyUI means them.
+            own = inspect.signature(getattr(node, hook))
+            call.__signature__ = own.replace(parameters=[
+                inspect.Parameter("cls", inspect.Parameter.POSITIONAL_OR_KEYWORD), *own.parameters.values()])
             body[hook] = classmethod(call)
     return type(node.__name__, (io.ComfyNode,), body)
 

@@ -57,6 +57,14 @@ def tiny_cache(tiny_pipeline, tmp_path_factory):
     )
 
 
+def _one_captioned_image(folder):
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (64, 64), (200, 40, 40)).save(folder / "a.png")
+    (folder / "a.txt").write_text("a red square")
+
+
 @pytest.fixture
 def models_with_empty_files(tmp_path):
     """Combos list what is on disk: make the files every family's shipped templates name exist."""
@@ -80,6 +88,9 @@ def models_with_empty_files(tmp_path):
             if choice.startswith("diffusers/"):
                 (models / choice).mkdir(parents=True, exist_ok=True)
                 (models / choice / "model_index.json").write_text("{}")
+            for cache in [t.cache] + [c.get("cache", {}) for c in t.chains]:
+                if cache.get("dataset_path"):  # Cache Text Embeds checks its dataset when the graph is queued
+                    _one_captioned_image(tmp_path / "input" / cache["dataset_path"])
     configure_standalone_dirs(str(models), str(tmp_path / "out"))
     return models
 

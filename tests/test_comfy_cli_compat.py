@@ -165,8 +165,8 @@ def test_one_node_exactly_as_comfyui_sends_it(info):
     assert train["input"]["hidden"] == {"unique_id": ["UNIQUE_ID"]}
     assert train["input_order"]["hidden"] == ["unique_id"]
     assert train["input_order"]["required"][:4] == ["model", "dataset", "offload", "steps"]
-    assert train["output"] == ["LOWVRAM_LORA", "IMAGE", "IMAGE"]
-    assert train["output_name"] == ["lora", "loss_curve", "samples"]
+    assert train["output"] == ["LOWVRAM_LORA", "IMAGE", "IMAGE", "LORA_MODEL", "LOSS_MAP"]
+    assert train["output_name"] == ["lora", "loss_curve", "samples", "lora_model", "loss_map"]
 
 
 def test_node_info_uses_the_loader_module_name_or_the_class_attribute():

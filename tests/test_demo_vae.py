@@ -16,14 +16,17 @@ def test_trained_demo_vae_reconstructs_shapes_and_keeps_flux_latent_scale(tmp_pa
     pipeline = build_tiny_flux1_pipeline(tmp_path / "pipe")
     random_vae = AutoencoderKL.from_pretrained(pipeline / "vae", use_safetensors=True)
     before = reconstruction_error(random_vae)
-    train_demo_vae(pipeline, steps=400, log=None)
+    # Trained until its error is below 0.27 (at most the demo's 1200 steps), not for a fixed number of steps: where
+    # a fixed count ends depends on the machine's float kernels (400 steps: 0.236-0.291 here, 0.333 elsewhere).
+    train_demo_vae(pipeline, steps=1200, log=None, target=0.27)
     vae = AutoencoderKL.from_pretrained(pipeline / "vae", use_safetensors=True)  # what was saved, reloaded
     after = reconstruction_error(vae)
     record = json.loads((pipeline / "vae" / MARKER).read_text())
     assert abs(record["mae_after"] - after) < 1e-4
-    # Measured (400 steps): random ~0.55, trained ~0.2 (1200 steps, as the demo: ~0.09); pixels in [-1, 1].
+    # Measured: random ~0.55; the target is reached in ~400-500 steps (the demo's 1200 steps: ~0.09); pixels in
+    # [-1, 1]. A VAE that does not learn runs all 1200 steps and fails here.
     assert before > 0.4, before
-    assert after < 0.3 and after < before / 2, (before, after)
+    assert after < 0.27 and after < before / 2, (before, after)
     # Latents after the VAE's own (Flux) shift and scale stay near N(0, 1): what flow matching's noise assumes.
     import random
 

@@ -189,3 +189,18 @@ def test_save_bad_suffix_and_load_errors(trained, tmp_path):
     save_file({"foo.weight": torch.zeros(2)}, str(tmp_path / "notlora.safetensors"))
     with pytest.raises(LoraFormatError, match="no LoRA keys"):
         load_lora(tmp_path / "notlora.safetensors")
+
+
+def test_train_lora_gives_comfyui_the_saved_files_tensors(trained, tmp_path):
+    """Train LoRA's lora_model output (LORA_MODEL, for ComfyUI's Load LoRA Model) holds exactly what Save LoRA's
+    default file holds, key for key, dtype and bits, so sampling with it equals sampling with the file through
+    LoraLoaderModelOnly."""
+    from safetensors.torch import load_file
+
+    from lowvram_lora.nodes.train_lora import _comfy_lora
+
+    saved = load_file(str(save_lora(trained, tmp_path / "x.safetensors")))  # Save LoRA's defaults: comfyui, bf16
+    given = _comfy_lora(trained)
+    assert sorted(given) == sorted(saved)
+    for k, v in saved.items():
+        assert given[k].dtype == v.dtype and torch.equal(given[k], v), k

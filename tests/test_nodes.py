@@ -34,8 +34,8 @@ def test_node_class_follows_comfyui_conventions(node_id):
         assert len(entry) == 2 and entry[1].get("tooltip"), f"{node_id}.{name} needs a tooltip"
         t = entry[0]
         assert t in ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO") or t.startswith("LOWVRAM_")
-    for t in cls.RETURN_TYPES:
-        assert t.startswith("LOWVRAM_") or t == "IMAGE"
+    for t in cls.RETURN_TYPES:  # ours, or ComfyUI's own types its nodes take (Load LoRA Model, Plot Loss Graph)
+        assert t.startswith("LOWVRAM_") or t in ("IMAGE", "LORA_MODEL", "LOSS_MAP")
     assert len(getattr(cls, "RETURN_NAMES", cls.RETURN_TYPES)) == len(cls.RETURN_TYPES)
     if cls.RETURN_TYPES:
         assert len(cls.OUTPUT_TOOLTIPS) == len(cls.RETURN_TYPES)

@@ -9,6 +9,7 @@ from lowvram_lora.engine.errors import ConfigError
 from lowvram_lora.engine.families import get_family
 from lowvram_lora.engine.models import load_transformer
 from lowvram_lora.engine.sampling import SamplingConfig, sample_latents
+from lowvram_lora.engine.sampling.grid import title_height
 from lowvram_lora.engine.testing import make_tiny_dataset
 from lowvram_lora.engine.train import train_lora
 
@@ -69,7 +70,9 @@ def test_sampling_during_training(tiny_pipeline, prompt_cache, tmp_path):
     result = train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), prompt_cache, LoraSettings(rank=4, alpha=4),
                         TrainConfig(steps=10, learning_rate=5e-3, seed=0), cb, sampling=cfg, sample_dir=tmp_path)
     assert [g[0] for g in grids] == [0, 5, 10]
-    assert grids[-1][1] == (3 * 256, 18 + 2 * 256)  # checkpoints x prompts
+    # checkpoints x prompts, under a title row as tall as the labels' font (a 36th of the grid's width) + 8
+    top = title_height(3 * 256)
+    assert top == 3 * 256 // 36 + 8 and grids[-1][1] == (3 * 256, top + 2 * 256)
     assert [p.rsplit("/", 1)[1] for p in result.sample_grids] == [
         "samples_step0000000.png", "samples_step0000005.png", "samples_step0000010.png"]
     assert 0 < cb.last.sample_seconds < result.sample_seconds  # the last checkpoint samples after its step
@@ -77,9 +80,10 @@ def test_sampling_during_training(tiny_pipeline, prompt_cache, tmp_path):
     from PIL import Image
 
     last = Image.open(result.sample_grids[-1]).convert("RGB")
-    first_col = last.crop((0, 18, 256, 18 + 256))
-    again = Image.open(result.sample_grids[0]).convert("RGB").crop((0, 18, 256, 18 + 256))
-    trained_col = last.crop((512, 18, 768, 18 + 256))
+    image = 256 - top - 2  # above the prompt band, as tall as the title row: it grows with the grid's width
+    first_col = last.crop((0, top, 256, top + image))
+    again = Image.open(result.sample_grids[0]).convert("RGB").crop((0, title_height(256), 256, title_height(256) + image))
+    trained_col = last.crop((512, top, 768, top + image))
     assert list(first_col.getdata()) == list(again.getdata())
     diff = sum(abs(a - b) for pa, pb in zip(first_col.getdata(), trained_col.getdata()) for a, b in zip(pa, pb))
     assert diff > 0
@@ -149,3 +153,50 @@ def test_the_grid_labels_each_row_with_its_prompt():
     draw = ImageDraw.Draw(grid)
     cut = _fit_text(draw, prompts[1], cell - 8)
     assert cut.endswith("...") and draw.textlength(cut) <= cell - 8
+
+
+def test_a_100_kb_prompt_is_labelled_in_a_moment():
+    """Label fitting is linear in the prompt's length (issue 43: it re-measured the whole string once per character
+    dropped, so a 5,000-character prompt took 54 s a label and a 100 KB one stalled training): a 100 KB prompt with
+    newlines is cut to the same one-line label as its first words, well within a second."""
+    import time
+
+    from PIL import Image, ImageDraw
+
+    from lowvram_lora.engine.sampling import _fit_text
+
+    draw = ImageDraw.Draw(Image.new("RGB", (8, 8)))
+    head = "ohwx, a red circle on a white background,\nsharp edges, "
+    prompt = head + "soft light, " * (100_000 // 12)
+    start = time.perf_counter()
+    cut = _fit_text(draw, prompt, 248)
+    seconds = time.perf_counter() - start
+    assert seconds < 0.5, seconds
+    assert cut.endswith("...") and "\n" not in cut and draw.textlength(cut) <= 248
+    assert " ".join(prompt.split()).startswith(cut[:-3])
+    # the longest prefix that fits: one more character would not
+    flat = " ".join(prompt.split())
+    assert draw.textlength(flat[:len(cut) - 3 + 1] + "...") > 248
+
+
+def test_a_wide_grid_draws_its_labels_large_enough_to_read_in_the_node():
+    """The editor shows the grid scaled to the node's width (~380 px): a 4-column grid of 256 px cells carries its
+    labels in a font of a 36th of its width (28 px: ~10 px on screen), on a band that tall; the labels fit."""
+    from PIL import Image, ImageDraw
+
+    from lowvram_lora.engine.sampling.grid import GRID_WIDTH_PER_FONT_PX, _label_font, grid_image
+
+    cell, cols = 256, 4
+    white = Image.new("RGB", (cell, cell), (255, 255, 255))
+    grid = grid_image([(f"step {i}", [white]) for i in range(cols)], ["ohwx, a red circle on a white background"],
+                      cell=cell)
+    font, size = _label_font(cell * cols)
+    assert size == cell * cols // GRID_WIDTH_PER_FONT_PX == 28
+    header = size + 8
+    assert grid.size == (cols * cell, header + cell)
+    band = grid.crop((0, header + cell - size - 8, cell, header + cell))
+    text_rows = [y for y in range(band.height) if any(min(band.getpixel((x, y))) > 150 for x in range(cell))]
+    assert len(text_rows) >= 0.5 * size  # letters about as tall as the font, not 11 px ones
+    above = grid.crop((0, header, cell, header + cell - size - 8))
+    assert set(above.getdata()) == {(255, 255, 255)}
+    assert ImageDraw.Draw(grid).textlength("step 0", font=font) > 60

@@ -167,6 +167,9 @@ res = asyncio.run(run(off, {"mode": "resident", "compile": "off"}, off.FUNCTION,
 out["offload"] = repr(res[0].result[0])
 save = by_id["LowVRAMSaveLoRA"]
 out["validate"] = asyncio.run(run(save, {"filename_prefix": "../../escape"}, "validate_inputs", "5"))
+import inspect
+out["argspec"] = {k: [inspect.getfullargspec(c.validate_inputs).args, inspect.getfullargspec(c.validate_inputs).varkw]
+                  for k, c in by_id.items() if "validate_inputs" in vars(c)}
 print("JSON" + json.dumps(out, default=str))
 '''
 
@@ -194,6 +197,11 @@ def test_adapter_in_real_comfyui_matches_our_schema_and_executor(tmp_path):
     assert out["offload"] == repr(cfg)
     message = out["validate"][0]
     assert isinstance(message, str) and "must stay inside the output folder" in message
+    # ComfyUI's argspec of each hook: the node's own inputs, no **kwargs (which would switch off ComfyUI's range
+    # checks of every input and file a failed check once per input).
+    assert out["argspec"]["LowVRAMCacheTextEmbeds"] == [["cls", "dataset_path", "control_folder", "default_caption"],
+                                                        None]
+    assert out["argspec"]["LowVRAMSaveLoRA"][1] is None
     with pytest.raises(WorkflowError, match="must stay inside the output folder"):
         from lowvram_lora.host.workflow import _call_validate_inputs, _where
 

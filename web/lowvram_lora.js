@@ -159,7 +159,73 @@ function markStopped(how) {
   }
 }
 api.addEventListener("execution_interrupted", () => markStopped("cancelled"));
-api.addEventListener("execution_error", () => markStopped("failed"));
+api.addEventListener("execution_error", ({ detail }) => {
+  markStopped("failed");
+  showError(detail);
+});
+
+// A node of ours that failed says why on itself, whole: the toast names only the node, and the message sat
+// below the fold of the error log. Cleared when the next run starts.
+const PACK_PREFIX = "LowVRAM";
+function showError(detail) {
+  const node = detail ? findNode(detail.node_id) : null;
+  if (!node || !String(node.comfyClass ?? node.type ?? "").startsWith(PACK_PREFIX)) return;
+  const message = String(detail.exception_message ?? "").trim();
+  if (!message) return;
+  showText(node, "error", message.split("\n").filter((l) => l.trim()));
+  const el = textWidget(node, "error").lowvramEl;
+  el.style.color = "#ffb4a0";
+  el.title = detail.exception_type ?? "";
+}
+function clearErrors() {
+  for (const node of app.graph?._nodes ?? []) {
+    node.__lowvramInputErrors = "";
+    clearError(node);
+  }
+}
+api.addEventListener("execution_start", clearErrors);
+
+// An input our node refused when the graph was queued (validate_inputs): the editor outlines the node and its toast
+// says only "Invalid input"; ComfyUI files the message once per input the check read ("dataset_path - ...",
+// "control_folder - ..."). The node shows it once, whole, until the errors change.
+function syncInputErrors(node) {
+  const errors = app.lastNodeErrors?.[node.id]?.errors ?? [];
+  const lines = [...new Set(errors.map((e) => String(e.details || e.message || "").replace(/^[\w.]+ - /, "")))];
+  const key = lines.join("\n");
+  if (key === (node.__lowvramInputErrors ?? "")) return;
+  node.__lowvramInputErrors = key;
+  if (lines.length) showError({ node_id: node.id, exception_message: key, exception_type: "invalid input" });
+  else clearError(node);
+}
+function clearError(node) {
+  const i = node.widgets?.findIndex((w) => w.name === "error") ?? -1;
+  if (i < 0) return;
+  const [widget] = node.widgets.splice(i, 1);
+  widget.onRemove?.();
+  widget.lowvramEl?.remove?.();
+  node.setSize([node.size[0], node.computeSize()[1]]);
+  node.setDirtyCanvas(true, true);
+}
+
+// The frontend's own progress-text box ($$node-text-preview) is two lines high with a scroll bar, so our status
+// lines were cut; on our nodes it grows to its text.
+const PROGRESS_TEXT = "$$node-text-preview";
+api.addEventListener("progress_text", ({ detail }) => {
+  const node = detail ? findNode(detail.nodeId) : null;
+  if (!node || !String(node.comfyClass ?? node.type ?? "").startsWith(PACK_PREFIX)) return;
+  requestAnimationFrame(() => {
+    const widget = node.widgets?.find((w) => w.name === PROGRESS_TEXT);
+    if (!widget?.options) return;
+    const perLine = Math.max(20, Math.floor((node.size[0] - 40) / 7.2));
+    const lines = String(detail.text ?? "").split("\n")
+      .reduce((n, l) => n + Math.max(1, Math.ceil(l.length / perLine)), 0);
+    const height = Math.max(58, lines * LINE_H + 12);
+    widget.options.getMinHeight = () => height;
+    widget.options.getMaxHeight = () => height;
+    node.setSize([node.size[0], Math.max(node.size[1], node.computeSize()[1])]);
+    node.setDirtyCanvas(true, true);
+  });
+});
 
 function drawChart(canvas, entry) {
   const scale = window.devicePixelRatio || 1;
@@ -168,8 +234,10 @@ function drawChart(canvas, entry) {
   canvas.height = ch * scale;
   const ctx = canvas.getContext("2d");
   ctx.setTransform(scale, 0, 0, scale, 0, 0);
-  const pad = 2, w = cw - 2 * pad, h = ch - (entry.resumedFrom != null ? 44 : 30);
-  const x0 = pad, y0 = 0;
+  // Layout, top to bottom: the numbers line, the plot (loss values on a y axis at its left), the status line(s).
+  // Nothing is drawn over the curve.
+  const pad = 2, w = cw - 2 * pad;
+  const x0 = pad, y0 = 0, top = y0 + 22, bottom = ch - (entry.resumedFrom != null ? 40 : 24);
   ctx.fillStyle = "rgba(0,0,0,0.35)";
   ctx.fillRect(x0, y0, w, ch - 2);
   const pts = entry.points, last = entry.last;
@@ -178,8 +246,23 @@ function drawChart(canvas, entry) {
   const lo = Math.min(...losses), hi = Math.max(...losses);
   const lrMax = Math.max(...pts.map((p) => p.lr), 1e-12);
   const total = Math.max(last.total, 1);
-  const X = (step) => x0 + 4 + (w - 8) * (step / total);
-  const Y = (v) => y0 + 18 + (h - 4) * (1 - (v - lo) / Math.max(hi - lo, 1e-12));
+  const axis = (v) => (Math.abs(v) >= 1e-3 && Math.abs(v) < 1e4 ? v.toPrecision(3) : v.toExponential(1));
+  ctx.font = "10px sans-serif";
+  const left = x0 + 6 + Math.max(...[hi, lo].map((v) => ctx.measureText(axis(v)).width)) + 4;
+  const X = (step) => left + 2 + (x0 + w - 6 - left) * (step / total);
+  const span = (f) => top + (bottom - top) * (1 - f);
+  const Y = (v) => span((v - lo) / Math.max(hi - lo, 1e-12));
+  ctx.fillStyle = "#aaa";
+  ctx.textBaseline = "middle";
+  for (const v of hi > lo ? [hi, (hi + lo) / 2, lo] : [lo]) ctx.fillText(axis(v), x0 + 4, Y(v));
+  ctx.textBaseline = "alphabetic";
+  ctx.strokeStyle = "rgba(255,255,255,0.25)";
+  ctx.lineWidth = 1;
+  ctx.beginPath();
+  ctx.moveTo(left, top - 2);
+  ctx.lineTo(left, bottom + 2);
+  ctx.lineTo(x0 + w - 4, bottom + 2);
+  ctx.stroke();
   const line = (color, value, width) => {
     ctx.strokeStyle = color;
     ctx.lineWidth = width;
@@ -191,14 +274,14 @@ function drawChart(canvas, entry) {
     ctx.strokeStyle = "rgba(255,255,255,0.45)";
     ctx.setLineDash([3, 3]);
     ctx.beginPath();
-    ctx.moveTo(X(entry.resumedFrom), y0 + 16);
-    ctx.lineTo(X(entry.resumedFrom), y0 + h + 14);
+    ctx.moveTo(X(entry.resumedFrom), top);
+    ctx.lineTo(X(entry.resumedFrom), bottom);
     ctx.stroke();
     ctx.setLineDash([]);
   }
   line("rgba(120,170,255,0.6)", (p) => Y(p.loss), 1);
   line("#ffb040", (p) => Y(p.avg), 2);
-  line("#60d080", (p) => y0 + 18 + (h - 4) * (1 - p.lr / lrMax), 1);
+  line("#60d080", (p) => span(p.lr / lrMax), 1);
   if (vals.length) { // the validation loss: a magenta line through its measured steps, a dot at each
     ctx.strokeStyle = ctx.fillStyle = "#ff60d0";
     ctx.lineWidth = 2;
@@ -228,11 +311,11 @@ function drawChart(canvas, entry) {
   }
   if (entry.resumedFrom != null) {
     ctx.fillStyle = "#bbb";
-    ctx.fillText(`resumed from step ${entry.resumedFrom} (saved state)`, x0 + 6, y0 + ch - 24);
+    ctx.fillText(`resumed from step ${entry.resumedFrom} (saved state)`, x0 + 6, y0 + ch - 22);
     ctx.fillStyle = "#ddd";
   }
   ctx.fillStyle = entry.stopped != null ? "#ffb040" : "#ddd";
-  ctx.fillText(status, x0 + 6, y0 + ch - 10);
+  ctx.fillText(status, x0 + 6, y0 + ch - 8);
   ctx.fillStyle = "#ffb040";
   ctx.fillText("avg", x0 + w - 52, y0 + 13);
   ctx.fillStyle = "#60d080";
@@ -277,6 +360,13 @@ function showClips(node, message) {
 app.registerExtension({
   name: "lowvram_lora.results",
   async beforeRegisterNodeDef(nodeType, nodeData) {
+    if (String(nodeData.name).startsWith(PACK_PREFIX)) {
+      const onDrawForeground = nodeType.prototype.onDrawForeground;
+      nodeType.prototype.onDrawForeground = function () {
+        onDrawForeground?.apply(this, arguments);
+        syncInputErrors(this);
+      };
+    }
     if (!OUR_NODES.has(nodeData.name)) return;
     const onExecuted = nodeType.prototype.onExecuted;
     nodeType.prototype.onExecuted = function (message) {

@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 
 from ..callbacks import TrainingCallback
 from ..checkpoint import SafetensorsFile
+from ..checkpoint.files import UnreadableSafetensors
 from ..data import load_clip_tensor, load_image_tensor
 from ..fileio import atomic_write
 from .items import CachedItem
@@ -34,7 +35,8 @@ def usable(path: Path, cb: TrainingCallback) -> bool:
             return True
         problem = "no tensors"
     except Exception as exc:
-        problem = f"{type(exc).__name__}: {exc}"
+        # rebuilt here: no fix to name
+        problem = exc.problem if isinstance(exc, UnreadableSafetensors) else f"{type(exc).__name__}: {exc}"
     cb.log(f"dataset-cache entry '{path}' is unreadable ({problem}); rebuilding it")
     path.unlink(missing_ok=True)
     return False

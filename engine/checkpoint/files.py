@@ -50,33 +50,70 @@ class HeaderEntry:
     end: int
 
 
+#: What to do about a model file that is not a whole safetensors file: said once, at the end of every such error.
+REFETCH = ("re-download it (compare its size with the size on the download page), or pick the right file: "
+           "lowvram-lora reads .safetensors files only")
+
+
+class UnreadableSafetensors(ModelLoadError):
+    """A file that is not a whole safetensors file. ``problem`` says what is wrong with it; the message adds the fix
+    for a model file (``REFETCH``). Callers whose fix differs (a slab is rebuilt, a cache entry rebuilds itself) use
+    ``problem`` with their own."""
+
+    def __init__(self, problem: str):
+        self.problem = problem
+        super().__init__(f"{problem}; {REFETCH}")
+
+
+def what_it_is(head: bytes) -> str:
+    """A guess at what a file that is not safetensors holds, from its first bytes ('' when no guess fits): the
+    forms a wrong download or a renamed file usually has."""
+    if head.startswith(b"PK\x03\x04"):
+        return "a zip archive, the form torch.save writes (a .pt/.ckpt pickle renamed .safetensors?)"
+    if head.startswith(b"\x80") and len(head) > 1 and head[1] <= 5:
+        return "a Python pickle (a .ckpt/.bin renamed .safetensors?); pickles are never loaded, they can run code"
+    if head.lstrip().lower().startswith((b"<!doctype", b"<html", b"<?xml", b"{")):
+        return "a web page or a JSON reply, not model weights (a download link that answered with a page?)"
+    if head.startswith(b"version https://git-lfs"):
+        return "a Git LFS pointer, not the weights (cloned without git-lfs?)"
+    if head.startswith(b"GGUF"):
+        return "a GGUF file renamed .safetensors"
+    return ""
+
+
 class SafetensorsFile:
     """Header of one safetensors file plus row-range reads (seek + readinto).
 
-    Raises ModelLoadError for anything that is not a well-formed safetensors file
-    of the size its header promises (truncated, garbage, not safetensors).
+    Raises UnreadableSafetensors (a ModelLoadError) for anything that is not a well-formed safetensors file
+    of the size its header promises (truncated, garbage, not safetensors), naming the file, what it seems to
+    be and the fix.
     """
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.size = self.path.stat().st_size
         with open(self.path, "rb") as f:
-            head = f.read(8)
+            head = f.read(64)
+            f.seek(8)
             if len(head) < 8:
-                raise ModelLoadError(f"'{self.path}' is {self.size} bytes: too short to be a safetensors file")
-            (header_len,) = struct.unpack("<Q", head)
+                raise UnreadableSafetensors(
+                    f"'{self.path}' is {self.size} bytes: too short to be a safetensors file "
+                    f"(a download or copy that stopped at the start?)")
+            (header_len,) = struct.unpack("<Q", head[:8])
             if header_len > min(MAX_HEADER_BYTES, self.size - 8):
-                raise ModelLoadError(
+                seems = what_it_is(head)
+                raise UnreadableSafetensors(
+                    f"'{self.path}' is not a safetensors file: it is {seems}" if seems else
                     f"'{self.path}' is not a readable safetensors file (header length {header_len} "
-                    f"does not fit a {self.size}-byte file): truncated or not safetensors"
+                    f"does not fit a {self.size}-byte file): truncated, or not safetensors"
                 )
             self.header_bytes = f.read(header_len)
         try:
             header = json.loads(self.header_bytes)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ModelLoadError(f"'{self.path}' has a corrupted safetensors header ({exc})") from None
+            raise UnreadableSafetensors(f"'{self.path}' has a corrupted safetensors header ({exc})") from None
         if not isinstance(header, dict):
-            raise ModelLoadError(f"'{self.path}' has a corrupted safetensors header (not a JSON object)")
+            raise UnreadableSafetensors(f"'{self.path}' has a corrupted safetensors header (not a JSON object)")
         self.data_start = 8 + header_len
         self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
         self.entries: dict[str, HeaderEntry] = {}
@@ -87,14 +124,14 @@ class SafetensorsFile:
                 start, end = (int(x) for x in info["data_offsets"])
                 shape = tuple(int(s) for s in info["shape"])
             except (KeyError, TypeError, ValueError):
-                raise ModelLoadError(
+                raise UnreadableSafetensors(
                     f"'{self.path}': tensor '{key}' has an unreadable header entry {info!r} "
                     f"(dtype one of {', '.join(ST_DTYPES)} expected)"
                 ) from None
             if not 0 <= start <= end <= data_len:
-                raise ModelLoadError(
+                raise UnreadableSafetensors(
                     f"'{self.path}': tensor '{key}' lies at bytes {start}..{end} of the data section, "
-                    f"which has only {data_len} bytes: the file is truncated"
+                    f"which has only {data_len} bytes: the file is truncated (a download or copy that stopped early)"
                 )
             self.entries[key] = HeaderEntry(dtype, shape, start, end)
 

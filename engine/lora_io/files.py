@@ -60,21 +60,13 @@ def _metadata(lora: TrainedLora, fmt: str) -> dict[str, str]:
     }
 
 
-def save_lora(lora: TrainedLora, path: str | Path, fmt: str = "comfyui", dtype: str = "bf16",
-              overwrite: bool = False) -> Path:
-    """Write ``lora`` to ``path``. Written to a temporary name, then renamed, so an existing
-    file is never half-overwritten; an existing file is kept unless ``overwrite``."""
+def lora_tensors(lora: TrainedLora, fmt: str = "comfyui", dtype: str = "bf16") -> dict[str, torch.Tensor]:
+    """The tensors a LoRA file of ``fmt`` holds, scale folded in: what ``save_lora`` writes, and (``comfyui``) the
+    LORA_MODEL that ComfyUI's LoraModelLoader applies, the same dict its LoraLoader reads from the saved file."""
     if fmt not in FORMATS:
         raise LoraFormatError(f"format={fmt!r} is not one of {', '.join(FORMATS)}")
     if dtype not in _DTYPES:
         raise LoraFormatError(f"dtype={dtype!r} is not one of {', '.join(_DTYPES)}")
-    if not lora.state_dict:
-        raise LoraFormatError("this LoRA has no weights (training stopped before the first step)")
-    path = Path(path)
-    if path.suffix != ".safetensors":
-        raise LoraFormatError(f"'{path}' must end in .safetensors")
-    if path.exists() and not overwrite:
-        raise LoraFormatError(f"'{path}' already exists; choose another name or allow overwriting")
     adapter = get_adapter(lora.adapter)
     if fmt == "diffusers" and not adapter.diffusers_loads:
         raise LoraFormatError(f"diffusers has no loader for {adapter.name} adapters; save this one in the comfyui "
@@ -91,7 +83,25 @@ def save_lora(lora: TrainedLora, path: str | Path, fmt: str = "comfyui", dtype: 
             tensors = adapter_to_comfyui_form(folded, adapter, get_family(lora.family), lora.model_config)
         else:
             tensors = to_diffusers(folded, adapter)
-    tensors = {k: (v if k.endswith(".alpha") else v.to(_DTYPES[dtype])).contiguous() for k, v in tensors.items()}
+    return {k: (v if k.endswith(".alpha") else v.to(_DTYPES[dtype])).contiguous() for k, v in tensors.items()}
+
+
+def save_lora(lora: TrainedLora, path: str | Path, fmt: str = "comfyui", dtype: str = "bf16",
+              overwrite: bool = False) -> Path:
+    """Write ``lora`` to ``path``. Written to a temporary name, then renamed, so an existing
+    file is never half-overwritten; an existing file is kept unless ``overwrite``."""
+    if fmt not in FORMATS:
+        raise LoraFormatError(f"format={fmt!r} is not one of {', '.join(FORMATS)}")
+    if dtype not in _DTYPES:
+        raise LoraFormatError(f"dtype={dtype!r} is not one of {', '.join(_DTYPES)}")
+    if not lora.state_dict:
+        raise LoraFormatError("this LoRA has no weights (training stopped before the first step)")
+    path = Path(path)
+    if path.suffix != ".safetensors":
+        raise LoraFormatError(f"'{path}' must end in .safetensors")
+    if path.exists() and not overwrite:
+        raise LoraFormatError(f"'{path}' already exists; choose another name or allow overwriting")
+    tensors = lora_tensors(lora, fmt, dtype)
     try:
         with atomic_write(path, "the LoRA file", overwrite=overwrite) as tmp:
             save_file(tensors, str(tmp), metadata=_metadata(lora, fmt))

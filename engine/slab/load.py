@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ..checkpoint.files import UnreadableSafetensors
 from ..errors import ConfigError, ModelLoadError
 from ..families import ModelFamily, get_family
 from .format import (
@@ -153,8 +154,8 @@ def open_slab(slab_path: str | Path, verify: str = "changed") -> OpenSlab:
         )
     try:
         file = SafetensorsFile(slab)
-    except ModelLoadError as exc:
-        raise SlabError(f"slab '{slab}' is corrupted ({exc}). Rebuild it with: {again}") from None
+    except ModelLoadError as exc:  # a slab's fix is a rebuild, not a download
+        raise SlabError(f"slab '{slab}' is corrupted ({exc.problem if isinstance(exc, UnreadableSafetensors) else exc}). Rebuild it with: {again}") from None
     if file.header_sha256 != manifest["slab"]["header_sha256"]:
         raise SlabError(
             f"slab '{slab}': its header does not match the manifest (hash mismatch): the file is corrupted "
