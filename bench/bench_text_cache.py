@@ -112,6 +112,49 @@ def write_qwen25_encoder(root: Path, layers: int, device) -> Path:
     return root
 
 
+
+# Qwen3-VL-4B's language model (Krea 2's text encoder; the family's shipped config): 35 of 36 layers are read.
+def write_qwen3vl_encoder(root: Path, layers: int, device) -> Path:
+    """A Qwen3-VL-4B-shaped text encoder with random weights (``layers`` of them on disk, one shard each; the
+    config keeps all 36), transformers 5's ``Qwen3VLModel`` names, and a word-level tokenizer with Qwen's turn
+    tokens."""
+    from safetensors.torch import save_file
+
+    from lowvram_lora.engine.families import get_family, text_architecture_config
+    from lowvram_lora.engine.families.qwen_image.fixtures import tiny_qwen25_tokenizer
+
+    family = get_family("krea2")
+    enc = root / "text_encoder"
+    enc.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads(text_architecture_config(family, "qwen3-vl-4b").read_text())
+    (enc / "config.json").write_text(json.dumps(cfg))
+    tok, _ = tiny_qwen25_tokenizer()
+    tok.save_pretrained(root / "tokenizer")
+    t = cfg["text_config"]
+    d, f, heads, kv, hd = (t["hidden_size"], t["intermediate_size"], t["num_attention_heads"],
+                           t["num_key_value_heads"], t["head_dim"])
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rnd(*shape, std=0.02):
+        return (torch.randn(*shape, generator=gen, device=device, dtype=torch.bfloat16) * std).cpu()
+
+    def ones(n):
+        return torch.ones(n, dtype=torch.bfloat16)
+
+    p = "language_model."
+    save_file({f"{p}embed_tokens.weight": rnd(t["vocab_size"], d)}, str(enc / "embed.safetensors"))
+    for i in range(layers):
+        q = f"{p}layers.{i}."
+        save_file({
+            q + "self_attn.q_proj.weight": rnd(heads * hd, d), q + "self_attn.k_proj.weight": rnd(kv * hd, d),
+            q + "self_attn.v_proj.weight": rnd(kv * hd, d), q + "self_attn.o_proj.weight": rnd(d, heads * hd),
+            q + "self_attn.q_norm.weight": ones(hd), q + "self_attn.k_norm.weight": ones(hd),
+            q + "mlp.gate_proj.weight": rnd(f, d), q + "mlp.up_proj.weight": rnd(f, d),
+            q + "mlp.down_proj.weight": rnd(d, f),
+            q + "input_layernorm.weight": ones(d), q + "post_attention_layernorm.weight": ones(d),
+        }, str(enc / f"layer-{i:02d}.safetensors"))
+    return root
+
 def main(argv=None) -> int:
     from lowvram_lora.engine.caching.stacked_text import encode_stacked
     from lowvram_lora.engine.families import get_family
@@ -123,13 +166,17 @@ def main(argv=None) -> int:
     p.add_argument("--warm", action="store_true", help="read the files once before timing")
     p.add_argument("--out", default="bench/results.jsonl")
     p.add_argument("--note", default="")
-    p.add_argument("--family", default="flux2", choices=["flux2", "qwen_image"],
+    p.add_argument("--family", default="flux2", choices=["flux2", "qwen_image", "krea2"],
                    help="flux2: Flux.2-dev's Mistral-24B (30 layers); qwen_image: Qwen-Image's Qwen2.5-VL-7B (all 28 "
-                        "layers + the final norm, variable length)")
+                        "layers + the final norm, variable length); krea2: Krea 2's Qwen3-VL-4B (35 layers, twelve "
+                        "taps stacked, variable length)")
     args = p.parse_args(argv)
     device = torch.device("cuda")
     root = Path(args.workdir)
-    if args.family == "qwen_image":
+    if args.family == "krea2":
+        spec = get_family("krea2").text_encoder_specs("krea2-raw")[0]
+        writer, model_name = write_qwen3vl_encoder, "qwen3-vl-4b (35 of 36 layers, 12 taps)"
+    elif args.family == "qwen_image":
         spec = get_family("qwen_image").text_encoder_specs("qwen-image")[0]
         writer, model_name = write_qwen25_encoder, "qwen2.5-vl-7b (28 layers)"
     else:
@@ -147,7 +194,7 @@ def main(argv=None) -> int:
                     pass
     words = ["a", "photo", "of", "ohwx", "red", "dog", "on", "the", "left", "with", "big", "bright", "background"]
     # Flux.2: padded to 512 either way; Qwen-Image: each caption at its own length, 40-199 words (long captions).
-    span = (8, 20) if args.family == "flux2" else (40, 160)
+    span = (8, 20) if args.family == "flux2" else (40, 160)  # Krea 2: variable length too
     captions = [" ".join(words[(i + j) % len(words)] for j in range(span[0] + (i * 37) % span[1]))
                 for i in range(args.captions)]
     torch.cuda.reset_peak_memory_stats(device)

@@ -38,8 +38,9 @@ from .layer_major import layer_major
 
 #: Where a decoder's layers live in the checkpoints we accept, tried in order: transformers 5
 #: ``Mistral3ForConditionalGeneration`` (``model.language_model.``), its 4.x layout
-#: (``language_model.model.``), ``Qwen3ForCausalLM`` and ComfyUI's text-encoder files (``model.``).
-_PREFIXES = ("model.language_model.", "language_model.model.", "model.", "")
+#: (``language_model.model.``), ``Qwen3VLModel`` as transformers 5 saves it (``language_model.``: Krea2Pipeline's
+#: text encoder), ``Qwen3ForCausalLM`` and ComfyUI's text-encoder files (``model.``).
+_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.", "")
 #: Host memory for one group's activations (captions x tokens x width x 2 bytes, a few copies).
 _GROUP_BYTES = 4e9
 #: Hidden states of a whole group kept on the GPU between layers when at most this big (the layer

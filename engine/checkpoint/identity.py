@@ -67,6 +67,7 @@ class SourceTensor:
     dtype: torch.dtype  # as stored in the checkpoint
     scaled: bool = False  # a scale is multiplied in: reads come back as fp32
     swap_halves: bool = False  # BFL final modulation: (shift, scale) -> (scale, shift)
+    flat: bool = False  # stored flattened to one axis (NativeParam.flat): Krea 2's block modulation
 
     @property
     def stored_float(self) -> torch.dtype:
@@ -116,6 +117,8 @@ class Checkpoint:
         if t.swap_halves:  # small (2 x hidden rows): read whole, swap, slice
             a, b = self.store.read(t.source, t.row_offset, rows).chunk(2, dim=0)
             return torch.cat([b, a], dim=0)[row_start: row_start + row_count]
+        if t.flat:  # small (a modulation table): read whole, reshape, slice
+            return self.store.read(t.source).reshape(t.shape)[row_start: row_start + row_count]
         x = self.store.read(t.source, t.row_offset + row_start, row_count, out=out)
         return x.reshape(()) if not t.shape else x
 

@@ -4,7 +4,8 @@ A family's original checkpoints (BFL's Flux, ComfyUI's NextDiT for Z-Image and L
 and fuse tensors differently from diffusers. A family describes its files as a table at parameter
 level: each native parameter is the row-wise concatenation of one or more diffusers parameters
 (``parts``); ``swap_halves`` marks a tensor whose two halves diffusers stores the other way round
-(Flux's final modulation: (shift, scale) vs (scale, shift)). The checkpoint reader resolves each
+(Flux's final modulation: (shift, scale) vs (scale, shift)); ``flat`` marks a native tensor that is one diffusers
+tensor flattened to one axis (Krea 2's block modulation: (6 * D,) natively, (6, D) in diffusers). The checkpoint reader resolves each
 diffusers tensor to a row range of a native one, and LoRA export maps the other way.
 
 Why our own table: diffusers' single-file converters assume the real widths and cannot load the tiny
@@ -31,6 +32,8 @@ class NativeParam:
     name: str
     parts: tuple[Part, ...]
     swap_halves: bool = False
+    #: The native tensor is its one part flattened to one axis; the part's ``rows`` are the diffusers tensor's rows.
+    flat: bool = False
 
     @property
     def rows(self) -> int:
@@ -59,6 +62,11 @@ def renamed(native: str, diffusers: str, rows: int) -> NativeParam:
     return NativeParam(native, (Part(diffusers, 0, rows),))
 
 
+def flattened(native: str, diffusers: str, rows: int) -> NativeParam:
+    """One tensor stored flattened natively, ``rows`` x (size / rows) in diffusers."""
+    return NativeParam(native, (Part(diffusers, 0, rows),), flat=True)
+
+
 def swap_halves(t: torch.Tensor) -> torch.Tensor:
     """(shift, scale) <-> (scale, shift) along dim 0; its own inverse."""
     a, b = t.chunk(2, dim=0)
@@ -67,6 +75,8 @@ def swap_halves(t: torch.Tensor) -> torch.Tensor:
 
 def split_native_tensor(param: NativeParam, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
     """One native tensor -> its diffusers tensors (views where possible)."""
+    if param.flat:
+        return {param.parts[0].name: tensor.reshape(param.parts[0].rows, -1)}
     if param.swap_halves:
         tensor = swap_halves(tensor)
     if len(param.parts) == 1:
@@ -76,5 +86,7 @@ def split_native_tensor(param: NativeParam, tensor: torch.Tensor) -> dict[str, t
 
 def join_diffusers_tensors(param: NativeParam, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     """The inverse of ``split_native_tensor``: diffusers tensors -> one native tensor."""
+    if param.flat:
+        return tensors[param.parts[0].name].reshape(-1)
     joined = torch.cat([tensors[p.name] for p in param.parts], dim=0)
     return swap_halves(joined) if param.swap_halves else joined

@@ -14,7 +14,7 @@ import torch
 
 from ..attention import forward_attention
 from ..errors import ConfigError
-from ..families import Guidance, predict_velocity
+from ..families import Guidance, predict_velocity, sigma_schedule
 from .partner import PartnerExpert
 from .rows import batch_rows
 
@@ -76,7 +76,8 @@ def sample_prompts(model, family, embeds: list[dict[str, torch.Tensor]], width: 
     forwards = {False: batched(list(embeds)),
                 True: batched(list(embeds) + negatives) if cfg and (guidance or (partner and partner.guidance))
                 else None}
-    sigmas = family.schedule.sample_sigmas(x, steps)
+    # A variant distilled for one shift samples under it (Guidance.sample_mu); otherwise the family's schedule.
+    sigmas = family.schedule.sample_sigmas(x, steps) if rule.sample_mu is None else sigma_schedule(steps, rule.sample_mu)
     for i in range(steps):
         if poll is not None:
             poll()

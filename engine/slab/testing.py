@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,8 @@ def write_random_checkpoint(
         entries = []
         for param in table:
             parts = [shapes[p.name] for p in param.parts]
-            entries.append((prefix + param.name, dtype, (sum(s[0] for s in parts),) + parts[0][1:]))
+            shape = (math.prod(parts[0]),) if param.flat else (sum(s[0] for s in parts),) + parts[0][1:]
+            entries.append((prefix + param.name, dtype, shape))
         out.parent.mkdir(parents=True, exist_ok=True)
         _write(out, entries, seed, {"format": "pt"})
         return out

@@ -4,6 +4,7 @@
 resolve to row ranges, so each diffusers tensor is read on its own."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,11 @@ class SingleFile(CheckpointKind):
         tensors: dict[str, SourceTensor] = {}
         for param in ident.family.param_table(ident.config):
             e = store.entries[param.name]
+            if param.flat:  # one diffusers tensor flattened natively
+                part = param.parts[0]
+                tensors[part.name] = SourceTensor(part.name, param.name, 0, (part.rows, e.shape[0] // part.rows),
+                                                  e.dtype, e.scale_key is not None, flat=True)
+                continue
             for part in param.parts:
                 fused = len(param.parts) > 1
                 rows = part.rows if fused else e.shape[0]
@@ -85,7 +91,7 @@ def expected_single_file_shapes(family: ModelFamily, config: dict[str, Any]) -> 
     shapes = {}
     for param in family.param_table(config):
         parts = [diffusers_shapes[p.name] for p in param.parts]
-        shapes[param.name] = (sum(s[0] for s in parts),) + parts[0][1:]
+        shapes[param.name] = (math.prod(parts[0]),) if param.flat else (sum(s[0] for s in parts),) + parts[0][1:]
     return shapes
 
 

@@ -15,13 +15,16 @@ class Guidance:
     ``formula`` for cfg: ``standard`` = neg + g (pos - neg); ``z_image`` = pos + g (pos - neg) (its
     pipeline's form: g = 0 is no guidance). ``renormalize``: rescale the guided prediction to the
     conditional one's norm, over ``last_axis`` of (B, C, H, W) as Lumina 2's ``cfg_normalization`` does, or
-    per ``patch_tokens`` (each 2x2 patch's channels: a packed token, as QwenImagePipeline's true CFG does)."""
+    per ``patch_tokens`` (each 2x2 patch's channels: a packed token, as QwenImagePipeline's true CFG does).
+    ``sample_mu``: a variant that samples under one exponential shift at every resolution where the family's schedule
+    moves with it (Krea 2 Turbo: mu 1.15, the pipeline's ``is_distilled``); None: the family's ``sample_sigmas``."""
 
     mode: str = "none"  # "none" | "embedded" | "cfg"
     scale: float = 0.0  # the pipeline's default (the family's templates set Train LoRA's sample_guidance to it)
     steps: int = 20  # preview steps that suffice for this variant (the templates' sample_steps)
     formula: str = "standard"
     renormalize: str = ""  # "" | "last_axis" | "patch_tokens"
+    sample_mu: float | None = None
 
     def combine(self, pos: torch.Tensor, neg: torch.Tensor, scale: float) -> torch.Tensor:
         if self.formula == "z_image":
