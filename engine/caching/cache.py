@@ -87,7 +87,7 @@ class DatasetCache:
         lat = _load_entry(self.cache_dir / "latents" / f"{item.latent_key}.safetensors", item)
         text = _load_entry(self.cache_dir / "text" / f"{item.text_key}.safetensors", item)
         latent = lat["latent_flipped"] if flipped and "latent_flipped" in lat else lat["latent"]
-        return latent, text
+        return latent, text | _conditioning(lat, flipped)
 
     def text_widths(self) -> dict[str, int]:
         """Last-axis width of each cached embedding, from the first caption entry's header."""
@@ -196,7 +196,7 @@ def build_dataset_cache(
     stats = {"text_built": 0, "text_reused": 0, "latents_built": 0, "latents_reused": 0}
     source.build_text(cache_dir, models, keys, items, samples, cb, stats)  # text entries
     build_latents(cache_dir, models.family, items, data_cfg.flip, models.device, models.dtype, cb, stats,
-                  models.load_vae, models.variant)  # latent entries
+                  models.load_vae, models.variant, models.load_image_encoder)  # latent entries
     cache = _write_manifest(cache_dir, models, data_cfg, video, keys, items, samples, stats)
     cb.log(f"dataset cache {cache.dataset_hash}: {len(items)} {source.label}; text {stats['text_built']} built / "
            f"{stats['text_reused']} reused; latents {stats['latents_built']} built / {stats['latents_reused']} reused")
@@ -229,6 +229,14 @@ def _write_manifest(cache_dir: Path, models: CacheModels, data_cfg: DataConfig, 
                         data_cfg.repeats, data_cfg.flip, stats, [(p.caption, p.text_key) for p in samples.prompts],
                         manifest["negative_text_key"], manifest["pipeline"],
                         str(singles.vae) if singles is not None else None, manifest["sample_negative_keys"])
+
+
+def _conditioning(entry: dict[str, torch.Tensor], flipped: bool) -> dict[str, torch.Tensor]:
+    """What a latent entry holds beside the latent: an image-to-video window's first-frame conditioning
+    (``FirstFrameCondition``), delivered with the text embeddings to ``model_inputs`` (the mirrored copy,
+    ``<name>_flipped``, for a flipped item)."""
+    own = {k: v for k, v in entry.items() if not k.startswith("latent") and not k.endswith("_flipped")}
+    return {k: entry.get(f"{k}_flipped", v) if flipped else v for k, v in own.items()}
 
 
 def _load_entry(path: Path, item: CachedItem) -> dict[str, torch.Tensor]:

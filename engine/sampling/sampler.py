@@ -36,6 +36,14 @@ class Sampler:
         self.negatives = [dataset.load_text(k) if self.rule.mode == "cfg" and k else None
                           for k in dataset.negative_keys()]
         self.prompts = [p for p, _ in dataset.sample_prompts]
+        # An image-to-video model draws each prompt from a dataset first frame (first_frame.py), encoded at the
+        # first checkpoint with the VAE the samples decode with.
+        self.first_frame = family.first_frame(dataset.variant)
+        self._conditioned = False
+        if self.first_frame is not None:
+            from .first_frame import check_first_frames
+
+            check_first_frames(dataset, len(self.prompts))
         # A video family samples clips (cfg.frames; checked against the family's frame rule here, not at the first
         # checkpoint), an image family one image.
         self.frames = cfg.frames if family.video else 1
@@ -135,6 +143,7 @@ class Sampler:
         try:
             import contextlib
 
+            self._condition_on_first_frames()
             with self.partner.placed() if self.partner is not None else contextlib.nullcontext() as partner:
                 latents = sample_prompts(self.model, self.family, self.embeds, self.cfg.resolution,
                                          self.cfg.resolution, self.cfg.steps, self.cfg.seed, self.cfg.guidance,
@@ -168,6 +177,18 @@ class Sampler:
                     + (f": {path}" if path else ""))
         self.cb.on_sample(step, grid, str(path) if path else None)
         return grid, path
+
+    def _condition_on_first_frames(self) -> None:
+        """Once: each prompt's (and its negative's) first-frame conditioning, for an image-to-video model."""
+        if self.first_frame is None or self._conditioned:
+            return
+        from .first_frame import preview_conditions
+
+        conds = preview_conditions(self.dataset, self.family, self.vae(), self.cfg.resolution, self.cfg.resolution,
+                                   self.frames, self.device, self.dtype, len(self.prompts))
+        self.embeds = [e | c for e, c in zip(self.embeds, conds)]
+        self.negatives = [n | c if n is not None else None for n, c in zip(self.negatives, conds)]
+        self._conditioned = True
 
     def vae(self):
         if self._vae is None:

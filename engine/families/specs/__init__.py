@@ -2,13 +2,13 @@
 
 ``text`` (``PromptTemplate``, ``TextEncoderSpec``: what the dataset cache keeps of each text encoder), ``vae``
 (``VaeSpec``: pixels <-> latents), ``guidance`` (``Guidance``: how previews sample), ``controls``
-(``ControlImages``: an edit model's control images), ``memory`` (``MemoryProfile``: the planner's and step-time
-model's knobs), ``schedule`` (``NoiseSchedule``, ``Prediction``: shifts, sigmas, ranges, the model's convention),
+(``ControlImages``: an edit model's control images; ``FirstFrameCondition``, ``ImageEncoderSpec``: an image-to-video
+model's first frame), ``memory`` (``MemoryProfile``: the planner's and step-time model's knobs), ``schedule`` (``NoiseSchedule``, ``Prediction``: shifts, sigmas, ranges, the model's convention),
 ``lora`` (``LoraForm``: default targets, the saved file's form and architecture), ``templates``
 (``TrainingTemplate``: a shipped workflow). A family folder declares its instances (a subclass of its own where it
 needs code). A new capability is a new spec file here, not another member of ``ModelFamily``.
 """
-from .controls import ControlImages
+from .controls import ControlImages, FirstFrameCondition, ImageEncoderSpec
 from .guidance import Guidance
 from .lora import COMFYUI_FORMS, LoraForm
 from .memory import MemoryProfile
@@ -17,5 +17,5 @@ from .templates import TrainingTemplate
 from .text import PromptTemplate, TextEncoderSpec
 from .vae import VaeSpec
 
-__all__ = ["COMFYUI_FORMS", "ControlImages", "Guidance", "LoraForm", "MemoryProfile", "NoiseSchedule", "Prediction",
+__all__ = ["COMFYUI_FORMS", "ControlImages", "FirstFrameCondition", "ImageEncoderSpec", "Guidance", "LoraForm", "MemoryProfile", "NoiseSchedule", "Prediction",
            "PromptTemplate", "TextEncoderSpec", "TrainingTemplate", "VaeSpec", "sigma_schedule", "static_shift_mu"]

@@ -60,6 +60,8 @@ def build_tiny_pipeline(folder: str | Path, seed: int = 0, variant: str | None =
     from .family import FLOW_SHIFT_T2V, FLOW_SHIFT_TI2V
 
     variant = variant or FAMILY.tiny_variant
+    if FAMILY.first_frame(variant) is not None:
+        return build_tiny_i2v_pipeline(folder, seed, variant)
     ti2v = variant == "wan2.2-ti2v-tiny"
     folder = Path(folder)
     torch.manual_seed(seed)
@@ -73,6 +75,46 @@ def build_tiny_pipeline(folder: str | Path, seed: int = 0, variant: str | None =
                                         flow_shift=FLOW_SHIFT_TI2V if ti2v else FLOW_SHIFT_T2V)
     pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer,
                        vae=tiny_wan_vae(ti2v), scheduler=scheduler, expand_timesteps=ti2v)
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def tiny_clip_vision(hidden: int, seed: int):
+    """A tiny ``CLIPVisionModel`` (Wan 2.1 I2V's image encoder class) at 56 px with 14 px patches: 17 tokens (the
+    real ViT-H/14 at 224 px gives 257) of width ``hidden`` (the transformer's ``image_dim``), and its processor with
+    CLIP's released settings at that size (shortest side, center crop, OpenAI CLIP mean / std)."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    torch.manual_seed(seed)
+    config = CLIPVisionConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=3,
+                              num_attention_heads=2, image_size=56, patch_size=14, hidden_act="gelu")
+    processor = CLIPImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
+    return CLIPVisionModel(config).eval(), processor
+
+
+def build_tiny_i2v_pipeline(folder: str | Path, seed: int = 0, variant: str = "wan-i2v-tiny") -> Path:
+    """A complete tiny ``WanImageToVideoPipeline`` folder: Wan 2.1 I2V's layout (``wan-i2v-tiny``: a tiny CLIP image
+    encoder and processor) or Wan 2.2 I2V's (``wan2.2-i2v-tiny``: none, ``boundary_ratio`` 0.9)."""
+    from diffusers import UniPCMultistepScheduler, WanImageToVideoPipeline
+
+    from . import FAMILY
+    from .family import FLOW_SHIFT_T2V, I2V_BOUNDARY
+
+    folder = Path(folder)
+    torch.manual_seed(seed)
+    config = FAMILY.load_config(variant)
+    transformer = FAMILY.transformer_class().from_config(config)
+    randomize_zero_inits(transformer, seed)
+    tokenizer, vocab = tiny_umt5_tokenizer()
+    clip = config.get("image_dim") is not None
+    encoder, processor = tiny_clip_vision(config["image_dim"], seed) if clip else (None, None)
+    # The hub's I2V schedulers (convert_wan_to_diffusers.py): UniPC, flow_shift 3.0 for every I2V model.
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                        num_train_timesteps=1000, flow_shift=FLOW_SHIFT_T2V)
+    pipe = WanImageToVideoPipeline(tokenizer=tokenizer, text_encoder=tiny_umt5(vocab, config["text_dim"], seed),
+                                   vae=tiny_wan_vae(), scheduler=scheduler, image_processor=processor,
+                                   image_encoder=encoder, transformer=transformer,
+                                   boundary_ratio=None if clip else I2V_BOUNDARY)
     pipe.save_pretrained(folder, safe_serialization=True)
     return folder
 
