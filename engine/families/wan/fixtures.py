@@ -179,9 +179,10 @@ def write_text_and_vae_files(pipeline_folder: str | Path, folder: str | Path) ->
 def comfyui_model(config: dict) -> tuple[str, dict]:
     """What ComfyUI builds for a Wan transformer of this diffusers ``config``: ``comfy.model_base.WAN21`` (``WAN22``
     for the 48-channel TI2V-5B) and the ``unet_config`` its detection derives from the file (``model_detection``:
+    ``model_type`` "i2v" where the file has Wan 2.1 I2V's ``img_emb``;
     ``dim`` from ``head.modulation``, ``out_dim`` from ``head.head``, ``ffn_dim``, the block count, ``in_dim`` from
     ``patch_embedding``). Its LoRA key map reads none of it: it maps the native names generically."""
     dim = config["num_attention_heads"] * config["attention_head_dim"]
     return ("WAN22" if config["out_channels"] == 48 else "WAN21"), {
-        "image_model": "wan2.1", "model_type": "t2v", "dim": dim, "out_dim": config["out_channels"],
+        "image_model": "wan2.1", "model_type": "i2v" if config.get("image_dim") else "t2v", "dim": dim, "out_dim": config["out_channels"],
         "ffn_dim": config["ffn_dim"], "num_layers": config["num_layers"], "in_dim": config["in_channels"]}
