@@ -233,3 +233,49 @@ def test_previews_from_a_dataset_first_frame_equal_the_pipelines(folders, i2v_ca
                               partner=partner)
     assert ours.shape == ref.shape == noise.shape
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_i2v_trains_streamed_on_cuda_as_resident(folders, i2v_cache):
+    """Wan 2.1 I2V on CUDA from its dataset cache (condition channels and CLIP states per window): three steps with
+    the blocks streamed (activation offload on) give the resident run's losses (fp32, rel 1e-4)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from lowvram_lora.engine.config import LoraSettings, ModelConfig, TrainConfig
+    from lowvram_lora.engine.offload import OffloadConfig
+    from lowvram_lora.engine.train import train_lora
+
+    def losses(offload):
+        lora = train_lora(ModelConfig(transformer_path=str(folders[I2V21]), dtype="fp32"), i2v_cache,
+                          LoraSettings(rank=4, alpha=4), TrainConfig(steps=3, learning_rate=1e-3, device="cuda"),
+                          offload=offload)
+        assert any("add_k_proj" in k for k in lora.state_dict)
+        return lora.loss_history
+
+    want = losses(None)
+    got = losses(OffloadConfig(mode="stream", activation_offload=True))
+    assert len(got) == 3 and got == pytest.approx(want, rel=1e-4)
+
+
+def test_the_sampler_conditions_each_prompt_on_a_dataset_first_frame(folders, i2v_cache, tmp_path):
+    """Sampler.run on the Wan 2.1 I2V cache: each prompt and its negative carry prompt i's first-frame conditioning
+    (preview_conditions of dataset item i), and a clip comes out; more prompt lines than windows is refused by name."""
+    import dataclasses
+
+    from lowvram_lora.engine.callbacks import TrainingCallback
+    from lowvram_lora.engine.sampling import Sampler, SamplingConfig
+    from lowvram_lora.engine.sampling.first_frame import preview_conditions
+
+    model = _pipe(folders[I2V21]).transformer
+    cfg = SamplingConfig(every=1, steps=2, resolution=64, frames=5, guidance=5.0)
+    sampler = Sampler(cfg, i2v_cache, FAMILY, model, torch.device("cpu"), torch.float32, tmp_path, TrainingCallback())
+    grid, path = sampler.run(0)
+    assert path is not None and path.exists() and len(sampler.columns[0][1][0]) == 5
+    want = preview_conditions(i2v_cache, FAMILY, sampler.vae(), 64, 64, 5, torch.device("cpu"), torch.float32, 2)
+    for embeds, negative, cond in zip(sampler.embeds, sampler.negatives, want, strict=True):
+        for rows in (embeds, negative):
+            assert torch.equal(rows[CONDITION_KEY], cond[CONDITION_KEY])
+            assert torch.equal(rows[IMAGE_EMBEDS_KEY], cond[IMAGE_EMBEDS_KEY])
+    many = dataclasses.replace(i2v_cache, sample_prompts=[("p", i2v_cache.sample_prompts[0][1])] * (len(i2v_cache.items) + 1))
+    with pytest.raises(ConfigError, match="first frame"):
+        Sampler(cfg, many, FAMILY, model, torch.device("cpu"), torch.float32, tmp_path, TrainingCallback())
