@@ -2,8 +2,9 @@
 
 Where it comes from: a diffusers pipeline folder's ``image_encoder/`` (``CLIPVisionModel``) and ``image_processor/``
 (``CLIPImageProcessor``), or ComfyUI's single file (``clip_vision_h.safetensors``: HF names
-``vision_model.encoder.layers.N...``, maybe a ``visual_projection`` the states do not use) with the shipped config
-and processor settings of ``spec.architecture`` (``engine/families/configs/image/<name>/``: laion's
+``vision_model.encoder.layers.N...``, maybe a ``visual_projection`` the states do not use) with the config and
+processor settings of its companion folder (``clip_vision_h/`` beside the file), else the shipped ones of
+``spec.architecture`` (``engine/families/configs/image/<name>/``: laion's
 CLIP-ViT-H-14-laion2B-s32B-b79K, the image encoder diffusers' Wan 2.1 I2V pipelines ship). What is kept: the hidden
 state ``spec.hidden_state`` (-2: the penultimate, as ``WanImageToVideoPipeline.encode_image`` takes it).
 """
@@ -41,12 +42,16 @@ def load_image_encoder(spec, dtype: torch.dtype, pipeline: Path | None = None, f
         return model.requires_grad_(False).eval(), processor
     from safetensors.torch import load_file
 
+    from .single_files import companion_dir
+
+    own = companion_dir(file)
     shipped = resources.files(__package__.rpartition(".")[0]).joinpath("families", "configs", "image",
                                                                         spec.architecture)
-    with resources.as_file(shipped) as folder:
+    with resources.as_file(own if (own / "config.json").exists() else shipped) as folder:
         config = CLIPVisionConfig.from_pretrained(folder, local_files_only=True)
         processor = CLIPImageProcessor.from_pretrained(folder, local_files_only=True)
-    state = {k: v for k, v in load_file(str(file)).items() if k.startswith("vision_model.")}
+    # ComfyUI's file keeps the tower under ``vision_model.``; transformers 5's CLIPVisionModel names it without.
+    state = {k[len("vision_model."):]: v for k, v in load_file(str(file)).items() if k.startswith("vision_model.")}
     with torch.device("meta"):
         model = CLIPVisionModel(config)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
@@ -54,8 +59,11 @@ def load_image_encoder(spec, dtype: torch.dtype, pipeline: Path | None = None, f
     if missing or unexpected:
         raise ModelLoadError(f"'{file}' is not {spec.file_help}: {len(missing)} tensors missing (e.g. "
                              f"{missing[:2]}), {len(unexpected)} unexpected (e.g. {unexpected[:2]})")
-    model.vision_model.embeddings.register_buffer(
-        "position_ids", torch.arange(config.num_positions).unsqueeze(0), persistent=False)
+    for name, buffer in list(model.named_buffers()):  # the non-persistent position ids: made, not read
+        if buffer.is_meta and name.endswith("position_ids"):
+            owner = model.get_submodule(name.rpartition(".")[0])
+            owner.register_buffer("position_ids", torch.arange(buffer.shape[-1]).expand(buffer.shape).clone(),
+                                  persistent=False)
     return model.to(dtype).requires_grad_(False).eval(), processor
 
 

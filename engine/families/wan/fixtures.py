@@ -119,6 +119,23 @@ def build_tiny_i2v_pipeline(folder: str | Path, seed: int = 0, variant: str = "w
     return folder
 
 
+def write_clip_vision_file(pipeline_folder: str | Path, out_file: str | Path) -> Path:
+    """The pipeline's image encoder as ComfyUI keeps ``clip_vision_h.safetensors`` (HF ``vision_model.*`` names and a
+    ``visual_projection`` the Wan states do not use), with a companion folder holding the tiny config and processor
+    settings (the real file uses the shipped ViT-H ones)."""
+    pipeline_folder, out_file = Path(pipeline_folder), Path(out_file)
+    state = {"vision_model." + k: v for k, v in folder_state(pipeline_folder / "image_encoder").items()}
+    width = state["vision_model.post_layernorm.weight"].shape[0]
+    state["visual_projection.weight"] = torch.randn(width, width)
+    path = save_tensors(state, out_file)
+    companion = path.with_suffix("")
+    companion.mkdir(exist_ok=True)
+    shutil.copy(pipeline_folder / "image_encoder" / "config.json", companion / "config.json")
+    shutil.copy(pipeline_folder / "image_processor" / "preprocessor_config.json",
+                companion / "preprocessor_config.json")
+    return path
+
+
 def write_single_file(pipeline_folder: str | Path, out_file: str | Path, dtype: torch.dtype | None = None,
                       prefix: str = "") -> Path:
     """The pipeline's transformer as one file with the original Wan names, as ComfyUI keeps

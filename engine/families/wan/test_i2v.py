@@ -279,3 +279,35 @@ def test_the_sampler_conditions_each_prompt_on_a_dataset_first_frame(folders, i2
     many = dataclasses.replace(i2v_cache, sample_prompts=[("p", i2v_cache.sample_prompts[0][1])] * (len(i2v_cache.items) + 1))
     with pytest.raises(ConfigError, match="first frame"):
         Sampler(cfg, many, FAMILY, model, torch.device("cpu"), torch.float32, tmp_path, TrainingCallback())
+
+
+def test_comfyuis_clip_vision_file_is_found_among_the_text_encoders_and_loads_as_the_pipelines(folders, tmp_path):
+    """clip_vision_h.safetensors (HF names, a visual_projection beside them) given with the umT5 file is told apart by
+    its tensors (sources_for), loads into the pipeline's image encoder exactly, and its states equal
+    WanImageToVideoPipeline.encode_image's. A Wan 2.1 I2V cache from single files without it names the file."""
+    from lowvram_lora.engine.caching.image_encoder import encode_first_frames, load_image_encoder
+    from lowvram_lora.engine.caching.single_files import sources_for
+    from lowvram_lora.engine.errors import ModelLoadError
+    from lowvram_lora.engine.families.wan.fixtures import write_clip_vision_file, write_text_and_vae_files
+
+    folder = folders[I2V21]
+    files = write_text_and_vae_files(folder, tmp_path)
+    clip_file = write_clip_vision_file(folder, tmp_path / "clip_vision_h.safetensors")
+    singles = sources_for(FAMILY, I2V21, [clip_file, files["text_encoder"]], files["vae"])
+    assert singles.image_encoder == clip_file and list(singles.text_encoders.values()) == [files["text_encoder"]]
+    spec = FAMILY.first_frame(I2V21).image_encoder
+    model, processor = load_image_encoder(spec, torch.float32, file=clip_file)
+    pipe = _pipe(folder)
+    ref = pipe.image_encoder.state_dict()
+    assert sorted(model.state_dict()) == sorted(ref) and all(torch.equal(model.state_dict()[k], v) for k, v in ref.items())
+    image = _image(40, 24, 3)
+    with torch.no_grad():
+        (ours,) = encode_first_frames(model, processor, spec, [image], torch.device("cpu"), torch.float32)
+        want = pipe.encode_image(image, torch.device("cpu"))[0]
+    torch.testing.assert_close(ours, want, atol=1e-5, rtol=1e-5)
+    from lowvram_lora.engine.caching.model_sources import CacheModels
+
+    bare = CacheModels(FAMILY, I2V21, None, sources_for(FAMILY, I2V21, [files["text_encoder"]], files["vae"]),
+                       torch.device("cpu"), torch.float32)
+    with pytest.raises(ModelLoadError, match="clip_vision_h"):
+        bare.image_encoder_files()
