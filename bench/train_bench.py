@@ -120,7 +120,7 @@ def write_synthetic_cache(root: Path, family, variant: str, cfg: dict, res, n_it
         entry = {"latent": latent.contiguous()}
         condition = family.first_frame(variant)
         if condition is not None:  # image-to-video: the first frame's conditioning beside the latent (Wan I2V)
-            entry.update(_first_frame_example(condition, cfg, latent_shape, gen))
+            entry.update(condition.example(cfg, latent_shape, gen))
         save_file(entry, str(root / "latents" / f"{key}.safetensors"))
         text = {}
         for spec in family.text_encoder_specs(variant):
@@ -137,16 +137,6 @@ def write_synthetic_cache(root: Path, family, variant: str, cfg: dict, res, n_it
                                 text_key=key, latent_key=key, frames=list(range(frames)) if frames > 1 else [],
                                 **({"controls": ["control.png"], "control_sizes": [[w, h]]} if controls else {})))
     return DatasetCache(root, root / "datasets" / f"bench-{res}.json", f"bench-{res}", family.id, variant, items)
-
-
-def _first_frame_example(condition, cfg: dict, latent_shape, gen) -> dict:
-    """Random stand-ins of a window's first-frame conditioning, shaped as Wan I2V's cache holds it: the 20 condition
-    channels (mask + latents) on the latent grid and, for Wan 2.1 I2V, CLIP ViT-H/14's 257 states (224 px / 14 px
-    patches + the class token) of width ``image_dim``."""
-    out = {"image_condition": torch.randn((20, *latent_shape[1:]), generator=gen)}
-    if condition.image_encoder is not None:
-        out[condition.image_encoder.cache_key] = torch.randn(257, int(cfg["image_dim"]), generator=gen)
-    return out
 
 
 # --------------------------------------------------------------------------- timing

@@ -34,10 +34,13 @@ class FirstFrameCondition:
 
     ``ident``: what changes the encoding (it goes into the latent keys); ``encode_latents(vae, pixels)``: a window's
     pixels (1, 3, F, H, W) in [-1, 1] -> {name: (1, ...) tensor}, the frames after the first unused but counted;
-    ``image_encoder``: None, or the image encoder the variant also takes (``ImageEncoderSpec``)."""
+    ``image_encoder``: None, or the image encoder the variant also takes (``ImageEncoderSpec``);
+    ``example(config, latent_shape, generator)``: random stand-ins of one item's conditioning, shaped as the cache
+    holds it (without the batch axis), for benches and tests that train on synthetic latents."""
 
     ident: tuple
     encode_latents: Callable[..., dict]
+    example: Callable[..., dict]
     image_encoder: "ImageEncoderSpec | None" = None
 
 

@@ -184,8 +184,11 @@ def write_text_and_vae_files(pipeline_folder: str | Path, folder: str | Path) ->
     shutil.copy(pipeline_folder / "text_encoder" / "config.json", companion / "config.json")
     config = json.loads((pipeline_folder / "vae" / "config.json").read_text())
     if config["z_dim"] != 48:
-        return {"text_encoder": text_file, "vae": write_wan_vae_file(pipeline_folder / "vae",
-                                                                     folder / "wan_2.1_vae.safetensors")}
+        out = {"text_encoder": text_file, "vae": write_wan_vae_file(pipeline_folder / "vae",
+                                                                    folder / "wan_2.1_vae.safetensors")}
+        if (pipeline_folder / "image_encoder").is_dir():  # Wan 2.1 I2V: ComfyUI's clip_vision_h.safetensors
+            out["image_encoder"] = write_clip_vision_file(pipeline_folder, folder / "clip_vision_h.safetensors")
+        return out
     vae = save_tensors({wan22_vae_original_key(k, config["num_res_blocks"]): v
                         for k, v in folder_state(pipeline_folder / "vae").items()}, folder / "wan2.2_vae.safetensors")
     vae.with_suffix("").mkdir(exist_ok=True)

@@ -52,6 +52,20 @@ def encode_condition(vae, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
     return {CONDITION_KEY: torch.cat([mask, latents], dim=1)}
 
 
+#: CLIP ViT-H/14's tokens at 224 px: (224 / 14)^2 patches + the class token.
+CLIP_TOKENS = 257
+
+
+def example_condition(config: dict, latent_shape, generator) -> dict[str, torch.Tensor]:
+    """Random stand-ins of a window's conditioning (benches, tests): the 20 channels on the latent grid and, where
+    the model takes CLIP states (``image_dim``), 257 of them."""
+    out = {CONDITION_KEY: torch.randn((int(config["in_channels"]) - latent_shape[0], *latent_shape[1:]),
+                                      generator=generator)}
+    if config.get("image_dim") is not None:
+        out[IMAGE_EMBEDS_KEY] = torch.randn(CLIP_TOKENS, int(config["image_dim"]), generator=generator)
+    return out
+
+
 #: CLIP ViT-H/14 as diffusers' Wan 2.1 I2V pipelines and ComfyUI's ``clip_vision_h.safetensors`` hold it.
 CLIP_VISION_H = ImageEncoderSpec(
     cache_key=IMAGE_EMBEDS_KEY, subfolder="image_encoder", processor_subfolder="image_processor",
@@ -59,7 +73,7 @@ CLIP_VISION_H = ImageEncoderSpec(
     file_help="clip_vision_h.safetensors (models/clip_vision; ComfyUI's Wan 2.1 image-to-video file)")
 
 #: Wan 2.2 I2V-A14B: the 20 condition channels only.
-WAN22_I2V = FirstFrameCondition(ident=("wan-i2v", 1), encode_latents=encode_condition)
+WAN22_I2V = FirstFrameCondition(ident=("wan-i2v", 1), encode_latents=encode_condition, example=example_condition)
 #: Wan 2.1 I2V 14B: the condition channels and CLIP ViT-H's states of the first frame.
 WAN21_I2V = FirstFrameCondition(ident=("wan-i2v", 1, "clip-h", -2), encode_latents=encode_condition,
-                                image_encoder=CLIP_VISION_H)
+                                example=example_condition, image_encoder=CLIP_VISION_H)

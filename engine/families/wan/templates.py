@@ -138,6 +138,7 @@ TEMPLATES = [
     TrainingTemplate(
         name="wan22_i2v_lora",
         label="high noise",
+        tiny_variant="wan2.2-i2v-tiny",
         load={"checkpoint": _I2V_HIGH, "family": "wan", "precision": "int8 slab"},
         cache={"text_encoders": "(single files below)", "dataset_path": "my_clips", "resolution": 624,
                "text_encoder_1": _UMT5, "vae_file": "wan_2.1_vae.safetensors",
@@ -180,6 +181,7 @@ TEMPLATES = [
     ),
     TrainingTemplate(
         name="wan21_i2v_lora",
+        tiny_variant="wan-i2v-tiny",
         load={"checkpoint": _I2V21, "family": "wan", "precision": "int8 slab"},
         cache={"text_encoders": "(single files below)", "dataset_path": "my_clips", "resolution": 624,
                "text_encoder_1": _UMT5, "text_encoder_2": _CLIP_H, "vae_file": "wan_2.1_vae.safetensors",
