@@ -107,6 +107,11 @@ class DatasetCache:
                 f"run Cache Text Embeds again with this model's text encoders")
         if not config:
             return
+        variant = family.variant_for_config(config)
+        if variant != "custom" and family.first_frame(variant) is not None and family.first_frame(self.variant) is None:
+            raise ConfigError(
+                f"the dataset cache was built for {self.family} {self.variant}, without the first-frame conditioning "
+                f"this image-to-video model takes; run Cache Text Embeds again with this model")
         have = self.text_widths()
         for key, width in family.text_widths(config).items():
             if key in have and have[key] != width:

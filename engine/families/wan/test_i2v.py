@@ -311,3 +311,14 @@ def test_comfyuis_clip_vision_file_is_found_among_the_text_encoders_and_loads_as
                        torch.device("cpu"), torch.float32)
     with pytest.raises(ModelLoadError, match="clip_vision_h"):
         bare.image_encoder_files()
+
+
+def test_a_text_to_video_cache_is_refused_by_an_i2v_model(i2v_cache):
+    """A cache without first-frame conditioning (built for a T2V model) is refused before an I2V model loads, naming
+    the fix; the I2V cache fits its own model."""
+    import dataclasses
+
+    i2v_cache.check_fits(FAMILY, FAMILY.load_config(I2V21))
+    t2v = dataclasses.replace(i2v_cache, variant=FAMILY.tiny_variant)
+    with pytest.raises(ConfigError, match="first-frame conditioning"):
+        t2v.check_fits(FAMILY, FAMILY.load_config(I2V22))
