@@ -322,3 +322,20 @@ def test_a_text_to_video_cache_is_refused_by_an_i2v_model(i2v_cache):
     t2v = dataclasses.replace(i2v_cache, variant=FAMILY.tiny_variant)
     with pytest.raises(ConfigError, match="first-frame conditioning"):
         t2v.check_fits(FAMILY, FAMILY.load_config(I2V22))
+
+
+def test_comfyuis_i2v_files_are_identified(folders, tmp_path):
+    """ComfyUI-named native files (full-checkpoint prefix): the Wan 2.1 I2V layout (img_emb, k_img / v_img) and the
+    Wan 2.2 I2V experts by their names, read back as from_pretrained gives them."""
+    from lowvram_lora.engine.checkpoint import identify
+    from lowvram_lora.engine.families.wan.fixtures import write_single_file
+    from lowvram_lora.engine.models import load_transformer
+
+    for variant, name, want in ((I2V21, "wan2.1_i2v_480p_14B_fp16.safetensors", I2V21),
+                                (I2V22, "wan2.2_i2v_low_noise_14B_fp8_scaled.safetensors", "wan2.2-i2v-tiny-low-noise")):
+        path = write_single_file(folders[variant], tmp_path / name, prefix="model.diffusion_model.")
+        ident = identify(path, "auto")
+        assert (ident.family.id, ident.variant) == ("wan", want)
+        model = load_transformer(path, dtype=torch.float32)[0]
+        ref = _pipe(folders[variant]).transformer.state_dict()
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in ref.items())
