@@ -117,7 +117,11 @@ def write_synthetic_cache(root: Path, family, variant: str, cfg: dict, res, n_it
     for i in range(n_items):
         key = f"bench-{res}-{i}"
         latent = torch.randn(latent_shape, generator=gen)
-        save_file({"latent": latent.contiguous()}, str(root / "latents" / f"{key}.safetensors"))
+        entry = {"latent": latent.contiguous()}
+        condition = family.first_frame(variant)
+        if condition is not None:  # image-to-video: the first frame's conditioning beside the latent (Wan I2V)
+            entry.update(condition.example(cfg, latent_shape, gen))
+        save_file(entry, str(root / "latents" / f"{key}.safetensors"))
         text = {}
         for spec in family.text_encoder_specs(variant):
             # Padded encoders: the full length, as cached; variable-length ones: a 128-token caption (template

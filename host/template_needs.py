@@ -36,9 +36,10 @@ TEMPLATE_VARIANTS = {
     "qwen_image_edit_lora": "qwen-image-edit-2509", "qwen_image_lora": "qwen-image",
     "wan21_t2v_1_3b_lora": "wan2.1-t2v-1.3b", "wan22_t2v_lora": "wan2.2-t2v-a14b-high-noise",
     "wan22_ti2v_5b_lora": "wan2.2-ti2v-5b", "z_image_lora": "z-image-turbo",
+    "wan22_i2v_lora": "wan2.2-i2v-a14b-high-noise", "wan21_i2v_lora": "wan2.1-i2v-14b",
 }
 #: The preview partner's variant where a template's chains preview each other (Wan 2.2 A14B).
-PARTNER_VARIANTS = {"wan22_t2v_lora": "wan2.2-t2v-a14b-low-noise"}
+PARTNER_VARIANTS = {"wan22_t2v_lora": "wan2.2-t2v-a14b-low-noise", "wan22_i2v_lora": "wan2.2-i2v-a14b-low-noise"}
 OTHERS_GB = 4.0  # what the OS, a browser and ComfyUI hold on the reference machine
 CARD_GB = 24.0  # the card a template with vram_budget_gb=0 is planned for
 REFERENCE = Machine(link_bytes_per_s=25 * GB, peak_flops=peak_flops_for("4090"), name="reference",

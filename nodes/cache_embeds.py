@@ -132,7 +132,8 @@ class LowVRAMCacheTextEmbeds(io.Node):
                                  "leaves text_encoder_2 '(none)'. " + _per_family("single_files")),
                 io.Combo("text_encoder_2", [NONE] + list_files(TEXT_ENCODER_FOLDERS), default=NONE,
                          tooltip="A second text-encoder file, for families with two (Flux.1: clip_l + t5xxl; see "
-                                 "text_encoder_1)."),
+                                 "text_encoder_1); for Wan 2.1 image-to-video, its image encoder "
+                                 "(models/clip_vision/clip_vision_h.safetensors)."),
                 io.Combo("vae_file", [NONE] + list_files(VAE_FOLDERS), default=NONE,
                          tooltip="With text_encoders '(single files below)': the VAE file from models/vae (the "
                                  "Flux.1 ae.safetensors serves Flux.1, Z-Image and Lumina 2; Flux.2 has its own)."),

@@ -15,7 +15,9 @@ from pathlib import Path
 TRANSFORMER_FOLDERS = ("diffusion_models", "unet", "checkpoints")
 DIFFUSERS_FOLDERS = ("diffusers",)
 DIFFUSERS_PREFIX = "diffusers/"  # combo entries naming a diffusers folder rather than a file
-TEXT_ENCODER_FOLDERS = ("text_encoders", "clip")
+#: clip_vision: an image-to-video model's image encoder (Wan 2.1 I2V's clip_vision_h.safetensors) is given beside its
+#: text encoder and told apart by its tensors, as the text encoders are.
+TEXT_ENCODER_FOLDERS = ("text_encoders", "clip", "clip_vision")
 VAE_FOLDERS = ("vae",)
 
 _standalone = {"models_dir": Path("models").resolve(), "output_dir": Path("output").resolve()}

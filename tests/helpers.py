@@ -66,6 +66,7 @@ def family_inputs(model, family, width=64, height=64, length=7, sigma=0.4):
     config = dict(model.config)
     latents = torch.randn(1, *family.latent_shape(model, width, height), generator=g)
     variant = family.variant_for_config(config)
+    condition = family.first_frame(variant)
     specs = {s.cache_key: s for s in family.text_encoder_specs(family.tiny_variant if variant == "custom" else variant)}
     embeds = {}
     for key, w in family.text_widths(config).items():
@@ -75,6 +76,8 @@ def family_inputs(model, family, width=64, height=64, length=7, sigma=0.4):
         embeds[key] = torch.randn(1, length, w, generator=g)
         if specs[key].length == "variable":
             embeds[specs[key].mask_key] = torch.tensor([[1] * (length - 2) + [0, 0]])
+    if condition is not None:  # an image-to-video model: its first-frame conditioning, random
+        embeds.update({k: v[None] for k, v in condition.example(config, latents.shape[1:], g).items()})
     return latents, embeds, torch.tensor([sigma])
 
 
@@ -166,7 +169,8 @@ def write_template_files(template, root, scratch):
     # A seed per template: two templates of one family must not write byte-identical files (a real T2I and Edit
     # file never are), or content-keyed caches (slabs, ComfyUI's node cache) would serve one template's run to
     # the other inside one ComfyUI server.
-    pipeline = fixtures.build_tiny_pipeline(scratch / "pipe", seed=zlib.crc32(template.name.encode()) % 997)
+    tiny = {"variant": template.tiny_variant} if template.tiny_variant else {}
+    pipeline = fixtures.build_tiny_pipeline(scratch / "pipe", seed=zlib.crc32(template.name.encode()) % 997, **tiny)
     models = root / "models"
     written = [fixtures.write_single_file(pipeline, models / "diffusion_models" / template.load["checkpoint"])]
     for k, chain in enumerate(getattr(template, "chains", ()), 1):  # a further chain's model (an A14B expert)
@@ -174,11 +178,14 @@ def write_template_files(template, root, scratch):
         if other and other != template.load["checkpoint"]:
             # The tiny model with other weights, as the real experts differ: content-keyed slabs would otherwise
             # make one expert's slab stand for the other (its manifest names the first file's variant).
-            again = fixtures.build_tiny_pipeline(scratch / f"pipe{k}", seed=zlib.crc32(template.name.encode()) % 997 + k)
+            again = fixtures.build_tiny_pipeline(scratch / f"pipe{k}", seed=zlib.crc32(template.name.encode()) % 997 + k,
+                                                 **tiny)
             written.append(fixtures.write_single_file(again, models / "diffusion_models" / other))
     files = fixtures.write_text_and_vae_files(pipeline, scratch / "files")
-    for key, folder, source in (("text_encoder_1", "text_encoders", files["text_encoder"]),
-                                ("vae_file", "vae", files["vae"])):
+    pairs = [("text_encoder_1", "text_encoders", files["text_encoder"]), ("vae_file", "vae", files["vae"])]
+    if "image_encoder" in files:  # an image-to-video model's image encoder, given as the second text encoder
+        pairs.append(("text_encoder_2", "clip_vision", files["image_encoder"]))
+    for key, folder, source in pairs:
         dest = models / folder / template.cache[key]
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(source, dest)

@@ -103,7 +103,7 @@ class DatasetCache:
         lat = _load_entry(self.cache_dir / "latents" / f"{item.latent_key}.safetensors", item)
         text = _load_entry(self.cache_dir / "text" / f"{text_key or item.text_key}.safetensors", item)
         latent = lat["latent_flipped"] if flipped and "latent_flipped" in lat else lat["latent"]
-        return latent, text
+        return latent, text | _conditioning(lat, flipped)
 
     @property
     def captions_vary(self) -> bool:
@@ -143,6 +143,11 @@ class DatasetCache:
                 f"run Cache Text Embeds again with this model's text encoders")
         if not config:
             return
+        variant = family.variant_for_config(config)
+        if variant != "custom" and family.first_frame(variant) is not None and family.first_frame(self.variant) is None:
+            raise ConfigError(
+                f"the dataset cache was built for {self.family} {self.variant}, without the first-frame conditioning "
+                f"this image-to-video model takes; run Cache Text Embeds again with this model")
         have = self.text_widths()
         for key, width in family.text_widths(config).items():
             if key in have and have[key] != width:
@@ -248,7 +253,7 @@ def build_dataset_cache(
     if own_negatives:  # sample prompts' own negatives (--n), encoded as the empty prompt is
         build_text(cache_dir, models, negative_specs(models.specs), own_negatives, keys.max_len, cb, {})
     build_latents(cache_dir, models.family, items + held_out + reg, data_cfg.flip, models.device, models.dtype, cb, stats,
-                  models.load_vae, models.variant)  # latent entries
+                  models.load_vae, models.variant, models.load_image_encoder)  # latent entries
     mask_source = options.mask_source if options is not None else "none"
     if mask_source != "none":
         build_masks(cache_dir, items + held_out, data_cfg.flip, mask_source, cb, stats)  # masks
@@ -337,6 +342,14 @@ def _write_manifest(cache_dir: Path, models: CacheModels, data_cfg: DataConfig, 
                         str(singles.vae) if singles is not None else None, manifest["sample_negative_keys"],
                         validation_items=list(held_out), mask_source=mask_source, caption_dropout=dropout[0],
                         empty_text_key=dropout[1], sample_settings=manifest["sample_settings"], reg_items=list(reg))
+
+
+def _conditioning(entry: dict[str, torch.Tensor], flipped: bool) -> dict[str, torch.Tensor]:
+    """What a latent entry holds beside the latent: an image-to-video window's first-frame conditioning
+    (``FirstFrameCondition``), delivered with the text embeddings to ``model_inputs`` (the mirrored copy,
+    ``<name>_flipped``, for a flipped item)."""
+    own = {k: v for k, v in entry.items() if not k.startswith("latent") and not k.endswith("_flipped")}
+    return {k: entry.get(f"{k}_flipped", v) if flipped else v for k, v in own.items()}
 
 
 def _load_entry(path: Path, item: CachedItem) -> dict[str, torch.Tensor]:

@@ -20,6 +20,7 @@ from ..fileio import atomic_write
 from .items import CachedItem
 from .model_sources import CacheModels
 from .encoders import encoder_kind
+from .image_encoder import encode_first_frames, frame_image
 from .vae_encoding import encode_images
 
 
@@ -80,9 +81,13 @@ def build_text(cache_dir: Path, models: CacheModels, specs, items: list[CachedIt
 
 
 def build_latents(cache_dir: Path, family, items: list[CachedItem], flip: bool, device, dtype,
-                  cb: TrainingCallback, stats: dict, vae_loader, variant: str | None = None) -> None:
+                  cb: TrainingCallback, stats: dict, vae_loader, variant: str | None = None,
+                  image_encoder_loader=None) -> None:
     """Encode every image (or clip window) whose latent entry is missing with the VAE ``vae_loader`` gives (also
-    its mirror image with ``flip``), then write one entry per item."""
+    its mirror image with ``flip``), then write one entry per item. An image-to-video variant
+    (``family.first_frame``) also keeps its first-frame conditioning in the entry, beside the latent (a flipped
+    copy under ``<name>_flipped``): the condition latents from the same VAE pass, and the image encoder's states of
+    the first frame (``image_encoder_loader()`` -> (model, processor)) where the variant takes them."""
     lat_dir = cache_dir / "latents"
     todo = {}
     for it in items:
@@ -92,16 +97,50 @@ def build_latents(cache_dir: Path, family, items: list[CachedItem], flip: bool, 
     if not todo:
         return
     jobs = [(it, False) for it in todo.values()] + ([(it, True) for it in todo.values()] if flip else [])
-    images = (_pixels(it, f) for it, f in jobs)
-    latents = encode_images(None, family, images, len(jobs), device, dtype, vae_loader=vae_loader,
-                            progress=lambda d, t: cb.on_progress("encode images (vae)", d, t), variant=variant)
+    condition = family.first_frame(variant) if variant else None
+    conditions: list[dict] = []
+    firsts: list = []  # the first frames, for the image encoder
+
+    def images():
+        for it, f in jobs:
+            pixels = _pixels(it, f)
+            if condition is not None and condition.image_encoder is not None:
+                firsts.append(frame_image(pixels))
+            yield pixels
+
+    latents = encode_images(None, family, images(), len(jobs), device, dtype, vae_loader=vae_loader,
+                            progress=lambda d, t: cb.on_progress("encode images (vae)", d, t), variant=variant,
+                            condition=condition, conditions=conditions)
+    if firsts:
+        _add_image_states(conditions, firsts, condition.image_encoder, image_encoder_loader, device, dtype, cb)
     n = len(todo)
     for i, (key, it) in enumerate(todo.items()):
         tensors = {"latent": latents[i]}
         if flip:
             tensors["latent_flipped"] = latents[n + i]
+        if conditions:
+            tensors.update(conditions[i])
+            if flip:
+                tensors.update({f"{k}_flipped": v for k, v in conditions[n + i].items()})
         atomic_save(tensors, lat_dir / f"{key}.safetensors", metadata={"image": it.image})
     stats["latents_built"] = n
+
+
+def _add_image_states(conditions: list[dict], firsts: list, spec, loader, device, dtype, cb) -> None:
+    """Each job's first frame through the image encoder, into its conditioning (``spec.cache_key``)."""
+    from ..models.dtypes import release_device_memory
+
+    if loader is None:
+        raise ValueError("this image-to-video model takes image-encoder states; build_latents needs its loader")
+    model, processor = loader()
+    try:
+        states = encode_first_frames(model, processor, spec, firsts, device, dtype)
+    finally:
+        del model
+        release_device_memory(device)
+    for cond, s in zip(conditions, states, strict=True):
+        cond[spec.cache_key] = s
+    cb.on_progress("encode first frames (image_encoder)", len(states), len(states))
 
 
 def _pixels(item: CachedItem, flip: bool) -> torch.Tensor:

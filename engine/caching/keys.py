@@ -58,6 +58,10 @@ def cache_keys(models: CacheModels, max_sequence_length: int = 0) -> CacheKeys:
     vae_files = models.singles.vae if models.singles is not None else models.pipeline / "vae"
     vae = stable_hash([path_identity(vae_files), str(models.dtype)]
                       + ([vae_spec.class_name] if vae_spec.class_name != "AutoencoderKL" else []))
+    condition = models.family.first_frame(models.variant)
+    if condition is not None:  # an image-to-video entry also holds the first frame's conditioning
+        vae = stable_hash([vae, list(condition.ident)] + ([path_identity(models.image_encoder_files())]
+                                                          if condition.image_encoder is not None else []))
     return CacheKeys(text, vae, max_len)
 
 

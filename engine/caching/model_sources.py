@@ -40,6 +40,26 @@ class CacheModels:
 
         return load_vae(self.pipeline, self.dtype, self.family.vae_for(self.variant).class_name)
 
+    def image_encoder_files(self) -> Path:
+        """Where an image-to-video variant's image encoder comes from: the single file, else the pipeline's
+        folder (``FirstFrameCondition.image_encoder``)."""
+        spec = self.family.first_frame(self.variant).image_encoder
+        if self.singles is not None:
+            if self.singles.image_encoder is None:
+                raise ModelLoadError(f"{self.family.display_name} ({self.variant}) also needs its image encoder: give "
+                                     f"{spec.file_help} with the text-encoder files")
+            return self.singles.image_encoder
+        return self.pipeline / spec.subfolder
+
+    def load_image_encoder(self):
+        """(model, processor) of an image-to-video variant's image encoder, on the CPU."""
+        from .image_encoder import load_image_encoder
+
+        spec = self.family.first_frame(self.variant).image_encoder
+        if self.singles is not None:
+            return load_image_encoder(spec, self.dtype, file=self.image_encoder_files())
+        return load_image_encoder(spec, self.dtype, pipeline=self.pipeline)
+
 
 def open_models(model_cfg: ModelConfig, device: str = "auto") -> CacheModels:
     """The family, variant and model files a cache is built from: the single files when any is given, else the

@@ -46,6 +46,7 @@ class SingleFileSources:
     text_encoders: dict[str, Path]  # spec subfolder ("text_encoder", "text_encoder_2") -> file
     vae: Path | None = None
     tokenizer_dirs: dict[str, Path] = field(default_factory=dict)  # kind -> fallback tokenizer folder
+    image_encoder: Path | None = None  # an image-to-video model's image encoder (clip_vision_h.safetensors)
 
 
 def _store(path: Path, prefixes: tuple[str, ...] = ()) -> TensorStore:
@@ -64,6 +65,14 @@ def sources_for(family, variant: str, files: list[Path], vae: Path | None,
     """Which file fills which of the family's text encoders (told by the files' tensor names, so they may
     come in any order), and the VAE file."""
     specs = family.text_encoder_specs(variant)
+    condition = family.first_frame(variant)
+    image_encoder = None
+    if condition is not None and condition.image_encoder is not None:  # given among the text encoders
+        from .image_encoder import is_image_encoder_file
+
+        found = [f for f in files if is_image_encoder_file(f)]
+        image_encoder = found[0] if found else None
+        files = [f for f in files if f not in found]
     kinds = [(f, kind_of_file(f, _store(f).shapes())) for f in files]
     needed = ", ".join(encoder_kind(s.kind).display_name for s in specs)
     by_spec: dict[str, Path] = {}
@@ -83,7 +92,7 @@ def sources_for(family, variant: str, files: list[Path], vae: Path | None,
         raise ModelLoadError(f"{', '.join(extra)}: not a text encoder {family.display_name} uses; it needs {needed}")
     if vae is None:
         raise ModelLoadError(f"caching from single files also needs {family.display_name}'s VAE file (models/vae)")
-    return SingleFileSources(by_spec, vae, dict(tokenizer_dirs or {}))
+    return SingleFileSources(by_spec, vae, dict(tokenizer_dirs or {}), image_encoder)
 
 
 def decoder_lm_source(path: Path, family=None, spec=None,

@@ -35,11 +35,15 @@ def encode_images(
     progress: Callable[[int, int], None] | None = None,
     vae_loader: Callable[[], torch.nn.Module] | None = None,
     variant: str | None = None,
+    condition=None,
+    conditions: list | None = None,
 ) -> list[torch.Tensor]:
     """(3, H, W) images, or (3, F, H, W) clips for a video VAE, in [-1, 1] -> latents as the family's transformer
     takes them (``family.vae_for(variant).encode``: Flux.1 shifted and scaled, Flux.2 patchified and normalised, the
     Wan VAEs (Qwen-Image, Wan) normalised per channel on one frame or on (1, C, F_lat, h, w)).
-    We keep the distribution's mean (a deterministic cache). ``variant``: whose VAE (``family.vae_for``)."""
+    We keep the distribution's mean (a deterministic cache). ``variant``: whose VAE (``family.vae_for``).
+    ``condition`` (an image-to-video variant's ``FirstFrameCondition``): each item's first-frame conditioning from
+    the same loaded VAE, appended to ``conditions`` ({name: tensor without the batch axis}, fp32 on the CPU)."""
     spec = family.vae_for(variant)
     vae = (vae_loader() if vae_loader is not None else load_vae(pipeline, dtype, spec.class_name)).to(device)
     # Tiling bounds VRAM for big images (decoder/encoder activations dominate the VAE).
@@ -47,7 +51,10 @@ def encode_images(
     latents = []
     try:
         for i, image in enumerate(images):
-            latents.append(spec.encode(vae, image[None].to(device, dtype))[0].float().cpu())
+            pixels = image[None].to(device, dtype)
+            latents.append(spec.encode(vae, pixels)[0].float().cpu())
+            if condition is not None:
+                conditions.append({k: v[0].float().cpu() for k, v in condition.encode_latents(vae, pixels).items()})
             if progress:
                 progress(i + 1, count)
     finally:

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from .names import NativeParam
-from .specs import ControlImages, Guidance, LoraForm, MemoryProfile, NoiseSchedule, TextEncoderSpec, VaeSpec
+from .specs import ControlImages, FirstFrameCondition, Guidance, LoraForm, MemoryProfile, NoiseSchedule, TextEncoderSpec, VaeSpec
 
 
 class ModelFamily(ABC):
@@ -145,6 +145,11 @@ class ModelFamily(ABC):
     def control_images(self, variant: str) -> ControlImages | None:
         """How an edit ``variant`` takes control images (its text spec then has ``control_images``); None for a model
         that takes none."""
+        return None
+
+    def first_frame(self, variant: str) -> FirstFrameCondition | None:
+        """How an image-to-video ``variant`` is conditioned on each clip's first frame (the cache keeps it per clip
+        window, previews take a dataset clip's first frame); None for a model that takes none."""
         return None
 
     def guidance(self, variant: str) -> Guidance:

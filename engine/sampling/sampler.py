@@ -36,6 +36,14 @@ class Sampler:
         self.negatives = [dataset.load_text(k) if self.rule.mode == "cfg" and k else None
                           for k in dataset.negative_keys()]
         self.prompts = [p for p, _ in dataset.sample_prompts]
+        # An image-to-video model draws each prompt from a dataset first frame (first_frame.py), encoded at the
+        # first checkpoint with the VAE the samples decode with.
+        self.first_frame = family.first_frame(dataset.variant)
+        self._conditioned = False
+        if self.first_frame is not None:
+            from .first_frame import check_first_frames
+
+            check_first_frames(dataset, len(self.prompts))
         # A video family samples clips (cfg.frames; checked against the family's frame rule here, not at the first
         # checkpoint), an image family one image.
         self.frames = cfg.frames if family.video else 1
@@ -43,6 +51,13 @@ class Sampler:
             family.latent_shape(model, 64, 64, self.frames)
         # Each prompt's settings: its line's options (--w --h ...), else these (prompt_lines.py).
         self.settings = [self._resolve(i, s) for i, s in enumerate(self._line_settings())]
+        if self.first_frame is not None:  # its first-frame conditions are encoded once, at the configured size
+            odd = [self.prompts[i] for i, (w, h, f, *_) in enumerate(self.settings)
+                   if (w, h, f) != (cfg.resolution, cfg.resolution, self.frames)]
+            if odd:
+                raise ConfigError(f"sample prompt {odd[0][:60]!r} sets its own size or frames (--w/--h/--f), which an "
+                                  f"image-to-video model's previews do not support yet (their first-frame conditions "
+                                  f"are encoded at sample_resolution and sample_frames); remove those options")
         self.fps = _dataset_fps(dataset)
         self.columns: list[tuple[str, list]] = []
         self.seconds = 0.0
@@ -163,6 +178,7 @@ class Sampler:
         try:
             import contextlib
 
+            self._condition_on_first_frames()
             with self.partner.placed() if self.partner is not None else contextlib.nullcontext() as partner:
                 latents = self._sample_groups(autocast, partner)
             images = decode_latents(self.vae(), self.family, latents, self.device, self.dataset.variant)
@@ -214,6 +230,18 @@ class Sampler:
             for i, lat in zip(idx, got):
                 out[i] = lat
         return out
+
+    def _condition_on_first_frames(self) -> None:
+        """Once: each prompt's (and its negative's) first-frame conditioning, for an image-to-video model."""
+        if self.first_frame is None or self._conditioned:
+            return
+        from .first_frame import preview_conditions
+
+        conds = preview_conditions(self.dataset, self.family, self.vae(), self.cfg.resolution, self.cfg.resolution,
+                                   self.frames, self.device, self.dtype, len(self.prompts))
+        self.embeds = [e | c for e, c in zip(self.embeds, conds)]
+        self.negatives = [n | c if n is not None else None for n, c in zip(self.negatives, conds)]
+        self._conditioned = True
 
     def vae(self):
         if self._vae is None:

@@ -384,8 +384,13 @@ def _comfy_has(comfy, model_class: str) -> bool:
     return check.stdout.strip() == "True"
 
 
-@pytest.mark.parametrize("family_id", sorted(families()))
-def test_lora_maps_completely_in_comfyuis_own_loader(comfy, tmp_path, family_id):
+#: Variants beside each family's tiny one whose LoRA has other modules: Wan 2.1 I2V's image cross-attention
+#: (native ``cross_attn.k_img`` / ``v_img``).
+_MORE_VARIANTS = [("wan", "wan-i2v-tiny")]
+
+
+@pytest.mark.parametrize("family_id, variant", [(f, None) for f in sorted(families())] + _MORE_VARIANTS)
+def test_lora_maps_completely_in_comfyuis_own_loader(comfy, tmp_path, family_id, variant):
     """Our ComfyUI-format LoRA through ComfyUI's own model_lora_keys_unet + load_lora + calculate_weight, run in
     ComfyUI's environment, for every family: every key mapped, nothing left over, exactly the weights our merge
     changes are patched, and the patched weights equal ours. The model class and ``unet_config`` come from the
@@ -406,10 +411,12 @@ def test_lora_maps_completely_in_comfyuis_own_loader(comfy, tmp_path, family_id)
 
     family = families()[family_id]
     fixtures = family_fixtures(family)
-    model_class, unet_config = fixtures.comfyui_model(family.load_config(family.tiny_variant))
+    variant = variant or family.tiny_variant
+    model_class, unet_config = fixtures.comfyui_model(family.load_config(variant))
     if not _comfy_has(comfy, model_class):
         pytest.skip(f"this ComfyUI has no comfy.model_base.{model_class} (0.3.64 predates Flux.2)")
-    pipe = fixtures.build_tiny_pipeline(tmp_path / "pipe")
+    pipe = fixtures.build_tiny_pipeline(tmp_path / "pipe", **({"variant": variant} if variant != family.tiny_variant
+                                                             else {}))
     data = make_tiny_dataset(tmp_path / "data", count=1)
     cache = build_dataset_cache(ModelConfig(transformer_path=str(pipe)),
                                 DataConfig(path=str(data), resolution=128, bucket_step=32), tmp_path / "cache")

@@ -34,3 +34,6 @@ class TrainingTemplate:
     #: from the source chain's Load Quantized Slab (chain 0 is this template's own). Wan 2.2 A14B: each expert's
     #: ``preview_partner`` is the other chain's model, so previews switch expert at the boundary.
     chain_links: tuple[tuple[int, str, int], ...] = ()
+    #: The tiny stand-in tests build for this template's files ("": the family's ``tiny_variant``): a variant whose
+    #: inputs differ (Wan I2V's condition channels) needs its own (the family's fixtures take ``variant=``).
+    tiny_variant: str = ""

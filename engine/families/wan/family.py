@@ -21,8 +21,12 @@ Facts (../../../shared/reference/new-families-facts.md §3; checked against diff
 
 TI2V-5B's pipeline gives the transformer per-token timesteps (``expand_timesteps``), so the clean first frame of
 image-to-video can sit at t = 0; in text-to-video every token has the same t, which is what ``model_inputs``
-passes as one timestep per sample (``test_family`` checks the two agree). I2V (image conditioning) is not
-supported yet: files named "i2v" are refused.
+passes as one timestep per sample (``test_family`` checks the two agree).
+
+Image-to-video (``i2v.py``): Wan 2.1 I2V 14B (``in_channels`` 36, CLIP ViT-H states through ``image_dim`` 1280)
+and Wan 2.2 I2V-A14B's two experts (``in_channels`` 36, no CLIP; high / low by the file name, switching at sigma
+0.9, not T2V's 0.875). The cache keeps each clip window's first-frame condition (and CLIP states) beside its latent
+(``first_frame``); frame 0 stays in the loss, as the pipeline and the peers train these models.
 """
 from __future__ import annotations
 
@@ -35,9 +39,10 @@ from torch import nn
 
 from ...errors import ConfigError
 from ..base import ModelFamily
-from ..specs import (Guidance, LoraForm, MemoryProfile, NoiseSchedule, Prediction, StepConstants, TextEncoderSpec,
-                     VaeSpec, static_shift_mu)
+from ..specs import (FirstFrameCondition, Guidance, LoraForm, MemoryProfile, NoiseSchedule, Prediction,
+                     StepConstants, TextEncoderSpec, VaeSpec, static_shift_mu)
 from ..names import NativeParam
+from .i2v import CONDITION_KEY, IMAGE_EMBEDS_KEY, WAN21_I2V, WAN22_I2V
 from .names import wan_param_table
 from .vae import WAN21_VAE, WAN22_VAE
 
@@ -46,19 +51,34 @@ from .vae import WAN21_VAE, WAN22_VAE
 ATTENTION_TARGETS = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
                      "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0")
 FFN_TARGETS = ("ffn.net.0.proj", "ffn.net.2")
+#: Wan 2.1 I2V's image cross-attention (native ``cross_attn.k_img`` / ``v_img``): musubi-tuner's target rule and the
+#: published I2V LoRAs carry them (facts §1.8); models without the CLIP path have no such Linears.
+IMAGE_TARGETS = ("attn2.add_k_proj", "attn2.add_v_proj")
 
 #: The hub schedulers' ``flow_shift`` (diffusers ``convert_wan_to_diffusers.py``): 3.0 T2V, 5.0 TI2V-5B.
 FLOW_SHIFT_T2V, FLOW_SHIFT_TI2V = 3.0, 5.0
 #: T2V-A14B: the high-noise expert runs at sampling timesteps >= 875 (``boundary_ratio``, facts §3.1).
 A14B_BOUNDARY = 0.875
+#: I2V-A14B: 0.9 (the official config, diffusers' conversion, musubi-tuner, DiffSynth; facts §1.4).
+I2V_BOUNDARY = 0.9
 TEXT_TOKENS = 512
 
 _A14B = {"high_noise": "wan2.2-t2v-a14b-high-noise", "low_noise": "wan2.2-t2v-a14b-low-noise"}
 #: Tiny stand-ins for the two experts (tests and the demo): wan-tiny's shapes, told apart by the name as A14B's are.
 _A14B_TINY = {"high_noise": "wan-tiny-high-noise", "low_noise": "wan-tiny-low-noise"}
-_HIGH = {_A14B["high_noise"]: _A14B["low_noise"], _A14B_TINY["high_noise"]: _A14B_TINY["low_noise"]}
+_I2V_A14B = {"high_noise": "wan2.2-i2v-a14b-high-noise", "low_noise": "wan2.2-i2v-a14b-low-noise"}
+_I2V_TINY = {"high_noise": "wan2.2-i2v-tiny-high-noise", "low_noise": "wan2.2-i2v-tiny-low-noise"}
+_HIGH = {_A14B["high_noise"]: _A14B["low_noise"], _A14B_TINY["high_noise"]: _A14B_TINY["low_noise"],
+         _I2V_A14B["high_noise"]: _I2V_A14B["low_noise"], _I2V_TINY["high_noise"]: _I2V_TINY["low_noise"]}
 _LOW = {low: high for high, low in _HIGH.items()}
 _TI2V = ("wan2.2-ti2v-5b", "wan2.2-ti2v-tiny")
+#: Image-to-video: Wan 2.1 I2V (with CLIP) and Wan 2.2 I2V (the 20 condition channels only).
+_I2V21 = ("wan2.1-i2v-14b", "wan-i2v-tiny")
+_I2V22 = ("wan2.2-i2v-a14b", "wan2.2-i2v-tiny", *_I2V_A14B.values(), *_I2V_TINY.values())
+
+
+def _boundary(variant: str) -> float:
+    return I2V_BOUNDARY if variant in _I2V22 else A14B_BOUNDARY
 
 
 def _spatial(out_channels: int) -> int:
@@ -131,16 +151,26 @@ class WanSchedule(NoiseSchedule):
         """The A14B experts split the noise levels at the pipeline's boundary (``boundary_ratio`` 0.875: the high-
         noise expert denoises sigma >= 0.875, the low-noise one below): each trains on its own side only."""
         if variant in _HIGH:
-            return (A14B_BOUNDARY, 1.0)
+            return (_boundary(variant), 1.0)
         if variant in _LOW:
-            return (0.0, A14B_BOUNDARY)
+            return (0.0, _boundary(variant))
         return (0.0, 1.0)
 
     def preview_partner(self, variant: str) -> tuple[str, float] | None:
         """An A14B expert's previews need the other expert: WanPipeline(transformer=high, transformer_2=low,
-        boundary_ratio=0.875) runs the high-noise one while the timestep is >= 875, the low-noise one below."""
+        boundary_ratio=0.875) runs the high-noise one while the timestep is >= 875, the low-noise one below
+        (I2V-A14B: WanImageToVideoPipeline with boundary_ratio 0.9)."""
         other = _HIGH.get(variant) or _LOW.get(variant)
-        return (other, A14B_BOUNDARY) if other else None
+        return (other, _boundary(variant)) if other else None
+
+
+class WanLora(LoraForm):
+    """Wan's targets; the image cross-attention's (``IMAGE_TARGETS``) only where the model has them (Wan 2.1 I2V)."""
+
+    def target_modules(self, model: nn.Module) -> list[str]:
+        names = set(dict(model.named_modules()))
+        return [n for n in super().target_modules(model)
+                if n in names or not n.endswith(tuple("." + t for t in IMAGE_TARGETS))]
 
 
 class WanFamily(ModelFamily):
@@ -157,6 +187,15 @@ class WanFamily(ModelFamily):
         "wan-tiny-high-noise": "wan-tiny.json",  # tests: the A14B experts' roles on wan-tiny (by name, as A14B)
         "wan-tiny-low-noise": "wan-tiny.json",
         "wan2.2-ti2v-tiny": "wan2.2-ti2v-tiny.json",  # tests: 48 channels, the Wan 2.2 VAE
+        # Image-to-video (``i2v.py``): 36 input channels; Wan 2.1 I2V also takes CLIP states (image_dim).
+        "wan2.1-i2v-14b": "wan2.1-i2v-14b.json",  # 480p and 720p: one architecture
+        "wan2.2-i2v-a14b": "wan2.2-i2v-a14b.json",  # the shape only: a file is one expert, by its name
+        "wan2.2-i2v-a14b-high-noise": "wan2.2-i2v-a14b.json",
+        "wan2.2-i2v-a14b-low-noise": "wan2.2-i2v-a14b.json",
+        "wan-i2v-tiny": "wan-i2v-tiny.json",  # tests: Wan 2.1 I2V's layout (CLIP path) at wan-tiny's width
+        "wan2.2-i2v-tiny": "wan2.2-i2v-tiny.json",  # tests: Wan 2.2 I2V's layout; its experts by name, as A14B's
+        "wan2.2-i2v-tiny-high-noise": "wan2.2-i2v-tiny.json",
+        "wan2.2-i2v-tiny-low-noise": "wan2.2-i2v-tiny.json",
     }
     tiny_variant = "wan-tiny"
     structural_keys = ("num_layers", "num_attention_heads", "attention_head_dim", "ffn_dim", "in_channels",
@@ -186,8 +225,8 @@ class WanFamily(ModelFamily):
         step_constants=StepConstants(source="condition_embedder.time_embedder",
                                      modules={"condition_embedder.time_proj": "silu"}),
     )
-    lora = LoraForm(
-        targets={"blocks": ATTENTION_TARGETS},
+    lora = WanLora(
+        targets={"blocks": ATTENTION_TARGETS + IMAGE_TARGETS},
         architecture="wan/lora",
         # ComfyUI 0.33 maps no diffusers name of Wan (facts §3.6): the LoRA carries the native module names
         # (``diffusion_model.blocks.N.self_attn.q``), one native Linear per diffusers Linear.
@@ -196,8 +235,11 @@ class WanFamily(ModelFamily):
     file_help = {
         "checkpoint": "wan2.1_t2v_1.3B_bf16.safetensors, wan2.1_t2v_14B_bf16.safetensors, "
                       "wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors / wan2.2_t2v_low_noise_14B_fp8_scaled."
-                      "safetensors (one expert per file) or wan2.2_ti2v_5B_fp16.safetensors",
-        "pipeline": "text_encoder (UMT5EncoderModel), tokenizer, vae (AutoencoderKLWan)",
+                      "safetensors (one expert per file), wan2.2_ti2v_5B_fp16.safetensors; image-to-video: "
+                      "wan2.2_i2v_high_noise_14B_fp8_scaled.safetensors / wan2.2_i2v_low_noise_14B_fp8_scaled."
+                      "safetensors, wan2.1_i2v_480p_14B_fp16.safetensors (or 720p)",
+        "pipeline": "text_encoder (UMT5EncoderModel), tokenizer, vae (AutoencoderKLWan); Wan 2.1 I2V also "
+                    "image_encoder (CLIPVisionModel) and image_processor",
         "single_files": "umt5_xxl_fp8_e4m3fn_scaled.safetensors (or umt5_xxl_fp16; the tokenizer it embeds is used) "
                         "and wan_2.1_vae.safetensors (wan2.2_vae.safetensors for TI2V-5B)",
     }
@@ -213,26 +255,31 @@ class WanFamily(ModelFamily):
         return wan_param_table(self, config)
 
     def variant_from_name(self, variant: str, name: str, keys: frozenset[str] | set[str] = frozenset()) -> str:
-        """A 14B file named ``..._high_noise_...`` / ``..._low_noise_...`` is that Wan 2.2 A14B expert; I2V files
-        are refused (image conditioning is not supported yet)."""
+        """A 14B file named ``..._high_noise_...`` / ``..._low_noise_...`` is that Wan 2.2 A14B expert (T2V, or I2V
+        for a 36-channel file). A Wan 2.2 I2V file must say which expert it is: its shapes do not (the boundary of
+        its noise levels depends on it)."""
         lower = name.lower().replace("-", "_")
-        if "i2v" in lower and "ti2v" not in lower:
-            raise ConfigError(f"'{name}' looks like a Wan image-to-video model. I2V LoRAs need image conditioning "
-                              f"(first-frame latents, a mask), which lowvram-lora does not support yet; train on the "
-                              f"T2V files (wan2.2_t2v_high_noise_14B / low_noise, wan2.1_t2v_*, wan2.2_ti2v_5B)")
-        for base, experts in (("wan2.1-t2v-14b", _A14B), ("wan-tiny", _A14B_TINY)):
-            if variant == base:
+        for base, experts in (("wan2.1-t2v-14b", _A14B), ("wan-tiny", _A14B_TINY), ("wan2.2-i2v-a14b", _I2V_A14B),
+                              ("wan2.2-i2v-tiny", _I2V_TINY)):
+            if variant == base or variant in experts.values():
                 for key, expert in experts.items():
                     if key in lower:
                         return expert
+        if variant == "wan2.2-i2v-a14b":
+            raise ConfigError(f"'{name}' is a Wan 2.2 I2V-A14B expert, but its name does not say which one; the two "
+                              f"experts have the same shapes and train on different noise levels (high noise: sigma "
+                              f">= {I2V_BOUNDARY}). Keep ComfyUI's names (wan2.2_i2v_high_noise_14B_fp8_scaled / "
+                              f"wan2.2_i2v_low_noise_14B_fp8_scaled) or put high_noise / low_noise in the file name")
         return variant
 
     # --- text ------------------------------------------------------------------------------------
 
     def text_encoder_specs(self, variant: str) -> tuple[TextEncoderSpec, ...]:
         """umT5-XXL's last hidden state, 512 tokens, zero rows after each caption (``zero_padded``)."""
-        tiny = variant.startswith("wan-tiny") or variant == "wan2.2-ti2v-tiny"
-        length = 32 if tiny else TEXT_TOKENS  # the tiny fixtures: short
+        tiny = variant.startswith("wan-tiny") or variant.startswith("wan2.2-i2v-tiny") or variant == "wan2.2-ti2v-tiny"
+        # The tiny fixtures: short. Wan 2.1 I2V's image cross-attention splits its keys at 512 text rows (diffusers
+        # hard-codes it), so its tiny stand-in keeps 512.
+        length = 32 if tiny else TEXT_TOKENS
         return (TextEncoderSpec("text_encoder", "tokenizer", "umt5", length, "prompt_embeds", length="zero_padded"),)
 
     def text_widths(self, config: dict[str, Any]) -> dict[str, int]:
@@ -265,18 +312,49 @@ class WanFamily(ModelFamily):
         prompt = embeds["prompt_embeds"].to(latents.dtype)
         if prompt.shape[0] != latents.shape[0]:
             raise ValueError(f"Wan batch mismatch: {latents.shape[0]} latents, {prompt.shape[0]} captions")
-        return {
-            "hidden_states": latents,
+        out = {
+            "hidden_states": _with_condition(model, latents, embeds),
             "timestep": self.schedule.prediction.model_timestep(sigmas.to(latents.device, torch.float32)),
             "encoder_hidden_states": prompt,
             "return_dict": False,
         }
+        if model.config.image_dim is not None:  # Wan 2.1 I2V: CLIP states of the first frame
+            if IMAGE_EMBEDS_KEY not in embeds:
+                raise ValueError(f"this Wan image-to-video model takes CLIP image states ('{IMAGE_EMBEDS_KEY}'), which "
+                                 f"the dataset cache lacks; build the cache with this model (Cache Text Embeds)")
+            out["encoder_hidden_states_image"] = embeds[IMAGE_EMBEDS_KEY].to(latents.dtype)
+        return out
 
     def unpack_prediction(self, output: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
         return output
 
+    def first_frame(self, variant: str) -> FirstFrameCondition | None:
+        """Image-to-video: the 20 condition channels of each clip's first frame (``i2v.py``), and for Wan 2.1 I2V
+        CLIP ViT-H's states of it."""
+        return WAN21_I2V if variant in _I2V21 else WAN22_I2V if variant in _I2V22 else None
+
     def guidance(self, variant: str) -> Guidance:
         """CFG ``uncond + g (cond - uncond)`` against the empty prompt: g = 5 (WanPipeline's default; Wan 2.1 and
-        TI2V-5B's official one); the A14B experts' official (low 3.0, high 4.0). 20 preview steps."""
+        TI2V-5B's official one, and WanImageToVideoPipeline's default for Wan 2.1 I2V); the A14B experts' official
+        (low 3.0, high 4.0); I2V-A14B's official 3.5 for both (``wan_i2v_A14B.py``). 20 preview steps."""
+        if variant in _I2V22:
+            return Guidance(mode="cfg", scale=3.5, steps=20, formula="standard")
         scale = 4.0 if variant in _HIGH else 3.0 if variant in _LOW else 5.0
         return Guidance(mode="cfg", scale=scale, steps=20, formula="standard")
+
+
+def _with_condition(model: nn.Module, latents: torch.Tensor, embeds: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The transformer's input: the noisy latents, and for an image-to-video model (36 input channels) the 20
+    channels of the first frame's condition after them, as WanImageToVideoPipeline concatenates them."""
+    extra = int(model.config.in_channels) - latents.shape[1]
+    if extra == 0:
+        return latents
+    cond = embeds.get(CONDITION_KEY)
+    if cond is None:
+        raise ValueError(f"this Wan image-to-video model takes {extra} condition channels (the first frame and its "
+                         f"mask, '{CONDITION_KEY}'), which the dataset cache lacks; build the cache with this model "
+                         f"(Cache Text Embeds)")
+    if cond.shape[1] != extra or cond.shape[2:] != latents.shape[2:] or cond.shape[0] != latents.shape[0]:
+        raise ValueError(f"Wan '{CONDITION_KEY}' {tuple(cond.shape)} does not fit latents {tuple(latents.shape)} "
+                         f"(it needs {extra} channels of the same batch, frames and size)")
+    return torch.cat([latents, cond.to(latents.dtype)], dim=1)

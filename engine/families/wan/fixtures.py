@@ -60,6 +60,8 @@ def build_tiny_pipeline(folder: str | Path, seed: int = 0, variant: str | None =
     from .family import FLOW_SHIFT_T2V, FLOW_SHIFT_TI2V
 
     variant = variant or FAMILY.tiny_variant
+    if FAMILY.first_frame(variant) is not None:
+        return build_tiny_i2v_pipeline(folder, seed, variant)
     ti2v = variant == "wan2.2-ti2v-tiny"
     folder = Path(folder)
     torch.manual_seed(seed)
@@ -75,6 +77,63 @@ def build_tiny_pipeline(folder: str | Path, seed: int = 0, variant: str | None =
                        vae=tiny_wan_vae(ti2v), scheduler=scheduler, expand_timesteps=ti2v)
     pipe.save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+def tiny_clip_vision(hidden: int, seed: int):
+    """A tiny ``CLIPVisionModel`` (Wan 2.1 I2V's image encoder class) at 56 px with 14 px patches: 17 tokens (the
+    real ViT-H/14 at 224 px gives 257) of width ``hidden`` (the transformer's ``image_dim``), and its processor with
+    CLIP's released settings at that size (shortest side, center crop, OpenAI CLIP mean / std)."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    torch.manual_seed(seed)
+    config = CLIPVisionConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=3,
+                              num_attention_heads=2, image_size=56, patch_size=14, hidden_act="gelu")
+    processor = CLIPImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
+    return CLIPVisionModel(config).eval(), processor
+
+
+def build_tiny_i2v_pipeline(folder: str | Path, seed: int = 0, variant: str = "wan-i2v-tiny") -> Path:
+    """A complete tiny ``WanImageToVideoPipeline`` folder: Wan 2.1 I2V's layout (``wan-i2v-tiny``: a tiny CLIP image
+    encoder and processor) or Wan 2.2 I2V's (``wan2.2-i2v-tiny``: none, ``boundary_ratio`` 0.9)."""
+    from diffusers import UniPCMultistepScheduler, WanImageToVideoPipeline
+
+    from . import FAMILY
+    from .family import FLOW_SHIFT_T2V, I2V_BOUNDARY
+
+    folder = Path(folder)
+    torch.manual_seed(seed)
+    config = FAMILY.load_config(variant)
+    transformer = FAMILY.transformer_class().from_config(config)
+    randomize_zero_inits(transformer, seed)
+    tokenizer, vocab = tiny_umt5_tokenizer()
+    clip = config.get("image_dim") is not None
+    encoder, processor = tiny_clip_vision(config["image_dim"], seed) if clip else (None, None)
+    # The hub's I2V schedulers (convert_wan_to_diffusers.py): UniPC, flow_shift 3.0 for every I2V model.
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                        num_train_timesteps=1000, flow_shift=FLOW_SHIFT_T2V)
+    pipe = WanImageToVideoPipeline(tokenizer=tokenizer, text_encoder=tiny_umt5(vocab, config["text_dim"], seed),
+                                   vae=tiny_wan_vae(), scheduler=scheduler, image_processor=processor,
+                                   image_encoder=encoder, transformer=transformer,
+                                   boundary_ratio=None if clip else I2V_BOUNDARY)
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def write_clip_vision_file(pipeline_folder: str | Path, out_file: str | Path) -> Path:
+    """The pipeline's image encoder as ComfyUI keeps ``clip_vision_h.safetensors`` (HF ``vision_model.*`` names and a
+    ``visual_projection`` the Wan states do not use), with a companion folder holding the tiny config and processor
+    settings (the real file uses the shipped ViT-H ones)."""
+    pipeline_folder, out_file = Path(pipeline_folder), Path(out_file)
+    state = {"vision_model." + k: v for k, v in folder_state(pipeline_folder / "image_encoder").items()}
+    width = state["vision_model.post_layernorm.weight"].shape[0]
+    state["visual_projection.weight"] = torch.randn(width, width)
+    path = save_tensors(state, out_file)
+    companion = path.with_suffix("")
+    companion.mkdir(exist_ok=True)
+    shutil.copy(pipeline_folder / "image_encoder" / "config.json", companion / "config.json")
+    shutil.copy(pipeline_folder / "image_processor" / "preprocessor_config.json",
+                companion / "preprocessor_config.json")
+    return path
 
 
 def write_single_file(pipeline_folder: str | Path, out_file: str | Path, dtype: torch.dtype | None = None,
@@ -125,8 +184,11 @@ def write_text_and_vae_files(pipeline_folder: str | Path, folder: str | Path) ->
     shutil.copy(pipeline_folder / "text_encoder" / "config.json", companion / "config.json")
     config = json.loads((pipeline_folder / "vae" / "config.json").read_text())
     if config["z_dim"] != 48:
-        return {"text_encoder": text_file, "vae": write_wan_vae_file(pipeline_folder / "vae",
-                                                                     folder / "wan_2.1_vae.safetensors")}
+        out = {"text_encoder": text_file, "vae": write_wan_vae_file(pipeline_folder / "vae",
+                                                                    folder / "wan_2.1_vae.safetensors")}
+        if (pipeline_folder / "image_encoder").is_dir():  # Wan 2.1 I2V: ComfyUI's clip_vision_h.safetensors
+            out["image_encoder"] = write_clip_vision_file(pipeline_folder, folder / "clip_vision_h.safetensors")
+        return out
     vae = save_tensors({wan22_vae_original_key(k, config["num_res_blocks"]): v
                         for k, v in folder_state(pipeline_folder / "vae").items()}, folder / "wan2.2_vae.safetensors")
     vae.with_suffix("").mkdir(exist_ok=True)
@@ -137,9 +199,10 @@ def write_text_and_vae_files(pipeline_folder: str | Path, folder: str | Path) ->
 def comfyui_model(config: dict) -> tuple[str, dict]:
     """What ComfyUI builds for a Wan transformer of this diffusers ``config``: ``comfy.model_base.WAN21`` (``WAN22``
     for the 48-channel TI2V-5B) and the ``unet_config`` its detection derives from the file (``model_detection``:
+    ``model_type`` "i2v" where the file has Wan 2.1 I2V's ``img_emb``;
     ``dim`` from ``head.modulation``, ``out_dim`` from ``head.head``, ``ffn_dim``, the block count, ``in_dim`` from
     ``patch_embedding``). Its LoRA key map reads none of it: it maps the native names generically."""
     dim = config["num_attention_heads"] * config["attention_head_dim"]
     return ("WAN22" if config["out_channels"] == 48 else "WAN21"), {
-        "image_model": "wan2.1", "model_type": "t2v", "dim": dim, "out_dim": config["out_channels"],
+        "image_model": "wan2.1", "model_type": "i2v" if config.get("image_dim") else "t2v", "dim": dim, "out_dim": config["out_channels"],
         "ffn_dim": config["ffn_dim"], "num_layers": config["num_layers"], "in_dim": config["in_channels"]}

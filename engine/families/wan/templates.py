@@ -8,6 +8,12 @@ _REPO = "https://huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged/resolve/mai
 _REPO22 = "https://huggingface.co/Comfy-Org/Wan_2.2_ComfyUI_Repackaged/resolve/main/split_files/"
 _UMT5 = "umt5_xxl_fp8_e4m3fn_scaled.safetensors"
 _HIGH, _LOW = "wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors", "wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors"
+_I2V_HIGH = "wan2.2_i2v_high_noise_14B_fp8_scaled.safetensors"
+_I2V_LOW = "wan2.2_i2v_low_noise_14B_fp8_scaled.safetensors"
+_I2V21, _CLIP_H = "wan2.1_i2v_480p_14B_fp16.safetensors", "clip_vision_h.safetensors"
+_CLIPS = ("- input/my_clips/: your clips (.mp4, .webm, .mov, animated .gif/.webp, or a folder of frames) with same-name "
+          ".txt captions. Each training window's first frame is the image the model is conditioned on (the cache "
+          "keeps its condition latents beside the window's latents).\n\n")
 
 _PREVIEW = FAMILY.guidance("wan2.1-t2v-1.3b")  # CFG 5, 20 steps
 _TOKENIZER = ("with umT5's tokenizer files (google/umt5-xxl: tokenizer.json, tokenizer_config.json, spiece.model) in "
@@ -133,5 +139,84 @@ TEMPLATES = [
             "room (the log says which). Disconnect preview_partner (or set sample_every 0) for no samples. To see "
             "both LoRAs together, load them in ComfyUI's own Wan 2.2 T2V workflow (LoraLoaderModelOnly after each "
             "expert's loader)."),
+    ),
+    TrainingTemplate(
+        name="wan22_i2v_lora",
+        label="high noise",
+        tiny_variant="wan2.2-i2v-tiny",
+        load={"checkpoint": _I2V_HIGH, "family": "wan", "precision": "int8 slab"},
+        cache={"text_encoders": "(single files below)", "dataset_path": "my_clips", "resolution": 624,
+               "text_encoder_1": _UMT5, "vae_file": "wan_2.1_vae.safetensors",
+               "sample_prompts": "ohwx, a dog running on a beach", "video_frames": "81", "video_fps": 16.0},
+        # As the T2V template: 24 GB is the budget at which auto's plan also fits a 32 GB RAM machine (the I2V
+        # expert differs only by 20 input channels of patch_embedding).
+        offload={"mode": "auto", "vram_budget_gb": 24.0},
+        train={"steps": 1500, "learning_rate": 1e-4, "rank": 16, "alpha": 16.0, "warmup_steps": 0,
+               "training_seed": 42, "sample_every": 250, "sample_steps": _PREVIEW.steps, "sample_resolution": 512,
+               "sample_guidance": FAMILY.guidance("wan2.2-i2v-a14b-high-noise").scale, "sample_frames": 17},
+        save={"filename_prefix": "loras/wan22_i2v_high_noise_lora"},
+        chains=({"label": "low noise", "load": {"checkpoint": _I2V_LOW},
+                 "train": {"sample_guidance": FAMILY.guidance("wan2.2-i2v-a14b-low-noise").scale},
+                 "save": {"filename_prefix": "loras/wan22_i2v_low_noise_lora"}},),
+        chain_links=((0, "preview_partner", 1), (1, "preview_partner", 0)),
+        downloads={  # as in ComfyUI's own Wan 2.2 I2V template
+            _I2V_HIGH: _REPO22 + "diffusion_models/" + _I2V_HIGH,
+            _I2V_LOW: _REPO22 + "diffusion_models/" + _I2V_LOW,
+            _UMT5: _REPO + "text_encoders/" + _UMT5,
+            "wan_2.1_vae.safetensors": _REPO22 + "vae/wan_2.1_vae.safetensors",
+        },
+        note=(
+            "Wan 2.2 I2V-A14B image-to-video LoRAs, one per expert: the top chain trains the high-noise expert (sigma "
+            ">= 0.9), the bottom one the low-noise expert (sigma < 0.9), each saving its own LoRA "
+            "(loras/wan22_i2v_high_noise_lora / _low_noise_lora). The chains run one after the other; bypass (Ctrl-B) "
+            "a chain's Save LoRA to train one expert.\n\n"
+            "Clips: 81 frames at 16 fps, buckets of about 624x624 pixels (832x480), on a 24 GB VRAM budget, planned "
+            "for 32 GB of RAM. The model sees each window's first frame as its condition (the mask and one VAE encode "
+            "of the first frame followed by grey frames, as WanImageToVideoPipeline and ComfyUI's WanImageToVideo "
+            "build it); frame 0 stays in the loss, as the pipeline and other trainers do.\n\n"
+            "Files (what ComfyUI's own Wan 2.2 I2V template uses):\n"
+            f"- models/diffusion_models/{_I2V_HIGH} and {_I2V_LOW}. precision 'int8 slab' builds each expert's slab "
+            "once into models/slabs.\n"
+            f"- models/text_encoders/{_UMT5} {_TOKENIZER}, and models/vae/wan_2.1_vae.safetensors.\n"
+            + _CLIPS +
+            "Samples: every 250 steps a 17-frame 512x512 clip per prompt, drawn from a first frame of the dataset "
+            "(sample prompt line i from clip window i). Each Train LoRA's preview_partner takes the other chain's "
+            "model so previews switch expert at sigma 0.9 (CFG 3.5 both, the official setting). The LoRA (Wan's own "
+            "names) loads with ComfyUI's LoraLoaderModelOnly after each expert's loader."),
+    ),
+    TrainingTemplate(
+        name="wan21_i2v_lora",
+        tiny_variant="wan-i2v-tiny",
+        load={"checkpoint": _I2V21, "family": "wan", "precision": "int8 slab"},
+        cache={"text_encoders": "(single files below)", "dataset_path": "my_clips", "resolution": 624,
+               "text_encoder_1": _UMT5, "text_encoder_2": _CLIP_H, "vae_file": "wan_2.1_vae.safetensors",
+               "sample_prompts": "ohwx, a dog running on a beach", "video_frames": "81", "video_fps": 16.0},
+        offload={"mode": "auto", "vram_budget_gb": 24.0},
+        train={"steps": 1500, "learning_rate": 1e-4, "rank": 16, "alpha": 16.0, "warmup_steps": 0,
+               "training_seed": 42, "sample_every": 250, "sample_steps": _PREVIEW.steps, "sample_resolution": 512,
+               "sample_guidance": FAMILY.guidance("wan2.1-i2v-14b").scale, "sample_frames": 17},
+        save={"filename_prefix": "loras/wan21_i2v_lora"},
+        downloads={  # as in ComfyUI's own Wan 2.1 image-to-video example
+            _I2V21: _REPO + "diffusion_models/" + _I2V21,
+            _UMT5: _REPO + "text_encoders/" + _UMT5,
+            _CLIP_H: _REPO + "clip_vision/" + _CLIP_H,
+            "wan_2.1_vae.safetensors": _REPO + "vae/wan_2.1_vae.safetensors",
+        },
+        note=(
+            "Wan 2.1 I2V 14B image-to-video LoRA on 81-frame clips at 16 fps, buckets of about 624x624 pixels "
+            "(832x480), on a 24 GB VRAM budget, planned for 32 GB of RAM. The model sees each window's first frame "
+            "twice: as its condition channels (the mask and one VAE encode of the first frame followed by grey "
+            "frames) and as CLIP ViT-H's penultimate hidden state (257 x 1280) through its image cross-attention; "
+            "the cache keeps both per window. Frame 0 stays in the loss, as the pipeline and other trainers do.\n\n"
+            "Files (what ComfyUI's own Wan 2.1 image-to-video example uses):\n"
+            f"- models/diffusion_models/{_I2V21} (or the 720p file). precision 'int8 slab' builds a slab once into "
+            "models/slabs.\n"
+            f"- models/text_encoders/{_UMT5} {_TOKENIZER}; models/clip_vision/{_CLIP_H} (text_encoder_2: the image "
+            "encoder, told apart by its tensors); models/vae/wan_2.1_vae.safetensors.\n"
+            + _CLIPS +
+            "Samples: every 250 steps a 17-frame 512x512 clip per prompt, drawn from a first frame of the dataset "
+            "(sample prompt line i from clip window i), CFG 5. The LoRA covers self- and cross-attention including "
+            "the image cross-attention (Wan's own names: diffusion_model.blocks.N.cross_attn.k_img / v_img) and loads "
+            "with ComfyUI's LoraLoaderModelOnly."),
     ),
 ]

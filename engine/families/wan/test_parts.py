@@ -15,7 +15,8 @@ from lowvram_lora.engine.families.tiny import randomize_zero_inits
 from lowvram_lora.engine.families.wan import FAMILY
 from lowvram_lora.engine.families.wan.parts import CrossAttention, FeedForward, SelfAttention
 
-VARIANTS = (FAMILY.tiny_variant, "wan2.2-ti2v-tiny")
+#: wan-i2v-tiny: Wan 2.1 I2V's image cross-attention (add_k_proj / add_v_proj over the CLIP rows) in the cross part.
+VARIANTS = (FAMILY.tiny_variant, "wan2.2-ti2v-tiny", "wan-i2v-tiny")
 
 
 @pytest.fixture(autouse=True)
@@ -45,9 +46,13 @@ def _block_inputs(model, per_token: bool, frames: int = 5):
     (B,) gives temb (B, 6, D); timestep (B, S) as TI2V's pipeline passes it gives temb (B, S, 6, D)."""
     g = torch.Generator().manual_seed(1)
     dtype = model.patch_embedding.weight.dtype
-    latents = torch.randn(2, *FAMILY.latent_shape(model, 32, 32 if model.config.out_channels == 16 else 64, frames),
-                          generator=g).to(dtype)
-    text = torch.randn(2, 9, model.config.text_dim, generator=g).to(dtype)
+    shape = list(FAMILY.latent_shape(model, 32, 32 if model.config.out_channels == 16 else 64, frames))
+    shape[0] = model.config.in_channels  # an I2V model's input: the latents and the 20 condition channels
+    latents = torch.randn(2, *shape, generator=g).to(dtype)
+    clip = model.config.image_dim is not None  # Wan 2.1 I2V: its cross-attention splits off the rows before 512 text
+    text = torch.randn(2, 512 if clip else 9, model.config.text_dim, generator=g).to(dtype)
+    image = {"encoder_hidden_states_image": torch.randn(2, 5, model.config.image_dim, generator=g).to(dtype)} \
+        if clip else {}
     if per_token:
         p = model.config.patch_size
         tokens = latents.shape[2] // p[0] * (latents.shape[3] // p[1]) * (latents.shape[4] // p[2])
@@ -64,7 +69,7 @@ def _block_inputs(model, per_token: bool, frames: int = 5):
     handle = model.blocks[0].register_forward_pre_hook(grab)
     try:
         with torch.no_grad(), pytest.raises(StopIteration):
-            model(hidden_states=latents, timestep=timestep, encoder_hidden_states=text, return_dict=False)
+            model(hidden_states=latents, timestep=timestep, encoder_hidden_states=text, return_dict=False, **image)
     finally:
         handle.remove()
     hidden, encoder, temb, rope = seen["args"]
