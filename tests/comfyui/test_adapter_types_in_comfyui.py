@@ -98,3 +98,56 @@ def test_adapter_file_maps_exactly_in_comfyuis_own_loader(tiny, tmp_path, family
     assert result["patches"] == len(prefixes) and not result["not_loaded"], result
     assert result["targets"] == result["changed_by_our_merge"], "ComfyUI patches other weights than peft's merge changes"
     assert result["worst_rel_delta_error"] < 1e-6, result
+
+
+def _comfy_patch_check(tmp_path, family, fixtures, pipe, file, ref_state, model_config):
+    """ComfyUI's loader on ``file`` against the native tensors of ``ref_state`` (a merged float model's state)."""
+    from safetensors.torch import save_file
+
+    from lowvram_lora.engine.families.names import join_diffusers_tensors
+
+    model_class, unet_config = fixtures.comfyui_model(family.load_config(family.tiny_variant))
+    base_file = fixtures.write_single_file(pipe, tmp_path / "base.safetensors")
+    save_file({p.name: join_diffusers_tensors(p, ref_state).contiguous() for p in family.param_table(model_config)},
+              str(tmp_path / "ref.safetensors"))
+    args = {"lora": str(file), "base": str(base_file), "ref": str(tmp_path / "ref.safetensors"),
+            "model_class": model_class, "unet_config": unet_config}
+    (tmp_path / "args.json").write_text(json.dumps(args))
+    comfy_dir = Path(COMFY_DIR).resolve()
+    done = subprocess.run([str(_python(comfy_dir)), "-c", _COMFY_LORA_CHECK.replace("ARGS", repr(str(tmp_path / "args.json")))],
+                          cwd=comfy_dir, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("family_id, adapter", [("flux1", "lora"), ("lumina2", "lora"), ("wan", "lora"),
+                                                ("flux1", "loha"), ("qwen_image", "lokr")])
+def test_continuing_from_a_file_takes_the_deltas_comfyui_reads_from_it(tiny, tmp_path, family_id, adapter):
+    """Continue from a ComfyUI-format file (alpha 4 here, 8 in the run that wrote it): peft's merge of the continued
+    adapter equals what ComfyUI's own loader makes of the file (relative delta error <= 1e-6)."""
+    import torch
+
+    from lowvram_lora.engine.config import AdapterConfig, LoraSettings, ModelConfig, TrainConfig
+    from lowvram_lora.engine.lora_io import save_lora
+    from lowvram_lora.engine.models import load_transformer
+    from lowvram_lora.engine.train import train_lora
+    from lowvram_lora.engine.train.lora_attach import attach_lora, detach_lora, lora_state_dict
+    from helpers import peft_merged
+
+    family = families()[family_id]
+    fixtures = family_fixtures(family)
+    pipe, cache = tiny(family_id)
+    lora = train_lora(ModelConfig(transformer_path=str(pipe)), cache,
+                      LoraSettings(rank=4, alpha=8, adapter=AdapterConfig(type=adapter)),
+                      TrainConfig(steps=3, learning_rate=2e-2, device="cpu"))
+    file = save_lora(lora, tmp_path / "lora.safetensors", fmt="comfyui", dtype="fp32")
+    settings = LoraSettings(rank=4, alpha=4, adapter=AdapterConfig(type=adapter, continue_from=str(file)))
+    model, fam, _, _ = load_transformer(pipe, dtype=torch.float32)
+    attach_lora(model, fam, settings, seed=7)
+    state = lora_state_dict(model)
+    detach_lora(model)
+    ref = peft_merged(model, fam, LoraSettings(rank=4, alpha=4, adapter=AdapterConfig(type=adapter)), state)
+    result = _comfy_patch_check(tmp_path, family, fixtures, pipe, file, ref.state_dict(), lora.model_config)
+    print(family_id, adapter, {k: v for k, v in result.items() if k not in ("targets", "changed_by_our_merge")})
+    assert not result["not_loaded"] and result["targets"] == result["changed_by_our_merge"], result
+    assert result["worst_rel_delta_error"] < 1e-6, result
