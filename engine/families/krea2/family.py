@@ -1,7 +1,8 @@
 """Krea 2 (Krea AI, 12.8B single-stream MMDiT; Raw and Turbo) on diffusers' ``Krea2Transformer2DModel`` (0.42.1).
 
 Facts (../../../shared/reference/families-2026-image-facts.md §2; checked against diffusers 0.42.1
-``transformer_krea2.py``, ``pipeline_krea2.py`` and ``single_file_utils.convert_krea2_transformer_checkpoint_to_diffusers``):
+``transformer_krea2.py``, ``pipeline_krea2.py`` and
+``single_file_utils.convert_krea2_transformer_checkpoint_to_diffusers``):
 
 - 28 ``transformer_blocks`` (868 MB bf16 / 434 MB int8 each): GQA attention (48 query, 12 KV heads) with a sigmoid
   output gate, SwiGLU, zero-centred RMSNorms; the modulation is one global ``time_mod_proj`` (226 M, outside the
@@ -159,9 +160,9 @@ class Krea2Family(ModelFamily):
             return (TextEncoderSpec("text_encoder", "tokenizer", "decoder_lm", 32, "prompt_embeds",
                                     hidden_layers=TINY_TAPS, length="variable", template=_TEMPLATE,
                                     drop_tokens=TINY_DROP),)
-        return (TextEncoderSpec("text_encoder", "tokenizer", "decoder_lm", 512, "prompt_embeds", hidden_layers=TEXT_TAPS,
-                                length="variable", template=_TEMPLATE, architecture="qwen3-vl-4b", drop_tokens=DROP,
-                                comfyui_tokenizer="qwen25_tokenizer"),)
+        return (TextEncoderSpec("text_encoder", "tokenizer", "decoder_lm", 512, "prompt_embeds",
+                                hidden_layers=TEXT_TAPS, length="variable", template=_TEMPLATE,
+                                architecture="qwen3-vl-4b", drop_tokens=DROP, comfyui_tokenizer="qwen25_tokenizer"),)
 
     def text_widths(self, config: dict[str, Any]) -> dict[str, int]:
         return {"prompt_embeds": int(config["num_text_layers"]) * int(config["text_hidden_dim"])}

@@ -1,9 +1,10 @@
 """Krea 2's native parameter names (the official ``raw.safetensors`` / ``turbo.safetensors`` and ComfyUI's repack).
 
 The inverse of diffusers 0.42.1's ``convert_krea2_transformer_checkpoint_to_diffusers`` (``single_file_utils.py``):
-top-level prefixes (``first`` = ``img_in``, ``tmlp`` = ``time_embed``, ``tproj.1`` = ``time_mod_proj``, ``txtmlp`` =
-``txt_in``, ``txtfusion`` = ``text_fusion``, ``blocks`` = ``transformer_blocks``, ``last`` = ``final_layer``), and inside
-every block, text-fusion blocks included: ``attn.wq/wk/wv/wo/gate``, ``attn.qknorm.qnorm/knorm.scale``, ``mlp.``,
+top-level prefixes (``first`` = ``img_in``, ``tmlp`` = ``time_embed``, ``tproj.1`` = ``time_mod_proj``,
+``txtmlp`` = ``txt_in``, ``txtfusion`` = ``text_fusion``, ``blocks`` = ``transformer_blocks``, ``last`` =
+``final_layer``), and inside every block, text-fusion blocks included: ``attn.wq/wk/wv/wo/gate``,
+``attn.qknorm.qnorm/knorm.scale``, ``mlp.``,
 ``prenorm/postnorm.scale``. Nothing is fused; the one change of shape is each main block's modulation table, stored
 flattened (``blocks.N.mod.lin``, (6 * D,)) where diffusers keeps (6, D) (``NativeParam.flat``). ComfyUI detects the
 family by ``txtfusion.projector.weight`` and keeps these names (``comfy/model_detection.py``).

@@ -1,5 +1,5 @@
-"""Krea 2 (engine/families/krea2/) on tiny models, against diffusers 0.42.1's own code as the reference: the native names
-against ``convert_krea2_transformer_checkpoint_to_diffusers``, the text cache against
+"""Krea 2 (engine/families/krea2/) on tiny models, against diffusers 0.42.1's own code as the reference: the native
+names against ``convert_krea2_transformer_checkpoint_to_diffusers``, the text cache against
 ``Krea2Pipeline.get_text_hidden_states`` (its middle padding and skipped positions), the training forward against the
 pipeline's fixed-length call, previews (Raw: CFG 4.5 under the dynamic shift; Turbo: mu 1.15, no guidance) against
 the pipeline's latents, a saved LoRA through diffusers' ``Krea2LoraLoaderMixin``. fp32; tolerance 1e-5 unless said."""
@@ -76,7 +76,8 @@ def test_registry_variants_and_detection(pipeline_folder, tmp_path):
     assert FAMILY.memory.hidden_size(real) == 6144 and real["num_layers"] == 28 and real["num_key_value_heads"] == 12
     assert FAMILY.text_widths(real) == {"prompt_embeds": 12 * 2560}
     assert FAMILY.variant_for_config(real) == "krea2-raw"
-    single = write_single_file(pipeline_folder, tmp_path / "krea2_raw_bf16.safetensors", prefix="model.diffusion_model.")
+    single = write_single_file(pipeline_folder, tmp_path / "krea2_raw_bf16.safetensors",
+                               prefix="model.diffusion_model.")
     keys = {k.removeprefix("model.diffusion_model.") for k in load_file(str(single))}
     assert family_for_single_file(keys) is FAMILY
     assert all(f is FAMILY or not f.looks_like_single_file(keys) for f in (get_family("qwen_image"),
@@ -93,7 +94,8 @@ def test_native_names_are_the_diffusers_converter_inverted(pipeline_folder, tmp_
     from diffusers.loaders.single_file_utils import convert_krea2_transformer_checkpoint_to_diffusers
 
     ref = load_file(str(pipeline_folder / "transformer" / "diffusion_pytorch_model.safetensors"))
-    native = load_file(str(write_single_file(pipeline_folder, tmp_path / "k.safetensors", prefix="model.diffusion_model.")))
+    native = load_file(str(write_single_file(pipeline_folder, tmp_path / "k.safetensors",
+                                             prefix="model.diffusion_model.")))
     assert native["model.diffusion_model.blocks.0.mod.lin"].shape == (6 * 64,)
     assert {"model.diffusion_model.txtfusion.projector.weight", "model.diffusion_model.first.weight",
             "model.diffusion_model.txtfusion.layerwise_blocks.0.prenorm.scale"} <= set(native)
