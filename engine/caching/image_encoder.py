@@ -17,16 +17,6 @@ import torch
 
 from ..errors import ModelLoadError
 
-_VISION_KEY = "vision_model.encoder.layers.0.self_attn.q_proj.weight"
-
-
-def is_image_encoder_file(path: Path) -> bool:
-    """Whether a single file is a CLIP vision tower (ComfyUI's ``clip_vision_h.safetensors``), by its names."""
-    from ..checkpoint import SafetensorsFile
-
-    return _VISION_KEY in SafetensorsFile(path).entries
-
-
 def load_image_encoder(spec, dtype: torch.dtype, pipeline: Path | None = None, file: Path | None = None):
     """(model, processor) from the pipeline folder's parts or the single ``file``; safetensors only."""
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel

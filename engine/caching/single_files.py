@@ -60,6 +60,18 @@ def text_encoder_kind(path: Path) -> str:
     return kind_of_file(path, _store(path).shapes()).file_kind
 
 
+#: A tensor every CLIP vision tower file has (ComfyUI's ``clip_vision_h.safetensors``): what tells one apart from
+#: the text encoders given beside it (image_encoder.py loads it).
+_VISION_KEY = "vision_model.encoder.layers.0.self_attn.q_proj.weight"
+
+
+def is_image_encoder_file(path: Path) -> bool:
+    """Whether a single file is a CLIP vision tower (ComfyUI's ``clip_vision_h.safetensors``), by its names."""
+    from ..checkpoint import SafetensorsFile
+
+    return _VISION_KEY in SafetensorsFile(path).entries
+
+
 def sources_for(family, variant: str, files: list[Path], vae: Path | None,
                 tokenizer_dirs: dict[str, Path] | None = None) -> SingleFileSources:
     """Which file fills which of the family's text encoders (told by the files' tensor names, so they may
@@ -68,8 +80,6 @@ def sources_for(family, variant: str, files: list[Path], vae: Path | None,
     condition = family.first_frame(variant)
     image_encoder = None
     if condition is not None and condition.image_encoder is not None:  # given among the text encoders
-        from .image_encoder import is_image_encoder_file
-
         found = [f for f in files if is_image_encoder_file(f)]
         image_encoder = found[0] if found else None
         files = [f for f in files if f not in found]
