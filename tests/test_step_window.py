@@ -52,6 +52,8 @@ class _Dataset:
         from helpers import family_inputs
 
         self.items, self.flip, self.dataset_hash = [], True, "window-test"
+        # Dataset Options' members, off: no held-out split, regularization images, caption variants or masks
+        self.validation_items, self.reg_items, self.captions_vary = [], [], False
         self._data = []
         for i in range(count):
             torch.manual_seed(100 + i)
@@ -65,9 +67,12 @@ class _Dataset:
     def training_items(self):
         return list(self.items)
 
-    def load_item(self, item, flipped=False):
+    def load_item(self, item, flipped=False, text_key=None):
         latents, embeds = self._data[item.index]
         return (latents.flip(-1) if flipped else latents), dict(embeds)
+
+    def load_mask(self, item, flipped=False):
+        return None
 
     def collate_text(self, rows):
         return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
