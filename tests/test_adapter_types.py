@@ -64,13 +64,22 @@ def int8_model(tiny_pipeline, tmp_path_factory):
     return load_slab_transformer(slab, torch.float32)
 
 
+@pytest.fixture(scope="module")
+def int4_model(tiny_pipeline, tmp_path_factory):
+    slab = build_slab(tiny_pipeline, tmp_path_factory.mktemp("int4slab"), progress=False, bits=4)
+    return load_slab_transformer(slab, torch.float32)
+
+
 def _float_copy(model):
-    """The int8 model with every Int8Linear replaced by a plain fp32 Linear holding its dequantized weight."""
+    """The slab model with every Int8Linear / Int4Linear replaced by a plain fp32 Linear holding its dequantized
+    weight."""
     import copy
+
+    from lowvram_lora.engine.slab import Int4Linear
 
     ref = copy.deepcopy(model)
     for name, module in list(ref.named_modules()):
-        if isinstance(module, Int8Linear):
+        if isinstance(module, (Int8Linear, Int4Linear)):
             plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
             with torch.no_grad():
                 plain.weight.copy_(module.dequantized_weight(torch.float32))
@@ -124,6 +133,30 @@ def test_each_type_on_int8_slab_linears_equals_the_dequantized_float_model(int8_
     if kind == "dora":
         key = "transformer_blocks.0.attn.to_q.lora_magnitude_vector.default.weight"
         torch.testing.assert_close(mags[key], torch.linalg.norm(q.dequantized_weight(torch.float32), dim=1))
+
+
+def test_dora_on_int4_slab_linears_equals_the_dequantized_float_model(int4_model):
+    """DoRA's float view covers the 4-bit slab Linear too: its magnitude starts at the dequantized weight's row norms,
+    and values and gradients equal those on plain fp32 Linears holding the dequantized weights."""
+    from lowvram_lora.engine.slab import Int4Linear
+
+    model, family, _ = int4_model
+    settings = _settings("dora")
+    attach_lora(model, family, settings, seed=0)
+    try:
+        assert isinstance(model.transformer_blocks[0].attn.to_q.get_base_layer(), Int4Linear)
+    finally:
+        detach_lora(model)
+    out, grads, mags = _forward_backward(model, family, settings)
+    ref_out, ref_grads, ref_mags = _forward_backward(_float_copy(model), family, settings)
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-6)
+    assert grads.keys() == ref_grads.keys() and grads
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+    key = "transformer_blocks.0.attn.to_q.lora_magnitude_vector.default.weight"
+    q = model.transformer_blocks[0].attn.to_q
+    torch.testing.assert_close(mags[key], torch.linalg.norm(q.dequantized_weight(torch.float32), dim=1))
+    torch.testing.assert_close(mags[key], ref_mags[key], rtol=1e-5, atol=1e-7)
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,10 @@ builds exactly peft's merged weight, for the base weights the adapter was traine
 dequantized weights; the bf16 original differs from them by the quantization error, as every LoRA's base does).
 diffusers reads peft's own form (``lora_magnitude_vector`` = m).
 
-Glue for our quantized slab Linears (engine/slab/int8_linear.py): peft's DoRA reads the base weight through
+Glue for our quantized slab Linears (engine/slab/int8_linear.py, int4_linear.py): peft's DoRA reads the base weight through
 ``peft.utils.integrations.dequantize_module_weight``, which knows bitsandbytes, HQQ and torchao but would hand back
 our raw int8 storage. ``DoraLinear`` (registered with ``LoraConfig._register_custom_module``) is peft's own
-``lora.Linear`` whose DoRA layer sees an ``Int8Linear`` base through a float view (its ``dequantized_weight()``); float Linears
+``lora.Linear`` whose DoRA layer sees an ``Int8Linear`` or ``Int4Linear`` base through a float view (its ``dequantized_weight()``); float Linears
 pass through unchanged. Everything else (init, forward, the detached norm of section 4.3) is peft's code.
 """
 from __future__ import annotations
@@ -40,8 +40,9 @@ class _FloatView:
 
 def _float_view(layer: nn.Module, dtype: torch.dtype):
     from ...slab import Int8Linear
+    from ...slab.int4_linear import Int4Linear
 
-    return _FloatView(layer, dtype) if isinstance(layer, Int8Linear) else layer
+    return _FloatView(layer, dtype) if isinstance(layer, (Int8Linear, Int4Linear)) else layer
 
 
 @functools.cache
