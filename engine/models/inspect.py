@@ -41,7 +41,7 @@ class ModelInfo:
                    data["identity"], CheckpointIdentity.from_json(data["checkpoint"]))
 
     def describe(self) -> str:
-        return (f"{get_family(self.family).display_name} ({self.variant}) from {self.checkpoint.form.description} "
+        return (f"{get_family(self.family).display_name} ({self.variant}) from {self.checkpoint.form.note_for(self.checkpoint) or self.checkpoint.form.description} "
                 f"{self.config.transformer_path}")
 
 

@@ -21,7 +21,7 @@ from . import CheckpointKind
 
 class Slab(CheckpointKind):
     name = "slab"
-    description = "int8 slab"
+    description = "slab"  # describe() says which: note_for's "int8 slab" / "int4 slab"
     weights_note = "int8 slab"
     file_backed = True
 
