@@ -171,8 +171,10 @@ class StepWindow:
         for name, module in chosen.all():
             module.__dict__["_lowvram_window_device"] = device
             module.__dict__["_lowvram_window_pacer"] = pacer
-            if device.type == "cuda" and any(t.device.type == "cpu" for t in _frozen(module)):
-                # Left on the host by placement (a streamed block's, or outside the blocks): one pinned copy.
+            if device.type == "cuda":
+                # One pinned copy, wherever placement left the weights: a streamed block's or an outer module's on
+                # the host, a resident block's on the GPU (moved out: the plan's footprint leaves every flagged
+                # weight out of VRAM, engine/offload/footprint.py, so a resident plan must not find them there).
                 host, _ = HostBlock.for_block(module, name, pin=True)
                 module.__dict__[HELD] = host
                 self.held_bytes += host.nbytes

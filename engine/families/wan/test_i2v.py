@@ -134,6 +134,7 @@ def i2v_cache(folders, tmp_path_factory):
     from lowvram_lora.engine.data import VideoConfig
     from lowvram_lora.engine.testing import make_tiny_video_dataset
 
+    pytest.importorskip("av")  # the clips are written with PyAV (the video extra)
     root = tmp_path_factory.mktemp("i2v-cache")
     data = make_tiny_video_dataset(root / "clips", count=2, frames=9, size=(64, 48))
     return build_dataset_cache(ModelConfig(transformer_path=str(folders[I2V21])),
