@@ -14,7 +14,7 @@ from lowvram_lora.engine.sampling import SamplingConfig
 from lowvram_lora.engine.testing import make_tiny_dataset
 
 PROMPTS = ("a red square", "a blue circle")
-CELL, LABEL = 256, 18  # engine/sampling.grid_image's cell and label heights
+CELL = 256  # engine/sampling.grid_image's cell
 
 
 class Cancel(Exception):
@@ -96,7 +96,9 @@ def test_a_resumed_run_shows_the_loss_before_and_every_checkpoints_samples(model
 
     final = Image.open(resumed.sample_grids[-1]).convert("RGB")
     plain = Image.open(uninterrupted.sample_grids[-1]).convert("RGB")
-    assert final.size == plain.size == (4 * CELL, LABEL + len(PROMPTS) * CELL)
+    from lowvram_lora.engine.sampling.grid import title_height
+
+    assert final.size == plain.size == (4 * CELL, title_height(4 * CELL) + len(PROMPTS) * CELL)
     assert final.tobytes() == plain.tobytes()
     # Finished: the run's states and kept sample columns are gone with its resume folder.
     assert not list((tmp_path / "cache" / "resume").glob("*/*"))

@@ -336,6 +336,10 @@ def _mark_window(run: _Run, lora: LoraSettings, step_window: int | None) -> None
     if len(run.placement.devices) > 1:
         run.cb.log("modulation window: off (Dual-GPU Split: the modulation runs where each part's blocks are)")
         return
+    why_not = run.placement.window_blocker(run.train)
+    if why_not:
+        run.cb.log(f"modulation window: off ({why_not})")
+        return
     targets = lora.target_modules or run.family.lora.target_modules(run.model)
     chosen = mark(run.model, run.family, list(targets), run.cb.log)
     if chosen is not None:

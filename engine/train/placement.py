@@ -127,6 +127,10 @@ class Placement(ABC):
             return why_not is None, why_not or ""
         return mode == "blocks", ""
 
+    def window_blocker(self, train: TrainConfig) -> str:
+        """Why the modulation window (engine/train/step_window.py) cannot run with this placement ('' when it can)."""
+        return ""
+
     def plan_before_loading(self, ident, family_id: str, dataset, lora, train: TrainConfig,
                             dtype: torch.dtype) -> None:
         """Plan from the checkpoint's header alone, so an impossible budget is refused before minutes of
@@ -247,6 +251,14 @@ class Resident(Placement):
     """Every weight on the training device, LoRA with it."""
 
     kind = "resident"
+
+    def window_blocker(self, train: TrainConfig) -> str:
+        # Measured 2026-11-27 (H200, tests/test_compile.py): compiled blocks under diffusers' own checkpointing (this
+        # placement's) recompute other tensors than their forward saved when the window serves the modulation
+        # (torch's CheckpointError). Streamed placements checkpoint through the offload hooks, and run.
+        if self.device.type == "cuda" and self.compiles(train)[0]:
+            return "compiled blocks with every weight resident: not yet supported"
+        return ""
 
     def plan_before_loading(self, ident, family_id, dataset, lora, train, dtype):
         """The RAM plan of the resident run, checked against the RAM budget before loading: on a GPU the model as
