@@ -61,3 +61,18 @@ def test_the_check_passes_a_good_dataset_and_a_linked_value(assets):
     assert LowVRAMCacheTextEmbeds.validate_inputs(dataset_path=str(assets["dataset"])) is True
     assert LowVRAMCacheTextEmbeds.validate_inputs(dataset_path=None) is True  # linked: known only when it runs
     assert "empty" in LowVRAMCacheTextEmbeds.validate_inputs(dataset_path="  ")
+
+
+def test_masks_beside_their_images_are_not_uncaptioned_images(tmp_path):
+    """A masked-loss dataset (``<name>_mask.png`` beside ``<name>.png``, Dataset Options' mask_source 'beside') passes
+    the queue-time check: the scan never counts a mask as a training image, so it needs no caption."""
+    from PIL import Image
+
+    from lowvram_lora.nodes.cache_embeds import _dataset_problem
+
+    Image.new("RGB", (32, 32)).save(tmp_path / "img_000.png")
+    (tmp_path / "img_000.txt").write_text("a photo")
+    Image.new("L", (32, 32)).save(tmp_path / "img_000_mask.png")
+    assert _dataset_problem(tmp_path, None) is None
+    Image.new("RGB", (32, 32)).save(tmp_path / "img_001.png")  # a real image without a caption is still named
+    assert "img_001.png" in _dataset_problem(tmp_path, None)

@@ -44,17 +44,30 @@ class ImageRecord:
     height: int
 
 
+MASK_SUFFIX = "_mask"
+
+
+def is_mask_file(path: Path) -> bool:
+    """A ``<name>_mask.<ext>`` file beside an image ``<name>.<ext>``: a mask, never a training image itself
+    (whether or not masked loss is on)."""
+    if not (path.stem.endswith(MASK_SUFFIX) and path.suffix.lower() in IMAGE_EXTENSIONS):
+        return False
+    stem = path.stem[: -len(MASK_SUFFIX)]
+    return any((path.parent / f"{stem}{ext}").is_file() or (path.parent / f"{stem}{ext.upper()}").is_file()
+               for ext in IMAGE_EXTENSIONS)
+
+
 def scan_dataset(cfg: DataConfig, log: Callable[[str], None] | None = None,
                  skip: Callable[[Path], bool] | None = None) -> list[ImageRecord]:
     """List the images directly inside ``cfg.path`` with their captions, sorted by file name.
 
     Sorting makes runs reproducible across file systems (directory order is arbitrary).
     Repeats are not expanded here; use :func:`expand_repeats`. ``log`` gets a one-line
-    notice for each sub-folder and broken link that is skipped. ``skip(path)`` True leaves a file out (masks
-    beside their images: engine/data/masks.py).
+    notice for each sub-folder and broken link that is skipped. A mask beside its image (``<name>_mask.png``,
+    engine/data/masks.py) is never a training image; ``skip(path)`` True leaves out other files.
     """
     folder = _dataset_folder(cfg.path)
-    files = _visible_files(folder, log or (lambda msg: None))
+    files = [p for p in _visible_files(folder, log or (lambda msg: None)) if not is_mask_file(p)]
     if skip is not None:
         files = [p for p in files if not skip(p)]
     images = _image_files(folder, files)

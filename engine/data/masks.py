@@ -15,21 +15,10 @@ import torch
 from PIL import Image, ImageOps
 
 from ..errors import DatasetError
-from .dataset import IMAGE_EXTENSIONS, read_image_size
+from .dataset import IMAGE_EXTENSIONS, MASK_SUFFIX, is_mask_file, read_image_size  # noqa: F401 (re-exported)
 from .images import _check_bucket, _cover_and_crop
 
-MASK_SUFFIX = "_mask"
 _IMAGE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError)
-
-
-def is_mask_file(path: Path) -> bool:
-    """A ``<name>_mask.<ext>`` file beside an image ``<name>.<ext>``: a mask, never a training image itself
-    (whether or not masked loss is on)."""
-    if not (path.stem.endswith(MASK_SUFFIX) and path.suffix.lower() in IMAGE_EXTENSIONS):
-        return False
-    stem = path.stem[: -len(MASK_SUFFIX)]
-    return any((path.parent / f"{stem}{ext}").is_file() or (path.parent / f"{stem}{ext.upper()}").is_file()
-               for ext in IMAGE_EXTENSIONS)
 
 
 def mask_file(image: Path, source: str) -> Path | None:

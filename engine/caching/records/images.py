@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ...data import scan_dataset
-from ...data.masks import is_mask_file, mask_file, mask_problem
+from ...data.masks import mask_file, mask_problem
 from ...data.options import DatasetOptions
 from ...errors import DatasetError
 from ...hashing import sha256_file
@@ -24,7 +24,7 @@ class ImageSource(CaptionSource):
 
     def scan(self, log):
         source = self.options.mask_source
-        records = scan_dataset(self.data_cfg, log=log, skip=is_mask_file)  # '<name>_mask.png' beside '<name>.png'
+        records = scan_dataset(self.data_cfg, log=log)  # masks beside their images are left out by the scan
 
         if source == "none":
             return records
