@@ -8,6 +8,8 @@ Linear (Lumina 2's qkv), exactly, or refuses with the reason.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 
 from ...errors import LoraFormatError
@@ -16,7 +18,7 @@ from ...errors import LoraFormatError
 Part = tuple[int, int, "dict[str, torch.Tensor] | None"]
 
 
-class AdapterType:
+class AdapterType(ABC):
     name: str = ""
     #: The suffixes of one module's tensors in the (peft-named) state dict.
     suffixes: tuple[str, ...] = ()
@@ -44,13 +46,15 @@ class AdapterType:
                 f"loha or dora for this family")
 
     # --- attaching -------------------------------------------------------------------------------------------------
+    @abstractmethod
     def peft_config(self, settings, targets: list[str]):
         """The peft config that attaches this type with ``settings`` (a LoraSettings) to ``targets``."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def param_count(self, in_features: int, out_features: int, settings) -> int:
         """Trainable elements this type adds to one Linear (for the memory plan, before attaching)."""
-        raise NotImplementedError
+        ...
 
     def export(self, model, state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
         """Anything the saved file needs beyond peft's state (DoRA: ComfyUI's dora_scale, from the base weights)."""
@@ -70,12 +74,14 @@ class AdapterType:
                     break
         return dict(sorted(out.items()))
 
+    @abstractmethod
     def rank_of(self, module_state: dict[str, torch.Tensor]) -> int:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def fold(self, module_state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
         """The same adapter with ``scale`` (alpha/rank) inside its weights: it then means the same at scale 1."""
-        raise NotImplementedError
+        ...
 
     def diffusers(self, module_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """{suffix: tensor} of one module in a diffusers file (peft's names)."""
@@ -83,9 +89,10 @@ class AdapterType:
         return {k: v for k, v in module_state.items() if k in keep}
 
     # --- ComfyUI's form --------------------------------------------------------------------------------------------
+    @abstractmethod
     def comfyui(self, module_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """{key suffix: tensor} ComfyUI reads for one module of a folded state (``alpha`` included: scale 1)."""
-        raise NotImplementedError
+        ...
 
     def join(self, native: str, parts: list[Part]) -> dict[str, torch.Tensor]:
         """One ComfyUI adapter for a fused native Linear whose row ranges are ``parts`` (folded states)."""
