@@ -113,6 +113,27 @@ def ensure_slab(args, family_id: str) -> tuple[Path, dict]:
     return slab, info
 
 
+def overlap_bound(row: dict, ref: dict) -> dict:
+    """Issue 35's overlap bound for a row: max(compute, link bytes / link rate, disk bytes / disk rate), with the
+    compute taken from the RAM-unlimited row of the same run (its step is compute-bound: nothing on disk) and the
+    disk rate the one the run's reads really gave (bytes over the seconds a read was in flight, DiskReader.busy_s),
+    beside the probed rate's bound."""
+    plan, stats = row.get("plan") or {}, row.get("stats") or {}
+    if not row.get("step_s") or not ref.get("step_s") or not plan.get("link_gbps"):
+        return {}
+    link_s = plan.get("streamed_gb_per_step", 0.0) / plan["link_gbps"]
+    disk_gb = row.get("disk_gb_per_step") or 0.0
+    measured = stats.get("disk_gbps_busy")
+    out = {"bound_compute_s": ref["step_s"], "bound_link_s": round(link_s, 3)}
+    for key, rate in (("probed", plan.get("disk_gbps")), ("measured", measured)):
+        if disk_gb and not rate:  # no measured rate (a row from before DiskReader.busy_s): say nothing
+            continue
+        disk_s = disk_gb / rate if disk_gb else 0.0
+        out[f"bound_disk_{key}_s"] = round(disk_s, 3)
+        out[f"x_overlap_{key}"] = round(row["step_s"] / max(ref["step_s"], link_s, disk_s), 3)
+    return out
+
+
 # --------------------------------------------------------------------------------------------- cgroup
 
 
@@ -321,6 +342,7 @@ def main(argv=None) -> int:
                      unlimited_step_s=ref.get("step_s"),
                      x_unlimited=(round(r["step_s"] / ref["step_s"], 3) if r.get("step_s") and ref.get("step_s")
                                   else None))
+            r.update(overlap_bound(r, ref))
             emit(r)
     finally:
         if not args.keep_slab:

@@ -223,6 +223,22 @@ class DiskReader:
         self.path, self.size, self.pacer = Path(path), size, pacer
         self.fd, self.direct, self.why_buffered = open_for_reading(self.path, direct)
         self.pool = ThreadPoolExecutor(readers, thread_name_prefix="slab-disk")
+        # Seconds with at least one read in flight (the union over the reader threads): bytes read / busy_s is the
+        # rate the disk really gave during training, which the overlap bound is judged at (the probe reads one
+        # sequential range once, before training; a shared or virtual disk may give less under the run).
+        self.busy_s, self._in_flight, self._busy_since, self._busy_lock = 0.0, 0, 0.0, threading.Lock()
+
+    def _io(self, starting: bool) -> None:
+        with self._busy_lock:
+            now = time.perf_counter()
+            if starting:
+                if self._in_flight == 0:
+                    self._busy_since = now
+                self._in_flight += 1
+            else:
+                self._in_flight -= 1
+                if self._in_flight == 0:
+                    self.busy_s += now - self._busy_since
 
     @property
     def mode(self) -> str:
@@ -251,15 +267,19 @@ class DiskReader:
         deadline = self.pacer.reserve(length) if self.pacer is not None else None
         want = min(length, self.size - offset)  # the last aligned run may reach past the end of the file
         got = 0
-        while got < want:
-            n = os.preadv(self.fd, [view[dst + got:dst + length]], offset + got)
-            if n <= 0 or (self.direct and got + n < want and n % ALIGN):
-                raise OSError(f"short read at byte {offset + got} ({n} of {want - got} bytes): truncated?")
-            got += n
+        self._io(True)
+        try:
+            while got < want:
+                n = os.preadv(self.fd, [view[dst + got:dst + length]], offset + got)
+                if n <= 0 or (self.direct and got + n < want and n % ALIGN):
+                    raise OSError(f"short read at byte {offset + got} ({n} of {want - got} bytes): truncated?")
+                got += n
+            if deadline is not None:  # an emulated slower disk: the read lasts until its paced deadline
+                self.pacer.hold_until(deadline)
+        finally:
+            self._io(False)
         if not self.direct and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fd, offset, length, os.POSIX_FADV_DONTNEED)  # keep the page cache from growing
-        if deadline is not None:
-            self.pacer.hold_until(deadline)
         return got
 
     def close(self) -> None:
@@ -462,7 +482,9 @@ class StagingRing:
     def stats(self) -> dict:
         return {"disk_bytes_read": self.bytes_read, "disk_reads": self.reads, "disk_sync_reads": self.sync_reads,
                 "disk_reused": self.reused, "disk_resyncs": self.policy.resyncs,
-                "disk_wait_s": round(self.wait_s, 3), "disk_mode": "O_DIRECT" if self.reader.direct else "page cache",
+                "disk_wait_s": round(self.wait_s, 3), "disk_busy_s": round(self.reader.busy_s, 3),
+                "disk_gbps_busy": round(self.bytes_read / self.reader.busy_s / 1e9, 3) if self.reader.busy_s else None,
+                "disk_mode": "O_DIRECT" if self.reader.direct else "page cache",
                 "disk_paced_s": round(self.reader.pacer.paced_s, 3) if self.reader.pacer is not None else 0.0,
                 "staging_bytes": self.nbytes}
 
