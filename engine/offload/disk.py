@@ -31,6 +31,7 @@ host copy (``HostBlock``) for the whole run.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
@@ -380,9 +381,13 @@ class StagingPolicy:
 def simulate_disk_reads(loads: Sequence[int], disk: set, slots: int, steps: int = 3) -> list[int]:
     """The disk units read during one steady-state step, given one step's loads in order (the scheduler's
     ``simulate_step``) and ``slots`` staging buffers."""
-    seq = [u for u in loads if u in disk]
+    return list(_disk_reads(tuple(u for u in loads if u in disk), slots, steps))
+
+
+@functools.lru_cache(maxsize=4096)  # auto tries many disk sets over the same few load orders
+def _disk_reads(seq: tuple, slots: int, steps: int) -> tuple:
     if not seq:
-        return []
+        return ()
     at = [0]
     policy = StagingPolicy(slots, lambda n: [seq[(at[0] + i) % len(seq)] for i in range(n)])
     reads: list[int] = []
@@ -394,7 +399,7 @@ def simulate_disk_reads(loads: Sequence[int], disk: set, slots: int, steps: int 
             if read_now:
                 reads.append(u)
             reads += [v for v, _ in policy.readahead()]
-    return reads
+    return tuple(reads)
 
 
 class _Buffer:

@@ -241,7 +241,6 @@ def simulate_step_loads(num_blocks: int, streamed: Sequence[int], prefetch_depth
     return list(simulate_step(num_blocks, streamed, prefetch_depth, num_slots, steps=steps)[0])
 
 
-@functools.lru_cache(maxsize=4096)
 class RecordingCopyEngine:
     """A copy engine that moves nothing and records the blocks loaded, in order: the scheduler's decisions alone
     (the planner's simulation, tests)."""
@@ -259,6 +258,7 @@ class RecordingCopyEngine:
         pass
 
 
+@functools.lru_cache(maxsize=4096)  # auto plans thousands of candidates over a few ring layouts
 def _simulate(num_blocks: int, streamed: tuple, prefetch_depth: int, num_slots: int, sizes: tuple,
               steps: int) -> tuple[tuple, int, int]:
     eng = RecordingCopyEngine()
