@@ -45,6 +45,11 @@ class DatasetOptions:
         "dogs), with their own .txt captions (no trigger word is added). Train LoRA mixes them in by reg_ratio, "
         "their loss weighted by prior_loss_weight (Loss & Validation Options). Empty: none."
     )})
+    preservation_prompt: str = field(default="", metadata={"help": (
+        "Differential output preservation: the class prompt (e.g. 'a photo of a woman' for a LoRA of one woman), "
+        "encoded into the cache with the captions. Loss & Validation Options' preservation_weight turns it on: the "
+        "base model's answer on this prompt is the target for the adapter's. Empty: none."
+    )})
     caption_dropout: float = field(default=0.0, metadata={"help": (
         "Train this fraction of steps' images on the empty caption instead of their own (0: never; 0.05-0.1 is "
         "common), so the LoRA also works without its words. The empty caption is encoded once into the cache."
