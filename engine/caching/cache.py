@@ -45,6 +45,7 @@ from .entries import build_latents, build_masks, build_text, negative_specs
 from .items import CachedItem, SampleItems
 from .keys import CacheKeys, cache_keys
 from .model_sources import CacheModels, open_models, resolve_pipeline_folder
+from .multi_resolution import other_sizes
 from .records import record_source
 from .single_files import load_vae_file
 from .validation_split import regularization_items, validation_items
@@ -227,7 +228,8 @@ def build_dataset_cache(
     i's control images (``edit_cache.py``). ``options`` (Dataset Options): loss masks, a held-out validation split.
 
     The phases, in order: sources (the model files), records (the dataset, through the one ``RecordSource`` the
-    model takes), keys, the validation split, text entries, latent entries, masks, manifest."""
+    model takes), keys, the validation split, other sizes (multi-resolution), text entries, latent entries, masks,
+    manifest."""
     cb = callback or TrainingCallback()
     cache_dir = Path(cache_dir)
     models = open_models(model_cfg, device)  # sources
@@ -239,6 +241,7 @@ def build_dataset_cache(
     items, held_out = validation_items(options, items, data_cfg,  # the validation split
                                        lambda cfg: record_source(models, cfg, video, control_dirs, options),
                                        buckets, keys, data_cfg.flip, cb.log)
+    items = items + other_sizes(options, source, records, data_cfg, keys, held_out)  # multi-resolution
     reg = regularization_items(options, data_cfg, lambda cfg, opts: record_source(models, cfg, video, control_dirs,
                                                                                    opts),
                                buckets, keys, data_cfg.flip, cb.log)  # regularization images

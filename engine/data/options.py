@@ -45,6 +45,12 @@ class DatasetOptions:
         "dogs), with their own .txt captions (no trigger word is added). Train LoRA mixes them in by reg_ratio, "
         "their loss weighted by prior_loss_weight (Loss & Validation Options). Empty: none."
     )})
+    resolutions: tuple = field(default=(), metadata={"help": (
+        "Multi-resolution training: more sizes (pixels, the side of the square area) each training image is also "
+        "cached at, beside Cache Text Embeds' resolution, each into its own aspect buckets: '512, 768' with "
+        "resolution 1024 trains every image at all three. A batch holds one size; the memory plan is made for the "
+        "largest. Validation and regularization images stay at the resolution. Empty: one size."
+    )})
     preservation_prompt: str = field(default="", metadata={"help": (
         "Differential output preservation: the class prompt (e.g. 'a photo of a woman' for a LoRA of one woman), "
         "encoded into the cache with the captions. Loss & Validation Options' preservation_weight turns it on: the "
@@ -83,6 +89,11 @@ class DatasetOptions:
         if not 2 <= self.caption_variants <= 64:
             raise ConfigError(f"caption_variants={self.caption_variants} must be between 2 and 64 (the caption as "
                               f"written and at least one shuffle)")
+        self.resolutions = tuple(self.resolutions)
+        for size in self.resolutions:
+            if isinstance(size, bool) or not isinstance(size, int) or size < 64 or size % 16:
+                raise ConfigError(f"resolutions: {size!r} must be a whole number of pixels >= 64 and a multiple of 16 "
+                                  f"(e.g. '512, 768')")
         if v > 0 and self.validation_folder.strip():
             raise ConfigError("set validation_fraction or validation_folder, not both: the split comes from one of "
                               "them")
@@ -98,3 +109,16 @@ class DatasetOptions:
     @property
     def validates(self) -> bool:
         return self.validation_fraction > 0 or bool(self.validation_folder.strip())
+
+
+def parse_resolutions(text: str) -> tuple[int, ...]:
+    """'512, 768 1024' -> (512, 768, 1024): sizes separated by commas or spaces; a token that is not a whole number
+    is named."""
+    sizes = []
+    for token in text.replace(",", " ").split():
+        try:
+            sizes.append(int(token))
+        except ValueError:
+            raise ConfigError(f"resolutions: {token!r} is not a whole number of pixels; write sizes like '512, 768'") \
+                from None
+    return tuple(sizes)

@@ -238,9 +238,9 @@ def _check_loss_options(loss, dataset) -> None:
                           f"validation_fraction or validation_folder on Dataset Options (Cache Text Embeds), or "
                           f"set validation_every to 0")
     if loss.preservation_weight > 0 and not dataset.preservation_text_key:
-        raise ConfigError(f"preservation_weight={loss.preservation_weight:g} but the dataset cache has no class prompt; "
-                          f"set preservation_prompt on Dataset Options (Cache Text Embeds), e.g. 'a photo of a woman', "
-                          f"or set preservation_weight to 0")
+        raise ConfigError(f"preservation_weight={loss.preservation_weight:g} but the dataset cache has no class "
+                          f"prompt; set preservation_prompt on Dataset Options (Cache Text Embeds), e.g. 'a photo of "
+                          f"a woman', or set preservation_weight to 0")
 
 
 def _make_validator(run: _Run) -> None:
@@ -608,7 +608,8 @@ def _accumulate(run: _Run) -> float | None:
         if run.loss.preservation_weight > 0 and not reg:  # the dataset's batches (reg images preserve on their own)
             from .preservation import class_embeds
 
-            preserve = (class_embeds(run.dataset, latents.shape[0], run.device, run.dtype), run.loss.preservation_weight)
+            preserve = (class_embeds(run.dataset, latents.shape[0], run.device, run.dtype),
+                        run.loss.preservation_weight)
         loss_sum += weight * _micro_step(run.model, run.family, latents, embeds, train, gen, run.autocast,
                                          weight / train.gradient_accumulation, run.memory.micro_batch,
                                          run.sigma_range, weights, run.loss, window=run.window, calls=calls,
