@@ -122,12 +122,15 @@ class DatasetCache:
         return keys[int(torch.randint(0, len(keys), (1,), generator=rng))] if len(keys) > 1 else item.text_key
 
     def load_mask(self, item: CachedItem, flipped: bool = False) -> torch.Tensor | None:
-        """The item's loss mask at its bucket's pixel size, (H, W) uint8, mirrored with its latent; None without
-        masked loss. ``data.masks.latent_mask`` brings it to the latent grid."""
+        """The item's loss mask at its bucket's pixel size, (H, W) uint8 (a clip window's (F, H, W)), mirrored with its
+        latent; None without masked loss. ``data.masks.latent_mask`` brings it to the latent grid."""
         if not item.mask_key:
             return None
         entry = _load_entry(self.cache_dir / "masks" / f"{item.mask_key}.safetensors", item)
-        return entry["mask_flipped"] if flipped and "mask_flipped" in entry else entry["mask"]
+        mask = entry["mask_flipped"] if flipped and "mask_flipped" in entry else entry["mask"]
+        if item.frames and mask.shape[0] == 1 < len(item.frames):  # a clip's still mask: the same on every frame
+            mask = mask.expand(len(item.frames), *mask.shape[1:])  # so a batch of windows stacks as (B, F, H, W)
+        return mask
 
     def text_widths(self) -> dict[str, int]:
         """Last-axis width of each cached embedding, from the first caption entry's header."""

@@ -602,7 +602,7 @@ def _accumulate(run: _Run) -> float | None:
         run.drawn += 1
         latents, embeds, masks = _load_batch(run.dataset, batch, run.device, run.dtype, gen, captions)
         weights = None if masks is None else \
-            mask_weights(masks, latents.shape[-2:], run.loss.unmasked_weight).to(run.device)  # (B, h, w)
+            mask_weights(masks, latents.shape[2:], run.loss.unmasked_weight).to(run.device)  # (B, [F_lat,] h, w)
         run.timer.add_data(time.perf_counter() - t_data)
         preserve = None
         if run.loss.preservation_weight > 0 and not reg:  # the dataset's batches (reg images preserve on their own)
