@@ -56,6 +56,8 @@ def test_the_split_is_fixed_by_file_names_and_kept_in_the_manifest(tiny_pipeline
     (tmp_path / "empty").mkdir()
     with pytest.raises(DatasetError, match="validation_folder '.*empty': no images found"):
         _build(tiny_pipeline, folder, tmp_path, validation_folder=str(tmp_path / "empty"))
+    with pytest.raises(DatasetError, match="validation_folder '.*nowhere': dataset folder .* does not exist"):
+        _build(tiny_pipeline, folder, tmp_path, validation_folder=str(tmp_path / "nowhere"))
     with pytest.raises(DatasetError, match="validation_fraction=0.5 needs at least 2 images"):
         _build(tiny_pipeline, folder, tmp_path, validation_fraction=0.5)
 

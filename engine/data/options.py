@@ -26,7 +26,10 @@ class DatasetOptions:
         "Masked loss: where each image's mask comes from. none: no mask (every pixel trains). beside: "
         "'<name>_mask.png' next to '<name>.png'. folder: 'masks/<name>.png' inside the dataset folder. alpha: the "
         "image's own alpha channel. White (opaque) trains, black (transparent) does not; grey is a weight. The mask "
-        "is cropped like its image and averaged over each latent cell (area resize, as sd-scripts)."
+        "is cropped like its image and averaged over each latent cell (area resize, as sd-scripts). Clips (video "
+        "datasets): a mask clip '<name>_mask.mp4' (or a '<name>_mask/' frames folder; 'masks/<name>.mp4' for folder) "
+        "with one frame per clip frame, or a still '<name>_mask.png' for every frame; each latent frame weighs the mean "
+        "of the mask frames it encodes (alpha is for images only)."
     )})
     missing_mask: str = field(default="error", metadata={"help": (
         "An image without a mask (or with one of another size than the image): error stops with the list of "
