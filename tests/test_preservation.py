@@ -71,7 +71,9 @@ def test_the_target_is_the_adapter_off_forward(tiny_pipeline, class_cache):
     with torch.no_grad():  # a LoRA that changes the output (B starts at zero)
         for p in params:
             p.normal_(0, 0.5, generator=torch.Generator().manual_seed(p.numel()))
-    emb = class_embeds(class_cache, 1, torch.device("cpu"), torch.float32)
+    _, caption = class_cache.load_item(class_cache.items[0])
+    emb = class_embeds(class_cache.load_text(class_cache.preservation_text_key), class_cache.collate_text([caption]))
+    assert all(torch.equal(emb[k], v) for k, v in class_cache.load_text(class_cache.preservation_text_key).items())
     for noisy, sigma in _fixed(class_cache, 2):
         target = preservation_target(family, model, noisy, emb, sigma, 1.0)
         with torch.no_grad():

@@ -216,6 +216,7 @@ class _Run:
     loss: Any = None  # LossOptions (engine/train/loss_options.py)
     reg_batches: Any = None  # the regularization images' batch stream (Dataset Options' reg_folder), or None
     validator: Any = None  # the held-out split's loss (engine/train/validation.py), or None
+    class_text: Any = None  # differential output preservation: the class prompt's embeddings (preservation.py)
 
     @property
     def device(self) -> torch.device:
@@ -434,7 +435,9 @@ def _prepare_data(run: _Run) -> None:
     # image sizes (CachedItem.batch_key).
     run.batches = run.ranks.shard(bucket_batches(run.dataset.training_items(), train.batch_size, train.seed,
                                                  lambda it: it.batch_key()))
-    if run.loss.preservation_weight > 0:
+    if run.loss.preservation_weight > 0:  # the class prompt's embeddings, loaded once
+        run.class_text = {k: v.to(device, run.dtype) if v.is_floating_point() else v.to(device)
+                          for k, v in run.dataset.load_text(run.dataset.preservation_text_key).items()}
         run.result.settings["preservation"] = {"prompt": run.dataset.preservation_prompt,
                                                "weight": run.loss.preservation_weight}
         run.cb.log(f"differential output preservation: the base model's answer on '{run.dataset.preservation_prompt}' "
@@ -605,11 +608,10 @@ def _accumulate(run: _Run) -> float | None:
             mask_weights(masks, latents.shape[2:], run.loss.unmasked_weight).to(run.device)  # (B, [F_lat,] h, w)
         run.timer.add_data(time.perf_counter() - t_data)
         preserve = None
-        if run.loss.preservation_weight > 0 and not reg:  # the dataset's batches (reg images preserve on their own)
+        if run.class_text is not None and not reg:  # the dataset's batches (reg images preserve on their own)
             from .preservation import class_embeds
 
-            preserve = (class_embeds(run.dataset, latents.shape[0], run.device, run.dtype),
-                        run.loss.preservation_weight)
+            preserve = (class_embeds(run.class_text, embeds), run.loss.preservation_weight)
         loss_sum += weight * _micro_step(run.model, run.family, latents, embeds, train, gen, run.autocast,
                                          weight / train.gradient_accumulation, run.memory.micro_batch,
                                          run.sigma_range, weights, run.loss, window=run.window, calls=calls,

@@ -29,11 +29,12 @@ def adapter_off(model):
         model.enable_adapters()
 
 
-def class_embeds(dataset, rows: int, device, dtype) -> dict[str, torch.Tensor]:
-    """The class prompt's cached embeddings repeated for ``rows`` samples, on ``device``."""
-    text = dataset.load_text(dataset.preservation_text_key)  # a batch of one
-    return {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device)).expand(rows, *v.shape[1:])
-            for k, v in text.items()}
+def class_embeds(text: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The batch's model inputs with the class prompt's embeddings (``text``: ``DatasetCache.load_text``, a batch of
+    one, on the batch's device and dtype) in place of its captions', repeated for every row; what the latent entry
+    adds beside the text (an image-to-video window's first-frame conditioning) stays the batch's."""
+    rows = next(iter(batch.values())).shape[0]
+    return batch | {k: v.expand(rows, *v.shape[1:]) for k, v in text.items()}
 
 
 @torch.no_grad()

@@ -33,6 +33,10 @@ def record_source(models: CacheModels, data_cfg: DataConfig, video: VideoConfig 
     if options is not None and options.captions_vary and any(s.control_images for s in models.specs):
         raise ConfigError(f"shuffle_tags and caption_dropout change captions, but {family.display_name} ({variant}) "
                           f"reads each pair's instruction with its control images; turn them off for edit models")
+    if options is not None and options.preservation_prompt.strip() and any(s.control_images for s in models.specs):
+        raise ConfigError(f"preservation_prompt: {family.display_name} ({variant}) reads each prompt with its control "
+                          f"images, so a class prompt alone has no meaning for it; clear preservation_prompt for edit "
+                          f"models")
     if any(s.control_images for s in models.specs):
         if video:
             raise ConfigError(f"{family.display_name} ({variant}) is an image edit model; it takes no video dataset")
