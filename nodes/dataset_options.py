@@ -47,8 +47,9 @@ class LowVRAMDatasetOptions(io.Node):
                 io.Int("caption_variants", default=4, min=2, max=64, tooltip=_help("caption_variants")),
                 io.String("reg_folder", default="",
                           tooltip=_help("reg_folder", "A relative path is looked up as dataset_path is.")),
-                io.String("preservation_prompt", default="", tooltip=_help("preservation_prompt")),
-                io.String("resolutions", default="", tooltip=_help("resolutions")),
+                # Optional (added later): graphs saved before them still validate, and leave them off.
+                io.String("preservation_prompt", default="", tooltip=_help("preservation_prompt"), optional=True),
+                io.String("resolutions", default="", tooltip=_help("resolutions"), optional=True),
             ])
 
     @classmethod

@@ -51,8 +51,8 @@ class LowVRAMLossOptions(io.Node):
                 io.Float("reg_ratio", default=0.5, min=0.0, max=0.95, step=0.05, tooltip=_help("reg_ratio")),
                 io.Float("prior_loss_weight", default=1.0, min=0.0, max=10.0, step=0.05,
                          tooltip=_help("prior_loss_weight")),
-                io.Float("preservation_weight", default=0.0, min=0.0, max=10.0, step=0.05,
-                         tooltip=_help("preservation_weight")),
+                io.Float("preservation_weight", default=0.0, min=0.0, max=10.0, step=0.05,  # optional: added later
+                         tooltip=_help("preservation_weight"), optional=True),
             ])
 
     @classmethod
