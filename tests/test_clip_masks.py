@@ -128,3 +128,41 @@ def test_missing_and_wrong_frame_count_masks_are_named(tmp_path):
     models = SimpleNamespace(family=SimpleNamespace(display_name="Wan"), variant="t2v", specs=[])
     with pytest.raises(ConfigError, match="mask_source='alpha' reads an image's alpha channel; clips carry"):
         record_source(models, DataConfig(path=str(data)), VideoConfig(), (), DatasetOptions(mask_source="alpha"))
+
+
+
+def test_a_masked_wan_window_trains_through_the_loop(tmp_path):
+    """The training loop on the tiny Wan transformer over a cache of one 5-frame window (random latent and text, as
+    the cache holds them): an all-white mask clip trains as no mask, an all-black one gives no loss at all."""
+    from safetensors.torch import save_file
+
+    from lowvram_lora.engine.caching import CachedItem
+    from lowvram_lora.engine.config import LoraSettings, ModelConfig, TrainConfig
+    from lowvram_lora.engine.families import default_max_sequence_length, get_family
+    from lowvram_lora.engine.families.tiny import tiny_transformer
+    from lowvram_lora.engine.train import train_lora
+
+    family = get_family("wan")
+    model = tiny_transformer(family)
+    variant = family.variant_for_config(dict(model.config))
+    g = torch.Generator().manual_seed(0)
+    for sub in ("latents", "text", "masks"):
+        (tmp_path / sub).mkdir()
+    save_file({"latent": torch.randn(family.latent_shape(model, 64, 48, frames=5), generator=g)},
+              str(tmp_path / "latents" / "lat.safetensors"))
+    widths, length = family.text_widths(dict(model.config)), default_max_sequence_length(family, variant)
+    save_file({s.cache_key: torch.randn(length, widths[s.cache_key], generator=g)
+               for s in family.text_encoder_specs(variant)}, str(tmp_path / "text" / "txt.safetensors"))
+
+    def run(value):
+        save_file({"mask": torch.full((5, 48, 64), value, dtype=torch.uint8)},
+                  str(tmp_path / "masks" / f"m{value}.safetensors"))
+        item = CachedItem("clip.mp4", "a clip", (64, 48), "txt", "lat", frames=list(range(5)), mask_key=f"m{value}")
+        cache = DatasetCache(tmp_path, tmp_path / "m.json", f"h{value}", "wan", variant, [item],
+                             mask_source="beside")
+        return train_lora(ModelConfig(family="wan"), cache, LoraSettings(rank=4),
+                          TrainConfig(steps=2, learning_rate=1e-2, seed=5, device="cpu"),
+                          preloaded=(model, family, variant)).loss_history
+
+    white, black = run(255), run(0)
+    assert white[0] > 0 and black == [0.0, 0.0]
