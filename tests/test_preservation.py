@@ -88,7 +88,7 @@ def test_the_target_is_the_adapter_off_forward(tiny_pipeline, class_cache):
 def test_training_with_preservation_lowers_the_combined_loss(tiny_pipeline, class_cache):
     base, family, _, variant = load_transformer(tiny_pipeline, dtype=torch.float32)
     weight = 2.0
-    settings = (LoraSettings(rank=4), TrainConfig(steps=6, learning_rate=1e-2, seed=3, device="cpu"))
+    settings = (LoraSettings(rank=4), TrainConfig(steps=4, learning_rate=1e-2, seed=3, device="cpu"))
     result = train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), class_cache, *settings,
                         preloaded=(base, family, variant), loss=LossOptions(preservation_weight=weight))
     plain = train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), class_cache, *settings,
@@ -96,23 +96,22 @@ def test_training_with_preservation_lowers_the_combined_loss(tiny_pipeline, clas
     assert result.settings["preservation"] == {"prompt": PROMPT, "weight": weight}
     # Step 1 starts from B = 0: the adapter is the base model, preservation's loss is 0; then the runs part.
     assert result.loss_history[0] == pytest.approx(plain.loss_history[0], rel=1e-6)
-    assert result.state_dict.keys() == plain.state_dict.keys()
     assert any(not torch.allclose(result.state_dict[k], plain.state_dict[k]) for k in plain.state_dict)
     emb = class_cache.load_text(class_cache.preservation_text_key)
+    fixed = _fixed(class_cache, 2)
 
-    def combined(model):  # flow loss on the image + weight x the class prompt's drift from the base, fixed noise
+    def parts(model):  # (flow loss on the image, the class prompt's drift from the base), at fixed noise
         with torch.no_grad():
             drift = sum(torch.nn.functional.mse_loss(predict_velocity(family, model, noisy, emb, s, 1.0),
                                                      predict_velocity(family, base, noisy, emb, s, 1.0)).item()
-                        for noisy, s in _fixed(class_cache))
-        return eval_flow_loss(model, family, class_cache) + weight * drift / 4
+                        for noisy, s in fixed) / len(fixed)
+        return eval_flow_loss(model, family, class_cache, n=4), drift
 
-    trained = merged(base, result.state_dict, result.scale)
-    assert combined(trained) < combined(base)
-    # ... and drifts less from the base on the class prompt than the run without preservation
-    untethered = merged(base, plain.state_dict, plain.scale)
-    assert combined(trained) - eval_flow_loss(trained, family, class_cache) < \
-        combined(untethered) - eval_flow_loss(untethered, family, class_cache)
+    (flow_b, drift_b), (flow_t, drift_t), (_, drift_u) = (parts(m) for m in (
+        base, merged(base, result.state_dict, result.scale), merged(base, plain.state_dict, plain.scale)))
+    assert drift_b == 0.0
+    assert flow_t + weight * drift_t < flow_b  # the combined loss fell
+    assert drift_t < drift_u  # ... and the class drifts less than without preservation
 
 
 def test_preservation_without_a_class_prompt_is_refused(tiny_pipeline, one_image_cache):
