@@ -114,8 +114,8 @@ def render(rows: list[dict]) -> str:
                                   r.get("mode") not in baselines, r.get("mode", "")))
         out.append(f"## {model}\n")
         out.append("| date | gpu | torch | diffusers | res | mode | rank | step s | x resident | peak alloc GB "
-                   "| peak reserved GB | timed steps | LoRA params | command |")
-        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+                   "| peak reserved GB | host RSS GB (pinned) | timed steps | LoRA params | command |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in mrows:
             step = r.get("step_s")
             base = resident.get(_key(r))
@@ -130,6 +130,7 @@ def render(rows: list[dict]) -> str:
                 f"| {r.get('date', '')[:16].replace('T', ' ')} | {r.get('gpu', '?')} | {r.get('torch', '?')} | "
                 f"{r.get('diffusers', '?')} | {r.get('res')}² | {mode} | {r.get('lora_rank')} | {step_txt} | "
                 f"{ratio} | {_fmt(r.get('peak_alloc_gb'), 2)} | {_fmt(r.get('peak_reserved_gb'), 2)} | "
+                f"{_fmt(r.get('host_rss_gb'), 2)} ({_fmt(r.get('pinned_host_gb'), 2)}) | "
                 f"{r.get('steps_timed', '–')} | {_millions(r.get('lora_params'))} | `{r.get('command', '?')}`{note} |"
             )
         out.append("")

@@ -213,6 +213,18 @@ def mode_resident_masked(ctx: dict, dataset, steps: int, callback):
     return mode_resident(ctx, replace(dataset, items=items, mask_source="beside"), steps, callback)
 
 
+def mode_resident_preserve(ctx: dict, dataset, steps: int, callback):
+    """``resident`` with differential output preservation (weight 1): each step also runs a class prompt (the first
+    item's synthetic caption entry stands in for it) with the adapter off, no gradients, and on, with backward: its
+    cost beside ``resident``."""
+    from dataclasses import replace
+
+    from lowvram_lora.engine.train.loss_options import LossOptions
+
+    cls = replace(dataset, preservation_prompt="synthetic class prompt", preservation_text_key=dataset.items[0].text_key)
+    return mode_resident(ctx, cls, steps, callback, LossOptions(preservation_weight=1.0))
+
+
 def lora_targets(ctx: dict) -> list[str] | None:
     """None = the family's default set; "attention" keeps only attention projections
     (no single-block proj_mlp / proj_out), the set of DESIGN.md's earlier reference."""
@@ -223,7 +235,7 @@ def lora_targets(ctx: dict) -> list[str] | None:
 
 # name -> fn(ctx, dataset, steps, callback) -> TrainedLora. Add offload modes here.
 MODES: dict[str, Callable] = {"resident": mode_resident, "resident-validate": mode_resident_validate,
-                              "resident-masked": mode_resident_masked}
+                              "resident-masked": mode_resident_masked, "resident-preserve": mode_resident_preserve}
 
 
 # ----------------------------------------------------------------------------- main
@@ -424,6 +436,15 @@ def main(argv=None) -> int:
                     )
                 else:
                     row.update(peak_alloc_gb=None, peak_reserved_gb=None)
+                # Host RAM beside peak VRAM: the process's resident set now (RSS; anonymous + shared, what cannot be
+                # reclaimed) and its pinned/locked pages, and the most the steps reported (engine/offload/hostmem.py).
+                from lowvram_lora.engine.offload.hostmem import process_memory
+
+                mem = process_memory()
+                row.update(host_rss_gb=round(mem.rss / GB, 3), host_unreclaimable_gb=round(mem.unreclaimable / GB, 3),
+                           host_locked_gb=round(mem.locked / GB, 3),
+                           host_ram_peak_gb=max((s.host_ram_gb for s in rec.steps), default=None),
+                           pinned_host_gb=max((s.pinned_host_gb for s in rec.steps), default=None))
                 row.update(wall_s=round(time.perf_counter() - t_run, 2), command=command, note=args.note)
                 if prof is not None:
                     prof.stop()

@@ -10,8 +10,9 @@ from .load_model import CATEGORY
 DESCRIPTION = (
     "Optional dataset controls for Cache Text Embeds: loss masks (a '<name>_mask.png' beside each image, a masks/ "
     "folder, or the alpha channel), a held-out validation split (a fraction of the images, or a folder), caption "
-    "dropout and tag shuffling (a fixed number of shuffled orders cached per caption), and a folder of "
-    "regularization images with their own captions. Plug "
+    "dropout and tag shuffling (a fixed number of shuffled orders cached per caption), a folder of "
+    "regularization images with their own captions, the class prompt of differential output preservation, and more "
+    "sizes to cache each image at (multi-resolution). Plug "
     "its output into Cache Text Embeds' 'options' input; pair it with Loss & Validation Options on Train LoRA."
 )
 
@@ -46,13 +47,17 @@ class LowVRAMDatasetOptions(io.Node):
                 io.Int("caption_variants", default=4, min=2, max=64, tooltip=_help("caption_variants")),
                 io.String("reg_folder", default="",
                           tooltip=_help("reg_folder", "A relative path is looked up as dataset_path is.")),
+                # Optional (added later): graphs saved before them still validate, and leave them off.
+                io.String("preservation_prompt", default="", tooltip=_help("preservation_prompt"), optional=True),
+                io.String("resolutions", default="", tooltip=_help("resolutions"), optional=True),
             ])
 
     @classmethod
     def execute(cls, mask_source: str = "none", missing_mask: str = "error", validation_fraction: float = 0.0,
                 validation_folder: str = "", caption_dropout: float = 0.0, shuffle_tags: bool = False,
-                keep_tags: int = 1, caption_variants: int = 4, reg_folder: str = "") -> io.NodeOutput:
-        from ..engine.data.options import DatasetOptions
+                keep_tags: int = 1, caption_variants: int = 4, reg_folder: str = "",
+                preservation_prompt: str = "", resolutions: str = "") -> io.NodeOutput:
+        from ..engine.data.options import DatasetOptions, parse_resolutions
         from .paths import resolve_dataset_path
 
         folder = str(resolve_dataset_path(validation_folder.strip())) if validation_folder.strip() else ""
@@ -61,4 +66,5 @@ class LowVRAMDatasetOptions(io.Node):
                                             validation_fraction=validation_fraction, validation_folder=folder,
                                             caption_dropout=caption_dropout, shuffle_tags=shuffle_tags,
                                             keep_tags=keep_tags, caption_variants=caption_variants,
-                                            reg_folder=reg))
+                                            reg_folder=reg, preservation_prompt=preservation_prompt.strip(),
+                                            resolutions=parse_resolutions(resolutions)))

@@ -11,7 +11,8 @@ from .load_model import CATEGORY
 DESCRIPTION = (
     "Optional loss and validation controls for Train LoRA: how much the area outside a loss mask counts, how "
     "often the validation loss (on Dataset Options' held-out split) is measured, TensorBoard logs, and how noise "
-    "levels are drawn and weighted (the family's own recipe by default). With it "
+    "levels are drawn and weighted (the family's own recipe by default), regularization images' share and weight, "
+    "and differential output preservation's weight (its class prompt is on Dataset Options). With it "
     "plugged in, each run writes a CSV log (loss, validation loss, lr, step time, VRAM, RAM) that Save LoRA puts "
     "beside the LoRA as '<name>_log.csv', and TensorBoard files under output/lowvram_logs/."
 )
@@ -50,13 +51,16 @@ class LowVRAMLossOptions(io.Node):
                 io.Float("reg_ratio", default=0.5, min=0.0, max=0.95, step=0.05, tooltip=_help("reg_ratio")),
                 io.Float("prior_loss_weight", default=1.0, min=0.0, max=10.0, step=0.05,
                          tooltip=_help("prior_loss_weight")),
+                io.Float("preservation_weight", default=0.0, min=0.0, max=10.0, step=0.05,  # optional: added later
+                         tooltip=_help("preservation_weight"), optional=True),
             ])
 
     @classmethod
     def execute(cls, unmasked_weight: float = 0.0, validation_every: int = 0, validation_timesteps: int = 4,
                 tensorboard: bool = True, timestep_sampling: str = "family", logit_mean: float = 0.0,
                 logit_std: float = 1.0, sigmoid_scale: float = 1.0, loss_weighting: str = "family",
-                snr_gamma: float = 5.0, reg_ratio: float = 0.5, prior_loss_weight: float = 1.0) -> io.NodeOutput:
+                snr_gamma: float = 5.0, reg_ratio: float = 0.5, prior_loss_weight: float = 1.0,
+                preservation_weight: float = 0.0) -> io.NodeOutput:
         from ..engine.train.loss_options import LossOptions
 
         return io.NodeOutput(LossOptions(unmasked_weight=unmasked_weight, validation_every=validation_every,
@@ -64,4 +68,5 @@ class LowVRAMLossOptions(io.Node):
                                          timestep_sampling=timestep_sampling, logit_mean=logit_mean,
                                          logit_std=logit_std, sigmoid_scale=sigmoid_scale,
                                          loss_weighting=loss_weighting, snr_gamma=snr_gamma, reg_ratio=reg_ratio,
-                                         prior_loss_weight=prior_loss_weight))
+                                         prior_loss_weight=prior_loss_weight,
+                                         preservation_weight=preservation_weight))

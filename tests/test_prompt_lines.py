@@ -36,6 +36,8 @@ def test_musubis_and_sd_scripts_examples_parse_as_their_docs_define():
     ("a cat --x 3", r"'--x' is not an option; the options are --w \(width\)"),
     ("a cat --w 500", r"--w 500 must be >= 64 and a multiple of 16"),
     ("a cat --s 0", r"--s 0 must be between 1 and 1000"),
+    ("a cat --f 0", r"--f 0 must be at least 1"),
+    ("a cat --g nan", r"--g 'nan' is not a number"),
     ("a cat --l", r"--l has no value"),
     ("a cat --d 1 --d 2", r"gives --d twice"),
     ("--w 512 a cat", r"starts with an option"),

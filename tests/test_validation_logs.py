@@ -56,6 +56,8 @@ def test_the_split_is_fixed_by_file_names_and_kept_in_the_manifest(tiny_pipeline
     (tmp_path / "empty").mkdir()
     with pytest.raises(DatasetError, match="validation_folder '.*empty': no images found"):
         _build(tiny_pipeline, folder, tmp_path, validation_folder=str(tmp_path / "empty"))
+    with pytest.raises(DatasetError, match="validation_folder '.*nowhere': dataset folder .* does not exist"):
+        _build(tiny_pipeline, folder, tmp_path, validation_folder=str(tmp_path / "nowhere"))
     with pytest.raises(DatasetError, match="validation_fraction=0.5 needs at least 2 images"):
         _build(tiny_pipeline, folder, tmp_path, validation_fraction=0.5)
 
@@ -130,6 +132,13 @@ def test_the_option_nodes_build_the_configs_and_refuse_bad_values(tmp_path):
     assert opts == DatasetOptions(mask_source="alpha", validation_folder=str(tmp_path))
     (loss,) = NODE_CLASS_MAPPINGS["LowVRAMLossOptions"].execute(unmasked_weight=0.1, validation_every=7).result
     assert loss == LossOptions(unmasked_weight=0.1, validation_every=7)
+    (opts,) = NODE_CLASS_MAPPINGS["LowVRAMDatasetOptions"].execute(preservation_prompt=" a dog ",
+                                                                  resolutions="512, 768").result
+    assert (opts.preservation_prompt, opts.resolutions) == ("a dog", (512, 768))
+    (loss,) = NODE_CLASS_MAPPINGS["LowVRAMLossOptions"].execute(preservation_weight=0.5).result
+    assert loss.preservation_weight == 0.5 and loss.result_key_settings() == {"preservation_weight": 0.5}
+    schema = NODE_CLASS_MAPPINGS["LowVRAMDatasetOptions"].define_schema()
+    assert {i.id for i in schema.inputs if i.optional} == {"preservation_prompt", "resolutions"}
     with pytest.raises(ConfigError, match="validation_fraction or validation_folder, not both"):
         DatasetOptions(validation_fraction=0.1, validation_folder="x")
     with pytest.raises(ConfigError, match="unmasked_weight=1.5 must be a number in"):

@@ -45,6 +45,7 @@ from .entries import build_latents, build_masks, build_text, negative_specs
 from .items import CachedItem, SampleItems
 from .keys import CacheKeys, cache_keys
 from .model_sources import CacheModels, open_models, resolve_pipeline_folder
+from .multi_resolution import other_sizes
 from .records import record_source
 from .single_files import load_vae_file
 from .validation_split import regularization_items, validation_items
@@ -89,6 +90,9 @@ class DatasetCache:
     mask_source: str = "none"  # where the items' loss masks came from (engine/data/masks.py); "none": no masks
     caption_dropout: float = 0.0  # the chance a training item is given the empty caption (``empty_text_key``)
     empty_text_key: str = ""
+    # Differential output preservation's class prompt (Dataset Options' preservation_prompt) and its text key; "": none.
+    preservation_prompt: str = ""
+    preservation_text_key: str = ""
 
     def negative_keys(self) -> list[str]:
         """The negative prompt's text key for each sample prompt ("" where the family samples without one)."""
@@ -118,12 +122,15 @@ class DatasetCache:
         return keys[int(torch.randint(0, len(keys), (1,), generator=rng))] if len(keys) > 1 else item.text_key
 
     def load_mask(self, item: CachedItem, flipped: bool = False) -> torch.Tensor | None:
-        """The item's loss mask at its bucket's pixel size, (H, W) uint8, mirrored with its latent; None without
-        masked loss. ``data.masks.latent_mask`` brings it to the latent grid."""
+        """The item's loss mask at its bucket's pixel size, (H, W) uint8 (a clip window's (F, H, W)), mirrored with its
+        latent; None without masked loss. ``data.masks.latent_mask`` brings it to the latent grid."""
         if not item.mask_key:
             return None
         entry = _load_entry(self.cache_dir / "masks" / f"{item.mask_key}.safetensors", item)
-        return entry["mask_flipped"] if flipped and "mask_flipped" in entry else entry["mask"]
+        mask = entry["mask_flipped"] if flipped and "mask_flipped" in entry else entry["mask"]
+        if item.frames and mask.shape[0] == 1 < len(item.frames):  # a clip's still mask: the same on every frame
+            mask = mask.expand(len(item.frames), *mask.shape[1:])  # so a batch of windows stacks as (B, F, H, W)
+        return mask
 
     def text_widths(self) -> dict[str, int]:
         """Last-axis width of each cached embedding, from the first caption entry's header."""
@@ -224,7 +231,8 @@ def build_dataset_cache(
     i's control images (``edit_cache.py``). ``options`` (Dataset Options): loss masks, a held-out validation split.
 
     The phases, in order: sources (the model files), records (the dataset, through the one ``RecordSource`` the
-    model takes), keys, the validation split, text entries, latent entries, masks, manifest."""
+    model takes), keys, the validation split, other sizes (multi-resolution), text entries, latent entries, masks,
+    manifest."""
     cb = callback or TrainingCallback()
     cache_dir = Path(cache_dir)
     models = open_models(model_cfg, device)  # sources
@@ -236,10 +244,12 @@ def build_dataset_cache(
     items, held_out = validation_items(options, items, data_cfg,  # the validation split
                                        lambda cfg: record_source(models, cfg, video, control_dirs, options),
                                        buckets, keys, data_cfg.flip, cb.log)
+    items = items + other_sizes(options, source, records, data_cfg, keys, held_out)  # multi-resolution
     reg = regularization_items(options, data_cfg, lambda cfg, opts: record_source(models, cfg, video, control_dirs,
                                                                                    opts),
                                buckets, keys, data_cfg.flip, cb.log)  # regularization images
     items, caption_texts, empty_key = caption_entries(options, items, keys)  # caption variants
+    preserve = _preservation_item(options, keys)  # the class prompt (differential output preservation)
     lines = _prompt_lines(sample_prompts)
     samples = source.samples([line.prompt for line in lines], records, keys)
     own_negatives = _own_negatives(models, keys, lines, samples, cb)
@@ -249,7 +259,8 @@ def build_dataset_cache(
 
         check_caching_ram(models, cb)
     stats = {"text_built": 0, "text_reused": 0, "latents_built": 0, "latents_reused": 0}
-    source.build_text(cache_dir, models, keys, items + held_out + reg + caption_texts, samples, cb, stats)  # text
+    source.build_text(cache_dir, models, keys, items + held_out + reg + caption_texts + preserve, samples, cb,
+                      stats)  # text
     if own_negatives:  # sample prompts' own negatives (--n), encoded as the empty prompt is
         build_text(cache_dir, models, negative_specs(models.specs), own_negatives, keys.max_len, cb, {})
     build_latents(cache_dir, models.family, items + held_out + reg, data_cfg.flip, models.device, models.dtype, cb, stats,
@@ -259,7 +270,7 @@ def build_dataset_cache(
         build_masks(cache_dir, items + held_out, data_cfg.flip, mask_source, cb, stats)  # masks
     dropout = options.caption_dropout if options is not None else 0.0
     cache = _write_manifest(cache_dir, models, data_cfg, video, keys, items, samples, stats, held_out, mask_source,
-                            (dropout, empty_key), lines, reg)
+                            (dropout, empty_key), lines, reg, preserve)
     extra = (f"; masks {stats['masks_built']} built / {stats['masks_reused']} reused" if mask_source != "none" else "")
     extra += f"; {len(held_out)} held out for validation" if held_out else ""
     extra += f"; {len(reg)} regularization images" if reg else ""
@@ -267,6 +278,14 @@ def build_dataset_cache(
            f"{stats['text_reused']} reused; latents {stats['latents_built']} built / {stats['latents_reused']} reused"
            + extra)
     return cache
+
+
+def _preservation_item(options: DatasetOptions | None, keys: CacheKeys) -> list[CachedItem]:
+    """The class prompt of differential output preservation as a text entry (keyed as a caption), or none."""
+    from .items import text_item
+
+    prompt = options.preservation_prompt.strip() if options is not None else ""
+    return [text_item(prompt, keys.caption(prompt))] if prompt else []
 
 
 def _prompt_lines(sample_prompts: Sequence[str]) -> list:
@@ -305,7 +324,8 @@ def _own_negatives(models: CacheModels, keys: CacheKeys, lines: list, samples: S
 def _write_manifest(cache_dir: Path, models: CacheModels, data_cfg: DataConfig, video: VideoConfig | None,
                     keys: CacheKeys, items: list[CachedItem], samples: SampleItems, stats: dict,
                     held_out: list[CachedItem] = (), mask_source: str = "none",
-                    dropout: tuple[float, str] = (0.0, ""), lines: list = (), reg: list = ()) -> DatasetCache:
+                    dropout: tuple[float, str] = (0.0, ""), lines: list = (), reg: list = (),
+                    preserve: list = ()) -> DatasetCache:
     """The manifest phase: the dataset's items and settings under ``datasets/<hash>.json`` (what
     ``open_dataset_cache`` reads back), and the handle to the built cache. Masks and a validation split enter the
     hash only when there are some: a dataset without them keeps the hash it had before they existed."""
@@ -314,7 +334,8 @@ def _write_manifest(cache_dir: Path, models: CacheModels, data_cfg: DataConfig, 
         ([["validation", [[i.text_key, i.latent_key, i.mask_key] for i in held_out]]] if held_out else []) + \
         ([["captions", list(dropout), [i.text_variants for i in items]]]
          if dropout[0] > 0 or any(i.text_variants for i in items) else []) + \
-        ([["regularization", [[i.text_key, i.latent_key] for i in reg]]] if reg else [])
+        ([["regularization", [[i.text_key, i.latent_key] for i in reg]]] if reg else []) + \
+        ([["preservation", preserve[0].text_key]] if preserve else [])
     dataset_hash = stable_hash([[i.text_key, i.latent_key] for i in items] + [data_cfg.repeats, data_cfg.flip]
                                + extras)
     manifest_path = cache_dir / "datasets" / f"{dataset_hash}.json"
@@ -334,6 +355,7 @@ def _write_manifest(cache_dir: Path, models: CacheModels, data_cfg: DataConfig, 
         "validation_items": [asdict(i) for i in held_out], "mask_source": mask_source,
         "caption_dropout": dropout[0], "empty_text_key": dropout[1],
         "sample_settings": [line.settings() for line in lines], "reg_items": [asdict(i) for i in reg],
+        "preservation": [preserve[0].caption, preserve[0].text_key] if preserve else None,
     }
     write_json_atomic(manifest_path, manifest, "the dataset-cache manifest")
     return DatasetCache(cache_dir, manifest_path, dataset_hash, models.family.id, models.variant, items,
@@ -341,7 +363,9 @@ def _write_manifest(cache_dir: Path, models: CacheModels, data_cfg: DataConfig, 
                         manifest["negative_text_key"], manifest["pipeline"],
                         str(singles.vae) if singles is not None else None, manifest["sample_negative_keys"],
                         validation_items=list(held_out), mask_source=mask_source, caption_dropout=dropout[0],
-                        empty_text_key=dropout[1], sample_settings=manifest["sample_settings"], reg_items=list(reg))
+                        empty_text_key=dropout[1], sample_settings=manifest["sample_settings"], reg_items=list(reg),
+                        preservation_prompt=preserve[0].caption if preserve else "",
+                        preservation_text_key=preserve[0].text_key if preserve else "")
 
 
 def _conditioning(entry: dict[str, torch.Tensor], flipped: bool) -> dict[str, torch.Tensor]:
@@ -384,8 +408,9 @@ def open_dataset_cache(manifest_path: str | Path) -> DatasetCache:
     prompts = [tuple(p) for p in m.get("sample_prompts", [])]
     negative = m.get("negative_text_key", "")
     empty = m.get("empty_text_key", "")
+    preserve = m.get("preservation") or ["", ""]
     for _, key in prompts + ([("", negative)] if negative else []) + [("", k) for k in negatives] + \
-            ([("", empty)] if empty else []):
+            ([("", empty)] if empty else []) + ([tuple(preserve)] if preserve[1] else []):
         if not (cache_dir / "text" / f"{key}.safetensors").exists():
             raise CacheError(f"cache entry text/{key} (a sample prompt) is missing; rebuild the cache")
     return DatasetCache(cache_dir, path, m["dataset_hash"], m["family"], m["variant"], items, m["repeats"], m["flip"],
@@ -393,4 +418,5 @@ def open_dataset_cache(manifest_path: str | Path) -> DatasetCache:
                         vae_file=(m.get("single_files") or {}).get("vae"), sample_negative_keys=negatives,
                         validation_items=held_out, mask_source=m.get("mask_source", "none"),
                         caption_dropout=m.get("caption_dropout", 0.0), empty_text_key=m.get("empty_text_key", ""),
-                        sample_settings=m.get("sample_settings", []), reg_items=reg)
+                        sample_settings=m.get("sample_settings", []), reg_items=reg,
+                        preservation_prompt=preserve[0], preservation_text_key=preserve[1])

@@ -153,8 +153,15 @@ def _pixels(item: CachedItem, flip: bool) -> torch.Tensor:
 def build_masks(cache_dir: Path, items: list[CachedItem], flip: bool, source: str, cb: TrainingCallback,
                 stats: dict) -> None:
     """The masks phase (masked loss): each item's mask at its bucket's pixel size, uint8 (and mirrored with
-    ``flip``), one entry per mask key; entries on disk are reused."""
+    ``flip``), one entry per mask key; entries on disk are reused. A clip window's mask has a frame axis, (F, H, W)
+    (``data.clip_masks``)."""
+    from ..data.clip_masks import load_clip_mask
     from ..data.masks import load_mask
+
+    def load(it: CachedItem, flipped: bool = False):
+        if it.frames:
+            return load_clip_mask(Path(it.image), source, it.frames, it.bucket, flipped)
+        return load_mask(Path(it.image), source, it.bucket, flipped)
 
     mask_dir = cache_dir / "masks"
     todo = {}
@@ -163,9 +170,9 @@ def build_masks(cache_dir: Path, items: list[CachedItem], flip: bool, source: st
             todo[it.mask_key] = it
     stats["masks_reused"] = len({i.mask_key for i in items if i.mask_key}) - len(todo)
     for done, (key, it) in enumerate(todo.items(), 1):
-        tensors = {"mask": load_mask(Path(it.image), source, it.bucket)}
+        tensors = {"mask": load(it)}
         if flip:
-            tensors["mask_flipped"] = load_mask(Path(it.image), source, it.bucket, flip=True)
+            tensors["mask_flipped"] = load(it, True)
         atomic_save(tensors, mask_dir / f"{key}.safetensors", metadata={"image": it.image, "source": source})
         cb.on_progress("masks", done, len(todo))
     stats["masks_built"] = len(todo)

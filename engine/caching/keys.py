@@ -34,10 +34,11 @@ class CacheKeys:
         clip window (its source frame indices)."""
         return stable_hash([self.vae, content, list(bucket), flip] + ([frames] if frames is not None else []))
 
-    def mask(self, content: str, bucket, flip: bool, source: str) -> str:
+    def mask(self, content: str, bucket, flip: bool, source: str, frames: list[int] | None = None) -> str:
         """The key of an image's loss mask: its file's content (the image's, for an alpha mask), the bucket, the
-        flip and where it came from. No model is in it: a mask is kept at the bucket's pixel size."""
-        return stable_hash(["mask", content, list(bucket), flip, source])
+        flip and where it came from; a clip window's mask also its frames (``frames`` None: image keys as before). No
+        model is in it: a mask is kept at the bucket's pixel size."""
+        return stable_hash(["mask", content, list(bucket), flip, source] + ([frames] if frames is not None else []))
 
     def negative_prompt(self, text: str, specs) -> str:
         """The key of a sample prompt's own negative (``--n``), encoded as the empty prompt is (its templates)."""

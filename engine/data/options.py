@@ -26,7 +26,10 @@ class DatasetOptions:
         "Masked loss: where each image's mask comes from. none: no mask (every pixel trains). beside: "
         "'<name>_mask.png' next to '<name>.png'. folder: 'masks/<name>.png' inside the dataset folder. alpha: the "
         "image's own alpha channel. White (opaque) trains, black (transparent) does not; grey is a weight. The mask "
-        "is cropped like its image and averaged over each latent cell (area resize, as sd-scripts)."
+        "is cropped like its image and averaged over each latent cell (area resize, as sd-scripts). Clips (video "
+        "datasets): a mask clip '<name>_mask.mp4' (or a '<name>_mask/' frames folder; 'masks/<name>.mp4' for folder) "
+        "with one frame per clip frame, or a still '<name>_mask.png' for every frame; each latent frame weighs the mean "
+        "of the mask frames it encodes (alpha is for images only)."
     )})
     missing_mask: str = field(default="error", metadata={"help": (
         "An image without a mask (or with one of another size than the image): error stops with the list of "
@@ -44,6 +47,17 @@ class DatasetOptions:
         "Regularization (prior preservation): a folder of captioned images of the subject's class (e.g. other "
         "dogs), with their own .txt captions (no trigger word is added). Train LoRA mixes them in by reg_ratio, "
         "their loss weighted by prior_loss_weight (Loss & Validation Options). Empty: none."
+    )})
+    resolutions: tuple = field(default=(), metadata={"help": (
+        "Multi-resolution training: more sizes (pixels, the side of the square area) each training image is also "
+        "cached at, beside Cache Text Embeds' resolution, each into its own aspect buckets: '512, 768' with "
+        "resolution 1024 trains every image at all three. A batch holds one size; the memory plan is made for the "
+        "largest. Validation and regularization images stay at the resolution. Empty: one size."
+    )})
+    preservation_prompt: str = field(default="", metadata={"help": (
+        "Differential output preservation: the class prompt (e.g. 'a photo of a woman' for a LoRA of one woman), "
+        "encoded into the cache with the captions. Loss & Validation Options' preservation_weight turns it on: the "
+        "base model's answer on this prompt is the target for the adapter's. Empty: none."
     )})
     caption_dropout: float = field(default=0.0, metadata={"help": (
         "Train this fraction of steps' images on the empty caption instead of their own (0: never; 0.05-0.1 is "
@@ -78,6 +92,11 @@ class DatasetOptions:
         if not 2 <= self.caption_variants <= 64:
             raise ConfigError(f"caption_variants={self.caption_variants} must be between 2 and 64 (the caption as "
                               f"written and at least one shuffle)")
+        self.resolutions = tuple(self.resolutions)
+        for size in self.resolutions:
+            if isinstance(size, bool) or not isinstance(size, int) or size < 64 or size % 16:
+                raise ConfigError(f"resolutions: {size!r} must be a whole number of pixels >= 64 and a multiple of 16 "
+                                  f"(e.g. '512, 768')")
         if v > 0 and self.validation_folder.strip():
             raise ConfigError("set validation_fraction or validation_folder, not both: the split comes from one of "
                               "them")
@@ -93,3 +112,16 @@ class DatasetOptions:
     @property
     def validates(self) -> bool:
         return self.validation_fraction > 0 or bool(self.validation_folder.strip())
+
+
+def parse_resolutions(text: str) -> tuple[int, ...]:
+    """'512, 768 1024' -> (512, 768, 1024): sizes separated by commas or spaces; a token that is not a whole number
+    is named."""
+    sizes = []
+    for token in text.replace(",", " ").split():
+        try:
+            sizes.append(int(token))
+        except ValueError:
+            raise ConfigError(f"resolutions: {token!r} is not a whole number of pixels; write sizes like '512, 768'") \
+                from None
+    return tuple(sizes)

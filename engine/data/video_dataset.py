@@ -19,6 +19,7 @@ from typing import Callable
 from ..config import DataConfig
 from ..errors import DatasetError
 from .dataset import MAX_LISTED, _caption_files, _dataset_folder, _missing_captions_message, build_caption, read_caption
+from .clip_masks import is_mask_clip
 from .frames import clip_windows
 from .video import CLIP_EXTENSIONS, ClipError, ClipInfo, ClipTooShortError, clip_kind, probe_clip
 from .video_config import VideoConfig
@@ -41,16 +42,19 @@ class ClipRecord:
         return len(self.frames)
 
 
-def scan_video_dataset(cfg: DataConfig, video: VideoConfig, log: Callable[[str], None] | None = None
-                       ) -> list[ClipRecord]:
+def scan_video_dataset(cfg: DataConfig, video: VideoConfig, log: Callable[[str], None] | None = None,
+                       skip: Callable[[Path], bool] | None = None) -> list[ClipRecord]:
     """Every usable window of every clip directly in ``cfg.path``, clips in name order, windows in time order.
 
     ``log`` (default: print) gets one line per skipped clip and per ignored entry, so nothing is dropped
-    silently. Missing captions are an error (as for images): the fix is in the folder, not in one clip.
+    silently. Missing captions are an error (as for images): the fix is in the folder, not in one clip. Mask clips
+    beside their clips (``<name>_mask``) are never training clips; ``skip``: other entries that are not clips (the
+    ``masks/`` folder of masked loss).
     """
     say = log or print
     folder = _dataset_folder(cfg.path)
     files, clips = _entries(folder, say)
+    clips = [c for c in clips if not is_mask_clip(c) and not (skip is not None and skip(c))]
     if not clips:
         accepted = ", ".join(ext.lstrip(".") for ext in CLIP_EXTENSIONS)
         raise DatasetError(f"no clips or images found in {folder}: put {accepted} files, or folders of frame "

@@ -157,6 +157,9 @@ class Workload:
     image_tokens: int
     text_tokens: int
     label: str = ""  # "1024x1024" for messages
+    # Differential output preservation (engine/train/preservation.py): each micro-step also runs one forward without
+    # gradients and one forward + backward on the class prompt (the step-time model counts them; the peak is one pass's).
+    preservation: bool = False
 
     @property
     def tokens(self) -> int:

@@ -280,7 +280,7 @@ def predict_step_time(plan, machine: Machine, compute_s_per_step: Optional[float
         compute = estimate_compute_s(fp, wl.tokens, wl.batch, machine.peak_flops, compiled, plan.recompute_chunks)
         source = "FLOPs"
     if plan.mode == "resident":
-        return StepTime(compute, compute, 0.0, 0.0, source)
+        return _with_preservation(StepTime(compute, compute, 0.0, 0.0, source), fp, wl, micro)
     # Units as the scheduler streams them; each block's work split over its parts by bytes (attention with the
     # first part, where it runs).
     sizes, groups = fp.stream_units(plan.split_blocks)
@@ -310,5 +310,19 @@ def predict_step_time(plan, machine: Machine, compute_s_per_step: Optional[float
     # Layers outside the blocks held on the host (``outer_on_host``): copied in on the compute stream where they
     # run, once per forward; nothing overlaps that copy (engine/offload/outer.py).
     outer = fp.outer_bytes / machine.link_bytes_per_s if plan.outer_on_host else 0.0
-    return StepTime((seconds + outer) * pieces, compute, (stall + outer) * pieces, (busy + outer) * pieces, source,
-                    disk * pieces)
+    return _with_preservation(StepTime((seconds + outer) * pieces, compute, (stall + outer) * pieces,
+                                       (busy + outer) * pieces, source, disk * pieces), fp, wl, micro)
+
+
+def _with_preservation(st: StepTime, fp, wl, micro: int) -> StepTime:
+    """Differential output preservation's passes added to a step (``Workload.preservation``): a second forward +
+    backward (the step again) and a forward without gradients, which takes the forward's share of the compute or, when
+    streamed, one pass of the streamed bytes over the link or from disk (half the step's), whichever is longest."""
+    if not wl.preservation:
+        return st
+    flops = block_flops(fp, wl.tokens, micro, wl.text_tokens)
+    forward_share = sum(lin + att for lin, att in flops) / sum(LINEAR_PASSES * lin + ATTENTION_PASSES * att
+                                                              for lin, att in flops)
+    forward = max(st.compute_s * forward_share, st.link_busy_s / 2, st.disk_busy_s / 2)
+    return StepTime(2 * st.seconds + forward, st.compute_s * (2 + forward_share), 2 * st.stall_s,
+                    2 * st.link_busy_s + st.link_busy_s / 2, st.compute_source, 2 * st.disk_busy_s + st.disk_busy_s / 2)

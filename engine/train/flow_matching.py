@@ -61,20 +61,27 @@ def noisy_latents_and_target(latents: torch.Tensor, noise: torch.Tensor,
 
 def weighted_mse(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
     """The mean over every element of ``weights * (pred - target)^2`` (fp32); ``weights`` (B, h, w) is a latent-grid
-    mask, the same for every channel (and frame). Without weights, plain MSE."""
+    mask, the same for every channel, or (B, F_lat, h, w) a clip's, per latent frame. Without weights, plain MSE."""
     err = (pred.float() - target.float()).square()
     if weights is None:
         return err.mean()
-    w = weights.float().view(weights.shape[0], *([1] * (err.dim() - 3)), *weights.shape[1:])  # (B, 1, .., h, w)
-    return (err * w).mean()
+    return (err * _broadcast(weights, err)).mean()
 
 
-def mask_weights(masks: torch.Tensor, latent_hw, unmasked_weight: float) -> torch.Tensor:
-    """(B, H, W) uint8 pixel masks -> (B, h, w) loss weights on the latent grid: ``unmasked_weight`` outside the
-    mask, 1 inside (area resize, ``data.masks.latent_mask``)."""
+def _broadcast(weights: torch.Tensor, err: torch.Tensor) -> torch.Tensor:
+    """Latent-grid weights (B, h, w) or (B, F_lat, h, w) with a channel axis: (B, 1, h, w) / (B, 1, F_lat, h, w)."""
+    return weights.float().view(weights.shape[0], *([1] * (err.dim() - weights.dim())), *weights.shape[1:])
+
+
+def mask_weights(masks: torch.Tensor, latent_grid, unmasked_weight: float) -> torch.Tensor:
+    """(B, H, W) uint8 pixel masks -> (B, h, w) loss weights on the latent grid (``latent_grid``: the latents' shape
+    after the channels), or a clip's (B, F, H, W) -> (B, F_lat, h, w): ``unmasked_weight`` outside the mask, 1 inside
+    (area resize, ``data.masks.latent_mask``; in time the VAE's grouping, ``data.clip_masks.latent_clip_mask``)."""
+    from ..data.clip_masks import latent_clip_mask
     from ..data.masks import latent_mask
 
-    m = latent_mask(masks, latent_hw)
+    grid = tuple(latent_grid)
+    m = latent_clip_mask(masks, grid) if masks.dim() == 4 else latent_mask(masks, grid[-2:])
     return unmasked_weight + (1.0 - unmasked_weight) * m
 
 
@@ -115,5 +122,5 @@ def per_sample_mse(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tens
     """(B,) each sample's (masked) mean squared error: ``weighted_mse`` per sample."""
     err = (pred.float() - target.float()).square()
     if weights is not None:
-        err = err * weights.float().view(weights.shape[0], *([1] * (err.dim() - 3)), *weights.shape[1:])
+        err = err * _broadcast(weights, err)
     return err.flatten(1).mean(1)

@@ -150,6 +150,7 @@ def _train_lora(model_cfg, identity, dataset, lora, train, callback, preloaded, 
     run = _Run(cb=cb, ranks=ranks or Ranks(), dataset=dataset, train=train, resume=resume, placement=placement,
                dtype=dtype, held_before=held_before, loss=loss)
     placement.saves_state = resume is not None and resume.enabled
+    placement.preservation = loss is not None and loss.preservation_weight > 0  # its passes in the step-time model
     if preview_partner is not None and sampling is not None and sampling.enabled and device.type == "cuda":
         _count_partner(placement, preview_partner, dtype)
     _load_model(run, model_cfg, identity, lora, preloaded)
@@ -215,6 +216,7 @@ class _Run:
     loss: Any = None  # LossOptions (engine/train/loss_options.py)
     reg_batches: Any = None  # the regularization images' batch stream (Dataset Options' reg_folder), or None
     validator: Any = None  # the held-out split's loss (engine/train/validation.py), or None
+    class_text: Any = None  # differential output preservation: the class prompt's embeddings (preservation.py)
 
     @property
     def device(self) -> torch.device:
@@ -236,6 +238,10 @@ def _check_loss_options(loss, dataset) -> None:
         raise ConfigError(f"validation_every={loss.validation_every} but the dataset has no validation split; set "
                           f"validation_fraction or validation_folder on Dataset Options (Cache Text Embeds), or "
                           f"set validation_every to 0")
+    if loss.preservation_weight > 0 and not dataset.preservation_text_key:
+        raise ConfigError(f"preservation_weight={loss.preservation_weight:g} but the dataset cache has no class "
+                          f"prompt; set preservation_prompt on Dataset Options (Cache Text Embeds), e.g. 'a photo of "
+                          f"a woman', or set preservation_weight to 0")
 
 
 def _make_validator(run: _Run) -> None:
@@ -333,6 +339,9 @@ def _mark_window(run: _Run, lora: LoraSettings, step_window: int | None) -> None
 
     if step_window == 0 or run.family.memory.step_constants is None:
         return
+    if run.loss.preservation_weight > 0:  # the class prompt's forwards would need constants of their own
+        run.cb.log("modulation window: off (differential output preservation runs a second prompt per step)")
+        return
     if len(run.placement.devices) > 1:
         run.cb.log("modulation window: off (Dual-GPU Split: the modulation runs where each part's blocks are)")
         return
@@ -426,6 +435,13 @@ def _prepare_data(run: _Run) -> None:
     # image sizes (CachedItem.batch_key).
     run.batches = run.ranks.shard(bucket_batches(run.dataset.training_items(), train.batch_size, train.seed,
                                                  lambda it: it.batch_key()))
+    if run.loss.preservation_weight > 0:  # the class prompt's embeddings, loaded once
+        run.class_text = {k: v.to(device, run.dtype) if v.is_floating_point() else v.to(device)
+                          for k, v in run.dataset.load_text(run.dataset.preservation_text_key).items()}
+        run.result.settings["preservation"] = {"prompt": run.dataset.preservation_prompt,
+                                               "weight": run.loss.preservation_weight}
+        run.cb.log(f"differential output preservation: the base model's answer on '{run.dataset.preservation_prompt}' "
+                   f"is the adapter's target there, weight {run.loss.preservation_weight:g}")
     if run.dataset.reg_items and run.loss.reg_ratio > 0:  # a stream of their own, interleaved by ``LossOptions.is_reg``
         if run.ranks.distributed:
             raise ConfigError("regularization images are not built for data-parallel training yet; clear reg_folder "
@@ -585,14 +601,21 @@ def _accumulate(run: _Run) -> float | None:
             assert drawn == run.drawn, (drawn, run.drawn)
         else:
             batch, weight = _next_batch(run, run.drawn)
+        reg = run.reg_batches is not None and run.loss.is_reg(run.drawn)  # the draw _next_batch made
         run.drawn += 1
         latents, embeds, masks = _load_batch(run.dataset, batch, run.device, run.dtype, gen, captions)
         weights = None if masks is None else \
-            mask_weights(masks, latents.shape[-2:], run.loss.unmasked_weight).to(run.device)  # (B, h, w)
+            mask_weights(masks, latents.shape[2:], run.loss.unmasked_weight).to(run.device)  # (B, [F_lat,] h, w)
         run.timer.add_data(time.perf_counter() - t_data)
+        preserve = None
+        if run.class_text is not None and not reg:  # the dataset's batches (reg images preserve on their own)
+            from .preservation import class_embeds
+
+            preserve = (class_embeds(run.class_text, embeds), run.loss.preservation_weight)
         loss_sum += weight * _micro_step(run.model, run.family, latents, embeds, train, gen, run.autocast,
                                          weight / train.gradient_accumulation, run.memory.micro_batch,
-                                         run.sigma_range, weights, run.loss, window=run.window, calls=calls)
+                                         run.sigma_range, weights, run.loss, window=run.window, calls=calls,
+                                         preserve=preserve)
         # Between micro-steps too: with long accumulation, Stop must not wait a whole step.
         if micro < train.gradient_accumulation - 1 and _stop_requested(run):
             return None
@@ -874,13 +897,14 @@ def _pieces(b: int, micro_batch: int) -> list[slice]:
 def _micro_step(model, family, latents, embeds, cfg: TrainConfig, gen: torch.Generator, autocast,
                 scale: float, micro_batch: int = 0, sigma_range: tuple[float, float] = (0.0, 1.0),
                 weights: torch.Tensor | None = None, loss_opts=None, window=None,
-                calls: list | None = None) -> float:
+                calls: list | None = None, preserve: tuple | None = None) -> float:
     """Forward and backward of one batch; returns its loss. The noise and timesteps are drawn for the whole
     batch; with ``micro_batch`` the batch then runs that many samples at a time, each piece's loss weighted
     by its share, so the accumulated gradient is the whole batch's (activations are one piece's). ``weights``
     (B, h, w): masked loss's latent-grid weights (``flow_matching.weighted_mse``). ``loss_opts`` (LossOptions): the
     noise-level sampler and loss weighting, the family's own by default. ``calls``: the modulation window's outputs
-    for each piece (``window.call`` serves them through its forward and backward)."""
+    for each piece (``window.call`` serves them through its forward and backward). ``preserve``: (the class prompt's
+    embeddings for the batch, their weight): differential output preservation's loss is added (preservation.py)."""
     b = latents.shape[0]
     sigmas, noise, level_weights = _draw_noise(family, latents, cfg, gen, sigma_range, loss_opts)
     noisy, target = noisy_latents_and_target(latents, noise, sigmas)
@@ -899,6 +923,13 @@ def _micro_step(model, family, latents, embeds, cfg: TrainConfig, gen: torch.Gen
                 loss = weighted_mse(pred, target[piece], weights[piece])
             share = (piece.stop - piece.start) / b
             (loss * (share * scale)).backward()
+        if preserve is not None:  # its own forwards after the piece's backward: the peak stays one forward's
+            from .preservation import preservation_loss
+
+            kept = preservation_loss(family, model, noisy[piece], {k: v[piece] for k, v in preserve[0].items()},
+                                     sigmas[piece], cfg.guidance, autocast) * preserve[1]
+            (kept * (share * scale)).backward()
+            loss = loss + kept.detach()
         total += loss.item() * share
     return total
 

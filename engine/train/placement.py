@@ -102,6 +102,7 @@ class Placement(ABC):
         self.host_extra: dict[str, int] = {}
         self.slab_path = None  # the checkpoint is an int8 slab here: its blocks can stream from disk
         self.saves_state = True  # the run writes resumable states (the loop says): a save stages them in host RAM
+        self.preservation = False  # each micro-step also runs preservation's passes (the loop says; step time)
         self._model = None  # the model LoRA is attached to, until remove()
         self._checkpointing_on = False  # whether apply turned gradient checkpointing on
 
@@ -311,7 +312,9 @@ class Streamed(Placement):
 
             offload = replace(offload, optimizer_on_host=False)
         ram, cap, source = ram_budget(offload)
-        return make_plan(fp, workload_for(dataset, family, variant, train.batch_size), offload,
+        workload = workload_for(dataset, family, variant, train.batch_size)
+        workload.preservation = self.preservation
+        return make_plan(fp, workload, offload,
                          resolve_budget_bytes(offload, self.device), cap,
                          compiled=self.compiles(train)[0], machine=self.machine(fp), ram_budget_bytes=ram,
                          host_extra=self.host_extra, ram_source=source, resume_staging=self.saves_state)

@@ -52,7 +52,7 @@ class Validator:
                 embeds = {k: v.to(device, dtype) if v.is_floating_point() else v.to(device)
                           for k, v in self.dataset.collate_text([emb]).items()}
                 mask = self.dataset.load_mask(item)
-                weights = (mask_weights(mask[None], latents.shape[-2:], self.unmasked_weight).to(device)
+                weights = (mask_weights(mask[None], latents.shape[2:], self.unmasked_weight).to(device)
                            if mask is not None else None)
                 for k, sigma in enumerate(self.sigmas):
                     noise = fixed_noise(latents.shape, self.seed, i, k, len(self.sigmas)).to(device, dtype)

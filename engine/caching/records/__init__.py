@@ -24,13 +24,19 @@ def record_source(models: CacheModels, data_cfg: DataConfig, video: VideoConfig 
     spec with ``control_images``) takes pairs, ``video`` clips, anything else images. Settings the chosen source
     cannot honour are refused here, before any file is read."""
     family, variant = models.family, models.variant
-    if options is not None and options.masked and (video or any(s.control_images for s in models.specs)):
-        raise ConfigError(f"masked loss (mask_source={options.mask_source!r}) is built for image datasets only; "
-                          f"{family.display_name} ({variant}) trains on "
-                          f"{'clips' if video else 'edit pairs'} here. Set mask_source='none'")
+    if options is not None and options.masked and any(s.control_images for s in models.specs):
+        raise ConfigError(f"masked loss (mask_source={options.mask_source!r}) is built for image and clip datasets; "
+                          f"{family.display_name} ({variant}) trains on edit pairs here. Set mask_source='none'")
+    if options is not None and options.mask_source == "alpha" and video:
+        raise ConfigError("mask_source='alpha' reads an image's alpha channel; clips carry their masks in a mask clip "
+                          "('<name>_mask.mp4' beside each clip: mask_source='beside', or masks/<name>.mp4: 'folder')")
     if options is not None and options.captions_vary and any(s.control_images for s in models.specs):
         raise ConfigError(f"shuffle_tags and caption_dropout change captions, but {family.display_name} ({variant}) "
                           f"reads each pair's instruction with its control images; turn them off for edit models")
+    if options is not None and options.preservation_prompt.strip() and any(s.control_images for s in models.specs):
+        raise ConfigError(f"preservation_prompt: {family.display_name} ({variant}) reads each prompt with its control "
+                          f"images, so a class prompt alone has no meaning for it; clear preservation_prompt for edit "
+                          f"models")
     if any(s.control_images for s in models.specs):
         if video:
             raise ConfigError(f"{family.display_name} ({variant}) is an image edit model; it takes no video dataset")
@@ -38,7 +44,7 @@ def record_source(models: CacheModels, data_cfg: DataConfig, video: VideoConfig 
     if control_dirs:
         raise ConfigError(f"control folders were given but {family.display_name} ({variant}) is not an edit model; "
                           f"clear control_folder, or load a Qwen-Image-Edit file")
-    return ClipSource(models, data_cfg, video) if video else ImageSource(models, data_cfg, options)
+    return ClipSource(models, data_cfg, video, options) if video else ImageSource(models, data_cfg, options)
 
 
 __all__ = ["CaptionSource", "ClipSource", "EditPairSource", "ImageSource", "RecordSource", "record_source"]
