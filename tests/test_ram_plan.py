@@ -301,3 +301,52 @@ def test_every_template_names_its_variant_and_its_note_states_its_needs():
         ui = json.loads((WORKFLOWS_DIR / f"{name}.json").read_text())
         note = next(n for n in ui["nodes"] if n["type"] == "Note")["widgets_values"][0]
         assert "Needs (the planner's prediction" in note and "host RAM" in note and "VRAM budget" in note
+
+
+# --- the modulation window's weights under a RAM budget (offload/window.py place_window_weights) ---------------------
+
+
+def _window_planned(ram):
+    def planned(extra):
+        return make_plan(flux_like(), WL, OffloadConfig(mode="auto", vram_budget_gb=6), 6 * GB, 64 * 10**9,
+                         machine=DISK, ram_budget_bytes=int(ram * GB) if ram else None, host_extra=extra,
+                         resume_staging=False)
+    return planned
+
+
+def test_window_weights_stay_in_the_slab_map_when_holding_them_would_put_blocks_on_disk():
+    from lowvram_lora.engine.offload.window import HOST_KEY, place_window_weights
+
+    extra = {HOST_KEY: int(2 * GB)}
+    held_alone = _window_planned(9)(extra)  # held in pinned RAM, the window pushes blocks to the disk tier
+    assert held_alone.disk_blocks
+    plan, mapped = place_window_weights(_window_planned(9), extra, may_map=True)
+    assert mapped and plan.disk_bytes_per_step < held_alone.disk_bytes_per_step
+    assert "stay in the slab file's map" in plan.describe()
+    assert plan.predicted_host_peak_bytes <= 9 * GB
+    # RAM enough: held in pinned memory as before; not a slab (or no disk rate): never mapped
+    plan, mapped = place_window_weights(_window_planned(None), extra, may_map=True)
+    assert not mapped and not plan.disk_blocks
+    plan, mapped = place_window_weights(_window_planned(9), extra, may_map=False)
+    assert not mapped and plan.disk_bytes_per_step == held_alone.disk_bytes_per_step
+
+
+def test_mapped_block_copies_binds_and_gives_the_map_back():
+    import torch
+    from torch import nn
+
+    from lowvram_lora.engine.offload.host import MappedBlock
+
+    module = nn.Linear(8, 4).requires_grad_(False)
+    weight, bias = module.weight.data.clone(), module.bias.data.clone()
+    released = []
+    block = MappedBlock(module, "mod", lambda ranges: released.append(ranges) or 0)
+    flat = torch.zeros(block.nbytes, dtype=torch.uint8)  # stands in for the GPU buffer
+    block.copy_to(flat)
+    assert sorted(n for _, n in released[0]) == sorted([weight.numel() * 4, bias.numel() * 4])  # every tensor's range
+    originals = [t.data_ptr() for t in block.mapped]
+    block.bind(flat)
+    assert module.weight.data_ptr() == flat.data_ptr() and torch.equal(module.weight, weight)
+    assert torch.equal(module.bias, bias)
+    block.bind_host()
+    assert [module.weight.data_ptr(), module.bias.data_ptr()] == originals

@@ -66,3 +66,43 @@ def test_streamed_window_equals_streamed_without(family_id, act):
     # each is loaded once in the whole run: saved == inside, measured on the H200).
     assert inside > 0 or family_id in ("flux2", "wan")  # their modulation is outside the blocks
     assert inside <= saved <= 2 * steps * accumulation * inside, (saved, inside)
+
+
+def test_window_weights_read_from_the_slab_map_train_like_held_ones(tmp_path, monkeypatch):
+    """Host RAM short (offload/window.py place_window_weights chooses it): the window's weights that are still in the
+    slab file's map stay there and are copied to the GPU from it once per window (offload/host.py MappedBlock),
+    giving the map's pages back after each copy. The same losses and LoRA as holding them in pinned memory."""
+    from test_step_window import _Dataset
+
+    from lowvram_lora.engine.offload import window as window_mod
+    from lowvram_lora.engine.slab import build_slab, load_slab_transformer
+    from lowvram_lora.engine.slab.testing import write_random_checkpoint
+
+    family = get_family("flux1")
+    cfg = dict(family.load_config("flux1-tiny"), num_layers=2, num_single_layers=3)
+    ckpt = write_random_checkpoint(tmp_path / "ckpt", "flux1", config=cfg, layout="diffusers")
+    slab = build_slab(ckpt, tmp_path / "tiny.slab.safetensors", progress=False)
+    offload = OffloadConfig(mode="stream", prefetch_depth=1, activation_offload=True, compile="off")
+
+    def run(mapped: bool):
+        model = load_slab_transformer(slab, torch.float32)[0]
+        if mapped:
+            real = window_mod.place_window_weights
+            monkeypatch.setattr(window_mod, "place_window_weights",
+                                lambda planned, extra, may_map: (real(planned, {}, False)[0], True))
+        try:
+            return train_lora(ModelConfig(transformer_path="tiny", dtype="fp32"), _Dataset(model, family),
+                              LoraSettings(rank=2, alpha=2),
+                              TrainConfig(steps=4, batch_size=1, learning_rate=1e-3, seed=5, guidance=3.5,
+                                          device="cuda"),
+                              preloaded=(model, family, family.tiny_variant), offload=copy.deepcopy(offload),
+                              step_window=2)
+        finally:
+            monkeypatch.undo()
+
+    held, mapped = run(False), run(True)
+    assert held.settings["step_window"]["mapped_bytes"] == 0
+    assert mapped.settings["step_window"]["mapped_bytes"] > 0  # the blocks' modulation, left in the map
+    assert mapped.loss_history == pytest.approx(held.loss_history, rel=1e-5)
+    for k, v in held.state_dict.items():
+        torch.testing.assert_close(mapped.state_dict[k], v, rtol=1e-5, atol=1e-7, msg=k)

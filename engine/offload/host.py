@@ -187,8 +187,44 @@ class HostBlock:
     def bind_host(self) -> None:
         self.bind(self.buffer)
 
+    def copy_to(self, flat: torch.Tensor) -> None:
+        """Its bytes into ``flat`` (a GPU buffer of ``nbytes``), asynchronously where pinned."""
+        flat.copy_(self.buffer, non_blocking=self.pinned)
+
     def bound_to_host(self) -> bool:
         base = self.buffer.data_ptr()
         return all(e.tensor().device.type == "cpu" and e.tensor().data_ptr() == base + e.offset
                    for e in self.entries)
 
+
+
+class MappedBlock:
+    """A module's frozen tensors left where a slab file maps them (no host copy): ``copy_to`` reads them from the
+    map into a GPU buffer (page cache, or the disk where the pages were given back), then gives the map's pages back
+    (``release``: engine/slab/source.py), so they hold no RAM between copies. The modulation window uses it when host
+    RAM is short (engine/train/step_window.py): it copies its weights once per window, so their RAM is better spent
+    on blocks that stream every step. Same binding interface as ``HostBlock``."""
+
+    pinned = False
+
+    def __init__(self, module: nn.Module, name: str, release: Callable[[list[tuple[int, int]]], int]):
+        self.name = name
+        self.entries, self.nbytes = layout(module, name)
+        self.mapped = [e.tensor().data for e in self.entries]  # the map's views, as loaded
+        if any(t.device.type != "cpu" for t in self.mapped):
+            raise ValueError(f"{name}: only tensors on the host can be left in the file's map")
+        self.release = release
+
+    def copy_to(self, flat: torch.Tensor) -> None:
+        for e, src in zip(self.entries, self.mapped):
+            flat[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape).copy_(src)
+        # The copies above are synchronous (pageable memory): the pages can go back right away.
+        self.release([(t.data_ptr(), t.numel() * t.element_size()) for t in self.mapped if t.numel()])
+
+    def bind(self, flat: torch.Tensor) -> None:
+        for e in self.entries:
+            e.tensor().data = flat[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
+
+    def bind_host(self) -> None:
+        for e, src in zip(self.entries, self.mapped):
+            e.tensor().data = src

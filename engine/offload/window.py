@@ -10,7 +10,12 @@ leaves free and ``MAX_STEPS``.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
+
+from ..errors import ConfigError
+
+#: The name of the window's held weights among a plan's host bytes (``host_extra``; engine/train/loop.py).
+HOST_KEY = "modulation window"
 
 #: The window's one copy may cost this share of the steps it serves (1%: within the step time's run-to-run spread).
 COPY_SHARE = 0.01
@@ -42,3 +47,27 @@ def _headroom(plan) -> Optional[int]:
     if plan is None or plan.budget_bytes is None:
         return None
     return max(0, plan.budget_bytes - plan.predicted_peak_bytes)
+
+
+def place_window_weights(planned: Callable[[dict], "Plan"], host_extra: dict, may_map: bool) -> tuple["Plan", bool]:
+    """(plan, whether the window's weights stay in the slab file's map). ``planned(host_extra)`` makes the plan;
+    ``host_extra[HOST_KEY]`` is what the window would hold in pinned host memory. ``may_map``: the model is a slab on
+    a disk of known rate and host RAM is budgeted. The window copies its weights to the GPU once per window, a disk
+    tier block at every load, so where holding the window's weights would put blocks on disk (or not fit at all),
+    they stay in the file's map (read once per window, engine/offload/host.py MappedBlock) and the RAM holds blocks."""
+    window = host_extra.get(HOST_KEY, 0)
+    if not (window and may_map):
+        return planned(host_extra), False
+    try:
+        held = planned(host_extra)
+    except ConfigError:
+        held = None
+    if held is not None and not held.disk_blocks:
+        return held, False
+    mapped = planned({k: v for k, v in host_extra.items() if k != HOST_KEY})
+    if held is not None and held.disk_bytes_per_step <= mapped.disk_bytes_per_step:
+        return held, False
+    mapped.ram_note = ((mapped.ram_note + "; ") if mapped.ram_note else "") + (
+        f"the modulation window's {window / 1e9:.1f} GB of weights stay in the slab file's map, read once per window, "
+        f"so that RAM holds streamed blocks")
+    return mapped, True

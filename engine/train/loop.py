@@ -356,8 +356,9 @@ def _mark_window(run: _Run, lora: LoraSettings, step_window: int | None) -> None
         run.undo.callback(chosen.unmark)
         if run.device.type == "cuda":  # their weights wait in pinned host memory (step_window.StepWindow): in the RAM plan
             from ..offload.host import frozen_bytes
+            from ..offload.window import HOST_KEY
 
-            run.placement.host_extra["modulation window"] = sum(frozen_bytes(m) for _, m in chosen.all())
+            run.placement.host_extra[HOST_KEY] = sum(frozen_bytes(m) for _, m in chosen.all())
 
 
 def _start_window(run: _Run, step_window: int | None) -> None:
@@ -368,18 +369,33 @@ def _start_window(run: _Run, step_window: int | None) -> None:
 
     if run.window is None:
         return
-    window = StepWindow(run.model, run.family, run.window, run.device, run.autocast)
+    release_map = None
+    if run.placement.window_from_file:  # host RAM is short: the weights stay in the slab's map (Streamed.plan)
+        from ..slab.source import slab_source_of
+
+        source = slab_source_of(run.model)
+        release_map = source.release if source is not None else None
+    window = StepWindow(run.model, run.family, run.window, run.device, run.autocast, release_map=release_map)
     run.window = window
     run.undo.callback(window.remove)
     plans = run.placement.plans()
+    plan = plans[0] if plans else None
     per_step = window.vector_bytes_per_call_row(run.dtype) * run.train.batch_size * run.train.gradient_accumulation
-    window.steps = step_window or window_steps(per_step, window.held_bytes, plans[0] if plans else None)
+    copied = window.held_bytes
+    if window.mapped_bytes and plan is not None and plan.machine is not None and plan.machine.disk_bytes_per_s:
+        # read from the disk at worst: as many link bytes as take the same time
+        copied += int(window.mapped_bytes * plan.machine.link_bytes_per_s / plan.machine.disk_bytes_per_s)
+    window.steps = step_window or window_steps(per_step, copied, plan)
     run.result.settings["step_window"] = {"steps": window.steps, "modules": len(window.chosen.modules) + 1,
                                           "excluded": window.chosen.excluded, "held_gb": round(window.held_bytes / 1e9, 3),
-                                          "held_bytes": window.held_bytes}
+                                          "held_bytes": window.held_bytes, "mapped_bytes": window.mapped_bytes}
+    where = []
+    if window.held_bytes:
+        where.append(f"{window.held_bytes / 1e9:.2f} GB of their weights in pinned host memory")
+    if window.mapped_bytes:
+        where.append(f"{window.mapped_bytes / 1e9:.2f} GB read from the slab file's map (host RAM is short)")
     run.cb.log(f"modulation window: {len(window.chosen.modules)} modules and {window.chosen.source[0]} computed once "
-               f"per {window.steps} steps" + (f", {window.held_bytes / 1e9:.2f} GB of their weights in pinned host "
-                                              f"memory, copied in once per window" if window.held_bytes else ""))
+               f"per {window.steps} steps" + (f", {', '.join(where)}, copied in once per window" if where else ""))
 
 
 def _fill_window(run: _Run) -> None:

@@ -103,6 +103,9 @@ class Placement(ABC):
         self.slab_path = None  # the checkpoint is an int8 slab here: its blocks can stream from disk
         self.saves_state = True  # the run writes resumable states (the loop says): a save stages them in host RAM
         self.preservation = False  # each micro-step also runs preservation's passes (the loop says; step time)
+        # The modulation window's weights stay in the slab file's map, read once per window, and its host bytes go to
+        # blocks instead (Streamed.plan decides when host RAM is short; engine/train/step_window.py).
+        self.window_from_file = False
         self._model = None  # the model LoRA is attached to, until remove()
         self._checkpointing_on = False  # whether apply turned gradient checkpointing on
 
@@ -302,6 +305,7 @@ class Streamed(Placement):
         from ..offload.footprint import workload_for
         from ..offload.plan import make_plan
         from ..offload.streamer import resolve_budget_bytes
+        from ..offload.window import place_window_weights
 
         offload = self.offload
         fp.lora_bytes_per_param = lora_bytes_per_param(train)
@@ -314,10 +318,17 @@ class Streamed(Placement):
         ram, cap, source = ram_budget(offload)
         workload = workload_for(dataset, family, variant, train.batch_size)
         workload.preservation = self.preservation
-        return make_plan(fp, workload, offload,
-                         resolve_budget_bytes(offload, self.device), cap,
-                         compiled=self.compiles(train)[0], machine=self.machine(fp), ram_budget_bytes=ram,
-                         host_extra=self.host_extra, ram_source=source, resume_staging=self.saves_state)
+        machine = self.machine(fp)
+
+        def planned(extra):
+            return make_plan(fp, workload, offload, resolve_budget_bytes(offload, self.device), cap,
+                             compiled=self.compiles(train)[0], machine=machine, ram_budget_bytes=ram,
+                             host_extra=extra, ram_source=source, resume_staging=self.saves_state)
+
+        plan, self.window_from_file = place_window_weights(
+            planned, self.host_extra, fp.file_backed and ram is not None and machine is not None
+            and bool(machine.disk_bytes_per_s))
+        return plan
 
     def machine(self, fp):
         """The link (measured once), and the read rate of the slab file's disk (probed once, cached) when the model

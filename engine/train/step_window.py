@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
-from ..offload.host import STEP_CONSTANT, HostBlock
+from ..offload.host import STEP_CONSTANT, HostBlock, MappedBlock
 
 #: The module attribute holding the output stored for the current call (None: run the module).
 OUT = "_lowvram_window_out"
@@ -133,13 +133,13 @@ def _windowed_forward(self: nn.Module, *args, **kwargs):
 
 @contextlib.contextmanager
 def _weights_on_gpu(module: nn.Module):
-    host: Optional[HostBlock] = module.__dict__.get(HELD)
+    host: Optional[HostBlock | MappedBlock] = module.__dict__.get(HELD)
     if host is None or module.__dict__.get(_BOUND):  # resident, or already copied in by an enclosing use
         yield
         return
     device = module.__dict__["_lowvram_window_device"]
     gpu = torch.empty(host.nbytes, dtype=torch.uint8, device=device)
-    gpu.copy_(host.buffer, non_blocking=host.pinned)  # on the compute stream: ordered with the work that reads it
+    host.copy_to(gpu)  # on the compute stream: ordered with the work that reads it
     pacer = module.__dict__.get("_lowvram_window_pacer")
     if pacer is not None:  # benches: LOWVRAM_EMULATE_LINK_GBPS paces these copies as the streamer's
         pacer.after_copy(host.nbytes)
@@ -155,14 +155,16 @@ def _weights_on_gpu(module: nn.Module):
 class StepWindow:
     """The flagged modules of one run, their pinned host copies, the queue of drawn micro-batches and their outputs."""
 
-    def __init__(self, model: nn.Module, family, chosen: WindowModules, device: torch.device, autocast, steps: int = 0):
+    def __init__(self, model: nn.Module, family, chosen: WindowModules, device: torch.device, autocast, steps: int = 0,
+                 release_map: Optional[Callable[[list], int]] = None):
         self.model, self.chosen, self.device, self.autocast = model, chosen, device, autocast
         self.spec = family.memory.step_constants
         self.config = dict(model.config)
         self.steps = steps  # K: steps drawn ahead per window (set by the caller from the planner's choice)
         self.queue: deque = deque()
         self.windows = 0  # windows computed so far
-        self.held_bytes = 0
+        self.held_bytes = 0  # weights held in pinned host memory
+        self.mapped_bytes = 0  # weights left in the slab file's map (``release_map``: host RAM is short)
         pacer = None
         if device.type == "cuda":
             from ..offload.link import pacer_for
@@ -175,9 +177,15 @@ class StepWindow:
                 # One pinned copy, wherever placement left the weights: a streamed block's or an outer module's on
                 # the host, a resident block's on the GPU (moved out: the plan's footprint leaves every flagged
                 # weight out of VRAM, engine/offload/footprint.py, so a resident plan must not find them there).
-                host, _ = HostBlock.for_block(module, name, pin=True)
+                # Where the plan spends host RAM on blocks instead (Streamed.window_from_file), the weights still in
+                # the slab's map stay there and are read from it once per window (offload/host.py MappedBlock).
+                if release_map is not None and all(t.device.type == "cpu" for t in _frozen(module)):
+                    host = MappedBlock(module, name, release_map)
+                    self.mapped_bytes += host.nbytes
+                else:
+                    host, _ = HostBlock.for_block(module, name, pin=True)
+                    self.held_bytes += host.nbytes
                 module.__dict__[HELD] = host
-                self.held_bytes += host.nbytes
             module.__dict__[OUT] = None
             module.__dict__[_PREVIOUS] = module.__dict__.get("forward")
             module.forward = types.MethodType(_windowed_forward, module)
