@@ -103,10 +103,12 @@ def _workload(t: TrainingTemplate, family, variant: str) -> Workload:
     side = int(t.cache.get("resolution", 1024))
     frames = int(t.cache.get("video_frames", 1) or 1)
     tokens = family.memory.image_tokens(side, side, variant) * family.memory.latent_frames(frames)
-    if family.control_images(variant) is not None:  # one control image of the same size joins the image tokens
-        tokens += family.memory.image_tokens(side, side, variant)
-    return Workload(1, tokens, default_max_sequence_length(family, variant),
-                    f"{side}x{side}" + (f"x{frames}f" if frames > 1 else ""))
+    references = 0
+    control = family.control_images(variant)
+    if control is not None and (not control.optional or t.cache.get("control_folder")):
+        references = family.memory.image_tokens(side, side, variant)  # one control image of the same size joins
+    return Workload(1, tokens + references, default_max_sequence_length(family, variant),
+                    f"{side}x{side}" + (f"x{frames}f" if frames > 1 else ""), reference_tokens=references)
 
 
 def _ram_budget(machine_gb: float) -> int:

@@ -157,6 +157,7 @@ class Workload:
     image_tokens: int
     text_tokens: int
     label: str = ""  # "1024x1024" for messages
+    reference_tokens: int = 0  # of image_tokens, an edit item's reference (control) images' tokens
 
     @property
     def tokens(self) -> int:
