@@ -195,7 +195,8 @@ def write_template_files(template, root, scratch):
             written.append(dest.with_suffix(""))
     family = get_family(template.load["family"])
     variant = family.variant_from_name(family.tiny_variant, template.load["checkpoint"])
-    if any(s.control_images for s in family.text_encoder_specs(variant)):  # an edit model: pairs (target + control/)
+    control = family.control_images(variant)
+    if control is not None and (not control.optional or template.cache.get("control_folder")):  # pairs: + control/
         written.append(fixtures.add_tiny_controls(make_tiny_dataset(root / "input" / template.cache["dataset_path"],
                                                                     count=1)))
     else:

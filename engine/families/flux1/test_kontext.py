@@ -136,3 +136,18 @@ def test_kontext_is_told_by_name_needs_its_reference_and_trains_flux1_keys(tiny_
     flux1 = set(FAMILY.lora.target_modules(meta_model(FAMILY, FAMILY.load_config("flux1-tiny"))))
     assert {k.rsplit(".", 2)[0] for k in lora.state_dict} == flux1
     save_lora(lora, tmp_path / "kontext.safetensors", fmt="comfyui", dtype="fp32")
+
+
+@pytest.mark.parametrize("name", ['flux1_kontext_lora'])
+def test_the_full_size_template_without_its_files_names_them(name, tmp_path):
+    """The shipped template with its files absent fails before anything runs, naming the checkpoint it needs."""
+    from lowvram_lora.host.templates import SHIPPED, WORKFLOWS_DIR
+    from lowvram_lora.host.workflow import WorkflowError, load_workflow, to_api_graph
+    from lowvram_lora.nodes import NODE_CLASS_MAPPINGS
+    from lowvram_lora.nodes.paths import configure_standalone_dirs
+
+    configure_standalone_dirs(str(tmp_path / "empty"), str(tmp_path / "out"))
+    with pytest.raises(WorkflowError) as e:
+        to_api_graph(load_workflow(WORKFLOWS_DIR / f"{name}.json"), NODE_CLASS_MAPPINGS)
+    assert SHIPPED[name].load["checkpoint"] in str(e.value)
+    assert SHIPPED[name].cache["control_folder"] == "my_edits/control"  # the edit layout, said in the graph

@@ -183,3 +183,18 @@ def test_training_on_pairs_lowers_the_loss(pipes, pair_cache):
     before = eval_flow_loss(ref, FAMILY, one, n=4)
     after = eval_flow_loss(merged(ref, lora.state_dict, lora.scale), FAMILY, one, n=4)
     assert after < before, (before, after)
+
+
+@pytest.mark.parametrize("name", ['flux2_klein_edit_lora'])
+def test_the_full_size_template_without_its_files_names_them(name, tmp_path):
+    """The shipped template with its files absent fails before anything runs, naming the checkpoint it needs."""
+    from lowvram_lora.host.templates import SHIPPED, WORKFLOWS_DIR
+    from lowvram_lora.host.workflow import WorkflowError, load_workflow, to_api_graph
+    from lowvram_lora.nodes import NODE_CLASS_MAPPINGS
+    from lowvram_lora.nodes.paths import configure_standalone_dirs
+
+    configure_standalone_dirs(str(tmp_path / "empty"), str(tmp_path / "out"))
+    with pytest.raises(WorkflowError) as e:
+        to_api_graph(load_workflow(WORKFLOWS_DIR / f"{name}.json"), NODE_CLASS_MAPPINGS)
+    assert SHIPPED[name].load["checkpoint"] in str(e.value)
+    assert SHIPPED[name].cache["control_folder"] == "my_edits/control"  # the edit layout, said in the graph
