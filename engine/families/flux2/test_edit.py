@@ -170,7 +170,7 @@ def test_pairs_cache_the_caption_and_the_reference_latents(pipes, pair_cache):
 
 def test_training_on_pairs_lowers_the_loss(pipes, pair_cache):
     """A few steps on the pairs lower the flow loss of the pipeline's transformer (the references in every forward;
-    the loss on the target's tokens only: ``unpack_prediction`` cuts the answer)."""
+    the loss on the target's tokens only: ``unpack_prediction`` cuts the answer); the LoRA has Flux.2's modules."""
     from helpers import eval_flow_loss, merged
 
     from lowvram_lora.engine.config import LoraSettings, TrainConfig
@@ -183,6 +183,9 @@ def test_training_on_pairs_lowers_the_loss(pipes, pair_cache):
     before = eval_flow_loss(ref, FAMILY, one, n=4)
     after = eval_flow_loss(merged(ref, lora.state_dict, lora.scale), FAMILY, one, n=4)
     assert after < before, (before, after)
+    # the edit LoRA is the text-to-image LoRA's form: the same modules (ComfyUI maps them as Flux.2's; its loader is
+    # checked on the family's LoRA in tests/comfyui)
+    assert {k.rsplit(".", 2)[0] for k in lora.state_dict} == set(FAMILY.lora.target_modules(ref))
 
 
 @pytest.mark.parametrize("name", ['flux2_klein_edit_lora'])
