@@ -3,12 +3,12 @@
 The reference is the pipeline run end to end (``Flux2Pipeline`` / ``Flux2KleinPipeline`` with ``image=[...]``,
 output_type="latent") with its transformer calls recorded: the packed reference tokens it appends
 (``prepare_image_latents``), their ids (``_prepare_image_ids``: T = 10, 20, ...), the answer cut to the target. Our
-reference latents, ``model_inputs`` and ``predict_velocity`` must equal them (1e-5, fp32), and ``sample_latents`` with
-the references in the embeds must give the pipeline's latents from the same noise (1e-4; klein's pipeline answers in the VAE's space, compared through
-``FLUX2_VAE.to_vae``). Then the dataset side: a
-pairs dataset (the Qwen-Image-Edit layouts) caches the caption's ordinary text entry beside the references' latents,
-and the planner counts the references' tokens. Training on pairs (the LoRA lowers the reference model's flow loss)
-is checked end to end by tests/test_family_workflows.py[flux2_dev_edit_lora] and, in real ComfyUI, tests/comfyui.
+reference latents, ``model_inputs`` and ``predict_velocity`` must equal them (1e-5, fp32), and ``sample_latents``
+with the references in the embeds must give the pipeline's latents from the same noise (1e-4; klein's pipeline
+answers in the VAE's space, compared through ``FLUX2_VAE.to_vae``). Then the dataset side: a pairs dataset (the
+Qwen-Image-Edit layouts) caches the caption's ordinary text entry beside the references' latents, and the planner
+counts the references' tokens. Training on pairs (the LoRA lowers the reference model's flow loss) is checked end to
+end by tests/test_family_workflows.py[flux2_dev_edit_lora] and, in real ComfyUI, tests/comfyui.
 """
 from types import SimpleNamespace
 
