@@ -68,6 +68,8 @@ def parse_args(argv=None):
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--out", default="bench/results.jsonl")
     p.add_argument("--note", default="")
+    p.add_argument("--references", type=int, default=None,
+                   help="reference images per item at the target's size, for an edit variant (Flux.2: 0 unless given)")
     p.add_argument("--cap-gb", type=float, default=0.0,
                    help="stream-* modes: hold the allocator to this many GB (torch.cuda.set_per_process_memory_"
                         "fraction), as a card of that size would; auto modes hold it to their budget themselves")
@@ -261,7 +263,8 @@ def main(argv=None) -> int:
     model, family, cfg = build_random_model(args.variant, device, torch.bfloat16, 0.02, 0, family_id)
     tmp = tempfile.TemporaryDirectory(prefix="memory-bench-")
     args.res = [int(r) if str(r).isdigit() else r for r in args.res]  # rows keep 1024 as a number
-    datasets = {res: write_synthetic_cache(Path(tmp.name) / str(res), family, args.variant, cfg, res, 2 * args.batch, 0)
+    datasets = {res: write_synthetic_cache(Path(tmp.name) / str(res), family, args.variant, cfg, res, 2 * args.batch, 0,
+                                           references=args.references)
                 for res in args.res}
     rows, on_gpu, precision = {}, True, "bf16"
     for mode in args.modes:

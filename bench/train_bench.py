@@ -94,9 +94,12 @@ def parse_res(token) -> tuple[int, int, int]:
     return parts[0], parts[1], parts[2]
 
 
-def write_synthetic_cache(root: Path, family, variant: str, cfg: dict, res, n_items: int, seed: int):
+def write_synthetic_cache(root: Path, family, variant: str, cfg: dict, res, n_items: int, seed: int,
+                          references: int | None = None):
     """A DatasetCache of ``n_items`` random latents at ``res`` (``parse_res``: a side, WxH, or WxHxF for clips)
-    and random text embeddings, in the engine's cache layout (no manifest: training does not read it)."""
+    and random text embeddings, in the engine's cache layout (no manifest: training does not read it).
+    ``references``: reference (control) images per item at the target's size, for a variant that takes them
+    (None: one where the variant needs them, none where they are optional, as Flux.2's)."""
     from safetensors.torch import save_file
 
     from lowvram_lora.engine.caching import CachedItem, DatasetCache
@@ -129,13 +132,15 @@ def write_synthetic_cache(root: Path, family, variant: str, cfg: dict, res, n_it
             shape = ((widths[spec.cache_key],) if encoder_kind(spec.kind).output == "pooled"
                      else (seq_len if spec.length == "padded" else min(128, seq_len), widths[spec.cache_key]))
             text[spec.cache_key] = torch.randn(shape, generator=gen).to(torch.bfloat16)
-        controls = any(spec.control_images for spec in family.text_encoder_specs(variant))
-        if controls:  # an edit model: one control image at the target's size, its latent in the text entry
-            text["control_latents_0"] = torch.randn(latent_shape, generator=gen)
+        control = family.control_images(variant)
+        count = 0 if control is None else (references if references is not None else 0 if control.optional else 1)
+        for k in range(count):  # an edit model: reference images at the target's size, latents in the text entry
+            text[f"control_latents_{k}"] = torch.randn(latent_shape, generator=gen)
         save_file(text, str(root / "text" / f"{key}.safetensors"))
         items.append(CachedItem(image=f"synthetic-{i}.png", caption=f"synthetic {i}", bucket=(w, h),
                                 text_key=key, latent_key=key, frames=list(range(frames)) if frames > 1 else [],
-                                **({"controls": ["control.png"], "control_sizes": [[w, h]]} if controls else {})))
+                                **({"controls": [f"control_{k}.png" for k in range(count)],
+                                    "control_sizes": [[w, h]] * count} if count else {})))
     return DatasetCache(root, root / "datasets" / f"bench-{res}.json", f"bench-{res}", family.id, variant, items)
 
 

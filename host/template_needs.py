@@ -32,7 +32,8 @@ from ..engine.offload.steptime import Machine, peak_flops_for
 TEMPLATE_VARIANTS = {
     "demo_tiny_lora": "flux1-tiny", "flux1_dev_lora": "flux1-dev", "flux2_dev_dual_gpu": "flux2-dev",
     "flux2_dev_lora": "flux2-dev", "flux2_klein_lora": "flux2-klein-4b", "krea2_lora": "krea2-raw",
-    "lumina2_lora": "lumina2",
+    "lumina2_lora": "lumina2", "flux2_dev_edit_lora": "flux2-dev", "flux2_klein_edit_lora": "flux2-klein-4b",
+    "flux1_kontext_lora": "flux1-kontext",
     "qwen_image_edit_lora": "qwen-image-edit-2509", "qwen_image_lora": "qwen-image",
     "wan21_t2v_1_3b_lora": "wan2.1-t2v-1.3b", "wan22_t2v_lora": "wan2.2-t2v-a14b-high-noise",
     "wan22_ti2v_5b_lora": "wan2.2-ti2v-5b", "z_image_lora": "z-image-turbo",
@@ -103,10 +104,12 @@ def _workload(t: TrainingTemplate, family, variant: str) -> Workload:
     side = int(t.cache.get("resolution", 1024))
     frames = int(t.cache.get("video_frames", 1) or 1)
     tokens = family.memory.image_tokens(side, side, variant) * family.memory.latent_frames(frames)
-    if family.control_images(variant) is not None:  # one control image of the same size joins the image tokens
-        tokens += family.memory.image_tokens(side, side, variant)
-    return Workload(1, tokens, default_max_sequence_length(family, variant),
-                    f"{side}x{side}" + (f"x{frames}f" if frames > 1 else ""))
+    references = 0
+    control = family.control_images(variant)
+    if control is not None and (not control.optional or t.cache.get("control_folder")):
+        references = family.memory.image_tokens(side, side, variant)  # one control image of the same size joins
+    return Workload(1, tokens + references, default_max_sequence_length(family, variant),
+                    f"{side}x{side}" + (f"x{frames}f" if frames > 1 else ""), reference_tokens=references)
 
 
 def _ram_budget(machine_gb: float) -> int:

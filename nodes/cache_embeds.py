@@ -156,8 +156,9 @@ class LowVRAMCacheTextEmbeds(io.Node):
                        tooltip=_video_help("windows_per_clip")),
                 # Edit models only (Qwen-Image-Edit); after the video widgets so saved workflows keep positions.
                 io.String("control_folder", default="", optional=True,
-                          tooltip="Edit models (Qwen-Image-Edit) only: the folder of CONTROL images (the inputs to "
-                                  "edit), each named as its target image (cat.png for cat.png; cat_0.png, cat_1.png "
+                          tooltip="Edit models (Qwen-Image-Edit, Flux.1 Kontext, Flux.2) only: the folder of "
+                                  "CONTROL images (the inputs to edit, Flux.2's reference images; Flux.2 trains "
+                                  "text-to-image when there are none), each named as its target image (cat.png for cat.png; cat_0.png, cat_1.png "
                                   "for several, in order). Empty: the 'control' (or 'controls') folder inside the "
                                   "dataset folder. Several folders (ai-toolkit's control_path, control_path2): "
                                   "separate them with ';'. A path under input/ may be relative. The dataset "

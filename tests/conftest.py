@@ -91,6 +91,8 @@ def models_with_empty_files(tmp_path):
             for cache in [t.cache] + [c.get("cache", {}) for c in t.chains]:
                 if cache.get("dataset_path"):  # Cache Text Embeds checks its dataset when the graph is queued
                     _one_captioned_image(tmp_path / "input" / cache["dataset_path"])
+                for part in filter(None, cache.get("control_folder", "").split(";")):  # an edit dataset's controls
+                    (tmp_path / "input" / part.strip()).mkdir(parents=True, exist_ok=True)
     configure_standalone_dirs(str(models), str(tmp_path / "out"))
     return models
 

@@ -182,7 +182,11 @@ def write_template_files(template, root, scratch):
                                                  **tiny)
             written.append(fixtures.write_single_file(again, models / "diffusion_models" / other))
     files = fixtures.write_text_and_vae_files(pipeline, scratch / "files")
-    pairs = [("text_encoder_1", "text_encoders", files["text_encoder"]), ("vae_file", "vae", files["vae"])]
+    if "clip_l" in files:  # Flux.1's two text encoders (clip_l, t5xxl), in the template's two inputs
+        pairs = [("text_encoder_1", "text_encoders", files["clip_l"]), ("text_encoder_2", "text_encoders", files["t5xxl"]),
+                 ("vae_file", "vae", files["vae"])]
+    else:
+        pairs = [("text_encoder_1", "text_encoders", files["text_encoder"]), ("vae_file", "vae", files["vae"])]
     if "image_encoder" in files:  # an image-to-video model's image encoder, given as the second text encoder
         pairs.append(("text_encoder_2", "clip_vision", files["image_encoder"]))
     for key, folder, source in pairs:
@@ -195,7 +199,8 @@ def write_template_files(template, root, scratch):
             written.append(dest.with_suffix(""))
     family = get_family(template.load["family"])
     variant = family.variant_from_name(family.tiny_variant, template.load["checkpoint"])
-    if any(s.control_images for s in family.text_encoder_specs(variant)):  # an edit model: pairs (target + control/)
+    control = family.control_images(variant)
+    if control is not None and (not control.optional or template.cache.get("control_folder")):  # pairs: + control/
         written.append(fixtures.add_tiny_controls(make_tiny_dataset(root / "input" / template.cache["dataset_path"],
                                                                     count=1)))
     else:

@@ -32,6 +32,9 @@ OVERRIDES = [(2, "resolution=128"), (2, "sample_prompts=ohwx, a red circle"), (4
 SINGLE_TE = [pytest.param(f.id, t, id=t.name) for f in families().values() for t in family_templates(f)
              if t.cache.get("text_encoders") == "(single files below)" and "text_encoder_2" not in t.cache
              and t.split is None]
+#: Edit templates of Flux.1 (two text-encoder files): Kontext's pairs end to end as well.
+SINGLE_TE += [pytest.param(f.id, t, id=t.name) for f in families().values() for t in family_templates(f)
+              if t.name == "flux1_kontext_lora"]
 
 
 @pytest.mark.parametrize("family_id, template", SINGLE_TE)

@@ -1,7 +1,7 @@
-"""Caching an edit dataset (Qwen-Image-Edit): pairs of a target and its control images -> cache entries.
+"""Caching an edit dataset (Qwen-Image-Edit, Flux.2, Kontext): pairs of a target and its control images -> entries.
 
-A family whose text spec has ``control_images`` reads its captions as instructions about control images
-(``engine/data/pairs.py``: the layouts, ``docs/edit_datasets.md``). For each item the cache holds:
+A variant with ``ControlImages`` reads its captions as instructions about control images (``engine/data/pairs.py``:
+the layouts, ``docs/edit_datasets.md``). For each item the cache holds:
 
 - ``latents/<key>``: the TARGET's latent, as for any image dataset (``cache.py``);
 - ``text/<key>``: the multimodal prompt (``prompt_embeds``: the instruction with the control images through the VL
@@ -9,7 +9,9 @@ A family whose text spec has ``control_images`` reads its captions as instructio
   latents (``control_latents_0``, ``_1``, ... each (16, h, w), ``controls.encode_controls``). Both depend on the
   instruction and the control images alone, so they share one entry: ``DatasetCache.load_item`` /
   ``collate_text`` then deliver ``control_latents_k`` in the embeds the family's ``model_inputs`` reads, and
-  sampling previews get them the same way. The key hashes the encoder files, the VAE files, the instruction, each
+  sampling previews get them the same way. Where the references never enter the text encoder (Flux.2, Kontext:
+  ``ControlImages.encode_prompts`` None), the prompt is the caption's ordinary text entry (built and kept under its
+  caption key as for an image dataset, ``build_reference_entries``) copied beside the control latents. The key hashes the encoder files, the VAE files, the instruction, each
   control file's bytes (content identity: a renamed control is reused, an edited one rebuilt) and the areas.
 
 Batches: a batch stacks the control latents, so its items need equal control counts and shapes; each item records
@@ -48,7 +50,10 @@ def control_sizes(controls: Sequence[Path], family, variant: str) -> list[list[i
     out = []
     for path in controls:
         with Image.open(path) as img:
-            out.append(list(size(img.width, img.height)))
+            try:
+                out.append(list(size(img.width, img.height)))
+            except ValueError as exc:  # a size the model's pipeline refuses (Flux.2: under 64 px)
+                raise DatasetError(f"control image '{path}': {exc}") from None
     return out
 
 
@@ -158,6 +163,43 @@ def _rgb(path: str):
             return ImageOps.exif_transpose(img).convert("RGB")
     except OSError as exc:
         raise DatasetError(f"control image '{path}' is unreadable ({exc}); replace or remove it") from None
+
+
+@torch.no_grad()
+def build_reference_entries(cache_dir: Path, models, keys, items, cb, stats: dict) -> None:
+    """The text entries of a variant whose references never enter the text encoder: each instruction encoded by the
+    family's ordinary text encoders (``entries.build_text``, under its caption key: shared with image datasets),
+    then per missing edit entry that embedding with the control images' reference latents
+    (``ControlImages.encode_latents``)."""
+    from safetensors.torch import load_file
+
+    from ..models.dtypes import release_device_memory
+    from .entries import atomic_save, build_text, usable
+    from .items import text_item
+
+    text_dir = cache_dir / "text"
+    todo: dict[str, object] = {}
+    for it in items:
+        if it.text_key not in todo and not usable(text_dir / f"{it.text_key}.safetensors", cb):
+            todo[it.text_key] = it
+    stats["text_reused"] = stats.get("text_reused", 0) + len({i.text_key for i in items}) - len(todo)
+    if not todo:
+        return
+    captions = {it.caption: text_item(it.caption, keys.caption(it.caption)) for it in todo.values()}
+    build_text(cache_dir, models, models.specs, list(captions.values()), keys.max_len, cb, {})
+    control = models.family.control_images(models.variant)
+    vae = models.load_vae().to(models.device)
+    try:
+        for i, (key, it) in enumerate(todo.items()):
+            entry = load_file(str(text_dir / f"{captions[it.caption].text_key}.safetensors"))
+            entry.update({k: v[0].float().cpu().to(models.dtype)
+                          for k, v in control.encode_latents(vae, [_rgb(c) for c in it.controls]).items()})
+            atomic_save(entry, text_dir / f"{key}.safetensors")
+            cb.on_progress("encode control images (vae)", i + 1, len(todo))
+    finally:
+        del vae
+        release_device_memory(models.device)
+    stats["text_built"] = stats.get("text_built", 0) + len(todo)
 
 
 @torch.no_grad()

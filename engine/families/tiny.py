@@ -273,3 +273,24 @@ def write_wan_vae_file(vae_folder, out_file):
     companion.mkdir(exist_ok=True)
     shutil.copy(vae_folder / "config.json", companion / "config.json")
     return out_file
+
+
+def add_tiny_controls(folder):
+    """Turn a tiny captioned dataset (``engine.testing.make_tiny_dataset``) into a pairs dataset in the documented
+    layout (``docs/edit_datasets.md``): its images are the targets, each caption becomes an instruction, and
+    ``control/<stem>.png`` is the target with its colours inverted, at 3/4 size (so the reference latent has its own
+    shape)."""
+    from pathlib import Path
+
+    from PIL import Image, ImageOps
+
+    folder = Path(folder)
+    control = folder / "control"
+    control.mkdir(exist_ok=True)
+    for target in sorted(folder.glob("*.png")):
+        with Image.open(target) as img:
+            ImageOps.invert(img.convert("RGB")).resize((img.width * 3 // 4, img.height * 3 // 4)).save(
+                control / target.name)
+        caption = target.with_suffix(".txt")
+        caption.write_text("invert the colours: " + caption.read_text())
+    return folder

@@ -131,5 +131,6 @@ def workload_for(dataset, family, variant: str, batch: int) -> Workload:
     item = max(dataset.items, key=tokens)
     (w, h), frames, controls = item.bucket, len(item.frames), len(item.control_sizes)
     label = f"{w}x{h}" + (f"x{frames}f" if frames > 1 else "") + (f"+{controls} control" if controls else "")
+    references = sum(family.memory.image_tokens(int(cw), int(ch), variant) for cw, ch in item.control_sizes)
     return Workload(batch=batch, image_tokens=tokens(item),
-                    text_tokens=default_max_sequence_length(family, variant), label=label)
+                    text_tokens=default_max_sequence_length(family, variant), label=label, reference_tokens=references)

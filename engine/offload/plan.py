@@ -160,6 +160,7 @@ class Workload:
     # Differential output preservation (engine/train/preservation.py): each micro-step also runs one forward without
     # gradients and one forward + backward on the class prompt (the step-time model counts them; the peak is one pass's).
     preservation: bool = False
+    reference_tokens: int = 0  # of image_tokens, an edit item's reference (control) images' tokens
 
     @property
     def tokens(self) -> int:

@@ -32,7 +32,7 @@ def rows_per_forward(plans, workload, family, variant: str, width: int, height: 
 
     memory = family.memory
     tokens = memory.image_tokens(width, height, variant) * memory.latent_frames(frames) + workload.text_tokens
-    if family.control_images(variant) is not None:
+    if workload.reference_tokens:
         # An edit prompt's control images join its image tokens; the training item's (the largest) stand in for
         # the sample prompt's, which are encoded at the same reference area.
         tokens += workload.image_tokens

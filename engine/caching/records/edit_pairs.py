@@ -1,4 +1,4 @@
-"""Record source: an edit model's pairs (Qwen-Image-Edit; ``data.pairs.scan_pairs``): each target image with its
+"""Record source: an edit model's pairs (Qwen-Image-Edit, Flux.2, Kontext; ``data.pairs.scan_pairs``): each target image with its
 instruction and control images. The target's latent is cached as an image's; the text entry holds the multimodal
 prompt and the control latents (``edit_cache.py``)."""
 from __future__ import annotations
@@ -41,6 +41,10 @@ class EditPairSource:
 
     def build_text(self, cache_dir, models, keys, items, samples, cb, stats) -> None:
         vae_loader = models.load_vae
+        if models.family.control_images(models.variant).encode_prompts is None:  # references outside the prompt
+            edit_cache.build_reference_entries(cache_dir, models, keys, items + samples.prompts + samples.negatives,
+                                               cb, stats)
+            return
         edit_cache.build_edit_entries(cache_dir, models.family, models.variant, models.specs[0], models.pipeline,
                                       models.singles, items + samples.prompts + samples.negatives, models.device,
                                       models.dtype, vae_loader, atomic_save, usable, cb, stats)

@@ -4,6 +4,7 @@ Facts used here: 19 double + 38 single blocks at width 3072; T5-XXL sequence
 embeddings (4096) + CLIP-L pooled (768); a 16-channel VAE whose latents are
 packed 2x2 into 64-channel tokens; dev is guidance-distilled (a guidance
 embedding), schnell is not.
+Kontext (``kontext.py``) is dev's transformer trained with one reference image: its own variant, told apart by name.
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import torch
 from torch import nn
 
 from ..base import ModelFamily, image_only
-from ..specs import Guidance, LoraForm, MemoryProfile, NoiseSchedule, StepConstants, TextEncoderSpec
+from ..specs.controls import check_control_batch, control_latents
+from ..specs import ControlImages, Guidance, LoraForm, MemoryProfile, NoiseSchedule, StepConstants, TextEncoderSpec
 from ..names import NativeParam
 from ..patches import linear_mu, pack_2x2, unpack_2x2
 from .names import flux1_param_table
@@ -80,6 +82,9 @@ class Flux1Family(ModelFamily):
         "flux1-schnell": "flux1-schnell.json",
         # Tiny random model for the demo and the tests (same architecture, small widths).
         "flux1-tiny": "flux1-tiny.json",
+        # Kontext: dev's shapes, told apart by name (variant_from_name); its tiny stand-in for the tests.
+        "flux1-kontext": "flux1-dev.json",
+        "flux1-kontext-tiny": "flux1-tiny.json",
     }
     tiny_variant = "flux1-tiny"
     diffusers_class_name = "FluxTransformer2DModel"
@@ -105,7 +110,8 @@ class Flux1Family(ModelFamily):
         variant_architectures={"flux1-dev": "flux-1-dev/lora", "flux1-schnell": "flux-1-schnell/lora"},
     )
     file_help = {
-        "checkpoint": "flux1-dev.safetensors or flux1-schnell.safetensors (BFL names; bf16, fp16, fp8, scaled fp8)",
+        "checkpoint": "flux1-dev.safetensors or flux1-schnell.safetensors (BFL names; bf16, fp16, fp8, scaled fp8), "
+                      "or flux1-dev-kontext_fp8_scaled.safetensors (Kontext: its name says so)",
         "pipeline": "text_encoder (CLIP-L), text_encoder_2 (T5-XXL), tokenizer, tokenizer_2, vae",
         "single_files": "clip_l.safetensors and t5xxl_fp16.safetensors (fp8 / scaled fp8 too; in either input; "
                         "tokenizers: ComfyUI's bundled ones, else a folder named like the file beside it), "
@@ -117,6 +123,13 @@ class Flux1Family(ModelFamily):
     def looks_like_single_file(self, keys: set[str]) -> bool:
         # Per-block modulation (img_mod) is Flux.1's; Flux.2 has global modulation instead.
         return "img_in.weight" in keys and "double_blocks.0.img_mod.lin.weight" in keys
+
+    def variant_from_name(self, variant: str, name: str, keys: frozenset[str] | set[str] = frozenset()) -> str:
+        """Kontext has dev's shapes; ComfyUI's and BFL's names say it (``flux1-dev-kontext_fp8_scaled``,
+        ``FLUX.1-Kontext-dev``)."""
+        if variant in ("flux1-dev", "flux1-tiny") and "kontext" in name.lower():
+            return "flux1-kontext-tiny" if variant == "flux1-tiny" else "flux1-kontext"
+        return variant
 
     def param_table(self, config: dict[str, Any]) -> list[NativeParam]:
         hidden = config["num_attention_heads"] * config["attention_head_dim"]
@@ -132,7 +145,8 @@ class Flux1Family(ModelFamily):
     # --- text ------------------------------------------------------------------------------
 
     def text_encoder_specs(self, variant: str) -> tuple[TextEncoderSpec, ...]:
-        return (_CLIP, {"flux1-schnell": _T5_SCHNELL, "flux1-tiny": _T5_TINY}.get(variant, _T5))
+        return (_CLIP, {"flux1-schnell": _T5_SCHNELL, "flux1-tiny": _T5_TINY, "flux1-kontext-tiny": _T5_TINY}.get(
+            variant, _T5))
 
     def text_widths(self, config: dict) -> dict[str, int]:
         return {"prompt_embeds": int(config["joint_attention_dim"]),
@@ -156,20 +170,42 @@ class Flux1Family(ModelFamily):
         ids[..., 2] = torch.arange(w // 2, device=device, dtype=dtype)[None, :]
         return ids.reshape(-1, 3)
 
+    def control_images(self, variant: str) -> ControlImages | None:
+        """Kontext takes one reference image, always (``kontext.py``); the other variants none."""
+        if variant not in ("flux1-kontext", "flux1-kontext-tiny"):
+            return None
+        from .kontext import MULTIPLE, encode_reference, reference_size
+
+        auto = variant == "flux1-kontext"  # the tiny stand-in keeps each reference's own size (CPU tests)
+        return ControlImages(max_count=1, ident=("kontext-reference", auto, MULTIPLE),
+                             size=lambda width, height: reference_size(width, height, auto),
+                             encode_latents=lambda vae, images: encode_reference(vae, images, auto))
+
     # --- training ----------------------------------------------------------------------------
 
     def model_inputs(self, model: nn.Module, latents: torch.Tensor, embeds: dict[str, torch.Tensor],
                      sigmas: torch.Tensor, guidance: float) -> dict[str, Any]:
-        """Keyword arguments for ``FluxTransformer2DModel.forward`` on noisy latents (B, C, H, W)."""
+        """Keyword arguments for ``FluxTransformer2DModel.forward`` on noisy latents (B, C, H, W). A Kontext
+        reference latent in ``embeds`` (``control_latents_0``, (B, C, h, w)) is packed after the target's tokens
+        with ids (1, row, col), as FluxKontextPipeline appends ``image_latents``; ``unpack_prediction`` keeps the
+        target's tokens, so the loss covers the target only."""
+        from .kontext import REFERENCE_INDEX
+
         b, _, h, w = latents.shape
         dtype = latents.dtype
         prompt = embeds["prompt_embeds"].to(dtype)  # (B, L, 4096)
+        refs = [r.to(latents.device, dtype) for r in control_latents(embeds)]
+        check_control_batch("Flux.1 Kontext reference", refs, latents)
+        ids = [self.image_ids(h, w, latents.device, dtype)]
+        for ref in refs:
+            ids.append(self.image_ids(ref.shape[-2], ref.shape[-1], latents.device, dtype))
+            ids[-1][:, 0] = REFERENCE_INDEX
         inputs = {
-            "hidden_states": self.pack_latents(latents),
+            "hidden_states": torch.cat([self.pack_latents(x) for x in [latents] + refs], dim=1),
             "encoder_hidden_states": prompt,
             "pooled_projections": embeds["pooled_prompt_embeds"].to(dtype),  # (B, 768)
             "timestep": self.schedule.prediction.model_timestep(sigmas).to(dtype),  # sigma; the model scales by 1000
-            "img_ids": self.image_ids(h, w, latents.device, dtype),
+            "img_ids": torch.cat(ids, dim=0),
             "txt_ids": torch.zeros(prompt.shape[1], 3, device=latents.device, dtype=dtype),
             "return_dict": False,
         }
@@ -178,7 +214,9 @@ class Flux1Family(ModelFamily):
         return inputs
 
     def unpack_prediction(self, output: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
-        return self.unpack_latents(output, latents.shape[2], latents.shape[3])
+        """The target's tokens (the first H/2 * W/2; a Kontext forward also answers for the reference) unpacked."""
+        h, w = latents.shape[2], latents.shape[3]
+        return self.unpack_latents(output[:, : (h // 2) * (w // 2)], h, w)
 
     def guidance(self, variant: str) -> Guidance:
         """dev is guidance-distilled (an embedding, 3.5 by default); schnell samples without any."""

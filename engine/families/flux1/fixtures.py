@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ..tiny import add_tiny_controls  # noqa: F401  (edit pairs: Kontext / Flux.2 references)
 from ..tiny import (native_state, save_tensors, tiny_flux_ae, tiny_transformer, word_level_tokenizer,
                     write_ldm_vae_file)
 from . import FAMILY

@@ -52,4 +52,35 @@ TEMPLATES = [
         "at 7.4 GB, 1.17x the all-resident bf16 step (27 GB). A 24 GB card: set vram_budget_gb 0.\n"
         "The LoRA goes to output/loras/; copy it to models/loras."),
     ),
+    TrainingTemplate(
+        name="flux1_kontext_lora",
+        load={"checkpoint": "flux1-dev-kontext_fp8_scaled.safetensors", "family": "flux1", "precision": "int8 slab"},
+        cache={"text_encoders": "(single files below)", "dataset_path": "my_edits", "resolution": 1024,
+               "text_encoder_1": "clip_l.safetensors", "text_encoder_2": "t5xxl_fp16.safetensors",
+               "vae_file": "ae.safetensors", "control_folder": "my_edits/control",
+               "sample_prompts": "ohwx, make the cat wear a red hat"},
+        offload={"mode": "auto", "vram_budget_gb": 8.0},
+        train={"steps": 1500, "learning_rate": 1e-4, "rank": 16, "alpha": 16.0, "warmup_steps": 0, "training_seed": 42,
+               "sample_every": 250, "sample_steps": 20, "sample_resolution": 512,
+               "sample_guidance": 2.5},  # ComfyUI's Kontext template: FluxGuidance 2.5, 20 steps
+        save={"filename_prefix": "loras/flux1_kontext_lora"},
+        downloads={  # as in ComfyUI's own Flux.1 Kontext dev template
+            "flux1-dev-kontext_fp8_scaled.safetensors": "https://huggingface.co/Comfy-Org/flux1-kontext-dev_ComfyUI/"
+                                                        "resolve/main/split_files/diffusion_models/"
+                                                        "flux1-dev-kontext_fp8_scaled.safetensors",
+            "clip_l.safetensors": "https://huggingface.co/comfyanonymous/flux_text_encoders/resolve/main/clip_l.safetensors",
+            "t5xxl_fp16.safetensors":
+                "https://huggingface.co/comfyanonymous/flux_text_encoders/resolve/main/t5xxl_fp16.safetensors",
+            "ae.safetensors":
+                "https://huggingface.co/Comfy-Org/Lumina_Image_2.0_Repackaged/resolve/main/split_files/vae/ae.safetensors",
+        },
+        note=(
+        "Flux.1 Kontext dev EDIT LoRA at 1024x1024 on an 8 GB budget.\n\nFiles:\n"
+        "- models/diffusion_models/flux1-dev-kontext_fp8_scaled.safetensors (its name says Kontext)\n"
+        "- models/text_encoders/clip_l + t5xxl_fp16, models/vae/ae.safetensors\n"
+        "- input/my_edits/: TARGET images + .txt instructions; input/my_edits/control/: ONE reference per target, "
+        "named as it (cat.png)\n\n"
+        "The reference is resized to Kontext's preferred size nearest its aspect ratio and appended after the "
+        "target's tokens; the loss covers the target only. The LoRA has Flux.1's keys and loads with LoraLoader."),
+    ),
 ]

@@ -16,6 +16,8 @@ BFL ``src/flux2/sampling.py``; ../shared/reference/flux2-and-editor-facts.md §A
   Tokens are their pixels in row-major order (``_pack_latents``).
 - Position ids have 4 axes (T, H, W, L): image (0, h, w, 0), text (0, 0, 0, l)
   (``_prepare_latent_ids`` / ``_prepare_text_ids``).
+- Editing: every variant also takes reference images (the same checkpoint generates and edits), appended after the
+  target's tokens at T = 10, 20, ... (``references.py``); a dataset with control images trains on them.
 """
 from __future__ import annotations
 
@@ -24,8 +26,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...errors import ConfigError
 from ..base import ModelFamily, image_only
-from ..specs import (Guidance, LoraForm, MemoryProfile, NoiseSchedule, PromptTemplate, StepConstants,
+from ..specs.controls import check_control_batch, control_latents
+from ..specs import (ControlImages, Guidance, LoraForm, MemoryProfile, NoiseSchedule, PromptTemplate, StepConstants,
                      TextEncoderSpec, VaeSpec)
 from .names import flux2_param_table
 
@@ -235,6 +239,17 @@ class Flux2Family(ModelFamily):
         # What ComfyUI's model_detection keys on for Flux.2 (global modulation).
         return "double_stream_modulation_img.lin.weight" in keys
 
+    def variant_from_name(self, variant: str, name: str, keys: frozenset[str] | set[str] = frozenset()) -> str:
+        """klein 9B KV (``FLUX.2-klein-9b-kv``, a klein 9B transformer trained to see its references FIRST at a fixed
+        timestep, Flux2KleinKVPipeline) is refused by name: its references would be trained here in the other
+        order (after the target, at the target's timestep)."""
+        words = name.lower().replace("_", "-").replace(".", "-").split("-")
+        if "klein" in words and "kv" in words:
+            raise ConfigError(f"'{name}' looks like FLUX.2 klein 9B KV, which takes its reference images first, at a "
+                              f"fixed timestep, with a KV cache; lowvram-lora trains references after the target (the "
+                              f"klein 9B / base 9B layout). Use flux-2-klein-9b or flux-2-klein-base-9b")
+        return variant
+
     def param_table(self, config: dict[str, Any]):
         hidden = config["num_attention_heads"] * config["attention_head_dim"]
         return flux2_param_table(
@@ -284,19 +299,39 @@ class Flux2Family(ModelFamily):
         ids[:, 3] = torch.arange(length, device=device, dtype=dtype)
         return ids
 
+    def control_images(self, variant: str) -> ControlImages:
+        """Every variant edits with 1..n reference images (``references.py``), optionally: a dataset is pairs only
+        where it has control images. The references never enter the text encoder."""
+        from .references import IDENT, encode_references, reference_size
+
+        return ControlImages(max_count=None, ident=IDENT, size=reference_size,
+                             encode_latents=lambda vae, images: encode_references(vae, images, FLUX2_VAE),
+                             optional=True)
+
     # --- training ----------------------------------------------------------------------------
 
     def model_inputs(self, model: nn.Module, latents: torch.Tensor, embeds: dict[str, torch.Tensor],
                      sigmas: torch.Tensor, guidance: float) -> dict[str, Any]:
-        """Keyword arguments for ``Flux2Transformer2DModel.forward`` on noisy latents (B, C, h, w)."""
+        """Keyword arguments for ``Flux2Transformer2DModel.forward`` on noisy latents (B, C, h, w). Reference latents
+        in ``embeds`` (``control_latents_0``, ... each (B, C, h_k, w_k)) follow the target's tokens with their ids
+        (``references.reference_ids``), as Flux2Pipeline appends ``image_latents``; ``unpack_prediction`` keeps the
+        target's tokens, so the loss covers the target only."""
+        from .references import reference_ids
+
         b, c, h, w = latents.shape
         dtype = latents.dtype
         prompt = embeds["prompt_embeds"].to(dtype)  # (B, L, joint_attention_dim)
+        refs = [r.to(latents.device, dtype) for r in control_latents(embeds)]
+        check_control_batch("Flux.2 reference", refs, latents)
+        hidden = torch.cat([x.reshape(b, c, -1).permute(0, 2, 1) for x in [latents] + refs], dim=1)
+        ids = self.image_ids(h, w, latents.device, dtype)
+        if refs:
+            ids = torch.cat([ids, reference_ids(refs, latents.device, dtype)], dim=0)
         inputs = {
-            "hidden_states": latents.reshape(b, c, h * w).permute(0, 2, 1),
+            "hidden_states": hidden,
             "encoder_hidden_states": prompt,
             "timestep": self.schedule.prediction.model_timestep(sigmas).to(dtype),  # sigma; the model scales by 1000
-            "img_ids": self.image_ids(h, w, latents.device, dtype),
+            "img_ids": ids,
             "txt_ids": self.text_ids(prompt.shape[1], latents.device, dtype),
             "return_dict": False,
         }
@@ -305,8 +340,9 @@ class Flux2Family(ModelFamily):
         return inputs
 
     def unpack_prediction(self, output: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        """The target's tokens (the first h * w; an edit forward also answers for the references) as (B, C, h, w)."""
         b, c, h, w = latents.shape
-        return output.permute(0, 2, 1).reshape(b, c, h, w)
+        return output[:, : h * w].permute(0, 2, 1).reshape(b, c, h, w)
 
     def guidance(self, variant: str) -> Guidance:
         """dev is guidance-distilled (an embedding, 4 by default); klein samples without guidance here

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ..tiny import add_tiny_controls  # noqa: F401  (edit pairs: Kontext / Flux.2 references)
 from ..tiny import (TINY_MISTRAL_CHAT_TEMPLATE, TINY_QWEN3_CHAT_TEMPLATE, native_state, save_tensors,
                     tiny_decoder_lm, tiny_transformer, word_level_tokenizer, write_ldm_vae_file)
 from . import FAMILY

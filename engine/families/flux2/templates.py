@@ -8,6 +8,18 @@ _DEV_DOWNLOADS = {  # as in ComfyUI's own Flux.2-dev templates
     "flux2-vae.safetensors": _DEV + "vae/flux2-vae.safetensors",
 }
 
+_KLEIN_BASE_4B = ("https://huggingface.co/Comfy-Org/flux2-klein/resolve/main/split_files/diffusion_models/"
+                  "flux-2-klein-base-4b.safetensors")
+_EDIT_DATASET = (
+    "- input/my_edits/: the TARGET images (the result of the edit) with same-name .txt instructions, and "
+    "input/my_edits/control/: the REFERENCE images (the inputs), named as their targets (cat.png; cat_0.png, "
+    "cat_1.png ... for several, 1-3 usual). ai-toolkit / musubi-tuner folders: point control_folder at them "
+    "(';' between several).\n\n"
+    "Each reference is encoded as Flux.2's pipelines do it (over 1024x1024 scaled down, sides to multiples of 16) "
+    "and appended after the target's tokens (time index 10, 20, ...); it costs tokens, which the plan counts. The "
+    "loss covers the target only. Sample images (sample_prompts, sample_every): line 1 edits the first target's references, line 2 "
+    "the second's.")
+
 TEMPLATES = [
     TrainingTemplate(
         name="flux2_dev_lora",
@@ -73,5 +85,42 @@ TEMPLATES = [
         "(measured figures: bench/RESULTS.md, 'parallel' rows).\n\n"
         "Several hosts: data parallel runs under torchrun too; see README 'Multi-GPU'."),
         note_pos=(40, 640),
+    ),
+    TrainingTemplate(
+        name="flux2_dev_edit_lora",
+        load={"checkpoint": "flux2_dev_fp8mixed.safetensors", "family": "flux2", "precision": "int8 slab"},
+        cache={"text_encoders": "(single files below)", "dataset_path": "my_edits", "resolution": 1024,
+               "text_encoder_1": "mistral_3_small_flux2_bf16.safetensors", "vae_file": "flux2-vae.safetensors",
+               "control_folder": "my_edits/control", "sample_prompts": "ohwx, make the cat wear a red hat"},
+        offload={"mode": "auto", "vram_budget_gb": 8.5},
+        train={"steps": 1500, "learning_rate": 1e-4, "rank": 16, "alpha": 16.0, "warmup_steps": 0,
+               "training_seed": 42, "sample_every": 250, "sample_steps": 20, "sample_resolution": 512,
+               "sample_guidance": 4.0},
+        save={"filename_prefix": "loras/flux2_dev_edit_lora"},
+        downloads=_DEV_DOWNLOADS,
+        note=(
+        "Flux.2-dev (32B) EDIT LoRA: teaches an edit of given reference images at 1024x1024 on an 8.5 GB VRAM "
+        "budget (one 1024x1024 reference doubles the image tokens).\n\nFiles (as flux2_dev_lora):\n"
+        "- models/diffusion_models/flux2_dev_fp8mixed.safetensors (a 32 GB int8 slab is built once into "
+        "models/slabs), models/text_encoders/mistral_3_small_flux2_bf16.safetensors, models/vae/flux2-vae.safetensors.\n"
+        + _EDIT_DATASET + " The LoRA loads with ComfyUI's LoraLoader on Flux.2-dev (ReferenceLatent nodes)."),
+    ),
+    TrainingTemplate(
+        name="flux2_klein_edit_lora",
+        load={"checkpoint": "flux-2-klein-base-4b.safetensors", "family": "flux2", "precision": "bf16"},
+        cache={"text_encoders": "diffusers/FLUX.2-klein-base-4B", "dataset_path": "my_edits", "resolution": 1024,
+               "control_folder": "my_edits/control"},
+        offload={"mode": "auto", "vram_budget_gb": 5.0},
+        train={"steps": 1500, "learning_rate": 1e-4, "rank": 16, "alpha": 16.0, "warmup_steps": 0,
+               "training_seed": 42},
+        save={"filename_prefix": "loras/flux2_klein_edit_lora"},
+        downloads={"flux-2-klein-base-4b.safetensors": _KLEIN_BASE_4B},
+        note=(
+        "Flux.2 klein EDIT LoRA: teaches an edit of given reference images at 1024x1024 on a 5 GB VRAM budget. "
+        "Train on the undistilled 'base' model; the 9B works the same way (pick its files). klein 9B KV files "
+        "(references first, KV cache) are refused: use klein 9B / base 9B.\n\nFiles:\n"
+        "- models/diffusion_models/flux-2-klein-base-4b.safetensors.\n"
+        "- models/diffusers/FLUX.2-klein-base-4B/: text_encoder (Qwen3), tokenizer, vae.\n"
+        + _EDIT_DATASET + " klein has no guidance embedding: Train LoRA's guidance value is ignored."),
     ),
 ]

@@ -18,9 +18,7 @@ import torch
 
 from .edit_text import VAE_AREA, calculate_dimensions
 
-#: Cached control latents travel in ``embeds`` as ``f"{CONTROL_KEY}_{k}"`` (k = 0, 1, ...: the control images in
-#: the pipeline's order), each (B, 16, h_k, w_k) normalised as target latents are (``encode_controls``).
-CONTROL_KEY = "control_latents"
+from ..specs.controls import CONTROL_KEY, control_embeds  # noqa: F401  (the shared names, kept here for callers)
 
 
 def control_size(width: int, height: int, area: int = VAE_AREA) -> tuple[int, int]:
@@ -53,7 +51,3 @@ def encode_controls(vae, images: Sequence, area: int = VAE_AREA) -> list[torch.T
     (``area``: 1024², smaller only in tests on tiny images)."""
     return [encode_control(vae, control_pixels(image, area)) for image in images]
 
-
-def control_embeds(latents: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The ``embeds`` entries ``model_inputs`` reads: ``control_latents_k`` for each control latent (B, 16, h, w)."""
-    return {f"{CONTROL_KEY}_{k}": lat for k, lat in enumerate(latents)}

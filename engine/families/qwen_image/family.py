@@ -42,7 +42,7 @@ from ..specs import (ControlImages, Guidance, LoraForm, MemoryProfile, NoiseSche
 from ..names import NativeParam
 from ..patches import linear_mu, pack_2x2, unpack_2x2
 from ..wan_vae import WanVaeSpec
-from .controls import CONTROL_KEY
+from ..specs.controls import check_control_batch, control_latents
 from .names import qwen_image_param_table
 
 #: Both streams' attention projections in every block: what DiffSynth's and musubi-tuner's Qwen-Image LoRAs
@@ -311,10 +311,7 @@ class QwenImageFamily(ModelFamily):
         mask = embeds.get("prompt_embeds_mask")  # TextEncoderSpec("prompt_embeds").mask_key
         if mask is None:
             mask = torch.ones(prompt.shape[:2], dtype=torch.long)
-        for c in controls:
-            if c.shape[0] != b or c.shape[1] != latents.shape[1]:
-                raise ValueError(f"Qwen-Image-Edit control latents {tuple(c.shape)} do not fit the batch's latents "
-                                 f"{tuple(latents.shape)} (one (B, {latents.shape[1]}, h, w) tensor per control image)")
+        check_control_batch("Qwen-Image-Edit", controls, latents)
         hidden = torch.cat([pack_2x2(latents)] + [pack_2x2(c.to(latents.device, latents.dtype)) for c in controls],
                            dim=1)
         shapes = [(1, h // 2, w // 2)] + [(1, c.shape[-2] // 2, c.shape[-1] // 2) for c in controls]
@@ -337,12 +334,3 @@ class QwenImageFamily(ModelFamily):
         packed token to the conditional prediction's norm; 20 preview steps (ComfyUI's template: 20)."""
         return Guidance(mode="cfg", scale=4.0, steps=20, formula="standard", renormalize="patch_tokens")
 
-
-def control_latents(embeds: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-    """The control latents in ``embeds`` (``control_latents_0``, ``control_latents_1``, ... in order; a gap is an
-    error: the pipeline's order of the control images is the RoPE frame index)."""
-    found = sorted(int(k[len(CONTROL_KEY) + 1:]) for k in embeds if k.startswith(CONTROL_KEY + "_"))
-    if found != list(range(len(found))):
-        raise ValueError(f"control latents must be numbered {CONTROL_KEY}_0 .. _{len(found) - 1} without gaps; got "
-                         f"{', '.join(f'{CONTROL_KEY}_{i}' for i in found)}")
-    return [embeds[f"{CONTROL_KEY}_{i}"] for i in found]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ..tiny import add_tiny_controls  # noqa: F401  (the pairs layout, shared by every edit family)
 from ..tiny import (folder_state, native_state, save_tensors, tiny_transformer, word_level_tokenizer,
                     write_wan_vae_file)
 
@@ -162,22 +163,3 @@ def tiny_edit_pipeline(mode: str = "plus", variant: str = "qwen-image-edit-tiny"
                processor=tiny_qwen2vl_processor(tokenizer), transformer=transformer)
     pipe.prompt_template_encode_start_idx = tiny_drop(tokenizer, mode)
     return pipe
-
-
-def add_tiny_controls(folder: str | Path) -> Path:
-    """Turn a tiny captioned dataset (``engine.testing.make_tiny_dataset``) into a pairs dataset in the documented
-    layout (``docs/edit_datasets.md``): its images are the targets, each caption becomes an instruction, and
-    ``control/<stem>.png`` is the target with its colours inverted, at 3/4 size (so the reference latent has its own
-    shape)."""
-    from PIL import Image, ImageOps
-
-    folder = Path(folder)
-    control = folder / "control"
-    control.mkdir(exist_ok=True)
-    for target in sorted(folder.glob("*.png")):
-        with Image.open(target) as img:
-            ImageOps.invert(img.convert("RGB")).resize((img.width * 3 // 4, img.height * 3 // 4)).save(
-                control / target.name)
-        caption = target.with_suffix(".txt")
-        caption.write_text("invert the colours: " + caption.read_text())
-    return folder

@@ -1,8 +1,15 @@
-"""``ControlImages``: how an edit variant takes control images (``ModelFamily.control_images``)."""
+"""``ControlImages``: how an edit variant takes control images (``ModelFamily.control_images``), and how their cached
+reference latents travel to ``model_inputs`` (``CONTROL_KEY``, ``control_latents``, ``control_embeds``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
+
+import torch
+
+#: Cached reference latents travel in ``embeds`` as ``f"{CONTROL_KEY}_{k}"`` (k = 0, 1, ...: the control images in
+#: the pipeline's order), each (B, ...) shaped as a target latent of the family is (its own spatial size).
+CONTROL_KEY = "control_latents"
 
 
 @dataclass(frozen=True)
@@ -11,16 +18,46 @@ class ControlImages:
     the family folder's own code, so the cache (``engine/caching/edit_cache.py``) needs no family's name.
     ``max_count``: control images per target (None: any number); ``ident``: what changes their encoding (it goes
     into the cache keys); ``size(width, height)``: a control image's size at the reference-latent area (what
-    decides its latent's shape, hence which items share a batch); ``encode_prompts(captions, images, processor,
-    parts, drop, dtype)``: each caption with its control images through the vision-language encoder (``parts`` from
-    ``engine/caching/vl_text.py``) -> one (L_i, D) tensor per caption; ``encode_latents(vae, images)``: one target's
-    control images -> {embedding name: (1, ...) tensor} as ``model_inputs`` takes them."""
+    decides its latent's shape, hence which items share a batch); ``encode_latents(vae, images)``: one target's
+    control images -> {embedding name: (1, ...) tensor} as ``model_inputs`` takes them.
+
+    ``encode_prompts(captions, images, processor, parts, drop, dtype)``: each caption with its control images through
+    the vision-language encoder (``parts`` from ``engine/caching/vl_text.py``) -> one (L_i, D) tensor per caption
+    (Qwen-Image-Edit); None: the references never enter the text encoder (Flux.2, Kontext), the captions are encoded
+    by the family's ordinary text encoders and the references join the transformer's input only.
+    ``optional``: the variant also trains on plain captioned images (Flux.2: one model generates and edits), so a
+    dataset is read as pairs only where it has control images (a control folder given, or ``control/`` in the
+    dataset folder); False: every item needs its control images (Qwen-Image-Edit, Kontext)."""
 
     max_count: int | None
     ident: tuple
     size: Callable[[int, int], tuple[int, int]]
-    encode_prompts: Callable[..., list]
     encode_latents: Callable[..., dict]
+    encode_prompts: Callable[..., list] | None = None
+    optional: bool = False
+
+
+def control_latents(embeds: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The reference latents in ``embeds`` (``control_latents_0``, ``control_latents_1``, ... in order; a gap is an
+    error: the order of the control images is their position index)."""
+    found = sorted(int(k[len(CONTROL_KEY) + 1:]) for k in embeds if k.startswith(CONTROL_KEY + "_"))
+    if found != list(range(len(found))):
+        raise ValueError(f"control latents must be numbered {CONTROL_KEY}_0 .. _{len(found) - 1} without gaps; got "
+                         f"{', '.join(f'{CONTROL_KEY}_{i}' for i in found)}")
+    return [embeds[f"{CONTROL_KEY}_{i}"] for i in found]
+
+
+def control_embeds(latents: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The ``embeds`` entries ``model_inputs`` reads: ``control_latents_k`` for each reference latent."""
+    return {f"{CONTROL_KEY}_{k}": lat for k, lat in enumerate(latents)}
+
+
+def check_control_batch(name: str, controls: Sequence[torch.Tensor], latents: torch.Tensor) -> None:
+    """Each reference latent has the batch and channels of the noisy ``latents`` (else a ValueError naming them)."""
+    for c in controls:
+        if c.shape[0] != latents.shape[0] or c.shape[1] != latents.shape[1]:
+            raise ValueError(f"{name} control latents {tuple(c.shape)} do not fit the batch's latents "
+                             f"{tuple(latents.shape)} (one (B, {latents.shape[1]}, h, w) tensor per control image)")
 
 
 @dataclass(frozen=True)
