@@ -51,6 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--workdir", default="/tmp/ram-bench")
     p.add_argument("--keep-slab", action="store_true", help="leave the slab in --workdir afterwards")
+    p.add_argument("--ckpt-dir", default="", help="where the random checkpoint is written before the slab is built "
+                   "from it (default --workdir); /dev/shm keeps a 30 GB checkpoint off a small disk (freed before the rows)")
     p.add_argument("--ckpt-dtype", default="bf16", choices=("bf16", "fp8"),
                    help="the random checkpoint the slab is built from: fp8 (float8_e4m3fn, as many ComfyUI users' files) "
                         "halves its bytes, so a 20B model's checkpoint and slab fit a 64 GB disk together")
@@ -96,7 +98,7 @@ def ensure_slab(args, family_id: str) -> tuple[Path, dict]:
     if slab.exists():
         return slab, {"slab_reused": True}
     fast_random_tensors()
-    ckpt = work / f"{args.variant}-random-{args.ckpt_dtype}.safetensors"
+    ckpt = Path(args.ckpt_dir or work) / f"{args.variant}-random-{args.ckpt_dtype}.safetensors"
     t = time.perf_counter()
     import torch
 
