@@ -128,19 +128,27 @@ def _batch(seeds):
     return [inputs(s) for s in seeds]
 
 
+@pytest.fixture(scope="module")
+def reference():
+    """A tiny Flux.1 with LoRA (before any backward), and its one-device gradients and losses over four samples."""
+    model, _ = lora_model(seed=5)
+    untouched = copy.deepcopy(model)
+    batch = _batch([11, 12, 13, 14])
+    losses = []
+    for inp, target in batch:
+        loss = torch.nn.functional.mse_loss(model(**inp)[0], target) / len(batch)
+        loss.backward()
+        losses.append(loss.item())
+    return untouched, batch, losses, grads(model)
+
+
 @pytest.mark.parametrize("cut, stream", [(1, False), (3, True)])
-def test_pipelined_gradients_equal_one_device(cut, stream):
+def test_pipelined_gradients_equal_one_device(reference, cut, stream):
     """Four micro-batches through the 1F1B pipeline (cut inside the double blocks, or in the single blocks with both
     parts streaming, the second with activation offload) give the one-device gradients, and each part ran its ops in
     the schedule's order."""
-    ref, _ = lora_model(seed=5)
-    model = copy.deepcopy(ref)
-    batch = _batch([11, 12, 13, 14])
-    ref_losses = []
-    for inp, target in batch:
-        loss = torch.nn.functional.mse_loss(ref(**inp)[0], target) / len(batch)
-        loss.backward()
-        ref_losses.append(loss.item())
+    untouched, batch, ref_losses, g_ref = reference
+    model = copy.deepcopy(untouched)
     offload = OffloadConfig(mode="stream", prefetch_depth=1, activation_offload=True) if stream else \
         OffloadConfig(mode="resident")
     fp = measure_footprint(model, FAMILY)
@@ -162,7 +170,7 @@ def test_pipelined_gradients_equal_one_device(cut, stream):
     finally:
         handle.remove()
     assert [v.item() for v in losses] == pytest.approx(ref_losses, rel=1e-6)
-    g_ref, g = grads(ref), grads(model)
+    g = grads(model)
     assert g.keys() == g_ref.keys() and len(g) > 0
     for name in g_ref:
         torch.testing.assert_close(g[name], g_ref[name], rtol=1e-4, atol=1e-7, msg=name)
@@ -171,8 +179,8 @@ def test_pipelined_gradients_equal_one_device(cut, stream):
         assert stats["parts"][1]["activation_bytes_out"] > 0
 
 
-def test_a_failing_micro_batch_stops_the_others():
-    model, _ = lora_model(seed=1)
+def test_a_failing_micro_batch_stops_the_others(reference):
+    model = copy.deepcopy(reference[0])
     fp = measure_footprint(model, FAMILY)
     per_block, outside = trainable_per_block(model, FAMILY)
     offload = OffloadConfig(mode="resident")

@@ -89,7 +89,9 @@ class SplitPlan:
     def describe(self) -> str:
         n = self.plans[0].footprint.num_blocks + self.plans[1].footprint.num_blocks
         lines = [f"split at block {self.cut} of {n}: blocks 0-{self.cut - 1} on {self.devices[0]}, "
-                 f"{self.cut}-{n - 1} on {self.devices[1]}" + (f" ({self.reason})" if self.reason else "")]
+                 f"{self.cut}-{n - 1} on {self.devices[1]}" + (f" ({self.reason})" if self.reason else "")
+                 + (f"; each batch pipelined through both in {self.micro_batches} micro-batches (1F1B)"
+                    if self.micro_batches > 1 else "")]
         step = self.predicted_step_s
         if step is not None and self.micro_batches > 1:
             parts = ", ".join(f"{p.step_time.seconds:.3f}" for p in self.plans)
