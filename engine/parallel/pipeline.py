@@ -26,7 +26,12 @@ Copies between the GPUs run on a dedicated stream per device with events (``Peer
 between devices makes both devices' current streams wait for each other, which would hold the first GPU's
 work behind the second's. A consumer waits for a copy only once it holds its GPU's turn, so no stream waits
 for work that is scheduled later. The head's work on the first GPU waits (on the CPU) for the second part's
-forward to finish before it is enqueued, so it never holds back that GPU's own queue.
+forward to finish before it is enqueued, so it never holds back that GPU's own queue. It runs on that GPU's
+compute stream, behind whatever the first part's thread has enqueued there, so that thread may run at most
+``RUN_AHEAD_BLOCKS`` blocks ahead of the GPU (``throttle``): the head waits for two blocks, not for a whole
+micro-batch of the first part. (A stream of its own for the head would not wait at all, but the first part's
+tensors it reads, freed when the forward returns, could be handed to the first part's next kernels before the
+head has read them.)
 
 Not pipelined (refused by the split's plan): LoRA outside the blocks (its gradient would cross the cut in both
 directions), activation offload on the first part (its buffers hold one micro-batch per block; the first part
@@ -34,6 +39,7 @@ holds two), layers outside the blocks held on the host (their hooks are not thre
 """
 from __future__ import annotations
 
+import collections
 import copy
 import threading
 from dataclasses import dataclass, field
@@ -43,6 +49,9 @@ import torch
 from torch.utils._pytree import tree_map
 
 from .one_f_one_b import Op, schedule
+
+#: How many blocks of the first part its thread may enqueue ahead of the GPU while a pipelined step runs.
+RUN_AHEAD_BLOCKS = 2
 
 
 class _Aborted(Exception):
@@ -137,6 +146,9 @@ class PipelineRunner:
         self.failed: Optional[BaseException] = None
         self._lanes: tuple[_Lane, _Lane] = ()
         self.micro_batches_run = 0
+        self._active = False  # a pipelined step is running (the throttle applies)
+        self._marks: collections.deque = collections.deque()
+        self._marks_lock = threading.Lock()
         self.last_order: tuple[list[Op], list[Op]] = ([], [])  # each GPU's ops in the order the last step ran them
 
     # -- what the split's hooks ask --------------------------------------------------------------------
@@ -220,6 +232,21 @@ class PipelineRunner:
 
         return tree_map(back, args), tree_map(back, kwargs)
 
+    def throttle(self, module, args):
+        """Forward pre-hook of the first part's blocks (forward, and recompute in the backward): on a GPU, while a
+        pipelined step runs, the enqueueing thread waits until the GPU has started the block ``RUN_AHEAD_BLOCKS``
+        back. The first part's operations run one at a time (its lane), so the marks form one sequence."""
+        if not self._active or not self.copies.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.devices[0]))
+        with self._marks_lock:
+            self._marks.append(ev)
+            oldest = self._marks.popleft() if len(self._marks) > RUN_AHEAD_BLOCKS else None
+        if oldest is not None:
+            oldest.synchronize()
+        return None
+
     # -- the step ---------------------------------------------------------------------------------------
 
     def run(self, pieces: Sequence[Callable[[], tuple[torch.Tensor, torch.Tensor]]]) -> list[torch.Tensor]:
@@ -253,10 +280,15 @@ class PipelineRunner:
 
         threads = [threading.Thread(target=work, args=(k,), name=f"pipeline micro-batch {k}", daemon=True)
                    for k in range(len(pieces))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        self._active = True
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            self._active = False
+            self._marks.clear()
         self.last_order = (self._lanes[0].ran, self._lanes[1].ran)
         self._lanes = ()
         if errors:

@@ -347,6 +347,8 @@ def apply_split(model: nn.Module, family, plan: SplitPlan, offload: OffloadConfi
     for part, dev in zip(parts, plan.devices):
         for _, block in part:
             hooks.append(block.register_forward_pre_hook(_arguments_to(dev), with_kwargs=True))
+    if pipeline is not None and pipeline.copies.cuda:
+        hooks += [block.register_forward_pre_hook(pipeline.throttle) for _, block in parts[0]]
     for name, child in model.named_children():  # after the blocks: the final norm and projection
         if not isinstance(child, nn.ModuleList):
             hooks.append(child.register_forward_pre_hook(_arguments_to(dev0, pipeline), with_kwargs=True))
