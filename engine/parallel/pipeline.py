@@ -135,6 +135,10 @@ class _MicroBatch:
     returned: list = field(default_factory=list)  # (second-part tensor, its leaf on the first device) for the head
 
 
+class _ThreadState(threading.local):
+    micro: Optional[_MicroBatch] = None  # the micro-batch this thread runs (each thread starts with None)
+
+
 class PipelineRunner:
     """Runs a step's micro-batches through a split's two parts in the 1F1B order (see the module doc)."""
 
@@ -142,7 +146,7 @@ class PipelineRunner:
         self.devices = devices
         self.second = second_part_blocks  # id() of the blocks on the second device
         self.copies = PeerCopy(devices)
-        self._local = threading.local()
+        self._local = _ThreadState()
         self.failed: Optional[BaseException] = None
         self._lanes: tuple[_Lane, _Lane] = ()
         self.micro_batches_run = 0
@@ -155,7 +159,7 @@ class PipelineRunner:
 
     def current(self) -> Optional[_MicroBatch]:
         """The micro-batch this thread runs (None outside a pipelined step: previews, a one-micro-batch step)."""
-        return getattr(self._local, "micro", None)
+        return self._local.micro
 
     def block_arguments(self, block, args: tuple) -> tuple:
         """Before a block runs inside a pipelined forward: at the second part's first block, the first part's
