@@ -290,6 +290,13 @@ class PipelineRunner:
                 t.start()
             for t in threads:
                 t.join()
+        except BaseException as exc:  # Ctrl-C while waiting: the threads stop at their next turn, then it goes on
+            with cond:
+                self.failed = self.failed or exc
+                cond.notify_all()
+            for t in threads:
+                t.join()
+            raise
         finally:
             self._active = False
             self._marks.clear()
