@@ -13,8 +13,26 @@ then builds its own model for data parallel):
 
 - ``resident``: bf16, every weight on cuda:0 (the baseline of the run);
 - ``one``: ``auto`` at ``--budget`` GB on cuda:0 (the one-GPU streamed baseline);
-- ``split``: Dual-GPU Split, mode split, ``--budget`` GB on each of cuda:0 and cuda:1;
+- ``split``: Dual-GPU Split, mode split, ``--budget`` GB on each of cuda:0 and cuda:1 (the parts one after
+  the other);
+- ``pipeline``: the same split with ``micro_batches=--micro-batches``: each batch in that many pieces through the
+  two parts in the 1F1B order, both GPUs at once (issue 42; skipped when --micro-batches is 1);
 - ``dp``: data parallel, one process per GPU, ``auto`` at ``--budget`` GB each.
+
+Every mode trains batches of ``--micro-batches`` images (1 by default), so their images/s compare; issue 42's
+targets (pipelined split >= 1.8x one GPU at the same per-GPU budget):
+
+    python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/bench_parallel.py --family flux2 \
+        --variant flux2-dev --precision int8 --budget 12 --micro-batches 4 --modes one split pipeline \
+        --out "$OUT/results.jsonl"
+    python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/bench_parallel.py --family flux1 \
+        --variant flux1-dev --precision bf16 --budget 12 --micro-batches 4 --modes one split pipeline \
+        --out "$OUT/results.jsonl"
+
+A smoke test of this script on the CPU (a tiny model, both parts resident, no torchrun):
+
+    python3 bench/bench_parallel.py --variant flux1-tiny --device cpu --res 128 --micro-batches 2 \
+        --modes one split pipeline --warmup 1 --timed 1 --out /tmp/parallel.jsonl
 
 images/s = batch x world size / step s; scaling = dp images/s / (one images/s x world size).
 """
@@ -48,7 +66,11 @@ def parse_args(argv=None):
     p.add_argument("--precision", default="bf16", choices=["bf16", "int8"], help="of the streamed modes")
     p.add_argument("--res", type=int, default=1024)
     p.add_argument("--budget", type=float, default=12.0, help="GB per GPU for one / split / dp")
-    p.add_argument("--modes", nargs="+", default=["resident", "one", "split", "dp"])
+    p.add_argument("--modes", nargs="+", default=["resident", "one", "split", "pipeline", "dp"])
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="images per batch in every mode, and the pipelined split's micro-batches (issue 42)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cpu: a smoke test of the script on a tiny model (no dp)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timed", type=int, default=3)
     p.add_argument("--rank", type=int, default=16)
@@ -81,15 +103,20 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     me = ranks_from_env()
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', me.rank))}")
-    torch.cuda.set_device(device)
+    cuda = args.device == "cuda"
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', me.rank))}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    pair = ("cuda:0", "cuda:1") if cuda else ("cpu", "cpu")
+    batch = args.micro_batches
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     flag_dir = Path(os.environ.get("BENCH_FLAG_DIR", out.parent))
     dp_flag = flag_dir / f".dp-start-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}"
     run_id = new_run_id()
-    base = {"run_id": run_id, "gpu": f"{me.world_size}x {_gpu_name(device)}", **_versions(), "model": args.variant,
-            "lora_rank": args.rank, "lora_targets": "default", "batch": 1, "grad_ckpt": True, "res": args.res,
+    gpus = max(me.world_size, 2 if cuda and torch.cuda.device_count() >= 2 else 1)
+    base = {"run_id": run_id, "gpu": f"{gpus}x {_gpu_name(device)}", **_versions(), "model": args.variant,
+            "lora_rank": args.rank, "lora_targets": "default", "batch": batch, "grad_ckpt": True, "res": args.res,
             "precision": args.precision, "budget_gb_per_gpu": args.budget, "command": _command(), "note": args.note,
             "bench": "parallel"}
     emit = row_emitter(out, base) if me.is_main else (lambda row: row)
@@ -100,30 +127,34 @@ def main(argv=None) -> int:
 
     def run(mode: str, model, family, dataset, offload, **kw) -> dict:
         gc.collect()
-        torch.cuda.empty_cache()
-        for d in range(torch.cuda.device_count()):
-            torch.cuda.reset_peak_memory_stats(d)
+        if cuda:
+            torch.cuda.empty_cache()
+            for d in range(torch.cuda.device_count()):
+                torch.cuda.reset_peak_memory_stats(d)
         rec = StepRecorder(f"{mode} r{me.rank}")
         t = time.perf_counter()
         error, result = None, None
         try:
-            result = train_lora(ModelConfig(dtype="bf16", family=family.id), dataset, lora,
-                                TrainConfig(steps=steps, device=str(device), learning_rate=1e-4), rec.callback,
+            result = train_lora(ModelConfig(dtype="bf16" if cuda else "fp32", family=family.id), dataset, lora,
+                                TrainConfig(steps=steps, device=str(device), learning_rate=1e-4, batch_size=batch),
+                                rec.callback,
                                 preloaded=(model, family, args.variant), offload=offload, **kw)
         except Exception as exc:  # noqa: BLE001 - a row per failure
             error = f"{type(exc).__name__}: {str(exc)[:600]}"
             print("ERROR", error, flush=True)
         row = training_row(rec, args.warmup, t, error, rows.get("resident", {}).get("step_s"), device)
         world = me.world_size if mode == "dp" else 1
-        row["images_per_s"] = round(world / row["step_s"], 4) if row["step_s"] else None
+        row["images_per_s"] = round(world * batch / row["step_s"], 4) if row["step_s"] else None
         settings = result.settings if result is not None else {}
         row["plan"] = settings.get("offload_plan")
         predicted = (row["plan"] or {}).get("predicted_step_s")  # the split's: both parts + the crossing
         if predicted and row["step_s"]:  # issue 42: the split's prediction within 10% of the measured step
             row["predicted_step_s"] = predicted
             row["measured_over_predicted"] = round(row["step_s"] / predicted, 3)
-        if mode == "split":
+        if mode in ("split", "pipeline"):
             row["peak_alloc_gb_per_gpu"] = settings.get("split_peak_vram_gb")
+            row["micro_batches"] = (row["plan"] or {}).get("micro_batches")
+            row["cut"] = (row["plan"] or {}).get("cut")
         elif mode == "dp":
             row["peak_alloc_gb_per_gpu"] = (settings.get("data_parallel") or {}).get("peak_vram_gb")
             row["weight_checksums"] = (settings.get("data_parallel") or {}).get("weight_checksums")
@@ -143,7 +174,8 @@ def main(argv=None) -> int:
     dataset = None
     if me.is_main:
         t = time.perf_counter()
-        model, family, cfg = build_random_model(args.variant, device, torch.bfloat16, 0.02, 0, family_id=args.family)
+        model, family, cfg = build_random_model(args.variant, device, torch.bfloat16 if cuda else torch.float32, 0.02,
+                                                0, family_id=args.family)
         print(f"random {args.variant}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params in "
               f"{time.perf_counter() - t:.0f} s", flush=True)
         dataset = _cache(Path(tmp.name), family, args.variant, cfg, args.res)
@@ -153,13 +185,19 @@ def main(argv=None) -> int:
         auto = OffloadConfig(mode="auto", vram_budget_gb=args.budget)
         if "one" in args.modes:
             run("one", model, family, dataset, auto)
-        if "split" in args.modes and me.world_size >= 2:
+        # The split runs in this one process: it needs two GPUs, not two ranks (torchrun is for dp).
+        two = not cuda or torch.cuda.device_count() >= 2
+        if "split" in args.modes and two:
             run("split", model, family, dataset, OffloadConfig(mode="auto"),
-                split=ParallelConfig(mode="split", devices=("cuda:0", "cuda:1"), vram_budget_gb=(args.budget,)))
+                split=ParallelConfig(mode="split", devices=pair, vram_budget_gb=(args.budget,)))
+        if "pipeline" in args.modes and two and args.micro_batches > 1:
+            run("pipeline", model, family, dataset, OffloadConfig(mode="auto"),
+                split=ParallelConfig(mode="split", devices=pair, vram_budget_gb=(args.budget,),
+                                     micro_batches=args.micro_batches))
         dp_flag.touch()
     else:
         _wait_for(dp_flag)
-    if "dp" in args.modes and me.world_size >= 2:
+    if "dp" in args.modes and me.world_size >= 2 and cuda:
         ranks = init_from_env(device)
         if not me.is_main:
             model, family, cfg = build_random_model(args.variant, device, torch.bfloat16, 0.02, 0,

@@ -45,12 +45,14 @@ class LowVRAMDualGPUSplit(io.Node):
                 io.Int("cut", default=-1, min=-1, max=1024, tooltip=_help("cut")),
                 io.String("vram_budget_gb", default="0", tooltip=_help(
                     "vram_budget_gb", "Comma-separated, e.g. 12,12; one value applies to every GPU.")),
+                io.Int("micro_batches", default=1, min=1, max=64, tooltip=_help("micro_batches")),
             ])
 
     @classmethod
     def execute(cls, mode: str = "split", devices: str = "cuda:0,cuda:1", cut: int = -1,
-                vram_budget_gb: str = "0") -> io.NodeOutput:
+                vram_budget_gb: str = "0", micro_batches: int = 1) -> io.NodeOutput:
         from ..engine.parallel.config import ParallelConfig, parse_budgets, parse_devices
 
         return io.NodeOutput(ParallelConfig(mode=mode, devices=parse_devices(devices), cut=cut,
-                                            vram_budget_gb=parse_budgets(vram_budget_gb)))
+                                            vram_budget_gb=parse_budgets(vram_budget_gb),
+                                            micro_batches=int(micro_batches)))

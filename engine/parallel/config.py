@@ -34,6 +34,14 @@ class ParallelConfig:
         "second GPU. -1 = auto: the cut that streams the fewest bytes with each side inside its budget, "
         "the two peaks balanced."
     )})
+    micro_batches: int = field(default=1, metadata={"help": (
+        "split only: cut each batch into this many micro-batches and pipeline them through the two parts (1F1B), "
+        "so both GPUs work at once: the first GPU runs micro-batch k+1's first half while the second runs micro-batch "
+        "k's second half. Train LoRA's batch_size must be at least this (e.g. batch_size 4, micro_batches 4: one "
+        "image per micro-batch). The gradient is the whole batch's, as without it. A two-part pipeline flushed every "
+        "step is at most 2M/(M+1) times faster than the parts one after the other (1.6x at 4, 1.78x at 8). "
+        "1 = the parts one after the other. Needs LoRA only inside the transformer blocks."
+    )})
     vram_budget_gb: tuple[float, ...] = field(default=(0.0,), metadata={"help": (
         "GPU memory each device may use, in GB, in the order of devices (one value applies to all). 0 = 90% of "
         "the memory free on that GPU. With Offload Config mode=auto each side then streams the fewest blocks "
@@ -74,6 +82,13 @@ class ParallelConfig:
             raise ConfigError(f"cut={self.cut!r} must be -1 (auto) or a block index >= 1")
         if self.mode != "split" and self.cut != -1:
             raise ConfigError(f"cut={self.cut} only applies to split mode; leave it at -1 for {self.mode}")
+        if not isinstance(self.micro_batches, int) or isinstance(self.micro_batches, bool) or not \
+                1 <= self.micro_batches <= 64:
+            raise ConfigError(f"micro_batches={self.micro_batches!r} must be a whole number from 1 to 64 (1 = not "
+                              f"pipelined)")
+        if self.mode != "split" and self.micro_batches != 1:
+            raise ConfigError(f"micro_batches={self.micro_batches} only applies to split mode; leave it at 1 for "
+                              f"{self.mode}")
 
     @property
     def world_size(self) -> int:

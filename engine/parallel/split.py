@@ -18,10 +18,18 @@ The cut: every cut point is planned (pure arithmetic, engine/offload/plan.py), a
 one kept streams the fewest bytes per step with both parts inside their budgets; ties
 go to the cut whose predicted peaks are closest, so both GPUs peak at about the same level.
 
-The step time: the parts run one after the other (forward through part one, then part
-two; backward the other way), so a step is the sum of the parts' steps, each predicted on
-its own device's measured link and GPU (engine/offload/steptime.py), plus the hidden
-states crossing the cut (forward) and their gradient (backward) at the peer link's rate.
+The step time: with one micro-batch the parts run one after the other (forward through part
+one, then part two; backward the other way), so a step is the sum of the parts' steps, each
+predicted on its own device's measured link and GPU (engine/offload/steptime.py), plus the
+hidden states crossing the cut (forward) and their gradient (backward) at the peer link's rate.
+
+Pipelined (``micro_batches`` > 1, engine/parallel/pipeline.py): the batch's micro-batches flow
+through the parts in the 1F1B order, so both GPUs work at once. The step is then the schedule's
+makespan (engine/parallel/one_f_one_b.py) over each part's per-micro-batch time (forward a
+quarter of it: checkpointing recomputes the forward inside the backward), and the cut is the
+one with the shortest predicted step (balanced time: compute and streaming per part), not the
+fewest bytes. The first part holds two micro-batches' block inputs at once (the warm-up
+forward and the one in flight), planned inside its budget, and keeps them on the GPU.
 Before issue 42 the parts were planned on the default machine (a 25 GB/s link and an
 unknown GPU's peak): 8.9 s + 17.4 s predicted against 2.27 s measured on 2x H200.
 """
@@ -37,8 +45,13 @@ from torch.utils._pytree import tree_map
 from ..errors import ConfigError
 from ..offload.config import OffloadConfig
 from ..offload.footprint import named_blocks
-from ..offload.plan import GB, ModelFootprint, Plan, Workload, make_plan
+from ..offload.plan import GB, SAVED_INPUT_UNITS, ModelFootprint, Plan, Workload, make_plan
 from ..offload.steptime import Machine
+from .one_f_one_b import in_flight, makespan, schedule
+
+#: Share of a part's per-micro-batch time spent in the forward: with gradient checkpointing the backward
+#: recomputes the forward and then runs the backward proper (about twice the forward's FLOPs).
+FORWARD_SHARE = 0.25
 
 #: Peer bandwidth assumed for the hidden states crossing the cut (bytes/s) when it was not measured: PCIe 4.0 x16's
 #: practical rate, the slow end of what two GPUs of one host share (NVLink is ~10x that). The crossing is a few MB
@@ -54,6 +67,7 @@ class SplitPlan:
     reason: str = ""
     crossing_bytes: int = 0  # hidden states crossing the cut per micro-step, each way
     peer_bytes_per_s: float = DEFAULT_PEER_BYTES_PER_S
+    micro_batches: int = 1  # > 1: pipelined, the batch's micro-batches in the 1F1B order (pipeline.py)
 
     @property
     def predicted_peak_bytes(self) -> int:
@@ -66,17 +80,24 @@ class SplitPlan:
 
     @property
     def predicted_step_s(self) -> Optional[float]:
-        """One micro-step (as a part's ``step_time``): the parts one after the other, plus the crossing (None: a part has no step time)."""
+        """One micro-step (as a part's ``step_time``): the parts one after the other, plus the crossing; pipelined,
+        the 1F1B schedule's makespan (None: a part has no step time)."""
         if any(p.step_time is None for p in self.plans):
             return None
-        return sum(p.step_time.seconds for p in self.plans) + self.crossing_s
+        return pipelined_step_s([p.step_time.seconds for p in self.plans], self.micro_batches, self.crossing_s)
 
     def describe(self) -> str:
         n = self.plans[0].footprint.num_blocks + self.plans[1].footprint.num_blocks
         lines = [f"split at block {self.cut} of {n}: blocks 0-{self.cut - 1} on {self.devices[0]}, "
-                 f"{self.cut}-{n - 1} on {self.devices[1]}" + (f" ({self.reason})" if self.reason else "")]
+                 f"{self.cut}-{n - 1} on {self.devices[1]}" + (f" ({self.reason})" if self.reason else "")
+                 + (f"; each batch pipelined through both in {self.micro_batches} micro-batches (1F1B)"
+                    if self.micro_batches > 1 else "")]
         step = self.predicted_step_s
-        if step is not None:
+        if step is not None and self.micro_batches > 1:
+            parts = ", ".join(f"{p.step_time.seconds:.3f}" for p in self.plans)
+            lines.append(f"predicted step {step:.3f} s: {self.micro_batches} micro-batches pipelined (1F1B) through "
+                         f"the parts ({parts} s each alone), {self.crossing_s * 1e3:.1f} ms crossing the cut")
+        elif step is not None:
             parts = " + ".join(f"{p.step_time.seconds:.3f}" for p in self.plans)
             lines.append(f"predicted step {step:.3f} s: the parts one after the other ({parts} s) + "
                          f"{self.crossing_s * 1e3:.1f} ms for the hidden states crossing the cut")
@@ -87,6 +108,7 @@ class SplitPlan:
     def summary(self) -> dict:
         step = self.predicted_step_s
         return {"mode": "split", "cut": self.cut, "devices": [str(d) for d in self.devices],
+                "micro_batches": self.micro_batches,
                 "predicted_peak_gb": [round(p.predicted_peak_bytes / GB, 3) for p in self.plans],
                 "predicted_step_s": round(step, 4) if step is not None else None,
                 "parts": [p.summary() for p in self.plans]}
@@ -115,25 +137,34 @@ def plan_split(fp: ModelFootprint, block_trainable: list[int], other_trainable: 
                budgets: tuple[Optional[int], Optional[int]], cut: Optional[int] = None,
                host_ram_bytes: Optional[int] = None, ram_budget_bytes: Optional[int] = None,
                machines: tuple[Optional[Machine], Optional[Machine]] = (None, None),
-               compiled: bool = False) -> SplitPlan:
+               compiled: bool = False, micro_batches: int = 1) -> SplitPlan:
     """The plan for both parts: at ``cut``, or at the best cut when it is None (see the module doc).
     ``machines``: each device's link and GPU (engine/offload/link.py ``resolve_machine``; None: the default
-    machine), so each part's step time is predicted where it runs."""
+    machine), so each part's step time is predicted where it runs. ``micro_batches`` > 1: pipelined (the batch
+    in that many pieces, 1F1B), refused where it cannot run (see ``check_pipelined``)."""
+    if micro_batches > 1:
+        check_pipelined(other_trainable, workload.batch, micro_batches)
     cuts = [cut] if cut is not None else list(range(1, fp.num_blocks))
     best, best_key, last_error = None, None, None
     for c in cuts:
         parts = part_footprints(fp, block_trainable, other_trainable, c)
         try:
-            plans = tuple(make_plan(p, workload, offload, b, host_ram_bytes, compiled=compiled, machine=m)
-                          for p, b, m in zip(parts, budgets, machines))
+            plans = tuple(_part_plan(p, workload, offload, b, host_ram_bytes, compiled, m, stage, micro_batches)
+                          for stage, (p, b, m) in enumerate(zip(parts, budgets, machines)))
         except ConfigError as exc:
             last_error = exc
             continue
-        io = sum(p.streamed_bytes_per_step + 2 * p.activation_bytes_per_step for p in plans)
+        candidate = SplitPlan(c, devices, plans, crossing_bytes=_crossing_bytes(fp, workload),
+                              micro_batches=micro_batches)
         peaks = [p.predicted_peak_bytes for p in plans]
-        key = (io, max(peaks) - min(peaks))
+        step = candidate.predicted_step_s
+        if micro_batches > 1 and step is not None:
+            key = (step, max(peaks) - min(peaks))  # balanced time: compute and streaming per part
+        else:
+            key = (sum(p.streamed_bytes_per_step + 2 * p.activation_bytes_per_step for p in plans),
+                   max(peaks) - min(peaks))
         if best_key is None or key < best_key:
-            best, best_key = SplitPlan(c, devices, plans, crossing_bytes=_crossing_bytes(fp, workload)), key
+            best, best_key = candidate, key
     if best is None:
         where = f"at cut {cut}" if cut is not None else "at any cut"
         raise ConfigError(f"the split does not fit {where} on {devices[0]} + {devices[1]}: {last_error}")
@@ -154,9 +185,66 @@ def plan_split(fp: ModelFootprint, block_trainable: list[int], other_trainable: 
                 f"the two parts together need {host / GB:.1f} GB of host RAM (pinned blocks, activations, the "
                 f"process) but ram_budget_gb allows {ram_budget_bytes / GB:.1f} GB. Raise the GPU budgets (more "
                 f"blocks resident), turn activation offload off, or free host RAM / raise ram_budget_gb")
-    best.reason = ("as asked" if cut is not None else
-                   "the cut that streams the fewest bytes per step, peaks balanced")
+    if cut is not None:
+        best.reason = "as asked"
+    elif micro_batches > 1 and best.predicted_step_s is not None:
+        best.reason = f"the cut with the shortest predicted pipelined step ({micro_batches} micro-batches)"
+    else:
+        best.reason = "the cut that streams the fewest bytes per step, peaks balanced"
     return best
+
+
+def check_pipelined(other_trainable: int, batch: int, micro_batches: int) -> None:
+    """What a pipelined split cannot run, refused with the fix."""
+    if batch < micro_batches:
+        raise ConfigError(f"Dual-GPU Split micro_batches={micro_batches} cuts each batch into that many pieces, but "
+                          f"batch_size is {batch}; raise Train LoRA's batch_size to at least {micro_batches} or "
+                          f"lower micro_batches")
+    if other_trainable:
+        raise ConfigError(f"Dual-GPU Split micro_batches={micro_batches}: {other_trainable} LoRA elements sit outside "
+                          f"the transformer blocks, whose gradients the pipelined split does not carry across the "
+                          f"cut; target only the blocks' layers, or set micro_batches to 1")
+
+
+def pipelined_step_s(part_seconds: list[float], micro_batches: int, crossing_s: float = 0.0) -> float:
+    """A step of the split: the parts one after the other (one micro-batch), or the 1F1B makespan of
+    ``micro_batches`` pieces, each part's time (the whole batch's) shared among them."""
+    if micro_batches <= 1:
+        return sum(part_seconds) + crossing_s
+    per = [s / micro_batches for s in part_seconds]
+    return makespan(schedule(micro_batches, len(per)),
+                    lambda s, op: per[s] * (FORWARD_SHARE if op[0] == "F" else 1 - FORWARD_SHARE),
+                    crossing_s / (2 * micro_batches))
+
+
+def _part_plan(fp: ModelFootprint, workload: Workload, offload: OffloadConfig, budget: Optional[int],
+               host_ram_bytes: Optional[int], compiled: bool, machine: Optional[Machine], stage: int,
+               micro_batches: int) -> Plan:
+    """One part's plan. Pipelined, each part runs the batch in ``micro_batches`` pieces; the first part holds the
+    block inputs of as many pieces at once as the schedule keeps in flight there, on the GPU (activation offload
+    keeps one set per block), and neither part holds the layers outside the blocks on the host (their hooks would
+    run from two threads at once)."""
+    if micro_batches <= 1:
+        return make_plan(fp, workload, offload, budget, host_ram_bytes, compiled=compiled, machine=machine)
+    micro = -(-workload.batch // micro_batches)
+    changes: dict = {"micro_batch_size": micro}
+    if offload.streams:
+        changes["outer_on_host"] = False
+        if stage == 0:
+            changes["activation_offload"] = False
+    cfg = replace(offload, **changes)
+    extra = 0
+    held = in_flight(schedule(micro_batches, 2)[stage])
+    if held > 1:
+        unit = micro * workload.tokens * fp.hidden_size * fp.act_bytes_per_elem
+        extra = int((held - 1) * fp.num_blocks * SAVED_INPUT_UNITS * unit)
+    plan = make_plan(fp, workload, cfg, None if budget is None else budget - extra, host_ram_bytes,
+                     compiled=compiled, machine=machine)
+    if extra:
+        plan.breakdown["pipelined inputs"] = extra
+        plan.predicted_peak_bytes += extra
+        plan.budget_bytes = budget
+    return plan
 
 
 def _crossing_bytes(fp: ModelFootprint, workload: Workload) -> int:
@@ -183,10 +271,11 @@ def _to(device: torch.device):
 class SplitHandle:
     """Both parts' offload handles, the device hooks, and how to undo them."""
 
-    def __init__(self, model: nn.Module, plan: SplitPlan, handles, hooks, restore):
+    def __init__(self, model: nn.Module, plan: SplitPlan, handles, hooks, restore, pipeline=None):
         self.model, self.plan, self.handles, self._hooks = model, plan, handles, hooks
         self._restore = restore  # (tensor, its data before) for the frozen tensors outside the blocks
         self.device = plan.devices[0]
+        self.pipeline = pipeline  # PipelineRunner (engine/parallel/pipeline.py) when micro_batches > 1
 
     @property
     def devices(self) -> tuple[torch.device, torch.device]:
@@ -197,7 +286,11 @@ class SplitHandle:
             h.end_step()
 
     def stats(self) -> dict:
-        return {"cut": self.plan.cut, "parts": [h.stats() for h in self.handles]}
+        out = {"cut": self.plan.cut, "parts": [h.stats() for h in self.handles]}
+        if self.pipeline is not None:
+            out.update(peer_bytes_copied=self.pipeline.copies.bytes,
+                       pipelined_micro_batches=self.pipeline.micro_batches_run)
+        return out
 
     def peak_report(self, step: int = 1) -> str:
         return "; ".join(f"[{h.device}] {h.peak_report(step)}" for h in self.handles)
@@ -245,17 +338,24 @@ def apply_split(model: nn.Module, family, plan: SplitPlan, offload: OffloadConfi
             t.data = data
         raise
     device_of = {id(b): dev for part, dev in zip(parts, plan.devices) for _, b in part}
+    pipeline = None
+    if plan.micro_batches > 1:
+        from .pipeline import PipelineRunner
+
+        pipeline = PipelineRunner(plan.devices, {id(b) for _, b in parts[1]})
     hooks = []
     for part, dev in zip(parts, plan.devices):
         for _, block in part:
             hooks.append(block.register_forward_pre_hook(_arguments_to(dev), with_kwargs=True))
+    if pipeline is not None and pipeline.copies.cuda:
+        hooks += [block.register_forward_pre_hook(pipeline.throttle) for _, block in parts[0]]
     for name, child in model.named_children():  # after the blocks: the final norm and projection
         if not isinstance(child, nn.ModuleList):
-            hooks.append(child.register_forward_pre_hook(_arguments_to(dev0), with_kwargs=True))
+            hooks.append(child.register_forward_pre_hook(_arguments_to(dev0, pipeline), with_kwargs=True))
     offloaders = {id(b): h.activations for part, h in zip(parts, handles) if h.activations is not None
                   for _, b in part}
-    _install_checkpoint(model, device_of, offloaders)
-    return SplitHandle(model, plan, handles, hooks, restore)
+    _install_checkpoint(model, device_of, offloaders, pipeline)
+    return SplitHandle(model, plan, handles, hooks, restore, pipeline)
 
 
 def _non_block_modules(model: nn.Module, block_ids: set[int]):
@@ -269,25 +369,33 @@ def _non_block_modules(model: nn.Module, block_ids: set[int]):
         stack.extend(m.children())
 
 
-def _arguments_to(device: torch.device):
+def _arguments_to(device: torch.device, pipeline=None):
     def hook(module, args, kwargs):
+        if pipeline is not None:  # inside a pipelined forward, the head's inputs cross back first
+            args, kwargs = pipeline.head_arguments(args, kwargs)
         move = _to(device)
         return tree_map(move, args), tree_map(move, kwargs)
 
     return hook
 
 
-def _install_checkpoint(model: nn.Module, device_of: dict[int, torch.device], offloaders: dict) -> None:
+def _install_checkpoint(model: nn.Module, device_of: dict[int, torch.device], offloaders: dict,
+                        pipeline=None) -> None:
     """The model's checkpoint function (what diffusers calls for each block while training): move the
     block's arguments to its device, then checkpoint it as that part's activation offloader would, or with
-    torch's non-reentrant checkpoint (diffusers' default)."""
+    torch's non-reentrant checkpoint (diffusers' default). Pipelined, the arguments cross the cut as leaves
+    (engine/parallel/pipeline.py)."""
 
     def checkpoint(block, *args):
+        if pipeline is not None:
+            args = pipeline.block_arguments(block, args)
         args = tree_map(_to(device_of[id(block)]), args)
         offloader = offloaders.get(id(block))
         if offloader is not None:
-            return offloader.checkpoint(block, *args)
-        return torch.utils.checkpoint.checkpoint(block.__call__, *args, use_reentrant=False)
+            out = offloader.checkpoint(block, *args)
+        else:
+            out = torch.utils.checkpoint.checkpoint(block.__call__, *args, use_reentrant=False)
+        return pipeline.block_outputs(block, out) if pipeline is not None else out
 
     model.enable_gradient_checkpointing(gradient_checkpointing_func=checkpoint)
 

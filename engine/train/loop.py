@@ -631,7 +631,7 @@ def _accumulate(run: _Run) -> float | None:
         loss_sum += weight * _micro_step(run.model, run.family, latents, embeds, train, gen, run.autocast,
                                          weight / train.gradient_accumulation, run.memory.micro_batch,
                                          run.sigma_range, weights, run.loss, window=run.window, calls=calls,
-                                         preserve=preserve)
+                                         preserve=preserve, pipeline=run.placement.pipeline())
         # Between micro-steps too: with long accumulation, Stop must not wait a whole step.
         if micro < train.gradient_accumulation - 1 and _stop_requested(run):
             return None
@@ -913,31 +913,48 @@ def _pieces(b: int, micro_batch: int) -> list[slice]:
 def _micro_step(model, family, latents, embeds, cfg: TrainConfig, gen: torch.Generator, autocast,
                 scale: float, micro_batch: int = 0, sigma_range: tuple[float, float] = (0.0, 1.0),
                 weights: torch.Tensor | None = None, loss_opts=None, window=None,
-                calls: list | None = None, preserve: tuple | None = None) -> float:
+                calls: list | None = None, preserve: tuple | None = None, pipeline=None) -> float:
     """Forward and backward of one batch; returns its loss. The noise and timesteps are drawn for the whole
     batch; with ``micro_batch`` the batch then runs that many samples at a time, each piece's loss weighted
     by its share, so the accumulated gradient is the whole batch's (activations are one piece's). ``weights``
     (B, h, w): masked loss's latent-grid weights (``flow_matching.weighted_mse``). ``loss_opts`` (LossOptions): the
     noise-level sampler and loss weighting, the family's own by default. ``calls``: the modulation window's outputs
     for each piece (``window.call`` serves them through its forward and backward). ``preserve``: (the class prompt's
-    embeddings for the batch, their weight): differential output preservation's loss is added (preservation.py)."""
+    embeddings for the batch, their weight): differential output preservation's loss is added (preservation.py).
+    ``pipeline``: a pipelined split's runner (engine/parallel/pipeline.py): the pieces flow through its two GPUs at
+    once (not with preservation, whose extra passes run piece by piece)."""
     b = latents.shape[0]
     sigmas, noise, level_weights = _draw_noise(family, latents, cfg, gen, sigma_range, loss_opts)
     noisy, target = noisy_latents_and_target(latents, noise, sigmas)
+    pieces = _pieces(b, micro_batch)
+    shares = [(piece.stop - piece.start) / b for piece in pieces]
+
+    def piece_loss(piece, autocast):
+        with autocast:
+            pred = predict_velocity(family, model, noisy[piece], {k: v[piece] for k, v in embeds.items()},
+                                    sigmas[piece], cfg.guidance)
+        if level_weights is not None:  # per-sample weights of the noise levels (and the masks, if any)
+            per = per_sample_mse(pred, target[piece], None if weights is None else weights[piece])
+            return (per * level_weights[piece].to(per.device)).mean()
+        if weights is None:
+            return torch.nn.functional.mse_loss(pred.float(), target[piece].float())
+        return weighted_mse(pred, target[piece], weights[piece])
+
+    if pipeline is not None and len(pieces) > 1 and calls is None and preserve is None:
+        from ..parallel.pipeline import autocast_copy
+
+        def job(piece, share):
+            def run():
+                loss = piece_loss(piece, autocast_copy(autocast))
+                return loss * (share * scale), loss
+            return run
+
+        losses = pipeline.run([job(p, share) for p, share in zip(pieces, shares)])
+        return sum(loss.item() * share for loss, share in zip(losses, shares))
     total = 0.0
-    for i, piece in enumerate(_pieces(b, micro_batch)):
+    for i, (piece, share) in enumerate(zip(pieces, shares)):
         with window.call(calls[i]) if calls is not None else contextlib.nullcontext():
-            with autocast:
-                pred = predict_velocity(family, model, noisy[piece], {k: v[piece] for k, v in embeds.items()},
-                                        sigmas[piece], cfg.guidance)
-            if level_weights is not None:  # per-sample weights of the noise levels (and the masks, if any)
-                per = per_sample_mse(pred, target[piece], None if weights is None else weights[piece])
-                loss = (per * level_weights[piece].to(per.device)).mean()
-            elif weights is None:
-                loss = torch.nn.functional.mse_loss(pred.float(), target[piece].float())
-            else:
-                loss = weighted_mse(pred, target[piece], weights[piece])
-            share = (piece.stop - piece.start) / b
+            loss = piece_loss(piece, autocast)
             (loss * (share * scale)).backward()
         if preserve is not None:  # its own forwards after the piece's backward: the peak stays one forward's
             from .preservation import preservation_loss

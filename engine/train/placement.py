@@ -179,6 +179,10 @@ class Placement(ABC):
         """The offload plans in force (one per streamed device; none when resident)."""
         return ()
 
+    def pipeline(self):
+        """The pipelined split's runner (engine/parallel/pipeline.py) that runs a batch's pieces, or None."""
+        return None
+
     def memory_options(self) -> MemoryOptions:
         plans = self.plans()
         if plans:
@@ -418,7 +422,7 @@ class Split(Placement):
                           cut=None if self.split.cut == -1 else self.split.cut, host_ram_bytes=ram_budget(self.offload)[1],
                           ram_budget_bytes=ram_budget(self.offload)[0],
                           machines=tuple(resolve_machine(d) for d in self.devices),
-                          compiled=self.compiles(train)[0])
+                          compiled=self.compiles(train)[0], micro_batches=self.split.micro_batches)
 
     def apply(self, model, family, variant, dataset, lora, train, callback):
         from ..parallel.split import apply_split
@@ -434,6 +438,9 @@ class Split(Placement):
 
     def plans(self):
         return self.handle.plan.plans if self.handle is not None else ()
+
+    def pipeline(self):
+        return self.handle.pipeline if self.handle is not None else None
 
     def record_peaks(self, settings):
         settings["split_peak_vram_gb"] = [

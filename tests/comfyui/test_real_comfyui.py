@@ -677,6 +677,45 @@ def test_both_wan_experts_train_at_once_through_comfy_run(comfy, tmp_path):
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 
 
+def test_pipelined_dual_gpu_template_trains_through_comfy_run(comfy, tmp_path):
+    """Issue 42: the shipped flux2_dev_dual_gpu UI workflow on the tiny Flux.2 under its file names, with Dual-GPU
+    Split on cpu,cpu and micro_batches 2 (Train LoRA batch_size 2, four same-size images): comfy run exits 0, the
+    log says each batch was pipelined in 2 micro-batches, and the LoRA lowers diffusers' reference model's loss."""
+    from datetime import datetime
+
+    from helpers import write_template_files
+    from lowvram_lora.engine.lora_io import load_lora
+    from lowvram_lora.engine.testing import make_tiny_dataset
+
+    template = shipped()["flux2_dev_dual_gpu"]
+    _, written = write_template_files(template, comfy.base, tmp_path)
+    try:  # four images of one size: batches of two, so each step's batch is pipelined
+        make_tiny_dataset(comfy.base / "input" / template.cache["dataset_path"], count=4, sizes=((128, 128),))
+        ui = json.loads((comfy.pack / "example_workflows" / f"{template.name}.json").read_text())
+        _with_widgets(ui, {
+            "LowVRAMCacheTextEmbeds": {"resolution": 128, "sample_prompts": "ohwx, a red circle"},
+            "LowVRAMTrainLoRA": {"steps": 6, "learning_rate": 0.01, "warmup_steps": 0, "sample_every": 0,
+                                 "batch_size": 2, "training_seed": 4243},
+            "LowVRAMDualGPUSplit": {"devices": "cpu,cpu", "micro_batches": 2},
+        })
+        (tmp_path / "pipelined.json").write_text(json.dumps(ui))
+        start = datetime.now().isoformat()
+        done = comfy.comfy_run(tmp_path / "pipelined.json")
+        log = _log_since(comfy.port, start)
+        assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:], log[-4000:])
+        assert "Traceback" not in log and "!!! Exception" not in log, log[-4000:]
+        assert "each batch pipelined through both in 2 micro-batches (1F1B)" in log, log[-3000:]
+        assert "[lowvram-lora] step 6/6" in log, log[-3000:]
+        saved = sorted((comfy.base / "output").glob(f"{template.save['filename_prefix']}_*_.safetensors"))
+        assert len(saved) == 1, log[-3000:]
+        lora = load_lora(saved[0])
+        assert lora.metadata["lowvram_lora.steps"] == "6"
+        _check_lora_lowers_the_reference_loss(comfy, template, tmp_path / "pipe", lora)
+    finally:
+        for path in written:
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+
+
 def test_masked_loss_and_validation_through_comfy_run(comfy, tmp_path):
     """The demo with Dataset Options (masks beside the images, a quarter of them held out) and Loss & Validation
     Options (validation every 5 steps) through comfy run: the LoRA trains with masks, the validation loss is

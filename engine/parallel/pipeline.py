@@ -1,0 +1,347 @@
+"""The pipelined split: a step's micro-batches flow through the two parts in the 1F1B order
+(engine/parallel/one_f_one_b.py), so both GPUs work at once.
+
+The execution model, and why. diffusers runs a transformer's forward as one call (embedders, the block loop,
+the final layers), so the two parts cannot be called separately; and a part's work is tens of thousands of
+kernel launches per micro-batch, far more than the launch queue a device accepts ahead of the GPU (about a
+thousand), so one Python thread enqueueing both parts' work in turn would block on the busier device's queue
+while the other GPU drains and idles. Hence one thread per micro-batch, each running its micro-batch's whole
+forward, loss and backward, and a turnstile per GPU (``_Lane``) that lets a thread run a part's operation only
+when the schedule says it is that operation's turn. The forward's thread stops at the cut: the checkpoint
+function that diffusers calls for the second part's first block (engine/parallel/split.py) ends the first
+part's operation and waits for the second part's turn. At most one operation per GPU runs at a time, in the
+schedule's order, so each part's streamer (engine/offload/streamer.py), whose hooks assume one sequence of
+visits, sees its blocks in a well-defined order (forward, backward) as in a sequential run; each GPU's thread
+enqueues while the other GPU's thread does, and CUDA runs both devices at once.
+
+The backward is cut at the crossing: the forward crossing makes, on the second GPU, leaves (detached copies
+that require grad) of the first part's tensors, so micro-batch k's backward runs as the head's backward (the
+final layers, which live on the first GPU with the embedders, and the loss: ``loss.backward()`` stops at leaves
+of the second part's outputs), then the second part's (to the crossing's leaves), then, in the first GPU's
+turn, the first part's (``torch.autograd.backward`` of the crossed tensors with their leaves' gradients).
+Gradients are those of the one-GPU run: the same operations, and each part's gradients accumulate in the same
+micro-batch order.
+
+Copies between the GPUs run on a dedicated stream per device with events (``PeerCopy``): a plain ``.to()``
+between devices makes both devices' current streams wait for each other, which would hold the first GPU's
+work behind the second's. A consumer waits for a copy only once it holds its GPU's turn, so no stream waits
+for work that is scheduled later. The head's work on the first GPU waits (on the CPU) for the second part's
+forward to finish before it is enqueued, so it never holds back that GPU's own queue. It runs on that GPU's
+compute stream, behind whatever the first part's thread has enqueued there, so that thread may run at most
+``RUN_AHEAD_BLOCKS`` blocks ahead of the GPU (``throttle``): the head waits for two blocks, not for a whole
+micro-batch of the first part. (A stream of its own for the head would not wait at all, but the first part's
+tensors it reads, freed when the forward returns, could be handed to the first part's next kernels before the
+head has read them.)
+
+Not pipelined (refused by the split's plan): LoRA outside the blocks (its gradient would cross the cut in both
+directions), activation offload on the first part (its buffers hold one micro-batch per block; the first part
+holds two), layers outside the blocks held on the host (their hooks are not thread-safe).
+"""
+from __future__ import annotations
+
+import collections
+import copy
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch.utils._pytree import tree_map
+
+from .one_f_one_b import Op, schedule
+
+#: How many blocks of the first part its thread may enqueue ahead of the GPU while a pipelined step runs.
+RUN_AHEAD_BLOCKS = 2
+
+
+class _Aborted(Exception):
+    """Another micro-batch failed: this one stops at its next turn."""
+
+
+class _Lane:
+    """One GPU's turnstile: its operations run one at a time in the schedule's order."""
+
+    def __init__(self, ops: Sequence[Op], cond: threading.Condition, runner: "PipelineRunner"):
+        self.ops, self.cond, self.runner = tuple(ops), cond, runner
+        self.position = 0
+        self.ran: list[Op] = []  # the ops as they finished (tests compare it with the schedule)
+
+    def acquire(self, op: Op) -> None:
+        with self.cond:
+            while self.position < len(self.ops) and self.ops[self.position] != op:
+                if self.runner.failed is not None:
+                    raise _Aborted()
+                self.cond.wait()
+            if self.runner.failed is not None:
+                raise _Aborted()
+
+    def release(self, op: Op) -> None:
+        with self.cond:
+            assert self.ops[self.position] == op, (self.ops[self.position], op)
+            self.position += 1
+            self.ran.append(op)
+            self.cond.notify_all()
+
+
+@dataclass
+class _Moved:
+    out: torch.Tensor
+    done: Any = None  # CUDA event: the copy landed (None: no copy between GPUs)
+
+
+class PeerCopy:
+    """Tensors between the split's devices: on CUDA a peer copy (NVLink or PCIe) on a dedicated stream per device,
+    after the producer's stream and before the consumer's; elsewhere a plain ``.to()``."""
+
+    def __init__(self, devices: tuple[torch.device, torch.device]):
+        self.cuda = all(d.type == "cuda" for d in devices) and devices[0] != devices[1]
+        self.streams = {d: torch.cuda.Stream(d) for d in devices} if self.cuda else {}
+        self.bytes = 0
+
+    def start(self, t: torch.Tensor, dst: torch.device) -> _Moved:
+        if t.device == dst:
+            return _Moved(t.detach())
+        self.bytes += t.numel() * t.element_size()
+        if not self.cuda:
+            return _Moved(t.detach().to(dst))
+        src_stream, dst_stream = self.streams[t.device], self.streams[dst]
+        src_stream.wait_stream(torch.cuda.current_stream(t.device))  # the producer's work so far
+        with torch.cuda.stream(src_stream), torch.cuda.stream(dst_stream):  # both ends off the compute streams
+            out = t.detach().to(dst, non_blocking=True)
+        t.record_stream(src_stream)  # its memory is not reused before the copy has read it
+        done = torch.cuda.Event()
+        done.record(dst_stream)
+        return _Moved(out, done)
+
+    @staticmethod
+    def finish(moved: _Moved) -> torch.Tensor:
+        """The copy, for work enqueued from now on the consumer's current stream."""
+        if moved.done is not None:
+            consumer = torch.cuda.current_stream(moved.out.device)
+            consumer.wait_event(moved.done)
+            moved.out.record_stream(consumer)
+        return moved.out
+
+
+@dataclass
+class _MicroBatch:
+    """One micro-batch's crossing state (the thread running it holds it)."""
+
+    index: int
+    stage: int = 0
+    crossed: dict = field(default_factory=dict)  # id(first-part tensor) -> (tensor, its leaf on the second device)
+    outputs: list = field(default_factory=list)  # the second part's block outputs (kept: their ids stay unique)
+    output_ids: set = field(default_factory=set)
+    returned: list = field(default_factory=list)  # (second-part tensor, its leaf on the first device) for the head
+
+
+class _ThreadState(threading.local):
+    micro: Optional[_MicroBatch] = None  # the micro-batch this thread runs (each thread starts with None)
+
+
+class PipelineRunner:
+    """Runs a step's micro-batches through a split's two parts in the 1F1B order (see the module doc)."""
+
+    def __init__(self, devices: tuple[torch.device, torch.device], second_part_blocks: set[int]):
+        self.devices = devices
+        self.second = second_part_blocks  # id() of the blocks on the second device
+        self.copies = PeerCopy(devices)
+        self._local = _ThreadState()
+        self.failed: Optional[BaseException] = None
+        self._lanes: tuple[_Lane, _Lane] = ()
+        self.micro_batches_run = 0
+        self._active = False  # a pipelined step is running (the throttle applies)
+        self._marks: collections.deque = collections.deque()
+        self._marks_lock = threading.Lock()
+        self.last_order: tuple[list[Op], list[Op]] = ([], [])  # each GPU's ops in the order the last step ran them
+
+    # -- what the split's hooks ask --------------------------------------------------------------------
+
+    def current(self) -> Optional[_MicroBatch]:
+        """The micro-batch this thread runs (None outside a pipelined step: previews, a one-micro-batch step)."""
+        return self._local.micro
+
+    def block_arguments(self, block, args: tuple) -> tuple:
+        """Before a block runs inside a pipelined forward: at the second part's first block, the first part's
+        operation ends and the arguments cross the cut (leaves on the second device); later blocks of the second
+        part get the same leaves for the same tensors (the rotary and modulation tensors every block takes)."""
+        mb = self.current()
+        if mb is None or id(block) not in self.second:
+            return args
+        dev0, dev1 = self.devices
+        if mb.stage == 0:
+            moved = {}
+
+            def start(x):
+                if isinstance(x, torch.Tensor) and id(x) not in moved:
+                    moved[id(x)] = (x, self.copies.start(x, dev1))
+                return x
+
+            tree_map(start, args)
+            self._lanes[0].release(("F", mb.index))
+            self._lanes[1].acquire(("F", mb.index))
+            mb.stage = 1
+            for key, (x, m) in moved.items():
+                leaf = self.copies.finish(m)
+                if x.requires_grad:
+                    leaf.requires_grad_(True)
+                mb.crossed[key] = (x, leaf)
+
+        def swap(x):
+            if not isinstance(x, torch.Tensor):
+                return x
+            if id(x) in mb.crossed:
+                return mb.crossed[id(x)][1]
+            if x.device != dev1 and id(x) not in mb.output_ids:  # a first-part tensor first used here
+                leaf = self.copies.finish(self.copies.start(x, dev1))
+                if x.requires_grad:
+                    leaf.requires_grad_(True)
+                mb.crossed[id(x)] = (x, leaf)
+                return leaf
+            return x
+
+        return tree_map(swap, args)
+
+    def block_outputs(self, block, out):
+        """After a second-part block: its outputs are the second part's (the head's inputs cross back)."""
+        mb = self.current()
+        if mb is not None and id(block) in self.second:
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(t, torch.Tensor):
+                    mb.outputs.append(t)
+                    mb.output_ids.add(id(t))
+        return out
+
+    def head_arguments(self, args, kwargs):
+        """Before a layer after the blocks (on the first device) inside the second part's operation: the second
+        part's tensors cross back as leaves, after the second part's forward has finished (so the first GPU's
+        queue never waits on the second's)."""
+        mb = self.current()
+        if mb is None or mb.stage != 1:
+            return args, kwargs
+        dev0 = self.devices[0]
+        waited = []
+
+        def back(x):
+            if not isinstance(x, torch.Tensor) or not (x.device != dev0 or id(x) in mb.output_ids):
+                return x
+            if not waited and x.device.type == "cuda" and x.device != dev0:
+                torch.cuda.current_stream(x.device).synchronize()
+                waited.append(True)
+            leaf = self.copies.finish(self.copies.start(x, dev0))
+            if x.requires_grad:
+                leaf.requires_grad_(True)
+                mb.returned.append((x, leaf))
+            return leaf
+
+        return tree_map(back, args), tree_map(back, kwargs)
+
+    def throttle(self, module, args):
+        """Forward pre-hook of the first part's blocks (forward, and recompute in the backward): on a GPU, while a
+        pipelined step runs, the enqueueing thread waits until the GPU has started the block ``RUN_AHEAD_BLOCKS``
+        back. The first part's operations run one at a time (its lane), so the marks form one sequence."""
+        if not self._active or not self.copies.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.devices[0]))
+        with self._marks_lock:
+            self._marks.append(ev)
+            oldest = self._marks.popleft() if len(self._marks) > RUN_AHEAD_BLOCKS else None
+        if oldest is not None:
+            oldest.synchronize()
+        return None
+
+    # -- the step ---------------------------------------------------------------------------------------
+
+    def run(self, pieces: Sequence[Callable[[], tuple[torch.Tensor, torch.Tensor]]]) -> list[torch.Tensor]:
+        """Forward and backward of each micro-batch (``pieces[k]()`` runs its forward and returns (the loss to
+        backpropagate, the loss to report)); returns the reported losses, detached, in order."""
+        plan = schedule(len(pieces), 2)
+        cond = threading.Condition()
+        self.failed = None
+        self._lanes = (_Lane(plan[0], cond, self), _Lane(plan[1], cond, self))
+        losses: list[Optional[torch.Tensor]] = [None] * len(pieces)
+        errors: list[BaseException] = []
+        cuda_device = torch.cuda.current_device() if self.devices[0].type == "cuda" else None
+        grad_enabled = torch.is_grad_enabled()
+
+        def work(k: int) -> None:
+            try:
+                if cuda_device is not None:
+                    torch.cuda.set_device(cuda_device)
+                with torch.set_grad_enabled(grad_enabled):
+                    losses[k] = self._micro_batch(k, pieces[k])
+            except _Aborted:
+                pass
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread below
+                with cond:
+                    if self.failed is None:
+                        self.failed = exc
+                    errors.append(exc)
+                    cond.notify_all()
+            finally:
+                self._local.micro = None
+
+        threads = [threading.Thread(target=work, args=(k,), name=f"pipeline micro-batch {k}", daemon=True)
+                   for k in range(len(pieces))]
+        self._active = True
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        except BaseException as exc:  # Ctrl-C while waiting: the threads stop at their next turn, then it goes on
+            with cond:
+                self.failed = self.failed or exc
+                cond.notify_all()
+            for t in threads:
+                t.join()
+            raise
+        finally:
+            self._active = False
+            self._marks.clear()
+        self.last_order = (self._lanes[0].ran, self._lanes[1].ran)
+        self._lanes = ()
+        if errors:
+            raise errors[0]
+        self.micro_batches_run += len(pieces)
+        return losses
+
+    def _micro_batch(self, k: int, piece) -> torch.Tensor:
+        lanes = self._lanes
+        mb = self._local.micro = _MicroBatch(k)
+        lanes[0].acquire(("F", k))
+        backward, reported = piece()
+        if mb.stage != 1:
+            raise RuntimeError("the pipelined forward never reached the second part's blocks; train this model "
+                               "with Dual-GPU Split micro_batches=1")
+        self._local.micro = None  # the backward runs no pipeline hooks
+        # The head's backward (first device), then the second part's, in the second GPU's turn.
+        lanes[1].release(("F", k))
+        lanes[1].acquire(("B", k))
+        backward.backward()
+        del backward
+        returned = [(x, leaf.grad) for x, leaf in mb.returned if leaf.grad is not None]
+        mb.returned.clear()
+        if returned:
+            grads = [self.copies.finish(self.copies.start(g, x.device)) for x, g in returned]
+            torch.autograd.backward([x for x, _ in returned], grads)
+        del returned
+        crossing = [(x, self.copies.start(leaf.grad, x.device)) for x, leaf in mb.crossed.values()
+                    if leaf.grad is not None and x.requires_grad]
+        mb.crossed.clear()
+        mb.outputs.clear()
+        lanes[1].release(("B", k))
+        # The first part's backward, in the first GPU's turn.
+        lanes[0].acquire(("B", k))
+        if crossing:
+            torch.autograd.backward([x for x, _ in crossing], [self.copies.finish(m) for _, m in crossing])
+        del crossing
+        lanes[0].release(("B", k))
+        return reported.detach()
+
+
+def autocast_copy(autocast):
+    """A fresh copy of the loop's autocast context per thread (a ``torch.autocast`` keeps its entry state on
+    itself, so threads must not share one)."""
+    return copy.copy(autocast)

@@ -1,0 +1,221 @@
+"""The pipelined Dual-GPU Split (issue 42) on the CPU: the 1F1B schedule on its own, then micro-batches through
+two parts on ``cpu,cpu`` (threads, the same code path as two GPUs but for the peer copies) against one device."""
+import copy
+
+import pytest
+import torch
+
+from lowvram_lora.engine.config import LoraSettings, ModelConfig, TrainConfig
+from lowvram_lora.engine.errors import ConfigError
+from lowvram_lora.engine.models import load_transformer
+from lowvram_lora.engine.offload import OffloadConfig, Workload
+from lowvram_lora.engine.offload.footprint import measure_footprint
+from lowvram_lora.engine.offload.plan import GB, ModelFootprint
+from lowvram_lora.engine.offload.streamer import InlineCopyEngine
+from lowvram_lora.engine.offload.steptime import Machine, peak_flops_for
+from lowvram_lora.engine.parallel import ParallelConfig
+from lowvram_lora.engine.parallel.one_f_one_b import dependencies, in_flight, makespan, schedule
+from lowvram_lora.engine.parallel.split import apply_split, pipelined_step_s, plan_split, trainable_per_block
+from lowvram_lora.engine.train import train_lora
+
+from test_offload_streaming import FAMILY, grads, inputs, lora_model
+
+CPU2 = (torch.device("cpu"), torch.device("cpu"))
+
+
+# -- the schedule, a pure function --------------------------------------------------------------------
+
+def test_1f1b_order():
+    assert schedule(4) == (
+        (("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)),  # warm-up of one
+        (("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2), ("F", 3), ("B", 3)),  # the last: F then B
+    )
+    assert schedule(1) == ((("F", 0), ("B", 0)), (("F", 0), ("B", 0)))  # one micro-batch: as without a pipeline
+    for m in range(1, 7):
+        for stages in (2, 3):
+            plan = schedule(m, stages)
+            done = set()
+            for s, ops in enumerate(plan):
+                assert sorted(ops) == sorted([("F", k) for k in range(m)] + [("B", k) for k in range(m)])
+                assert [k for kind, k in ops if kind == "F"] == list(range(m))  # micro-batches in order
+                assert [k for kind, k in ops if kind == "B"] == list(range(m))  # gradients accumulate in order
+                assert in_flight(ops) == min(m, stages - s)  # 1F1B's memory bound (GPipe would hold all m)
+            # every dependency is met by an earlier op: a serial replay of the stages never waits forever
+            positions = [0] * stages
+            while any(p < len(ops) for p, ops in zip(positions, plan)):
+                moved = False
+                for s, ops in enumerate(plan):
+                    if positions[s] < len(ops) and all(d in done for d in dependencies(ops[positions[s]], s, stages)):
+                        done.add((s, ops[positions[s]]))
+                        positions[s] += 1
+                        moved = True
+                assert moved
+
+
+def test_makespan_has_the_pipeline_bubble():
+    f, b = 1.0, 3.0
+    for m in (1, 2, 4, 8):
+        t = makespan(schedule(m), lambda s, op: f if op[0] == "F" else b)
+        assert t == pytest.approx((m + 1) * (f + b) if m > 1 else 2 * (f + b))
+    assert 2 * 4 * (f + b) / makespan(schedule(4), lambda s, op: f if op[0] == "F" else b) == pytest.approx(1.6)
+    # unequal parts: the slower part sets the pace
+    assert makespan(schedule(4), lambda s, op: (f if op[0] == "F" else b) * (2 if s else 1)) > \
+        makespan(schedule(4), lambda s, op: (f if op[0] == "F" else b) * 1.5)
+    assert pipelined_step_s([2.0, 2.0], 1, 0.1) == pytest.approx(4.1)  # one micro-batch: one after the other
+    assert pipelined_step_s([2.0, 2.0], 4) == pytest.approx(5 * 0.5)  # (M + 1) x a part's micro-batch (2.0 / 4)
+
+
+# -- the planner ----------------------------------------------------------------------------------------
+
+def _footprint(n=10, first_heavy=False):
+    sizes = [int(2 * GB) if first_heavy and i < 3 else int(GB) for i in range(n)]
+    return ModelFootprint(name="m", block_names=[f"b{i}" for i in range(n)], block_bytes=sizes,
+                          other_bytes=int(0.5 * GB), trainable_params=n * 1000, hidden_size=64)
+
+
+def test_pipelined_plan_balances_time_and_holds_two_micro_batches_on_the_first_part():
+    devs = (torch.device("cuda:0"), torch.device("cuda:1"))
+    h100 = Machine(link_bytes_per_s=50 * GB, peak_flops=peak_flops_for("NVIDIA H100 80GB HBM3"), name="H100",
+                   source="probe")
+    wl, auto, budgets = Workload(4, 4096, 512), OffloadConfig(mode="auto"), (int(8 * GB), int(8 * GB))
+    fp = _footprint(first_heavy=True)
+    seq = plan_split(fp, [1000] * 10, 0, wl, auto, devs, budgets, machines=(h100, h100))
+    pipe = plan_split(fp, [1000] * 10, 0, wl, auto, devs, budgets, machines=(h100, h100), micro_batches=4)
+    assert pipe.micro_batches == 4 and "pipelined" in pipe.reason and "1F1B" in pipe.describe()
+    assert all(p.micro_batch == 1 for p in pipe.plans)  # the batch of 4 in pieces of 1
+    # the first part keeps its block inputs for two micro-batches (no activation offload there), inside its budget
+    first = pipe.plans[0]
+    assert not first.activation_offload and first.breakdown["pipelined inputs"] == len(first.footprint.block_bytes) \
+        * 1 * 4608 * 64 * 2
+    assert all(p.predicted_peak_bytes <= b for p, b in zip(pipe.plans, budgets))
+    # the predicted step is the 1F1B makespan of the parts' times, and faster than the parts one after the other
+    parts = [p.step_time.seconds for p in pipe.plans]
+    assert pipe.predicted_step_s == pytest.approx(pipelined_step_s(parts, 4, pipe.crossing_s))
+    assert pipe.predicted_step_s < sum(parts)
+    # the chosen cut is the shortest predicted step among those that fit
+    for c in range(1, 10):
+        try:
+            other = plan_split(fp, [1000] * 10, 0, wl, auto, devs, budgets, cut=c, machines=(h100, h100),
+                               micro_batches=4)
+        except ConfigError:
+            continue
+        assert other.predicted_step_s >= pipe.predicted_step_s - 1e-9
+    assert seq.micro_batches == 1 and "fewest bytes" in seq.reason  # one micro-batch: the cut as before
+    with pytest.raises(ConfigError, match="batch_size is 2; raise Train LoRA's batch_size to at least 4"):
+        plan_split(fp, [1000] * 10, 0, Workload(2, 64, 8), auto, devs, budgets, micro_batches=4)
+    with pytest.raises(ConfigError, match="LoRA elements sit outside the transformer blocks"):
+        plan_split(fp, [1000] * 10, 50, wl, auto, devs, budgets, micro_batches=4)
+
+
+def test_config_and_node_take_micro_batches():
+    from lowvram_lora.nodes.dual_gpu import LowVRAMDualGPUSplit
+
+    cfg = LowVRAMDualGPUSplit.execute(devices="cpu,cpu", micro_batches=4).args[0]
+    assert cfg.micro_batches == 4
+    schema = LowVRAMDualGPUSplit.define_schema()
+    tip = next(i for i in schema.inputs if i.id == "micro_batches").tooltip
+    assert "1F1B" in tip and "batch_size" in tip
+    for bad, match in [(dict(micro_batches=0), "from 1 to 64"), (dict(mode="data_parallel", micro_batches=2),
+                                                                   "only applies to split")]:
+        with pytest.raises(ConfigError, match=match):
+            ParallelConfig(**{"devices": ("cpu", "cpu"), **bad})
+
+
+# -- the runner on two CPU "devices" --------------------------------------------------------------------
+
+def _batch(seeds):
+    """Micro-batches of the streaming tests' inputs (one sample each)."""
+    return [inputs(s) for s in seeds]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """A tiny Flux.1 with LoRA (before any backward), and its one-device gradients and losses over four samples."""
+    model, _ = lora_model(seed=5)
+    untouched = copy.deepcopy(model)
+    batch = _batch([11, 12, 13, 14])
+    losses = []
+    for inp, target in batch:
+        loss = torch.nn.functional.mse_loss(model(**inp)[0], target) / len(batch)
+        loss.backward()
+        losses.append(loss.item())
+    return untouched, batch, losses, grads(model)
+
+
+@pytest.mark.parametrize("cut, stream", [(1, False), (3, True)])
+def test_pipelined_gradients_equal_one_device(reference, cut, stream):
+    """Four micro-batches through the 1F1B pipeline (cut inside the double blocks, or in the single blocks with both
+    parts streaming, the second with activation offload) give the one-device gradients, and each part ran its ops in
+    the schedule's order."""
+    untouched, batch, ref_losses, g_ref = reference
+    model = copy.deepcopy(untouched)
+    offload = OffloadConfig(mode="stream", prefetch_depth=1, activation_offload=True) if stream else \
+        OffloadConfig(mode="resident")
+    fp = measure_footprint(model, FAMILY)
+    per_block, outside = trainable_per_block(model, FAMILY)
+    plan = plan_split(fp, per_block, outside, Workload(4, 64, 7), offload, CPU2, (None, None), cut=cut,
+                      micro_batches=4)
+    assert plan.plans[1].activation_offload == stream and not plan.plans[0].activation_offload
+    handle = apply_split(model, FAMILY, plan, offload, _engine_factory=InlineCopyEngine)
+    try:
+        def piece(inp, target):
+            def run():
+                loss = torch.nn.functional.mse_loss(model(**inp)[0], target) / len(batch)
+                return loss, loss
+            return run
+
+        losses = handle.pipeline.run([piece(*x) for x in batch])
+        assert tuple(handle.pipeline.last_order) == tuple(list(ops) for ops in schedule(4))
+        stats = handle.stats()
+    finally:
+        handle.remove()
+    assert [v.item() for v in losses] == pytest.approx(ref_losses, rel=1e-6)
+    g = grads(model)
+    assert g.keys() == g_ref.keys() and len(g) > 0
+    for name in g_ref:
+        torch.testing.assert_close(g[name], g_ref[name], rtol=1e-4, atol=1e-7, msg=name)
+    assert stats["pipelined_micro_batches"] == 4
+    if stream:
+        assert stats["parts"][1]["activation_bytes_out"] > 0
+
+
+def test_a_failing_micro_batch_stops_the_others(reference):
+    model = copy.deepcopy(reference[0])
+    fp = measure_footprint(model, FAMILY)
+    per_block, outside = trainable_per_block(model, FAMILY)
+    offload = OffloadConfig(mode="resident")
+    plan = plan_split(fp, per_block, outside, Workload(3, 64, 7), offload, CPU2, (None, None), cut=2, micro_batches=3)
+    handle = apply_split(model, FAMILY, plan, offload)
+    batch = _batch([1, 2, 3])
+
+    def piece(k):
+        def run():
+            inp, target = batch[k]
+            if k == 1:
+                raise ValueError("bad micro-batch 1")
+            loss = torch.nn.functional.mse_loss(model(**inp)[0], target)
+            return loss, loss
+        return run
+
+    try:
+        with pytest.raises(ValueError, match="bad micro-batch 1"):
+            handle.pipeline.run([piece(k) for k in range(3)])
+    finally:
+        handle.remove()
+
+
+def test_train_lora_pipelined_split_on_cpu_equals_unsplit(tiny_pipeline, tiny_cache):
+    """Train LoRA end to end: Dual-GPU Split on cpu,cpu with micro_batches=2 (batch 2: a piece each) gives the LoRA of
+    the one-device run of the same batches (rtol 1e-4)."""
+    cfg = ModelConfig(transformer_path=str(tiny_pipeline))
+    lora, train = LoraSettings(rank=4), TrainConfig(steps=2, learning_rate=2e-3, seed=2, device="cpu", batch_size=2)
+    base, family, _, variant = load_transformer(tiny_pipeline, dtype=torch.float32)
+    split = train_lora(cfg, tiny_cache, lora, train, preloaded=(base, family, variant),
+                       offload=OffloadConfig(mode="resident"),
+                       split=ParallelConfig(mode="split", devices=("cpu", "cpu"), micro_batches=2))
+    whole = train_lora(cfg, tiny_cache, lora, train, preloaded=(base, family, variant))
+    assert split.settings["offload_plan"]["micro_batches"] == 2
+    assert split.settings["offload_stats"]["pipelined_micro_batches"] == 4  # 2 steps x 2 micro-batches
+    assert split.loss_history == pytest.approx(whole.loss_history, rel=1e-4)
+    for k, v in whole.state_dict.items():
+        torch.testing.assert_close(split.state_dict[k], v, rtol=1e-4, atol=1e-6)
