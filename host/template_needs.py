@@ -32,6 +32,7 @@ from ..engine.offload.steptime import Machine, peak_flops_for
 TEMPLATE_VARIANTS = {
     "demo_tiny_lora": "flux1-tiny", "flux1_dev_lora": "flux1-dev", "flux2_dev_dual_gpu": "flux2-dev",
     "flux2_dev_lora": "flux2-dev", "flux2_klein_lora": "flux2-klein-4b", "krea2_lora": "krea2-raw",
+    "flux3_klein_lora": "flux3-klein-base",
     "lumina2_lora": "lumina2",
     "qwen_image_edit_lora": "qwen-image-edit-2509", "qwen_image_lora": "qwen-image",
     "wan21_t2v_1_3b_lora": "wan2.1-t2v-1.3b", "wan22_t2v_lora": "wan2.2-t2v-a14b-high-noise",
