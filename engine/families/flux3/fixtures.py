@@ -121,3 +121,11 @@ def write_text_and_vae_files(pipeline_folder: str | Path, folder: str | Path) ->
     shutil.copy(pipeline_folder / "text_encoder" / "config.json", companion / "config.json")
     vae = write_ldm_vae_file(pipeline_folder / "vae", folder / "flux2-vae.safetensors")
     return {"text_encoder": text_file, "vae": vae}
+
+
+def comfyui_model(config: dict) -> tuple[str, dict]:
+    """The ``comfy.model_base`` class a ComfyUI with FLUX.3 would build and the ``unet_config`` keys its LoRA key map
+    would read: not known (ComfyUI 0.33, the one at hand, has no FLUX.3; no later release was read). The class name
+    is a guess that no ComfyUI here has, so ComfyUI's own LoRA-loader check skips FLUX.3 rather than pass on it."""
+    return "Flux3", {"depth": config["num_layers"], "depth_single_blocks": config["num_single_layers"],
+                     "hidden_size": config["num_attention_heads"] * config["attention_head_dim"]}
