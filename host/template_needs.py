@@ -34,6 +34,8 @@ TEMPLATE_VARIANTS = {
     "flux2_dev_lora": "flux2-dev", "flux2_klein_lora": "flux2-klein-4b", "krea2_lora": "krea2-raw",
     "lumina2_lora": "lumina2", "flux2_dev_edit_lora": "flux2-dev", "flux2_klein_edit_lora": "flux2-klein-4b",
     "flux1_kontext_lora": "flux1-kontext",
+    "flux3_klein_lora": "flux3-klein-base",
+    "lumina2_lora": "lumina2",
     "qwen_image_edit_lora": "qwen-image-edit-2509", "qwen_image_lora": "qwen-image",
     "wan21_t2v_1_3b_lora": "wan2.1-t2v-1.3b", "wan22_t2v_lora": "wan2.2-t2v-a14b-high-noise",
     "wan22_ti2v_5b_lora": "wan2.2-ti2v-5b", "z_image_lora": "z-image-turbo",

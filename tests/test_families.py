@@ -91,7 +91,7 @@ def test_the_family_declares_its_specs(family_id):
     lists = family.memory.block_lists
     assert [name for name in lists if name in family.lora.targets] == list(family.lora.targets)
     model = meta_model(family, family.load_config(family.tiny_variant))
-    assert all(isinstance(getattr(model, name), torch.nn.ModuleList) for name in lists)
+    assert all(isinstance(model.get_submodule(name), torch.nn.ModuleList) for name in lists)
     assert set(family.memory.block_list_tokens) | set(family.memory.dual_stream_lists) <= set(lists)
     assert callable(family_fixtures(family).build_tiny_pipeline)
     for variant in family.variants:

@@ -165,9 +165,32 @@ def tokenize(tokenizer, spec: TextEncoderSpec, prompts: list[str], max_length: i
     ``max_length`` for a ``padded`` encoder; for a ``variable`` one, right-padded to the group's longest
     caption (a causal LM's rows of a right-padded caption do not depend on the padding). ``spec.drop_tokens``
     more are allowed: the template tokens cut off after encoding."""
-    if spec.length == "variable":
+    if spec.length in ("variable", "windowed"):
         tokenizer.padding_side = "right"
-    return spec.template.tokenize(tokenizer, prompts, max_length + spec.drop_tokens, pad_to_max=spec.length == "padded")
+    ids, mask = spec.template.tokenize(tokenizer, prompts, max_length + spec.drop_tokens,
+                                       pad_to_max=spec.length == "padded")
+    return windowed(tokenizer, spec, ids, mask, max_length) if spec.length == "windowed" else (ids, mask)
+
+
+def windowed(tokenizer, spec: TextEncoderSpec, ids: torch.Tensor, mask: torch.Tensor,
+             max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``windowed`` spec's group: right-padded (with the tokenizer's pad token) to its longest caption's window,
+    ``ceil(tokens / pad_multiple) * pad_multiple`` capped at ``max_length`` (``Flux3TextEncoderStep``). A causal LM's
+    rows of a caption, its padding rows included (each attends to the caption's tokens alone), do not depend on how
+    far the group is padded; ``encode_stacked`` keeps each caption's own window."""
+    windows = window_lengths(spec, mask, max_length)
+    extra = max(windows) - ids.shape[1]
+    if extra > 0:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        ids = torch.cat([ids, ids.new_full((ids.shape[0], extra), pad)], dim=1)
+        mask = torch.cat([mask, mask.new_zeros((mask.shape[0], extra))], dim=1)
+    return ids, mask
+
+
+def window_lengths(spec: TextEncoderSpec, mask: torch.Tensor, max_length: int) -> list[int]:
+    """Each caption's window: its token count rounded up to ``spec.pad_multiple``, at most ``max_length``."""
+    m = spec.pad_multiple
+    return [min(-(-int(n) // m) * m, max_length) for n in mask.sum(dim=1)]
 
 
 @torch.no_grad()
@@ -223,7 +246,10 @@ def encode_stacked(
                 hooks = [(m.norm if spec.final_norm and k == last else m.layers[k - 1]).register_forward_hook(keep(k))
                          for k in spec.hidden_layers]
                 try:
-                    m(input_ids=ids, attention_mask=mask, use_cache=False)
+                    # windowed: padding at position id 1, as Flux3TextEncoderStep passes it (transformers 4.57's)
+                    extra = ({"position_ids": torch.arange(ids.shape[1])[None].masked_fill(mask == 0, 1)}
+                             if spec.length == "windowed" else {})
+                    m(input_ids=ids, attention_mask=mask, use_cache=False, **extra)
                 finally:
                     for h in hooks:
                         h.remove()
@@ -232,6 +258,8 @@ def encode_stacked(
             out = stacked.permute(0, 2, 1, 3).reshape(b, length, k * d)
             if spec.length == "variable":  # each caption at its own length: its real tokens only
                 results += [row[m.bool()][spec.drop_tokens:].to("cpu", dtype) for row, m in zip(out, mask)]
+            elif spec.length == "windowed":  # each caption's own window, its padding rows included
+                results += [row[:n].to("cpu", dtype) for row, n in zip(out, window_lengths(spec, mask, max_length))]
             else:
                 results += [row.to("cpu", dtype) for row in out]
             if progress:

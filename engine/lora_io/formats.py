@@ -195,6 +195,18 @@ def to_native_fused(state: dict[str, torch.Tensor], table: list[NativeParam]) ->
     return out
 
 
+def to_native_names(state: dict[str, torch.Tensor], table: list[NativeParam]) -> dict[str, torch.Tensor]:
+    """Folded peft state -> ``diffusion_model.<native module>.lora_A.weight`` / ``.lora_B.weight``, no ``.alpha``
+    (scale 1 in ComfyUI; diffusers' FLUX.3 loader converts the names and takes alpha = rank): the ``native_names``
+    form, for a model whose native Linears are each one diffusers Linear. ``load_lora`` reads it back
+    (``from_native_fused``)."""
+    out = {}
+    for native, (down, up) in join_fused(state, table).items():
+        out[f"{NATIVE_PREFIX}{native}.lora_A.weight"] = down
+        out[f"{NATIVE_PREFIX}{native}.lora_B.weight"] = up.contiguous()
+    return out
+
+
 def from_native_fused(sd: dict[str, torch.Tensor], table: list[NativeParam]) -> dict[str, torch.Tensor]:
     """``diffusion_model.<native module>`` LoRA keys -> folded peft state (``split_fused``)."""
     return split_fused(_down_up_alpha(sd, NATIVE_PREFIX, "native"), table, "native")
@@ -205,10 +217,12 @@ def to_comfyui_form(state: dict[str, torch.Tensor], family, config: dict) -> dic
     table = family.param_table(config)
     if family.lora.comfyui_form == "native_fused":
         return to_native_fused(state, table)
+    if family.lora.comfyui_form == "native_names":
+        return to_native_names(state, table)
     if family.lora.comfyui_form == "diffusers_names":
         return to_comfyui(state, table)
     raise LoraFormatError(f"{family.display_name} declares LoraForm comfyui_form={family.lora.comfyui_form!r}; "
-                          f"known forms: diffusers_names, native_fused")
+                          f"known forms: diffusers_names, native_fused, native_names")
 
 
 def to_diffusers(state: dict[str, torch.Tensor], adapter=None) -> dict[str, torch.Tensor]:
@@ -239,7 +253,7 @@ def adapter_to_comfyui_form(state: dict[str, torch.Tensor], adapter, family, con
     if family.lora.comfyui_form == "diffusers_names":
         for module, ms in modules.items():
             out.update({f"transformer.{module}.{k}": v for k, v in adapter.comfyui(ms).items()})
-    elif family.lora.comfyui_form == "native_fused":
+    elif family.lora.comfyui_form in ("native_fused", "native_names"):
         by_native: dict[str, list[tuple[str, int, int]]] = {}
         for module in modules:
             native, parts = layout[module]

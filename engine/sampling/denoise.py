@@ -89,6 +89,8 @@ def sample_prompts(model, family, embeds: list[dict[str, torch.Tensor]], width: 
         with autocast or contextlib.nullcontext(), forward_attention(x.device):
             for idx, emb in forwards[guided]:
                 s = torch.full((len(idx),), sigmas[i], dtype=torch.float32, device=device)
+                if rule.target_sigma:  # a flow map jumps to the next sigma (Guidance.target_sigma)
+                    emb = {**emb, "target_sigmas": torch.full_like(s, sigmas[i + 1])}
                 v[idx] = predict_velocity(family, net, xs[idx].to(dtype), emb, s, scale).float()
             if guided:
                 v = rule.combine(v[:n], v[n:], scale)

@@ -68,10 +68,10 @@ def block_linears(model: nn.Module, family: ModelFamily) -> dict[str, nn.Linear]
             for sub, module in block.named_modules():
                 if isinstance(module, nn.Linear) and "lora_" not in sub:
                     out[f"{prefix}.{i}.{sub}"] = module
-    for name in family.memory.int8_extra_linears:
-        module = model.get_submodule(name)
-        if isinstance(module, nn.Linear):
-            out[name] = module
+    named = dict(model.named_modules())
+    for name in family.memory.int8_extra_linears:  # the largest variant's names: a smaller one may lack some
+        if isinstance(named.get(name), nn.Linear):
+            out[name] = named[name]
     return out
 
 

@@ -17,7 +17,9 @@ class Guidance:
     conditional one's norm, over ``last_axis`` of (B, C, H, W) as Lumina 2's ``cfg_normalization`` does, or
     per ``patch_tokens`` (each 2x2 patch's channels: a packed token, as QwenImagePipeline's true CFG does).
     ``sample_mu``: a variant that samples under one exponential shift at every resolution where the family's schedule
-    moves with it (Krea 2 Turbo: mu 1.15, the pipeline's ``is_distilled``); None: the family's ``sample_sigmas``."""
+    moves with it (Krea 2 Turbo: mu 1.15, the pipeline's ``is_distilled``); None: the family's ``sample_sigmas``.
+    ``target_sigma``: a flow map (FLUX.3's step-distilled model) is told, in every forward, the sigma its step jumps to:
+    the sampler passes it as ``embeds["target_sigmas"]`` (B,)."""
 
     mode: str = "none"  # "none" | "embedded" | "cfg"
     scale: float = 0.0  # the pipeline's default (the family's templates set Train LoRA's sample_guidance to it)
@@ -25,6 +27,7 @@ class Guidance:
     formula: str = "standard"
     renormalize: str = ""  # "" | "last_axis" | "patch_tokens"
     sample_mu: float | None = None
+    target_sigma: bool = False
 
     def combine(self, pos: torch.Tensor, neg: torch.Tensor, scale: float) -> torch.Tensor:
         if self.formula == "z_image":

@@ -14,8 +14,10 @@ from torch import nn
 
 #: The forms ``engine/lora_io/formats.py`` writes: ``diffusers_names`` (``transformer.<diffusers module>``, mapped by
 #: ComfyUI into its fused tensors) or ``native_fused`` (``diffusion_model.<native module>``, parts of a fused native
-#: Linear joined as one block-diagonal LoRA: Lumina 2's qkv, Wan's native names).
-COMFYUI_FORMS = ("diffusers_names", "native_fused")
+#: Linear joined as one block-diagonal LoRA: Lumina 2's qkv, Wan's native names) or ``native_names``
+#: (``diffusion_model.<native module>.lora_A/lora_B.weight``, scale folded in, no ``.alpha``: a model without fused
+#: Linears whose diffusers LoRA loader converts native names and refuses ``.alpha`` tensors: FLUX.3).
+COMFYUI_FORMS = ("diffusers_names", "native_fused", "native_names")
 
 
 @dataclass(frozen=True)
@@ -43,4 +45,4 @@ class LoraForm:
     def target_modules(self, model: nn.Module) -> list[str]:
         """Full module names of the default LoRA targets: ``targets`` in every block of each list."""
         return [f"{name}.{i}.{t}" for name, targets in self.targets.items()
-                for i in range(len(getattr(model, name))) for t in targets]
+                for i in range(len(model.get_submodule(name))) for t in targets]

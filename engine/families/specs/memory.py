@@ -24,7 +24,7 @@ from .step_constants import StepConstants
 class MemoryProfile:
     """The planner's and the step-time model's knobs of one family (see the module doc)."""
 
-    #: Block-list attributes of the transformer, in the order the forward runs them (``block_lists_of``). Slab
+    #: Block-list module names of the transformer (a list inside a ModuleDict too), in the order the forward runs them (``block_lists_of``). Slab
     #: block names, streaming order and compile units follow it.
     block_lists: tuple[str, ...]
     #: Linears outside the blocks that are large enough to be int8 in a slab (Flux.2's global modulation). Each runs
@@ -89,7 +89,7 @@ class MemoryProfile:
 
     def block_lists_of(self, model: nn.Module) -> list[nn.ModuleList]:
         """The transformer's block lists (``block_lists``), in the order the forward runs them."""
-        return [getattr(model, name) for name in self.block_lists]
+        return [model.get_submodule(name) for name in self.block_lists]  # nested: FLUX.3's ``mode_blocks.image``
 
     def block_tokens(self, block: str) -> str:
         """Which tokens a block runs on, by its name in ``named_blocks`` (``"layers.0"``): its list's entry in

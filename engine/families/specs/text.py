@@ -65,7 +65,10 @@ class TextEncoderSpec:
     trained attending to it: T5, Flux.2's LLMs); ``variable`` = each caption kept at its own length, a
     batch padded with a mask (Z-Image, Lumina 2, Qwen-Image); ``zero_padded`` = padded to ``max_length``, the
     encoder run with the attention mask and the padding rows set to zero (the model attends to them as zeros:
-    Wan's umT5, which WanPipeline trims to each caption's length and re-pads with zeros).
+    Wan's umT5, which WanPipeline trims to each caption's length and re-pads with zeros); ``windowed`` = each caption
+    right-padded to its length rounded up to ``pad_multiple`` (at most ``max_length``), the padding kept at position
+    id 1 (the model attends to it: FLUX.3's ``Flux3TextEncoderStep``); captions of different windows are different
+    shapes, batched only with their own window.
     ``final_norm``: the last kept hidden state goes through the decoder's final norm (``hidden_states[-1]``
     as transformers returns it: Qwen-Image); otherwise every kept state is a raw layer output.
     ``drop_tokens``: template tokens cut from the front of each caption's states (Qwen-Image's 34 system-turn
@@ -78,7 +81,8 @@ class TextEncoderSpec:
     max_length: int
     cache_key: str  # name of the tensor in the cache ("pooled_prompt_embeds")
     hidden_layers: tuple[int, ...] = ()  # decoder_lm: k = the output of k decoder layers (0 = embeddings)
-    length: str = "padded"  # "padded" | "variable" | "zero_padded"
+    length: str = "padded"  # "padded" | "variable" | "zero_padded" | "windowed"
+    pad_multiple: int = 0  # windowed: the window is a multiple of this many tokens
     template: PromptTemplate = PromptTemplate()
     #: How the empty negative prompt of classifier-free guidance is tokenized (None: like captions). Lumina 2's
     #: pipeline puts its system prompt before captions only.
