@@ -58,7 +58,8 @@ class ModelFamily(ABC):
     #: ``checkpoint`` (models/diffusion_models), ``pipeline`` (a diffusers folder's parts), ``single_files``
     #: (models/text_encoders and models/vae).
     file_help: ClassVar[dict[str, str]] = {}
-    #: Native tensors real files carry that the model does not use (not in ``param_table``): ignored on reading.
+    #: Native tensors real files carry that the model does not use (not in ``param_table``): ignored on reading
+    #: (a name ending in "." ignores every tensor under that prefix).
     unused_native_keys: ClassVar[tuple[str, ...]] = ()
 
     #: The model trains on clips (5-D latents): Cache Text Embeds reads the dataset folder's clips by its video
