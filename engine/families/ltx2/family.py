@@ -43,7 +43,8 @@ from torch import nn
 
 from ..base import ModelFamily
 from ..names import NativeParam
-from ..specs import Guidance, LoraForm, MemoryProfile, NoiseSchedule, Prediction, TextEncoderSpec, VaeSpec
+from ..specs import (Guidance, JointStream, LoraForm, MemoryProfile, NoiseSchedule, Prediction, TextEncoderSpec,
+                     VaeSpec)
 from .names import ltx2_param_table
 from .text import PROMPT_KEY, text_spec
 from .vae import LTX2_VAE
@@ -66,6 +67,10 @@ BASE_SEQ, MAX_SEQ, BASE_SHIFT, MAX_SHIFT = 1024, 4096, 0.95, 2.05
 SHIFT_TERMINAL = 0.1
 #: The audio stream's noise level while only the video trains (see the module doc).
 AUDIO_SIGMA = 1.0
+#: Where previews hand ``model_inputs`` the audio latents they step (``JointStream``).
+AUDIO_KEY = "audio_latents"
+#: LTX2Pipeline's defaults (and the official trainer's validation): video CFG 3, audio CFG 7.
+VIDEO_CFG, AUDIO_CFG = 3.0, 7.0
 
 #: Linears outside the blocks fed by the noise level only (2.3: time_embed 169 M, av cross-attention scale/shift
 #: 85 M, prompt_adaln 51 M, audio_time_embed 43 M): int8 in a slab; once per forward on inputs without gradient.
@@ -106,6 +111,8 @@ class Ltx2Schedule(NoiseSchedule):
     def sample_sigmas(self, latents: torch.Tensor, steps: int) -> list[float]:
         """FlowMatchEulerDiscreteScheduler with Lightricks' config: ``linspace(1, 1/N, N)`` under the exponential
         shift at ``shift_mu``, stretched so the last one is ``shift_terminal``, then 0."""
+        if steps < 2:  # one step from sigma 1: nothing to stretch (the scheduler divides by zero there)
+            return [1.0, 0.0]
         mu = shift_mu(latents)
         base = np.linspace(1.0, 1.0 / steps, steps)
         shifted = math.exp(mu) / (math.exp(mu) + (1.0 / base - 1.0))
@@ -230,11 +237,14 @@ class Ltx2Family(ModelFamily):
         prompt = prompt.to(latents.dtype)
         t = self.schedule.prediction.model_timestep(sigmas.to(latents.device, torch.float32))
         audio_len = audio_tokens(f)
-        audio_t = torch.full_like(t, AUDIO_SIGMA * 1000.0)
+        if AUDIO_KEY in embeds:  # previews: the audio latents the sampler steps, at the video's noise level
+            audio, audio_t = embeds[AUDIO_KEY].to(latents.device, latents.dtype), t
+        else:  # training: pure noise at sigma 1 (the module doc)
+            audio = audio_noise(sigmas, audio_len, int(model.config.audio_in_channels), latents.device, latents.dtype)
+            audio_t = torch.full_like(t, AUDIO_SIGMA * 1000.0)
         return {
             "hidden_states": latents.flatten(2).transpose(1, 2),
-            "audio_hidden_states": audio_noise(sigmas, audio_len, int(model.config.audio_in_channels),
-                                               latents.device, latents.dtype),
+            "audio_hidden_states": audio,
             "encoder_hidden_states": prompt[..., :video_width],
             "audio_encoder_hidden_states": prompt[..., video_width:],
             "timestep": t, "sigma": t,
@@ -250,9 +260,19 @@ class Ltx2Family(ModelFamily):
         return output.transpose(1, 2).reshape(b, c, f, h, w)
 
     def guidance(self, variant: str) -> Guidance:
-        """LTX2Pipeline's CFG ``cond + (g - 1)(cond - uncond)`` (= uncond + g (cond - uncond)) with g = 4, 40
-        steps (the pipeline's defaults); previews take 30 (the official trainer's validation)."""
-        return Guidance(mode="cfg", scale=4.0, steps=30, formula="standard")
+        """LTX2Pipeline's CFG ``cond + (g - 1)(cond - uncond)`` (= uncond + g (cond - uncond)) against the empty
+        prompt, video g = 3 and audio g = 7, 30 steps (the pipeline's defaults and the official trainer's
+        validation). The audio stream is denoised beside the video from its own noise, as the pipeline does
+        (``JointStream``), so the preview's video is the pipeline's; it is never decoded. The pipeline's further
+        guidance terms (STG at block 28, modality isolation, rescale 0.7) are not run: previews equal
+        ``LTX2Pipeline(stg_scale=0, modality_scale=1, guidance_rescale=0)``."""
+        stream = JointStream(key=AUDIO_KEY, output=1, shape=audio_shape, scale=AUDIO_CFG)
+        return Guidance(mode="cfg", scale=VIDEO_CFG, steps=30, formula="standard", joint=stream)
+
+
+def audio_shape(model: nn.Module, latent_shape) -> tuple[int, int]:
+    """One sample's packed audio latents (L_a, 128) beside video latents of ``latent_shape`` (C, F', h, w)."""
+    return (audio_tokens(latent_shape[1]), int(model.config.audio_in_channels))
 
 
 def audio_noise(sigmas: torch.Tensor, length: int, channels: int, device, dtype) -> torch.Tensor:

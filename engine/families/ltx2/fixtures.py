@@ -68,7 +68,8 @@ def tiny_video_vae(latent_channels: int, seed: int = 0):
     torch.manual_seed(seed)
     vae = AutoencoderKLLTX2Video(latent_channels=latent_channels, block_out_channels=(8, 8, 16, 16),
                                  decoder_block_out_channels=(8, 8, 16), layers_per_block=(1, 1, 1, 1, 1),
-                                 decoder_layers_per_block=(1, 1, 1, 1), decoder_causal=False)
+                                 decoder_layers_per_block=(1, 1, 1, 1), decoder_causal=False,
+                                 spatial_compression_ratio=32, temporal_compression_ratio=8)
     with torch.no_grad():
         vae.latents_mean.copy_(torch.randn(latent_channels) * 0.1)
         vae.latents_std.copy_(torch.rand(latent_channels) + 0.5)

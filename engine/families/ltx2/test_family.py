@@ -236,3 +236,38 @@ def test_saved_lora_has_comfyuis_ltx_names(pipeline_folder, tmp_path):
     before = eval_flow_loss(ref, FAMILY, cache)
     after = eval_flow_loss(merged(ref, lora.state_dict, lora.scale), FAMILY, cache)
     assert after < before, (before, after)
+
+
+# --- previews --------------------------------------------------------------------------------------------
+
+
+def test_engine_sampling_matches_the_pipeline(pipeline_folder, pipe, cached):
+    """engine/sampling gives LTX2Pipeline's video latents from the same noise (a 9-frame clip at 96x64, 4 steps):
+    CFG 3 on the video and 7 on the audio against the empty prompt, the audio stream denoised beside the video from
+    the seed's noise (``Guidance.joint``), the token-dependent shift with the terminal stretch; the pipeline without
+    STG, modality isolation and rescale (what previews leave out). 1e-4 (the pipeline steps through x0)."""
+    from lowvram_lora.engine.caching.encoders import encoder_kind
+    from lowvram_lora.engine.families.ltx2.family import audio_shape
+    from lowvram_lora.engine.families.ltx2.vae import LTX2_VAE
+    from lowvram_lora.engine.sampling import sample_latents
+
+    rule = FAMILY.guidance("ltx2.3")
+    steps, seed, width, height, frames = 4, 11, 96, 64, 9
+    neg = encoder_kind(SPEC.kind).encode(pipeline_folder, None, FAMILY, SPEC, [""], torch.device("cpu"),
+                                         torch.float32, SPEC.max_length)
+    shape = (1, *FAMILY.latent_shape(pipe.transformer, width, height, frames))
+    noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    audio = torch.randn((1, *audio_shape(pipe.transformer, shape[1:])), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        ours = sample_latents(pipe.transformer, FAMILY, {"prompt_embeds": cached[0][None]}, width, height, steps, seed,
+                              rule.scale, torch.device("cpu"), torch.float32, rule=rule,
+                              negative={"prompt_embeds": neg[0][None]}, noise=noise, frames=frames)
+        video, _ = pipe(prompt=CAPTIONS[0], negative_prompt="", width=width, height=height, num_frames=frames,
+                        num_inference_steps=steps, max_sequence_length=SPEC.max_length, guidance_scale=rule.scale, audio_guidance_scale=rule.joint.scale,
+                        stg_scale=0.0, audio_stg_scale=0.0, modality_scale=1.0, audio_modality_scale=1.0,
+                        guidance_rescale=0.0, audio_guidance_rescale=0.0, spatio_temporal_guidance_blocks=None,
+                        latents=pipe._pack_latents(noise), audio_latents=audio, output_type="latent",
+                        return_dict=False)
+    assert pipe.audio_vae.latents_mean.abs().max() == 0 and (pipe.audio_vae.latents_std == 1).all()  # no renorm
+    torch.testing.assert_close(LTX2_VAE.to_vae(pipe.vae, ours), video, atol=1e-4, rtol=1e-4)
+    assert (ours - noise).abs().max() > 0.1

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .streams import JointStream
+
 
 @dataclass(frozen=True)
 class Guidance:
@@ -25,6 +27,8 @@ class Guidance:
     formula: str = "standard"
     renormalize: str = ""  # "" | "last_axis" | "patch_tokens"
     sample_mu: float | None = None
+    #: A joint model's other stream, stepped beside the main latents (LTX-2's audio; ``streams.py``); None: none.
+    joint: JointStream | None = None
 
     def combine(self, pos: torch.Tensor, neg: torch.Tensor, scale: float) -> torch.Tensor:
         if self.formula == "z_image":
