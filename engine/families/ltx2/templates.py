@@ -11,17 +11,17 @@ TEMPLATES = [
     TrainingTemplate(
         name="ltx23_lora",
         load={"checkpoint": _CKPT, "family": "ltx2", "precision": "int8 slab"},
-        cache={"text_encoders": "diffusers/LTX-2.3", "dataset_path": "my_clips", "resolution": 544,
+        cache={"text_encoders": "diffusers/LTX-2.3", "dataset_path": "my_clips", "resolution": 720,
                "sample_prompts": "ohwx, a dog running on a beach", "video_frames": "89", "video_fps": 24.0},
         offload={"mode": "auto", "vram_budget_gb": 6.0},
         train={"steps": 1500, "learning_rate": 1e-4, "rank": 32, "alpha": 32.0, "warmup_steps": 0,
-               "training_seed": 42, "sample_every": 250, "sample_steps": _PREVIEW.steps, "sample_resolution": 544,
+               "training_seed": 42, "sample_every": 250, "sample_steps": _PREVIEW.steps, "sample_resolution": 512,
                "sample_guidance": _PREVIEW.scale, "sample_frames": 49},
         save={"filename_prefix": "loras/ltx23_lora"},
         downloads={_CKPT: "https://huggingface.co/Lightricks/LTX-2.3-fp8/resolve/main/" + _CKPT},
         note=(
-            "LTX-2.3 (22B, joint audio-video) video LoRA on clips of 89 frames at 24 fps, short side 544 (960x544: "
-            "6,120 video tokens), on a 6 GB VRAM budget.\n\nFiles:\n"
+            "LTX-2.3 (22B, joint audio-video) video LoRA on clips of 89 frames at 24 fps, resolution 720 (the area "
+            "of 960x544: about 6,100 video tokens), on a 6 GB VRAM budget.\n\nFiles:\n"
             "- models/checkpoints/" + _CKPT + " (Lightricks/LTX-2.3-fp8; or ltx-2.3-22b-dev.safetensors). Only the "
             "transformer is read from it; precision 'int8 slab' builds a 19 GB int8 slab once into models/slabs.\n"
             "- models/diffusers/LTX-2.3/: the diffusers pipeline folder's text_encoder (Gemma 3 12B), tokenizer, "
