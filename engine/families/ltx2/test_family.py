@@ -271,3 +271,17 @@ def test_engine_sampling_matches_the_pipeline(pipeline_folder, pipe, cached):
     assert pipe.audio_vae.latents_mean.abs().max() == 0 and (pipe.audio_vae.latents_std == 1).all()  # no renorm
     torch.testing.assert_close(LTX2_VAE.to_vae(pipe.vae, ours), video, atol=1e-4, rtol=1e-4)
     assert (ours - noise).abs().max() > 0.1
+
+
+def test_full_size_template_without_its_files_names_them(tmp_path):
+    """``ltx23_lora`` with its files absent: refused before anything runs, naming the checkpoint (the first input
+    the graph checks) and where it is looked up."""
+    from lowvram_lora.host.templates import WORKFLOWS_DIR
+    from lowvram_lora.host.workflow import WorkflowError, load_workflow, to_api_graph
+    from lowvram_lora.nodes import NODE_CLASS_MAPPINGS
+    from lowvram_lora.nodes.paths import configure_standalone_dirs
+
+    configure_standalone_dirs(str(tmp_path / "empty"), str(tmp_path / "out"))
+    with pytest.raises(WorkflowError) as e:
+        to_api_graph(load_workflow(WORKFLOWS_DIR / "ltx23_lora.json"), NODE_CLASS_MAPPINGS)
+    assert "ltx-2.3-22b-dev-fp8.safetensors" in str(e.value) and "not available" in str(e.value), str(e.value)
