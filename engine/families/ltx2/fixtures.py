@@ -67,7 +67,7 @@ def tiny_video_vae(latent_channels: int, seed: int = 0):
 
     torch.manual_seed(seed)
     vae = AutoencoderKLLTX2Video(latent_channels=latent_channels, block_out_channels=(8, 8, 16, 16),
-                                 decoder_block_out_channels=(8, 8, 16), layers_per_block=(1, 1, 1, 1, 1),
+                                 decoder_block_out_channels=(8, 16, 32), layers_per_block=(1, 1, 1, 1, 1),
                                  decoder_layers_per_block=(1, 1, 1, 1), decoder_causal=False,
                                  spatial_compression_ratio=32, temporal_compression_ratio=8)
     with torch.no_grad():
