@@ -35,6 +35,9 @@ class GemmaConnectors(TextEncoderKind):
     def match(self, shapes):
         return 0  # a single Gemma file is a decoder LLM; this kind reads pipeline folders only
 
+    def companion_folders(self, spec):
+        return ("connectors",)  # held whole beside one Gemma layer (3.2B parameters at full size)
+
     def caption_length(self, spec, max_length):
         return spec.max_length  # the transformer always sees the spec's rows (text.py)
 

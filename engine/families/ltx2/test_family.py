@@ -288,3 +288,18 @@ def test_full_size_template_without_its_files_names_them(tmp_path):
     with pytest.raises(WorkflowError) as e:
         to_api_graph(load_workflow(WORKFLOWS_DIR / "ltx23_lora.json"), NODE_CLASS_MAPPINGS)
     assert "ltx-2.3-22b-dev-fp8.safetensors" in str(e.value) and "not available" in str(e.value), str(e.value)
+
+
+def test_caching_ram_counts_one_gemma_layer_and_the_connectors(pipeline_folder):
+    """The caching pass's RAM check counts Gemma one layer at a time (it runs layer-major) plus the connectors,
+    which it holds whole."""
+    from lowvram_lora.engine.caching.model_sources import CacheModels
+    from lowvram_lora.engine.caching.ram import _elements, _files, caching_host_bytes
+
+    models = CacheModels(family=FAMILY, variant=TINY, pipeline=pipeline_folder, singles=None,
+                         device=torch.device("cpu"), dtype=torch.float32)
+    parts = caching_host_bytes(models)
+    text = next(v for k, v in parts.items() if k.startswith("text_encoder"))
+    layer = _elements(_files(pipeline_folder / "text_encoder"), per_layer=True)
+    connectors = _elements(_files(pipeline_folder / "connectors"), per_layer=False)
+    assert text == 4 * (layer + connectors) and 0 < layer < _elements(_files(pipeline_folder / "text_encoder"), False)
