@@ -204,40 +204,65 @@ def test_video_lora_targets_and_gradients(pipeline_folder, cached):
 # --- LoRA files ------------------------------------------------------------------------------------------
 
 
-def test_saved_lora_has_comfyuis_ltx_names(pipeline_folder, tmp_path):
-    """A LoRA trained by the engine on clips (9 frames) and saved for ComfyUI carries ``diffusion_model.`` + the
-    native block names (ComfyUI's LTXAV key map: ``diffusion_model.<key>`` and the bare key; a ``transformer.``
-    prefix is not mapped), one down / up / alpha per target, each module a Linear of the native file; merged, it
-    lowers the flow loss of the reference model on its clip."""
+def test_template_trains_the_tiny_model_and_saves_comfyuis_names(tmp_path, capsys):
+    """``ltx23_lora`` as shipped (sizes and steps reduced) through ``lowvram-lora run`` on the tiny model under the
+    template's names: the all-in-one checkpoint in models/checkpoints (an int8 slab is built from it), the diffusers
+    folder models/diffusers/LTX-2.3, 9-frame clips. The slab's forward is diffusers' (0.02); the saved LoRA carries
+    ``diffusion_model.`` + the native block names (ComfyUI's LTXAV key map: ``diffusion_model.<key>`` and the bare
+    key; a ``transformer.`` prefix is not mapped), one down / up / alpha per target, each a Linear of the native file;
+    merged into diffusers' model it lowers the flow loss on the cached clip; the preview clip is saved beside it."""
+    import argparse
+    import shutil
     import sys
     from pathlib import Path
 
-    from lowvram_lora.engine.caching import build_dataset_cache
-    from lowvram_lora.engine.config import DataConfig, LoraSettings, ModelConfig, TrainConfig
-    from lowvram_lora.engine.data.video_config import VideoConfig
-    from lowvram_lora.engine.lora_io import save_lora
+    from lowvram_lora.engine.caching.cache import open_dataset_cache
+    from lowvram_lora.engine.lora_io import load_lora
+    from lowvram_lora.engine.slab import load_slab_transformer
     from lowvram_lora.engine.testing import make_tiny_video_dataset
-    from lowvram_lora.engine.train import train_lora
+    from lowvram_lora.host.run_command import run_workflow_command
+    from lowvram_lora.host.templates import WORKFLOWS_DIR
+    from lowvram_lora.nodes import NODE_CLASS_MAPPINGS
+    from lowvram_lora.nodes.paths import configure_standalone_dirs
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
-    from helpers import eval_flow_loss, merged
+    from helpers import eval_flow_loss, family_inputs, merged
 
-    data = make_tiny_video_dataset(tmp_path / "clips", count=1, frames=9)
-    cache = build_dataset_cache(ModelConfig(transformer_path=str(pipeline_folder)),
-                                DataConfig(path=str(data), resolution=64, bucket_step=32), tmp_path / "cache",
-                                video=VideoConfig(frame_counts=(9,), fps=0))
-    lora = train_lora(ModelConfig(transformer_path=str(pipeline_folder)), cache, LoraSettings(rank=4, alpha=4),
-                      TrainConfig(steps=12, learning_rate=3e-2, device="cpu"))
-    path = save_lora(lora, tmp_path / "ltx2_lora.safetensors", fmt="comfyui", dtype="fp32")
-    keys = set(load_file(str(path)))
+    root = tmp_path / "root"
+    pipe = build_tiny_pipeline(tmp_path / "pipe", seed=5)
+    write_single_file(pipe, root / "models" / "checkpoints" / "ltx-2.3-22b-dev-fp8.safetensors",
+                      prefix="model.diffusion_model.", bundle=True)
+    shutil.copytree(pipe, root / "models" / "diffusers" / "LTX-2.3")
+    make_tiny_video_dataset(root / "input" / "my_clips", count=1, frames=9)
+    overrides = ["2.resolution=64", "2.sample_prompts=ohwx, a red circle", "2.video_frames=9", "4.steps=8",
+                 "4.learning_rate=0.01", "4.warmup_steps=0", "4.sample_every=4", "4.sample_resolution=64",
+                 "4.sample_steps=2", "4.sample_frames=9"]
+    args = argparse.Namespace(workflow=str(WORKFLOWS_DIR / "ltx23_lora.json"), models_dir=str(root / "models"),
+                              output_dir=str(root / "output"), no_progress=True, traceback=True, overrides=overrides)
+    code = run_workflow_command(args, NODE_CLASS_MAPPINGS, configure_dirs=configure_standalone_dirs)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "sampled 1 prompt(s) at step 8" in out
+    saved = sorted((root / "output" / "loras").glob("ltx23_lora_*_.safetensors"))
+    assert len(saved) == 1 and saved[0].with_name(saved[0].stem + "_samples_p00.webp").exists()
+
+    keys = set(load_file(str(saved[0])))
     modules = {k.rsplit(".", 2)[0] if ".lora_" in k else k.rsplit(".", 1)[0] for k in keys}
-    native = set(load_file(str(write_single_file(pipeline_folder, tmp_path / "base.safetensors"))))
+    native = set(load_file(str(write_single_file(pipe, tmp_path / "base.safetensors"))))
     assert len(keys) == 3 * len(modules) == 3 * len(VIDEO_TARGETS) * 2
     assert all(m.startswith("diffusion_model.transformer_blocks.") for m in modules)
     assert {m[len("diffusion_model."):] + ".weight" for m in modules} <= native
-    ref = FAMILY.transformer_class().from_pretrained(pipeline_folder / "transformer", use_safetensors=True)
-    before = eval_flow_loss(ref, FAMILY, cache)
-    after = eval_flow_loss(merged(ref, lora.state_dict, lora.scale), FAMILY, cache)
+
+    ref = FAMILY.transformer_class().from_pretrained(pipe / "transformer", use_safetensors=True)
+    slab = next((root / "models" / "slabs").glob("ltx-2.3-22b-dev-fp8-*.slab.safetensors"))
+    latents, embeds, sigma = family_inputs(ref, FAMILY)
+    with torch.no_grad():
+        want = predict_velocity(FAMILY, ref, latents, embeds, sigma, 1.0)
+        got = predict_velocity(FAMILY, load_slab_transformer(slab, torch.float32)[0], latents, embeds, sigma, 1.0)
+    assert ((got - want).norm() / want.norm()).item() < 0.02
+    lora = load_lora(saved[0])
+    cache = open_dataset_cache(next((root / "output" / "lowvram_cache").rglob("datasets/*.json")))
+    before, after = eval_flow_loss(ref, FAMILY, cache), eval_flow_loss(merged(ref, lora.state_dict, 1.0), FAMILY, cache)
     assert after < before, (before, after)
 
 
