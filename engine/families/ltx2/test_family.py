@@ -93,14 +93,14 @@ def test_full_size_variants_are_told_apart_by_shape():
     single-file test is ComfyUI's (``adaln_single`` + the audio-video flag)."""
     from lowvram_lora.engine.checkpoint import expected_single_file_shapes
 
-    s23 = expected_single_file_shapes(FAMILY, FAMILY.load_config("ltx2.3"))
-    s25 = expected_single_file_shapes(FAMILY, FAMILY.load_config("ltx2.5"))
+    # One block of each (the 48 are alike): meta models of the full configs take seconds each.
+    s23 = expected_single_file_shapes(FAMILY, {**FAMILY.load_config("ltx2.3"), "num_layers": 1})
+    s25 = expected_single_file_shapes(FAMILY, {**FAMILY.load_config("ltx2.5"), "num_layers": 1})
     assert "transformer_blocks.0.ff.net.0.proj.bias" in s23 and "transformer_blocks.0.ff.net.0.proj.bias" not in s25
     assert "keyframes_abs_pos_embedding" in s25 and "keyframes_abs_pos_embedding" not in s23
     assert s23["transformer_blocks.0.attn1.to_gate_logits.weight"] == (32, 4096)
     assert FAMILY.looks_like_single_file(set(s23)) and FAMILY.looks_like_single_file(set(s25))
-    blocks = sum(1 for k in s23 if k.startswith("transformer_blocks.")) // 48
-    assert blocks and FAMILY.variant_for_config(FAMILY.load_config("ltx2.5")) == "ltx2.5"
+    assert FAMILY.variant_for_config(FAMILY.load_config("ltx2.5")) == "ltx2.5"
 
 
 # --- text ------------------------------------------------------------------------------------------------
