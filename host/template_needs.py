@@ -40,6 +40,7 @@ TEMPLATE_VARIANTS = {
     "wan21_t2v_1_3b_lora": "wan2.1-t2v-1.3b", "wan22_t2v_lora": "wan2.2-t2v-a14b-high-noise",
     "wan22_ti2v_5b_lora": "wan2.2-ti2v-5b", "z_image_lora": "z-image-turbo",
     "wan22_i2v_lora": "wan2.2-i2v-a14b-high-noise", "wan21_i2v_lora": "wan2.1-i2v-14b",
+    "ltx23_lora": "ltx2.3",
 }
 #: The preview partner's variant where a template's chains preview each other (Wan 2.2 A14B).
 PARTNER_VARIANTS = {"wan22_t2v_lora": "wan2.2-t2v-a14b-low-noise", "wan22_i2v_lora": "wan2.2-i2v-a14b-low-noise"}

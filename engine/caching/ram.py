@@ -58,8 +58,10 @@ def caching_host_bytes(models: CacheModels) -> dict[str, int]:
         path = (models.singles.text_encoders.get(spec.subfolder) if models.singles is not None
                 else models.pipeline / spec.subfolder)
         whole = kind.host_loads_whole
+        companions = sum(_elements(_files(models.pipeline / name), per_layer=False)
+                         for name in kind.companion_folders(spec)) if models.pipeline is not None else 0
         parts[f"{spec.subfolder} ({kind.display_name}{'' if whole else ', one layer at a time'})"] = (
-            _elements(_files(path), per_layer=not whole) * itemsize)
+            (_elements(_files(path), per_layer=not whole) + companions) * itemsize)
     vae = models.singles.vae if models.singles is not None else models.pipeline / "vae"
     parts["vae"] = _elements(_files(vae), per_layer=False) * itemsize
     return parts

@@ -58,7 +58,8 @@ class ModelFamily(ABC):
     #: ``checkpoint`` (models/diffusion_models), ``pipeline`` (a diffusers folder's parts), ``single_files``
     #: (models/text_encoders and models/vae).
     file_help: ClassVar[dict[str, str]] = {}
-    #: Native tensors real files carry that the model does not use (not in ``param_table``): ignored on reading.
+    #: Native tensors real files carry that the model does not use (not in ``param_table``): ignored on reading
+    #: (a name ending in "." ignores every tensor under that prefix).
     unused_native_keys: ClassVar[tuple[str, ...]] = ()
 
     #: The model trains on clips (5-D latents): Cache Text Embeds reads the dataset folder's clips by its video
@@ -161,12 +162,16 @@ class ModelFamily(ABC):
 
 
 def predict_velocity(family: ModelFamily, model: nn.Module, noisy: torch.Tensor, embeds: dict[str, torch.Tensor],
-                     sigmas: torch.Tensor, guidance: float) -> torch.Tensor:
+                     sigmas: torch.Tensor, guidance: float, joint_output: int | None = None):
     """The model's velocity (noise - x0) at ``sigmas`` in the latents' shape, whatever its convention (the timestep
     it is given, the sign of its output: ``family.schedule.prediction``): the one place training and sampling call
-    the model."""
-    velocity = family.unpack_prediction(model(**family.model_inputs(model, noisy, embeds, sigmas, guidance))[0], noisy)
-    return velocity if family.schedule.prediction.sign > 0 else -velocity
+    the model. ``joint_output``: also return that output of the forward, a joint model's other stream's velocity
+    under the same sign (``JointStream``): ``(velocity, stream velocity)``."""
+    out = model(**family.model_inputs(model, noisy, embeds, sigmas, guidance))
+    sign = 1.0 if family.schedule.prediction.sign > 0 else -1.0
+    velocity = family.unpack_prediction(out[0], noisy)
+    velocity = velocity if sign > 0 else -velocity
+    return velocity if joint_output is None else (velocity, sign * out[joint_output])
 
 
 def default_max_sequence_length(family: ModelFamily, variant: str) -> int:

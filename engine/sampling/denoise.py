@@ -64,6 +64,10 @@ def sample_prompts(model, family, embeds: list[dict[str, torch.Tensor]], width: 
         noise = [first] * len(embeds)  # every prompt starts from the seed's noise, as it does sampled alone
     x = torch.cat([z.to(device, torch.float32) for z in noise])
     n = len(embeds)
+    # A joint model's other stream (LTX-2's audio) is stepped beside x, from its own noise of the seed.
+    joint = rule.joint
+    xj = None if joint is None else torch.randn((1, *joint.shape(model, shape[1:])), dtype=torch.float32,
+                                                generator=torch.Generator().manual_seed(seed)).repeat(n, 1, 1).to(device)
 
     def batched(rows):
         out = batch_rows(rows, max_rows if family.memory.batched_sampling else 1)
@@ -86,13 +90,22 @@ def sample_prompts(model, family, embeds: list[dict[str, torch.Tensor]], width: 
         guided = cfg and bool(scale)
         xs = torch.cat([x, x]) if guided else x  # row r's latents: prompt r % n's
         v = torch.empty(xs.shape, dtype=torch.float32, device=device)
+        xjs = None if xj is None else (torch.cat([xj, xj]) if guided else xj)
+        vj = None if xj is None else torch.empty(xjs.shape, dtype=torch.float32, device=device)
         with autocast or contextlib.nullcontext(), forward_attention(x.device):
             for idx, emb in forwards[guided]:
                 s = torch.full((len(idx),), sigmas[i], dtype=torch.float32, device=device)
                 if rule.target_sigma:  # a flow map jumps to the next sigma (Guidance.target_sigma)
                     emb = {**emb, "target_sigmas": torch.full_like(s, sigmas[i + 1])}
-                v[idx] = predict_velocity(family, net, xs[idx].to(dtype), emb, s, scale).float()
+                if xj is None:
+                    v[idx] = predict_velocity(family, net, xs[idx].to(dtype), emb, s, scale).float()
+                    continue
+                v[idx], vj[idx] = (t.float() for t in predict_velocity(
+                    family, net, xs[idx].to(dtype), {**emb, joint.key: xjs[idx].to(dtype)}, s, scale, joint.output))
             if guided:
                 v = rule.combine(v[:n], v[n:], scale)
+                vj = None if xj is None else rule.combine(vj[:n], vj[n:], joint.scale)
         x = x + (sigmas[i + 1] - sigmas[i]) * v
+        if xj is not None:
+            xj = xj + (sigmas[i + 1] - sigmas[i]) * vj
     return list(x.split(1))

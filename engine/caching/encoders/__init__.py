@@ -59,6 +59,11 @@ class TextEncoderKind(ABC):
         """What of the spec, beyond its folder, file, tokenizer and output, changes the cached embedding."""
         return []
 
+    def companion_folders(self, spec: TextEncoderSpec) -> tuple[str, ...]:
+        """Pipeline subfolders beside the encoder that it holds in host memory whole while it encodes (LTX-2's
+        text connectors): the caching pass's RAM check counts them with the encoder (``caching/ram.py``)."""
+        return ()
+
     @abstractmethod
     def tokenizer_identity(self, path: Path, spec: TextEncoderSpec, singles: SingleFileSources) -> str:
         """The identity of the tokenizer a single file ``path`` is encoded with (part of the cache key)."""

@@ -72,7 +72,9 @@ def identify_single_file(f: SafetensorsFile, family_id: str) -> tuple[ModelFamil
                 + (f"; it looks like {detected.display_name}" if detected is not None else "")
             )
     keys = set(found)
-    found = {n: s for n, s in found.items() if n not in family.unused_native_keys}
+    # An entry ending in '.' is a prefix: a checkpoint that bundles other models (LTX-2's VAEs and connectors).
+    unused = tuple(k for k in family.unused_native_keys if k.endswith("."))
+    found = {n: s for n, s in found.items() if n not in family.unused_native_keys and not n.startswith(unused)}
     matched, config = _match_variant(f.path, family, found)
     variant = family.variant_from_name(matched, f.path.name, keys)
     if variant != matched and variant in family.variants:  # told apart by name or flag: that variant's config

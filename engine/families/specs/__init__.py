@@ -14,11 +14,12 @@ from .guidance import Guidance
 from .lora import COMFYUI_FORMS, LoraForm
 from .memory import MemoryProfile
 from .step_constants import StepConstants
+from .streams import JointStream
 from .schedule import NoiseSchedule, Prediction, sigma_schedule, static_shift_mu
 from .templates import TrainingTemplate
 from .text import PromptTemplate, TextEncoderSpec
 from .vae import VaeSpec
 
-__all__ = ["COMFYUI_FORMS", "ControlImages", "FirstFrameCondition", "Guidance", "ImageEncoderSpec", "LoraForm",
+__all__ = ["COMFYUI_FORMS", "ControlImages", "FirstFrameCondition", "Guidance", "ImageEncoderSpec", "JointStream", "LoraForm",
            "MemoryProfile", "NoiseSchedule", "Prediction", "PromptTemplate", "StepConstants", "TextEncoderSpec",
            "TrainingTemplate", "VaeSpec", "sigma_schedule", "static_shift_mu"]

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .streams import JointStream
+
 
 @dataclass(frozen=True)
 class Guidance:
@@ -28,6 +30,8 @@ class Guidance:
     renormalize: str = ""  # "" | "last_axis" | "patch_tokens"
     sample_mu: float | None = None
     target_sigma: bool = False
+    #: A joint model's other stream, stepped beside the main latents (LTX-2's audio; ``streams.py``); None: none.
+    joint: JointStream | None = None
 
     def combine(self, pos: torch.Tensor, neg: torch.Tensor, scale: float) -> torch.Tensor:
         if self.formula == "z_image":

@@ -1,0 +1,37 @@
+"""LTX-2.3's shipped workflow (``host/templates.py`` writes it to ``example_workflows/`` in UI and API form)."""
+from ..specs import TrainingTemplate
+from . import FAMILY
+
+_PREVIEW = FAMILY.guidance("ltx2.3")
+#: Lightricks' fp8 release, as ComfyUI's own LTX-2.3 template links it (Comfy-Org/workflow_templates
+#: ``video_ltx2_3_id_lora.json``: "27.14 GB", models/checkpoints).
+_CKPT = "ltx-2.3-22b-dev-fp8.safetensors"
+
+TEMPLATES = [
+    TrainingTemplate(
+        name="ltx23_lora",
+        load={"checkpoint": _CKPT, "family": "ltx2", "precision": "int8 slab"},
+        cache={"text_encoders": "diffusers/LTX-2.3", "dataset_path": "my_clips", "resolution": 720,
+               "sample_prompts": "ohwx, a dog running on a beach", "video_frames": "89", "video_fps": 24.0},
+        offload={"mode": "auto", "vram_budget_gb": 6.0},
+        train={"steps": 1500, "learning_rate": 1e-4, "rank": 32, "alpha": 32.0, "warmup_steps": 0,
+               "training_seed": 42, "sample_every": 250, "sample_steps": _PREVIEW.steps, "sample_resolution": 512,
+               "sample_guidance": _PREVIEW.scale, "sample_frames": 49},
+        save={"filename_prefix": "loras/ltx23_lora"},
+        downloads={_CKPT: "https://huggingface.co/Lightricks/LTX-2.3-fp8/resolve/main/" + _CKPT},
+        note=(
+            "LTX-2.3 (22B, joint audio-video) video LoRA on clips of 89 frames at 24 fps, resolution 720 (the area "
+            "of 960x544: about 6,100 video tokens), on a 6 GB VRAM budget.\n\nFiles:\n"
+            "- models/checkpoints/" + _CKPT + " (Lightricks/LTX-2.3-fp8; or ltx-2.3-22b-dev.safetensors). Only the "
+            "transformer is read from it; precision 'int8 slab' builds a 19 GB int8 slab once into models/slabs.\n"
+            "- models/diffusers/LTX-2.3/: the diffusers pipeline folder's text_encoder (Gemma 3 12B), tokenizer, "
+            "connectors and vae (captions are Gemma-encoded, left-padded to 1024 tokens, every hidden state stacked, "
+            "then run through the frozen text connectors once; the cache keeps their output, 12.6 MB a caption).\n"
+            "- input/my_clips/: your clips with same-name .txt captions (frame counts 8k+1: 89, 121, ...).\n\n"
+            "Video-only LoRA: the video self-attention, text cross-attention and FFN of every block; the audio stream "
+            "runs frozen on pure noise at sigma 1. Samples use CFG 4 against the empty prompt, 30 steps; they show "
+            "the video only (no audio is decoded). The LoRA (diffusion_model.transformer_blocks.N.attn1.to_q) loads "
+            "with ComfyUI's LoraLoaderModelOnly on LTX-2.3; it does not fit LTX-2.5 (a LoRA only works with the "
+            "model it was trained on)."),
+    ),
+]
