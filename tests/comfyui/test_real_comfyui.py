@@ -33,7 +33,8 @@ pytestmark = pytest.mark.skipif(not COMFY_DIR, reason="set LOWVRAM_COMFYUI_DIR t
 
 REPO = Path(__file__).resolve().parents[2]
 OUR_NODES = {"LowVRAMLoadQuantizedSlab", "LowVRAMCacheTextEmbeds", "LowVRAMOffloadConfig", "LowVRAMDualGPUSplit",
-             "LowVRAMTrainLoRA", "LowVRAMSaveLoRA", "LowVRAMDatasetOptions", "LowVRAMLossOptions"}
+             "LowVRAMTrainLoRA", "LowVRAMSaveLoRA", "LowVRAMDatasetOptions", "LowVRAMLossOptions",
+             "LowVRAMSamplePromptConditioning"}
 
 
 def _copy_checkout(dest: Path) -> None:
