@@ -145,7 +145,9 @@ def test_nodes_load_without_import_errors(comfy):
 def test_templates_are_listed(comfy):
     """Every family's shipped templates (the registry's), e.g. z_image_lora and lumina2_lora, and nothing else."""
     templates = _get(comfy.port, "/workflow_templates")
-    assert sorted(templates.get("lowvram-lora", [])) == sorted(shipped()), templates
+    from lowvram_lora.host.templates import TRY_TEMPLATES  # train-and-try graphs (ComfyUI's own nodes too)
+
+    assert sorted(templates.get("lowvram-lora", [])) == sorted([*shipped(), *TRY_TEMPLATES]), templates
 
 
 def test_templates_are_served_from_example_workflows_without_a_rename_suggestion(comfy):
