@@ -119,3 +119,24 @@ def test_comfyui_preview_vae_loads_into_comfyuis_layout_and_draws_the_demo_vaes_
     err = float((got - want).abs().mean())
     baseline = float((want - want.mean((0, 2, 3), keepdim=True)).abs().mean())
     assert got.shape == want.shape and err < baseline / 2, (err, baseline)
+
+
+def test_demo_folder_of_another_model_is_built_again(tmp_path):
+    """A demo folder holding another variant than asked for (an older clone's model ComfyUI cannot load, or the
+    untrained test model) is rebuilt, its single-file twin with it; the demo's own model is one ComfyUI's Flux
+    detection reads: heads = width / 128 with RoPE axes 16/56/56, 16 latent channels."""
+    import json as _json
+
+    from lowvram_lora.demo import ensure_demo_assets
+    from lowvram_lora.demo_models import DEMO_VARIANT
+    from lowvram_lora.engine.families.flux1 import FAMILY
+    from lowvram_lora.engine.testing import build_tiny_flux1_pipeline
+
+    pipeline = tmp_path / "models" / "diffusers" / "flux1-tiny"
+    build_tiny_flux1_pipeline(pipeline, variant=DEMO_VARIANT)
+    demo = _json.loads((pipeline / "transformer" / "config.json").read_text())
+    assert demo["attention_head_dim"] == 128 and list(demo["axes_dims_rope"]) == [16, 56, 56]
+    assert demo["in_channels"] == 64  # 16 latent channels, 2x2 patches: ComfyUI's Flux out_channels
+    assets = ensure_demo_assets(tmp_path, trained=False)
+    config = _json.loads((pipeline / "transformer" / "config.json").read_text())
+    assert FAMILY.variant_for_config(config) == FAMILY.tiny_variant and assets["single_file"].exists()
