@@ -15,21 +15,38 @@ WORKFLOW = Path(__file__).resolve().parent / "example_workflows" / "demo_tiny_lo
 #: The demo dataset, relative to the input folder: the workflow names it this way, so it runs as
 #: shipped in ComfyUI (input/ of its root) and headless (input/ beside --models-dir).
 DEMO_DATASET = "lowvram_demo/shapes"
+#: The demo VAE as ComfyUI's VAE Loader takes it (models/vae/): what ComfyUI's VAE Decode previews the demo with.
+PREVIEW_VAE = "flux1-tiny-taesd.safetensors"
 
 
 def ensure_demo_assets(root: Path, trained: bool = True) -> dict[str, Path]:
-    """Build the tiny model and dataset if absent; returns their paths. ``trained``: the demo's VAE learns to
-    reconstruct shapes and its transformer to draw them (about two minutes on a CPU, once per folder), so the
-    sample grid shows the LoRA at work; tests of the plumbing pass False and get the random tiny models."""
-    from .demo_models import MARKER, make_demo_dataset, pretrain_demo_transformer, train_demo_vae
+    """Build the tiny model and dataset if absent; returns their paths. ``trained``: the demo's model (one ComfyUI's
+    own loaders take, ``flux1-demo``), its VAE trained to reconstruct shapes and its transformer to draw them (a few
+    minutes on a CPU, once per folder), so the sample grid shows the LoRA at work; tests of the plumbing pass False
+    and get the random ``flux1-tiny`` models (cheaper steps)."""
+    import json
+    import shutil
+
+    from .demo_models import (DEMO_VARIANT, MARKER, make_demo_dataset, pretrain_demo_transformer, train_demo_vae,
+                              write_comfy_preview_vae)
+    from .engine.families.flux1 import FAMILY
     from .engine.testing import build_tiny_flux1_pipeline, write_bfl_single_file
 
     pipeline = root / "models" / "diffusers" / "flux1-tiny"
     single = root / "models" / "diffusion_models" / "flux1-tiny.safetensors"
+    preview_vae = root / "models" / "vae" / PREVIEW_VAE
     data = root / "input" / DEMO_DATASET
+    variant = DEMO_VARIANT if trained else FAMILY.tiny_variant
+    config = pipeline / "transformer" / "config.json"
+    if config.exists() and FAMILY.variant_for_config(json.loads(config.read_text())) != variant:
+        # prepared by an older version (a model ComfyUI cannot load), or untrained for a test: build it again
+        shutil.rmtree(pipeline)
+        single.unlink(missing_ok=True)
+        preview_vae.unlink(missing_ok=True)
     if not (pipeline / "model_index.json").exists():
-        build_tiny_flux1_pipeline(pipeline)
+        build_tiny_flux1_pipeline(pipeline, variant=variant)
     if trained and not (pipeline / "vae" / MARKER).exists():  # a random VAE decodes everything to texture (issue 28)
+        preview_vae.unlink(missing_ok=True)
         train_demo_vae(pipeline)
     # a random transformer draws one texture for all prompts
     if trained and not (pipeline / "transformer" / MARKER).exists():
@@ -37,9 +54,12 @@ def ensure_demo_assets(root: Path, trained: bool = True) -> dict[str, Path]:
         pretrain_demo_transformer(pipeline)
     if not single.exists():
         write_bfl_single_file(pipeline, single)
+    if trained and not preview_vae.exists():
+        write_comfy_preview_vae(pipeline, preview_vae)
     if not any(data.glob("*.png")):
         make_demo_dataset(data, count=6)
-    return {"pipeline": pipeline, "single_file": single, "dataset": data, "models": root / "models"}
+    return {"pipeline": pipeline, "single_file": single, "dataset": data, "models": root / "models",
+            "preview_vae": preview_vae}
 
 
 def run_demo(root: str | Path = "demo_output", prepare_only: bool = False, progress: bool = True) -> int:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+#: The demo's transformer: tiny, and one ComfyUI's own loader takes (engine/families/flux1/configs/flux1-demo.json).
+DEMO_VARIANT = "flux1-demo"
 #: Written beside the VAE weights once trained; ``ensure_demo_assets`` trains only a folder without it.
 MARKER = "demo_trained.json"
 #: Trained weights by (config, starting weights, steps), so one process trains once: the tests build many demo
@@ -186,11 +188,11 @@ def pretrain_demo_transformer(pipeline: str | Path, steps: int = 2500, count: in
             latents = torch.cat([(vae.encode(images[i:i + 32]).latent_dist.mean - shift) * scale
                                  for i in range(0, count, 32)])
             prompt_embeds, pooled, _ = pipe.encode_prompt(captions, None, max_sequence_length=
-                                                          default_max_sequence_length(FAMILY, FAMILY.tiny_variant))
+                                                          default_max_sequence_length(FAMILY, DEMO_VARIANT))
         model = pipe.transformer.train()
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
         gen = torch.Generator().manual_seed(seed)
-        guidance = FAMILY.guidance(FAMILY.tiny_variant).scale
+        guidance = FAMILY.guidance(DEMO_VARIANT).scale
         recent = []
         for step in range(steps):
             idx = torch.randint(0, count, (batch,), generator=gen)
@@ -243,3 +245,102 @@ def make_demo_dataset(folder: str | Path, count: int = 6, size: int = 128, backg
         img.save(folder / f"img_{i:03d}.png")
         (folder / f"img_{i:03d}.txt").write_text(f"a {colour} {shape}")
     return folder
+
+
+# --- the demo VAE in a form ComfyUI's VAE Loader takes ----------------------------------------------------------
+#
+# ComfyUI builds a VAE from a file's tensor names with fixed widths (its KL decoder: 128 channels in 32 norm groups;
+# its TAESD: 64 channels), so the demo's 8-channel VAE cannot be loaded as it is, and training one of ComfyUI's
+# widths took minutes a step-count on a 2-core machine. Instead the demo writes a TAESD-layout file (what ComfyUI
+# loads for ``taesd_decoder.*`` names, its widths read from the file) whose weights are set, not trained: every
+# residual block's last convolution is zero (the block passes its input through), every upsampling convolution
+# copies its channels, so the decoder is a per-latent-pixel network (latent -> 64 ReLU units -> RGB) drawn as
+# 8x8-pixel cells. That small network is fitted to the demo VAE's own decoded colours (seconds). The encoder is the
+# 8x8 mean colour through a least-squares map to the latent. Previews are blockier than the demo's own grid, with
+# the same colours where the shapes are.
+
+def _taesd_state(w_in, b_in, w_out, b_out, enc_w, enc_b, latent_channels: int) -> dict[str, torch.Tensor]:
+    """ComfyUI's ``comfy/taesd/taesd.py`` Encoder / Decoder (``nn.Sequential`` indices) with the weights above."""
+    def conv(n_out, n_in, centre=None):
+        w = torch.zeros(n_out, n_in, 3, 3)
+        if centre is not None:
+            w[:, :, 1, 1] = centre
+        return w
+
+    def block(prefix, out):
+        for i in (0, 2, 4):  # conv, ReLU, conv, ReLU, conv: zero, so the block's ReLU(0 + x) is x (x >= 0 here)
+            out[f"{prefix}.conv.{i}.weight"] = conv(64, 64)
+            out[f"{prefix}.conv.{i}.bias"] = torch.zeros(64)
+
+    eye = torch.eye(64)
+    out: dict[str, torch.Tensor] = {}
+    d = "taesd_decoder"
+    out[f"{d}.1.weight"], out[f"{d}.1.bias"] = conv(64, latent_channels, w_in), b_in
+    for i in (3, 4, 5, 8, 9, 10, 13, 14, 15, 18):
+        block(f"{d}.{i}", out)
+    for i in (7, 12, 17):  # after each nearest-neighbour upsampling: copy
+        out[f"{d}.{i}.weight"] = conv(64, 64, eye)
+    out[f"{d}.19.weight"], out[f"{d}.19.bias"] = conv(3, 64, w_out), b_out
+    e = "taesd_encoder"
+    first = torch.zeros(64, 3)
+    first[:3] = torch.eye(3)
+    out[f"{e}.0.weight"], out[f"{e}.0.bias"] = conv(64, 3, first), torch.zeros(64)
+    for i in (1, 3, 4, 5, 7, 8, 9, 11, 12, 13):
+        block(f"{e}.{i}", out)
+    mean2 = torch.zeros(64, 64, 3, 3)  # stride 2, padding 1: taps (1, 1), (1, 2), (2, 1), (2, 2) are a 2x2 mean
+    for a in (1, 2):
+        for b in (1, 2):
+            mean2[:, :, a, b] = eye / 4
+    for i in (2, 6, 10):
+        out[f"{e}.{i}.weight"] = mean2.clone()
+    centre = torch.zeros(latent_channels, 64)
+    centre[:, :3] = enc_w
+    out[f"{e}.14.weight"], out[f"{e}.14.bias"] = conv(latent_channels, 64, centre), enc_b
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def write_comfy_preview_vae(pipeline: str | Path, out_file: str | Path, count: int = 48, steps: int = 600,
+                            seed: int = 3) -> Path:
+    """The pipeline folder's (trained) VAE as a TAESD-layout file ComfyUI's VAE Loader takes (see above); written
+    under a temporary name and renamed. Deterministic: fixed seeds, one thread."""
+    from diffusers import AutoencoderKL
+    from safetensors.torch import save_file
+
+    out_file = Path(out_file)
+    vae = AutoencoderKL.from_pretrained(Path(pipeline) / "vae", local_files_only=True, use_safetensors=True).eval()
+    scale, shift = float(vae.config.scaling_factor), float(vae.config.shift_factor)
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    with _Threads(), torch.no_grad():
+        x = torch.stack([shape_image(rng, 128) for _ in range(count)])
+        normed = (vae.encode(x).latent_dist.mean - shift) * scale
+        # the transformer's latents are not exact: fit on noisier ones too, with what the VAE draws for them
+        normed = torch.cat([normed, normed + 0.3 * torch.randn(normed.shape, generator=gen)])
+        drawn = vae.decode(normed / scale + shift).sample.clamp(-1, 1)
+        cells = torch.nn.functional.avg_pool2d(drawn, 8)  # the colour each latent pixel stands for
+        c = normed.shape[1]
+        inputs = normed.permute(0, 2, 3, 1).reshape(-1, c)
+        targets = (cells.permute(0, 2, 3, 1).reshape(-1, 3) + 1) / 2  # TAESD decodes to [0, 1]
+        means = (torch.nn.functional.avg_pool2d(x, 8).permute(0, 2, 3, 1).reshape(-1, 3) + 1) / 2
+        pixels = normed[:count].permute(0, 2, 3, 1).reshape(-1, c)
+        solved = torch.linalg.lstsq(torch.cat([means[:len(pixels)], torch.ones(len(pixels), 1)], 1), pixels).solution
+    torch.manual_seed(seed)
+    hidden = torch.nn.Linear(c, 64)
+    head = torch.nn.Linear(64, 3)
+    opt = torch.optim.Adam([*hidden.parameters(), *head.parameters()], lr=1e-2)
+    clamped = torch.tanh(inputs / 3) * 3  # the TAESD decoder's first layer
+    with _Threads():
+        for _ in range(steps):
+            loss = (head(torch.relu(hidden(clamped))) - targets).pow(2).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+    with torch.no_grad():
+        state = _taesd_state(hidden.weight, hidden.bias, head.weight, head.bias, solved[:3].T, solved[3], c)
+    state["vae_scale"], state["vae_shift"] = torch.tensor(scale), torch.tensor(shift)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_file.with_name(out_file.name + ".tmp")
+    save_file({k: v.detach().clone().contiguous() for k, v in state.items()}, str(tmp),
+              metadata={"lowvram_lora.fit_mse": f"{float(loss):.5f}"})
+    tmp.replace(out_file)
+    return out_file

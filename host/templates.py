@@ -345,6 +345,83 @@ def _attach_models(t: TrainingTemplate, nodes: list[NodeSpec]) -> None:
                          f"holds; remove them or fix the file names in its load/cache values")
 
 
+# --- train, then try: ComfyUI's own sampling on the trained LoRA ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class TryTemplate:
+    """A shipped training template (``base``) plus ComfyUI's own nodes sampling with its LoRA in the same graph:
+    Load Diffusion Model (the base's checkpoint) -> Load LoRA Model (Train LoRA's ``lora_model``) -> KSampler
+    (Sample Prompt Conditioning's ``prompt``; ConditioningZeroOut as the negative) -> VAE Decode (``vae``) ->
+    Preview Image. For ComfyUI only: ``lowvram-lora run`` has no KSampler."""
+
+    name: str
+    base: str
+    vae: str
+    note: str
+    prompt: int = 1
+    sampler: dict = field(default_factory=dict)  # KSampler's widgets
+    size: tuple[int, int] = (128, 128)
+
+
+TRY_TEMPLATES = {t.name: t for t in [
+    TryTemplate(
+        name="demo_train_and_try", base="demo_tiny_lora", vae="flux1-tiny-taesd.safetensors", prompt=1,
+        sampler={"seed": 0, "steps": 8, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0},
+        note=(
+            "Demo, train and try in one graph: the demo's LoRA (the nodes on the left, as in demo_tiny_lora) goes "
+            "from Train LoRA's lora_model output into ComfyUI's own Load LoRA Model, on the same tiny model loaded "
+            "by ComfyUI's Load Diffusion Model; KSampler draws 'ohwx, a red circle' (Sample Prompt Conditioning: "
+            "line 1 of Cache Text Embeds' sample_prompts, no text encoder loaded again) and Preview Image shows it. "
+            "Set strength_model to 0 to see the base model.\n\n"
+            "Prepare the files once with:\n  lowvram-lora demo --prepare-only --dir <ComfyUI root>\n"
+            "(it also writes models/vae/flux1-tiny-taesd.safetensors: the demo VAE in a form ComfyUI loads; its "
+            "previews are drawn in 8x8-pixel cells). Then press Run."),
+    ),
+]}
+
+#: Where ComfyUI's nodes of a try graph stand: right of the training graph's Save LoRA, one row.
+TRY_X, TRY_Y = 1510, 80
+
+
+def _try_graph(t: TryTemplate) -> tuple[list[NodeSpec], list[NoteSpec]]:
+    base = SHIPPED[t.base]
+    nodes, _ = _graph(base)
+    next(n for n in nodes if n.class_type == "LowVRAMSaveLoRA").widgets["filename_prefix"] = f"loras/{t.name}"
+    x, y = TRY_X, TRY_Y
+    nodes += [
+        NodeSpec(21, "UNETLoader", "Load Diffusion Model", (x, y), {"unet_name": base.load["checkpoint"],
+                                                                      "weight_dtype": "default"}, size=(320, 110)),
+        NodeSpec(22, "LoraModelLoader", "Load LoRA Model", (x, y + 170), {"strength_model": 1.0, "bypass": False},
+                 {"model": (21, 0), "lora": (4, 3)}, size=(320, 130)),
+        NodeSpec(23, "LowVRAMSamplePromptConditioning", "Sample Prompt Conditioning", (x, y + 360),
+                 {"prompt": t.prompt}, {"dataset": (2, 0)}, size=(320, 100)),
+        NodeSpec(24, "ConditioningZeroOut", "ConditioningZeroOut", (x, y + 520), {}, {"conditioning": (23, 0)},
+                 size=(320, 60)),
+        NodeSpec(25, "EmptyLatentImage", "Empty Latent Image", (x, y + 640),
+                 {"width": t.size[0], "height": t.size[1], "batch_size": 1}, size=(320, 130)),
+        NodeSpec(26, "KSampler", "KSampler", (x + 380, y), dict(t.sampler),
+                 {"model": (22, 0), "positive": (23, 0), "negative": (24, 0), "latent_image": (25, 0)},
+                 size=(320, 270)),
+        NodeSpec(27, "VAELoader", "Load VAE", (x + 380, y + 330), {"vae_name": t.vae}, size=(320, 60)),
+        NodeSpec(28, "VAEDecode", "VAE Decode", (x + 380, y + 450), {}, {"samples": (26, 0), "vae": (27, 0)},
+                 size=(320, 50)),
+        NodeSpec(29, "PreviewImage", "Preview Image", (x + 760, y), {}, {"images": (28, 0)}, size=(300, 320)),
+    ]
+    return nodes, [NoteSpec(6, t.note, base.note_pos, size=(460, 300))]
+
+
+def build_try(name: str) -> tuple[dict, dict]:
+    """A train-and-try template in both formats (ComfyUI's nodes declared by ``host/comfy_nodes.py``)."""
+    from ..nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+    from .comfy_nodes import COMFY_NODES
+
+    mappings = {**NODE_CLASS_MAPPINGS, **COMFY_NODES}
+    display = {**NODE_DISPLAY_NAME_MAPPINGS, **{k: c.DISPLAY_NAME for k, c in COMFY_NODES.items()}}
+    nodes, notes = _try_graph(TRY_TEMPLATES[name])
+    return to_ui(nodes, notes, mappings, display), to_api(nodes, mappings)
+
+
 def shipped() -> dict[str, TrainingTemplate]:
     """Every family's templates (``engine/families/<id>/templates.py``), by name."""
     out: dict[str, TrainingTemplate] = {}
@@ -371,6 +448,12 @@ def write_all(folder: Path = WORKFLOWS_DIR) -> list[Path]:
     (folder / "api").mkdir(parents=True, exist_ok=True)
     for name in SHIPPED:
         ui, api = build(name, NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS)
+        (folder / f"{name}.json").write_text(json.dumps(ui, indent=2) + "\n")
+        (folder / "api" / f"{name}.json").write_text(json.dumps(api, indent=2) + "\n")
+        render_thumbnail(ui, folder / f"{name}.jpg")
+        written += [folder / f"{name}.json", folder / "api" / f"{name}.json", folder / f"{name}.jpg"]
+    for name in TRY_TEMPLATES:
+        ui, api = build_try(name)
         (folder / f"{name}.json").write_text(json.dumps(ui, indent=2) + "\n")
         (folder / "api" / f"{name}.json").write_text(json.dumps(api, indent=2) + "\n")
         render_thumbnail(ui, folder / f"{name}.jpg")

@@ -13,12 +13,14 @@ from .dual_gpu import LowVRAMDualGPUSplit
 from .load_model import LowVRAMLoadQuantizedSlab
 from .loss_options import LowVRAMLossOptions
 from .offload_config import LowVRAMOffloadConfig
+from .prompt_conditioning import LowVRAMSamplePromptConditioning
 from .save_lora import LowVRAMSaveLoRA
 from .train_lora import LowVRAMTrainLoRA
 
 #: In the order the editor lists them; each class is named as its node id (``Schema.node_id``).
 NODES = [LowVRAMLoadQuantizedSlab, LowVRAMCacheTextEmbeds, LowVRAMOffloadConfig, LowVRAMDualGPUSplit,
-         LowVRAMTrainLoRA, LowVRAMSaveLoRA, LowVRAMLoraAdapter, LowVRAMDatasetOptions, LowVRAMLossOptions]
+         LowVRAMTrainLoRA, LowVRAMSaveLoRA, LowVRAMLoraAdapter, LowVRAMDatasetOptions, LowVRAMLossOptions,
+         LowVRAMSamplePromptConditioning]
 
 NODE_CLASS_MAPPINGS = {cls.__name__: cls for cls in NODES}
 

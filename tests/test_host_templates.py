@@ -33,7 +33,7 @@ def test_templates_live_in_example_workflows_only():
     assert T.WORKFLOWS_DIR == ROOT / "example_workflows"
     # ComfyUI's glob (custom_node_manager.get_workflow_templates): <pack>/<folder>/*.json, one level
     listed = sorted(Path(p).stem for p in glob.glob(str(ROOT / "example_workflows" / "*.json")))
-    assert listed == sorted(T.SHIPPED)
+    assert listed == sorted([*T.SHIPPED, *T.TRY_TEMPLATES])
     # none of the folders ComfyUI would log "consider renaming it to 'example_workflows'" for
     for other in ("example", "examples", "workflow", "workflows"):
         assert not (ROOT / other).exists(), f"{other}/ makes ComfyUI suggest a rename; templates go in example_workflows/"
@@ -201,6 +201,7 @@ def test_shipped_nodes_are_wide_enough_for_their_values_and_never_overlap(path):
     text_encoder_1 beside umt5_xxl_fp8_e4m3fn_scaled.safetensors at 340 px): every node is at least as wide as its
     longest single-line widget row needs (``templates._fitted_size``'s estimate), and no two boxes (title bars
     included) overlap after the columns were pushed along."""
+    from lowvram_lora.host.comfy_nodes import COMFY_NODES  # the train-and-try graphs' ComfyUI nodes
     from lowvram_lora.host.workflow import input_specs
 
     ui = json.loads(path.read_text())
@@ -209,7 +210,7 @@ def test_shipped_nodes_are_wide_enough_for_their_values_and_never_overlap(path):
         boxes.append((n["pos"][0], n["pos"][1] - T.TITLE_H, n["size"][0], n["size"][1] + T.TITLE_H, n["id"]))
         if n["type"] in ("Note", "Reroute"):
             continue
-        specs = [s for s in input_specs(NODE_CLASS_MAPPINGS[n["type"]])
+        specs = [s for s in input_specs({**NODE_CLASS_MAPPINGS, **COMFY_NODES}[n["type"]])
                  if s.is_widget and s.name not in {i["name"] for i in n["inputs"]}]
         values = iter(n["widgets_values"])
         for s in specs:

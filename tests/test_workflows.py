@@ -5,12 +5,29 @@ import json
 import pytest
 
 from lowvram_lora.host.run_command import run_workflow_command
-from lowvram_lora.host.templates import SHIPPED, WORKFLOWS_DIR, build
+from lowvram_lora.host.templates import SHIPPED, TRY_TEMPLATES, WORKFLOWS_DIR, build, build_try
 from lowvram_lora.host.workflow import WorkflowError, load_workflow, to_api_graph
 from lowvram_lora.nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
 from lowvram_lora.nodes.paths import configure_standalone_dirs
 
 NAMES = sorted(SHIPPED)
+
+
+@pytest.mark.parametrize("name", sorted(TRY_TEMPLATES))
+def test_train_and_try_files_match_the_builder_and_feed_comfyuis_nodes(name):
+    """The train-and-try graph: the shipped files are the builder's; Train LoRA's lora_model (output 3) feeds
+    ComfyUI's Load LoRA Model, whose model comes from ComfyUI's Load Diffusion Model on the training checkpoint."""
+    ui, api = build_try(name)
+    assert json.loads((WORKFLOWS_DIR / f"{name}.json").read_text()) == ui, "run python -m lowvram_lora.host.templates"
+    assert json.loads((WORKFLOWS_DIR / "api" / f"{name}.json").read_text()) == api
+    train = next(k for k, n in api.items() if n["class_type"] == "LowVRAMTrainLoRA")
+    load = next(n for n in api.values() if n["class_type"] == "LowVRAMLoadQuantizedSlab")
+    apply = next(n for n in api.values() if n["class_type"] == "LoraModelLoader")
+    assert apply["inputs"]["lora"] == [train, 3]
+    assert api[apply["inputs"]["model"][0]]["inputs"]["unet_name"] == load["inputs"]["checkpoint"]
+    sampler = next(n for n in api.values() if n["class_type"] == "KSampler")
+    assert sampler["inputs"]["model"] == [next(k for k, n in api.items() if n is apply), 0]
+    assert {n["class_type"] for n in api.values()} >= {"VAEDecode", "PreviewImage", "LowVRAMSamplePromptConditioning"}
 
 
 @pytest.mark.parametrize("name", NAMES)

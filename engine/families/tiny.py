@@ -174,10 +174,11 @@ def write_decoder_lm_files(pipeline_folder, folder, name: str) -> dict:
     return {"text_encoder": text_file, "vae": write_ldm_vae_file(pipeline_folder / "vae", folder / "ae.safetensors")}
 
 
-def tiny_transformer(family, seed: int = 0):
-    """The family's tiny variant with random weights (none left at zero: see ``randomize_zero_inits``)."""
+def tiny_transformer(family, seed: int = 0, variant: str | None = None):
+    """The family's tiny variant (or ``variant``) with random weights (none left at zero: see
+    ``randomize_zero_inits``)."""
     torch.manual_seed(seed)
-    model = family.transformer_class().from_config(family.load_config(family.tiny_variant))
+    model = family.transformer_class().from_config(family.load_config(variant or family.tiny_variant))
     randomize_zero_inits(model, seed)
     return model
 

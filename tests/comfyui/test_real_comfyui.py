@@ -33,7 +33,8 @@ pytestmark = pytest.mark.skipif(not COMFY_DIR, reason="set LOWVRAM_COMFYUI_DIR t
 
 REPO = Path(__file__).resolve().parents[2]
 OUR_NODES = {"LowVRAMLoadQuantizedSlab", "LowVRAMCacheTextEmbeds", "LowVRAMOffloadConfig", "LowVRAMDualGPUSplit",
-             "LowVRAMTrainLoRA", "LowVRAMSaveLoRA", "LowVRAMDatasetOptions", "LowVRAMLossOptions"}
+             "LowVRAMTrainLoRA", "LowVRAMSaveLoRA", "LowVRAMDatasetOptions", "LowVRAMLossOptions",
+             "LowVRAMSamplePromptConditioning"}
 
 
 def _copy_checkout(dest: Path) -> None:
@@ -144,7 +145,9 @@ def test_nodes_load_without_import_errors(comfy):
 def test_templates_are_listed(comfy):
     """Every family's shipped templates (the registry's), e.g. z_image_lora and lumina2_lora, and nothing else."""
     templates = _get(comfy.port, "/workflow_templates")
-    assert sorted(templates.get("lowvram-lora", [])) == sorted(shipped()), templates
+    from lowvram_lora.host.templates import TRY_TEMPLATES  # train-and-try graphs (ComfyUI's own nodes too)
+
+    assert sorted(templates.get("lowvram-lora", [])) == sorted([*shipped(), *TRY_TEMPLATES]), templates
 
 
 def test_templates_are_served_from_example_workflows_without_a_rename_suggestion(comfy):
@@ -757,3 +760,52 @@ def test_masked_loss_and_validation_through_comfy_run(comfy, tmp_path):
     assert [r["step"] for r in rows] == [str(s) for s in range(1, 21)]
     assert [r["step"] for r in rows if r["validation_loss"]] == ["5", "10", "15", "20"]
     print("validation loss:", [r["validation_loss"] for r in rows if r["validation_loss"]])
+
+
+def _png(path: Path):
+    import numpy as np
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return np.asarray(im.convert("RGB"), dtype=np.int16)
+
+
+def test_train_and_try_samples_as_comfyui_does_with_the_saved_file(comfy, tmp_path):
+    """demo_train_and_try as shipped but for its output node and length (Preview Image -> Save Image, 40 steps,
+    no grid): ComfyUI's KSampler on ComfyUI's own loader's model with Train LoRA's lora_model applied by Load LoRA
+    Model. Then a second graph samples the same prompt, seed and size on the base model and with the saved LoRA
+    file through LoraLoaderModelOnly: the LoRA's image differs from the base's and equals the saved file's."""
+    graph = json.loads((comfy.pack / "example_workflows" / "api" / "demo_train_and_try.json").read_text())
+    graph["4"]["inputs"].update(steps=40, sample_every=0)
+    graph["5"]["inputs"]["filename_prefix"] = "loras/try_test"
+    graph["29"] = {"class_type": "SaveImage", "inputs": {"images": ["28", 0], "filename_prefix": "try/applied"}}
+    (tmp_path / "try.json").write_text(json.dumps(graph))
+    done = comfy.comfy_run(tmp_path / "try.json", timeout=900)
+    log = json.dumps(_server_log(comfy.port))
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:], log[-4000:])
+    (lora,) = sorted((comfy.base / "output" / "loras").glob("try_test_*_.safetensors"))
+    loras = comfy.base / "models" / "loras"
+    loras.mkdir(parents=True, exist_ok=True)
+    shutil.copy(lora, loras / "try_test.safetensors")  # where LoraLoaderModelOnly lists files
+    # the same sampling twice more: on the base model, and with the saved file
+    second = {k: graph[k] for k in ("1", "2", "21", "23", "24", "25", "27")}
+    second["31"] = {"class_type": "LoraLoaderModelOnly",
+                    "inputs": {"model": ["21", 0], "lora_name": "try_test.safetensors", "strength_model": 1.0}}
+    for tag, model in (("base", ["21", 0]), ("file", ["31", 0])):
+        sampler, decode = f"4{len(second)}", f"5{len(second)}"
+        second[sampler] = {"class_type": "KSampler", "inputs": {**graph["26"]["inputs"], "model": model}}
+        second[decode] = {"class_type": "VAEDecode", "inputs": {"samples": [sampler, 0], "vae": ["27", 0]}}
+        second[f"6{len(second)}"] = {"class_type": "SaveImage",
+                                     "inputs": {"images": [decode, 0], "filename_prefix": f"try/{tag}"}}
+    (tmp_path / "compare.json").write_text(json.dumps(second))
+    done = comfy.comfy_run(tmp_path / "compare.json", timeout=600)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:], json.dumps(_server_log(comfy.port))[-4000:])
+    out = comfy.base / "output" / "try"
+    applied, base, file = (_png(next(out.glob(f"{tag}_*.png"))) for tag in ("applied", "base", "file"))
+    assert applied.shape == base.shape == (128, 128, 3)
+    # the same bf16 tensors patched into the same weights by ComfyUI's own code: equal to the last 8-bit level
+    assert abs(applied - file).max() <= 1, abs(applied - file).max()
+    # and the LoRA changed the picture (40 steps at the demo's learning rate): mean change over 2 levels of 255
+    assert abs(applied - base).mean() > 2.0, abs(applied - base).mean()
+    print("mean |lora - base|:", float(abs(applied - base).mean()), "max |applied - file|:",
+          int(abs(applied - file).max()))

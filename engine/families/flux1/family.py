@@ -85,8 +85,15 @@ class Flux1Family(ModelFamily):
         # Kontext: dev's shapes, told apart by name (variant_from_name); its tiny stand-in for the tests.
         "flux1-kontext": "flux1-dev.json",
         "flux1-kontext-tiny": "flux1-tiny.json",
+        # The demo's model: tiny too, but ComfyUI's loader takes it (its Flux detection fixes the head width at 128
+        # and the RoPE axes at 16/56/56, and reads everything else from the file's shapes), so the demo's LoRA can
+        # be tried with ComfyUI's own KSampler.
+        "flux1-demo": "flux1-demo.json",
     }
     tiny_variant = "flux1-tiny"
+    # ComfyUI's Flux takes T5's states as the conditioning and CLIP's pooled vector as its pooled_output
+    # (tests/comfyui: the demo's prompts sampled by ComfyUI's KSampler).
+    comfy_conditioning = {"prompt_embeds": "", "pooled_prompt_embeds": "pooled_output"}
     diffusers_class_name = "FluxTransformer2DModel"
     structural_keys = ("num_layers", "num_single_layers", "attention_head_dim", "num_attention_heads",
                        "guidance_embeds")
@@ -145,8 +152,8 @@ class Flux1Family(ModelFamily):
     # --- text ------------------------------------------------------------------------------
 
     def text_encoder_specs(self, variant: str) -> tuple[TextEncoderSpec, ...]:
-        return (_CLIP, {"flux1-schnell": _T5_SCHNELL, "flux1-tiny": _T5_TINY, "flux1-kontext-tiny": _T5_TINY}.get(
-            variant, _T5))
+        return (_CLIP, {"flux1-schnell": _T5_SCHNELL, "flux1-tiny": _T5_TINY, "flux1-kontext-tiny": _T5_TINY,
+                        "flux1-demo": _T5_TINY}.get(variant, _T5))
 
     def text_widths(self, config: dict) -> dict[str, int]:
         return {"prompt_embeds": int(config["joint_attention_dim"]),

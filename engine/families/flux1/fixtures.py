@@ -14,13 +14,14 @@ from ..tiny import (native_state, save_tensors, tiny_flux_ae, tiny_transformer, 
 from . import FAMILY
 
 
-def build_tiny_pipeline(folder: str | Path, seed: int = 0) -> Path:
-    """Write a complete tiny Flux.1 diffusers pipeline folder; returns its path."""
+def build_tiny_pipeline(folder: str | Path, seed: int = 0, variant: str | None = None) -> Path:
+    """Write a complete tiny Flux.1 diffusers pipeline folder; returns its path. ``variant``: the family's
+    ``tiny_variant`` by default; ``flux1-demo`` is the demo's (one ComfyUI loads)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     folder = Path(folder)
-    transformer = tiny_transformer(FAMILY, seed)
+    transformer = tiny_transformer(FAMILY, seed, variant)
     config = dict(transformer.config)
     torch.manual_seed(seed)
 

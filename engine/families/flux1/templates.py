@@ -13,12 +13,11 @@ TEMPLATES = [
         save={"filename_prefix": "loras/demo_tiny_lora"},
         note=(
         "Demo: trains a LoRA on a tiny Flux.1-architecture model, on CPU: the grid shows red and blue shapes "
-        "appear on white. Its 300 steps took 4.7-6.6 min on a 2-core machine shared with other jobs (2026-11-27; "
-        "seconds on a free desktop CPU).\n\n"
+        "appear on white. Its 300 steps took 5.0 min on a 2-core machine at load 9 (2026-11-27).\n\n"
         "Prepare the files once with:\n  lowvram-lora demo --prepare-only --dir <ComfyUI root>\n"
         "which writes models/diffusion_models/flux1-tiny.safetensors, models/diffusers/flux1-tiny/ and "
         "input/lowvram_demo/shapes/ (red circles, blue squares), training the tiny VAE and base model "
-        "first (6.7-7 min on that machine, once). Then press Run: nothing to edit.\n\n"
+        "first (22 min on that machine, once). Then press Run: nothing to edit.\n\n"
         "Headless: lowvram-lora run example_workflows/demo_tiny_lora.json --models-dir demo_output/models "
         "--output-dir demo_output/output  (this is what `make demo` does)."),
     ),
