@@ -28,22 +28,6 @@ from ..engine.offload.hostmem import SAFETY_FRACTION
 from ..engine.offload.plan import GB, Workload, make_plan
 from ..engine.offload.steptime import Machine, peak_flops_for
 
-#: The variant each template trains (its first chain's checkpoint), as the Load node would identify the file.
-TEMPLATE_VARIANTS = {
-    "demo_tiny_lora": "flux1-tiny", "flux1_dev_lora": "flux1-dev", "flux2_dev_dual_gpu": "flux2-dev",
-    "flux2_dev_lora": "flux2-dev", "flux2_klein_lora": "flux2-klein-4b", "krea2_lora": "krea2-raw",
-    "lumina2_lora": "lumina2", "flux2_dev_edit_lora": "flux2-dev", "flux2_klein_edit_lora": "flux2-klein-4b",
-    "flux1_kontext_lora": "flux1-kontext",
-    "flux3_klein_lora": "flux3-klein-base",
-    "lumina2_lora": "lumina2",
-    "qwen_image_edit_lora": "qwen-image-edit-2509", "qwen_image_lora": "qwen-image",
-    "wan21_t2v_1_3b_lora": "wan2.1-t2v-1.3b", "wan22_t2v_lora": "wan2.2-t2v-a14b-high-noise",
-    "wan22_ti2v_5b_lora": "wan2.2-ti2v-5b", "z_image_lora": "z-image-turbo",
-    "wan22_i2v_lora": "wan2.2-i2v-a14b-high-noise", "wan21_i2v_lora": "wan2.1-i2v-14b",
-    "ltx23_lora": "ltx2.3",
-}
-#: The preview partner's variant where a template's chains preview each other (Wan 2.2 A14B).
-PARTNER_VARIANTS = {"wan22_t2v_lora": "wan2.2-t2v-a14b-low-noise", "wan22_i2v_lora": "wan2.2-i2v-a14b-low-noise"}
 OTHERS_GB = 4.0  # what the OS, a browser and ComfyUI hold on the reference machine
 CARD_GB = 24.0  # the card a template with vram_budget_gb=0 is planned for
 REFERENCE = Machine(link_bytes_per_s=25 * GB, peak_flops=peak_flops_for("4090"), name="reference",
@@ -124,15 +108,17 @@ def needs(t: TrainingTemplate) -> Needs:
     from ..engine.errors import ConfigError
 
     family = get_family(t.load.get("family") if t.load.get("family") not in (None, "auto") else "flux1")
-    variant = TEMPLATE_VARIANTS[t.name]
+    if not t.variant:
+        raise ValueError(f"template {t.name!r} names no variant (TrainingTemplate.variant): the planner cannot size it")
+    variant = t.variant
     int8 = t.load.get("precision") == "int8 slab"
     fp, model, _ = _footprint(family, variant, int8, int(t.train.get("rank", 16)))
     wl = _workload(t, family, variant)
     offload = OffloadConfig(**{k: v for k, v in t.offload.items() if k in ("mode", "vram_budget_gb")})
     vram = offload.vram_budget_gb or CARD_GB * 0.9
     extra = {}
-    if t.name in PARTNER_VARIANTS and t.train.get("sample_every"):
-        partner, _, _ = _footprint(family, PARTNER_VARIANTS[t.name], int8, 1)
+    if t.partner_variant and t.train.get("sample_every"):
+        partner, _, _ = _footprint(family, t.partner_variant, int8, 1)
         extra["preview partner"] = partner.total_block_bytes + partner.other_bytes
     compiled = int(t.train.get("steps", 0)) >= 200 and offload.mode == "auto"  # compile auto on a CUDA GPU
 

@@ -4,6 +4,7 @@ from ..specs import TrainingTemplate
 TEMPLATES = [
     TrainingTemplate(
         name="demo_tiny_lora",
+        variant="flux1-tiny",
         load={"checkpoint": "flux1-tiny.safetensors", "family": "auto", "precision": "bf16"},
         cache={"text_encoders": "diffusers/flux1-tiny", "dataset_path": "lowvram_demo/shapes",
                "resolution": 128, "sample_prompts": "ohwx, a red circle\nohwx, a blue square"},
@@ -23,6 +24,7 @@ TEMPLATES = [
     ),
     TrainingTemplate(
         name="flux1_dev_lora",
+        variant="flux1-dev",
         load={"checkpoint": "flux1-dev.safetensors", "family": "flux1", "precision": "int8 slab"},
         cache={"text_encoders": "(single files below)", "dataset_path": "my_subject", "resolution": 1024,
                "text_encoder_1": "clip_l.safetensors", "text_encoder_2": "t5xxl_fp16.safetensors",
@@ -53,6 +55,7 @@ TEMPLATES = [
     ),
     TrainingTemplate(
         name="flux1_kontext_lora",
+        variant="flux1-kontext",
         load={"checkpoint": "flux1-dev-kontext_fp8_scaled.safetensors", "family": "flux1", "precision": "int8 slab"},
         cache={"text_encoders": "(single files below)", "dataset_path": "my_edits", "resolution": 1024,
                "text_encoder_1": "clip_l.safetensors", "text_encoder_2": "t5xxl_fp16.safetensors",

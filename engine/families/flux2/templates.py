@@ -23,6 +23,7 @@ _EDIT_DATASET = (
 TEMPLATES = [
     TrainingTemplate(
         name="flux2_dev_lora",
+        variant="flux2-dev",
         load={"checkpoint": "flux2_dev_fp8mixed.safetensors", "family": "flux2", "precision": "int8 slab"},
         cache={"text_encoders": "(single files below)", "dataset_path": "my_subject", "resolution": 1024,
                "text_encoder_1": "mistral_3_small_flux2_bf16.safetensors", "vae_file": "flux2-vae.safetensors"},
@@ -47,6 +48,7 @@ TEMPLATES = [
     ),
     TrainingTemplate(
         name="flux2_klein_lora",
+        variant="flux2-klein-4b",
         load={"checkpoint": "flux-2-klein-base-4b.safetensors", "family": "flux2", "precision": "bf16"},
         cache={"text_encoders": "diffusers/FLUX.2-klein-base-4B", "dataset_path": "my_subject", "resolution": 1024},
         offload={"mode": "auto", "vram_budget_gb": 5.0},
@@ -66,6 +68,7 @@ TEMPLATES = [
     ),
     TrainingTemplate(
         name="flux2_dev_dual_gpu",
+        variant="flux2-dev",
         load={"checkpoint": "flux2_dev_fp8mixed.safetensors", "family": "flux2", "precision": "int8 slab"},
         cache={"text_encoders": "(single files below)", "dataset_path": "my_subject", "resolution": 1024,
                "text_encoder_1": "mistral_3_small_flux2_bf16.safetensors", "vae_file": "flux2-vae.safetensors"},
@@ -90,6 +93,7 @@ TEMPLATES = [
     ),
     TrainingTemplate(
         name="flux2_dev_edit_lora",
+        variant="flux2-dev",
         load={"checkpoint": "flux2_dev_fp8mixed.safetensors", "family": "flux2", "precision": "int8 slab"},
         cache={"text_encoders": "(single files below)", "dataset_path": "my_edits", "resolution": 1024,
                "text_encoder_1": "mistral_3_small_flux2_bf16.safetensors", "vae_file": "flux2-vae.safetensors",
@@ -109,6 +113,7 @@ TEMPLATES = [
     ),
     TrainingTemplate(
         name="flux2_klein_edit_lora",
+        variant="flux2-klein-4b",
         load={"checkpoint": "flux-2-klein-base-4b.safetensors", "family": "flux2", "precision": "bf16"},
         cache={"text_encoders": "diffusers/FLUX.2-klein-base-4B", "dataset_path": "my_edits", "resolution": 1024,
                "control_folder": "my_edits/control"},

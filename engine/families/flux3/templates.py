@@ -11,6 +11,7 @@ _VAE = "https://huggingface.co/Comfy-Org/flux2-dev/resolve/main/split_files/vae/
 TEMPLATES = [
     TrainingTemplate(
         name="flux3_klein_lora",
+        variant="flux3-klein-base",
         load={"checkpoint": "flux3_klein_base_bf16.safetensors", "family": "flux3", "precision": "int8 slab"},
         cache={"text_encoders": "(single files below)", "dataset_path": "my_subject", "resolution": 1024,
                "text_encoder_1": "qwen3vl_4b_bf16.safetensors", "vae_file": "flux2-vae.safetensors",

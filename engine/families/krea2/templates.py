@@ -10,6 +10,7 @@ _REPO = "https://huggingface.co/Comfy-Org/Krea-2/resolve/main/"
 TEMPLATES = [
     TrainingTemplate(
         name="krea2_lora",
+        variant="krea2-raw",
         load={"checkpoint": "krea2_raw_fp8_scaled.safetensors", "family": "krea2", "precision": "int8 slab"},
         cache={"text_encoders": "(single files below)", "dataset_path": "my_subject", "resolution": 1024,
                "text_encoder_1": "qwen3vl_4b_fp8_scaled.safetensors", "vae_file": "qwen_image_vae.safetensors",

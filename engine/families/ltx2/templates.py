@@ -10,6 +10,7 @@ _CKPT = "ltx-2.3-22b-dev-fp8.safetensors"
 TEMPLATES = [
     TrainingTemplate(
         name="ltx23_lora",
+        variant="ltx2.3",
         load={"checkpoint": _CKPT, "family": "ltx2", "precision": "int8 slab"},
         cache={"text_encoders": "diffusers/LTX-2.3", "dataset_path": "my_clips", "resolution": 720,
                "sample_prompts": "ohwx, a dog running on a beach", "video_frames": "89", "video_fps": 24.0},

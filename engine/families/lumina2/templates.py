@@ -7,6 +7,7 @@ _PREVIEW = FAMILY.guidance("lumina2")  # the pipeline's CFG scale, and steps eno
 TEMPLATES = [
     TrainingTemplate(
         name="lumina2_lora",
+        variant="lumina2",
         load={"checkpoint": "lumina_2_model_bf16.safetensors", "family": "lumina2", "precision": "bf16"},
         cache={"text_encoders": "(single files below)", "dataset_path": "my_subject", "resolution": 1024,
                "text_encoder_1": "gemma_2_2b_fp16.safetensors", "vae_file": "ae.safetensors",

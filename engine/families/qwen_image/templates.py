@@ -9,6 +9,7 @@ _EDIT_REPO = "https://huggingface.co/Comfy-Org/Qwen-Image-Edit_ComfyUI/resolve/m
 TEMPLATES = [
     TrainingTemplate(
         name="qwen_image_lora",
+        variant="qwen-image",
         load={"checkpoint": "qwen_image_fp8_e4m3fn.safetensors", "family": "qwen_image", "precision": "int8 slab"},
         cache={"text_encoders": "(single files below)", "dataset_path": "my_subject", "resolution": 1024,
                "text_encoder_1": "qwen_2.5_vl_7b_fp8_scaled.safetensors", "vae_file": "qwen_image_vae.safetensors",
@@ -38,6 +39,7 @@ TEMPLATES = [
     ),
     TrainingTemplate(
         name="qwen_image_edit_lora",
+        variant="qwen-image-edit-2509",
         load={"checkpoint": "qwen_image_edit_2509_fp8_e4m3fn.safetensors", "family": "qwen_image",
               "precision": "int8 slab"},
         cache={"text_encoders": "(single files below)", "dataset_path": "my_edits", "resolution": 1024,

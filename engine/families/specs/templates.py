@@ -30,6 +30,11 @@ class TrainingTemplate:
     #: A chain's ``label`` (a string) ends its nodes' titles, as ``label`` does the first chain's.
     chains: tuple[dict[str, Any], ...] = ()
     label: str = ""
+    #: The variant its first chain trains, as the Load node identifies the file: the planner's VRAM and RAM figures
+    #: in its Note and the README's table (host/template_needs.py); ``partner_variant``: the preview partner's, where
+    #: chains preview each other (Wan 2.2 A14B: the other expert, held in host RAM while it samples).
+    variant: str = ""
+    partner_variant: str = ""
     #: Links between chains: ``(chain, Train LoRA input, source chain)`` feeds that input of the chain's Train LoRA
     #: from the source chain's Load Quantized Slab (chain 0 is this template's own). Wan 2.2 A14B: each expert's
     #: ``preview_partner`` is the other chain's model, so previews switch expert at the boundary.

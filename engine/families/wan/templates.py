@@ -22,6 +22,7 @@ _TOKENIZER = ("with umT5's tokenizer files (google/umt5-xxl: tokenizer.json, tok
 TEMPLATES = [
     TrainingTemplate(
         name="wan21_t2v_1_3b_lora",
+        variant="wan2.1-t2v-1.3b",
         load={"checkpoint": "wan2.1_t2v_1.3B_fp16.safetensors", "family": "wan", "precision": "int8 slab"},
         cache={"text_encoders": "(single files below)", "dataset_path": "my_subject", "resolution": 512,
                "text_encoder_1": "umt5_xxl_fp8_e4m3fn_scaled.safetensors", "vae_file": "wan_2.1_vae.safetensors",
@@ -52,6 +53,7 @@ TEMPLATES = [
     ),
     TrainingTemplate(
         name="wan22_ti2v_5b_lora",
+        variant="wan2.2-ti2v-5b",
         load={"checkpoint": "wan2.2_ti2v_5B_fp16.safetensors", "family": "wan", "precision": "int8 slab"},
         cache={"text_encoders": "(single files below)", "dataset_path": "my_clips", "resolution": 896,
                "text_encoder_1": _UMT5, "vae_file": "wan2.2_vae.safetensors",
@@ -85,6 +87,8 @@ TEMPLATES = [
     ),
     TrainingTemplate(
         name="wan22_t2v_lora",
+        variant="wan2.2-t2v-a14b-high-noise",
+        partner_variant="wan2.2-t2v-a14b-low-noise",
         label="high noise",
         load={"checkpoint": _HIGH, "family": "wan", "precision": "int8 slab"},
         cache={"text_encoders": "(single files below)", "dataset_path": "my_clips", "resolution": 624,
@@ -142,6 +146,8 @@ TEMPLATES = [
     ),
     TrainingTemplate(
         name="wan22_i2v_lora",
+        variant="wan2.2-i2v-a14b-high-noise",
+        partner_variant="wan2.2-i2v-a14b-low-noise",
         label="high noise",
         tiny_variant="wan2.2-i2v-tiny",
         load={"checkpoint": _I2V_HIGH, "family": "wan", "precision": "int8 slab"},
@@ -186,6 +192,7 @@ TEMPLATES = [
     ),
     TrainingTemplate(
         name="wan21_i2v_lora",
+        variant="wan2.1-i2v-14b",
         tiny_variant="wan-i2v-tiny",
         load={"checkpoint": _I2V21, "family": "wan", "precision": "int8 slab"},
         cache={"text_encoders": "(single files below)", "dataset_path": "my_clips", "resolution": 624,

@@ -8,6 +8,7 @@ _TURBO = "https://huggingface.co/Comfy-Org/z_image_turbo/resolve/main/split_file
 TEMPLATES = [
     TrainingTemplate(
         name="z_image_lora",
+        variant="z-image-turbo",
         load={"checkpoint": "z_image_turbo_bf16.safetensors", "family": "z_image", "precision": "int8 slab"},
         cache={"text_encoders": "(single files below)", "dataset_path": "my_subject", "resolution": 1024,
                "text_encoder_1": "qwen_3_4b.safetensors", "vae_file": "ae.safetensors",
