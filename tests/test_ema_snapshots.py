@@ -178,3 +178,20 @@ def test_where_and_how_often_snapshots_go_is_not_the_runs_identity():
     plain = training_key("m", "d", _lora(), train)
     assert plain == training_key("m", "d", _lora(snapshot_every=3, snapshot_keep=1, snapshot_dir="/x"), train)
     assert plain != training_key("m", "d", _lora(ema_decay=0.9), train)
+
+
+def test_a_stored_run_keeps_its_ema(tmp_path):
+    """The finished-run cache and a data-parallel worker's result (write_trained / read_trained) keep both weights."""
+    from lowvram_lora.engine.lora_io.trained import TrainedLora, read_trained, write_trained
+
+    g = torch.Generator().manual_seed(0)
+    state = {"a.lora_A.weight": torch.randn(2, 4, generator=g), "a.lora_B.weight": torch.randn(4, 2, generator=g)}
+    ema = {k: torch.randn(v.shape, generator=g) for k, v in state.items()}
+    run = TrainedLora(state_dict=state, ema_state_dict=ema, rank=2, alpha=2, family="flux1", variant="flux1-tiny",
+                      steps=3, requested_steps=3)
+    write_trained(tmp_path, "r", run, "a test")
+    back = read_trained(tmp_path, "r")
+    assert back.state_dict.keys() == back.ema_state_dict.keys() == state.keys() and back.weights == "last"
+    assert all(torch.equal(back.state_dict[k], state[k]) and torch.equal(back.ema_state_dict[k], ema[k]) for k in state)
+    assert back.as_ema().state_dict is back.ema_state_dict and back.as_ema().weights == "ema"
+    assert back.ema_in_previews  # no settings recorded: ema_previews' default
