@@ -9,18 +9,30 @@
    host memory (dequantized on the GPU), activation offload, torchao 8-bit AdamW moments. ``--adapters`` trains
    each mode once per adapter type (lora, loha, lokr, dora; rows ``<mode>+<type>`` beside plain LoRA's).
 
-Rows are appended to ``--out`` in train_bench.py's format (``bench/report.py`` renders them).
+Rows are appended to ``--out`` in train_bench.py's format (``bench/report.py`` renders them), each training row with
+the process's measured host RAM (``host_ram_gb``: RSS, pinned buffers included) and pinned bytes beside peak VRAM.
 
 On the GPU machine (carry .whl)::
 
     source bench/gpu_env.sh
     python3 bench/bench_slab.py --res 1024 --out "$OUT/results.jsonl"
+
+LoKr and DoRA beside LoRA, int8 streamed, with the resident baseline (issue 40)::
+
+    python3 bench/bench_slab.py --res 1024 --modes bf16-resident int8-stream-k1-act --adapters lora lokr dora \
+        --out "$OUT/results.jsonl"
+
+A smoke run of the same code on the CPU (tiny Flux.1, resident modes only; streaming needs CUDA)::
+
+    python3 bench/bench_slab.py --device cpu --variant flux1-tiny --res 64 --modes bf16-resident int8-resident \
+        --adapters lora lokr dora --warmup 1 --timed 1 --workdir /tmp/slab-bench-tiny --out /tmp/tiny.jsonl
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -58,6 +70,7 @@ def parse_args(argv=None):
     p.add_argument("--note", default="")
     p.add_argument("--adapters", nargs="+", default=["lora"],
                    help="adapter types each mode trains (engine/lora_io/adapters/); rows <mode>+<type> after lora's")
+    p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run on a tiny variant (resident modes)")
     return p.parse_args(argv)
 
 
@@ -74,7 +87,7 @@ def _inputs(family, model, res: int, device):
 
 @torch.no_grad()
 def _forward(family, model, res, device):
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.autocast(device.type, dtype=torch.bfloat16):
         return model(**_inputs(family, model, res, device))[0].float()
 
 
@@ -85,7 +98,7 @@ def _train(model, family, variant, dataset, args, offload, recorder, optimizer="
     return train_lora(
         ModelConfig(dtype="bf16", family="flux1"), dataset,
         LoraSettings(rank=args.rank, alpha=float(args.rank), adapter=AdapterConfig(type=adapter)),
-        TrainConfig(steps=args.warmup + args.timed, device="cuda", learning_rate=1e-4,
+        TrainConfig(steps=args.warmup + args.timed, device=args.device, learning_rate=1e-4,
                     optimizer=optimizer),
         recorder.callback, preloaded=(model, family, variant), offload=offload,
     )
@@ -97,7 +110,7 @@ def main(argv=None) -> int:
     from lowvram_lora.engine.slab.testing import write_random_checkpoint
 
     args = parse_args(argv)
-    device = torch.device("cuda")
+    device = torch.device(args.device)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(args.workdir)
@@ -109,13 +122,14 @@ def main(argv=None) -> int:
 
     emit = row_emitter(out, base)
 
-    ckpt = work / "flux1-dev-random.safetensors"
+    ckpt = work / f"{args.variant}-random.safetensors"
     if not ckpt.exists():
         t = time.perf_counter()
         write_random_checkpoint(ckpt, "flux1", args.variant, layout="bfl")
         print(f"random checkpoint {ckpt.stat().st_size / GB:.2f} GB written in {time.perf_counter() - t:.0f} s",
               flush=True)
 
+    shutil.rmtree(work / "slabs", ignore_errors=True)  # the build is timed: never an earlier run's slab
     child = subprocess.run([sys.executable, "-c", BUILD_CHILD, str(ckpt), str(work / "slabs")],
                            capture_output=True, text=True)
     if child.returncode != 0:
@@ -165,8 +179,9 @@ def main(argv=None) -> int:
             for adapter in args.adapters:
                 label = mode if adapter == "lora" else f"{mode}+{adapter}"
                 gc.collect()
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats(device)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats(device)
                 rec = StepRecorder(label)
                 t = time.perf_counter()
                 try:
@@ -175,8 +190,11 @@ def main(argv=None) -> int:
                 except torch.cuda.OutOfMemoryError as exc:
                     error = f"OOM: {str(exc)[:300]}"
                 resident = rows.get("bf16-resident", {}).get("step_s")
+                timed = rec.steps[args.warmup:]
                 rows[label] = emit({"mode": label, "adapter": adapter,
-                                    **training_row(rec, args.warmup, t, error, resident, device)})
+                                    **training_row(rec, args.warmup, t, error, resident, device),
+                                    "host_ram_gb": max((s.host_ram_gb for s in timed), default=None),
+                                    "pinned_gb": round(max((s.pinned_host_gb for s in timed), default=0.0), 2)})
     print("\nmode                 step s   x bf16-resident   peak alloc GB   peak reserved GB")
     for mode, r in rows.items():
         print(f"{mode:20s} {r['step_s'] or float('nan'):7.3f}   {r['x_resident'] or float('nan'):15.3f}"

@@ -137,9 +137,13 @@ class AdapterConfig:
 
     ema_decay: float = field(default=0.0, metadata={"help": (
         "Keep an exponential moving average of the adapter weights (ema = decay * ema + (1 - decay) * weights after "
-        "every step) and save it instead of the last weights: smoother results. 0 = off; 0.99-0.999 is usual (the "
-        "average spans about 1 / (1 - decay) steps, so keep it well below the step count). Kept beside the "
-        "weights on their device, and in the resume state."
+        "every step): smoother results. Save LoRA writes it as its own file beside the plain one "
+        "(<name>_ema.safetensors). 0 = off; 0.99-0.999 is usual (the average spans about 1 / (1 - decay) steps, so "
+        "keep it well below the step count). Kept beside the weights on their device, and in the resume state."
+    )})
+    ema_previews: bool = field(default=True, metadata={"help": (
+        "With ema_decay set: previews (sample_every) draw with the EMA weights, and Train LoRA's lora_model output "
+        "applies them; off: the last weights. Both files are saved either way. Ignored without EMA."
     )})
     snapshot_every: int = field(default=0, metadata={"help": (
         "Every N steps, save a loadable LoRA file (the same format as Save LoRA's comfyui, named with its step) in "
@@ -165,6 +169,8 @@ class AdapterConfig:
             raise ConfigError(f"lokr_factor={self.lokr_factor} must be -1 (balanced) or a positive factor")
         if self.type != "lokr":  # settings of another type neither matter nor change the run's identity
             self.lokr_factor, self.lokr_decompose_both = -1, False
+        if not self.ema_decay:  # the same for the EMA's preview choice without an EMA
+            self.ema_previews = True
 
 
 @dataclass

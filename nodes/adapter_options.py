@@ -22,7 +22,8 @@ DESCRIPTION = (
     "Chooses the adapter Train LoRA trains: lora, loha (LoHa), lokr (LoKr) or dora (DoRA), from peft, on every "
     "model and memory mode LoRA trains on. All are saved so ComfyUI's own LoRA loader applies them exactly; "
     "LoHa and LoKr files load in ComfyUI only (diffusers has no loader for them). Also: continue from a LoRA file, "
-    "an EMA of the weights (saved instead of the last ones), loadable snapshots every N steps."
+    "an EMA of the weights (saved as its own file beside the plain one; previews can draw with it), loadable "
+    "snapshots every N steps."
 )
 
 
@@ -46,12 +47,15 @@ class LowVRAMLoraAdapter(io.Node):
                          tooltip=_help("ema_decay")),
                 io.Int("snapshot_every", default=0, min=0, max=1_000_000, tooltip=_help("snapshot_every")),
                 io.Int("snapshot_keep", default=3, min=0, max=10_000, tooltip=_help("snapshot_keep")),
+                # Last, and optional: UI-format workflows store widget values by position, and API-format ones
+                # saved before it have no value for it.
+                io.Boolean("ema_previews", default=True, optional=True, tooltip=_help("ema_previews")),
             ])
 
     @classmethod
     def execute(cls, type: str = "lora", lokr_factor: int = -1, lokr_decompose_both: bool = False,
                 continue_from: str = "", ema_decay: float = 0.0, snapshot_every: int = 0,
-                snapshot_keep: int = 3) -> io.NodeOutput:
+                snapshot_keep: int = 3, ema_previews: bool = True) -> io.NodeOutput:
         from pathlib import Path
 
         from ..engine.config import AdapterConfig
@@ -62,5 +66,5 @@ class LowVRAMLoraAdapter(io.Node):
             path = str(resolve_file(path, ("loras",)))
         return io.NodeOutput(AdapterConfig(
             type=type, lokr_factor=lokr_factor, lokr_decompose_both=lokr_decompose_both, continue_from=path,
-            ema_decay=ema_decay, snapshot_every=snapshot_every, snapshot_keep=snapshot_keep,
+            ema_decay=ema_decay, ema_previews=ema_previews, snapshot_every=snapshot_every, snapshot_keep=snapshot_keep,
             snapshot_dir=str(output_dir() / "loras" / "snapshots") if snapshot_every else ""))

@@ -41,11 +41,15 @@ def check_filename_prefix(root: Path, prefix: str) -> Path:
     return target
 
 
-def claim_output_paths(root: Path, prefix: str) -> tuple[Path, Path]:
+EMA_SUFFIX = "_ema.safetensors"  # the EMA's own file beside the LoRA: <name>_ema.safetensors
+
+
+def claim_output_paths(root: Path, prefix: str, extra: tuple[str, ...] = ()) -> tuple[Path, Path]:
     """``<root>/<prefix>_00001_.safetensors`` and its ``_loss.png``, counting up past any number
     where either exists (ComfyUI's convention). Both names are claimed by exclusive create,
     so two runs saving into one folder never pick the same pair and nothing is replaced; the
-    claimed files are empty until the caller writes over them."""
+    claimed files are empty until the caller writes over them. ``extra``: suffixes of more files beside the LoRA
+    (``<stem><suffix>``: the EMA's), claimed with them."""
     from ..engine.fileio import claim_names, ensure_dir
 
     target = check_filename_prefix(root, prefix)
@@ -53,9 +57,10 @@ def claim_output_paths(root: Path, prefix: str) -> tuple[Path, Path]:
     for n in range(1, _MAX_COUNTER + 1):
         lora = target.parent / f"{target.name}_{n:05d}_.safetensors"
         curve = lora.with_name(lora.stem + "_loss.png")
-        if lora.exists() or curve.exists():
+        names = [lora, curve] + [lora.with_name(lora.stem + suffix) for suffix in extra]
+        if any(p.exists() for p in names):
             continue
-        if claim_names([lora, curve], "the LoRA"):
+        if claim_names(names, "the LoRA"):
             return lora, curve
     raise ValueError(f"'{target.parent}' already holds {_MAX_COUNTER} files named {target.name}_NNNNN_; "
                      f"choose another filename_prefix")
@@ -63,7 +68,8 @@ def claim_output_paths(root: Path, prefix: str) -> tuple[Path, Path]:
 
 DESCRIPTION = (
     "Saves the LoRA as .safetensors in the output folder (plus a loss-curve PNG beside it). The 'comfyui' "
-    "format loads in ComfyUI's LoRA loaders; 'diffusers' loads with diffusers' load_lora_weights and in ComfyUI."
+    "format loads in ComfyUI's LoRA loaders; 'diffusers' loads with diffusers' load_lora_weights and in ComfyUI. "
+    "With EMA on (LoRA Adapter's ema_decay), the EMA of the weights is saved beside it as <name>_ema.safetensors."
 )
 
 
@@ -107,38 +113,45 @@ class LowVRAMSaveLoRA(io.Node):
         # A two-expert run (Dual-GPU Split mode 'experts') carries the other expert's LoRA: each is saved under the
         # prefix + its role (loras/wan22_lora_high_noise_00001_.safetensors and ..._low_noise_...).
         loras = [lora] + ([lora.companion] if lora.companion is not None else [])
-        texts, curves, files = [], [], []
+        texts, curves, files, emas = [], [], [], []
         for one in loras:
             role = one.settings.get("expert_role", "")
             prefix = f"{filename_prefix}_{role.split()[0].replace('-', '_')}" if len(loras) > 1 and role else \
                 filename_prefix
-            path, curve, saved = _save_one(one, prefix, format, dtype)
+            path, curve, saved, ema = _save_one(one, prefix, format, dtype)
             texts.append(str(path))
+            emas += [str(ema)] if ema is not None else []
             curves.append(str(curve))
             files += saved
         snapshots = [str(p) for one in loras for p in one.snapshots]
         return io.NodeOutput(ui={"text": texts, "loss_curve": curves, "files": files,
-                                 **({"snapshots": snapshots} if snapshots else {})})
+                                 **({"ema": emas} if emas else {}), **({"snapshots": snapshots} if snapshots else {})})
 
 
 def _save_one(lora: TrainedLora, filename_prefix: str, format: str, dtype: str):
-    """One LoRA, its loss curve and its last samples under a new numbered name; (LoRA path, curve path, the
-    files as ComfyUI's output entries)."""
+    """One LoRA, its loss curve and its last samples under a new numbered name, and with EMA on, the EMA's own file
+    beside it (``<name>_ema.safetensors``); (LoRA path, curve path, the files as ComfyUI's output entries, the EMA's
+    path or None)."""
     from ..engine.lora_io import save_lora
     from ..engine.plotting import save_loss_curve
 
-    path, curve = claim_output_paths(output_dir(), filename_prefix)
-    try:  # the two names are ours (claimed, empty): write over them
+    path, curve = claim_output_paths(output_dir(), filename_prefix, (EMA_SUFFIX,) if lora.ema_state_dict else ())
+    ema = path.with_name(path.stem + EMA_SUFFIX) if lora.ema_state_dict else None
+    try:  # the names are ours (claimed, empty): write over them
         save_lora(lora, path, fmt=format, dtype=dtype, overwrite=True)
+        if ema is not None:
+            save_lora(lora.as_ema(), ema, fmt=format, dtype=dtype, overwrite=True)
         val = lora.settings.get("validation") or {}
         save_loss_curve(lora.loss_history, curve, overwrite=True,
                         validation=list(zip(val.get("steps", []), val.get("loss", []))))
     except BaseException:
-        for p in (path, curve):
+        for p in (path, curve) + ((ema,) if ema is not None else ()):
             if p.exists() and p.stat().st_size == 0:
                 p.unlink()
         raise
     print(f"[lowvram-lora] saved LoRA: {path}\n[lowvram-lora] loss curve: {curve}")
+    if ema is not None:
+        print(f"[lowvram-lora] saved its EMA: {ema}")
     samples = _copy_last_samples(lora, path)
     if samples is not None:
         print(f"[lowvram-lora] sample grid: {samples}")
@@ -151,11 +164,12 @@ def _save_one(lora: TrainedLora, filename_prefix: str, format: str, dtype: str):
     # filename/subfolder/type entries are what ComfyUI clients (comfy run --wait) list as outputs.
     root = output_dir().resolve()
     files = [{"filename": p.name, "subfolder": p.parent.resolve().relative_to(root).as_posix(), "type": "output"}
-             for p in (path, curve) + ((samples,) if samples is not None else ()) + tuple(clips)
+             for p in (path, curve) + ((ema,) if ema is not None else ()) + ((samples,) if samples is not None else ())
+             + tuple(clips)
              + ((log_csv,) if log_csv is not None else ())]
     for snap in lora.snapshots:  # LoRA Adapter's snapshot_every: the loadable files of earlier steps
         print(f"[lowvram-lora] snapshot: {snap}")
-    return path, curve, files
+    return path, curve, files, ema
 
 
 def _copy_last_samples(lora: TrainedLora, path: Path):

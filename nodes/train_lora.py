@@ -36,7 +36,8 @@ class LowVRAMTrainLoRA(io.Node):
                 io.Output("LORA_MODEL", "lora_model",
                           "The LoRA in ComfyUI's own form, for its Load LoRA Model node (LoraModelLoader): apply it "
                           "to a MODEL from ComfyUI's loaders and sample in this graph. The same tensors Save LoRA "
-                          "writes (bf16), so it samples as the saved file does through LoraLoaderModelOnly."),
+                          "writes (bf16), so it samples as the saved file does through LoraLoaderModelOnly; with EMA "
+                          "on, the EMA's file when LoRA Adapter's ema_previews is on."),
                 io.Output("LOSS_MAP", "loss_map", "The loss per step, for ComfyUI's Plot Loss Graph node."),
             ],
             inputs=[
@@ -138,10 +139,11 @@ class LowVRAMTrainLoRA(io.Node):
 
 
 def _comfy_lora(lora) -> dict:
-    """LORA_MODEL: ComfyUI's LoRA key form of this family (empty when training stopped before its first step)."""
+    """LORA_MODEL: ComfyUI's LoRA key form of this family (empty when training stopped before its first step): the
+    EMA's when the previews drew with it (LoRA Adapter's ema_previews)."""
     from ..engine.lora_io.files import lora_tensors
 
-    return lora_tensors(lora) if lora.state_dict else {}
+    return lora_tensors(lora.as_ema() if lora.ema_in_previews else lora) if lora.state_dict else {}
 
 
 def _partner_help() -> str:

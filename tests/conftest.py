@@ -21,6 +21,21 @@ def tiny_single_file(tiny_pipeline, tmp_path_factory):
     return write_bfl_single_file(tiny_pipeline, tmp_path_factory.mktemp("single") / "flux1-tiny.safetensors")
 
 
+@pytest.fixture(scope="session")
+def tiny_family_pipeline(tmp_path_factory):
+    """family id -> its tiny pipeline folder (``fixtures.build_tiny_pipeline``, seed 0), built once per session for
+    every test that only reads it."""
+    from lowvram_lora.engine.testing import build_tiny_pipeline
+
+    built = {}
+
+    def get(family_id):
+        if family_id not in built:
+            built[family_id] = build_tiny_pipeline(family_id, tmp_path_factory.mktemp(f"pipe-{family_id}") / "pipe")
+        return built[family_id]
+    return get
+
+
 @pytest.fixture
 def tiny_dataset(tmp_path):
     from lowvram_lora.engine.testing import make_tiny_dataset

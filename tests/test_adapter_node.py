@@ -15,9 +15,10 @@ NODE = NODE_CLASS_MAPPINGS["LowVRAMLoraAdapter"]
 
 
 @pytest.mark.parametrize("widget", ["type", "lokr_factor", "lokr_decompose_both", "continue_from", "ema_decay",
-                                    "snapshot_every", "snapshot_keep"])
+                                    "snapshot_every", "snapshot_keep", "ema_previews"])
 def test_tooltips_are_the_adapter_configs_help(widget):
-    tooltip = NODE.INPUT_TYPES()["required"][widget][1]["tooltip"]
+    inputs = NODE.INPUT_TYPES()
+    tooltip = {**inputs["required"], **inputs.get("optional", {})}[widget][1]["tooltip"]
     assert tooltip.startswith(field_help(AdapterConfig, widget))
 
 
@@ -62,12 +63,15 @@ def test_a_workflow_with_the_adapter_node_trains_and_saves_that_type(tmp_path):
                               overrides=[f"2.dataset_path={assets['dataset']}", f"{train}.steps=2",
                                          f"{train}.warmup_steps=0"])
     assert run_workflow_command(args, NODE_CLASS_MAPPINGS, configure_dirs=configure_standalone_dirs) == 0
-    saved = list((tmp_path / "out" / "loras").glob("*.safetensors"))
-    assert len(saved) == 1
+    saved = sorted((tmp_path / "out" / "loras").glob("*.safetensors"))
+    assert [p.name.removeprefix("demo_tiny_lora") for p in saved] == ["_00001_.safetensors", "_00001__ema.safetensors"]
+    with safe_open(str(saved[1]), "pt") as f:  # ema_decay: the EMA's own file beside the plain one
+        assert f.metadata()["lowvram_lora.weights"] == "ema" and f.metadata()["lowvram_lora.adapter"] == "loha"
     with safe_open(str(saved[0]), "pt") as f:
         assert f.metadata()["lowvram_lora.adapter"] == "loha"
         assert json.loads(f.metadata()["lowvram_lora.settings"])["lora"]["adapter"]["ema_decay"] == 0.5
         assert any(k.endswith(".hada_w1_a") for k in f.keys()) and not any("lora_A" in k for k in f.keys())
     # snapshot_every=1, keep all: a loadable file per step under output/loras/snapshots/<run>/
     snaps = sorted((tmp_path / "out" / "loras" / "snapshots").glob("*/step_*.safetensors"))
-    assert [p.name for p in snaps] == ["step_0000001.safetensors", "step_0000002.safetensors"]
+    assert [p.name for p in snaps] == ["step_0000001.safetensors", "step_0000001_ema.safetensors",
+                                       "step_0000002.safetensors", "step_0000002_ema.safetensors"]

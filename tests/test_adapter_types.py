@@ -7,7 +7,6 @@ from torch import nn
 
 from lowvram_lora.engine.config import ADAPTER_TYPES, AdapterConfig, LoraSettings, ModelConfig, TrainConfig
 from lowvram_lora.engine.errors import ConfigError, LoraFormatError
-from lowvram_lora.engine.families import get_family
 from lowvram_lora.engine.lora_io import save_lora
 from lowvram_lora.engine.lora_io.adapters import adapter_types, get_adapter
 from lowvram_lora.engine.models import load_transformer
@@ -16,7 +15,7 @@ from lowvram_lora.engine.slab import Int8Linear, build_slab, load_slab_transform
 from lowvram_lora.engine.train import train_lora
 from lowvram_lora.engine.train.lora_attach import adapter_parameters, attach_lora, detach_lora
 
-from helpers import eval_flow_loss, model_inputs, peft_merged
+from helpers import model_inputs, peft_merged
 
 NEW = ("loha", "lokr", "dora")
 
@@ -161,25 +160,15 @@ def test_dora_on_int4_slab_linears_equals_the_dequantized_float_model(int4_model
 
 @pytest.fixture(scope="module")
 def trained(tiny_pipeline, one_image_cache):
-    """kind -> a TrainedLora of 12 steps on one image (float base)."""
+    """kind -> a TrainedLora of 3 steps on one image (float base): weights away from their init."""
     runs = {}
     for kind in NEW:
         runs[kind] = train_lora(ModelConfig(transformer_path=str(tiny_pipeline)), one_image_cache, _settings(kind),
-                                TrainConfig(steps=12, learning_rate=1e-2, seed=0, device="cpu"))
+                                TrainConfig(steps=3, learning_rate=1e-2, seed=0, device="cpu"))
     return runs
 
 
-@pytest.mark.parametrize("kind", NEW)
-def test_each_type_lowers_the_flow_loss_against_the_base_model(tiny_pipeline, one_image_cache, trained, kind):
-    lora = trained[kind]
-    assert lora.adapter == kind and lora.steps == 12 and not lora.interrupted
-    adapter = get_adapter(kind)
-    assert lora.state_dict and all(adapter.owns(k) for k in lora.state_dict)
-    base, family, _, _ = load_transformer(tiny_pipeline, dtype=torch.float32)
-    flux = get_family("flux1")
-    before = eval_flow_loss(base, flux, one_image_cache)
-    after = eval_flow_loss(peft_merged(base, family, _settings(kind), lora.state_dict), flux, one_image_cache)
-    assert after < 0.9 * before, (before, after)
+# Each type lowers the flow loss on every family's tiny model: tests/test_adapter_families.py.
 
 
 @pytest.mark.parametrize("kind", ("loha", "lokr"))
@@ -221,30 +210,4 @@ def test_the_comfyui_file_holds_comfyuis_names_for_the_type(trained, tmp_path, k
         assert keys[f"{q}.dora_scale"].shape == (32, 1)  # (out, 1): ComfyUI divides row by row
 
 
-@pytest.mark.parametrize("kind", ("loha", "lokr"))  # DoRA: with EMA, in test_ema_snapshots.py
-def test_resume_with_each_type_is_bit_exact(tiny_pipeline, tiny_cache, tmp_path, kind):
-    from lowvram_lora.engine.callbacks import TrainingCallback
-    from lowvram_lora.engine.models.inspect import inspect_transformer
-    from lowvram_lora.engine.runs.result_reuse import train_or_reuse
-
-    class StopAt(TrainingCallback):
-        def __init__(self, at=None):
-            self.at, self.step = at, 0
-
-        def on_step(self, info):
-            self.step = info.step
-
-        def should_stop(self):
-            return self.at is not None and self.step >= self.at
-
-    model = inspect_transformer(ModelConfig(transformer_path=str(tiny_pipeline)))
-    train = TrainConfig(steps=4, learning_rate=5e-3, seed=3, save_every=2)
-    whole = train_or_reuse(model, tiny_cache, _settings(kind, rank=2), train, tmp_path / "a", StopAt())
-    first = train_or_reuse(model, tiny_cache, _settings(kind, rank=2), train, tmp_path / "b", StopAt(2))
-    assert first.interrupted and first.steps == 2
-    resumed = train_or_reuse(model, tiny_cache, _settings(kind, rank=2), train, tmp_path / "b", StopAt())
-    assert resumed.steps == 4 and resumed.loss_history == whole.loss_history
-    assert resumed.state_dict.keys() == whole.state_dict.keys()
-    for k, v in whole.state_dict.items():
-        assert torch.equal(resumed.state_dict[k], v), k
-
+# Resume with each type (and EMA) is bit-exact: tests/test_ema_snapshots.py.

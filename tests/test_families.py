@@ -26,7 +26,7 @@ FAMILIES = sorted(families())
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tmp_path_factory, tiny_family_pipeline):
     """family id -> (pipeline folder, native single file), built once per family."""
     built = {}
 
@@ -34,7 +34,7 @@ def tiny(tmp_path_factory):
         if family_id not in built:
             family = get_family(family_id)
             root = tmp_path_factory.mktemp(family_id)
-            pipe = family_fixtures(family).build_tiny_pipeline(root / "pipe")
+            pipe = tiny_family_pipeline(family_id)
             single = family_fixtures(family).write_single_file(pipe, root / f"{family_id}.safetensors")
             built[family_id] = (pipe, single)
         return built[family_id]

@@ -46,6 +46,7 @@ def _metadata(lora: TrainedLora, fmt: str) -> dict[str, str]:
         "lowvram_lora.family": lora.family,
         "lowvram_lora.variant": lora.variant,
         "lowvram_lora.adapter": lora.adapter,
+        "lowvram_lora.weights": lora.weights,  # "ema": the EMA of the weights (its own file, <name>_ema), or "last"
         "lowvram_lora.rank": str(lora.rank),
         "lowvram_lora.alpha": str(lora.alpha),
         "lowvram_lora.scale_folded": "true",  # B already holds alpha/rank; files load at scale 1

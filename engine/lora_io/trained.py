@@ -7,7 +7,7 @@ worker's result (engine/runs/worker.py -> launch.py) use them.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Optional
 
@@ -42,10 +42,30 @@ class TrainedLora:
     companion: Optional["TrainedLora"] = field(default=None, compare=False, repr=False)
     adapter: str = "lora"  # the adapter type (engine/lora_io/adapters/): which names state_dict holds
     snapshots: list = field(default_factory=list)  # paths of the loadable snapshots kept (engine/train/snapshots.py)
+    # The EMA of the weights (LoRA Adapter's ema_decay; engine/train/ema.py), the same names as state_dict; empty
+    # when off. Save LoRA writes it as its own file beside the plain one (``as_ema``).
+    ema_state_dict: dict = field(default_factory=dict, repr=False)
+    weights: str = "last"  # which weights state_dict holds: "last", or "ema" (``as_ema``): a saved file says it
 
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
+
+    def as_ema(self) -> "TrainedLora":
+        """This run with its EMA weights as the weights (what the ``_ema`` file holds)."""
+        if not self.ema_state_dict:
+            raise ValueError("this run kept no EMA of its weights (LoRA Adapter's ema_decay is 0)")
+        return replace(self, state_dict=self.ema_state_dict, ema_state_dict={}, companion=None, weights="ema")
+
+    @property
+    def ema_in_previews(self) -> bool:
+        """Whether its previews (and Train LoRA's lora_model output) use the EMA weights: LoRA Adapter's
+        ema_previews, with an EMA kept."""
+        adapter = (self.settings.get("lora") or {}).get("adapter") or {}
+        return bool(self.ema_state_dict) and bool(adapter.get("ema_previews", True))
+
+
+_EMA = "ema/"  # the EMA weights' names in a stored run's .safetensors, beside the plain ones
 
 
 def read_trained(folder: Path, name: str) -> TrainedLora | None:
@@ -55,14 +75,20 @@ def read_trained(folder: Path, name: str) -> TrainedLora | None:
         return None
     try:
         meta = json.loads(info.read_text())
-        return TrainedLora(state_dict=load_file(str(weights)), **meta)
+        tensors = load_file(str(weights))
+        return TrainedLora(state_dict={k: v for k, v in tensors.items() if not k.startswith(_EMA)},
+                           ema_state_dict={k[len(_EMA):]: v for k, v in tensors.items() if k.startswith(_EMA)},
+                           **meta)
     except Exception:  # unreadable or from another layout: a miss
         return None
 
 
 def write_trained(folder: Path, name: str, lora: TrainedLora, what: str) -> None:
-    """Weights first, then the metadata JSON, which marks the pair complete (both atomic)."""
-    meta = {f.name: getattr(lora, f.name) for f in fields(lora) if f.name not in ("state_dict", "companion")}
+    """Weights (and their EMA, under ``ema/`` names) first, then the metadata JSON, which marks the pair complete
+    (both atomic)."""
+    meta = {f.name: getattr(lora, f.name) for f in fields(lora)
+            if f.name not in ("state_dict", "companion", "ema_state_dict")}
+    tensors = {**lora.state_dict, **{_EMA + k: v for k, v in lora.ema_state_dict.items()}}
     with atomic_write(Path(folder) / f"{name}.safetensors", what) as tmp:
-        save_file({k: v.contiguous() for k, v in lora.state_dict.items()}, str(tmp))
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
     write_json_atomic(Path(folder) / f"{name}.json", meta, what, indent=None)

@@ -585,7 +585,8 @@ def _run_step(run: _Run, step: int) -> bool:
     _record_step(run, step, loss_sum, grad_norm, t0, breakdown, validation)
     if run.lora.adapter.snapshot_every and run.ranks.is_main and step % run.lora.adapter.snapshot_every == 0:
         run.snapshots = run.snapshots or Snapshots(run.lora, run.family.id)
-        cb.log(f"snapshot of step {step}: '{run.snapshots.write(result, _adapter_state(run), step)}'")
+        written = run.snapshots.write(result, _adapter_state(run), step, _adapter_state(run, ema=True))
+        cb.log(f"snapshot of step {step}: {', '.join(repr(str(p)) for p in written)}")
     if step == run.first and run.compiled.graphs():
         result.settings["compile"] = {"first_step_s": round(breakdown["wall"], 2)}
         cb.log(f"{run.compiled.describe()}; the first step took {breakdown['wall']:.1f} s with compiling")
@@ -703,10 +704,12 @@ def _record_step(run: _Run, step: int, loss_sum: float, grad_norm: float, t0: fl
         raise
 
 
-def _adapter_state(run: _Run) -> dict:
-    """The adapter's weights as saved (lora_attach.lora_state_dict): their EMA when on."""
-    if run.ema is None:
+def _adapter_state(run: _Run, ema: bool = False) -> dict:
+    """The adapter's weights as saved (lora_attach.lora_state_dict); ``ema``: their EMA ({} when off)."""
+    if not ema:
         return lora_state_dict(run.model, run.lora)
+    if run.ema is None:
+        return {}
     with run.ema.swapped():
         return lora_state_dict(run.model, run.lora)
 
@@ -791,10 +794,12 @@ def _finish(run: _Run, drop_model: bool) -> list[str]:
     result, model = run.result, run.model
     result.seconds = time.perf_counter() - run.start
     result.state_dict = _adapter_state(run) if result.steps else {}
+    result.ema_state_dict = _adapter_state(run, ema=True) if result.steps else {}
     result.snapshots = [str(p) for p in run.snapshots.paths] if run.snapshots is not None else []
     bad = [k for k, v in result.state_dict.items() if not torch.isfinite(v).all()]
+    bad += [f"ema/{k}" for k, v in result.ema_state_dict.items() if not torch.isfinite(v).all()]
     if bad:  # never hand on (or save, or cache) a LoRA with NaN/inf weights
-        result.state_dict, result.interrupted = {}, True
+        result.state_dict, result.ema_state_dict, result.interrupted = {}, {}, True
     if run.compiled is not None and run.compiled.graphs():
         result.settings.setdefault("compile", {})["graphs"] = run.compiled.graphs()
     run.placement.report(result.settings)
@@ -814,8 +819,10 @@ def _take_samples_or_save(run: _Run, step: int) -> None:
     the sampler's polls; Ctrl-C) saves the state of the finished step first, as a stop between steps does:
     the re-queue resumes from ``step`` and draws the samples cut short (after the last step too: the re-queue
     then only samples, instead of training the whole run again)."""
+    ema = run.ema is not None and run.lora.adapter.ema_previews  # LoRA Adapter's choice: the EMA weights draw
     try:
-        _take_samples(run.sampler, step, run.autocast, run.result)
+        with run.ema.applied() if ema else contextlib.nullcontext():
+            _take_samples(run.sampler, step, run.autocast, run.result)
     except BaseException:
         _save_state(run)
         raise
