@@ -125,7 +125,8 @@ def test_missing_and_wrong_frame_count_masks_are_named(tmp_path):
     kept = _source(data, missing_mask="skip").scan(said.append)
     assert {r.path.name for r in kept} == {"run.mp4"}
     assert any("skipping walk.mp4: its mask walk_mask.mp4 has 8 frames" in s for s in said)
-    models = SimpleNamespace(family=SimpleNamespace(display_name="Wan"), variant="t2v", specs=[])
+    models = SimpleNamespace(family=SimpleNamespace(display_name="Wan", control_images=lambda variant: None),
+                             variant="t2v", specs=[])
     with pytest.raises(ConfigError, match="mask_source='alpha' reads an image's alpha channel; clips carry"):
         record_source(models, DataConfig(path=str(data)), VideoConfig(), (), DatasetOptions(mask_source="alpha"))
 

