@@ -45,7 +45,8 @@ class LowVRAMDualGPUSplit(io.Node):
                 io.Int("cut", default=-1, min=-1, max=1024, tooltip=_help("cut")),
                 io.String("vram_budget_gb", default="0", tooltip=_help(
                     "vram_budget_gb", "Comma-separated, e.g. 12,12; one value applies to every GPU.")),
-                io.Int("micro_batches", default=1, min=1, max=64, tooltip=_help("micro_batches")),
+                # optional: API graphs saved before it existed still validate (1 = no pipelining, as before)
+                io.Int("micro_batches", default=1, min=1, max=64, optional=True, tooltip=_help("micro_batches")),
             ])
 
     @classmethod
