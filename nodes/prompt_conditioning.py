@@ -19,13 +19,14 @@ DESCRIPTION = (
 
 def prompt_conditioning(dataset, index: int) -> list:
     """ComfyUI's CONDITIONING ``[[tensor (1, tokens, width), {options}]]`` of sample prompt ``index`` (1-based),
-    laid out as the family's ``comfy_conditioning`` says; the family's embedded guidance goes in as ``guidance``."""
+    laid out as its text encoders' ``comfy_slot`` says; the family's embedded guidance goes in as ``guidance``."""
     from ..engine.errors import ConfigError
     from ..engine.families import get_family
 
     family = get_family(dataset.family)
     prompts = dataset.sample_prompts
-    if not family.comfy_conditioning:
+    slots = {spec.cache_key: spec.comfy_slot for spec in family.text_encoder_specs(dataset.variant)}
+    if not slots or None in slots.values():
         raise ConfigError(f"Sample Prompt Conditioning does not know how ComfyUI's {family.display_name} model takes "
                           f"its text yet; use ComfyUI's own text encoder loader and CLIP Text Encode instead")
     if not prompts:
@@ -35,7 +36,7 @@ def prompt_conditioning(dataset, index: int) -> list:
         raise ConfigError(f"prompt={index}: the dataset has {len(prompts)} sample prompt(s); pick 1 to {len(prompts)}")
     text = dataset.load_text(prompts[index - 1][1])  # a batch of one
     cond, options = None, {}
-    for name, slot in family.comfy_conditioning.items():
+    for name, slot in slots.items():
         if slot:
             options[slot] = text[name].float()
         else:

@@ -51,6 +51,10 @@ def test_a_prompt_past_the_last_line_or_an_unknown_family_is_refused(cache, monk
 
     with pytest.raises(ConfigError, match="has 2 sample prompt.*pick 1 to 2"):
         prompt_conditioning(cache, 3)
-    monkeypatch.setattr(type(FAMILY), "comfy_conditioning", {})
+    import dataclasses
+
+    specs = FAMILY.text_encoder_specs(cache.variant)  # a family whose encoders ComfyUI's slots are not known for
+    monkeypatch.setattr(type(FAMILY), "text_encoder_specs",
+                        lambda self, variant: tuple(dataclasses.replace(s, comfy_slot=None) for s in specs))
     with pytest.raises(ConfigError, match="CLIP Text Encode"):
         prompt_conditioning(cache, 1)

@@ -66,12 +66,6 @@ class ModelFamily(ABC):
     #: settings (images count as one-frame clips). Image families read images only.
     video: ClassVar[bool] = False
 
-    #: How ComfyUI's CONDITIONING for this family's model carries the cached prompt embeddings: embedding name ->
-    #: "" (the conditioning tensor itself) or the key of its options dict ("pooled_output"). Empty: not known to
-    #: match ComfyUI's model, and Sample Prompt Conditioning refuses the family (ComfyUI's own text encoders
-    #: serve). A family sets it once a real-ComfyUI run has sampled from it.
-    comfy_conditioning: ClassVar[dict[str, str]] = {}
-
     # specs (engine/families/specs/)
     memory: ClassVar[MemoryProfile]
     schedule: ClassVar[NoiseSchedule]

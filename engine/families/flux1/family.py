@@ -29,11 +29,14 @@ DOUBLE_BLOCK_TARGETS = (
 )
 SINGLE_BLOCK_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp", "proj_out")
 
-_CLIP = TextEncoderSpec("text_encoder", "tokenizer", "clip_pooled", 77, "pooled_prompt_embeds")
+# ComfyUI's Flux takes T5's states as the conditioning and CLIP's pooled vector as its pooled_output
+# (tests/comfyui: the demo's prompts sampled by ComfyUI's KSampler).
+_CLIP = TextEncoderSpec("text_encoder", "tokenizer", "clip_pooled", 77, "pooled_prompt_embeds",
+                        comfy_slot="pooled_output")
 # T5's default length is what the diffusers pipelines use: dev 512, schnell 256. The tiny model keeps it short.
-_T5 = TextEncoderSpec("text_encoder_2", "tokenizer_2", "t5", 512, "prompt_embeds")
-_T5_SCHNELL = TextEncoderSpec("text_encoder_2", "tokenizer_2", "t5", 256, "prompt_embeds")
-_T5_TINY = TextEncoderSpec("text_encoder_2", "tokenizer_2", "t5", 32, "prompt_embeds")
+_T5 = TextEncoderSpec("text_encoder_2", "tokenizer_2", "t5", 512, "prompt_embeds", comfy_slot="")
+_T5_SCHNELL = TextEncoderSpec("text_encoder_2", "tokenizer_2", "t5", 256, "prompt_embeds", comfy_slot="")
+_T5_TINY = TextEncoderSpec("text_encoder_2", "tokenizer_2", "t5", 32, "prompt_embeds", comfy_slot="")
 
 
 class Flux1Memory(MemoryProfile):
@@ -91,9 +94,6 @@ class Flux1Family(ModelFamily):
         "flux1-demo": "flux1-demo.json",
     }
     tiny_variant = "flux1-tiny"
-    # ComfyUI's Flux takes T5's states as the conditioning and CLIP's pooled vector as its pooled_output
-    # (tests/comfyui: the demo's prompts sampled by ComfyUI's KSampler).
-    comfy_conditioning = {"prompt_embeds": "", "pooled_prompt_embeds": "pooled_output"}
     diffusers_class_name = "FluxTransformer2DModel"
     structural_keys = ("num_layers", "num_single_layers", "attention_head_dim", "num_attention_heads",
                        "guidance_embeds")

@@ -84,6 +84,10 @@ class TextEncoderSpec:
     length: str = "padded"  # "padded" | "variable" | "zero_padded" | "windowed"
     pad_multiple: int = 0  # windowed: the window is a multiple of this many tokens
     template: PromptTemplate = PromptTemplate()
+    #: Where ComfyUI's CONDITIONING for the family's model carries this encoder's cached tensor: "" (the conditioning
+    #: tensor itself), a key of its options dict ("pooled_output"), or None: not known to match ComfyUI's model, so
+    #: Sample Prompt Conditioning refuses it (set once a real-ComfyUI run has sampled from it).
+    comfy_slot: str | None = None
     #: How the empty negative prompt of classifier-free guidance is tokenized (None: like captions). Lumina 2's
     #: pipeline puts its system prompt before captions only.
     negative_template: PromptTemplate | None = None
