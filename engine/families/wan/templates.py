@@ -19,6 +19,40 @@ _PREVIEW = FAMILY.guidance("wan2.1-t2v-1.3b")  # CFG 5, 20 steps
 _TOKENIZER = ("with umT5's tokenizer files (google/umt5-xxl: tokenizer.json, tokenizer_config.json, spiece.model) in "
               "models/text_encoders/umt5_xxl_fp8_e4m3fn_scaled/")
 
+
+def _a14b(task: str, high: str, low: str, note: str, **extra) -> TrainingTemplate:
+    """A Wan 2.2 A14B template (``task`` t2v or i2v): one chain per expert, each previewing with the other as its
+    partner and saving its own LoRA; 24 GB is the budget at which auto's plan also fits a 32 GB RAM machine (below
+    it the plan offloads every block's activations: ~58 GB of RAM; host/template_needs.py says so). The I2V expert
+    differs only by 20 input channels of patch_embedding. The downloads are the files ComfyUI's own Wan 2.2
+    template of the task uses."""
+    variant = f"wan2.2-{task}-a14b-"
+    return TrainingTemplate(
+        name=f"wan22_{task}_lora",
+        variant=variant + "high-noise",
+        partner_variant=variant + "low-noise",
+        label="high noise",
+        load={"checkpoint": high, "family": "wan", "precision": "int8 slab"},
+        cache={"text_encoders": "(single files below)", "dataset_path": "my_clips", "resolution": 624,
+               "text_encoder_1": _UMT5, "vae_file": "wan_2.1_vae.safetensors",
+               "sample_prompts": "ohwx, a dog running on a beach", "video_frames": "81", "video_fps": 16.0},
+        offload={"mode": "auto", "vram_budget_gb": 24.0},
+        train={"steps": 1500, "learning_rate": 1e-4, "rank": 16, "alpha": 16.0, "warmup_steps": 0,
+               "training_seed": 42, "sample_every": 250, "sample_steps": _PREVIEW.steps, "sample_resolution": 512,
+               "sample_guidance": FAMILY.guidance(variant + "high-noise").scale, "sample_frames": 17},
+        save={"filename_prefix": f"loras/wan22_{task}_high_noise_lora"},
+        chains=({"label": "low noise", "load": {"checkpoint": low},
+                 "train": {"sample_guidance": FAMILY.guidance(variant + "low-noise").scale},
+                 "save": {"filename_prefix": f"loras/wan22_{task}_low_noise_lora"}},),
+        # Previews need both experts (each denoises only its side of the boundary): each chain's Train LoRA takes
+        # the other chain's model as its preview_partner.
+        chain_links=((0, "preview_partner", 1), (1, "preview_partner", 0)),
+        downloads={high: _REPO22 + "diffusion_models/" + high, low: _REPO22 + "diffusion_models/" + low,
+                   _UMT5: _REPO + "text_encoders/" + _UMT5,
+                   "wan_2.1_vae.safetensors": _REPO22 + "vae/wan_2.1_vae.safetensors"},
+        note=note, **extra,
+    )
+
 TEMPLATES = [
     TrainingTemplate(
         name="wan21_t2v_1_3b_lora",
@@ -85,34 +119,7 @@ TEMPLATES = [
             "animated, the grid shows each clip's first frame and a strip of frames. The LoRA (Wan's own names) loads "
             "with ComfyUI's LoraLoaderModelOnly."),
     ),
-    TrainingTemplate(
-        name="wan22_t2v_lora",
-        variant="wan2.2-t2v-a14b-high-noise",
-        partner_variant="wan2.2-t2v-a14b-low-noise",
-        label="high noise",
-        load={"checkpoint": _HIGH, "family": "wan", "precision": "int8 slab"},
-        cache={"text_encoders": "(single files below)", "dataset_path": "my_clips", "resolution": 624,
-               "text_encoder_1": _UMT5, "vae_file": "wan_2.1_vae.safetensors",
-               "sample_prompts": "ohwx, a dog running on a beach", "video_frames": "81", "video_fps": 16.0},
-        # 24 GB: the budget at which auto's plan also fits a 32 GB RAM machine. Below it the plan offloads every
-        # block's activations (40 x 0.34 GB pinned) and needs ~58 GB of RAM (host/template_needs.py says so).
-        offload={"mode": "auto", "vram_budget_gb": 24.0},
-        # Previews need both experts (each denoises only its side of sigma 0.875): each chain's Train LoRA takes
-        # the other chain's model as its preview_partner (chain_links).
-        train={"steps": 1500, "learning_rate": 1e-4, "rank": 16, "alpha": 16.0, "warmup_steps": 0,
-               "training_seed": 42, "sample_every": 250, "sample_steps": _PREVIEW.steps, "sample_resolution": 512,
-               "sample_guidance": FAMILY.guidance("wan2.2-t2v-a14b-high-noise").scale, "sample_frames": 17},
-        save={"filename_prefix": "loras/wan22_t2v_high_noise_lora"},
-        chains=({"label": "low noise", "load": {"checkpoint": _LOW},
-                 "train": {"sample_guidance": FAMILY.guidance("wan2.2-t2v-a14b-low-noise").scale},
-                 "save": {"filename_prefix": "loras/wan22_t2v_low_noise_lora"}},),
-        chain_links=((0, "preview_partner", 1), (1, "preview_partner", 0)),
-        downloads={  # as in ComfyUI's own Wan 2.2 T2V-A14B template
-            _HIGH: _REPO22 + "diffusion_models/" + _HIGH,
-            _LOW: _REPO22 + "diffusion_models/" + _LOW,
-            _UMT5: _REPO + "text_encoders/" + _UMT5,
-            "wan_2.1_vae.safetensors": _REPO22 + "vae/wan_2.1_vae.safetensors",
-        },
+    _a14b("t2v", _HIGH, _LOW,
         note=(
             "Wan 2.2 T2V-A14B LoRAs, one per expert: the top chain trains the high-noise expert (sigma >= 0.875: "
             "layout and motion), the bottom one the low-noise expert (sigma < 0.875: detail), each on its own noise "
@@ -144,33 +151,7 @@ TEMPLATES = [
             "both LoRAs together, load them in ComfyUI's own Wan 2.2 T2V workflow (LoraLoaderModelOnly after each "
             "expert's loader)."),
     ),
-    TrainingTemplate(
-        name="wan22_i2v_lora",
-        variant="wan2.2-i2v-a14b-high-noise",
-        partner_variant="wan2.2-i2v-a14b-low-noise",
-        label="high noise",
-        tiny_variant="wan2.2-i2v-tiny",
-        load={"checkpoint": _I2V_HIGH, "family": "wan", "precision": "int8 slab"},
-        cache={"text_encoders": "(single files below)", "dataset_path": "my_clips", "resolution": 624,
-               "text_encoder_1": _UMT5, "vae_file": "wan_2.1_vae.safetensors",
-               "sample_prompts": "ohwx, a dog running on a beach", "video_frames": "81", "video_fps": 16.0},
-        # As the T2V template: 24 GB is the budget at which auto's plan also fits a 32 GB RAM machine (the I2V
-        # expert differs only by 20 input channels of patch_embedding).
-        offload={"mode": "auto", "vram_budget_gb": 24.0},
-        train={"steps": 1500, "learning_rate": 1e-4, "rank": 16, "alpha": 16.0, "warmup_steps": 0,
-               "training_seed": 42, "sample_every": 250, "sample_steps": _PREVIEW.steps, "sample_resolution": 512,
-               "sample_guidance": FAMILY.guidance("wan2.2-i2v-a14b-high-noise").scale, "sample_frames": 17},
-        save={"filename_prefix": "loras/wan22_i2v_high_noise_lora"},
-        chains=({"label": "low noise", "load": {"checkpoint": _I2V_LOW},
-                 "train": {"sample_guidance": FAMILY.guidance("wan2.2-i2v-a14b-low-noise").scale},
-                 "save": {"filename_prefix": "loras/wan22_i2v_low_noise_lora"}},),
-        chain_links=((0, "preview_partner", 1), (1, "preview_partner", 0)),
-        downloads={  # as in ComfyUI's own Wan 2.2 I2V template
-            _I2V_HIGH: _REPO22 + "diffusion_models/" + _I2V_HIGH,
-            _I2V_LOW: _REPO22 + "diffusion_models/" + _I2V_LOW,
-            _UMT5: _REPO + "text_encoders/" + _UMT5,
-            "wan_2.1_vae.safetensors": _REPO22 + "vae/wan_2.1_vae.safetensors",
-        },
+    _a14b("i2v", _I2V_HIGH, _I2V_LOW, tiny_variant="wan2.2-i2v-tiny",
         note=(
             "Wan 2.2 I2V-A14B image-to-video LoRAs, one per expert: the top chain trains the high-noise expert (sigma "
             ">= 0.9), the bottom one the low-noise expert (sigma < 0.9), each saving its own LoRA "
