@@ -7,6 +7,7 @@ D hidden size, e = 2 for bf16 activations, one "unit" = B*T*D*e):
 
     weights     non-block tensors + resident blocks + ring slots x largest streamed block
     LoRA        trainable params x 16: fp32 param, grad, two AdamW moments
+    EMA         trainable params x 4 with ema_decay: its fp32 copy (on the host with the moments instead)
     activations checkpointed block inputs: one unit per block, or with activation offload
                 1.9 units + 0.125 GB (restored and prefetched inputs, the reentrant recompute's
                 outputs and gradients)
@@ -57,6 +58,7 @@ AUTO_COMPILED_BUDGET = 0.5  # what auto lowers activation_memory_budget to when 
 CHUNK_TOKENS = 4096  # auto: one chunk per this many tokens (smaller chunks are launch-bound: 1024² with 4
 # chunks took 1.69x the resident step, 2048² 1.07x), at least 2
 MOMENT_BYTES_PER_PARAM = 8  # AdamW's two fp32 moments
+EMA_BYTES_PER_PARAM = 4  # the EMA's fp32 copy of each adapter weight (engine/train/ema.py), where the moments live
 OFFLOADED_KEPT_UNITS = 1.9  # inputs still on the GPU with activation offload (fitted) ...
 OFFLOADED_KEPT_BYTES = int(0.125 * GB)  # ... plus this (fitted)
 # Kept free inside a budget: the caching allocator reserves more than it hands out. Measured
@@ -89,6 +91,9 @@ class ModelFootprint:
     act_bytes_per_elem: int = 2  # bf16 activations
     # fp32 param + grad + AdamW moments (16); 8-bit AdamW moments make it ~10
     lora_bytes_per_param: float = LORA_BYTES_PER_PARAM
+    # The adapter's EMA (ema_decay set): EMA_BYTES_PER_PARAM, on the GPU, or in pinned host RAM where the plan keeps
+    # the AdamW moments (``optimizer_on_host``: one rule for both). 0: no EMA.
+    ema_bytes_per_param: float = 0.0
     # Per block: the bytes of each part it streams as with activation offload (engine/offload/units.py),
     # or None where it streams whole. Empty: every block whole.
     unit_bytes: list = field(default_factory=list)
@@ -224,6 +229,11 @@ class Plan:
         return self.activation_offload and len(self.offloaded_blocks) < self.footprint.num_blocks
 
     @property
+    def ema_on_host(self) -> bool:
+        """The adapter's EMA waits in pinned host RAM between steps (with the AdamW moments)."""
+        return bool(self.footprint.ema_bytes_per_param) and self.optimizer_on_host
+
+    @property
     def predicted_host_peak_bytes(self) -> int:
         """The most host RAM the run holds at once: the largest phase."""
         return max(self.host_phases.values()) if self.host_phases else 0
@@ -247,6 +257,8 @@ class Plan:
                        and any(fp.unit_bytes) else ""))
                  + (f", recompute in {self.recompute_chunks} token chunks" if self.recompute_chunks > 1 else "")
                  + (", AdamW moments on the host" if self.optimizer_on_host else "")
+                 + ((", adapter EMA in pinned host RAM" if self.ema_on_host else ", adapter EMA on the training device")
+                    if fp.ema_bytes_per_param else "")
                  + (f", {fp.outer_bytes / GB:.2f} GB of layers outside the blocks on the host"
                     if self.outer_on_host else "")
                  + (f", each batch run {self.micro_batch} sample(s) at a time"
@@ -297,6 +309,7 @@ class Plan:
             "pinned_host_gb": round(self.pinned_host_bytes / GB, 3),
             "budget_gb": round(self.budget_bytes / GB, 3) if self.budget_bytes else None,
             "recompute_chunks": self.recompute_chunks, "optimizer_on_host": self.optimizer_on_host,
+            "ema": ("host" if self.ema_on_host else "device") if self.footprint.ema_bytes_per_param else None,
             "outer_on_host": self.outer_on_host,
             "micro_batch": self.micro_batch or self.workload.batch,
             "activation_memory_budget": self.activation_memory_budget,
@@ -398,7 +411,11 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
                                   + TRANSIENT_BYTES
                                   + (OFFLOADED_KEPT_BYTES if activation_offload else 0))),
     }
-    peak = (breakdown["weights"] + breakdown["lora+adam"]
+    # The EMA on the GPU (else on the host with the moments: its update then brings it in after the optimizer's
+    # temporaries are gone, 4 bytes per weight within their 8 + 8).
+    if fp.ema_bytes_per_param and not optimizer_on_host:
+        breakdown["ema"] = int(fp.trainable_params * fp.ema_bytes_per_param)
+    peak = (breakdown["weights"] + breakdown["lora+adam"] + breakdown.get("ema", 0)
             + max(breakdown["activations"], fp.trainable_params * (OPTIMIZER_BYTES_PER_PARAM + moments)))
     # Each checkpointed unit's inputs go out and come back (a block in parts has one input set per part).
     act_io = int(sum(len(groups[i]) for i in offloaded) * SAVED_INPUT_UNITS * unit)
@@ -479,8 +496,9 @@ def host_bytes(fp: ModelFootprint, streamed: Sequence[int], disk: Sequence[int],
     * staging: the disk tier's pinned ring (``staging`` bytes: its slots x the largest disk unit's read);
     * activations: the pinned buffers activation offload keeps, one per streamed unit (activations.py);
     * moments: AdamW's moments between steps with optimizer_on_host (host_moments.py);
+    * ema: the adapter's EMA, with the moments (engine/train/ema.py, ``ModelFootprint.ema_bytes_per_param``);
     * outer: the layers outside the blocks held in pinned memory with outer_on_host (outer.py);
-    * resume: the pinned copy a resume save takes of the LoRA and its moments (state_writer.py HostStaging);
+    * resume: the pinned copy a resume save takes of the LoRA, its moments and its EMA (state_writer.py HostStaging);
     * weights kept: host copies of tensors moved to the GPU, kept for the run so ``remove()`` can put them back
       (the streamer's ``_moved``): the tensors outside the blocks, and with a model loaded into host memory (not a
       slab's file map) the resident blocks too;
@@ -496,13 +514,14 @@ def host_bytes(fp: ModelFootprint, streamed: Sequence[int], disk: Sequence[int],
     pinned_blocks = sum(fp.block_bytes[i] for i in streamed if i not in disk_set)
     lora = fp.trainable_params
     moments = int(lora * MOMENT_BYTES_PER_PARAM) if moments_on_host else 0
-    # A resume save stages the fp32 LoRA weights and the optimizer's moments (lora_bytes_per_param less the weight
-    # and its gradient: 8 for AdamW, ~2 for 8-bit AdamW).
-    resume = int(lora * (4 + max(0.0, fp.lora_bytes_per_param - 8))) if resume_staging else 0
+    ema = int(lora * fp.ema_bytes_per_param) if moments_on_host else 0
+    # A resume save stages the fp32 LoRA weights, the optimizer's moments (lora_bytes_per_param less the weight
+    # and its gradient: 8 for AdamW, ~2 for 8-bit AdamW) and the EMA, wherever it lives.
+    resume = int(lora * (4 + max(0.0, fp.lora_bytes_per_param - 8) + fp.ema_bytes_per_param)) if resume_staging else 0
     kept = (fp.other_bytes - outer + (0 if fp.file_backed else sum(fp.block_bytes[i] for i in resident))
             if keeps_host_copies else 0)
     train = {"process": PROCESS_BASE_BYTES, "blocks": pinned_blocks, "staging": staging, "activations": act_io,
-             "moments": moments, "outer": outer, "resume": resume, "weights kept": kept}
+             "moments": moments, "ema": ema, "outer": outer, "resume": resume, "weights kept": kept}
     train.update({k: int(v) for k, v in extra.items()})
     as_read = fp.other_bytes if fp.file_backed else fp.other_bytes + fp.total_block_bytes
     # While pinning, a loaded (not file-backed) model's streamed blocks are copied one at a time and the originals

@@ -151,6 +151,7 @@ def _train_lora(model_cfg, identity, dataset, lora, train, callback, preloaded, 
                dtype=dtype, held_before=held_before, loss=loss)
     placement.saves_state = resume is not None and resume.enabled
     placement.preservation = loss is not None and loss.preservation_weight > 0  # its passes in the step-time model
+    placement.ema = bool(lora.adapter.ema_decay)  # the plan counts its copy, where the moments live
     if preview_partner is not None and sampling is not None and sampling.enabled and device.type == "cuda":
         _count_partner(placement, preview_partner, dtype)
     _load_model(run, model_cfg, identity, lora, preloaded)
@@ -439,7 +440,7 @@ def _make_optimizer(run: _Run) -> None:
     run.scheduler = _make_scheduler(run.optimizer, run.train)
     run.named = adapter_parameters(run.model)  # the order of ``params``
     if run.lora.adapter.ema_decay:  # its averages are saved and restored with the weights (resume)
-        run.ema = AdapterEma(run.named, run.lora.adapter.ema_decay)
+        run.ema = AdapterEma(run.named, run.lora.adapter.ema_decay, on_host=run.memory.optimizer_on_host)
         run.named = run.named + run.ema.named
 
 

@@ -103,6 +103,7 @@ class Placement(ABC):
         self.slab_path = None  # the checkpoint is an int8 slab here: its blocks can stream from disk
         self.saves_state = True  # the run writes resumable states (the loop says): a save stages them in host RAM
         self.preservation = False  # each micro-step also runs preservation's passes (the loop says; step time)
+        self.ema = False  # the run keeps an EMA of the adapter (the loop says): the plan places and counts it
         # The modulation window's weights stay in the slab file's map, read once per window, and its host bytes go to
         # blocks instead (Streamed.plan decides when host RAM is short; engine/train/step_window.py).
         self.window_from_file = False
@@ -157,6 +158,13 @@ class Placement(ABC):
         except BaseException:
             self.remove()
             raise
+
+    def _per_weight(self, fp, train: TrainConfig) -> None:
+        """The bytes per adapter weight the plan counts: the optimizer's (with the weight and its gradient), the EMA's."""
+        from ..offload.plan import EMA_BYTES_PER_PARAM
+
+        fp.lora_bytes_per_param = lora_bytes_per_param(train)
+        fp.ema_bytes_per_param = EMA_BYTES_PER_PARAM if self.ema else 0.0
 
     def remove(self) -> None:
         """Undo ``apply``: streaming stopped (frozen tensors back where they were; streamed blocks to their
@@ -277,7 +285,7 @@ class Resident(Placement):
         from ..offload.plan import cpu_resident_plan, make_plan
 
         fp, family, variant = footprint_before_loading(ident, dtype, lora, family_id)
-        fp.lora_bytes_per_param = lora_bytes_per_param(train)
+        self._per_weight(fp, train)
         ram, cap, source = ram_budget(self.offload)
         if self.device.type != "cuda":
             cpu_resident_plan(fp, workload_for(dataset, family, variant, train.batch_size), ram, source,
@@ -312,7 +320,7 @@ class Streamed(Placement):
         from ..offload.window import place_window_weights
 
         offload = self.offload
-        fp.lora_bytes_per_param = lora_bytes_per_param(train)
+        self._per_weight(fp, train)
         if self.slab_path is not None:  # the int8 weights are the file map's pages; the file can be read per load
             fp.file_backed = fp.disk_capable = True
         if train.optimizer != "adamw":  # host-held moments are AdamW's fp32 ones: auto must not count on them
@@ -413,7 +421,7 @@ class Split(Placement):
         from ..parallel.split import plan_split, split_budgets, trainable_per_block
 
         fp = measure_footprint(model, family, f"{family.display_name} ({variant})")
-        fp.lora_bytes_per_param = lora_bytes_per_param(train)
+        self._per_weight(fp, train)
         from ..offload.link import resolve_machine
 
         per_block, outside = trainable_per_block(model, family)
