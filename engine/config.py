@@ -139,7 +139,9 @@ class AdapterConfig:
         "Keep an exponential moving average of the adapter weights (ema = decay * ema + (1 - decay) * weights after "
         "every step): smoother results. Save LoRA writes it as its own file beside the plain one "
         "(<name>_ema.safetensors). 0 = off; 0.99-0.999 is usual (the average spans about 1 / (1 - decay) steps, so "
-        "keep it well below the step count). Kept beside the weights on their device, and in the resume state."
+        "keep it well below the step count). Kept beside the weights on their device (4 bytes per weight), or in "
+        "pinned host RAM with the AdamW moments when the plan keeps those there (optimizer_on_host); in the resume "
+        "state."
     )})
     ema_previews: bool = field(default=True, metadata={"help": (
         "With ema_decay set: previews (sample_every) draw with the EMA weights, and Train LoRA's lora_model output "

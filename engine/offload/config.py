@@ -79,6 +79,7 @@ class OffloadConfig:
     optimizer_on_host: Optional[bool] = field(default=None, metadata={"help": (
         "Keep the AdamW moments (8 bytes per LoRA weight, 0.37 GB for a Flux.1 r16 LoRA) in pinned host RAM "
         "between steps; they are copied in for the optimizer step, after the activations are gone, and back. "
+        "With an EMA (ema_decay) its copy (4 bytes per weight) waits there too. "
         "None: off, unless auto needs the memory. adamw only."
     )})
     outer_on_host: Optional[bool] = field(default=None, metadata={"help": (
