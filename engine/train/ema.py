@@ -61,9 +61,10 @@ class AdapterEma:
         """The averages copied into the adapter's parameters for the duration (previews), the weights copied back
         after: the parameters keep their storage, so compiled blocks and anything holding them see no new tensor;
         the copy back is exact, so training goes on bit for bit as without the previews."""
+        if self.host is not None:
+            self.host.wait()  # the last update's copy out has landed (a preview may draw on another stream)
         with torch.no_grad():
             kept = [p.detach().clone() for p in self.params]
-            # host averages: copies ordered after the last update's copy out on the same stream
             torch._foreach_copy_([p.data for p in self.params], self.shadow)
         try:
             yield
