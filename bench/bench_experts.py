@@ -84,6 +84,8 @@ def parse_args(argv=None):
     p.add_argument("--build-jobs", type=int, default=0, choices=(0, 1, 2),
                    help="slabs built at once, in processes of their own (0: 2 on CUDA, 1 on the CPU)")
     p.add_argument("--keep-slabs", action="store_true", help="leave the slabs in --workdir (a rerun reuses them)")
+    p.add_argument("--project-steps", type=int, default=1000,
+                   help="the summary also projects both walls to a run of this many steps from the measured parts")
     p.add_argument("--match-rtol", type=float, default=None,
                    help="largest relative difference of a LoRA tensor for loras_match (default 1e-6 cpu, 1e-2 cuda)")
     p.add_argument("--out", default="bench/results.jsonl")
@@ -154,6 +156,24 @@ class HostSampler:
 
     @staticmethod
     def _tree() -> list[int]:
+        """This process and its descendants. Workers are started from the main thread, so each process's main
+        thread's ``children`` file names them (a few small reads per sample: the sampler shares this process's
+        GIL with the serial runs' training loop); where the kernel has no such file, every /proc entry's parent."""
+        me = os.getpid()
+        if not Path(f"/proc/{me}/task/{me}/children").exists():
+            return HostSampler._scan()
+        out, todo = [], [me]
+        while todo:
+            pid = todo.pop()
+            out.append(pid)
+            try:
+                todo.extend(int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
+            except OSError:  # it exited
+                continue
+        return out
+
+    @staticmethod
+    def _scan() -> list[int]:
         parents: dict[int, list[int]] = {}
         for entry in os.scandir("/proc"):
             if not entry.name.isdigit():
@@ -162,8 +182,7 @@ class HostSampler:
                 stat = Path(f"/proc/{entry.name}/stat").read_text()
             except OSError:
                 continue
-            ppid = int(stat.rpartition(")")[2].split()[1])
-            parents.setdefault(ppid, []).append(int(entry.name))
+            parents.setdefault(int(stat.rpartition(")")[2].split()[1]), []).append(int(entry.name))
         out, todo = [], [os.getpid()]
         while todo:
             pid = todo.pop()
@@ -301,6 +320,26 @@ def run_experts(args, ctx) -> tuple[dict, list]:
     return row, [both, both.companion]
 
 
+def project(serial: dict, experts: dict, steps: int, n: int) -> dict:
+    """A few timed steps are mostly start-up (worker processes, loading each expert): what is not steps (``*_fixed_s``:
+    wall less ``steps`` x the mode's per-step time) and the ratio for an ``n``-step run, each further step costing the
+    measured medians: serial both experts' steps one after the other, experts mode the slower expert's (they run
+    side by side). A projection from measured parts, labelled as one, beside the measured ``x_serial``."""
+    per = {"serial": [e.get("step_s") for e in serial.get("experts", [])],
+           "experts": [e.get("step_s") for e in experts.get("experts", [])]}
+    if not serial.get("wall_s") or not experts.get("wall_s") or None in per["serial"] + per["experts"] \
+            or len(per["serial"]) != 2 or len(per["experts"]) != 2:
+        return {}
+    step = {"serial": sum(per["serial"]), "experts": max(per["experts"])}
+    walls = {m: r["wall_s"] for m, r in (("serial", serial), ("experts", experts))}
+    out = {f"{m}_fixed_s": round(walls[m] - steps * step[m], 1) for m in walls}
+    at_n = {m: walls[m] + (n - steps) * step[m] for m in walls}
+    out.update({"projected_steps": n, "serial_wall_projected_s": round(at_n["serial"], 1),
+                "experts_wall_projected_s": round(at_n["experts"], 1),
+                "x_serial_projected": round(at_n["experts"] / at_n["serial"], 3)})
+    return out
+
+
 def _mean(values):
     values = [v for v in values if v is not None]
     return round(statistics.fmean(values), 4) if values else None
@@ -414,6 +453,7 @@ def main(argv=None) -> int:
                        "experts_peak_alloc_gb_per_gpu": experts.get("peak_alloc_gb_per_gpu"),
                        "serial_host_peak_gb": serial.get("host_peak_gb"),
                        "experts_host_peak_gb": experts.get("host_peak_gb")}
+            summary.update(project(serial, experts, args.steps, args.project_steps))
             if "serial" in results and "experts" in results:
                 rtol = args.match_rtol if args.match_rtol is not None else (1e-2 if cuda else 1e-6)
                 summary.update(compare(results["serial"], results["experts"], [o[2] for o in order], rtol))

@@ -356,7 +356,9 @@ def experts_section(rows: list[dict]) -> list[str]:
            "from the mode's start to both LoRA files saved (worker start and model load included). Step s: the mean "
            "of the two experts' median steps (the first step, with its warm-up, left out). Host RAM: the bench "
            "process and its workers, highest sum of RssAnon + RssShmem (sampled every 20 ms), pinned: the engine's "
-           "own count. Target (issue 42): experts wall <= 0.55x serial wall; the LoRAs of both modes must match.\n",
+           "own count. Target (issue 42): experts wall <= 0.55x serial wall; the LoRAs of both modes must match. In "
+           "brackets: projected to a longer run from the measured parts (the start-up, then each further step at the "
+           "measured median: serial both experts' steps, experts the slower one's), not measured.\n",
            "| date | gpu | models | res | budget GB/GPU | steps | mode | wall s | x serial | step s | peak alloc GB "
            "per GPU | host RAM GB (pinned) | LoRAs match | command |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -372,6 +374,8 @@ def experts_section(rows: list[dict]) -> list[str]:
         wall = _fmt(r.get("wall_s"), 1) if r.get("wall_s") else "**" + (r.get("error") or "failed").split(":")[0] + "**"
         ratio = _fmt(s.get("x_serial")) + (" ✓" if s.get("meets_target") else " ✗") \
             if r.get("mode") == "experts" and s.get("x_serial") else "–"
+        if ratio != "–" and s.get("x_serial_projected"):
+            ratio += f" ({_fmt(s['x_serial_projected'])} at {s['projected_steps']} steps)"
         peaks = ", ".join(_fmt(p, 2) for p in (r.get("peak_alloc_gb_per_gpu") or []))
         note = f" ({r['note']})" if r.get("note") else ""
         out.append(f"| {r.get('date', '')[:16].replace('T', ' ')} | {r.get('gpu')} | {r.get('model')} | {r.get('res')} | "
