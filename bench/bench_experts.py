@@ -269,20 +269,23 @@ def run_serial(args, ctx) -> tuple[dict, list]:
     sampler = HostSampler()
     t0 = time.perf_counter()
     results, experts, peaks = [], [], []
-    for model, partner, role in ctx.order:
-        rec = Recorder(f"serial {role}")
-        t = time.perf_counter()
-        result = train_or_reuse(model, ctx.dataset, ctx.lora, ctx.train, ctx.tmp / "serial-runs", rec.callback,
-                                offload=ctx.offload(args.budget), preview_partner=partner)
-        save_lora(result, ctx.loras / f"serial_{role}.safetensors", overwrite=True)
-        results.append(result)
-        peaks.append(round(result.peak_vram_gb, 3))
-        experts.append({"role": role, "device": ctx.devices[0], "wall_s": round(time.perf_counter() - t, 2),
-                        "peak_alloc_gb": round(result.peak_vram_gb, 3), **_step_fields(rec.rec.steps)})
-    wall = time.perf_counter() - t0
+    try:
+        for model, partner, role in ctx.order:
+            rec = Recorder(f"serial {role}")
+            t = time.perf_counter()
+            result = train_or_reuse(model, ctx.dataset, ctx.lora, ctx.train, ctx.tmp / "serial-runs", rec.callback,
+                                    offload=ctx.offload(args.budget), preview_partner=partner)
+            save_lora(result, ctx.loras / f"serial_{role}.safetensors", overwrite=True)
+            results.append(result)
+            peaks.append(round(result.peak_vram_gb, 3))
+            experts.append({"role": role, "device": ctx.devices[0], "wall_s": round(time.perf_counter() - t, 2),
+                            "peak_alloc_gb": round(result.peak_vram_gb, 3), **_step_fields(rec.rec.steps)})
+        wall = time.perf_counter() - t0
+    finally:
+        host = sampler.stop()
     row = {"mode": "serial", "devices": [ctx.devices[0]], "wall_s": round(wall, 2), "experts": experts,
            "step_s": _mean([e["step_s"] for e in experts]), "peak_alloc_gb_per_gpu": [max(peaks)],
-           "pinned_host_gb": max((e["pinned_host_gb"] or 0 for e in experts), default=None), **sampler.stop()}
+           "pinned_host_gb": max((e["pinned_host_gb"] or 0.0 for e in experts), default=None), **host}
     return row, results
 
 
@@ -294,18 +297,21 @@ def run_experts(args, ctx) -> tuple[dict, list]:
     from lowvram_lora.engine.runs import launch
     from lowvram_lora.engine.runs.result_reuse import train_or_reuse
 
-    launch.RELAY_STEP_EVERY = 1  # the other worker's every step as a log line (its step times, by arrival)
     (high, low, high_role), (_, _, low_role) = ctx.order
     parallel = ParallelConfig(mode="experts", devices=ctx.devices, vram_budget_gb=(args.budget,))
     rec = Recorder("experts")
+    every, launch.RELAY_STEP_EVERY = launch.RELAY_STEP_EVERY, 1  # the other worker's every step (timed by arrival)
     sampler = HostSampler()
-    t0 = time.perf_counter()
-    both = train_or_reuse(high, ctx.dataset, ctx.lora, ctx.train, ctx.tmp / "experts-runs", rec.callback,
-                          parallel=parallel, offload=ctx.offload(0.0), preview_partner=low)
-    for result, role in ((both, high_role), (both.companion, low_role)):
-        save_lora(result, ctx.loras / f"experts_{role}.safetensors", overwrite=True)
-    wall = time.perf_counter() - t0
-    host = sampler.stop()
+    try:
+        t0 = time.perf_counter()
+        both = train_or_reuse(high, ctx.dataset, ctx.lora, ctx.train, ctx.tmp / "experts-runs", rec.callback,
+                              parallel=parallel, offload=ctx.offload(0.0), preview_partner=low)
+        for result, role in ((both, high_role), (both.companion, low_role)):
+            save_lora(result, ctx.loras / f"experts_{role}.safetensors", overwrite=True)
+        wall = time.perf_counter() - t0
+    finally:
+        host = sampler.stop()
+        launch.RELAY_STEP_EVERY = every
     main = _step_fields(rec.rec.steps)
     relayed, losses = rec.relayed_steps()
     other = {"step_times": relayed, "losses": losses,
