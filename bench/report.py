@@ -100,8 +100,9 @@ def render(rows: list[dict]) -> str:
     sampling = [r for r in rows if r.get("bench") == "sampling"]
     disk_tier = [r for r in rows if r.get("bench") == "disk_tier"]
     ram_rows = [r for r in rows if r.get("bench") == "ram"]
+    experts_rows = [r for r in rows if r.get("bench") == "experts"]
     rows = [r for r in rows if r.get("mode") not in SLAB_ONLY + OTHER_ONLY
-            and r.get("bench") not in ("parallel", "sampling", "disk_tier", "ram")]
+            and r.get("bench") not in ("parallel", "sampling", "disk_tier", "ram", "experts")]
     out = [HEADER]
     models = sorted({r.get("model", "?") for r in rows})
     if not rows:
@@ -210,6 +211,8 @@ def render(rows: list[dict]) -> str:
                 f"{_fmt(r.get('x_one_gpu_images_per_s'))} | {_fmt(r.get('scaling_efficiency'))} | {peaks} | "
                 f"{_fmt(r.get('peak_max_over_min'))} | `{r.get('command')}` |")
         out.append("")
+    if experts_rows:
+        out.extend(experts_section(experts_rows))
     if sampling:
         out.append("## Sampling during training (bench/bench_sampling.py)\n")
         out.append("| date | gpu | model | res | mode | s per image | × resident sampling | sample peak GB | training peak GB "
@@ -342,6 +345,45 @@ def render(rows: list[dict]) -> str:
                        f"{_fmt(b.get('host'))} | `{r.get('command')}` |")
         out.append("")
     return "\n".join(out)
+
+
+def experts_section(rows: list[dict]) -> list[str]:
+    """bench/bench_experts.py: both Wan 2.2 A14B experts at once (Dual-GPU Split mode experts) beside the two
+    one-expert runs back to back (serial) of the same run, and the summary row's ratio and LoRA check."""
+    out = ["## Both Wan 2.2 A14B experts at once (bench/bench_experts.py)\n",
+           "`serial`: the high-noise expert's one-expert run, then the low-noise one's, on the first GPU (the baseline "
+           "of the run); `experts`: Dual-GPU Split mode experts, one expert per GPU in two worker processes. Wall: "
+           "from the mode's start to both LoRA files saved (worker start and model load included). Step s: the mean "
+           "of the two experts' median steps (the first step, with its warm-up, left out). Host RAM: the bench "
+           "process and its workers, highest sum of RssAnon + RssShmem (sampled every 20 ms), pinned: the engine's "
+           "own count. Target (issue 42): experts wall <= 0.55x serial wall; the LoRAs of both modes must match. In "
+           "brackets: projected to a longer run from the measured parts (the start-up, then each further step at the "
+           "measured median: serial both experts' steps, experts the slower one's), not measured.\n",
+           "| date | gpu | models | res | budget GB/GPU | steps | mode | wall s | x serial | step s | peak alloc GB "
+           "per GPU | host RAM GB (pinned) | LoRAs match | command |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    summary = {r.get("run_id"): r for r in rows if r.get("mode") == "summary"}
+    for r in rows:
+        if r.get("mode") == "summary":
+            continue
+        s = summary.get(r.get("run_id"), {})
+        diff = s.get("lora_diff") or {}
+        match = ("–" if "loras_match" not in s else
+                 f"{'yes' if s['loras_match'] else '**no**'} (max rel. diff "
+                 f"{max((d.get('max_rel_diff', 0) for d in diff.values()), default=0):.1e})")
+        wall = _fmt(r.get("wall_s"), 1) if r.get("wall_s") else "**" + (r.get("error") or "failed").split(":")[0] + "**"
+        ratio = _fmt(s.get("x_serial")) + (" ✓" if s.get("meets_target") else " ✗") \
+            if r.get("mode") == "experts" and s.get("x_serial") else "–"
+        if ratio != "–" and s.get("x_serial_projected"):
+            ratio += f" ({_fmt(s['x_serial_projected'])} at {s['projected_steps']} steps)"
+        peaks = ", ".join(_fmt(p, 2) for p in (r.get("peak_alloc_gb_per_gpu") or []))
+        note = f" ({r['note']})" if r.get("note") else ""
+        out.append(f"| {r.get('date', '')[:16].replace('T', ' ')} | {r.get('gpu')} | {r.get('model')} | {r.get('res')} | "
+                   f"{r.get('budget_gb_per_gpu')} | {r.get('steps')} | {r.get('mode')} | {wall} | {ratio} | "
+                   f"{_fmt(r.get('step_s'))} | {peaks or '–'} | {_fmt(r.get('host_peak_gb'), 2)} "
+                   f"({_fmt(r.get('pinned_host_gb'), 2)}) | {match} | `{r.get('command')}`{note} |")
+    out.append("")
+    return out
 
 
 def main(argv=None) -> int:

@@ -97,7 +97,8 @@ def parse_res(token) -> tuple[int, int, int]:
 def write_synthetic_cache(root: Path, family, variant: str, cfg: dict, res, n_items: int, seed: int,
                           references: int | None = None):
     """A DatasetCache of ``n_items`` random latents at ``res`` (``parse_res``: a side, WxH, or WxHxF for clips)
-    and random text embeddings, in the engine's cache layout (no manifest: training does not read it).
+    and random text embeddings, in the engine's cache layout, with the manifest ``open_dataset_cache`` reads (worker
+    processes open the cache by it: data parallel, Dual-GPU Split mode experts).
     ``references``: reference (control) images per item at the target's size, for a variant that takes them
     (None: one where the variant needs them, none where they are optional, as Flux.2's)."""
     from safetensors.torch import save_file
@@ -141,7 +142,16 @@ def write_synthetic_cache(root: Path, family, variant: str, cfg: dict, res, n_it
                                 text_key=key, latent_key=key, frames=list(range(frames)) if frames > 1 else [],
                                 **({"controls": [f"control_{k}.png" for k in range(count)],
                                     "control_sizes": [[w, h]] * count} if count else {})))
-    return DatasetCache(root, root / "datasets" / f"bench-{res}.json", f"bench-{res}", family.id, variant, items)
+    from dataclasses import asdict
+
+    from lowvram_lora.engine.caching.cache import MANIFEST_VERSION
+
+    manifest = root / "datasets" / f"bench-{res}.json"
+    manifest.parent.mkdir(parents=True, exist_ok=True)
+    manifest.write_text(json.dumps({"version": MANIFEST_VERSION, "dataset_hash": f"bench-{res}", "family": family.id,
+                                    "variant": variant, "items": [asdict(i) for i in items], "repeats": 1,
+                                    "flip": False}))
+    return DatasetCache(root, manifest, f"bench-{res}", family.id, variant, items)
 
 
 # --------------------------------------------------------------------------- timing

@@ -1,0 +1,486 @@
+"""Both Wan 2.2 A14B experts at once (Dual-GPU Split mode ``experts``, issue 42) against two one-expert runs back to back.
+
+Issue 42's target: the two-expert run's wall time <= 0.55x the two one-expert runs one after the other, Wan 2.2
+T2V-A14B, 832x480x81, 8 GB VRAM budget per GPU, int8. On a 2-GPU machine (no torchrun: experts mode starts its own
+worker processes):
+
+    source bench/gpu_env.sh
+    PYTHONUNBUFFERED=1 python3 bench/bench_experts.py --res 832x480x81 --steps 3 --budget 8 \\
+        --ckpt-dir /dev/shm --out "$OUT/results.jsonl"
+
+What runs, in order (``--modes``; experts first by default: a kernel or compile cache the first mode fills on disk
+then favours the serial runs, not the mode under test):
+
+- the two experts as int8 slabs in ``--workdir``, as a user's run reads them: random full-size weights (``--variant``
+  and the other expert, ``family.schedule.preview_partner``), each written as an fp8 checkpoint into ``--ckpt-dir``
+  and quantized by the engine's ``build_slab`` (bench_ram.ensure_slab, its fast random fill), the checkpoint then
+  deleted; on CUDA both experts are built at once in two processes. The experts' weights differ (each its own fill);
+- a synthetic cached dataset of ``--clips`` random clips at ``--res`` WxHxF (train_bench.write_synthetic_cache);
+- ``experts``: the engine entry the Train LoRA node calls (``train_or_reuse``) with a ParallelConfig of mode experts on
+  cuda:0 + cuda:1, ``--budget`` GB each: the high-noise expert on cuda:0, the low-noise one on cuda:1, in two worker
+  processes; then Save LoRA's writer for both;
+- ``serial``: the same entry for one expert (Offload Config auto, ``--budget`` GB, cuda:0), the high-noise expert,
+  then the low-noise one, each LoRA saved after its run.
+
+Both modes: the same steps, seed, learning rate, dataset; each in a finished-run cache folder of its own (so neither
+reuses the other's LoRA). ``wall_s``: from the mode's start to both LoRA files written. Per step: the trained
+expert's own step times (``StepInfo.seconds_per_step``); in experts mode the worker beside the connected one reports
+its steps as relayed log lines (every step here), timed by their arrival. Peak VRAM per GPU: each run's
+``peak_vram_gb`` (max allocated). Host RAM: the bench process and its worker processes sampled every 20 ms from
+``/proc/<pid>/status`` (bench_ram.status_of): the highest sum of RssAnon + RssShmem (what cannot be reclaimed,
+pinned buffers included; the slab's page cache not), of VmRSS, and of VmLck + VmPin; beside it the engine's own
+count of pinned host memory per step.
+
+Check: each expert's LoRA from experts mode equals its one-expert run's (the same draws): the summary row records,
+per expert, the largest absolute difference, the largest relative (Frobenius) difference of a tensor, and whether
+they are bit-equal; ``loras_match`` holds when the relative difference is within ``--match-rtol`` (1e-6 on the CPU,
+where both are the same computation; 1e-2 on CUDA by default, where attention's backward may sum in another order).
+
+A smoke test on the CPU (tiny experts, cpu + cpu; tests/test_bench_experts.py runs it):
+
+    python3 bench/bench_experts.py --device cpu --variant wan-tiny-high-noise --res 64x48x5 --steps 2 --clips 2 \\
+        --rank 2 --lr 1e-2 --workdir /tmp/experts-bench --out /tmp/experts.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+GB = 1e9
+TARGET = 0.55  # issue 42: the two-expert run's wall time over the two one-expert runs'
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--family", default="wan")
+    p.add_argument("--variant", default="wan2.2-t2v-a14b-high-noise",
+                   help="the expert Train LoRA's model is (the other is its preview partner)")
+    p.add_argument("--res", default="832x480x81", help="WxHxF of the cached clips")
+    p.add_argument("--clips", type=int, default=4, help="synthetic cached clips")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--budget", type=float, default=8.0, help="VRAM budget per GPU, GB")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--modes", nargs="+", default=["experts", "serial"], choices=["experts", "serial"],
+                   help="which modes, in this order")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cpu: a smoke test on a tiny variant (both experts on cpu)")
+    p.add_argument("--workdir", default="/tmp/experts-bench", help="the slabs, the dataset cache, the LoRA files")
+    p.add_argument("--ckpt-dir", default="", help="where each random checkpoint is written before its slab is built "
+                   "from it (default --workdir); /dev/shm keeps 2 x 14 GB off the disk (deleted once the slab is built)")
+    p.add_argument("--ckpt-dtype", default="fp8", choices=("bf16", "fp8"),
+                   help="the random checkpoints' dtype: fp8 (as ComfyUI's Wan 2.2 files) halves their bytes")
+    p.add_argument("--build-jobs", type=int, default=0, choices=(0, 1, 2),
+                   help="slabs built at once, in processes of their own (0: 2 on CUDA, 1 on the CPU)")
+    p.add_argument("--keep-slabs", action="store_true", help="leave the slabs in --workdir (a rerun reuses them)")
+    p.add_argument("--project-steps", type=int, default=1000,
+                   help="the summary also projects both walls to a run of this many steps from the measured parts")
+    p.add_argument("--match-rtol", type=float, default=None,
+                   help="largest relative difference of a LoRA tensor for loras_match (default 1e-6 cpu, 1e-2 cuda)")
+    p.add_argument("--out", default="bench/results.jsonl")
+    p.add_argument("--note", default="")
+    return p.parse_args(argv)
+
+
+# --------------------------------------------------------------------------------------------- the slabs
+
+
+def build_expert_slab(workdir: str, ckpt_dir: str, ckpt_dtype: str, variant: str, family_id: str,
+                      fast: bool = True) -> tuple[str, dict]:
+    """One expert's slab through bench_ram.ensure_slab (a random checkpoint, build_slab, the checkpoint deleted).
+    Its fill is salted with the variant, so the two experts' weights differ (the fast fill keys on the name only).
+    ``fast``: bench_ram's tiled fill (full size); else every tensor drawn on its own (tiny: cheaper than the pool)."""
+    import bench_ram
+    from lowvram_lora.engine.slab import testing
+
+    fill, drawn = bench_ram.fast_random_tensors, testing.random_tensor
+
+    def salted_fill():
+        if fast:
+            fill()
+        tiled = testing.random_tensor
+        testing.random_tensor = lambda name, *a, **kw: tiled(f"{variant}/{name}", *a, **kw)
+
+    bench_ram.fast_random_tensors = salted_fill
+    try:
+        slab, info = bench_ram.ensure_slab(SimpleNamespace(workdir=workdir, variant=variant, ckpt_dir=ckpt_dir,
+                                                           ckpt_dtype=ckpt_dtype), family_id)
+    finally:
+        bench_ram.fast_random_tensors, testing.random_tensor = fill, drawn
+    return str(slab), info
+
+
+def build_slabs(args, variants: list[str]) -> tuple[list[Path], dict]:
+    """Both experts' slabs; on CUDA in two processes at once (each a checkpoint write and a quantization pass, CPU-
+    and memory-bound: about 100 s each for a 14B expert). Returns the paths and what the builds took."""
+    fast = args.device == "cuda"
+    jobs = [(args.workdir, args.ckpt_dir, args.ckpt_dtype, v, args.family, fast) for v in variants]
+    t = time.perf_counter()
+    if (args.build_jobs or (2 if args.device == "cuda" else 1)) > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(len(jobs), mp_context=mp.get_context("spawn")) as pool:
+            done = list(pool.map(build_expert_slab, *zip(*jobs)))
+    else:
+        done = [build_expert_slab(*job) for job in jobs]
+    info = {"slabs_s": round(time.perf_counter() - t, 1), "slab_builds": [i for _, i in done]}
+    print(f"slabs: {info}", flush=True)
+    return [Path(s) for s, _ in done], info
+
+
+# --------------------------------------------------------------------------------------------- host RAM
+
+
+class HostSampler:
+    """The bench process and every process below it (experts mode's workers), sampled every 20 ms: the highest sums
+    of RssAnon + RssShmem, VmRSS and VmLck + VmPin (bench_ram.status_of), and the workers' share of the first."""
+
+    def __init__(self):
+        self.peaks = {"host": 0, "rss": 0, "locked": 0, "workers": 0}
+        self.start = self._sample()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _tree() -> list[int]:
+        """This process and its descendants. Workers are started from the main thread, so each process's main
+        thread's ``children`` file names them (a few small reads per sample: the sampler shares this process's
+        GIL with the serial runs' training loop); where the kernel has no such file, every /proc entry's parent."""
+        me = os.getpid()
+        if not Path(f"/proc/{me}/task/{me}/children").exists():
+            return HostSampler._scan()
+        out, todo = [], [me]
+        while todo:
+            pid = todo.pop()
+            out.append(pid)
+            try:
+                todo.extend(int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
+            except OSError:  # it exited
+                continue
+        return out
+
+    @staticmethod
+    def _scan() -> list[int]:
+        parents: dict[int, list[int]] = {}
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = Path(f"/proc/{entry.name}/stat").read_text()
+            except OSError:
+                continue
+            parents.setdefault(int(stat.rpartition(")")[2].split()[1]), []).append(int(entry.name))
+        out, todo = [], [os.getpid()]
+        while todo:
+            pid = todo.pop()
+            out.append(pid)
+            todo.extend(parents.get(pid, []))
+        return out
+
+    def _sample(self) -> dict:
+        from bench_ram import status_of
+
+        total = {"host": 0, "rss": 0, "locked": 0, "workers": 0}
+        for pid in self._tree():
+            s = status_of(pid)
+            if not s:
+                continue
+            host = s["RssAnon"] + s["RssShmem"]
+            total["host"] += host
+            total["rss"] += s["VmRSS"]
+            total["locked"] += s["VmLck"] + s["VmPin"]
+            if pid != os.getpid():
+                total["workers"] += host
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            now = self._sample()
+            for k, v in now.items():
+                self.peaks[k] = max(self.peaks[k], v)
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        return {"host_peak_gb": round(self.peaks["host"] / GB, 3), "host_rss_peak_gb": round(self.peaks["rss"] / GB, 3),
+                "host_locked_peak_gb": round(self.peaks["locked"] / GB, 3),
+                "host_workers_peak_gb": round(self.peaks["workers"] / GB, 3),
+                "host_at_start_gb": round(self.start["host"] / GB, 3)}
+
+
+# --------------------------------------------------------------------------------------------- the modes
+
+
+class Recorder:
+    """A StepRecorder (the trained expert's steps) whose log lines are also kept with their arrival time: experts
+    mode relays the other worker's steps as log lines."""
+
+    def __init__(self, label: str):
+        from train_bench import StepRecorder
+
+        self.rec = StepRecorder(label)
+        self.lines: list[tuple[float, str]] = []
+        log = self.rec.callback.log
+
+        def logged(message):
+            self.lines.append((time.perf_counter(), message))
+            log(message)
+
+        self.rec.callback.log = logged
+
+    @property
+    def callback(self):
+        return self.rec.callback
+
+    def relayed_steps(self) -> tuple[list[float], list[float]]:
+        """(seconds between the relayed worker's step lines, its losses): steps 2.. (the first counts the load)."""
+        pattern = re.compile(r"^\[[^\]]+\] step (\d+)/\d+ loss (\S+)$")
+        seen = [(t, int(m[1]), float(m[2])) for t, line in self.lines if (m := pattern.match(line))]
+        return ([round(b[0] - a[0], 3) for a, b in zip(seen, seen[1:])], [s[2] for s in seen])
+
+
+def _step_fields(steps: list) -> dict:
+    times = [round(s.seconds_per_step, 4) for s in steps]
+    return {"step_times": times, "losses": [round(s.loss, 5) for s in steps],
+            "step_s": round(statistics.median(times[1:]), 4) if len(times) > 1 else (times[0] if times else None),
+            "pinned_host_gb": max((s.pinned_host_gb for s in steps), default=None),
+            "engine_host_ram_gb": max((s.host_ram_gb for s in steps), default=None)}
+
+
+def run_serial(args, ctx) -> tuple[dict, list]:
+    """The high-noise expert, then the low-noise one, each a one-expert run through train_or_reuse on the first
+    device, its LoRA saved when it ends."""
+    from lowvram_lora.engine.lora_io import save_lora
+    from lowvram_lora.engine.runs.result_reuse import train_or_reuse
+
+    sampler = HostSampler()
+    t0 = time.perf_counter()
+    results, experts, peaks = [], [], []
+    try:
+        for model, partner, role in ctx.order:
+            rec = Recorder(f"serial {role}")
+            t = time.perf_counter()
+            result = train_or_reuse(model, ctx.dataset, ctx.lora, ctx.train, ctx.tmp / "serial-runs", rec.callback,
+                                    offload=ctx.offload(args.budget), preview_partner=partner)
+            save_lora(result, ctx.loras / f"serial_{role}.safetensors", overwrite=True)
+            results.append(result)
+            peaks.append(round(result.peak_vram_gb, 3))
+            experts.append({"role": role, "device": ctx.devices[0], "wall_s": round(time.perf_counter() - t, 2),
+                            "peak_alloc_gb": round(result.peak_vram_gb, 3), **_step_fields(rec.rec.steps)})
+        wall = time.perf_counter() - t0
+    finally:
+        host = sampler.stop()
+    row = {"mode": "serial", "devices": [ctx.devices[0]], "wall_s": round(wall, 2), "experts": experts,
+           "step_s": _mean([e["step_s"] for e in experts]), "peak_alloc_gb_per_gpu": [max(peaks)],
+           "pinned_host_gb": max((e["pinned_host_gb"] or 0.0 for e in experts), default=None), **host}
+    return row, results
+
+
+def run_experts(args, ctx) -> tuple[dict, list]:
+    """Both at once: train_or_reuse with Dual-GPU Split mode experts (the high-noise expert connected, the low-noise
+    one its preview partner), then both LoRAs saved."""
+    from lowvram_lora.engine.lora_io import save_lora
+    from lowvram_lora.engine.parallel import ParallelConfig
+    from lowvram_lora.engine.runs import launch
+    from lowvram_lora.engine.runs.result_reuse import train_or_reuse
+
+    (high, low, high_role), (_, _, low_role) = ctx.order
+    parallel = ParallelConfig(mode="experts", devices=ctx.devices, vram_budget_gb=(args.budget,))
+    rec = Recorder("experts")
+    every, launch.RELAY_STEP_EVERY = launch.RELAY_STEP_EVERY, 1  # the other worker's every step (timed by arrival)
+    sampler = HostSampler()
+    try:
+        t0 = time.perf_counter()
+        both = train_or_reuse(high, ctx.dataset, ctx.lora, ctx.train, ctx.tmp / "experts-runs", rec.callback,
+                              parallel=parallel, offload=ctx.offload(0.0), preview_partner=low)
+        for result, role in ((both, high_role), (both.companion, low_role)):
+            save_lora(result, ctx.loras / f"experts_{role}.safetensors", overwrite=True)
+        wall = time.perf_counter() - t0
+    finally:
+        host = sampler.stop()
+        launch.RELAY_STEP_EVERY = every
+    main = _step_fields(rec.rec.steps)
+    relayed, losses = rec.relayed_steps()
+    other = {"step_times": relayed, "losses": losses,
+             "step_s": round(statistics.median(relayed), 4) if relayed else None, "pinned_host_gb": None}
+    experts = [{"role": high_role, "device": ctx.devices[0], "peak_alloc_gb": round(both.peak_vram_gb, 3), **main},
+               {"role": low_role, "device": ctx.devices[1], "peak_alloc_gb": round(both.companion.peak_vram_gb, 3),
+                **other, "step_times_how": "arrival of the relayed step lines"}]
+    row = {"mode": "experts", "devices": list(ctx.devices), "wall_s": round(wall, 2), "experts": experts,
+           "step_s": _mean([e["step_s"] for e in experts]),
+           "peak_alloc_gb_per_gpu": [e["peak_alloc_gb"] for e in experts], "pinned_host_gb": main["pinned_host_gb"],
+           **host}
+    return row, [both, both.companion]
+
+
+def project(serial: dict, experts: dict, steps: int, n: int) -> dict:
+    """A few timed steps are mostly start-up (worker processes, loading each expert): what is not steps (``*_fixed_s``:
+    wall less ``steps`` x the mode's per-step time) and the ratio for an ``n``-step run, each further step costing the
+    measured medians: serial both experts' steps one after the other, experts mode the slower expert's (they run
+    side by side). A projection from measured parts, labelled as one, beside the measured ``x_serial``."""
+    per = {"serial": [e.get("step_s") for e in serial.get("experts", [])],
+           "experts": [e.get("step_s") for e in experts.get("experts", [])]}
+    if not serial.get("wall_s") or not experts.get("wall_s") or None in per["serial"] + per["experts"] \
+            or len(per["serial"]) != 2 or len(per["experts"]) != 2:
+        return {}
+    step = {"serial": sum(per["serial"]), "experts": max(per["experts"])}
+    walls = {m: r["wall_s"] for m, r in (("serial", serial), ("experts", experts))}
+    out = {f"{m}_fixed_s": round(walls[m] - steps * step[m], 1) for m in walls}
+    at_n = {m: walls[m] + (n - steps) * step[m] for m in walls}
+    out.update({"projected_steps": n, "serial_wall_projected_s": round(at_n["serial"], 1),
+                "experts_wall_projected_s": round(at_n["experts"], 1),
+                "x_serial_projected": round(at_n["experts"] / at_n["serial"], 3)})
+    return out
+
+
+def _mean(values):
+    values = [v for v in values if v is not None]
+    return round(statistics.fmean(values), 4) if values else None
+
+
+def compare(serial: list, experts: list, roles: list[str], rtol: float) -> dict:
+    """Each expert's LoRA of experts mode against its one-expert run's: largest absolute and relative (Frobenius)
+    difference of a tensor, bit-equal or not; ``loras_match`` when every relative difference is within ``rtol``."""
+    import torch
+
+    out, ok = {}, True
+    for role, a, b in zip(roles, experts, serial):
+        if set(a.state_dict) != set(b.state_dict):
+            out[role] = {"same_names": False}
+            ok = False
+            continue
+        abs_diff = rel_diff = 0.0
+        equal = True
+        for k, ref in b.state_dict.items():
+            got = a.state_dict[k].float()
+            ref = ref.float()
+            d = (got - ref).abs()
+            abs_diff = max(abs_diff, float(d.max()))
+            rel_diff = max(rel_diff, float(d.norm() / ref.norm().clamp_min(1e-30)))
+            equal = equal and torch.equal(got, ref)
+        out[role] = {"same_names": True, "tensors": len(b.state_dict), "max_abs_diff": abs_diff,
+                     "max_rel_diff": rel_diff, "bit_equal": equal,
+                     "loss_max_diff": round(max((abs(x - y) for x, y in zip(a.loss_history, b.loss_history)),
+                                                default=0.0), 6)}
+        ok = ok and rel_diff <= rtol
+    return {"loras_match": ok, "match_rtol": rtol, "lora_diff": out}
+
+
+# --------------------------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from lowvram_lora.engine.families import get_family
+
+    family = get_family(args.family)
+    pairing = family.schedule.preview_partner(args.variant)
+    if pairing is None:
+        raise SystemExit(f"--variant {args.variant} is not an expert of a two-expert model (e.g. "
+                         f"wan2.2-t2v-a14b-high-noise, or wan-tiny-high-noise on the CPU)")
+    if args.device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < 2:
+            raise SystemExit(f"experts mode needs two GPUs; this machine has {torch.cuda.device_count()} "
+                             f"(--device cpu for the smoke test)")
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    slabs, slab_info = build_slabs(args, [args.variant, pairing[0]])  # before CUDA starts here (spawned builders)
+
+    import torch
+
+    from train_bench import _command, _gpu_name, _versions, new_run_id, row_emitter, write_synthetic_cache
+    from lowvram_lora.engine.config import LoraSettings, ModelConfig, TrainConfig
+    from lowvram_lora.engine.models.inspect import inspect_transformer
+    from lowvram_lora.engine.offload import OffloadConfig
+
+    cuda = args.device == "cuda"
+    devices = ("cuda:0", "cuda:1") if cuda else ("cpu", "cpu")
+    infos = [inspect_transformer(ModelConfig(transformer_path=str(s), family=args.family,
+                                             dtype="bf16" if cuda else "fp32")) for s in slabs]
+    # (model, its partner, role): the high-noise expert first in both modes (experts mode: on the first device,
+    # driving the progress), as Save LoRA names them.
+    order = sorted([(infos[0], infos[1]), (infos[1], infos[0])], key=lambda p: not _is_high(family, p[0].variant))
+    order = [(m, other, "high_noise" if _is_high(family, m.variant) else "low_noise") for m, other in order]
+    tmp = tempfile.TemporaryDirectory(prefix="experts-bench-", dir=workdir)
+    root = Path(tmp.name)
+    dataset = write_synthetic_cache(root / "cache", family, infos[0].variant, family.load_config(infos[0].variant),
+                                    args.res, args.clips, args.seed)
+    loras = workdir / "loras"
+    loras.mkdir(exist_ok=True)
+    ctx = SimpleNamespace(
+        order=order, dataset=dataset, devices=devices, tmp=root, loras=loras,
+        lora=LoraSettings(rank=args.rank, alpha=float(args.rank)),
+        train=TrainConfig(steps=args.steps, learning_rate=args.lr, batch_size=1, seed=args.seed, device=devices[0]),
+        offload=lambda budget: OffloadConfig(mode="auto", vram_budget_gb=budget))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    emit = row_emitter(out, {
+        "run_id": new_run_id(), "bench": "experts",
+        "gpu": f"2x {_gpu_name(torch.device(devices[0]))}" if cuda else _gpu_name(torch.device("cpu")),
+        **_versions(), "model": f"{order[0][0].variant} + {order[1][0].variant}", "res": args.res,
+        "precision": "int8", "budget_gb_per_gpu": args.budget, "lora_rank": args.rank, "batch": 1, "grad_ckpt": True,
+        "steps": args.steps, "clips": args.clips, "seed": args.seed, "command": _command(), "note": args.note,
+        **slab_info})
+    rows, results = {}, {}
+    try:
+        for mode in args.modes:
+            try:
+                row, results[mode] = (run_experts if mode == "experts" else run_serial)(args, ctx)
+            except Exception as exc:  # noqa: BLE001 - a row per failure
+                import traceback
+
+                traceback.print_exc()
+                row = {"mode": mode, "error": f"{type(exc).__name__}: {str(exc)[:800]}", "wall_s": None}
+            rows[mode] = emit(row)
+        if "serial" in rows and "experts" in rows:
+            serial, experts = rows["serial"], rows["experts"]
+            ratio = (round(experts["wall_s"] / serial["wall_s"], 3)
+                     if experts.get("wall_s") and serial.get("wall_s") else None)
+            summary = {"mode": "summary", "serial_wall_s": serial.get("wall_s"), "experts_wall_s": experts.get("wall_s"),
+                       "x_serial": ratio, "target_x_serial": TARGET,
+                       "meets_target": ratio is not None and ratio <= TARGET,
+                       "serial_step_s": serial.get("step_s"), "experts_step_s": experts.get("step_s"),
+                       "serial_peak_alloc_gb_per_gpu": serial.get("peak_alloc_gb_per_gpu"),
+                       "experts_peak_alloc_gb_per_gpu": experts.get("peak_alloc_gb_per_gpu"),
+                       "serial_host_peak_gb": serial.get("host_peak_gb"),
+                       "experts_host_peak_gb": experts.get("host_peak_gb")}
+            summary.update(project(serial, experts, args.steps, args.project_steps))
+            if "serial" in results and "experts" in results:
+                rtol = args.match_rtol if args.match_rtol is not None else (1e-2 if cuda else 1e-6)
+                summary.update(compare(results["serial"], results["experts"], [o[2] for o in order], rtol))
+            emit(summary)
+            print(f"\nserial {serial.get('wall_s')} s, experts {experts.get('wall_s')} s: x{ratio} "
+                  f"(target <= {TARGET}); LoRAs match: {summary.get('loras_match')}", flush=True)
+    finally:
+        tmp.cleanup()
+        if not args.keep_slabs:
+            from lowvram_lora.engine.slab.format import manifest_path_for
+
+            for slab in slabs:
+                manifest_path_for(slab).unlink(missing_ok=True)
+                slab.unlink(missing_ok=True)
+    return 0
+
+
+def _is_high(family, variant: str) -> bool:
+    low, high = family.schedule.train_sigma_range(variant)
+    return high >= 1.0 and low > 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
