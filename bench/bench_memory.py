@@ -8,9 +8,10 @@ Modes (``--modes``), run in order for every resolution:
 - ``stream-k<K>[-act][-c<N>][-host][-m<M>][-b<B>]``: stream with prefetch K, activation offload, recompute in N
   token chunks, AdamW moments on the host, each batch run M samples at a time, compiled blocks at
   activation-memory budget B (else eager);
-- ``auto-<GB>[-ram<R>][-compiled]``: ``auto`` at that budget (and a RAM budget of R GB, which the planner holds) (it picks chunks / host moments when it needs them, and
-  with ``-compiled`` blocks compiled as auto compiles runs of 200+ steps, whose activation-memory budget it may
-  lower); the allocator is held to the budget (engine/offload/streamer.cap_allocator).
+- ``auto-<GB>[-ram<R>][-compiled]``: ``auto`` at that budget (it picks chunks / host moments when it needs them;
+  ``-ram<R>``: at a RAM budget of R GB, which the planner holds; with ``-compiled`` blocks compiled as auto compiles
+  runs of 200+ steps, whose activation-memory budget it may lower); the allocator is held to the budget
+  (engine/offload/streamer.cap_allocator).
 
 The modulation window (engine/train/step_window.py) is on in streamed modes (the planner's K) and off in the resident
 baselines (the step as it was); ``<mode>-nowin`` runs a streamed mode without it; ``<mode>-link<GBPS>`` runs a streamed
@@ -406,8 +407,8 @@ def main(argv=None) -> int:
                 try:
                     result = train_lora(ModelConfig(dtype="bf16", family=family.id), datasets[res],
                                         LoraSettings(rank=args.rank, alpha=float(args.rank)),
-                                        TrainConfig(steps=args.warmup + args.timed, device=device.type, learning_rate=1e-4,
-                                                    batch_size=args.batch),
+                                        TrainConfig(steps=args.warmup + args.timed, device=device.type,
+                                                    learning_rate=1e-4, batch_size=args.batch),
                                         rec.callback, preloaded=(model, family, args.variant), offload=offload,
                                         step_window=step_window)
                 except Exception as exc:  # noqa: BLE001 - a row per failure

@@ -104,7 +104,8 @@ class ModelFootprint:
     # bytes at ``act_bytes_per_elem`` per element (bf16 weights).
     block_params: list = field(default_factory=list)
     # Per block, frozen Linear weights by the rows they multiply (``MemoryProfile.linear_tokens``: "all", "image",
-    # "text", "vector", "audio") and the tokens its attention runs over (``block_tokens``): the step-time model's FLOPs.
+    # "text", "vector", "audio") and the tokens its attention runs over (``block_tokens``): the step-time model's
+    # FLOPs.
     # Empty: every frozen element multiplies every token (``block_params``).
     block_token_params: list = field(default_factory=list)
     block_attention_tokens: list = field(default_factory=list)
