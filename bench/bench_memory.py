@@ -8,9 +8,10 @@ Modes (``--modes``), run in order for every resolution:
 - ``stream-k<K>[-act][-c<N>][-host][-m<M>][-b<B>]``: stream with prefetch K, activation offload, recompute in N
   token chunks, AdamW moments on the host, each batch run M samples at a time, compiled blocks at
   activation-memory budget B (else eager);
-- ``auto-<GB>[-compiled]``: ``auto`` at that budget (it picks chunks / host moments when it needs them, and
-  with ``-compiled`` blocks compiled as auto compiles runs of 200+ steps, whose activation-memory budget it may
-  lower); the allocator is held to the budget (engine/offload/streamer.cap_allocator).
+- ``auto-<GB>[-ram<R>][-compiled]``: ``auto`` at that budget (it picks chunks / host moments when it needs them;
+  ``-ram<R>``: at a RAM budget of R GB, which the planner holds; with ``-compiled`` blocks compiled as auto compiles
+  runs of 200+ steps, whose activation-memory budget it may lower); the allocator is held to the budget
+  (engine/offload/streamer.cap_allocator).
 
 The modulation window (engine/train/step_window.py) is on in streamed modes (the planner's K) and off in the resident
 baselines (the step as it was); ``<mode>-nowin`` runs a streamed mode without it; ``<mode>-link<GBPS>`` runs a streamed
@@ -31,6 +32,20 @@ model predicts (engine/offload/steptime.py) on the link measured here (through t
     source bench/gpu_env.sh
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 bench/bench_memory.py --res 1024 2048 \\
         --modes resident stream-k1-act stream-k1-act-c8 auto-4 --out "$OUT/results.jsonl"
+
+Video variants take WxHxF sizes (issue 39: LTX-2.3 video LoRA, Wan I2V one expert). Each row records the host RAM
+(``host_ram_gb``: RssAnon + RssShmem at each step, the highest; ``pinned_gb``) beside the peak VRAM:
+
+    python3 bench/bench_memory.py --variant ltx2.3 --res 960x544x89 --precision int8 \\
+        --modes resident auto-6-ram24-compiled --warmup 1 --timed 2 --out "$OUT/results.jsonl"
+
+``--plan-only`` prints each mode's plan (or the planner's refusal) for the full-size variant without a GPU (a model on
+the meta device): check a GPU command with it first. ``--device cpu`` runs the script on a tiny variant (resident;
+auto stays resident on a CPU):
+
+    python bench/bench_memory.py --plan-only --variant wan2.1-i2v-14b --res 832x480x81 --modes resident auto-8-compiled
+    python bench/bench_memory.py --device cpu --variant ltx2-tiny --res 64x64x17 --precision int8 \\
+        --modes resident auto-6 --warmup 1 --timed 1 --out /tmp/r.jsonl
 """
 from __future__ import annotations
 
@@ -61,6 +76,9 @@ def parse_args(argv=None):
     p.add_argument("--res", nargs="+", default=["1024", "2048"],
                    help="sizes: a side (1024), WxH (832x480) or WxHxF for clips (832x480x81)")
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--device", default="cuda",
+                   help="cuda (the bench); cpu: a smoke of the script itself on a tiny variant (no VRAM figures, no "
+                        "link: the planner assumes its default)")
     p.add_argument("--modes", nargs="+", default=["resident", "stream-k1-act", "stream-k1-act-c8"])
     p.add_argument("--precision", default="bf16", choices=["bf16", "int8", "int4"])
     p.add_argument("--warmup", type=int, default=2)
@@ -76,6 +94,10 @@ def parse_args(argv=None):
     p.add_argument("--link-gbps", type=float, nargs="+", default=[0.0],
                    help="emulate a host-to-GPU link of this many GB/s (LOWVRAM_EMULATE_LINK_GBPS): streamed copies are "
                         "paced to it and auto plans for it; 0: the real link. Several: each streamed mode runs at each")
+    p.add_argument("--plan-only", action="store_true",
+                   help="no training, no GPU: each mode's plan (or its refusal) for the full-size --variant at each "
+                        "--res, from a model on the meta device, on an assumed H100 link: a check of a GPU command "
+                        "before it spends device time")
     p.add_argument("--snapshot", default="", help="a mode: record the allocator from its step 2 on and print what "
                                                   "is live at the peak (torch.cuda.memory._snapshot), by source line")
     return p.parse_args(argv)
@@ -191,9 +213,11 @@ def offload_for(mode: str):
         return OffloadConfig(mode="stream", prefetch_depth=int(m[1]), activation_offload=bool(m[2]),
                              recompute_chunks=int(m[3]) if m[3] else None, optimizer_on_host=bool(m[4]),
                              micro_batch_size=int(m[5]) if m[5] else None, **compiled)
-    m = re.match(r"^auto-([0-9.]+)(-compiled)?$", mode)
-    if m:  # -compiled: as a run of 200+ steps gets it (compile auto), which these short runs would not
-        return OffloadConfig(mode="auto", vram_budget_gb=float(m[1]), compile="blocks" if m[2] else "auto")
+    m = re.match(r"^auto-([0-9.]+)(?:-ram([0-9.]+))?(-compiled)?$", mode)
+    if m:  # -compiled: as a run of 200+ steps gets it (compile auto), which these short runs would not; -ram<R>: the
+        # RAM plan's budget (the planner holds it; bench_ram.py holds a run to it with a cgroup)
+        return OffloadConfig(mode="auto", vram_budget_gb=float(m[1]), ram_budget_gb=float(m[2] or 0),
+                             compile="blocks" if m[3] else "auto")
     raise SystemExit(f"unknown mode {mode!r}")
 
 
@@ -228,13 +252,81 @@ def predicted_timing(model, family, variant, dataset, batch, summary: dict, mach
     return out
 
 
+def plan_only(args, family_id: str) -> int:
+    """``--plan-only``: the plan each mode would run with (or the planner's refusal), from the variant built on the
+    meta device: bf16 for the resident modes, the blocks swapped to int8 / int4 slab layers for the streamed ones
+    when ``--precision`` says so (as the bench converts them); on an H100's measured link (DESIGN.md section 5, 53.8
+    GB/s) and bf16 peak; compile as the mode says. Nothing is trained; the figures are predictions."""
+    from lowvram_lora.engine.config import LoraSettings, TrainConfig
+    from lowvram_lora.engine.families import get_family, meta_model
+    from lowvram_lora.engine.offload import OffloadConfig
+    from lowvram_lora.engine.offload.footprint import lora_param_count, measure_footprint, workload_for
+    from lowvram_lora.engine.offload.plan import make_plan
+    from lowvram_lora.engine.offload.steptime import Machine, peak_flops_for
+    from lowvram_lora.engine.slab.layout import swap_in_int8_linears
+    from lowvram_lora.engine.train.optimizers import lora_bytes_per_param
+    from train_bench import parse_res
+
+    family = get_family(family_id)
+    cfg = family.load_config(args.variant)
+    lora = LoraSettings(rank=args.rank, alpha=float(args.rank))
+    machine = Machine(53.8e9, peak_flops_for("H100"), "H100 (assumed)", "assumed: DESIGN.md section 5")
+
+    def footprint(precision: str):
+        model = meta_model(family, cfg)
+        torch.nn.Module.to(model, dtype=torch.bfloat16)
+        model.requires_grad_(False)
+        trainable = lora_param_count(model, family, lora)
+        if precision in ("int8", "int4"):
+            swap_in_int8_linears(model, family, 4 if precision == "int4" else 8)
+        fp = measure_footprint(model, family, f"{family.display_name} ({args.variant}, {precision})",
+                               trainable_params=trainable)
+        fp.lora_bytes_per_param = lora_bytes_per_param(TrainConfig())
+        return fp
+
+    fps = {"bf16": footprint("bf16")}
+    fps[args.precision] = fps.get(args.precision) or footprint(args.precision)
+    print(f"{args.variant}: {sum(fps['bf16'].block_bytes) / 1e9:.1f} GB of bf16 blocks, "
+          f"{fps['bf16'].other_bytes / 1e9:.2f} GB outside them; link {machine.describe()}")
+    with tempfile.TemporaryDirectory(prefix="memory-plan-") as tmp:
+        for res in args.res:
+            w, h, frames = parse_res(res)
+            dataset = write_synthetic_cache(Path(tmp) / str(res), family, args.variant, cfg, res, 1, 0,
+                                            references=args.references)
+            wl = workload_for(dataset, family, args.variant, args.batch)
+            print(f"--- {res}: {wl.image_tokens} image tokens, {wl.text_tokens} text tokens")
+            for mode in args.modes:
+                name = window_for(mode)[0]
+                offload = offload_for(name) or OffloadConfig(mode="resident")
+                compiled = offload.compile == "blocks"
+                fp = fps["bf16" if offload.mode == "resident" else args.precision]
+                budget = int(offload.vram_budget_gb * 1e9) if offload.mode == "auto" else None
+                ram = int(offload.ram_budget_gb * 1e9) if offload.ram_budget_gb else None
+                try:
+                    plan = make_plan(fp, wl, offload, budget, compiled=compiled, machine=machine, ram_budget_bytes=ram,
+                                     ram_source=f" (the mode's -ram{offload.ram_budget_gb:g})" if ram else "")
+                except Exception as exc:  # noqa: BLE001 - the refusal is the answer
+                    print(f"{mode:24s} REFUSED: {type(exc).__name__}: {exc}")
+                    continue
+                peak, host = plan.predicted_peak_bytes / 1e9, plan.predicted_host_peak_bytes / 1e9
+                print(f"{mode:24s} peak {peak:6.2f} GB, host {host:6.2f} GB, step "
+                      f"{plan.predicted_step_s or float('nan'):7.2f} s (FLOPs, {machine.name}); {plan.describe()}")
+    return 0
+
+
 def main(argv=None) -> int:
     from lowvram_lora.engine.config import LoraSettings, ModelConfig, TrainConfig
     from lowvram_lora.engine.offload.footprint import named_blocks
     from lowvram_lora.engine.train import train_lora
 
     args = parse_args(argv)
-    device = torch.device("cuda")
+    if args.plan_only:
+        from lowvram_lora.engine.families import families
+
+        args.res = [int(r) if str(r).isdigit() else r for r in args.res]
+        return plan_only(args, args.family or next(f.id for f in families().values() if args.variant in f.variants))
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     run_id = new_run_id()
@@ -247,15 +339,15 @@ def main(argv=None) -> int:
             os.environ[ENV_EMULATE_GBPS] = f"{gbps:g}"
         else:
             os.environ.pop(ENV_EMULATE_GBPS, None)
-        machine = resolve_machine(device)
-        print(f"link: {machine.describe()}", flush=True)
+        machine = resolve_machine(device)  # None off CUDA
+        print(f"link: {machine.describe() if machine else 'none (not CUDA)'}", flush=True)
         return machine
 
     machine = use_link(0.0)
     base = {"run_id": run_id, "gpu": _gpu_name(device), **_versions(), "model": args.variant, "lora_rank": args.rank,
             "lora_targets": "default", "batch": args.batch, "grad_ckpt": True, "command": _command(),
             "note": args.note, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "bench": "memory",
-            "real_link_gbps": round(machine.link_bytes_per_s / 1e9, 2)}
+            "real_link_gbps": round(machine.link_bytes_per_s / 1e9, 2) if machine else None}
     emit = row_emitter(out, base)
     from lowvram_lora.engine.families import families
 
@@ -274,7 +366,8 @@ def main(argv=None) -> int:
         if streams and on_gpu:
             for _, block in named_blocks(model, family):
                 block.to("cpu")
-            torch.cuda.empty_cache()
+            if cuda:
+                torch.cuda.empty_cache()
             on_gpu = False
             if args.precision in ("int8", "int4"):
                 from bench_flux2 import to_int8_on_host
@@ -290,8 +383,9 @@ def main(argv=None) -> int:
                            "link_source": machine.source if machine else None}
             for res in args.res:
                 gc.collect()
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats(device)
+                if cuda:
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats(device)
                 base_bytes = [0]
 
                 units = marked_units(model, family)
@@ -313,8 +407,8 @@ def main(argv=None) -> int:
                 try:
                     result = train_lora(ModelConfig(dtype="bf16", family=family.id), datasets[res],
                                         LoraSettings(rank=args.rank, alpha=float(args.rank)),
-                                        TrainConfig(steps=args.warmup + args.timed, device="cuda", learning_rate=1e-4,
-                                                    batch_size=args.batch),
+                                        TrainConfig(steps=args.warmup + args.timed, device=device.type,
+                                                    learning_rate=1e-4, batch_size=args.batch),
                                         rec.callback, preloaded=(model, family, args.variant), offload=offload,
                                         step_window=step_window)
                 except Exception as exc:  # noqa: BLE001 - a row per failure

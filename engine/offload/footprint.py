@@ -122,7 +122,8 @@ def footprint_before_loading(checkpoint, dtype: torch.dtype, lora: LoraSettings,
 def workload_for(dataset, family, variant: str, batch: int) -> Workload:
     """The largest item of a dataset cache as tokens: its bucket's (``family.memory.image_tokens`` per latent frame, times
     the clip's latent frames: ``family.memory.latent_frames``) plus, for an edit model, its control images' (reference
-    latents join the image tokens), and the text length the cache was built with."""
+    latents join the image tokens), the text length the cache was built with, and the most audio tokens of an item (a
+    joint audio-video model: ``family.memory.audio_tokens``; 0 for the others)."""
     def tokens(it) -> int:
         w, h = it.bucket
         own = family.memory.image_tokens(w, h, variant) * family.memory.latent_frames(len(it.frames))
@@ -132,5 +133,7 @@ def workload_for(dataset, family, variant: str, batch: int) -> Workload:
     (w, h), frames, controls = item.bucket, len(item.frames), len(item.control_sizes)
     label = f"{w}x{h}" + (f"x{frames}f" if frames > 1 else "") + (f"+{controls} control" if controls else "")
     references = sum(family.memory.image_tokens(int(cw), int(ch), variant) for cw, ch in item.control_sizes)
+    audio = max(family.memory.audio_tokens(family.memory.latent_frames(len(it.frames))) for it in dataset.items)
     return Workload(batch=batch, image_tokens=tokens(item),
-                    text_tokens=default_max_sequence_length(family, variant), label=label, reference_tokens=references)
+                    text_tokens=default_max_sequence_length(family, variant), label=label, reference_tokens=references,
+                    audio_tokens=audio)

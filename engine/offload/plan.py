@@ -109,7 +109,8 @@ class ModelFootprint:
     # bytes at ``act_bytes_per_elem`` per element (bf16 weights).
     block_params: list = field(default_factory=list)
     # Per block, frozen Linear weights by the rows they multiply (``MemoryProfile.linear_tokens``: "all", "image",
-    # "text", "vector") and the tokens its attention runs over (``block_tokens``): the step-time model's FLOPs.
+    # "text", "vector", "audio") and the tokens its attention runs over (``block_tokens``): the step-time model's
+    # FLOPs.
     # Empty: every frozen element multiplies every token (``block_params``).
     block_token_params: list = field(default_factory=list)
     block_attention_tokens: list = field(default_factory=list)
@@ -166,6 +167,9 @@ class Workload:
     # gradients and one forward + backward on the class prompt (the step-time model counts them; the peak is one pass's).
     preservation: bool = False
     reference_tokens: int = 0  # of image_tokens, an edit item's reference (control) images' tokens
+    # A joint audio-video model's audio tokens per sample (``MemoryProfile.audio_tokens``): not in ``tokens``
+    # (another stream, beside the image tokens); the step-time model counts its Linears on them.
+    audio_tokens: int = 0
 
     @property
     def tokens(self) -> int:

@@ -128,16 +128,18 @@ def block_params(fp) -> list[int]:
     return [b // fp.act_bytes_per_elem for b in fp.block_bytes]
 
 
-def block_flops(fp, tokens: int, batch: int, text_tokens: int = 0, exact: bool = True) -> list[tuple[float, float]]:
+def block_flops(fp, tokens: int, batch: int, text_tokens: int = 0, exact: bool = True,
+                audio_tokens: int = 0) -> list[tuple[float, float]]:
     """(Linear, attention) forward FLOPs of each block for ``batch`` samples of ``tokens`` tokens, of which
-    ``text_tokens`` are the text's. With the footprint's ``block_token_params`` (and ``exact``) each Linear counts
-    the rows it really multiplies (a dual-stream block's image Linears the image tokens, its text Linears the
-    text's, a modulation Linear one row per sample: what torch's FLOP counter gives, tests/test_step_flops.py) and
-    each attention its block's sequence; otherwise every frozen element multiplies every token."""
+    ``text_tokens`` are the text's, and ``audio_tokens`` of a joint model's audio stream beside them. With the
+    footprint's ``block_token_params`` (and ``exact``) each Linear counts the rows it really multiplies (a dual-stream
+    block's image Linears the image tokens, its text Linears the text's, a modulation Linear one row per sample, an
+    audio-stream Linear the audio tokens: what torch's FLOP counter gives, tests/test_step_flops.py) and each
+    attention its block's sequence; otherwise every frozen element multiplies every token."""
     if not (exact and fp.block_token_params):
         attention = 4.0 * batch * tokens * tokens * fp.hidden_size
         return [(2.0 * p * batch * tokens, attention) for p in block_params(fp)]
-    rows = {"all": tokens, "image": tokens - text_tokens, "text": text_tokens, "vector": 1}
+    rows = {"all": tokens, "image": tokens - text_tokens, "text": text_tokens, "vector": 1, "audio": audio_tokens}
     seqs = fp.block_attention_tokens or ["all"] * len(fp.block_token_params)
     return [(2.0 * batch * sum(n * rows[kind] for kind, n in params.items()),
              4.0 * batch * rows[seq] ** 2 * fp.hidden_size) for params, seq in zip(fp.block_token_params, seqs)]
@@ -285,7 +287,7 @@ def predict_step_time(plan, machine: Machine, compute_s_per_step: Optional[float
     # first part, where it runs).
     sizes, groups = fp.stream_units(plan.split_blocks)
     fwd, bwd = [0.0] * len(sizes), [0.0] * len(sizes)
-    flops = block_flops(fp, wl.tokens, micro, wl.text_tokens)
+    flops = block_flops(fp, wl.tokens, micro, wl.text_tokens, audio_tokens=wl.audio_tokens)
     total = sum(LINEAR_PASSES * lin + ATTENTION_PASSES * att for lin, att in flops)
     per_flop = compute / pieces / total
     for (lin, att), units in zip(flops, groups):
@@ -320,7 +322,7 @@ def _with_preservation(st: StepTime, fp, wl, micro: int) -> StepTime:
     streamed, one pass of the streamed bytes over the link or from disk (half the step's), whichever is longest."""
     if not wl.preservation:
         return st
-    flops = block_flops(fp, wl.tokens, micro, wl.text_tokens)
+    flops = block_flops(fp, wl.tokens, micro, wl.text_tokens, audio_tokens=wl.audio_tokens)
     forward_share = sum(lin + att for lin, att in flops) / sum(LINEAR_PASSES * lin + ATTENTION_PASSES * att
                                                               for lin, att in flops)
     forward = max(st.compute_s * forward_share, st.link_busy_s / 2, st.disk_busy_s / 2)

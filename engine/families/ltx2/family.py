@@ -122,7 +122,13 @@ class Ltx2Schedule(NoiseSchedule):
 
 
 class Ltx2Memory(MemoryProfile):
-    """The video FFN in token chunks (16384 wide: the widest intermediate of a block)."""
+    """The video FFN in token chunks (16384 wide: the widest intermediate of a block); the audio stream's tokens for the
+    FLOP count (``audio_linears``)."""
+
+    def audio_tokens(self, latent_frames: int) -> int:
+        """What training feeds the audio stream beside a clip of ``latent_frames``: ``audio_tokens`` (the pipeline's
+        count at the template's frame rate)."""
+        return audio_tokens(latent_frames)
 
     def install_chunked_recompute(self, model: nn.Module, chunks: int, undo) -> None:
         from ..recompute import chunk_token_wise
@@ -159,6 +165,12 @@ class Ltx2Family(ModelFamily):
         block_list_tokens={"transformer_blocks": "image"},
         # The text cross-attention's keys and values run on the 1024 text rows.
         text_linears=("attn2.to_k", "attn2.to_v", "audio_attn2.to_k", "audio_attn2.to_v"),
+        # The audio stream's Linears (after the text ones: the audio text keys / values are text rows): its own
+        # attentions and FFN, and of the cross-modal attentions the side that reads or writes the audio (the gate
+        # logits follow the query); audio_tokens says how many rows.
+        audio_linears=("audio_attn1.", "audio_attn2.", "audio_ff.", "audio_to_video_attn.to_k",
+                       "audio_to_video_attn.to_v", "video_to_audio_attn.to_q", "video_to_audio_attn.to_out",
+                       "video_to_audio_attn.to_gate_logits"),
         width_keys=("num_attention_heads", "attention_head_dim"),
         token_pixels=32,
         temporal_compression=8,

@@ -34,10 +34,13 @@ class MemoryProfile:
     # Which rows each block Linear multiplies (``linear_tokens``; the step-time model's FLOPs). Block lists that run
     # on one kind of tokens ({list name: "image" | "text"}: a refiner, Wan's video-only sequence); Linears (name
     # prefixes within a block) fed by the time embedding alone (AdaLN modulation: one row per sample); Linears that
-    # run on the text tokens; block lists whose blocks are dual-stream (their other Linears run on the image tokens).
+    # run on the text tokens; Linears that run on the audio tokens (a joint audio-video block's audio stream: LTX-2;
+    # ``audio_tokens`` says how many); block lists whose blocks are dual-stream (their other Linears run on the image
+    # tokens).
     block_list_tokens: dict[str, str] = field(default_factory=dict)
     modulation_linears: tuple[str, ...] = ()
     text_linears: tuple[str, ...] = ()
+    audio_linears: tuple[str, ...] = ()
     dual_stream_lists: tuple[str, ...] = ()
     #: A block's recompute + backward working set against Flux.1's at the same tokens x width (the planner's
     #: constants are Flux.1 fits). Fitted on GPU rows per family.
@@ -85,6 +88,11 @@ class MemoryProfile:
             return 1
         return (max(1, frames) - 1) // self.temporal_compression + 1
 
+    def audio_tokens(self, latent_frames: int) -> int:
+        """Audio tokens per sample beside a clip of ``latent_frames`` (the rows ``audio_linears`` multiply): 0 for a
+        family without an audio stream."""
+        return 0
+
     # --- blocks and the rows their Linears multiply ------------------------------------------------------
 
     def block_lists_of(self, model: nn.Module) -> list[nn.ModuleList]:
@@ -100,12 +108,15 @@ class MemoryProfile:
     def linear_tokens(self, block: str, linear: str) -> str:
         """Which rows a frozen Linear of a block multiplies, by the block's name and the Linear's within it
         (``"attn.add_q_proj"``): ``"vector"`` (``modulation_linears``: one row per sample), ``"text"``
-        (``text_linears``), ``"image"`` (any other Linear of a ``dual_stream_lists`` block), else the block's
-        tokens. Checked against torch's FLOP counter for every family (tests/test_step_flops.py)."""
+        (``text_linears``), ``"audio"`` (``audio_linears``), ``"image"`` (any other Linear of a
+        ``dual_stream_lists`` block), else the block's tokens. Checked against torch's FLOP counter for every family
+        (tests/test_step_flops.py)."""
         if linear.startswith(self.modulation_linears):
             return "vector"
         if linear.startswith(self.text_linears):
             return "text"
+        if linear.startswith(self.audio_linears):
+            return "audio"
         if block.rpartition(".")[0] in self.dual_stream_lists:
             return "image"
         return self.block_tokens(block)
