@@ -27,6 +27,7 @@ from lowvram_lora.engine.offload.footprint import measure_footprint
 from lowvram_lora.engine.offload.host import STEP_CONSTANT
 from lowvram_lora.engine.offload.plan import GB, HEADROOM_BYTES, Workload, build_plan, make_plan
 from lowvram_lora.engine.offload.steptime import Machine, peak_flops_for
+from lowvram_lora.engine.offload.window import window_steps
 
 MiB, GiB = 2 ** 20, 2 ** 30
 BATCH, IMAGE, TEXT, RANK = 4, 4096, 512, 16  # 1024²: 64 x 64 packed latent tokens; T5's 512
@@ -196,6 +197,9 @@ def test_flux1_batch4_plan_matches_a_count_from_shapes_and_leaves_room_for_the_a
     assert count + HOLES <= BUDGET and plan.predicted_peak_bytes + HOLES <= BUDGET
     assert plan.margin_bytes >= HOLES and plan.predicted_peak_bytes + plan.margin_bytes <= BUDGET
     assert "kept free for the allocator" in plan.describe()
+    # The modulation window's vectors (K steps of them, not in the predicted peak) fit beside the margin, not in it.
+    room = BUDGET - plan.predicted_peak_bytes - plan.margin_bytes
+    assert window_steps(room // 2, 0, plan) == 2
 
 
 def test_the_plan_without_the_margin_is_the_one_that_failed(monkeypatch, flux1_dev):
