@@ -52,6 +52,8 @@ def measure_footprint(model: nn.Module, family, name: str = "",
         # Loaded from an int8 slab (engine/slab/source.py records it): its int8 weights are the file map's pages, and
         # its blocks can be read from the file (the disk tier).
         file_backed=slab_source_of(model) is not None, disk_capable=slab_source_of(model) is not None,
+        widest_features=max((widest_token_linear(family, n, b) for n, b in blocks), default=0),
+        fragmentation=family.memory.fragmentation,
     )
 
 
@@ -75,6 +77,21 @@ def linear_params_by_tokens(family, block_name: str, block: nn.Module) -> dict[s
         kind = family.memory.linear_tokens(block_name, name)
         out[kind] = out.get(kind, 0) + m.in_features * m.out_features
     return out
+
+
+def widest_token_linear(family, block_name: str, block: nn.Module) -> int:
+    """The widest frozen Linear of a block (in or out features) whose rows are tokens: its activation is the largest
+    tensor the block makes per token (the allocator margin, plan.allocator_margin). The modulation's Linears multiply
+    one row per sample (``linear_tokens`` "vector"); the modulation window's are not the block's."""
+    widest = 0
+    for name, m in block.named_modules():
+        if (not isinstance(m, nn.Linear) or any(p.requires_grad for p in m.parameters(recurse=False))
+                or m.__dict__.get(STEP_CONSTANT)):
+            continue
+        if family.memory.linear_tokens(block_name, name.removesuffix(".base_layer")) == "vector":
+            continue
+        widest = max(widest, m.in_features, m.out_features)
+    return widest
 
 
 def frozen_elements(module: nn.Module) -> int:

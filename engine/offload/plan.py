@@ -16,6 +16,9 @@ D hidden size, e = 2 for bf16 activations, one "unit" = B*T*D*e):
 
     peak = weights + LoRA + max(activations, optimizer)
 
+A plan fits a budget when peak + margin <= budget: the margin is the allocator's fragmentation (``allocator_margin``),
+which grows with the largest tensor a block makes, not only with the budget.
+
 The activation constants are a line fitted through steady-state peaks (step 2 on, once
 the AdamW moments exist) measured on the H100 with Flux.1-dev, LoRA r16 on the default
 targets, at 512², 1024² and 2048² (bench/bench_offload.py rows in bench/results.jsonl):
@@ -67,6 +70,9 @@ OFFLOADED_KEPT_BYTES = int(0.125 * GB)  # ... plus this (fitted)
 # Training under an explicit auto budget caps the allocator at the budget (streamer.cap_allocator): at the cap
 # it hands cached memory back and retries instead of reserving more, as it does on a card of that size.
 HEADROOM_BYTES = int(0.5 * GB)
+# ... or, where the family measured more, its ``MemoryProfile.fragmentation`` x the step's largest activation tensor
+# (``Plan.largest_tensor_bytes``): freed slots and transients leave holes in the allocator's segments that a request of
+# that size cannot use, and at the cap they cannot be handed back (Flux.1 at batch 4: engine/families/flux1/family.py).
 AUTO_DEPTHS = (3, 2, 1)  # prefetch depths auto weighs (a deeper ring absorbs a copy-bound forward, for a slot)
 
 # --- host RAM (the RAM plan: every host byte the run causes, engine/offload/hostmem.py holds the budget) ---
@@ -124,6 +130,13 @@ class ModelFootprint:
     file_backed: bool = False
     # The model can read its blocks from the slab file on disk each time they load (the disk tier; a slab only).
     disk_capable: bool = False
+    # The widest frozen Linear of the blocks that multiplies token rows (in or out features; the modulation's
+    # per-sample rows left out): a block's largest activation tensor is tokens x this (Flux.1: the single blocks'
+    # proj_out input, attention + MLP concatenated, 5 x hidden). 0: unknown.
+    widest_features: int = 0
+    # The allocator's unusable holes at the cap, in units of that tensor (``MemoryProfile.fragmentation``, measured
+    # per family; 0: HEADROOM_BYTES covers them).
+    fragmentation: float = 0.0
 
     def stream_units(self, split) -> tuple[list[int], list[list[int]]]:
         """(bytes per streaming unit, unit indexes per block). ``split``: the blocks that stream in parts, those whose
@@ -222,6 +235,14 @@ class Plan:
     # The offloaded blocks stream (and offload their inputs) in parts where the family has them (False: whole, one
     # input set per block: a third of Wan's activation host RAM for a larger working set on the GPU).
     offload_in_parts: bool = True
+    # The step's largest activation tensor: micro-batch x tokens x the widest block Linear, per token chunk when
+    # chunked (``allocator_margin``).
+    largest_tensor_bytes: int = 0
+
+    @property
+    def margin_bytes(self) -> int:
+        """What the plan keeps free under its budget for the allocator (``allocator_margin``)."""
+        return allocator_margin(self.largest_tensor_bytes, self.footprint.fragmentation)
 
     @property
     def split_blocks(self) -> list[int]:
@@ -271,7 +292,10 @@ class Plan:
                     if self.activation_memory_budget < 1 else "")]
         budget = f" of a {self.budget_bytes / GB:.1f} GB budget" if self.budget_bytes else ""
         parts = ", ".join(f"{k} {v / GB:.2f}" for k, v in self.breakdown.items())
-        lines.append(f"  predicted peak {self.predicted_peak_bytes / GB:.2f} GB{budget} ({parts})")
+        margin = (f"; {self.margin_bytes / GB:.2f} GB kept free for the allocator's fragmentation (the largest "
+                  f"tensor {self.largest_tensor_bytes / GB:.2f} GB x {fp.fragmentation:g})"
+                  if self.budget_bytes and self.margin_bytes > HEADROOM_BYTES else "")
+        lines.append(f"  predicted peak {self.predicted_peak_bytes / GB:.2f} GB{budget} ({parts}){margin}")
         if self.step_time is not None:
             st = self.step_time
             origin = "measured resident" if st.compute_source == "measured" else "from FLOPs"
@@ -309,6 +333,7 @@ class Plan:
             "streamed_units": self.streamed_units, "activation_offload": self.activation_offload,
             "offloaded_blocks": len(self.offloaded_blocks), "offload_in_parts": self.offload_in_parts,
             "predicted_peak_gb": round(self.predicted_peak_bytes / GB, 3),
+            "margin_gb": round(self.margin_bytes / GB, 3),
             "streamed_gb_per_step": round(self.streamed_bytes_per_step / GB, 3),
             "pinned_host_gb": round(self.pinned_host_bytes / GB, 3),
             "budget_gb": round(self.budget_bytes / GB, 3) if self.budget_bytes else None,
@@ -436,6 +461,8 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
         disk_per_step = sum(read_bytes_of(sizes[u]) for u in simulate_disk_reads(loads, disk_units, staging_slots))
     host = host_bytes(fp, streamed, disk, act_io, outer, optimizer_on_host, staging_bytes, host_extra or {},
                       resident, keeps_host_copies, resume_staging)
+    # Token chunks cut the token-wise parts, where the widest tensors are (Flux.1's MLP and concatenation, Wan's FFN).
+    largest = micro * math.ceil(wl.tokens / max(1, recompute_chunks)) * fp.widest_features * fp.act_bytes_per_elem
     return Plan(
         mode="stream" if streamed else "resident", resident=resident, streamed=streamed, prefetch_depth=k,
         num_slots=num_slots, slot_bytes=slot_bytes, activation_offload=activation_offload, offloaded_blocks=offloaded,
@@ -451,6 +478,7 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
         ram_budget_bytes=ram_budget_bytes,
         host_args={"extra": dict(host_extra or {}), "keeps_host_copies": keeps_host_copies,
                    "resume_staging": resume_staging},
+        largest_tensor_bytes=int(largest),
     )
 
 
@@ -564,8 +592,14 @@ def cpu_resident_plan(fp: ModelFootprint, wl: Workload, ram_budget_bytes: Option
     return plan
 
 
+def allocator_margin(largest_tensor_bytes: int, fragmentation: float = 0.0) -> int:
+    """VRAM a plan keeps free under its budget for the caching allocator: HEADROOM_BYTES, or the family's measured
+    ``fragmentation`` x the step's largest activation tensor where that is more (the holes grow with the tensors)."""
+    return max(HEADROOM_BYTES, int(fragmentation * largest_tensor_bytes))
+
+
 def _fits(plan: Plan, budget: int) -> bool:
-    return plan.predicted_peak_bytes + HEADROOM_BYTES <= budget
+    return plan.predicted_peak_bytes + plan.margin_bytes <= budget
 
 
 @dataclass(frozen=True)
@@ -793,13 +827,13 @@ def _refusal(fp, wl, cfg, order, budget, compiled, last, ram: RamLimits, disk_ok
                                                                         else [2, 1]),
                           cfg.activation_offload if cfg.activation_offload is not None else True, budget,
                           optimizer_on_host=host, outer_on_host=outer, **common)
-    need = math.ceil((smallest.predicted_peak_bytes + HEADROOM_BYTES) / GB * 10) / 10
+    need = math.ceil((smallest.predicted_peak_bytes + smallest.margin_bytes) / GB * 10) / 10
     if ram.budget is None or not _fits(smallest, budget):  # the VRAM budget is below any plan
         return ConfigError(
             f"vram_budget_gb={budget / GB:.3g} is below the smallest plan for {fp.name} at "
             f"{wl.label or f'{wl.tokens} tokens'}, batch {wl.batch} ({need:.1f} GB: "
             f"{', '.join(f'{k} {v / GB:.2f}' for k, v in smallest.breakdown.items())} GB + "
-            f"{HEADROOM_BYTES / GB:.1f} GB headroom"
+            f"{smallest.margin_bytes / GB:.1f} GB headroom"
             + (f"; that plan needs {smallest.predicted_host_peak_bytes / GB:.1f} GB of host RAM"
                if ram.budget is not None else "")
             + f"); raise the budget to at least {need:.1f} GB, or lower the resolution or batch size"
@@ -817,7 +851,7 @@ def _refusal(fp, wl, cfg, order, budget, compiled, last, ram: RamLimits, disk_ok
         if disk_ok and plan.streamed:
             plan = build_plan(fp, wl, resident, 1, act, budget, optimizer_on_host=moments, outer_on_host=outer_host,
                               disk_blocks=plan.streamed, **{**common, "recompute_chunks": c})
-        pairs.append((math.ceil((plan.predicted_peak_bytes + HEADROOM_BYTES) / GB * 10) / 10,
+        pairs.append((math.ceil((plan.predicted_peak_bytes + plan.margin_bytes) / GB * 10) / 10,
                       math.ceil(plan.predicted_host_peak_bytes / GB * 10) / 10))
     least_vram = min(pairs)
     least_ram = min(pairs, key=lambda p: (p[1], p[0]))

@@ -43,10 +43,11 @@ def window_steps(vector_bytes_per_step: int, held_bytes: int, plan=None) -> int:
 
 
 def _headroom(plan) -> Optional[int]:
-    """VRAM the plan leaves under its budget (None: no budget)."""
+    """VRAM the plan leaves under its budget beyond the margin it keeps for the allocator (None: no budget): the
+    vectors are not in its predicted peak, and the margin is the allocator's fragmentation, not free room."""
     if plan is None or plan.budget_bytes is None:
         return None
-    return max(0, plan.budget_bytes - plan.predicted_peak_bytes)
+    return max(0, plan.budget_bytes - plan.predicted_peak_bytes - plan.margin_bytes)
 
 
 def place_window_weights(planned: Callable[[dict], "Plan"], host_extra: dict, may_map: bool) -> tuple["Plan", bool]:

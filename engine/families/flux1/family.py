@@ -104,6 +104,11 @@ class Flux1Family(ModelFamily):
         text_linears=("attn.add_", "attn.to_add_out", "ff_context."),
         dual_stream_lists=("transformer_blocks",),
         chunked_recompute=True,
+        # Measured on the H200, 2026-11-27 (bench/logs/parallel_flux1_pipeline_session5.log): dev bf16 1024², batch 4,
+        # capped at 12.02 GB, OOMed asking for 540 MiB (a single block's attention + MLP concatenation, 4 x 4608 tokens
+        # x 15360 x 2 bytes, asked right after its 4-wide MLP tensors were freed, which cannot serve it) with 1.28 GiB
+        # reserved but unusable: 2.4x the request. The allocated bytes were under the plan (tests/test_plan_margin.py).
+        fragmentation=2.5,
         # The time / guidance / pooled-text embedding and every AdaLN modulation fed by it (27% of the block bytes).
         step_constants=StepConstants(source="time_text_embed", modules={
             "transformer_blocks.*.norm1.linear": "silu", "transformer_blocks.*.norm1_context.linear": "silu",
