@@ -30,6 +30,11 @@ quarter of it: checkpointing recomputes the forward inside the backward), and th
 one with the shortest predicted step (balanced time: compute and streaming per part), not the
 fewest bytes. The first part holds two micro-batches' block inputs at once (the warm-up
 forward and the one in flight), planned inside its budget, and keeps them on the GPU.
+
+Each part's peak is counted over the whole step (engine/parallel/part_memory.py: the ring at its
+large blocks with the inputs held then, the head and the crossing), and a part whose whole-step
+peak passes its budget is planned again inside it: the one-GPU formula's peak at the turn put the
+pipelined first part at 11.3 GB where it measured 12.3 (Flux.2) and 13.0 GB (Flux.1) of 12.
 Before issue 42 the parts were planned on the default machine (a 25 GB/s link and an
 unknown GPU's peak): 8.9 s + 17.4 s predicted against 2.27 s measured on 2x H200.
 """
@@ -45,9 +50,13 @@ from torch.utils._pytree import tree_map
 from ..errors import ConfigError
 from ..offload.config import OffloadConfig
 from ..offload.footprint import named_blocks
-from ..offload.plan import GB, SAVED_INPUT_UNITS, ModelFootprint, Plan, Workload, make_plan
+from ..offload.plan import GB, ModelFootprint, Plan, Workload, make_plan
 from ..offload.steptime import Machine
 from .one_f_one_b import in_flight, makespan, schedule
+from .part_memory import part_peak
+
+#: Times a part is planned again when its whole-step peak passes its budget (each lowers the budget it plans in).
+REPLANS = 6
 
 #: Share of a part's per-micro-batch time spent in the forward: with gradient checkpointing the backward
 #: recomputes the forward and then runs the backward proper (about twice the forward's FLOPs).
@@ -123,12 +132,17 @@ def part_footprints(fp: ModelFootprint, block_trainable: list[int], other_traina
     # Each part streams whole blocks: apply_offload streams blocks in parts (engine/offload/units.py) only for
     # a whole model, so the parts' plans must not count units (unit_bytes=[]); with them, a part holding one
     # double block got one slot for two units and the scheduler refused it.
-    first = replace(fp, name=f"{fp.name} blocks 0-{cut - 1}", block_names=fp.block_names[:cut],
-                    block_bytes=fp.block_bytes[:cut], trainable_params=sum(block_trainable[:cut]) + other_trainable,
-                    unit_bytes=[])
-    second = replace(fp, name=f"{fp.name} blocks {cut}-{fp.num_blocks - 1}", block_names=fp.block_names[cut:],
-                     block_bytes=fp.block_bytes[cut:], other_bytes=0, trainable_params=sum(block_trainable[cut:]),
-                     unit_bytes=[])
+    # The per-block lists the step time reads (FLOPs) are each part's own: with the whole model's, the second part
+    # was timed with the first blocks' FLOPs (Flux: double blocks for single ones).
+    def blocks(sl: slice) -> dict:
+        return {k: getattr(fp, k)[sl] for k in ("block_names", "block_bytes", "block_params", "block_token_params",
+                                                "block_attention_tokens")}
+
+    first = replace(fp, name=f"{fp.name} blocks 0-{cut - 1}", **blocks(slice(0, cut)),
+                    trainable_params=sum(block_trainable[:cut]) + other_trainable, unit_bytes=[])
+    # The layers outside the blocks (outer_bytes among them) are the first part's.
+    second = replace(fp, name=f"{fp.name} blocks {cut}-{fp.num_blocks - 1}", **blocks(slice(cut, None)),
+                     other_bytes=0, outer_bytes=0, trainable_params=sum(block_trainable[cut:]), unit_bytes=[])
     return first, second
 
 
@@ -220,30 +234,38 @@ def pipelined_step_s(part_seconds: list[float], micro_batches: int, crossing_s: 
 def _part_plan(fp: ModelFootprint, workload: Workload, offload: OffloadConfig, budget: Optional[int],
                host_ram_bytes: Optional[int], compiled: bool, machine: Optional[Machine], stage: int,
                micro_batches: int) -> Plan:
-    """One part's plan. Pipelined, each part runs the batch in ``micro_batches`` pieces; the first part holds the
-    block inputs of as many pieces at once as the schedule keeps in flight there, on the GPU (activation offload
-    keeps one set per block), and neither part holds the layers outside the blocks on the host (their hooks would
-    run from two threads at once)."""
-    if micro_batches <= 1:
-        return make_plan(fp, workload, offload, budget, host_ram_bytes, compiled=compiled, machine=machine)
-    micro = -(-workload.batch // micro_batches)
-    changes: dict = {"micro_batch_size": micro}
-    if offload.streams:
-        changes["outer_on_host"] = False
-        if stage == 0:
-            changes["activation_offload"] = False
-    cfg = replace(offload, **changes)
-    extra = 0
-    held = in_flight(schedule(micro_batches, 2)[stage])
-    if held > 1:
-        unit = micro * workload.tokens * fp.hidden_size * fp.act_bytes_per_elem
-        extra = int((held - 1) * fp.num_blocks * SAVED_INPUT_UNITS * unit)
-    plan = make_plan(fp, workload, cfg, None if budget is None else budget - extra, host_ram_bytes,
-                     compiled=compiled, machine=machine)
-    if extra:
-        plan.breakdown["pipelined inputs"] = extra
-        plan.predicted_peak_bytes += extra
-        plan.budget_bytes = budget
+    """One part's plan, its peak counted over the whole step (engine/parallel/part_memory.py): the ring at the part's
+    large blocks with the inputs held then, and, pipelined on the first part, a second micro-batch's block inputs
+    (as many as the schedule keeps in flight there, on the GPU: activation offload keeps one set per block), the head
+    and the crossing. Pipelined, each part runs the batch in ``micro_batches`` pieces, and neither part holds the
+    layers outside the blocks on the host (their hooks would run from two threads at once). Under a budget, the part
+    is planned again for what the one-GPU formula leaves out until its whole peak fits."""
+    changes: dict = {}
+    if micro_batches > 1:
+        changes["micro_batch_size"] = -(-workload.batch // micro_batches)
+        if offload.streams:
+            changes["outer_on_host"] = False
+            if stage == 0:
+                changes["activation_offload"] = False
+    cfg = replace(offload, **changes) if changes else offload
+    held = in_flight(schedule(micro_batches, 2)[stage]) if micro_batches > 1 else 1
+    head = micro_batches > 1 and stage == 0
+    inner = budget
+    for _ in range(REPLANS):
+        plan = make_plan(fp, workload, cfg, inner, host_ram_bytes, compiled=compiled, machine=machine)
+        peak, added = part_peak(plan, held, head)
+        if budget is None or peak <= budget:
+            break
+        # What the one-GPU formula leaves out, taken from the budget it plans in, below this plan's own peak: the
+        # next plan is one the formula puts at least that much lower (auto's plans are discrete).
+        inner = min(inner, plan.predicted_peak_bytes) - (peak - budget)
+    else:
+        raise ConfigError(f"{fp.name} does not fit its {budget / GB:.1f} GB budget once the whole step's peak is "
+                          f"counted ({peak / GB:.2f} GB)")
+    for name, extra in added.items():
+        plan.breakdown[name] = extra
+    plan.predicted_peak_bytes = peak
+    plan.budget_bytes = budget
     return plan
 
 
