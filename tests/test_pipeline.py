@@ -263,16 +263,28 @@ def test_a_failing_micro_batch_stops_the_others(reference):
         handle.remove()
 
 
-def test_train_lora_pipelined_split_on_cpu_equals_unsplit(tiny_pipeline, tiny_cache):
-    """Train LoRA end to end: Dual-GPU Split on cpu,cpu with micro_batches=2 (batch 2: a piece each) gives the LoRA of
-    the one-device run of the same batches (rtol 1e-4)."""
+def test_train_lora_pipelined_split_on_cpu_equals_unsplit(tiny_pipeline, tiny_cache, monkeypatch):
+    """Train LoRA end to end: Dual-GPU Split on cpu,cpu with micro_batches=2 (batch 2: a piece each) and the modulation
+    window on gives the LoRA of the one-device run of the same batches without the window (rtol 1e-4). Every flagged
+    module's output came from the window, for each micro-batch's forward and its recompute (which autograd may run on
+    a thread of its own): none of them ran during training, only the time embedding, once per call in the window's
+    pass."""
+    from lowvram_lora.engine.train import step_window
+
     cfg = ModelConfig(transformer_path=str(tiny_pipeline))
     lora, train = LoraSettings(rank=4), TrainConfig(steps=2, learning_rate=2e-3, seed=2, device="cpu", batch_size=2)
     base, family, _, variant = load_transformer(tiny_pipeline, dtype=torch.float32)
+    ran = []
+    real = step_window._run_module
+    monkeypatch.setattr(step_window, "_run_module", lambda m, a, k: ran.append(m) or real(m, a, k))
     split = train_lora(cfg, tiny_cache, lora, train, preloaded=(base, family, variant),
                        offload=OffloadConfig(mode="resident"),
-                       split=ParallelConfig(mode="split", devices=("cpu", "cpu"), micro_batches=2))
-    whole = train_lora(cfg, tiny_cache, lora, train, preloaded=(base, family, variant))
+                       split=ParallelConfig(mode="split", devices=("cpu", "cpu"), micro_batches=2), step_window=2)
+    source = dict(base.named_modules())[family.memory.step_constants.source]
+    assert split.settings["step_window"]["steps"] == 2 and split.settings["step_window"]["modules"] > 1
+    assert ran and all(m is source for m in ran), {type(m).__name__ for m in ran}
+    assert len(ran) == 4  # one window of 2 steps x 2 micro-batches: one probe of the source each
+    whole = train_lora(cfg, tiny_cache, lora, train, preloaded=(base, family, variant), step_window=0)
     assert split.settings["offload_plan"]["micro_batches"] == 2
     assert split.settings["offload_stats"]["pipelined_micro_batches"] == 4  # 2 steps x 2 micro-batches
     assert split.loss_history == pytest.approx(whole.loss_history, rel=1e-4)

@@ -151,11 +151,12 @@ def plan_split(fp: ModelFootprint, block_trainable: list[int], other_trainable: 
                budgets: tuple[Optional[int], Optional[int]], cut: Optional[int] = None,
                host_ram_bytes: Optional[int] = None, ram_budget_bytes: Optional[int] = None,
                machines: tuple[Optional[Machine], Optional[Machine]] = (None, None),
-               compiled: bool = False, micro_batches: int = 1) -> SplitPlan:
+               compiled: bool = False, micro_batches: int = 1, host_extra: Optional[dict] = None) -> SplitPlan:
     """The plan for both parts: at ``cut``, or at the best cut when it is None (see the module doc).
     ``machines``: each device's link and GPU (engine/offload/link.py ``resolve_machine``; None: the default
     machine), so each part's step time is predicted where it runs. ``micro_batches`` > 1: pipelined (the batch
-    in that many pieces, 1F1B), refused where it cannot run (see ``check_pipelined``)."""
+    in that many pieces, 1F1B), refused where it cannot run (see ``check_pipelined``). ``host_extra``: host bytes the
+    run holds beside the parts (the modulation window's weights), in the RAM budget once."""
     if micro_batches > 1:
         check_pipelined(other_trainable, workload.batch, micro_batches)
     cuts = [cut] if cut is not None else list(range(1, fp.num_blocks))
@@ -193,11 +194,12 @@ def plan_split(fp: ModelFootprint, block_trainable: list[int], other_trainable: 
         from ..offload.plan import PROCESS_BASE_BYTES
 
         # One process holds both parts: its base once, each part's other host bytes.
-        host = sum(p.predicted_host_peak_bytes for p in best.plans) - (len(best.plans) - 1) * PROCESS_BASE_BYTES
+        host = (sum(p.predicted_host_peak_bytes for p in best.plans) - (len(best.plans) - 1) * PROCESS_BASE_BYTES
+                + sum((host_extra or {}).values()))
         if host > ram_budget_bytes:
             raise ConfigError(
                 f"the two parts together need {host / GB:.1f} GB of host RAM (pinned blocks, activations, the "
-                f"process) but ram_budget_gb allows {ram_budget_bytes / GB:.1f} GB. Raise the GPU budgets (more "
+                f"process{', ' + ', '.join(host_extra) if host_extra else ''}) but ram_budget_gb allows {ram_budget_bytes / GB:.1f} GB. Raise the GPU budgets (more "
                 f"blocks resident), turn activation offload off, or free host RAM / raise ram_budget_gb")
     if cut is not None:
         best.reason = "as asked"
@@ -298,6 +300,7 @@ class SplitHandle:
         self._restore = restore  # (tensor, its data before) for the frozen tensors outside the blocks
         self.device = plan.devices[0]
         self.pipeline = pipeline  # PipelineRunner (engine/parallel/pipeline.py) when micro_batches > 1
+        self.module_devices: dict[int, torch.device] = {}  # id(module inside a block) -> its part's device
 
     @property
     def devices(self) -> tuple[torch.device, torch.device]:
@@ -364,7 +367,8 @@ def apply_split(model: nn.Module, family, plan: SplitPlan, offload: OffloadConfi
     if plan.micro_batches > 1:
         from .pipeline import PipelineRunner
 
-        pipeline = PipelineRunner(plan.devices, {id(b) for _, b in parts[1]})
+        pipeline = PipelineRunner(plan.devices, {id(b) for _, b in parts[1]},
+                                  {id(m) for _, b in parts[1] for m in b.modules()})
     hooks = []
     for part, dev in zip(parts, plan.devices):
         for _, block in part:
@@ -377,7 +381,10 @@ def apply_split(model: nn.Module, family, plan: SplitPlan, offload: OffloadConfi
     offloaders = {id(b): h.activations for part, h in zip(parts, handles) if h.activations is not None
                   for _, b in part}
     _install_checkpoint(model, device_of, offloaders, pipeline)
-    return SplitHandle(model, plan, handles, hooks, restore, pipeline)
+    handle = SplitHandle(model, plan, handles, hooks, restore, pipeline)
+    # Where each module inside a block runs (the modulation window keeps a flagged module's outputs there).
+    handle.module_devices = {id(m): dev for part, dev in zip(parts, plan.devices) for _, b in part for m in b.modules()}
+    return handle
 
 
 def _non_block_modules(model: nn.Module, block_ids: set[int]):
