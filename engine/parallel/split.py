@@ -77,10 +77,19 @@ class SplitPlan:
     crossing_bytes: int = 0  # hidden states crossing the cut per micro-step, each way
     peer_bytes_per_s: float = DEFAULT_PEER_BYTES_PER_S
     micro_batches: int = 1  # > 1: pipelined, the batch's micro-batches in the 1F1B order (pipeline.py)
+    host_extra_bytes: int = 0  # host RAM the run holds beside the parts (the modulation window's weights)
 
     @property
     def predicted_peak_bytes(self) -> int:
         return max(p.predicted_peak_bytes for p in self.plans)
+
+    @property
+    def predicted_host_peak_bytes(self) -> int:
+        """Host RAM of the one process that holds both parts: its base once, each part's own host bytes."""
+        from ..offload.plan import PROCESS_BASE_BYTES
+
+        return (sum(p.predicted_host_peak_bytes for p in self.plans) - (len(self.plans) - 1) * PROCESS_BASE_BYTES
+                + self.host_extra_bytes)
 
     @property
     def crossing_s(self) -> float:
@@ -119,6 +128,7 @@ class SplitPlan:
         return {"mode": "split", "cut": self.cut, "devices": [str(d) for d in self.devices],
                 "micro_batches": self.micro_batches,
                 "predicted_peak_gb": [round(p.predicted_peak_bytes / GB, 3) for p in self.plans],
+                "predicted_host_peak_gb": round(self.predicted_host_peak_bytes / GB, 3),
                 "predicted_step_s": round(step, 4) if step is not None else None,
                 "parts": [p.summary() for p in self.plans]}
 
@@ -190,12 +200,9 @@ def plan_split(fp: ModelFootprint, block_trainable: list[int], other_trainable: 
             f"{offload.max_pinned_fraction} of {host_ram_bytes / GB:.0f} GB allows "
             f"{offload.max_pinned_fraction * host_ram_bytes / GB:.1f} GB. Raise the GPU budgets (more blocks "
             f"resident) or turn activation offload off")
+    best.host_extra_bytes = sum((host_extra or {}).values())
     if ram_budget_bytes is not None:
-        from ..offload.plan import PROCESS_BASE_BYTES
-
-        # One process holds both parts: its base once, each part's other host bytes.
-        host = (sum(p.predicted_host_peak_bytes for p in best.plans) - (len(best.plans) - 1) * PROCESS_BASE_BYTES
-                + sum((host_extra or {}).values()))
+        host = best.predicted_host_peak_bytes
         if host > ram_budget_bytes:
             raise ConfigError(
                 f"the two parts together need {host / GB:.1f} GB of host RAM (pinned blocks, activations, the "
