@@ -342,6 +342,7 @@ def apply_split(model: nn.Module, family, plan: SplitPlan, offload: OffloadConfi
                 _engine_factory=None) -> SplitHandle:
     """Place (and stream) each part on its device per ``plan``; LoRA must be attached and gradient
     checkpointing enabled. ``_engine_factory``: the copy engine for tests (CPU)."""
+    from ..offload.host import step_constant_tensors
     from ..offload.streamer import apply_offload
 
     blocks = named_blocks(model, family)
@@ -350,9 +351,10 @@ def apply_split(model: nn.Module, family, plan: SplitPlan, offload: OffloadConfi
     block_ids = {id(b) for _, b in blocks}
     # Everything outside the blocks (and its LoRA, if any) lives on the first device.
     restore: list[tuple[torch.Tensor, torch.Tensor]] = []
+    window = step_constant_tensors(model)  # the modulation window holds those (engine/train/step_window.py)
     for t in [t for m in _non_block_modules(model, block_ids) for t in list(m.parameters(recurse=False))
               + list(m.buffers(recurse=False))]:
-        if t.device != dev0:
+        if t.device != dev0 and id(t) not in window:
             if not t.requires_grad:
                 restore.append((t, t.data))
             t.data = t.data.to(dev0)
