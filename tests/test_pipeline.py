@@ -11,7 +11,7 @@ from lowvram_lora.engine.errors import ConfigError
 from lowvram_lora.engine.models import load_transformer
 from lowvram_lora.engine.offload import OffloadConfig, Workload
 from lowvram_lora.engine.offload.footprint import measure_footprint
-from lowvram_lora.engine.offload.plan import GB, ModelFootprint, make_plan
+from lowvram_lora.engine.offload.plan import GB, HEADROOM_BYTES, ModelFootprint, make_plan
 from lowvram_lora.engine.offload.streamer import InlineCopyEngine
 from lowvram_lora.engine.offload.steptime import Machine, peak_flops_for
 from lowvram_lora.engine.parallel import ParallelConfig
@@ -161,7 +161,7 @@ def test_split_parts_fit_their_budgets_with_the_whole_step_peak():
                 peak, _ = part_peak(replace(part, predicted_peak_bytes=part.predicted_peak_bytes - sum(
                     v for k, v in part.breakdown.items() if k not in ("weights", "lora+adam", "activations"))),
                     in_flight(schedule(m, 2)[stage]) if m > 1 else 1, m > 1 and stage == 0)
-                assert part.predicted_peak_bytes == peak <= budgets[stage]
+                assert part.predicted_peak_bytes == peak <= budgets[stage] - HEADROOM_BYTES  # auto's headroom kept
                 corrected += part.breakdown.get("ring at the backward's large blocks", 0) > 0.5 * GB
     assert corrected >= 4  # cuts whose first part's large blocks stream: planned again to fit
 
