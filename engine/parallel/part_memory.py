@@ -10,7 +10,7 @@ inputs as it reaches them. A split part breaks both assumptions:
   full of them, but the inputs held are k + 1's whole set plus k's up to that block: far more than a whole model
   holds there. Measured on 2x H200 (2026-11-27, bench/logs/parallel_flux*_pipeline_session5.log), the first part
   peaked 1.02 GB (Flux.2-dev int8, 12.31 GB) and 1.70 GB (Flux.1-dev bf16, 12.96 GB) above the turn's prediction,
-  past its 12 GB budget; the ring's size at the double blocks against at the turn accounts for 0.83 and 1.45 GB of it.
+  past its 12 GB budget; the ring's size at the double blocks against at the turn accounts for 0.83 and 1.44 GB of it.
 * The first part also runs the head (the final norm and projection, with the embedders on the first GPU) for the
   micro-batch the second part has in flight, and holds the tensor at the cut and the gradient that crosses back:
   ``HEAD_AND_CROSSING_UNITS`` more while pipelined.
