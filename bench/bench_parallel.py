@@ -35,6 +35,13 @@ A smoke test of this script on the CPU (a tiny model, both parts resident, no to
         --modes one split pipeline --warmup 1 --timed 1 --out /tmp/parallel.jsonl
 
 images/s = batch x world size / step s; scaling = dp images/s / (one images/s x world size).
+
+Host RAM beside peak VRAM (every row; rank 0's process, which holds both parts of a split): ``peak_host_gb``
+(RssAnon + RssShmem: what cannot be reclaimed, the figure the RAM plan is held to), ``peak_rss_gb`` (VmRSS, the
+slab's mapped file pages too) and ``peak_locked_gb``, sampled every 20 ms while the mode runs (bench_ram.py's
+fields); ``pinned_host_gb``: the pinned buffers the run reports (blocks, activations: cudaHostAlloc's pages do not
+show as locked); ``predicted_host_peak_gb``: the RAM plan's prediction. The process keeps the model's host copy from
+mode to mode, so a later mode's figure includes what an earlier one left pinned for reuse.
 """
 from __future__ import annotations
 
@@ -44,6 +51,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -85,6 +93,46 @@ def _cache(root: Path, family, variant: str, cfg: dict, res: int):
     else:
         from train_bench import write_synthetic_cache
     return write_synthetic_cache(root, family, variant, dict(cfg), res, 8, 0)
+
+
+class HostPeak:
+    """This process's host memory, sampled every ``every`` s from /proc while a mode runs (bench_ram.py samples its
+    child the same way): the peaks in bytes."""
+
+    def __init__(self, every: float = 0.02):
+        from lowvram_lora.engine.offload.hostmem import process_memory
+
+        self._read, self.every = process_memory, every
+        self.rss = self.host = self.locked = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="host RAM sampler", daemon=True)
+
+    def _sample(self) -> None:
+        mem = self._read()
+        self.rss, self.host = max(self.rss, mem.rss), max(self.host, mem.unreclaimable)
+        self.locked = max(self.locked, mem.locked)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self._sample()
+
+    def __enter__(self) -> "HostPeak":
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    def fields(self, steps) -> dict:
+        """The row's host RAM fields (GB); ``steps``: the run's StepInfo list (its reported pinned bytes)."""
+        gb = lambda b: round(b / 1e9, 3)  # noqa: E731
+        return {"peak_host_gb": gb(self.host), "peak_rss_gb": gb(self.rss), "peak_locked_gb": gb(self.locked),
+                "host_rss_gb": gb(self._read().rss),
+                "pinned_host_gb": max((s.pinned_host_gb for s in steps), default=None),
+                "host_ram_peak_gb": max((s.host_ram_gb for s in steps), default=None)}
 
 
 def _wait_for(path: Path) -> None:
@@ -134,19 +182,22 @@ def main(argv=None) -> int:
         rec = StepRecorder(f"{mode} r{me.rank}")
         t = time.perf_counter()
         error, result = None, None
-        try:
-            result = train_lora(ModelConfig(dtype="bf16" if cuda else "fp32", family=family.id), dataset, lora,
-                                TrainConfig(steps=steps, device=str(device), learning_rate=1e-4, batch_size=batch),
-                                rec.callback,
-                                preloaded=(model, family, args.variant), offload=offload, **kw)
-        except Exception as exc:  # noqa: BLE001 - a row per failure
-            error = f"{type(exc).__name__}: {str(exc)[:600]}"
-            print("ERROR", error, flush=True)
+        with HostPeak() as host:
+            try:
+                result = train_lora(ModelConfig(dtype="bf16" if cuda else "fp32", family=family.id), dataset, lora,
+                                    TrainConfig(steps=steps, device=str(device), learning_rate=1e-4, batch_size=batch),
+                                    rec.callback,
+                                    preloaded=(model, family, args.variant), offload=offload, **kw)
+            except Exception as exc:  # noqa: BLE001 - a row per failure
+                error = f"{type(exc).__name__}: {str(exc)[:600]}"
+                print("ERROR", error, flush=True)
         row = training_row(rec, args.warmup, t, error, rows.get("resident", {}).get("step_s"), device)
+        row.update(host.fields(rec.steps))  # host RAM beside peak VRAM
         world = me.world_size if mode == "dp" else 1
         row["images_per_s"] = round(world * batch / row["step_s"], 4) if row["step_s"] else None
         settings = result.settings if result is not None else {}
         row["plan"] = settings.get("offload_plan")
+        row["predicted_host_peak_gb"] = (row["plan"] or {}).get("predicted_host_peak_gb")
         predicted = (row["plan"] or {}).get("predicted_step_s")  # the split's: both parts + the crossing
         if predicted and row["step_s"]:  # issue 42: the split's prediction within 10% of the measured step
             row["predicted_step_s"] = predicted
@@ -209,10 +260,11 @@ def main(argv=None) -> int:
         shutdown()
     if me.is_main:
         dp_flag.unlink(missing_ok=True)
-        print("\nmode       step s   images/s   x one-GPU img/s   peak GB per GPU")
+        print("\nmode       step s   images/s   x one-GPU img/s   peak GB per GPU   host RAM GB (predicted)   pinned GB")
         for mode, r in rows.items():
             print(f"{mode:9s} {r['step_s'] or float('nan'):8.3f} {r['images_per_s'] or float('nan'):10.3f} "
-                  f"{r.get('x_one_gpu_images_per_s') or float('nan'):17.3f}   {r['peak_alloc_gb_per_gpu']}")
+                  f"{r.get('x_one_gpu_images_per_s') or float('nan'):17.3f}   {r['peak_alloc_gb_per_gpu']}   "
+                  f"{r['peak_host_gb']} ({r.get('predicted_host_peak_gb')})   {r.get('pinned_host_gb')}")
         print(json.dumps({m: r.get("plan") for m, r in rows.items()})[:4000])
     tmp.cleanup()
     return 0

@@ -197,10 +197,13 @@ def render(rows: list[dict]) -> str:
                    "column is the script's own arguments). `resident`: bf16, all weights on one GPU (the baseline); "
                    "`one`: auto at the per-GPU budget on one GPU; `split`: Dual-GPU Split mode split, that budget on "
                    "each GPU; `dp`: data parallel, one process per GPU at that budget. images/s = GPUs x batch / step "
-                   "s; scaling = dp images/s / (one images/s x GPUs).\n")
+                   "s; scaling = dp images/s / (one images/s x GPUs). Host RAM: the peak of rank 0's RssAnon + "
+                   "RssShmem sampled while the mode ran (the RAM plan's prediction in brackets), and the pinned "
+                   "buffers the run reported; '–': a row from before they were recorded.\n")
         out.append("| date | gpu | model | res | streamed precision | budget GB/GPU | mode | step s | x resident | "
-                   "images/s | x one-GPU images/s | scaling | peak alloc GB per GPU | max/min peak | command |")
-        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+                   "images/s | x one-GPU images/s | scaling | peak alloc GB per GPU | max/min peak | "
+                   "host RAM GB (predicted) | pinned GB | command |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in parallel:
             step_txt = _fmt(r.get("step_s")) if r.get("step_s") is not None else "**failed**"
             peaks = ", ".join(_fmt(p, 2) for p in (r.get("peak_alloc_gb_per_gpu") or []))
@@ -209,7 +212,9 @@ def render(rows: list[dict]) -> str:
                 f"{r.get('precision')} | {r.get('budget_gb_per_gpu')} | {r.get('mode')} | {step_txt} | "
                 f"{_fmt(r.get('x_resident'))} | {_fmt(r.get('images_per_s'))} | "
                 f"{_fmt(r.get('x_one_gpu_images_per_s'))} | {_fmt(r.get('scaling_efficiency'))} | {peaks} | "
-                f"{_fmt(r.get('peak_max_over_min'))} | `{r.get('command')}` |")
+                f"{_fmt(r.get('peak_max_over_min'))} | {_fmt(r.get('peak_host_gb'), 2)} "
+                f"({_fmt(r.get('predicted_host_peak_gb'), 2)}) | {_fmt(r.get('pinned_host_gb'), 2)} | "
+                f"`{r.get('command')}` |")
         out.append("")
     if experts_rows:
         out.extend(experts_section(experts_rows))

@@ -194,8 +194,9 @@ def test_split_on_the_cpu_trains_exactly_as_unsplit(tiny_pipeline, tiny_cache):
     split = train_lora(cfg, tiny_cache, lora, train, rec, preloaded=(base, family, variant),
                        offload=OffloadConfig(mode="resident"),
                        split=ParallelConfig(mode="split", devices=("cpu", "cpu"), cut=3))
-    whole = train_lora(cfg, tiny_cache, lora, train, preloaded=(base, family, variant))
+    whole = train_lora(cfg, tiny_cache, lora, train, preloaded=(base, family, variant), step_window=0)
     assert split.settings["offload_plan"]["cut"] == 3
+    assert split.settings["step_window"]["modules"] > 1  # each part's modulation from the window (none: unsplit)
     assert any("split at block 3 of" in m for m in rec.logs)
     for k, v in whole.state_dict.items():
         torch.testing.assert_close(split.state_dict[k], v, rtol=1e-5, atol=1e-7)

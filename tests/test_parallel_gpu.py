@@ -69,6 +69,7 @@ def test_split_trains_like_one_device(mid, devices):
               f"{r.settings['split_peak_vram_gb']} GB; cut {r.settings['offload_plan']['cut']}")
         assert err < max(2e-2, 20 * noise)
         assert r.loss_history == pytest.approx(ref.loss_history, rel=2e-2)
+        assert r.settings["step_window"]["held_bytes"] > 0  # each part's modulation from the window, on its GPU
         if devices[0] != devices[1]:
             assert all(p > 0 for p in r.settings["split_peak_vram_gb"])  # both GPUs held a part
 
@@ -90,6 +91,7 @@ def test_pipelined_split_trains_like_one_device(mid, devices):
               f"{r.settings['split_peak_vram_gb']} GB; cut {r.settings['offload_plan']['cut']}; "
               f"{stats['peer_bytes_copied'] / 1e6:.1f} MB peer copies")
         assert r.settings["offload_plan"]["micro_batches"] == 4 and stats["pipelined_micro_batches"] == 4 * 4
+        assert r.settings["step_window"]["held_bytes"] > 0  # each micro-batch's modulation from the window
         assert err < max(2e-2, 20 * noise)
         assert r.loss_history == pytest.approx(ref.loss_history, rel=2e-2)
         if devices[0] != devices[1]:

@@ -142,9 +142,11 @@ class _ThreadState(threading.local):
 class PipelineRunner:
     """Runs a step's micro-batches through a split's two parts in the 1F1B order (see the module doc)."""
 
-    def __init__(self, devices: tuple[torch.device, torch.device], second_part_blocks: set[int]):
+    def __init__(self, devices: tuple[torch.device, torch.device], second_part_blocks: set[int],
+                 second_part_modules: Optional[set[int]] = None):
         self.devices = devices
         self.second = second_part_blocks  # id() of the blocks on the second device
+        self.second_modules = second_part_modules or set()  # id() of every module inside them
         self.copies = PeerCopy(devices)
         self._local = _ThreadState()
         self.failed: Optional[BaseException] = None
@@ -201,6 +203,21 @@ class PipelineRunner:
             return x
 
         return tree_map(swap, args)
+
+    def micro_index(self, module) -> Optional[int]:
+        """Which micro-batch a call of ``module`` belongs to (None outside a pipelined step): the modulation window
+        serves each its own outputs (engine/train/step_window.py ``served``). In the forward, the calling thread's; in
+        a checkpointed block's recompute, which autograd runs on a thread of its own (one per GPU), the micro-batch
+        whose backward holds the module's part's lane: a part runs one operation at a time, and only its backward
+        recomputes its blocks."""
+        mb = self.current()
+        if mb is not None:
+            return mb.index
+        if not self._lanes:
+            return None
+        lane = self._lanes[1 if id(module) in self.second_modules else 0]
+        kind, k = lane.ops[min(lane.position, len(lane.ops) - 1)]
+        return k
 
     def block_outputs(self, block, out):
         """After a second-part block: its outputs are the second part's (the head's inputs cross back)."""

@@ -30,6 +30,11 @@ quarter of it: checkpointing recomputes the forward inside the backward), and th
 one with the shortest predicted step (balanced time: compute and streaming per part), not the
 fewest bytes. The first part holds two micro-batches' block inputs at once (the warm-up
 forward and the one in flight), planned inside its budget, and keeps them on the GPU.
+
+Each part's peak is counted over the whole step (engine/parallel/part_memory.py: the ring at its
+large blocks with the inputs held then, the head and the crossing), and a part whose whole-step
+peak passes its budget is planned again inside it: the one-GPU formula's peak at the turn put the
+pipelined first part at 11.3 GB where it measured 12.3 (Flux.2) and 13.0 GB (Flux.1) of 12.
 Before issue 42 the parts were planned on the default machine (a 25 GB/s link and an
 unknown GPU's peak): 8.9 s + 17.4 s predicted against 2.27 s measured on 2x H200.
 """
@@ -45,9 +50,13 @@ from torch.utils._pytree import tree_map
 from ..errors import ConfigError
 from ..offload.config import OffloadConfig
 from ..offload.footprint import named_blocks
-from ..offload.plan import GB, SAVED_INPUT_UNITS, ModelFootprint, Plan, Workload, make_plan
+from ..offload.plan import GB, HEADROOM_BYTES, ModelFootprint, Plan, Workload, make_plan
 from ..offload.steptime import Machine
 from .one_f_one_b import in_flight, makespan, schedule
+from .part_memory import part_peak
+
+#: Times a part is planned again when its whole-step peak passes its budget (each lowers the budget it plans in).
+REPLANS = 6
 
 #: Share of a part's per-micro-batch time spent in the forward: with gradient checkpointing the backward
 #: recomputes the forward and then runs the backward proper (about twice the forward's FLOPs).
@@ -68,10 +77,19 @@ class SplitPlan:
     crossing_bytes: int = 0  # hidden states crossing the cut per micro-step, each way
     peer_bytes_per_s: float = DEFAULT_PEER_BYTES_PER_S
     micro_batches: int = 1  # > 1: pipelined, the batch's micro-batches in the 1F1B order (pipeline.py)
+    host_extra_bytes: int = 0  # host RAM the run holds beside the parts (the modulation window's weights)
 
     @property
     def predicted_peak_bytes(self) -> int:
         return max(p.predicted_peak_bytes for p in self.plans)
+
+    @property
+    def predicted_host_peak_bytes(self) -> int:
+        """Host RAM of the one process that holds both parts: its base once, each part's own host bytes."""
+        from ..offload.plan import PROCESS_BASE_BYTES
+
+        return (sum(p.predicted_host_peak_bytes for p in self.plans) - (len(self.plans) - 1) * PROCESS_BASE_BYTES
+                + self.host_extra_bytes)
 
     @property
     def crossing_s(self) -> float:
@@ -110,6 +128,7 @@ class SplitPlan:
         return {"mode": "split", "cut": self.cut, "devices": [str(d) for d in self.devices],
                 "micro_batches": self.micro_batches,
                 "predicted_peak_gb": [round(p.predicted_peak_bytes / GB, 3) for p in self.plans],
+                "predicted_host_peak_gb": round(self.predicted_host_peak_bytes / GB, 3),
                 "predicted_step_s": round(step, 4) if step is not None else None,
                 "parts": [p.summary() for p in self.plans]}
 
@@ -123,12 +142,17 @@ def part_footprints(fp: ModelFootprint, block_trainable: list[int], other_traina
     # Each part streams whole blocks: apply_offload streams blocks in parts (engine/offload/units.py) only for
     # a whole model, so the parts' plans must not count units (unit_bytes=[]); with them, a part holding one
     # double block got one slot for two units and the scheduler refused it.
-    first = replace(fp, name=f"{fp.name} blocks 0-{cut - 1}", block_names=fp.block_names[:cut],
-                    block_bytes=fp.block_bytes[:cut], trainable_params=sum(block_trainable[:cut]) + other_trainable,
-                    unit_bytes=[])
-    second = replace(fp, name=f"{fp.name} blocks {cut}-{fp.num_blocks - 1}", block_names=fp.block_names[cut:],
-                     block_bytes=fp.block_bytes[cut:], other_bytes=0, trainable_params=sum(block_trainable[cut:]),
-                     unit_bytes=[])
+    # The per-block lists the step time reads (FLOPs) are each part's own: with the whole model's, the second part
+    # was timed with the first blocks' FLOPs (Flux: double blocks for single ones).
+    def blocks(sl: slice) -> dict:
+        return {k: getattr(fp, k)[sl] for k in ("block_names", "block_bytes", "block_params", "block_token_params",
+                                                "block_attention_tokens")}
+
+    first = replace(fp, name=f"{fp.name} blocks 0-{cut - 1}", **blocks(slice(0, cut)),
+                    trainable_params=sum(block_trainable[:cut]) + other_trainable, unit_bytes=[])
+    # The layers outside the blocks (outer_bytes among them) are the first part's.
+    second = replace(fp, name=f"{fp.name} blocks {cut}-{fp.num_blocks - 1}", **blocks(slice(cut, None)),
+                     other_bytes=0, outer_bytes=0, trainable_params=sum(block_trainable[cut:]), unit_bytes=[])
     return first, second
 
 
@@ -137,11 +161,12 @@ def plan_split(fp: ModelFootprint, block_trainable: list[int], other_trainable: 
                budgets: tuple[Optional[int], Optional[int]], cut: Optional[int] = None,
                host_ram_bytes: Optional[int] = None, ram_budget_bytes: Optional[int] = None,
                machines: tuple[Optional[Machine], Optional[Machine]] = (None, None),
-               compiled: bool = False, micro_batches: int = 1) -> SplitPlan:
+               compiled: bool = False, micro_batches: int = 1, host_extra: Optional[dict] = None) -> SplitPlan:
     """The plan for both parts: at ``cut``, or at the best cut when it is None (see the module doc).
     ``machines``: each device's link and GPU (engine/offload/link.py ``resolve_machine``; None: the default
     machine), so each part's step time is predicted where it runs. ``micro_batches`` > 1: pipelined (the batch
-    in that many pieces, 1F1B), refused where it cannot run (see ``check_pipelined``)."""
+    in that many pieces, 1F1B), refused where it cannot run (see ``check_pipelined``). ``host_extra``: host bytes the
+    run holds beside the parts (the modulation window's weights), in the RAM budget once."""
     if micro_batches > 1:
         check_pipelined(other_trainable, workload.batch, micro_batches)
     cuts = [cut] if cut is not None else list(range(1, fp.num_blocks))
@@ -175,15 +200,13 @@ def plan_split(fp: ModelFootprint, block_trainable: list[int], other_trainable: 
             f"{offload.max_pinned_fraction} of {host_ram_bytes / GB:.0f} GB allows "
             f"{offload.max_pinned_fraction * host_ram_bytes / GB:.1f} GB. Raise the GPU budgets (more blocks "
             f"resident) or turn activation offload off")
+    best.host_extra_bytes = sum((host_extra or {}).values())
     if ram_budget_bytes is not None:
-        from ..offload.plan import PROCESS_BASE_BYTES
-
-        # One process holds both parts: its base once, each part's other host bytes.
-        host = sum(p.predicted_host_peak_bytes for p in best.plans) - (len(best.plans) - 1) * PROCESS_BASE_BYTES
+        host = best.predicted_host_peak_bytes
         if host > ram_budget_bytes:
             raise ConfigError(
                 f"the two parts together need {host / GB:.1f} GB of host RAM (pinned blocks, activations, the "
-                f"process) but ram_budget_gb allows {ram_budget_bytes / GB:.1f} GB. Raise the GPU budgets (more "
+                f"process{', ' + ', '.join(host_extra) if host_extra else ''}) but ram_budget_gb allows {ram_budget_bytes / GB:.1f} GB. Raise the GPU budgets (more "
                 f"blocks resident), turn activation offload off, or free host RAM / raise ram_budget_gb")
     if cut is not None:
         best.reason = "as asked"
@@ -220,30 +243,39 @@ def pipelined_step_s(part_seconds: list[float], micro_batches: int, crossing_s: 
 def _part_plan(fp: ModelFootprint, workload: Workload, offload: OffloadConfig, budget: Optional[int],
                host_ram_bytes: Optional[int], compiled: bool, machine: Optional[Machine], stage: int,
                micro_batches: int) -> Plan:
-    """One part's plan. Pipelined, each part runs the batch in ``micro_batches`` pieces; the first part holds the
-    block inputs of as many pieces at once as the schedule keeps in flight there, on the GPU (activation offload
-    keeps one set per block), and neither part holds the layers outside the blocks on the host (their hooks would
-    run from two threads at once)."""
-    if micro_batches <= 1:
-        return make_plan(fp, workload, offload, budget, host_ram_bytes, compiled=compiled, machine=machine)
-    micro = -(-workload.batch // micro_batches)
-    changes: dict = {"micro_batch_size": micro}
-    if offload.streams:
-        changes["outer_on_host"] = False
-        if stage == 0:
-            changes["activation_offload"] = False
-    cfg = replace(offload, **changes)
-    extra = 0
-    held = in_flight(schedule(micro_batches, 2)[stage])
-    if held > 1:
-        unit = micro * workload.tokens * fp.hidden_size * fp.act_bytes_per_elem
-        extra = int((held - 1) * fp.num_blocks * SAVED_INPUT_UNITS * unit)
-    plan = make_plan(fp, workload, cfg, None if budget is None else budget - extra, host_ram_bytes,
-                     compiled=compiled, machine=machine)
-    if extra:
-        plan.breakdown["pipelined inputs"] = extra
-        plan.predicted_peak_bytes += extra
-        plan.budget_bytes = budget
+    """One part's plan, its peak counted over the whole step (engine/parallel/part_memory.py): the ring at the part's
+    large blocks with the inputs held then, and, pipelined on the first part, a second micro-batch's block inputs
+    (as many as the schedule keeps in flight there, on the GPU: activation offload keeps one set per block), the head
+    and the crossing. Pipelined, each part runs the batch in ``micro_batches`` pieces, and neither part holds the
+    layers outside the blocks on the host (their hooks would run from two threads at once). Under a budget, the part
+    is planned again for what the one-GPU formula leaves out until its whole peak fits."""
+    changes: dict = {}
+    if micro_batches > 1:
+        changes["micro_batch_size"] = -(-workload.batch // micro_batches)
+        if offload.streams:
+            changes["outer_on_host"] = False
+            if stage == 0:
+                changes["activation_offload"] = False
+    cfg = replace(offload, **changes) if changes else offload
+    held = in_flight(schedule(micro_batches, 2)[stage]) if micro_batches > 1 else 1
+    head = micro_batches > 1 and stage == 0
+    inner = budget
+    for _ in range(REPLANS):
+        plan = make_plan(fp, workload, cfg, inner, host_ram_bytes, compiled=compiled, machine=machine)
+        peak, added = part_peak(plan, held, head)
+        over = peak + HEADROOM_BYTES - budget if budget is not None else 0  # auto's allocator headroom, as one GPU's
+        if over <= 0:
+            break
+        # What the one-GPU formula leaves out, taken from the budget it plans in, below this plan's own peak: the
+        # next plan is one the formula puts at least that much lower (auto's plans are discrete).
+        inner = min(inner, plan.predicted_peak_bytes + HEADROOM_BYTES) - over
+    else:
+        raise ConfigError(f"{fp.name} does not fit its {budget / GB:.1f} GB budget once the whole step's peak is "
+                          f"counted ({peak / GB:.2f} GB)")
+    for name, extra in added.items():
+        plan.breakdown[name] = extra
+    plan.predicted_peak_bytes = peak
+    plan.budget_bytes = budget
     return plan
 
 
@@ -276,6 +308,7 @@ class SplitHandle:
         self._restore = restore  # (tensor, its data before) for the frozen tensors outside the blocks
         self.device = plan.devices[0]
         self.pipeline = pipeline  # PipelineRunner (engine/parallel/pipeline.py) when micro_batches > 1
+        self.module_devices: dict[int, torch.device] = {}  # id(module inside a block) -> its part's device
 
     @property
     def devices(self) -> tuple[torch.device, torch.device]:
@@ -310,6 +343,7 @@ def apply_split(model: nn.Module, family, plan: SplitPlan, offload: OffloadConfi
                 _engine_factory=None) -> SplitHandle:
     """Place (and stream) each part on its device per ``plan``; LoRA must be attached and gradient
     checkpointing enabled. ``_engine_factory``: the copy engine for tests (CPU)."""
+    from ..offload.host import step_constant_tensors
     from ..offload.streamer import apply_offload
 
     blocks = named_blocks(model, family)
@@ -318,9 +352,10 @@ def apply_split(model: nn.Module, family, plan: SplitPlan, offload: OffloadConfi
     block_ids = {id(b) for _, b in blocks}
     # Everything outside the blocks (and its LoRA, if any) lives on the first device.
     restore: list[tuple[torch.Tensor, torch.Tensor]] = []
+    window = step_constant_tensors(model)  # the modulation window holds those (engine/train/step_window.py)
     for t in [t for m in _non_block_modules(model, block_ids) for t in list(m.parameters(recurse=False))
               + list(m.buffers(recurse=False))]:
-        if t.device != dev0:
+        if t.device != dev0 and id(t) not in window:
             if not t.requires_grad:
                 restore.append((t, t.data))
             t.data = t.data.to(dev0)
@@ -342,7 +377,8 @@ def apply_split(model: nn.Module, family, plan: SplitPlan, offload: OffloadConfi
     if plan.micro_batches > 1:
         from .pipeline import PipelineRunner
 
-        pipeline = PipelineRunner(plan.devices, {id(b) for _, b in parts[1]})
+        pipeline = PipelineRunner(plan.devices, {id(b) for _, b in parts[1]},
+                                  {id(m) for _, b in parts[1] for m in b.modules()})
     hooks = []
     for part, dev in zip(parts, plan.devices):
         for _, block in part:
@@ -355,7 +391,10 @@ def apply_split(model: nn.Module, family, plan: SplitPlan, offload: OffloadConfi
     offloaders = {id(b): h.activations for part, h in zip(parts, handles) if h.activations is not None
                   for _, b in part}
     _install_checkpoint(model, device_of, offloaders, pipeline)
-    return SplitHandle(model, plan, handles, hooks, restore, pipeline)
+    handle = SplitHandle(model, plan, handles, hooks, restore, pipeline)
+    # Where each module inside a block runs (the modulation window keeps a flagged module's outputs there).
+    handle.module_devices = {id(m): dev for part, dev in zip(parts, plan.devices) for _, b in part for m in b.modules()}
+    return handle
 
 
 def _non_block_modules(model: nn.Module, block_ids: set[int]):

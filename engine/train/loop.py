@@ -335,16 +335,14 @@ def _place(run: _Run, lora: LoraSettings) -> None:
 
 def _mark_window(run: _Run, lora: LoraSettings, step_window: int | None) -> None:
     """The family's per-step-constant modules flagged before the weights are placed, so blocks stream without them
-    (engine/train/step_window.py); not with Dual-GPU Split (each part would need its own window)."""
+    (engine/train/step_window.py). With Dual-GPU Split each part's flagged modules live and run on its GPU
+    (``StepWindow``'s ``devices``), so each part streams its blocks without their modulation."""
     from .step_window import mark
 
     if step_window == 0 or run.family.memory.step_constants is None:
         return
     if run.loss.preservation_weight > 0:  # the class prompt's forwards would need constants of their own
         run.cb.log("modulation window: off (differential output preservation runs a second prompt per step)")
-        return
-    if len(run.placement.devices) > 1:
-        run.cb.log("modulation window: off (Dual-GPU Split: the modulation runs where each part's blocks are)")
         return
     why_not = run.placement.window_blocker(run.train)
     if why_not:
@@ -376,7 +374,8 @@ def _start_window(run: _Run, step_window: int | None) -> None:
 
         source = slab_source_of(run.model)
         release_map = source.release if source is not None else None
-    window = StepWindow(run.model, run.family, run.window, run.device, run.autocast, release_map=release_map)
+    window = StepWindow(run.model, run.family, run.window, run.device, run.autocast, release_map=release_map,
+                        devices=run.placement.module_devices())  # Dual-GPU Split: each part's own GPU
     run.window = window
     run.undo.callback(window.remove)
     plans = run.placement.plans()
@@ -948,7 +947,7 @@ def _micro_step(model, family, latents, embeds, cfg: TrainConfig, gen: torch.Gen
             return torch.nn.functional.mse_loss(pred.float(), target[piece].float())
         return weighted_mse(pred, target[piece], weights[piece])
 
-    if pipeline is not None and len(pieces) > 1 and calls is None and preserve is None:
+    if pipeline is not None and len(pieces) > 1 and preserve is None:
         from ..parallel.pipeline import autocast_copy
 
         def job(piece, share):
@@ -957,7 +956,8 @@ def _micro_step(model, family, latents, embeds, cfg: TrainConfig, gen: torch.Gen
                 return loss * (share * scale), loss
             return run
 
-        losses = pipeline.run([job(p, share) for p, share in zip(pieces, shares)])
+        with window.served(calls, pipeline.micro_index) if calls is not None else contextlib.nullcontext():
+            losses = pipeline.run([job(p, share) for p, share in zip(pieces, shares)])
         return sum(loss.item() * share for loss, share in zip(losses, shares))
     total = 0.0
     for i, (piece, share) in enumerate(zip(pieces, shares)):

@@ -136,6 +136,11 @@ class Placement(ABC):
         """Why the modulation window (engine/train/step_window.py) cannot run with this placement ('' when it can)."""
         return ""
 
+    def module_devices(self) -> Optional[dict]:
+        """id(module inside a block) -> the device it runs on, where that is not the training device (a split's second
+        part): the modulation window keeps a flagged module's outputs there. None: every module on ``device``."""
+        return None
+
     def plan_before_loading(self, ident, family_id: str, dataset, lora, train: TrainConfig,
                             dtype: torch.dtype) -> None:
         """Plan from the checkpoint's header alone, so an impossible budget is refused before minutes of
@@ -430,7 +435,8 @@ class Split(Placement):
                           cut=None if self.split.cut == -1 else self.split.cut, host_ram_bytes=ram_budget(self.offload)[1],
                           ram_budget_bytes=ram_budget(self.offload)[0],
                           machines=tuple(resolve_machine(d) for d in self.devices),
-                          compiled=self.compiles(train)[0], micro_batches=self.split.micro_batches)
+                          compiled=self.compiles(train)[0], micro_batches=self.split.micro_batches,
+                          host_extra=self.host_extra)
 
     def apply(self, model, family, variant, dataset, lora, train, callback):
         from ..parallel.split import apply_split
@@ -449,6 +455,9 @@ class Split(Placement):
 
     def pipeline(self):
         return self.handle.pipeline if self.handle is not None else None
+
+    def module_devices(self):
+        return self.handle.module_devices if self.handle is not None else None
 
     def record_peaks(self, settings):
         settings["split_peak_vram_gb"] = [

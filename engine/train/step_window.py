@@ -47,6 +47,8 @@ HELD = "_lowvram_window_host"
 _PREVIOUS = "_lowvram_window_previous_forward"
 #: The module attribute saying its held weights are on the GPU now (copied in by an enclosing use).
 _BOUND = "_lowvram_window_bound"
+#: The module attribute holding (the calls' outputs, which call a use belongs to, its name) while ``served``.
+_SERVED = "_lowvram_window_served"
 
 
 @dataclass
@@ -156,7 +158,8 @@ class StepWindow:
     """The flagged modules of one run, their pinned host copies, the queue of drawn micro-batches and their outputs."""
 
     def __init__(self, model: nn.Module, family, chosen: WindowModules, device: torch.device, autocast, steps: int = 0,
-                 release_map: Optional[Callable[[list], int]] = None):
+                 release_map: Optional[Callable[[list], int]] = None,
+                 devices: Optional[dict[int, torch.device]] = None):
         self.model, self.chosen, self.device, self.autocast = model, chosen, device, autocast
         self.spec = family.memory.step_constants
         self.config = dict(model.config)
@@ -170,8 +173,11 @@ class StepWindow:
             from ..offload.link import pacer_for
 
             pacer = pacer_for(device)
+        # Dual-GPU Split (``devices``: id(module) -> its part's device): a flagged module inside a block lives, runs and
+        # keeps its outputs on that block's GPU, so each part's blocks read their own modulation where they run.
+        self.devices = devices or {}
         for name, module in chosen.all():
-            module.__dict__["_lowvram_window_device"] = device
+            module.__dict__["_lowvram_window_device"] = self.devices.get(id(module), device)
             module.__dict__["_lowvram_window_pacer"] = pacer
             if device.type == "cuda":
                 # One pinned copy, wherever placement left the weights: a streamed block's or an outer module's on
@@ -224,8 +230,10 @@ class StepWindow:
             # forward would give it (the same matmul shapes), so each output is bit for bit the forward's own.
             with torch.no_grad(), self.autocast, _weights_on_gpu(module):
                 run = _original(module)
+                where = module.__dict__["_lowvram_window_device"]
                 for c in calls:
-                    c[name] = run(self.spec.module_input(name, form, self.spec.vector(c[source_name]), self.config))
+                    c[name] = run(self.spec.module_input(name, form, self.spec.vector(c[source_name]).to(where),
+                                                         self.config))
         self.queue.extend(zip(draws, per_draw))
         self.windows += 1
 
@@ -260,6 +268,31 @@ class StepWindow:
         finally:
             for _, module in self.chosen.all():
                 module.__dict__[OUT] = None
+
+
+    @contextlib.contextmanager
+    def served(self, calls: list[dict[str, torch.Tensor]], which: Callable[[nn.Module], Optional[int]]):
+        """Within it, a flagged module returns ``calls[which(module)]``'s output (None: it runs): for a pipelined split,
+        whose micro-batches run on several threads at once (engine/parallel/pipeline.py ``micro_index`` says which one
+        a call belongs to, in its forward and in its recompute), where ``call``'s one output per module cannot serve."""
+        names = {id(m): n for n, m in self.chosen.all()}
+        for _, module in self.chosen.all():
+            module.__dict__[_SERVED] = (calls, which, names[id(module)])
+            module.forward = types.MethodType(_served_forward, module)
+        try:
+            yield
+        finally:
+            for _, module in self.chosen.all():
+                module.__dict__.pop(_SERVED, None)
+                module.forward = types.MethodType(_windowed_forward, module)
+
+
+def _served_forward(self: nn.Module, *args, **kwargs):
+    calls, which, name = self.__dict__[_SERVED]
+    k = which(self)
+    if k is None:
+        return _run_module(self, args, kwargs)
+    return calls[k][name]
 
 
 def _stop(module, args, output):
