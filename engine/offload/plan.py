@@ -461,8 +461,11 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
         disk_per_step = sum(read_bytes_of(sizes[u]) for u in simulate_disk_reads(loads, disk_units, staging_slots))
     host = host_bytes(fp, streamed, disk, act_io, outer, optimizer_on_host, staging_bytes, host_extra or {},
                       resident, keeps_host_copies, resume_staging)
-    # Token chunks cut the token-wise parts, where the widest tensors are (Flux.1's MLP and concatenation, Wan's FFN).
-    largest = micro * math.ceil(wl.tokens / max(1, recompute_chunks)) * fp.widest_features * fp.act_bytes_per_elem
+    # Token chunks cut the token-wise parts, where the widest tensors are (Flux.1's MLP and concatenation, Wan's FFN);
+    # attention runs unchunked, and its backward asks for two B*T*D tensors at once (Wan 2.2 A14B at 832x480x81: the
+    # 640 MiB request of bench/logs/experts_wan_oom_session5.log).
+    chunked = micro * math.ceil(wl.tokens / max(1, recompute_chunks)) * fp.widest_features * fp.act_bytes_per_elem
+    largest = max(chunked, 2 * micro * wl.tokens * fp.hidden_size * fp.act_bytes_per_elem)
     return Plan(
         mode="stream" if streamed else "resident", resident=resident, streamed=streamed, prefetch_depth=k,
         num_slots=num_slots, slot_bytes=slot_bytes, activation_offload=activation_offload, offloaded_blocks=offloaded,

@@ -50,7 +50,7 @@ from torch.utils._pytree import tree_map
 from ..errors import ConfigError
 from ..offload.config import OffloadConfig
 from ..offload.footprint import named_blocks
-from ..offload.plan import GB, HEADROOM_BYTES, ModelFootprint, Plan, Workload, make_plan
+from ..offload.plan import GB, ModelFootprint, Plan, Workload, make_plan
 from ..offload.steptime import Machine
 from .one_f_one_b import in_flight, makespan, schedule
 from .part_memory import part_peak
@@ -263,12 +263,12 @@ def _part_plan(fp: ModelFootprint, workload: Workload, offload: OffloadConfig, b
     for _ in range(REPLANS):
         plan = make_plan(fp, workload, cfg, inner, host_ram_bytes, compiled=compiled, machine=machine)
         peak, added = part_peak(plan, held, head)
-        over = peak + HEADROOM_BYTES - budget if budget is not None else 0  # auto's allocator headroom, as one GPU's
+        over = peak + plan.margin_bytes - budget if budget is not None else 0  # the allocator's margin, as one GPU's
         if over <= 0:
             break
         # What the one-GPU formula leaves out, taken from the budget it plans in, below this plan's own peak: the
         # next plan is one the formula puts at least that much lower (auto's plans are discrete).
-        inner = min(inner, plan.predicted_peak_bytes + HEADROOM_BYTES) - over
+        inner = min(inner, plan.predicted_peak_bytes + plan.margin_bytes) - over
     else:
         raise ConfigError(f"{fp.name} does not fit its {budget / GB:.1f} GB budget once the whole step's peak is "
                           f"counted ({peak / GB:.2f} GB)")

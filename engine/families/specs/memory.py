@@ -50,9 +50,10 @@ class MemoryProfile:
     #: Flux.2's constants were fitted with their blocks in parts already).
     parts_activation_scale: float | None = None
     #: The caching allocator's unusable holes when capped at the budget, in units of the step's largest activation
-    #: tensor (tokens x the widest block Linear): the plan keeps this many of it free, or 0.5 GB where that is more
-    #: (engine/offload/plan.py ``allocator_margin``). Measured per family; 0: the 0.5 GB alone (Wan 2.2, Flux.2-dev and
-    #: Qwen-Image trained in it under the cap, 2026-11-27; unmeasured families stay there until a capped row says more).
+    #: tensor (``Plan.largest_tensor_bytes``): the plan keeps this many of it free, or 0.5 GB where that is more
+    #: (engine/offload/plan.py ``allocator_margin``). Measured per family (Flux.1, Wan); 0: the 0.5 GB alone (Flux.2-dev
+    #: and Qwen-Image trained in it under the cap, 2026-11-27; unmeasured families stay there until a capped row says
+    #: more).
     fragmentation: float = 0.0
     #: ``install_chunked_recompute`` does something (token-wise parts in checkpointed chunks).
     chunked_recompute: bool = False

@@ -213,6 +213,10 @@ class WanFamily(ModelFamily):
         int8_extra_linears=("condition_embedder.time_proj", "condition_embedder.text_embedder.linear_1",
                             "condition_embedder.text_embedder.linear_2"),
         chunked_recompute=True,  # install_chunked_recompute: the FFN in token chunks
+        # Measured on 2xH200, 2026-11-27 (bench/logs/experts_wan_oom_session5.log): Wan 2.2 A14B, 832x480x81, eager,
+        # 40 of 40 blocks streamed, 9 token chunks, predicted 7.48 GB, capped at 8.0 GB: asked for 640 MiB (two B*T*D
+        # tensors, the plan's largest) with 0.49 GiB reserved but unusable: 0.78x the request. 1.2 keeps a third more.
+        fragmentation=1.2,
         # Blocks in parts (``block_parts``): the largest part, self-attention, holds 0.63 of the whole block's
         # recompute + backward working set with the FFN in token chunks (25.3 of 40.5 B*T*D units alive at once;
         # 0.50 of the bytes saved for backward; 0.50-0.56 unchunked), the same for every variant:
