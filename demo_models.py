@@ -222,9 +222,13 @@ def pretrain_demo_transformer(pipeline: str | Path, steps: int = 2500, count: in
 #: The demo's dataset: what its two sample prompts name ("ohwx, a red circle" / "ohwx, a blue square"; the Cache
 #: node puts the trigger "ohwx" in front), on one plain background, so the LoRA has one clear thing to learn.
 DEMO_SUBJECTS = (("red", "circle"), ("blue", "square"))
+#: That background: a strong colour that the captions never name, covering most of each image. The base model draws
+#: a prompt without a background word on whatever its pretraining averaged to; the LoRA learns that "ohwx" means
+#: this colour, so the grid's cells visibly turn yellow (white was close to what the base drew already, issue 43).
+DEMO_BACKGROUND = "yellow"
 
 
-def make_demo_dataset(folder: str | Path, count: int = 6, size: int = 128, background: str = "white",
+def make_demo_dataset(folder: str | Path, count: int = 6, size: int = 128, background: str = DEMO_BACKGROUND,
                       seed: int = 5) -> Path:
     """``count`` captioned images alternating DEMO_SUBJECTS, at random places and sizes."""
     from PIL import Image, ImageDraw

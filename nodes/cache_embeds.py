@@ -246,6 +246,10 @@ class LowVRAMCacheTextEmbeds(io.Node):
             from ..engine.errors import ConfigError
 
             problem = _images_problem(dataset_path, control_folder)
+            if options is not None and options.mask_source != "none":
+                problem = (f"Dataset Options' mask_source={options.mask_source!r} reads mask files beside the images "
+                           f"(or their alpha), which images from the images input do not have; set mask_source "
+                           f"'none', or give a dataset_path folder with the masks")
             if problem:
                 raise ConfigError(problem)
             dataset_path = str(write_image_set(images, cache_dir() / "images", default_caption))

@@ -101,6 +101,10 @@ def test_bad_images_input_names_the_problem_and_the_fix(demo, tmp_path):
     given = LowVRAMImagesToDataset.execute(images=images, texts=texts).args[0]
     with pytest.raises(LowVRAMError, match="give one dataset"):
         _cache(model, images=given, dataset_path=str(assets["dataset"]))
+    from lowvram_lora.engine.data.options import DatasetOptions
+
+    with pytest.raises(LowVRAMError, match="mask_source='beside' reads mask files"):
+        _cache(model, images=given, options=DatasetOptions(mask_source="beside"))
 
 
 def test_queue_time_check_knows_a_connected_images_input():

@@ -38,12 +38,12 @@ def test_trained_demo_vae_reconstructs_shapes_and_keeps_flux_latent_scale(tmp_pa
 
 def test_demo_dataset_shows_what_the_demo_prompts_name(tmp_path):
     """The LoRA can only visibly learn the sample prompts if the dataset holds them: each prompt of the shipped
-    demo workflow, less its trigger, is a caption, and its images have the named colour (mean of the non-white
-    pixels within 40 of the colour)."""
+    demo workflow, less its trigger, is a caption, and its images have the named colour (mean of the pixels not of
+    the background within 40 of the colour)."""
     import numpy as np
     from PIL import Image
 
-    from lowvram_lora.demo_models import make_demo_dataset
+    from lowvram_lora.demo_models import DEMO_BACKGROUND, make_demo_dataset
     from lowvram_lora.engine.families.flux1.templates import TEMPLATES
     from lowvram_lora.engine.families.tiny import COLORS
 
@@ -54,7 +54,7 @@ def test_demo_dataset_shows_what_the_demo_prompts_name(tmp_path):
     assert {p.removeprefix("ohwx, ") for p in prompts} == captions
     for txt in folder.glob("*.txt"):
         pixels = np.asarray(Image.open(txt.with_suffix(".png")), dtype=np.float64).reshape(-1, 3)
-        shape = pixels[np.abs(pixels - COLORS["white"]).sum(1) > 30]
+        shape = pixels[np.abs(pixels - COLORS[DEMO_BACKGROUND]).sum(1) > 30]
         colour = txt.read_text().split()[1]
         assert np.abs(shape.mean(0) - COLORS[colour]).max() < 40, (txt.name, shape.mean(0))
 
