@@ -140,3 +140,29 @@ def test_demo_folder_of_another_model_is_built_again(tmp_path):
     assets = ensure_demo_assets(tmp_path, trained=False)
     config = _json.loads((pipeline / "transformer" / "config.json").read_text())
     assert FAMILY.variant_for_config(config) == FAMILY.tiny_variant and assets["single_file"].exists()
+
+
+def test_an_older_demo_dataset_is_made_again_and_a_current_one_kept(tmp_path):
+    """Issue 43: a demo folder prepared by an older version (white backgrounds, no marker) gets the current dataset
+    (shapes on yellow, the same on every machine); a current one is left as it is."""
+    from collections import Counter
+
+    from PIL import Image
+
+    from lowvram_lora.demo import ensure_demo_assets
+    from lowvram_lora.demo_models import DEMO_BACKGROUND
+    from lowvram_lora.engine.families.tiny import COLORS
+
+    data = tmp_path / "input" / "lowvram_demo" / "shapes"
+    data.mkdir(parents=True)
+    for i in range(8):
+        Image.new("RGB", (128, 128), COLORS["white"]).save(data / f"img_{i:03d}.png")
+        (data / f"img_{i:03d}.txt").write_text("a red circle")
+    ensure_demo_assets(tmp_path, trained=False)
+    assert sorted(p.name for p in data.glob("*.png")) == [f"img_{i:03d}.png" for i in range(6)]
+    for png in data.glob("*.png"):
+        with Image.open(png) as im:
+            assert Counter(im.convert("RGB").getdata()).most_common(1)[0][0] == COLORS[DEMO_BACKGROUND], png.name
+    stamp = {p.name: p.stat().st_mtime_ns for p in data.iterdir()}
+    ensure_demo_assets(tmp_path, trained=False)
+    assert {p.name: p.stat().st_mtime_ns for p in data.iterdir()} == stamp
