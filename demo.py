@@ -79,5 +79,12 @@ def run_demo(root: str | Path = "demo_output", prepare_only: bool = False, progr
         workflow=str(WORKFLOW), overrides=[],  # the workflow exactly as shipped
         models_dir=str(assets["models"]), output_dir=str(root / "output"), no_progress=not progress, traceback=False,
     )
-    return run_workflow_command(args, NODE_CLASS_MAPPINGS, configure_dirs=configure_standalone_dirs,
-                                display_names=NODE_DISPLAY_NAME_MAPPINGS)
+    from .demo_models import _Threads
+
+    # One intra-op thread, as the preparation: the tiny model's ops are too small to share, and on a loaded 2-core
+    # machine two threads wait on each other. Measured 2026-11-27, the demo run with two busy processes beside it:
+    # 38.4 s with 2 threads, 19.8 s with 1 (at load 1.6 both ~7-10 s). It also keeps the run's float sums in one
+    # order on every machine.
+    with _Threads():
+        return run_workflow_command(args, NODE_CLASS_MAPPINGS, configure_dirs=configure_standalone_dirs,
+                                    display_names=NODE_DISPLAY_NAME_MAPPINGS)
