@@ -27,8 +27,8 @@ def ensure_demo_assets(root: Path, trained: bool = True) -> dict[str, Path]:
     import json
     import shutil
 
-    from .demo_models import (DEMO_VARIANT, MARKER, make_demo_dataset, pretrain_demo_transformer, train_demo_vae,
-                              write_comfy_preview_vae)
+    from .demo_models import (DATASET_MARKER, DEMO_VARIANT, MARKER, dataset_settings, make_demo_dataset,
+                              pretrain_demo_transformer, train_demo_vae, write_comfy_preview_vae)
     from .engine.families.flux1 import FAMILY
     from .engine.testing import build_tiny_flux1_pipeline, write_bfl_single_file
 
@@ -56,7 +56,10 @@ def ensure_demo_assets(root: Path, trained: bool = True) -> dict[str, Path]:
         write_bfl_single_file(pipeline, single)
     if trained and not preview_vae.exists():
         write_comfy_preview_vae(pipeline, preview_vae)
-    if not any(data.glob("*.png")):
+    marker = data / DATASET_MARKER
+    if not marker.exists() or json.loads(marker.read_text()) != json.loads(json.dumps(dataset_settings(count=6))):
+        for old in data.glob("img_*.*"):  # an older version's demo images (white backgrounds): made again
+            old.unlink()
         make_demo_dataset(data, count=6)
     return {"pipeline": pipeline, "single_file": single, "dataset": data, "models": root / "models",
             "preview_vae": preview_vae}
@@ -76,5 +79,12 @@ def run_demo(root: str | Path = "demo_output", prepare_only: bool = False, progr
         workflow=str(WORKFLOW), overrides=[],  # the workflow exactly as shipped
         models_dir=str(assets["models"]), output_dir=str(root / "output"), no_progress=not progress, traceback=False,
     )
-    return run_workflow_command(args, NODE_CLASS_MAPPINGS, configure_dirs=configure_standalone_dirs,
-                                display_names=NODE_DISPLAY_NAME_MAPPINGS)
+    from .demo_models import _Threads
+
+    # One intra-op thread, as the preparation: the tiny model's ops are too small to share, and on a loaded 2-core
+    # machine two threads wait on each other. Measured 2026-11-27, the demo run with two busy processes beside it:
+    # 38.4 s with 2 threads, 19.8 s with 1 (at load 1.6 both ~7-10 s). It also keeps the run's float sums in one
+    # order on every machine.
+    with _Threads():
+        return run_workflow_command(args, NODE_CLASS_MAPPINGS, configure_dirs=configure_standalone_dirs,
+                                    display_names=NODE_DISPLAY_NAME_MAPPINGS)

@@ -222,9 +222,16 @@ def pretrain_demo_transformer(pipeline: str | Path, steps: int = 2500, count: in
 #: The demo's dataset: what its two sample prompts name ("ohwx, a red circle" / "ohwx, a blue square"; the Cache
 #: node puts the trigger "ohwx" in front), on one plain background, so the LoRA has one clear thing to learn.
 DEMO_SUBJECTS = (("red", "circle"), ("blue", "square"))
+#: That background: a strong colour that the captions never name, covering most of each image. The base model draws
+#: a prompt without a background word on whatever its pretraining averaged to; the LoRA learns that "ohwx" means
+#: this colour, so the grid's cells visibly turn yellow (white was close to what the base drew already, issue 43).
+DEMO_BACKGROUND = "yellow"
+#: Written into the demo dataset's folder (hidden: no dataset scan reads it); a folder without it, or with other
+#: settings, was made by an older version (white backgrounds) and is made again.
+DATASET_MARKER = ".demo_dataset.json"
 
 
-def make_demo_dataset(folder: str | Path, count: int = 6, size: int = 128, background: str = "white",
+def make_demo_dataset(folder: str | Path, count: int = 6, size: int = 128, background: str = DEMO_BACKGROUND,
                       seed: int = 5) -> Path:
     """``count`` captioned images alternating DEMO_SUBJECTS, at random places and sizes."""
     from PIL import Image, ImageDraw
@@ -244,7 +251,13 @@ def make_demo_dataset(folder: str | Path, count: int = 6, size: int = 128, backg
         draw_shape(draw, shape, cx, cy, r, COLORS[colour])
         img.save(folder / f"img_{i:03d}.png")
         (folder / f"img_{i:03d}.txt").write_text(f"a {colour} {shape}")
+    (folder / DATASET_MARKER).write_text(json.dumps(dataset_settings(count, size, background, seed)))
     return folder
+
+
+def dataset_settings(count: int = 6, size: int = 128, background: str = DEMO_BACKGROUND, seed: int = 5) -> dict:
+    """What ``make_demo_dataset`` made a folder with (its marker's content)."""
+    return {"count": count, "size": size, "background": background, "seed": seed, "subjects": DEMO_SUBJECTS}
 
 
 # --- the demo VAE in a form ComfyUI's VAE Loader takes ----------------------------------------------------------

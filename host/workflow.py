@@ -717,7 +717,7 @@ def _check_node(node_id: str, node: Any, graph: Mapping[str, dict], mappings: Ma
 def _call_validate_inputs(cls: type, node: dict, where: _Where) -> None:
     """ComfyUI's input-validation hook, run when the prompt is queued (before any node runs): a V3 node's
     ``validate_inputs`` (only where the node overrides it; called on a class clone holding the hidden values),
-    a classic one's ``VALIDATE_INPUTS``. It gets the widget values it names (linked inputs are not known
+    a classic one's ``VALIDATE_INPUTS``. It gets the widget values it names (linked inputs as None: not known
     yet) and returns True or a message."""
     from ..nodes.schema import is_v3, overrides
 
@@ -731,7 +731,8 @@ def _call_validate_inputs(cls: type, node: dict, where: _Where) -> None:
         return
     params = inspect.signature(validate).parameters
     takes_all = any(p.kind == p.VAR_KEYWORD for p in params.values())
-    values = {k: v for k, v in node["inputs"].items() if not is_link(v) and (takes_all or k in params)}
+    # A linked input is not known yet: None, as ComfyUI passes it (an unconnected optional one is left out).
+    values = {k: None if is_link(v) else v for k, v in node["inputs"].items() if takes_all or k in params}
     outcome = validate(**values)
     if outcome is not True:
         raise where.error(None, str(outcome), "change the value and run again")

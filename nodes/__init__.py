@@ -10,6 +10,7 @@ from .adapter_options import LowVRAMLoraAdapter
 from .cache_embeds import LowVRAMCacheTextEmbeds
 from .dataset_options import LowVRAMDatasetOptions
 from .dual_gpu import LowVRAMDualGPUSplit
+from .image_dataset import LowVRAMImagesToDataset
 from .load_model import LowVRAMLoadQuantizedSlab
 from .loss_options import LowVRAMLossOptions
 from .offload_config import LowVRAMOffloadConfig
@@ -20,7 +21,7 @@ from .train_lora import LowVRAMTrainLoRA
 #: In the order the editor lists them; each class is named as its node id (``Schema.node_id``).
 NODES = [LowVRAMLoadQuantizedSlab, LowVRAMCacheTextEmbeds, LowVRAMOffloadConfig, LowVRAMDualGPUSplit,
          LowVRAMTrainLoRA, LowVRAMSaveLoRA, LowVRAMLoraAdapter, LowVRAMDatasetOptions, LowVRAMLossOptions,
-         LowVRAMSamplePromptConditioning]
+         LowVRAMSamplePromptConditioning, LowVRAMImagesToDataset]
 
 NODE_CLASS_MAPPINGS = {cls.__name__: cls for cls in NODES}
 

@@ -58,6 +58,22 @@ def _dataset_problem(folder, default_caption) -> str | None:
     return None
 
 
+#: validate_inputs' default for the ``images`` socket: unconnected (ComfyUI passes None for a connected one).
+_UNCONNECTED = object()
+
+
+def _images_problem(dataset_path, control_folder) -> str | None:
+    """Why the ``images`` socket cannot be used with these widgets, or None: it replaces dataset_path, and its images
+    have no file names for control images to be matched by."""
+    if dataset_path and str(dataset_path).strip():
+        return (f"dataset_path is '{str(dataset_path).strip()}' but the images input is connected too: give one "
+                f"dataset; clear dataset_path to train on the connected images, or disconnect images")
+    if control_folder and str(control_folder).strip():
+        return ("control_folder matches control images to dataset images by file name, which images from the images "
+                "input do not have; for an edit model give a dataset_path folder (targets) and its control folder")
+    return None
+
+
 def _check_control_folders(text: str) -> None:
     """Each of control_folder's ';'-separated folders exists (resolved as dataset_path is), or a DatasetError."""
     for part in (text or "").split(";"):
@@ -167,14 +183,21 @@ class LowVRAMCacheTextEmbeds(io.Node):
                                   "target's control images, line 2 the second's (targets in file-name order)."),
                 io.Custom("LOWVRAM_DATASET_OPTIONS", "options", optional=True,
                           tooltip="From Dataset Options: loss masks and a validation split. Unconnected: none."),
+                io.Custom("LOWVRAM_IMAGES", "images", optional=True,
+                          tooltip="From Images to Dataset: the images and captions of ComfyUI's own dataset nodes "
+                                  "(Load Image-Text (from Folder)), instead of dataset_path (leave it empty). "
+                                  "Cached as the same images in a folder would be."),
             ])
 
     @classmethod
-    def validate_inputs(cls, dataset_path=None, control_folder=None, default_caption=None):
+    def validate_inputs(cls, dataset_path=None, control_folder=None, default_caption=None, images=_UNCONNECTED):
         """Checked when the graph is queued, before any node runs (so before a 20-60 GB checkpoint loads): the dataset
         folder exists and its images have captions, and each control folder exists. The editor marks the node with
         the message. A value that comes from a link is not known yet (None) and is checked when the node runs. The
-        family is not known here either: a folder of clips (video families) is left to the run's own scan."""
+        family is not known here either: a folder of clips (video families) is left to the run's own scan. With the
+        ``images`` socket connected (None here: a link), dataset_path must be empty."""
+        if images is not _UNCONNECTED:
+            return _images_problem(dataset_path, control_folder) or True
         if dataset_path is None:
             return True
         try:
@@ -202,7 +225,7 @@ class LowVRAMCacheTextEmbeds(io.Node):
                 default_caption: str = "", repeats: int = 1, flip: bool = False, max_sequence_length: int = 0,
                 text_encoder_1: str = NONE, text_encoder_2: str = NONE, vae_file: str = NONE, sample_prompts: str = "",
                 video_frames: str = "33", video_fps: float = 16.0, video_window: str = "head",
-                windows_per_clip: int = 1, control_folder: str = "", options=None) -> io.NodeOutput:
+                windows_per_clip: int = 1, control_folder: str = "", options=None, images=None) -> io.NodeOutput:
         from dataclasses import replace
 
         from ..engine.caching import build_dataset_cache
@@ -218,6 +241,18 @@ class LowVRAMCacheTextEmbeds(io.Node):
             model_cfg = replace(model_cfg, text_encoder_files=files, vae_file=vae, tokenizer_dirs=comfy_tokenizer_dirs())
         elif text_encoders != FROM_CHECKPOINT:
             model_cfg = replace(model_cfg, pipeline_path=str(resolve_choice(text_encoders)))
+        if images is not None:  # ComfyUI's dataset nodes, through Images to Dataset: written once as a folder
+            from ..engine.data.image_set import write_image_set
+            from ..engine.errors import ConfigError
+
+            problem = _images_problem(dataset_path, control_folder)
+            if options is not None and options.mask_source != "none":
+                problem = (f"Dataset Options' mask_source={options.mask_source!r} reads mask files beside the images "
+                           f"(or their alpha), which images from the images input do not have; set mask_source "
+                           f"'none', or give a dataset_path folder with the masks")
+            if problem:
+                raise ConfigError(problem)
+            dataset_path = str(write_image_set(images, cache_dir() / "images", default_caption))
         data = DataConfig(path=str(resolve_dataset_path(dataset_path)) if dataset_path else "", resolution=resolution,
                           trigger_word=trigger_word.strip(), default_caption=default_caption.strip() or None,
                           repeats=repeats, flip=flip)

@@ -62,7 +62,8 @@ class Input:
         elif self.kind == "Float":
             d |= _prune({k: o.get(k) for k in ("min", "max", "step", "round")})
         elif self.kind == "String":
-            d |= _prune({"multiline": o.get("multiline", False), "placeholder": o.get("placeholder")})
+            d |= _prune({"forceInput": o.get("force_input"), "multiline": o.get("multiline", False),
+                         "placeholder": o.get("placeholder")})
         elif self.kind == "Combo":
             d |= _prune({"multiselect": False, "options": list(o["options"])})
         return d
@@ -83,8 +84,10 @@ def Float(id: str, *, default: float | None = None, min: float | None = None, ma
 
 
 def String(id: str, *, default: str | None = None, multiline: bool = False, tooltip: str | None = None,  # noqa: A002
-           optional: bool = False) -> Input:
-    return Input("String", id, "STRING", tooltip, optional, default, {"multiline": multiline})
+           optional: bool = False, force_input: bool | None = None) -> Input:
+    """``force_input``: a socket only (no widget), for text that comes from another node's output."""
+    return Input("String", id, "STRING", tooltip, optional, default,
+                 {"multiline": multiline, **({"force_input": True} if force_input else {})})
 
 
 def Boolean(id: str, *, default: bool | None = None, tooltip: str | None = None, optional: bool = False,  # noqa: A002
@@ -132,6 +135,8 @@ class Schema:
     search_aliases: list[str] = field(default_factory=list)
     is_output_node: bool = False
     not_idempotent: bool = False
+    # Every input arrives as a list (ComfyUI runs the node once on whole lists, not once per list item).
+    is_input_list: bool = False
 
     def finalize(self) -> "Schema":
         """``Schema.finalize``: an output node also gets the prompt and extra_pnginfo hidden inputs."""
@@ -164,7 +169,7 @@ class Schema:
         """``asdict(Schema.get_v1_info(cls))``: the node's ``/object_info`` entry, before JSON encoding."""
         inputs = self.v1_inputs()
         return asdict(_NodeInfoV1(
-            input=inputs, input_order={k: list(v) for k, v in inputs.items()}, is_input_list=False,
+            input=inputs, input_order={k: list(v) for k, v in inputs.items()}, is_input_list=self.is_input_list,
             output=[o.io_type for o in self.outputs], output_is_list=[o.is_output_list for o in self.outputs],
             output_name=[o.id or o.io_type for o in self.outputs],
             output_tooltips=[o.tooltip or None for o in self.outputs], output_matchtypes=None,
@@ -323,6 +328,10 @@ class Node:
     @classproperty
     def OUTPUT_TOOLTIPS(cls):  # noqa: N802
         return tuple(o.tooltip for o in cls.GET_SCHEMA().outputs)
+
+    @classproperty
+    def INPUT_IS_LIST(cls):  # noqa: N802
+        return cls.GET_SCHEMA().is_input_list
 
     @classproperty
     def OUTPUT_NODE(cls):  # noqa: N802

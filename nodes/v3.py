@@ -21,7 +21,7 @@ def to_io_input(io, i: Input):
     if i.advanced and "advanced" in inspect.signature(io.Int.Input.__init__).parameters:
         common["advanced"] = True
     if i.kind == "Custom":
-        return io.Custom(i.io_type).Input(i.id, **common)
+        return (io.Image if i.io_type == "IMAGE" else io.Custom(i.io_type)).Input(i.id, **common)
     if i.kind == "Combo":
         return io.Combo.Input(i.id, options=list(o["options"]), default=i.default, **common)
     if i.kind == "Int":
@@ -31,7 +31,8 @@ def to_io_input(io, i: Input):
         return io.Float.Input(i.id, default=i.default, min=o.get("min"), max=o.get("max"), step=o.get("step"),
                               round=o.get("round"), **common)
     if i.kind == "String":
-        return io.String.Input(i.id, default=i.default, multiline=o.get("multiline", False), **common)
+        return io.String.Input(i.id, default=i.default, multiline=o.get("multiline", False),
+                               **({"force_input": True} if o.get("force_input") else {}), **common)
     if i.kind == "Boolean":
         return io.Boolean.Input(i.id, default=i.default, **common)
     raise ValueError(f"input {i.id!r}: no V3 type for kind {i.kind!r}")
@@ -49,6 +50,7 @@ def to_io_schema(io, schema: Schema):
         inputs=[to_io_input(io, i) for i in schema.inputs], outputs=[to_io_output(io, o) for o in schema.outputs],
         hidden=[io.Hidden[h] for h in schema.hidden], is_output_node=schema.is_output_node,
         not_idempotent=schema.not_idempotent,
+        **({"is_input_list": True} if schema.is_input_list else {}),
         # Only when set: older V3 schemas (ComfyUI 0.3.64) have no search_aliases field.
         **({"search_aliases": list(schema.search_aliases)} if schema.search_aliases else {}))
 

@@ -115,13 +115,15 @@ def test_inputs_outputs_and_flags_as_comfyui_sends_them(info, class_type):
 
     # Flags and labels.
     assert node["output_node"] is (class_type == "LowVRAMSaveLoRA")
-    assert node["is_input_list"] is False and node["has_intermediate_output"] is False
+    # Images to Dataset takes ComfyUI's dataset lists whole
+    assert node["is_input_list"] is (class_type == "LowVRAMImagesToDataset")
+    assert node["has_intermediate_output"] is False
     assert node["name"] == class_type
     assert node["display_name"] == NODE_DISPLAY_NAME_MAPPINGS[class_type]
     assert node["category"] == "LowVRAM LoRA"
     assert node["python_module"] == PACK_MODULE == "custom_nodes.lowvram-lora"
     assert isinstance(node["description"], str) and node["description"]
-    assert node["search_aliases"] is None
+    assert node["search_aliases"] == (cls.GET_SCHEMA().search_aliases or None)
     assert node["deprecated"] is node["experimental"] is node["dev_only"] is node["api_node"] is False
 
 

@@ -38,12 +38,12 @@ def test_trained_demo_vae_reconstructs_shapes_and_keeps_flux_latent_scale(tmp_pa
 
 def test_demo_dataset_shows_what_the_demo_prompts_name(tmp_path):
     """The LoRA can only visibly learn the sample prompts if the dataset holds them: each prompt of the shipped
-    demo workflow, less its trigger, is a caption, and its images have the named colour (mean of the non-white
-    pixels within 40 of the colour)."""
+    demo workflow, less its trigger, is a caption, and its images have the named colour (mean of the pixels not of
+    the background within 40 of the colour)."""
     import numpy as np
     from PIL import Image
 
-    from lowvram_lora.demo_models import make_demo_dataset
+    from lowvram_lora.demo_models import DEMO_BACKGROUND, make_demo_dataset
     from lowvram_lora.engine.families.flux1.templates import TEMPLATES
     from lowvram_lora.engine.families.tiny import COLORS
 
@@ -54,7 +54,7 @@ def test_demo_dataset_shows_what_the_demo_prompts_name(tmp_path):
     assert {p.removeprefix("ohwx, ") for p in prompts} == captions
     for txt in folder.glob("*.txt"):
         pixels = np.asarray(Image.open(txt.with_suffix(".png")), dtype=np.float64).reshape(-1, 3)
-        shape = pixels[np.abs(pixels - COLORS["white"]).sum(1) > 30]
+        shape = pixels[np.abs(pixels - COLORS[DEMO_BACKGROUND]).sum(1) > 30]
         colour = txt.read_text().split()[1]
         assert np.abs(shape.mean(0) - COLORS[colour]).max() < 40, (txt.name, shape.mean(0))
 
@@ -140,3 +140,29 @@ def test_demo_folder_of_another_model_is_built_again(tmp_path):
     assets = ensure_demo_assets(tmp_path, trained=False)
     config = _json.loads((pipeline / "transformer" / "config.json").read_text())
     assert FAMILY.variant_for_config(config) == FAMILY.tiny_variant and assets["single_file"].exists()
+
+
+def test_an_older_demo_dataset_is_made_again_and_a_current_one_kept(tmp_path):
+    """Issue 43: a demo folder prepared by an older version (white backgrounds, no marker) gets the current dataset
+    (shapes on yellow, the same on every machine); a current one is left as it is."""
+    from collections import Counter
+
+    from PIL import Image
+
+    from lowvram_lora.demo import ensure_demo_assets
+    from lowvram_lora.demo_models import DEMO_BACKGROUND
+    from lowvram_lora.engine.families.tiny import COLORS
+
+    data = tmp_path / "input" / "lowvram_demo" / "shapes"
+    data.mkdir(parents=True)
+    for i in range(8):
+        Image.new("RGB", (128, 128), COLORS["white"]).save(data / f"img_{i:03d}.png")
+        (data / f"img_{i:03d}.txt").write_text("a red circle")
+    ensure_demo_assets(tmp_path, trained=False)
+    assert sorted(p.name for p in data.glob("*.png")) == [f"img_{i:03d}.png" for i in range(6)]
+    for png in data.glob("*.png"):
+        with Image.open(png) as im:
+            assert Counter(im.convert("RGB").getdata()).most_common(1)[0][0] == COLORS[DEMO_BACKGROUND], png.name
+    stamp = {p.name: p.stat().st_mtime_ns for p in data.iterdir()}
+    ensure_demo_assets(tmp_path, trained=False)
+    assert {p.name: p.stat().st_mtime_ns for p in data.iterdir()} == stamp

@@ -20,7 +20,7 @@ def test_pack_exports_and_display_names():
     assert set(NODE_DISPLAY_NAME_MAPPINGS.values()) == {
         "Load Quantized Slab", "Cache Text Embeds", "Offload Config", "Dual-GPU Split", "Train LoRA (LowVRAM)",
         "Save LoRA (LowVRAM)", "LoRA Adapter (LowVRAM)", "Dataset Options", "Loss & Validation Options",
-        "Sample Prompt Conditioning"}
+        "Sample Prompt Conditioning", "Images to Dataset"}
     assert not set(NODE_CLASS_MAPPINGS) & COMFY_BUILTIN_IDS
     assert not set(NODE_DISPLAY_NAME_MAPPINGS.values()) & COMFY_BUILTIN_DISPLAY
     assert all(k.startswith("LowVRAM") for k in NODE_CLASS_MAPPINGS)
@@ -34,7 +34,7 @@ def test_node_class_follows_comfyui_conventions(node_id):
     for name, entry in spec["required"].items():
         assert len(entry) == 2 and entry[1].get("tooltip"), f"{node_id}.{name} needs a tooltip"
         t = entry[0]
-        assert t in ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO") or t.startswith("LOWVRAM_")
+        assert t in ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO", "IMAGE") or t.startswith("LOWVRAM_")
     for t in cls.RETURN_TYPES:  # ours, or ComfyUI's own types its nodes take (Load LoRA Model, Plot Loss Graph, KSampler)
         assert t.startswith("LOWVRAM_") or t in ("IMAGE", "LORA_MODEL", "LOSS_MAP", "CONDITIONING")
     assert len(getattr(cls, "RETURN_NAMES", cls.RETURN_TYPES)) == len(cls.RETURN_TYPES)

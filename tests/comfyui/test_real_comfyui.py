@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(not COMFY_DIR, reason="set LOWVRAM_COMFYUI_DIR t
 REPO = Path(__file__).resolve().parents[2]
 OUR_NODES = {"LowVRAMLoadQuantizedSlab", "LowVRAMCacheTextEmbeds", "LowVRAMOffloadConfig", "LowVRAMDualGPUSplit",
              "LowVRAMTrainLoRA", "LowVRAMSaveLoRA", "LowVRAMDatasetOptions", "LowVRAMLossOptions",
-             "LowVRAMSamplePromptConditioning"}
+             "LowVRAMSamplePromptConditioning", "LowVRAMImagesToDataset"}
 
 
 def _copy_checkout(dest: Path) -> None:
@@ -809,3 +809,51 @@ def test_train_and_try_samples_as_comfyui_does_with_the_saved_file(comfy, tmp_pa
     assert abs(applied - base).mean() > 2.0, abs(applied - base).mean()
     print("mean |lora - base|:", float(abs(applied - base).mean()), "max |applied - file|:",
           int(abs(applied - file).max()))
+
+
+def test_comfyuis_dataset_nodes_train_and_cache_as_the_same_folder(comfy, tmp_path):
+    """Issue 43 item 2: ComfyUI's own Load Image-Text (from Folder) -> Images to Dataset -> Cache Text Embeds -> Train
+    LoRA -> Save LoRA through comfy run; its cache holds, for every image, the same caption, latent and text
+    embeddings as the shipped demo's cache of the same folder by path (compared as tensors: ComfyUI lists the folder
+    in its own order)."""
+    import hashlib
+
+    from safetensors.torch import load_file
+
+    base = json.loads((comfy.pack / "example_workflows" / "api" / "demo_tiny_lora.json").read_text())
+    cache = comfy.base / "output" / "lowvram_cache"
+
+    def run(graph, name):
+        graph["4"]["inputs"].update(steps=10, sample_every=0)
+        graph["5"]["inputs"]["filename_prefix"] = f"loras/{name}"
+        (tmp_path / f"{name}.json").write_text(json.dumps(graph))
+        before = set((cache / "datasets").glob("*.json")) if (cache / "datasets").exists() else set()
+        done = comfy.comfy_run(tmp_path / f"{name}.json", timeout=900)
+        assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:], json.dumps(_server_log(comfy.port))[-4000:])
+        assert len(list((comfy.base / "output" / "loras").glob(f"{name}_*_.safetensors"))) == 1
+        made = set((cache / "datasets").glob("*.json")) - before
+        return json.loads((made.pop() if made else _manifest_of(cache, graph)).read_text())
+
+    nodes = json.loads(json.dumps(base))
+    nodes["10"] = {"class_type": "LoadImageTextDataSetFromFolder", "inputs": {"folder": nodes["2"]["inputs"]["dataset_path"]}}
+    nodes["11"] = {"class_type": "LowVRAMImagesToDataset", "inputs": {"images": ["10", 0], "texts": ["10", 1]}}
+    nodes["2"]["inputs"].update(dataset_path="", images=["11", 0])
+    from_nodes = run(nodes, "dataset_nodes")
+    from_folder = run(json.loads(json.dumps(base)), "dataset_folder")
+
+    def entries(manifest):
+        out = []
+        for it in manifest["items"]:
+            latent = load_file(str(cache / "latents" / f"{it['latent_key']}.safetensors"))["latent"]
+            text = load_file(str(cache / "text" / f"{it['text_key']}.safetensors"))
+            out.append((it["caption"], hashlib.sha256(latent.numpy().tobytes()).hexdigest(),
+                        [hashlib.sha256(text[k].numpy().tobytes()).hexdigest() for k in sorted(text)]))
+        return sorted(out)
+
+    assert "lowvram_cache/images/" in from_nodes["source"] and len(from_nodes["items"]) == 6
+    assert entries(from_nodes) == entries(from_folder)
+
+
+def _manifest_of(cache, graph):
+    """The newest manifest (a rerun of a cached dataset writes none)."""
+    return max((cache / "datasets").glob("*.json"), key=lambda p: p.stat().st_mtime)

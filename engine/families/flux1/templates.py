@@ -13,12 +13,13 @@ TEMPLATES = [
                "sample_every": 100, "sample_steps": 8, "sample_resolution": 128, "sample_seed": 0},
         save={"filename_prefix": "loras/demo_tiny_lora"},
         note=(
-        "Demo: trains a LoRA on a tiny Flux.1-architecture model, on CPU: the grid shows red and blue shapes "
-        "appear on white. Its 300 steps took 5.0 min on a 2-core machine at load 9 (2026-11-27).\n\n"
+        "Demo: trains a LoRA on a tiny Flux.1-architecture model, on CPU: the dataset's shapes sit on yellow, and "
+        "the grid's cells turn yellow (the red-circle row most). The run took 9 s headless on a 2-core "
+        "machine at load 1.6, 5.0 min in ComfyUI at load 9 (2026-11-27).\n\n"
         "Prepare the files once with:\n  lowvram-lora demo --prepare-only --dir <ComfyUI root>\n"
         "which writes models/diffusion_models/flux1-tiny.safetensors, models/diffusers/flux1-tiny/ and "
-        "input/lowvram_demo/shapes/ (red circles, blue squares), training the tiny VAE and base model "
-        "first (22 min on that machine, once). Then press Run: nothing to edit.\n\n"
+        "input/lowvram_demo/shapes/ (red circles, blue squares on yellow), training the tiny VAE and base model "
+        "first (22 min on that machine at load 6-9, once). Then press Run: nothing to edit.\n\n"
         "Headless: lowvram-lora run example_workflows/demo_tiny_lora.json --models-dir demo_output/models "
         "--output-dir demo_output/output  (this is what `make demo` does)."),
     ),
