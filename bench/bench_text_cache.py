@@ -11,6 +11,12 @@ the files in the page cache (just written; ``--warm`` reads them once more first
 
     source bench/gpu_env.sh
     python3 bench/bench_text_cache.py --workdir /tmp/mistral --captions 118 --out "$OUT/results.jsonl"
+
+Issue 38's encoders: ``--family krea2`` (Qwen3-VL-4B, 35 layers, twelve taps), ``flux3`` (the same Qwen3-VL-4B file,
+hidden states 4, 8, ..., 32, the window padded to a multiple of 80 and kept), ``flux2-klein-4b`` / ``flux2-klein-9b``
+(Qwen3-4B / 8B, hidden states 9, 18, 27). ``--smoke --device cpu`` runs the same code on the encoder's architecture
+shrunk to a tiny width (every layer kept, so the taps are the real ones): a check that the command works, not a
+measurement (its row says ``smoke``).
 """
 from __future__ import annotations
 
@@ -31,7 +37,15 @@ MISTRAL_24B = dict(vocab_size=131072, hidden_size=5120, intermediate_size=32768,
                    max_position_embeddings=131072)
 
 
-def write_encoder(root: Path, layers_on_disk: int, device) -> Path:
+#: ``--smoke``: the width an encoder is shrunk to (layers, vocabulary and the rest of the config kept).
+SMOKE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+def _shrunk(text_cfg: dict, smoke: bool) -> dict:
+    return {**text_cfg, **SMOKE} if smoke else text_cfg
+
+
+def write_encoder(root: Path, layers_on_disk: int, device, smoke: bool = False) -> Path:
     from safetensors.torch import save_file
     from transformers import Mistral3Config
 
@@ -40,7 +54,8 @@ def write_encoder(root: Path, layers_on_disk: int, device) -> Path:
 
     enc = root / "text_encoder"
     enc.mkdir(parents=True, exist_ok=True)
-    cfg = Mistral3Config(text_config={"model_type": "mistral", **MISTRAL_24B},
+    text = _shrunk(MISTRAL_24B, smoke)
+    cfg = Mistral3Config(text_config={"model_type": "mistral", **text},
                          vision_config={"model_type": "pixtral"})
     cfg.architectures = ["Mistral3ForConditionalGeneration"]
     (enc / "config.json").write_text(cfg.to_json_string())
@@ -48,7 +63,8 @@ def write_encoder(root: Path, layers_on_disk: int, device) -> Path:
     tok.chat_template = TINY_MISTRAL_CHAT_TEMPLATE
     tok.padding_side = "left"
     tok.save_pretrained(root / "tokenizer")
-    d, f, kv = MISTRAL_24B["hidden_size"], MISTRAL_24B["intermediate_size"], 8 * 128
+    d, f = text["hidden_size"], text["intermediate_size"]
+    heads, kv = text["num_attention_heads"] * text["head_dim"], text["num_key_value_heads"] * text["head_dim"]
     gen = torch.Generator(device=device).manual_seed(0)
 
     def rnd(*shape, std=0.02):
@@ -59,8 +75,8 @@ def write_encoder(root: Path, layers_on_disk: int, device) -> Path:
     for i in range(layers_on_disk):
         q = f"{p}layers.{i}."
         save_file({
-            q + "self_attn.q_proj.weight": rnd(32 * 128, d), q + "self_attn.k_proj.weight": rnd(kv, d),
-            q + "self_attn.v_proj.weight": rnd(kv, d), q + "self_attn.o_proj.weight": rnd(d, 32 * 128),
+            q + "self_attn.q_proj.weight": rnd(heads, d), q + "self_attn.k_proj.weight": rnd(kv, d),
+            q + "self_attn.v_proj.weight": rnd(kv, d), q + "self_attn.o_proj.weight": rnd(d, heads),
             q + "mlp.gate_proj.weight": rnd(f, d), q + "mlp.up_proj.weight": rnd(f, d),
             q + "mlp.down_proj.weight": rnd(d, f),
             q + "input_layernorm.weight": torch.ones(d, dtype=torch.bfloat16),
@@ -70,7 +86,7 @@ def write_encoder(root: Path, layers_on_disk: int, device) -> Path:
 
 
 # Qwen2.5-VL-7B's language model (Qwen-Image's text encoder; the family's shipped config).
-def write_qwen25_encoder(root: Path, layers: int, device) -> Path:
+def write_qwen25_encoder(root: Path, layers: int, device, smoke: bool = False) -> Path:
     """A Qwen2.5-VL-7B-shaped text encoder with random weights, one shard per layer (diffusers folder layout,
     transformers 5 names), and a word-level tokenizer with Qwen's turn tokens."""
     from importlib import resources
@@ -84,6 +100,11 @@ def write_qwen25_encoder(root: Path, layers: int, device) -> Path:
     enc = root / "text_encoder"
     enc.mkdir(parents=True, exist_ok=True)
     cfg = json.loads(text_architecture_config(family, "qwen2.5-vl-7b").read_text())
+    if smoke:  # Qwen2.5's head width is hidden / heads (no head_dim key); its mrope sections span half of it
+        cfg["text_config"] = {**cfg["text_config"], **{k: v for k, v in SMOKE.items() if k != "head_dim"}}
+        rope = cfg["text_config"].get("rope_parameters") or {}
+        if "mrope_section" in rope:
+            cfg["text_config"]["rope_parameters"] = {**rope, "mrope_section": [2, 3, 3]}
     (enc / "config.json").write_text(json.dumps(cfg))
     tok, _ = tiny_qwen25_tokenizer()
     tok.save_pretrained(root / "tokenizer")
@@ -113,24 +134,35 @@ def write_qwen25_encoder(root: Path, layers: int, device) -> Path:
 
 
 
-# Qwen3-VL-4B's language model (Krea 2's text encoder; the family's shipped config): 35 of 36 layers are read.
-def write_qwen3vl_encoder(root: Path, layers: int, device) -> Path:
-    """A Qwen3-VL-4B-shaped text encoder with random weights (``layers`` of them on disk, one shard each; the
-    config keeps all 36), transformers 5's ``Qwen3VLModel`` names, and a word-level tokenizer with Qwen's turn
-    tokens."""
+# Qwen3-VL-4B's language model (Krea 2's and FLUX.3's text encoder; the family's shipped config), or Qwen3-4B / 8B
+# (Flux.2 klein's; no vision tower, ``model.`` names).
+def write_qwen3vl_encoder(root: Path, layers: int, device, smoke: bool = False, family_id: str = "krea2",
+                          architecture: str = "qwen3-vl-4b") -> Path:
+    """A Qwen3-VL-4B-shaped (or Qwen3-shaped: ``architecture``) text encoder with random weights (``layers`` of them
+    on disk, one shard each; the config keeps them all), transformers 5's ``Qwen3VLModel`` (``Qwen3ForCausalLM``)
+    names, and a word-level tokenizer with Qwen's turn tokens."""
     from safetensors.torch import save_file
 
     from lowvram_lora.engine.families import get_family, text_architecture_config
     from lowvram_lora.engine.families.qwen_image.fixtures import tiny_qwen25_tokenizer
 
-    family = get_family("krea2")
+    family = get_family(family_id)
     enc = root / "text_encoder"
     enc.mkdir(parents=True, exist_ok=True)
-    cfg = json.loads(text_architecture_config(family, "qwen3-vl-4b").read_text())
+    cfg = json.loads(text_architecture_config(family, architecture).read_text())
+    vl = "text_config" in cfg
+    if vl:
+        cfg["text_config"] = _shrunk(cfg["text_config"], smoke)
+    else:
+        cfg = _shrunk(cfg, smoke)
     (enc / "config.json").write_text(json.dumps(cfg))
     tok, _ = tiny_qwen25_tokenizer()
+    if not vl:  # Qwen3 (Flux.2 klein): the pipeline applies the tokenizer's own chat template
+        from lowvram_lora.engine.families.tiny import TINY_QWEN3_CHAT_TEMPLATE
+
+        tok.chat_template = TINY_QWEN3_CHAT_TEMPLATE
     tok.save_pretrained(root / "tokenizer")
-    t = cfg["text_config"]
+    t = cfg["text_config"] if vl else cfg
     d, f, heads, kv, hd = (t["hidden_size"], t["intermediate_size"], t["num_attention_heads"],
                            t["num_key_value_heads"], t["head_dim"])
     gen = torch.Generator(device=device).manual_seed(0)
@@ -141,7 +173,7 @@ def write_qwen3vl_encoder(root: Path, layers: int, device) -> Path:
     def ones(n):
         return torch.ones(n, dtype=torch.bfloat16)
 
-    p = "language_model."
+    p = "language_model." if vl else "model."
     save_file({f"{p}embed_tokens.weight": rnd(t["vocab_size"], d)}, str(enc / "embed.safetensors"))
     for i in range(layers):
         q = f"{p}layers.{i}."
@@ -155,6 +187,20 @@ def write_qwen3vl_encoder(root: Path, layers: int, device) -> Path:
         }, str(enc / f"layer-{i:02d}.safetensors"))
     return root
 
+#: --family -> (family id, variant whose text encoder is timed, writer arguments, model name in the row).
+ENCODERS = {
+    "flux2": ("flux2", "flux2-dev", {}, "mistral-small-24b (30 of 40 layers on disk)"),
+    "qwen_image": ("qwen_image", "qwen-image", {}, "qwen2.5-vl-7b (28 layers)"),
+    "krea2": ("krea2", "krea2-raw", {}, "qwen3-vl-4b (35 of 36 layers, 12 taps)"),
+    "flux3": ("flux3", "flux3-klein-base", {"family_id": "flux3"},
+              "qwen3-vl-4b (32 of 36 layers, 8 taps, window padded to 80s)"),
+    "flux2-klein-4b": ("flux2", "flux2-klein-4b", {"family_id": "flux2", "architecture": "qwen3-4b"},
+                       "qwen3-4b (27 of 36 layers, 3 taps)"),
+    "flux2-klein-9b": ("flux2", "flux2-klein-9b", {"family_id": "flux2", "architecture": "qwen3-8b"},
+                       "qwen3-8b (27 of 36 layers, 3 taps)"),
+}
+
+
 def main(argv=None) -> int:
     from lowvram_lora.engine.caching.stacked_text import encode_stacked
     from lowvram_lora.engine.families import get_family
@@ -162,29 +208,30 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workdir", default="/tmp/mistral24b")
     p.add_argument("--captions", type=int, default=118)
-    p.add_argument("--max-length", type=int, default=512)
+    p.add_argument("--max-length", type=int, default=0, help="tokens at most (0: the encoder spec's, 512 for most)")
     p.add_argument("--warm", action="store_true", help="read the files once before timing")
     p.add_argument("--out", default="bench/results.jsonl")
     p.add_argument("--note", default="")
-    p.add_argument("--family", default="flux2", choices=["flux2", "qwen_image", "krea2"],
+    p.add_argument("--family", default="flux2", choices=list(ENCODERS),
                    help="flux2: Flux.2-dev's Mistral-24B (30 layers); qwen_image: Qwen-Image's Qwen2.5-VL-7B (all 28 "
                         "layers + the final norm, variable length); krea2: Krea 2's Qwen3-VL-4B (35 layers, twelve "
-                        "taps stacked, variable length)")
+                        "taps stacked, variable length); flux3: FLUX.3 Klein's Qwen3-VL-4B (layers to 32, windowed); "
+                        "flux2-klein-4b / -9b: Flux.2 klein's Qwen3-4B / 8B")
+    p.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (with --smoke)")
+    p.add_argument("--smoke", action="store_true", help="the encoder shrunk to a tiny width: checks the command runs")
     args = p.parse_args(argv)
-    device = torch.device("cuda")
+    device = torch.device(args.device)
+    if device.type != "cuda" and not args.smoke:
+        p.error("--device cpu times nothing worth a row at full size; add --smoke (a check that the command runs)")
     root = Path(args.workdir)
-    if args.family == "krea2":
-        spec = get_family("krea2").text_encoder_specs("krea2-raw")[0]
-        writer, model_name = write_qwen3vl_encoder, "qwen3-vl-4b (35 of 36 layers, 12 taps)"
-    elif args.family == "qwen_image":
-        spec = get_family("qwen_image").text_encoder_specs("qwen-image")[0]
-        writer, model_name = write_qwen25_encoder, "qwen2.5-vl-7b (28 layers)"
-    else:
-        spec = get_family("flux2").text_encoder_specs("flux2-dev")[0]
-        writer, model_name = write_encoder, "mistral-small-24b (30 of 40 layers on disk)"
+    family_id, variant, writer_args, model_name = ENCODERS[args.family]
+    spec = get_family(family_id).text_encoder_specs(variant)[0]
+    writer = {"flux2": write_encoder, "qwen_image": write_qwen25_encoder}.get(args.family, write_qwen3vl_encoder)
+    if args.smoke:
+        model_name += " [smoke: width 64]"
     if not (root / "text_encoder" / "config.json").exists():
         t = time.perf_counter()
-        writer(root, max(spec.hidden_layers), device)
+        writer(root, max(spec.hidden_layers), device, smoke=args.smoke, **writer_args)
         print(f"wrote {sum(f.stat().st_size for f in root.rglob('*.safetensors')) / GB:.1f} GB in "
               f"{time.perf_counter() - t:.0f} s", flush=True)
     if args.warm:
@@ -193,24 +240,36 @@ def main(argv=None) -> int:
                 while h.read(1 << 26):
                     pass
     words = ["a", "photo", "of", "ohwx", "red", "dog", "on", "the", "left", "with", "big", "bright", "background"]
-    # Flux.2: padded to 512 either way; Qwen-Image: each caption at its own length, 40-199 words (long captions).
-    span = (8, 20) if args.family == "flux2" else (40, 160)  # Krea 2: variable length too
+    # Flux.2: padded to 512 either way; the others: each caption at its own length (or window), 40-199 words.
+    span = (8, 20) if family_id == "flux2" else (40, 160)
     captions = [" ".join(words[(i + j) % len(words)] for j in range(span[0] + (i * 37) % span[1]))
                 for i in range(args.captions)]
-    torch.cuda.reset_peak_memory_stats(device)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
     t = time.perf_counter()
-    out = encode_stacked(root, spec, captions, device, torch.bfloat16, args.max_length)
-    torch.cuda.synchronize(device)
+    max_length = args.max_length or spec.max_length
+    out = encode_stacked(root, spec, captions, device, torch.bfloat16, max_length)
+    if cuda:
+        torch.cuda.synchronize(device)
     wall = time.perf_counter() - t
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     emit = row_emitter(Path(args.out), {"run_id": new_run_id(), "gpu": _gpu_name(device), **_versions()})
-    emit({"model": model_name, "family": args.family,
-          "mode": "text-cache-layer-major", "res": None, "step_s": None, "captions": args.captions,
-          "max_length": args.max_length, "wall_s": round(wall, 2),
-          "peak_alloc_gb": round(torch.cuda.max_memory_allocated(device) / GB, 3),
-          "peak_reserved_gb": round(torch.cuda.max_memory_reserved(device) / GB, 3),
+    emit({"model": model_name, "family": args.family, "variant": variant,
+          "mode": "text-cache-layer-major" + ("-smoke" if args.smoke else ""), "res": None, "step_s": None,
+          "captions": args.captions, "max_length": max_length, "wall_s": round(wall, 2),
+          "peak_alloc_gb": round(torch.cuda.max_memory_allocated(device) / GB, 3) if cuda else None,
+          "peak_reserved_gb": round(torch.cuda.max_memory_reserved(device) / GB, 3) if cuda else None,
+          "host_rss_gb": round(_rss_gb(), 2),
           "embed_shape": list(out[0].shape), "command": _command(), "note": args.note})
     return 0
+
+
+def _rss_gb() -> float:
+    """This process's peak resident host memory (ru_maxrss, KiB on Linux), in GB."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB
 
 
 if __name__ == "__main__":

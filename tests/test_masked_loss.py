@@ -28,7 +28,10 @@ def _mask(size, box):
 
 
 def _dataset_with_masks(folder, where="beside", count=3):
-    data = make_tiny_dataset(folder, count=count)
+    return _add_masks(make_tiny_dataset(folder, count=count), where)
+
+
+def _add_masks(data, where="beside"):
     for img in sorted(data.glob("*.png")):
         with Image.open(img) as im:
             size = im.size
@@ -151,3 +154,82 @@ def test_missing_wrong_size_and_alpha_less_masks_are_named(tiny_pipeline, tmp_pa
         _build(tiny_pipeline, data, tmp_path, mask_source="alpha")
     with pytest.raises(ConfigError, match="mask_source='mask' is not one of none, beside, folder, alpha"):
         DatasetOptions(mask_source="mask")
+
+
+def _kontext_pairs_with_masks(tiny_pipeline, root, count=2):
+    """The tiny Flux.1 pipeline under a Kontext name (a reference image per target) and a pairs dataset whose TARGETS
+    have masks beside them (``add_tiny_controls``: each reference at 3/4 of its target's size)."""
+    from lowvram_lora.engine.families.tiny import add_tiny_controls
+
+    import shutil
+
+    named = shutil.copytree(tiny_pipeline, root / "FLUX.1-Kontext-tiny")  # a copy: what a path was is remembered
+    return named, _add_masks(add_tiny_controls(make_tiny_dataset(root / "data", count=count)))
+
+
+def _build_pairs(pipe, data, root, **options):
+    return build_dataset_cache(ModelConfig(transformer_path=str(pipe), dtype="fp32"),
+                               DataConfig(path=str(data), resolution=128, bucket_step=32), root / "cache",
+                               device="cpu", options=DatasetOptions(**options))
+
+
+def test_an_edit_pairs_target_mask_weighs_the_loss_and_its_reference_is_unmasked(tiny_pipeline, tmp_path):
+    """Flux.1 Kontext pairs: the target's mask (beside it) is cached at the target's bucket and weighs the loss on the
+    target's latent grid; the reference latent is in the inputs, unmasked. The loss equals numpy's masked mean of the
+    model's target prediction (float64, rel 1e-5)."""
+    pipe, data = _kontext_pairs_with_masks(tiny_pipeline, tmp_path)
+    cache = _build_pairs(pipe, data, tmp_path, mask_source="beside")
+    assert cache.variant == "flux1-kontext-tiny" and all(i.mask_key and i.controls for i in cache.items)
+    model, family, _, _ = load_transformer(pipe, dtype=torch.float32)
+    model.requires_grad_(True)
+    item = cache.items[0]
+    latents, embeds, masks = _load_batch(cache, [item], "cpu", torch.float32, torch.Generator())
+    assert "control_latents_0" in embeds and masks.shape == (1, item.bucket[1], item.bucket[0])
+    assert embeds["control_latents_0"].shape[-2:] != latents.shape[-2:]  # the reference has its own grid, no mask
+    weights = mask_weights(masks, latents.shape[-2:], 0.0)
+    loss = _micro_step(model, family, latents, embeds, TrainConfig(steps=1, device="cpu"),
+                       torch.Generator().manual_seed(7), contextlib.nullcontext(), 1.0, 0, (0.0, 1.0), weights)
+    g = torch.Generator().manual_seed(7)
+    sigmas = sample_sigmas(1, g, mu=family.schedule.train_shift_mu(latents))
+    noise = torch.randn(latents.shape, generator=g)
+    noisy, target = noisy_latents_and_target(latents, noise, sigmas)
+    with torch.no_grad():
+        pred = predict_velocity(family, model, noisy, embeds, sigmas, 1.0)  # the target's tokens only
+    assert pred.shape == target.shape
+    h, w = latents.shape[-2:]
+    with Image.open(data / f"{item.image.rsplit('/', 1)[1][:-4]}_mask.png") as m:  # the file, resized by hand
+        assert m.size == (item.bucket[0], item.bucket[1])  # the tiny targets are already bucket-sized
+        pix = np.asarray(m, np.float64) / 255.0
+    cell = pix.reshape(h, pix.shape[0] // h, w, pix.shape[1] // w).mean((1, 3))
+    err = (pred.double().numpy() - target.double().numpy()) ** 2
+    hand = (err * cell[None, None]).mean()
+    assert loss == pytest.approx(hand, rel=1e-5)
+    assert 0 < hand < err.mean()
+
+
+def test_edit_pairs_name_a_missing_or_wrong_size_target_mask(tiny_pipeline, tmp_path):
+    """A target without its mask, or with a mask of its reference's size, is a named error (or a named skip of the
+    pair); a mask never comes from the control folder."""
+    pipe, data = _kontext_pairs_with_masks(tiny_pipeline, tmp_path, count=3)
+    (data / "img_001_mask.png").unlink()
+    with Image.open(data / "control" / "img_002.png") as ref:
+        Image.new("L", ref.size, 255).save(data / "img_002_mask.png")  # the reference's size, not the target's
+    with pytest.raises(DatasetError, match=r"2 target image\(s\) have no usable mask: img_001.png: no mask .*"
+                                           r"img_002.png: its mask img_002_mask.png is 84x120, the image 112x160"):
+        _build_pairs(pipe, data, tmp_path, mask_source="beside")
+    said = []
+
+    class Log:
+        def log(self, m):
+            said.append(m)
+
+        def on_progress(self, *a):
+            pass
+
+    cache = build_dataset_cache(ModelConfig(transformer_path=str(pipe), dtype="fp32"),
+                                DataConfig(path=str(data), resolution=128, bucket_step=32), tmp_path / "cache",
+                                device="cpu", callback=Log(),
+                                options=DatasetOptions(mask_source="beside", missing_mask="skip"))
+    assert [(i.image.rsplit("/", 1)[1], i.controls[0].rsplit("/", 1)[1]) for i in cache.items] == [("img_000.png",
+                                                                                                    "img_000.png")]
+    assert any("skipping img_001.png: no mask" in m for m in said)

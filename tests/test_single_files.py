@@ -57,6 +57,25 @@ def test_missing_tokenizer_names_both_places(tiny_pipeline, tiny_single_file, tm
         torch.testing.assert_close(eb[k], ea[k], rtol=1e-5, atol=1e-5, msg=k)
 
 
+def test_a_fallback_tokenizer_of_another_vocabulary_is_refused_by_name(tiny_pipeline, tmp_path):
+    """A T5 file without its own tokenizer takes the fallback folder (inside ComfyUI its bundled t5_tokenizer, 32100
+    tokens); one with more tokens than the file's embedding rows is another model's: a named error before encoding,
+    not an index error mid-encode. The file's own tokenizer (same vocabulary) loads."""
+    from transformers import AutoTokenizer
+
+    from lowvram_lora.engine.caching.single_files import load_text_encoder_file
+
+    bare = write_flux1_single_files(tiny_pipeline, tmp_path / "bare", with_tokenizers=False)
+    bigger = AutoTokenizer.from_pretrained(tiny_pipeline / "tokenizer_2", local_files_only=True)
+    bigger.add_tokens([f"extra{i}" for i in range(100)])
+    bigger.save_pretrained(tmp_path / "bigger")
+    rows = load_text_encoder_file(bare["t5xxl"], torch.float32, {"t5xxl": tiny_pipeline / "tokenizer_2"})[1] \
+        .get_input_embeddings().num_embeddings
+    with pytest.raises(ModelLoadError, match=rf"'t5xxl.safetensors' .*bigger' has {len(bigger)} tokens but the file's "
+                                             rf"embedding table has {rows} rows.*bare/t5xxl/"):
+        load_text_encoder_file(bare["t5xxl"], torch.float32, {"t5xxl": tmp_path / "bigger"})
+
+
 def test_wrong_or_incomplete_files_are_named(tiny_single_file, files, tmp_path):
     data = make_tiny_dataset(tmp_path / "data", count=1)
     with pytest.raises(ModelLoadError, match="missing a T5-XXL file"):

@@ -29,7 +29,8 @@ class DatasetOptions:
         "is cropped like its image and averaged over each latent cell (area resize, as sd-scripts). Clips (video "
         "datasets): a mask clip '<name>_mask.mp4' (or a '<name>_mask/' frames folder; 'masks/<name>.mp4' for folder) "
         "with one frame per clip frame, or a still '<name>_mask.png' for every frame; each latent frame weighs the mean "
-        "of the mask frames it encodes (alpha is for images only)."
+        "of the mask frames it encodes (alpha is for images only). Edit pairs: the target's mask; the control "
+        "images are never masked."
     )})
     missing_mask: str = field(default="error", metadata={"help": (
         "An image without a mask (or with one of another size than the image): error stops with the list of "

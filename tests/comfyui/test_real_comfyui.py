@@ -397,19 +397,11 @@ def test_lora_maps_completely_in_comfyuis_own_loader(comfy, tmp_path, family_id,
     ComfyUI's environment, for every family: every key mapped, nothing left over, exactly the weights our merge
     changes are patched, and the patched weights equal ours. The model class and ``unet_config`` come from the
     family's ``fixtures.comfyui_model`` and are checked against ComfyUI's own detection on the base file."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
     from lowvram_lora.engine.caching import build_dataset_cache
     from lowvram_lora.engine.config import DataConfig, LoraSettings, ModelConfig, TrainConfig
-    from lowvram_lora.engine.families.names import join_diffusers_tensors
     from lowvram_lora.engine.lora_io import save_lora
-    from lowvram_lora.engine.models import load_transformer
     from lowvram_lora.engine.testing import make_tiny_dataset
     from lowvram_lora.engine.train import train_lora
-
-    sys.path.insert(0, str(REPO / "tests"))
-    from helpers import merged
 
     family = families()[family_id]
     fixtures = family_fixtures(family)
@@ -427,12 +419,36 @@ def test_lora_maps_completely_in_comfyuis_own_loader(comfy, tmp_path, family_id,
     assert lora.family == family_id
     assert fixtures.comfyui_model(lora.model_config) == (model_class, unet_config)
     save_lora(lora, tmp_path / "lora.safetensors", fmt="comfyui", dtype="fp32")
-    base_file = fixtures.write_single_file(pipe, tmp_path / "base.safetensors")
+    _check_in_comfyuis_loader(comfy, tmp_path, family, pipe, tmp_path / "lora.safetensors", lora.state_dict,
+                              lora.scale)
+
+
+def _check_in_comfyuis_loader(comfy, tmp_path, family, pipe, lora_file, lora_state, scale) -> None:
+    """The ComfyUI-format ``lora_file`` (``lora_state``: its modules in diffusers names, ``scale`` its alpha / rank)
+    through ComfyUI's own model_lora_keys_unet + load_lora + calculate_weight, run in ComfyUI's environment against
+    the tiny pipeline's base file: ComfyUI's detection agrees with ``fixtures.comfyui_model``, every key is mapped
+    and nothing is left over, exactly the weights our merge changes are patched, and equal to ours (1e-4). Skipped
+    where this ComfyUI has no class for the model."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from lowvram_lora.engine.families.names import join_diffusers_tensors
+    from lowvram_lora.engine.models import load_transformer
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from helpers import merged
+
+    fixtures = family_fixtures(family)
     model = load_transformer(pipe, dtype=torch.float32)[0]
-    state = merged(model, lora.state_dict, lora.scale).state_dict()
-    save_file({p.name: join_diffusers_tensors(p, state).contiguous() for p in family.param_table(lora.model_config)},
+    config = {k: v for k, v in dict(model.config).items() if not k.startswith("_")}  # as training records it
+    model_class, unet_config = fixtures.comfyui_model(config)
+    if not _comfy_has(comfy, model_class):
+        pytest.skip(f"this ComfyUI has no comfy.model_base.{model_class}")
+    base_file = fixtures.write_single_file(pipe, tmp_path / "base.safetensors")
+    state = merged(model, lora_state, scale).state_dict()
+    save_file({p.name: join_diffusers_tensors(p, state).contiguous() for p in family.param_table(config)},
               str(tmp_path / "ref.safetensors"))
-    args = {"lora": str(tmp_path / "lora.safetensors"), "base": str(base_file), "ref": str(tmp_path / "ref.safetensors"),
+    args = {"lora": str(lora_file), "base": str(base_file), "ref": str(tmp_path / "ref.safetensors"),
             "model_class": model_class, "unet_config": unet_config}
     (tmp_path / "args.json").write_text(json.dumps(args))
     code = _COMFY_LORA_CHECK.replace("ARGS", repr(str(tmp_path / "args.json")))
@@ -440,10 +456,10 @@ def test_lora_maps_completely_in_comfyuis_own_loader(comfy, tmp_path, family_id,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    print(family_id, {k: v for k, v in result.items() if k not in ("targets", "changed_by_our_merge")},
+    print(family.id, {k: v for k, v in result.items() if k not in ("targets", "changed_by_our_merge")},
           len(result["targets"]), "targets")
     assert result["detected_unet_config"] == unet_config, "fixtures.comfyui_model disagrees with ComfyUI's detection"
-    file_keys = load_file(str(tmp_path / "lora.safetensors"))
+    file_keys = load_file(str(lora_file))
     groups = {k.rsplit(".", 1)[0] for k in file_keys if k.endswith(".alpha")}
     assert len(file_keys) == 3 * len(groups)  # down/A, up/B, alpha per module: nothing else in the file
     assert result["patches"] == len(groups) and not result["not_loaded"], result
@@ -473,6 +489,9 @@ def test_single_file_text_encoders_find_comfyuis_bundled_tokenizers(comfy):
 SINGLE_FILE = [pytest.param(t, id=name) for name, t in shipped().items()
                if t.cache.get("text_encoders") == "(single files below)" and "text_encoder_2" not in t.cache
                and t.split is None]
+#: Flux.1 Kontext (two text-encoder files, clip_l and t5xxl, each with its tiny tokenizer in its companion folder,
+#: which wins over ComfyUI's bundled one), as tests/test_family_workflows.py runs it too.
+SINGLE_FILE += [pytest.param(t, id=name) for name, t in shipped().items() if name == "flux1_kontext_lora"]
 
 
 def _with_widgets(ui: dict, values: dict[str, dict]) -> dict:
@@ -542,6 +561,9 @@ def test_template_trains_its_tiny_model_through_comfy_run(comfy, tmp_path, templ
         assert lora.metadata["lowvram_lora.steps"] == "8"
         # What ComfyUI trained (inside its inference mode), against diffusers' own model from the tiny pipeline.
         _check_lora_lowers_the_reference_loss(comfy, template, tmp_path / "pipe", lora)
+        if template.cache.get("control_folder"):  # an edit LoRA: the base family's keys, in ComfyUI's own loader
+            _check_in_comfyuis_loader(comfy, tmp_path, families()[template.load["family"]], tmp_path / "pipe",
+                                      saved[0], lora.state_dict, 1.0)  # the file's B holds alpha / rank
     finally:
         for path in written:
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)

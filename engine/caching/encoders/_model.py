@@ -57,6 +57,7 @@ class EncoderModelKind(TextEncoderKind):
         except (RuntimeError, ValueError, KeyError) as exc:
             raise ModelLoadError(f"'{path}' does not fit the {self.file_kind} architecture ({exc}); is it a "
                                  f"{self.file_kind} file?") from exc
+        _check_vocabulary(path, self.file_kind, tokenizer, model, tokenizer_dirs)
         return tokenizer, model.requires_grad_(False).eval()
 
     def encode(self, pipeline, singles, family, spec, captions, device, dtype, length, progress=None):
@@ -65,3 +66,19 @@ class EncoderModelKind(TextEncoderKind):
             f = singles.text_encoders[spec.subfolder]
             loader = lambda: self.load_file(f, dtype, singles.tokenizer_dirs)  # noqa: E731
         return encode_captions(pipeline, spec, captions, device, dtype, length, progress=progress, loader=loader)
+
+
+def _check_vocabulary(path: Path, file_kind: str, tokenizer, model, tokenizer_dirs) -> None:
+    """A tokenizer with more tokens than the file's embedding table has rows is another model's (ComfyUI's bundled
+    T5 tokenizer, 32100 tokens, beside a T5 file of a smaller vocabulary): its ids would index past the table
+    mid-encode. Refused here, naming where the tokenizer came from and the fix. (Real files have at least as
+    many rows as their tokenizer has tokens: T5-XXL 32128 for 32100, CLIP-L 49408 for 49408.)"""
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) <= rows:
+        return
+    origin = tokenizer_origin(path, file_kind, file_kind, tokenizer_dirs)
+    where = f"'{origin}'" if isinstance(origin, Path) else f"the tensor '{origin}' in the file"
+    raise ModelLoadError(f"'{path.name}' ({path}): its tokenizer from {where} has {len(tokenizer)} tokens but the "
+                         f"file's embedding table has {rows} rows, so that tokenizer is another model's. Put this "
+                         f"text encoder's own tokenizer files (tokenizer.json + tokenizer_config.json, or "
+                         f"spiece.model) in '{companion_dir(path)}/'")

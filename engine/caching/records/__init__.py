@@ -25,9 +25,6 @@ def record_source(models: CacheModels, data_cfg: DataConfig, video: VideoConfig 
     cannot honour are refused here, before any file is read."""
     family, variant = models.family, models.variant
     pairs = takes_pairs(models, data_cfg, control_dirs)
-    if options is not None and options.masked and pairs:
-        raise ConfigError(f"masked loss (mask_source={options.mask_source!r}) is built for image and clip datasets; "
-                          f"{family.display_name} ({variant}) trains on edit pairs here. Set mask_source='none'")
     if options is not None and options.mask_source == "alpha" and video:
         raise ConfigError("mask_source='alpha' reads an image's alpha channel; clips carry their masks in a mask clip "
                           "('<name>_mask.mp4' beside each clip: mask_source='beside', or masks/<name>.mp4: 'folder')")
@@ -41,7 +38,7 @@ def record_source(models: CacheModels, data_cfg: DataConfig, video: VideoConfig 
     if pairs:
         if video:
             raise ConfigError(f"{family.display_name} ({variant}) is an image edit model; it takes no video dataset")
-        return EditPairSource(models, data_cfg, control_dirs)
+        return EditPairSource(models, data_cfg, control_dirs, options)
     if control_dirs:
         raise ConfigError(f"control folders were given but {family.display_name} ({variant}) is not an edit model; "
                           f"clear control_folder, or load an edit model (Qwen-Image-Edit, Flux.1 Kontext, Flux.2)")

@@ -28,7 +28,7 @@ class ImageSource(CaptionSource):
 
         if source == "none":
             return records
-        return _with_masks(records, source, self.options.missing_mask, log)
+        return with_masks(records, source, self.options.missing_mask, log)
 
     def items(self, records, buckets, keys, flip):
         items = self.keyed(records, buckets, keys, flip, path_of=lambda r: r.image_path, content_of=sha256_file,
@@ -41,22 +41,24 @@ class ImageSource(CaptionSource):
                 for it, rec in zip(items, records)]
 
 
-def _with_masks(records, source: str, missing: str, log):
+def with_masks(records, source: str, missing: str, log, image_of=lambda r: r, what: str = "image"):
     """The records whose mask is usable; the others are an error listing them (``missing='error'``) or left out,
-    each named in the log (``'skip'``). Never a silent full mask."""
-    problems = {id(r): mask_problem(r.image_path, (r.width, r.height), source) for r in records}
+    each named in the log (``'skip'``). Never a silent full mask. ``image_of``: a record's ``ImageRecord`` (an edit
+    pair's target: only the target is masked), ``what`` names it in messages."""
+    problems = {id(r): mask_problem(image_of(r).image_path, (image_of(r).width, image_of(r).height), source)
+                for r in records}
     bad = [problems[id(r)] for r in records if problems[id(r)] is not None]
     if not bad:
         return records
     if missing == "error":
         more = f" ... and {len(bad) - _LISTED} more" if len(bad) > _LISTED else ""
-        raise DatasetError(f"masked loss (mask_source={source!r}): {len(bad)} image(s) have no usable mask: "
+        raise DatasetError(f"masked loss (mask_source={source!r}): {len(bad)} {what}(s) have no usable mask: "
                            f"{'; '.join(bad[:_LISTED])}{more}. Add the masks, or set missing_mask='skip' to train "
-                           f"without those images")
+                           f"without those {what}s")
     for problem in bad:
         log(f"masked loss: skipping {problem}")
     kept = [r for r in records if problems[id(r)] is None]
     if not kept:
-        raise DatasetError(f"masked loss (mask_source={source!r}): no image has a usable mask, so none is left to "
+        raise DatasetError(f"masked loss (mask_source={source!r}): no {what} has a usable mask, so none is left to "
                            f"train on; add the masks or set mask_source='none'")
     return kept

@@ -12,6 +12,8 @@ TEMPLATES = [
     TrainingTemplate(
         name="flux3_klein_lora",
         variant="flux3-klein-base",
+        # BFL's and Comfy-Org's FLUX.3 Klein file names were searched for (Hugging Face pages, GitHub code, the
+        # workflow_templates releases) and not found; this default is ours, and the Note says any name works.
         load={"checkpoint": "flux3_klein_base_bf16.safetensors", "family": "flux3", "precision": "int8 slab"},
         cache={"text_encoders": "(single files below)", "dataset_path": "my_subject", "resolution": 1024,
                "text_encoder_1": "qwen3vl_4b_bf16.safetensors", "vae_file": "flux2-vae.safetensors",
@@ -25,10 +27,10 @@ TEMPLATES = [
         downloads={"qwen3vl_4b_bf16.safetensors": _TEXT, "flux2-vae.safetensors": _VAE},
         note=(
             "FLUX.3 Image Klein (5.5B) LoRA at 1024x1024 on a 2 GB VRAM budget.\n\nFiles:\n"
-            "- models/diffusion_models/flux3_klein_base_bf16.safetensors: FLUX 3 Image Klein Base's transformer in "
-            "bf16 (or fp8) with BFL's tensor names, from black-forest-labs/flux-3-image-klein-comfy or "
-            "black-forest-labs/flux-3-image-klein-base. The name here is a placeholder (BFL's file names were not "
-            "checked): pick your file; the Load node knows it by its tensors. Train on Base, as BFL says; the "
+            "- models/diffusion_models/: FLUX 3 Image Klein Base's transformer in bf16 (or fp8) with BFL's tensor "
+            "names, from black-forest-labs/flux-3-image-klein-comfy or black-forest-labs/flux-3-image-klein-base, "
+            "under any file name: the Load node identifies a file by its tensors, never by its name, so pick yours "
+            "in the checkpoint list. Train on Base, as BFL says; the "
             "step-distilled file loads and previews (16 steps, no CFG) but does not train. int8 and NVFP4 files "
             "cannot be read: use bf16. precision 'int8 slab' builds a 5.5 GB int8 slab once into models/slabs.\n"
             "- models/text_encoders/qwen3vl_4b_bf16.safetensors (Qwen3-VL-4B-Instruct; layers 0-31 are read; its "
