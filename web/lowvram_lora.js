@@ -267,7 +267,8 @@ function syncFamilyInputs(node) {
   const cls = String(node.comfyClass ?? node.type ?? "");
   if (!FAMILY_NODES.has(cls)) return;
   const slot = node.inputs?.findIndex((i) => i.name === "model") ?? -1;
-  const load = slot >= 0 ? node.getInputNode?.(slot) : null;
+  let load = slot >= 0 ? node.getInputNode?.(slot) : null;
+  for (let hops = 0; load && load.type === "Reroute" && hops < 16; hops++) load = load.getInputNode?.(0);
   const ok = load && String(load.comfyClass ?? load.type) === "LowVRAMLoadQuantizedSlab";
   const key = ok ? `${widgetValue(load, "checkpoint")}|${widgetValue(load, "family")}` : "";
   if (key === node.__lowvramTraitsKey) return;
