@@ -69,16 +69,18 @@ def main(argv=None) -> int:
             && /^\\s*lowvram-lora\\s*$/i.test(e.textContent||'')); if (els.length) els[els.length-1].click();""")
         time.sleep(5)
         d.save_screenshot(str(out / f"1_template_browser{tag}.png"))
-        cards = d.execute_script("return [...document.querySelectorAll('[role=dialog] img')].map(i=>i.src)"
-                                 ".filter(s=>s.includes('lowvram')).map(s=>decodeURIComponent(s.split('/').pop()))")
+        # the cards' text lines (the file names), in the order drawn
+        cards = d.execute_script("""return [...document.querySelectorAll('[role=dialog] *')].filter(e =>
+            e.children.length === 0 && /^(demo_[a-z_]+|[a-z0-9_]+_(lora|gpu))$/.test((e.textContent || '').trim()))
+            .map(e => e.textContent.trim())""")
         print("cards in order:", cards)
-        if cards[:2] != ["demo_tiny_lora.jpg", "demo_train_and_try.jpg"]:
+        if cards[:2] != ["demo_tiny_lora", "demo_train_and_try"]:
             bad.append(f"the demos are not first: {cards[:3]}")
         d.find_element("tag name", "body").send_keys("\ue00c")
         d.execute_script("document.querySelectorAll('[role=dialog]').forEach(e => e.remove())")
         # 2. the demo: an image model, its video inputs and control_folder hidden
         wf = d.execute_script("return fetch('/api/workflow_templates/lowvram-lora/demo_tiny_lora.json').then(r=>r.json())")
-        d.execute_script("return app.loadGraphData(arguments[0])", wf)
+        d.execute_script("app.loadGraphData(arguments[0]); return true", wf)
         time.sleep(5)
         d.execute_script(FIT, None)
         time.sleep(2)
