@@ -170,7 +170,8 @@ def render_card(card: Card, ui: dict, path: Path) -> None:
     pad, y = 22, 26
     title_font, text_font, tag_font, badge_font = _font(36), _font(21), _font(18), _font(24)
     tag = card.kind.upper() + ("  ·  DEMO" if card.demo else "")
-    d.text((pad, y), tag, font=tag_font, fill=accent)
+    # right-aligned: the browser draws its "Node graph" badge over the picture's top-left corner
+    d.text((SIZE - pad - d.textlength(tag, font=tag_font), y - 6), tag, font=tag_font, fill=accent)
     y += 30
     for line in _wrap(d, card.title, title_font, SIZE - 2 * pad)[:3]:
         d.text((pad, y), line, font=title_font, fill=(245, 245, 245), stroke_width=1, stroke_fill=(245, 245, 245))
