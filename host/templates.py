@@ -8,7 +8,8 @@ folder at the pack's root, so those files are generated from the registry. The f
 
 ``python -m lowvram_lora.host.templates`` (re)writes ``example_workflows/*.json`` (UI
 format, what the editor loads and lists as templates), ``example_workflows/api/*.json``
-(API format, what ``/prompt`` takes) and a ``<name>.jpg`` thumbnail of each graph.
+(API format, what ``/prompt`` takes) and a ``<name>.jpg`` thumbnail of each (its title, description and graph:
+``host/template_cards.py``).
 Tests check the shipped files equal what this module produces, so the two
 formats cannot drift apart.
 
@@ -230,39 +231,22 @@ def to_api(nodes: list[NodeSpec], mappings: Mapping[str, type]) -> dict:
     return graph
 
 
-def render_thumbnail(ui: dict, path: Path, width: int = 640, height: int = 360) -> None:
-    """A small picture of the graph: boxes at the nodes' positions, links between them."""
-    from PIL import Image, ImageDraw
+def render_thumbnail(name: str, ui: dict, path: Path) -> None:
+    """The template browser's picture of a template: its title, description and graph (``host/template_cards.py``)."""
+    from .template_cards import card_for, render_card
+    from .template_needs import cached_needs
 
-    nodes = {n["id"]: n for n in ui["nodes"]}
-    xs = [n["pos"][0] for n in nodes.values()] + [n["pos"][0] + n["size"][0] for n in nodes.values()]
-    ys = [n["pos"][1] for n in nodes.values()] + [n["pos"][1] + n["size"][1] for n in nodes.values()]
-    x0, y0, x1, y1 = min(xs), min(ys), max(xs), max(ys)
-    scale = min((width - 20) / (x1 - x0), (height - 20) / (y1 - y0))
+    t, family, kind_note = card_source(name)
+    render_card(card_for(t, family, cached_needs(t), name=name, kind_note=kind_note), ui, path)
 
-    def box(n):
-        return (10 + (n["pos"][0] - x0) * scale, 10 + (n["pos"][1] - y0) * scale,
-                10 + (n["pos"][0] + n["size"][0] - x0) * scale, 10 + (n["pos"][1] + n["size"][1] - y0) * scale)
 
-    img = Image.new("RGB", (width, height), (32, 32, 36))
-    d = ImageDraw.Draw(img)
-    def end(n, side):  # where a link meets a node: its top corner row, or a reroute's middle
-        b = box(n)
-        return ((b[0] + b[2]) / 2, (b[1] + b[3]) / 2) if n["type"] == REROUTE_TYPE else (b[side], b[1] + 12)
-
-    for link in ui["links"]:
-        d.line([end(nodes[link[1]], 2), end(nodes[link[3]], 0)], fill=(120, 170, 240), width=2)
-    for n in nodes.values():
-        b = box(n)
-        if n["type"] == REROUTE_TYPE:
-            x, y = end(n, 0)
-            d.ellipse((x - 3, y - 3, x + 3, y + 3), fill=(120, 170, 240))
-            continue
-        note = n["type"] == "Note"
-        d.rectangle(b, fill=(80, 64, 40) if note else (55, 55, 62), outline=(150, 150, 160))
-        d.rectangle((b[0], b[1], b[2], b[1] + 16), fill=(100, 80, 50) if note else (75, 75, 90))
-        d.text((b[0] + 4, b[1] + 3), n.get("title") or n["type"], fill=(235, 235, 235))
-    img.save(path, quality=90)
+def card_source(name: str):
+    """(the training template, its family, what the named template adds to it) of a shipped template: what its
+    card in the template browser says (``host/template_cards.py``)."""
+    try_t = TRY_TEMPLATES.get(name)
+    t = SHIPPED[try_t.base if try_t else name]
+    family = next(f for f in families().values() if any(x.name == t.name for x in family_templates(f)))
+    return t, family, "sampled by ComfyUI in the same graph" if try_t else ""
 
 
 # --- the shipped graphs ------------------------------------------------------------
@@ -450,13 +434,13 @@ def write_all(folder: Path = WORKFLOWS_DIR) -> list[Path]:
         ui, api = build(name, NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS)
         (folder / f"{name}.json").write_text(json.dumps(ui, indent=2) + "\n")
         (folder / "api" / f"{name}.json").write_text(json.dumps(api, indent=2) + "\n")
-        render_thumbnail(ui, folder / f"{name}.jpg")
+        render_thumbnail(name, ui, folder / f"{name}.jpg")
         written += [folder / f"{name}.json", folder / "api" / f"{name}.json", folder / f"{name}.jpg"]
     for name in TRY_TEMPLATES:
         ui, api = build_try(name)
         (folder / f"{name}.json").write_text(json.dumps(ui, indent=2) + "\n")
         (folder / "api" / f"{name}.json").write_text(json.dumps(api, indent=2) + "\n")
-        render_thumbnail(ui, folder / f"{name}.jpg")
+        render_thumbnail(name, ui, folder / f"{name}.jpg")
         written += [folder / f"{name}.json", folder / "api" / f"{name}.json", folder / f"{name}.jpg"]
     return written
 

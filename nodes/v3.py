@@ -95,6 +95,11 @@ def comfy_extension(nodes: list[type[Node]]):
     classes = [to_comfy_node(n, io) for n in nodes]
 
     class LowVRAMLoRAExtension(ComfyExtension):
+        async def on_load(self):
+            from .model_traits import register_routes
+
+            register_routes()  # which inputs apply to the loaded model (web/lowvram_lora.js hides the rest)
+
         async def get_node_list(self):
             return list(classes)
 

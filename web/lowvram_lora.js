@@ -1,4 +1,7 @@
 // lowvram-lora frontend extension (loaded by ComfyUI from WEB_DIRECTORY).
+// - Template browser: our templates demos first (the server lists them in the file system's order).
+// - Inputs that do nothing for the loaded model (video inputs for an image model, control_folder for a model
+//   without control images) are hidden (nodes/model_traits.py says which).
 // - Train LoRA: a live chart on the node while it trains (loss, its moving average, the learning rate)
 //   and a line with s/step, ETA, peak VRAM and pinned host RAM, from the "lowvram_lora.progress"
 //   websocket events nodes/progress.py sends after every step. It is a <canvas> in a DOM widget (as the
@@ -17,6 +20,23 @@
 // sized to its lines, so it is never clipped, and wraps between words.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
+
+// The template browser lists a pack's templates in the order ComfyUI globbed its folder (the file system's
+// order: the demo came third). Ours go demos first, then by name (host/template_cards.py order()). The browser
+// reads the list once, through this method of the api object.
+const PACK_FOLDER = decodeURIComponent(new URL(import.meta.url).pathname.split("/").slice(-2, -1)[0] ?? "");
+const listTemplates = api.getWorkflowTemplates?.bind(api);
+if (listTemplates) {
+  api.getWorkflowTemplates = async (...args) => {
+    const all = await listTemplates(...args);
+    for (const [pack, names] of Object.entries(all ?? {})) {
+      if (!Array.isArray(names) || !(pack === PACK_FOLDER || names.includes("demo_tiny_lora"))) continue;
+      const demo = (n) => (String(n).startsWith("demo_") ? 0 : 1);
+      all[pack] = [...names].sort((a, b) => demo(a) - demo(b) || (a < b ? -1 : a > b ? 1 : 0));
+    }
+    return all;
+  };
+}
 
 const OUR_NODES = new Set(["LowVRAMTrainLoRA", "LowVRAMSaveLoRA"]);
 const CHART_H = 150;
@@ -227,6 +247,56 @@ api.addEventListener("progress_text", ({ detail }) => {
   });
 });
 
+// Inputs that do nothing for the loaded model are hidden: the video inputs for an image model, control_folder for a
+// model that takes no control images. nodes/model_traits.py answers for the Load Quantized Slab's choice (its file
+// header, as the node reads it). Hidden widgets stay in the node, so saved workflows keep their positional values;
+// a model the server cannot identify (or a server without the route) shows every input.
+const FAMILY_NODES = new Set(["LowVRAMCacheTextEmbeds", "LowVRAMTrainLoRA"]);
+const traitsCache = new Map(); // "checkpoint|family" -> Promise<traits or null>
+function traitsFor(checkpoint, family) {
+  const key = `${checkpoint}|${family}`;
+  if (!traitsCache.has(key)) {
+    const q = new URLSearchParams({ checkpoint, family });
+    traitsCache.set(key, api.fetchApi(`/lowvram_lora/model_traits?${q}`)
+      .then((r) => (r.ok ? r.json() : null)).catch(() => null));
+  }
+  return traitsCache.get(key);
+}
+const widgetValue = (node, name) => node?.widgets?.find((w) => w.name === name)?.value;
+function syncFamilyInputs(node) {
+  const cls = String(node.comfyClass ?? node.type ?? "");
+  if (!FAMILY_NODES.has(cls)) return;
+  const slot = node.inputs?.findIndex((i) => i.name === "model") ?? -1;
+  let load = slot >= 0 ? node.getInputNode?.(slot) : null;
+  for (let hops = 0; load && load.type === "Reroute" && hops < 16; hops++) load = load.getInputNode?.(0);
+  const ok = load && String(load.comfyClass ?? load.type) === "LowVRAMLoadQuantizedSlab";
+  const key = ok ? `${widgetValue(load, "checkpoint")}|${widgetValue(load, "family")}` : "";
+  if (key === node.__lowvramTraitsKey) return;
+  node.__lowvramTraitsKey = key;
+  if (!ok) return applyTraits(node, null);
+  traitsFor(widgetValue(load, "checkpoint"), widgetValue(load, "family") ?? "auto").then((t) => {
+    if (node.__lowvramTraitsKey === key) applyTraits(node, t);
+  });
+}
+function applyTraits(node, traits) {
+  const cls = String(node.comfyClass ?? node.type ?? "");
+  const managed = new Set(traits?.inputs?.[cls] ?? node.__lowvramManaged ?? []);
+  node.__lowvramManaged = [...managed];
+  const hide = new Set(traits?.hide?.[cls] ?? []);
+  let changed = false;
+  for (const w of node.widgets ?? []) {
+    if (!managed.has(w.name)) continue;
+    const hidden = hide.has(w.name);
+    if (!!w.hidden === hidden) continue;
+    w.hidden = hidden; // what the frontends (1.49, 1.58) test before drawing a widget
+    if (w.options) w.options.hidden = hidden;
+    changed = true;
+  }
+  if (!changed) return;
+  node.setSize([node.size[0], node.computeSize()[1]]);
+  node.setDirtyCanvas(true, true);
+}
+
 function drawChart(canvas, entry) {
   const scale = window.devicePixelRatio || 1;
   const cw = Math.max(canvas.clientWidth || 340, 100), ch = CHART_H;
@@ -365,6 +435,7 @@ app.registerExtension({
       nodeType.prototype.onDrawForeground = function () {
         onDrawForeground?.apply(this, arguments);
         syncInputErrors(this);
+        syncFamilyInputs(this);
       };
     }
     if (!OUR_NODES.has(nodeData.name)) return;

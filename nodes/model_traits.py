@@ -1,0 +1,54 @@
+"""What the loaded model does, for the editor: which of our inputs apply to it.
+
+``web/lowvram_lora.js`` hides the inputs that do nothing for the model a graph trains (the video inputs for an
+image model, ``control_folder`` for a model that takes no control images) and shows them again when the model
+changes. It asks ``GET /lowvram_lora/model_traits?checkpoint=NAME&family=ID`` with the Load Quantized Slab
+node's values: the checkpoint is identified as that node identifies it (its header only: nothing is loaded).
+Hidden widgets stay in the node, so a saved workflow's positional widget values are unchanged.
+"""
+from __future__ import annotations
+
+#: Inputs that apply only to a video model / only to a model that takes control images, by node id.
+VIDEO_INPUTS = {"LowVRAMCacheTextEmbeds": ["video_frames", "video_fps", "video_window", "windows_per_clip"],
+                "LowVRAMTrainLoRA": ["sample_frames"]}
+EDIT_INPUTS = {"LowVRAMCacheTextEmbeds": ["control_folder"]}
+
+
+def model_traits(checkpoint: str, family: str = "auto") -> dict:
+    """``{"family", "variant", "video", "edit", "hide": {node id: [input names]}, "inputs": {node id: [every
+    input that depends on the model]}}`` for a Load Quantized Slab choice; raises what the Load node would (a
+    missing file, an unknown family)."""
+    from ..engine.checkpoint import identify
+    from .paths import resolve_choice
+
+    ident = identify(resolve_choice(checkpoint), family)
+    video = bool(ident.family.video)
+    edit = ident.family.control_images(ident.variant) is not None
+    hide: dict[str, list[str]] = {}
+    for applies, inputs in ((video, VIDEO_INPUTS), (edit, EDIT_INPUTS)):
+        if not applies:
+            for node, names in inputs.items():
+                hide.setdefault(node, []).extend(names)
+    managed: dict[str, list[str]] = {}
+    for inputs in (VIDEO_INPUTS, EDIT_INPUTS):
+        for node, names in inputs.items():
+            managed.setdefault(node, []).extend(names)
+    return {"family": ident.family.id, "variant": ident.variant, "video": video, "edit": edit, "hide": hide,
+            "inputs": managed}
+
+
+def register_routes() -> None:
+    """The route above on ComfyUI's server (called when ComfyUI loads the pack; nothing without a server)."""
+    try:
+        from aiohttp import web
+        from server import PromptServer  # type: ignore[import-not-found]
+    except ImportError:
+        return
+
+    @PromptServer.instance.routes.get("/lowvram_lora/model_traits")
+    async def _model_traits(request):
+        q = request.rel_url.query
+        try:
+            return web.json_response(model_traits(q.get("checkpoint", ""), q.get("family", "auto")))
+        except Exception as e:  # a file that is not there or not a model: the editor then shows every input
+            return web.json_response({"error": str(e)}, status=404)

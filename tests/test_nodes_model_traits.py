@@ -1,0 +1,34 @@
+"""Which inputs apply to the loaded model (nodes/model_traits.py; the editor hides the rest): an image model
+hides the video inputs, a video model shows them, and control_folder shows only for a model that takes control
+images; each answer is the family's own (``video``, ``control_images``), read from the file's header."""
+import shutil
+
+import pytest
+
+from lowvram_lora.engine.families import get_family
+from lowvram_lora.nodes.model_traits import EDIT_INPUTS, VIDEO_INPUTS, model_traits
+from lowvram_lora.nodes.paths import configure_standalone_dirs
+
+
+@pytest.mark.parametrize("family_id", ["flux1", "wan"])
+def test_traits_follow_the_familys_own_answers(family_id, tiny_family_pipeline, tmp_path):
+    models = tmp_path / "models"
+    (models / "diffusers").mkdir(parents=True)
+    shutil.copytree(tiny_family_pipeline(family_id), models / "diffusers" / "tiny")
+    configure_standalone_dirs(str(models), str(tmp_path / "out"))
+    t = model_traits("diffusers/tiny", "auto")
+    family = get_family(family_id)
+    assert t["family"] == family_id
+    assert t["video"] == bool(family.video)
+    assert t["edit"] == (family.control_images(t["variant"]) is not None)
+    hidden = {(n, i) for n, names in t["hide"].items() for i in names}
+    video = {(n, i) for n, names in VIDEO_INPUTS.items() for i in names}
+    edit = {(n, i) for n, names in EDIT_INPUTS.items() for i in names}
+    assert (video <= hidden) == (not t["video"]) and (edit <= hidden) == (not t["edit"])
+    assert hidden == (set() if t["video"] else video) | (set() if t["edit"] else edit)
+
+
+def test_a_missing_file_raises_what_the_load_node_raises(tmp_path):
+    configure_standalone_dirs(str(tmp_path / "models"), str(tmp_path / "out"))
+    with pytest.raises(FileNotFoundError):
+        model_traits("nope.safetensors")
