@@ -24,6 +24,6 @@ def image_to_video_variant(family, variant: str) -> str:
 
 def choose_task(models, video):
     """The cache's models (``CacheModels``) for the chosen task: unchanged unless ``video.image_to_video``."""
-    if video is None or not getattr(video, "image_to_video", False):
+    if video is None or not video.image_to_video:
         return models
     return replace(models, variant=image_to_video_variant(models.family, models.variant))

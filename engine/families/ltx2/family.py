@@ -29,6 +29,9 @@ generator seeded by each sample's sigma (reproducible runs; a fresh draw per ste
 and no gradient flows to anything but the LoRA (the musubi fork's warning about audio LoRAs trained without an
 audio signal; facts §2.6).
 
+Image-to-video (``i2v.py``): the same checkpoint; the ``-i2v`` variants hold each clip's first frame clean at
+per-token timestep 0, out of the loss (``model_inputs`` reads the held latents), as ``LTX2ImageToVideoPipeline`` does.
+
 Text (``text.py``): Gemma 3 (2.3) / Gemma 4 (2.5) left-padded to 1024 tokens, every hidden state stacked, then the
 connectors; the cache keeps the connectors' output (see ``text.py`` for why).
 """

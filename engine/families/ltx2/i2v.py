@@ -7,9 +7,11 @@ Facts (../../../shared/reference/families-2026-video-facts.md §2.6; diffusers 0
   frame 0; the other frames start from noise. The video timestep is per token, ``t * (1 - conditioning_mask)``:
   0 on frame 0's tokens; the prompt AdaLN (``sigma``) and the audio get the scalar ``t``. Only frames 1.. are
   stepped; frame 0 stays the image latent to the end.
-- Training does the same with each clip's own first frame: clean, timestep 0, out of the loss (the official trainer's
-  ``first_frame`` conditioning: "no noise, timestep=0, excluded from loss"; ai-toolkit replaces latent frame 0 and
-  masks it from the loss).
+- Training does the same with each clip's own first frame: clean, timestep 0, out of the loss. Lightricks' trainer
+  (``ltx_trainer/training_strategies/text_to_video.py``, ``first_frame_conditioning_p``) takes the clip latent's own
+  frame-0 tokens (``torch.where(mask, latents, noisy)``), gives them per-token timestep 0, and divides the masked
+  loss by the mask's mean (``held_weights`` does the same); ai-toolkit replaces latent frame 0 and masks it from
+  the loss.
 - The cache keeps the first frame encoded alone (``HELD_KEY``, one latent frame: 1/F' of the clip's latent). The
   causal VAE's first latent frame reads the first pixel frame only, so it equals the clip latent's frame 0 (1.8e-7 on
   the tiny VAE, ``test_i2v.py``); keeping it beside the latent makes ``model_inputs`` self-contained (it gets noisy
@@ -17,7 +19,9 @@ Facts (../../../shared/reference/families-2026-video-facts.md §2.6; diffusers 0
 - H.264: the pipeline first re-encodes the image through H.264 (CRF 33 up to 2.3, 18 for 2.5;
   ``apply_image_conditioning_crf``), to make a still photo look like a video frame. Training does not: its
   condition IS a video frame (decoded from the clip, already compressed), and Lightricks' trainer conditions on the
-  clip's own latent frame 0 (its dataset latents; no re-encode), as ai-toolkit does. Previews take a frame of a
+  clip's own latent frame 0 (its dataset latents; no re-encode), as ai-toolkit does.
+- Lightricks' ``i2v_lora.yaml`` conditions half the batch (``first_frame_conditioning_p`` 0.5) and trains the rest as
+  text-to-video; here every clip is conditioned when the choice is on (a mixed probability is not offered yet). Previews take a frame of a
   training clip too, so they skip it as well: they equal ``LTX2ImageToVideoPipeline(image_crf=0)``.
 
 The same checkpoint does T2V and I2V: the I2V variants (``ltx2.3-i2v`` ...) share the T2V ones' configs, are never

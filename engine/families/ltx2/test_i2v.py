@@ -104,15 +104,23 @@ def test_i2v_training_forward_equals_the_transformer_as_the_i2v_pipeline_calls_i
 
 
 def test_held_frames_are_out_of_the_loss():
-    """``held_weights``: 0 on the held frames, 1 (or the mask's weight) on the rest; nothing held: unchanged."""
-    latents = torch.zeros(2, 8, 3, 2, 3)
+    """``held_weights``: 0 on the held frames, F' / (F' - 1) (times the mask's weight) on the rest, so the weighted
+    mean is the mean over frames 1.. (Lightricks' ``div(loss_mask.mean())``); nothing held: unchanged; a one-frame
+    clip with its frame held is refused."""
+    from lowvram_lora.engine.train.flow_matching import weighted_mse
+
+    g = torch.Generator().manual_seed(1)
+    pred, target = torch.randn(2, 8, 3, 2, 3, generator=g), torch.randn(2, 8, 3, 2, 3, generator=g)
     held = {HELD_KEY: torch.zeros(2, 8, 1, 2, 3)}
-    w = held_weights(held, latents, None)
-    assert w.shape == (2, 3, 2, 3) and (w[:, 0] == 0).all() and (w[:, 1:] == 1).all()
+    w = held_weights(held, pred, None)
+    assert w.shape == (2, 3, 2, 3) and (w[:, 0] == 0).all() and (w[:, 1:] == 1.5).all()
+    torch.testing.assert_close(weighted_mse(pred, target, w), (pred - target)[:, :, 1:].square().mean())
     mask = torch.full((2, 2, 3), 0.5)
-    wm = held_weights(held, latents, mask)
-    assert (wm[:, 0] == 0).all() and (wm[:, 1:] == 0.5).all()
-    assert held_weights({}, latents, mask) is mask
+    wm = held_weights(held, pred, mask)
+    assert (wm[:, 0] == 0).all() and (wm[:, 1:] == 0.75).all()
+    assert held_weights({}, pred, mask) is mask
+    with pytest.raises(ValueError, match="nothing to predict"):
+        held_weights(held, pred[:, :, :1], None)
 
 
 def test_preview_equals_the_image_to_video_pipeline(pipe, text):

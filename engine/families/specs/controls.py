@@ -93,8 +93,10 @@ HELD_KEY = "held_latents"
 
 def held_weights(embeds: dict, latents: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor | None:
     """Per-latent-frame loss weights (B, F', h, w) that leave out the held frames (``HELD_KEY`` in ``embeds``), times
-    ``weights`` (masked loss's, or None); ``weights`` unchanged when nothing is held. The loss stays a mean over every
-    element, the held ones counting zero (as masked loss counts its unmasked area)."""
+    ``weights`` (masked loss's, or None); ``weights`` unchanged when nothing is held. The other frames weigh
+    F' / (F' - k), so the loss (a mean over every element) is the mean over the predicted frames: Lightricks'
+    trainer divides its loss by the loss mask's mean the same way (``text_to_video.py`` ``compute_loss``), and a
+    learning rate means what it means in text-to-video training."""
     held = embeds.get(HELD_KEY)
     if held is None:
         return weights
@@ -102,7 +104,12 @@ def held_weights(embeds: dict, latents: torch.Tensor, weights: torch.Tensor | No
         weights.float().clone()
     if out.dim() != latents.dim() - 1:  # an image mask (B, h, w): the same for every frame
         out = out.unsqueeze(1).expand(-1, latents.shape[2], -1, -1).clone()
-    out[:, :held.shape[2]] = 0.0
+    frames, k = out.shape[1], held.shape[2]
+    if k >= frames:
+        raise ValueError(f"{k} held latent frame(s) leave nothing to predict in a clip of {frames}; train on clips "
+                         f"of more frames (9 or more for LTX-2)")
+    out[:, :k] = 0.0
+    out[:, k:] *= frames / (frames - k)
     return out
 
 
