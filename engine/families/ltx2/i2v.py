@@ -13,7 +13,7 @@ Facts (../../../shared/reference/families-2026-video-facts.md §2.6; diffusers 0
   loss by the mask's mean (``held_weights`` does the same); ai-toolkit replaces latent frame 0 and masks it from
   the loss.
 - The cache keeps the first frame encoded alone (``HELD_KEY``, one latent frame: 1/F' of the clip's latent). The
-  causal VAE's first latent frame reads the first pixel frame only, so it equals the clip latent's frame 0 (1.8e-7 on
+  causal VAE's first latent frame reads the first pixel frame only, so it equals the clip latent's frame 0 (<= 6e-7 on
   the tiny VAE, ``test_i2v.py``); keeping it beside the latent makes ``model_inputs`` self-contained (it gets noisy
   latents only) and gives previews the pipeline's very input.
 - H.264: the pipeline first re-encodes the image through H.264 (CRF 33 up to 2.3, 18 for 2.5;
