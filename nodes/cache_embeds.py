@@ -181,6 +181,8 @@ class LowVRAMCacheTextEmbeds(io.Node):
                                   "folder's images are the TARGETS and their .txt files the instructions. For "
                                   "sample images while training, sample_prompts line 1 is drawn against the first "
                                   "target's control images, line 2 the second's (targets in file-name order)."),
+                # Video families whose one checkpoint does both (LTX-2): after every older widget (saved positions).
+                io.Boolean("image_to_video", default=False, optional=True, tooltip=_video_help("image_to_video")),
                 io.Custom("LOWVRAM_DATASET_OPTIONS", "options", optional=True,
                           tooltip="From Dataset Options: loss masks and a validation split. Unconnected: none."),
                 io.Custom("LOWVRAM_IMAGES", "images", optional=True,
@@ -225,7 +227,8 @@ class LowVRAMCacheTextEmbeds(io.Node):
                 default_caption: str = "", repeats: int = 1, flip: bool = False, max_sequence_length: int = 0,
                 text_encoder_1: str = NONE, text_encoder_2: str = NONE, vae_file: str = NONE, sample_prompts: str = "",
                 video_frames: str = "33", video_fps: float = 16.0, video_window: str = "head",
-                windows_per_clip: int = 1, control_folder: str = "", options=None, images=None) -> io.NodeOutput:
+                windows_per_clip: int = 1, control_folder: str = "", options=None, images=None,
+                image_to_video: bool = False) -> io.NodeOutput:
         from dataclasses import replace
 
         from ..engine.caching import build_dataset_cache
@@ -259,11 +262,13 @@ class LowVRAMCacheTextEmbeds(io.Node):
         from ..engine.families import get_family
 
         video = None
+        if image_to_video and not get_family(model.family).video:
+            raise ValueError(f"image_to_video is on, but {model.family} is an image model; turn image_to_video off")
         if get_family(model.family).video:
             from ..engine.data.video_config import VideoConfig
 
             video = VideoConfig(frame_counts=_frame_counts(video_frames), fps=float(video_fps), window=video_window,
-                                windows_per_clip=int(windows_per_clip))
+                                windows_per_clip=int(windows_per_clip), image_to_video=bool(image_to_video))
         with node_library_bars():
             dataset = build_dataset_cache(model_cfg, data, cache_dir(), max_sequence_length=max_sequence_length,
                                           callback=make_callback(cls.hidden.unique_id),

@@ -12,6 +12,8 @@ from __future__ import annotations
 VIDEO_INPUTS = {"LowVRAMCacheTextEmbeds": ["video_frames", "video_fps", "video_window", "windows_per_clip"],
                 "LowVRAMTrainLoRA": ["sample_frames"]}
 EDIT_INPUTS = {"LowVRAMCacheTextEmbeds": ["control_folder"]}
+#: ... only to a checkpoint that trains both text- and image-to-video (LTX-2: engine/caching/task_choice.py).
+TASK_INPUTS = {"LowVRAMCacheTextEmbeds": ["image_to_video"]}
 
 
 def model_traits(checkpoint: str, family: str = "auto") -> dict:
@@ -24,17 +26,30 @@ def model_traits(checkpoint: str, family: str = "auto") -> dict:
     ident = identify(resolve_choice(checkpoint), family)
     video = bool(ident.family.video)
     edit = ident.family.control_images(ident.variant) is not None
+    both = video and ident.family.first_frame(ident.variant) is None and _has_twin(ident.family, ident.variant)
     hide: dict[str, list[str]] = {}
-    for applies, inputs in ((video, VIDEO_INPUTS), (edit, EDIT_INPUTS)):
+    for applies, inputs in ((video, VIDEO_INPUTS), (edit, EDIT_INPUTS), (both, TASK_INPUTS)):
         if not applies:
             for node, names in inputs.items():
                 hide.setdefault(node, []).extend(names)
     managed: dict[str, list[str]] = {}
-    for inputs in (VIDEO_INPUTS, EDIT_INPUTS):
+    for inputs in (VIDEO_INPUTS, EDIT_INPUTS, TASK_INPUTS):
         for node, names in inputs.items():
             managed.setdefault(node, []).extend(names)
     return {"family": ident.family.id, "variant": ident.variant, "video": video, "edit": edit, "hide": hide,
             "inputs": managed}
+
+
+def _has_twin(family, variant: str) -> bool:
+    """The checkpoint also trains image-to-video (Cache Text Embeds' image_to_video does something)."""
+    from ..engine.caching.task_choice import image_to_video_variant
+    from ..engine.errors import ConfigError
+
+    try:
+        image_to_video_variant(family, variant)
+    except ConfigError:
+        return False
+    return True
 
 
 def register_routes() -> None:

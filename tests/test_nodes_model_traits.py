@@ -6,11 +6,11 @@ import shutil
 import pytest
 
 from lowvram_lora.engine.families import get_family
-from lowvram_lora.nodes.model_traits import EDIT_INPUTS, VIDEO_INPUTS, model_traits
+from lowvram_lora.nodes.model_traits import EDIT_INPUTS, TASK_INPUTS, VIDEO_INPUTS, model_traits
 from lowvram_lora.nodes.paths import configure_standalone_dirs
 
 
-@pytest.mark.parametrize("family_id", ["flux1", "wan"])
+@pytest.mark.parametrize("family_id", ["flux1", "wan", "ltx2"])
 def test_traits_follow_the_familys_own_answers(family_id, tiny_family_pipeline, tmp_path):
     models = tmp_path / "models"
     (models / "diffusers").mkdir(parents=True)
@@ -24,8 +24,14 @@ def test_traits_follow_the_familys_own_answers(family_id, tiny_family_pipeline, 
     hidden = {(n, i) for n, names in t["hide"].items() for i in names}
     video = {(n, i) for n, names in VIDEO_INPUTS.items() for i in names}
     edit = {(n, i) for n, names in EDIT_INPUTS.items() for i in names}
+    task = {(n, i) for n, names in TASK_INPUTS.items() for i in names}
+    # image_to_video shows only where another variant of the same config file takes a first frame (LTX-2's twins)
+    config = family.variants[t["variant"]]
+    both = family.first_frame(t["variant"]) is None and any(
+        c == config and v != t["variant"] and family.first_frame(v) is not None for v, c in family.variants.items())
+    assert both == (family_id == "ltx2")
     assert (video <= hidden) == (not t["video"]) and (edit <= hidden) == (not t["edit"])
-    assert hidden == (set() if t["video"] else video) | (set() if t["edit"] else edit)
+    assert hidden == (set() if t["video"] else video) | (set() if t["edit"] else edit) | (set() if both else task)
 
 
 def test_a_missing_file_raises_what_the_load_node_raises(tmp_path):

@@ -102,7 +102,8 @@ def test_pack_nodes_keep_their_widget_order_and_defaults():
                                                     "sample_resolution", "sample_seed", "sample_at_start",
                                                     "sample_guidance", "sample_frames"]
     assert list(NODE_CLASS_MAPPINGS["LowVRAMCacheTextEmbeds"].INPUT_TYPES()["optional"]) == [
-        "video_frames", "video_fps", "video_window", "windows_per_clip", "control_folder", "options", "images"]
+        "video_frames", "video_fps", "video_window", "windows_per_clip", "control_folder", "image_to_video", "options",
+        "images"]
     assert order["LowVRAMTrainLoRA"]["learning_rate"][1]["round"] is False  # kept: no rounding of 1e-4
 
 

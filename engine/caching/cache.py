@@ -44,6 +44,7 @@ from .caption_entries import caption_entries
 from .entries import build_latents, build_masks, build_text, negative_specs
 from .items import CachedItem, SampleItems
 from .keys import CacheKeys, cache_keys
+from .task_choice import choose_task
 from .model_sources import CacheModels, open_models, resolve_pipeline_folder
 from .multi_resolution import other_sizes
 from .records import record_source
@@ -235,7 +236,7 @@ def build_dataset_cache(
     manifest."""
     cb = callback or TrainingCallback()
     cache_dir = Path(cache_dir)
-    models = open_models(model_cfg, device)  # sources
+    models = choose_task(open_models(model_cfg, device), video)  # sources (and text- or image-to-video)
     source = record_source(models, data_cfg, video, control_dirs, options)
     records = source.scan(cb.log)  # records: files and captions, before any model loads
     keys = cache_keys(models, max_sequence_length)  # keys

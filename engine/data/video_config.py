@@ -40,6 +40,12 @@ class VideoConfig:
         "A clip too short for that many distinct windows gives as many as it has. head always takes one."
     )})
     seed: int = field(default=0, metadata={"help": "Seed of the random windows (with each clip's file name)."})
+    image_to_video: bool = field(default=False, metadata={"help": (
+        "Image-to-video, on a model whose one checkpoint does both (LTX-2.3 / 2.5): each clip is conditioned on its "
+        "own first frame (given clean at timestep 0, left out of the loss) and previews start from a first frame "
+        "of the dataset (sample prompt line i: clip window i). Off: text-to-video. Image-to-video checkpoints "
+        "(Wan I2V) always condition on it; a model without an image-to-video mode refuses it."
+    )})
     frames_folder_fps: float = field(default=16.0, metadata={"help": (
         "Frame rate of a clip given as a folder of frame images (they carry no timestamps): frame i is at "
         "i / frames_folder_fps seconds. Files in such a folder are read in name order."

@@ -15,6 +15,7 @@ import torch
 from ..attention import forward_attention
 from ..errors import ConfigError
 from ..families import Guidance, predict_velocity, sigma_schedule
+from ..families.specs import HELD_KEY, hold_frames
 from .partner import PartnerExpert
 from .rows import batch_rows
 
@@ -64,6 +65,9 @@ def sample_prompts(model, family, embeds: list[dict[str, torch.Tensor]], width: 
         noise = [first] * len(embeds)  # every prompt starts from the seed's noise, as it does sampled alone
     x = torch.cat([z.to(device, torch.float32) for z in noise])
     n = len(embeds)
+    # An image-to-video model's held first frames (FirstFrameCondition.held): set, and kept while the rest is stepped.
+    held = _held(embeds, device)
+    x = hold_frames(x, held)
     # A joint model's other stream (LTX-2's audio) is stepped beside x, from its own noise of the seed.
     joint = rule.joint
     xj = None if joint is None else torch.randn((1, *joint.shape(model, shape[1:])), dtype=torch.float32,
@@ -105,7 +109,18 @@ def sample_prompts(model, family, embeds: list[dict[str, torch.Tensor]], width: 
             if guided:
                 v = rule.combine(v[:n], v[n:], scale)
                 vj = None if xj is None else rule.combine(vj[:n], vj[n:], joint.scale)
-        x = x + (sigmas[i + 1] - sigmas[i]) * v
+        x = hold_frames(x + (sigmas[i + 1] - sigmas[i]) * v, held)
         if xj is not None:
             xj = xj + (sigmas[i + 1] - sigmas[i]) * vj
     return list(x.split(1))
+
+
+def _held(embeds: list[dict[str, torch.Tensor]], device) -> torch.Tensor | None:
+    """The prompts' held first frames stacked (n, C, k, ...), or None; every prompt has them or none does."""
+    have = [HELD_KEY in e for e in embeds]
+    if not any(have):
+        return None
+    if not all(have):
+        raise ValueError("held first frames are given for some sample prompts only; an image-to-video preview "
+                         "conditions every prompt on a first frame")
+    return torch.cat([e[HELD_KEY].to(device, torch.float32) for e in embeds])

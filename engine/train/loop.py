@@ -25,6 +25,7 @@ from ..checkpoint import CheckpointIdentity, identify
 from ..config import LoraSettings, ModelConfig, TrainConfig
 from ..errors import ConfigError, StorageError, TrainingDivergedError
 from ..families import predict_velocity
+from ..families.specs import held_weights
 from ..models import load_transformer, resolve_dtype
 from ..models.dtypes import release_device_memory
 from ..models.inspect import ModelInfo
@@ -933,6 +934,7 @@ def _micro_step(model, family, latents, embeds, cfg: TrainConfig, gen: torch.Gen
     b = latents.shape[0]
     sigmas, noise, level_weights = _draw_noise(family, latents, cfg, gen, sigma_range, loss_opts)
     noisy, target = noisy_latents_and_target(latents, noise, sigmas)
+    weights = held_weights(embeds, latents, weights)  # an image-to-video model's held first frame: out of the loss
     pieces = _pieces(b, micro_batch)
     shares = [(piece.stop - piece.start) / b for piece in pieces]
 

@@ -14,6 +14,7 @@ import time
 import torch
 
 from ..families import predict_velocity
+from ..families.specs import held_weights
 from .flow_matching import mask_weights, noisy_latents_and_target, weighted_mse
 
 
@@ -54,6 +55,7 @@ class Validator:
                 mask = self.dataset.load_mask(item)
                 weights = (mask_weights(mask[None], latents.shape[2:], self.unmasked_weight).to(device)
                            if mask is not None else None)
+                weights = held_weights(embeds, latents, weights)  # a held first frame is out of the loss
                 for k, sigma in enumerate(self.sigmas):
                     noise = fixed_noise(latents.shape, self.seed, i, k, len(self.sigmas)).to(device, dtype)
                     s = torch.tensor([sigma], device=device)

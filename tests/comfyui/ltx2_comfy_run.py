@@ -1,4 +1,4 @@
-"""The ltx23_lora template on the tiny LTX-2 model through a real ComfyUI's ``comfy run`` (a script, not collected by
+"""The ltx23_lora template (or another LTX-2 template named by a third argument: ltx23_i2v_lora) on the tiny LTX-2 model through a real ComfyUI's ``comfy run`` (a script, not collected by
 pytest: the template reads its text encoder from a diffusers folder, which the single-file template tests do not cover).
 
 Installs this checkout as the README says (a copy in <base>/custom_nodes/lowvram-lora, ``pip install -e`` into
@@ -7,7 +7,9 @@ models/checkpoints, the pipeline folder as models/diffusers/LTX-2.3, 9-frame cli
 server with ``--base-directory <base>``, runs the UI workflow with sizes and steps reduced, and checks the saved LoRA
 lowers the flow loss of diffusers' own model on the cached clip. Hold the ComfyUI lock while it runs:
 
-    flock <comfyui>/.lock python tests/comfyui/ltx2_comfy_run.py <comfyui> <base folder>
+    flock <comfyui>/.lock python tests/comfyui/ltx2_comfy_run.py <comfyui> <base folder> [template name]
+
+The flow loss is the one training takes: an image-to-video template's held first frame is given clean and left out.
 """
 import json, os, shutil, socket, subprocess, sys, time, urllib.request
 from pathlib import Path
@@ -22,7 +24,8 @@ from lowvram_lora.engine.testing import make_tiny_video_dataset
 WT = Path(__file__).resolve().parents[2]
 COMFY, BASE = Path(sys.argv[1]).resolve(), Path(sys.argv[2]).resolve()
 py = COMFY / "venv" / "bin" / "python"
-t = family_templates(get_family("ltx2"))[0]
+NAME = sys.argv[3] if len(sys.argv) > 3 else "ltx23_lora"
+t = next(x for x in family_templates(get_family("ltx2")) if x.name == NAME)
 pack = BASE / "custom_nodes" / "lowvram-lora"
 shutil.rmtree(pack, ignore_errors=True)
 shutil.copytree(WT, pack, ignore=shutil.ignore_patterns(".git", "__pycache__", "*.pyc", ".carry"))
@@ -44,7 +47,7 @@ try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/system_stats", timeout=5); break
         except Exception:
             time.sleep(1)
-    ui = json.loads((pack / "example_workflows" / "ltx23_lora.json").read_text())
+    ui = json.loads((pack / "example_workflows" / f"{NAME}.json").read_text())
     _with_widgets(ui, {"LowVRAMCacheTextEmbeds": {"resolution": 64, "sample_prompts": "ohwx, a red circle", "video_frames": "9"},
                        "LowVRAMTrainLoRA": {"steps": 8, "learning_rate": 0.01, "warmup_steps": 0, "sample_every": 4,
                                             "sample_resolution": 64, "sample_steps": 2, "sample_frames": 9,
@@ -64,13 +67,34 @@ finally:
     proc.terminate(); proc.wait(30); log.close()
 from lowvram_lora.engine.lora_io import load_lora
 from lowvram_lora.engine.caching.cache import open_dataset_cache
-saved = sorted((BASE / "output" / "loras").glob("ltx23_lora_*_.safetensors"), key=lambda p: p.stat().st_mtime)
+saved = sorted((BASE / "output" / "loras").glob(f"{NAME}_*_.safetensors"), key=lambda p: p.stat().st_mtime)
 lora = load_lora(saved[-1]); print("saved", saved[-1].name, lora.format, lora.metadata.get("lowvram_lora.family"), lora.metadata.get("lowvram_lora.steps"))
 fam = get_family("ltx2")
 ref = fam.transformer_class().from_pretrained(pipe / "transformer", use_safetensors=True, torch_dtype=torch.float32)
 man = sorted((BASE / "output" / "lowvram_cache").rglob("datasets/*.json"), key=lambda p: p.stat().st_mtime)[-1]
 cache = open_dataset_cache(man)
-b, a = eval_flow_loss(ref, fam, cache), eval_flow_loss(merged(ref, lora.state_dict, 1.0), fam, cache)
+if NAME == "ltx23_lora":
+    b, a = eval_flow_loss(ref, fam, cache), eval_flow_loss(merged(ref, lora.state_dict, 1.0), fam, cache)
+else:  # the held first frame clean and out of the loss, as training takes it
+    from lowvram_lora.engine.families import predict_velocity
+    from lowvram_lora.engine.families.specs import held_weights
+    from lowvram_lora.engine.train.flow_matching import noisy_latents_and_target, sample_sigmas, weighted_mse
+
+    def loss(model, n=16):
+        g = torch.Generator().manual_seed(123)
+        lat, emb = cache.load_item(cache.items[0])
+        x0, emb = lat[None].float(), {k: v.float() for k, v in cache.collate_text([emb]).items()}
+        total = 0.0
+        with torch.no_grad():
+            for _ in range(n):
+                sigma = sample_sigmas(1, g)
+                noisy, target = noisy_latents_and_target(x0, torch.randn(x0.shape, generator=g), sigma)
+                total += weighted_mse(predict_velocity(fam, model, noisy, emb, sigma, 1.0), target,
+                                      held_weights(emb, x0, None)).item()
+        return total / n
+
+    print("cache variant", cache.variant)
+    b, a = loss(ref), loss(merged(ref, lora.state_dict, 1.0))
 print(f"reference flow loss {b:.5f} -> with the LoRA {a:.5f}", "LOWER" if a < b else "NOT LOWER")
 assert done.returncode == 0 and a < b
 print("samples:", sorted(p.name for p in saved[-1].parent.glob(saved[-1].stem + "_samples*")))

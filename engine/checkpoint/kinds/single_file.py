@@ -109,8 +109,11 @@ def _first_mismatch(found: dict[str, tuple], expected: dict[str, tuple]) -> tupl
 
 
 def _match_variant(path: Path, family: ModelFamily, found: dict[str, tuple]):
-    best = None
+    best, tried = None, set()
     for variant in family.variants:
+        if family.variants[variant] in tried:  # a twin on the same config (LTX-2's image-to-video variants)
+            continue
+        tried.add(family.variants[variant])
         config = family.load_config(variant)
         count, first = _first_mismatch(found, expected_single_file_shapes(family, config))
         if count == 0:

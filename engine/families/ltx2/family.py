@@ -29,6 +29,9 @@ generator seeded by each sample's sigma (reproducible runs; a fresh draw per ste
 and no gradient flows to anything but the LoRA (the musubi fork's warning about audio LoRAs trained without an
 audio signal; facts §2.6).
 
+Image-to-video (``i2v.py``): the same checkpoint; the ``-i2v`` variants hold each clip's first frame clean at
+per-token timestep 0, out of the loss (``model_inputs`` reads the held latents), as ``LTX2ImageToVideoPipeline`` does.
+
 Text (``text.py``): Gemma 3 (2.3) / Gemma 4 (2.5) left-padded to 1024 tokens, every hidden state stacked, then the
 connectors; the cache keeps the connectors' output (see ``text.py`` for why).
 """
@@ -43,8 +46,9 @@ from torch import nn
 
 from ..base import ModelFamily
 from ..names import NativeParam
-from ..specs import (Guidance, JointStream, LoraForm, MemoryProfile, NoiseSchedule, Prediction, TextEncoderSpec,
-                     VaeSpec)
+from ..specs import (HELD_KEY, FirstFrameCondition, Guidance, JointStream, LoraForm, MemoryProfile, NoiseSchedule,
+                     Prediction, TextEncoderSpec, VaeSpec)
+from .i2v import LTX2_I2V, conditioned_inputs
 from .names import ltx2_param_table
 from .text import PROMPT_KEY, text_spec
 from .vae import LTX2_VAE
@@ -147,6 +151,11 @@ class Ltx2Family(ModelFamily):
         "ltx2-tiny": "ltx2-tiny.json",
         "ltx2.3": "ltx2.3.json",
         "ltx2.5": "ltx2.5.json",  # no FFN biases, a keyframe embedding: told apart by the file's shapes
+        # Image-to-video on the same checkpoints (i2v.py): after the others, so a file always matches its T2V
+        # variant; chosen by the user (VideoConfig.image_to_video), never by shape.
+        "ltx2-tiny-i2v": "ltx2-tiny.json",
+        "ltx2.3-i2v": "ltx2.3.json",
+        "ltx2.5-i2v": "ltx2.5.json",
     }
     tiny_variant = "ltx2-tiny"
     structural_keys = ("num_layers", "num_attention_heads", "attention_head_dim", "cross_attention_dim",
@@ -207,7 +216,7 @@ class Ltx2Family(ModelFamily):
     # --- text ------------------------------------------------------------------------------------
 
     def text_encoder_specs(self, variant: str) -> tuple[TextEncoderSpec, ...]:
-        return (text_spec(variant),)
+        return (text_spec(I2V_OF.get(variant, variant)),)
 
     def text_widths(self, config: dict[str, Any]) -> dict[str, int]:
         """The cached row: the video connector's output then the audio connector's, per token."""
@@ -248,6 +257,9 @@ class Ltx2Family(ModelFamily):
                              f"this model (2.3 and 2.5 caches are not interchangeable)")
         prompt = prompt.to(latents.dtype)
         t = self.schedule.prediction.model_timestep(sigmas.to(latents.device, torch.float32))
+        hidden, video_t = latents.flatten(2).transpose(1, 2), t
+        if HELD_KEY in embeds:  # image-to-video: frame 0 clean at timestep 0 (i2v.py)
+            hidden, video_t = conditioned_inputs(hidden, t, embeds[HELD_KEY], h * w)
         audio_len = audio_tokens(f)
         if AUDIO_KEY in embeds:  # previews: the audio latents the sampler steps, at the video's noise level
             audio, audio_t = embeds[AUDIO_KEY].to(latents.device, latents.dtype), t
@@ -255,11 +267,11 @@ class Ltx2Family(ModelFamily):
             audio = audio_noise(sigmas, audio_len, int(model.config.audio_in_channels), latents.device, latents.dtype)
             audio_t = torch.full_like(t, AUDIO_SIGMA * 1000.0)
         return {
-            "hidden_states": latents.flatten(2).transpose(1, 2),
+            "hidden_states": hidden,
             "audio_hidden_states": audio,
             "encoder_hidden_states": prompt[..., :video_width],
             "audio_encoder_hidden_states": prompt[..., video_width:],
-            "timestep": t, "sigma": t,
+            "timestep": video_t, "sigma": t,
             "audio_timestep": audio_t, "audio_sigma": audio_t,
             "num_frames": f, "height": h, "width": w, "fps": FRAME_RATE, "audio_num_frames": audio_len,
             "use_cross_timestep": True,
@@ -271,6 +283,10 @@ class Ltx2Family(ModelFamily):
         b, c, f, h, w = latents.shape
         return output.transpose(1, 2).reshape(b, c, f, h, w)
 
+    def first_frame(self, variant: str) -> FirstFrameCondition | None:
+        """The I2V variants: each clip's first frame held clean at timestep 0, out of the loss (``i2v.py``)."""
+        return LTX2_I2V if variant in I2V_OF else None
+
     def guidance(self, variant: str) -> Guidance:
         """LTX2Pipeline's CFG ``cond + (g - 1)(cond - uncond)`` (= uncond + g (cond - uncond)) against the empty
         prompt, video g = 3 and audio g = 7, 30 steps (the pipeline's defaults and the official trainer's
@@ -280,6 +296,10 @@ class Ltx2Family(ModelFamily):
         ``LTX2Pipeline(stg_scale=0, modality_scale=1, guidance_rescale=0)``."""
         stream = JointStream(key=AUDIO_KEY, output=1, shape=audio_shape, scale=AUDIO_CFG)
         return Guidance(mode="cfg", scale=VIDEO_CFG, steps=30, formula="standard", joint=stream)
+
+
+#: Each image-to-video variant's text-to-video twin (the same checkpoint and text encoder).
+I2V_OF = {"ltx2-tiny-i2v": "ltx2-tiny", "ltx2.3-i2v": "ltx2.3", "ltx2.5-i2v": "ltx2.5"}
 
 
 def audio_shape(model: nn.Module, latent_shape) -> tuple[int, int]:

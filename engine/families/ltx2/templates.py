@@ -35,4 +35,33 @@ TEMPLATES = [
             "with ComfyUI's LoraLoaderModelOnly on LTX-2.3; it does not fit LTX-2.5 (a LoRA only works with the "
             "model it was trained on)."),
     ),
+    TrainingTemplate(
+        name="ltx23_i2v_lora",
+        variant="ltx2.3",
+        load={"checkpoint": _CKPT, "family": "ltx2", "precision": "int8 slab"},
+        cache={"text_encoders": "diffusers/LTX-2.3", "dataset_path": "my_clips", "resolution": 720,
+               "sample_prompts": "ohwx, a dog running on a beach", "video_frames": "89", "video_fps": 24.0,
+               "image_to_video": True},
+        offload={"mode": "auto", "vram_budget_gb": 6.0},
+        train={"steps": 1500, "learning_rate": 1e-4, "rank": 32, "alpha": 32.0, "warmup_steps": 0,
+               "training_seed": 42, "sample_every": 250, "sample_steps": _PREVIEW.steps, "sample_resolution": 512,
+               "sample_guidance": _PREVIEW.scale, "sample_frames": 49},
+        save={"filename_prefix": "loras/ltx23_i2v_lora"},
+        downloads={_CKPT: "https://huggingface.co/Lightricks/LTX-2.3-fp8/resolve/main/" + _CKPT},
+        note=(
+            "LTX-2.3 (22B, joint audio-video) IMAGE-TO-VIDEO video LoRA: the same checkpoint and files as ltx23_lora, "
+            "with Cache Text Embeds' image_to_video on. Each clip's first frame is the condition: given to the model "
+            "clean at timestep 0 and left out of the loss (LTX2ImageToVideoPipeline's conditioning; Lightricks' "
+            "trainer's first_frame mode); the cache keeps that frame's latent beside each clip's. Clips of 89 frames "
+            "at 24 fps, resolution 720 (about 6,100 video tokens), on a 6 GB VRAM budget.\n\nFiles:\n"
+            "- models/checkpoints/" + _CKPT + " (Lightricks/LTX-2.3-fp8). precision 'int8 slab' builds a 19 GB "
+            "int8 slab once into models/slabs.\n"
+            "- models/diffusers/LTX-2.3/: the diffusers pipeline folder's text_encoder (Gemma 3 12B), tokenizer, "
+            "connectors and vae.\n"
+            "- input/my_clips/: your clips with same-name .txt captions (frame counts 8k+1).\n\n"
+            "Samples: sample prompt line i starts from the first frame of clip window i (at sample_resolution; the "
+            "frame is not re-encoded through H.264 as the pipeline does for a still photo: it already is a video "
+            "frame), CFG 3 against the empty prompt, 30 steps, video only. The LoRA loads with ComfyUI's "
+            "LoraLoaderModelOnly on LTX-2.3 (use it with an image-to-video graph)."),
+    ),
 ]

@@ -301,8 +301,9 @@ def test_engine_sampling_matches_the_pipeline(pipeline_folder, pipe, cached):
     assert (ours - noise).abs().max() > 0.1
 
 
-def test_full_size_template_without_its_files_names_them(tmp_path):
-    """``ltx23_lora`` with its files absent: refused before anything runs, naming the checkpoint (the first input
+@pytest.mark.parametrize("name", ["ltx23_lora", "ltx23_i2v_lora"])
+def test_full_size_template_without_its_files_names_them(tmp_path, name):
+    """``ltx23_lora`` (and its image-to-video twin) with its files absent: refused before anything runs, naming the checkpoint (the first input
     the graph checks) and where it is looked up."""
     from lowvram_lora.host.templates import WORKFLOWS_DIR
     from lowvram_lora.host.workflow import WorkflowError, load_workflow, to_api_graph
@@ -311,7 +312,7 @@ def test_full_size_template_without_its_files_names_them(tmp_path):
 
     configure_standalone_dirs(str(tmp_path / "empty"), str(tmp_path / "out"))
     with pytest.raises(WorkflowError) as e:
-        to_api_graph(load_workflow(WORKFLOWS_DIR / "ltx23_lora.json"), NODE_CLASS_MAPPINGS)
+        to_api_graph(load_workflow(WORKFLOWS_DIR / f"{name}.json"), NODE_CLASS_MAPPINGS)
     assert "ltx-2.3-22b-dev-fp8.safetensors" in str(e.value) and "not available" in str(e.value), str(e.value)
 
 

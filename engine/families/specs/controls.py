@@ -73,12 +73,51 @@ class FirstFrameCondition:
     pixels (1, 3, F, H, W) in [-1, 1] -> {name: (1, ...) tensor}, the frames after the first unused but counted;
     ``image_encoder``: None, or the image encoder the variant also takes (``ImageEncoderSpec``);
     ``example(config, latent_shape, generator)``: random stand-ins of one item's conditioning, shaped as the cache
-    holds it (without the batch axis), for benches and tests that train on synthetic latents."""
+    holds it (without the batch axis), for benches and tests that train on synthetic latents.
+
+    ``held``: the conditioning IS the clip's first latent frame(s), under ``HELD_KEY`` as (B, C, k, ...) (LTX-2: the
+    first frame encoded alone): those k frames are given clean, kept out of the loss (``held_weights``) and held at
+    that value while previews step the rest (``hold_frames``); the family's ``model_inputs`` gives their tokens the
+    clean timestep. False: the conditioning enters through other inputs and every frame is predicted (Wan's channels)."""
 
     ident: tuple
     encode_latents: Callable[..., dict]
     example: Callable[..., dict]
     image_encoder: "ImageEncoderSpec | None" = None
+    held: bool = False
+
+
+#: Where a held first-frame conditioning (``FirstFrameCondition.held``) travels in ``embeds``: (B, C, k, ...).
+HELD_KEY = "held_latents"
+
+
+def held_weights(embeds: dict, latents: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor | None:
+    """Per-latent-frame loss weights (B, F', h, w) that leave out the held frames (``HELD_KEY`` in ``embeds``), times
+    ``weights`` (masked loss's, or None); ``weights`` unchanged when nothing is held. The other frames weigh
+    F' / (F' - k), so the loss (a mean over every element) is the mean over the predicted frames: Lightricks'
+    trainer divides its loss by the loss mask's mean the same way (``text_to_video.py`` ``compute_loss``), and a
+    learning rate means what it means in text-to-video training."""
+    held = embeds.get(HELD_KEY)
+    if held is None:
+        return weights
+    out = torch.ones((latents.shape[0], *latents.shape[2:]), device=latents.device) if weights is None else \
+        weights.float().clone()
+    if out.dim() != latents.dim() - 1:  # an image mask (B, h, w): the same for every frame
+        out = out.unsqueeze(1).expand(-1, latents.shape[2], -1, -1).clone()
+    frames, k = out.shape[1], held.shape[2]
+    if k >= frames:
+        raise ValueError(f"{k} held latent frame(s) leave nothing to predict in a clip of {frames}; train on clips "
+                         f"of more frames (9 or more for LTX-2)")
+    out[:, :k] = 0.0
+    out[:, k:] *= frames / (frames - k)
+    return out
+
+
+def hold_frames(x: torch.Tensor, held: torch.Tensor | None) -> torch.Tensor:
+    """``x`` (B, C, F', ...) with its first frames set to ``held`` (B, C, k, ...) (None: ``x``)."""
+    if held is None:
+        return x
+    return torch.cat([held.to(x.device, x.dtype), x[:, :, held.shape[2]:]], dim=2)
 
 
 @dataclass(frozen=True)
