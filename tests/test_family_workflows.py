@@ -25,8 +25,9 @@ from lowvram_lora.host.templates import CHAIN_IDS, WORKFLOWS_DIR
 from lowvram_lora.nodes import NODE_CLASS_MAPPINGS
 
 #: (node id in the first chain, setting): sizes and steps of a quick run; a further chain's nodes get them too.
+#: Samples at steps 0 and 8 only (each video sample's VAE decode costs seconds on the CPU): the test reads the last.
 OVERRIDES = [(2, "resolution=128"), (2, "sample_prompts=ohwx, a red circle"), (4, "steps=8"), (4, "learning_rate=0.01"),
-             (4, "warmup_steps=0"), (4, "sample_every=4"), (4, "sample_resolution=64"), (4, "sample_steps=2"),
+             (4, "warmup_steps=0"), (4, "sample_every=8"), (4, "sample_resolution=64"), (4, "sample_steps=2"),
              (4, "sample_frames=5")]
 
 SINGLE_TE = [pytest.param(f.id, t, id=t.name) for f in families().values() for t in family_templates(f)

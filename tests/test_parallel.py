@@ -4,6 +4,7 @@ import re
 import signal
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -99,12 +100,26 @@ def test_shards_partition_the_single_process_stream():
 
 # -- data parallel: 2 gloo processes on the CPU ----------------------------------------
 
-def test_data_parallel_equals_one_process_accumulating_both_batches(tiny_pipeline, tiny_cache, tmp_path):
+@pytest.fixture(scope="module")
+def dp_run(tiny_pipeline, tiny_cache, tmp_path_factory):
+    """One finished two-rank run (6 steps, a state saved each step), made once for the tests that compare with it
+    (two worker processes cost seconds to start): (model, lora, train, the result, its steps as reported, its
+    folder, the run description it kept for torchrun)."""
     model = inspect_transformer(ModelConfig(transformer_path=str(tiny_pipeline)))
-    lora, train = LoraSettings(rank=4), TrainConfig(steps=4, learning_rate=2e-3, seed=3, device="cpu")
+    lora = LoraSettings(rank=4)
+    train = TrainConfig(steps=6, learning_rate=2e-3, seed=1, device="cpu", save_every=1)
+    root = tmp_path_factory.mktemp("dp_run")
     rec = Recorder()
-    dp = train_or_reuse(model, tiny_cache, lora, train, tmp_path / "cache", rec, parallel=DP_CPU)
-    assert dp.steps == 4 and not dp.interrupted and [s.step for s in rec.steps] == [1, 2, 3, 4]
+    result = train_or_reuse(model, tiny_cache, lora, train, root / "cache", rec, parallel=DP_CPU)
+    spec = root / "spec-latest.json"  # a copy: a later launch under cache/ would replace the kept one
+    spec.write_bytes((root / "cache" / "parallel" / "spec-latest.json").read_bytes())
+    return SimpleNamespace(model=model, lora=lora, train=train, result=result, steps=[s.step for s in rec.steps],
+                           folder=root / "cache", spec=spec)
+
+
+def test_data_parallel_equals_one_process_accumulating_both_batches(dp_run, tiny_cache):
+    model, lora, train, dp = dp_run.model, dp_run.lora, dp_run.train, dp_run.result
+    assert dp.steps == 6 and not dp.interrupted and dp_run.steps == [1, 2, 3, 4, 5, 6]
     info = dp.settings["data_parallel"]
     assert info["world_size"] == 2 and info["weight_checksums"][0] == info["weight_checksums"][1]
     # one process drawing the same two batches per step as accumulated micro-batches: the same mean gradient
@@ -116,24 +131,22 @@ def test_data_parallel_equals_one_process_accumulating_both_batches(tiny_pipelin
     # and not what one process makes of one batch per step
     alone = train_lora(model.config, tiny_cache, lora, train)
     assert any(not torch.allclose(alone.state_dict[k], v, atol=1e-6) for k, v in dp.state_dict.items())
-    assert not list((tmp_path / "cache" / "parallel").glob("run-*")) and not _workers()
+    assert not list((dp_run.folder / "parallel").glob("run-*")) and not _workers()
     # a rerun reuses the finished data-parallel run; the one-process key is a different run
     again = Recorder()
-    train_or_reuse(model, tiny_cache, lora, train, tmp_path / "cache", again, parallel=DP_CPU)
+    train_or_reuse(model, tiny_cache, lora, train, dp_run.folder, again, parallel=DP_CPU)
     assert any("reusing the finished run" in m for m in again.logs) and not again.steps
 
 
-def test_data_parallel_stop_keeps_finished_steps_and_resumes(tiny_pipeline, tiny_cache, tmp_path):
-    model = inspect_transformer(ModelConfig(transformer_path=str(tiny_pipeline)))
-    lora, train = LoraSettings(rank=4), TrainConfig(steps=6, learning_rate=2e-3, seed=1, device="cpu", save_every=1)
+def test_data_parallel_stop_keeps_finished_steps_and_resumes(dp_run, tiny_cache, tmp_path):
+    model, lora, train = dp_run.model, dp_run.lora, dp_run.train
     stopped = train_or_reuse(model, tiny_cache, lora, train, tmp_path, Recorder(stop_after=2), parallel=DP_CPU)
     assert stopped.interrupted and 2 <= stopped.steps < 6 and not _workers()
     rec = Recorder()
     resumed = train_or_reuse(model, tiny_cache, lora, train, tmp_path, rec, parallel=DP_CPU)
     assert resumed.steps == 6 and not resumed.interrupted
     assert any("resuming from step" in m for m in rec.logs)
-    full = train_or_reuse(model, tiny_cache, lora, train, tmp_path / "other", Recorder(), parallel=DP_CPU)
-    for k, v in full.state_dict.items():
+    for k, v in dp_run.result.state_dict.items():  # the same run, never stopped
         torch.testing.assert_close(resumed.state_dict[k], v, rtol=1e-5, atol=1e-7)
 
 
@@ -146,9 +159,11 @@ def test_data_parallel_worker_death_and_bad_input(tiny_pipeline, tiny_cache, tmp
         os.kill(pids[0], signal.SIGKILL)
 
     t0 = time.monotonic()
-    with pytest.raises(WorkerError, match=r"rank 1 died \(signal 9\)"):
+    with pytest.raises(WorkerError, match=r"rank 1 died \(signal 9\)") as died:
         train_or_reuse(model, tiny_cache, lora, train, tmp_path, Recorder(on_first_step=kill_rank1), parallel=DP_CPU)
     assert time.monotonic() - t0 < 120 and not _workers()
+    # without a saved state, it says a rerun starts over (the first state would come at step 40)
+    assert "No training state was saved yet (the first is saved at step 40)" in str(died.value)
     # an error inside the workers comes back as the same error, with its message
     broken = type(tiny_cache)(**{**vars(tiny_cache), "manifest_path": tmp_path / "missing.json"})
     with pytest.raises(CacheError, match="cannot read cache manifest"):
@@ -168,11 +183,7 @@ def test_data_parallel_worker_death_says_where_a_rerun_resumes(tiny_pipeline, ti
         train_or_reuse(model, tiny_cache, lora, train, tmp_path, Recorder(on_first_step=kill_rank1), parallel=DP_CPU)
     step = int(re.search(r"it resumes from step (\d+)/400", str(died.value))[1])
     assert step >= 1 and f"state-{step:07d}.json" in {p.name for p in (tmp_path / "resume").rglob("state-*.json")}
-    assert not _workers()
-    # without a saved state, it says a rerun starts over (the first state would come at step 40)
-    with pytest.raises(WorkerError, match=r"No training state was saved yet \(the first is saved at step 40\)"):
-        train_or_reuse(model, tiny_cache, lora, TrainConfig(steps=400, learning_rate=1e-3, device="cpu", seed=7),
-                       tmp_path / "fresh", Recorder(on_first_step=kill_rank1), parallel=DP_CPU)
+    assert not _workers()  # without a saved state: test_data_parallel_worker_death_and_bad_input
 
 
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has two GPUs")
@@ -283,7 +294,7 @@ def test_split_step_time_is_the_parts_on_their_own_machines_plus_the_crossing():
     assert slow.predicted_step_s > plan.predicted_step_s  # 25 GB/s and an unknown GPU's peak: slower
 
 
-def test_the_documented_torchrun_command_runs_the_kept_spec_on_two_nodes(tiny_pipeline, tiny_cache, tmp_path):
+def test_the_documented_torchrun_command_runs_the_kept_spec_on_two_nodes(dp_run, tmp_path):
     """docs/multi-gpu.md, Several hosts: two torchrun agents, one per simulated node (--nnodes 2, one rank each,
     gloo over loopback), run the worker on the run description the node kept, and --save writes a LoRA file equal
     to the node's own two-rank run."""
@@ -292,11 +303,7 @@ def test_the_documented_torchrun_command_runs_the_kept_spec_on_two_nodes(tiny_pi
 
     from lowvram_lora.engine.lora_io import load_lora
 
-    model = inspect_transformer(ModelConfig(transformer_path=str(tiny_pipeline)))
-    first = train_or_reuse(model, tiny_cache, LoraSettings(rank=4), TrainConfig(steps=2, device="cpu"), tmp_path,
-                           Recorder(), parallel=DP_CPU)
-    spec = tmp_path / "parallel" / "spec-latest.json"
-    assert spec.exists()
+    first, spec = dp_run.result, dp_run.spec
     out = tmp_path / "torchrun_lora.safetensors"
     root = Path(__file__).resolve().parents[1]
     port = _free_port()
@@ -320,7 +327,7 @@ def test_the_documented_torchrun_command_runs_the_kept_spec_on_two_nodes(tiny_pi
     from lowvram_lora.engine.lora_io import save_lora
 
     lora, ref = load_lora(out), load_lora(save_lora(first, tmp_path / "node_run.safetensors"))
-    assert lora.metadata["lowvram_lora.steps"] == "2"
+    assert lora.metadata["lowvram_lora.steps"] == "6"
     assert set(lora.state_dict) == set(ref.state_dict)
     for k, v in ref.state_dict.items():  # the same run as the node's: the same weights
         torch.testing.assert_close(lora.state_dict[k], v)

@@ -4,6 +4,7 @@
 resolve to row ranges, so each diffusers tensor is read on its own."""
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -86,15 +87,25 @@ def identify_single_file(f: SafetensorsFile, family_id: str) -> tuple[ModelFamil
     return family, variant, config
 
 
+#: (family, config as sorted JSON) -> its shapes. A pure function of the family's code and the config, and
+#: building a full-size model on the meta device takes 0.1-0.4 s: identifying one file tries every shipped
+#: variant (16 for Wan), so without this each identification of the same kind of file rebuilt them all.
+_SHAPES: dict[tuple[ModelFamily, str], dict[str, tuple[int, ...]]] = {}
+
+
 def expected_single_file_shapes(family: ModelFamily, config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Original name -> shape, derived from the diffusers model built on the meta device."""
-    model = meta_model(family, config)
-    diffusers_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    shapes = {}
-    for param in family.param_table(config):
-        parts = [diffusers_shapes[p.name] for p in param.parts]
-        shapes[param.name] = (math.prod(parts[0]),) if param.flat else (sum(s[0] for s in parts),) + parts[0][1:]
-    return shapes
+    """Original name -> shape, derived from the diffusers model built on the meta device (once per family and
+    config; the caller gets its own copy)."""
+    key = (family, json.dumps(config, sort_keys=True, default=str))
+    if key not in _SHAPES:
+        model = meta_model(family, config)
+        diffusers_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        shapes = {}
+        for param in family.param_table(config):
+            parts = [diffusers_shapes[p.name] for p in param.parts]
+            shapes[param.name] = (math.prod(parts[0]),) if param.flat else (sum(s[0] for s in parts),) + parts[0][1:]
+        _SHAPES[key] = shapes
+    return dict(_SHAPES[key])
 
 
 def _first_mismatch(found: dict[str, tuple], expected: dict[str, tuple]) -> tuple[int, str]:
@@ -109,6 +120,18 @@ def _first_mismatch(found: dict[str, tuple], expected: dict[str, tuple]) -> tupl
 
 
 def _match_variant(path: Path, family: ModelFamily, found: dict[str, tuple]):
+    # Only a variant with exactly the file's tensor names can match, and its names come from the config alone:
+    # shapes (a model built on the meta device) are compared for those; all variants only for the message. Twins on
+    # one config (LTX-2's image-to-video variants) are tried once: the first listed (text-to-video) wins.
+    tried = set()
+    for variant in family.variants:
+        if family.variants[variant] in tried:
+            continue
+        tried.add(family.variants[variant])
+        config = family.load_config(variant)
+        if ({p.name for p in family.param_table(config)} == found.keys()
+                and _first_mismatch(found, expected_single_file_shapes(family, config))[0] == 0):
+            return variant, config
     best, tried = None, set()
     for variant in family.variants:
         if family.variants[variant] in tried:  # a twin on the same config (LTX-2's image-to-video variants)
