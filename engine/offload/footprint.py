@@ -54,6 +54,7 @@ def measure_footprint(model: nn.Module, family, name: str = "",
         file_backed=slab_source_of(model) is not None, disk_capable=slab_source_of(model) is not None,
         widest_features=max((widest_token_linear(family, n, b) for n, b in blocks), default=0),
         fragmentation=family.memory.fragmentation,
+        token_modulation=family.memory.token_modulation(dict(model.config)),
     )
 
 
@@ -153,4 +154,11 @@ def workload_for(dataset, family, variant: str, batch: int) -> Workload:
     audio = max(family.memory.audio_tokens(family.memory.latent_frames(len(it.frames))) for it in dataset.items)
     return Workload(batch=batch, image_tokens=tokens(item),
                     text_tokens=default_max_sequence_length(family, variant), label=label, reference_tokens=references,
-                    audio_tokens=audio)
+                    audio_tokens=audio, timestep_tokens=tokens(item) if per_token_timestep(family, variant) else 0)
+
+
+def per_token_timestep(family, variant: str) -> bool:
+    """The variant gives tokens timesteps of their own: its first-frame condition holds the first frames clean at
+    timestep 0 (``FirstFrameCondition.held``), the others at the sample's (``Workload.timestep_tokens``)."""
+    condition = family.first_frame(variant) if variant else None
+    return bool(condition is not None and condition.held)
