@@ -137,3 +137,16 @@ def test_activation_offload_keeps_the_shared_modulation_on_the_device():
     temb = tokens * 9 * FAMILY.memory.hidden_size(config) * 4  # fp32
     assert off.bytes_in < temb  # the token states come back, the modulation never
     assert temb <= off.bytes_out - off.bytes_in < 2 * temb  # one copy out, from the first block
+
+
+def test_the_workload_takes_image_to_video_from_the_cache():
+    """The checkpoint is identified as the text-to-video variant (I2V is never told by shape); a cache built for the
+    I2V twin makes the run's workload count per-token timesteps on all its video tokens, a T2V cache none."""
+    from types import SimpleNamespace
+
+    from lowvram_lora.engine.offload.footprint import workload_for
+
+    item = SimpleNamespace(bucket=(64, 64), frames=list(range(9)), control_sizes=[])
+    i2v = workload_for(SimpleNamespace(items=[item], variant=TINY_I2V), FAMILY, TINY, 1)
+    t2v = workload_for(SimpleNamespace(items=[item], variant=TINY), FAMILY, TINY, 1)
+    assert i2v.timestep_tokens == i2v.image_tokens == 2 * 2 * 2 and t2v.timestep_tokens == 0
