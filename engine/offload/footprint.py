@@ -153,7 +153,7 @@ def workload_for(dataset, family, variant: str, batch: int) -> Workload:
     references = sum(family.memory.image_tokens(int(cw), int(ch), variant) for cw, ch in item.control_sizes)
     audio = max(family.memory.audio_tokens(family.memory.latent_frames(len(it.frames))) for it in dataset.items)
     # Image-to-video is the cache's choice (it holds the first frames); the model's variant, told by shape, is T2V's.
-    held = per_token_timestep(family, variant) or per_token_timestep(family, getattr(dataset, "variant", ""))
+    held = per_token_timestep(family, variant) or per_token_timestep(family, dataset.variant)
     return Workload(batch=batch, image_tokens=tokens(item),
                     text_tokens=default_max_sequence_length(family, variant), label=label, reference_tokens=references,
                     audio_tokens=audio, timestep_tokens=tokens(item) if held else 0)

@@ -342,12 +342,6 @@ def _mark_window(run: _Run, lora: LoraSettings, step_window: int | None) -> None
 
     if step_window == 0 or run.family.memory.step_constants is None:
         return
-    from ..offload.footprint import per_token_timestep
-
-    if per_token_timestep(run.family, run.dataset.variant):  # the cache holds first frames; the window keeps vectors
-        run.cb.log("modulation window: off (image-to-video holds the first frame at its own timestep: the modulation "
-                   "is per token, not a constant vector of the step)")
-        return
     if run.loss.preservation_weight > 0:  # the class prompt's forwards would need constants of their own
         run.cb.log("modulation window: off (differential output preservation runs a second prompt per step)")
         return

@@ -127,7 +127,9 @@ class Ltx2Schedule(NoiseSchedule):
 
 class Ltx2Memory(MemoryProfile):
     """The video FFN in token chunks (16384 wide: the widest intermediate of a block); the audio stream's tokens for the
-    FLOP count (``audio_linears``)."""
+    FLOP count (``audio_linears``); image-to-video's per-token modulation (``token_modulation``). No ``step_constants``:
+    the modulation window is off for LTX-2 (with image-to-video its modulation is per token, not a vector of the step,
+    so a window of per-sample vectors would not hold it)."""
 
     def audio_tokens(self, latent_frames: int) -> int:
         """What training feeds the audio stream beside a clip of ``latent_frames``: ``audio_tokens`` (the pipeline's
