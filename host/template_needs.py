@@ -88,6 +88,11 @@ def _footprint(family, variant: str, int8: bool, rank: int):
 
 
 def _workload(t: TrainingTemplate, family, variant: str) -> Workload:
+    from ..engine.caching.task_choice import image_to_video_variant
+    from ..engine.offload.footprint import per_token_timestep
+
+    # The cache's image_to_video choice makes the run I2V (the variant's twin): per-token timesteps.
+    cached = image_to_video_variant(family, variant) if t.cache.get("image_to_video") else variant
     side = int(t.cache.get("resolution", 1024))
     frames = int(t.cache.get("video_frames", 1) or 1)
     tokens = family.memory.image_tokens(side, side, variant) * family.memory.latent_frames(frames)
@@ -96,7 +101,8 @@ def _workload(t: TrainingTemplate, family, variant: str) -> Workload:
     if control is not None and (not control.optional or t.cache.get("control_folder")):
         references = family.memory.image_tokens(side, side, variant)  # one control image of the same size joins
     return Workload(1, tokens + references, default_max_sequence_length(family, variant),
-                    f"{side}x{side}" + (f"x{frames}f" if frames > 1 else ""), reference_tokens=references)
+                    f"{side}x{side}" + (f"x{frames}f" if frames > 1 else ""), reference_tokens=references,
+                    timestep_tokens=tokens if per_token_timestep(family, cached) else 0)
 
 
 def _ram_budget(machine_gb: float) -> int:

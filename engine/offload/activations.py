@@ -18,7 +18,14 @@ fires again, so its weights are loaded), and backpropagates through it. RNG and
 autocast state are replayed as torch.utils.checkpoint does.
 
 Which inputs move: the per-token states (tensors of 3 or more dims). Position
-embeddings and the conditioning vector are shared by every block and stay.
+embeddings and the conditioning vector are shared by every block and stay: so does
+any input the previous offloaded block of the forward had too (the same tensor: the
+conditioning every block reads, however many dims it has, e.g. LTX-2's per-token
+modulation with image-to-video, 0.45 GB at 960x544x89; a single-stream model's text
+states). The forward holds those on the GPU anyway; a copy per block would only add
+host RAM and link traffic. The first offloaded block cannot know yet: its copy of them
+is dropped at the second block's pack (it keeps the tensor instead), so one copy-out
+per forward remains.
 
 Partial offload (the plan's ``offloaded_blocks``): only the units given as ``offloaded`` go
 through the offloading checkpoint; the others are checkpointed by the function the model had
@@ -27,6 +34,7 @@ Both recompute the same block under the same RNG state, so the gradients are the
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Optional
@@ -51,6 +59,7 @@ class _Packed:
     ready: Any = None  # event: host->device copy finished
     devices: list = field(default_factory=list)
     leaving: list = field(default_factory=list)  # device inputs held until their copy-out has landed
+    refs: list = field(default_factory=list)  # weak references to the inputs (``_shared``: the next block's)
 
 
 class _Arena:
@@ -86,6 +95,23 @@ class _Arena:
 
 def _offloadable(t: torch.Tensor) -> bool:
     return t.dim() >= 3
+
+
+def _shared(stack: list[_Packed], tensors: list[torch.Tensor]) -> list[bool]:
+    """Which of a block's inputs the previous offloaded block of this forward (``stack[-1]``) had too: they stay on
+    the GPU (the module doc). That block's host copies of them are dropped for the tensor itself (its copy-out is
+    harmless; nothing reads it back). Weak references: a tensor freed since cannot be mistaken for a new one."""
+    if not stack:
+        return [False] * len(tensors)
+    prev = stack[-1]
+    before = [r() for r in prev.refs]
+    out = []
+    for t in tensors:
+        hits = [j for j, b in enumerate(before) if b is t]
+        for j in hits:
+            prev.host[j], prev.kept[j] = None, t
+        out.append(bool(hits))
+    return out
 
 
 class ActivationOffloader:
@@ -151,9 +177,10 @@ class ActivationOffloader:
         i = self.index[id(block)]
         if any(p.block == i for p in self.stack):  # a forward without backward before: start over
             self.stack.clear()
-        moving = [t for t in tensors if _offloadable(t)]
-        hosts = iter(self.arenas[i].views(moving))
-        packed = _Packed(block=i, host=[], kept=[], devices=[t.device for t in tensors])
+        moves = [_offloadable(t) and not shared for t, shared in zip(tensors, _shared(self.stack, tensors))]
+        hosts = iter(self.arenas[i].views([t for t, m in zip(tensors, moves) if m]))
+        packed = _Packed(block=i, host=[], kept=[], devices=[t.device for t in tensors],
+                         refs=[weakref.ref(t) for t in tensors])
         if self.cuda:
             compute = torch.cuda.current_stream(self.device)
             if self.stack and self.stack[-1].leaving:
@@ -168,8 +195,8 @@ class ActivationOffloader:
             with torch.cuda.stream(self.d2h):
                 # The inputs exist once the compute stream reaches this point; not before.
                 self.d2h.wait_event(inputs_ready)
-                for t in tensors:
-                    if _offloadable(t):
+                for t, move in zip(tensors, moves):
+                    if move:
                         h = next(hosts)
                         h.copy_(t, non_blocking=True)
                         if self.pacer is not None:
@@ -183,8 +210,8 @@ class ActivationOffloader:
                 packed.done = torch.cuda.Event()
                 packed.done.record(self.d2h)
         else:
-            for t in tensors:
-                if _offloadable(t):
+            for t, move in zip(tensors, moves):
+                if move:
                     h = next(hosts)
                     h.copy_(t)
                     packed.host.append(h)

@@ -54,6 +54,7 @@ def measure_footprint(model: nn.Module, family, name: str = "",
         file_backed=slab_source_of(model) is not None, disk_capable=slab_source_of(model) is not None,
         widest_features=max((widest_token_linear(family, n, b) for n, b in blocks), default=0),
         fragmentation=family.memory.fragmentation,
+        token_modulation=family.memory.token_modulation(dict(model.config)),
     )
 
 
@@ -151,6 +152,15 @@ def workload_for(dataset, family, variant: str, batch: int) -> Workload:
     label = f"{w}x{h}" + (f"x{frames}f" if frames > 1 else "") + (f"+{controls} control" if controls else "")
     references = sum(family.memory.image_tokens(int(cw), int(ch), variant) for cw, ch in item.control_sizes)
     audio = max(family.memory.audio_tokens(family.memory.latent_frames(len(it.frames))) for it in dataset.items)
+    # Image-to-video is the cache's choice (it holds the first frames); the model's variant, told by shape, is T2V's.
+    held = per_token_timestep(family, variant) or per_token_timestep(family, dataset.variant)
     return Workload(batch=batch, image_tokens=tokens(item),
                     text_tokens=default_max_sequence_length(family, variant), label=label, reference_tokens=references,
-                    audio_tokens=audio)
+                    audio_tokens=audio, timestep_tokens=tokens(item) if held else 0)
+
+
+def per_token_timestep(family, variant: str) -> bool:
+    """The variant gives tokens timesteps of their own: its first-frame condition holds the first frames clean at
+    timestep 0 (``FirstFrameCondition.held``), the others at the sample's (``Workload.timestep_tokens``)."""
+    condition = family.first_frame(variant) if variant else None
+    return bool(condition is not None and condition.held)

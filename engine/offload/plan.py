@@ -137,6 +137,9 @@ class ModelFootprint:
     # The allocator's unusable holes at the cap, in units of that tensor (``MemoryProfile.fragmentation``, measured
     # per family; 0: HEADROOM_BYTES covers them).
     fragmentation: float = 0.0
+    # The family's modulation growth with a per-token timestep (``MemoryProfile.token_modulation``: a
+    # ``TokenModulation``), counted over ``Workload.timestep_tokens``. None: it does not grow.
+    token_modulation: Optional[object] = None
 
     def stream_units(self, split) -> tuple[list[int], list[list[int]]]:
         """(bytes per streaming unit, unit indexes per block). ``split``: the blocks that stream in parts, those whose
@@ -183,6 +186,10 @@ class Workload:
     # A joint audio-video model's audio tokens per sample (``MemoryProfile.audio_tokens``): not in ``tokens``
     # (another stream, beside the image tokens); the step-time model counts its Linears on them.
     audio_tokens: int = 0
+    # Tokens with a timestep of their own (an image-to-video variant holding its first frames clean at timestep 0:
+    # ``FirstFrameCondition.held``): the modulation grows with them (``ModelFootprint.token_modulation``). 0: one
+    # timestep per sample.
+    timestep_tokens: int = 0
 
     @property
     def tokens(self) -> int:
@@ -238,6 +245,8 @@ class Plan:
     # The step's largest activation tensor: micro-batch x tokens x the widest block Linear, per token chunk when
     # chunked (``allocator_margin``).
     largest_tensor_bytes: int = 0
+    # Of the activations, the per-token modulation (``token_modulation_bytes``).
+    modulation_bytes: int = 0
 
     @property
     def margin_bytes(self) -> int:
@@ -292,6 +301,8 @@ class Plan:
                     if self.activation_memory_budget < 1 else "")]
         budget = f" of a {self.budget_bytes / GB:.1f} GB budget" if self.budget_bytes else ""
         parts = ", ".join(f"{k} {v / GB:.2f}" for k, v in self.breakdown.items())
+        if self.modulation_bytes:
+            parts += f"; of the activations, {self.modulation_bytes / GB:.2f} GB of per-token modulation"
         margin = (f"; {self.margin_bytes / GB:.2f} GB kept free for the allocator's fragmentation (the largest "
                   f"tensor {self.largest_tensor_bytes / GB:.2f} GB x {fp.fragmentation:g})"
                   if self.budget_bytes and self.margin_bytes > HEADROOM_BYTES else "")
@@ -431,6 +442,7 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
                    else fp.num_blocks * SAVED_INPUT_UNITS)
     moments = MOMENT_BYTES_PER_PARAM if optimizer_on_host else 0  # on the GPU only for the step
     outer = fp.outer_bytes if outer_on_host else 0
+    modulation, modulation_io = token_modulation_bytes(fp, wl, micro, len(offloaded))
     breakdown = {
         "weights": fp.other_bytes - outer + sum(fp.block_bytes[i] for i in resident) + ring_at_peak,
         "lora+adam": int(fp.trainable_params * (fp.lora_bytes_per_param - moments)),
@@ -438,7 +450,7 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
         "activations": max(0, int((kept_inputs + fp.working_set_scale(split)
                                    * transient_units(recompute_chunks, compiled_budget)) * unit
                                   + TRANSIENT_BYTES
-                                  + (OFFLOADED_KEPT_BYTES if activation_offload else 0))),
+                                  + (OFFLOADED_KEPT_BYTES if activation_offload else 0)) + modulation),
     }
     # The EMA on the GPU (else on the host with the moments: its update then brings it in after the optimizer's
     # temporaries are gone, 4 bytes per weight within their 8 + 8).
@@ -447,7 +459,7 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
     peak = (breakdown["weights"] + breakdown["lora+adam"] + breakdown.get("ema", 0)
             + max(breakdown["activations"], fp.trainable_params * (OPTIMIZER_BYTES_PER_PARAM + moments)))
     # Each checkpointed unit's inputs go out and come back (a block in parts has one input set per part).
-    act_io = int(sum(len(groups[i]) for i in offloaded) * SAVED_INPUT_UNITS * unit)
+    act_io = int(sum(len(groups[i]) for i in offloaded) * SAVED_INPUT_UNITS * unit) + modulation_io
     disk = sorted(set(disk_blocks))
     if disk and not set(disk) <= set(streamed):
         raise ConfigError(f"disk blocks {disk} must be streamed blocks of {fp.name} (resident: {resident})")
@@ -481,8 +493,21 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
         ram_budget_bytes=ram_budget_bytes,
         host_args={"extra": dict(host_extra or {}), "keeps_host_copies": keeps_host_copies,
                    "resume_staging": resume_staging},
-        largest_tensor_bytes=int(largest),
+        largest_tensor_bytes=int(largest), modulation_bytes=modulation,
     )
+
+
+def token_modulation_bytes(fp: ModelFootprint, wl: Workload, micro: int, offloaded: int) -> tuple[int, int]:
+    """(GPU bytes at the backward's peak, activation-offload host bytes per micro-step) of the modulation a per-token
+    timestep makes (``ModelFootprint.token_modulation`` over ``Workload.timestep_tokens``; (0, 0) without one). On
+    the GPU: the rows held for the whole step plus one running block's. With activation offload the input rows are
+    shared by every block and stay on the GPU (engine/offload/activations.py ``_shared``); only the first offloaded
+    block of a forward copies them out (nothing reads that copy back), into its host buffer."""
+    mod = fp.token_modulation
+    if mod is None or not wl.timestep_tokens:
+        return 0, 0
+    row = micro * wl.timestep_tokens * fp.hidden_size * fp.act_bytes_per_elem
+    return int((mod.held_rows + mod.block_rows) * row), int(mod.input_rows * row) if offloaded else 0
 
 
 def with_disk_blocks(plan: Plan, blocks: Sequence[int], staging_slots: int = 0) -> Plan:

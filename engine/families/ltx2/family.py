@@ -47,7 +47,7 @@ from torch import nn
 from ..base import ModelFamily
 from ..names import NativeParam
 from ..specs import (HELD_KEY, FirstFrameCondition, Guidance, JointStream, LoraForm, MemoryProfile, NoiseSchedule,
-                     Prediction, TextEncoderSpec, VaeSpec)
+                     Prediction, TextEncoderSpec, TokenModulation, VaeSpec)
 from .i2v import LTX2_I2V, conditioned_inputs
 from .names import ltx2_param_table
 from .text import PROMPT_KEY, text_spec
@@ -127,12 +127,26 @@ class Ltx2Schedule(NoiseSchedule):
 
 class Ltx2Memory(MemoryProfile):
     """The video FFN in token chunks (16384 wide: the widest intermediate of a block); the audio stream's tokens for the
-    FLOP count (``audio_linears``)."""
+    FLOP count (``audio_linears``); image-to-video's per-token modulation (``token_modulation``). No ``step_constants``:
+    the modulation window is off for LTX-2 (with image-to-video its modulation is per token, not a vector of the step,
+    so a window of per-sample vectors would not hold it)."""
 
     def audio_tokens(self, latent_frames: int) -> int:
         """What training feeds the audio stream beside a clip of ``latent_frames``: ``audio_tokens`` (the pipeline's
         count at the template's frame rate)."""
         return audio_tokens(latent_frames)
+
+    def token_modulation(self, config: dict) -> TokenModulation:
+        """Image-to-video's per-token video timestep (diffusers 0.42.1 ``transformer_ltx2.py``): ``time_embed`` runs on
+        every token, so ``temb`` (B, N, m D), m = 9 with ``cross_attn_mod`` (2.3, 2.5) else 6, is handed to every block
+        and held to the end of the backward (its ``embedded_timestep``, 1 row, lives through the forward only: gone at
+        the backward's peak). Each block adds ``scale_shift_table + temb`` (m rows, ``get_mod_params``; its gates stay
+        saved as views of it) and the ``1 + scale`` factors its backward keeps (``scale_msa``, ``scale_mlp``,
+        ``scale_text_q`` with ``cross_attn_mod``: 3 rows, else 2). The audio stream, the prompt AdaLN and the
+        audio<->video modulation read per-sample timesteps (``sigma``, ``use_cross_timestep``): unchanged.
+        Measured against a forward + backward on the tiny model (test_i2v.py)."""
+        m = 9 if config.get("cross_attn_mod") else 6
+        return TokenModulation(held_rows=m, block_rows=m + (3 if config.get("cross_attn_mod") else 2), input_rows=m)
 
     def install_chunked_recompute(self, model: nn.Module, chunks: int, undo) -> None:
         from ..recompute import chunk_token_wise

@@ -12,7 +12,7 @@ needs code). A new capability is a new spec file here, not another member of ``M
 from .controls import HELD_KEY, ControlImages, FirstFrameCondition, ImageEncoderSpec, held_weights, hold_frames
 from .guidance import Guidance
 from .lora import COMFYUI_FORMS, LoraForm
-from .memory import MemoryProfile
+from .memory import MemoryProfile, TokenModulation
 from .step_constants import StepConstants
 from .streams import JointStream
 from .schedule import NoiseSchedule, Prediction, sigma_schedule, static_shift_mu
@@ -21,5 +21,5 @@ from .text import PromptTemplate, TextEncoderSpec
 from .vae import VaeSpec
 
 __all__ = ["COMFYUI_FORMS", "ControlImages", "FirstFrameCondition", "HELD_KEY", "held_weights", "hold_frames", "Guidance", "ImageEncoderSpec", "JointStream", "LoraForm",
-           "MemoryProfile", "NoiseSchedule", "Prediction", "PromptTemplate", "StepConstants", "TextEncoderSpec",
+           "MemoryProfile", "NoiseSchedule", "Prediction", "PromptTemplate", "StepConstants", "TextEncoderSpec", "TokenModulation",
            "TrainingTemplate", "VaeSpec", "sigma_schedule", "static_shift_mu"]

@@ -21,6 +21,25 @@ from .step_constants import StepConstants
 
 
 @dataclass(frozen=True)
+class TokenModulation:
+    """What a per-token timestep costs a transformer whose AdaLN modulation is computed from the timestep (an
+    image-to-video variant that holds its first frames clean at timestep 0: ``FirstFrameCondition.held``). With one
+    timestep per sample the modulation is one row per sample; per token it is one row per token, in hidden-width rows
+    (B x tokens x D elements each) of the activation dtype:
+
+    - ``held_rows``: made once per forward outside the blocks and held by every checkpointed block until the last
+      block's backward (LTX-2: the time embedding's modulation ``temb``);
+    - ``block_rows``: made by one block while it runs its forward, recompute and backward (LTX-2: the block's
+      ``scale_shift_table + temb`` and the ``1 + scale`` factors its backward keeps);
+    - ``input_rows``: of ``held_rows``, the rows handed to every block as an input (activation offload copies a
+      block's inputs to the host and back: these rows go with every offloaded block's)."""
+
+    held_rows: float
+    block_rows: float
+    input_rows: float = 0.0
+
+
+@dataclass(frozen=True)
 class MemoryProfile:
     """The planner's and the step-time model's knobs of one family (see the module doc)."""
 
@@ -76,6 +95,12 @@ class MemoryProfile:
     step_constants: StepConstants | None = None
 
     # --- the workload ----------------------------------------------------------------------------------
+
+    def token_modulation(self, config: dict) -> TokenModulation | None:
+        """The modulation's growth with a per-token timestep (``TokenModulation``), for a model with ``config``; None:
+        the family never takes one, or its modulation does not grow with it. The planner counts it where the
+        variant's first-frame condition holds frames (engine/offload/footprint.py ``workload_for``)."""
+        return None
 
     def hidden_size(self, config: dict) -> int:
         """The transformer's width (the planner sizes activations with it): the product of ``width_keys``."""
