@@ -52,6 +52,8 @@ class _Dataset:
         from helpers import family_inputs
 
         self.items, self.flip, self.dataset_hash = [], True, "window-test"
+        # the variant the cache was built for (the planner reads it: image-to-video is the cache's choice)
+        self.variant = family.tiny_variant
         # Dataset Options' members, off: no held-out split, regularization images, caption variants or masks
         self.validation_items, self.reg_items, self.captions_vary = [], [], False
         self._data = []
