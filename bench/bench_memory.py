@@ -317,6 +317,7 @@ def plan_only(args, family_id: str) -> int:
 def main(argv=None) -> int:
     from lowvram_lora.engine.config import LoraSettings, ModelConfig, TrainConfig
     from lowvram_lora.engine.offload.footprint import named_blocks
+    from lowvram_lora.engine.offload.hostmem import release_freed_heap
     from lowvram_lora.engine.train import train_lora
 
     args = parse_args(argv)
@@ -364,16 +365,21 @@ def main(argv=None) -> int:
         offload = offload_for(offload_mode)
         streams = offload is not None and offload.mode != "resident"
         if streams and on_gpu:
-            for _, block in named_blocks(model, family):
-                block.to("cpu")
-            if cuda:
-                torch.cuda.empty_cache()
-            on_gpu = False
             if args.precision in ("int8", "int4"):
+                # Quantized block by block where the blocks are (the GPU), then moved to the host as int8 / int4:
+                # no bf16 copy of the model passes through host memory, whose freed pages the C heap may keep
+                # (they would count in the row's host RAM; a loaded slab never has them).
                 from bench_flux2 import to_int8_on_host
 
                 to_int8_on_host(model, family, device, 4 if args.precision == "int4" else 8)
                 precision = args.precision
+            else:
+                for _, block in named_blocks(model, family):
+                    block.to("cpu")
+            if cuda:
+                torch.cuda.empty_cache()
+            release_freed_heap()  # what the conversion freed (engine/offload/hostmem.py)
+            on_gpu = False
         if not streams and not on_gpu:
             raise SystemExit("list 'resident' and 'resident-compiled' before the streamed modes")
         for gbps in (links_for(mode, args.link_gbps) if streams else [None]):

@@ -39,7 +39,7 @@ from .footprint import measure_footprint, named_blocks, outer_modules
 from .hooks import HookRegistry, ModelHook
 from .disk import DiskUnit
 from .host import HostBlock, frozen_tensors, step_constant_tensors
-from .hostmem import process_memory, ram_cap_bytes
+from .hostmem import process_memory, ram_cap_bytes, release_freed_heap
 from .plan import GB, Plan, Workload, make_plan
 from .schedule import BlockScheduler
 from .units import StreamUnits, install_units
@@ -442,6 +442,7 @@ def apply_offload(model: nn.Module, family, config: OffloadConfig, device: torch
             handle.map_released += release(copied)
         handle._hosts[u] = hb
         cb.on_progress("pinning blocks", n + 1, len(streamed_units))
+    release_freed_heap()  # the tensors the blocks were copied from are freed: their heap pages go back too
     handle.pin_seconds = time.perf_counter() - t0
 
     if plan.streamed:

@@ -198,8 +198,12 @@ class Ltx2Family(ModelFamily):
         token_pixels=32,
         temporal_compression=8,
         chunked_recompute=True,
-        # Flux.1's constants until GPU rows fit LTX-2 (few tokens, wide blocks).
-        activation_scale=1.0,
+        # A block's recompute + backward working set against Flux.1's at the same tokens x width. Fitted on
+        # 2026-11-28 (H100, LTX-2.3 int8, 960x544x89, all 48 blocks streamed + activation offload, compiled):
+        # step 1 (before the AdamW moments) peaked at 5.62 GB where 1.0 predicted 4.77 GB without the moments
+        # (activations 2.13 GB; 2.98 GB measured: 1.40x), and step 2 ran out of a 6 GB budget. Image-to-video
+        # measured the same +0.85 GB over its 3.18 GB (of which 1.05 GB per-token modulation, counted apart).
+        activation_scale=1.40,
     )
     lora = LoraForm(
         targets={"transformer_blocks": VIDEO_TARGETS},
