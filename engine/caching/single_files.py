@@ -16,7 +16,9 @@ fp8 / scaled-fp8 file) and ``models/vae/ae.safetensors``. These carry weights on
   local config.
 
 Which file is which is told from its tensor names by the text-encoder kinds (``encoders/``), so the
-text-encoder inputs may be given in any order. Flux.2's single-file text encoders and VAE are not supported yet (their errors
+text-encoder inputs may be given in any order. An all-in-one checkpoint (LTX-2.3's) bundles pieces beside the
+transformer: the VAE (``VaeSpec.checkpoint_prefix``: taken from the model's checkpoint when no VAE file is given, only
+its tensors read) and text connectors (``SingleFileSources.checkpoint``, which the encoder kind reads). Flux.2's single-file text encoders and VAE are not supported yet (their errors
 say to use the pipeline folder).
 """
 from __future__ import annotations
