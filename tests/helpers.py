@@ -182,14 +182,11 @@ def write_template_files(template, root, scratch):
                                                  **tiny)
             written.append(fixtures.write_single_file(again, models / "diffusion_models" / other))
     files = fixtures.write_text_and_vae_files(pipeline, scratch / "files")
-    if "checkpoint" in files:  # an all-in-one checkpoint (LTX-2.3: the VAE and text connectors beside the transformer)
-        shutil.copy(files["checkpoint"], written[0])
     if "clip_l" in files:  # Flux.1's two text encoders (clip_l, t5xxl), in the template's two inputs
         pairs = [("text_encoder_1", "text_encoders", files["clip_l"]), ("text_encoder_2", "text_encoders", files["t5xxl"]),
                  ("vae_file", "vae", files["vae"])]
     else:
-        pairs = [("text_encoder_1", "text_encoders", files["text_encoder"])] + (
-            [("vae_file", "vae", files["vae"])] if "vae" in files else [])
+        pairs = [("text_encoder_1", "text_encoders", files["text_encoder"]), ("vae_file", "vae", files["vae"])]
     if "image_encoder" in files:  # an image-to-video model's image encoder, given as the second text encoder
         pairs.append(("text_encoder_2", "clip_vision", files["image_encoder"]))
     for key, folder, source in pairs:

@@ -1,6 +1,6 @@
 """The ltx23_lora template (or another LTX-2 template named by a third argument: ltx23_i2v_lora) on the tiny LTX-2 model through a real ComfyUI's ``comfy run`` (a script, not collected by
-pytest: test_real_comfyui's template test covers it through the same fixtures; this script adds 9-frame clips and the
-flow-loss check on them).
+pytest: the template reads its VAE and text connectors from the all-in-one checkpoint, which test_real_comfyui's
+single-file template test does not write; this script writes it, with 9-frame clips).
 
 Installs this checkout as the README says (a copy in <base>/custom_nodes/lowvram-lora, ``pip install -e`` into
 ComfyUI's environment), writes the tiny model under the template's names (the all-in-one checkpoint in

@@ -232,17 +232,6 @@ def write_comfy_gemma(pipeline_folder: str | Path, out_file: str | Path, dtype: 
     return path
 
 
-def write_text_and_vae_files(pipeline_folder: str | Path, folder: str | Path) -> dict[str, Path]:
-    """What an LTX-2.3 template reads, under ComfyUI's names: ``gemma_3_12B_it.safetensors`` (bf16, the tiny
-    tokenizer and config in its companion folder) and the all-in-one checkpoint, which holds the VAE and the text
-    connectors beside the transformer (``checkpoint``: it replaces the bare transformer file; no VAE file)."""
-    folder = Path(folder)
-    return {"text_encoder": write_comfy_gemma(pipeline_folder, folder / "gemma_3_12B_it.safetensors",
-                                              dtype=torch.bfloat16),
-            "checkpoint": write_single_file(pipeline_folder, folder / "ltx-2.3-22b-dev-fp8.safetensors",
-                                            prefix="model.diffusion_model.", bundle=True)}
-
-
 def comfyui_model(config: dict) -> tuple[str, dict]:
     """What ComfyUI builds for an LTX-2.3 / 2.5 transformer of this diffusers ``config``: ``comfy.model_base.LTXAV``
     and the ``unet_config`` its detection derives from a native file (``model_detection``: ``ltxav`` from
