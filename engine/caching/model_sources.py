@@ -102,8 +102,23 @@ def _single_file_sources(model_cfg: ModelConfig):
     family, variant = ident.family, ident.variant
     files = [Path(p) for p in model_cfg.text_encoder_files]
     vae = Path(model_cfg.vae_file) if model_cfg.vae_file else None
-    singles = sources_for(family, variant, files, vae, {k: Path(v) for k, v in (model_cfg.tokenizer_dirs or {}).items()})
+    singles = sources_for(family, variant, files, vae, {k: Path(v) for k, v in (model_cfg.tokenizer_dirs or {}).items()},
+                          _single_checkpoint(ident))
     return singles, family, variant
+
+
+def _single_checkpoint(ident) -> Optional[Path]:
+    """The model's one-file checkpoint, for what an all-in-one file bundles beside the transformer (LTX-2.3's VAE
+    and text connectors): the file itself, or the file a slab was built from (its manifest's source, where it still
+    is); None for a folder."""
+    if ident.kind == "single_file":
+        return ident.path
+    if ident.kind == "slab":
+        from ..slab.load import read_manifest
+
+        source = Path(read_manifest(ident.path).get("source", {}).get("path") or "")
+        return source if source.is_file() and source.suffix == ".safetensors" else None
+    return None
 
 
 def _family_and_variant(model_cfg: ModelConfig, pipeline: Path) -> tuple[ModelFamily, str]:

@@ -36,11 +36,14 @@ def _files(path: Optional[Path]) -> list[Path]:
     return sorted(path.glob("*.safetensors")) if path.is_dir() else [path] if path.exists() else []
 
 
-def _elements(files: list[Path], per_layer: bool) -> int:
-    """Tensor elements of ``files``: all of them, or (``per_layer``) the largest ``layers.<n>.`` group's."""
+def _elements(files: list[Path], per_layer: bool, only=None) -> int:
+    """Tensor elements of ``files``: all of them, or (``per_layer``) the largest ``layers.<n>.`` group's; ``only``:
+    just the tensors it accepts (a name -> bool)."""
     groups: dict[str, int] = {}
     for f in files:
         for name, e in SafetensorsFile(f).entries.items():
+            if only is not None and not only(name):
+                continue
             m = _LAYER.search(name) if per_layer else None
             key = m.group(1) if m else ("" if not per_layer else "other")
             groups[key] = groups.get(key, 0) + math.prod(e.shape)
@@ -60,10 +63,17 @@ def caching_host_bytes(models: CacheModels) -> dict[str, int]:
         whole = kind.host_loads_whole
         companions = sum(_elements(_files(models.pipeline / name), per_layer=False)
                          for name in kind.companion_folders(spec)) if models.pipeline is not None else 0
+        ckpt = models.singles.checkpoint if models.singles is not None else None
+        if ckpt is not None:  # what an all-in-one checkpoint holds for the encoder (LTX-2.3's connectors)
+            held = set(kind.checkpoint_companions(spec, list(SafetensorsFile(ckpt).entries)))
+            companions += _elements([ckpt], per_layer=False, only=held.__contains__) if held else 0
         parts[f"{spec.subfolder} ({kind.display_name}{'' if whole else ', one layer at a time'})"] = (
             (_elements(_files(path), per_layer=not whole) + companions) * itemsize)
     vae = models.singles.vae if models.singles is not None else models.pipeline / "vae"
-    parts["vae"] = _elements(_files(vae), per_layer=False) * itemsize
+    bundled = models.singles is not None and vae == models.singles.checkpoint  # only its VAE's tensors
+    prefix = models.family.vae_for(models.variant).checkpoint_prefix
+    parts["vae"] = _elements(_files(vae), per_layer=False,
+                             only=(lambda n: n.startswith(prefix)) if bundled else None) * itemsize
     return parts
 
 

@@ -16,7 +16,9 @@ fp8 / scaled-fp8 file) and ``models/vae/ae.safetensors``. These carry weights on
   local config.
 
 Which file is which is told from its tensor names by the text-encoder kinds (``encoders/``), so the
-text-encoder inputs may be given in any order. Flux.2's single-file text encoders and VAE are not supported yet (their errors
+text-encoder inputs may be given in any order. An all-in-one checkpoint (LTX-2.3's) bundles pieces beside the
+transformer: the VAE (``VaeSpec.checkpoint_prefix``: taken from the model's checkpoint when no VAE file is given, only
+its tensors read) and text connectors (``SingleFileSources.checkpoint``, which the encoder kind reads). Flux.2's single-file text encoders and VAE are not supported yet (their errors
 say to use the pipeline folder).
 """
 from __future__ import annotations
@@ -28,7 +30,7 @@ from pathlib import Path
 import torch
 
 from .. import families
-from ..checkpoint import TensorStore, open_files
+from ..checkpoint import SafetensorsFile, TensorStore, open_files
 from ..errors import ModelLoadError
 from .embedded_tokenizer import EMBEDDED_TENSORS, embedded_tensor, tokenizer_from_tensor
 from .encoders import bundled_tokenizer, embedding_file, encoder_kind, kind_of_file, spiece_layout
@@ -47,6 +49,9 @@ class SingleFileSources:
     vae: Path | None = None
     tokenizer_dirs: dict[str, Path] = field(default_factory=dict)  # kind -> fallback tokenizer folder
     image_encoder: Path | None = None  # an image-to-video model's image encoder (clip_vision_h.safetensors)
+    #: The model's own single-file checkpoint (or the one its slab was built from), for what an all-in-one
+    #: checkpoint bundles beside the transformer: LTX-2.3's VAE (``VaeSpec.checkpoint_prefix``) and text connectors.
+    checkpoint: Path | None = None
 
 
 def _store(path: Path, prefixes: tuple[str, ...] = ()) -> TensorStore:
@@ -67,15 +72,14 @@ _VISION_KEY = "vision_model.encoder.layers.0.self_attn.q_proj.weight"
 
 def is_image_encoder_file(path: Path) -> bool:
     """Whether a single file is a CLIP vision tower (ComfyUI's ``clip_vision_h.safetensors``), by its names."""
-    from ..checkpoint import SafetensorsFile
-
     return _VISION_KEY in SafetensorsFile(path).entries
 
 
 def sources_for(family, variant: str, files: list[Path], vae: Path | None,
-                tokenizer_dirs: dict[str, Path] | None = None) -> SingleFileSources:
+                tokenizer_dirs: dict[str, Path] | None = None, checkpoint: Path | None = None) -> SingleFileSources:
     """Which file fills which of the family's text encoders (told by the files' tensor names, so they may
-    come in any order), and the VAE file."""
+    come in any order), and the VAE file: the one given, else the model's ``checkpoint`` where it bundles the
+    family's VAE (``VaeSpec.checkpoint_prefix``)."""
     specs = family.text_encoder_specs(variant)
     condition = family.first_frame(variant)
     image_encoder = None
@@ -100,9 +104,15 @@ def sources_for(family, variant: str, files: list[Path], vae: Path | None,
     extra = [f"{f.name} ({k.display_name})" for f, k in kinds if f not in by_spec.values()]
     if extra:
         raise ModelLoadError(f"{', '.join(extra)}: not a text encoder {family.display_name} uses; it needs {needed}")
+    prefix = family.vae_for(variant).checkpoint_prefix
+    if vae is None and checkpoint is not None and prefix and any(
+            k.startswith(prefix) for k in SafetensorsFile(checkpoint).entries):
+        vae = checkpoint
     if vae is None:
-        raise ModelLoadError(f"caching from single files also needs {family.display_name}'s VAE file (models/vae)")
-    return SingleFileSources(by_spec, vae, dict(tokenizer_dirs or {}), image_encoder)
+        raise ModelLoadError(f"caching from single files also needs {family.display_name}'s VAE file (models/vae)"
+                             + (f", or the model's all-in-one checkpoint, which bundles it under '{prefix}'"
+                                if prefix else ""))
+    return SingleFileSources(by_spec, vae, dict(tokenizer_dirs or {}), image_encoder, checkpoint)
 
 
 def decoder_lm_source(path: Path, family=None, spec=None,
@@ -196,9 +206,16 @@ def load_text_encoder_file(path: Path, dtype: torch.dtype, tokenizer_dirs: dict[
     return kind_of_file(path, _store(path).shapes()).load_file(path, dtype, tokenizer_dirs)
 
 
+def tensors_under(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The file's tensors whose names start with ``prefix``, without it, decoded by the checkpoint reader (only
+    those are read: an all-in-one checkpoint's VAE without its transformer)."""
+    store = _store(path)
+    return {k[len(prefix):]: store.get(k) for k in store.names() if k.startswith(prefix)}
+
+
 def load_vae_file(path: Path, family, dtype: torch.dtype, variant: str | None = None):
     """The VAE of the family's ``variant`` from a single file (ComfyUI's models/vae/ae.safetensors; Flux.2's VAE
-    file; Wan's): ``family.vae_for(variant).load_file``, given this file's companion folder and the one checkpoint
-    reader."""
-    vae = family.vae_for(variant).load_file(path, dtype, read=lambda p: _store(p).state_dict(), companion=companion_dir(path))
+    file; Wan's; LTX-2.3's all-in-one checkpoint): ``family.vae_for(variant).load_file``, given this file's companion
+    folder and the one checkpoint reader (``read(path, prefix="")``: ``tensors_under``)."""
+    vae = family.vae_for(variant).load_file(path, dtype, read=tensors_under, companion=companion_dir(path))
     return vae.requires_grad_(False).eval()

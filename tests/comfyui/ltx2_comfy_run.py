@@ -1,9 +1,11 @@
 """The ltx23_lora template (or another LTX-2 template named by a third argument: ltx23_i2v_lora) on the tiny LTX-2 model through a real ComfyUI's ``comfy run`` (a script, not collected by
-pytest: the template reads its text encoder from a diffusers folder, which the single-file template tests do not cover).
+pytest: the template reads its VAE and text connectors from the all-in-one checkpoint, which test_real_comfyui's
+single-file template test does not write; this script writes it, with 9-frame clips).
 
 Installs this checkout as the README says (a copy in <base>/custom_nodes/lowvram-lora, ``pip install -e`` into
 ComfyUI's environment), writes the tiny model under the template's names (the all-in-one checkpoint in
-models/checkpoints, the pipeline folder as models/diffusers/LTX-2.3, 9-frame clips in input/my_clips), starts the
+models/checkpoints with the connectors and the VAE, ComfyUI's Gemma file models/text_encoders/gemma_3_12B_it.safetensors
+with the tiny tokenizer and config in its companion folder, 9-frame clips in input/my_clips), starts the
 server with ``--base-directory <base>``, runs the UI workflow with sizes and steps reduced, and checks the saved LoRA
 lowers the flow loss of diffusers' own model on the cached clip. Hold the ComfyUI lock while it runs:
 
@@ -18,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1])); sys.path.insert(0,
 from test_real_comfyui import _with_widgets
 from helpers import eval_flow_loss, merged
 from lowvram_lora.engine.families import get_family, family_templates
-from lowvram_lora.engine.families.ltx2.fixtures import build_tiny_pipeline, write_single_file
+from lowvram_lora.engine.families.ltx2.fixtures import build_tiny_pipeline, write_comfy_gemma, write_single_file
 from lowvram_lora.engine.testing import make_tiny_video_dataset
 
 WT = Path(__file__).resolve().parents[2]
@@ -32,8 +34,7 @@ shutil.copytree(WT, pack, ignore=shutil.ignore_patterns(".git", "__pycache__", "
 subprocess.run([str(py), "-m", "pip", "install", "-q", "-e", str(pack)], check=True)
 pipe = build_tiny_pipeline(BASE / "scratch" / "pipe", seed=5)
 write_single_file(pipe, BASE / "models" / "checkpoints" / t.load["checkpoint"], prefix="model.diffusion_model.", bundle=True)
-shutil.rmtree(BASE / "models" / "diffusers" / "LTX-2.3", ignore_errors=True)
-shutil.copytree(pipe, BASE / "models" / "diffusers" / "LTX-2.3")
+write_comfy_gemma(pipe, BASE / "models" / "text_encoders" / t.cache["text_encoder_1"], dtype=torch.bfloat16)
 shutil.rmtree(BASE / "input" / "my_clips", ignore_errors=True)
 make_tiny_video_dataset(BASE / "input" / "my_clips", count=1, frames=9)
 s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()

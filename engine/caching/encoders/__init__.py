@@ -64,6 +64,11 @@ class TextEncoderKind(ABC):
         text connectors): the caching pass's RAM check counts them with the encoder (``caching/ram.py``)."""
         return ()
 
+    def checkpoint_companions(self, spec: TextEncoderSpec, names: list[str]) -> list[str]:
+        """With single files: the tensors of the model's all-in-one checkpoint (``names``: all of its tensors) that
+        the encoder holds whole beside it (LTX-2.3's text connectors), for the caching pass's RAM check."""
+        return []
+
     @abstractmethod
     def tokenizer_identity(self, path: Path, spec: TextEncoderSpec, singles: SingleFileSources) -> str:
         """The identity of the tokenizer a single file ``path`` is encoded with (part of the cache key)."""

@@ -10,15 +10,25 @@ stacked features (``per_modality_projections``), which is a sum over layers, so 
 padding rows zeroed and folded into the video and audio projections as soon as the layer has run (fp32
 accumulators, 25 MB a caption). Why our own loop: the pipeline's ``_get_gemma_prompt_embeds`` needs the whole
 encoder in memory (24 GB bf16) and every caption's whole stack. After the last layer the connectors' 1-D transformers
-run on the projections, as ``LTX2TextConnectors.forward`` does. Single files (ComfyUI's ``gemma_3_12B_it*``, whose
-connectors sit in the model checkpoint) are refused by name."""
+run on the projections, as ``LTX2TextConnectors.forward`` does.
+
+Single files (LTX-2.3), as ComfyUI's ``LTXAVTextEncoderLoader(text_encoder, ckpt_name)`` pairs them: Gemma from
+``gemma_3_12B_it.safetensors`` / ``_fp8_scaled`` (``model.`` names, decoded by the checkpoint reader, run layer-major
+the same way; its config from the companion folder or the shipped Gemma 3 12B one; its tokenizer the file's embedded
+``spiece_model``, framed as Gemma's tokenizer with BOS and left padding), and the connectors plus the text projection
+from the model's all-in-one checkpoint (``SingleFileSources.checkpoint``). Which names are where:
+``engine/families/ltx2/comfy_files.py``. LTX-2.5's files are refused by name."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 
 from ...errors import ModelLoadError
+from ...families.ltx2.comfy_files import COMFY_TEXT, GEMMA_FILES, connector_names, connectors_config
+from ...hashing import path_identity, stable_hash
+from ..embedded_tokenizer import SpieceLayout
 from . import TextEncoderKind
 
 #: Host memory for one group's fp32 projection accumulators (captions x tokens x (video + audio width) x 4 bytes).
@@ -31,12 +41,23 @@ class GemmaConnectors(TextEncoderKind):
     display_name = "Gemma + text connectors (LTX-2)"
     output = "sequence"
     host_loads_whole = False  # Gemma runs layer-major from its memory map
+    #: ComfyUI's Gemma 3 file embeds its tokenizer; Gemma's tokenizer puts <bos> first, no EOS, and LTX2Pipeline pads
+    #: on the left. Keyed by the shipped Gemma config's name (``ComfyText.gemma``).
+    spiece_layouts = {"gemma3-12b": SpieceLayout(bos=True, eos=False, padding_side="left", name="Gemma-3")}
+    embedding_files = {"gemma3-12b": GEMMA_FILES[0]}
 
     def match(self, shapes):
-        return 0  # a single Gemma file is a decoder LLM; this kind reads pipeline folders only
+        """A Gemma 3 language model: per-head q / k norms (not Gemma-2's) with Gemma's sandwich norms (not Qwen3's).
+        More specific than ``decoder_lm``'s any-attention match; no other family reads Gemma 3."""
+        layer = [k for k in shapes if ".layers.0." in k]
+        return 2 if any(k.endswith("self_attn.q_norm.weight") for k in layer) and any(
+            "pre_feedforward_layernorm" in k for k in layer) else 0
 
     def companion_folders(self, spec):
         return ("connectors",)  # held whole beside one Gemma layer (3.2B parameters at full size)
+
+    def checkpoint_companions(self, spec, names):
+        return list(connector_names(names))  # the same, read from the all-in-one checkpoint
 
     def caption_length(self, spec, max_length):
         return spec.max_length  # the transformer always sees the spec's rows (text.py)
@@ -45,33 +66,31 @@ class GemmaConnectors(TextEncoderKind):
         return [spec.architecture, spec.max_length, "connectors"]
 
     def tokenizer_identity(self, path, spec, singles):
-        return ""
+        """With single files: the tokenizer's origin and the checkpoint the connectors are read from (both change the
+        cached rows; the Gemma file's own identity is in the key already)."""
+        from ..single_files import tokenizer_origin
+
+        comfy = _comfy_text(spec, singles)
+        origin = tokenizer_origin(path, comfy.gemma, "", singles.tokenizer_dirs)
+        return stable_hash([path_identity(origin) if isinstance(origin, Path) else f"embedded:{origin}",
+                            path_identity(_checkpoint(singles, spec))])
 
     @torch.no_grad()
     def encode(self, pipeline, singles, family, spec, captions, device, dtype, length, progress=None):
-        if singles is not None or pipeline is None:
-            raise ModelLoadError(f"{family.display_name} captions are encoded by Gemma and the model's text "
-                                 f"connectors together, read from a diffusers pipeline folder (text_encoder/, "
-                                 f"tokenizer/, connectors/); single text-encoder files are not supported: give "
-                                 f"Cache Text Embeds the pipeline folder")
-        from ..stacked_text import _LayerPrefetcher, load_tokenizer, load_truncated_decoder
         from ..layer_major import layer_major
+        from ..stacked_text import _LayerPrefetcher, load_truncated_decoder
 
-        enc_dir, conn_dir = pipeline / spec.subfolder, pipeline / "connectors"
-        for d, what in ((enc_dir, "the Gemma text encoder"), (conn_dir, "the text connectors")):
-            if not (d / "config.json").exists():
-                raise ModelLoadError(f"'{d}' is missing: caching captions needs {what} of the diffusers pipeline "
-                                     f"folder '{pipeline}'")
-        tokenizer = load_tokenizer(pipeline / spec.tokenizer_subfolder)
+        if singles is not None:
+            tokenizer, enc_dir, files, config, connectors = _single_file_sources(singles, family, spec, dtype)
+        else:
+            tokenizer, enc_dir, files, config, connectors = _folder_sources(pipeline, spec, dtype)
         tokenizer.padding_side = "left"  # as LTX2Pipeline sets it
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
-        connectors = _connectors(conn_dir, dtype, device)
-        from ..stacked_text import _text_config
-
-        layers = _text_config(enc_dir).num_hidden_layers
+        connectors = _checked(connectors).to(device)
+        layers = config.num_hidden_layers
         # hidden_states[k]: the embeddings (k = 0), layer k's raw output, the last one after the final norm.
-        model, weights = load_truncated_decoder(enc_dir, layers, dtype, final_norm=True)
+        model, weights = load_truncated_decoder(enc_dir, layers, dtype, files, config, final_norm=True)
         proj = _Projection(connectors, layers + 1, model.config.hidden_size, device)
         group = max(1, int(_GROUP_BYTES // (length * proj.width * 4)))
         out: list[torch.Tensor] = []
@@ -101,15 +120,90 @@ class GemmaConnectors(TextEncoderKind):
         return out
 
 
-def _connectors(conn_dir, dtype, device):
+def _folder_sources(pipeline, spec, dtype):
+    """(tokenizer, Gemma folder, None, its text config, connectors) of a diffusers pipeline folder."""
     from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
 
+    from ..stacked_text import _text_config, load_tokenizer
+
+    if pipeline is None:
+        raise ModelLoadError("LTX-2 captions need the diffusers pipeline folder (text_encoder/, tokenizer/, "
+                             "connectors/) or ComfyUI's Gemma file with the model's all-in-one checkpoint")
+    enc_dir, conn_dir = pipeline / spec.subfolder, pipeline / "connectors"
+    for d, what in ((enc_dir, "the Gemma text encoder"), (conn_dir, "the text connectors")):
+        if not (d / "config.json").exists():
+            raise ModelLoadError(f"'{d}' is missing: caching captions needs {what} of the diffusers pipeline "
+                                 f"folder '{pipeline}'")
     connectors = LTX2TextConnectors.from_pretrained(conn_dir, torch_dtype=dtype, use_safetensors=True,
-                                                    local_files_only=True).eval()
+                                                    local_files_only=True)
+    return load_tokenizer(pipeline / spec.tokenizer_subfolder), enc_dir, None, _text_config(enc_dir), connectors
+
+
+def _comfy_text(spec, singles):
+    comfy = COMFY_TEXT.get(spec.architecture)
+    if comfy is None:
+        raise ModelLoadError(f"'{singles.text_encoders[spec.subfolder]}': LTX-2.5's single text-encoder file "
+                             f"(gemma4-12b-with-proj-ltx-2.5-bf16.safetensors) is not read here yet; give Cache Text "
+                             f"Embeds the LTX-2.5 diffusers pipeline folder (text_encoder/, tokenizer/, connectors/)")
+    return comfy
+
+
+def _checkpoint(singles, spec):
+    if singles.checkpoint is None:
+        raise ModelLoadError(f"'{singles.text_encoders[spec.subfolder].name}' is Gemma alone: LTX-2.3's text "
+                             f"connectors and text projection live in the model's all-in-one checkpoint "
+                             f"(ltx-2.3-22b-dev.safetensors or ltx-2.3-22b-dev-fp8.safetensors), as ComfyUI's "
+                             f"LTXAVTextEncoderLoader reads them. Load that file (models/checkpoints) in Load Quantized "
+                             f"Slab (a slab built from it works while the file stays where it was), or give Cache "
+                             f"Text Embeds the diffusers pipeline folder")
+    return singles.checkpoint
+
+
+def _single_file_sources(singles, family, spec, dtype):
+    """(tokenizer, Gemma file, [file], text config, connectors) of ComfyUI's Gemma file and the all-in-one
+    checkpoint: the config from the file's companion folder or the shipped one (``decoder_lm_source``, checked against
+    the file's width), the tokenizer its companion folder's or the one it embeds."""
+    from dataclasses import replace
+
+    from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
+
+    from ..single_files import _store, decoder_lm_source
+    from ..stacked_text import load_tokenizer
+
+    comfy = _comfy_text(spec, singles)
+    path, checkpoint = singles.text_encoders[spec.subfolder], _checkpoint(singles, spec)
+    files, config, tokenizer = decoder_lm_source(path, family, replace(spec, architecture=comfy.gemma),
+                                                 singles.tokenizer_dirs)
+    if isinstance(tokenizer, Path):
+        tokenizer = load_tokenizer(tokenizer)
+    store = _store(checkpoint)
+    names = connector_names(store.names())
+    if not names:
+        raise ModelLoadError(f"'{checkpoint}' holds no text connectors (no 'model.diffusion_model.video_embeddings_"
+                             f"connector.' tensors): LTX-2.3's all-in-one checkpoint (ltx-2.3-22b-dev*.safetensors) "
+                             f"does; a transformer-only file does not")
+    connectors = _init_empty(LTX2TextConnectors, connectors_config(comfy.connectors))
+    try:
+        connectors.load_state_dict({new: store.get(raw, dtype) for raw, new in names.items()}, strict=True,
+                                   assign=True)
+    except RuntimeError as exc:
+        raise ModelLoadError(f"'{checkpoint}': its text connectors do not fit LTX-2's '{comfy.connectors}' connectors "
+                             f"({str(exc)[:300]}); is it the checkpoint of this model?") from exc
+    return tokenizer, path, files, config, connectors
+
+
+def _init_empty(cls, config):
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        return cls.from_config(config)
+
+
+def _checked(connectors):
     if not connectors.config.per_modality_projections:
-        raise ModelLoadError(f"'{conn_dir}' holds LTX-2.0's connectors (one shared projection after a masked mean "
-                             f"over each caption); this encoder folds LTX-2.3 / 2.5's per-token norm only")
-    return connectors.to(device)
+        raise ModelLoadError("these are LTX-2.0's connectors (one shared projection after a masked mean over each "
+                             "caption); this encoder folds LTX-2.3 / 2.5's per-token norm only")
+    return connectors.eval()
 
 
 class _Projection:

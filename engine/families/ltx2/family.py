@@ -33,7 +33,8 @@ Image-to-video (``i2v.py``): the same checkpoint; the ``-i2v`` variants hold eac
 per-token timestep 0, out of the loss (``model_inputs`` reads the held latents), as ``LTX2ImageToVideoPipeline`` does.
 
 Text (``text.py``): Gemma 3 (2.3) / Gemma 4 (2.5) left-padded to 1024 tokens, every hidden state stacked, then the
-connectors; the cache keeps the connectors' output (see ``text.py`` for why).
+connectors; the cache keeps the connectors' output (see ``text.py`` for why). ComfyUI's single files for the text path
+and the VAE (LTX-2.3's Gemma file, the connectors and VAE bundled in the all-in-one checkpoint): ``comfy_files.py``.
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ from ..specs import (HELD_KEY, FirstFrameCondition, Guidance, JointStream, LoraF
 from .i2v import LTX2_I2V, conditioned_inputs
 from .names import ltx2_param_table
 from .text import PROMPT_KEY, text_spec
-from .vae import LTX2_VAE
+from .vae import LTX2_TINY_VAE, LTX2_VAE, LTX25_VAE
 
 #: The video branch of every block: self-attention, text cross-attention and the FFN (the musubi fork's
 #: ``video_sa_ca_ff`` preset; 10 Linears a block, 163.6 M parameters at rank 32 on 2.3). Nothing of the audio stream
@@ -214,11 +215,14 @@ class Ltx2Family(ModelFamily):
     )
     file_help = {
         "checkpoint": "ltx-2.3-22b-dev.safetensors or ltx-2.3-22b-dev-fp8.safetensors (models/checkpoints: the "
-                      "transformer is read, the bundled VAEs and connectors are not), ltx-2.5-22b-dev-transformer-"
-                      "bf16.safetensors (models/diffusion_models)",
+                      "transformer is trained; Cache Text Embeds reads the text connectors and the video VAE bundled "
+                      "in it), ltx-2.5-22b-dev-transformer-bf16.safetensors (models/diffusion_models)",
         "pipeline": "text_encoder (Gemma 3 12B for 2.3, LTX's Gemma 4 12B for 2.5), tokenizer, connectors "
                     "(LTX2TextConnectors), vae (AutoencoderKLLTX2Video)",
-        "single_files": "text caching needs a diffusers folder (Gemma + connectors); single files are refused",
+        "single_files": "LTX-2.3: gemma_3_12B_it.safetensors or gemma_3_12B_it_fp8_scaled.safetensors (its embedded "
+                        "tokenizer is used), vae_file '(none)': the text connectors and the VAE come from the model's "
+                        "all-in-one checkpoint (ltx-2.3-22b-dev*.safetensors, also when a slab was built from it); "
+                        "LTX-2.5's single files are not read yet (use its diffusers folder)",
     }
 
     # --- identity --------------------------------------------------------------------------------
@@ -243,7 +247,8 @@ class Ltx2Family(ModelFamily):
     # --- latents ---------------------------------------------------------------------------------
 
     def vae_for(self, variant: str | None) -> VaeSpec:
-        return LTX2_VAE
+        """LTX-2.3's VAE (and its single-file config); the tiny model's config; LTX-2.5's (no single file yet)."""
+        return {"ltx2-tiny": LTX2_TINY_VAE, "ltx2.5": LTX25_VAE}.get(I2V_OF.get(variant, variant), LTX2_VAE)
 
     def latent_shape(self, model: nn.Module, width: int, height: int, frames: int = 1) -> tuple[int, ...]:
         """(C, (F - 1) / 8 + 1, H / 32, W / 32): the causal video VAE; an image is one frame. Frames are 8k + 1."""

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from lowvram_lora.engine.families import predict_velocity
 from lowvram_lora.engine.families.ltx2 import FAMILY
 from lowvram_lora.engine.families.ltx2.family import VIDEO_TARGETS, audio_noise, audio_tokens
-from lowvram_lora.engine.families.ltx2.fixtures import build_tiny_pipeline, write_single_file
+from lowvram_lora.engine.families.ltx2.fixtures import build_tiny_pipeline, write_comfy_gemma, write_single_file
 
 TINY = FAMILY.tiny_variant
 SPEC = FAMILY.text_encoder_specs(TINY)[0]
@@ -60,7 +60,8 @@ def test_single_file_loads_as_the_folder(pipeline_folder, tmp_path, form):
     extra = dict(prefix="model.diffusion_model.", bundle=True) if form == "all_in_one" else {}
     path = write_single_file(pipeline_folder, tmp_path / "ltx-2.3-22b-dev.safetensors", **extra)
     keys = set(load_file(str(path)))
-    assert form == "bare" or {"vae.latents_mean", "model.diffusion_model.video_embeddings_connector.learnable_registers",
+    assert form == "bare" or {"vae.per_channel_statistics.mean-of-means",
+                              "model.diffusion_model.video_embeddings_connector.learnable_registers",
                               "text_embedding_projection.video_aggregate_embed.weight"} <= keys
     ident = identify(path)
     assert ident.family is FAMILY and ident.variant == TINY
@@ -117,17 +118,6 @@ def test_cache_rows_equal_the_pipelines_connector_output(pipe, cached):
         assert row.shape == (SPEC.max_length, v.shape[-1] + a.shape[-1])
         torch.testing.assert_close(row, torch.cat([v, a], dim=-1), atol=1e-5, rtol=1e-5)
     assert FAMILY.text_widths(dict(pipe.transformer.config)) == {"prompt_embeds": cached[0].shape[-1]}
-
-
-def test_single_text_files_are_refused_by_name(pipeline_folder, tmp_path):
-    from lowvram_lora.engine.caching.encoders import encoder_kind
-    from lowvram_lora.engine.caching.single_files import SingleFileSources
-    from lowvram_lora.engine.errors import ModelLoadError
-
-    singles = SingleFileSources(text_encoders={"text_encoder": tmp_path / "gemma_3_12B_it.safetensors"}, vae=None,
-                                tokenizer_dirs={})
-    with pytest.raises(ModelLoadError, match="connectors.*pipeline folder"):
-        encoder_kind(SPEC.kind).encode(None, singles, FAMILY, SPEC, ["x"], torch.device("cpu"), torch.float32, 32)
 
 
 # --- the forward -----------------------------------------------------------------------------------------
@@ -206,13 +196,13 @@ def test_video_lora_targets_and_gradients(pipeline_folder, cached):
 
 def test_template_trains_the_tiny_model_and_saves_comfyuis_names(tmp_path, capsys):
     """``ltx23_lora`` as shipped (sizes and steps reduced) through ``lowvram-lora run`` on the tiny model under the
-    template's names: the all-in-one checkpoint in models/checkpoints (an int8 slab is built from it), the diffusers
-    folder models/diffusers/LTX-2.3, 9-frame clips. The slab's forward is diffusers' (0.02); the saved LoRA carries
+    template's names: the all-in-one checkpoint in models/checkpoints (an int8 slab is built from it; Cache Text Embeds
+    reads the connectors and the VAE from the file the slab was built from), ComfyUI's Gemma file in
+    models/text_encoders (the tiny one's tokenizer and config in its companion folder), 9-frame clips. The slab's forward is diffusers' (0.02); the saved LoRA carries
     ``diffusion_model.`` + the native block names (ComfyUI's LTXAV key map: ``diffusion_model.<key>`` and the bare
     key; a ``transformer.`` prefix is not mapped), one down / up / alpha per target, each a Linear of the native file;
     merged into diffusers' model it lowers the flow loss on the cached clip; the preview clip is saved beside it."""
     import argparse
-    import shutil
     import sys
     from pathlib import Path
 
@@ -232,7 +222,7 @@ def test_template_trains_the_tiny_model_and_saves_comfyuis_names(tmp_path, capsy
     pipe = build_tiny_pipeline(tmp_path / "pipe", seed=5)
     write_single_file(pipe, root / "models" / "checkpoints" / "ltx-2.3-22b-dev-fp8.safetensors",
                       prefix="model.diffusion_model.", bundle=True)
-    shutil.copytree(pipe, root / "models" / "diffusers" / "LTX-2.3")
+    write_comfy_gemma(pipe, root / "models" / "text_encoders" / "gemma_3_12B_it.safetensors", dtype=torch.bfloat16)
     make_tiny_video_dataset(root / "input" / "my_clips", count=1, frames=9)
     overrides = ["2.resolution=64", "2.sample_prompts=ohwx, a red circle", "2.video_frames=9", "4.steps=8",
                  "4.learning_rate=0.01", "4.warmup_steps=0", "4.sample_every=4", "4.sample_resolution=64",

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from lowvram_lora.engine.families import predict_velocity
 from lowvram_lora.engine.families.ltx2 import FAMILY
 from lowvram_lora.engine.families.ltx2.family import audio_noise, audio_shape, audio_tokens
-from lowvram_lora.engine.families.ltx2.fixtures import build_tiny_pipeline, write_single_file
+from lowvram_lora.engine.families.ltx2.fixtures import build_tiny_pipeline, write_comfy_gemma, write_single_file
 from lowvram_lora.engine.families.ltx2.i2v import LTX2_I2V, encode_first_frame
 from lowvram_lora.engine.families.ltx2.vae import LTX2_VAE
 from lowvram_lora.engine.families.specs import HELD_KEY, held_weights
@@ -180,9 +180,9 @@ def test_i2v_template_trains_the_tiny_model(tmp_path, capsys):
     """``ltx23_i2v_lora`` as shipped (sizes and steps reduced) through ``lowvram-lora run`` on the tiny model: the
     cache is built for the I2V twin with each window's held first frame (the clip latent's frame 0, 1e-5), the
     preview starts from the dataset's first frame, and the saved LoRA merged into diffusers' model lowers the flow
-    loss of frames 1.. (frame 0 is the condition) at fixed noise on the cached clip, the first frame held."""
+    loss of frames 1.. (frame 0 is the condition) at fixed noise on the cached clip, the first frame held. The text
+    encoder is ComfyUI's Gemma file; the connectors and the VAE come from the all-in-one checkpoint."""
     import argparse
-    import shutil
 
     from lowvram_lora.engine.caching.cache import open_dataset_cache
     from lowvram_lora.engine.lora_io import load_lora
@@ -200,7 +200,7 @@ def test_i2v_template_trains_the_tiny_model(tmp_path, capsys):
     pipe = build_tiny_pipeline(tmp_path / "pipe", seed=5)
     write_single_file(pipe, root / "models" / "checkpoints" / "ltx-2.3-22b-dev-fp8.safetensors",
                       prefix="model.diffusion_model.", bundle=True)
-    shutil.copytree(pipe, root / "models" / "diffusers" / "LTX-2.3")
+    write_comfy_gemma(pipe, root / "models" / "text_encoders" / "gemma_3_12B_it.safetensors", dtype=torch.bfloat16)
     make_tiny_video_dataset(root / "input" / "my_clips", count=1, frames=9)
     overrides = ["1.precision=bf16", "2.resolution=64", "2.sample_prompts=ohwx, a red circle", "2.video_frames=9",
                  "4.steps=8", "4.learning_rate=0.01", "4.warmup_steps=0", "4.sample_every=8",

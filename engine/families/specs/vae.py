@@ -17,10 +17,13 @@ class VaeSpec:
     The default is diffusers' ``AutoencoderKL`` with ``(z - shift_factor) * scaling_factor``, as Flux.1,
     Z-Image and Lumina 2 use it (the same Flux AE). A family with another normalisation subclasses it.
     ``single_file_config``: the shipped diffusers config folder (``configs/vae/<name>``) for a single VAE
-    file such as ComfyUI's ``ae.safetensors``."""
+    file such as ComfyUI's ``ae.safetensors``. ``checkpoint_prefix``: where the family's all-in-one checkpoint
+    bundles this VAE (LTX-2.3's ``vae.``; "" none): caching from single files then reads it from the model's
+    checkpoint when no VAE file is given, and ``load_file``'s ``read(path, prefix)`` reads only those tensors."""
 
     class_name: str = "AutoencoderKL"
     single_file_config: str = "flux1"
+    checkpoint_prefix: str = ""
 
     def to_model(self, vae, mean: torch.Tensor) -> torch.Tensor:
         """VAE latent mean -> what the transformer takes."""
