@@ -142,17 +142,23 @@ def unpatchify(latents: torch.Tensor) -> torch.Tensor:
 
 
 class Flux2Memory(MemoryProfile):
-    """Flux.2's block surgery: double blocks in two parts, their feed-forwards in chunks."""
+    """Flux.2's block surgery: double blocks in two parts, token-wise parts in chunks."""
 
     def install_chunked_recompute(self, model: nn.Module, chunks: int, undo) -> None:
-        """The double blocks' feed-forwards in checkpointed token chunks. Single blocks are left whole: their
-        MLP input projection is fused with q/k/v (``to_qkv_mlp_proj``), so chunking them needs a rewritten
-        attention processor (not done)."""
+        """The double blocks' feed-forwards, and the single blocks' MLP half (the fused projection, SwiGLU and the
+        output projection, with attention over all tokens between them: ``parts.single_block_forward_chunked``),
+        in checkpointed token chunks."""
+        import types
+
         from ..recompute import chunk_token_wise
+        from .parts import single_block_forward_chunked
 
         for block in model.transformer_blocks:
             chunk_token_wise(block.ff, chunks, undo)
             chunk_token_wise(block.ff_context, chunks, undo)
+        forward = single_block_forward_chunked(chunks)
+        for block in model.single_transformer_blocks:
+            undo.set_forward(block, types.MethodType(forward, block))
 
     def block_parts(self, block: nn.Module):
         """A double block streams as two parts: attention (0.60 GB bf16 at Flux.2-dev's size) and the
