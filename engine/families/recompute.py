@@ -26,7 +26,7 @@ def run_in_token_chunks(fn: Callable[..., torch.Tensor], *tensors: torch.Tensor,
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim)
 
 
-@torch.compiler.disable
+@torch.compiler.disable  # nested checkpoints stay eager inside compiled blocks (engine/train/compile.py)
 def token_chunk_outputs(fn: Callable[..., Any], *tensors: torch.Tensor, chunks: int, dim: int = 1) -> list[Any]:
     """``fn`` over ``chunks`` slices of ``tensors`` along ``dim``, each under its own checkpoint: one output (a tensor
     or a tuple of them) per slice, not concatenated, so a caller can keep a slice's outputs apart (Flux.2's single
@@ -34,15 +34,7 @@ def token_chunk_outputs(fn: Callable[..., Any], *tensors: torch.Tensor, chunks: 
     plain call (a one-element list) when there is nothing to save or too few tokens, as ``run_in_token_chunks``."""
     if chunks <= 1 or not torch.is_grad_enabled() or tensors[0].shape[dim] < 2 * chunks:
         return [fn(*tensors)]
-    return checkpointed_pieces(fn, list(zip(*(t.chunk(chunks, dim) for t in tensors))))
-
-
-@torch.compiler.disable  # nested checkpoints stay eager inside compiled blocks (engine/train/compile.py)
-def checkpointed_pieces(fn: Callable[..., Any], pieces: list[tuple]) -> list[Any]:
-    """``fn(*piece)`` for each argument tuple of ``pieces`` (slices already cut, e.g. to match an earlier
-    ``token_chunk_outputs``), each under its own checkpoint; plain calls for a single piece or without autograd."""
-    if len(pieces) <= 1 or not torch.is_grad_enabled():
-        return [fn(*p) for p in pieces]
+    pieces = zip(*(t.chunk(chunks, dim) for t in tensors))
     return [checkpoint(fn, *p, use_reentrant=False) for p in pieces]
 
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ...errors import ConfigError
-from ..recompute import checkpointed_pieces, token_chunk_outputs
+from ..recompute import token_chunk_outputs
 
 
 def single_block_forward_chunked(chunks: int):
@@ -16,21 +16,24 @@ def single_block_forward_chunked(chunks: int):
     per token. One function for all blocks (compile_blocks compiles one code object for a class's blocks).
 
     The block is "parallel": one fused Linear makes q/k/v (3 x width) and the MLP input (2 x 3 x width, SwiGLU) of
-    every token, and one Linear maps [attention, MLP] (4 x width) back. Two token-wise parts run in chunks:
+    every token, and one Linear maps [attention, MLP] (4 x width) back. Both run per token chunk:
 
-    1. ``project``: the fused Linear on a chunk, split into q/k/v (kept, joined for attention) and the SwiGLU
-       activation (kept per chunk, 3 x width). The fused Linear is called as a module on the chunk's rows, all of
-       its columns: slicing it to the q/k/v rows would need the weight itself, which a LoRA / LoHa / LoKr / DoRA
+    1. ``project``, each chunk under its own checkpoint: the fused Linear on the chunk's rows, split into q/k/v
+       (joined for attention) and the SwiGLU activation (kept per chunk, 3 x width). The Linear is called as a module,
+       all of its columns: slicing it to the q/k/v rows would need the weight itself, which a LoRA / LoHa / LoKr / DoRA
        wrapper (their delta and DoRA's row norm are over the whole fused weight) and the slab Linears (int8 / int4
-       buffers, no ``weight``) each hold differently; the module call is the one path every form (and the block
-       streamer's hooks, which sit on the block) takes unchanged. Nothing is computed twice: both halves of each
-       chunk's product are used.
-    2. ``output``: [attention, activation] through ``to_out``, gated, plus the residual.
+       buffers, no float ``weight``) each hold differently; the module call is the one path every form (and the
+       block streamer's hooks, which sit on the block) takes unchanged, and both halves of its product are used.
+       Under the checkpoint only the chunk's normed rows are saved: the 9 x width product and the SwiGLU's 6 x width
+       input exist for one chunk at a time, formed once more in the backward (one more forward of this Linear a
+       step, as Flux.1's chunked single blocks).
+    2. the output part, per chunk without a checkpoint: [attention, activation] through ``to_out``, gated, plus the
+       residual. What it saves (the 4 x width concatenation, where an adapter sits on ``to_out``) is freed by its own
+       backward, before attention's backward, where the block's peak is (bench/flux2_working_set.py measured the same
+       peak both ways), so a checkpoint there would only add a recompute of ``to_out``.
 
-    Under each chunk's checkpoint only its input is saved (the normed rows; the output part's three inputs), so
-    during the block's backward the 9 x width product, the SwiGLU's 6 x width input and the 4 x width concatenation
-    exist for one chunk at a time, and are formed once more there (one more forward of the block's Linears, as
-    Flux.1's chunked single blocks). Kept for all tokens: q/k/v (3 x width) and the activation (3 x width)."""
+    Kept for all tokens through the block: q/k/v (3 x width), the activation (3 x width) until the output part has
+    used it, and attention's own tensors."""
 
     def forward(self, hidden_states, encoder_hidden_states, temb_mod, image_rotary_emb=None,
                 joint_attention_kwargs=None, split_hidden_states=False, text_seq_len=None):
@@ -85,8 +88,9 @@ def single_block_forward_chunked(chunks: int):
             return residual + mod_gate * attn.to_out(torch.cat([attn_part, act], dim=-1))
 
         sizes = [a.shape[1] for a in acts]  # the slices ``project`` ran on
-        outs = checkpointed_pieces(output, list(zip(hidden_states.split(sizes, dim=1),
-                                                    attn_hidden.split(sizes, dim=1), acts)))
+        outs = []
+        for residual, attn_part in zip(hidden_states.split(sizes, dim=1), attn_hidden.split(sizes, dim=1)):
+            outs.append(output(residual, attn_part, acts.pop(0)))
         hidden_states = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         if hidden_states.dtype == torch.float16:
             hidden_states = hidden_states.clip(-65504, 65504)
