@@ -69,8 +69,8 @@ def build(family_id: str, tokens: int, text: int, heads: int = 4):
 def peak(fn, args, kwargs) -> int:
     """The most bytes alive at once in fn's forward with grad + backward (what a checkpoint's backward runs), from
     the inputs on (inputs themselves and weights excluded: they exist before)."""
-    def grad_input(x):
-        return x.detach().requires_grad_(True) if isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 else x
+    def grad_input(x):  # the hidden states (B, T, D) carry gradients; the modulation and RoPE tables do not
+        return x.detach().requires_grad_(True) if isinstance(x, torch.Tensor) and x.dim() == 3 else x
 
     args = [grad_input(a) for a in args]
     kwargs = {k: grad_input(v) for k, v in kwargs.items()}

@@ -230,11 +230,12 @@ class Flux2Family(ModelFamily):
         # With the single blocks' MLP half in chunks too (parts.single_block_forward_chunked). NOT FITTED ON A GPU ROW
         # YET: derived on CPU (bench/flux2_working_set.py, 2026-11-28; the most bytes alive in one block's forward +
         # backward, bf16, LoRA r16, head dim 128, 2048 + 128 tokens, in B*T*D units). The largest Flux.2 block working
-        # set went 43.3 units (single block whole) -> 25.1 (single block chunked, flat from 2 chunks: attention over
-        # all tokens then sets it; the double blocks' parts are at most 21.0); Flux.1's largest, chunked, is 27.2 /
-        # 25.8 / 25.3 / 24.7 at 2 / 3 / 4 / 8 chunks. The fitted 1.37 measures Flux.2's old 43.3 against Flux.1's 27.2
-        # (2 chunks, the fit's count: 1.595 on the CPU), so the chunked factor is 1.37 x (25.1 / Flux.1's) / 1.595:
-        # 0.79 / 0.83 / 0.85 / 0.87 at 2 / 3 / 4 / 8 chunks; the largest is kept (no chunk count under-predicted).
+        # set went 42.3 units (single block whole) -> 24.1 (single block chunked, flat from 2 chunks: attention over
+        # all tokens then sets it; the double blocks' parts are at most 20.0); Flux.1's largest, chunked, is 25.4 /
+        # 24.1 / 23.6 / 23.0 at 2 / 3 / 4 / 8 chunks. The fitted 1.37 measures Flux.2's old 42.3 against Flux.1's 25.4
+        # (2 chunks, the fit's count: 1.66 on the CPU), so the chunked factor is 1.37 x (24.1 / Flux.1's) / 1.66:
+        # 0.78 / 0.82 / 0.84 / 0.86 at 2 / 3 / 4 / 8 chunks; the largest, rounded up, is kept (no chunk count
+        # under-predicted by this estimate).
         chunked_activation_scale=0.87,
         chunked_recompute=True,
         # The time / guidance embedding and the global modulation it feeds (Flux2Modulation: linear(silu(temb))).
