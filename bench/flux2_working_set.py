@@ -104,6 +104,7 @@ def main(argv=None) -> int:
             whole_single = whole_single or s
             parts, (args_in, kwargs_in) = [], captured["double"]
             kwargs_in = {k: v for k, v in kwargs_in.items() if k != "joint_attention_kwargs"}
+            parts.append(f"whole {peak(double, args_in, kwargs_in) / unit:5.2f}")
             for name, part in family.memory.block_parts(double):
                 parts.append(f"{name} {peak(part, args_in, kwargs_in) / unit:5.2f}")
                 with torch.no_grad():
@@ -111,7 +112,7 @@ def main(argv=None) -> int:
                 args_in, kwargs_in = (out if isinstance(out, tuple) else (out,)), {}
             undo.remove()
             print(f"{family_id} chunks {chunks}: single block {s:5.2f} units ({s / whole_single:.3f} of whole); "
-                  f"double block parts: {', '.join(parts)}")
+                  f"double block {', '.join(parts)}")
     return 0
 
 

@@ -228,14 +228,14 @@ class Flux2Family(ModelFamily):
         # blocks in parts, compiled, 1024²): 6.24 GB measured against 5.54 GB predicted at 1.0.
         activation_scale=1.37,
         # With the single blocks' MLP half in chunks too (parts.single_block_forward_chunked). NOT FITTED ON A GPU ROW
-        # YET: derived on CPU (bench/flux2_working_set.py, 2026-11-28; the most bytes alive in one block's forward +
-        # backward, bf16, LoRA r16, head dim 128, 2048 + 128 tokens, in B*T*D units). The largest Flux.2 block working
-        # set went 42.3 units (single block whole) -> 24.1 (single block chunked, flat from 2 chunks: attention over
-        # all tokens then sets it; the double blocks' parts are at most 20.0); Flux.1's largest, chunked, is 25.4 /
-        # 24.1 / 23.6 / 23.0 at 2 / 3 / 4 / 8 chunks. The fitted 1.37 measures Flux.2's old 42.3 against Flux.1's 25.4
-        # (2 chunks, the fit's count: 1.66 on the CPU), so the chunked factor is 1.37 x (24.1 / Flux.1's) / 1.66:
-        # 0.78 / 0.82 / 0.84 / 0.86 at 2 / 3 / 4 / 8 chunks; the largest, rounded up, is kept (no chunk count
-        # under-predicted by this estimate).
+        # YET. On the CPU (bench/flux2_working_set.py, bench/logs/2026-11-28_flux2_working_set_cpu.log: the most bytes
+        # alive in one block's forward + backward, bf16, LoRA r16, head dim 128, 2048 + 128 tokens, B*T*D units) the
+        # largest Flux.2 block working set is 42.3 units with the single blocks whole (they set it at every chunk
+        # count) and 24.1 with them chunked (flat over 2-8 chunks: attention over all tokens sets it; a double block is
+        # 24.1 whole at 2 chunks, 20.4 in parts): x 0.57. The GPU rows of chunked plans with whole single blocks imply
+        # 1.52 for the old code (Flux.2-dev 1024², 2 chunks, eager: 5.58 GB measured, 5.31 predicted at 1.37,
+        # 2026-11-25) and 1.26 (klein 9B + a 1024² reference, 3 chunks, compiled: 3.32 GB, 3.49 predicted,
+        # 2026-11-27); x 0.57 gives 0.87 and 0.72. The upper end is kept.
         chunked_activation_scale=0.87,
         chunked_recompute=True,
         # The time / guidance embedding and the global modulation it feeds (Flux2Modulation: linear(silu(temb))).
