@@ -4,7 +4,7 @@ The reference is diffusers' own ``Flux2SingleTransformerBlock.forward`` (with it
 under the model's gradient checkpointing: the chunked model's output and every adapter weight's gradient must equal
 it (rtol 1e-5 / 1e-4, fp32), for each weight form a block may have (float Linears, int8 and int4 slab Linears) and
 each adapter type on ``to_qkv_mlp_proj`` and ``to_out``, resident and streamed. Then the planner: with the single
-blocks chunked, the smallest plan for klein 9B with one 1024² reference (8704 image tokens) shrinks.
+blocks chunked, the smallest plan for klein 9B with one 1024² reference (8192 image + 512 text tokens) shrinks.
 """
 import copy
 
@@ -154,7 +154,7 @@ def test_streamed_chunked_single_blocks_equal_resident_whole(act):
 
 
 def test_the_klein_9b_edit_plan_shrinks():
-    """klein 9B (int8 slab, compiled) at 1024² with one 1024² reference: 8704 image + 512 text tokens. With the single
+    """klein 9B (int8 slab, compiled) at 1024² with one 1024² reference: 8192 image + 512 text tokens. With the single
     blocks chunked the planner's chunked working set is ``chunked_activation_scale`` x Flux.1's line instead of
     ``activation_scale`` x it, so the smallest plan drops below 3 GB; an explicit recompute_chunks=1 (nothing chunked)
     keeps the whole-block figure."""
@@ -172,7 +172,7 @@ def test_the_klein_9b_edit_plan_shrinks():
     trainable = lora_param_count(model, FAMILY, LoraSettings(rank=16, alpha=16))
     swap_in_int8_linears(model, FAMILY, 8)
     fp = measure_footprint(model, FAMILY, "klein 9B", trainable_params=trainable)
-    wl = Workload(1, 8192 + 512, 512, "1024x1024+1 control")
+    wl = Workload(1, 8192, 512, "1024x1024+1 control", reference_tokens=4096)
     plan = make_plan(fp, wl, OffloadConfig(mode="auto", vram_budget_gb=3), 3 * GB, compiled=True)
     assert plan.recompute_chunks > 1 and plan.predicted_peak_bytes + HEADROOM_BYTES <= 3 * GB
     unit = wl.tokens * fp.hidden_size * 2
