@@ -22,7 +22,7 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("family_id,chunks", [("flux1", 1), ("flux2", 1), ("flux1", 2)])
+@pytest.mark.parametrize("family_id,chunks", [("flux1", 1), ("flux2", 1), ("flux1", 2), ("flux2", 2)])
 def test_compiled_blocks_match_eager_and_keep_hooks(tiny_pipeline, tiny_flux2, family_id, chunks):
     model, family, _, _ = load_transformer(tiny_pipeline if family_id == "flux1" else tiny_flux2, dtype=torch.float32)
     params = attach_lora(model, family, LoraSettings(rank=4), 0)

@@ -54,7 +54,10 @@ def test_chunked_blocks_match_whole_blocks(tiny_pipeline, tiny_flux2, family_id)
     detach_lora(model)
 
 
-def test_training_with_chunks_equals_whole_blocks(tiny_pipeline, tiny_cache):
+@pytest.mark.parametrize("family_id", ["flux1", "flux2"])
+def test_training_with_chunks_equals_whole_blocks(request, family_id):
+    pipe, cache = (("tiny_pipeline", "tiny_cache") if family_id == "flux1" else ("tiny_flux2", "tiny_flux2_cache"))
+    tiny_pipeline, tiny_cache = request.getfixturevalue(pipe), request.getfixturevalue(cache)
     cfg = ModelConfig(transformer_path=str(tiny_pipeline))
     lora, train = LoraSettings(rank=4), TrainConfig(steps=3, learning_rate=2e-3, seed=1)
     whole = train_lora(cfg, tiny_cache, lora, train, offload=OffloadConfig(mode="resident"))

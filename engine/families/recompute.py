@@ -9,7 +9,7 @@ chunks (``engine/offload/recompute.py``).
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -22,10 +22,20 @@ def run_in_token_chunks(fn: Callable[..., torch.Tensor], *tensors: torch.Tensor,
 
     Without autograd (an eval forward, or the forward half of a reentrant checkpoint) there is
     nothing to save, so it is one plain call."""
+    outputs = token_chunk_outputs(fn, *tensors, chunks=chunks, dim=dim)
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim)
+
+
+@torch.compiler.disable  # nested checkpoints stay eager inside compiled blocks (engine/train/compile.py)
+def token_chunk_outputs(fn: Callable[..., Any], *tensors: torch.Tensor, chunks: int, dim: int = 1) -> list[Any]:
+    """``fn`` over ``chunks`` slices of ``tensors`` along ``dim``, each under its own checkpoint: one output (a tensor
+    or a tuple of them) per slice, not concatenated, so a caller can keep a slice's outputs apart (Flux.2's single
+    blocks: q/k/v are joined for attention, the MLP activation goes to the matching slice of the output part). One
+    plain call (a one-element list) when there is nothing to save or too few tokens, as ``run_in_token_chunks``."""
     if chunks <= 1 or not torch.is_grad_enabled() or tensors[0].shape[dim] < 2 * chunks:
-        return fn(*tensors)
+        return [fn(*tensors)]
     pieces = zip(*(t.chunk(chunks, dim) for t in tensors))
-    return torch.cat([checkpoint(fn, *p, use_reentrant=False) for p in pieces], dim)
+    return [checkpoint(fn, *p, use_reentrant=False) for p in pieces]
 
 
 class ChunkedRecompute:

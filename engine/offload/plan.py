@@ -109,6 +109,8 @@ class ModelFootprint:
     # The same while blocks stream in parts (activation offload with ``unit_bytes``): the largest part's working set
     # (``MemoryProfile.parts_activation_scale``); None: ``activation_scale``.
     parts_activation_scale: Optional[float] = None
+    # The same with the token-wise parts in chunks (``MemoryProfile.chunked_activation_scale``); None: the above.
+    chunked_activation_scale: Optional[float] = None
     # The family's token-wise block parts can recompute in chunks (``MemoryProfile.chunked_recompute``).
     chunkable: bool = True
     # Frozen elements per block (FLOPs for the step-time model, engine/offload/steptime.py). Empty: the block's
@@ -152,10 +154,13 @@ class ModelFootprint:
             sizes += parts
         return sizes, groups
 
-    def working_set_scale(self, split) -> float:
-        """The factor on the fitted block working set: the largest part's when every block that has parts streams
-        in them (only with activation offload, engine/offload/streamer.py; ``split`` as in ``stream_units``), else
-        the whole block's (a large block left whole sets the largest working set)."""
+    def working_set_scale(self, split, chunks: int = 1) -> float:
+        """The factor on the fitted block working set: with the token-wise parts in ``chunks`` > 1 chunks, the family's
+        chunked one where it has one; else the largest part's when every block that has parts streams in them (only
+        with activation offload, engine/offload/streamer.py; ``split`` as in ``stream_units``), else the whole
+        block's (a large block left whole sets the largest working set)."""
+        if chunks > 1 and self.chunked_activation_scale is not None:
+            return self.chunked_activation_scale
         chosen = range(self.num_blocks) if split is True else set(split or ())
         big = [i for i, u in enumerate(self.unit_bytes) if u]
         parts = bool(big) and all(i in chosen for i in big)
@@ -447,7 +452,7 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
         "weights": fp.other_bytes - outer + sum(fp.block_bytes[i] for i in resident) + ring_at_peak,
         "lora+adam": int(fp.trainable_params * (fp.lora_bytes_per_param - moments)),
         # The fitted line has a negative intercept; clamp so tiny models never predict < 0.
-        "activations": max(0, int((kept_inputs + fp.working_set_scale(split)
+        "activations": max(0, int((kept_inputs + fp.working_set_scale(split, recompute_chunks)
                                    * transient_units(recompute_chunks, compiled_budget)) * unit
                                   + TRANSIENT_BYTES
                                   + (OFFLOADED_KEPT_BYTES if activation_offload else 0)) + modulation),

@@ -142,17 +142,23 @@ def unpatchify(latents: torch.Tensor) -> torch.Tensor:
 
 
 class Flux2Memory(MemoryProfile):
-    """Flux.2's block surgery: double blocks in two parts, their feed-forwards in chunks."""
+    """Flux.2's block surgery: double blocks in two parts, token-wise parts in chunks."""
 
     def install_chunked_recompute(self, model: nn.Module, chunks: int, undo) -> None:
-        """The double blocks' feed-forwards in checkpointed token chunks. Single blocks are left whole: their
-        MLP input projection is fused with q/k/v (``to_qkv_mlp_proj``), so chunking them needs a rewritten
-        attention processor (not done)."""
+        """The double blocks' feed-forwards, and the single blocks' MLP half (the fused projection, SwiGLU and the
+        output projection, with attention over all tokens between them: ``parts.single_block_forward_chunked``),
+        in checkpointed token chunks."""
+        import types
+
         from ..recompute import chunk_token_wise
+        from .parts import single_block_forward_chunked
 
         for block in model.transformer_blocks:
             chunk_token_wise(block.ff, chunks, undo)
             chunk_token_wise(block.ff_context, chunks, undo)
+        forward = single_block_forward_chunked(chunks)
+        for block in model.single_transformer_blocks:
+            undo.set_forward(block, types.MethodType(forward, block))
 
     def block_parts(self, block: nn.Module):
         """A double block streams as two parts: attention (0.60 GB bf16 at Flux.2-dev's size) and the
@@ -221,6 +227,16 @@ class Flux2Family(ModelFamily):
         # SwiGLU feed-forward 6x. Fitted on 2026-11-25 (H100, Flux.2-dev int8, stream + activation offload,
         # blocks in parts, compiled, 1024²): 6.24 GB measured against 5.54 GB predicted at 1.0.
         activation_scale=1.37,
+        # With the single blocks' MLP half in chunks too (parts.single_block_forward_chunked). NOT FITTED ON A GPU ROW
+        # YET. On the CPU (bench/flux2_working_set.py, bench/logs/2026-11-28_flux2_working_set_cpu.log: the most bytes
+        # alive in one block's forward + backward, bf16, LoRA r16, head dim 128, 2048 + 128 tokens, B*T*D units) the
+        # largest Flux.2 block working set is 42.3 units with the single blocks whole (they set it at every chunk
+        # count) and 24.1 with them chunked (flat over 2-8 chunks: attention over all tokens sets it; a double block is
+        # 24.1 whole at 2 chunks, 20.4 in parts): x 0.57. The GPU rows of chunked plans with whole single blocks imply
+        # 1.52 for the old code (Flux.2-dev 1024², 2 chunks, eager: 5.58 GB measured, 5.31 predicted at 1.37,
+        # 2026-11-25) and 1.26 (klein 9B + a 1024² reference, 3 chunks, compiled: 3.32 GB, 3.49 predicted,
+        # 2026-11-27); x 0.57 gives 0.87 and 0.72. The upper end is kept.
+        chunked_activation_scale=0.87,
         chunked_recompute=True,
         # The time / guidance embedding and the global modulation it feeds (Flux2Modulation: linear(silu(temb))).
         step_constants=StepConstants(source="time_guidance_embed", modules={

@@ -68,6 +68,10 @@ class MemoryProfile:
     #: working set against Flux.1's block at the same tokens x width. None: ``activation_scale`` (Flux.1's and
     #: Flux.2's constants were fitted with their blocks in parts already).
     parts_activation_scale: float | None = None
+    #: The same when the token-wise parts recompute in chunks (``recompute_chunks`` > 1): the chunked block's working
+    #: set against Flux.1's chunked line, where the family's chunking changes its largest block more than Flux.1's
+    #: does (Flux.2: its single blocks chunk their fused MLP half). None: ``activation_scale``.
+    chunked_activation_scale: float | None = None
     #: The caching allocator's unusable holes when capped at the budget, in units of the step's largest activation
     #: tensor (``Plan.largest_tensor_bytes``): the plan keeps this many of it free, or 0.5 GB where that is more
     #: (engine/offload/plan.py ``allocator_margin``). Measured per family (Flux.1, Wan); 0: the 0.5 GB alone (Flux.2-dev
