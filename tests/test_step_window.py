@@ -209,22 +209,31 @@ def test_a_lora_on_a_modulation_linear_keeps_it_out_of_the_window():
 @pytest.mark.parametrize("family_id", FAMILIES)
 def test_blocks_and_the_footprint_leave_the_windows_weights_out(family_id):
     """Flagged modules' weights are not a block's (its pinned host copy, its GPU slot) nor in the planner's block bytes:
-    each block's bytes drop by exactly the flagged weights inside it; unflagged, they are as before."""
+    each block's bytes drop by exactly the flagged weights inside it, and the bytes outside the blocks (the plan's
+    resident weights) by those outside them (Flux.2's global modulation: the window holds it on the host); unflagged,
+    they are as before."""
     from lowvram_lora.engine.offload.footprint import measure_footprint, named_blocks
     from lowvram_lora.engine.offload.host import frozen_bytes
     from lowvram_lora.engine.train.step_window import mark
 
     family = get_family(family_id)
     model = _model(family)
-    before = measure_footprint(model, family).block_bytes
+    whole = measure_footprint(model, family)
+    before = whole.block_bytes
     chosen = mark(model, family, ["to_q"], lambda line: None)
     try:
-        after = measure_footprint(model, family).block_bytes
+        marked = measure_footprint(model, family)
+        after = marked.block_bytes
         flagged = {id(m) for _, m in chosen.all()}
         inside = [sum(frozen_bytes(m) for m in block.modules() if id(m) in flagged) for _, block in named_blocks(model, family)]
+        outside = sum(t.numel() * t.element_size() for _, m in chosen.all() if id(m) in flagged
+                      for t in m.parameters()) - sum(
+            t.numel() * t.element_size() for _, block in named_blocks(model, family)
+            for m in block.modules() if id(m) in flagged for t in m.parameters())
     finally:
         chosen.unmark()
     assert [b - a for b, a in zip(before, after)] == inside
+    assert whole.other_bytes - marked.other_bytes == outside
     assert sum(inside) > 0 or family_id in ("flux2", "wan")  # Flux.2's and Wan's modulation is outside the blocks
     assert measure_footprint(model, family).block_bytes == before
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..config import LoraSettings
 from ..families import default_max_sequence_length
-from .host import STEP_CONSTANT, frozen_bytes
+from .host import STEP_CONSTANT, frozen_bytes, step_constant_tensors
 from .plan import ModelFootprint, Workload
 
 
@@ -32,7 +32,10 @@ def measure_footprint(model: nn.Module, family, name: str = "",
     """Sizes as they are now: frozen tensors of each block and of the rest; trainable = LoRA."""
     blocks = named_blocks(model, family)
     block_bytes = [frozen_bytes(b) for _, b in blocks]
-    in_blocks = {id(t) for _, b in blocks for t in list(b.parameters()) + list(b.buffers())}
+    # The modulation window's weights (``STEP_CONSTANT``) are neither a block's nor on the GPU: the window holds them
+    # on the host and brings one module in for its call (engine/train/step_window.py; ``host_extra`` counts them).
+    in_blocks = step_constant_tensors(model) | {id(t) for _, b in blocks
+                                                for t in list(b.parameters()) + list(b.buffers())}
     other = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())
                 if id(t) not in in_blocks and not t.requires_grad)
     if trainable_params is None:
