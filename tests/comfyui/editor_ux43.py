@@ -30,11 +30,9 @@ return (g._nodes || g.nodes).filter(n => /^LowVRAM(TrainLoRA|TrainingOptions|Pre
   shown: Object.fromEntries((n.widgets || []).filter(w => !w.hidden && w.serialize !== false).map(w => [w.name, w.value])),
   hidden: (n.widgets || []).filter(w => w.hidden).map(w => w.name)}));
 """
-# PrimeVue's toasts, and the run-error toast of newer frontends: the smallest elements holding "... failed" text.
-TOASTS = """return [...new Set([...document.querySelectorAll('.p-toast-message')].map(e => e.innerText.trim()).concat(
-  [...document.querySelectorAll('body *')].filter(e => /\\bfailed\\b/.test(e.innerText || '') && e.innerText.length < 400
-    && ![...e.children].some(c => /\\bfailed\\b/.test(c.innerText || '') && c.innerText.length > 20)
-    && e.closest('[role=alert], [class*=toast]')).map(e => e.closest('[role=alert], [class*=toast]').innerText.trim())))]"""
+# The toasts' text (PrimeVue's in 1.49.6, another component in 1.58.1): the page's text lines about them.
+TOASTS = """return document.body.innerText.split('\\n').map(l => l.trim())
+  .filter(l => /settings moved|saved before Train LoRA|\\bfailed$|threw an error during execution/.test(l))"""
 
 
 def _load(d, workflow: dict) -> None:
