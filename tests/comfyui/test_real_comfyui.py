@@ -34,7 +34,8 @@ pytestmark = pytest.mark.skipif(not COMFY_DIR, reason="set LOWVRAM_COMFYUI_DIR t
 REPO = Path(__file__).resolve().parents[2]
 OUR_NODES = {"LowVRAMLoadQuantizedSlab", "LowVRAMCacheTextEmbeds", "LowVRAMOffloadConfig", "LowVRAMDualGPUSplit",
              "LowVRAMTrainLoRA", "LowVRAMSaveLoRA", "LowVRAMDatasetOptions", "LowVRAMLossOptions",
-             "LowVRAMSamplePromptConditioning", "LowVRAMImagesToDataset"}
+             "LowVRAMSamplePromptConditioning", "LowVRAMImagesToDataset", "LowVRAMTrainingOptions",
+             "LowVRAMPreviewOptions"}
 
 
 def _copy_checkout(dest: Path) -> None:
