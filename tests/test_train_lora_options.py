@@ -77,8 +77,8 @@ def test_a_workflow_saved_before_the_move_reads_every_value_by_its_old_name(mode
         "steps": 300, "learning_rate": 0.005, "rank": 8, "training_seed": 0, "sample_every": 100}
     declared = NODE_CLASS_MAPPINGS["LowVRAMTrainLoRA"].INPUT_TYPES()["required"]
     settings = moved_settings(None, None, {k: v for k, v in train.items() if k not in declared})
-    assert settings == {"gradient_accumulation": 1, "lr_scheduler": "constant", "warmup_steps": 10, "optimizer": "adamw",
-                        "max_grad_norm": 1.0, "guidance": 1.0, "save_every": 0, "sample_steps": 8,
+    assert settings == {"gradient_accumulation": 1, "lr_scheduler": "constant", "warmup_steps": 10,
+                        "optimizer": "adamw", "max_grad_norm": 1.0, "guidance": 1.0, "save_every": 0, "sample_steps": 8,
                         "sample_resolution": 128, "sample_seed": 0, "sample_guidance": 3.5, "sample_at_start": True}
     # --set on a moved setting lands on the plugged options node, else on Train LoRA by name
     apply_overrides(api, ["4.warmup_steps=3"], NODE_CLASS_MAPPINGS)
@@ -100,7 +100,8 @@ def test_an_old_workflow_reaches_the_training_loop_with_the_values_it_holds(mode
         "steps": 20, "gradient_accumulation": 2, "lr_scheduler": "cosine", "warmup_steps": 1, "max_grad_norm": 0.5,
         "guidance": 2.0, "optimizer": "adamw8bit", "save_every": -1, "training_seed": 7, "sample_steps": 3,
         "sample_resolution": 96, "sample_seed": 5, "sample_at_start": False, "sample_guidance": 1.5}
-    next(n for n in ui["nodes"] if n["type"] == "LowVRAMTrainLoRA")["widgets_values"] = [values[k] for k in LEGACY_WIDGETS]
+    train = next(n for n in ui["nodes"] if n["type"] == "LowVRAMTrainLoRA")
+    train["widgets_values"] = [values[k] for k in LEGACY_WIDGETS]
     api = to_api_graph(ui, NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS)
     seen = {}
 
