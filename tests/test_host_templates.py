@@ -22,6 +22,8 @@ from lowvram_lora.host.workflow import WorkflowError
 from lowvram_lora.nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
 from lowvram_lora.nodes.paths import TEXT_ENCODER_FOLDERS, TRANSFORMER_FOLDERS, VAE_FOLDERS
 
+from helpers import train_input
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -177,7 +179,7 @@ def test_a_template_with_chains_lays_out_one_full_training_chain_each():
         assert save["inputs"]["lora"] == [train_id, 0]
     prefixes = {v["inputs"]["filename_prefix"] for v in api.values() if v["class_type"] == "LowVRAMSaveLoRA"}
     assert prefixes == {"loras/wan22_t2v_high_noise_lora", "loras/wan22_t2v_low_noise_lora"}
-    assert api["14"]["inputs"]["sample_guidance"] == 3.0 and api["4"]["inputs"]["sample_guidance"] == 4.0
+    assert train_input(api, "14", "sample_guidance") == 3.0 and train_input(api, "4", "sample_guidance") == 4.0
     # The only links across chains: each Train LoRA's preview_partner is the other chain's Load (the other expert).
     assert api["4"]["inputs"]["preview_partner"] == ["11", 0] and api["14"]["inputs"]["preview_partner"] == ["1", 0]
     assert api["11"]["inputs"]["checkpoint"] == t.chains[0]["load"]["checkpoint"]
