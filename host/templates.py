@@ -333,7 +333,8 @@ def _attach_models(t: TrainingTemplate, nodes: list[NodeSpec]) -> None:
         for widget, folder in MODEL_FOLDERS.items():
             name = node.widgets.get(widget)
             if name in t.downloads:
-                node.models.append({"name": name, "url": t.downloads[name], "directory": folder})
+                node.models.append({"name": name, "url": t.downloads[name],
+                                    "directory": t.download_folders.get(name, folder)})
                 used.add(name)
     unused = sorted(set(t.downloads) - used)
     if unused:

@@ -204,8 +204,8 @@ def test_adapter_in_real_comfyui_matches_our_schema_and_executor(tmp_path):
     assert isinstance(message, str) and "must stay inside the output folder" in message
     # ComfyUI's argspec of each hook: the node's own inputs, no **kwargs (which would switch off ComfyUI's range
     # checks of every input and file a failed check once per input).
-    assert out["argspec"]["LowVRAMCacheTextEmbeds"] == [["cls", "dataset_path", "control_folder", "default_caption"],
-                                                        None]
+    assert out["argspec"]["LowVRAMCacheTextEmbeds"] == [["cls", "dataset_path", "control_folder", "default_caption",
+                                                         "images"], None]
     assert out["argspec"]["LowVRAMSaveLoRA"][1] is None
     with pytest.raises(WorkflowError, match="must stay inside the output folder"):
         from lowvram_lora.host.workflow import _call_validate_inputs, _where
