@@ -112,7 +112,9 @@ def _wrap(draw, text: str, font, width: int) -> list[str]:
 #: Node colours in the schematic, by class: what each does reads at a glance across cards.
 NODE_COLOURS = {"LowVRAMCacheTextEmbeds": (70, 140, 150), "LowVRAMOffloadConfig": (95, 95, 110),
                 "LowVRAMTrainLoRA": (200, 130, 50), "LowVRAMSaveLoRA": (80, 160, 90),
-                "LowVRAMDualGPUSplit": (150, 90, 170), "Note": (110, 90, 55)}
+                "LowVRAMDualGPUSplit": (150, 90, 170), "Note": (110, 90, 55),
+                # Train LoRA's options: its colour, muted
+                "LowVRAMTrainingOptions": (140, 100, 60), "LowVRAMPreviewOptions": (140, 100, 60)}
 
 
 def _schematic(draw, ui: dict, box: tuple[int, int, int, int], accent: tuple[int, int, int]) -> None:

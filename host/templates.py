@@ -253,25 +253,37 @@ def card_source(name: str):
 
 
 def _train_graph(load: dict, cache: dict, offload: dict, train: dict, save: dict) -> list[NodeSpec]:
-    """The five-node training graph every shipped workflow uses, with its widget values."""
-    return [
+    """The training graph every shipped workflow uses, with its widget values: the five main nodes, and Training
+    Options and Preview Options (ids 8 and 9) plugged into Train LoRA, so a user sees where those settings are."""
+    from ..nodes.training_options import OPTION_NODES, defaults
+
+    nodes = [
         NodeSpec(1, "LowVRAMLoadQuantizedSlab", "Load Quantized Slab", (40, 80), load, size=(320, 130)),
         NodeSpec(2, "LowVRAMCacheTextEmbeds", "Cache Text Embeds", (400, 80),
                  {"trigger_word": "ohwx", "default_caption": "", "repeats": 1, "flip": False,
                   "max_sequence_length": 0, **cache}, {"model": (1, 0)}, size=(340, 330)),
         NodeSpec(3, "LowVRAMOffloadConfig", "Offload Config", (40, 260),
                  {"gradient_checkpointing": True, **offload}, size=(320, 230)),
-        NodeSpec(4, "LowVRAMTrainLoRA", "Train LoRA (LowVRAM)", (780, 80),
-                 {"batch_size": 1, "gradient_accumulation": 1, "lr_scheduler": "constant", "guidance": 1.0,
-                  "max_grad_norm": 1.0, **train},
-                 {"model": (1, 0), "dataset": (2, 0), "offload": (3, 0)}, size=(330, 420)),
+        NodeSpec(4, "LowVRAMTrainLoRA", "Train LoRA (LowVRAM)", (780, 80), {"batch_size": 1, **train},
+                 {"model": (1, 0), "dataset": (2, 0), "offload": (3, 0)}, size=(330, 300)),
         NodeSpec(5, "LowVRAMSaveLoRA", "Save LoRA (LowVRAM)", (1150, 80), {"format": "comfyui", "dtype": "bf16", **save},
                  {"lora": (4, 0)}, size=(320, 150)),
     ]
+    # A family's template names every training setting as Train LoRA's (engine/families/*/templates.py): the ones
+    # that moved to an options node go there: below Cache Text Embeds (laid out further down if it is taller), so
+    # their links run forward into Train LoRA and keep the channel left of its column free for rerouted links.
+    y = 460
+    for node_id, (socket, cls) in enumerate(OPTION_NODES.items(), 8):
+        names = defaults(cls)
+        values = {k: nodes[3].widgets.pop(k) for k in list(nodes[3].widgets) if k in names}
+        nodes.append(NodeSpec(node_id, cls.__name__, cls.GET_SCHEMA().display_name, (400, y), values, size=(340, 60)))
+        nodes[3].links[socket] = (node_id, 0)
+        y += 260
+    return nodes
 
 
-#: A further chain's node ids: the first chain's plus 10 per chain (the first uses 1-7); its rows this far below.
-CHAIN_IDS, CHAIN_DY = 10, 980
+#: A further chain's node ids: the first chain's plus 10 per chain (the first uses 1-9); its rows this far below.
+CHAIN_IDS, CHAIN_DY = 10, 1400
 
 
 def _graph(t: TrainingTemplate) -> tuple[list[NodeSpec], list[NoteSpec]]:
@@ -321,7 +333,8 @@ def _attach_models(t: TrainingTemplate, nodes: list[NodeSpec]) -> None:
         for widget, folder in MODEL_FOLDERS.items():
             name = node.widgets.get(widget)
             if name in t.downloads:
-                node.models.append({"name": name, "url": t.downloads[name], "directory": folder})
+                node.models.append({"name": name, "url": t.downloads[name],
+                                    "directory": t.download_folders.get(name, folder)})
                 used.add(name)
     unused = sorted(set(t.downloads) - used)
     if unused:

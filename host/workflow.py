@@ -130,6 +130,17 @@ def input_specs(cls: type) -> list[InputSpec]:
     return specs
 
 
+def moved_input_specs(cls: type) -> list[InputSpec]:
+    """Widgets that moved from a pack node to an options node it takes, still accepted by name (a workflow saved
+    before the move; ``Node.moved_inputs``), as optional widget specs: their values are checked as the options
+    node checks them. None for other nodes."""
+    from ..nodes.schema import Node
+
+    if not (isinstance(cls, type) and issubclass(cls, Node)):
+        return []
+    return [_parse_spec(name, (i.io_type, i.as_dict()), False) for name, i in cls.moved_inputs().items()]
+
+
 def hidden_inputs(cls: type) -> dict[str, str]:
     """The ``hidden`` section (name -> ``"UNIQUE_ID"``, ``"PROMPT"``, ...), which ComfyUI fills itself."""
     hidden = cls.INPUT_TYPES().get("hidden") or {}
@@ -470,10 +481,17 @@ def _consume_controls(spec: InputSpec, values: list, cursor: int, exact: bool | 
     return cursor
 
 
-def _widget_values(node: Mapping[str, Any], specs: list[InputSpec]) -> dict[str, Any]:
-    """Map a UI node's ``widgets_values`` (list or name -> value dict) onto widget inputs."""
+def _widget_values(node: Mapping[str, Any], specs: list[InputSpec], cls: type | None = None) -> dict[str, Any]:
+    """Map a UI node's ``widgets_values`` (list or name -> value dict) onto widget inputs. A node class whose widgets
+    changed declares the old order (``LEGACY_WIDGETS``, recognised by its ``is_legacy_layout``): a file saved then
+    is read by those names, which may include inputs the node now takes from elsewhere (Train LoRA)."""
     raw = node.get("widgets_values")
     widgets = [s for s in specs if s.is_widget]
+    from ..nodes.schema import Node
+
+    pack_node = isinstance(cls, type) and issubclass(cls, Node)
+    if pack_node and cls.LEGACY_WIDGETS and isinstance(raw, list) and cls.is_legacy_layout(raw):
+        return dict(zip(cls.LEGACY_WIDGETS, raw))
     if isinstance(raw, Mapping):
         return {s.name: raw[s.name] for s in widgets if s.name in raw}
     values = list(raw or [])
@@ -491,10 +509,10 @@ def _widget_values(node: Mapping[str, Any], specs: list[InputSpec]) -> dict[str,
 
 
 def _ui_inputs(
-    ui: _UiGraph, node: Mapping[str, Any], specs: list[InputSpec], where: _Where
+    ui: _UiGraph, node: Mapping[str, Any], specs: list[InputSpec], where: _Where, cls: type | None = None
 ) -> dict[str, Any]:
     """API ``inputs`` for one UI node: links (resolved) win over widget values."""
-    widget_values = _widget_values(node, specs)
+    widget_values = _widget_values(node, specs, cls)
     linked = {e.get("name"): e["link"] for e in node.get("inputs") or [] if e.get("link") is not None}
     inputs: dict[str, Any] = {}
     for spec in specs:
@@ -516,6 +534,9 @@ def _ui_inputs(
             print(f"note: {where.describe(spec.name)} has no saved value (the file predates it, or its "
                   f"widgets_values is short); using the default {json.dumps(spec.options['default'])}",
                   file=sys.stderr)
+    # An old layout's values for inputs the node no longer declares: kept by name, for the node to read.
+    declared = {s.name for s in specs}
+    inputs |= {k: v for k, v in widget_values.items() if k not in declared}
     return inputs
 
 
@@ -549,10 +570,11 @@ def _ui_to_api(
         class_type = str(node.get("type"))
         title = node.get("title") or display_names.get(class_type) or class_type
         where = _Where(node_id, title, class_type)
-        specs = input_specs(_ui_class(ui, node, where, mappings))
+        cls = _ui_class(ui, node, where, mappings)
+        specs = input_specs(cls)
         graph[node_id] = {
             "class_type": class_type,
-            "inputs": _ui_inputs(ui, node, specs, where),
+            "inputs": _ui_inputs(ui, node, specs, where, cls),
             "_meta": {"title": title},
         }
     return graph
@@ -702,15 +724,17 @@ def _check_node(node_id: str, node: Any, graph: Mapping[str, dict], mappings: Ma
                             node_id=node_id)
     node.setdefault("inputs", {})
     where = _where(node_id, node)
-    specs = input_specs(_node_class(where, mappings))
+    cls = _node_class(where, mappings)
+    specs = input_specs(cls)
     declared = {s.name for s in specs}
+    moved = [s for s in moved_input_specs(cls) if s.name in node["inputs"] and s.name not in declared]
     for name in node["inputs"]:
-        if name not in declared:
+        if name not in declared and name not in {s.name for s in moved}:
             raise where.error(
                 name, "this node type has no such input",
                 f"remove it; valid inputs are {', '.join(sorted(declared)) or '(none)'}",
             )
-    for spec in specs:
+    for spec in specs + moved:
         _check_input(spec, node, where, graph, mappings)
 
 
@@ -870,8 +894,14 @@ def apply_overrides(
         node_id = _find_node_ref(graph, ref)
         node = graph[node_id]
         where = _where(node_id, node)
-        specs = {s.name: s for s in input_specs(_node_class(where, node_class_mappings))}
+        cls = _node_class(where, node_class_mappings)
+        specs = {s.name: s for s in input_specs(cls)}
         spec = specs.get(name)
+        moved = {s.name: s for s in moved_input_specs(cls)}
+        if spec is None and name in moved:
+            # A setting that moved to an options node: set it there when one is plugged in, else by name here.
+            node_id, node, spec = _moved_target(graph, node_id, node, name, moved[name], node_class_mappings)
+            where = _where(node_id, node)
         if spec is None:
             raise where.error(name, "this node type has no such input",
                               f"use one of {', '.join(n for n, s in specs.items() if s.is_widget) or '(none)'}")
@@ -879,6 +909,20 @@ def apply_overrides(
             raise where.error(name, f"is a {spec.type} link, not a value", "connect it in the workflow instead")
         node["inputs"][name] = _coerce(spec, raw, where)
     return graph
+
+
+def _moved_target(graph: dict, node_id: str, node: dict, name: str, spec: InputSpec,
+                  mappings: Mapping[str, type]) -> tuple[str, dict, InputSpec]:
+    """Where ``--set ID.NAME`` lands for a setting that moved from node ID to an options node: the linked source
+    node that has that widget, else node ID itself (which takes it by name)."""
+    for value in node["inputs"].values():
+        if is_link(value) and str(value[0]) in graph:
+            source = graph[str(value[0])]
+            found = next((s for s in input_specs(_node_class(_where(str(value[0]), source), mappings))
+                          if s.name == name and s.is_widget), None)
+            if found is not None:
+                return str(value[0]), source, found
+    return node_id, node, spec
 
 
 __all__ = [

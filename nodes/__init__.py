@@ -17,11 +17,12 @@ from .offload_config import LowVRAMOffloadConfig
 from .prompt_conditioning import LowVRAMSamplePromptConditioning
 from .save_lora import LowVRAMSaveLoRA
 from .train_lora import LowVRAMTrainLoRA
+from .training_options import LowVRAMPreviewOptions, LowVRAMTrainingOptions
 
 #: In the order the editor lists them; each class is named as its node id (``Schema.node_id``).
 NODES = [LowVRAMLoadQuantizedSlab, LowVRAMCacheTextEmbeds, LowVRAMOffloadConfig, LowVRAMDualGPUSplit,
          LowVRAMTrainLoRA, LowVRAMSaveLoRA, LowVRAMLoraAdapter, LowVRAMDatasetOptions, LowVRAMLossOptions,
-         LowVRAMSamplePromptConditioning, LowVRAMImagesToDataset]
+         LowVRAMTrainingOptions, LowVRAMPreviewOptions, LowVRAMSamplePromptConditioning, LowVRAMImagesToDataset]
 
 NODE_CLASS_MAPPINGS = {cls.__name__: cls for cls in NODES}
 

@@ -275,6 +275,20 @@ class Node:
 
     hidden: HiddenHolder = HiddenHolder()
     RELATIVE_PYTHON_MODULE = None
+    #: A node whose widgets changed: the order UI-format workflows saved before hold their values in, read by name
+    #: when ``is_legacy_layout`` tells such a list (host/workflow.py). Empty: the widgets never changed order.
+    LEGACY_WIDGETS: tuple = ()
+
+    @staticmethod
+    def is_legacy_layout(values: list) -> bool:
+        return False
+
+    @classmethod
+    def moved_inputs(cls) -> dict[str, Input]:
+        """Widgets that moved from this node to an options node it takes, which the node still accepts by name
+        (from a workflow saved before the move): name -> the options node's ``Input``. Not declared inputs: the
+        host checks their values and the node reads them from the prompt (its hidden ``prompt``)."""
+        return {}
 
     @classmethod
     def define_schema(cls) -> Schema:

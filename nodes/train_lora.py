@@ -16,17 +16,43 @@ DESCRIPTION = (
 )
 
 
+#: Train LoRA's widgets in the order workflows saved before 2026-11-28 hold their values (UI format: by position;
+#: older files hold a prefix of it, as each widget was added at the end). Since then the rarely changed ones are
+#: Training Options' and Preview Options' widgets. The editor's extension (web/lowvram_lora.js, the same list) and
+#: the headless runner (host/workflow.py) read such a file by these names; Train LoRA takes the moved ones by name.
+LEGACY_WIDGETS = ("steps", "learning_rate", "rank", "alpha", "batch_size", "gradient_accumulation", "lr_scheduler",
+                  "warmup_steps", "training_seed", "guidance", "max_grad_norm", "optimizer", "save_every",
+                  "sample_every", "sample_steps", "sample_resolution", "sample_seed", "sample_at_start",
+                  "sample_guidance", "sample_frames")
+
+
+def is_legacy_layout(values: list) -> bool:
+    """Whether a UI-format ``widgets_values`` list is in ``LEGACY_WIDGETS``' order: its 7th value is lr_scheduler's
+    text where today's layout has sample_every's number (every saved layout had at least 13 values)."""
+    return len(values) >= 7 and isinstance(values[6], str)
+
+
 class LowVRAMTrainLoRA(io.Node):
+    # How a workflow saved before Training Options and Preview Options holds its values (host/workflow.py reads it).
+    LEGACY_WIDGETS = LEGACY_WIDGETS
+    is_legacy_layout = staticmethod(is_legacy_layout)
+
+    @classmethod
+    def moved_inputs(cls) -> dict:
+        from .training_options import OPTION_NODES
+
+        return {i.id: i for node in OPTION_NODES.values() for i in node.GET_SCHEMA().inputs}
+
     @classmethod
     def define_schema(cls) -> io.Schema:
-        from ..engine.config import OPTIMIZERS, LoraSettings, TrainConfig, field_help
+        from ..engine.config import LoraSettings, TrainConfig, field_help
 
         def train(name: str, extra: str = "") -> str:
             return field_help(TrainConfig, name, extra)
 
         return io.Schema(
             node_id="LowVRAMTrainLoRA", display_name="Train LoRA (LowVRAM)",  # ComfyUI has a built-in "Train LoRA"
-            category=CATEGORY, description=DESCRIPTION, hidden=["unique_id"],
+            category=CATEGORY, description=DESCRIPTION, hidden=["unique_id", "prompt"],
             outputs=[
                 io.Output("LOWVRAM_LORA", "lora", "The trained LoRA weights and their loss history."),
                 io.Output("IMAGE", "loss_curve", "The loss curve as an image."),
@@ -54,34 +80,12 @@ class LowVRAMTrainLoRA(io.Node):
                          tooltip=field_help(LoraSettings, "alpha")),
                 io.Int("batch_size", default=1, min=1, max=64,
                        tooltip=train("batch_size")),
-                io.Int("gradient_accumulation", advanced=True, default=1, min=1, max=256,
-                       tooltip=train("gradient_accumulation")),
-                io.Combo("lr_scheduler", ["constant", "cosine"], advanced=True, default="constant",
-                         tooltip=train("lr_scheduler")),
-                io.Int("warmup_steps", advanced=True, default=0, min=0, max=100_000,
-                       tooltip=train("warmup_steps")),
                 # Not named "seed": ComfyUI gives inputs named seed a "control after generate"
                 # widget that defaults to randomize, which would retrain on every queue.
-                io.Int("training_seed", advanced=True, default=42, min=0, max=0xFFFFFFFF,
+                io.Int("training_seed", default=42, min=0, max=0xFFFFFFFF,
                        tooltip=train("seed", "Change it to train again with identical settings.")),
-                io.Float("guidance", advanced=True, default=1.0, min=0.0, max=10.0, step=0.1,
-                         tooltip=train("guidance")),
-                io.Float("max_grad_norm", advanced=True, default=1.0, min=0.0, max=100.0, step=0.1,
-                         tooltip=train("max_grad_norm")),
-                io.Combo("optimizer", list(OPTIMIZERS), advanced=True, default="adamw",
-                         tooltip=train("optimizer")),
-                io.Int("save_every", advanced=True, default=0, min=-1, max=1_000_000,
-                       tooltip=train("save_every")),
-                # Last: UI-format workflows store widget values by position.
                 io.Int("sample_every", default=0, min=0, max=1_000_000, tooltip=_sample_help("every")),
-                io.Int("sample_steps", advanced=True, default=20, min=1, max=200, tooltip=_sample_help("steps")),
-                io.Int("sample_resolution", advanced=True, default=512, min=64, max=2048, step=16,
-                       tooltip=_sample_help("resolution")),
-                io.Int("sample_seed", advanced=True, default=42, min=0, max=0xFFFFFFFF, tooltip=_sample_help("seed")),
-                io.Boolean("sample_at_start", advanced=True, default=True, tooltip=_sample_help("at_start")),
-                io.Float("sample_guidance", advanced=True, default=3.5, min=0.0, max=20.0, step=0.1,
-                         tooltip=_sample_help("guidance")),
-                io.Int("sample_frames", advanced=True, default=17, min=1, max=257, step=4, tooltip=_sample_help("frames")),
+                io.Int("sample_frames", default=17, min=1, max=257, step=4, tooltip=_sample_help("frames")),
                 io.Custom("LOWVRAM_SPLIT", "split", optional=True,
                           tooltip="From Dual-GPU Split: train across two GPUs (split the model, or data "
                                   "parallel). Unconnected: one GPU."),
@@ -92,16 +96,21 @@ class LowVRAMTrainLoRA(io.Node):
                 io.Custom("LOWVRAM_LOSS_OPTIONS", "loss_options", optional=True,
                           tooltip="From Loss & Validation Options: masked-loss weight, validation loss, CSV and "
                                   "TensorBoard logs. Unconnected: the defaults, without logs."),
+                io.Custom("LOWVRAM_TRAINING_OPTIONS", "training_options", optional=True,
+                          tooltip="From Training Options: gradient accumulation, learning-rate schedule and warmup, "
+                                  "optimizer, gradient clipping, guidance, save_every. Unconnected: their defaults."),
+                io.Custom("LOWVRAM_PREVIEW_OPTIONS", "preview_options", optional=True,
+                          tooltip="From Preview Options: the sample grids' steps, resolution, seed, guidance and "
+                                  "the grid before training. Unconnected: their defaults."),
             ])
 
     @classmethod
     def execute(cls, model, dataset, offload, steps: int = 1000, learning_rate: float = 1e-4, rank: int = 16,
-                alpha: float = 16.0, batch_size: int = 1, gradient_accumulation: int = 1,
-                lr_scheduler: str = "constant", warmup_steps: int = 0, training_seed: int = 42,
-                guidance: float = 1.0, max_grad_norm: float = 1.0, optimizer: str = "adamw", save_every: int = 0,
-                sample_every: int = 0, sample_steps: int = 20, sample_resolution: int = 512, sample_seed: int = 42,
-                sample_at_start: bool = True, sample_guidance: float = 3.5, sample_frames: int = 17,
-                split=None, preview_partner=None, adapter=None, loss_options=None) -> io.NodeOutput:
+                alpha: float = 16.0, batch_size: int = 1, training_seed: int = 42, sample_every: int = 0,
+                sample_frames: int = 17, split=None, preview_partner=None, adapter=None, loss_options=None,
+                training_options=None, preview_options=None, **legacy) -> io.NodeOutput:
+        """``legacy``: a setting that moved to Training Options or Preview Options, given by name (a Python caller,
+        or a workflow saved before the move: see ``_legacy_values``)."""
         from ..engine.config import LoraSettings, TrainConfig
         from ..engine.sampling import SamplingConfig
         from ..engine.runs.result_reuse import train_or_reuse
@@ -109,6 +118,9 @@ class LowVRAMTrainLoRA(io.Node):
 
         free_comfy_vram()
         callback = make_callback(cls.hidden.unique_id)
+        o = moved_settings(training_options, preview_options,
+                           {**_legacy_values(cls.hidden.prompt, cls.hidden.unique_id), **legacy}, callback.log)
+        warmup_steps = o["warmup_steps"]
         if warmup_steps and warmup_steps >= steps:
             # A shipped workflow's warmup (50) must not break a short test run (steps=20).
             clamped = steps // 10
@@ -118,13 +130,13 @@ class LowVRAMTrainLoRA(io.Node):
         lora_cfg = LoraSettings(rank=rank, alpha=alpha, **({"adapter": adapter} if adapter is not None else {}))
         train_cfg = TrainConfig(
             steps=steps, learning_rate=learning_rate, batch_size=batch_size,
-            gradient_accumulation=gradient_accumulation, lr_scheduler=lr_scheduler, warmup_steps=warmup_steps,
-            seed=training_seed, guidance=guidance, max_grad_norm=max_grad_norm, optimizer=optimizer,
-            save_every=save_every,
+            gradient_accumulation=o["gradient_accumulation"], lr_scheduler=o["lr_scheduler"],
+            warmup_steps=warmup_steps, seed=training_seed, guidance=o["guidance"], max_grad_norm=o["max_grad_norm"],
+            optimizer=o["optimizer"], save_every=o["save_every"],
         )
-        sampling = SamplingConfig(every=sample_every, steps=sample_steps, resolution=sample_resolution,
-                                  seed=sample_seed, at_start=sample_at_start, guidance=sample_guidance,
-                                  frames=sample_frames)
+        sampling = SamplingConfig(every=sample_every, steps=o["sample_steps"], resolution=o["sample_resolution"],
+                                  seed=o["sample_seed"], at_start=o["sample_at_start"],
+                                  guidance=o["sample_guidance"], frames=sample_frames)
         extra = {"loss": loss_options, "log_dir": output_dir() / "lowvram_logs" / uuid.uuid4().hex[:12]} \
             if loss_options is not None else {}  # unplugged: the call (and the run's key) as before
         lora = train_or_reuse(model, dataset, lora_cfg, train_cfg, cache_dir(), callback,
@@ -136,6 +148,35 @@ class LowVRAMTrainLoRA(io.Node):
             ui["snapshots"] = list(lora.snapshots)
         return io.NodeOutput(lora, image, _samples_output(lora), _comfy_lora(lora),
                              {"loss": [float(x) for x in lora.loss_history]}, ui=ui)
+
+
+def moved_settings(training_options, preview_options, legacy: dict, log=None) -> dict:
+    """The settings Training Options and Preview Options hold, by name: a value given to Train LoRA by name (a
+    workflow saved before they moved, or a script that sets them on Train LoRA) over the plugged node's values,
+    over the node's defaults (what Train LoRA used before). ``log`` is told when a by-name value overrides a
+    plugged node's, so the graph's two answers are seen."""
+    from .training_options import OPTION_NODES, defaults, option_values
+
+    plugged = {"training_options": training_options, "preview_options": preview_options}
+    out, legacy = {}, dict(legacy)
+    for socket, node in OPTION_NODES.items():
+        given = {k: legacy.pop(k) for k in list(legacy) if k in defaults(node)}
+        base = plugged[socket] or {}
+        for k in sorted(k for k, v in given.items() if k in base and base[k] != v and log is not None):
+            log(f"{k}={given[k]!r} given to Train LoRA by name overrides the plugged "
+                f"{node.GET_SCHEMA().display_name} node's {base[k]!r}")
+        out |= option_values(node, {**base, **given})
+    if legacy:
+        raise TypeError(f"Train LoRA has no input {', '.join(sorted(legacy))}")
+    return out
+
+
+def _legacy_values(prompt, node_id) -> dict:
+    """The moved settings an API-format prompt still gives this node by name (a workflow saved before they moved:
+    ComfyUI passes a node only its declared inputs, so they are read from the whole prompt, its hidden input)."""
+    inputs = ((prompt or {}).get(str(node_id)) or {}).get("inputs") or {}
+    moved = LowVRAMTrainLoRA.moved_inputs()
+    return {k: v for k, v in inputs.items() if k in moved and not isinstance(v, list)}
 
 
 def _comfy_lora(lora) -> dict:

@@ -55,6 +55,40 @@ def to_io_schema(io, schema: Schema):
         **({"search_aliases": list(schema.search_aliases)} if schema.search_aliases else {}))
 
 
+class PackError(Exception):
+    """A problem the user can fix (the engine's ``LowVRAMError``), as a node raises it inside ComfyUI, with the
+    same message; the original is its ``__cause__`` (the server log prints both).
+
+    ComfyUI names a failed node's exception ``module.qualname`` (``execution.full_type_name``) except a builtin's,
+    which goes by its name alone, and the editor's Errors panel opens with "<that name>: <message>". So this class
+    is named like a builtin, after the pack: the panel's first line reads "lowvram-lora: <our sentence>" instead of
+    "lowvram_lora.engine.checkpoint.files.UnreadableSafetensors: <our sentence>". (The toast above it is the
+    frontend's own fixed text for any node's failure: "<node> failed / This node threw an error during execution".)
+    """
+
+
+PackError.__module__, PackError.__qualname__, PackError.__name__ = "builtins", "lowvram-lora", "lowvram-lora"
+
+
+def _run(call):
+    """``call()``, a user-fixable error re-raised as :class:`PackError` (its message unchanged)."""
+    from ..engine.errors import LowVRAMError
+
+    try:
+        return call()
+    except LowVRAMError as exc:
+        raise PackError(str(exc)) from exc
+
+
+async def _run_async(call):
+    from ..engine.errors import LowVRAMError
+
+    try:
+        return await call()
+    except LowVRAMError as exc:
+        raise PackError(str(exc)) from exc
+
+
 def to_comfy_node(node: type[Node], io) -> type:
     """``node`` as an ``io.ComfyNode`` subclass named like it (the class id stays ``schema.node_id``)."""
 
@@ -67,10 +101,10 @@ def to_comfy_node(node: type[Node], io) -> type:
 
     if inspect.iscoroutinefunction(node.execute):
         async def execute(cls, **kwargs):
-            return _to_io(await node.PREPARE_CLASS_CLONE(cls.hidden).execute(**kwargs))
+            return _to_io(await _run_async(lambda: node.PREPARE_CLASS_CLONE(cls.hidden).execute(**kwargs)))
     else:
         def execute(cls, **kwargs):
-            return _to_io(node.PREPARE_CLASS_CLONE(cls.hidden).execute(**kwargs))
+            return _to_io(_run(lambda: node.PREPARE_CLASS_CLONE(cls.hidden).execute(**kwargs)))
 
     body = {"define_schema": classmethod(define_schema), "execute": classmethod(execute),
             "__doc__": node.__doc__, "__module__": node.__module__, "PACK_NODE": node}

@@ -268,3 +268,15 @@ def peft_merged(base, family, settings, state):
                 module.merge(adapter_names=[ADAPTER])
     detach_lora(model)
     return model
+
+
+def train_input(api: dict, train_id: str, name: str):
+    """A Train LoRA setting in an API-format graph: its own widget's value, else the plugged Training Options' or
+    Preview Options' (where the rarely changed settings live), else KeyError."""
+    inputs = api[train_id]["inputs"]
+    if name in inputs:
+        return inputs[name]
+    for socket in ("training_options", "preview_options"):
+        if socket in inputs and name in api[inputs[socket][0]]["inputs"]:
+            return api[inputs[socket][0]]["inputs"][name]
+    raise KeyError(f"Train LoRA {train_id} has no {name} (nor an options node that sets it)")

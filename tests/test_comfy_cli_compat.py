@@ -164,8 +164,9 @@ def test_one_node_exactly_as_comfyui_sends_it(info):
         "has_intermediate_output": False,
     }
     train = info["LowVRAMTrainLoRA"]
-    assert train["input"]["hidden"] == {"unique_id": ["UNIQUE_ID"]}
-    assert train["input_order"]["hidden"] == ["unique_id"]
+    # prompt: a workflow saved before Training / Preview Options gives Train LoRA their settings by name
+    assert train["input"]["hidden"] == {"unique_id": ["UNIQUE_ID"], "prompt": ["PROMPT"]}
+    assert train["input_order"]["hidden"] == ["unique_id", "prompt"]
     assert train["input_order"]["required"][:4] == ["model", "dataset", "offload", "steps"]
     assert train["output"] == ["LOWVRAM_LORA", "IMAGE", "IMAGE", "LORA_MODEL", "LOSS_MAP"]
     assert train["output_name"] == ["lora", "loss_curve", "samples", "lora_model", "loss_map"]

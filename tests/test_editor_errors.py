@@ -31,3 +31,42 @@ def test_errors_are_named_by_the_package_when_comfyui_imports_the_pack_by_its_pa
     finally:
         for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
             del sys.modules[key]
+
+
+def test_inside_comfyui_a_fixable_error_opens_the_errors_panel_with_our_sentence():
+    """The editor's Errors panel opens with "<exception type>: <message>", the type as ComfyUI's
+    execution.full_type_name gives it: a pack error reads "lowvram-lora: <sentence>", the engine's error its cause;
+    any other exception passes unchanged."""
+    import traceback
+    import types
+
+    from lowvram_lora.engine.errors import DatasetError
+    from lowvram_lora.nodes import schema as io_schema
+    from lowvram_lora.nodes.v3 import to_comfy_node
+
+    def full_type_name(klass):  # ComfyUI 0.33 execution.py
+        module = klass.__module__
+        return klass.__qualname__ if module == "builtins" else module + "." + klass.__qualname__
+
+    class Failing(io_schema.Node):
+        error: Exception = DatasetError("dataset_path 'x' is not a folder; set it to a folder of images")
+
+        @classmethod
+        def execute(cls):
+            raise cls.error
+
+    fake_io = types.SimpleNamespace(ComfyNode=type("ComfyNode", (), {"hidden": None}), NodeOutput=tuple)
+    comfy_cls = to_comfy_node(Failing, fake_io)
+    try:
+        comfy_cls.execute()
+    except Exception as exc:  # noqa: BLE001 (what ComfyUI catches)
+        caught = exc
+    assert f"{full_type_name(type(caught))}: {caught}" == (
+        "lowvram-lora: dataset_path 'x' is not a folder; set it to a folder of images")
+    assert caught.__cause__ is Failing.error
+    assert traceback.format_exception_only(caught)[-1].startswith("lowvram-lora: dataset_path 'x'")
+    Failing.error = RuntimeError("a bug")
+    try:
+        comfy_cls.execute()
+    except Exception as exc:  # noqa: BLE001
+        assert exc is Failing.error

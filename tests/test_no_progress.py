@@ -26,7 +26,7 @@ def test_no_progress_draws_no_bars(tmp_path, capfd, progress):
         assert any(line.startswith("train") for line in bars)  # the training bar, as before
     else:
         assert not bars, bars
-    assert "trained 3 steps: final loss" in out and "done: 5 node(s)" in out  # the summary lines stay
+    assert "trained 3 steps: final loss" in out and "done: 7 node(s)" in out  # the summary lines stay
 
 
 @pytest.mark.parametrize("inside", [False, True])

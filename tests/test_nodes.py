@@ -20,7 +20,7 @@ def test_pack_exports_and_display_names():
     assert set(NODE_DISPLAY_NAME_MAPPINGS.values()) == {
         "Load Quantized Slab", "Cache Text Embeds", "Offload Config", "Dual-GPU Split", "Train LoRA (LowVRAM)",
         "Save LoRA (LowVRAM)", "LoRA Adapter (LowVRAM)", "Dataset Options", "Loss & Validation Options",
-        "Sample Prompt Conditioning", "Images to Dataset"}
+        "Sample Prompt Conditioning", "Images to Dataset", "Training Options", "Preview Options"}
     assert not set(NODE_CLASS_MAPPINGS) & COMFY_BUILTIN_IDS
     assert not set(NODE_DISPLAY_NAME_MAPPINGS.values()) & COMFY_BUILTIN_DISPLAY
     assert all(k.startswith("LowVRAM") for k in NODE_CLASS_MAPPINGS)
@@ -292,8 +292,10 @@ def test_text_under_a_node_wraps_between_words_and_a_resume_sends_the_history(mo
     ("LowVRAMTrainLoRA", "steps", "TrainConfig", "steps"),
     ("LowVRAMTrainLoRA", "learning_rate", "TrainConfig", "learning_rate"),
     ("LowVRAMTrainLoRA", "training_seed", "TrainConfig", "seed"),
-    ("LowVRAMTrainLoRA", "optimizer", "TrainConfig", "optimizer"),
-    ("LowVRAMTrainLoRA", "save_every", "TrainConfig", "save_every"),
+    ("LowVRAMTrainingOptions", "optimizer", "TrainConfig", "optimizer"),
+    ("LowVRAMTrainingOptions", "save_every", "TrainConfig", "save_every"),
+    ("LowVRAMTrainingOptions", "warmup_steps", "TrainConfig", "warmup_steps"),
+    ("LowVRAMPreviewOptions", "sample_steps", "SamplingConfig", "steps"),
     ("LowVRAMTrainLoRA", "rank", "LoraSettings", "rank"),
     ("LowVRAMTrainLoRA", "alpha", "LoraSettings", "alpha"),
     ("LowVRAMCacheTextEmbeds", "dataset_path", "DataConfig", "path"),
@@ -310,7 +312,9 @@ def test_tooltips_are_the_config_fields_help(node_id, widget, config, field):
     from lowvram_lora.engine.data.options import DatasetOptions
     from lowvram_lora.engine.train.loss_options import LossOptions
 
-    classes = {"DatasetOptions": DatasetOptions, "LossOptions": LossOptions}
+    from lowvram_lora.engine.sampling import SamplingConfig
+
+    classes = {"DatasetOptions": DatasetOptions, "LossOptions": LossOptions, "SamplingConfig": SamplingConfig}
     want = cfg.field_help(classes.get(config) or getattr(cfg, config), field)
     inputs = NODE_CLASS_MAPPINGS[node_id].INPUT_TYPES()
     tooltip = {**inputs["required"], **inputs.get("optional", {})}[widget][1]["tooltip"]

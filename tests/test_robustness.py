@@ -237,9 +237,11 @@ def test_warmup_not_below_steps_is_clamped_with_a_note(tmp_path, capsys):
 
 
 def test_shipped_flux_workflow_warmup_is_below_its_steps():
+    from helpers import train_input
+
     api = json.loads((WORKFLOWS_DIR / "api" / "flux1_dev_lora.json").read_text())
-    train = next(n for n in api.values() if n["class_type"] == "LowVRAMTrainLoRA")["inputs"]
-    assert train["warmup_steps"] < train["steps"]
+    train = next(k for k, n in api.items() if n["class_type"] == "LowVRAMTrainLoRA")
+    assert 0 < train_input(api, train, "warmup_steps") < train_input(api, train, "steps")
 
 
 # --- 15: nothing skipped silently ---------------------------------------------------------------

@@ -180,7 +180,7 @@ def test_demo_runs_over_http_and_websocket_with_messages_in_order(served):
     significant = [k for k in kinds if k not in ("progress", "status", "lowvram_lora.progress", "feature_flags")]
     assert significant[:2] == ["execution_start", "execution_cached"]
     executing = [e["data"]["node"] for e in events if e["type"] == "executing"]
-    assert executing == ["1", "2", "3", "4", "5", None]
+    assert executing == ["1", "2", "3", "8", "9", "4", "5", None]  # 8, 9: Training and Preview Options
     assert significant[-2:] == ["execution_success", "executing"]
     assert "progress" in kinds and "lowvram_lora.progress" in kinds and binary > 0  # bars, chart, text/previews
     saved = next(e["data"] for e in events if e["type"] == "executed" and e["data"]["node"] == "5")

@@ -98,9 +98,13 @@ def test_pack_nodes_keep_their_widget_order_and_defaults():
     # The node shows the few settings people change; the planner's own choices wait behind the advanced toggle.
     shown = [n for n, (_, o) in order["LowVRAMOffloadConfig"].items() if not o.get("advanced")]
     assert shown == ["mode", "vram_budget_gb", "int8_compute", "ram_budget_gb"]
-    assert list(order["LowVRAMTrainLoRA"])[-8:] == ["save_every", "sample_every", "sample_steps",
-                                                    "sample_resolution", "sample_seed", "sample_at_start",
-                                                    "sample_guidance", "sample_frames"]
+    # Train LoRA shows the settings people change; the rest moved to Training Options and Preview Options (a file
+    # saved before reads by the old order: nodes/train_lora.py LEGACY_WIDGETS, tests/test_train_lora_options.py).
+    assert list(order["LowVRAMTrainLoRA"]) == ["model", "dataset", "offload", "steps", "learning_rate", "rank",
+                                               "alpha", "batch_size", "training_seed", "sample_every",
+                                               "sample_frames"]
+    assert list(NODE_CLASS_MAPPINGS["LowVRAMTrainLoRA"].INPUT_TYPES()["optional"])[-2:] == [
+        "training_options", "preview_options"]
     assert list(NODE_CLASS_MAPPINGS["LowVRAMCacheTextEmbeds"].INPUT_TYPES()["optional"]) == [
         "video_frames", "video_fps", "video_window", "windows_per_clip", "control_folder", "image_to_video", "options",
         "images"]
@@ -200,8 +204,8 @@ def test_adapter_in_real_comfyui_matches_our_schema_and_executor(tmp_path):
     assert isinstance(message, str) and "must stay inside the output folder" in message
     # ComfyUI's argspec of each hook: the node's own inputs, no **kwargs (which would switch off ComfyUI's range
     # checks of every input and file a failed check once per input).
-    assert out["argspec"]["LowVRAMCacheTextEmbeds"] == [["cls", "dataset_path", "control_folder", "default_caption"],
-                                                        None]
+    assert out["argspec"]["LowVRAMCacheTextEmbeds"] == [["cls", "dataset_path", "control_folder", "default_caption",
+                                                         "images"], None]
     assert out["argspec"]["LowVRAMSaveLoRA"][1] is None
     with pytest.raises(WorkflowError, match="must stay inside the output folder"):
         from lowvram_lora.host.workflow import _call_validate_inputs, _where

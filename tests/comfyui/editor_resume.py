@@ -57,8 +57,11 @@ def main(argv=None) -> int:
                 "const c = app.canvas; c.ds.scale = 0.75; c.ds.offset = [-380, 20]; c.setDirty(true, true)")
         d.execute_script(view)
         seed = int(time.time()) % 100000
-        d.execute_script(f"const n = {_TRAIN};"
-                         "for (const [k, v] of Object.entries(arguments[0])) n.widgets.find(w => w.name == k).value = v;",
+        # Train LoRA's widgets, or its Preview / Training Options' (sample_steps, save_every).
+        d.execute_script("const g = app.graph, ns = g._nodes.filter(n => /^LowVRAM(TrainLoRA|TrainingOptions|"
+                         "PreviewOptions)$/.test(n.type));"
+                         "for (const [k, v] of Object.entries(arguments[0])) ns.flatMap(n => n.widgets || [])"
+                         ".find(w => w.name == k).value = v;",
                          {"steps": args.steps, "sample_every": args.cancel_after, "sample_steps": 30,
                           "sample_resolution": 256, "training_seed": seed, "save_every": 0})
         queue = "return app.queuePrompt(0, 1).then(() => true)"

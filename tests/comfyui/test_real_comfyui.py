@@ -34,7 +34,8 @@ pytestmark = pytest.mark.skipif(not COMFY_DIR, reason="set LOWVRAM_COMFYUI_DIR t
 REPO = Path(__file__).resolve().parents[2]
 OUR_NODES = {"LowVRAMLoadQuantizedSlab", "LowVRAMCacheTextEmbeds", "LowVRAMOffloadConfig", "LowVRAMDualGPUSplit",
              "LowVRAMTrainLoRA", "LowVRAMSaveLoRA", "LowVRAMDatasetOptions", "LowVRAMLossOptions",
-             "LowVRAMSamplePromptConditioning", "LowVRAMImagesToDataset"}
+             "LowVRAMSamplePromptConditioning", "LowVRAMImagesToDataset", "LowVRAMTrainingOptions",
+             "LowVRAMPreviewOptions"}
 
 
 def _copy_checkout(dest: Path) -> None:
@@ -497,13 +498,13 @@ SINGLE_FILE += [pytest.param(t, id=name) for name, t in shipped().items() if nam
 
 def _with_widgets(ui: dict, values: dict[str, dict]) -> dict:
     """A UI-format workflow with widget values replaced by name ({node type: {input: value}}), positions
-    from the node classes' declared inputs (control-after-generate slots included, as the file stores them)."""
+    from the node classes' declared inputs (control-after-generate slots included, as the file stores them). A
+    setting that moved from the node to an options node it takes (Train LoRA's sample_steps: Preview Options) is
+    set on the options node linked to it."""
     from lowvram_lora.host.workflow import input_specs
     from lowvram_lora.nodes import NODE_CLASS_MAPPINGS
 
-    for node in ui["nodes"]:
-        if node["type"] not in values:
-            continue
+    def widget_positions(node: dict) -> dict[str, int]:
         widgets = [s for s in input_specs(NODE_CLASS_MAPPINGS[node["type"]]) if s.is_widget]
         stored = len(node["widgets_values"])
         with_controls = stored == len(widgets) + sum(s.control_slots for s in widgets)
@@ -512,8 +513,19 @@ def _with_widgets(ui: dict, values: dict[str, dict]) -> dict:
         for spec in widgets:
             position[spec.name] = cursor
             cursor += 1 + (spec.control_slots if with_controls else 0)
+        return position
+
+    by_id = {n["id"]: n for n in ui["nodes"]}
+    for node in ui["nodes"]:
+        if node["type"] not in values:
+            continue
+        position = widget_positions(node)
+        links = {e["link"] for e in node.get("inputs") or [] if e.get("link") is not None}
+        feeders = [by_id[l[1]] for l in ui["links"] if l[0] in links and by_id[l[1]]["type"] in NODE_CLASS_MAPPINGS]
         for name, value in values[node["type"]].items():
-            node["widgets_values"][position[name]] = value
+            target = node if name in position else next(
+                f for f in feeders if name in widget_positions(f))  # StopIteration: no such widget anywhere
+            target["widgets_values"][widget_positions(target)[name]] = value
     return ui
 
 

@@ -5,7 +5,8 @@ from . import FAMILY
 _PREVIEW = FAMILY.guidance("flux3-klein-base")  # the template trains Base: CFG 3.5, 50 steps
 #: Qwen3-VL-4B-Instruct in ComfyUI's layout (Comfy-Org's Krea 2 repack ships it; FLUX.3 reads the same encoder) and
 #: the Flux.2 VAE (Comfy-Org's Flux.2 repack; FLUX.3's autoencoder class is diffusers' AutoencoderKLFlux2).
-_TEXT = "https://huggingface.co/Comfy-Org/Krea-2/resolve/main/text_encoders/qwen3vl_4b_bf16.safetensors"
+#: The fp8-scaled file: the one ComfyUI's own Krea 2 template links (its bf16 twin works the same, slower to fetch).
+_TEXT = "https://huggingface.co/Comfy-Org/Krea-2/resolve/main/text_encoders/qwen3vl_4b_fp8_scaled.safetensors"
 _VAE = "https://huggingface.co/Comfy-Org/flux2-dev/resolve/main/split_files/vae/flux2-vae.safetensors"
 
 TEMPLATES = [
@@ -16,7 +17,7 @@ TEMPLATES = [
         # workflow_templates releases) and not found; this default is ours, and the Note says any name works.
         load={"checkpoint": "flux3_klein_base_bf16.safetensors", "family": "flux3", "precision": "int8 slab"},
         cache={"text_encoders": "(single files below)", "dataset_path": "my_subject", "resolution": 1024,
-               "text_encoder_1": "qwen3vl_4b_bf16.safetensors", "vae_file": "flux2-vae.safetensors",
+               "text_encoder_1": "qwen3vl_4b_fp8_scaled.safetensors", "vae_file": "flux2-vae.safetensors",
                "sample_prompts": "ohwx, a photo of a dog on a beach"},
         offload={"mode": "auto", "vram_budget_gb": 2.0},
         # lr 1e-4, rank 16: fal's FLUX 3 Klein LoRA trainer defaults (lr) and the project's rank.
@@ -24,7 +25,7 @@ TEMPLATES = [
                "training_seed": 42, "sample_every": 250, "sample_steps": _PREVIEW.steps, "sample_resolution": 512,
                "sample_guidance": _PREVIEW.scale},
         save={"filename_prefix": "loras/flux3_klein_lora"},
-        downloads={"qwen3vl_4b_bf16.safetensors": _TEXT, "flux2-vae.safetensors": _VAE},
+        downloads={"qwen3vl_4b_fp8_scaled.safetensors": _TEXT, "flux2-vae.safetensors": _VAE},
         note=(
             "FLUX.3 Image Klein (5.5B) LoRA at 1024x1024 on a 2 GB VRAM budget.\n\nFiles:\n"
             "- models/diffusion_models/: FLUX 3 Image Klein Base's transformer in bf16 (or fp8) with BFL's tensor "
@@ -33,9 +34,9 @@ TEMPLATES = [
             "in the checkpoint list. Train on Base, as BFL says; the "
             "step-distilled file loads and previews (16 steps, no CFG) but does not train. int8 and NVFP4 files "
             "cannot be read: use bf16. precision 'int8 slab' builds a 5.5 GB int8 slab once into models/slabs.\n"
-            "- models/text_encoders/qwen3vl_4b_bf16.safetensors (Qwen3-VL-4B-Instruct; layers 0-31 are read; its "
+            "- models/text_encoders/qwen3vl_4b_fp8_scaled.safetensors (or _bf16; Qwen3-VL-4B-Instruct; layers 0-31 are read; its "
             "tokenizer is the Qwen one ComfyUI bundles; outside ComfyUI put Qwen's vocab.json, merges.txt, "
-            "tokenizer_config.json in models/text_encoders/qwen3vl_4b_bf16/), and models/vae/flux2-vae.safetensors "
+            "tokenizer_config.json in models/text_encoders/qwen3vl_4b_fp8_scaled/), and models/vae/flux2-vae.safetensors "
             "(if BFL's repository ships its own FLUX.3 autoencoder, use that).\n"
             "- input/my_subject/: your images with same-name .txt captions. FLUX.3 is trained on full scene "
             "captions: write long, dense ones.\n\n"

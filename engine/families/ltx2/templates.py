@@ -34,7 +34,7 @@ TEMPLATES = [
                "training_seed": 42, "sample_every": 250, "sample_steps": _PREVIEW.steps, "sample_resolution": 512,
                "sample_guidance": _PREVIEW.scale, "sample_frames": 49},
         save={"filename_prefix": "loras/ltx23_lora"},
-        downloads=_DOWNLOADS,
+        downloads=_DOWNLOADS, download_folders={_CKPT: "checkpoints"},
         note=(
             "LTX-2.3 (22B, joint audio-video) video LoRA on clips of 89 frames at 24 fps, resolution 720 (the area "
             "of 960x544: about 6,100 video tokens), on a 6 GB VRAM budget.\n\nFiles:\n" + _FILES +
@@ -57,7 +57,7 @@ TEMPLATES = [
                "training_seed": 42, "sample_every": 250, "sample_steps": _PREVIEW.steps, "sample_resolution": 512,
                "sample_guidance": _PREVIEW.scale, "sample_frames": 49},
         save={"filename_prefix": "loras/ltx23_i2v_lora"},
-        downloads=_DOWNLOADS,
+        downloads=_DOWNLOADS, download_folders={_CKPT: "checkpoints"},
         note=(
             "LTX-2.3 (22B, joint audio-video) IMAGE-TO-VIDEO video LoRA: the same checkpoint and files as ltx23_lora, "
             "with Cache Text Embeds' image_to_video on. Each clip's first frame is the condition: given to the model "

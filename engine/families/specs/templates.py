@@ -24,6 +24,10 @@ class TrainingTemplate:
     #: file name -> the download URL ComfyUI's own templates give for that file (Comfy-Org's repackaged files on
     #: Hugging Face); the editor's Missing Models dialog offers it. Only files the widgets above name.
     downloads: dict[str, str] = field(default_factory=dict)
+    #: file name -> the ComfyUI model folder its download goes to, where it is not the widget's own
+    #: (``host/templates.py`` ``MODEL_FOLDERS``): an all-in-one checkpoint lives in ``checkpoints``, as ComfyUI's
+    #: own templates place it (LTX-2.3).
+    download_folders: dict[str, str] = field(default_factory=dict)
     #: Further training chains in the same graph, each laid out below the one before: a dict of sections
     #: (``load``, ``cache``, ``offload``, ``train``, ``save``) whose values update this template's own (Wan 2.2
     #: A14B: one chain per expert file, each saving its own LoRA). The Dual-GPU Split (``split``) joins the first.

@@ -190,6 +190,7 @@ TEMPLATES = [
             _CLIP_H: _REPO + "clip_vision/" + _CLIP_H,
             "wan_2.1_vae.safetensors": _REPO + "vae/wan_2.1_vae.safetensors",
         },
+        download_folders={_CLIP_H: "clip_vision"},  # where ComfyUI keeps it (Cache Text Embeds lists it there too)
         note=(
             "Wan 2.1 I2V 14B image-to-video LoRA on 81-frame clips at 16 fps, buckets of about 624x624 pixels "
             "(832x480), on a 24 GB VRAM budget, planned for 32 GB of RAM. The model sees each window's first frame "
