@@ -262,8 +262,8 @@ def _train_graph(load: dict, cache: dict, offload: dict, train: dict, save: dict
         NodeSpec(2, "LowVRAMCacheTextEmbeds", "Cache Text Embeds", (400, 80),
                  {"trigger_word": "ohwx", "default_caption": "", "repeats": 1, "flip": False,
                   "max_sequence_length": 0, **cache}, {"model": (1, 0)}, size=(340, 330)),
-        NodeSpec(3, "LowVRAMOffloadConfig", "Offload Config", (40, 260),
-                 {"gradient_checkpointing": True, **offload}, size=(320, 230)),
+        NodeSpec(3, "LowVRAMOffloadConfig", "Offload Config", (40, 260), _offload_widgets(offload),
+                 size=(320, 150)),
         NodeSpec(4, "LowVRAMTrainLoRA", "Train LoRA (LowVRAM)", (780, 80), {"batch_size": 1, **train},
                  {"model": (1, 0), "dataset": (2, 0), "offload": (3, 0)}, size=(330, 300)),
         NodeSpec(5, "LowVRAMSaveLoRA", "Save LoRA (LowVRAM)", (1150, 80), {"format": "comfyui", "dtype": "bf16", **save},
@@ -280,6 +280,19 @@ def _train_graph(load: dict, cache: dict, offload: dict, train: dict, save: dict
         nodes[3].links[socket] = (node_id, 0)
         y += 260
     return nodes
+
+
+def _offload_widgets(offload: dict) -> dict:
+    """Offload Config's widgets of a family's template. The shipped graphs carry no Offload Tuning node: every
+    template leaves the planner's choices at Offload Tuning's defaults, and a setting of it here would be lost."""
+    from ..nodes.offload_tuning import LowVRAMOffloadTuning, defaults
+
+    tuned = sorted(set(offload) & set(defaults(LowVRAMOffloadTuning)))
+    if tuned:
+        raise ValueError(f"a template's offload sets {', '.join(tuned)}, which Offload Tuning holds; the shipped "
+                         f"graphs plug no Offload Tuning node: set only mode, compile, vram_budget_gb and "
+                         f"ram_budget_gb there (or add the node to host/templates.py _train_graph)")
+    return dict(offload)
 
 
 #: A further chain's node ids: the first chain's plus 10 per chain (the first uses 1-9); its rows this far below.

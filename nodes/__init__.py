@@ -14,6 +14,7 @@ from .image_dataset import LowVRAMImagesToDataset
 from .load_model import LowVRAMLoadQuantizedSlab
 from .loss_options import LowVRAMLossOptions
 from .offload_config import LowVRAMOffloadConfig
+from .offload_tuning import LowVRAMOffloadTuning
 from .prompt_conditioning import LowVRAMSamplePromptConditioning
 from .save_lora import LowVRAMSaveLoRA
 from .train_lora import LowVRAMTrainLoRA
@@ -22,7 +23,8 @@ from .training_options import LowVRAMPreviewOptions, LowVRAMTrainingOptions
 #: In the order the editor lists them; each class is named as its node id (``Schema.node_id``).
 NODES = [LowVRAMLoadQuantizedSlab, LowVRAMCacheTextEmbeds, LowVRAMOffloadConfig, LowVRAMDualGPUSplit,
          LowVRAMTrainLoRA, LowVRAMSaveLoRA, LowVRAMLoraAdapter, LowVRAMDatasetOptions, LowVRAMLossOptions,
-         LowVRAMTrainingOptions, LowVRAMPreviewOptions, LowVRAMSamplePromptConditioning, LowVRAMImagesToDataset]
+         LowVRAMTrainingOptions, LowVRAMPreviewOptions, LowVRAMOffloadTuning, LowVRAMSamplePromptConditioning,
+         LowVRAMImagesToDataset]
 
 NODE_CLASS_MAPPINGS = {cls.__name__: cls for cls in NODES}
 

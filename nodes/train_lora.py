@@ -18,7 +18,7 @@ DESCRIPTION = (
 
 #: Train LoRA's widgets in the order workflows saved before 2026-11-28 hold their values (UI format: by position;
 #: older files hold a prefix of it, as each widget was added at the end). Since then the rarely changed ones are
-#: Training Options' and Preview Options' widgets. The editor's extension (web/lowvram_lora.js, the same list) and
+#: Training Options' and Preview Options' widgets. The editor's extension (web/moved_settings.js, the same list) and
 #: the headless runner (host/workflow.py) read such a file by these names; Train LoRA takes the moved ones by name.
 LEGACY_WIDGETS = ("steps", "learning_rate", "rank", "alpha", "batch_size", "gradient_accumulation", "lr_scheduler",
                   "warmup_steps", "training_seed", "guidance", "max_grad_norm", "optimizer", "save_every",
@@ -39,9 +39,10 @@ class LowVRAMTrainLoRA(io.Node):
 
     @classmethod
     def moved_inputs(cls) -> dict:
+        from .moved_settings import moved_inputs
         from .training_options import OPTION_NODES
 
-        return {i.id: i for node in OPTION_NODES.values() for i in node.GET_SCHEMA().inputs}
+        return moved_inputs(OPTION_NODES)
 
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -110,16 +111,17 @@ class LowVRAMTrainLoRA(io.Node):
                 sample_frames: int = 17, split=None, preview_partner=None, adapter=None, loss_options=None,
                 training_options=None, preview_options=None, **legacy) -> io.NodeOutput:
         """``legacy``: a setting that moved to Training Options or Preview Options, given by name (a Python caller,
-        or a workflow saved before the move: see ``_legacy_values``)."""
+        or a workflow saved before the move: nodes/moved_settings.py)."""
         from ..engine.config import LoraSettings, TrainConfig
         from ..engine.sampling import SamplingConfig
         from ..engine.runs.result_reuse import train_or_reuse
+        from .moved_settings import legacy_values
         from .progress import free_comfy_vram, make_callback
 
         free_comfy_vram()
         callback = make_callback(cls.hidden.unique_id)
         o = moved_settings(training_options, preview_options,
-                           {**_legacy_values(cls.hidden.prompt, cls.hidden.unique_id), **legacy}, callback.log)
+                           {**legacy_values(cls, cls.hidden.prompt, cls.hidden.unique_id), **legacy}, callback.log)
         warmup_steps = o["warmup_steps"]
         if warmup_steps and warmup_steps >= steps:
             # A shipped workflow's warmup (50) must not break a short test run (steps=20).
@@ -151,32 +153,14 @@ class LowVRAMTrainLoRA(io.Node):
 
 
 def moved_settings(training_options, preview_options, legacy: dict, log=None) -> dict:
-    """The settings Training Options and Preview Options hold, by name: a value given to Train LoRA by name (a
-    workflow saved before they moved, or a script that sets them on Train LoRA) over the plugged node's values,
-    over the node's defaults (what Train LoRA used before). ``log`` is told when a by-name value overrides a
-    plugged node's, so the graph's two answers are seen."""
-    from .training_options import OPTION_NODES, defaults, option_values
+    """The settings Training Options and Preview Options hold, by name (nodes/moved_settings.py ``merge``): a value
+    given to Train LoRA by name over the plugged node's values, over the node's defaults (what Train LoRA used
+    before)."""
+    from .moved_settings import merge
+    from .training_options import OPTION_NODES
 
-    plugged = {"training_options": training_options, "preview_options": preview_options}
-    out, legacy = {}, dict(legacy)
-    for socket, node in OPTION_NODES.items():
-        given = {k: legacy.pop(k) for k in list(legacy) if k in defaults(node)}
-        base = plugged[socket] or {}
-        for k in sorted(k for k, v in given.items() if k in base and base[k] != v and log is not None):
-            log(f"{k}={given[k]!r} given to Train LoRA by name overrides the plugged "
-                f"{node.GET_SCHEMA().display_name} node's {base[k]!r}")
-        out |= option_values(node, {**base, **given})
-    if legacy:
-        raise TypeError(f"Train LoRA has no input {', '.join(sorted(legacy))}")
-    return out
-
-
-def _legacy_values(prompt, node_id) -> dict:
-    """The moved settings an API-format prompt still gives this node by name (a workflow saved before they moved:
-    ComfyUI passes a node only its declared inputs, so they are read from the whole prompt, its hidden input)."""
-    inputs = ((prompt or {}).get(str(node_id)) or {}).get("inputs") or {}
-    moved = LowVRAMTrainLoRA.moved_inputs()
-    return {k: v for k, v in inputs.items() if k in moved and not isinstance(v, list)}
+    return merge("Train LoRA", OPTION_NODES,
+                 {"training_options": training_options, "preview_options": preview_options}, legacy, log)
 
 
 def _comfy_lora(lora) -> dict:

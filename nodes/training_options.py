@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from . import schema as io
 from .load_model import CATEGORY
+from .moved_settings import defaults, option_values  # noqa: F401  (their users import them from here)
 
 
 def _train(name: str) -> str:
@@ -78,19 +79,3 @@ class LowVRAMPreviewOptions(io.Node):
 
 #: Train LoRA's sockets for these nodes, and the node that feeds each.
 OPTION_NODES = {"training_options": LowVRAMTrainingOptions, "preview_options": LowVRAMPreviewOptions}
-
-
-def defaults(node: type) -> dict:
-    """The node's widget defaults by name: what Train LoRA uses for a socket left unplugged."""
-    return {i.id: i.default for i in node.GET_SCHEMA().inputs}
-
-
-def option_values(node: type, values: dict) -> dict:
-    """Every setting of the node by name: the given values over the defaults. A name the node does not have is a
-    TypeError naming the ones it has (a Python caller's typo must not pass as a default)."""
-    base = defaults(node)
-    unknown = sorted(set(values) - set(base))
-    if unknown:
-        raise TypeError(f"{node.GET_SCHEMA().display_name} has no setting {', '.join(unknown)}; it has "
-                        f"{', '.join(base)}")
-    return {**base, **values}

@@ -20,7 +20,7 @@ def test_pack_exports_and_display_names():
     assert set(NODE_DISPLAY_NAME_MAPPINGS.values()) == {
         "Load Quantized Slab", "Cache Text Embeds", "Offload Config", "Dual-GPU Split", "Train LoRA (LowVRAM)",
         "Save LoRA (LowVRAM)", "LoRA Adapter (LowVRAM)", "Dataset Options", "Loss & Validation Options",
-        "Sample Prompt Conditioning", "Images to Dataset", "Training Options", "Preview Options"}
+        "Sample Prompt Conditioning", "Images to Dataset", "Training Options", "Preview Options", "Offload Tuning"}
     assert not set(NODE_CLASS_MAPPINGS) & COMFY_BUILTIN_IDS
     assert not set(NODE_DISPLAY_NAME_MAPPINGS.values()) & COMFY_BUILTIN_DISPLAY
     assert all(k.startswith("LowVRAM") for k in NODE_CLASS_MAPPINGS)

@@ -3,7 +3,6 @@
 Their defaults are the training loop's own (what Train LoRA used when they were its widgets), every shipped template
 keeps its values, and workflows saved while they were Train LoRA's widgets still run with every value they hold."""
 import json
-import re
 from dataclasses import fields
 from pathlib import Path
 
@@ -132,11 +131,3 @@ def test_a_value_given_by_name_overrides_the_plugged_node_and_says_so():
         moved_settings(None, None, {"sample_stepz": 4})
     with pytest.raises(TypeError, match="Preview Options has no setting steps; it has sample_steps"):
         option_values(LowVRAMPreviewOptions, {"steps": 4})
-
-
-def test_the_editor_extension_reads_old_files_by_the_same_names():
-    js = (ROOT / "web" / "train_lora_legacy.js").read_text()
-    names = re.search(r"const LEGACY_WIDGETS = \[(.*?)\];", js, re.S).group(1)
-    assert tuple(re.findall(r'"([a-z_]+)"', names)) == LEGACY_WIDGETS
-    assert 'values.length >= 7 && typeof values[6] === "string"' in js  # is_legacy_layout's test
-    assert all(f'"{cls}"' in js for cls in ("LowVRAMTrainingOptions", "LowVRAMPreviewOptions"))

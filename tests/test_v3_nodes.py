@@ -90,14 +90,13 @@ def test_pack_nodes_keep_their_widget_order_and_defaults():
     nodes (the last release's INPUT_TYPES) are kept, so templates and users' files load unchanged."""
     order = {n: cls.INPUT_TYPES()["required"] for n, cls in NODE_CLASS_MAPPINGS.items()}
     assert list(order["LowVRAMSaveLoRA"]) == ["lora", "filename_prefix", "format", "dtype"]
-    assert list(order["LowVRAMOffloadConfig"]) == [
-        "mode", "vram_budget_gb", "resident_blocks", "prefetch_depth", "activation_offload",
-        "gradient_checkpointing", "max_pinned_fraction", "int8_compute", "recompute_chunks", "optimizer_on_host",
-        "micro_batch_size", "compile", "activation_memory_budget", "outer_on_host", "ram_budget_gb",
-        "disk_blocks"]  # new inputs go last
-    # The node shows the few settings people change; the planner's own choices wait behind the advanced toggle.
-    shown = [n for n, (_, o) in order["LowVRAMOffloadConfig"].items() if not o.get("advanced")]
-    assert shown == ["mode", "vram_budget_gb", "int8_compute", "ram_budget_gb"]
+    # Offload Config shows what people set on most runs; the planner's own choices moved to Offload Tuning (a file
+    # saved before reads by the old order: nodes/offload_config.py LEGACY_WIDGETS, tests/test_offload_tuning.py).
+    assert list(order["LowVRAMOffloadConfig"]) == ["mode", "compile", "vram_budget_gb", "ram_budget_gb"]
+    assert list(order["LowVRAMOffloadTuning"]) == [
+        "resident_blocks", "prefetch_depth", "activation_offload", "gradient_checkpointing", "max_pinned_fraction",
+        "int8_compute", "recompute_chunks", "optimizer_on_host", "micro_batch_size", "activation_memory_budget",
+        "outer_on_host", "disk_blocks"]  # new inputs go last
     # Train LoRA shows the settings people change; the rest moved to Training Options and Preview Options (a file
     # saved before reads by the old order: nodes/train_lora.py LEGACY_WIDGETS, tests/test_train_lora_options.py).
     assert list(order["LowVRAMTrainLoRA"]) == ["model", "dataset", "offload", "steps", "learning_rate", "rank",

@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[2]
 OUR_NODES = {"LowVRAMLoadQuantizedSlab", "LowVRAMCacheTextEmbeds", "LowVRAMOffloadConfig", "LowVRAMDualGPUSplit",
              "LowVRAMTrainLoRA", "LowVRAMSaveLoRA", "LowVRAMDatasetOptions", "LowVRAMLossOptions",
              "LowVRAMSamplePromptConditioning", "LowVRAMImagesToDataset", "LowVRAMTrainingOptions",
-             "LowVRAMPreviewOptions"}
+             "LowVRAMPreviewOptions", "LowVRAMOffloadTuning"}
 
 
 def _copy_checkout(dest: Path) -> None:
