@@ -39,10 +39,26 @@ const MOVED = {
 
 const pending = []; // [node, its MOVED entry, {name: value}] read while the graph configures
 
+// The first y at or below `y` where a w x h box at x overlaps no node of the graph (title bars included): the
+// options node goes below its node without covering what the file has there (the demo's Note).
+function freeY(graph, x, y, w, h) {
+  const nodes = graph._nodes ?? graph.nodes ?? [];
+  for (let i = 0; i < 100; i++) {
+    const hit = nodes.find((n) => n.pos[0] < x + w && x < n.pos[0] + n.size[0]
+      && n.pos[1] - 40 < y + h && y - 40 < n.pos[1] + n.size[1]);
+    if (!hit) break;
+    y = hit.pos[1] + hit.size[1] + 60;
+  }
+  return y;
+}
+
 function migrate(node, moved, byName) {
   const graph = node.graph;
   if (!graph) return [];
   const added = [];
+  // The file's size was for its many widgets: fit the node to the ones it has now.
+  const fit = node.computeSize?.();
+  if (fit && fit[1] < node.size[1]) node.setSize([Math.max(node.size[0], fit[0]), fit[1]]);
   let y = node.pos[1] + node.size[1] + 60;
   for (const [type, socket] of moved.options) {
     const slot = node.inputs?.findIndex((i) => i.name === socket) ?? -1;
@@ -52,6 +68,7 @@ function migrate(node, moved, byName) {
     const held = (options.widgets ?? []).filter((w) => w.name in byName);
     if (!held.some((w) => w.value !== byName[w.name])) continue; // the defaults: unplugged means the same
     for (const w of held) w.value = byName[w.name];
+    y = freeY(graph, node.pos[0], y, options.size[0], options.size[1]);
     options.pos = [node.pos[0], y];
     graph.add(options);
     options.connect(0, node, slot);
