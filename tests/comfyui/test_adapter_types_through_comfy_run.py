@@ -33,11 +33,14 @@ DECAY = 0.5
 
 def _graph(comfy, kind: str) -> dict:
     graph = json.loads((comfy.pack / "example_workflows" / "api" / "demo_tiny_lora.json").read_text())
-    graph["8"] = {"class_type": "LowVRAMLoraAdapter",
-                  "inputs": {"type": kind, "lokr_factor": -1, "lokr_decompose_both": False, "continue_from": "",
-                             "ema_decay": DECAY, "snapshot_every": 0, "snapshot_keep": 3, "ema_previews": True}}
-    graph["4"]["inputs"].update(adapter=["8", 0], steps=6, warmup_steps=0, learning_rate=0.03, rank=4, alpha=8.0,
-                                sample_every=0, sample_at_start=False)
+    adapter = str(max(int(k) for k in graph) + 1)  # a free id: the demo's options nodes hold the next ones
+    graph[adapter] = {"class_type": "LowVRAMLoraAdapter",
+                      "inputs": {"type": kind, "lokr_factor": -1, "lokr_decompose_both": False, "continue_from": "",
+                                 "ema_decay": DECAY, "snapshot_every": 0, "snapshot_keep": 3, "ema_previews": True}}
+    graph["4"]["inputs"].update(adapter=[adapter, 0], steps=6, learning_rate=0.03, rank=4, alpha=8.0, sample_every=0)
+    options = {v["class_type"]: v["inputs"] for v in graph.values()}  # the demo plugs both options nodes
+    options["LowVRAMTrainingOptions"].update(warmup_steps=0)
+    options["LowVRAMPreviewOptions"].update(sample_at_start=False)
     graph["5"]["inputs"].update(filename_prefix=f"loras/demo_{kind}", dtype="fp32")
     return graph
 
