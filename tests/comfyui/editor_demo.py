@@ -171,3 +171,18 @@ def _browser_problems(d) -> tuple[list[dict], list[dict]]:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def open_editor(d, url: str) -> None:
+    """Load the editor at ``url`` and wait until its graph canvas exists (up to 2 min), then for its extensions (6 s);
+    print the frontend's version."""
+    import time
+
+    d.get(url)
+    for _ in range(120):
+        if d.execute_script("return !!(window.app && window.app.canvas && window.app.canvas.graph)"):
+            break
+        time.sleep(1)
+    time.sleep(6)
+    print("frontend", d.execute_script("return window.__COMFYUI_FRONTEND_VERSION__ || null"))
+

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from editor_demo import headless_chromium  # noqa: E402
+from editor_demo import headless_chromium, open_editor  # noqa: E402
 from editor_ux4 import FIT  # noqa: E402
 from editor_ux43 import NODES as TRAIN_NODES, _load  # noqa: E402
 
@@ -41,13 +41,7 @@ def main(argv=None) -> int:
     d.set_script_timeout(120)
     bad = []
     try:
-        d.get(a.url)
-        for _ in range(120):
-            if d.execute_script("return !!(window.app && window.app.canvas && window.app.canvas.graph)"):
-                break
-            time.sleep(1)
-        time.sleep(6)
-        print("frontend", d.execute_script("return window.__COMFYUI_FRONTEND_VERSION__ || null"))
+        open_editor(d, a.url)
         d.find_element("tag name", "body").send_keys("\ue00c")
         d.execute_script("document.querySelectorAll('.p-dialog-mask, [role=dialog]').forEach(e => e.remove())")
         demo = d.execute_script("return fetch('/api/workflow_templates/lowvram-lora/demo_tiny_lora.json')"

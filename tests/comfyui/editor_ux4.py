@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from editor_demo import headless_chromium  # noqa: E402
+from editor_demo import headless_chromium, open_editor  # noqa: E402
 
 FIT = """
 const [title] = arguments; const c = app.canvas, g = c.graph || app.graph;
@@ -54,13 +54,7 @@ def main(argv=None) -> int:
     d = headless_chromium()
     bad = []
     try:
-        d.get(a.url)
-        for _ in range(120):
-            if d.execute_script("return !!(window.app && window.app.canvas && window.app.canvas.graph)"):
-                break
-            time.sleep(1)
-        time.sleep(6)
-        print("frontend", d.execute_script("return window.__COMFYUI_FRONTEND_VERSION__ || null"))
+        open_editor(d, a.url)
         # 1. the template browser (frontend 1.49+ opens it on first load; else open it)
         if not d.execute_script("return document.querySelectorAll('[role=dialog]').length"):
             d.execute_script("app.extensionManager.command.execute('Comfy.BrowseTemplates')")
