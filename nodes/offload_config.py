@@ -104,6 +104,7 @@ class LowVRAMOffloadConfig(io.Node):
             optimizer_on_host=tri("optimizer_on_host"), micro_batch_size=t["micro_batch_size"] or None,
             compile=compile, activation_memory_budget=t["activation_memory_budget"], outer_on_host=tri("outer_on_host"),
             disk_blocks=None if t["disk_blocks"] < 0 else t["disk_blocks"],
+            allocator_margin_gb=t["allocator_margin_gb"] or None,
         ))
 
 

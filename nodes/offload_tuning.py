@@ -1,6 +1,6 @@
 """Offload Tuning: the planner's own choices (resident, prefetched and disk blocks, activation offload, recompute,
 micro-batches, host-held optimizer and outer layers, the int8 matmul path, the pinned-RAM cap, the compiled blocks'
-activation budget), in a small optional node that plugs into Offload Config's ``tuning`` socket (issue 43). Offload
+activation budget, the allocator margin), in a small optional node that plugs into Offload Config's ``tuning`` socket (issue 43). Offload
 Config itself shows what people set on most runs: mode, compile and the VRAM and RAM budgets.
 
 Unplugged, Offload Config uses this node's defaults, which are the values its own widgets had before they moved
@@ -32,8 +32,8 @@ class LowVRAMOffloadTuning(io.Node):
             node_id="LowVRAMOffloadTuning", display_name="Offload Tuning", category=CATEGORY,
             description="Optional overrides of the offload planner's own choices, for Offload Config's tuning input: "
                         "resident, prefetched and disk blocks, activation offload, recompute chunks, micro-batches, "
-                        "the optimizer and outer layers on the host, the int8 matmul path, the pinned-RAM cap and "
-                        "the compiled blocks' activation budget. Unplugged: the defaults shown here (the planner "
+                        "the optimizer and outer layers on the host, the int8 matmul path, the pinned-RAM cap, "
+                        "the compiled blocks' activation budget and the VRAM kept free for the allocator. Unplugged: the defaults shown here (the planner "
                         "chooses).",
             outputs=[io.Output("LOWVRAM_OFFLOAD_TUNING", "tuning", "Planner overrides for Offload Config's tuning "
                                                                    "input.")],
@@ -60,6 +60,8 @@ class LowVRAMOffloadTuning(io.Node):
                          tooltip=_help("outer_on_host", "auto = let the planner choose.")),
                 io.Int("disk_blocks", default=-1, min=-1, max=512,
                        tooltip=_help("disk_blocks", "-1 = let the planner choose.")),
+                io.Float("allocator_margin_gb", default=0.0, min=0.0, max=16.0, step=0.25,
+                         tooltip=_help("allocator_margin_gb", "0 = the family's measured margin.")),
             ])
 
     @classmethod

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from lowvram_lora.engine.offload import OffloadConfig
+from lowvram_lora.engine.errors import ConfigError
 from lowvram_lora.host import templates as T
 from lowvram_lora.host.executor import execute_graph
 from lowvram_lora.host.workflow import apply_overrides, to_api_graph, validate_graph
@@ -48,8 +49,15 @@ def test_offload_config_shows_few_widgets_and_unplugged_tuning_is_the_dataclass_
     assert LowVRAMOffloadConfig.execute().args[0] == OffloadConfig()
     plugged = LowVRAMOffloadConfig.execute(tuning=LowVRAMOffloadTuning.execute().args[0]).args[0]
     assert plugged == OffloadConfig()
-    # every widget, moved or not, is in the old order: nothing was dropped on the way
-    assert sorted(LEGACY_WIDGETS) == sorted(shown + list(option_values(LowVRAMOffloadTuning, {})))
+    margin = LowVRAMOffloadConfig.execute(tuning=LowVRAMOffloadTuning.execute(allocator_margin_gb=1.5).args[0]).args[0]
+    assert margin == OffloadConfig(allocator_margin_gb=1.5)  # 0 (the widget's default) stands for None
+    for bad in (float("nan"), -1.0):
+        with pytest.raises(ConfigError, match="allocator_margin_gb"):
+            OffloadConfig(allocator_margin_gb=bad)
+    # every widget, moved or not, is in the old order: nothing was dropped on the way (allocator_margin_gb came
+    # after the move: no old workflow holds it)
+    assert sorted(LEGACY_WIDGETS + ("allocator_margin_gb",)) == sorted(shown + list(option_values(LowVRAMOffloadTuning,
+                                                                                                  {})))
 
 
 def test_every_shipped_template_plans_with_the_values_it_had():

@@ -96,7 +96,7 @@ def test_pack_nodes_keep_their_widget_order_and_defaults():
     assert list(order["LowVRAMOffloadTuning"]) == [
         "resident_blocks", "prefetch_depth", "activation_offload", "gradient_checkpointing", "max_pinned_fraction",
         "int8_compute", "recompute_chunks", "optimizer_on_host", "micro_batch_size", "activation_memory_budget",
-        "outer_on_host", "disk_blocks"]  # new inputs go last
+        "outer_on_host", "disk_blocks", "allocator_margin_gb"]  # new inputs go last
     # Train LoRA shows the settings people change; the rest moved to Training Options and Preview Options (a file
     # saved before reads by the old order: nodes/train_lora.py LEGACY_WIDGETS, tests/test_train_lora_options.py).
     assert list(order["LowVRAMTrainLoRA"]) == ["model", "dataset", "offload", "steps", "learning_rate", "rank",

@@ -115,6 +115,11 @@ class OffloadConfig:
         "auto: 0 keeps every block off the disk (a RAM budget that needs the disk tier is then refused); another "
         "count is for stream mode. None: none in stream mode; auto decides from the RAM budget."
     )})
+    allocator_margin_gb: Optional[float] = field(default=None, metadata={"help": (
+        "VRAM auto keeps free under vram_budget_gb for the caching allocator's unusable holes, at least. None: the "
+        "family's measured margin (0.5 GB, or more where its wide tensors leave larger holes). Raise it when a run "
+        "ran out of memory under its budget: the error names the value that covers what that step needed."
+    )})
     max_pinned_fraction: float = field(default=0.8, metadata={"help": (
         "Largest share of the machine's RAM (the smaller of physical RAM and the cgroup limit) the plan may "
         "page-lock: pinned memory cannot be swapped, and pinning too much starves the rest of the system. A cap on "
@@ -153,6 +158,9 @@ class OffloadConfig:
         if self.activation_memory_budget < 1.0 and self.compile == "off":
             raise ConfigError(f"activation_memory_budget={self.activation_memory_budget} applies to compiled "
                               f"blocks only; set compile='blocks' or leave the budget at 1")
+        if self.allocator_margin_gb is not None and not 0 <= self.allocator_margin_gb < 64:  # NaN fails this too
+            raise ConfigError(f"allocator_margin_gb={self.allocator_margin_gb} must be a number of GB in [0, 64) (or "
+                              f"None for the family's measured margin)")
         if self.disk_blocks is not None and self.disk_blocks < 0:
             raise ConfigError(f"disk_blocks={self.disk_blocks} must be >= 0 (or None)")
         if self.disk_blocks and self.mode != "stream":

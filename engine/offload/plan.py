@@ -29,7 +29,8 @@ the plan is logged next to the measured peak after steps 1 and 2 so a drift show
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 from ..errors import ConfigError
@@ -139,6 +140,9 @@ class ModelFootprint:
     # The allocator's unusable holes at the cap, in units of that tensor (``MemoryProfile.fragmentation``, measured
     # per family; 0: HEADROOM_BYTES covers them).
     fragmentation: float = 0.0
+    # At least this much kept free, where a run asked for more than the family's measure (``OffloadConfig``'s
+    # ``allocator_margin_gb``, set after an out-of-memory that named the holes: ``oom_margin_advice``). 0: none.
+    margin_floor_bytes: int = 0
     # The family's modulation growth with a per-token timestep (``MemoryProfile.token_modulation``: a
     # ``TokenModulation``), counted over ``Workload.timestep_tokens``. None: it does not grow.
     token_modulation: Optional[object] = None
@@ -256,7 +260,8 @@ class Plan:
     @property
     def margin_bytes(self) -> int:
         """What the plan keeps free under its budget for the allocator (``allocator_margin``)."""
-        return allocator_margin(self.largest_tensor_bytes, self.footprint.fragmentation)
+        return max(allocator_margin(self.largest_tensor_bytes, self.footprint.fragmentation),
+                   self.footprint.margin_floor_bytes)
 
     @property
     def split_blocks(self) -> list[int]:
@@ -308,8 +313,9 @@ class Plan:
         parts = ", ".join(f"{k} {v / GB:.2f}" for k, v in self.breakdown.items())
         if self.modulation_bytes:
             parts += f"; of the activations, {self.modulation_bytes / GB:.2f} GB of per-token modulation"
-        margin = (f"; {self.margin_bytes / GB:.2f} GB kept free for the allocator's fragmentation (the largest "
-                  f"tensor {self.largest_tensor_bytes / GB:.2f} GB x {fp.fragmentation:g})"
+        why = ("allocator_margin_gb" if self.margin_bytes == fp.margin_floor_bytes else
+               f"the largest tensor {self.largest_tensor_bytes / GB:.2f} GB x {fp.fragmentation:g}")
+        margin = (f"; {self.margin_bytes / GB:.2f} GB kept free for the allocator's fragmentation ({why})"
                   if self.budget_bytes and self.margin_bytes > HEADROOM_BYTES else "")
         lines.append(f"  predicted peak {self.predicted_peak_bytes / GB:.2f} GB{budget} ({parts}){margin}")
         if self.step_time is not None:
@@ -631,6 +637,34 @@ def allocator_margin(largest_tensor_bytes: int, fragmentation: float = 0.0) -> i
     return max(HEADROOM_BYTES, int(fragmentation * largest_tensor_bytes))
 
 
+_TORCH_OOM = re.compile(r"Tried to allocate ([\d.]+) (KiB|MiB|GiB)\b.*?([\d.]+) (KiB|MiB|GiB) allowed; Of the "
+                        r"allocated memory ([\d.]+) (KiB|MiB|GiB) is allocated by PyTorch, and ([\d.]+) (KiB|MiB|GiB) "
+                        r"is reserved by PyTorch but unallocated", re.S)
+_UNIT = {"KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30}
+
+
+def oom_margin_advice(message: str, plan: Plan) -> str:
+    """What an out-of-memory under a capped budget says about the allocator margin, from torch's own figures in its
+    message (the request, the cap, what was allocated and what was reserved but unusable): how much the run needed
+    beyond the plan's predicted peak, and the ``allocator_margin_gb`` that covers it (rounded up to 0.25 GB). With
+    that margin the planner fits the same budget with more kept free, so the card's budget can stay as it is.
+    "" when the message has no such figures (no cap, or another allocator backend)."""
+    m = _TORCH_OOM.search(message)
+    if m is None or not plan.budget_bytes:
+        return ""
+    request, allowed, allocated, unusable = (float(m.group(i)) * _UNIT[m.group(i + 1)] for i in (1, 3, 5, 7))
+    needed = allocated + unusable + request - plan.predicted_peak_bytes
+    if needed <= plan.margin_bytes:  # the plan itself was under-counted, not the margin
+        return (f"The allocator had {unusable / GB:.2f} GB reserved but unusable and the request was {request / GB:.2f}"
+                f" GB, within the {plan.margin_bytes / GB:.2f} GB the plan kept free: the plan's prediction was short;"
+                f" lower vram_budget_gb by {math.ceil((allocated + unusable + request - allowed) / GB * 4) / 4:.2f} GB.")
+    margin = math.ceil(needed / GB * 4) / 4
+    return (f"The allocator had {unusable / GB:.2f} GB reserved but unusable (fragmentation) beside a "
+            f"{request / GB:.2f} GB request: this step needed {needed / GB:.2f} GB beyond the predicted peak, and the "
+            f"plan kept {plan.margin_bytes / GB:.2f} GB free. Set Offload Tuning's allocator_margin_gb to {margin:.2f} "
+            f"(the plan then streams more within the same vram_budget_gb) and run again.")
+
+
 def _fits(plan: Plan, budget: int) -> bool:
     return plan.predicted_peak_bytes + plan.margin_bytes <= budget
 
@@ -746,6 +780,8 @@ def make_plan(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, budget_bytes
     predicted for (engine/offload/link.py measures it; None: a 25 GB/s link, no disk tier); auto picks the fastest
     plan on it. ``compute_s_per_step``: the measured resident step of this model and workload, when known (else
     estimated from FLOPs; engine/offload/steptime.py)."""
+    if cfg.allocator_margin_gb:  # the plans below keep at least this free under the budget (``margin_bytes``)
+        fp = replace(fp, margin_floor_bytes=int(cfg.allocator_margin_gb * GB))
     timing = {"machine": machine, "compute_s_per_step": compute_s_per_step, "compiled": compiled}
     ram = RamLimits(ram_budget_bytes, int(cfg.max_pinned_fraction * host_ram_bytes) if host_ram_bytes else None)
     n = fp.num_blocks

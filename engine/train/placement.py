@@ -258,14 +258,19 @@ class Placement(ABC):
             settings["offload_stats"] = self.handle.stats()
 
     def out_of_memory(self, exc: BaseException, family) -> torch.cuda.OutOfMemoryError:
-        """CUDA ran out of memory while training: the error to raise, with what to change."""
+        """CUDA ran out of memory while training: the error to raise, with what to change (from torch's figures where
+        the budget capped the allocator: ``oom_margin_advice``)."""
+        from ..offload.plan import oom_margin_advice
+
+        advice = oom_margin_advice(str(exc), self.handle.plan)
         return torch.cuda.OutOfMemoryError(
             f"CUDA out of memory while training {family.display_name} with block streaming on "
             f"{', '.join(str(d) for d in self.devices)}: "
-            f"{exc}\n{self.handle.plan.describe()}\nLower vram_budget_gb (more blocks stream), turn activation "
-            f"offload on, use prefetch_depth=1, or lower the resolution or batch size. Under an auto budget the "
-            f"allocator is held to the budget: other programs on the GPU do not count, but fragmentation "
-            f"does; raise the budget by 0.5 GB if the plan's prediction was close to it.")
+            f"{exc}\n{self.handle.plan.describe()}\n" + (advice or
+            "Lower vram_budget_gb (more blocks stream), turn activation offload on, use prefetch_depth=1, or lower "
+            "the resolution or batch size. Under an auto budget the allocator is held to the budget: other programs "
+            "on the GPU do not count, but fragmentation does; raise Offload Tuning's allocator_margin_gb by 0.5 if "
+            "the plan's prediction was close to the budget."))
 
 
 class Resident(Placement):
