@@ -103,8 +103,19 @@ def test_pipelined_plan_balances_time_and_holds_two_micro_batches_on_the_first_p
             continue
         assert other.predicted_step_s >= pipe.predicted_step_s - 1e-9
     assert seq.micro_batches == 1 and "fewest bytes" in seq.reason  # one micro-batch: the cut as before
-    with pytest.raises(ConfigError, match="batch_size is 2; raise Train LoRA's batch_size to at least 4"):
+    with pytest.raises(ConfigError, match="batch_size is 2 with gradient_accumulation 1: raise Train LoRA's "
+                                          "batch_size to at least 4"):
         plan_split(fp, [1000] * 10, 0, Workload(2, 64, 8), auto, devs, budgets, micro_batches=4)
+    # A smaller batch fills the pipeline from gradient accumulation: 2 batches of 2 per pipeline of 4 micro-batches,
+    # each batch's predicted time the pipeline's over its 2 batches (the parts' times are per batch).
+    span = plan_split(fp, [1000] * 10, 0, Workload(2, 64, 8), auto, devs, budgets, micro_batches=4, accumulation=6,
+                      machines=(h100, h100))
+    assert span.batches_per_pipeline == 2 and "every 2 accumulated batches" in span.describe()
+    parts = [p.step_time.seconds for p in span.plans]
+    assert span.predicted_step_s == pytest.approx(pipelined_step_s([2 * s for s in parts], 4, 2 * span.crossing_s) / 2)
+    assert span.predicted_step_s < sum(parts)
+    with pytest.raises(ConfigError, match="gradient_accumulation a multiple of micro_batches / batch_size"):
+        plan_split(fp, [1000] * 10, 0, Workload(2, 64, 8), auto, devs, budgets, micro_batches=4, accumulation=3)
     with pytest.raises(ConfigError, match="LoRA elements sit outside the transformer blocks"):
         plan_split(fp, [1000] * 10, 50, wl, auto, devs, budgets, micro_batches=4)
 
@@ -287,6 +298,24 @@ def test_train_lora_pipelined_split_on_cpu_equals_unsplit(tiny_pipeline, tiny_ca
     whole = train_lora(cfg, tiny_cache, lora, train, preloaded=(base, family, variant), step_window=0)
     assert split.settings["offload_plan"]["micro_batches"] == 2
     assert split.settings["offload_stats"]["pipelined_micro_batches"] == 4  # 2 steps x 2 micro-batches
+    assert split.loss_history == pytest.approx(whole.loss_history, rel=1e-4)
+    for k, v in whole.state_dict.items():
+        torch.testing.assert_close(split.state_dict[k], v, rtol=1e-4, atol=1e-6)
+
+
+def test_pipelined_split_fills_its_pipeline_from_gradient_accumulation(tiny_pipeline, tiny_cache):
+    """batch_size 1 with gradient_accumulation 4 and micro_batches 2: each pair of accumulated batches flows through
+    the two parts as one pipeline (one sample a micro-batch), with the modulation window on; the LoRA and losses equal
+    the one-device run of the same batches (rtol 1e-4), which runs them one after the other."""
+    cfg = ModelConfig(transformer_path=str(tiny_pipeline))
+    lora = LoraSettings(rank=4)
+    train = TrainConfig(steps=2, learning_rate=2e-3, seed=3, device="cpu", batch_size=1, gradient_accumulation=4)
+    base, family, _, variant = load_transformer(tiny_pipeline, dtype=torch.float32)
+    split = train_lora(cfg, tiny_cache, lora, train, preloaded=(base, family, variant),
+                       offload=OffloadConfig(mode="resident"),
+                       split=ParallelConfig(mode="split", devices=("cpu", "cpu"), micro_batches=2), step_window=2)
+    assert split.settings["offload_stats"]["pipelined_micro_batches"] == 8  # 2 steps x 4 accumulated batches
+    whole = train_lora(cfg, tiny_cache, lora, train, preloaded=(base, family, variant), step_window=0)
     assert split.loss_history == pytest.approx(whole.loss_history, rel=1e-4)
     for k, v in whole.state_dict.items():
         torch.testing.assert_close(split.state_dict[k], v, rtol=1e-4, atol=1e-6)

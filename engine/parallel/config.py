@@ -37,9 +37,12 @@ class ParallelConfig:
     micro_batches: int = field(default=1, metadata={"help": (
         "split only: cut each batch into this many micro-batches and pipeline them through the two parts (1F1B), "
         "so both GPUs work at once: the first GPU runs micro-batch k+1's first half while the second runs micro-batch "
-        "k's second half. Train LoRA's batch_size must be at least this (e.g. batch_size 4, micro_batches 4: one "
-        "image per micro-batch). The gradient is the whole batch's, as without it. A two-part pipeline flushed every "
-        "step is at most 2M/(M+1) times faster than the parts one after the other (1.6x at 4, 1.78x at 8). "
+        "k's second half. The micro-batches come from the batch (batch_size 4, micro_batches 4: one image each) or, "
+        "with a smaller batch, from gradient accumulation (batch_size 1, gradient_accumulation 8, micro_batches 8: "
+        "the 8 accumulated images flow through together; gradient_accumulation must be a multiple of "
+        "micro_batches / batch_size). The gradient is the step's, as without it. A two-part pipeline flushed every "
+        "optimizer step is at most 2M/(M+1) times faster than the parts one after the other (1.6x at 4, 1.78x at "
+        "8, 1.88x at 16). "
         "1 = the parts one after the other. Needs LoRA only inside the transformer blocks."
     )})
     vram_budget_gb: tuple[float, ...] = field(default=(0.0,), metadata={"help": (

@@ -152,6 +152,7 @@ class PipelineRunner:
         self.failed: Optional[BaseException] = None
         self._lanes: tuple[_Lane, _Lane] = ()
         self.micro_batches_run = 0
+        self.batches = 1  # accumulated batches one run spans (SplitPlan.batches_per_pipeline; the loop groups them)
         self._active = False  # a pipelined step is running (the throttle applies)
         self._marks: collections.deque = collections.deque()
         self._marks_lock = threading.Lock()

@@ -77,6 +77,9 @@ class SplitPlan:
     crossing_bytes: int = 0  # hidden states crossing the cut per micro-step, each way
     peer_bytes_per_s: float = DEFAULT_PEER_BYTES_PER_S
     micro_batches: int = 1  # > 1: pipelined, the batch's micro-batches in the 1F1B order (pipeline.py)
+    # Accumulated batches one pipeline spans: 1, or micro_batches / batch_size where the batch is smaller than
+    # micro_batches (each sample a micro-batch, the pipeline filled from gradient accumulation's batches).
+    batches_per_pipeline: int = 1
     host_extra_bytes: int = 0  # host RAM the run holds beside the parts (the modulation window's weights)
 
     @property
@@ -102,14 +105,17 @@ class SplitPlan:
         the 1F1B schedule's makespan (None: a part has no step time)."""
         if any(p.step_time is None for p in self.plans):
             return None
-        return pipelined_step_s([p.step_time.seconds for p in self.plans], self.micro_batches, self.crossing_s)
+        return pipelined_step_s([p.step_time.seconds for p in self.plans], self.micro_batches, self.crossing_s,
+                                self.batches_per_pipeline)
 
     def describe(self) -> str:
         n = self.plans[0].footprint.num_blocks + self.plans[1].footprint.num_blocks
         lines = [f"split at block {self.cut} of {n}: blocks 0-{self.cut - 1} on {self.devices[0]}, "
                  f"{self.cut}-{n - 1} on {self.devices[1]}" + (f" ({self.reason})" if self.reason else "")
                  + (f"; each batch pipelined through both in {self.micro_batches} micro-batches (1F1B)"
-                    if self.micro_batches > 1 else "")]
+                    if self.micro_batches > 1 and self.batches_per_pipeline == 1 else "")
+                 + (f"; every {self.batches_per_pipeline} accumulated batches pipelined through both together, "
+                    f"{self.micro_batches} micro-batches (1F1B)" if self.batches_per_pipeline > 1 else "")]
         step = self.predicted_step_s
         if step is not None and self.micro_batches > 1:
             parts = ", ".join(f"{p.step_time.seconds:.3f}" for p in self.plans)
@@ -161,14 +167,17 @@ def plan_split(fp: ModelFootprint, block_trainable: list[int], other_trainable: 
                budgets: tuple[Optional[int], Optional[int]], cut: Optional[int] = None,
                host_ram_bytes: Optional[int] = None, ram_budget_bytes: Optional[int] = None,
                machines: tuple[Optional[Machine], Optional[Machine]] = (None, None),
-               compiled: bool = False, micro_batches: int = 1, host_extra: Optional[dict] = None) -> SplitPlan:
+               compiled: bool = False, micro_batches: int = 1, host_extra: Optional[dict] = None,
+               accumulation: int = 1) -> SplitPlan:
     """The plan for both parts: at ``cut``, or at the best cut when it is None (see the module doc).
     ``machines``: each device's link and GPU (engine/offload/link.py ``resolve_machine``; None: the default
     machine), so each part's step time is predicted where it runs. ``micro_batches`` > 1: pipelined (the batch
-    in that many pieces, 1F1B), refused where it cannot run (see ``check_pipelined``). ``host_extra``: host bytes the
-    run holds beside the parts (the modulation window's weights), in the RAM budget once."""
+    in that many pieces, 1F1B; from ``accumulation``'s batches where the batch is smaller), refused where it cannot
+    run (see ``check_pipelined``). ``host_extra``: host bytes the run holds beside the parts (the modulation window's
+    weights), in the RAM budget once."""
+    span = 1
     if micro_batches > 1:
-        check_pipelined(other_trainable, workload.batch, micro_batches)
+        span = check_pipelined(other_trainable, workload.batch, micro_batches, accumulation)
     cuts = [cut] if cut is not None else list(range(1, fp.num_blocks))
     best, best_key, last_error = None, None, None
     for c in cuts:
@@ -180,7 +189,7 @@ def plan_split(fp: ModelFootprint, block_trainable: list[int], other_trainable: 
             last_error = exc
             continue
         candidate = SplitPlan(c, devices, plans, crossing_bytes=_crossing_bytes(fp, workload),
-                              micro_batches=micro_batches)
+                              micro_batches=micro_batches, batches_per_pipeline=span)
         peaks = [p.predicted_peak_bytes for p in plans]
         step = candidate.predicted_step_s
         if micro_batches > 1 and step is not None:
@@ -217,27 +226,39 @@ def plan_split(fp: ModelFootprint, block_trainable: list[int], other_trainable: 
     return best
 
 
-def check_pipelined(other_trainable: int, batch: int, micro_batches: int) -> None:
-    """What a pipelined split cannot run, refused with the fix."""
+def check_pipelined(other_trainable: int, batch: int, micro_batches: int, accumulation: int = 1) -> int:
+    """What a pipelined split cannot run, refused with the fix; else how many accumulated batches one pipeline spans:
+    1 (the batch cut into ``micro_batches`` pieces), or, with a smaller batch, ``micro_batches / batch`` batches of
+    gradient accumulation whose samples flow through the pipeline together (one optimizer step still sees every
+    accumulated batch, so the gradient is the same)."""
+    span = 1
     if batch < micro_batches:
-        raise ConfigError(f"Dual-GPU Split micro_batches={micro_batches} cuts each batch into that many pieces, but "
-                          f"batch_size is {batch}; raise Train LoRA's batch_size to at least {micro_batches} or "
-                          f"lower micro_batches")
+        span = micro_batches // batch
+        if micro_batches % batch or accumulation % span:
+            raise ConfigError(
+                f"Dual-GPU Split micro_batches={micro_batches} pipelines that many micro-batches at once, but "
+                f"batch_size is {batch} with gradient_accumulation {accumulation}: raise Train LoRA's batch_size to "
+                f"at least {micro_batches}, or make micro_batches a multiple of batch_size and gradient_accumulation "
+                f"a multiple of micro_batches / batch_size (e.g. batch_size 1, gradient_accumulation "
+                f"{micro_batches}), or lower micro_batches")
     if other_trainable:
         raise ConfigError(f"Dual-GPU Split micro_batches={micro_batches}: {other_trainable} LoRA elements sit outside "
                           f"the transformer blocks, whose gradients the pipelined split does not carry across the "
                           f"cut; target only the blocks' layers, or set micro_batches to 1")
+    return span
 
 
-def pipelined_step_s(part_seconds: list[float], micro_batches: int, crossing_s: float = 0.0) -> float:
-    """A step of the split: the parts one after the other (one micro-batch), or the 1F1B makespan of
-    ``micro_batches`` pieces, each part's time (the whole batch's) shared among them."""
+def pipelined_step_s(part_seconds: list[float], micro_batches: int, crossing_s: float = 0.0,
+                     batches: int = 1) -> float:
+    """A micro-step (one batch) of the split: the parts one after the other (one micro-batch), or the 1F1B makespan
+    of ``micro_batches`` pieces, each part's time (the whole batch's) shared among them; where a pipeline spans
+    ``batches`` accumulated batches, its makespan over the ``batches`` x the parts' time, per batch."""
     if micro_batches <= 1:
         return sum(part_seconds) + crossing_s
-    per = [s / micro_batches for s in part_seconds]
+    per = [s * batches / micro_batches for s in part_seconds]
     return makespan(schedule(micro_batches, len(per)),
                     lambda s, op: per[s] * (FORWARD_SHARE if op[0] == "F" else 1 - FORWARD_SHARE),
-                    crossing_s / (2 * micro_batches))
+                    crossing_s * batches / (2 * micro_batches)) / batches
 
 
 def _part_plan(fp: ModelFootprint, workload: Workload, offload: OffloadConfig, budget: Optional[int],
@@ -379,6 +400,7 @@ def apply_split(model: nn.Module, family, plan: SplitPlan, offload: OffloadConfi
 
         pipeline = PipelineRunner(plan.devices, {id(b) for _, b in parts[1]},
                                   {id(m) for _, b in parts[1] for m in b.modules()})
+        pipeline.batches = plan.batches_per_pipeline
     hooks = []
     for part, dev in zip(parts, plan.devices):
         for _, block in part:

@@ -14,7 +14,7 @@ import contextlib
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -605,6 +605,11 @@ def _accumulate(run: _Run) -> float | None:
     micro-batches."""
     train = run.train
     loss_sum = 0.0
+    pipeline = run.placement.pipeline()
+    # A pipelined split whose pipeline spans accumulated batches (SplitPlan.batches_per_pipeline): their pieces are
+    # gathered and run together. Not with preservation, whose extra passes run piece by piece.
+    span = pipeline.batches if pipeline is not None and run.class_text is None else 1
+    group: list = []  # (the batch's jobs, its weight, its window calls) waiting for the pipeline to fill
     for micro in range(train.gradient_accumulation):
         # Noise, timesteps and flips are keyed by the global micro-batch index (batching.py).
         index = run.ranks.global_micro_index(run.drawn)
@@ -630,10 +635,21 @@ def _accumulate(run: _Run) -> float | None:
             from .preservation import class_embeds
 
             preserve = (class_embeds(run.class_text, embeds), run.loss.preservation_weight)
-        loss_sum += weight * _micro_step(run.model, run.family, latents, embeds, train, gen, run.autocast,
-                                         weight / train.gradient_accumulation, run.memory.micro_batch,
-                                         run.sigma_range, weights, run.loss, window=run.window, calls=calls,
-                                         preserve=preserve, pipeline=run.placement.pipeline())
+        if span > 1:
+            group.append((_batch_jobs(run.model, run.family, latents, embeds, train, gen, run.autocast,
+                                      weight / train.gradient_accumulation, run.memory.micro_batch, run.sigma_range,
+                                      weights, run.loss), weight, calls))
+            if len(group) < span:
+                continue
+            losses = _pipelined([g[0] for g in group], None if run.window is None else
+                                [c for g in group for c in g[2]], run.window, pipeline)
+            loss_sum += sum(g[1] * loss for g, loss in zip(group, losses))
+            group = []
+        else:
+            loss_sum += weight * _micro_step(run.model, run.family, latents, embeds, train, gen, run.autocast,
+                                             weight / train.gradient_accumulation, run.memory.micro_batch,
+                                             run.sigma_range, weights, run.loss, window=run.window, calls=calls,
+                                             preserve=preserve, pipeline=pipeline)
         # Between micro-steps too: with long accumulation, Stop must not wait a whole step.
         if micro < train.gradient_accumulation - 1 and _stop_requested(run):
             return None
@@ -931,37 +947,13 @@ def _micro_step(model, family, latents, embeds, cfg: TrainConfig, gen: torch.Gen
     embeddings for the batch, their weight): differential output preservation's loss is added (preservation.py).
     ``pipeline``: a pipelined split's runner (engine/parallel/pipeline.py): the pieces flow through its two GPUs at
     once (not with preservation, whose extra passes run piece by piece)."""
-    b = latents.shape[0]
-    sigmas, noise, level_weights = _draw_noise(family, latents, cfg, gen, sigma_range, loss_opts)
-    noisy, target = noisy_latents_and_target(latents, noise, sigmas)
-    weights = held_weights(embeds, latents, weights)  # an image-to-video model's held first frame: out of the loss
-    pieces = _pieces(b, micro_batch)
-    shares = [(piece.stop - piece.start) / b for piece in pieces]
-
-    def piece_loss(piece, autocast):
-        with autocast:
-            pred = predict_velocity(family, model, noisy[piece], {k: v[piece] for k, v in embeds.items()},
-                                    sigmas[piece], cfg.guidance)
-        if level_weights is not None:  # per-sample weights of the noise levels (and the masks, if any)
-            per = per_sample_mse(pred, target[piece], None if weights is None else weights[piece])
-            return (per * level_weights[piece].to(per.device)).mean()
-        if weights is None:
-            return torch.nn.functional.mse_loss(pred.float(), target[piece].float())
-        return weighted_mse(pred, target[piece], weights[piece])
-
+    jobs = _batch_jobs(model, family, latents, embeds, cfg, gen, autocast, scale, micro_batch, sigma_range, weights,
+                       loss_opts)
+    pieces, shares, piece_loss = jobs.pieces, jobs.shares, jobs.piece_loss
     if pipeline is not None and len(pieces) > 1 and preserve is None:
-        from ..parallel.pipeline import autocast_copy
-
-        def job(piece, share):
-            def run():
-                loss = piece_loss(piece, autocast_copy(autocast))
-                return loss * (share * scale), loss
-            return run
-
-        with window.served(calls, pipeline.micro_index) if calls is not None else contextlib.nullcontext():
-            losses = pipeline.run([job(p, share) for p, share in zip(pieces, shares)])
-        return sum(loss.item() * share for loss, share in zip(losses, shares))
+        return _pipelined([jobs], calls, window, pipeline)[0]
     total = 0.0
+    noisy, sigmas = jobs.noisy, jobs.sigmas
     for i, (piece, share) in enumerate(zip(pieces, shares)):
         with window.call(calls[i]) if calls is not None else contextlib.nullcontext():
             loss = piece_loss(piece, autocast)
@@ -975,6 +967,66 @@ def _micro_step(model, family, latents, embeds, cfg: TrainConfig, gen: torch.Gen
             loss = loss + kept.detach()
         total += loss.item() * share
     return total
+
+
+@dataclass
+class _BatchJobs:
+    """One batch's noise drawn and its pieces' losses ready to run (``_batch_jobs``)."""
+
+    pieces: list
+    shares: list
+    piece_loss: Callable  # (piece, autocast) -> the piece's loss
+    scale: float  # the batch's weight in the step's gradient
+    autocast: Any
+    noisy: Any = None  # the noised latents and their sigmas (preservation's passes reuse them)
+    sigmas: Any = None
+
+
+def _batch_jobs(model, family, latents, embeds, cfg: TrainConfig, gen, autocast, scale: float, micro_batch: int,
+                sigma_range, weights, loss_opts) -> _BatchJobs:
+    """Draw a batch's noise and timesteps (the batch's generator, as always) and say how each of its pieces'
+    losses is computed: the work ``_micro_step`` runs piece by piece, or a pipelined split runs at once."""
+    b = latents.shape[0]
+    sigmas, noise, level_weights = _draw_noise(family, latents, cfg, gen, sigma_range, loss_opts)
+    noisy, target = noisy_latents_and_target(latents, noise, sigmas)
+    weights = held_weights(embeds, latents, weights)  # an image-to-video model's held first frame: out of the loss
+    pieces = _pieces(b, micro_batch)
+
+    def piece_loss(piece, autocast):
+        with autocast:
+            pred = predict_velocity(family, model, noisy[piece], {k: v[piece] for k, v in embeds.items()},
+                                    sigmas[piece], cfg.guidance)
+        if level_weights is not None:  # per-sample weights of the noise levels (and the masks, if any)
+            per = per_sample_mse(pred, target[piece], None if weights is None else weights[piece])
+            return (per * level_weights[piece].to(per.device)).mean()
+        if weights is None:
+            return torch.nn.functional.mse_loss(pred.float(), target[piece].float())
+        return weighted_mse(pred, target[piece], weights[piece])
+
+    return _BatchJobs(pieces, [(p.stop - p.start) / b for p in pieces], piece_loss, scale, autocast, noisy, sigmas)
+
+
+def _pipelined(batches: list[_BatchJobs], calls: list | None, window, pipeline) -> list[float]:
+    """Every piece of ``batches`` through a pipelined split's two GPUs in one 1F1B run (engine/parallel/pipeline.py):
+    one batch's pieces, or those of the accumulated batches one pipeline spans (their gradients add up as they would
+    one batch after the other). ``calls``: the modulation window's outputs for each piece, in the same order. Returns
+    each batch's loss (its pieces' losses weighted by their shares)."""
+    from ..parallel.pipeline import autocast_copy
+
+    def job(batch: _BatchJobs, piece, share):
+        def run():
+            loss = batch.piece_loss(piece, autocast_copy(batch.autocast))
+            return loss * (share * batch.scale), loss
+        return run
+
+    jobs = [job(b, p, share) for b in batches for p, share in zip(b.pieces, b.shares)]
+    with window.served(calls, pipeline.micro_index) if calls is not None else contextlib.nullcontext():
+        losses = pipeline.run(jobs)
+    out, first = [], 0
+    for b in batches:
+        out.append(sum(loss.item() * share for loss, share in zip(losses[first:first + len(b.pieces)], b.shares)))
+        first += len(b.pieces)
+    return out
 
 
 def _draw_levels(family, latents, cfg: TrainConfig, gen, sigma_range, loss_opts):
