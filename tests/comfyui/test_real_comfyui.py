@@ -186,8 +186,9 @@ def test_demo_workflow_trains_through_comfy_run(comfy):
     with Image.open(new[0].with_name(new[0].stem + "_samples.png")) as grid:
         assert grid.size == (width, title_height(width) + 2 * 256)
     assert f"sampled 2 prompt(s) at step {steps}" in log
-    # the run trained (nothing to reuse in a fresh base folder) and its progress reached the console
-    assert "[lowvram-lora] step 1/" in log and f"[lowvram-lora] step {steps}/{steps}" in log, log[-3000:]
+    # the run trained (nothing to reuse in a fresh base folder) and its progress reached the console: the last step's
+    # line (the first one's can have left ComfyUI's log buffer, a capped deque, on a slow machine: 2026-11-28)
+    assert f"[lowvram-lora] step {steps}/{steps}" in log, log[-3000:]
     for noise in ("is an Enum subclass", "Unable to import `torchao` Tensor objects"):  # item 7: no known noise
         assert noise not in log, noise
     from lowvram_lora.engine.lora_io import load_lora
