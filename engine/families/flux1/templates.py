@@ -7,10 +7,13 @@ TEMPLATES = [
         variant="flux1-tiny",
         load={"checkpoint": "flux1-tiny.safetensors", "family": "auto", "precision": "bf16"},
         cache={"text_encoders": "diffusers/flux1-tiny", "dataset_path": "lowvram_demo/shapes",
-               "resolution": 128, "sample_prompts": "ohwx, a red circle\nohwx, a blue square"},
+               "resolution": 128, "trigger_word": "",  # the captions carry "ohwx" (demo_models.DEMO_CAPTION)
+               "sample_prompts": "a red circle on a ohwx background\na blue square on a ohwx background"},
         offload={"mode": "resident"},
+        # guidance 3.5: the demo's base was pretrained with the guidance embedding at 3.5 only, and samples at 3.5;
+        # trained at 1.0 (the default, right for Flux.1-dev) its LoRA learnt in a regime the base never saw
         train={"steps": 300, "learning_rate": 5e-3, "rank": 8, "alpha": 8.0, "warmup_steps": 10, "training_seed": 0,
-               "sample_every": 100, "sample_steps": 8, "sample_resolution": 128, "sample_seed": 0},
+               "guidance": 3.5, "sample_every": 100, "sample_steps": 8, "sample_resolution": 128, "sample_seed": 0},
         save={"filename_prefix": "loras/demo_tiny_lora"},
         note=(
         "Demo: trains a LoRA on a tiny Flux.1-architecture model, on CPU: the dataset's shapes sit on yellow, and "
