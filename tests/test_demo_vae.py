@@ -38,8 +38,8 @@ def test_trained_demo_vae_reconstructs_shapes_and_keeps_flux_latent_scale(tmp_pa
 
 def test_demo_dataset_shows_what_the_demo_prompts_name(tmp_path):
     """The LoRA can only visibly learn the sample prompts if the dataset holds them: each prompt of the shipped
-    demo workflow is a caption (the trigger "ohwx" inside it), and its images have the named colour (mean of the pixels not of
-    the background within 40 of the colour)."""
+    demo workflow is a caption (the trigger "ohwx" inside it), and its images have the named colour (mean of the
+    pixels not of the background within 40 of the colour)."""
     import numpy as np
     from PIL import Image
 
