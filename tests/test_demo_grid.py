@@ -84,8 +84,8 @@ def test_the_demo_lora_moves_its_samples_toward_the_datasets_colour(tmp_path):
     draws no shapes and tells the prompts apart only as its LoRA learns to; what the LoRA learns first from the
     demo's data and settings is their common look, the pull toward the dataset's yellow. Threshold: each prompt's
     last cell is at most 0.8 times as far from the dataset's mean colour (its images as the VAE draws them) as its
-    step-0 cell (Euclidean distance of mean RGB; a LoRA that learns nothing stays at 1.0). ~35 s on an idle
-    2-core machine."""
+    step-0 cell (Euclidean distance of mean RGB; a LoRA that learns nothing stays at 1.0). Measured: 97 -> 61 and
+    98 -> 58 (ratios 0.63, 0.58). ~35 s on an idle 2-core machine (47 s of CPU; 3.2 min of wall time at load 5)."""
     from lowvram_lora.demo import ensure_demo_assets
     from lowvram_lora.demo_models import train_demo_vae
 
@@ -110,9 +110,10 @@ def test_the_real_demo_draws_each_prompts_shape_colour_on_the_datasets_yellow(tm
     prompt's images as the VAE draws them: red 0.21-0.34 of an image and yellow 0.66-0.80; blue 0.23-0.47 and
     0.50-0.74. Thresholds, for each prompt: at the last step each fraction is at least half the images' share, and
     the look's distance to the images' (the sum of both fractions' differences) is at most 0.6 times the step-0
-    cell's. Measured: red circle 0.44 / 0.06 at step 0 (a red blob on white), 0.18 / 0.79 at the last step,
-    distance 0.84 -> 0.15; blue square 0.07 / 0.00 (a purple blob on white), 0.52 / 0.41, 0.90 -> 0.44. A LoRA that
-    learns nothing keeps the step-0 cell (ratio 1.0) and fails."""
+    cell's. Measured (2026-11-28, 8.4 min at load 4-7, most of it preparing; see the Note): red circle, images
+    0.26 / 0.75, step 0 0.44 / 0.06 (a red blob on white), last 0.18 / 0.79, distance 0.87 -> 0.13; blue square,
+    images 0.32 / 0.65, step 0 0.07 / 0.00 (a purple-blue blob on white), last 0.52 / 0.41, distance 0.90 -> 0.44.
+    A LoRA that learns nothing keeps the step-0 cell (ratio 1.0) and fails."""
     from lowvram_lora.demo import run_demo
     from lowvram_lora.demo_models import DEMO_BACKGROUND
 
