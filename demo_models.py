@@ -219,13 +219,20 @@ def pretrain_demo_transformer(pipeline: str | Path, steps: int = 2500, count: in
     return final
 
 
-#: The demo's dataset: what its two sample prompts name ("ohwx, a red circle" / "ohwx, a blue square"; the Cache
-#: node puts the trigger "ohwx" in front), on one plain background, so the LoRA has one clear thing to learn.
+#: The demo's dataset: what its two sample prompts name, on one plain background, so the LoRA has one clear thing to
+#: learn.
 DEMO_SUBJECTS = (("red", "circle"), ("blue", "square"))
-#: That background: a strong colour that the captions never name, covering most of each image. The base model draws
-#: a prompt without a background word on whatever its pretraining averaged to; the LoRA learns that "ohwx" means
-#: this colour, so the grid's cells visibly turn yellow (white was close to what the base drew already, issue 43).
+#: That background: a strong colour that the captions never name, covering most of each image. The LoRA learns that
+#: "ohwx" means this colour, so the grid's cells visibly turn yellow (white was close to what the base drew already,
+#: issue 43).
 DEMO_BACKGROUND = "yellow"
+#: Each image's caption, and each sample prompt (the workflow's sample_prompts, no trigger word put in front): the
+#: form the base model was pretrained on ("a {fg} {shape} on a {bg} background", ``shape_caption_pairs``) with the
+#: trigger "ohwx" where the background's colour goes. In that form the base draws the named shape's colour from the
+#: first step (on white: it never saw "ohwx"), so the LoRA only has to learn what "ohwx" means. The earlier
+#: "ohwx, a red circle" was a form the base had never seen: it drew texture for both prompts at step 0, and 300
+#: LoRA steps on six images taught one row the colours and barely the other (issue 43).
+DEMO_CAPTION = "a {colour} {shape} on a ohwx background"
 #: Written into the demo dataset's folder (hidden: no dataset scan reads it); a folder without it, or with other
 #: settings, was made by an older version (white backgrounds) and is made again.
 DATASET_MARKER = ".demo_dataset.json"
@@ -250,14 +257,15 @@ def make_demo_dataset(folder: str | Path, count: int = 6, size: int = 128, backg
         cx, cy = rng.randint(r, size - r), rng.randint(r, size - r)
         draw_shape(draw, shape, cx, cy, r, COLORS[colour])
         img.save(folder / f"img_{i:03d}.png")
-        (folder / f"img_{i:03d}.txt").write_text(f"a {colour} {shape}")
+        (folder / f"img_{i:03d}.txt").write_text(DEMO_CAPTION.format(colour=colour, shape=shape))
     (folder / DATASET_MARKER).write_text(json.dumps(dataset_settings(count, size, background, seed)))
     return folder
 
 
 def dataset_settings(count: int = 6, size: int = 128, background: str = DEMO_BACKGROUND, seed: int = 5) -> dict:
     """What ``make_demo_dataset`` made a folder with (its marker's content)."""
-    return {"count": count, "size": size, "background": background, "seed": seed, "subjects": DEMO_SUBJECTS}
+    return {"count": count, "size": size, "background": background, "seed": seed, "subjects": DEMO_SUBJECTS,
+            "caption": DEMO_CAPTION}
 
 
 # --- the demo VAE in a form ComfyUI's VAE Loader takes ----------------------------------------------------------

@@ -381,8 +381,8 @@ TRY_TEMPLATES = {t.name: t for t in [
         note=(
             "Demo, train and try in one graph: the demo's LoRA (the nodes on the left, as in demo_tiny_lora) goes "
             "from Train LoRA's lora_model output into ComfyUI's own Load LoRA Model, on the same tiny model loaded "
-            "by ComfyUI's Load Diffusion Model; KSampler draws 'ohwx, a red circle' (Sample Prompt Conditioning: "
-            "line 1 of Cache Text Embeds' sample_prompts, no text encoder loaded again) and Preview Image shows it. "
+            "by ComfyUI's Load Diffusion Model; KSampler draws 'a red circle on a ohwx background' (Sample Prompt "
+            "Conditioning: line 1 of Cache Text Embeds' sample_prompts, no text encoder loaded again) and Preview Image shows it. "
             "Set strength_model to 0 to see the base model.\n\n"
             "Prepare the files once with:\n  lowvram-lora demo --prepare-only --dir <ComfyUI root>\n"
             "(it also writes models/vae/flux1-tiny-taesd.safetensors: the demo VAE in a form ComfyUI loads; its "

@@ -25,6 +25,16 @@ class _FreezeBeforeEachTest:
         gc.freeze()
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``slow`` (pyproject's markers: opt-in) run only when asked for by ``-m`` naming them."""
+    if "slow" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="slow: opt-in, run with -m slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 def pytest_configure(config):
     # A plugin, not a conftest hook, so the family folders' tests (engine/families/*/) are covered too.
     config.pluginmanager.register(_FreezeBeforeEachTest(), "lowvram-gc-freeze")

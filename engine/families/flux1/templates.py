@@ -7,19 +7,23 @@ TEMPLATES = [
         variant="flux1-tiny",
         load={"checkpoint": "flux1-tiny.safetensors", "family": "auto", "precision": "bf16"},
         cache={"text_encoders": "diffusers/flux1-tiny", "dataset_path": "lowvram_demo/shapes",
-               "resolution": 128, "sample_prompts": "ohwx, a red circle\nohwx, a blue square"},
+               "resolution": 128, "trigger_word": "",  # the captions carry "ohwx" (demo_models.DEMO_CAPTION)
+               "sample_prompts": "a red circle on a ohwx background\na blue square on a ohwx background"},
         offload={"mode": "resident"},
+        # guidance 3.5: the demo's base was pretrained with the guidance embedding at 3.5 only, and samples at 3.5;
+        # trained at 1.0 (the default, right for Flux.1-dev) its LoRA learnt in a regime the base never saw
         train={"steps": 300, "learning_rate": 5e-3, "rank": 8, "alpha": 8.0, "warmup_steps": 10, "training_seed": 0,
-               "sample_every": 100, "sample_steps": 8, "sample_resolution": 128, "sample_seed": 0},
+               "guidance": 3.5, "sample_every": 100, "sample_steps": 8, "sample_resolution": 128, "sample_seed": 0},
         save={"filename_prefix": "loras/demo_tiny_lora"},
         note=(
-        "Demo: trains a LoRA on a tiny Flux.1-architecture model, on CPU: the dataset's shapes sit on yellow, and "
-        "the grid's cells turn yellow (the red-circle row most). The run took 9 s headless on a 2-core "
-        "machine at load 1.6, 5.0 min in ComfyUI at load 9 (2026-11-27).\n\n"
+        "Demo: trains a LoRA on a tiny Flux.1-architecture model, on CPU. Captions read 'a red circle on a ohwx "
+        "background'; the images are on yellow. At step 0 the base draws a red and a purple-blue blob on white; "
+        "the LoRA learns that ohwx means yellow: at step 300 a red and a blue shape on yellow. The run took 8 s "
+        "headless on a 2-core machine at load 3-4 (2026-11-28).\n\n"
         "Prepare the files once with:\n  lowvram-lora demo --prepare-only --dir <ComfyUI root>\n"
         "which writes models/diffusion_models/flux1-tiny.safetensors, models/diffusers/flux1-tiny/ and "
         "input/lowvram_demo/shapes/ (red circles, blue squares on yellow), training the tiny VAE and base model "
-        "first (22 min on that machine at load 6-9, once). Then press Run: nothing to edit.\n\n"
+        "first (5.2 min on that machine: VAE 85 s, base 225 s, once). Then press Run: nothing to edit.\n\n"
         "Headless: lowvram-lora run example_workflows/demo_tiny_lora.json --models-dir demo_output/models "
         "--output-dir demo_output/output  (this is what `make demo` does)."),
     ),
