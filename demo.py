@@ -14,7 +14,7 @@ from pathlib import Path
 WORKFLOW = Path(__file__).resolve().parent / "example_workflows" / "demo_tiny_lora.json"
 #: The demo dataset, relative to the input folder: the workflow names it this way, so it runs as
 #: shipped in ComfyUI (input/ of its root) and headless (input/ beside --models-dir).
-DEMO_DATASET = "lowvram_demo/shapes"
+DEMO_DATASET = "lowvram_demo/shapes_on_ohwx"
 #: The demo VAE as ComfyUI's VAE Loader takes it (models/vae/): what ComfyUI's VAE Decode previews the demo with.
 PREVIEW_VAE = "flux1-tiny-taesd.safetensors"
 

@@ -37,8 +37,11 @@ def demo(tmp_path):
 
 def _cache(model, **kw):
     node = LowVRAMCacheTextEmbeds.PREPARE_CLASS_CLONE({"UNIQUE_ID": "2"})
-    args = dict(model=model, text_encoders="(from checkpoint)", dataset_path="", resolution=128, trigger_word="ohwx",
-                sample_prompts="ohwx, a red circle")
+    from lowvram_lora.demo_models import DEMO_CAPTION
+
+    # the demo's form: no trigger word, a sample prompt that is one of the two captions (two texts in all)
+    args = dict(model=model, text_encoders="(from checkpoint)", dataset_path="", resolution=128, trigger_word="",
+                sample_prompts=DEMO_CAPTION.format(colour="red", shape="circle"))
     return node.execute(**(args | kw)).args[0]
 
 

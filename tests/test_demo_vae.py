@@ -150,11 +150,11 @@ def test_an_older_demo_dataset_is_made_again_and_a_current_one_kept(tmp_path):
 
     from PIL import Image
 
-    from lowvram_lora.demo import ensure_demo_assets
+    from lowvram_lora.demo import DEMO_DATASET, ensure_demo_assets
     from lowvram_lora.demo_models import DEMO_BACKGROUND
     from lowvram_lora.engine.families.tiny import COLORS
 
-    data = tmp_path / "input" / "lowvram_demo" / "shapes"
+    data = tmp_path / "input" / DEMO_DATASET
     data.mkdir(parents=True)
     for i in range(8):
         Image.new("RGB", (128, 128), COLORS["white"]).save(data / f"img_{i:03d}.png")

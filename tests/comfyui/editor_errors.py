@@ -88,7 +88,7 @@ def main(argv=None) -> int:
         print(json.dumps({"step": "dataset missing", "nodes": d.execute_script(_READ)}))
         d.execute_script("document.querySelectorAll('.p-dialog-mask, .p-dialog').forEach(e => e.remove())")
         # 2. A 0-byte checkpoint: fails when the Load node runs; the node says why, whole.
-        d.execute_script(_SET, "LowVRAMCacheTextEmbeds", "dataset_path", "lowvram_demo/shapes")
+        d.execute_script(_SET, "LowVRAMCacheTextEmbeds", "dataset_path", "lowvram_demo/shapes_on_ohwx")
         d.execute_script(_SET, "LowVRAMLoadQuantizedSlab", "checkpoint", "broken.safetensors")
         d.execute_script("app.queuePrompt(0, 1)")
         _idle(d)

@@ -6,7 +6,7 @@ TEMPLATES = [
         name="demo_tiny_lora",
         variant="flux1-tiny",
         load={"checkpoint": "flux1-tiny.safetensors", "family": "auto", "precision": "bf16"},
-        cache={"text_encoders": "diffusers/flux1-tiny", "dataset_path": "lowvram_demo/shapes",
+        cache={"text_encoders": "diffusers/flux1-tiny", "dataset_path": "lowvram_demo/shapes_on_ohwx",
                "resolution": 128, "trigger_word": "",  # the captions carry "ohwx" (demo_models.DEMO_CAPTION)
                "sample_prompts": "a red circle on a ohwx background\na blue square on a ohwx background"},
         offload={"mode": "resident"},
@@ -22,7 +22,7 @@ TEMPLATES = [
         "headless on a 2-core machine at load 3-4 (2026-11-28).\n\n"
         "Prepare the files once with:\n  lowvram-lora demo --prepare-only --dir <ComfyUI root>\n"
         "which writes models/diffusion_models/flux1-tiny.safetensors, models/diffusers/flux1-tiny/ and "
-        "input/lowvram_demo/shapes/ (red circles, blue squares on yellow), training the tiny VAE and base model "
+        "input/lowvram_demo/shapes_on_ohwx/ (red circles, blue squares on yellow), training the tiny VAE and base model "
         "first (5.2 min on that machine: VAE 85 s, base 225 s, once). Then press Run: nothing to edit.\n\n"
         "Headless: lowvram-lora run example_workflows/demo_tiny_lora.json --models-dir demo_output/models "
         "--output-dir demo_output/output  (this is what `make demo` does)."),
