@@ -301,3 +301,25 @@ def test_an_oom_names_the_allocator_margin_that_covers_it_and_the_margin_takes_i
                       roomy, 270 * GB)
     assert floor.margin_bytes >= want * GB and floor.predicted_peak_bytes + floor.margin_bytes <= roomy
     assert "allocator_margin_gb" in floor.describe()
+
+
+def test_a_split_out_of_memory_reads_the_plan_of_the_gpu_it_names():
+    """Dual-GPU Split: the advice comes from the part on the GPU torch's message names (its budget and prediction),
+    and building the error never fails for want of a single plan."""
+    from types import SimpleNamespace
+
+    from lowvram_lora.engine.train.placement import Split
+
+    fp = _meta_footprint("flux2", "flux2-dev")
+    fp.fragmentation = 0.0
+    workload = RUNS_2026_11_28["flux2"][1]
+    first, second = (build_plan(fp, workload, [], 1, True, budget_bytes=b * GB) for b in (20, 12))
+    second = replace(second, predicted_peak_bytes=int(RUNS_2026_11_28["flux2"][6]))
+    split = object.__new__(Split)
+    split.split = SimpleNamespace(devices=("cuda:1", "cuda:0"))  # the part on cuda:0 is the second one
+    split.handle = SimpleNamespace(plan=SimpleNamespace(plans=(first, second), describe=lambda: "split plan"))
+    family = SimpleNamespace(display_name="Flux.2")
+    error = str(split.out_of_memory(RuntimeError(MESSAGES["flux2"]), family))
+    assert "split plan" in error and "allocator_margin_gb to 1.25" in error, error
+    unknown = str(split.out_of_memory(RuntimeError("CUDA out of memory on GPU 7"), family))
+    assert "raise Offload Tuning's allocator_margin_gb by 0.5" in unknown

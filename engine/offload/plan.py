@@ -643,14 +643,14 @@ _TORCH_OOM = re.compile(r"Tried to allocate ([\d.]+) (KiB|MiB|GiB)\b.*?([\d.]+) 
 _UNIT = {"KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30}
 
 
-def oom_margin_advice(message: str, plan: Plan) -> str:
+def oom_margin_advice(message: str, plan: Optional[Plan]) -> str:
     """What an out-of-memory under a capped budget says about the allocator margin, from torch's own figures in its
     message (the request, the cap, what was allocated and what was reserved but unusable): how much the run needed
     beyond the plan's predicted peak, and the ``allocator_margin_gb`` that covers it (rounded up to 0.25 GB). With
     that margin the planner fits the same budget with more kept free, so the card's budget can stay as it is.
-    "" when the message has no such figures (no cap, or another allocator backend)."""
+    "" when the message has no such figures (no cap, or another allocator backend) or no plan is known."""
     m = _TORCH_OOM.search(message)
-    if m is None or not plan.budget_bytes:
+    if m is None or plan is None or not plan.budget_bytes:
         return ""
     request, allowed, allocated, unusable = (float(m.group(i)) * _UNIT[m.group(i + 1)] for i in (1, 3, 5, 7))
     needed = allocated + unusable + request - plan.predicted_peak_bytes

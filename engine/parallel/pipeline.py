@@ -143,7 +143,7 @@ class PipelineRunner:
     """Runs a step's micro-batches through a split's two parts in the 1F1B order (see the module doc)."""
 
     def __init__(self, devices: tuple[torch.device, torch.device], second_part_blocks: set[int],
-                 second_part_modules: Optional[set[int]] = None):
+                 second_part_modules: Optional[set[int]] = None, batches: int = 1):
         self.devices = devices
         self.second = second_part_blocks  # id() of the blocks on the second device
         self.second_modules = second_part_modules or set()  # id() of every module inside them
@@ -152,7 +152,7 @@ class PipelineRunner:
         self.failed: Optional[BaseException] = None
         self._lanes: tuple[_Lane, _Lane] = ()
         self.micro_batches_run = 0
-        self.batches = 1  # accumulated batches one run spans (SplitPlan.batches_per_pipeline; the loop groups them)
+        self.batches = batches  # accumulated batches one run spans (SplitPlan.batches_per_pipeline: the loop groups)
         self._active = False  # a pipelined step is running (the throttle applies)
         self._marks: collections.deque = collections.deque()
         self._marks_lock = threading.Lock()

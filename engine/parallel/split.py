@@ -399,8 +399,7 @@ def apply_split(model: nn.Module, family, plan: SplitPlan, offload: OffloadConfi
         from .pipeline import PipelineRunner
 
         pipeline = PipelineRunner(plan.devices, {id(b) for _, b in parts[1]},
-                                  {id(m) for _, b in parts[1] for m in b.modules()})
-        pipeline.batches = plan.batches_per_pipeline
+                                  {id(m) for _, b in parts[1] for m in b.modules()}, plan.batches_per_pipeline)
     hooks = []
     for part, dev in zip(parts, plan.devices):
         for _, block in part:

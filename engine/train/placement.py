@@ -21,6 +21,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import contextlib
+import re
 from typing import NamedTuple, Optional
 
 import torch
@@ -257,12 +258,23 @@ class Placement(ABC):
             settings["offload_plan"] = self.handle.plan.summary()
             settings["offload_stats"] = self.handle.stats()
 
+    def _plan_on(self, message: str):
+        """The plan of the device torch's out-of-memory message names ("GPU N"), or the only plan; None: unknown."""
+        plans = self.plans()
+        if len(plans) == 1:
+            return plans[0]
+        gpu = re.search(r"\bGPU (\d+)\b", message)
+        for device, plan in zip(self.devices, plans):
+            if gpu is not None and device.type == "cuda" and device.index == int(gpu.group(1)):
+                return plan
+        return None
+
     def out_of_memory(self, exc: BaseException, family) -> torch.cuda.OutOfMemoryError:
         """CUDA ran out of memory while training: the error to raise, with what to change (from torch's figures where
         the budget capped the allocator: ``oom_margin_advice``)."""
         from ..offload.plan import oom_margin_advice
 
-        advice = oom_margin_advice(str(exc), self.handle.plan)
+        advice = oom_margin_advice(str(exc), self._plan_on(str(exc)))
         return torch.cuda.OutOfMemoryError(
             f"CUDA out of memory while training {family.display_name} with block streaming on "
             f"{', '.join(str(d) for d in self.devices)}: "
