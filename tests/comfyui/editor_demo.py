@@ -186,3 +186,37 @@ def open_editor(d, url: str) -> None:
     time.sleep(6)
     print("frontend", d.execute_script("return window.__COMFYUI_FRONTEND_VERSION__ || null"))
 
+
+
+def session_args(doc: str, argv=None, extra=()):
+    """The editor scripts' common arguments (``--url``, ``--out``, ``--tag``) plus ``extra`` ((flag, kwargs) pairs):
+    (the parsed arguments, the screenshot folder, created, and the tag as a file-name suffix)."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--url", default="http://127.0.0.1:8188")
+    p.add_argument("--out", default="editor_shots")
+    p.add_argument("--tag", default="")
+    for flag, kwargs in extra:
+        p.add_argument(flag, **kwargs)
+    a = p.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    return a, out, f"_{a.tag}" if a.tag else ""
+
+
+def open_blank_editor(d, url: str) -> None:
+    """``open_editor`` at 1600 x 1100 with the first-load dialogs (the template browser) closed."""
+    d.set_window_size(1600, 1100)
+    d.set_script_timeout(120)
+    open_editor(d, url)
+    d.find_element("tag name", "body").send_keys("\ue00c")
+    d.execute_script("document.querySelectorAll('.p-dialog-mask, [role=dialog]').forEach(e => e.remove())")
+
+
+def close_session(d, bad: list) -> int:
+    """Print the browser's severe console lines, close it, print the problems found; the exit code."""
+    for e in d.get_log("browser"):
+        if e.get("level") == "SEVERE":
+            print("console:", e.get("message", "")[:300])
+    d.quit()
+    print("problems:", bad or "none")
+    return 1 if bad else 0

@@ -11,14 +11,13 @@ before the planner's settings moved to Offload Tuning.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from editor_demo import headless_chromium, open_editor  # noqa: E402
+from editor_demo import close_session, headless_chromium, open_blank_editor, session_args  # noqa: E402
 from editor_ux4 import FIT  # noqa: E402
 from editor_ux43 import NODES as TRAIN_NODES, _load  # noqa: E402
 
@@ -28,22 +27,12 @@ TUNED = ["stream", 0.0, 2, 1, "auto", True, 0.8, "dequant", 2, "auto", 0, "off",
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--url", default="http://127.0.0.1:8188")
-    p.add_argument("--out", default="editor_shots")
-    p.add_argument("--old", required=True, help="the demo workflow as shipped before the settings moved")
-    p.add_argument("--tag", default="")
-    a = p.parse_args(argv)
-    out, tag = Path(a.out), f"_{a.tag}" if a.tag else ""
-    out.mkdir(parents=True, exist_ok=True)
+    a, out, tag = session_args(__doc__, argv, [("--old", {"required": True, "help": "the demo workflow as shipped before "
+                                                                                     "the settings moved"})])
     d = headless_chromium()
-    d.set_window_size(1600, 1100)
-    d.set_script_timeout(120)
     bad = []
     try:
-        open_editor(d, a.url)
-        d.find_element("tag name", "body").send_keys("\ue00c")
-        d.execute_script("document.querySelectorAll('.p-dialog-mask, [role=dialog]').forEach(e => e.remove())")
+        open_blank_editor(d, a.url)
         demo = d.execute_script("return fetch('/api/workflow_templates/lowvram-lora/demo_tiny_lora.json')"
                                 ".then(r => r.json())")
         _load(d, demo)
@@ -81,13 +70,8 @@ def main(argv=None) -> int:
             bad.append(f"no toast about the moved settings: {toasts}")
         d.save_screenshot(str(out / f"2_old_offload_config_migrated{tag}.png"))
     finally:
-        for e in d.get_log("browser"):
-            if e.get("level") == "SEVERE":
-                print("console:", e.get("message", "")[:300])
-        d.quit()
-    print("problems:", bad or "none")
-    return 1 if bad else 0
-
+        code = close_session(d, bad)
+    return code
 
 if __name__ == "__main__":
     sys.exit(main())

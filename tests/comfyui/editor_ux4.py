@@ -12,14 +12,13 @@ Needs the demo's files in the server's base directory (lowvram-lora demo --prepa
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from editor_demo import headless_chromium, open_editor  # noqa: E402
+from editor_demo import close_session, headless_chromium, open_editor, session_args  # noqa: E402
 
 FIT = """
 const [title] = arguments; const c = app.canvas, g = c.graph || app.graph;
@@ -42,15 +41,7 @@ return (g._nodes || g.nodes).filter(n => ['LowVRAMCacheTextEmbeds','LowVRAMTrain
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--url", default="http://127.0.0.1:8188")
-    p.add_argument("--out", default="editor_shots")
-    p.add_argument("--tag", default="")
-    p.add_argument("--run", action="store_true")
-    a = p.parse_args(argv)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tag = f"_{a.tag}" if a.tag else ""
+    a, out, tag = session_args(__doc__, argv, [("--run", {"action": "store_true"})])
     d = headless_chromium()
     bad = []
     try:
@@ -88,12 +79,8 @@ def main(argv=None) -> int:
         if a.run:
             _validation_run(d, out, tag, bad)
     finally:
-        for e in d.get_log("browser"):
-            if e.get("level") == "SEVERE":
-                print("console:", e.get("message", "")[:300])
-        d.quit()
-    print("problems:", bad or "none")
-    return 1 if bad else 0
+        code = close_session(d, bad)
+    return code
 
 
 def _validation_run(d, out: Path, tag: str, bad: list) -> None:
