@@ -32,9 +32,9 @@ class SamplingConfig:
     )})
     guidance: float = field(default=3.5, metadata={"help": (
         "Guidance of the samples: the guidance embedding's value for guidance-distilled models (Flux.1-dev 3.5, "
-        "Flux.2-dev 4); the classifier-free guidance scale for models sampled with it (Z-Image Base, Lumina 2: 4; "
-        "a second forward per step on the empty prompt); ignored by models with neither (schnell, klein, "
-        "Z-Image Turbo)."
+        "Flux.2-dev 4); the classifier-free guidance scale for models sampled with it (Z-Image Base, Lumina 2, "
+        "Flux.2 klein base: 4; a second forward per step on the empty prompt); ignored by models with neither "
+        "(schnell, the distilled klein, Z-Image Turbo)."
     )})
 
     def __post_init__(self) -> None:

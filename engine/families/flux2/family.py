@@ -9,7 +9,10 @@ BFL ``src/flux2/sampling.py``; ../shared/reference/flux2-and-editor-facts.md §A
   per token into (512, 15360).
 - klein 4B / 9B: 5+20 / 8+24 blocks at 3072 / 4096, no guidance embedding; text =
   Qwen3-4B / Qwen3-8B hidden states of layers 9/18/27. The undistilled "base"
-  variants have the same transformer config (one variant id covers both).
+  variants have the same transformer config and are told apart by the file or folder name
+  (``flux-2-klein-base-4b.safetensors``, ``FLUX.2-klein-base-9B``): they train the same way, but sample with
+  classifier-free guidance (``Flux2KleinPipeline(is_distilled=False)``: the empty prompt, scale 4, 50 steps),
+  where the distilled klein samples without.
 - Latents: a 32-channel VAE, 2x2 patchified to 128 channels and normalised with the
   VAE's BatchNorm running statistics (``Flux2Pipeline._encode_vae_image``); the cache
   holds exactly these (C, H/16, W/16) tensors, which are also ComfyUI's Flux.2 LATENTs.
@@ -190,6 +193,10 @@ class Flux2Schedule(NoiseSchedule):
 FLUX2_VAE = Flux2VaeSpec("AutoencoderKLFlux2", "")
 
 
+#: klein's variants (distilled and base) and the transformer size each is: what picks the text encoder.
+KLEIN_SIZE = {"flux2-klein-4b": "4b", "flux2-klein-9b": "9b", "flux2-klein-base-4b": "4b", "flux2-klein-base-9b": "9b"}
+
+
 class Flux2Family(ModelFamily):
     id = "flux2"
     display_name = "Flux.2"
@@ -197,6 +204,10 @@ class Flux2Family(ModelFamily):
         "flux2-dev": "flux2-dev.json",
         "flux2-klein-4b": "flux2-klein-4b.json",
         "flux2-klein-9b": "flux2-klein-9b.json",
+        # The undistilled klein: the same transformers (after the distilled, so a config alone matches those), named
+        # by their files (variant_from_name); what the klein templates train.
+        "flux2-klein-base-4b": "flux2-klein-4b.json",
+        "flux2-klein-base-9b": "flux2-klein-9b.json",
         # Tiny random model for the tests (same architecture, small widths; text = a tiny Mistral3).
         "flux2-tiny": "flux2-tiny.json",
     }
@@ -275,7 +286,10 @@ class Flux2Family(ModelFamily):
             raise ConfigError(f"'{name}' looks like FLUX.2 klein 9B KV, which takes its reference images first, at a "
                               f"fixed timestep, with a KV cache; lowvram-lora trains references after the target (the "
                               f"klein 9B / base 9B layout). Use flux-2-klein-9b or flux-2-klein-base-9b")
-        return variant
+        size = KLEIN_SIZE.get(variant)
+        if size is None:
+            return variant  # dev, the tiny model, or a custom config
+        return f"flux2-klein-base-{size}" if "base" in words else f"flux2-klein-{size}"
 
     def param_table(self, config: dict[str, Any]):
         hidden = config["num_attention_heads"] * config["attention_head_dim"]
@@ -289,9 +303,9 @@ class Flux2Family(ModelFamily):
     # --- text ------------------------------------------------------------------------------
 
     def text_encoder_specs(self, variant: str) -> tuple[TextEncoderSpec, ...]:
-        if variant == "flux2-klein-4b":
+        if KLEIN_SIZE.get(variant) == "4b":
             return (_qwen3("qwen3-4b"),)
-        if variant == "flux2-klein-9b":
+        if KLEIN_SIZE.get(variant) == "9b":
             return (_qwen3("qwen3-8b"),)
         if variant == "flux2-tiny":
             return (_mistral(16, (1, 2, 3)),)
@@ -372,9 +386,14 @@ class Flux2Family(ModelFamily):
         return output[:, : h * w].permute(0, 2, 1).reshape(b, c, h, w)
 
     def guidance(self, variant: str) -> Guidance:
-        """dev is guidance-distilled (an embedding, 4 by default); klein samples without guidance here
-        (its distilled models need none; previews of the base variants stay unguided)."""
-        return Guidance("embedded", 4.0) if variant in ("flux2-dev", "flux2-tiny") else Guidance("none")
+        """dev is guidance-distilled (an embedding, 4 by default); the distilled klein samples without guidance;
+        the base klein with classifier-free guidance as ``Flux2KleinPipeline(is_distilled=False)`` does: its defaults,
+        scale 4 and 50 steps, ``neg + 4 (pos - neg)`` with the empty prompt (and an edit's references in both)."""
+        if variant in ("flux2-dev", "flux2-tiny"):
+            return Guidance("embedded", 4.0)
+        if variant.startswith("flux2-klein-base-"):
+            return Guidance(mode="cfg", scale=4.0, steps=50, formula="standard")
+        return Guidance("none")
 
 
 

@@ -48,7 +48,7 @@ TEMPLATES = [
     ),
     TrainingTemplate(
         name="flux2_klein_lora",
-        variant="flux2-klein-4b",
+        variant="flux2-klein-base-4b",
         load={"checkpoint": "flux-2-klein-base-4b.safetensors", "family": "flux2", "precision": "bf16"},
         cache={"text_encoders": "diffusers/FLUX.2-klein-base-4B", "dataset_path": "my_subject", "resolution": 1024},
         offload={"mode": "auto", "vram_budget_gb": 5.0},
@@ -113,7 +113,7 @@ TEMPLATES = [
     ),
     TrainingTemplate(
         name="flux2_klein_edit_lora",
-        variant="flux2-klein-4b",
+        variant="flux2-klein-base-4b",
         load={"checkpoint": "flux-2-klein-base-4b.safetensors", "family": "flux2", "precision": "bf16"},
         cache={"text_encoders": "diffusers/FLUX.2-klein-base-4B", "dataset_path": "my_edits", "resolution": 1024,
                "control_folder": "my_edits/control"},

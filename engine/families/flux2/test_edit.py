@@ -45,7 +45,7 @@ def pipes(tmp_path_factory):
     return {"dev": dev, "klein": klein, "folder": folder}
 
 
-def _run(pipe, images, guidance, monkeypatch, size=(64, 48)):
+def _run(pipe, images, guidance, monkeypatch, size=(64, 48), negative=None):
     calls = []
     forward = pipe.transformer.forward
 
@@ -58,24 +58,38 @@ def _run(pipe, images, guidance, monkeypatch, size=(64, 48)):
     cfg = pipe.transformer.config
     prompt = torch.randn(1, 16, cfg.joint_attention_dim, generator=torch.Generator().manual_seed(1))
     width, height = size
+    extra = {} if negative is None else {"negative_prompt_embeds": negative}  # Flux2Pipeline (dev) takes none
     latents = pipe(image=images, prompt_embeds=prompt, width=width, height=height, num_inference_steps=3,
-                   guidance_scale=guidance, generator=torch.Generator().manual_seed(3), output_type="latent").images
+                   guidance_scale=guidance, generator=torch.Generator().manual_seed(3), output_type="latent",
+                   **extra).images
     monkeypatch.setattr(pipe.transformer, "forward", forward)
     return latents, calls, prompt
 
 
-@pytest.mark.parametrize("kind", ["dev", "klein"])
+#: What each kind samples as: the variant whose rule the preview takes, the pipeline's guidance_scale.
+KINDS = {"dev": ("flux2-dev", 4.0), "klein": ("flux2-klein-4b", 1.0), "klein-base": ("flux2-klein-base-4b", 4.0)}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("count", [1, 3])
 def test_forward_and_previews_equal_the_pipeline(pipes, monkeypatch, kind, count):
     """1 and 3 references of other sizes than the target: the reference latents, the ids, the training forward and
-    the preview latents equal Flux2Pipeline's (dev, embedded guidance 4) and Flux2KleinPipeline's (no guidance)."""
+    the preview latents equal Flux2Pipeline's (dev, embedded guidance 4), Flux2KleinPipeline's without guidance (the
+    distilled klein) and with classifier-free guidance 4 (the base klein, ``is_distilled=False``: a second forward on
+    the negative prompt, the references in both)."""
     from lowvram_lora.engine.sampling import sample_latents
 
-    pipe = pipes[kind]
+    pipe = pipes["dev" if kind == "dev" else "klein"]
+    variant, guidance = KINDS[kind]
+    rule = FAMILY.guidance(variant)
+    assert rule.mode == {"dev": "embedded", "klein": "none", "klein-base": "cfg"}[kind]
     images = [_image(100, 70, 1), _image(70, 90, 2), _image(64, 64, 3)][:count]
-    guidance = 4.0 if kind == "dev" else 1.0
-    want, calls, prompt = _run(pipe, images, guidance, monkeypatch)
-    call = calls[-1]
+    cfg = pipe.transformer.config
+    negative = (torch.randn(1, 12, cfg.joint_attention_dim, generator=torch.Generator().manual_seed(2))
+                if rule.mode == "cfg" else None)
+    want, calls, prompt = _run(pipe, images, guidance, monkeypatch, negative=negative)
+    assert len(calls) == 3 * (2 if rule.mode == "cfg" else 1)  # the pipeline guided as the rule says
+    call = calls[-2] if rule.mode == "cfg" else calls[-1]  # the last step's conditional forward
     refs = encode_references(pipe.vae, images, FLUX2_VAE)
     assert [tuple(r.shape[-2:]) for r in refs.values()] == [(h // 16, w // 16) for w, h in
                                                            (reference_size(i.width, i.height) for i in images)]
@@ -91,17 +105,18 @@ def test_forward_and_previews_equal_the_pipeline(pipes, monkeypatch, kind, count
     with torch.no_grad():
         ours = predict_velocity(FAMILY, pipe.transformer, noisy, embeds, call["timestep"], guidance)
     torch.testing.assert_close(ours, FAMILY.unpack_prediction(call["output"], noisy), atol=1e-5, rtol=1e-5)
-    rule = FAMILY.guidance("flux2-dev" if kind == "dev" else "flux2-klein-4b")
     noise = torch.randn((1, pipe.transformer.config.in_channels, h, w), generator=torch.Generator().manual_seed(3))
+    neg = {"prompt_embeds": negative, **refs} if negative is not None else None  # an edit's negative keeps its references
     got = sample_latents(pipe.transformer, FAMILY, embeds, 64, 48, 3, 3, guidance, torch.device("cpu"), torch.float32,
-                         rule=rule, noise=noise)
+                         rule=rule, noise=noise, negative=neg)
     if kind == "dev":  # packed tokens, normalised
         torch.testing.assert_close(got.flatten(2).permute(0, 2, 1), want, atol=1e-4, rtol=1e-4)
     else:  # the klein pipeline returns the VAE's latents: un-normalised and unpatchified
         torch.testing.assert_close(FLUX2_VAE.to_vae(pipe.vae, got), want, atol=1e-4, rtol=1e-4)
     # the references matter: without them the preview differs
     plain = sample_latents(pipe.transformer, FAMILY, {"prompt_embeds": prompt}, 64, 48, 3, 3, guidance,
-                           torch.device("cpu"), torch.float32, rule=rule, noise=noise)
+                           torch.device("cpu"), torch.float32, rule=rule, noise=noise,
+                           negative=None if negative is None else {"prompt_embeds": negative})
     assert (plain - got).abs().max() > 1e-3
 
 
@@ -118,7 +133,26 @@ def test_reference_sizes_follow_the_pipeline():
             reference_size(*bad)
     with pytest.raises(ConfigError, match="klein 9B KV"):
         FAMILY.variant_from_name("flux2-klein-9b", "flux-2-klein-9b-kv.safetensors")
-    assert FAMILY.variant_from_name("flux2-klein-9b", "flux-2-klein-base-9b.safetensors") == "flux2-klein-9b"
+    assert FAMILY.variant_from_name("flux2-klein-9b", "flux-2-klein-base-9b.safetensors") == "flux2-klein-base-9b"
+
+
+def test_klein_base_is_told_apart_by_name_and_samples_with_cfg():
+    """The base klein (the klein templates' files) has the distilled klein's shapes: the file or folder name tells it
+    apart, and only it samples with classifier-free guidance (the pipeline's defaults: scale 4, 50 steps); its text
+    encoder is the distilled one's."""
+    names = {"flux-2-klein-base-4b.safetensors": "flux2-klein-base-4b", "FLUX.2-klein-base-9B": "flux2-klein-base-9b",
+             "flux-2-klein-4b.safetensors": "flux2-klein-4b", "FLUX.2-klein-9B": "flux2-klein-9b",
+             "flux2_klein_base_4b_fp8.safetensors": "flux2-klein-base-4b"}
+    for name, want in names.items():
+        shapes = want.replace("base-", "")  # what the config matches first
+        assert FAMILY.variant_for_config(FAMILY.load_config(want)) == shapes
+        assert FAMILY.variant_from_name(shapes, name) == want, name
+    assert FAMILY.variant_from_name("flux2-dev", "flux2-dev-base.safetensors") == "flux2-dev"
+    for size in ("4b", "9b"):
+        base, distilled = FAMILY.guidance(f"flux2-klein-base-{size}"), FAMILY.guidance(f"flux2-klein-{size}")
+        assert (base.mode, base.scale, base.steps, base.formula) == ("cfg", 4.0, 50, "standard")
+        assert distilled.mode == "none"
+        assert FAMILY.text_encoder_specs(f"flux2-klein-base-{size}") == FAMILY.text_encoder_specs(f"flux2-klein-{size}")
 
 
 @pytest.fixture(scope="module")
