@@ -12,7 +12,8 @@ DESCRIPTION = (
     "Optional loss and validation controls for Train LoRA: how much the area outside a loss mask counts, how "
     "often the validation loss (on Dataset Options' held-out split) is measured, TensorBoard logs, and how noise "
     "levels are drawn and weighted (the family's own recipe by default), regularization images' share and weight, "
-    "and differential output preservation's weight (its class prompt is on Dataset Options). With it "
+    "differential output preservation's weight (its class prompt is on Dataset Options), and, for a model that "
+    "holds its first frame (LTX-2 image-to-video), the share of clips trained as image-to-video. With it "
     "plugged in, each run writes a CSV log (loss, validation loss, lr, step time, VRAM, RAM) that Save LoRA puts "
     "beside the LoRA as '<name>_log.csv', and TensorBoard files under output/lowvram_logs/."
 )
@@ -53,6 +54,8 @@ class LowVRAMLossOptions(io.Node):
                          tooltip=_help("prior_loss_weight")),
                 io.Float("preservation_weight", default=0.0, min=0.0, max=10.0, step=0.05,  # optional: added later
                          tooltip=_help("preservation_weight"), optional=True),
+                io.Float("first_frame_p", default=1.0, min=0.0, max=1.0, step=0.05,  # optional: added later
+                         tooltip=_help("first_frame_p"), optional=True),
             ])
 
     @classmethod
@@ -60,7 +63,7 @@ class LowVRAMLossOptions(io.Node):
                 tensorboard: bool = True, timestep_sampling: str = "family", logit_mean: float = 0.0,
                 logit_std: float = 1.0, sigmoid_scale: float = 1.0, loss_weighting: str = "family",
                 snr_gamma: float = 5.0, reg_ratio: float = 0.5, prior_loss_weight: float = 1.0,
-                preservation_weight: float = 0.0) -> io.NodeOutput:
+                preservation_weight: float = 0.0, first_frame_p: float = 1.0) -> io.NodeOutput:
         from ..engine.train.loss_options import LossOptions
 
         return io.NodeOutput(LossOptions(unmasked_weight=unmasked_weight, validation_every=validation_every,
@@ -69,4 +72,4 @@ class LowVRAMLossOptions(io.Node):
                                          logit_std=logit_std, sigmoid_scale=sigmoid_scale,
                                          loss_weighting=loss_weighting, snr_gamma=snr_gamma, reg_ratio=reg_ratio,
                                          prior_loss_weight=prior_loss_weight,
-                                         preservation_weight=preservation_weight))
+                                         preservation_weight=preservation_weight, first_frame_p=first_frame_p))

@@ -14,6 +14,9 @@ VIDEO_INPUTS = {"LowVRAMCacheTextEmbeds": ["video_frames", "video_fps", "video_w
 EDIT_INPUTS = {"LowVRAMCacheTextEmbeds": ["control_folder"]}
 #: ... only to a checkpoint that trains both text- and image-to-video (LTX-2: engine/caching/task_choice.py).
 TASK_INPUTS = {"LowVRAMCacheTextEmbeds": ["image_to_video"]}
+#: ... only to a model that holds its first frame, or whose image-to-video twin does (LTX-2; not Wan I2V, whose
+#: condition is extra input channels): the Loss & Validation Options feeding its Train LoRA.
+HELD_INPUTS = {"LowVRAMLossOptions": ["first_frame_p"]}
 
 
 def model_traits(checkpoint: str, family: str = "auto") -> dict:
@@ -27,17 +30,28 @@ def model_traits(checkpoint: str, family: str = "auto") -> dict:
     video = bool(ident.family.video)
     edit = ident.family.control_images(ident.variant) is not None
     both = video and ident.family.first_frame(ident.variant) is None and _has_twin(ident.family, ident.variant)
+    holds = _holds_first_frame(ident.family, ident.variant)
     hide: dict[str, list[str]] = {}
-    for applies, inputs in ((video, VIDEO_INPUTS), (edit, EDIT_INPUTS), (both, TASK_INPUTS)):
+    for applies, inputs in ((video, VIDEO_INPUTS), (edit, EDIT_INPUTS), (both, TASK_INPUTS), (holds, HELD_INPUTS)):
         if not applies:
             for node, names in inputs.items():
                 hide.setdefault(node, []).extend(names)
     managed: dict[str, list[str]] = {}
-    for inputs in (VIDEO_INPUTS, EDIT_INPUTS, TASK_INPUTS):
+    for inputs in (VIDEO_INPUTS, EDIT_INPUTS, TASK_INPUTS, HELD_INPUTS):
         for node, names in inputs.items():
             managed.setdefault(node, []).extend(names)
     return {"family": ident.family.id, "variant": ident.variant, "video": video, "edit": edit, "hide": hide,
             "inputs": managed}
+
+
+def _holds_first_frame(family, variant: str) -> bool:
+    """The model (or its image-to-video twin) holds its first frame: LossOptions.first_frame_p does something."""
+    condition = family.first_frame(variant)
+    if condition is None and family.video and _has_twin(family, variant):
+        from ..engine.caching.task_choice import image_to_video_variant
+
+        condition = family.first_frame(image_to_video_variant(family, variant))
+    return bool(condition is not None and condition.held)
 
 
 def _has_twin(family, variant: str) -> bool:

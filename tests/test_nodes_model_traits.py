@@ -1,12 +1,14 @@
 """Which inputs apply to the loaded model (nodes/model_traits.py; the editor hides the rest): an image model
-hides the video inputs, a video model shows them, and control_folder shows only for a model that takes control
-images; each answer is the family's own (``video``, ``control_images``), read from the file's header."""
+hides the video inputs, a video model shows them, control_folder shows only for a model that takes control
+images, and Loss & Validation Options' first_frame_p only for a model that holds its first frame (LTX-2's image-to-video
+twin; not Wan, whose image-to-video models take the frame as input channels); each answer is the family's own
+(``video``, ``control_images``, ``first_frame``), read from the file's header."""
 import shutil
 
 import pytest
 
 from lowvram_lora.engine.families import get_family
-from lowvram_lora.nodes.model_traits import EDIT_INPUTS, TASK_INPUTS, VIDEO_INPUTS, model_traits
+from lowvram_lora.nodes.model_traits import EDIT_INPUTS, HELD_INPUTS, TASK_INPUTS, VIDEO_INPUTS, model_traits
 from lowvram_lora.nodes.paths import configure_standalone_dirs
 
 
@@ -25,13 +27,20 @@ def test_traits_follow_the_familys_own_answers(family_id, tiny_family_pipeline, 
     video = {(n, i) for n, names in VIDEO_INPUTS.items() for i in names}
     edit = {(n, i) for n, names in EDIT_INPUTS.items() for i in names}
     task = {(n, i) for n, names in TASK_INPUTS.items() for i in names}
+    held = {(n, i) for n, names in HELD_INPUTS.items() for i in names}
     # image_to_video shows only where another variant of the same config file takes a first frame (LTX-2's twins)
     config = family.variants[t["variant"]]
     both = family.first_frame(t["variant"]) is None and any(
         c == config and v != t["variant"] and family.first_frame(v) is not None for v, c in family.variants.items())
     assert both == (family_id == "ltx2")
+    # first_frame_p shows where the model or such a twin holds its first frame
+    holds = any(c == config and (family.first_frame(v) is not None and family.first_frame(v).held)
+                for v, c in family.variants.items())
+    assert holds == (family_id == "ltx2")
     assert (video <= hidden) == (not t["video"]) and (edit <= hidden) == (not t["edit"])
-    assert hidden == (set() if t["video"] else video) | (set() if t["edit"] else edit) | (set() if both else task)
+    assert hidden == ((set() if t["video"] else video) | (set() if t["edit"] else edit) | (set() if both else task)
+                      | (set() if holds else held))
+    assert set(t["inputs"]["LowVRAMLossOptions"]) == {"first_frame_p"}
 
 
 def test_a_missing_file_raises_what_the_load_node_raises(tmp_path):

@@ -248,10 +248,11 @@ api.addEventListener("progress_text", ({ detail }) => {
 });
 
 // Inputs that do nothing for the loaded model are hidden: the video inputs for an image model, control_folder for a
-// model that takes no control images. nodes/model_traits.py answers for the Load Quantized Slab's choice (its file
-// header, as the node reads it). Hidden widgets stay in the node, so saved workflows keep their positional values;
-// a model the server cannot identify (or a server without the route) shows every input.
-const FAMILY_NODES = new Set(["LowVRAMCacheTextEmbeds", "LowVRAMTrainLoRA"]);
+// model that takes no control images, first_frame_p for a model that holds no first frame. nodes/model_traits.py
+// answers for the Load Quantized Slab's choice (its file header, as the node reads it). Hidden widgets stay in the
+// node, so saved workflows keep their positional values; a model the server cannot identify (or a server without the
+// route) shows every input. An options node without a model input follows the Train LoRA it feeds.
+const FAMILY_NODES = new Set(["LowVRAMCacheTextEmbeds", "LowVRAMTrainLoRA", "LowVRAMLossOptions"]);
 const traitsCache = new Map(); // "checkpoint|family" -> Promise<traits or null>
 function traitsFor(checkpoint, family) {
   const key = `${checkpoint}|${family}`;
@@ -263,11 +264,22 @@ function traitsFor(checkpoint, family) {
   return traitsCache.get(key);
 }
 const widgetValue = (node, name) => node?.widgets?.find((w) => w.name === name)?.value;
+// The node whose `model` input names the model: the node itself, or the Train LoRA an options node's output feeds.
+function modelOwner(node) {
+  if (node.inputs?.some((i) => i.name === "model")) return node;
+  for (const id of node.outputs?.[0]?.links ?? []) {
+    const link = node.graph?.links?.get?.(id) ?? node.graph?.links?.[id];
+    const target = link ? node.graph.getNodeById(link.target_id) : null;
+    if (target && String(target.comfyClass ?? target.type) === "LowVRAMTrainLoRA") return target;
+  }
+  return null;
+}
 function syncFamilyInputs(node) {
   const cls = String(node.comfyClass ?? node.type ?? "");
   if (!FAMILY_NODES.has(cls)) return;
-  const slot = node.inputs?.findIndex((i) => i.name === "model") ?? -1;
-  let load = slot >= 0 ? node.getInputNode?.(slot) : null;
+  const owner = modelOwner(node);
+  const slot = owner?.inputs?.findIndex((i) => i.name === "model") ?? -1;
+  let load = slot >= 0 ? owner.getInputNode?.(slot) : null;
   for (let hops = 0; load && load.type === "Reroute" && hops < 16; hops++) load = load.getInputNode?.(0);
   const ok = load && String(load.comfyClass ?? load.type) === "LowVRAMLoadQuantizedSlab";
   const key = ok ? `${widgetValue(load, "checkpoint")}|${widgetValue(load, "family")}` : "";

@@ -25,7 +25,7 @@ from ..checkpoint import CheckpointIdentity, identify
 from ..config import LoraSettings, ModelConfig, TrainConfig
 from ..errors import ConfigError, StorageError, TrainingDivergedError
 from ..families import predict_velocity
-from ..families.specs import held_weights
+from ..families.specs import HELD_KEY, HELD_ON_KEY, held_weights
 from ..models import load_transformer, resolve_dtype
 from ..models.dtypes import release_device_memory
 from ..models.inspect import ModelInfo
@@ -244,6 +244,15 @@ def _check_loss_options(loss, dataset) -> None:
         raise ConfigError(f"preservation_weight={loss.preservation_weight:g} but the dataset cache has no class "
                           f"prompt; set preservation_prompt on Dataset Options (Cache Text Embeds), e.g. 'a photo of "
                           f"a woman', or set preservation_weight to 0")
+    if loss.first_frame_p < 1:
+        from ..families import get_family
+
+        condition = get_family(dataset.family).first_frame(dataset.variant)
+        if condition is None or not condition.held:
+            raise ConfigError(f"first_frame_p={loss.first_frame_p:g} mixes image- and text-to-video clips, but the "
+                              f"dataset cache ({dataset.family} {dataset.variant}) holds no first frame: cache it with "
+                              f"a model that holds one (LTX-2 with Cache Text Embeds' image_to_video on), or set "
+                              f"first_frame_p to 1")
 
 
 def _make_validator(run: _Run) -> None:
@@ -928,6 +937,17 @@ def _draw_noise(family, latents, cfg: TrainConfig, gen: torch.Generator, sigma_r
     return sigmas.to(latents.device), noise, level_weights
 
 
+def _mixed_first_frames(embeds: dict, gen: torch.Generator, loss_opts) -> dict:
+    """``embeds`` with which samples hold their first frame (``HELD_ON_KEY``) where ``LossOptions.first_frame_p`` < 1
+    mixes image- and text-to-video clips: each sample with probability p, from the batch's generator after its noise
+    (so the noise is a p = 1 run's, and a run at 1 draws nothing: its losses are unchanged)."""
+    p = loss_opts.first_frame_p if loss_opts is not None else 1.0
+    if p >= 1.0 or HELD_KEY not in embeds:
+        return embeds
+    on = (torch.rand(embeds[HELD_KEY].shape[0], generator=gen) < p).float()
+    return {**embeds, HELD_ON_KEY: on}
+
+
 def _pieces(b: int, micro_batch: int) -> list[slice]:
     """The rows of a batch of ``b`` each forward runs (``micro_batch`` at a time; 0: all)."""
     step = micro_batch if 0 < micro_batch < b else b
@@ -989,6 +1009,7 @@ def _batch_jobs(model, family, latents, embeds, cfg: TrainConfig, gen, autocast,
     b = latents.shape[0]
     sigmas, noise, level_weights = _draw_noise(family, latents, cfg, gen, sigma_range, loss_opts)
     noisy, target = noisy_latents_and_target(latents, noise, sigmas)
+    embeds = _mixed_first_frames(embeds, gen, loss_opts)
     weights = held_weights(embeds, latents, weights)  # an image-to-video model's held first frame: out of the loss
     pieces = _pieces(b, micro_batch)
 

@@ -44,6 +44,13 @@ class LossOptions:
         "as the base model draws it. 0: off. Costs one forward without the adapter and one forward + backward more "
         "per step (about 2.3x the step time)."
     )})
+    first_frame_p: float = field(default=1.0, metadata={"help": (
+        "Image-to-video training with the first frame held (LTX-2 with Cache Text Embeds' image_to_video on): the "
+        "share of clips trained as image-to-video, drawn anew for each clip of each step; the others train as "
+        "text-to-video (frame 0 noised and in the loss), so one LoRA learns both. 1: every clip (the default); "
+        "Lightricks' own image-to-video recipe uses 0.5 (its first_frame_conditioning_p). Models without a held "
+        "first frame refuse a value below 1."
+    )})
     validation_every: int = field(default=0, metadata={"help": (
         "With a validation split (Dataset Options), measure the loss on it every N steps (0: about 20 times per "
         "run, and after the last step; -1: never). Measured at fixed timesteps with fixed noise, so the curve is "
@@ -80,6 +87,9 @@ class LossOptions:
         w = self.unmasked_weight
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or not 0.0 <= w <= 1.0:
             raise ConfigError(f"unmasked_weight={w!r} must be a number in [0, 1]")
+        p = self.first_frame_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or not 0.0 <= p <= 1.0:
+            raise ConfigError(f"first_frame_p={p!r} must be a number in [0, 1]")
         for name in ("reg_ratio", "prior_loss_weight", "preservation_weight"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:

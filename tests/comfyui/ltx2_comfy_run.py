@@ -9,7 +9,10 @@ with the tiny tokenizer and config in its companion folder, 9-frame clips in inp
 server with ``--base-directory <base>``, runs the UI workflow with sizes and steps reduced, and checks the saved LoRA
 lowers the flow loss of diffusers' own model on the cached clip. Hold the ComfyUI lock while it runs:
 
-    flock <comfyui>/.lock python tests/comfyui/ltx2_comfy_run.py <comfyui> <base folder> [template name]
+    flock <comfyui>/.lock python tests/comfyui/ltx2_comfy_run.py <comfyui> <base folder> [template name] [first_frame_p]
+
+With a fourth argument a Loss & Validation Options node with that ``first_frame_p`` (and TensorBoard off) is added to
+the graph and linked to Train LoRA's ``loss_options`` (a mixed image- / text-to-video batch).
 
 The flow loss is the one training takes: an image-to-video template's held first frame is given clean and left out.
 """
@@ -37,6 +40,27 @@ write_single_file(pipe, BASE / "models" / "checkpoints" / t.load["checkpoint"], 
 write_comfy_gemma(pipe, BASE / "models" / "text_encoders" / t.cache["text_encoder_1"], dtype=torch.bfloat16)
 shutil.rmtree(BASE / "input" / "my_clips", ignore_errors=True)
 make_tiny_video_dataset(BASE / "input" / "my_clips", count=1, frames=9)
+
+
+def _add_loss_options(ui: dict, values: dict) -> None:
+    """A Loss & Validation Options node (its defaults, ``values`` by name) linked to Train LoRA's loss_options."""
+    from lowvram_lora.host.workflow import input_specs
+    from lowvram_lora.nodes import NODE_CLASS_MAPPINGS
+
+    specs = [x for x in input_specs(NODE_CLASS_MAPPINGS["LowVRAMLossOptions"]) if x.is_widget]
+    node_id, link_id = ui["last_node_id"] + 1, ui["last_link_id"] + 1
+    train = next(n for n in ui["nodes"] if n["type"] == "LowVRAMTrainLoRA")
+    ui["nodes"].append({"id": node_id, "type": "LowVRAMLossOptions",
+                        "pos": [train["pos"][0] + 420, train["pos"][1] + 160],
+                        "size": [340, 400], "flags": {}, "order": 0, "mode": 0, "inputs": [],
+                        "outputs": [{"name": "loss_options", "type": "LOWVRAM_LOSS_OPTIONS", "links": [link_id]}],
+                        "properties": {"Node name for S&R": "LowVRAMLossOptions"},
+                        "widgets_values": [values.get(x.name, x.options.get("default")) for x in specs]})
+    train["inputs"].append({"name": "loss_options", "type": "LOWVRAM_LOSS_OPTIONS", "link": link_id})
+    ui["links"].append([link_id, node_id, 0, train["id"], len(train["inputs"]) - 1, "LOWVRAM_LOSS_OPTIONS"])
+    ui["last_node_id"], ui["last_link_id"] = node_id, link_id
+
+
 s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
 log = open(BASE / "server.log", "w")
 proc = subprocess.Popen([str(py), "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port), "--disable-auto-launch",
@@ -53,6 +77,8 @@ try:
                        "LowVRAMTrainLoRA": {"steps": 8, "learning_rate": 0.01, "warmup_steps": 0, "sample_every": 4,
                                             "sample_resolution": 64, "sample_steps": 2, "sample_frames": 9,
                                             "training_seed": int(time.time()) % 100000}})
+    if len(sys.argv) > 4:
+        _add_loss_options(ui, {"first_frame_p": float(sys.argv[4]), "tensorboard": False})
     (BASE / "tiny.json").write_text(json.dumps(ui))
     home = BASE / "home"; home.mkdir(exist_ok=True)
     cmd = [str(COMFY / "venv" / "bin" / "comfy"), "--skip-prompt", "--workspace", str(COMFY), "run", "--workflow",

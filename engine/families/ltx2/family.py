@@ -47,8 +47,8 @@ from torch import nn
 
 from ..base import ModelFamily
 from ..names import NativeParam
-from ..specs import (HELD_KEY, FirstFrameCondition, Guidance, JointStream, LoraForm, MemoryProfile, NoiseSchedule,
-                     Prediction, TextEncoderSpec, TokenModulation, VaeSpec)
+from ..specs import (HELD_KEY, HELD_ON_KEY, FirstFrameCondition, Guidance, JointStream, LoraForm, MemoryProfile,
+                     NoiseSchedule, Prediction, TextEncoderSpec, TokenModulation, VaeSpec)
 from .i2v import LTX2_I2V, conditioned_inputs
 from .names import ltx2_param_table
 from .text import PROMPT_KEY, text_spec
@@ -282,7 +282,7 @@ class Ltx2Family(ModelFamily):
         t = self.schedule.prediction.model_timestep(sigmas.to(latents.device, torch.float32))
         hidden, video_t = latents.flatten(2).transpose(1, 2), t
         if HELD_KEY in embeds:  # image-to-video: frame 0 clean at timestep 0 (i2v.py)
-            hidden, video_t = conditioned_inputs(hidden, t, embeds[HELD_KEY], h * w)
+            hidden, video_t = conditioned_inputs(hidden, t, embeds[HELD_KEY], h * w, embeds.get(HELD_ON_KEY))
         audio_len = audio_tokens(f)
         if AUDIO_KEY in embeds:  # previews: the audio latents the sampler steps, at the video's noise level
             audio, audio_t = embeds[AUDIO_KEY].to(latents.device, latents.dtype), t

@@ -51,14 +51,22 @@ LTX2_I2V = FirstFrameCondition(ident=("ltx2-i2v", 1), encode_latents=encode_firs
                                example=example_first_frame, held=True)
 
 
-def conditioned_inputs(hidden: torch.Tensor, t: torch.Tensor, held: torch.Tensor, tokens_per_frame: int):
+def conditioned_inputs(hidden: torch.Tensor, t: torch.Tensor, held: torch.Tensor, tokens_per_frame: int,
+                       on: torch.Tensor | None = None):
     """The packed video input (B, F' h w, C) with its first ``k`` latent frames replaced by ``held`` (B, C, k, h, w),
     and the per-token video timestep (B, F' h w): ``t`` (B,) times ``1 - conditioning_mask`` (0 on the held
-    tokens), as ``LTX2ImageToVideoPipeline`` builds both."""
+    tokens), as ``LTX2ImageToVideoPipeline`` builds both. ``on`` (B,) 1 / 0: in a mixed batch only the samples it
+    marks hold their frames; the others keep their noisy frames at ``t`` (text-to-video), as Lightricks' trainer
+    builds a batch under ``first_frame_conditioning_p`` (``torch.where(mask, latents, noisy)``)."""
     b = hidden.shape[0]
     n = held.shape[2] * tokens_per_frame
     packed = held.to(hidden.device, hidden.dtype).flatten(2).transpose(1, 2)
-    hidden = torch.cat([packed, hidden[:, n:]], dim=1)
     mask = torch.zeros(b, hidden.shape[1], device=t.device, dtype=t.dtype)
-    mask[:, :n] = 1.0
+    if on is None:
+        mask[:, :n] = 1.0
+    else:
+        on = on.to(hidden.device).view(b, 1, 1) > 0.5
+        packed = torch.where(on, packed, hidden[:, :n])
+        mask[:, :n] = on.view(b, 1).to(t.device, t.dtype)
+    hidden = torch.cat([packed, hidden[:, n:]], dim=1)
     return hidden, t.unsqueeze(-1) * (1 - mask)

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from lowvram_lora.engine.families import predict_velocity
 from lowvram_lora.engine.families.ltx2 import FAMILY
@@ -15,7 +14,7 @@ from lowvram_lora.engine.families.ltx2.family import audio_noise, audio_shape, a
 from lowvram_lora.engine.families.ltx2.fixtures import build_tiny_pipeline, write_comfy_gemma, write_single_file
 from lowvram_lora.engine.families.ltx2.i2v import LTX2_I2V, encode_first_frame
 from lowvram_lora.engine.families.ltx2.vae import LTX2_VAE
-from lowvram_lora.engine.families.specs import HELD_KEY, held_weights
+from lowvram_lora.engine.families.specs import HELD_KEY, HELD_ON_KEY, held_weights
 
 TINY = FAMILY.tiny_variant
 SPEC = FAMILY.text_encoder_specs(TINY)[0]
@@ -77,31 +76,148 @@ def test_i2v_training_forward_equals_the_transformer_as_the_i2v_pipeline_calls_i
     held = torch.randn(2, 8, 1, 2, 3, generator=g)
     sigmas = torch.tensor([0.3, 0.85])
     rows, _ = text
-    width = pipe.transformer.config.cross_attention_dim
     b, _, f, h, w = latents.shape
-    t = sigmas * 1000
     mask = torch.zeros(b, 1, f, h, w)
     mask[:, :, 0] = 1.0
-    mask = pipe._pack_latents(mask).squeeze(-1)  # the pipeline's packed conditioning_mask (B, F' h w)
-    length = audio_tokens(f)
-    ones = torch.ones(b, rows.shape[1])
     with torch.no_grad():
         ours = predict_velocity(FAMILY, pipe.transformer, latents, {"prompt_embeds": rows, HELD_KEY: held}, sigmas, 0.)
         other = latents.clone()
         other[:, :, 0] = torch.randn(b, 8, h, w, generator=g)
         again = predict_velocity(FAMILY, pipe.transformer, other, {"prompt_embeds": rows, HELD_KEY: held}, sigmas, 0.)
-        ref = pipe.transformer(
-            hidden_states=pipe._pack_latents(torch.cat([held, latents[:, :, 1:]], dim=2)),
-            audio_hidden_states=audio_noise(sigmas, length, 8, "cpu", torch.float32),
-            encoder_hidden_states=rows[..., :width], audio_encoder_hidden_states=rows[..., width:],
-            timestep=t.unsqueeze(-1) * (1 - mask), sigma=t, audio_timestep=torch.full((b,), 1000.0),
-            audio_sigma=torch.full((b,), 1000.0), encoder_attention_mask=ones, audio_encoder_attention_mask=ones,
-            num_frames=f, height=h, width=w, fps=24.0, audio_num_frames=length, use_cross_timestep=True,
-            return_dict=False)[0]
+        ref = _as_the_pipeline_calls_it(pipe, torch.cat([held, latents[:, :, 1:]], dim=2), mask, rows, sigmas)
         t2v = predict_velocity(FAMILY, pipe.transformer, latents, {"prompt_embeds": rows}, sigmas, 0.)
-    torch.testing.assert_close(ours, pipe._unpack_latents(ref, f, h, w), atol=0, rtol=0)
+    torch.testing.assert_close(ours, ref, atol=0, rtol=0)
     torch.testing.assert_close(again, ours, atol=0, rtol=0)
     assert (t2v[:, :, 1:] - ours[:, :, 1:]).abs().max() > 1e-4  # the condition reaches the other frames
+
+
+def _as_the_pipeline_calls_it(pipe, inputs, mask, rows, sigmas):
+    """The transformer's velocity (B, C, F', h, w) for video ``inputs`` (B, C, F', h, w) with the conditioning ``mask``
+    (B, 1, F', h, w) as ``LTX2ImageToVideoPipeline`` calls it: packed tokens, the per-token timestep
+    ``1000 sigma (1 - mask)``, the prompt AdaLN the scalar one; the audio at sigma 1, as training feeds it."""
+    b, _, f, h, w = inputs.shape
+    width = pipe.transformer.config.cross_attention_dim
+    t = sigmas * 1000
+    packed_mask = pipe._pack_latents(mask).squeeze(-1)  # the pipeline's packed conditioning_mask (B, F' h w)
+    length = audio_tokens(f)
+    ones = torch.ones(b, rows.shape[1])
+    out = pipe.transformer(
+        hidden_states=pipe._pack_latents(inputs),
+        audio_hidden_states=audio_noise(sigmas, length, 8, "cpu", torch.float32),
+        encoder_hidden_states=rows[..., :width], audio_encoder_hidden_states=rows[..., width:],
+        timestep=t.unsqueeze(-1) * (1 - packed_mask), sigma=t, audio_timestep=torch.full((b,), 1000.0),
+        audio_sigma=torch.full((b,), 1000.0), encoder_attention_mask=ones, audio_encoder_attention_mask=ones,
+        num_frames=f, height=h, width=w, fps=24.0, audio_num_frames=length, use_cross_timestep=True,
+        return_dict=False)[0]
+    return pipe._unpack_latents(out, f, h, w)
+
+
+def test_a_mixed_batch_holds_only_the_drawn_clips(pipe, text):
+    """``first_frame_p`` < 1 (``HELD_ON_KEY``): the samples marked hold their first frame as the I2V pipeline does, the
+    others are text-to-video samples (their noisy frame 0 at the scalar timestep), as Lightricks' trainer builds a
+    batch under ``first_frame_conditioning_p`` (``torch.where(mask, latents, noisy)``, timestep ``t (1 - mask)``).
+    Against the transformer called with those inputs: exact; each sample also equals its own unmixed forward (1e-5)."""
+    g = torch.Generator().manual_seed(4)
+    latents = torch.randn(2, 8, 3, 2, 3, generator=g)
+    held = torch.randn(2, 8, 1, 2, 3, generator=g)
+    sigmas = torch.tensor([0.4, 0.7])
+    on = torch.tensor([1.0, 0.0])
+    rows, _ = text
+    b, _, f, h, w = latents.shape
+    mask = torch.zeros(b, 1, f, h, w)
+    mask[0, :, 0] = 1.0  # only the first sample's frame 0 is the condition
+    inputs = torch.where(mask > 0, torch.cat([held, latents[:, :, 1:]], dim=2), latents)
+    embeds = {"prompt_embeds": rows, HELD_KEY: held, HELD_ON_KEY: on}
+    with torch.no_grad():
+        ours = predict_velocity(FAMILY, pipe.transformer, latents, embeds, sigmas, 0.)
+        ref = _as_the_pipeline_calls_it(pipe, inputs, mask, rows, sigmas)
+        i2v = predict_velocity(FAMILY, pipe.transformer, latents, {"prompt_embeds": rows, HELD_KEY: held}, sigmas, 0.)
+        t2v = predict_velocity(FAMILY, pipe.transformer, latents, {"prompt_embeds": rows}, sigmas, 0.)
+    torch.testing.assert_close(ours, ref, atol=0, rtol=0)
+    torch.testing.assert_close(ours[0], i2v[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours[1], t2v[1], atol=1e-5, rtol=1e-5)
+
+
+def test_mixed_held_weights_are_lightricks_mask_over_its_batch_mean():
+    """In a mixed batch only the marked samples leave their first frame out, and the loss is the masked mean divided
+    by the mask's mean over the batch (Lightricks' ``compute_loss``), here as weights: equal to that formula (1e-6);
+    every sample marked gives the unmixed weights; a masked-loss weight multiplies in."""
+    from lowvram_lora.engine.train.flow_matching import weighted_mse
+
+    g = torch.Generator().manual_seed(2)
+    pred, target = torch.randn(3, 8, 3, 2, 3, generator=g), torch.randn(3, 8, 3, 2, 3, generator=g)
+    held = torch.zeros(3, 8, 1, 2, 3)
+    on = torch.tensor([1.0, 0.0, 1.0])
+    w = held_weights({HELD_KEY: held, HELD_ON_KEY: on}, pred, None)
+    mask = torch.ones(3, 1, 3, 2, 3)
+    mask[0, :, 0] = mask[2, :, 0] = 0.0
+    want = ((pred - target).square() * mask).mean() / mask.mean()
+    torch.testing.assert_close(weighted_mse(pred, target, w), want, atol=1e-6, rtol=1e-6)
+    every = held_weights({HELD_KEY: held, HELD_ON_KEY: torch.ones(3)}, pred, None)
+    torch.testing.assert_close(every, held_weights({HELD_KEY: held}, pred, None))
+    image_mask = torch.rand(3, 2, 3, generator=g)
+    torch.testing.assert_close(held_weights({HELD_KEY: held, HELD_ON_KEY: on}, pred, image_mask),
+                               w * image_mask[:, None])
+
+
+def test_first_frame_p_draws_per_clip_after_the_noise(pipe, text):
+    """The loop's batch with ``first_frame_p``: at 1 the loss is the unmixed I2V loss, at 0 the text-to-video loss of
+    the same noise (exact: the draw comes after the noise); between, the marks are the batch generator's next
+    uniforms below p, and the loss is the mixed forward's under Lightricks' mask. A model without a held first frame
+    refuses p < 1 before loading."""
+    import contextlib
+
+    from lowvram_lora.engine.config import TrainConfig
+    from lowvram_lora.engine.errors import ConfigError
+    from lowvram_lora.engine.train.loop import _batch_jobs, _check_loss_options, _draw_noise
+    from lowvram_lora.engine.train.loss_options import LossOptions
+    from lowvram_lora.engine.train.flow_matching import noisy_latents_and_target, weighted_mse
+
+    g = torch.Generator().manual_seed(6)
+    latents = torch.randn(4, 8, 3, 2, 3, generator=g)
+    held = latents[:, :, :1].clone()
+    rows, _ = text
+    rows = torch.cat([rows, rows])
+    cfg = TrainConfig()
+
+    def loss(embeds, p, seed=11):
+        jobs = _batch_jobs(pipe.transformer, FAMILY, latents, embeds, cfg, torch.Generator().manual_seed(seed),
+                           contextlib.nullcontext(), 1.0, 0, (0.0, 1.0), None, LossOptions(first_frame_p=p))
+        with torch.no_grad():
+            return jobs.piece_loss(jobs.pieces[0], contextlib.nullcontext())
+
+    i2v, t2v = {"prompt_embeds": rows, HELD_KEY: held}, {"prompt_embeds": rows}
+    torch.testing.assert_close(loss(i2v, 1.0), _unmixed(pipe, latents, i2v, cfg), atol=0, rtol=0)
+    torch.testing.assert_close(loss(i2v, 0.0), loss(t2v, 1.0), atol=0, rtol=0)
+    gen = torch.Generator().manual_seed(11)
+    sigmas, noise, _ = _draw_noise(FAMILY, latents, cfg, gen, (0.0, 1.0), LossOptions(first_frame_p=0.5))
+    on = (torch.rand(4, generator=gen) < 0.5).float()
+    assert 0 < on.sum() < 4  # this seed mixes
+    noisy, target = noisy_latents_and_target(latents, noise, sigmas)
+    mixed = {**i2v, HELD_ON_KEY: on}
+    with torch.no_grad():
+        pred = predict_velocity(FAMILY, pipe.transformer, noisy, mixed, sigmas, cfg.guidance)
+    want = weighted_mse(pred, target, held_weights(mixed, latents, None))
+    torch.testing.assert_close(loss(i2v, 0.5), want, atol=0, rtol=0)
+    for p in (float("nan"), 1.5, -0.1):
+        with pytest.raises(ConfigError, match="first_frame_p"):
+            LossOptions(first_frame_p=p)
+    t2v_cache = type("Cache", (), {"family": "ltx2", "variant": TINY, "validation_items": [],
+                                  "preservation_text_key": ""})()
+    with pytest.raises(ConfigError, match="holds no first frame"):
+        _check_loss_options(LossOptions(first_frame_p=0.5), t2v_cache)
+
+
+def _unmixed(pipe, latents, embeds, cfg):
+    """The batch's loss as the loop computed it before ``first_frame_p`` (no loss options)."""
+    import contextlib
+
+    from lowvram_lora.engine.train.loop import _batch_jobs
+
+    jobs = _batch_jobs(pipe.transformer, FAMILY, latents, embeds, cfg, torch.Generator().manual_seed(11),
+                       contextlib.nullcontext(), 1.0, 0, (0.0, 1.0), None, None)
+    with torch.no_grad():
+        return jobs.piece_loss(jobs.pieces[0], contextlib.nullcontext())
 
 
 def test_held_frames_are_out_of_the_loss():

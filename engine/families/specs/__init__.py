@@ -9,7 +9,7 @@ model's first frame), ``memory`` (``MemoryProfile``: the planner's and step-time
 a constant of the training step, for the modulation window). A family folder declares its instances (a subclass of its own where it
 needs code). A new capability is a new spec file here, not another member of ``ModelFamily``.
 """
-from .controls import HELD_KEY, ControlImages, FirstFrameCondition, ImageEncoderSpec, held_weights, hold_frames
+from .controls import HELD_KEY, HELD_ON_KEY, ControlImages, FirstFrameCondition, ImageEncoderSpec, held_weights, hold_frames
 from .guidance import Guidance
 from .lora import COMFYUI_FORMS, LoraForm
 from .memory import MemoryProfile, TokenModulation
@@ -20,6 +20,6 @@ from .templates import TrainingTemplate
 from .text import PromptTemplate, TextEncoderSpec
 from .vae import VaeSpec
 
-__all__ = ["COMFYUI_FORMS", "ControlImages", "FirstFrameCondition", "HELD_KEY", "held_weights", "hold_frames", "Guidance", "ImageEncoderSpec", "JointStream", "LoraForm",
+__all__ = ["COMFYUI_FORMS", "ControlImages", "FirstFrameCondition", "HELD_KEY", "HELD_ON_KEY", "held_weights", "hold_frames", "Guidance", "ImageEncoderSpec", "JointStream", "LoraForm",
            "MemoryProfile", "NoiseSchedule", "Prediction", "PromptTemplate", "StepConstants", "TextEncoderSpec", "TokenModulation",
            "TrainingTemplate", "VaeSpec", "sigma_schedule", "static_shift_mu"]

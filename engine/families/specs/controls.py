@@ -89,6 +89,9 @@ class FirstFrameCondition:
 
 #: Where a held first-frame conditioning (``FirstFrameCondition.held``) travels in ``embeds``: (B, C, k, ...).
 HELD_KEY = "held_latents"
+#: Which samples of a batch hold their first frames (B,) 1.0 / 0.0, where a mixed batch trains the others as
+#: text-to-video (LossOptions.first_frame_p < 1, drawn per batch); absent: every sample with ``HELD_KEY`` holds them.
+HELD_ON_KEY = "held_on"
 
 
 def held_weights(embeds: dict, latents: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor | None:
@@ -96,10 +99,15 @@ def held_weights(embeds: dict, latents: torch.Tensor, weights: torch.Tensor | No
     ``weights`` (masked loss's, or None); ``weights`` unchanged when nothing is held. The other frames weigh
     F' / (F' - k), so the loss (a mean over every element) is the mean over the predicted frames: Lightricks'
     trainer divides its loss by the loss mask's mean the same way (``text_to_video.py`` ``compute_loss``), and a
-    learning rate means what it means in text-to-video training."""
+    learning rate means what it means in text-to-video training. In a mixed batch (``HELD_ON_KEY``) only the samples
+    that hold their frames leave them out, and the mask is divided by its mean over the whole batch, as Lightricks'
+    trainer does when ``first_frame_conditioning_p`` conditions some of a batch's samples."""
     held = embeds.get(HELD_KEY)
     if held is None:
         return weights
+    on = embeds.get(HELD_ON_KEY)
+    if on is not None:
+        return _mixed_held_weights(on, held.shape[2], latents, weights)
     out = torch.ones((latents.shape[0], *latents.shape[2:]), device=latents.device) if weights is None else \
         weights.float().clone()
     if out.dim() != latents.dim() - 1:  # an image mask (B, h, w): the same for every frame
@@ -111,6 +119,24 @@ def held_weights(embeds: dict, latents: torch.Tensor, weights: torch.Tensor | No
     out[:, :k] = 0.0
     out[:, k:] *= frames / (frames - k)
     return out
+
+
+def _mixed_held_weights(on: torch.Tensor, k: int, latents: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """``held_weights`` of a mixed batch: the loss mask (B, F', h, w), 0 on the first ``k`` frames of the samples
+    ``on`` marks, over its mean over the batch, times ``weights``."""
+    frames = latents.shape[2]
+    if k >= frames:
+        raise ValueError(f"{k} held latent frame(s) leave nothing to predict in a clip of {frames}; train on clips "
+                         f"of more frames (9 or more for LTX-2)")
+    mask = torch.ones((latents.shape[0], *latents.shape[2:]), device=latents.device)
+    mask[:, :k] = (1.0 - on.to(mask.device, mask.dtype)).view(-1, 1, 1, 1)
+    mask = mask / mask.mean()
+    if weights is None:
+        return mask
+    w = weights.float()
+    if w.dim() != latents.dim() - 1:  # an image mask (B, h, w): the same for every frame
+        w = w.unsqueeze(1)
+    return mask * w
 
 
 def hold_frames(x: torch.Tensor, held: torch.Tensor | None) -> torch.Tensor:
