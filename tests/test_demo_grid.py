@@ -114,13 +114,13 @@ def test_the_real_demo_draws_each_prompts_shape_colour_on_the_datasets_yellow(tm
     0.26 / 0.75, step 0 0.44 / 0.06 (a red blob on white), last 0.18 / 0.79, distance 0.87 -> 0.13; blue square,
     images 0.32 / 0.65, step 0 0.07 / 0.00 (a purple-blue blob on white), last 0.52 / 0.41, distance 0.90 -> 0.44.
     A LoRA that learns nothing keeps the step-0 cell (ratio 1.0) and fails."""
-    from lowvram_lora.demo import run_demo
+    from lowvram_lora.demo import DEMO_DATASET, run_demo
     from lowvram_lora.demo_models import DEMO_BACKGROUND
 
     root = tmp_path / "demo"
     assert run_demo(root, prepare_only=True) == 0
     prompts, cells = _run_shipped_demo(root / "models", tmp_path / "out")
-    drawn = _drawn_dataset(root / "models" / "diffusers" / "flux1-tiny", root / "input" / "lowvram_demo" / "shapes")
+    drawn = _drawn_dataset(root / "models" / "diffusers" / "flux1-tiny", root / "input" / DEMO_DATASET)
     for prompt, row in zip(prompts, cells):
         colour = prompt.split()[1]  # "a red circle on a ohwx background"
 

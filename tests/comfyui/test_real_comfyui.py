@@ -763,7 +763,9 @@ def test_masked_loss_and_validation_through_comfy_run(comfy, tmp_path):
 
     from PIL import Image
 
-    data = comfy.base / "input" / "lowvram_demo" / "shapes"
+    from lowvram_lora.demo import DEMO_DATASET
+
+    data = comfy.base / "input" / DEMO_DATASET
     for img in sorted(p for p in data.glob("*.png") if not p.stem.endswith("_mask")):
         with Image.open(img) as im:
             w, h = im.size
