@@ -105,32 +105,15 @@ def held_weights(embeds: dict, latents: torch.Tensor, weights: torch.Tensor | No
     held = embeds.get(HELD_KEY)
     if held is None:
         return weights
-    on = embeds.get(HELD_ON_KEY)
-    if on is not None:
-        return _mixed_held_weights(on, held.shape[2], latents, weights)
-    out = torch.ones((latents.shape[0], *latents.shape[2:]), device=latents.device) if weights is None else \
-        weights.float().clone()
-    if out.dim() != latents.dim() - 1:  # an image mask (B, h, w): the same for every frame
-        out = out.unsqueeze(1).expand(-1, latents.shape[2], -1, -1).clone()
-    frames, k = out.shape[1], held.shape[2]
+    b, frames, k = latents.shape[0], latents.shape[2], held.shape[2]
     if k >= frames:
         raise ValueError(f"{k} held latent frame(s) leave nothing to predict in a clip of {frames}; train on clips "
                          f"of more frames (9 or more for LTX-2)")
-    out[:, :k] = 0.0
-    out[:, k:] *= frames / (frames - k)
-    return out
-
-
-def _mixed_held_weights(on: torch.Tensor, k: int, latents: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-    """``held_weights`` of a mixed batch: the loss mask (B, F', h, w), 0 on the first ``k`` frames of the samples
-    ``on`` marks, over its mean over the batch, times ``weights``."""
-    frames = latents.shape[2]
-    if k >= frames:
-        raise ValueError(f"{k} held latent frame(s) leave nothing to predict in a clip of {frames}; train on clips "
-                         f"of more frames (9 or more for LTX-2)")
-    mask = torch.ones((latents.shape[0], *latents.shape[2:]), device=latents.device)
-    mask[:, :k] = (1.0 - on.to(mask.device, mask.dtype)).view(-1, 1, 1, 1)
-    mask = mask / mask.mean()
+    on = embeds.get(HELD_ON_KEY)  # (B,) 1 / 0, on the host where the loop draws it
+    mask = torch.ones((b, *latents.shape[2:]), device=latents.device)
+    mask[:, :k] = 0.0 if on is None else (1.0 - on.to(mask.device, mask.dtype)).view(-1, 1, 1, 1)
+    holding = b if on is None else float(on.sum())
+    mask *= b * frames / (b * frames - k * holding)  # over the mask's mean (counted, not summed on the device)
     if weights is None:
         return mask
     w = weights.float()
