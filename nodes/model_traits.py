@@ -29,8 +29,12 @@ def model_traits(checkpoint: str, family: str = "auto") -> dict:
     ident = identify(resolve_choice(checkpoint), family)
     video = bool(ident.family.video)
     edit = ident.family.control_images(ident.variant) is not None
-    both = video and ident.family.first_frame(ident.variant) is None and _has_twin(ident.family, ident.variant)
-    holds = _holds_first_frame(ident.family, ident.variant)
+    first = ident.family.first_frame(ident.variant)
+    twin = _twin(ident.family, ident.variant) if video and first is None else None
+    both = twin is not None
+    # first_frame_p does something where the model, or the twin it also trains, holds its first frame
+    held = first if first is not None else (ident.family.first_frame(twin) if both else None)
+    holds = held is not None and held.held
     hide: dict[str, list[str]] = {}
     for applies, inputs in ((video, VIDEO_INPUTS), (edit, EDIT_INPUTS), (both, TASK_INPUTS), (holds, HELD_INPUTS)):
         if not applies:
@@ -44,26 +48,15 @@ def model_traits(checkpoint: str, family: str = "auto") -> dict:
             "inputs": managed}
 
 
-def _holds_first_frame(family, variant: str) -> bool:
-    """The model (or its image-to-video twin) holds its first frame: LossOptions.first_frame_p does something."""
-    condition = family.first_frame(variant)
-    if condition is None and family.video and _has_twin(family, variant):
-        from ..engine.caching.task_choice import image_to_video_variant
-
-        condition = family.first_frame(image_to_video_variant(family, variant))
-    return bool(condition is not None and condition.held)
-
-
-def _has_twin(family, variant: str) -> bool:
-    """The checkpoint also trains image-to-video (Cache Text Embeds' image_to_video does something)."""
+def _twin(family, variant: str) -> str | None:
+    """The image-to-video variant the checkpoint also trains (Cache Text Embeds' image_to_video), or None."""
     from ..engine.caching.task_choice import image_to_video_variant
     from ..engine.errors import ConfigError
 
     try:
-        image_to_video_variant(family, variant)
+        return image_to_video_variant(family, variant)
     except ConfigError:
-        return False
-    return True
+        return None
 
 
 def register_routes() -> None:

@@ -24,7 +24,7 @@ from ..callbacks import StepInfo, TrainingCallback
 from ..checkpoint import CheckpointIdentity, identify
 from ..config import LoraSettings, ModelConfig, TrainConfig
 from ..errors import ConfigError, StorageError, TrainingDivergedError
-from ..families import predict_velocity
+from ..families import get_family, predict_velocity
 from ..families.specs import HELD_KEY, HELD_ON_KEY, held_weights
 from ..models import load_transformer, resolve_dtype
 from ..models.dtypes import release_device_memory
@@ -245,8 +245,6 @@ def _check_loss_options(loss, dataset) -> None:
                           f"prompt; set preservation_prompt on Dataset Options (Cache Text Embeds), e.g. 'a photo of "
                           f"a woman', or set preservation_weight to 0")
     if loss.first_frame_p < 1:
-        from ..families import get_family
-
         condition = get_family(dataset.family).first_frame(dataset.variant)
         if condition is None or not condition.held:
             raise ConfigError(f"first_frame_p={loss.first_frame_p:g} mixes image- and text-to-video clips, but the "

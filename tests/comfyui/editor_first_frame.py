@@ -21,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from editor_demo import close_session, headless_chromium, open_blank_editor, session_args  # noqa: E402
 from editor_ux4 import FIT  # noqa: E402
+from editor_ux43 import _load  # noqa: E402
 
 NODES = """
 const g = app.canvas.graph || app.graph;
@@ -38,12 +39,6 @@ g.add(n);
 n.connect(0, train, train.findInputSlot('loss_options'));
 return train.inputs.find(i => i.name === 'loss_options').link !== null;
 """
-
-
-def _load(d, workflow: dict) -> None:
-    d.execute_async_script("const done = arguments[arguments.length - 1];"
-                           "Promise.resolve(app.loadGraphData(arguments[0])).then(() => done(true))", workflow)
-    time.sleep(4)
 
 
 def _shown(d) -> dict:
