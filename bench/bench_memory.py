@@ -213,11 +213,12 @@ def offload_for(mode: str):
         return OffloadConfig(mode="stream", prefetch_depth=int(m[1]), activation_offload=bool(m[2]),
                              recompute_chunks=int(m[3]) if m[3] else None, optimizer_on_host=bool(m[4]),
                              micro_batch_size=int(m[5]) if m[5] else None, **compiled)
-    m = re.match(r"^auto-([0-9.]+)(?:-ram([0-9.]+))?(-compiled)?$", mode)
+    m = re.match(r"^auto-([0-9.]+)(?:-ram([0-9.]+))?(-compiled)?(?:-margin([0-9.]+))?$", mode)
     if m:  # -compiled: as a run of 200+ steps gets it (compile auto), which these short runs would not; -ram<R>: the
-        # RAM plan's budget (the planner holds it; bench_ram.py holds a run to it with a cgroup)
+        # RAM plan's budget (the planner holds it; bench_ram.py holds a run to it with a cgroup); -margin<G>: Offload
+        # Tuning's allocator_margin_gb (what the out-of-memory advice names)
         return OffloadConfig(mode="auto", vram_budget_gb=float(m[1]), ram_budget_gb=float(m[2] or 0),
-                             compile="blocks" if m[3] else "auto")
+                             compile="blocks" if m[3] else "auto", allocator_margin_gb=float(m[4]) if m[4] else None)
     raise SystemExit(f"unknown mode {mode!r}")
 
 

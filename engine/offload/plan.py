@@ -112,6 +112,9 @@ class ModelFootprint:
     parts_activation_scale: Optional[float] = None
     # The same with the token-wise parts in chunks (``MemoryProfile.chunked_activation_scale``); None: the above.
     chunked_activation_scale: Optional[float] = None
+    # The same for compiled blocks below an activation-memory budget of 1, in chunks
+    # (``MemoryProfile.compiled_activation_scale``); None: the above.
+    compiled_activation_scale: Optional[float] = None
     # The family's token-wise block parts can recompute in chunks (``MemoryProfile.chunked_recompute``).
     chunkable: bool = True
     # Frozen elements per block (FLOPs for the step-time model, engine/offload/steptime.py). Empty: the block's
@@ -158,11 +161,14 @@ class ModelFootprint:
             sizes += parts
         return sizes, groups
 
-    def working_set_scale(self, split, chunks: int = 1) -> float:
-        """The factor on the fitted block working set: with the token-wise parts in ``chunks`` > 1 chunks, the family's
+    def working_set_scale(self, split, chunks: int = 1, compiled_budget: float = 1.0) -> float:
+        """The factor on the fitted block working set: compiled below an activation-memory budget of 1 in ``chunks``
+        > 1 chunks, the family's compiled one where it has one; with the token-wise parts in chunks, the family's
         chunked one where it has one; else the largest part's when every block that has parts streams in them (only
         with activation offload, engine/offload/streamer.py; ``split`` as in ``stream_units``), else the whole
         block's (a large block left whole sets the largest working set)."""
+        if chunks > 1 and compiled_budget < 1.0 and self.compiled_activation_scale is not None:
+            return self.compiled_activation_scale
         if chunks > 1 and self.chunked_activation_scale is not None:
             return self.chunked_activation_scale
         chosen = range(self.num_blocks) if split is True else set(split or ())
@@ -458,7 +464,7 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
         "weights": fp.other_bytes - outer + sum(fp.block_bytes[i] for i in resident) + ring_at_peak,
         "lora+adam": int(fp.trainable_params * (fp.lora_bytes_per_param - moments)),
         # The fitted line has a negative intercept; clamp so tiny models never predict < 0.
-        "activations": max(0, int((kept_inputs + fp.working_set_scale(split, recompute_chunks)
+        "activations": max(0, int((kept_inputs + fp.working_set_scale(split, recompute_chunks, compiled_budget)
                                    * transient_units(recompute_chunks, compiled_budget)) * unit
                                   + TRANSIENT_BYTES
                                   + (OFFLOADED_KEPT_BYTES if activation_offload else 0)) + modulation),
@@ -659,7 +665,10 @@ def oom_margin_advice(message: str, plan: Optional[Plan]) -> str:
                 f" GB, within the {plan.margin_bytes / GB:.2f} GB the plan kept free: the plan's prediction was short;"
                 f" lower vram_budget_gb by {math.ceil((allocated + unusable + request - allowed) / GB * 4) / 4:.2f} GB.")
     margin = math.ceil(needed / GB * 4) / 4
-    return (f"The allocator had {unusable / GB:.2f} GB reserved but unusable (fragmentation) beside a "
+    # Holes (fragmentation) that are a small part of what was missing: the plan's own prediction was short.
+    why = ("fragmentation" if unusable >= 0.25 * needed else
+           "little of it fragmentation: the plan under-counted this step's activations; please report it")
+    return (f"The allocator had {unusable / GB:.2f} GB reserved but unusable ({why}) beside a "
             f"{request / GB:.2f} GB request: this step needed {needed / GB:.2f} GB beyond the predicted peak, and the "
             f"plan kept {plan.margin_bytes / GB:.2f} GB free. Set Offload Tuning's allocator_margin_gb to {margin:.2f} "
             f"(the plan then streams more within the same vram_budget_gb) and run again.")
@@ -884,18 +893,28 @@ def _auto(fp: ModelFootprint, wl: Workload, cfg: OffloadConfig, order: list[int]
                 f"{len(best.disk_blocks)} streamed blocks ({sum(fp.block_bytes[i] for i in best.disk_blocks) / GB:.1f}"
                 f" GB) are read from the slab file each time they load: the RAM budget holds the rest")
         return best
-    raise _refusal(fp, wl, cfg, order, budget, compiled, escalations[-1], ram, disk_ok, ram_source, host)
+    raise _refusal(fp, wl, cfg, order, budget, compiled, escalations, ram, disk_ok, ram_source, host)
 
 
-def _refusal(fp, wl, cfg, order, budget, compiled, last, ram: RamLimits, disk_ok: bool, ram_source: str,
+def _refusal(fp, wl, cfg, order, budget, compiled, escalations, ram: RamLimits, disk_ok: bool, ram_source: str,
              host_args: Optional[dict] = None):
-    """The ConfigError when no plan fits: the smallest (VRAM, RAM) pairs that work, and the fix."""
-    chunks, host, micro, cbudget, outer = last
-    common = {"recompute_chunks": chunks, "micro_batch": micro, "compiled_budget": cbudget, **(host_args or {})}
-    smallest = build_plan(fp, wl, order[:cfg.resident_blocks or 0], min([cfg.prefetch_depth] if cfg.prefetch_depth
+    """The ConfigError when no plan fits: the smallest (VRAM, RAM) pairs that work, and the fix. The smallest plan is
+    the least VRAM over the escalations auto tried (the last is not always it: a compiled budget below 1 saves
+    nothing for some families, ``MemoryProfile.compiled_activation_scale``)."""
+    def smallest_at(escalation):
+        chunks, host, micro, cbudget, outer = escalation
+        common = {"recompute_chunks": chunks, "micro_batch": micro, "compiled_budget": cbudget, **(host_args or {})}
+        plan = build_plan(fp, wl, order[:cfg.resident_blocks or 0], min([cfg.prefetch_depth] if cfg.prefetch_depth
                                                                         else [2, 1]),
                           cfg.activation_offload if cfg.activation_offload is not None else True, budget,
                           optimizer_on_host=host, outer_on_host=outer, **common)
+        return plan.predicted_peak_bytes + plan.margin_bytes, plan, common, escalation
+
+    least, smallest, common, (chunks, host, micro, cbudget, outer) = min(
+        (smallest_at(e) for e in escalations), key=lambda t: t[0])
+    # Eager: would compiled blocks (down to auto's activation-memory budget) need less for this family?
+    compiled_helps = not compiled and min(smallest_at((c, h, m, AUTO_COMPILED_BUDGET, o))[0]
+                                          for c, h, m, _, o in escalations) < least
     need = math.ceil((smallest.predicted_peak_bytes + smallest.margin_bytes) / GB * 10) / 10
     if ram.budget is None or not _fits(smallest, budget):  # the VRAM budget is below any plan
         return ConfigError(
@@ -906,8 +925,8 @@ def _refusal(fp, wl, cfg, order, budget, compiled, last, ram: RamLimits, disk_ok
             + (f"; that plan needs {smallest.predicted_host_peak_bytes / GB:.1f} GB of host RAM"
                if ram.budget is not None else "")
             + f"); raise the budget to at least {need:.1f} GB, or lower the resolution or batch size"
-            + ("" if compiled else "; compiled blocks (compile='blocks', or auto for runs of 200+ steps on a CUDA "
-                                   "GPU with Triton) need less"))
+            + ("; compiled blocks (compile='blocks', or auto for runs of 200+ steps on a CUDA GPU with Triton) need "
+               "less" if compiled_helps else ""))
     # Both budgets matter: the pairs that work at the two ends (the least VRAM, the least RAM).
     pairs = []
     for resident, act, moments, outer_host, c in (

@@ -72,6 +72,11 @@ class MemoryProfile:
     #: set against Flux.1's chunked line, where the family's chunking changes its largest block more than Flux.1's
     #: does (Flux.2: its single blocks chunk their fused MLP half). None: ``activation_scale``.
     chunked_activation_scale: float | None = None
+    #: The same for compiled blocks at an activation-memory budget below 1 with token chunks: the family's working set
+    #: against the compiled chunked line (``COMPILED_CHUNKED_UNITS_*``, fitted on Flux.1's blocks, where the partitioner
+    #: recomputes pointwise ops instead of saving them), where the compile saves less for this family. None: the
+    #: scale above (eager's).
+    compiled_activation_scale: float | None = None
     #: The caching allocator's unusable holes when capped at the budget, in units of the step's largest activation
     #: tensor (``Plan.largest_tensor_bytes``): the plan keeps this many of it free, or 0.5 GB where that is more
     #: (engine/offload/plan.py ``allocator_margin``). Measured per family (Flux.1, Wan); 0: the 0.5 GB alone (Flux.2-dev

@@ -259,3 +259,46 @@ def test_parts_with_activation_offload_train_like_the_resident_model(backend):
     assert grads.keys() == want_grads.keys() and grads
     for name, g in want_grads.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+#: Measured on an H200, 2026-11-28 (bench/logs/issue39_wan_i2v_8gb_session9_h200x2.log): 832x480x81, 40 of 40 blocks
+#: streamed in parts, 9 token chunks, compiled at activation-memory budget 0.5: step 1's peak less the ring's and
+#: outer weights and the LoRA's weights and gradients (8 bytes a parameter, the moments come at step 2).
+COMPILED_ROWS = {"wan2.2-i2v-a14b-high-noise": (3, 7.83 - 0.54), "wan2.1-i2v-14b": (1, 7.70 - 0.32)}
+
+
+@pytest.mark.parametrize("variant", sorted(COMPILED_ROWS))
+def test_compiled_chunked_plans_count_what_the_h200_measured(variant):
+    """Compiled at budget 0.5 the Wan blocks keep what eager keeps and more (``compiled_activation_scale``): the plans
+    that ran out of memory at an 8 GB cap, rebuilt on the meta device, now predict the activations they measured
+    (within 3%); at 8 GB auto refuses before loading and names the smallest budget, which plans the eager working set
+    (budget 1), not the compiled one at 0.5, and no longer says compiled blocks need less."""
+    from lowvram_lora.engine.config import LoraSettings
+    from lowvram_lora.engine.errors import ConfigError
+    from lowvram_lora.engine.families.base import meta_model
+    from lowvram_lora.engine.offload import OffloadConfig, Workload, build_plan
+    from lowvram_lora.engine.offload.footprint import lora_param_count, measure_footprint
+    from lowvram_lora.engine.offload.plan import make_plan
+    from lowvram_lora.engine.slab.layout import swap_in_int8_linears
+
+    depth, step1_gb = COMPILED_ROWS[variant]
+    model = meta_model(FAMILY, FAMILY.load_config(variant))
+    model.requires_grad_(False)
+    trainable = lora_param_count(model, FAMILY, LoraSettings(rank=16, alpha=16.0))
+    swap_in_int8_linears(model, FAMILY, 8)  # as the rows ran: an int8 slab
+    fp = measure_footprint(model, FAMILY, trainable_params=trainable)
+    wl = Workload(1, FAMILY.memory.image_tokens(832, 480, variant) * FAMILY.memory.latent_frames(81), 512)
+    plan = build_plan(fp, wl, (), depth, True, recompute_chunks=9, compiled_budget=0.5)
+    measured = step1_gb * 1e9 - trainable * 8
+    assert plan.breakdown["activations"] == pytest.approx(measured, rel=0.03)
+    eager = build_plan(fp, wl, (), depth, True, recompute_chunks=9, compiled_budget=1.0)
+    assert eager.breakdown["activations"] < plan.breakdown["activations"]
+    with pytest.raises(ConfigError, match=r"below the smallest plan") as refused:
+        make_plan(fp, wl, OffloadConfig(mode="auto", vram_budget_gb=8, compile="blocks"), int(8e9), compiled=True)
+    need = float(str(refused.value).split("batch 1 (")[1].split(" GB")[0])
+    assert 8 < need <= 9 and f"activations {eager.breakdown['activations'] / 1e9:.2f}" in str(refused.value)
+    with pytest.raises(ConfigError) as eager_refused:
+        make_plan(fp, wl, OffloadConfig(mode="auto", vram_budget_gb=8), int(8e9))
+    assert "need less" not in str(eager_refused.value)
+    fits = make_plan(fp, wl, OffloadConfig(mode="auto", vram_budget_gb=9, compile="blocks"), int(9e9), compiled=True)
+    assert fits.activation_memory_budget == 1.0 and fits.predicted_peak_bytes + fits.margin_bytes <= 9e9
