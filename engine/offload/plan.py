@@ -112,8 +112,8 @@ class ModelFootprint:
     parts_activation_scale: Optional[float] = None
     # The same with the token-wise parts in chunks (``MemoryProfile.chunked_activation_scale``); None: the above.
     chunked_activation_scale: Optional[float] = None
-    # The same for compiled blocks below an activation-memory budget of 1, in chunks
-    # (``MemoryProfile.compiled_activation_scale``); None: the above.
+    # Compiled blocks below an activation-memory budget of 1, in chunks: the working set against the family's eager
+    # chunked one (``MemoryProfile.compiled_activation_scale``); None: Flux.1's compiled line.
     compiled_activation_scale: Optional[float] = None
     # The family's token-wise block parts can recompute in chunks (``MemoryProfile.chunked_recompute``).
     chunkable: bool = True
@@ -161,14 +161,21 @@ class ModelFootprint:
             sizes += parts
         return sizes, groups
 
-    def working_set_scale(self, split, chunks: int = 1, compiled_budget: float = 1.0) -> float:
-        """The factor on the fitted block working set: compiled below an activation-memory budget of 1 in ``chunks``
-        > 1 chunks, the family's compiled one where it has one; with the token-wise parts in chunks, the family's
+    def working_set_units(self, split, chunks: int = 1, compiled_budget: float = 1.0) -> float:
+        """One block's recompute + backward working set in B*T*D units: the fitted line (``transient_units``) times
+        the family's factor (``working_set_scale``). Compiled below an activation-memory budget of 1 in chunks, a
+        family with its own ``compiled_activation_scale`` takes that times its eager chunked working set instead of
+        Flux.1's compiled line (where the compile saves nothing for it)."""
+        scale = self.working_set_scale(split, chunks)
+        if chunks > 1 and compiled_budget < 1.0 and self.compiled_activation_scale is not None:
+            return self.compiled_activation_scale * scale * transient_units(chunks)
+        return scale * transient_units(chunks, compiled_budget)
+
+    def working_set_scale(self, split, chunks: int = 1) -> float:
+        """The factor on the fitted block working set: with the token-wise parts in ``chunks`` > 1 chunks, the family's
         chunked one where it has one; else the largest part's when every block that has parts streams in them (only
         with activation offload, engine/offload/streamer.py; ``split`` as in ``stream_units``), else the whole
         block's (a large block left whole sets the largest working set)."""
-        if chunks > 1 and compiled_budget < 1.0 and self.compiled_activation_scale is not None:
-            return self.compiled_activation_scale
         if chunks > 1 and self.chunked_activation_scale is not None:
             return self.chunked_activation_scale
         chosen = range(self.num_blocks) if split is True else set(split or ())
@@ -464,8 +471,7 @@ def build_plan(fp: ModelFootprint, wl: Workload, resident: Sequence[int], prefet
         "weights": fp.other_bytes - outer + sum(fp.block_bytes[i] for i in resident) + ring_at_peak,
         "lora+adam": int(fp.trainable_params * (fp.lora_bytes_per_param - moments)),
         # The fitted line has a negative intercept; clamp so tiny models never predict < 0.
-        "activations": max(0, int((kept_inputs + fp.working_set_scale(split, recompute_chunks, compiled_budget)
-                                   * transient_units(recompute_chunks, compiled_budget)) * unit
+        "activations": max(0, int((kept_inputs + fp.working_set_units(split, recompute_chunks, compiled_budget)) * unit
                                   + TRANSIENT_BYTES
                                   + (OFFLOADED_KEPT_BYTES if activation_offload else 0)) + modulation),
     }

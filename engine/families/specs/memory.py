@@ -72,10 +72,10 @@ class MemoryProfile:
     #: set against Flux.1's chunked line, where the family's chunking changes its largest block more than Flux.1's
     #: does (Flux.2: its single blocks chunk their fused MLP half). None: ``activation_scale``.
     chunked_activation_scale: float | None = None
-    #: The same for compiled blocks at an activation-memory budget below 1 with token chunks: the family's working set
-    #: against the compiled chunked line (``COMPILED_CHUNKED_UNITS_*``, fitted on Flux.1's blocks, where the partitioner
-    #: recomputes pointwise ops instead of saving them), where the compile saves less for this family. None: the
-    #: scale above (eager's).
+    #: Compiled blocks at an activation-memory budget below 1, in token chunks: the working set against the family's
+    #: own eager chunked one, for a family where the compile saves nothing. None: Flux.1's compiled line
+    #: (``COMPILED_CHUNKED_UNITS_*``, where the partitioner's recompute of pointwise ops saves memory) times the
+    #: scales above.
     compiled_activation_scale: float | None = None
     #: The caching allocator's unusable holes when capped at the budget, in units of the step's largest activation
     #: tensor (``Plan.largest_tensor_bytes``): the plan keeps this many of it free, or 0.5 GB where that is more

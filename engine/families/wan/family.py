@@ -230,13 +230,14 @@ class WanFamily(ModelFamily):
         # refit on the bench rows of blocks in parts.
         parts_activation_scale=0.63,
         # Compiled at an activation-memory budget below 1 (auto's 0.5), in token chunks, the compile saves nothing
-        # here: the unchunked self-attention's backward and the fp32 residual dominate. Measured on an H200,
-        # 2026-11-28 (bench/logs/issue39_wan_i2v_8gb_session9_h200x2.log): Wan 2.2 I2V-A14B and Wan 2.1 I2V 14B at
-        # 832x480x81, 40 of 40 blocks streamed in parts, 9 chunks, budget 0.5: 6.87 / 6.86 GB of activations at step
-        # 1's peak (7.83 / 7.70 GB less the ring and the LoRA's weights and gradients) against 4.11 predicted at the
-        # parts' 0.63 on Flux.1's compiled line: 1.13 of it (both out of memory at an 8 GB cap in step 2). Eager
-        # chunked (budget 1) at the same tokens predicts 6.18 GB; it measured within 3% on an H100 (2026-11-26).
-        compiled_activation_scale=1.14,
+        # here: the unchunked self-attention's backward and the fp32 residual dominate, and the partitioner keeps
+        # more than eager. Measured on an H200, 2026-11-28 (bench/logs/issue39_wan_i2v_8gb_session9_h200x2.log):
+        # Wan 2.2 I2V-A14B and Wan 2.1 I2V 14B at 832x480x81, 40 of 40 blocks streamed in parts, 9 chunks, budget
+        # 0.5: 6.87 / 6.86 GB of activations at step 1's peak (7.83 / 7.70 GB less the ring and the LoRA's weights
+        # and gradients), 18.2 B*T*D units of block working set against eager's 16.2 here (0.63 x the chunked line;
+        # eager chunked measured within 3% on an H100, 2026-11-26): 1.12x (4.11 GB predicted on Flux.1's compiled
+        # line; both ran out of memory at an 8 GB cap in step 2).
+        compiled_activation_scale=1.13,
         temporal_compression=4,  # the causal VAE: the first frame alone, then 4 per latent frame
         # The time embedding and its projection to the blocks' six modulation vectors (the blocks add their own
         # scale_shift_table: no Linear of theirs is constant).
