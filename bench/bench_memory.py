@@ -98,6 +98,10 @@ def parse_args(argv=None):
                    help="no training, no GPU: each mode's plan (or its refusal) for the full-size --variant at each "
                         "--res, from a model on the meta device, on an assumed H100 link: a check of a GPU command "
                         "before it spends device time")
+    p.add_argument("--fragmentation", type=float, default=None,
+                   help="override the family's allocator fragmentation factor (MemoryProfile.fragmentation: the plan "
+                        "keeps max(0.5 GB, this x its largest tensor) free): measures whether a smaller margin holds "
+                        "(Wan compiled: 2026-11-28's out-of-memory runs had 0.05-0.12 GB of holes against Wan's 2.2)")
     p.add_argument("--snapshot", default="", help="a mode: record the allocator from its step 2 on and print what "
                                                   "is live at the peak (torch.cuda.memory._snapshot), by source line")
     return p.parse_args(argv)
@@ -322,6 +326,13 @@ def main(argv=None) -> int:
     from lowvram_lora.engine.train import train_lora
 
     args = parse_args(argv)
+    if args.fragmentation is not None:
+        import dataclasses
+
+        from lowvram_lora.engine.families import families
+
+        family = next(f for f in families().values() if f.id == args.family or (not args.family and args.variant in f.variants))
+        type(family).memory = dataclasses.replace(family.memory, fragmentation=args.fragmentation)
     if args.plan_only:
         from lowvram_lora.engine.families import families
 
