@@ -673,7 +673,7 @@ def oom_margin_advice(message: str, plan: Optional[Plan]) -> str:
     margin = math.ceil(needed / GB * 4) / 4
     # Holes (fragmentation) that are a small part of what was missing: the plan's own prediction was short.
     why = ("fragmentation" if unusable >= 0.25 * needed else
-           "little of it fragmentation: the plan under-counted this step's activations; please report it")
+           "little of it fragmentation: the plan under-counted this step's memory")
     return (f"The allocator had {unusable / GB:.2f} GB reserved but unusable ({why}) beside a "
             f"{request / GB:.2f} GB request: this step needed {needed / GB:.2f} GB beyond the predicted peak, and the "
             f"plan kept {plan.margin_bytes / GB:.2f} GB free. Set Offload Tuning's allocator_margin_gb to {margin:.2f} "
