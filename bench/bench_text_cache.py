@@ -216,7 +216,7 @@ def write_gemma_connectors(root: Path, layers: int | None, device, smoke: bool =
     Gemma-3-12B (the family's shipped config, ``transformers`` 5's ``Gemma3ForConditionalGeneration`` names; its
     language model only, one shard per layer, all layers: ``layers`` is unused), ``tokenizer/`` a word-level tokenizer
     in Gemma's layout (left padding; captions are padded to 1024 tokens either way, so the compute is the real one),
-    ``connectors/`` ``LTX2TextConnectors`` of the shipped config, saved by diffusers (what ``from_pretrained`` reads)."""
+    ``connectors/`` ``LTX2TextConnectors`` of the shipped config, saved by diffusers (``from_pretrained`` reads it)."""
     from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
     from safetensors.torch import save_file
 
