@@ -6,7 +6,9 @@ a VAE with random weights built from the shipped config (Wan 2.1: ``wan2_1``, ``
 Wan 2.2: ``wan2_2``, 48 channels; LTX-2.3: ``ltx2``, ``AutoencoderKLLTX2Video``, 128 channels, 32x spatial and 8x
 temporal, ``configs/vae/ltx2.3.json``), in bf16 on the GPU, over N random clips of W x H x F in [-1, 1]. The
 arithmetic does not depend on the weights' values, so the time and memory are the real ones. Frames are 4k+1 for
-Wan, 8k+1 for LTX-2; width and height a multiple of the VAE's spatial factor (8 / 16 / 32).
+Wan, 8k+1 for LTX-2; width and height a multiple of the VAE's spatial factor (8 / 16 / 32). Host RAM while the clips
+encode, sampled every 20 ms (the one clip held on the host included): ``host_rss_gb`` the peak resident set,
+``host_unreclaimable_peak_gb`` the peak of anonymous + shared memory (what the RAM planner counts).
 
     source bench/gpu_env.sh
     python3 bench/bench_vae_encode.py --vae wan2_1 --res 832x480x81 --clips 10 --out "$OUT/results.jsonl"
