@@ -169,26 +169,31 @@ def render(rows: list[dict]) -> str:
                           if "block0_rel_err_fp8" in r else "") + ".")
         out.append("")
     if other["text-cache-layer-major"]:
-        out.append("## Flux.2 caption caching, layer-major (bench/bench_text_cache.py)\n")
-        out.append("| date | gpu | model | captions x tokens | wall s | peak alloc GB | peak reserved GB | command |")
-        out.append("|---|---|---|---|---|---|---|---|")
+        out.append("## Caption caching, layer-major (bench/bench_text_cache.py)\n")
+        out.append("Host RAM: the process's peak RSS (the memory-mapped encoder's pages included) and, where measured, "
+                   "the peak of its anonymous + shared memory (what the RAM planner counts).\n")
+        out.append("| date | gpu | model | captions x tokens | wall s | peak alloc GB | peak reserved GB | "
+                   "host RSS peak GB (anon + shared) | command |")
+        out.append("|---|---|---|---|---|---|---|---|---|")
         for r in other["text-cache-layer-major"]:
             note = f" ({r['note']})" if r.get("note") else ""
             out.append(f"| {r.get('date', '')[:16].replace('T', ' ')} | {r.get('gpu')} | {r.get('model')} | "
                        f"{r.get('captions')} x {r.get('max_length')} | {r.get('wall_s')} | "
                        f"{_fmt(r.get('peak_alloc_gb'), 2)} | {_fmt(r.get('peak_reserved_gb'), 2)} | "
+                       f"{_fmt(r.get('host_rss_gb'), 2)} ({_fmt(r.get('host_unreclaimable_peak_gb'), 2)}) | "
                        f"`{r.get('command')}`{note} |")
         out.append("")
     if other["vae-encode-clips"]:
         out.append("## Video clips through the VAE (bench/bench_vae_encode.py)\n")
         out.append("| date | gpu | VAE | clip | clips | wall s | s per clip (median) | first clip s | peak alloc GB | "
-                   "peak reserved GB | command |")
-        out.append("|---|---|---|---|---|---|---|---|---|---|---|")
+                   "peak reserved GB | host RSS peak GB (anon + shared) | command |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in other["vae-encode-clips"]:
             out.append(f"| {r.get('date', '')[:16].replace('T', ' ')} | {r.get('gpu')} | {r.get('model')} | "
                        f"{r.get('res')} | {r.get('clips')} | {r.get('wall_s')} | {r.get('s_per_clip_median')} | "
                        f"{r.get('first_clip_s')} | {_fmt(r.get('peak_alloc_gb'), 2)} | "
-                       f"{_fmt(r.get('peak_reserved_gb'), 2)} | `{r.get('command')}` |")
+                       f"{_fmt(r.get('peak_reserved_gb'), 2)} | {_fmt(r.get('host_rss_gb'), 2)} "
+                       f"({_fmt(r.get('host_unreclaimable_peak_gb'), 2)}) | `{r.get('command')}` |")
         out.append("")
     if parallel:
         out.append("## Multi-GPU: split and data parallel (bench/bench_parallel.py)\n")
