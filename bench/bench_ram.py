@@ -10,6 +10,9 @@ checkpoint then deleted). Rows (``--rows``):
 - ``auto-<V>-ram<R>``: the same at ``ram_budget_gb=R``, run inside a cgroup v2 whose ``memory.max`` is R GB where one
   can be made here (``--cgroup``: the kernel then holds the process to it, page cache included), else under the
   planner's budget alone (``"ram_limit": "emulated"`` in the row).
+- either with ``-compiled``: the blocks compiled (as a run of 200+ steps gets them; these short runs would not).
+
+``--bits 4`` builds and trains from an int4 slab instead (``...-int4.slab.safetensors``).
 
 What is measured (the parent samples the child's ``/proc/<pid>/status`` every 20 ms):
 ``peak_host_gb``: the highest RssAnon + RssShmem (the pages the kernel cannot reclaim: heap, torch's host tensors,
@@ -37,7 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 GB = 1e9
-ROW = re.compile(r"^auto-([0-9.]+)(?:-ram([0-9.]+))?$")
+ROW = re.compile(r"^auto-([0-9.]+)(?:-ram([0-9.]+))?(-compiled)?$")
 
 
 def parse_args(argv=None):
@@ -53,6 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--keep-slab", action="store_true", help="leave the slab in --workdir afterwards")
     p.add_argument("--ckpt-dir", default="", help="where the random checkpoint is written before the slab is built "
                    "from it (default --workdir); /dev/shm keeps a 30 GB checkpoint off a small disk (freed before the rows)")
+    p.add_argument("--bits", type=int, default=8, choices=(8, 4), help="the slab's bits (4: an int4 slab)")
     p.add_argument("--ckpt-dtype", default="bf16", choices=("bf16", "fp8"),
                    help="the random checkpoint the slab is built from: fp8 (float8_e4m3fn, as many ComfyUI users' files) "
                         "halves its bytes, so a 20B model's checkpoint and slab fit a 64 GB disk together")
@@ -88,13 +92,19 @@ def fast_random_tensors() -> None:
     testing.random_tensor = tiled
 
 
+def slab_path(args) -> Path:
+    """The slab ``ensure_slab`` builds in ``--workdir`` (int4 slabs carry their suffix)."""
+    return Path(args.workdir) / (f"{args.variant}-int8.safetensors" if args.bits == 8
+                                 else f"{args.variant}-int4.slab.safetensors")
+
+
 def ensure_slab(args, family_id: str) -> tuple[Path, dict]:
     from lowvram_lora.engine.slab import build_slab
     from lowvram_lora.engine.slab.testing import write_random_checkpoint
 
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    slab = work / f"{args.variant}-int8.safetensors"
+    slab = slab_path(args)
     if slab.exists():
         return slab, {"slab_reused": True}
     fast_random_tensors()
@@ -106,7 +116,7 @@ def ensure_slab(args, family_id: str) -> tuple[Path, dict]:
                             dtype=torch.float8_e4m3fn if args.ckpt_dtype == "fp8" else torch.bfloat16)
     write_s = time.perf_counter() - t
     t = time.perf_counter()
-    build_slab(ckpt, slab, family_id, progress=False)
+    build_slab(ckpt, slab, family_id, progress=False, bits=args.bits)
     build_s = time.perf_counter() - t
     ckpt.unlink()
     info = {"checkpoint_write_s": round(write_s, 1), "slab_build_s": round(build_s, 1), "ckpt_dtype": args.ckpt_dtype,
@@ -180,7 +190,7 @@ def run_child(args, kind: str, extra: list[str], cgroup: Path | None) -> dict:
     out = Path(tempfile.mkstemp(prefix="ram-row-", suffix=".json")[1])
     cmd = [sys.executable, __file__, "--child", kind, "--result", str(out), "--variant", args.variant,
            "--family", args.family, "--res", args.res, "--warmup", str(args.warmup), "--timed", str(args.timed),
-           "--rank", str(args.rank), "--workdir", args.workdir, *extra]
+           "--rank", str(args.rank), "--workdir", args.workdir, "--bits", str(args.bits), *extra]
 
     def enter():  # in the child, before exec: join the cgroup
         if cgroup is not None:
@@ -239,7 +249,7 @@ def child_base(args) -> dict:
     return {"process_base_gb": round(mem.unreclaimable / GB, 3), "process_base_rss_gb": round(mem.rss / GB, 3)}
 
 
-def child_train(args, vram: float, ram: float) -> dict:
+def child_train(args, vram: float, ram: float, compiled: bool = False) -> dict:
     import torch
 
     from train_bench import StepRecorder, training_row, write_synthetic_cache
@@ -249,7 +259,7 @@ def child_train(args, vram: float, ram: float) -> dict:
     from lowvram_lora.engine.train import train_lora
 
     family = get_family(args.family)
-    slab = Path(args.workdir) / f"{args.variant}-int8.safetensors"
+    slab = slab_path(args)
     res = int(args.res) if args.res.isdigit() else args.res
     tmp = tempfile.TemporaryDirectory(prefix="ram-bench-cache-")
     dataset = write_synthetic_cache(Path(tmp.name), family, args.variant, family.load_config(args.variant), res, 2, 0)
@@ -260,7 +270,8 @@ def child_train(args, vram: float, ram: float) -> dict:
         result = train_lora(ModelConfig(transformer_path=str(slab), family=family.id, dtype="bf16"), dataset,
                             LoraSettings(rank=args.rank, alpha=float(args.rank)),
                             TrainConfig(steps=args.warmup + args.timed, device="cuda", learning_rate=1e-4, batch_size=1),
-                            rec.callback, offload=OffloadConfig(mode="auto", vram_budget_gb=vram, ram_budget_gb=ram))
+                            rec.callback, offload=OffloadConfig(mode="auto", vram_budget_gb=vram, ram_budget_gb=ram,
+                                                               compile="blocks" if compiled else "auto"))
     except Exception as exc:  # noqa: BLE001 - a row per failure
         import traceback
 
@@ -296,7 +307,7 @@ def main(argv=None) -> int:
             out = child_base(args)
         else:
             m = ROW.match(args.child)
-            out = child_train(args, float(m[1]), float(m[2] or 0))
+            out = child_train(args, float(m[1]), float(m[2] or 0), bool(m[3]))
         Path(args.result).write_text(json.dumps(out))
         return 0
 
@@ -307,14 +318,14 @@ def main(argv=None) -> int:
 
     for row in args.rows:
         if not ROW.match(row):
-            raise SystemExit(f"unknown row {row!r}: auto-<V> or auto-<V>-ram<R>")
+            raise SystemExit(f"unknown row {row!r}: auto-<V>[-ram<R>][-compiled]")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
     slab, slab_info = ensure_slab(args, args.family)
     emit = row_emitter(out, {
         "run_id": new_run_id(), "gpu": _gpu_name(device), **_versions(), "model": args.variant, "lora_rank": args.rank,
-        "batch": 1, "grad_ckpt": True, "command": _command(), "note": args.note, "bench": "ram", "precision": "int8",
+        "batch": 1, "grad_ckpt": True, "command": _command(), "note": args.note, "bench": "ram", "precision": f"int{args.bits}",
         "machine_ram_gb": round(physical_ram_bytes() / GB, 1), "emulate_disk_gbps": os.environ.get(
             "LOWVRAM_EMULATE_DISK_GBPS") or None, **slab_info})
     base = run_child(args, "base", [], None)
@@ -332,7 +343,7 @@ def main(argv=None) -> int:
             r = run_child(args, row, [], cgroup)
             if cgroup is not None:
                 cgroup.rmdir()
-            key = (m[1],)
+            key = (m[1], m[3])
             if not ram:
                 unlimited[key] = r
             ref = unlimited.get(key, {})
