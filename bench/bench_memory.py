@@ -218,6 +218,9 @@ def offload_for(mode: str):
                              recompute_chunks=int(m[3]) if m[3] else None, optimizer_on_host=bool(m[4]),
                              micro_batch_size=int(m[5]) if m[5] else None, **compiled)
     m = re.match(r"^auto-([0-9.]+)(?:-ram([0-9.]+))?(-compiled)?(?:-margin([0-9.]+))?$", mode)
+    if m and m[4] is not None and not float(m[4]):
+        raise SystemExit(f"{mode}: -margin0 would be the default margin (allocator_margin_gb 0 is unset); use "
+                         f"--fragmentation 0 to plan with the 0.5 GB headroom alone")
     if m:  # -compiled: as a run of 200+ steps gets it (compile auto), which these short runs would not; -ram<R>: the
         # RAM plan's budget (the planner holds it; bench_ram.py holds a run to it with a cgroup); -margin<G>: Offload
         # Tuning's allocator_margin_gb (what the out-of-memory advice names)
@@ -331,7 +334,10 @@ def main(argv=None) -> int:
 
         from lowvram_lora.engine.families import families
 
-        family = next(f for f in families().values() if f.id == args.family or (not args.family and args.variant in f.variants))
+        family = next((f for f in families().values()
+                       if f.id == args.family or (not args.family and args.variant in f.variants)), None)
+        if family is None:
+            raise SystemExit(f"--fragmentation: no family ships --variant {args.variant!r} (or --family {args.family!r})")
         type(family).memory = dataclasses.replace(family.memory, fragmentation=args.fragmentation)
     if args.plan_only:
         from lowvram_lora.engine.families import families

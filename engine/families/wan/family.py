@@ -236,7 +236,8 @@ class WanFamily(ModelFamily):
         # 0.5: 6.87 / 6.86 GB of activations at step 1's peak (7.83 / 7.70 GB less the ring and the LoRA's weights
         # and gradients), 18.2 B*T*D units of block working set against eager's 16.2 here (0.63 x the chunked line;
         # eager chunked measured within 3% on an H100, 2026-11-26): 1.12x (4.11 GB predicted on Flux.1's compiled
-        # line; both ran out of memory at an 8 GB cap in step 2).
+        # line; both ran out of memory at an 8 GB cap in step 2). Applied to whole-block compiled plans too (partial
+        # or no activation offload, a split's parts): 1.13x the whole block's eager line there, not measured.
         compiled_activation_scale=1.13,
         temporal_compression=4,  # the causal VAE: the first frame alone, then 4 per latent frame
         # The time embedding and its projection to the blocks' six modulation vectors (the blocks add their own
