@@ -918,11 +918,18 @@ def _refusal(fp, wl, cfg, order, budget, compiled, escalations, ram: RamLimits, 
 
     least, smallest, common, (chunks, host, micro, cbudget, outer) = min(
         (smallest_at(e) for e in escalations), key=lambda t: t[0])
-    # Eager: would compiled blocks (down to auto's activation-memory budget) need less for this family?
-    compiled_helps = not compiled and min(smallest_at((c, h, m, AUTO_COMPILED_BUDGET, o))[0]
-                                          for c, h, m, _, o in escalations) < least
     need = math.ceil((smallest.predicted_peak_bytes + smallest.margin_bytes) / GB * 10) / 10
     if ram.budget is None or not _fits(smallest, budget):  # the VRAM budget is below any plan
+        def least_at(compiled_budget: float) -> int:  # the escalations at another activation-memory budget
+            return min(smallest_at((c, h, m, compiled_budget, o))[0] for c, h, m, _, o in escalations)
+
+        hint = ""
+        if not compiled and least_at(AUTO_COMPILED_BUDGET) < least:  # would compiled blocks need less?
+            hint = ("; compiled blocks (compile='blocks', or auto for runs of 200+ steps on a CUDA GPU with Triton) "
+                    "need less")
+        elif compiled and cfg.activation_memory_budget < 1.0 and least_at(1.0) < least:  # a budget set below 1
+            hint = (f"; activation_memory_budget 1 needs less here ({math.ceil(least_at(1.0) / GB * 10) / 10:.1f} "
+                    f"GB: this model's compiled blocks save no memory below 1)")
         return ConfigError(
             f"vram_budget_gb={budget / GB:.3g} is below the smallest plan for {fp.name} at "
             f"{wl.label or f'{wl.tokens} tokens'}, batch {wl.batch} ({need:.1f} GB: "
@@ -930,9 +937,7 @@ def _refusal(fp, wl, cfg, order, budget, compiled, escalations, ram: RamLimits, 
             f"{smallest.margin_bytes / GB:.1f} GB headroom"
             + (f"; that plan needs {smallest.predicted_host_peak_bytes / GB:.1f} GB of host RAM"
                if ram.budget is not None else "")
-            + f"); raise the budget to at least {need:.1f} GB, or lower the resolution or batch size"
-            + ("; compiled blocks (compile='blocks', or auto for runs of 200+ steps on a CUDA GPU with Triton) need "
-               "less" if compiled_helps else ""))
+            + f"); raise the budget to at least {need:.1f} GB, or lower the resolution or batch size" + hint)
     # Both budgets matter: the pairs that work at the two ends (the least VRAM, the least RAM).
     pairs = []
     for resident, act, moments, outer_host, c in (

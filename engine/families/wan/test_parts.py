@@ -300,5 +300,8 @@ def test_compiled_chunked_plans_count_what_the_h200_measured(variant):
     with pytest.raises(ConfigError) as eager_refused:
         make_plan(fp, wl, OffloadConfig(mode="auto", vram_budget_gb=8), int(8e9))
     assert "need less" not in str(eager_refused.value)
+    with pytest.raises(ConfigError, match=r"activation_memory_budget 1 needs less here \(8\.[5-9] GB"):
+        make_plan(fp, wl, OffloadConfig(mode="auto", vram_budget_gb=8, compile="blocks", activation_memory_budget=0.5),
+                  int(8e9), compiled=True)  # set below 1 by hand: told that 1 needs less
     fits = make_plan(fp, wl, OffloadConfig(mode="auto", vram_budget_gb=9, compile="blocks"), int(9e9), compiled=True)
     assert fits.activation_memory_budget == 1.0 and fits.predicted_peak_bytes + fits.margin_bytes <= 9e9
