@@ -116,7 +116,7 @@ def build_expert_slab(workdir: str, ckpt_dir: str, ckpt_dtype: str, variant: str
     bench_ram.fast_random_tensors = salted_fill
     try:
         slab, info = bench_ram.ensure_slab(SimpleNamespace(workdir=workdir, variant=variant, ckpt_dir=ckpt_dir,
-                                                           ckpt_dtype=ckpt_dtype), family_id)
+                                                           ckpt_dtype=ckpt_dtype, bits=8), family_id)
     finally:
         bench_ram.fast_random_tensors, testing.random_tensor = fill, drawn
     return str(slab), info
