@@ -473,9 +473,10 @@ def main(argv=None) -> int:
                     # the mean over the timed steps counts the window's pass at its share (the median may skip it)
                     "step_s_mean": round(sum(s.seconds_per_step for s in timed_steps) / len(timed_steps), 4)
                     if timed_steps and row["step_s"] else None,
-                    "host_ram_gb": max((s.host_ram_gb for s in timed_steps), default=None),
+                    # a run that failed before its timed steps: what its earlier steps held (the row's error says so)
+                    "host_ram_gb": max((s.host_ram_gb for s in timed_steps or rec.steps), default=None),
                     # pinned: the streamer's blocks and activations, plus the window's held weights
-                    "pinned_gb": round(max((s.pinned_host_gb for s in timed_steps), default=0.0)
+                    "pinned_gb": round(max((s.pinned_host_gb for s in timed_steps or rec.steps), default=0.0)
                                        + ((result.settings.get("step_window") or {}).get("held_gb", 0.0)
                                           if result is not None else 0.0), 3)})
                 rows[(mode, res, gbps)] = emit({"mode": mode, "res": res, "precision": precision, **row,

@@ -150,6 +150,20 @@ def write_qwen25_encoder(root: Path, layers: int, device, smoke: bool = False) -
 
 
 
+def decoder_layer(q: str, rnd, norm, d: int, f: int, heads: int, kv: int, hd: int, extra_norms=()) -> dict:
+    """One decoder layer's tensors under prefix ``q`` (Qwen3's and Gemma 3's share these names: q/k/v/o with q/k norms,
+    a gated MLP, the input and post-attention norms; ``extra_norms``: Gemma's feed-forward ones), ``rnd`` for the
+    weights, ``norm`` for the norms (Qwen3 scales by the weight: ones; Gemma by 1 + weight: zeros)."""
+    return {
+        q + "self_attn.q_proj.weight": rnd(heads * hd, d), q + "self_attn.k_proj.weight": rnd(kv * hd, d),
+        q + "self_attn.v_proj.weight": rnd(kv * hd, d), q + "self_attn.o_proj.weight": rnd(d, heads * hd),
+        q + "self_attn.q_norm.weight": norm(hd), q + "self_attn.k_norm.weight": norm(hd),
+        q + "mlp.gate_proj.weight": rnd(f, d), q + "mlp.up_proj.weight": rnd(f, d), q + "mlp.down_proj.weight": rnd(d, f),
+        q + "input_layernorm.weight": norm(d), q + "post_attention_layernorm.weight": norm(d),
+        **{f"{q}{name}.weight": norm(d) for name in extra_norms},
+    }
+
+
 # Qwen3-VL-4B's language model (Krea 2's and FLUX.3's text encoder; the family's shipped config), or Qwen3-4B / 8B
 # (Flux.2 klein's; no vision tower, ``model.`` names).
 def write_qwen3vl_encoder(root: Path, layers: int, device, smoke: bool = False, family_id: str = "krea2",
@@ -193,14 +207,7 @@ def write_qwen3vl_encoder(root: Path, layers: int, device, smoke: bool = False, 
     save_file({f"{p}embed_tokens.weight": rnd(t["vocab_size"], d)}, str(enc / "embed.safetensors"))
     for i in range(layers):
         q = f"{p}layers.{i}."
-        save_file({
-            q + "self_attn.q_proj.weight": rnd(heads * hd, d), q + "self_attn.k_proj.weight": rnd(kv * hd, d),
-            q + "self_attn.v_proj.weight": rnd(kv * hd, d), q + "self_attn.o_proj.weight": rnd(d, heads * hd),
-            q + "self_attn.q_norm.weight": ones(hd), q + "self_attn.k_norm.weight": ones(hd),
-            q + "mlp.gate_proj.weight": rnd(f, d), q + "mlp.up_proj.weight": rnd(f, d),
-            q + "mlp.down_proj.weight": rnd(d, f),
-            q + "input_layernorm.weight": ones(d), q + "post_attention_layernorm.weight": ones(d),
-        }, str(enc / f"layer-{i:02d}.safetensors"))
+        save_file(decoder_layer(q, rnd, ones, d, f, heads, kv, hd), str(enc / f"layer-{i:02d}.safetensors"))
     return root
 
 #: ``--smoke``: LTX-2's text connectors at a width the smoke Gemma feeds (layers and registers kept; each modality's
@@ -249,15 +256,9 @@ def write_gemma_connectors(root: Path, layers: int | None, device, smoke: bool =
               str(enc / "embed.safetensors"))
     for i in range(t["num_hidden_layers"]):
         q = f"{p}layers.{i}."
-        save_file({
-            q + "self_attn.q_proj.weight": rnd(heads * hd, d), q + "self_attn.k_proj.weight": rnd(kv * hd, d),
-            q + "self_attn.v_proj.weight": rnd(kv * hd, d), q + "self_attn.o_proj.weight": rnd(d, heads * hd),
-            q + "self_attn.q_norm.weight": norm(hd), q + "self_attn.k_norm.weight": norm(hd),
-            q + "mlp.gate_proj.weight": rnd(f, d), q + "mlp.up_proj.weight": rnd(f, d),
-            q + "mlp.down_proj.weight": rnd(d, f),
-            q + "input_layernorm.weight": norm(d), q + "post_attention_layernorm.weight": norm(d),
-            q + "pre_feedforward_layernorm.weight": norm(d), q + "post_feedforward_layernorm.weight": norm(d),
-        }, str(enc / f"layer-{i:02d}.safetensors"))
+        save_file(decoder_layer(q, rnd, norm, d, f, heads, kv, hd,
+                                extra_norms=("pre_feedforward_layernorm", "post_feedforward_layernorm")),
+                  str(enc / f"layer-{i:02d}.safetensors"))
     conn = connectors_config(names.connectors)
     if smoke:
         conn = {**conn, **SMOKE_CONNECTORS}
