@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from editor_demo import close_session, headless_chromium, open_blank_editor, session_args  # noqa: E402
 from editor_ux4 import FIT  # noqa: E402
-from editor_ux43 import _load  # noqa: E402
+from editor_ux43 import load_template  # noqa: E402
 
 NODES = """
 const g = app.canvas.graph || app.graph;
@@ -54,9 +54,7 @@ def main(argv=None) -> int:
     bad = []
     try:
         open_blank_editor(d, a.url)
-        ltx = d.execute_script("return fetch('/api/workflow_templates/lowvram-lora/ltx23_i2v_lora.json')"
-                               ".then(r => r.json())")
-        _load(d, ltx)
+        load_template(d, "ltx23_i2v_lora")
         print("linked:", d.execute_script(ADD))
         d.execute_script(FIT, None)
         nodes = _shown(d)

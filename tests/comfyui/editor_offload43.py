@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from editor_demo import close_session, headless_chromium, open_blank_editor, session_args  # noqa: E402
 from editor_ux4 import FIT  # noqa: E402
-from editor_ux43 import NODES as TRAIN_NODES, _load  # noqa: E402
+from editor_ux43 import NODES as TRAIN_NODES, _load, load_template  # noqa: E402
 
 NODES = TRAIN_NODES.replace("TrainLoRA|TrainingOptions|PreviewOptions", "OffloadConfig|OffloadTuning")
 TOASTS = """return document.body.innerText.split('\\n').map(l => l.trim()).filter(l => /settings moved/.test(l))"""
@@ -33,9 +33,7 @@ def main(argv=None) -> int:
     bad = []
     try:
         open_blank_editor(d, a.url)
-        demo = d.execute_script("return fetch('/api/workflow_templates/lowvram-lora/demo_tiny_lora.json')"
-                                ".then(r => r.json())")
-        _load(d, demo)
+        load_template(d, "demo_tiny_lora")
         d.execute_script(FIT, None)
         time.sleep(2)
         nodes = d.execute_script(NODES)

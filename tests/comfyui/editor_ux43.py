@@ -40,6 +40,14 @@ def _load(d, workflow: dict) -> None:
     time.sleep(4)
 
 
+def load_template(d, name: str) -> dict:
+    """The pack's template ``name`` as the server lists it, loaded into the editor; returns its workflow."""
+    workflow = d.execute_script(f"return fetch('/api/workflow_templates/lowvram-lora/{name}.json')"
+                                ".then(r => r.json())")
+    _load(d, workflow)
+    return workflow
+
+
 def _idle(d, timeout=300):
     time.sleep(3)
     for _ in range(timeout // 2):
@@ -58,9 +66,7 @@ def main(argv=None) -> int:
     try:
         open_blank_editor(d, a.url)
         # 1. the shipped demo
-        demo = d.execute_script("return fetch('/api/workflow_templates/lowvram-lora/demo_tiny_lora.json')"
-                                ".then(r => r.json())")
-        _load(d, demo)
+        demo = load_template(d, "demo_tiny_lora")
         d.execute_script(FIT, None)
         time.sleep(2)
         nodes = d.execute_script(NODES)
