@@ -6,7 +6,9 @@ RoPE'd copies, both attentions' outputs, the residual sums, and their gradients)
 (``engine/offload/units.py``), each part is checkpointed and recomputed on its own, so only the running part's
 intermediates exist.
 
-Each part is diffusers' arithmetic in the same order, with the same casts (``WanTransformerBlock.forward``):
+Each part is diffusers' arithmetic in the same order, with the same casts (``WanTransformerBlock.forward``); the fp32
+norms and gated residuals run in token slices (``fp32_chunks.py``: no fp32 copy of the whole sequence is made or
+saved, the values are the same):
 - ``SelfAttention`` owns ``scale_shift_table``: it computes all six modulation vectors in fp32 (per sample, or per
   token for TI2V-5B's ``expand_timesteps``: temb (B, S, 6, D)), runs the modulated ``norm1``, ``attn1`` with RoPE and
   the gated fp32 residual, and hands the FFN's three vectors on;
@@ -22,6 +24,7 @@ import torch
 from torch import nn
 
 from ..block_part import BlockPart
+from ..fp32_chunks import fp32_gated_residual, fp32_modulated_norm
 
 
 def modulation(table: torch.Tensor, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -49,9 +52,9 @@ class SelfAttention(BlockPart):
 
     def forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb):
         shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = modulation(self.scale_shift_table, temb)
-        norm_hidden_states = (self.norm1(hidden_states.float()) * (1 + scale_msa) + shift_msa).type_as(hidden_states)
+        norm_hidden_states = fp32_modulated_norm(self.norm1, hidden_states, scale_msa, shift_msa)
         attn_output = self.attn1(norm_hidden_states, None, None, rotary_emb)
-        hidden_states = (hidden_states.float() + attn_output * gate_msa).type_as(hidden_states)
+        hidden_states = fp32_gated_residual(hidden_states, attn_output, gate_msa)
         return (hidden_states, encoder_hidden_states,
                 c_shift_msa.contiguous(), c_scale_msa.contiguous(), c_gate_msa.contiguous())
 
@@ -68,7 +71,7 @@ class CrossAttention(BlockPart):
         return () if any(m.requires_grad for m in (c_shift_msa, c_scale_msa, c_gate_msa)) else (1, 2, 3)
 
     def forward(self, hidden_states, encoder_hidden_states, c_shift_msa, c_scale_msa, c_gate_msa):
-        norm_hidden_states = self.norm2(hidden_states.float()).type_as(hidden_states)
+        norm_hidden_states = fp32_modulated_norm(self.norm2, hidden_states)
         attn_output = self.attn2(norm_hidden_states, encoder_hidden_states, None, None)
         hidden_states = hidden_states + attn_output
         return hidden_states, c_shift_msa, c_scale_msa, c_gate_msa
@@ -82,10 +85,9 @@ class FeedForward(BlockPart):
         self.norm3, self.ffn = block.norm3, block.ffn
 
     def forward(self, hidden_states, c_shift_msa, c_scale_msa, c_gate_msa):
-        norm_hidden_states = (self.norm3(hidden_states.float()) * (1 + c_scale_msa) + c_shift_msa).type_as(
-            hidden_states)
+        norm_hidden_states = fp32_modulated_norm(self.norm3, hidden_states, c_scale_msa, c_shift_msa)
         ff_output = self.ffn(norm_hidden_states)
-        return (hidden_states.float() + ff_output.float() * c_gate_msa).type_as(hidden_states)
+        return fp32_gated_residual(hidden_states, ff_output, c_gate_msa)
 
 
 def wan_block_parts(block: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -305,3 +305,46 @@ def test_compiled_chunked_plans_count_what_the_h200_measured(variant):
                   int(8e9), compiled=True)  # set below 1 by hand: told that 1 needs less
     fits = make_plan(fp, wl, OffloadConfig(mode="auto", vram_budget_gb=9, compile="blocks"), int(9e9), compiled=True)
     assert fits.activation_memory_budget == 1.0 and fits.predicted_peak_bytes + fits.margin_bytes <= 9e9
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_parts_in_fp32_token_slices_are_bit_identical_while_training_a_lora(variant, per_token, monkeypatch):
+    """As a LoRA run trains (the time embedding, the modulation table and the norms frozen), the parts' fp32 norms
+    and gated residuals run in token slices (``fp32_chunks.py``; here slices of a few tokens, so every call makes
+    several): bf16 output and the gradients of the hidden state and of the trained weights equal diffusers' block
+    exactly."""
+    from lowvram_lora.engine.families import fp32_chunks
+
+    model = _model(variant, torch.bfloat16)
+    block = model.blocks[1]
+    block.requires_grad_(False)
+    trained = ("attn1.to_q.weight", "attn1.to_out.0.weight", "attn2.to_k.weight", "ffn.net.2.weight")
+    for name in trained:
+        block.get_parameter(name).requires_grad_(True)
+    hidden, encoder, temb, rope = _block_inputs(model, per_token)
+    cot = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(5)).to(hidden.dtype)
+    slices = []
+    real = fp32_chunks._slices
+    monkeypatch.setattr(fp32_chunks, "_slices", lambda x, b: slices.append(len(real(x, b))) or real(x, b))
+    monkeypatch.setattr(fp32_chunks, "SLICE_BYTES", hidden.shape[0] * hidden.shape[2] * 4 * 3)  # 3 tokens a slice
+
+    def run(parts):
+        h = hidden.detach().clone().requires_grad_(True)
+        out = (h, encoder, temb, rope)
+        if parts is None:
+            out = block(*out)
+        else:
+            for part in parts:
+                out = checkpoint(part, *out, use_reentrant=False)
+        block.zero_grad(set_to_none=True)
+        (out.float() * cot.float()).sum().backward()
+        return out.detach(), {"hidden": h.grad, **{n: block.get_parameter(n).grad.clone() for n in trained}}
+
+    want, want_grads = run(None)
+    assert not slices
+    got, grads = run([m for _, m in FAMILY.memory.block_parts(block)])
+    assert slices and min(slices) > 1  # the sliced path ran, in several slices each time
+    assert torch.equal(got, want)
+    for name, g in want_grads.items():
+        assert torch.equal(grads[name], g), name
