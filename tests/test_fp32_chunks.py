@@ -6,9 +6,11 @@ import weakref
 import pytest
 import torch
 from diffusers.models.normalization import FP32LayerNorm
+from lowvram_lora.engine.families.fp32_chunks import (
+    fp32_gated_residual,
+    fp32_modulated_norm,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
-
-from lowvram_lora.engine.families.fp32_chunks import fp32_gated_residual, fp32_modulated_norm
 
 B, S, D = 2, 64, 48
 SLICE = B * D * 4 * 10  # 10 tokens a slice: 7 slices
@@ -90,7 +92,12 @@ def test_no_fp32_copy_of_the_sequence_is_saved_or_made():
     for sliced in (False, True):
         x = h.clone().requires_grad_(True)
         saved = []
-        with _Peak() as peak, torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+
+        def keep(t, into=saved):
+            into.append(t)
+            return t
+
+        with _Peak() as peak, torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
             if sliced:
                 y = fp32_gated_residual(x, fp32_modulated_norm(norm, x, scale, shift, slice_bytes=SLICE), gate,
                                         slice_bytes=SLICE)
@@ -105,7 +112,7 @@ def test_no_fp32_copy_of_the_sequence_is_saved_or_made():
 
 
 def test_trained_modulation_or_norm_weights_take_the_plain_path_with_their_gradients():
-    h, out, scale, shift, gate = _inputs(False)
+    h, _, scale, shift, gate = _inputs(False)
     norm = FP32LayerNorm(D, 1e-6, elementwise_affine=False)
     for which in ("scale", "gate"):
         s, g = scale.clone().requires_grad_(which == "scale"), gate.clone().requires_grad_(which == "gate")

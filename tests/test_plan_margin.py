@@ -269,7 +269,10 @@ def _meta_footprint(family_id: str, variant: str):
     return measure_footprint(model, family, variant, 0)
 
 
-@pytest.mark.parametrize("family_id", sorted(RUNS_2026_11_28))
+# Wan's request (``hidden.float() + attn * gate``, one fp32 B*T*D) no longer exists since its parts' fp32 norms and
+# residuals run in token slices (engine/families/fp32_chunks.py); its margin is refit on the runs that trained at an
+# 8 GB cap after that (engine/families/wan/test_parts.py).
+@pytest.mark.parametrize("family_id", sorted(set(RUNS_2026_11_28) - {"wan"}))
 def test_the_margin_covers_the_holes_of_the_runs_that_failed(family_id):
     variant, workload, chunks, request, allocated, holes, predicted = RUNS_2026_11_28[family_id]
     fp = _meta_footprint(family_id, variant)

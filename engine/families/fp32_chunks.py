@@ -16,8 +16,8 @@ over the width only), so every output and gradient element is computed by the sa
 No library does this: torch's checkpoint would save the slices' inputs too, and ``torch.compile`` fuses the
 elementwise ops but (Wan, ``compiled_activation_scale``) keeps more of the block than eager does.
 A gradient for the modulation vectors or the norm's own weights is not made here: where any of them is trained,
-the plain expression runs (the ``fp32_*`` functions check), as it does in a compiled graph, where inductor fuses the
-elementwise ops and makes no fp32 copy of the sequence.
+the plain expression runs (the ``fp32_*`` functions check). Inside compiled blocks both stay eager (a graph break each
+side), so a compiled block keeps what an eager one keeps here and the planner needs one working set for both.
 """
 from __future__ import annotations
 
@@ -102,21 +102,22 @@ def _trained(*tensors) -> bool:
     return any(t is not None and t.requires_grad for t in tensors)
 
 
+@torch.compiler.disable  # eager inside compiled blocks too: the same memory either way (the planner counts one)
 def fp32_modulated_norm(norm: nn.Module, h: torch.Tensor, scale: torch.Tensor | None = None,
                         shift: torch.Tensor | None = None, slice_bytes: int | None = None) -> torch.Tensor:
     """``(norm(h.float()) * (1 + scale) + shift).type_as(h)`` (or ``norm(h.float()).type_as(h)`` without a scale),
     in token slices, saving only ``h`` for the backward. (B, S, D) ``h``; ``scale``/``shift`` (B, 1, D) or (B, S, D)
     fp32; ``norm`` a per-token fp32 norm (``FP32LayerNorm``)."""
-    if h.dim() != 3 or torch.compiler.is_compiling() or _trained(scale, shift, *norm.parameters()):
+    if h.dim() != 3 or _trained(scale, shift, *norm.parameters()):
         return _modulated(norm, h, scale, shift).type_as(h)
     return _ModulatedNorm.apply(h, scale, shift, norm, slice_bytes or SLICE_BYTES)
 
 
+@torch.compiler.disable  # as fp32_modulated_norm
 def fp32_gated_residual(h: torch.Tensor, out: torch.Tensor, gate: torch.Tensor,
                         slice_bytes: int | None = None) -> torch.Tensor:
     """``(h.float() + out.float() * gate).type_as(h)`` in token slices: no fp32 copy of the sequence is made or
     saved. (B, S, D) ``h`` and ``out``; ``gate`` (B, 1, D) or (B, S, D) fp32."""
-    if (h.dim() != 3 or out.shape != h.shape or torch.compiler.is_compiling() or _trained(gate)
-            or gate.dtype != torch.float32):
+    if h.dim() != 3 or out.shape != h.shape or _trained(gate) or gate.dtype != torch.float32:
         return (h.float() + out.float() * gate).type_as(h)
     return _GatedResidual.apply(h, out, gate, slice_bytes or SLICE_BYTES)

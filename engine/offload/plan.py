@@ -115,6 +115,9 @@ class ModelFootprint:
     # Compiled blocks below an activation-memory budget of 1, in chunks: the working set against the family's eager
     # chunked one (``MemoryProfile.compiled_activation_scale``); None: Flux.1's compiled line.
     compiled_activation_scale: Optional[float] = None
+    # The largest part of a block in parts shrinks with token chunks (``MemoryProfile.parts_chunked``); False: blocks
+    # in parts hold the unchunked line's share at any number of chunks.
+    parts_chunked: bool = True
     # The family's token-wise block parts can recompute in chunks (``MemoryProfile.chunked_recompute``).
     chunkable: bool = True
     # Frozen elements per block (FLOPs for the step-time model, engine/offload/steptime.py). Empty: the block's
@@ -167,9 +170,10 @@ class ModelFootprint:
         family with its own ``compiled_activation_scale`` takes that times its eager chunked working set instead of
         Flux.1's compiled line (where the compile saves nothing for it)."""
         scale = self.working_set_scale(split, chunks)
+        line = 1 if not self.parts_chunked and self.in_parts(split) else chunks  # no chunk reaches the largest part
         if chunks > 1 and compiled_budget < 1.0 and self.compiled_activation_scale is not None:
-            return self.compiled_activation_scale * scale * transient_units(chunks)
-        return scale * transient_units(chunks, compiled_budget)
+            return self.compiled_activation_scale * scale * transient_units(line)
+        return scale * transient_units(line, compiled_budget)
 
     def working_set_scale(self, split, chunks: int = 1) -> float:
         """The factor on the fitted block working set: with the token-wise parts in ``chunks`` > 1 chunks, the family's
@@ -178,11 +182,14 @@ class ModelFootprint:
         block's (a large block left whole sets the largest working set)."""
         if chunks > 1 and self.chunked_activation_scale is not None:
             return self.chunked_activation_scale
+        return self.parts_activation_scale if self.in_parts(split) and self.parts_activation_scale is not None \
+            else self.activation_scale
+
+    def in_parts(self, split) -> bool:
+        """Every block that has parts streams in them (``split`` as in ``stream_units``)."""
         chosen = range(self.num_blocks) if split is True else set(split or ())
         big = [i for i, u in enumerate(self.unit_bytes) if u]
-        parts = bool(big) and all(i in chosen for i in big)
-        return self.parts_activation_scale if parts and self.parts_activation_scale is not None \
-            else self.activation_scale
+        return bool(big) and all(i in chosen for i in big)
 
     @property
     def num_blocks(self) -> int:

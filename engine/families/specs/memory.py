@@ -77,6 +77,10 @@ class MemoryProfile:
     #: (``COMPILED_CHUNKED_UNITS_*``, where the partitioner's recompute of pointwise ops saves memory) times the
     #: scales above.
     compiled_activation_scale: float | None = None
+    #: The largest part of a block in parts holds token-wise parts that recompute in chunks, so chunks shrink the
+    #: parts' working set. False: it holds none (Wan: its self-attention part, once the fp32 norms and residuals run in
+    #: token slices), so blocks in parts hold ``parts_activation_scale`` x the unchunked line at any number of chunks.
+    parts_chunked: bool = True
     #: The caching allocator's unusable holes when capped at the budget, in units of the step's largest activation
     #: tensor (``Plan.largest_tensor_bytes``): the plan keeps this many of it free, or 0.5 GB where that is more
     #: (engine/offload/plan.py ``allocator_margin``). Measured per family (Flux.1, Wan); 0: the 0.5 GB alone (Flux.2-dev

@@ -213,32 +213,34 @@ class WanFamily(ModelFamily):
         int8_extra_linears=("condition_embedder.time_proj", "condition_embedder.text_embedder.linear_1",
                             "condition_embedder.text_embedder.linear_2"),
         chunked_recompute=True,  # install_chunked_recompute: the FFN in token chunks
-        # Measured on 2xH200, 2026-11-27 (bench/logs/experts_wan_oom_session5.log): Wan 2.2 A14B, 832x480x81, eager,
-        # 40 of 40 blocks streamed, 9 token chunks, predicted 7.48 GB, capped at 8.0 GB: asked for 640 MiB (two B*T*D
-        # tensors, the plan's largest) with 0.49 GiB reserved but unusable: 0.78x the request. Again on 2xH100,
-        # 2026-11-28 (bench/logs/experts_wan_oom_session7_h100x2.log), the same plan at 1.2 (7.15 GB predicted, 0.82 GB
-        # kept free): step 1's first recompute asked for the same 640 MiB (``hidden.float() + attn * gate``) with 6.12
-        # GiB allocated and 0.95 GiB unusable (the one-expert run), 1.24 GiB unusable (the experts-mode worker, same
-        # plan). Allocated + holes + request = 8.26 / 8.57 GB against the 8.0 GB cap: the margin must cover what that
-        # needed beyond the predicted peak, 1.11 / 1.42 GB, up to 2.12x the plan's largest tensor (0.67 GB)
-        # (tests/test_plan_margin.py). Not yet re-run at 2.2.
-        fragmentation=2.2,
-        # Blocks in parts (``block_parts``): the largest part, self-attention, holds 0.63 of the whole block's
-        # recompute + backward working set with the FFN in token chunks (25.3 of 40.5 B*T*D units alive at once;
-        # 0.50 of the bytes saved for backward; 0.50-0.56 unchunked), the same for every variant:
-        # bench/parts_working_set.py on CPU (bf16, LoRA on q/k/v/o, head dim 128). An estimate, not a GPU fit:
-        # refit on the bench rows of blocks in parts.
-        parts_activation_scale=0.63,
-        # Compiled at an activation-memory budget below 1 (auto's 0.5), in token chunks, the compile saves nothing
-        # here: the unchunked self-attention's backward and the fp32 residual dominate, and the partitioner keeps
-        # more than eager. Measured on an H200, 2026-11-28 (bench/logs/issue39_wan_i2v_8gb_session9_h200x2.log):
-        # Wan 2.2 I2V-A14B and Wan 2.1 I2V 14B at 832x480x81, 40 of 40 blocks streamed in parts, 9 chunks, budget
-        # 0.5: 6.87 / 6.86 GB of activations at step 1's peak (7.83 / 7.70 GB less the ring and the LoRA's weights
-        # and gradients), 18.2 B*T*D units of block working set against eager's 16.2 here (0.63 x the chunked line;
-        # eager chunked measured within 3% on an H100, 2026-11-26): 1.12x (4.11 GB predicted on Flux.1's compiled
-        # line; both ran out of memory at an 8 GB cap in step 2). Applied to whole-block compiled plans too (partial
-        # or no activation offload, a split's parts): 1.13x the whole block's eager line there, not measured.
-        compiled_activation_scale=1.13,
+        # The allocator's holes at an 8 GB cap. Until 2026-11-28 the step's largest request was the self-attention
+        # part's fp32 residual, ``hidden.float() + attn * gate`` (640 MiB at 832x480x81): Wan 2.2 A14B, 40 of 40 blocks
+        # streamed, 9 token chunks, ran out of memory asking for it with 0.49-1.24 GiB unusable (2xH200 2026-11-27,
+        # bench/logs/experts_wan_oom_session5.log; 2xH100 2026-11-28, bench/logs/experts_wan_oom_session7_h100x2.log):
+        # 2.12x the plan's largest tensor (0.67 GB) beyond the predicted peak, so 2.2. Since the parts' fp32 norms and
+        # residuals run in token slices (``parts.py``, ``fp32_chunks.py``) that request is gone. Refit on 2xH200,
+        # 2026-11-28 (bench/logs/issue39_wan_i2v_8gb_session10_h200x2.log): at an 8.0 GB cap, Wan 2.2 I2V-A14B (a
+        # 0.95 GB margin, 1.4x) and Wan 2.1 I2V 14B (0.82 GB, 1.2x) trained 40 streamed blocks in parts, peak 6.67 /
+        # 6.84 GB allocated, 7.54 / 7.99 GB reserved. 1.4: the larger margin that ran.
+        fragmentation=1.4,
+        # Blocks in parts (``block_parts``): the largest part is self-attention (its norm, q/k/v and their norms, the
+        # unchunked attention's backward), which no token chunk reaches, so the working set is the same at any number
+        # of chunks (``parts_chunked=False``). Measured on 2xH200, 2026-11-28 (the log above), 832x480x81 with the fp32
+        # slices: 5.84 GB of activations at the peak for both I2V models, whole (``auto`` 12 GB, 38-39 of 40 blocks
+        # streamed) and in 9 chunks (the 8 GB rows): 15.1-15.2 B*T*D units (each peak less the predicted ring,
+        # LoRA and kept inputs), 0.444 x Flux.1's unchunked line (34.2). Before the slices: 18.2 units (8.80 GB at
+        # ``auto`` 12 GB, bench/logs/issue39_wan_i2v_ram_session9_h200x2.log).
+        parts_activation_scale=0.45,
+        parts_chunked=False,
+        # Compiled at an activation-memory budget below 1 (auto's 0.5), in token chunks, the compile saved nothing
+        # here: measured on an H200, 2026-11-28 (bench/logs/issue39_wan_i2v_8gb_session9_h200x2.log), before the fp32
+        # slices: Wan 2.2 I2V-A14B and Wan 2.1 I2V 14B at 832x480x81, 40 of 40 blocks streamed in parts, 9 chunks,
+        # budget 0.5: 6.87 / 6.86 GB of activations at step 1's peak, 18.2 B*T*D units of block working set (both ran
+        # out of memory at an 8 GB cap in step 2 on Flux.1's compiled line). The slices now stay eager inside compiled
+        # blocks too (``fp32_chunks.py``), so this is an upper bound, not remeasured: 1.19x the eager parts' 15.4
+        # (``parts_activation_scale``). Applied to whole-block compiled plans too (partial or no activation offload,
+        # a split's parts): 1.19x the whole block's eager line there, not measured.
+        compiled_activation_scale=1.19,
         temporal_compression=4,  # the causal VAE: the first frame alone, then 4 per latent frame
         # The time embedding and its projection to the blocks' six modulation vectors (the blocks add their own
         # scale_shift_table: no Linear of theirs is constant).
