@@ -31,8 +31,14 @@ from ...hashing import path_identity, stable_hash
 from ..embedded_tokenizer import SpieceLayout
 from . import TextEncoderKind
 
-#: Host memory for one group's fp32 projection accumulators (captions x tokens x (video + audio width) x 4 bytes).
-_GROUP_BYTES = 2e9
+#: Device memory for one group's fp32 projection accumulators (captions x tokens x (video + audio width) x 4 bytes),
+#: the one part of the pass's VRAM that grows with the group: 59 captions at 1024 tokens. With one Gemma layer and a
+#: chunk's activations beside it the pass stays near 2.5 GB (a 6 GB card); a bigger group would read Gemma's 23.5 GB
+#: fewer times for long caption lists, at 25 MB of VRAM a caption.
+_GROUP_BYTES = 1.5e9
+#: Captions per chunk of Gemma's layers, of the fold and of the connectors' blocks: the fp32 temporaries and the
+#: connectors' activations are this many captions', not the group's.
+_CHUNK = 4
 
 
 class GemmaConnectors(TextEncoderKind):
@@ -87,7 +93,7 @@ class GemmaConnectors(TextEncoderKind):
         tokenizer.padding_side = "left"  # as LTX2Pipeline sets it
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
-        connectors = _checked(connectors).to(device)
+        connectors = _checked(connectors)  # stays on the host: _Projection moves what each step needs
         layers = config.num_hidden_layers
         # hidden_states[k]: the embeddings (k = 0), layer k's raw output, the last one after the final norm.
         model, weights = load_truncated_decoder(enc_dir, layers, dtype, files, config, final_norm=True)
@@ -102,7 +108,7 @@ class GemmaConnectors(TextEncoderKind):
                 if start:
                     prefetch.pending.clear()
                 proj.start(tok.attention_mask)
-                with layer_major(model, device, chunk_size=4, load_layer=prefetch, host=torch.device("cpu")) as m:
+                with layer_major(model, device, chunk_size=_CHUNK, load_layer=prefetch, host=torch.device("cpu")) as m:
                     m.norm.to("cpu")
                     taps = [m.embed_tokens] + [m.layers[i] for i in range(layers - 1)] + [m.norm]
                     hooks = [t.register_forward_hook(lambda _m, _a, o, k=k: proj.fold(k, o)) for k, t in enumerate(taps)]
@@ -111,7 +117,8 @@ class GemmaConnectors(TextEncoderKind):
                     finally:
                         for h in hooks:
                             h.remove()
-                out += [row.to("cpu", dtype) for row in proj.finish(dtype)]
+                for rows in proj.finish(dtype):
+                    out += [row.to("cpu", dtype) for row in rows]
                 if progress:
                     progress(len(out), len(captions))
         finally:
@@ -209,37 +216,96 @@ def _checked(connectors):
 class _Projection:
     """The connectors' feature extractor as a sum over Gemma's hidden states: for state k,
     ``rms_norm(h_k) * mask * sqrt(dim / D) @ W[:, k::K].T`` (the stack is (D, K) per token, flattened D-major), added
-    into fp32 accumulators; ``finish`` adds the biases and runs the connectors' 1-D transformers."""
+    into fp32 accumulators; ``finish`` adds the biases and runs the connectors' 1-D transformers.
 
-    def __init__(self, connectors, count: int, hidden: int, device):
-        self.c, self.count, self.hidden, self.device = connectors, count, hidden, device
-        self.heads = [(connectors.video_text_proj_in, math.sqrt(connectors.config.video_hidden_dim / hidden)),
-                      (connectors.audio_text_proj_in, math.sqrt(connectors.config.audio_hidden_dim / hidden))]
-        self.width = sum(lin.out_features for lin, _ in self.heads)
+    What is on the device, so that it fits a small card: the group's accumulators (25 MB a caption at full size,
+    bounded by ``_GROUP_BYTES``), state k's two weight slices while it is folded (95 MB bf16), one chunk of captions'
+    temporaries, and in ``finish`` one connector block (400 MB) beside the group's projected rows. The connectors
+    stay on the host (3.2B parameters): the projections' weights regrouped by state once (``W[:, k::K]`` contiguous:
+    a per-fold copy of a strided slice would read the whole matrix 49 times a group), the blocks copied to the device
+    one at a time. Per element the arithmetic is the old whole-group one's (same ops, fp32 sums in k order); only
+    the matmuls' batch is a chunk instead of the group."""
+
+    def __init__(self, connectors, count: int, hidden: int, device, chunk: int = _CHUNK):
+        self.c, self.count, self.hidden, self.device, self.chunk = connectors, count, hidden, device, chunk
+        config = connectors.config
+        self.heads = []  # (weights by state (K, out, D), bias, scale) per modality, on the host
+        for name, dim in (("video_text_proj_in", config.video_hidden_dim), ("audio_text_proj_in", config.audio_hidden_dim)):
+            lin = getattr(connectors, name)
+            w = lin.weight.detach()
+            by_state = w.reshape(w.shape[0], hidden, count).permute(2, 0, 1).contiguous()
+            self.heads.append((by_state, None if lin.bias is None else lin.bias.detach(), math.sqrt(dim / hidden)))
+            setattr(connectors, name, None)  # our own copy of the connectors: the host keeps the weight once
+        self.width = sum(w.shape[1] for w, _, _ in self.heads)
 
     def start(self, mask: torch.Tensor) -> None:
         self.mask = mask.to(self.device)
         b, length = mask.shape
-        self.acc = [torch.zeros(b, length, lin.out_features, device=self.device) for lin, _ in self.heads]
+        self.spans = [(s, min(s + self.chunk, b)) for s in range(0, b, self.chunk)]
+        # One accumulator per chunk: finish frees each as it is projected, so the rows never coexist with them whole.
+        self.acc = [[torch.zeros(e - s, length, w.shape[1], device=self.device) for w, _, _ in self.heads]
+                    for s, e in self.spans]
 
     def fold(self, k: int, output) -> None:
-        h = (output[0] if isinstance(output, tuple) else output).to(self.device, torch.float32)
-        normed = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + 1e-6) * self.mask[..., None]
-        for acc, (lin, scale) in zip(self.acc, self.heads):
-            acc += (normed * scale) @ lin.weight[:, k::self.count].float().T
+        states = output[0] if isinstance(output, tuple) else output  # the whole group's, on the host
+        weights = [(w[k].to(self.device).float().T, scale) for w, _, scale in self.heads]
+        for (s, e), acc in zip(self.spans, self.acc):
+            h = states[s:e].to(self.device).float()  # exact: bf16 -> fp32
+            normed = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + 1e-6) * self.mask[s:e, :, None]
+            del h
+            for a, (wt, scale) in zip(acc, weights):
+                a += (normed * scale) @ wt
 
-    def finish(self, dtype) -> torch.Tensor:
-        (video_lin, _), (audio_lin, _) = self.heads
-        video, audio = ((acc + (lin.bias.float() if lin.bias is not None else 0)).to(dtype)
-                        for acc, (lin, _) in zip(self.acc, self.heads))
-        # LTX2TextConnectors.forward after its projections (diffusers 0.42.1 connectors.py).
-        add_mask = ((self.mask.to(torch.int64) - 1).to(dtype).reshape(self.mask.shape[0], 1, -1, self.mask.shape[-1])
-                    * torch.finfo(dtype).max)
-        video, video_mask = self.c.video_connector(video, add_mask)
-        video = video * (video_mask < 1e-6).to(torch.int64).reshape(video.shape[0], video.shape[1], 1)
-        audio, _ = self.c.audio_connector(audio, add_mask)
+    def finish(self, dtype):
+        """Yields each chunk's rows (the video connector's output, then the audio one's) on the device, in order."""
+        biases = [0 if b is None else b.to(self.device).float() for _, b, _ in self.heads]
+        video, audio, masks = [], [], []
+        for i, (s, e) in enumerate(self.spans):
+            acc, self.acc[i] = self.acc[i], None
+            video.append((acc[0] + biases[0]).to(dtype))
+            audio.append((acc[1] + biases[1]).to(dtype))
+            del acc
+            # LTX2TextConnectors.forward after its projections (diffusers 0.42.1 connectors.py).
+            m = self.mask[s:e]
+            masks.append((m.to(torch.int64) - 1).to(dtype).reshape(e - s, 1, -1, m.shape[-1]) * torch.finfo(dtype).max)
         self.acc = None
-        return torch.cat([video, audio], dim=-1)
+        video_masks = _block_major(self.c.video_connector, video, list(masks), self.device)
+        _block_major(self.c.audio_connector, audio, masks, self.device)
+        for i, (v, vm) in enumerate(zip(video, video_masks)):
+            v = v * (vm < 1e-6).to(torch.int64).reshape(v.shape[0], v.shape[1], 1)
+            rows = torch.cat([v, audio[i]], dim=-1)
+            video[i] = audio[i] = v = None
+            yield rows
+
+
+def _block_major(connector, states: list[torch.Tensor], masks: list[torch.Tensor], device) -> list[torch.Tensor]:
+    """``LTX2ConnectorTransformer1d.forward`` on chunks of captions (``states[i]``, ``masks[i]`` its additive mask),
+    replaced in place by its output; returns the chunks' masks as forward returns them. Block-major: each block's
+    weights are copied from the host once a group and run on every chunk, so the device holds one block and
+    per-chunk activations (the whole group's rope and feed-forward activations would be GBs). The registers'
+    step is diffusers' own forward with no blocks and no final norm; the blocks are called as forward calls them."""
+    from torch.func import functional_call
+
+    def on_device(module):
+        return {n: t.to(device) for n, t in (*module.named_parameters(), *module.named_buffers())}
+
+    blocks, norm = connector.transformer_blocks, connector.norm_out
+    connector.transformer_blocks, connector.norm_out = torch.nn.ModuleList(), torch.nn.Identity()
+    try:
+        registers = on_device(connector)  # the learnable registers, with the blocks out of the module
+        for i, x in enumerate(states):
+            states[i], masks[i] = functional_call(connector, registers, (x, masks[i]))
+    finally:
+        connector.transformer_blocks, connector.norm_out = blocks, norm
+    for block in blocks:
+        params = on_device(block)
+        for i, x in enumerate(states):
+            rope = connector.rope(x.shape[0], x.shape[1], device=x.device)
+            states[i] = functional_call(block, params, (x,), {"attention_mask": masks[i], "rotary_emb": rope})
+        del params
+    for i, x in enumerate(states):
+        states[i] = norm(x)
+    return masks
 
 
 KIND = GemmaConnectors()
