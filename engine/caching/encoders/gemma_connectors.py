@@ -10,7 +10,10 @@ stacked features (``per_modality_projections``), which is a sum over layers, so 
 padding rows zeroed and folded into the video and audio projections as soon as the layer has run (fp32
 accumulators, 25 MB a caption). Why our own loop: the pipeline's ``_get_gemma_prompt_embeds`` needs the whole
 encoder in memory (24 GB bf16) and every caption's whole stack. After the last layer the connectors' 1-D transformers
-run on the projections, as ``LTX2TextConnectors.forward`` does.
+run on the projections, as ``LTX2TextConnectors.forward`` does. The pass fits the small card LTX-2.3 trains on (issue
+39): the connectors (3.2B parameters) stay on the host and visit the device a hidden state's projection slices or a
+block at a time, the fold and the connectors run per chunk of captions, and the group is bounded by its accumulators
+(``_Projection``; ``engine/families/ltx2/test_text_vram.py`` measures what the device holds).
 
 Single files (LTX-2.3), as ComfyUI's ``LTXAVTextEncoderLoader(text_encoder, ckpt_name)`` pairs them: Gemma from
 ``gemma_3_12B_it.safetensors`` / ``_fp8_scaled`` (``model.`` names, decoded by the checkpoint reader, run layer-major
@@ -93,11 +96,13 @@ class GemmaConnectors(TextEncoderKind):
         tokenizer.padding_side = "left"  # as LTX2Pipeline sets it
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
-        connectors = _checked(connectors)  # stays on the host: _Projection moves what each step needs
         layers = config.num_hidden_layers
+        # The connectors stay on the host (_Projection moves what each step needs); regrouped before Gemma's
+        # embeddings load, so the projections' transient second copy does not meet them.
+        proj = _Projection(_checked(connectors), layers + 1, config.hidden_size, device)
+        del connectors
         # hidden_states[k]: the embeddings (k = 0), layer k's raw output, the last one after the final norm.
         model, weights = load_truncated_decoder(enc_dir, layers, dtype, files, config, final_norm=True)
-        proj = _Projection(connectors, layers + 1, model.config.hidden_size, device)
         group = max(1, int(_GROUP_BYTES // (length * proj.width * 4)))
         out: list[torch.Tensor] = []
         prefetch = _LayerPrefetcher(weights, model.layers[0], layers, dtype, pin=device.type == "cuda")
@@ -303,8 +308,9 @@ def _block_major(connector, states: list[torch.Tensor], masks: list[torch.Tensor
             rope = connector.rope(x.shape[0], x.shape[1], device=x.device)
             states[i] = functional_call(block, params, (x,), {"attention_mask": masks[i], "rotary_emb": rope})
         del params
+    params = on_device(norm)
     for i, x in enumerate(states):
-        states[i] = norm(x)
+        states[i] = functional_call(norm, params, (x,))
     return masks
 
 
