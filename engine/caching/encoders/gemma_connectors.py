@@ -228,14 +228,15 @@ class _Projection:
     temporaries, and in ``finish`` one connector block (400 MB) beside the group's projected rows. The connectors
     stay on the host (3.2B parameters): the projections' weights regrouped by state once (``W[:, k::K]`` contiguous:
     a per-fold copy of a strided slice would read the whole matrix 49 times a group), the blocks copied to the device
-    one at a time. Per element the arithmetic is the old whole-group one's (same ops, fp32 sums in k order); only
-    the matmuls' batch is a chunk instead of the group."""
+    one at a time. The chunking changes no element's arithmetic (the same ops, fp32 sums in k order); only the
+    matmuls' batch is a chunk of captions, not the group."""
 
     def __init__(self, connectors, count: int, hidden: int, device, chunk: int = _CHUNK):
         self.c, self.count, self.hidden, self.device, self.chunk = connectors, count, hidden, device, chunk
         config = connectors.config
         self.heads = []  # (weights by state (K, out, D), bias, scale) per modality, on the host
-        for name, dim in (("video_text_proj_in", config.video_hidden_dim), ("audio_text_proj_in", config.audio_hidden_dim)):
+        for name, dim in (("video_text_proj_in", config.video_hidden_dim),
+                          ("audio_text_proj_in", config.audio_hidden_dim)):
             lin = getattr(connectors, name)
             w = lin.weight.detach()
             by_state = w.reshape(w.shape[0], hidden, count).permute(2, 0, 1).contiguous()
