@@ -11,9 +11,10 @@ padding rows zeroed and folded into the video and audio projections as soon as t
 accumulators, 25 MB a caption). Why our own loop: the pipeline's ``_get_gemma_prompt_embeds`` needs the whole
 encoder in memory (24 GB bf16) and every caption's whole stack. After the last layer the connectors' 1-D transformers
 run on the projections, as ``LTX2TextConnectors.forward`` does. The pass fits the small card LTX-2.3 trains on (issue
-39): the connectors (3.2B parameters) stay on the host and visit the device a hidden state's projection slices or a
-block at a time, the fold and the connectors run per chunk of captions, and the group is bounded by its accumulators
-(``_Projection``; ``engine/families/ltx2/test_text_vram.py`` measures what the device holds).
+39): the connectors (3.2B parameters) are never on the device whole (their projections stay on the host, their
+blocks in the file; a hidden state's projection slices or one block visit it at a time), the fold and the
+connectors run per chunk of captions, and the group is bounded by its accumulators (``_Projection``;
+``engine/families/ltx2/test_text_vram.py`` measures what the device holds).
 
 Single files (LTX-2.3), as ComfyUI's ``LTXAVTextEncoderLoader(text_encoder, ckpt_name)`` pairs them: Gemma from
 ``gemma_3_12B_it.safetensors`` / ``_fp8_scaled`` (``model.`` names, decoded by the checkpoint reader, run layer-major
@@ -63,7 +64,9 @@ class GemmaConnectors(TextEncoderKind):
             "pre_feedforward_layernorm" in k for k in layer) else 0
 
     def companion_folders(self, spec):
-        return ("connectors",)  # held whole beside one Gemma layer (3.2B parameters at full size)
+        # Counted whole beside one Gemma layer (3.2B parameters at full size): the projections are held, the blocks
+        # read from the file one at a time.
+        return ("connectors",)
 
     def checkpoint_companions(self, spec, names):
         return list(connector_names(names))  # the same, read from the all-in-one checkpoint
@@ -90,16 +93,16 @@ class GemmaConnectors(TextEncoderKind):
         from ..stacked_text import _LayerPrefetcher, load_truncated_decoder
 
         if singles is not None:
-            tokenizer, enc_dir, files, config, connectors = _single_file_sources(singles, family, spec, dtype)
+            tokenizer, enc_dir, files, config, (connectors, read) = _single_file_sources(singles, family, spec, dtype)
         else:
-            tokenizer, enc_dir, files, config, connectors = _folder_sources(pipeline, spec, dtype)
+            tokenizer, enc_dir, files, config, (connectors, read) = _folder_sources(pipeline, spec, dtype)
         tokenizer.padding_side = "left"  # as LTX2Pipeline sets it
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         layers = config.num_hidden_layers
         # The connectors stay on the host (_Projection moves what each step needs); regrouped before Gemma's
         # embeddings load, so the projections' transient second copy does not meet them.
-        proj = _Projection(_checked(connectors), layers + 1, config.hidden_size, device)
+        proj = _Projection(_checked(connectors), read, layers + 1, config.hidden_size, device)
         del connectors
         # hidden_states[k]: the embeddings (k = 0), layer k's raw output, the last one after the final norm.
         model, weights = load_truncated_decoder(enc_dir, layers, dtype, files, config, final_norm=True)
@@ -133,9 +136,10 @@ class GemmaConnectors(TextEncoderKind):
 
 
 def _folder_sources(pipeline, spec, dtype):
-    """(tokenizer, Gemma folder, None, its text config, connectors) of a diffusers pipeline folder."""
+    """(tokenizer, Gemma folder, None, its text config, (connectors, read)) of a diffusers pipeline folder."""
     from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
 
+    from ...checkpoint.tensors import TensorStore, open_files
     from ..stacked_text import _text_config, load_tokenizer
 
     if pipeline is None:
@@ -146,8 +150,12 @@ def _folder_sources(pipeline, spec, dtype):
         if not (d / "config.json").exists():
             raise ModelLoadError(f"'{d}' is missing: caching captions needs {what} of the diffusers pipeline "
                                  f"folder '{pipeline}'")
-    connectors = LTX2TextConnectors.from_pretrained(conn_dir, torch_dtype=dtype, use_safetensors=True,
-                                                    local_files_only=True)
+    files = sorted(conn_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"'{conn_dir}' has no .safetensors weights (pickles are never loaded)")
+    store = TensorStore(open_files(files, "the text connectors"))
+    connectors = _connectors_from(store, {n: n for n in store.names()}, LTX2TextConnectors.load_config(conn_dir),
+                                  dtype, f"'{conn_dir}': its weights do not fit its config.json ({{}})")
     return load_tokenizer(pipeline / spec.tokenizer_subfolder), enc_dir, None, _text_config(enc_dir), connectors
 
 
@@ -172,12 +180,10 @@ def _checkpoint(singles, spec):
 
 
 def _single_file_sources(singles, family, spec, dtype):
-    """(tokenizer, Gemma file, [file], text config, connectors) of ComfyUI's Gemma file and the all-in-one
+    """(tokenizer, Gemma file, [file], text config, (connectors, read)) of ComfyUI's Gemma file and the all-in-one
     checkpoint: the config from the file's companion folder or the shipped one (``decoder_lm_source``, checked against
     the file's width), the tokenizer its companion folder's or the one it embeds."""
     from dataclasses import replace
-
-    from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
 
     from ..single_files import _store, decoder_lm_source
     from ..stacked_text import load_tokenizer
@@ -194,14 +200,31 @@ def _single_file_sources(singles, family, spec, dtype):
         raise ModelLoadError(f"'{checkpoint}' holds no text connectors (no 'model.diffusion_model.video_embeddings_"
                              f"connector.' tensors): LTX-2.3's all-in-one checkpoint (ltx-2.3-22b-dev*.safetensors) "
                              f"does; a transformer-only file does not")
-    connectors = _init_empty(LTX2TextConnectors, connectors_config(comfy.connectors))
-    try:
-        connectors.load_state_dict({new: store.get(raw, dtype) for raw, new in names.items()}, strict=True,
-                                   assign=True)
-    except RuntimeError as exc:
-        raise ModelLoadError(f"'{checkpoint}': its text connectors do not fit LTX-2's '{comfy.connectors}' connectors "
-                             f"({str(exc)[:300]}); is it the checkpoint of this model?") from exc
+    connectors = _connectors_from(store, {new: raw for raw, new in names.items()}, connectors_config(comfy.connectors),
+                                  dtype, f"'{checkpoint}': its text connectors do not fit LTX-2's '{comfy.connectors}' "
+                                  f"connectors ({{}}); is it the checkpoint of this model?")
     return tokenizer, path, files, config, connectors
+
+
+def _connectors_from(store, stored: dict[str, str], config: dict, dtype, misfit: str):
+    """(``LTX2TextConnectors`` of ``config``, ``read``): the module with its projections and registers read from
+    ``store`` (``stored``: parameter name -> the store's name), its blocks' weights left in the file (4 GB at full
+    size), ``read(name)`` giving one of them on the host when its block runs. Every tensor's name and shape is checked
+    now (``misfit``: the error, ``{}`` the mismatch)."""
+    from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
+
+    connectors = _init_empty(LTX2TextConnectors, config)
+    expected = {n: tuple(t.shape) for n, t in connectors.state_dict().items()}
+    shapes = store.shapes()
+    problems = [f"missing {n}" for n in expected if n not in stored] + [f"unexpected {n}" for n in stored
+                                                                        if n not in expected]
+    problems += [f"{n} is {tuple(shapes[stored[n]])}, not {expected[n]}" for n in expected
+                 if n in stored and tuple(shapes[stored[n]]) != expected[n]]
+    if problems:
+        raise ModelLoadError(misfit.format("; ".join(problems[:4]) + (" ..." if len(problems) > 4 else "")))
+    connectors.load_state_dict({n: store.get(stored[n], dtype) for n in expected if ".transformer_blocks." not in n},
+                               strict=False, assign=True)
+    return connectors.eval(), lambda name: store.get(stored[name], dtype)
 
 
 def _init_empty(cls, config):
@@ -226,13 +249,15 @@ class _Projection:
     What is on the device, so that it fits a small card: the group's accumulators (25 MB a caption at full size,
     bounded by ``_GROUP_BYTES``), state k's two weight slices while it is folded (95 MB bf16), one chunk of captions'
     temporaries, and in ``finish`` one connector block (400 MB) beside the group's projected rows. The connectors
-    stay on the host (3.2B parameters): the projections' weights regrouped by state once (``W[:, k::K]`` contiguous:
-    a per-fold copy of a strided slice would read the whole matrix 49 times a group), the blocks copied to the device
-    one at a time. The chunking changes no element's arithmetic (the same ops, fp32 sums in k order); only the
-    matmuls' batch is a chunk of captions, not the group."""
+    (3.2B parameters) are not moved there: the projections' weights stay on the host, regrouped by state once
+    (``W[:, k::K]`` contiguous: a per-fold copy of a strided slice would read the whole matrix 49 times a group); the
+    blocks' stay in their file, each read and copied to the device once a group. The chunking changes no element's
+    arithmetic (the same ops, fp32 sums in k order); only the matmuls' batch is a chunk of captions, not the group."""
 
-    def __init__(self, connectors, count: int, hidden: int, device, chunk: int = _CHUNK):
-        self.c, self.count, self.hidden, self.device, self.chunk = connectors, count, hidden, device, chunk
+    def __init__(self, connectors, read, count: int, hidden: int, device, chunk: int = _CHUNK):
+        """``read(name)``: the connectors' tensor ``name`` on the host (``_connectors_from``; the blocks' are read
+        when they run)."""
+        self.c, self.read, self.count, self.device, self.chunk = connectors, read, count, device, chunk
         config = connectors.config
         self.heads = []  # (weights by state (K, out, D), bias, scale) per modality, on the host
         for name, dim in (("video_text_proj_in", config.video_hidden_dim),
@@ -275,8 +300,8 @@ class _Projection:
             m = self.mask[s:e]
             masks.append((m.to(torch.int64) - 1).to(dtype).reshape(e - s, 1, -1, m.shape[-1]) * torch.finfo(dtype).max)
         self.acc = None
-        video_masks = _block_major(self.c.video_connector, video, list(masks), self.device)
-        _block_major(self.c.audio_connector, audio, masks, self.device)
+        video_masks = _block_major(self.c, "video_connector", self.read, video, list(masks), self.device)
+        _block_major(self.c, "audio_connector", self.read, audio, masks, self.device)
         for i, (v, vm) in enumerate(zip(video, video_masks)):
             v = v * (vm < 1e-6).to(torch.int64).reshape(v.shape[0], v.shape[1], 1)
             rows = torch.cat([v, audio[i]], dim=-1)
@@ -284,17 +309,20 @@ class _Projection:
             yield rows
 
 
-def _block_major(connector, states: list[torch.Tensor], masks: list[torch.Tensor], device) -> list[torch.Tensor]:
-    """``LTX2ConnectorTransformer1d.forward`` on chunks of captions (``states[i]``, ``masks[i]`` its additive mask),
-    replaced in place by its output; returns the chunks' masks as forward returns them. Block-major: each block's
-    weights are copied from the host once a group and run on every chunk, so the device holds one block and
-    per-chunk activations (the whole group's rope and feed-forward activations would be GBs). The registers'
-    step is diffusers' own forward with no blocks and no final norm; the blocks are called as forward calls them."""
+def _block_major(connectors, name: str, read, states: list[torch.Tensor], masks: list[torch.Tensor],
+                 device) -> list[torch.Tensor]:
+    """The ``name`` connector's ``LTX2ConnectorTransformer1d.forward`` on chunks of captions (``states[i]``,
+    ``masks[i]`` its additive mask), replaced in place by its output; returns the chunks' masks as forward returns
+    them. Block-major: each block's weights are read (``read``) and copied to the device once a group and run on
+    every chunk, so the host holds one block for a moment and the device one block and per-chunk activations (the
+    whole group's rope and feed-forward activations would be GBs). The registers' step is diffusers' own forward
+    with no blocks and no final norm; the blocks are called as forward calls them."""
     from torch.func import functional_call
 
     def on_device(module):
         return {n: t.to(device) for n, t in (*module.named_parameters(), *module.named_buffers())}
 
+    connector = connectors.get_submodule(name)
     blocks, norm = connector.transformer_blocks, connector.norm_out
     connector.transformer_blocks, connector.norm_out = torch.nn.ModuleList(), torch.nn.Identity()
     try:
@@ -303,8 +331,9 @@ def _block_major(connector, states: list[torch.Tensor], masks: list[torch.Tensor
             states[i], masks[i] = functional_call(connector, registers, (x, masks[i]))
     finally:
         connector.transformer_blocks, connector.norm_out = blocks, norm
-    for block in blocks:
-        params = on_device(block)
+    for b, block in enumerate(blocks):
+        params = {n: read(f"{name}.transformer_blocks.{b}.{n}").to(device) for n, _ in block.named_parameters()}
+        params.update({n: t.to(device) for n, t in block.named_buffers()})
         for i, x in enumerate(states):
             rope = connector.rope(x.shape[0], x.shape[1], device=x.device)
             states[i] = functional_call(block, params, (x,), {"attention_mask": masks[i], "rotary_emb": rope})

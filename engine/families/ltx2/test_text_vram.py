@@ -65,7 +65,8 @@ def device_peak(overrides: dict, captions: int) -> int:
     states = [torch.randn(captions, LENGTH, hidden, dtype=DTYPE) for _ in range(count)]
     mask = (torch.arange(LENGTH) >= torch.randint(0, LENGTH, (captions, 1))).long()  # left padding
     width = config["video_hidden_dim"] + config["audio_hidden_dim"]
-    proj = _Projection(connectors, count, hidden, torch.device("meta"))
+    # The blocks' weights read from the module where the encoder reads them from their file.
+    proj = _Projection(connectors, connectors.get_parameter, count, hidden, torch.device("meta"))
     with torch.no_grad(), DeviceBytes("meta") as mode:
         proj.start(mask)
         for k, h in enumerate(states):
@@ -94,3 +95,27 @@ def test_the_group_costs_the_device_its_accumulators_and_masks_only():
     per_caption = LENGTH * (width * 4 + torch.tensor(0).element_size() + 2 * DTYPE.itemsize)
     small, large = 4, 12
     assert device_peak({}, large) - device_peak({}, small) <= (large - small) * per_caption
+
+
+def test_connectors_that_do_not_fit_their_config_are_refused_by_name(tmp_path):
+    """The blocks' weights are read when they run, so every tensor's name and shape is checked before: a
+    connectors folder whose config asks for a block its weights lack is refused naming the tensor."""
+    import json
+
+    import pytest
+
+    from lowvram_lora.engine.caching.encoders import encoder_kind
+    from lowvram_lora.engine.errors import ModelLoadError
+    from lowvram_lora.engine.families.ltx2.fixtures import build_tiny_pipeline
+
+    folder = build_tiny_pipeline(tmp_path / "ltx2-tiny")
+    config_path = folder / "connectors" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["video_connector_num_layers"] += 1
+    config_path.write_text(json.dumps(config))
+    spec = FAMILY.text_encoder_specs(FAMILY.tiny_variant)[0]
+    kind = encoder_kind(spec.kind)
+    missing = f"missing video_connector.transformer_blocks.{config['video_connector_num_layers'] - 1}."
+    with pytest.raises(ModelLoadError, match="do not fit its config.json") as e:
+        kind.encode(folder, None, FAMILY, spec, ["a red circle"], torch.device("cpu"), torch.float32, LENGTH)
+    assert missing in str(e.value) and str(folder / "connectors") in str(e.value)
