@@ -100,8 +100,8 @@ class GemmaConnectors(TextEncoderKind):
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         layers = config.num_hidden_layers
-        # The connectors stay on the host (_Projection moves what each step needs); regrouped before Gemma's
-        # embeddings load, so the projections' transient second copy does not meet them.
+        # The connectors never go to the device whole (_Projection moves what each step needs); the projections are
+        # regrouped before Gemma's embeddings load, so their transient second copy does not meet them.
         proj = _Projection(_checked(connectors), read, layers + 1, config.hidden_size, device)
         del connectors
         # hidden_states[k]: the embeddings (k = 0), layer k's raw output, the last one after the final norm.
