@@ -10,7 +10,11 @@ stacked features (``per_modality_projections``), which is a sum over layers, so 
 padding rows zeroed and folded into the video and audio projections as soon as the layer has run (fp32
 accumulators, 25 MB a caption). Why our own loop: the pipeline's ``_get_gemma_prompt_embeds`` needs the whole
 encoder in memory (24 GB bf16) and every caption's whole stack. After the last layer the connectors' 1-D transformers
-run on the projections, as ``LTX2TextConnectors.forward`` does.
+run on the projections, as ``LTX2TextConnectors.forward`` does. The pass fits the small card LTX-2.3 trains on (issue
+39): the connectors (3.2B parameters) are never on the device whole (their projections stay on the host, their
+blocks in the file; a hidden state's projection slices or one block visit it at a time), the fold and the
+connectors run per chunk of captions, and the group is bounded by its accumulators (``_Projection``;
+``engine/families/ltx2/test_text_vram.py`` measures what the device holds).
 
 Single files (LTX-2.3), as ComfyUI's ``LTXAVTextEncoderLoader(text_encoder, ckpt_name)`` pairs them: Gemma from
 ``gemma_3_12B_it.safetensors`` / ``_fp8_scaled`` (``model.`` names, decoded by the checkpoint reader, run layer-major
@@ -31,8 +35,14 @@ from ...hashing import path_identity, stable_hash
 from ..embedded_tokenizer import SpieceLayout
 from . import TextEncoderKind
 
-#: Host memory for one group's fp32 projection accumulators (captions x tokens x (video + audio width) x 4 bytes).
-_GROUP_BYTES = 2e9
+#: Device memory for one group's fp32 projection accumulators (captions x tokens x (video + audio width) x 4 bytes),
+#: the one part of the pass's VRAM that grows with the group: 59 captions at 1024 tokens. With one Gemma layer and a
+#: chunk's activations beside it the pass stays near 2.5 GB (a 6 GB card); a bigger group would read Gemma's 23.5 GB
+#: fewer times for long caption lists, at 25 MB of VRAM a caption.
+_GROUP_BYTES = 1.5e9
+#: Captions per chunk of Gemma's layers, of the fold and of the connectors' blocks: the fp32 temporaries and the
+#: connectors' activations are this many captions', not the group's.
+_CHUNK = 4
 
 
 class GemmaConnectors(TextEncoderKind):
@@ -54,7 +64,9 @@ class GemmaConnectors(TextEncoderKind):
             "pre_feedforward_layernorm" in k for k in layer) else 0
 
     def companion_folders(self, spec):
-        return ("connectors",)  # held whole beside one Gemma layer (3.2B parameters at full size)
+        # Counted whole beside one Gemma layer (3.2B parameters at full size): the projections are held, the blocks
+        # read from the file one at a time.
+        return ("connectors",)
 
     def checkpoint_companions(self, spec, names):
         return list(connector_names(names))  # the same, read from the all-in-one checkpoint
@@ -81,17 +93,19 @@ class GemmaConnectors(TextEncoderKind):
         from ..stacked_text import _LayerPrefetcher, load_truncated_decoder
 
         if singles is not None:
-            tokenizer, enc_dir, files, config, connectors = _single_file_sources(singles, family, spec, dtype)
+            tokenizer, enc_dir, files, config, (connectors, read) = _single_file_sources(singles, family, spec, dtype)
         else:
-            tokenizer, enc_dir, files, config, connectors = _folder_sources(pipeline, spec, dtype)
+            tokenizer, enc_dir, files, config, (connectors, read) = _folder_sources(pipeline, spec, dtype)
         tokenizer.padding_side = "left"  # as LTX2Pipeline sets it
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
-        connectors = _checked(connectors).to(device)
         layers = config.num_hidden_layers
+        # The connectors never go to the device whole (_Projection moves what each step needs); the projections are
+        # regrouped before Gemma's embeddings load, so their transient second copy does not meet them.
+        proj = _Projection(_checked(connectors), read, layers + 1, config.hidden_size, device)
+        del connectors
         # hidden_states[k]: the embeddings (k = 0), layer k's raw output, the last one after the final norm.
         model, weights = load_truncated_decoder(enc_dir, layers, dtype, files, config, final_norm=True)
-        proj = _Projection(connectors, layers + 1, model.config.hidden_size, device)
         group = max(1, int(_GROUP_BYTES // (length * proj.width * 4)))
         out: list[torch.Tensor] = []
         prefetch = _LayerPrefetcher(weights, model.layers[0], layers, dtype, pin=device.type == "cuda")
@@ -102,7 +116,7 @@ class GemmaConnectors(TextEncoderKind):
                 if start:
                     prefetch.pending.clear()
                 proj.start(tok.attention_mask)
-                with layer_major(model, device, chunk_size=4, load_layer=prefetch, host=torch.device("cpu")) as m:
+                with layer_major(model, device, chunk_size=_CHUNK, load_layer=prefetch, host=torch.device("cpu")) as m:
                     m.norm.to("cpu")
                     taps = [m.embed_tokens] + [m.layers[i] for i in range(layers - 1)] + [m.norm]
                     hooks = [t.register_forward_hook(lambda _m, _a, o, k=k: proj.fold(k, o)) for k, t in enumerate(taps)]
@@ -111,7 +125,8 @@ class GemmaConnectors(TextEncoderKind):
                     finally:
                         for h in hooks:
                             h.remove()
-                out += [row.to("cpu", dtype) for row in proj.finish(dtype)]
+                for rows in proj.finish(dtype):
+                    out += [row.to("cpu", dtype) for row in rows]
                 if progress:
                     progress(len(out), len(captions))
         finally:
@@ -121,9 +136,10 @@ class GemmaConnectors(TextEncoderKind):
 
 
 def _folder_sources(pipeline, spec, dtype):
-    """(tokenizer, Gemma folder, None, its text config, connectors) of a diffusers pipeline folder."""
+    """(tokenizer, Gemma folder, None, its text config, (connectors, read)) of a diffusers pipeline folder."""
     from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
 
+    from ...checkpoint.tensors import TensorStore, open_files
     from ..stacked_text import _text_config, load_tokenizer
 
     if pipeline is None:
@@ -134,8 +150,12 @@ def _folder_sources(pipeline, spec, dtype):
         if not (d / "config.json").exists():
             raise ModelLoadError(f"'{d}' is missing: caching captions needs {what} of the diffusers pipeline "
                                  f"folder '{pipeline}'")
-    connectors = LTX2TextConnectors.from_pretrained(conn_dir, torch_dtype=dtype, use_safetensors=True,
-                                                    local_files_only=True)
+    files = sorted(conn_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"'{conn_dir}' has no .safetensors weights (pickles are never loaded)")
+    store = TensorStore(open_files(files, "the text connectors"))
+    connectors = _connectors_from(store, {n: n for n in store.names()}, LTX2TextConnectors.load_config(conn_dir),
+                                  dtype, f"'{conn_dir}': its weights do not fit its config.json ({{}})")
     return load_tokenizer(pipeline / spec.tokenizer_subfolder), enc_dir, None, _text_config(enc_dir), connectors
 
 
@@ -160,12 +180,10 @@ def _checkpoint(singles, spec):
 
 
 def _single_file_sources(singles, family, spec, dtype):
-    """(tokenizer, Gemma file, [file], text config, connectors) of ComfyUI's Gemma file and the all-in-one
+    """(tokenizer, Gemma file, [file], text config, (connectors, read)) of ComfyUI's Gemma file and the all-in-one
     checkpoint: the config from the file's companion folder or the shipped one (``decoder_lm_source``, checked against
     the file's width), the tokenizer its companion folder's or the one it embeds."""
     from dataclasses import replace
-
-    from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
 
     from ..single_files import _store, decoder_lm_source
     from ..stacked_text import load_tokenizer
@@ -182,14 +200,31 @@ def _single_file_sources(singles, family, spec, dtype):
         raise ModelLoadError(f"'{checkpoint}' holds no text connectors (no 'model.diffusion_model.video_embeddings_"
                              f"connector.' tensors): LTX-2.3's all-in-one checkpoint (ltx-2.3-22b-dev*.safetensors) "
                              f"does; a transformer-only file does not")
-    connectors = _init_empty(LTX2TextConnectors, connectors_config(comfy.connectors))
-    try:
-        connectors.load_state_dict({new: store.get(raw, dtype) for raw, new in names.items()}, strict=True,
-                                   assign=True)
-    except RuntimeError as exc:
-        raise ModelLoadError(f"'{checkpoint}': its text connectors do not fit LTX-2's '{comfy.connectors}' connectors "
-                             f"({str(exc)[:300]}); is it the checkpoint of this model?") from exc
+    connectors = _connectors_from(store, {new: raw for raw, new in names.items()}, connectors_config(comfy.connectors),
+                                  dtype, f"'{checkpoint}': its text connectors do not fit LTX-2's '{comfy.connectors}' "
+                                  f"connectors ({{}}); is it the checkpoint of this model?")
     return tokenizer, path, files, config, connectors
+
+
+def _connectors_from(store, stored: dict[str, str], config: dict, dtype, misfit: str):
+    """(``LTX2TextConnectors`` of ``config``, ``read``): the module with its projections and registers read from
+    ``store`` (``stored``: parameter name -> the store's name), its blocks' weights left in the file (4 GB at full
+    size), ``read(name)`` giving one of them on the host when its block runs. Every tensor's name and shape is checked
+    now (``misfit``: the error, ``{}`` the mismatch)."""
+    from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
+
+    connectors = _init_empty(LTX2TextConnectors, config)
+    expected = {n: tuple(t.shape) for n, t in connectors.state_dict().items()}
+    shapes = store.shapes()
+    problems = [f"missing {n}" for n in expected if n not in stored] + [f"unexpected {n}" for n in stored
+                                                                        if n not in expected]
+    problems += [f"{n} is {tuple(shapes[stored[n]])}, not {expected[n]}" for n in expected
+                 if n in stored and tuple(shapes[stored[n]]) != expected[n]]
+    if problems:
+        raise ModelLoadError(misfit.format("; ".join(problems[:4]) + (" ..." if len(problems) > 4 else "")))
+    connectors.load_state_dict({n: store.get(stored[n], dtype) for n in expected if ".transformer_blocks." not in n},
+                               strict=False, assign=True)
+    return connectors.eval(), lambda name: store.get(stored[name], dtype)
 
 
 def _init_empty(cls, config):
@@ -209,37 +244,104 @@ def _checked(connectors):
 class _Projection:
     """The connectors' feature extractor as a sum over Gemma's hidden states: for state k,
     ``rms_norm(h_k) * mask * sqrt(dim / D) @ W[:, k::K].T`` (the stack is (D, K) per token, flattened D-major), added
-    into fp32 accumulators; ``finish`` adds the biases and runs the connectors' 1-D transformers."""
+    into fp32 accumulators; ``finish`` adds the biases and runs the connectors' 1-D transformers.
 
-    def __init__(self, connectors, count: int, hidden: int, device):
-        self.c, self.count, self.hidden, self.device = connectors, count, hidden, device
-        self.heads = [(connectors.video_text_proj_in, math.sqrt(connectors.config.video_hidden_dim / hidden)),
-                      (connectors.audio_text_proj_in, math.sqrt(connectors.config.audio_hidden_dim / hidden))]
-        self.width = sum(lin.out_features for lin, _ in self.heads)
+    What is on the device, so that it fits a small card: the group's accumulators (25 MB a caption at full size,
+    bounded by ``_GROUP_BYTES``), state k's two weight slices while it is folded (95 MB bf16), one chunk of captions'
+    temporaries, and in ``finish`` one connector block (400 MB) beside the group's projected rows. The connectors
+    (3.2B parameters) are not moved there: the projections' weights stay on the host, regrouped by state once
+    (``W[:, k::K]`` contiguous: a per-fold copy of a strided slice would read the whole matrix 49 times a group); the
+    blocks' stay in their file, each read and copied to the device once a group. The chunking changes no element's
+    arithmetic (the same ops, fp32 sums in k order); only the matmuls' batch is a chunk of captions, not the group."""
+
+    def __init__(self, connectors, read, count: int, hidden: int, device, chunk: int = _CHUNK):
+        """``read(name)``: the connectors' tensor ``name`` on the host (``_connectors_from``; the blocks' are read
+        when they run)."""
+        self.c, self.read, self.count, self.device, self.chunk = connectors, read, count, device, chunk
+        config = connectors.config
+        self.heads = []  # (weights by state (K, out, D), bias, scale) per modality, on the host
+        for name, dim in (("video_text_proj_in", config.video_hidden_dim),
+                          ("audio_text_proj_in", config.audio_hidden_dim)):
+            lin = getattr(connectors, name)
+            w = lin.weight.detach()
+            by_state = w.reshape(w.shape[0], hidden, count).permute(2, 0, 1).contiguous()
+            self.heads.append((by_state, None if lin.bias is None else lin.bias.detach(), math.sqrt(dim / hidden)))
+            setattr(connectors, name, None)  # our own copy of the connectors: the host keeps the weight once
+        self.width = sum(w.shape[1] for w, _, _ in self.heads)
 
     def start(self, mask: torch.Tensor) -> None:
         self.mask = mask.to(self.device)
         b, length = mask.shape
-        self.acc = [torch.zeros(b, length, lin.out_features, device=self.device) for lin, _ in self.heads]
+        self.spans = [(s, min(s + self.chunk, b)) for s in range(0, b, self.chunk)]
+        # One accumulator per chunk: finish frees each as it is projected, so the rows never coexist with them whole.
+        self.acc = [[torch.zeros(e - s, length, w.shape[1], device=self.device) for w, _, _ in self.heads]
+                    for s, e in self.spans]
 
     def fold(self, k: int, output) -> None:
-        h = (output[0] if isinstance(output, tuple) else output).to(self.device, torch.float32)
-        normed = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + 1e-6) * self.mask[..., None]
-        for acc, (lin, scale) in zip(self.acc, self.heads):
-            acc += (normed * scale) @ lin.weight[:, k::self.count].float().T
+        states = output[0] if isinstance(output, tuple) else output  # the whole group's, on the host
+        weights = [(w[k].to(self.device).float().T, scale) for w, _, scale in self.heads]
+        for (s, e), acc in zip(self.spans, self.acc):
+            h = states[s:e].to(self.device).float()  # exact: bf16 -> fp32
+            normed = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + 1e-6) * self.mask[s:e, :, None]
+            del h
+            for a, (wt, scale) in zip(acc, weights):
+                a += (normed * scale) @ wt
 
-    def finish(self, dtype) -> torch.Tensor:
-        (video_lin, _), (audio_lin, _) = self.heads
-        video, audio = ((acc + (lin.bias.float() if lin.bias is not None else 0)).to(dtype)
-                        for acc, (lin, _) in zip(self.acc, self.heads))
-        # LTX2TextConnectors.forward after its projections (diffusers 0.42.1 connectors.py).
-        add_mask = ((self.mask.to(torch.int64) - 1).to(dtype).reshape(self.mask.shape[0], 1, -1, self.mask.shape[-1])
-                    * torch.finfo(dtype).max)
-        video, video_mask = self.c.video_connector(video, add_mask)
-        video = video * (video_mask < 1e-6).to(torch.int64).reshape(video.shape[0], video.shape[1], 1)
-        audio, _ = self.c.audio_connector(audio, add_mask)
+    def finish(self, dtype):
+        """Yields each chunk's rows (the video connector's output, then the audio one's) on the device, in order."""
+        biases = [0 if b is None else b.to(self.device).float() for _, b, _ in self.heads]
+        video, audio, masks = [], [], []
+        for i, (s, e) in enumerate(self.spans):
+            acc, self.acc[i] = self.acc[i], None
+            video.append((acc[0] + biases[0]).to(dtype))
+            audio.append((acc[1] + biases[1]).to(dtype))
+            del acc
+            # LTX2TextConnectors.forward after its projections (diffusers 0.42.1 connectors.py).
+            m = self.mask[s:e]
+            masks.append((m.to(torch.int64) - 1).to(dtype).reshape(e - s, 1, -1, m.shape[-1]) * torch.finfo(dtype).max)
         self.acc = None
-        return torch.cat([video, audio], dim=-1)
+        video_masks = _block_major(self.c, "video_connector", self.read, video, list(masks), self.device)
+        _block_major(self.c, "audio_connector", self.read, audio, masks, self.device)
+        for i, (v, vm) in enumerate(zip(video, video_masks)):
+            v = v * (vm < 1e-6).to(torch.int64).reshape(v.shape[0], v.shape[1], 1)
+            rows = torch.cat([v, audio[i]], dim=-1)
+            video[i] = audio[i] = v = None
+            yield rows
+
+
+def _block_major(connectors, name: str, read, states: list[torch.Tensor], masks: list[torch.Tensor],
+                 device) -> list[torch.Tensor]:
+    """The ``name`` connector's ``LTX2ConnectorTransformer1d.forward`` on chunks of captions (``states[i]``,
+    ``masks[i]`` its additive mask), replaced in place by its output; returns the chunks' masks as forward returns
+    them. Block-major: each block's weights are read (``read``) and copied to the device once a group and run on
+    every chunk, so the host holds one block for a moment and the device one block and per-chunk activations (the
+    whole group's rope and feed-forward activations would be GBs). The registers' step is diffusers' own forward
+    with no blocks and no final norm; the blocks are called as forward calls them."""
+    from torch.func import functional_call
+
+    def on_device(module):
+        return {n: t.to(device) for n, t in (*module.named_parameters(), *module.named_buffers())}
+
+    connector = connectors.get_submodule(name)
+    blocks, norm = connector.transformer_blocks, connector.norm_out
+    connector.transformer_blocks, connector.norm_out = torch.nn.ModuleList(), torch.nn.Identity()
+    try:
+        registers = on_device(connector)  # the learnable registers, with the blocks out of the module
+        for i, x in enumerate(states):
+            states[i], masks[i] = functional_call(connector, registers, (x, masks[i]))
+    finally:
+        connector.transformer_blocks, connector.norm_out = blocks, norm
+    for b, block in enumerate(blocks):
+        params = {n: read(f"{name}.transformer_blocks.{b}.{n}").to(device) for n, _ in block.named_parameters()}
+        params.update({n: t.to(device) for n, t in block.named_buffers()})
+        for i, x in enumerate(states):
+            rope = connector.rope(x.shape[0], x.shape[1], device=x.device)
+            states[i] = functional_call(block, params, (x,), {"attention_mask": masks[i], "rotary_emb": rope})
+        del params
+    params = on_device(norm)
+    for i, x in enumerate(states):
+        states[i] = functional_call(norm, params, (x,))
+    return masks
 
 
 KIND = GemmaConnectors()
