@@ -14,40 +14,10 @@ width (head dim 128, 5 heads, 2048 tokens, 64 text tokens; LoRA stood in by trai
 from __future__ import annotations
 
 import argparse
-import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 FFN_RATIOS = {"wan2.1-t2v-14b / A14B": 13824 / 5120, "wan2.2-ti2v-5b": 14336 / 3072, "wan2.1-t2v-1.3b": 8960 / 1536}
-
-
-class LiveBytes(TorchDispatchMode):
-    """Bytes of the storages ops create, while they are alive; ``peak`` the most at once."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self.seen: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t._base is None:
-                storage = t.untyped_storage()
-                key, n = storage.data_ptr(), storage.nbytes()
-                if n == 0 or key in self.seen:
-                    continue
-                self.seen.add(key)
-                self.live += n
-                self.peak = max(self.peak, self.live)
-                weakref.finalize(t, self._free, key, n)
-        return out
-
-    def _free(self, key: int, n: int) -> None:
-        self.seen.discard(key)
-        self.live -= n
 
 
 def build(ffn_ratio: float, tokens: int, text: int = 64, heads: int = 5):
@@ -83,6 +53,8 @@ def measure(fn, inputs, skip: set[int]) -> tuple[int, int]:
         s = t.untyped_storage()
         saved[s.data_ptr()] = s.nbytes()
         return t
+
+    from lowvram_lora.engine.testing import LiveBytes
 
     live = LiveBytes()
     with live, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -1,4 +1,5 @@
-"""Shared test and demo fixtures: a small captioned image dataset, and the families' tiny models.
+"""Shared test and demo fixtures: a small captioned image dataset, the families' tiny models, and a counter of the
+bytes tensors hold (``LiveBytes``).
 
 Each family's tiny pipeline and files are built by its own folder's ``fixtures.py``
 (``family_fixtures(get_family(id))``); the names below are the ones the tests and the demo have always used.
@@ -7,7 +8,12 @@ Nothing is downloaded.
 from __future__ import annotations
 
 import random
+import weakref
 from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from .families.flux1.fixtures import build_tiny_pipeline as build_tiny_flux1_pipeline  # noqa: F401
 from .families.flux1.fixtures import write_single_file as write_bfl_single_file  # noqa: F401
@@ -17,6 +23,36 @@ from .families.flux2.fixtures import tiny_tekken_json, write_comfy_mistral_file 
 from .families.flux2.fixtures import write_single_file as write_flux2_single_file  # noqa: F401
 from .families.flux2.fixtures import write_text_and_vae_files as write_flux2_text_and_vae_files  # noqa: F401
 from .families.tiny import COLORS, SHAPES
+
+
+class LiveBytes(TorchDispatchMode):
+    """Inside ``with LiveBytes() as mode``: ``peak``, the most bytes of storages the ops made that were alive at once,
+    and ``largest``, the largest one (inputs and parameters made outside are not counted; a view's storage counts once,
+    until its last tensor is gone). ``device``: only storages on that device type (e.g. ``"meta"`` standing in for the
+    GPU in a CPU test). What the memory tests and ``bench/parts_working_set.py`` measure on the CPU, where no allocator
+    reports it."""
+
+    def __init__(self, device: str | None = None):
+        super().__init__()
+        self.device, self.live, self.peak, self.largest, self.seen = device, 0, 0, 0, set()
+
+    def _free(self, key, nbytes):
+        self.live -= nbytes
+        self.seen.discard(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and (self.device is None or t.device.type == self.device):
+                storage = t.untyped_storage()
+                key, nbytes = id(storage), storage.nbytes()
+                if key not in self.seen and nbytes:
+                    self.seen.add(key)
+                    self.live += nbytes
+                    self.largest = max(self.largest, nbytes)
+                    weakref.finalize(storage, self._free, key, nbytes)
+        self.peak = max(self.peak, self.live)
+        return out
 
 
 def draw_shape(draw, shape: str, cx: int, cy: int, r: int, fill) -> None:

@@ -1,46 +1,14 @@
 """The fp32 modulated norm and gated residual in token slices (``engine/families/fp32_chunks.py``), CPU: the same
 values and gradients as the plain expressions diffusers' blocks write, bit for bit in bf16, and no fp32 copy of the
 sequence kept for the backward or made at once (what they are for)."""
-import weakref
-
 import pytest
 import torch
 from diffusers.models.normalization import FP32LayerNorm
-from lowvram_lora.engine.families.fp32_chunks import (
-    fp32_gated_residual,
-    fp32_modulated_norm,
-)
-from torch.utils._python_dispatch import TorchDispatchMode
+from lowvram_lora.engine.families.fp32_chunks import fp32_gated_residual, fp32_modulated_norm
+from lowvram_lora.engine.testing import LiveBytes
 
 B, S, D = 2, 64, 48
 SLICE = B * D * 4 * 10  # 10 tokens a slice: 7 slices
-
-
-class _Peak(TorchDispatchMode):
-    """The most bytes of new storages alive at once, and the largest one (a view's storage is counted once)."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = self.largest = 0
-        self.seen: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if not isinstance(t, torch.Tensor):
-                continue
-            storage = t.untyped_storage()
-            key, n = storage.data_ptr(), storage.nbytes()
-            if n and key not in self.seen:
-                self.seen.add(key)
-                self.live += n
-                self.peak, self.largest = max(self.peak, self.live), max(self.largest, n)
-                weakref.finalize(t, self._free, key, n)
-        return out
-
-    def _free(self, key, n):
-        self.seen.discard(key)
-        self.live -= n
 
 
 def _inputs(per_token: bool):
@@ -97,7 +65,7 @@ def test_no_fp32_copy_of_the_sequence_is_saved_or_made():
             into.append(t)
             return t
 
-        with _Peak() as peak, torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        with LiveBytes() as peak, torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
             if sliced:
                 y = fp32_gated_residual(x, fp32_modulated_norm(norm, x, scale, shift, slice_bytes=SLICE), gate,
                                         slice_bytes=SLICE)

@@ -8,46 +8,18 @@ same clip once as text-to-video (one timestep per sample) and once as image-to-v
 step's peak: the planner's extra term must equal it. Tolerance: 2% of the term (other tensors of the I2V run that differ
 in size: the (B, N) fp32 timestep and its sinusoidal projection, (B, N, 256) fp32, are transients of the time
 embedding, gone at the backward's peak)."""
-import weakref
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from lowvram_lora.engine.families import meta_model, predict_velocity  # noqa: F401 - meta_model: the planner's path
 from lowvram_lora.engine.families.ltx2 import FAMILY
+from lowvram_lora.engine.testing import LiveBytes
 from lowvram_lora.engine.families.ltx2.i2v import example_first_frame
 from lowvram_lora.engine.families.ltx2.text import PROMPT_KEY
 from lowvram_lora.engine.offload.footprint import measure_footprint, per_token_timestep
 from lowvram_lora.engine.offload.plan import Workload, token_modulation_bytes
 
 TINY, TINY_I2V = FAMILY.tiny_variant, "ltx2-tiny-i2v"
-
-
-class LiveBytes(TorchDispatchMode):
-    """The peak of bytes held by storages the ops made (inputs and parameters made outside are not counted)."""
-
-    def __init__(self):
-        super().__init__()
-        self.live, self.peak, self.seen = 0, 0, set()
-
-    def _free(self, key, nbytes):
-        self.live -= nbytes
-        self.seen.discard(key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key = id(storage)
-                if key not in self.seen and storage.nbytes():
-                    self.seen.add(key)
-                    self.live += storage.nbytes()
-                    weakref.finalize(storage, self._free, key, storage.nbytes())
-        self.peak = max(self.peak, self.live)
-        return out
 
 
 def measured_peak(model, latents, embeds, sigma) -> int:

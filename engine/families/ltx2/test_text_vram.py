@@ -7,45 +7,17 @@ accumulators and masks only: the fold's temporaries and the connectors' activati
 Measured, not declared: the projection folds host hidden states and runs the connectors with the meta device as the
 encoding device (shapes without values; host tensors stay on the CPU), and a TorchDispatchMode tracks every meta
 storage the ops make while it lives: the device's allocations. Exact byte counts, no tolerance."""
-import weakref
-
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from lowvram_lora.engine.caching.encoders.gemma_connectors import _Projection
 from lowvram_lora.engine.families.ltx2 import FAMILY
+from lowvram_lora.engine.testing import LiveBytes
 from lowvram_lora.engine.families.ltx2.comfy_files import connectors_config
 
 LENGTH = FAMILY.text_encoder_specs(FAMILY.tiny_variant)[0].max_length
 DTYPE = torch.bfloat16  # what the encoder runs in on a GPU
 #: LTX-2.3's numbers of hidden states and connector blocks on the tiny widths.
 FULL_DEPTH = {"text_proj_in_factor": 49, "video_connector_num_layers": 8, "audio_connector_num_layers": 8}
-
-
-class DeviceBytes(TorchDispatchMode):
-    """The peak of bytes held at once by storages the ops made on ``device``."""
-
-    def __init__(self, device: str):
-        super().__init__()
-        self.device, self.live, self.peak, self.seen = device, 0, 0, set()
-
-    def _free(self, key, nbytes):
-        self.live -= nbytes
-        self.seen.discard(key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type == self.device:
-                storage = t.untyped_storage()
-                key = id(storage)
-                if key not in self.seen and storage.nbytes():
-                    self.seen.add(key)
-                    self.live += storage.nbytes()
-                    weakref.finalize(storage, self._free, key, storage.nbytes())
-        self.peak = max(self.peak, self.live)
-        return out
 
 
 def _connectors(overrides: dict):
@@ -67,7 +39,7 @@ def device_peak(overrides: dict, captions: int) -> int:
     width = config["video_hidden_dim"] + config["audio_hidden_dim"]
     # The blocks' weights read from the module where the encoder reads them from their file.
     proj = _Projection(connectors, connectors.get_parameter, count, hidden, torch.device("meta"))
-    with torch.no_grad(), DeviceBytes("meta") as mode:
+    with torch.no_grad(), LiveBytes("meta") as mode:
         proj.start(mask)
         for k, h in enumerate(states):
             proj.fold(k, h)
