@@ -30,11 +30,18 @@ OVERRIDES = [(2, "resolution=128"), (2, "sample_prompts=ohwx, a red circle"), (4
              (4, "warmup_steps=0"), (4, "sample_every=8"), (4, "sample_resolution=64"), (4, "sample_steps=2"),
              (4, "sample_frames=5")]
 
+def _one_text_file(t) -> bool:
+    """One text-encoder file, or a second that is an image encoder ComfyUI keeps in clip_vision (Wan 2.1 I2V's
+    clip_vision_h, which the family fixtures write beside umT5)."""
+    second = t.cache.get("text_encoder_2")
+    return second is None or t.download_folders.get(second) == "clip_vision"
+
+
 #: LTX-2.3's templates (no VAE file: their all-in-one checkpoint bundles it; clips of 8k+1 frames, not the 5 above)
 #: run end to end in their own tests (engine/families/ltx2/test_family.py, test_i2v.py) and, in a real ComfyUI,
 #: through tests/comfyui/ltx2_comfy_run.py.
 SINGLE_TE = [pytest.param(f.id, t, id=t.name) for f in families().values() for t in family_templates(f)
-             if t.cache.get("text_encoders") == "(single files below)" and "text_encoder_2" not in t.cache
+             if t.cache.get("text_encoders") == "(single files below)" and _one_text_file(t)
              and "vae_file" in t.cache and t.split is None]
 #: Edit templates of Flux.1 (two text-encoder files): Kontext's pairs end to end as well.
 SINGLE_TE += [pytest.param(f.id, t, id=t.name) for f in families().values() for t in family_templates(f)

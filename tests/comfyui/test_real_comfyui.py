@@ -486,11 +486,18 @@ def test_single_file_text_encoders_find_comfyuis_bundled_tokenizers(comfy):
     assert found["qwen25_tokenizer"][1] == [64, 6548]  # Qwen2.5's BPE: no BOS, no EOS
 
 
+def _one_text_file(t) -> bool:
+    """One text-encoder file, or a second that is an image encoder ComfyUI keeps in clip_vision (Wan 2.1 I2V's
+    clip_vision_h, which the family fixtures write beside umT5)."""
+    second = t.cache.get("text_encoder_2")
+    return second is None or t.download_folders.get(second) == "clip_vision"
+
+
 #: Templates whose Cache Text Embeds reads one text-encoder single file: the family fixtures write every file
 #: they name (as tests/test_family_workflows.py does), so each runs end to end on its tiny model.
 #: LTX-2.3's (no VAE file: the all-in-one checkpoint bundles it) run through tests/comfyui/ltx2_comfy_run.py.
 SINGLE_FILE = [pytest.param(t, id=name) for name, t in shipped().items()
-               if t.cache.get("text_encoders") == "(single files below)" and "text_encoder_2" not in t.cache
+               if t.cache.get("text_encoders") == "(single files below)" and _one_text_file(t)
                and "vae_file" in t.cache and t.split is None]
 #: Flux.1 Kontext (two text-encoder files, clip_l and t5xxl, each with its tiny tokenizer in its companion folder,
 #: which wins over ComfyUI's bundled one), as tests/test_family_workflows.py runs it too.
