@@ -269,14 +269,15 @@ def _meta_footprint(family_id: str, variant: str):
     return measure_footprint(model, family, variant, 0)
 
 
-# Wan's request (``hidden.float() + attn * gate``, one fp32 B*T*D) no longer exists since its parts' fp32 norms and
-# residuals run in token slices (engine/families/fp32_chunks.py); its margin is refit on the runs that trained at an
-# 8 GB cap after that (engine/families/wan/test_parts.py).
-@pytest.mark.parametrize("family_id", sorted(set(RUNS_2026_11_28) - {"wan"}))
+@pytest.mark.parametrize("family_id", sorted(RUNS_2026_11_28))
 def test_the_margin_covers_the_holes_of_the_runs_that_failed(family_id):
+    """Wan's request (``hidden.float() + attn * gate``, one fp32 B*T*D) is made by blocks that run whole; in parts
+    their fp32 norms and residuals run in token slices (engine/families/fp32_chunks.py), and the parts' own factor is
+    refit on the runs that trained at an 8 GB cap (engine/families/wan/test_parts.py). So for Wan: the plan with the
+    blocks whole."""
     variant, workload, chunks, request, allocated, holes, predicted = RUNS_2026_11_28[family_id]
     fp = _meta_footprint(family_id, variant)
-    plan = build_plan(fp, workload, [], 1, True, recompute_chunks=chunks)
+    plan = build_plan(fp, workload, [], 1, True, recompute_chunks=chunks, offload_parts=family_id != "wan")
     # The plan's largest tensor is the one the run asked for (Wan's: one fp32 B*T*D, two bf16 ones).
     assert abs(plan.largest_tensor_bytes - request) <= 0.06 * request, (plan.largest_tensor_bytes / MiB, request / MiB)
     need = allocated + request + holes - predicted  # what the run needed beyond the predicted peak

@@ -35,6 +35,8 @@ SLICE_BYTES = 128 << 20
 def _slices(x: torch.Tensor, slice_bytes: int) -> list[slice]:
     """Token slices of (B, S, D) ``x`` whose fp32 copy is at most ``slice_bytes`` each (at least one token)."""
     b, s, d = x.shape
+    if s == 0:
+        return []
     per = max(1, slice_bytes // max(1, b * d * 4))
     n = math.ceil(s / per)
     step = math.ceil(s / n)
@@ -43,7 +45,7 @@ def _slices(x: torch.Tensor, slice_bytes: int) -> list[slice]:
 
 def _tok(v: torch.Tensor | None, sl: slice) -> torch.Tensor | None:
     """A modulation vector's rows for a token slice: (B, 1, D) is shared by every token, (B, S, D) is per token."""
-    if v is None or v.shape[1] == 1:
+    if v is None or v.dim() != 3 or v.shape[1] == 1:
         return v
     return v[:, sl]
 
@@ -90,6 +92,8 @@ class _GatedResidual(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (gate,) = ctx.saved_tensors
+        if not ctx.needs_input_grad[1]:
+            return grad, None, None, None
         # d/dh: the bf16 -> fp32 casts around the sum pass the gradient through unchanged (exactly: bf16 is a subset
         # of fp32). d/dout: grad (fp32) x gate, cast to out's dtype, as autograd's mul and cast backward make it.
         grad_out = torch.empty(grad.shape, dtype=ctx.out_dtype, device=grad.device)

@@ -59,7 +59,7 @@ def measure_footprint(model: nn.Module, family, name: str = "",
         # its blocks can be read from the file (the disk tier).
         file_backed=slab_source_of(model) is not None, disk_capable=slab_source_of(model) is not None,
         widest_features=max((widest_token_linear(family, n, b) for n, b in blocks), default=0),
-        fragmentation=family.memory.fragmentation,
+        fragmentation=family.memory.fragmentation, parts_fragmentation=family.memory.parts_fragmentation,
         token_modulation=family.memory.token_modulation(dict(model.config)),
     )
 

@@ -146,6 +146,8 @@ class ModelFootprint:
     # The allocator's unusable holes at the cap, in units of that tensor (``MemoryProfile.fragmentation``, measured
     # per family; 0: HEADROOM_BYTES covers them).
     fragmentation: float = 0.0
+    # The same while blocks stream in parts (``MemoryProfile.parts_fragmentation``); None: ``fragmentation``.
+    parts_fragmentation: Optional[float] = None
     # At least this much kept free, where a run asked for more than the family's measure (``OffloadConfig``'s
     # ``allocator_margin_gb``, set after an out-of-memory that named the holes: ``oom_margin_advice``). 0: none.
     margin_floor_bytes: int = 0
@@ -170,8 +172,9 @@ class ModelFootprint:
         family with its own ``compiled_activation_scale`` takes that times its eager chunked working set instead of
         Flux.1's compiled line (where the compile saves nothing for it)."""
         scale = self.working_set_scale(split, chunks)
-        line = 1 if not self.parts_chunked and self.in_parts(split) else chunks  # no chunk reaches the largest part
-        if chunks > 1 and compiled_budget < 1.0 and self.compiled_activation_scale is not None:
+        flat = not self.parts_chunked and self.in_parts(split)  # no chunk reaches the largest part
+        line = 1 if flat else chunks
+        if (chunks > 1 or flat) and compiled_budget < 1.0 and self.compiled_activation_scale is not None:
             return self.compiled_activation_scale * scale * transient_units(line)
         return scale * transient_units(line, compiled_budget)
 
@@ -280,8 +283,15 @@ class Plan:
     @property
     def margin_bytes(self) -> int:
         """What the plan keeps free under its budget for the allocator (``allocator_margin``)."""
-        return max(allocator_margin(self.largest_tensor_bytes, self.footprint.fragmentation),
-                   self.footprint.margin_floor_bytes)
+        return max(allocator_margin(self.largest_tensor_bytes, self.fragmentation), self.footprint.margin_floor_bytes)
+
+    @property
+    def fragmentation(self) -> float:
+        """The family's allocator factor for this plan: its own for blocks in parts where every block that has parts
+        streams in them (``ModelFootprint.parts_fragmentation``), else the whole blocks'."""
+        fp = self.footprint
+        parts = fp.parts_fragmentation is not None and fp.in_parts(self.split_blocks)
+        return fp.parts_fragmentation if parts else fp.fragmentation
 
     @property
     def split_blocks(self) -> list[int]:
@@ -334,7 +344,7 @@ class Plan:
         if self.modulation_bytes:
             parts += f"; of the activations, {self.modulation_bytes / GB:.2f} GB of per-token modulation"
         why = ("allocator_margin_gb" if self.margin_bytes == fp.margin_floor_bytes else
-               f"the largest tensor {self.largest_tensor_bytes / GB:.2f} GB x {fp.fragmentation:g}")
+               f"the largest tensor {self.largest_tensor_bytes / GB:.2f} GB x {self.fragmentation:g}")
         margin = (f"; {self.margin_bytes / GB:.2f} GB kept free for the allocator's fragmentation ({why})"
                   if self.budget_bytes and self.margin_bytes > HEADROOM_BYTES else "")
         lines.append(f"  predicted peak {self.predicted_peak_bytes / GB:.2f} GB{budget} ({parts}){margin}")

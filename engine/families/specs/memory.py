@@ -87,6 +87,9 @@ class MemoryProfile:
     #: and Qwen-Image trained in it under the cap, 2026-11-27; unmeasured families stay there until a capped row says
     #: more).
     fragmentation: float = 0.0
+    #: The same while its blocks stream in parts (``block_parts``), where the parts' own arithmetic makes other
+    #: requests than the whole block's (Wan: no fp32 copy of the sequence, ``fp32_chunks.py``). None: ``fragmentation``.
+    parts_fragmentation: float | None = None
     #: ``install_chunked_recompute`` does something (token-wise parts in checkpointed chunks).
     chunked_recompute: bool = False
     #: Config keys whose product is the transformer's width (``hidden_size``): heads x head dim by default.

@@ -213,16 +213,20 @@ class WanFamily(ModelFamily):
         int8_extra_linears=("condition_embedder.time_proj", "condition_embedder.text_embedder.linear_1",
                             "condition_embedder.text_embedder.linear_2"),
         chunked_recompute=True,  # install_chunked_recompute: the FFN in token chunks
-        # The allocator's holes at an 8 GB cap. Until 2026-11-28 the step's largest request was the self-attention
-        # part's fp32 residual, ``hidden.float() + attn * gate`` (640 MiB at 832x480x81): Wan 2.2 A14B, 40 of 40 blocks
-        # streamed, 9 token chunks, ran out of memory asking for it with 0.49-1.24 GiB unusable (2xH200 2026-11-27,
+        # The allocator's holes at an 8 GB cap, whole blocks: the step's largest request is the fp32 residual,
+        # ``hidden.float() + attn * gate`` (640 MiB at 832x480x81): Wan 2.2 A14B, 40 of 40 blocks streamed, 9 token
+        # chunks, ran out of memory asking for it with 0.49-1.24 GiB unusable (2xH200 2026-11-27,
         # bench/logs/experts_wan_oom_session5.log; 2xH100 2026-11-28, bench/logs/experts_wan_oom_session7_h100x2.log):
-        # 2.12x the plan's largest tensor (0.67 GB) beyond the predicted peak, so 2.2. Since the parts' fp32 norms and
-        # residuals run in token slices (``parts.py``, ``fp32_chunks.py``) that request is gone. Refit on 2xH200,
-        # 2026-11-28 (bench/logs/issue39_wan_i2v_8gb_session10_h200x2.log): at an 8.0 GB cap, Wan 2.2 I2V-A14B (a
-        # 0.95 GB margin, 1.4x) and Wan 2.1 I2V 14B (0.82 GB, 1.2x) trained 40 streamed blocks in parts, peak 6.67 /
-        # 6.84 GB allocated, 7.54 / 7.99 GB reserved. 1.4: the larger margin that ran.
-        fragmentation=1.4,
+        # 2.12x the plan's largest tensor (0.67 GB) beyond the predicted peak (tests/test_plan_margin.py). Blocks that
+        # run whole (partial or no activation offload) still make that request.
+        fragmentation=2.2,
+        # Blocks in parts: their fp32 norms and residuals run in token slices (``parts.py``, ``fp32_chunks.py``), so
+        # that request is gone. Refit on 2xH200, 2026-11-28 (bench/logs/issue39_wan_i2v_8gb_session10_h200x2.log): at
+        # an 8.0 GB cap, Wan 2.2 I2V-A14B (a 0.95 GB margin, 1.4x) and Wan 2.1 I2V 14B (0.82 GB, 1.2x) trained 40
+        # streamed blocks in parts, peak 6.67 / 6.84 GB allocated, 7.54 / 7.99 GB reserved; then at ``auto`` 8 GB with
+        # 1.4 (bench/logs/issue39_wan_i2v_auto8_session10_h200x2.log): 6.56 / 6.84 GB allocated, 7.88 / 7.91 GB
+        # reserved. 1.4: the larger margin that ran; thin (Wan 2.1 I2V reserved 7.99 of 8.0 GB at 1.2).
+        parts_fragmentation=1.4,
         # Blocks in parts (``block_parts``): the largest part is self-attention (its norm, q/k/v and their norms, the
         # unchunked attention's backward), which no token chunk reaches, so the working set is the same at any number
         # of chunks (``parts_chunked=False``). Measured on 2xH200, 2026-11-28 (the log above), 832x480x81 with the fp32
