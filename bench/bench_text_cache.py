@@ -385,6 +385,8 @@ def main(argv=None) -> int:
           "captions": args.captions, "max_length": max_length, "wall_s": round(wall, 2),
           "peak_alloc_gb": round(torch.cuda.max_memory_allocated(device) / GB, 3) if cuda else None,
           "peak_reserved_gb": round(torch.cuda.max_memory_reserved(device) / GB, 3) if cuda else None,
+          # host_ram_gb / pinned_gb: the names every bench row uses (RssAnon + RssShmem at its peak; page-locked).
+          "host_ram_gb": ram["host_peak_gb"], "pinned_gb": ram["host_locked_peak_gb"],
           "host_rss_gb": round(_rss_gb(), 2), "host_unreclaimable_peak_gb": ram["host_peak_gb"],
           "host_locked_peak_gb": ram["host_locked_peak_gb"],
           "embed_shape": list(out[0].shape), "embed_finite": all(bool(o.isfinite().all()) for o in out),

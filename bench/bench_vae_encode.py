@@ -114,6 +114,7 @@ def main(argv=None) -> int:
           "first_clip_s": round(times[0], 3),
           "peak_alloc_gb": round(peak, 3) if peak is not None else None,
           "peak_reserved_gb": round(reserved, 3) if reserved is not None else None,
+          "host_ram_gb": ram["host_peak_gb"], "pinned_gb": ram["host_locked_peak_gb"],  # the rows' common names
           "host_rss_gb": round(ram["host_rss_peak_gb"], 2), "host_unreclaimable_peak_gb": ram["host_peak_gb"],
           "latent_shape": list(latents[0].shape), "command": _command(), "note": args.note})
     return 0
