@@ -1,7 +1,7 @@
 """A block's fp32 token-wise arithmetic in token chunks: the modulated norm and the gated residual.
 
-Why: DiT blocks (diffusers' Wan, and the same shape in Flux, Qwen-Image, LTX-2) run their norms and residual sums in
-fp32 on the whole sequence: ``(norm(h.float()) * (1 + scale) + shift).type_as(h)`` and
+Why: Wan's blocks (diffusers' ``WanTransformerBlock``; the other families' blocks in diffusers keep these in bf16) run
+their norms and residual sums in fp32 on the whole sequence: ``(norm(h.float()) * (1 + scale) + shift).type_as(h)`` and
 ``(h.float() + out * gate).type_as(h)``. At Wan 14B's 832x480x81 (32,760 tokens, width 5120) each fp32 copy is
 671 MB, twice a bf16 hidden state. Autograd keeps the norm's fp32 input for the backward, and the backward of both
 makes fp32 gradients of the same size (the cast, the sum, the product) before casting them back to bf16. These are
@@ -43,6 +43,14 @@ def _slices(x: torch.Tensor, slice_bytes: int) -> list[slice]:
     return [slice(i, min(s, i + step)) for i in range(0, s, step)]
 
 
+def _sliced(like: torch.Tensor, slice_bytes: int, rows, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A tensor shaped as (B, S, D) ``like`` whose token slices are ``rows(slice)``, made one slice at a time."""
+    out = torch.empty(like.shape, dtype=dtype or like.dtype, device=like.device)
+    for sl in _slices(like, slice_bytes):
+        out[:, sl] = rows(sl)
+    return out
+
+
 def _tok(v: torch.Tensor | None, sl: slice) -> torch.Tensor | None:
     """A modulation vector's rows for a token slice: (B, 1, D) is shared by every token, (B, S, D) is per token."""
     if v is None or v.dim() != 3 or v.shape[1] == 1:
@@ -60,34 +68,29 @@ def _modulated(norm: nn.Module, h: torch.Tensor, scale, shift) -> torch.Tensor:
 class _ModulatedNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, scale, shift, norm, slice_bytes):
-        out = torch.empty_like(h)
-        for sl in _slices(h, slice_bytes):
-            out[:, sl] = _modulated(norm, h[:, sl], _tok(scale, sl), _tok(shift, sl)).to(h.dtype)
         ctx.save_for_backward(h, scale, shift)
         ctx.norm, ctx.slice_bytes = norm, slice_bytes
-        return out
+        return _sliced(h, slice_bytes, lambda sl: _modulated(norm, h[:, sl], _tok(scale, sl), _tok(shift, sl)))
 
     @staticmethod
     def backward(ctx, grad):
         h, scale, shift = ctx.saved_tensors
-        grad_h = torch.empty_like(h)
-        for sl in _slices(h, ctx.slice_bytes):
+
+        def grad_rows(sl):
             with torch.enable_grad():
                 x = h[:, sl].detach().requires_grad_(True)
                 y = _modulated(ctx.norm, x, _tok(scale, sl), _tok(shift, sl)).to(h.dtype)
-                grad_h[:, sl] = torch.autograd.grad(y, x, grad[:, sl])[0]
-        return grad_h, None, None, None, None
+                return torch.autograd.grad(y, x, grad[:, sl])[0]
+
+        return _sliced(h, ctx.slice_bytes, grad_rows), None, None, None, None
 
 
 class _GatedResidual(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, out, gate, slice_bytes):
-        res = torch.empty_like(h)
-        for sl in _slices(h, slice_bytes):
-            res[:, sl] = (h[:, sl].float() + out[:, sl].float() * _tok(gate, sl)).to(h.dtype)
         ctx.save_for_backward(gate)
         ctx.out_dtype, ctx.slice_bytes = out.dtype, slice_bytes
-        return res
+        return _sliced(h, slice_bytes, lambda sl: h[:, sl].float() + out[:, sl].float() * _tok(gate, sl))
 
     @staticmethod
     def backward(ctx, grad):
@@ -96,10 +99,8 @@ class _GatedResidual(torch.autograd.Function):
             return grad, None, None, None
         # d/dh: the bf16 -> fp32 casts around the sum pass the gradient through unchanged (exactly: bf16 is a subset
         # of fp32). d/dout: grad (fp32) x gate, cast to out's dtype, as autograd's mul and cast backward make it.
-        grad_out = torch.empty(grad.shape, dtype=ctx.out_dtype, device=grad.device)
-        for sl in _slices(grad, ctx.slice_bytes):
-            grad_out[:, sl] = (grad[:, sl].float() * _tok(gate, sl)).to(ctx.out_dtype)
-        return grad, grad_out, None, None
+        return grad, _sliced(grad, ctx.slice_bytes, lambda sl: grad[:, sl].float() * _tok(gate, sl),
+                             ctx.out_dtype), None, None
 
 
 def _trained(*tensors) -> bool:

@@ -168,8 +168,9 @@ class ModelFootprint:
 
     def working_set_units(self, split, chunks: int = 1, compiled_budget: float = 1.0) -> float:
         """One block's recompute + backward working set in B*T*D units: the fitted line (``transient_units``) times
-        the family's factor (``working_set_scale``). Compiled below an activation-memory budget of 1 in chunks, a
-        family with its own ``compiled_activation_scale`` takes that times its eager chunked working set instead of
+        the family's factor (``working_set_scale``); the unchunked line for blocks in parts where no chunk reaches the
+        largest part (``parts_chunked``). Compiled below an activation-memory budget of 1 (in chunks, or in such
+        parts), a family with its own ``compiled_activation_scale`` takes that times its eager working set instead of
         Flux.1's compiled line (where the compile saves nothing for it)."""
         scale = self.working_set_scale(split, chunks)
         flat = not self.parts_chunked and self.in_parts(split)  # no chunk reaches the largest part

@@ -251,8 +251,9 @@ class _Projection:
     temporaries, and in ``finish`` one connector block (400 MB) beside the group's projected rows. The connectors
     (3.2B parameters) are not moved there: the projections' weights stay on the host, regrouped by state once
     (``W[:, k::K]`` contiguous: a per-fold copy of a strided slice would read the whole matrix 49 times a group); the
-    blocks' stay in their file, each read and copied to the device once a group. The chunking changes no element's
-    arithmetic (the same ops, fp32 sums in k order); only the matmuls' batch is a chunk of captions, not the group."""
+    blocks' stay in their file, each read and copied to the device once a group. The chunking keeps each element's
+    ops and their order (fp32 sums in k order); only the matmuls' batch is a chunk of captions, not the group (equal
+    on the CPU; a GPU's matmul kernel may round the last bit differently for another batch)."""
 
     def __init__(self, connectors, read, count: int, hidden: int, device, chunk: int = _CHUNK):
         """``read(name)``: the connectors' tensor ``name`` on the host (``_connectors_from``; the blocks' are read
@@ -331,12 +332,13 @@ def _block_major(connectors, name: str, read, states: list[torch.Tensor], masks:
             states[i], masks[i] = functional_call(connector, registers, (x, masks[i]))
     finally:
         connector.transformer_blocks, connector.norm_out = blocks, norm
+    # As forward makes it, once per chunk shape (the chunks share one but the last): not per block and chunk.
+    ropes = {x.shape[:2]: connector.rope(x.shape[0], x.shape[1], device=x.device) for x in states}
     for b, block in enumerate(blocks):
         params = {n: read(f"{name}.transformer_blocks.{b}.{n}").to(device) for n, _ in block.named_parameters()}
         params.update({n: t.to(device) for n, t in block.named_buffers()})
         for i, x in enumerate(states):
-            rope = connector.rope(x.shape[0], x.shape[1], device=x.device)
-            states[i] = functional_call(block, params, (x,), {"attention_mask": masks[i], "rotary_emb": rope})
+            states[i] = functional_call(block, params, (x,), {"attention_mask": masks[i], "rotary_emb": ropes[x.shape[:2]]})
         del params
     params = on_device(norm)
     for i, x in enumerate(states):
