@@ -218,7 +218,10 @@ def run_child(args, kind: str, extra: list[str], cgroup: Path | None) -> dict:
     result.update(returncode=proc.returncode, peak_host_gb=round(peaks["host"] / GB, 3),
                   peak_rss_gb=round(peaks["rss"] / GB, 3), peak_file_gb=round(peaks["file"] / GB, 3),
                   peak_locked_gb=round(peaks["locked"] / GB, 3))
-    result.update(host_ram_gb=result["peak_host_gb"], pinned_gb=result["peak_locked_gb"])  # the rows' common names
+    # The rows' common names. CUDA's pinned host memory (cudaHostAlloc) shows in neither VmLck nor VmPin, so the
+    # streamer's own count of what it pinned stands beside the kernel's locked pages.
+    result.update(host_ram_gb=result["peak_host_gb"],
+                  pinned_gb=max(result["peak_locked_gb"], (result.get("stats") or {}).get("pinned_gb", 0.0)))
     if cgroup is not None:
         for name in ("memory.peak", "memory.events"):
             try:
