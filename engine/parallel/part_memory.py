@@ -11,6 +11,9 @@ inputs as it reaches them. A split part breaks both assumptions:
   holds there. Measured on 2x H200 (2026-11-27, bench/logs/parallel_flux*_pipeline_session5.log), the first part
   peaked 1.02 GB (Flux.2-dev int8, 12.31 GB) and 1.70 GB (Flux.1-dev bf16, 12.96 GB) above the turn's prediction,
   past its 12 GB budget; the ring's size at the double blocks against at the turn accounts for 0.83 and 1.44 GB of it.
+* Interleaved (virtual stages), a part holds the inputs of every chunk pass in flight (``held_blocks`` over the
+  interleaved schedule: at v = 2, M = 4 the first part five half-size passes, 2.5 micro-batches' worth) and, per
+  further chunk, a crossing tensor and gradient (``CROSSING_UNITS_PER_CHUNK``).
 * The first part also runs the head (the final norm and projection, with the embedders on the first GPU) for the
   micro-batch the second part has in flight, and holds the tensor at the cut and the gradient that crosses back:
   ``HEAD_AND_CROSSING_UNITS`` more while pipelined.

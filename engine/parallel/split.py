@@ -31,6 +31,12 @@ one with the shortest predicted step (balanced time: compute and streaming per p
 fewest bytes. The first part holds two micro-batches' block inputs at once (the warm-up
 forward and the one in flight), planned inside its budget, and keeps them on the GPU.
 
+Interleaved (``virtual_stages`` v > 1): the blocks in 2v chunks, chunk c on device c % 2, each device's part its
+chunks' blocks (one plan and one streamer per device, under its budget); the step is the interleaved schedule's
+makespan, each chunk's op its share of its part's time by FLOPs, one crossing per cut; the cuts are swept over the
+first device's share of the FLOPs for the shortest predicted step; the chunk passes each device holds at once
+(Megatron's warm-up: more than two micro-batches' worth on the first) are counted in its peak.
+
 Each part's peak is counted over the whole step (engine/parallel/part_memory.py: the ring at its
 large blocks with the inputs held then, the head and the crossing), and a part whose whole-step
 peak passes its budget is planned again inside it: the one-GPU formula's peak at the turn put the
@@ -494,6 +500,8 @@ class SplitHandle:
 
     def stats(self) -> dict:
         out = {"cut": self.plan.cut, "parts": [h.stats() for h in self.handles]}
+        if self.plan.chunks > 1:
+            out["cuts"] = list(self.plan.cuts)
         if self.pipeline is not None:
             out.update(peer_bytes_copied=self.pipeline.copies.bytes,
                        pipelined_micro_batches=self.pipeline.micro_batches_run)
@@ -520,11 +528,13 @@ def apply_split(model: nn.Module, family, plan: SplitPlan, offload: OffloadConfi
     from ..offload.host import step_constant_tensors
     from ..offload.streamer import apply_offload
 
-    if plan.chunks > 1:
-        raise ConfigError(f"Dual-GPU Split virtual_stages={plan.chunks}: the interleaved runner is not built yet; set "
-                          f"virtual_stages to 1")
     blocks = named_blocks(model, family)
-    parts = (blocks[:plan.cut], blocks[plan.cut:])
+    # Each device's part: its chunks' blocks in execution order (one range each unless interleaved), one streamer
+    # and one plan per device: the scheduler indexes the part's blocks 0..n-1 whatever their places in the model, and
+    # a micro-batch visits them in that order forward and back, as its cycle expects (the interleaved order between
+    # micro-batches is what it resyncs to, as with one chunk each).
+    chunk_of = {id(b): c for c, r in enumerate(plan.chunk_ranges) for i in r for b in [blocks[i][1]]}
+    parts = tuple([blocks[i] for c, r in enumerate(plan.chunk_ranges) if c % 2 == d for i in r] for d in (0, 1))
     dev0, dev1 = plan.devices
     block_ids = {id(b) for _, b in blocks}
     # Everything outside the blocks (and its LoRA, if any) lives on the first device.
@@ -554,8 +564,9 @@ def apply_split(model: nn.Module, family, plan: SplitPlan, offload: OffloadConfi
     if plan.micro_batches > 1:
         from .pipeline import PipelineRunner
 
-        pipeline = PipelineRunner(plan.devices, {id(b) for _, b in parts[1]},
-                                  {id(m) for _, b in parts[1] for m in b.modules()}, plan.batches_per_pipeline)
+        pipeline = PipelineRunner(plan.devices, chunk_of, {id(m): d for d, part in enumerate(parts) for _, b in part
+                                                          for m in b.modules()},
+                                  plan.batches_per_pipeline, plan.chunks)
     hooks = []
     for part, dev in zip(parts, plan.devices):
         for _, block in part:
