@@ -3,7 +3,7 @@ stage's ops, their dependency order, the makespan against the closed form, and w
 import pytest
 
 from lowvram_lora.engine.parallel.one_f_one_b import (
-    ScheduleError, bound, chunk_of, dependencies, held_blocks, in_flight, makespan, schedule,
+    ScheduleError, bound, chunk_of, dependencies, held_blocks, in_flight, makespan, runnable_schedule, schedule,
 )
 
 
@@ -104,3 +104,22 @@ def test_refusals_name_the_fix():
     with pytest.raises(ScheduleError, match="must be >= 1"):
         schedule(4, 2, 0)
     assert schedule(2, 2, 2)[0][:4] == (("F", 0, 0), ("F", 1, 0), ("F", 0, 2), ("F", 1, 2))  # M == S: forwards first
+
+
+def test_a_smaller_batch_runs_its_odd_pieces_too():
+    """A batch in fewer pieces than planned (an odd count): the even part interleaved, the rest one at a time after
+    it; every op once, in dependency order, one more chunk pass at most in flight."""
+    for chunks in (2, 3):
+        for m in range(1, 10):
+            plan = runnable_schedule(m, 2, chunks)
+            if m % 2 == 0:
+                assert plan == schedule(m, 2, chunks)
+            for s, ops in enumerate(plan):
+                mine = [c for c in range(2 * chunks) if c % 2 == s]
+                assert sorted(ops) == sorted((kind, k, c) for kind in "FB" for k in range(m) for c in mine)
+                even = m - m % 2
+                assert in_flight(ops) <= (in_flight(schedule(even, 2, chunks)[s]) if even else 0) + chunks
+            _replay(plan, 2, chunks)
+            assert makespan(plan, lambda s, op: 1.0) > 0
+    assert runnable_schedule(3, 2, 1) == schedule(3)  # not interleaved: any count, as before
+    assert runnable_schedule(3, 2, 2)[0][-4:] == (("F", 2, 0), ("F", 2, 2), ("B", 2, 2), ("B", 2, 0))

@@ -10,7 +10,7 @@ from lowvram_lora.engine.offload import OffloadConfig, Workload
 from lowvram_lora.engine.offload.plan import GB, SAVED_INPUT_UNITS, ModelFootprint
 from lowvram_lora.engine.offload.steptime import Machine, peak_flops_for
 from lowvram_lora.engine.parallel import ParallelConfig
-from lowvram_lora.engine.parallel.one_f_one_b import bound, held_blocks, schedule
+from lowvram_lora.engine.parallel.one_f_one_b import bound, held_blocks, runnable_schedule, schedule
 from lowvram_lora.engine.parallel.split import chunk_shares, part_footprints, pipelined_step_s, plan_split
 
 GPUS = (torch.device("cuda:0"), torch.device("cuda:1"))
@@ -165,17 +165,18 @@ def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("family_id, blocks, v, stream", [
-    ("flux1", dict(num_layers=2, num_single_layers=3), 2, False),
-    ("flux1", dict(num_layers=2, num_single_layers=4), 3, True),  # both parts streamed, each its two ranges
-    ("flux2", dict(num_layers=2, num_single_layers=2), 2, False),
-    ("qwen_image", dict(num_layers=4), 2, False),
-    ("wan", dict(num_layers=4), 2, True),
+@pytest.mark.parametrize("family_id, blocks, v, stream, n", [
+    ("flux1", dict(num_layers=2, num_single_layers=3), 2, False, 4),
+    ("flux1", dict(num_layers=2, num_single_layers=4), 3, True, 4),  # both parts streamed, each its chunks' ranges
+    ("flux1", dict(num_layers=2, num_single_layers=2), 2, False, 3),  # a smaller batch: an odd count of pieces
+    ("flux2", dict(num_layers=2, num_single_layers=2), 2, False, 4),
+    ("qwen_image", dict(num_layers=4), 2, False, 4),
+    ("wan", dict(num_layers=4), 2, True, 4),
 ])
-def test_interleaved_gradients_equal_one_device(family_id, blocks, v, stream):
-    """Four micro-batches through 2v chunks on cpu,cpu in the interleaved order give the one-device losses and LoRA
-    gradients (rtol 1e-4), every chunk crossing as it would between two GPUs; each device ran its ops in the
-    schedule's order."""
+def test_interleaved_gradients_equal_one_device(family_id, blocks, v, stream, n):
+    """Four micro-batches (three: a smaller batch) through 2v chunks on cpu,cpu in the interleaved order give the
+    one-device losses and LoRA gradients (rtol 1e-4), every chunk crossing as it would between two GPUs; each device
+    ran its ops in the schedule's order."""
     import copy
 
     from lowvram_lora.engine.offload.footprint import measure_footprint
@@ -185,7 +186,7 @@ def test_interleaved_gradients_equal_one_device(family_id, blocks, v, stream):
     model, family = _tiny(family_id, blocks)
     reference = copy.deepcopy(model)
     ref_losses = []
-    for run in _pieces(reference, family):
+    for run in _pieces(reference, family, n):
         loss, _ = run()
         loss.backward()
         ref_losses.append(loss.item())
@@ -202,13 +203,13 @@ def test_interleaved_gradients_equal_one_device(family_id, blocks, v, stream):
         assert all(p.streamed for p in plan.plans) and not any(p.activation_offload for p in plan.plans)
     handle = apply_split(model, family, plan, offload, _engine_factory=InlineCopyEngine)
     try:
-        losses = handle.pipeline.run(_pieces(model, family))
-        assert tuple(handle.pipeline.last_order) == tuple(list(ops) for ops in schedule(4, 2, v))
+        losses = handle.pipeline.run(_pieces(model, family, n))
+        assert tuple(handle.pipeline.last_order) == tuple(list(ops) for ops in runnable_schedule(n, 2, v))
         stats = handle.stats()
         assert stats["cuts"] == list(plan.cuts)
         if stream:  # each part's streamer loaded its blocks for every chunk pass (both of its ranges)
             for part, part_plan in zip(stats["parts"], plan.plans):
-                assert part["visits"] >= 4 * part_plan.footprint.num_blocks and part["loads"] > 0
+                assert part["visits"] >= n * part_plan.footprint.num_blocks and part["loads"] > 0
     finally:
         handle.remove()
     assert [x.item() for x in losses] == pytest.approx(ref_losses, rel=1e-5)

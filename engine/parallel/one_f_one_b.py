@@ -83,6 +83,25 @@ def _interleaved(micro_batches: int, stages: int, chunks: int) -> tuple[tuple[Op
     return tuple(out)
 
 
+def runnable_schedule(micro_batches: int, stages: int = 2, chunks: int = 1) -> tuple[tuple[Op, ...], ...]:
+    """``schedule`` for any number of micro-batches: interleaved, the largest multiple of ``stages`` in the interleaved
+    order, then each remaining micro-batch on its own (forward through every chunk, then its backward), after the
+    rest. What the runner plays where a batch comes in fewer pieces than planned (a smaller last batch): the pieces
+    still give the step's gradient; the rest start once the interleaved part has drained, so no stage holds more
+    than the larger of that part's in-flight passes and one micro-batch's chunks."""
+    if chunks == 1 or micro_batches % stages == 0:
+        return schedule(micro_batches, stages, chunks)
+    whole = micro_batches - micro_batches % stages
+    head = schedule(whole, stages, chunks) if whole else ((),) * stages
+    out = []
+    for s in range(stages):
+        mine = [l * stages + s for l in range(chunks)]
+        tail = [op for k in range(whole, micro_batches)
+                for op in [("F", k, c) for c in mine] + [("B", k, c) for c in reversed(mine)]]
+        out.append(tuple(head[s]) + tuple(tail))
+    return tuple(out)
+
+
 def chunk_of(op: Op, stage: int) -> int:
     """The chunk an op runs: its third element, or (not interleaved) the stage's one chunk."""
     return op[2] if len(op) > 2 else stage

@@ -61,7 +61,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .one_f_one_b import Op, schedule
+from .one_f_one_b import Op, runnable_schedule
 
 #: How many blocks of the first part its thread may enqueue ahead of the GPU while a pipelined step runs.
 RUN_AHEAD_BLOCKS = 2
@@ -329,7 +329,7 @@ class PipelineRunner:
     def run(self, pieces: Sequence[Callable[[], tuple[torch.Tensor, torch.Tensor]]]) -> list[torch.Tensor]:
         """Forward and backward of each micro-batch (``pieces[k]()`` runs its forward and returns (the loss to
         backpropagate, the loss to report)); returns the reported losses, detached, in order."""
-        plan = schedule(len(pieces), 2, self.chunks)
+        plan = runnable_schedule(len(pieces), 2, self.chunks)  # a smaller batch's odd count of pieces too
         cond = threading.Condition()
         self.failed = None
         self._lanes = (_Lane(plan[0], cond, self), _Lane(plan[1], cond, self))
