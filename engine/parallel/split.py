@@ -58,7 +58,7 @@ from ..offload.config import OffloadConfig
 from ..offload.footprint import named_blocks
 from ..offload.plan import GB, ModelFootprint, Plan, Workload, make_plan
 from ..offload.steptime import ATTENTION_PASSES, LINEAR_PASSES, Machine, block_flops
-from .one_f_one_b import ScheduleError, bound, chunk_of, held_blocks, in_flight, makespan, schedule
+from .one_f_one_b import bound, chunk_of, held_blocks, in_flight, makespan, schedule
 from .part_memory import part_peak
 
 #: Times a part is planned again when its whole-step peak passes its budget (each lowers the budget it plans in).
