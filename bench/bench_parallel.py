@@ -17,6 +17,9 @@ then builds its own model for data parallel):
   the other);
 - ``pipeline``: the same split with ``micro_batches=--micro-batches``: each batch in that many pieces through the
   two parts in the 1F1B order, both GPUs at once (issue 42; skipped when --micro-batches is 1);
+- ``interleave``: the pipelined split with interleaved stages, ``virtual_stages=--virtual-stages`` (2 by default;
+  0: the planner's choice): each GPU holds that many chunks of blocks, not next to each other (issue 42; skipped when
+  --micro-batches is 1 or odd);
 - ``dp``: data parallel, one process per GPU, ``auto`` at ``--budget`` GB each.
 
 Every mode trains batches of ``--micro-batches`` images (1 by default), so their images/s compare; issue 42's
@@ -29,10 +32,16 @@ targets (pipelined split >= 1.8x one GPU at the same per-GPU budget):
         --variant flux1-dev --precision bf16 --budget 12 --micro-batches 4 --modes one split pipeline \
         --out "$OUT/results.jsonl"
 
+Interleaved stages against the plain pipeline at the same M (issue 42's 1.8x at M = 4: bound 1.78x at v = 2):
+
+    python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/bench_parallel.py --family flux2 \
+        --variant flux2-dev --precision int8 --budget 12 --micro-batches 4 --modes one pipeline interleave \
+        --virtual-stages 2 --out "$OUT/results.jsonl"
+
 A smoke test of this script on the CPU (a tiny model, both parts resident, no torchrun):
 
     python3 bench/bench_parallel.py --variant flux1-tiny --device cpu --res 128 --micro-batches 2 \
-        --modes one split pipeline --warmup 1 --timed 1 --out /tmp/parallel.jsonl
+        --modes one split pipeline interleave --warmup 1 --timed 1 --out /tmp/parallel.jsonl
 
 images/s = batch x world size / step s; scaling = dp images/s / (one images/s x world size).
 
@@ -77,6 +86,8 @@ def parse_args(argv=None):
     p.add_argument("--modes", nargs="+", default=["resident", "one", "split", "pipeline", "dp"])
     p.add_argument("--micro-batches", type=int, default=1,
                    help="images per batch in every mode, and the pipelined split's micro-batches (issue 42)")
+    p.add_argument("--virtual-stages", type=int, default=2,
+                   help="the interleave mode's chunks per GPU (Dual-GPU Split virtual_stages; 0: the planner's choice)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: a smoke test of the script on a tiny model (no dp)")
     p.add_argument("--warmup", type=int, default=2)
@@ -202,10 +213,12 @@ def main(argv=None) -> int:
         if predicted and row["step_s"]:  # issue 42: the split's prediction within 10% of the measured step
             row["predicted_step_s"] = predicted
             row["measured_over_predicted"] = round(row["step_s"] / predicted, 3)
-        if mode in ("split", "pipeline"):
+        if mode in ("split", "pipeline", "interleave"):
             row["peak_alloc_gb_per_gpu"] = settings.get("split_peak_vram_gb")
             row["micro_batches"] = (row["plan"] or {}).get("micro_batches")
             row["cut"] = (row["plan"] or {}).get("cut")
+            row["virtual_stages"] = (row["plan"] or {}).get("virtual_stages")
+            row["cuts"] = (row["plan"] or {}).get("cuts")
         elif mode == "dp":
             row["peak_alloc_gb_per_gpu"] = (settings.get("data_parallel") or {}).get("peak_vram_gb")
             row["weight_checksums"] = (settings.get("data_parallel") or {}).get("weight_checksums")
@@ -245,6 +258,10 @@ def main(argv=None) -> int:
             run("pipeline", model, family, dataset, OffloadConfig(mode="auto"),
                 split=ParallelConfig(mode="split", devices=pair, vram_budget_gb=(args.budget,),
                                      micro_batches=args.micro_batches))
+        if "interleave" in args.modes and two and args.micro_batches > 1 and args.micro_batches % 2 == 0:
+            run("interleave", model, family, dataset, OffloadConfig(mode="auto"),
+                split=ParallelConfig(mode="split", devices=pair, vram_budget_gb=(args.budget,),
+                                     micro_batches=args.micro_batches, virtual_stages=args.virtual_stages))
         dp_flag.touch()
     else:
         _wait_for(dp_flag)

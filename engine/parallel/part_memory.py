@@ -11,6 +11,9 @@ inputs as it reaches them. A split part breaks both assumptions:
   holds there. Measured on 2x H200 (2026-11-27, bench/logs/parallel_flux*_pipeline_session5.log), the first part
   peaked 1.02 GB (Flux.2-dev int8, 12.31 GB) and 1.70 GB (Flux.1-dev bf16, 12.96 GB) above the turn's prediction,
   past its 12 GB budget; the ring's size at the double blocks against at the turn accounts for 0.83 and 1.44 GB of it.
+* Interleaved (virtual stages), a part holds the inputs of every chunk pass in flight (``held_blocks`` over the
+  interleaved schedule: at v = 2, M = 4 the first part five half-size passes, 2.5 micro-batches' worth) and, per
+  further chunk, a crossing tensor and gradient (``CROSSING_UNITS_PER_CHUNK``).
 * The first part also runs the head (the final norm and projection, with the embedders on the first GPU) for the
   micro-batch the second part has in flight, and holds the tensor at the cut and the gradient that crosses back:
   ``HEAD_AND_CROSSING_UNITS`` more while pipelined.
@@ -31,6 +34,9 @@ from ..offload.schedule import BlockScheduler, RecordingCopyEngine
 #: takes it (1), and the head's tensors of the micro-batch the second part runs, between its forward and its backward
 #: (the final norm's input and output and the projection's input: 3; image tokens only, counted as a whole unit).
 HEAD_AND_CROSSING_UNITS = 5.0
+#: Interleaved (virtual stages), per further chunk of a part: the tensor that crosses in before its chunk's forward
+#: takes it and the gradient that crosses out before the earlier chunk's backward takes it (B*T*D units).
+CROSSING_UNITS_PER_CHUNK = 2.0
 
 
 def ring_by_visit(plan: Plan, steps: int = 3) -> list[tuple[int, bool, int]]:
@@ -55,11 +61,14 @@ def ring_by_visit(plan: Plan, steps: int = 3) -> list[tuple[int, bool, int]]:
     return out
 
 
-def part_peak(plan: Plan, held_micro_batches: int = 1, head: bool = False) -> tuple[int, dict[str, int]]:
+def part_peak(plan: Plan, held_micro_batches: float = 1, head: bool = False,
+              crossings: int = 0) -> tuple[int, dict[str, int]]:
     """(the part's predicted peak bytes, what it adds to ``plan``'s own prediction by name). ``held_micro_batches``:
-    how many micro-batches' block inputs the part holds at most (the 1F1B schedule's ``in_flight``); ``head``: the part
-    runs the head and receives the crossing gradient of a pipelined step (the first part, pipelined). ``plan`` is the
-    one-GPU planner's plan of the part (its breakdown without the pipelined inputs)."""
+    how many micro-batches' block inputs the part holds at most (the 1F1B schedule's ``in_flight``; interleaved, the
+    blocks ``held_blocks`` counts over the part's blocks, a fraction where a chunk pass holds part of them); ``head``:
+    the part runs the head and receives the crossing gradient of a pipelined step (the first part, pipelined);
+    ``crossings``: the part's further chunks (interleaved), each with its own tensors crossing in and out. ``plan``
+    is the one-GPU planner's plan of the part (its breakdown without the pipelined inputs)."""
     fp, wl = plan.footprint, plan.workload
     unit = plan.micro_batch * wl.tokens * fp.hidden_size * fp.act_bytes_per_elem
     n = fp.num_blocks
@@ -69,6 +78,8 @@ def part_peak(plan: Plan, held_micro_batches: int = 1, head: bool = False) -> tu
         added["pipelined inputs"] = extra_inputs
     if head:
         added["head and crossing"] = int(HEAD_AND_CROSSING_UNITS * unit)
+    if crossings:
+        added["interleaved crossings"] = int(crossings * CROSSING_UNITS_PER_CHUNK * unit)
     floor = plan.predicted_peak_bytes + sum(added.values())
     if plan.mode != "stream" or plan.activation_offload:
         # Activation offload already counts the fullest ring with the inputs it keeps (the same all step);
@@ -80,7 +91,8 @@ def part_peak(plan: Plan, held_micro_batches: int = 1, head: bool = False) -> tu
                + sum(fp.block_bytes[i] for i in plan.resident))  # all but the ring
     over_step = max(ring + int((b + 1) * SAVED_INPUT_UNITS * unit) + (working if backward else 0)
                     for b, backward, ring in ring_by_visit(plan))
-    peak = weights + plan.breakdown["lora+adam"] + extra_inputs + added.get("head and crossing", 0) + over_step
+    peak = (weights + plan.breakdown["lora+adam"] + extra_inputs + added.get("head and crossing", 0)
+            + added.get("interleaved crossings", 0) + over_step)
     if peak > floor:
         added["ring at the backward's large blocks"] = peak - floor
     return max(floor, peak), added

@@ -22,6 +22,18 @@ turn, the first part's (``torch.autograd.backward`` of the crossed tensors with 
 Gradients are those of the one-GPU run: the same operations, and each part's gradients accumulate in the same
 micro-batch order.
 
+Interleaved (virtual stages, ``chunks`` v > 1): the blocks are 2v chunks, chunk c on GPU c % 2, and the ops of the
+interleaved schedule name their chunk. The same machinery, once per chunk boundary: a chunk's first block ends the
+previous chunk's operation and waits for its own turn on its GPU's lane, and every tensor it takes from before
+(the previous chunk's outputs, the embedders' tensors) enters as a leaf of the chunk, also where both chunks are
+on one GPU, so that each chunk's graph ends at its own leaves. Which chunk made a tensor is recorded as it goes
+(``_MicroBatch.made``). The backward then runs chunk by chunk from the last, each in its GPU's turn: the gradients
+of the chunk's tensors that later chunks (or the head) took, summed per tensor, through the chunk down to its
+leaves, whose gradients go to the chunks that made their tensors. With v = 1 this is the two-part pipeline above.
+Each GPU's chunks are one part (one plan, one streamer: the part's blocks in execution order), so a micro-batch
+visits the part's blocks forward and back as the streamer's cycle expects; the interleaved order between
+micro-batches is one more out-of-order visit it resyncs to.
+
 Copies between the GPUs run on a dedicated stream per device with events (``PeerCopy``): a plain ``.to()``
 between devices makes both devices' current streams wait for each other, which would hold the first GPU's
 work behind the second's. A consumer waits for a copy only once it holds its GPU's turn, so no stream waits
@@ -34,8 +46,9 @@ tensors it reads, freed when the forward returns, could be handed to the first p
 head has read them.)
 
 Not pipelined (refused by the split's plan): LoRA outside the blocks (its gradient would cross the cut in both
-directions), activation offload on the first part (its buffers hold one micro-batch per block; the first part
-holds two), layers outside the blocks held on the host (their hooks are not thread-safe).
+directions), activation offload on the first part, and interleaved on both (its buffers hold one micro-batch per
+block; the first part holds two, an interleaved chunk as many as the schedule's warm-up), layers outside the blocks
+held on the host (their hooks are not thread-safe).
 """
 from __future__ import annotations
 
@@ -46,9 +59,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
-from .one_f_one_b import Op, schedule
+from .one_f_one_b import Op, runnable_schedule
 
 #: How many blocks of the first part its thread may enqueue ahead of the GPU while a pipelined step runs.
 RUN_AHEAD_BLOCKS = 2
@@ -128,11 +141,14 @@ class _MicroBatch:
     """One micro-batch's crossing state (the thread running it holds it)."""
 
     index: int
-    stage: int = 0
-    crossed: dict = field(default_factory=dict)  # id(first-part tensor) -> (tensor, its leaf on the second device)
-    outputs: list = field(default_factory=list)  # the second part's block outputs (kept: their ids stay unique)
-    output_ids: set = field(default_factory=set)
-    returned: list = field(default_factory=list)  # (second-part tensor, its leaf on the first device) for the head
+    chunk: int = 0  # the chunk whose forward the thread runs (the first GPU's part, or chunk c of an interleaved split)
+    # id(tensor) -> (tensor, the chunk whose operation made it): block arguments and outputs, and the leaves made at
+    # each crossing (kept, so their ids stay unique while the micro-batch runs); a chunk's are dropped after its
+    # backward.
+    made: dict = field(default_factory=dict)
+    leaf_of: dict = field(default_factory=dict)  # (id(tensor), chunk) -> the tensor's leaf (or copy) in that chunk
+    entries: dict = field(default_factory=dict)  # chunk -> [(tensor, its leaf there, the chunk that made it)]
+    returned: list = field(default_factory=list)  # (tensor, its leaf on the first device, maker) for the head
 
 
 class _ThreadState(threading.local):
@@ -140,13 +156,16 @@ class _ThreadState(threading.local):
 
 
 class PipelineRunner:
-    """Runs a step's micro-batches through a split's two parts in the 1F1B order (see the module doc)."""
+    """Runs a step's micro-batches through a split's two parts in the 1F1B order, or through the chunks of an
+    interleaved split in the interleaved order (see the module doc)."""
 
-    def __init__(self, devices: tuple[torch.device, torch.device], second_part_blocks: set[int],
-                 second_part_modules: Optional[set[int]] = None, batches: int = 1):
+    def __init__(self, devices: tuple[torch.device, torch.device], chunk_of_block: dict[int, int],
+                 lane_of_module: Optional[dict[int, int]] = None, batches: int = 1, chunks: int = 1):
         self.devices = devices
-        self.second = second_part_blocks  # id() of the blocks on the second device
-        self.second_modules = second_part_modules or set()  # id() of every module inside them
+        self.chunk_of_block = chunk_of_block  # id(block) -> its chunk (chunk c runs on devices[c % 2])
+        self.lane_of_module = lane_of_module or {}  # id(module inside a block) -> its device's index
+        self.chunks = chunks  # v: the chunks each device holds (1: one part each)
+        self.last = 2 * chunks - 1  # the last chunk (on the second device), whose operation also runs the head
         self.copies = PeerCopy(devices)
         self._local = _ThreadState()
         self.failed: Optional[BaseException] = None
@@ -158,50 +177,82 @@ class PipelineRunner:
         self._marks_lock = threading.Lock()
         self.last_order: tuple[list[Op], list[Op]] = ([], [])  # each GPU's ops in the order the last step ran them
 
+    def _op(self, kind: str, k: int, chunk: int) -> Op:
+        """The schedule's name of an op (one_f_one_b.py: (kind, k) with one chunk per device)."""
+        return (kind, k) if self.chunks == 1 else (kind, k, chunk)
+
+    def _acquire(self, kind: str, k: int, chunk: int) -> None:
+        """Wait for the turn of micro-batch k's ``kind`` on ``chunk`` (on its device's lane)."""
+        self._lanes[chunk % 2].acquire(self._op(kind, k, chunk))
+
+    def _release(self, kind: str, k: int, chunk: int) -> None:
+        self._lanes[chunk % 2].release(self._op(kind, k, chunk))
+
     # -- what the split's hooks ask --------------------------------------------------------------------
 
     def current(self) -> Optional[_MicroBatch]:
         """The micro-batch this thread runs (None outside a pipelined step: previews, a one-micro-batch step)."""
         return self._local.micro
 
+    @staticmethod
+    def _maker(mb: _MicroBatch, x: torch.Tensor) -> Optional[int]:
+        entry = mb.made.get(id(x))
+        return entry[1] if entry is not None and entry[0] is x else None
+
+    def _enter(self, mb: _MicroBatch, x: torch.Tensor, chunk: int, copy: torch.Tensor, maker: int) -> torch.Tensor:
+        """``copy`` (``x`` on the chunk's device) becomes the chunk's leaf for ``x``: where ``x`` needs a gradient,
+        the chunk's backward stops there and the leaf's gradient goes back to ``maker``'s backward."""
+        if x.requires_grad:
+            copy.requires_grad_(True)
+            mb.entries.setdefault(chunk, []).append((x, copy, maker))
+        mb.leaf_of[(id(x), chunk)] = copy
+        mb.made[id(copy)] = (copy, chunk)
+        return copy
+
     def block_arguments(self, block, args: tuple) -> tuple:
-        """Before a block runs inside a pipelined forward: at the second part's first block, the first part's
-        operation ends and the arguments cross the cut (leaves on the second device); later blocks of the second
-        part get the same leaves for the same tensors (the rotary and modulation tensors every block takes)."""
+        """Before a block runs inside a pipelined forward: at a chunk's first block the previous chunk's operation ends
+        and the arguments cross into this chunk (leaves where they need a gradient, on its device, after a copy
+        between the GPUs); later blocks of the chunk get the same leaves for the same tensors (the rotary and
+        modulation tensors every block takes), and a tensor an earlier chunk made that is first used here crosses
+        then. Each chunk's graph so ends at its own leaves, and its backward is its own."""
         mb = self.current()
-        if mb is None or id(block) not in self.second:
+        if mb is None:
             return args
-        dev0, dev1 = self.devices
-        if mb.stage == 0:
-            moved = {}
-
-            def start(x):
-                if isinstance(x, torch.Tensor) and id(x) not in moved:
-                    moved[id(x)] = (x, self.copies.start(x, dev1))
-                return x
-
-            tree_map(start, args)
-            self._lanes[0].release(("F", mb.index))
-            self._lanes[1].acquire(("F", mb.index))
-            mb.stage = 1
-            for key, (x, m) in moved.items():
-                leaf = self.copies.finish(m)
-                if x.requires_grad:
-                    leaf.requires_grad_(True)
-                mb.crossed[key] = (x, leaf)
+        c = self.chunk_of_block[id(block)]
+        tensors = [x for x in tree_flatten(args)[0] if isinstance(x, torch.Tensor)]
+        if c == 0:  # what the first chunk takes (the embedders' tensors, its blocks' outputs) is its own
+            for x in tensors:
+                mb.made.setdefault(id(x), (x, 0))
+            return args
+        dev = self.devices[c % 2]
+        if c != mb.chunk:
+            if c != mb.chunk + 1:
+                raise RuntimeError(f"the pipelined forward ran a block of chunk {c} after chunk {mb.chunk}: the blocks "
+                                   f"must run in execution order; train this model with Dual-GPU Split "
+                                   f"virtual_stages 1")
+            moving = {}  # every argument made before this chunk: its copy starts before the turn is handed over
+            for x in tensors:
+                if id(x) not in moving:
+                    made = self._maker(mb, x)
+                    moving[id(x)] = (x, self.copies.start(x, dev), c - 1 if made is None else made)
+            self._release("F", mb.index, c - 1)
+            self._acquire("F", mb.index, c)
+            mb.chunk = c
+            for x, moved, maker in moving.values():
+                self._enter(mb, x, c, self.copies.finish(moved), maker)
 
         def swap(x):
             if not isinstance(x, torch.Tensor):
                 return x
-            if id(x) in mb.crossed:
-                return mb.crossed[id(x)][1]
-            if x.device != dev1 and id(x) not in mb.output_ids:  # a first-part tensor first used here
-                leaf = self.copies.finish(self.copies.start(x, dev1))
-                if x.requires_grad:
-                    leaf.requires_grad_(True)
-                mb.crossed[id(x)] = (x, leaf)
+            leaf = mb.leaf_of.get((id(x), c))
+            if leaf is not None:
                 return leaf
-            return x
+            made = self._maker(mb, x)
+            if made is None:  # made inside this chunk's operation (between its blocks), or on another device before
+                made = c if x.device == dev else c - 1
+            if made == c or not (x.requires_grad or x.device != dev):
+                return x
+            return self._enter(mb, x, c, self.copies.finish(self.copies.start(x, dev)), made)
 
         return tree_map(swap, args)
 
@@ -209,39 +260,43 @@ class PipelineRunner:
         """Which micro-batch a call of ``module`` belongs to (None outside a pipelined step): the modulation window
         serves each its own outputs (engine/train/step_window.py ``served``). In the forward, the calling thread's; in
         a checkpointed block's recompute, which autograd runs on a thread of its own (one per GPU), the micro-batch
-        whose backward holds the module's part's lane: a part runs one operation at a time, and only its backward
+        whose backward holds the module's device's lane: a device runs one operation at a time, and only a backward
         recomputes its blocks."""
         mb = self.current()
         if mb is not None:
             return mb.index
         if not self._lanes:
             return None
-        lane = self._lanes[1 if id(module) in self.second_modules else 0]
-        kind, k = lane.ops[min(lane.position, len(lane.ops) - 1)]
-        return k
+        lane = self._lanes[self.lane_of_module.get(id(module), 0)]
+        return lane.ops[min(lane.position, len(lane.ops) - 1)][1]
 
     def block_outputs(self, block, out):
-        """After a second-part block: its outputs are the second part's (the head's inputs cross back)."""
+        """After a block: its outputs are its chunk's (a later chunk, or the head, takes them across)."""
         mb = self.current()
-        if mb is not None and id(block) in self.second:
+        if mb is not None:
+            c = self.chunk_of_block[id(block)]
             for t in (out if isinstance(out, (tuple, list)) else (out,)):
                 if isinstance(t, torch.Tensor):
-                    mb.outputs.append(t)
-                    mb.output_ids.add(id(t))
+                    mb.made[id(t)] = (t, c)
         return out
 
     def head_arguments(self, args, kwargs):
-        """Before a layer after the blocks (on the first device) inside the second part's operation: the second
-        part's tensors cross back as leaves, after the second part's forward has finished (so the first GPU's
-        queue never waits on the second's)."""
+        """Before a layer after the blocks (on the first device) inside the last chunk's operation: the tensors of the
+        chunks after the first (the last chunk's outputs) cross back as leaves, after the last chunk's forward has
+        finished (so the first GPU's queue never waits on the second's)."""
         mb = self.current()
-        if mb is None or mb.stage != 1:
+        if mb is None or mb.chunk != self.last:
             return args, kwargs
         dev0 = self.devices[0]
         waited = []
 
         def back(x):
-            if not isinstance(x, torch.Tensor) or not (x.device != dev0 or id(x) in mb.output_ids):
+            if not isinstance(x, torch.Tensor):
+                return x
+            made = self._maker(mb, x)
+            if made is None and x.device != dev0:
+                made = self.last
+            if not made:  # the first chunk's (the embedders'), or made by the head itself
                 return x
             if not waited and x.device.type == "cuda" and x.device != dev0:
                 torch.cuda.current_stream(x.device).synchronize()
@@ -249,7 +304,7 @@ class PipelineRunner:
             leaf = self.copies.finish(self.copies.start(x, dev0))
             if x.requires_grad:
                 leaf.requires_grad_(True)
-                mb.returned.append((x, leaf))
+                mb.returned.append((x, leaf, made))
             return leaf
 
         return tree_map(back, args), tree_map(back, kwargs)
@@ -274,7 +329,7 @@ class PipelineRunner:
     def run(self, pieces: Sequence[Callable[[], tuple[torch.Tensor, torch.Tensor]]]) -> list[torch.Tensor]:
         """Forward and backward of each micro-batch (``pieces[k]()`` runs its forward and returns (the loss to
         backpropagate, the loss to report)); returns the reported losses, detached, in order."""
-        plan = schedule(len(pieces), 2)
+        plan = runnable_schedule(len(pieces), 2, self.chunks)  # a smaller batch's odd count of pieces too
         cond = threading.Condition()
         self.failed = None
         self._lanes = (_Lane(plan[0], cond, self), _Lane(plan[1], cond, self))
@@ -326,37 +381,53 @@ class PipelineRunner:
         return losses
 
     def _micro_batch(self, k: int, piece) -> torch.Tensor:
-        lanes = self._lanes
+        last = self.last
         mb = self._local.micro = _MicroBatch(k)
-        lanes[0].acquire(("F", k))
+        self._acquire("F", k, 0)
         backward, reported = piece()
-        if mb.stage != 1:
-            raise RuntimeError("the pipelined forward never reached the second part's blocks; train this model "
-                               "with Dual-GPU Split micro_batches=1")
+        if mb.chunk != last:
+            raise RuntimeError("the pipelined forward never reached the last part's blocks; train this model with "
+                               "Dual-GPU Split micro_batches=1")
         self._local.micro = None  # the backward runs no pipeline hooks
-        # The head's backward (first device), then the second part's, in the second GPU's turn.
-        lanes[1].release(("F", k))
-        lanes[1].acquire(("B", k))
+        # The head's backward (first device), then the last chunk's, in the second GPU's turn.
+        self._release("F", k, last)
+        self._acquire("B", k, last)
         backward.backward()
         del backward
-        returned = [(x, leaf.grad) for x, leaf in mb.returned if leaf.grad is not None]
+        routes: dict[int, list] = {}  # chunk -> [(tensor it made, its gradient on the way)]
+        for x, leaf, made in mb.returned:
+            if leaf.grad is not None:
+                routes.setdefault(made, []).append((x, self.copies.start(leaf.grad, x.device)))
         mb.returned.clear()
-        if returned:
-            grads = [self.copies.finish(self.copies.start(g, x.device)) for x, g in returned]
-            torch.autograd.backward([x for x, _ in returned], grads)
-        del returned
-        crossing = [(x, self.copies.start(leaf.grad, x.device)) for x, leaf in mb.crossed.values()
-                    if leaf.grad is not None and x.requires_grad]
-        mb.crossed.clear()
-        mb.outputs.clear()
-        lanes[1].release(("B", k))
-        # The first part's backward, in the first GPU's turn.
-        lanes[0].acquire(("B", k))
-        if crossing:
-            torch.autograd.backward([x for x, _ in crossing], [self.copies.finish(m) for _, m in crossing])
-        del crossing
-        lanes[0].release(("B", k))
+        for c in range(last, -1, -1):
+            if c != last:
+                self._release("B", k, c + 1)
+                self._acquire("B", k, c)
+            self._chunk_backward(mb, c, routes)
+        self._release("B", k, 0)
         return reported.detach()
+
+    def _chunk_backward(self, mb: _MicroBatch, c: int, routes: dict) -> None:
+        """Chunk ``c``'s backward, in its device's turn: from the gradients of its tensors that later chunks (or the
+        head) took, summed per tensor, down to its own leaves, whose gradients then start back to the chunks that
+        made their tensors."""
+        pending = routes.pop(c, [])
+        if pending:
+            grads: dict[int, list] = {}
+            for x, moved in pending:
+                g = self.copies.finish(moved)
+                if id(x) in grads:
+                    grads[id(x)][1] = grads[id(x)][1] + g
+                else:
+                    grads[id(x)] = [x, g]
+            torch.autograd.backward([x for x, _ in grads.values()], [g for _, g in grads.values()])
+            del grads
+        del pending
+        for x, leaf, made in mb.entries.pop(c, []):
+            if leaf.grad is not None:
+                routes.setdefault(made, []).append((x, self.copies.start(leaf.grad, x.device)))
+        mb.made = {key: entry for key, entry in mb.made.items() if entry[1] != c}
+        mb.leaf_of = {key: leaf for key, leaf in mb.leaf_of.items() if key[1] != c}
 
 
 def autocast_copy(autocast):

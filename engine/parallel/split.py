@@ -31,6 +31,12 @@ one with the shortest predicted step (balanced time: compute and streaming per p
 fewest bytes. The first part holds two micro-batches' block inputs at once (the warm-up
 forward and the one in flight), planned inside its budget, and keeps them on the GPU.
 
+Interleaved (``virtual_stages`` v > 1): the blocks in 2v chunks, chunk c on device c % 2, each device's part its
+chunks' blocks (one plan and one streamer per device, under its budget); the step is the interleaved schedule's
+makespan, each chunk's op its share of its part's time by FLOPs, one crossing per cut; the cuts are swept over the
+first device's share of the FLOPs for the shortest predicted step; the chunk passes each device holds at once
+(Megatron's warm-up: more than two micro-batches' worth on the first) are counted in its peak.
+
 Each part's peak is counted over the whole step (engine/parallel/part_memory.py: the ring at its
 large blocks with the inputs held then, the head and the crossing), and a part whose whole-step
 peak passes its budget is planned again inside it: the one-GPU formula's peak at the turn put the
@@ -51,8 +57,8 @@ from ..errors import ConfigError
 from ..offload.config import OffloadConfig
 from ..offload.footprint import named_blocks
 from ..offload.plan import GB, ModelFootprint, Plan, Workload, make_plan
-from ..offload.steptime import Machine
-from .one_f_one_b import in_flight, makespan, schedule
+from ..offload.steptime import ATTENTION_PASSES, LINEAR_PASSES, Machine, block_flops
+from .one_f_one_b import bound, chunk_of, held_blocks, in_flight, makespan, schedule
 from .part_memory import part_peak
 
 #: Times a part is planned again when its whole-step peak passes its budget (each lowers the budget it plans in).
@@ -66,6 +72,12 @@ FORWARD_SHARE = 0.25
 #: practical rate, the slow end of what two GPUs of one host share (NVLink is ~10x that). The crossing is a few MB
 #: per micro-batch, so the assumption moves a step by milliseconds.
 DEFAULT_PEER_BYTES_PER_S = 20 * GB
+
+#: Interleaved cuts tried per chunk count: the first device's share of the blocks' FLOPs swept from 25% to 75% in this
+#: many steps (each a plan of both parts; neighbouring steps often give the same cuts and are planned once).
+INTERLEAVE_SWEEP = 24
+#: The chunk counts virtual_stages 0 (auto) compares.
+AUTO_VIRTUAL_STAGES = (1, 2, 3)
 
 
 @dataclass
@@ -81,6 +93,22 @@ class SplitPlan:
     # micro_batches (each sample a micro-batch, the pipeline filled from gradient accumulation's batches).
     batches_per_pipeline: int = 1
     host_extra_bytes: int = 0  # host RAM the run holds beside the parts (the modulation window's weights)
+    # Interleaved (virtual_stages v > 1): every cut (2v - 1 of them; ``cut`` is the first), the blocks in 2v chunks,
+    # chunk c on device c % 2; each device's part holds its chunks' blocks in order. Empty: the one cut.
+    cuts: tuple[int, ...] = ()
+    chunk_shares: tuple[float, ...] = ()  # each chunk's share of its device's part time (FLOPs); empty: one chunk each
+
+    @property
+    def chunks(self) -> int:
+        """v: the chunks each device holds (1: one part each, not interleaved)."""
+        return (len(self.cuts) + 1) // 2 if self.cuts else 1
+
+    @property
+    def chunk_ranges(self) -> list[range]:
+        """Each chunk's blocks (execution order): chunk c runs on ``devices[c % 2]``."""
+        n = self.plans[0].footprint.num_blocks + self.plans[1].footprint.num_blocks
+        edges = [0, *(self.cuts or (self.cut,)), n]
+        return [range(a, b) for a, b in zip(edges, edges[1:])]
 
     @property
     def predicted_peak_bytes(self) -> int:
@@ -106,21 +134,32 @@ class SplitPlan:
         if any(p.step_time is None for p in self.plans):
             return None
         return pipelined_step_s([p.step_time.seconds for p in self.plans], self.micro_batches, self.crossing_s,
-                                self.batches_per_pipeline)
+                                self.batches_per_pipeline, self.chunks, self.chunk_shares)
 
     def describe(self) -> str:
         n = self.plans[0].footprint.num_blocks + self.plans[1].footprint.num_blocks
-        lines = [f"split at block {self.cut} of {n}: blocks 0-{self.cut - 1} on {self.devices[0]}, "
-                 f"{self.cut}-{n - 1} on {self.devices[1]}" + (f" ({self.reason})" if self.reason else "")
-                 + (f"; each batch pipelined through both in {self.micro_batches} micro-batches (1F1B)"
+        if self.chunks > 1:
+            where = ", ".join(f"{r.start}-{r.stop - 1} on {self.devices[c % 2]}" for c, r in enumerate(self.chunk_ranges))
+            head = (f"split interleaved, virtual_stages {self.chunks}: {n} blocks in {2 * self.chunks} chunks, blocks "
+                    f"{where}")
+        else:
+            head = (f"split at block {self.cut} of {n}: blocks 0-{self.cut - 1} on {self.devices[0]}, "
+                    f"{self.cut}-{n - 1} on {self.devices[1]}")
+        kind = "interleaved 1F1B" if self.chunks > 1 else "1F1B"
+        lines = [head + (f" ({self.reason})" if self.reason else "")
+                 + (f"; each batch pipelined through both in {self.micro_batches} micro-batches ({kind})"
                     if self.micro_batches > 1 and self.batches_per_pipeline == 1 else "")
                  + (f"; every {self.batches_per_pipeline} accumulated batches pipelined through both together, "
-                    f"{self.micro_batches} micro-batches (1F1B)" if self.batches_per_pipeline > 1 else "")]
+                    f"{self.micro_batches} micro-batches ({kind})" if self.batches_per_pipeline > 1 else "")]
         step = self.predicted_step_s
         if step is not None and self.micro_batches > 1:
             parts = ", ".join(f"{p.step_time.seconds:.3f}" for p in self.plans)
-            lines.append(f"predicted step {step:.3f} s: {self.micro_batches} micro-batches pipelined (1F1B) through "
-                         f"the parts ({parts} s each alone), {self.crossing_s * 1e3:.1f} ms crossing the cut")
+            lines.append(f"predicted step {step:.3f} s: {self.micro_batches} micro-batches pipelined "
+                         + (f"(interleaved 1F1B, v = {self.chunks}: {2 * self.chunks - 1} crossings each way, bound "
+                            f"{bound(self.micro_batches, self.chunks):.2f}x the parts one after the other)"
+                            if self.chunks > 1 else "(1F1B)")
+                         + f" through the parts ({parts} s each alone), {self.crossing_s * 1e3:.1f} ms crossing "
+                         + ("each cut" if self.chunks > 1 else "the cut"))
         elif step is not None:
             parts = " + ".join(f"{p.step_time.seconds:.3f}" for p in self.plans)
             lines.append(f"predicted step {step:.3f} s: the parts one after the other ({parts} s) + "
@@ -132,7 +171,8 @@ class SplitPlan:
     def summary(self) -> dict:
         step = self.predicted_step_s
         return {"mode": "split", "cut": self.cut, "devices": [str(d) for d in self.devices],
-                "micro_batches": self.micro_batches,
+                "micro_batches": self.micro_batches, "virtual_stages": self.chunks,
+                "cuts": list(self.cuts or (self.cut,)),
                 "predicted_peak_gb": [round(p.predicted_peak_bytes / GB, 3) for p in self.plans],
                 "predicted_host_peak_gb": round(self.predicted_host_peak_bytes / GB, 3),
                 "predicted_step_s": round(step, 4) if step is not None else None,
@@ -140,26 +180,71 @@ class SplitPlan:
 
 
 def part_footprints(fp: ModelFootprint, block_trainable: list[int], other_trainable: int,
-                    cut: int) -> tuple[ModelFootprint, ModelFootprint]:
-    """The two parts' footprints: the first carries everything outside the blocks."""
-    if not 1 <= cut < fp.num_blocks:
+                    cut) -> tuple[ModelFootprint, ModelFootprint]:
+    """The two parts' footprints: the first carries everything outside the blocks. ``cut``: the one cut, or
+    interleaved every cut (2v - 1), each device's part then its chunks' blocks in order (chunk c on device c % 2)."""
+    cuts = tuple(cut) if isinstance(cut, (tuple, list)) else (cut,)
+    if not all(1 <= c < fp.num_blocks for c in cuts) or list(cuts) != sorted(set(cuts)) or len(cuts) % 2 == 0:
         raise ConfigError(f"cut={cut} must be between 1 and {fp.num_blocks - 1} ({fp.name} has "
-                          f"{fp.num_blocks} blocks)")
+                          f"{fp.num_blocks} blocks)" + (", increasing, an odd number of them" if len(cuts) > 1 else ""))
+    edges = [0, *cuts, fp.num_blocks]
+    chunks = [range(a, b) for a, b in zip(edges, edges[1:])]
     # Each part streams whole blocks: apply_offload streams blocks in parts (engine/offload/units.py) only for
     # a whole model, so the parts' plans must not count units (unit_bytes=[]); with them, a part holding one
     # double block got one slot for two units and the scheduler refused it.
     # The per-block lists the step time reads (FLOPs) are each part's own: with the whole model's, the second part
     # was timed with the first blocks' FLOPs (Flux: double blocks for single ones).
-    def blocks(sl: slice) -> dict:
-        return {k: getattr(fp, k)[sl] for k in ("block_names", "block_bytes", "block_params", "block_token_params",
-                                                "block_attention_tokens")}
+    def part(device: int, **changes) -> ModelFootprint:
+        mine = [r for c, r in enumerate(chunks) if c % 2 == device]
+        index = [i for r in mine for i in r]
+        lists = {k: [v[i] for i in index] if (v := getattr(fp, k)) else v
+                 for k in ("block_names", "block_bytes", "block_params", "block_token_params", "block_attention_tokens")}
+        name = ", ".join(f"{r.start}-{r.stop - 1}" for r in mine)
+        return replace(fp, name=f"{fp.name} blocks {name}", **lists, unit_bytes=[],
+                       trainable_params=sum(block_trainable[i] for i in index), **changes)
 
-    first = replace(fp, name=f"{fp.name} blocks 0-{cut - 1}", **blocks(slice(0, cut)),
-                    trainable_params=sum(block_trainable[:cut]) + other_trainable, unit_bytes=[])
     # The layers outside the blocks (outer_bytes among them) are the first part's.
-    second = replace(fp, name=f"{fp.name} blocks {cut}-{fp.num_blocks - 1}", **blocks(slice(cut, None)),
-                     other_bytes=0, outer_bytes=0, trainable_params=sum(block_trainable[cut:]), unit_bytes=[])
-    return first, second
+    first = part(0)
+    first = replace(first, trainable_params=first.trainable_params + other_trainable)
+    return first, part(1, other_bytes=0, outer_bytes=0)
+
+
+def chunk_shares(fp: ModelFootprint, workload: Workload, cuts: tuple[int, ...]) -> tuple[float, ...]:
+    """Each chunk's share of its device's part time: of the part's block FLOPs (forward, recompute and backward:
+    engine/offload/steptime.py's weights), which is how the step-time model spreads a part's compute over its
+    blocks."""
+    flops = [LINEAR_PASSES * lin + ATTENTION_PASSES * att for lin, att in block_flops(
+        fp, workload.tokens, 1, workload.text_tokens, audio_tokens=workload.audio_tokens)]
+    edges = [0, *cuts, fp.num_blocks]
+    per_chunk = [sum(flops[a:b]) for a, b in zip(edges, edges[1:])]
+    per_device = [sum(per_chunk[d::2]) for d in (0, 1)]
+    return tuple(w / per_device[c % 2] if per_device[c % 2] else 0.0 for c, w in enumerate(per_chunk))
+
+
+def interleaved_cuts(fp: ModelFootprint, workload: Workload, chunks: int) -> list[tuple[int, ...]]:
+    """Candidate cuts for ``chunks`` per device: chunk boundaries at equal shares of the blocks' FLOPs within each
+    device, the first device's share of the whole swept (so the planner, which keeps the shortest predicted step,
+    balances time with streaming and the head counted, as it does with one cut). Each chunk keeps a block at least."""
+    flops = [LINEAR_PASSES * lin + ATTENTION_PASSES * att for lin, att in block_flops(
+        fp, workload.tokens, 1, workload.text_tokens, audio_tokens=workload.audio_tokens)]
+    n, total = fp.num_blocks, sum(flops) or 1.0
+    before = [sum(flops[:i]) / total for i in range(n + 1)]  # share before block i
+    out: list[tuple[int, ...]] = []
+    for step in range(INTERLEAVE_SWEEP + 1):
+        alpha = 0.25 + 0.5 * step / INTERLEAVE_SWEEP  # the first device's share of the blocks
+        targets, acc = [], 0.0
+        for c in range(2 * chunks - 1):
+            acc += (alpha if c % 2 == 0 else 1 - alpha) / chunks
+            targets.append(acc)
+        cuts, low = [], 1
+        for j, t in enumerate(targets):
+            high = n - (2 * chunks - 1 - j)  # room for a block in each chunk after
+            best = min(range(low, high + 1), key=lambda i: (abs(before[i] - t), i))
+            cuts.append(best)
+            low = best + 1
+        if tuple(cuts) not in out:
+            out.append(tuple(cuts))
+    return out
 
 
 def plan_split(fp: ModelFootprint, block_trainable: list[int], other_trainable: int, workload: Workload,
@@ -168,40 +253,44 @@ def plan_split(fp: ModelFootprint, block_trainable: list[int], other_trainable: 
                host_ram_bytes: Optional[int] = None, ram_budget_bytes: Optional[int] = None,
                machines: tuple[Optional[Machine], Optional[Machine]] = (None, None),
                compiled: bool = False, micro_batches: int = 1, host_extra: Optional[dict] = None,
-               accumulation: int = 1) -> SplitPlan:
+               accumulation: int = 1, virtual_stages: int = 1) -> SplitPlan:
     """The plan for both parts: at ``cut``, or at the best cut when it is None (see the module doc).
     ``machines``: each device's link and GPU (engine/offload/link.py ``resolve_machine``; None: the default
     machine), so each part's step time is predicted where it runs. ``micro_batches`` > 1: pipelined (the batch
     in that many pieces, 1F1B; from ``accumulation``'s batches where the batch is smaller), refused where it cannot
-    run (see ``check_pipelined``). ``host_extra``: host bytes the run holds beside the parts (the modulation window's
-    weights), in the RAM budget once."""
+    run (see ``check_pipelined``). ``virtual_stages`` v > 1: interleaved, the blocks in 2v chunks (every cut placed
+    here); 0: the v of ``AUTO_VIRTUAL_STAGES`` with the shortest predicted step that fits. ``host_extra``: host bytes
+    the run holds beside the parts (the modulation window's weights), in the RAM budget once."""
     span = 1
     if micro_batches > 1:
         span = check_pipelined(other_trainable, workload.batch, micro_batches, accumulation)
-    cuts = [cut] if cut is not None else list(range(1, fp.num_blocks))
-    best, best_key, last_error = None, None, None
-    for c in cuts:
-        parts = part_footprints(fp, block_trainable, other_trainable, c)
+    auto_note = ""
+    if virtual_stages == 0:
+        choices = [v for v in AUTO_VIRTUAL_STAGES if v == 1 or (
+            micro_batches > 1 and micro_batches % 2 == 0 and cut is None and 2 * v <= fp.num_blocks)]
+        if len(choices) == 1:
+            auto_note = ("virtual_stages auto: 1, " + ("not pipelined" if micro_batches == 1 else
+                         f"micro_batches {micro_batches} is odd (interleaving needs a multiple of 2)"
+                         if micro_batches % 2 else "the cut is given"))
+    else:
+        check_interleaved(virtual_stages, micro_batches, cut, fp.num_blocks)
+        choices = [virtual_stages]
+    found, last_error = {}, None
+    for v in choices:
         try:
-            plans = tuple(_part_plan(p, workload, offload, b, host_ram_bytes, compiled, m, stage, micro_batches)
-                          for stage, (p, b, m) in enumerate(zip(parts, budgets, machines)))
+            found[v] = _best_split(fp, block_trainable, other_trainable, workload, offload, devices, budgets, cut,
+                                   host_ram_bytes, machines, compiled, micro_batches, span, v)
         except ConfigError as exc:
             last_error = exc
-            continue
-        candidate = SplitPlan(c, devices, plans, crossing_bytes=_crossing_bytes(fp, workload),
-                              micro_batches=micro_batches, batches_per_pipeline=span)
-        peaks = [p.predicted_peak_bytes for p in plans]
-        step = candidate.predicted_step_s
-        if micro_batches > 1 and step is not None:
-            key = (step, max(peaks) - min(peaks))  # balanced time: compute and streaming per part
-        else:
-            key = (sum(p.streamed_bytes_per_step + 2 * p.activation_bytes_per_step for p in plans),
-                   max(peaks) - min(peaks))
-        if best_key is None or key < best_key:
-            best, best_key = candidate, key
-    if best is None:
-        where = f"at cut {cut}" if cut is not None else "at any cut"
-        raise ConfigError(f"the split does not fit {where} on {devices[0]} + {devices[1]}: {last_error}")
+    if not found:
+        raise last_error
+    timed = {v: p.predicted_step_s for v, p in found.items() if p.predicted_step_s is not None}
+    v = min(timed, key=lambda v: (timed[v], v)) if len(timed) == len(found) else min(found)
+    best = found[v]
+    if virtual_stages == 0 and len(choices) > 1:
+        others = ", ".join(f"{timed[u]:.3f} s at {u}" for u in sorted(timed) if u != v)
+        auto_note = (f"virtual_stages auto: {v}, the shortest predicted step ({timed[v]:.3f} s; {others})"
+                     if timed else f"virtual_stages auto: {v} (no step time predicted)")
     pinned = sum(p.pinned_host_bytes for p in best.plans)
     if host_ram_bytes and pinned > offload.max_pinned_fraction * host_ram_bytes:
         raise ConfigError(
@@ -220,9 +309,69 @@ def plan_split(fp: ModelFootprint, block_trainable: list[int], other_trainable: 
     if cut is not None:
         best.reason = "as asked"
     elif micro_batches > 1 and best.predicted_step_s is not None:
-        best.reason = f"the cut with the shortest predicted pipelined step ({micro_batches} micro-batches)"
+        best.reason = (f"the cut{'s' if best.chunks > 1 else ''} with the shortest predicted pipelined step "
+                       f"({micro_batches} micro-batches)")
     else:
         best.reason = "the cut that streams the fewest bytes per step, peaks balanced"
+    if auto_note:
+        best.reason += "; " + auto_note
+    return best
+
+
+def check_interleaved(virtual_stages: int, micro_batches: int, cut: Optional[int], num_blocks: int) -> None:
+    """What an interleaved split (``virtual_stages`` > 1) cannot run, refused with the fix."""
+    if virtual_stages <= 1:
+        return
+    if micro_batches < 2 or micro_batches % 2:
+        raise ConfigError(f"Dual-GPU Split virtual_stages={virtual_stages} interleaves micro-batches in groups of 2, "
+                          f"but micro_batches is {micro_batches}: set micro_batches to a multiple of 2 (e.g. 4), or "
+                          f"virtual_stages to 1")
+    if cut is not None:
+        raise ConfigError(f"Dual-GPU Split cut={cut} places the one cut of virtual_stages 1; with virtual_stages="
+                          f"{virtual_stages} leave cut at -1 (every chunk's cut is planned)")
+    if 2 * virtual_stages > num_blocks:
+        raise ConfigError(f"Dual-GPU Split virtual_stages={virtual_stages} cuts the model into {2 * virtual_stages} "
+                          f"chunks but it has {num_blocks} blocks; lower virtual_stages")
+
+
+def _best_split(fp, block_trainable, other_trainable, workload, offload, devices, budgets, cut, host_ram_bytes,
+                machines, compiled, micro_batches, span, chunks) -> SplitPlan:
+    """The best of the candidate cuts for ``chunks`` per device (one cut: each block index, or ``cut``;
+    interleaved: ``interleaved_cuts``): the shortest predicted pipelined step, else the fewest bytes streamed."""
+    if chunks > 1:
+        candidates = interleaved_cuts(fp, workload, chunks)
+    else:
+        candidates = [(c,) for c in ([cut] if cut is not None else range(1, fp.num_blocks))]
+    best, best_key, last_error = None, None, None
+    for cuts in candidates:
+        parts = part_footprints(fp, block_trainable, other_trainable, cuts if chunks > 1 else cuts[0])
+        plan = schedule(micro_batches, 2, chunks) if micro_batches > 1 else None
+        edges = [0, *cuts, fp.num_blocks]
+        sizes = {c: b - a for c, (a, b) in enumerate(zip(edges, edges[1:]))}
+        try:
+            plans = tuple(_part_plan(p, workload, offload, b, host_ram_bytes, compiled, m, stage, micro_batches,
+                                     plan, sizes, chunks)
+                          for stage, (p, b, m) in enumerate(zip(parts, budgets, machines)))
+        except ConfigError as exc:
+            last_error = exc
+            continue
+        candidate = SplitPlan(cuts[0], devices, plans, crossing_bytes=_crossing_bytes(fp, workload),
+                              micro_batches=micro_batches, batches_per_pipeline=span,
+                              cuts=cuts if chunks > 1 else (),
+                              chunk_shares=chunk_shares(fp, workload, cuts) if chunks > 1 else ())
+        peaks = [p.predicted_peak_bytes for p in plans]
+        step = candidate.predicted_step_s
+        if micro_batches > 1 and step is not None:
+            key = (step, max(peaks) - min(peaks))  # balanced time: compute and streaming per part
+        else:
+            key = (sum(p.streamed_bytes_per_step + 2 * p.activation_bytes_per_step for p in plans),
+                   max(peaks) - min(peaks))
+        if best_key is None or key < best_key:
+            best, best_key = candidate, key
+    if best is None:
+        where = f"at cut {cut}" if cut is not None else "at any cut"
+        what = f" with virtual_stages {chunks}" if chunks > 1 else ""
+        raise ConfigError(f"the split does not fit {where}{what} on {devices[0]} + {devices[1]}: {last_error}")
     return best
 
 
@@ -249,41 +398,51 @@ def check_pipelined(other_trainable: int, batch: int, micro_batches: int, accumu
 
 
 def pipelined_step_s(part_seconds: list[float], micro_batches: int, crossing_s: float = 0.0,
-                     batches: int = 1) -> float:
+                     batches: int = 1, chunks: int = 1, shares: tuple[float, ...] = ()) -> float:
     """A micro-step (one batch) of the split: the parts one after the other (one micro-batch), or the 1F1B makespan
     of ``micro_batches`` pieces, each part's time (the whole batch's) shared among them; where a pipeline spans
-    ``batches`` accumulated batches, its makespan over the ``batches`` x the parts' time, per batch."""
+    ``batches`` accumulated batches, its makespan over the ``batches`` x the parts' time, per batch. Interleaved
+    (``chunks`` per device), each chunk's op takes its ``shares`` of its device's part time, and each of the 2v - 1
+    cuts costs a crossing."""
     if micro_batches <= 1:
         return sum(part_seconds) + crossing_s
     per = [s * batches / micro_batches for s in part_seconds]
-    return makespan(schedule(micro_batches, len(per)),
-                    lambda s, op: per[s] * (FORWARD_SHARE if op[0] == "F" else 1 - FORWARD_SHARE),
+    share = (lambda c: shares[c]) if shares else (lambda c: 1.0)
+    return makespan(schedule(micro_batches, len(per), chunks),
+                    lambda s, op: per[s] * share(chunk_of(op, s)) * (FORWARD_SHARE if op[0] == "F"
+                                                                      else 1 - FORWARD_SHARE),
                     crossing_s * batches / (2 * micro_batches)) / batches
 
 
 def _part_plan(fp: ModelFootprint, workload: Workload, offload: OffloadConfig, budget: Optional[int],
                host_ram_bytes: Optional[int], compiled: bool, machine: Optional[Machine], stage: int,
-               micro_batches: int) -> Plan:
+               micro_batches: int, ops=None, chunk_sizes: Optional[dict] = None, chunks: int = 1) -> Plan:
     """One part's plan, its peak counted over the whole step (engine/parallel/part_memory.py): the ring at the part's
-    large blocks with the inputs held then, and, pipelined on the first part, a second micro-batch's block inputs
-    (as many as the schedule keeps in flight there, on the GPU: activation offload keeps one set per block), the head
-    and the crossing. Pipelined, each part runs the batch in ``micro_batches`` pieces, and neither part holds the
-    layers outside the blocks on the host (their hooks would run from two threads at once). Under a budget, the part
-    is planned again for what the one-GPU formula leaves out until its whole peak fits."""
+    large blocks with the inputs held then, and, pipelined, the block inputs of every micro-batch (interleaved: every
+    chunk pass) the schedule ``ops`` keeps in flight there (on the GPU: activation offload keeps one set per block, so
+    it stays on only where a block never holds two: the second part when not interleaved), on the first part the head
+    and the crossing, and interleaved the further crossings. Pipelined, each part runs the batch in ``micro_batches``
+    pieces, and neither part holds the layers outside the blocks on the host (their hooks would run from two threads
+    at once). Under a budget, the part is planned again for what the one-GPU formula leaves out until its whole peak
+    fits."""
     changes: dict = {}
     if micro_batches > 1:
         changes["micro_batch_size"] = -(-workload.batch // micro_batches)
         if offload.streams:
             changes["outer_on_host"] = False
-            if stage == 0:
+            if stage == 0 or chunks > 1:
                 changes["activation_offload"] = False
     cfg = replace(offload, **changes) if changes else offload
-    held = in_flight(schedule(micro_batches, 2)[stage]) if micro_batches > 1 else 1
+    held = 1
+    if micro_batches > 1:
+        mine = ops[stage]
+        held = in_flight(mine) if chunks == 1 else held_blocks(mine, chunk_sizes, stage) / fp.num_blocks
     head = micro_batches > 1 and stage == 0
+    crossings = chunks - 1 if micro_batches > 1 else 0
     inner = budget
     for _ in range(REPLANS):
         plan = make_plan(fp, workload, cfg, inner, host_ram_bytes, compiled=compiled, machine=machine)
-        peak, added = part_peak(plan, held, head)
+        peak, added = part_peak(plan, held, head, crossings)
         over = peak + plan.margin_bytes - budget if budget is not None else 0  # the allocator's margin, as one GPU's
         if over <= 0:
             break
@@ -341,6 +500,8 @@ class SplitHandle:
 
     def stats(self) -> dict:
         out = {"cut": self.plan.cut, "parts": [h.stats() for h in self.handles]}
+        if self.plan.chunks > 1:
+            out["cuts"] = list(self.plan.cuts)
         if self.pipeline is not None:
             out.update(peer_bytes_copied=self.pipeline.copies.bytes,
                        pipelined_micro_batches=self.pipeline.micro_batches_run)
@@ -368,7 +529,12 @@ def apply_split(model: nn.Module, family, plan: SplitPlan, offload: OffloadConfi
     from ..offload.streamer import apply_offload
 
     blocks = named_blocks(model, family)
-    parts = (blocks[:plan.cut], blocks[plan.cut:])
+    # Each device's part: its chunks' blocks in execution order (one range each unless interleaved), one streamer
+    # and one plan per device: the scheduler indexes the part's blocks 0..n-1 whatever their places in the model, and
+    # a micro-batch visits them in that order forward and back, as its cycle expects (the interleaved order between
+    # micro-batches is what it resyncs to, as with one chunk each).
+    chunk_of = {id(b): c for c, r in enumerate(plan.chunk_ranges) for i in r for b in [blocks[i][1]]}
+    parts = tuple([blocks[i] for c, r in enumerate(plan.chunk_ranges) if c % 2 == d for i in r] for d in (0, 1))
     dev0, dev1 = plan.devices
     block_ids = {id(b) for _, b in blocks}
     # Everything outside the blocks (and its LoRA, if any) lives on the first device.
@@ -398,8 +564,9 @@ def apply_split(model: nn.Module, family, plan: SplitPlan, offload: OffloadConfi
     if plan.micro_batches > 1:
         from .pipeline import PipelineRunner
 
-        pipeline = PipelineRunner(plan.devices, {id(b) for _, b in parts[1]},
-                                  {id(m) for _, b in parts[1] for m in b.modules()}, plan.batches_per_pipeline)
+        pipeline = PipelineRunner(plan.devices, chunk_of, {id(m): d for d, part in enumerate(parts) for _, b in part
+                                                          for m in b.modules()},
+                                  plan.batches_per_pipeline, plan.chunks)
     hooks = []
     for part, dev in zip(parts, plan.devices):
         for _, block in part:

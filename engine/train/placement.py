@@ -453,7 +453,8 @@ class Split(Placement):
                           ram_budget_bytes=ram_budget(self.offload)[0],
                           machines=tuple(resolve_machine(d) for d in self.devices),
                           compiled=self.compiles(train)[0], micro_batches=self.split.micro_batches,
-                          host_extra=self.host_extra, accumulation=train.gradient_accumulation)
+                          host_extra=self.host_extra, accumulation=train.gradient_accumulation,
+                          virtual_stages=self.split.virtual_stages)
 
     def apply(self, model, family, variant, dataset, lora, train, callback):
         from ..parallel.split import apply_split
