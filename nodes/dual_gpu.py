@@ -17,6 +17,12 @@ def _help(name: str, extra: str = "") -> str:
     return field_help(ParallelConfig, name, extra)
 
 
+def _max_virtual_stages() -> int:
+    from ..engine.parallel.config import MAX_VIRTUAL_STAGES
+
+    return MAX_VIRTUAL_STAGES
+
+
 def _modes() -> tuple[str, ...]:
     from ..engine.parallel.config import MODES  # torch-free module
 
@@ -47,13 +53,15 @@ class LowVRAMDualGPUSplit(io.Node):
                     "vram_budget_gb", "Comma-separated, e.g. 12,12; one value applies to every GPU.")),
                 # optional: API graphs saved before it existed still validate (1 = no pipelining, as before)
                 io.Int("micro_batches", default=1, min=1, max=64, optional=True, tooltip=_help("micro_batches")),
+                io.Int("virtual_stages", default=1, min=0, max=_max_virtual_stages(), optional=True,
+                       tooltip=_help("virtual_stages")),
             ])
 
     @classmethod
     def execute(cls, mode: str = "split", devices: str = "cuda:0,cuda:1", cut: int = -1,
-                vram_budget_gb: str = "0", micro_batches: int = 1) -> io.NodeOutput:
+                vram_budget_gb: str = "0", micro_batches: int = 1, virtual_stages: int = 1) -> io.NodeOutput:
         from ..engine.parallel.config import ParallelConfig, parse_budgets, parse_devices
 
         return io.NodeOutput(ParallelConfig(mode=mode, devices=parse_devices(devices), cut=cut,
                                             vram_budget_gb=parse_budgets(vram_budget_gb),
-                                            micro_batches=int(micro_batches)))
+                                            micro_batches=int(micro_batches), virtual_stages=int(virtual_stages)))

@@ -74,23 +74,28 @@ def test_split_trains_like_one_device(mid, devices):
             assert all(p > 0 for p in r.settings["split_peak_vram_gb"])  # both GPUs held a part
 
 
-@pytest.mark.parametrize("devices", [("cuda:0", "cuda:0"), pytest.param(("cuda:0", "cuda:1"), marks=TWO)])
-def test_pipelined_split_trains_like_one_device(mid, devices):
+@pytest.mark.parametrize("devices, virtual_stages", [
+    (("cuda:0", "cuda:0"), 1), pytest.param(("cuda:0", "cuda:1"), 1, marks=TWO),
+    pytest.param(("cuda:0", "cuda:1"), 2, marks=TWO)])
+def test_pipelined_split_trains_like_one_device(mid, devices, virtual_stages):
     """Issue 42: batches of 4 in 4 micro-batches through the two parts (1F1B, peer copies on their own streams, the
     first part's thread throttled), resident and streamed with activation offload on the second part, against the
-    one-GPU run of the same batches."""
+    one-GPU run of the same batches; and interleaved (virtual_stages 2: four chunks, two per GPU, the interleaved
+    1F1B order)."""
     ref, ref2 = _train(mid, batch_size=4), _train(mid, batch_size=4)
     noise = _err(ref2, ref)
     for offload in (OffloadConfig(mode="resident"),
                     OffloadConfig(mode="stream", prefetch_depth=1, activation_offload=True)):
-        r = _train(mid, offload, batch_size=4, split=ParallelConfig(mode="split", devices=devices, micro_batches=4))
+        r = _train(mid, offload, batch_size=4, split=ParallelConfig(mode="split", devices=devices, micro_batches=4,
+                                                                    virtual_stages=virtual_stages))
         err = _err(r, ref)
         stats = r.settings["offload_stats"]
-        print(f"[pipelined split {devices} {offload.mode}] LoRA rel err {err:.2e} (one GPU twice {noise:.2e}); losses "
+        print(f"[pipelined split {devices} v{virtual_stages} {offload.mode}] LoRA rel err {err:.2e} (one GPU twice {noise:.2e}); losses "
               f"{[round(x, 5) for x in r.loss_history]} vs {[round(x, 5) for x in ref.loss_history]}; per-GPU peak "
               f"{r.settings['split_peak_vram_gb']} GB; cut {r.settings['offload_plan']['cut']}; "
               f"{stats['peer_bytes_copied'] / 1e6:.1f} MB peer copies")
         assert r.settings["offload_plan"]["micro_batches"] == 4 and stats["pipelined_micro_batches"] == 4 * 4
+        assert r.settings["offload_plan"]["virtual_stages"] == virtual_stages
         assert r.settings["step_window"]["held_bytes"] > 0  # each micro-batch's modulation from the window
         assert err < max(2e-2, 20 * noise)
         assert r.loss_history == pytest.approx(ref.loss_history, rel=2e-2)

@@ -723,9 +723,11 @@ def test_both_wan_experts_train_at_once_through_comfy_run(comfy, tmp_path):
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 
 
-def test_pipelined_dual_gpu_template_trains_through_comfy_run(comfy, tmp_path):
+@pytest.mark.parametrize("virtual_stages", [1, 2])
+def test_pipelined_dual_gpu_template_trains_through_comfy_run(comfy, tmp_path, virtual_stages):
     """Issue 42: the shipped flux2_dev_dual_gpu UI workflow on the tiny Flux.2 under its file names, with Dual-GPU
-    Split on cpu,cpu and micro_batches 2 (Train LoRA batch_size 2, four same-size images): comfy run exits 0, the
+    Split on cpu,cpu and micro_batches 2 (Train LoRA batch_size 2, four same-size images), one part per device or
+    interleaved (virtual_stages 2: the tiny model's 4 blocks in 4 chunks, two per device): comfy run exits 0, the
     log says each batch was pipelined in 2 micro-batches, and the LoRA lowers diffusers' reference model's loss."""
     from datetime import datetime
 
@@ -742,7 +744,7 @@ def test_pipelined_dual_gpu_template_trains_through_comfy_run(comfy, tmp_path):
             "LowVRAMCacheTextEmbeds": {"resolution": 128, "sample_prompts": "ohwx, a red circle"},
             "LowVRAMTrainLoRA": {"steps": 6, "learning_rate": 0.01, "warmup_steps": 0, "sample_every": 0,
                                  "batch_size": 2, "training_seed": 4243},
-            "LowVRAMDualGPUSplit": {"devices": "cpu,cpu", "micro_batches": 2},
+            "LowVRAMDualGPUSplit": {"devices": "cpu,cpu", "micro_batches": 2, "virtual_stages": virtual_stages},
         })
         (tmp_path / "pipelined.json").write_text(json.dumps(ui))
         start = datetime.now().isoformat()
@@ -750,7 +752,10 @@ def test_pipelined_dual_gpu_template_trains_through_comfy_run(comfy, tmp_path):
         log = _log_since(comfy.port, start)
         assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:], log[-4000:])
         assert "Traceback" not in log and "!!! Exception" not in log, log[-4000:]
-        assert "each batch pipelined through both in 2 micro-batches (1F1B)" in log, log[-3000:]
+        kind = "interleaved 1F1B" if virtual_stages > 1 else "1F1B"
+        assert f"each batch pipelined through both in 2 micro-batches ({kind})" in log, log[-3000:]
+        if virtual_stages > 1:
+            assert "split interleaved, virtual_stages 2: 4 blocks in 4 chunks" in log, log[-3000:]
         assert "[lowvram-lora] step 6/6" in log, log[-3000:]
         saved = sorted((comfy.base / "output").glob(f"{template.save['filename_prefix']}_*_.safetensors"))
         assert len(saved) == 1, log[-3000:]
