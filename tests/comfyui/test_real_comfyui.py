@@ -743,7 +743,9 @@ def test_pipelined_dual_gpu_template_trains_through_comfy_run(comfy, tmp_path, v
         _with_widgets(ui, {
             "LowVRAMCacheTextEmbeds": {"resolution": 128, "sample_prompts": "ohwx, a red circle"},
             "LowVRAMTrainLoRA": {"steps": 6, "learning_rate": 0.01, "warmup_steps": 0, "sample_every": 0,
-                                 "batch_size": 2, "training_seed": 4243},
+                                 # a seed of its own: how a run is split does not change the run, so the other
+                                 # parameter's finished run would be reused
+                                 "batch_size": 2, "training_seed": 4242 + virtual_stages},
             "LowVRAMDualGPUSplit": {"devices": "cpu,cpu", "micro_batches": 2, "virtual_stages": virtual_stages},
         })
         (tmp_path / "pipelined.json").write_text(json.dumps(ui))
