@@ -749,6 +749,8 @@ def test_pipelined_dual_gpu_template_trains_through_comfy_run(comfy, tmp_path, v
             "LowVRAMDualGPUSplit": {"devices": "cpu,cpu", "micro_batches": 2, "virtual_stages": virtual_stages},
         })
         (tmp_path / "pipelined.json").write_text(json.dumps(ui))
+        pattern = f"{template.save['filename_prefix']}_*_.safetensors"
+        before = set((comfy.base / "output").glob(pattern))  # the other parameter's LoRA, in the same ComfyUI
         start = datetime.now().isoformat()
         done = comfy.comfy_run(tmp_path / "pipelined.json")
         log = _log_since(comfy.port, start)
@@ -759,7 +761,7 @@ def test_pipelined_dual_gpu_template_trains_through_comfy_run(comfy, tmp_path, v
         if virtual_stages > 1:
             assert "split interleaved, virtual_stages 2: 4 blocks in 4 chunks" in log, log[-3000:]
         assert "[lowvram-lora] step 6/6" in log, log[-3000:]
-        saved = sorted((comfy.base / "output").glob(f"{template.save['filename_prefix']}_*_.safetensors"))
+        saved = sorted(set((comfy.base / "output").glob(pattern)) - before)
         assert len(saved) == 1, log[-3000:]
         lora = load_lora(saved[0])
         assert lora.metadata["lowvram_lora.steps"] == "6"
