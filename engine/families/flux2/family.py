@@ -51,8 +51,12 @@ SYSTEM_MESSAGE = ("You are an AI that reasons about image descriptions. You give
 #: Flux2Pipeline.format_input: "[IMG]" removed, a system turn + a user turn, content as text parts.
 MISTRAL3_TEMPLATE = PromptTemplate("chat", system=SYSTEM_MESSAGE, structured=True, generation_prompt=False,
                                    drop="[IMG]")
-#: Flux2KleinPipeline._get_qwen3_prompt_embeds: one user turn, the assistant prompt, no thinking block.
-QWEN3_TEMPLATE = PromptTemplate("chat", enable_thinking=False)
+#: Flux2KleinPipeline._get_qwen3_prompt_embeds: one user turn, the assistant prompt, an empty thinking block: the text
+#: Qwen3's chat template renders with enable_thinking=False, written out (ComfyUI's KleinTokenizer.llama_template,
+#: comfy/text_encoders/flux.py, is the same text). Written out, not a chat template, so that inside ComfyUI its bundled
+#: qwen25_tokenizer (Qwen3's vocabulary and special tokens, but Qwen2.5's chat template) tokenizes it as Qwen3's own does.
+QWEN3_TEMPLATE = PromptTemplate("plain", prefix="<|im_start|>user\n",
+                                suffix="<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
 def _mistral(max_length: int = 512, layers: tuple[int, ...] = (10, 20, 30)) -> TextEncoderSpec:
@@ -60,9 +64,13 @@ def _mistral(max_length: int = 512, layers: tuple[int, ...] = (10, 20, 30)) -> T
                            hidden_layers=layers, template=MISTRAL3_TEMPLATE, architecture="mistral3-small-24b")
 
 
-def _qwen3(architecture: str) -> TextEncoderSpec:
-    return TextEncoderSpec("text_encoder", "tokenizer", "decoder_lm", 512, "prompt_embeds",
-                           hidden_layers=(9, 18, 27), template=QWEN3_TEMPLATE, architecture=architecture)
+def _qwen3(architecture: str, max_length: int = 512, layers: tuple[int, ...] = (9, 18, 27)) -> TextEncoderSpec:
+    """klein's Qwen3. A single file without tokenizer files beside it (ComfyUI's qwen_3_4b.safetensors,
+    qwen_3_8b_fp8mixed.safetensors) uses ComfyUI's bundled Qwen tokenizer inside ComfyUI, as ComfyUI's own klein
+    nodes do (KleinTokenizer); the tiny stand-in (no architecture) brings its own."""
+    return TextEncoderSpec("text_encoder", "tokenizer", "decoder_lm", max_length, "prompt_embeds",
+                           hidden_layers=layers, template=QWEN3_TEMPLATE, architecture=architecture,
+                           comfyui_tokenizer="qwen25_tokenizer" if architecture else "")
 
 
 class Flux2VaeSpec(VaeSpec):
@@ -210,6 +218,9 @@ class Flux2Family(ModelFamily):
         "flux2-klein-base-9b": "flux2-klein-9b.json",
         # Tiny random model for the tests (same architecture, small widths; text = a tiny Mistral3).
         "flux2-tiny": "flux2-tiny.json",
+        # The klein templates' tiny stand-in: flux2-tiny without the guidance embedding, text = a tiny Qwen3; it samples
+        # as the base klein the templates train (classifier-free guidance).
+        "flux2-klein-tiny": "flux2-klein-tiny.json",
     }
     tiny_variant = "flux2-tiny"
     diffusers_class_name = "Flux2Transformer2DModel"
@@ -220,8 +231,10 @@ class Flux2Family(ModelFamily):
                       "variants)",
         "pipeline": "dev: text_encoder (Mistral-Small 3.x 24B; only layers 0-29 are read), tokenizer, vae "
                     "(AutoencoderKLFlux2); klein: text_encoder (Qwen3 4B/8B), tokenizer, vae",
-        "single_files": "mistral_3_small_flux2_bf16.safetensors (its embedded tokenizer is used) or the Qwen3 file "
-                        "for klein (tokenizer files in a folder named like it), and flux2-vae.safetensors",
+        "single_files": "mistral_3_small_flux2_bf16.safetensors (its embedded tokenizer is used) or klein's Qwen3 "
+                        "file, qwen_3_4b.safetensors / qwen_3_8b_fp8mixed.safetensors (inside ComfyUI its bundled Qwen "
+                        "tokenizer is used; elsewhere tokenizer files in a folder named like it), and "
+                        "flux2-vae.safetensors",
     }
     memory = Flux2Memory(
         block_lists=("transformer_blocks", "single_transformer_blocks"),
@@ -309,6 +322,8 @@ class Flux2Family(ModelFamily):
             return (_qwen3("qwen3-8b"),)
         if variant == "flux2-tiny":
             return (_mistral(16, (1, 2, 3)),)
+        if variant == "flux2-klein-tiny":  # the tiny Qwen3 has 4 layers; 32 tokens hold the template and a caption
+            return (_qwen3("", 32, (1, 2, 3)),)
         return (_mistral(),)
 
     def text_widths(self, config: dict) -> dict[str, int]:
@@ -391,7 +406,7 @@ class Flux2Family(ModelFamily):
         scale 4 and 50 steps, ``neg + 4 (pos - neg)`` with the empty prompt (and an edit's references in both)."""
         if variant in ("flux2-dev", "flux2-tiny"):
             return Guidance("embedded", 4.0)
-        if variant.startswith("flux2-klein-base-"):
+        if variant.startswith("flux2-klein-base-") or variant == "flux2-klein-tiny":
             return Guidance(mode="cfg", scale=4.0, steps=50, formula="standard")
         return Guidance("none")
 

@@ -11,28 +11,47 @@ import torch
 from safetensors.torch import save_file
 
 from ..tiny import add_tiny_controls  # noqa: F401  (edit pairs: Kontext / Flux.2 references)
-from ..tiny import (TINY_MISTRAL_CHAT_TEMPLATE, TINY_QWEN3_CHAT_TEMPLATE, native_state, save_tensors,
+from ..tiny import (TINY_MISTRAL_CHAT_TEMPLATE, native_state, save_tensors,
                     tiny_decoder_lm, tiny_transformer, word_level_tokenizer, write_ldm_vae_file)
 from . import FAMILY
 
 
-def build_tiny_pipeline(folder: str | Path, text_encoder: str = "mistral3", seed: int = 0) -> Path:
+#: Qwen3's chat template (Qwen/Qwen3-4B tokenizer_config.json), the part a one-turn prompt uses: each turn between
+#: <|im_start|> and <|im_end|>, the assistant prompt, and the empty thinking block when enable_thinking is False.
+#: The tiny Qwen3 tokenizer carries it, so that Flux2KleinPipeline's own encoding (apply_chat_template) is the
+#: reference for klein's written-out template (family.QWEN3_TEMPLATE).
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + "
+    "'\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- if enable_thinking is "
+    "defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}")
+_QWEN3_MARKERS = ["<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+
+
+def build_tiny_pipeline(folder: str | Path, text_encoder: str | None = None, seed: int = 0,
+                        variant: str | None = None) -> Path:
     """Write a complete tiny Flux.2 diffusers pipeline folder (transformer, a tiny Mistral3 or
-    Qwen3 text encoder with an offline tokenizer, the Flux.2 VAE with its BatchNorm, scheduler)."""
+    Qwen3 text encoder with an offline tokenizer, the Flux.2 VAE with its BatchNorm, scheduler).
+    ``variant``: ``flux2-tiny`` (default; a Mistral3) or ``flux2-klein-tiny`` (no guidance embedding; a Qwen3)."""
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler
 
     folder = Path(folder)
-    transformer = tiny_transformer(FAMILY, seed)
+    variant = variant or FAMILY.tiny_variant
+    text_encoder = text_encoder or ("qwen3" if variant == "flux2-klein-tiny" else "mistral3")
+    transformer = tiny_transformer(FAMILY, seed, variant)
     config = dict(transformer.config)
     torch.manual_seed(seed)
     specials = ["<pad>", "<s>", "</s>", "[IMG]", "<unk>"]
+    if text_encoder == "qwen3":  # the chat markers as Qwen's special tokens, the turn names as words
+        specials += _QWEN3_MARKERS + ["user", "assistant"]
     tokenizer, vocab = word_level_tokenizer(specials, "<s>", "</s>", "<pad>", "<unk>", 512)
-    tokenizer.chat_template = TINY_MISTRAL_CHAT_TEMPLATE if text_encoder == "mistral3" else TINY_QWEN3_CHAT_TEMPLATE
+    tokenizer.chat_template = TINY_MISTRAL_CHAT_TEMPLATE if text_encoder == "mistral3" else QWEN3_CHAT_TEMPLATE
     tokenizer.padding_side = "left" if text_encoder == "mistral3" else "right"
     if text_encoder == "qwen3":  # Qwen's template adds no BOS and its tokenizer adds none either
         from tokenizers import processors
 
         tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(single="$A")
+        tokenizer.add_special_tokens({"additional_special_tokens": _QWEN3_MARKERS})  # already in the vocabulary
+        assert len(tokenizer) == vocab
     hidden = config["joint_attention_dim"] // 3  # three stacked hidden states per token
     lm = tiny_decoder_lm(text_encoder, vocab, hidden, 4, seed)
     vae = AutoencoderKLFlux2(

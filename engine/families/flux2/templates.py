@@ -8,8 +8,27 @@ _DEV_DOWNLOADS = {  # as in ComfyUI's own Flux.2-dev templates
     "flux2-vae.safetensors": _DEV + "vae/flux2-vae.safetensors",
 }
 
-_KLEIN_BASE_4B = ("https://huggingface.co/Comfy-Org/flux2-klein/resolve/main/split_files/diffusion_models/"
-                  "flux-2-klein-base-4b.safetensors")
+# klein as ComfyUI's own templates give it (Comfy-Org/workflow_templates, templates/image_flux2_klein_text_to_image.json,
+# its "Model links" note: the diffusion model and Qwen3-4B from Comfy-Org/flux2-klein, the VAE from Comfy-Org/flux2-dev).
+# The 9B (named in the notes, not downloaded: the templates train 4B) as image_flux2_klein_image_edit_9b_base.json
+# gives it: qwen_3_8b_fp8mixed.safetensors from Comfy-Org/flux2-klein-9B, flux-2-klein-base-9b-fp8.safetensors from
+# black-forest-labs/FLUX.2-klein-base-9b-fp8 (gated: accept BFL's agreement there).
+_KLEIN = "https://huggingface.co/Comfy-Org/flux2-klein/resolve/main/split_files/"
+_KLEIN_DOWNLOADS = {
+    "flux-2-klein-base-4b.safetensors": _KLEIN + "diffusion_models/flux-2-klein-base-4b.safetensors",
+    "qwen_3_4b.safetensors": _KLEIN + "text_encoders/qwen_3_4b.safetensors",
+    "flux2-vae.safetensors": _DEV_DOWNLOADS["flux2-vae.safetensors"],
+}
+_KLEIN_CACHE = {"text_encoders": "(single files below)", "text_encoder_1": "qwen_3_4b.safetensors",
+                "vae_file": "flux2-vae.safetensors"}
+_KLEIN_FILES = (
+    "- models/diffusion_models/flux-2-klein-base-4b.safetensors (ComfyUI's file). The 9B: "
+    "flux-2-klein-base-9b-fp8.safetensors (from black-forest-labs/FLUX.2-klein-base-9b-fp8) with "
+    "qwen_3_8b_fp8mixed.safetensors (Comfy-Org/flux2-klein-9B) as text_encoder_1.\n"
+    "- models/text_encoders/qwen_3_4b.safetensors (ComfyUI's Qwen3-4B, as Z-Image's; layers 0-26 are "
+    "read, one at a time; inside ComfyUI its bundled Qwen tokenizer is used, standalone put Qwen3's tokenizer files in "
+    "models/text_encoders/qwen_3_4b/) and models/vae/flux2-vae.safetensors. Or set text_encoders to a diffusers "
+    "folder (models/diffusers/FLUX.2-klein-base-4B).\n")
 _EDIT_DATASET = (
     "- input/my_edits/: the TARGET images (the result of the edit) with same-name .txt instructions, and "
     "input/my_edits/control/: the REFERENCE images (the inputs), named as their targets (cat.png; cat_0.png, "
@@ -50,19 +69,18 @@ TEMPLATES = [
         name="flux2_klein_lora",
         variant="flux2-klein-base-4b",
         load={"checkpoint": "flux-2-klein-base-4b.safetensors", "family": "flux2", "precision": "bf16"},
-        cache={"text_encoders": "diffusers/FLUX.2-klein-base-4B", "dataset_path": "my_subject", "resolution": 1024},
+        cache={**_KLEIN_CACHE, "dataset_path": "my_subject", "resolution": 1024},
         offload={"mode": "auto", "vram_budget_gb": 5.0},
         train={"steps": 1500, "learning_rate": 1e-4, "rank": 16, "alpha": 16.0, "warmup_steps": 0,
                "training_seed": 42},
         save={"filename_prefix": "loras/flux2_klein_lora"},
-        downloads={"flux-2-klein-base-4b.safetensors": "https://huggingface.co/Comfy-Org/flux2-klein/resolve/main/"
-                                                       "split_files/diffusion_models/flux-2-klein-base-4b.safetensors"},
+        downloads=_KLEIN_DOWNLOADS,
+        tiny_variant="flux2-klein-tiny",
         note=(
         "Flux.2 klein LoRA at 1024x1024 on a 5 GB VRAM budget (klein 4B measured 3.3 GB at 1.01x the resident "
         "step; auto accepts 4.1 GB at the least). Trainers recommend the undistilled 'base' "
         "variants for LoRA training; the 9B works the same way (pick its files).\n\nFiles:\n"
-        "- models/diffusion_models/flux-2-klein-base-4b.safetensors (or the 9B / distilled klein file).\n"
-        "- models/diffusers/FLUX.2-klein-base-4B/: text_encoder (Qwen3), tokenizer, vae.\n"
+        + _KLEIN_FILES +
         "- input/my_subject/: your images with same-name .txt captions.\n\n"
         "klein has no guidance embedding: Train LoRA's guidance value is ignored."),
     ),
@@ -115,19 +133,17 @@ TEMPLATES = [
         name="flux2_klein_edit_lora",
         variant="flux2-klein-base-4b",
         load={"checkpoint": "flux-2-klein-base-4b.safetensors", "family": "flux2", "precision": "bf16"},
-        cache={"text_encoders": "diffusers/FLUX.2-klein-base-4B", "dataset_path": "my_edits", "resolution": 1024,
-               "control_folder": "my_edits/control"},
+        cache={**_KLEIN_CACHE, "dataset_path": "my_edits", "resolution": 1024, "control_folder": "my_edits/control"},
         offload={"mode": "auto", "vram_budget_gb": 5.0},
         train={"steps": 1500, "learning_rate": 1e-4, "rank": 16, "alpha": 16.0, "warmup_steps": 0,
                "training_seed": 42},
         save={"filename_prefix": "loras/flux2_klein_edit_lora"},
-        downloads={"flux-2-klein-base-4b.safetensors": _KLEIN_BASE_4B},
+        downloads=_KLEIN_DOWNLOADS,
+        tiny_variant="flux2-klein-tiny",
         note=(
         "Flux.2 klein EDIT LoRA: teaches an edit of given reference images at 1024x1024 on a 5 GB VRAM budget. "
         "Train on the undistilled 'base' model; the 9B works the same way (pick its files). klein 9B KV files "
-        "(references first, KV cache) are refused: use klein 9B / base 9B.\n\nFiles:\n"
-        "- models/diffusion_models/flux-2-klein-base-4b.safetensors.\n"
-        "- models/diffusers/FLUX.2-klein-base-4B/: text_encoder (Qwen3), tokenizer, vae.\n"
-        + _EDIT_DATASET + " klein has no guidance embedding: Train LoRA's guidance value is ignored."),
+        "(references first, KV cache) are refused: use klein 9B / base 9B.\n\nFiles (as flux2_klein_lora):\n"
+        + _KLEIN_FILES + _EDIT_DATASET + " klein has no guidance embedding: Train LoRA's guidance value is ignored."),
     ),
 ]
