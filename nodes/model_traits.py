@@ -22,19 +22,34 @@ HELD_INPUTS = {"LowVRAMLossOptions": ["first_frame_p"]}
 def model_traits(checkpoint: str, family: str = "auto") -> dict:
     """``{"family", "variant", "video", "edit", "hide": {node id: [input names]}, "inputs": {node id: [every
     input that depends on the model]}}`` for a Load Quantized Slab choice; raises what the Load node would (a
-    missing file, an unknown family)."""
+    missing file, an unknown family). A file not there yet (a template opened before its download) with the
+    family chosen: the family's answers, an input kept where any of its variants uses it (``variant`` None)."""
     from ..engine.checkpoint import identify
+    from ..engine.families import get_family
     from .paths import resolve_choice
 
-    ident = identify(resolve_choice(checkpoint), family)
-    video = bool(ident.family.video)
-    edit = ident.family.control_images(ident.variant) is not None
-    first = ident.family.first_frame(ident.variant)
-    twin = _twin(ident.family, ident.variant) if video and first is None else None
-    both = twin is not None
-    # first_frame_p does something where the model, or the twin it also trains, holds its first frame
-    held = first if first is not None else (ident.family.first_frame(twin) if both else None)
-    holds = held is not None and held.held
+    try:
+        path = resolve_choice(checkpoint)
+    except FileNotFoundError:
+        if family in ("", "auto"):
+            raise
+        fam = get_family(family)  # an unknown family raises here, as the Load node would
+        return _traits(fam, None, list(fam.variants))
+    ident = identify(path, family)
+    return _traits(ident.family, ident.variant, [ident.variant])
+
+
+def _traits(family, variant, variants: list[str]) -> dict:
+    video = bool(family.video)
+    edit = any(family.control_images(v) is not None for v in variants)
+    both = holds = False
+    for v in variants:
+        first = family.first_frame(v)
+        twin = _twin(family, v) if video and first is None else None
+        both = both or twin is not None
+        # first_frame_p does something where the model, or the twin it also trains, holds its first frame
+        held = first if first is not None else (family.first_frame(twin) if twin is not None else None)
+        holds = holds or (held is not None and held.held)
     hide: dict[str, list[str]] = {}
     for applies, inputs in ((video, VIDEO_INPUTS), (edit, EDIT_INPUTS), (both, TASK_INPUTS), (holds, HELD_INPUTS)):
         if not applies:
@@ -44,8 +59,7 @@ def model_traits(checkpoint: str, family: str = "auto") -> dict:
     for inputs in (VIDEO_INPUTS, EDIT_INPUTS, TASK_INPUTS, HELD_INPUTS):
         for node, names in inputs.items():
             managed.setdefault(node, []).extend(names)
-    return {"family": ident.family.id, "variant": ident.variant, "video": video, "edit": edit, "hide": hide,
-            "inputs": managed}
+    return {"family": family.id, "variant": variant, "video": video, "edit": edit, "hide": hide, "inputs": managed}
 
 
 def _twin(family, variant: str) -> str | None:

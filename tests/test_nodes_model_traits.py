@@ -47,3 +47,23 @@ def test_a_missing_file_raises_what_the_load_node_raises(tmp_path):
     configure_standalone_dirs(str(tmp_path / "models"), str(tmp_path / "out"))
     with pytest.raises(FileNotFoundError):
         model_traits("nope.safetensors")
+
+
+@pytest.mark.parametrize("family_id", ["flux2", "wan", "ltx2", "qwen_image"])
+def test_a_file_not_there_yet_with_its_family_chosen_gets_the_familys_answers(family_id, tmp_path):
+    """A template opened before its files are downloaded names its family: the inputs no variant of it uses are
+    hidden, each by the family's own answer over its variants."""
+    configure_standalone_dirs(str(tmp_path / "models"), str(tmp_path / "out"))
+    family = get_family(family_id)
+    t = model_traits("not_downloaded_yet.safetensors", family_id)
+    assert t["family"] == family_id and t["variant"] is None
+    hidden = {(n, i) for n, names in t["hide"].items() for i in names}
+    video = {(n, i) for n, names in VIDEO_INPUTS.items() for i in names}
+    edit = {(n, i) for n, names in EDIT_INPUTS.items() for i in names}
+    assert (video <= hidden) == (not family.video)
+    assert (edit <= hidden) == all(family.control_images(v) is None for v in family.variants)
+    # Flux.2 and Qwen-Image have edit variants (control_folder shown); no image family shows a video input
+    assert t["edit"] == (family_id in ("flux2", "qwen_image"))
+    assert t["video"] == (family_id in ("wan", "ltx2"))
+    with pytest.raises(Exception, match="unknown model family"):
+        model_traits("not_downloaded_yet.safetensors", "no_such_family")
