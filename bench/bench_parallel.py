@@ -172,6 +172,7 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     flag_dir = Path(os.environ.get("BENCH_FLAG_DIR", out.parent))
     dp_flag = flag_dir / f".dp-start-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}"
+    seen_flag = dp_flag.with_name(dp_flag.name + "-seen")  # rank 1 saw dp_flag: rank 0 may remove it
     run_id = new_run_id()
     gpus = max(me.world_size, 2 if cuda and torch.cuda.device_count() >= 2 else 1)
     base = {"run_id": run_id, "gpu": f"{gpus}x {_gpu_name(device)}", **_versions(), "model": args.variant,
@@ -265,6 +266,7 @@ def main(argv=None) -> int:
         dp_flag.touch()
     else:
         _wait_for(dp_flag)
+        seen_flag.touch()
     if "dp" in args.modes and me.world_size >= 2 and cuda:
         ranks = init_from_env(device)
         if not me.is_main:
@@ -276,7 +278,12 @@ def main(argv=None) -> int:
         run("dp", model, family, dataset, OffloadConfig(mode="auto", vram_budget_gb=args.budget), ranks=ranks)
         shutdown()
     if me.is_main:
+        if me.world_size >= 2:
+            # Removed before rank 1 polled it (every 0.5 s), the flag would leave rank 1 waiting for ever and
+            # torchrun with it (the runs of 2026-11-28 ended so, after their rows were written).
+            _wait_for(seen_flag)
         dp_flag.unlink(missing_ok=True)
+        seen_flag.unlink(missing_ok=True)
         print("\nmode       step s   images/s   x one-GPU img/s   peak GB per GPU   host RAM GB (predicted)   pinned GB")
         for mode, r in rows.items():
             print(f"{mode:9s} {r['step_s'] or float('nan'):8.3f} {r['images_per_s'] or float('nan'):10.3f} "
