@@ -140,10 +140,12 @@ class HostPeak:
     def fields(self, steps) -> dict:
         """The row's host RAM fields (GB); ``steps``: the run's StepInfo list (its reported pinned bytes)."""
         gb = lambda b: round(b / 1e9, 3)  # noqa: E731
+        pinned = max((s.pinned_host_gb for s in steps), default=None)
         return {"peak_host_gb": gb(self.host), "peak_rss_gb": gb(self.rss), "peak_locked_gb": gb(self.locked),
-                "host_rss_gb": gb(self._read().rss),
-                "pinned_host_gb": max((s.pinned_host_gb for s in steps), default=None),
-                "host_ram_peak_gb": max((s.host_ram_gb for s in steps), default=None)}
+                "host_rss_gb": gb(self._read().rss), "pinned_host_gb": pinned,
+                "host_ram_peak_gb": max((s.host_ram_gb for s in steps), default=None),
+                # the names every bench row carries beside its peak VRAM
+                "host_ram_gb": gb(self.host), "pinned_gb": round(pinned, 3) if pinned is not None else None}
 
 
 def _wait_for(path: Path) -> None:
