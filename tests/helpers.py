@@ -128,20 +128,18 @@ class LogRecorder(TrainingCallback):
     def should_stop(self): return False
 
 
-def tiny_lora_model(family_id: str, num_double: int, num_single: int, seed: int = 0):
-    """A tiny Flux (flux1-tiny / flux2-tiny widths, the given block counts) with LoRA r4 whose B is random, so
-    every LoRA weight gets a gradient, and gradient checkpointing on (streaming needs it). (model, params)."""
+def tiny_lora_transformer(family_id: str, overrides: dict | None = None, seed: int = 0):
+    """The family's tiny transformer (its config with ``overrides``: layer counts) with LoRA r4 whose B is random, so
+    every LoRA weight gets a gradient, gradient checkpointing on (streaming needs it), in train mode.
+    (model, params, family)."""
     from lowvram_lora.engine.config import LoraSettings
-    from lowvram_lora.engine.families import get_family
-    from lowvram_lora.engine.families.tiny import randomize_zero_inits as _randomize_zero_inits
+    from lowvram_lora.engine.families.tiny import randomize_zero_inits
     from lowvram_lora.engine.train.lora_attach import attach_lora
 
     family = get_family(family_id)
-    cfg = dict(family.load_config(f"{family_id}-tiny"), num_layers=num_double,
-               num_single_layers=num_single)
     torch.manual_seed(seed)
-    model = family.transformer_class().from_config(cfg)
-    _randomize_zero_inits(model, seed)
+    model = family.transformer_class().from_config(dict(family.load_config(family.tiny_variant), **(overrides or {})))
+    randomize_zero_inits(model, seed)
     model.requires_grad_(False)
     model.enable_gradient_checkpointing()
     params = attach_lora(model, family, LoraSettings(rank=4, alpha=4), seed)
@@ -151,6 +149,14 @@ def tiny_lora_model(family_id: str, num_double: int, num_single: int, seed: int 
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
     model.train()
+    return model, params, family
+
+
+def tiny_lora_model(family_id: str, num_double: int, num_single: int, seed: int = 0):
+    """A tiny Flux (flux1-tiny / flux2-tiny widths, the given block counts): ``tiny_lora_transformer``'s
+    (model, params)."""
+    model, params, _ = tiny_lora_transformer(
+        family_id, {"num_layers": num_double, "num_single_layers": num_single}, seed)
     return model, params
 
 

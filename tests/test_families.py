@@ -126,21 +126,9 @@ def test_int8_slab_of_the_native_file_holds_the_reference(family_id, tiny, tmp_p
 
 
 def _lora_model(family, seed=0):
-    from lowvram_lora.engine.families.tiny import randomize_zero_inits
-    from lowvram_lora.engine.train.lora_attach import attach_lora
+    from helpers import tiny_lora_transformer
 
-    torch.manual_seed(seed)
-    model = family.transformer_class().from_config(family.load_config(family.tiny_variant))
-    randomize_zero_inits(model, seed)
-    model.requires_grad_(False)
-    model.enable_gradient_checkpointing()
-    attach_lora(model, family, LoraSettings(rank=4, alpha=4), seed)
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(seed + 7)
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    return model.train()
+    return tiny_lora_transformer(family.id, None, seed)[0]
 
 
 @pytest.mark.parametrize("act", [False, True])

@@ -121,24 +121,9 @@ CPU2 = (torch.device("cpu"), torch.device("cpu"))
 def _tiny(family_id: str, blocks: dict, seed: int = 5):
     """The family's tiny transformer with more blocks (``blocks``: its config's layer counts) and LoRA r4 whose B is
     random (every LoRA weight gets a gradient), gradient checkpointing on."""
-    from lowvram_lora.engine.config import LoraSettings
-    from lowvram_lora.engine.families import get_family
-    from lowvram_lora.engine.families.tiny import randomize_zero_inits
-    from lowvram_lora.engine.train.lora_attach import attach_lora
+    from helpers import tiny_lora_transformer
 
-    family = get_family(family_id)
-    torch.manual_seed(seed)
-    model = family.transformer_class().from_config(dict(family.load_config(family.tiny_variant), **blocks))
-    randomize_zero_inits(model, seed)
-    model.requires_grad_(False)
-    model.enable_gradient_checkpointing()
-    attach_lora(model, family, LoraSettings(rank=4, alpha=4), seed)
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(seed + 7)
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    model.train()
+    model, _, family = tiny_lora_transformer(family_id, blocks, seed)
     return model, family
 
 
