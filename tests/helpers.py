@@ -128,6 +128,18 @@ class LogRecorder(TrainingCallback):
     def should_stop(self): return False
 
 
+def trained_grads(model) -> dict:
+    """The gradient of every trained parameter, by name (cloned)."""
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def assert_grads_close(g: dict, g_ref: dict, rtol: float, atol: float = 1e-7) -> None:
+    """The same trained parameters (at least one), each gradient within ``rtol`` / ``atol`` of the reference."""
+    assert g.keys() == g_ref.keys() and len(g) > 0
+    for name in g_ref:
+        torch.testing.assert_close(g[name], g_ref[name], rtol=rtol, atol=atol, msg=name)
+
+
 def tiny_lora_transformer(family_id: str, overrides: dict | None = None, seed: int = 0):
     """The family's tiny transformer (its config with ``overrides``: layer counts) with LoRA r4 whose B is random, so
     every LoRA weight gets a gradient, gradient checkpointing on (streaming needs it), in train mode.

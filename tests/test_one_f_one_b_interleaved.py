@@ -120,6 +120,9 @@ def test_a_smaller_batch_runs_its_odd_pieces_too():
                 even = m - m % 2
                 assert in_flight(ops) <= (in_flight(schedule(even, 2, chunks)[s]) if even else 0) + chunks
             _replay(plan, 2, chunks)
-            assert makespan(plan, lambda s, op: 1.0) > 0
+            # unit ops: the interleaved part's closed form (M + 1/v) 2v, then the odd piece alone after it drains
+            # (its 2v chunk forwards and 2v backwards one after another)
+            head = (even + 1 / chunks) * 2 * chunks if even else 0.0
+            assert makespan(plan, lambda s, op: 1.0) == pytest.approx(head + 4 * chunks * (m % 2), abs=1e-9)
     assert runnable_schedule(3, 2, 1) == schedule(3)  # not interleaved: any count, as before
     assert runnable_schedule(3, 2, 2)[0][-4:] == (("F", 2, 0), ("F", 2, 2), ("B", 2, 2), ("B", 2, 0))

@@ -85,7 +85,8 @@ def test_kernel_names_fall_in_their_categories():
 def test_lowvram_ranges_fire_in_streaming_and_keep_the_gradients():
     from helpers import tiny_lora_model
     from profile_step import annotate_engine, remove_annotations
-    from test_offload_streaming import CALLS, grads, run_steps, streamed
+    from helpers import trained_grads as grads
+    from test_offload_streaming import CALLS, run_steps, streamed
     from torch.profiler import ProfilerActivity, profile
 
     from profile_analysis import kineto_events
