@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Optional
 
 from ..config import field_help
 from ..errors import ConfigError
@@ -109,17 +110,27 @@ class ParallelConfig:
                               f"(1 = not interleaved)")
         if v != 1 and self.mode != "split":
             raise ConfigError(f"virtual_stages={v} only applies to split mode; leave it at 1 for {self.mode}")
-        if v > 1 and (self.micro_batches < 2 or self.micro_batches % 2):
-            raise ConfigError(f"virtual_stages={v} interleaves micro-batches in groups of 2, but micro_batches is "
-                              f"{self.micro_batches}: set micro_batches to a multiple of 2 (e.g. 4), or "
-                              f"virtual_stages to 1 (0 = auto picks 1 then)")
-        if v != 1 and self.cut != -1:
-            raise ConfigError(f"cut={self.cut} places the one cut of virtual_stages 1; with virtual_stages={v} the "
-                              f"planner places every chunk's cut: leave cut at -1, or set virtual_stages to 1")
+        check_virtual_stages(v, self.micro_batches, None if self.cut == -1 else self.cut)
 
     @property
     def world_size(self) -> int:
         return len(self.devices) if self.mode == "data_parallel" else 1
+
+
+def check_virtual_stages(virtual_stages: int, micro_batches: int, cut: Optional[int],
+                         num_blocks: Optional[int] = None) -> None:
+    """What an interleaved split cannot run, refused with the fix: the node's settings (ParallelConfig) and the
+    split planner (engine/parallel/split.py, which also knows the model's ``num_blocks``) ask the same."""
+    if virtual_stages > 1 and (micro_batches < 2 or micro_batches % 2):
+        raise ConfigError(f"virtual_stages={virtual_stages} interleaves micro-batches in groups of 2, but "
+                          f"micro_batches is {micro_batches}: set micro_batches to a multiple of 2 (e.g. 4), or "
+                          f"virtual_stages to 1 (0 = auto picks 1 then)")
+    if virtual_stages != 1 and cut is not None:
+        raise ConfigError(f"cut={cut} places the one cut of virtual_stages 1; with virtual_stages={virtual_stages} "
+                          f"the planner places every chunk's cut: leave cut at -1, or set virtual_stages to 1")
+    if num_blocks is not None and 2 * virtual_stages > num_blocks:
+        raise ConfigError(f"virtual_stages={virtual_stages} cuts the model into {2 * virtual_stages} chunks but it "
+                          f"has {num_blocks} blocks; lower virtual_stages")
 
 
 def help_text(name: str) -> str:

@@ -58,6 +58,7 @@ from ..offload.config import OffloadConfig
 from ..offload.footprint import named_blocks
 from ..offload.plan import GB, ModelFootprint, Plan, Workload, make_plan
 from ..offload.steptime import ATTENTION_PASSES, LINEAR_PASSES, Machine, block_flops
+from .config import check_virtual_stages
 from .one_f_one_b import bound, chunk_of, held_blocks, in_flight, makespan, schedule
 from .part_memory import part_peak
 
@@ -209,12 +210,18 @@ def part_footprints(fp: ModelFootprint, block_trainable: list[int], other_traina
     return first, part(1, other_bytes=0, outer_bytes=0)
 
 
+def _block_step_flops(fp: ModelFootprint, workload: Workload) -> list[float]:
+    """Each block's FLOPs over a step of one sample (forward, recompute and backward), weighted as
+    engine/offload/steptime.py spreads a part's compute over its blocks."""
+    return [LINEAR_PASSES * lin + ATTENTION_PASSES * att for lin, att in block_flops(
+        fp, workload.tokens, 1, workload.text_tokens, audio_tokens=workload.audio_tokens)]
+
+
 def chunk_shares(fp: ModelFootprint, workload: Workload, cuts: tuple[int, ...]) -> tuple[float, ...]:
     """Each chunk's share of its device's part time: of the part's block FLOPs (forward, recompute and backward:
     engine/offload/steptime.py's weights), which is how the step-time model spreads a part's compute over its
     blocks."""
-    flops = [LINEAR_PASSES * lin + ATTENTION_PASSES * att for lin, att in block_flops(
-        fp, workload.tokens, 1, workload.text_tokens, audio_tokens=workload.audio_tokens)]
+    flops = _block_step_flops(fp, workload)
     edges = [0, *cuts, fp.num_blocks]
     per_chunk = [sum(flops[a:b]) for a, b in zip(edges, edges[1:])]
     per_device = [sum(per_chunk[d::2]) for d in (0, 1)]
@@ -225,8 +232,7 @@ def interleaved_cuts(fp: ModelFootprint, workload: Workload, chunks: int) -> lis
     """Candidate cuts for ``chunks`` per device: chunk boundaries at equal shares of the blocks' FLOPs within each
     device, the first device's share of the whole swept (so the planner, which keeps the shortest predicted step,
     balances time with streaming and the head counted, as it does with one cut). Each chunk keeps a block at least."""
-    flops = [LINEAR_PASSES * lin + ATTENTION_PASSES * att for lin, att in block_flops(
-        fp, workload.tokens, 1, workload.text_tokens, audio_tokens=workload.audio_tokens)]
+    flops = _block_step_flops(fp, workload)
     n, total = fp.num_blocks, sum(flops) or 1.0
     before = [sum(flops[:i]) / total for i in range(n + 1)]  # share before block i
     out: list[tuple[int, ...]] = []
@@ -266,14 +272,14 @@ def plan_split(fp: ModelFootprint, block_trainable: list[int], other_trainable: 
         span = check_pipelined(other_trainable, workload.batch, micro_batches, accumulation)
     auto_note = ""
     if virtual_stages == 0:
+        check_virtual_stages(0, micro_batches, cut)  # auto places every cut
         choices = [v for v in AUTO_VIRTUAL_STAGES if v == 1 or (
-            micro_batches > 1 and micro_batches % 2 == 0 and cut is None and 2 * v <= fp.num_blocks)]
+            micro_batches > 1 and micro_batches % 2 == 0 and 2 * v <= fp.num_blocks)]
         if len(choices) == 1:
             auto_note = ("virtual_stages auto: 1, " + ("not pipelined" if micro_batches == 1 else
-                         f"micro_batches {micro_batches} is odd (interleaving needs a multiple of 2)"
-                         if micro_batches % 2 else "the cut is given"))
+                         f"micro_batches {micro_batches} is odd (interleaving needs a multiple of 2)"))
     else:
-        check_interleaved(virtual_stages, micro_batches, cut, fp.num_blocks)
+        check_virtual_stages(virtual_stages, micro_batches, cut, fp.num_blocks)
         choices = [virtual_stages]
     found, last_error = {}, None
     for v in choices:
@@ -316,22 +322,6 @@ def plan_split(fp: ModelFootprint, block_trainable: list[int], other_trainable: 
     if auto_note:
         best.reason += "; " + auto_note
     return best
-
-
-def check_interleaved(virtual_stages: int, micro_batches: int, cut: Optional[int], num_blocks: int) -> None:
-    """What an interleaved split (``virtual_stages`` > 1) cannot run, refused with the fix."""
-    if virtual_stages <= 1:
-        return
-    if micro_batches < 2 or micro_batches % 2:
-        raise ConfigError(f"Dual-GPU Split virtual_stages={virtual_stages} interleaves micro-batches in groups of 2, "
-                          f"but micro_batches is {micro_batches}: set micro_batches to a multiple of 2 (e.g. 4), or "
-                          f"virtual_stages to 1")
-    if cut is not None:
-        raise ConfigError(f"Dual-GPU Split cut={cut} places the one cut of virtual_stages 1; with virtual_stages="
-                          f"{virtual_stages} leave cut at -1 (every chunk's cut is planned)")
-    if 2 * virtual_stages > num_blocks:
-        raise ConfigError(f"Dual-GPU Split virtual_stages={virtual_stages} cuts the model into {2 * virtual_stages} "
-                          f"chunks but it has {num_blocks} blocks; lower virtual_stages")
 
 
 def _best_split(fp, block_trainable, other_trainable, workload, offload, devices, budgets, cut, host_ram_bytes,
