@@ -1,13 +1,23 @@
 """Both Wan 2.2 A14B experts at once (Dual-GPU Split mode ``experts``, issue 42) against two one-expert runs back to back.
 
 Issue 42's target: the two-expert run's wall time <= 0.55x the two one-expert runs one after the other, Wan 2.2
-T2V-A14B, 832x480x81, 8 GB VRAM budget per GPU, int8. Wan's refitted allocator margin refuses the eager plan at 8 GB
-before loading (smallest 8.3 GB), so the bench runs at 9 (peak 8.09 GB per GPU on 2x H200, 2026-11-28). On a 2-GPU
-machine (no torchrun: experts mode starts its own worker processes):
+T2V-A14B, 832x480x81, 8 GB VRAM budget per GPU, int8. On a 2-GPU machine (no torchrun: experts mode starts its own
+worker processes):
 
     source bench/gpu_env.sh
-    PYTHONUNBUFFERED=1 python3 bench/bench_experts.py --res 832x480x81 --steps 3 --budget 9 \\
+    PYTHONUNBUFFERED=1 python3 bench/bench_experts.py --res 832x480x81 --steps 3 --budget 8 \
         --ckpt-dir /dev/shm --out "$OUT/results.jsonl"
+
+A run long enough for the target (16+ steps: about 18 s a step each) outlasts one machine call of 10 minutes, so it
+can span calls on the same machine, the slabs and rows kept in /dev/shm between them (W=/dev/shm/experts-bench):
+
+    bench_experts.py --modes --keep-slabs --workdir $W --ckpt-dir /dev/shm          # the slabs only
+    bench_experts.py --modes experts --steps 16 --budget 8 --keep-slabs --workdir $W --out $W/rows.jsonl
+    bench_experts.py --modes serial --roles high_noise ...the same...
+    bench_experts.py --modes serial --roles low_noise ...the same...
+    bench_experts.py --summarize --steps 16 --budget 8 --workdir $W --out $W/rows.jsonl
+
+(the serial wall is then the two one-expert runs' walls added; each is timed from its own start, as in one call).
 
 What runs, in order (``--modes``; experts first by default: a kernel or compile cache the first mode fills on disk
 then favours the serial runs, not the mode under test):
@@ -59,6 +69,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 GB = 1e9
 TARGET = 0.55  # issue 42: the two-expert run's wall time over the two one-expert runs'
+ROLES = ("high_noise", "low_noise")
 
 
 def parse_args(argv=None):
@@ -73,8 +84,15 @@ def parse_args(argv=None):
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--modes", nargs="+", default=["experts", "serial"], choices=["experts", "serial"],
-                   help="which modes, in this order")
+    p.add_argument("--modes", nargs="*", default=["experts", "serial"], choices=["experts", "serial"],
+                   help="which modes, in this order (none: only build the slabs, with --keep-slabs for the next "
+                        "call)")
+    p.add_argument("--roles", nargs="+", default=list(ROLES), choices=ROLES,
+                   help="serial mode: which one-expert runs (one each lets a long serial pair span two machine "
+                        "calls; --summarize then joins the rows)")
+    p.add_argument("--summarize", action="store_true",
+                   help="train nothing: the summary row from the newest experts row and serial rows of both roles "
+                        "in --out with these settings, their LoRA files in --workdir compared")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: a smoke test on a tiny variant (both experts on cpu)")
     p.add_argument("--workdir", default="/tmp/experts-bench", help="the slabs, the dataset cache, the LoRA files")
@@ -234,11 +252,13 @@ class Recorder:
 
         self.rec = StepRecorder(label)
         self.lines: list[tuple[float, str]] = []
+        self.t0 = time.perf_counter()
         log = self.rec.callback.log
 
-        def logged(message):
-            self.lines.append((time.perf_counter(), message))
-            log(message)
+        def logged(message):  # the arrival time shown: where the start-up goes, phase by phase
+            now = time.perf_counter()
+            self.lines.append((now, message))
+            log(f"(+{now - self.t0:.1f} s) {message}")
 
         self.rec.callback.log = logged
 
@@ -271,7 +291,7 @@ def run_serial(args, ctx) -> tuple[dict, list]:
     t0 = time.perf_counter()
     results, experts, peaks = [], [], []
     try:
-        for model, partner, role in ctx.order:
+        for model, partner, role in [o for o in ctx.order if o[2] in args.roles]:
             rec = Recorder(f"serial {role}")
             t = time.perf_counter()
             result = train_or_reuse(model, ctx.dataset, ctx.lora, ctx.train, ctx.tmp / "serial-runs", rec.callback,
@@ -352,32 +372,92 @@ def _mean(values):
     return round(statistics.fmean(values), 4) if values else None
 
 
-def compare(serial: list, experts: list, roles: list[str], rtol: float) -> dict:
-    """Each expert's LoRA of experts mode against its one-expert run's: largest absolute and relative (Frobenius)
-    difference of a tensor, bit-equal or not; ``loras_match`` when every relative difference is within ``rtol``."""
+def compare(loras: Path, losses: dict, rtol: float) -> dict:
+    """Each expert's LoRA file of experts mode (``experts_<role>``) against its one-expert run's (``serial_<role>``) in
+    ``loras``: largest absolute and relative (Frobenius) difference of a tensor, bit-equal or not, and the largest
+    difference of the two runs' losses (``losses[role]`` = (experts', serial's)); ``loras_match`` when every relative
+    difference is within ``rtol``."""
     import torch
+    from safetensors.torch import load_file
 
     out, ok = {}, True
-    for role, a, b in zip(roles, experts, serial):
-        if set(a.state_dict) != set(b.state_dict):
+    for role in ROLES:
+        a = load_file(str(loras / f"experts_{role}.safetensors"))
+        b = load_file(str(loras / f"serial_{role}.safetensors"))
+        if set(a) != set(b):
             out[role] = {"same_names": False}
             ok = False
             continue
         abs_diff = rel_diff = 0.0
         equal = True
-        for k, ref in b.state_dict.items():
-            got = a.state_dict[k].float()
+        for k, ref in b.items():
+            got = a[k].float()
             ref = ref.float()
             d = (got - ref).abs()
             abs_diff = max(abs_diff, float(d.max()))
             rel_diff = max(rel_diff, float(d.norm() / ref.norm().clamp_min(1e-30)))
             equal = equal and torch.equal(got, ref)
-        out[role] = {"same_names": True, "tensors": len(b.state_dict), "max_abs_diff": abs_diff,
-                     "max_rel_diff": rel_diff, "bit_equal": equal,
-                     "loss_max_diff": round(max((abs(x - y) for x, y in zip(a.loss_history, b.loss_history)),
-                                                default=0.0), 6)}
+        mine, theirs = losses[role]
+        out[role] = {"same_names": True, "tensors": len(b), "max_abs_diff": abs_diff, "max_rel_diff": rel_diff,
+                     "bit_equal": equal,
+                     "loss_max_diff": round(max((abs(x - y) for x, y in zip(mine, theirs)), default=0.0), 6)}
         ok = ok and rel_diff <= rtol
     return {"loras_match": ok, "match_rtol": rtol, "lora_diff": out}
+
+
+def summary_row(experts: dict, serials: list[dict], args, loras: Path, cuda: bool) -> dict:
+    """The summary of one experts row against the serial rows that hold both roles' one-expert runs (one row with
+    both, or one row each when the pair spanned two calls: their walls add, as back to back)."""
+    runs = {e["role"]: e for row in serials for e in row.get("experts", [])}
+    wall = (sum(r["wall_s"] for r in serials) if all(r.get("wall_s") for r in serials) else None)
+    serial = {"wall_s": round(wall, 2) if wall else None, "experts": [runs[r] for r in ROLES if r in runs],
+              "step_s": _mean([runs[r].get("step_s") for r in ROLES if r in runs]),
+              "peak_alloc_gb_per_gpu": [max((p for r in serials for p in r.get("peak_alloc_gb_per_gpu") or []),
+                                            default=None)],
+              "host_peak_gb": max((r.get("host_peak_gb") or 0.0) for r in serials)}
+    ratio = round(experts["wall_s"] / serial["wall_s"], 3) if experts.get("wall_s") and serial["wall_s"] else None
+    out = {"mode": "summary", "serial_wall_s": serial["wall_s"], "experts_wall_s": experts.get("wall_s"),
+           "x_serial": ratio, "target_x_serial": TARGET, "meets_target": ratio is not None and ratio <= TARGET,
+           "serial_step_s": serial["step_s"], "experts_step_s": experts.get("step_s"),
+           "serial_peak_alloc_gb_per_gpu": serial["peak_alloc_gb_per_gpu"],
+           "experts_peak_alloc_gb_per_gpu": experts.get("peak_alloc_gb_per_gpu"),
+           "serial_host_peak_gb": serial["host_peak_gb"], "experts_host_peak_gb": experts.get("host_peak_gb")}
+    if len(serials) > 1:
+        out["from_runs"] = [r["run_id"] for r in (experts, *serials)]
+    out.update(project(serial, experts, args.steps, args.project_steps))
+    if set(runs) == set(ROLES) and "error" not in experts:
+        rtol = args.match_rtol if args.match_rtol is not None else (1e-2 if cuda else 1e-6)
+        by_role = {e["role"]: e for e in experts["experts"]}
+        out.update(compare(loras, {r: (by_role[r]["losses"], runs[r]["losses"]) for r in ROLES}, rtol))
+    return out
+
+
+def summarize_rows(args, emit, loras: Path, cuda: bool) -> dict:
+    """``--summarize``: the newest experts row and the newest serial run of each role in ``--out`` whose settings
+    are this command's (res, steps, budget, seed, rank, lr, clips, model), joined into one summary row."""
+    import json
+
+    rows = [json.loads(line) for line in Path(args.out).read_text().splitlines() if line.strip()]
+    want = {"res": args.res, "steps": args.steps, "budget_gb_per_gpu": args.budget, "seed": args.seed,
+            "lora_rank": args.rank, "clips": args.clips}
+    rows = [r for r in rows if r.get("bench") == "experts" and all(r.get(k) == v for k, v in want.items())
+            and "error" not in r]
+    experts = [r for r in rows if r["mode"] == "experts"]
+    if not experts:
+        raise SystemExit(f"--summarize: no experts row with {want} in {args.out}")
+    experts = experts[-1]
+    serials, seen = [], set()
+    for row in reversed([r for r in rows if r["mode"] == "serial" and r["model"] == experts["model"]]):
+        roles = {e["role"] for e in row["experts"]}
+        if roles & seen:
+            continue
+        serials.insert(0, row)
+        seen |= roles
+        if seen == set(ROLES):
+            break
+    if seen != set(ROLES):
+        raise SystemExit(f"--summarize: serial rows of {sorted(set(ROLES) - seen)} missing in {args.out} (with {want})")
+    return emit(summary_row(experts, serials, args, loras, cuda))
 
 
 # --------------------------------------------------------------------------------------------- main
@@ -400,16 +480,20 @@ def main(argv=None) -> int:
                              f"(--device cpu for the smoke test)")
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    cuda = args.device == "cuda"
+    if args.summarize:
+        high_first = sorted([args.variant, pairing[0]], key=lambda v: not _is_high(family, v))
+        summarize_rows(args, _emitter(args, " + ".join(high_first), cuda, {}), workdir / "loras", cuda)
+        return 0
     slabs, slab_info = build_slabs(args, [args.variant, pairing[0]])  # before CUDA starts here (spawned builders)
 
     import torch
 
-    from train_bench import _command, _gpu_name, _versions, new_run_id, row_emitter, write_synthetic_cache
+    from train_bench import write_synthetic_cache
     from lowvram_lora.engine.config import LoraSettings, ModelConfig, TrainConfig
     from lowvram_lora.engine.models.inspect import inspect_transformer
     from lowvram_lora.engine.offload import OffloadConfig
 
-    cuda = args.device == "cuda"
     devices = ("cuda:0", "cuda:1") if cuda else ("cpu", "cpu")
     infos = [inspect_transformer(ModelConfig(transformer_path=str(s), family=args.family,
                                              dtype="bf16" if cuda else "fp32")) for s in slabs]
@@ -428,45 +512,22 @@ def main(argv=None) -> int:
         lora=LoraSettings(rank=args.rank, alpha=float(args.rank)),
         train=TrainConfig(steps=args.steps, learning_rate=args.lr, batch_size=1, seed=args.seed, device=devices[0]),
         offload=lambda budget: OffloadConfig(mode="auto", vram_budget_gb=budget))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    emit = row_emitter(out, {
-        "run_id": new_run_id(), "bench": "experts",
-        "gpu": f"2x {_gpu_name(torch.device(devices[0]))}" if cuda else _gpu_name(torch.device("cpu")),
-        **_versions(), "model": f"{order[0][0].variant} + {order[1][0].variant}", "res": args.res,
-        "precision": "int8", "budget_gb_per_gpu": args.budget, "lora_rank": args.rank, "batch": 1, "grad_ckpt": True,
-        "steps": args.steps, "clips": args.clips, "seed": args.seed, "command": _command(), "note": args.note,
-        **slab_info})
-    rows, results = {}, {}
+    emit = _emitter(args, f"{order[0][0].variant} + {order[1][0].variant}", cuda, slab_info)
+    rows = {}
     try:
         for mode in args.modes:
             try:
-                row, results[mode] = (run_experts if mode == "experts" else run_serial)(args, ctx)
+                row, _ = (run_experts if mode == "experts" else run_serial)(args, ctx)
             except Exception as exc:  # noqa: BLE001 - a row per failure
                 import traceback
 
                 traceback.print_exc()
                 row = {"mode": mode, "error": f"{type(exc).__name__}: {str(exc)[:800]}", "wall_s": None}
             rows[mode] = emit(row)
-        if "serial" in rows and "experts" in rows:
-            serial, experts = rows["serial"], rows["experts"]
-            ratio = (round(experts["wall_s"] / serial["wall_s"], 3)
-                     if experts.get("wall_s") and serial.get("wall_s") else None)
-            summary = {"mode": "summary", "serial_wall_s": serial.get("wall_s"), "experts_wall_s": experts.get("wall_s"),
-                       "x_serial": ratio, "target_x_serial": TARGET,
-                       "meets_target": ratio is not None and ratio <= TARGET,
-                       "serial_step_s": serial.get("step_s"), "experts_step_s": experts.get("step_s"),
-                       "serial_peak_alloc_gb_per_gpu": serial.get("peak_alloc_gb_per_gpu"),
-                       "experts_peak_alloc_gb_per_gpu": experts.get("peak_alloc_gb_per_gpu"),
-                       "serial_host_peak_gb": serial.get("host_peak_gb"),
-                       "experts_host_peak_gb": experts.get("host_peak_gb")}
-            summary.update(project(serial, experts, args.steps, args.project_steps))
-            if "serial" in results and "experts" in results:
-                rtol = args.match_rtol if args.match_rtol is not None else (1e-2 if cuda else 1e-6)
-                summary.update(compare(results["serial"], results["experts"], [o[2] for o in order], rtol))
-            emit(summary)
-            print(f"\nserial {serial.get('wall_s')} s, experts {experts.get('wall_s')} s: x{ratio} "
-                  f"(target <= {TARGET}); LoRAs match: {summary.get('loras_match')}", flush=True)
+        if "serial" in rows and "experts" in rows and set(args.roles) == set(ROLES):
+            summary = emit(summary_row(rows["experts"], [rows["serial"]], args, loras, cuda))
+            print(f"\nserial {summary['serial_wall_s']} s, experts {summary['experts_wall_s']} s: "
+                  f"x{summary['x_serial']} (target <= {TARGET}); LoRAs match: {summary.get('loras_match')}", flush=True)
     finally:
         tmp.cleanup()
         if not args.keep_slabs:
@@ -476,6 +537,22 @@ def main(argv=None) -> int:
                 manifest_path_for(slab).unlink(missing_ok=True)
                 slab.unlink(missing_ok=True)
     return 0
+
+
+def _emitter(args, model: str, cuda: bool, extra: dict):
+    """The row writer with this run's common fields (bench, GPU, versions, settings, command)."""
+    import torch
+
+    from train_bench import _command, _gpu_name, _versions, new_run_id, row_emitter
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return row_emitter(out, {
+        "run_id": new_run_id(), "bench": "experts",
+        "gpu": f"2x {_gpu_name(torch.device('cuda:0'))}" if cuda else _gpu_name(torch.device("cpu")),
+        **_versions(), "model": model, "res": args.res, "precision": "int8", "budget_gb_per_gpu": args.budget,
+        "lora_rank": args.rank, "batch": 1, "grad_ckpt": True, "steps": args.steps, "clips": args.clips,
+        "seed": args.seed, "command": _command(), "note": args.note, **extra})
 
 
 def _is_high(family, variant: str) -> bool:

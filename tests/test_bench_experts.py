@@ -50,3 +50,73 @@ def test_the_experts_bench_smoke_trains_both_ways_to_the_same_loras(tmp_path):
     high, low = got["serial_high_noise"], got["serial_low_noise"]
     assert max(float((high[k].float() - low[k].float()).abs().max()) for k in high) > 1e-4
     assert any(float(v.float().abs().max()) > 0 for k, v in high.items() if "lora_B" in k or "lora_up" in k)
+
+
+def _bench():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_experts", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_serial_pair_split_over_two_calls_joins_into_one_summary(tmp_path):
+    """``--roles`` runs one one-expert run per call (a 16-step Wan pair exceeds one machine call); ``--summarize`` joins
+    the newest experts row with the newest serial row of each role of the same settings: the serial wall is the two
+    runs' sum (back to back), an older or differently-set row is not taken, and the LoRA files are compared (a
+    difference planted in one expert's file is found at its true size)."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import save_file
+
+    bench = _bench()
+    base = {"bench": "experts", "res": "64x48x5", "steps": 4, "budget_gb_per_gpu": 8.0, "seed": 1, "lora_rank": 2,
+            "clips": 1, "model": "wan-tiny-high-noise + wan-tiny-low-noise"}
+
+    def run(role, wall, losses, **kw):
+        return {"role": role, "wall_s": wall, "step_s": 2.0, "losses": losses, "peak_alloc_gb": 1.0, **kw}
+
+    rows = [
+        {**base, "run_id": "old", "mode": "serial", "wall_s": 99.0, "peak_alloc_gb_per_gpu": [9.0],
+         "experts": [run("high_noise", 99.0, [9.0, 9.0, 9.0, 9.0])]},
+        {**base, "run_id": "e", "mode": "experts", "wall_s": 13.0, "peak_alloc_gb_per_gpu": [1.0, 1.1],
+         "host_peak_gb": 3.0, "experts": [run("high_noise", None, [1.0, 0.9, 0.8, 0.7]),
+                                          run("low_noise", None, [2.0, 1.9, 1.8, 1.7])]},
+        {**base, "run_id": "h", "mode": "serial", "wall_s": 11.0, "peak_alloc_gb_per_gpu": [1.0], "host_peak_gb": 2.0,
+         "experts": [run("high_noise", 11.0, [1.0, 0.9, 0.8, 0.7])]},
+        {**base, "run_id": "other", "mode": "serial", "steps": 3, "wall_s": 1.0, "peak_alloc_gb_per_gpu": [1.0],
+         "experts": [run("low_noise", 1.0, [0.0, 0.0, 0.0])]},
+        {**base, "run_id": "l", "mode": "serial", "wall_s": 12.0, "peak_alloc_gb_per_gpu": [1.2], "host_peak_gb": 2.5,
+         "experts": [run("low_noise", 12.0, [2.0, 1.9, 1.8, 1.75])]},
+    ]
+    out = tmp_path / "rows.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    loras = tmp_path / "loras"
+    loras.mkdir()
+    g = torch.Generator().manual_seed(0)
+    for role in ("high_noise", "low_noise"):
+        ref = {"a.lora_A.weight": torch.randn(2, 8, generator=g), "a.lora_B.weight": torch.randn(8, 2, generator=g)}
+        save_file(ref, str(loras / f"serial_{role}.safetensors"))
+        got = dict(ref)
+        if role == "low_noise":
+            got["a.lora_B.weight"] = ref["a.lora_B.weight"] * 1.01  # a 1% relative difference
+        save_file(got, str(loras / f"experts_{role}.safetensors"))
+
+    emitted = []
+    args = SimpleNamespace(out=str(out), res=base["res"], steps=4, budget=8.0, seed=1, rank=2, clips=1,
+                           project_steps=100, match_rtol=1e-3)
+    bench.summarize_rows(args, lambda row: emitted.append(row) or row, loras, cuda=False)
+    (s,) = emitted
+    assert s["from_runs"] == ["e", "h", "l"]
+    assert s["serial_wall_s"] == 23.0 and s["experts_wall_s"] == 13.0 and s["x_serial"] == round(13 / 23, 3)
+    assert s["serial_peak_alloc_gb_per_gpu"] == [1.2] and s["serial_host_peak_gb"] == 2.5
+    # Projection: each further step costs both serial steps (2 + 2 s) and the slower expert's (2 s) side by side.
+    assert s["serial_fixed_s"] == 23.0 - 4 * 4.0 and s["experts_fixed_s"] == 13.0 - 4 * 2.0
+    assert s["x_serial_projected"] == round((13 + 96 * 2) / (23 + 96 * 4), 3)
+    high, low = s["lora_diff"]["high_noise"], s["lora_diff"]["low_noise"]
+    assert high["bit_equal"] and high["max_rel_diff"] == 0.0 and high["loss_max_diff"] == 0.0
+    b = load_file(str(loras / "serial_low_noise.safetensors"))["a.lora_B.weight"]
+    assert not low["bit_equal"] and abs(low["max_rel_diff"] - 0.01) < 1e-6
+    assert abs(low["max_abs_diff"] - float((b * 0.01).abs().max())) < 1e-6 and low["loss_max_diff"] == 0.05
+    assert s["loras_match"] is False and s["match_rtol"] == 1e-3  # 1% is over the 1e-3 asked
