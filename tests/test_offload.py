@@ -295,31 +295,56 @@ def test_too_many_resident_blocks():
 
 
 def test_an_auto_budget_holds_the_allocator_and_lets_go_afterwards(monkeypatch):
-    """streamer.cap_allocator: the allocator may reserve the budget plus what was held before training, and the
-    limit is lifted afterwards, also when training fails; nothing is capped without an explicit auto budget."""
+    """The allocator may reserve the budget plus what was held before training, and the limit is lifted afterwards,
+    also when training fails; nothing is capped without an explicit auto budget. One GPU (Streamed) and a split
+    (each part's device to its own budget, what each held before on top)."""
     import types
 
     import torch
 
-    from lowvram_lora.engine.offload.streamer import cap_allocator
+    from lowvram_lora.engine.callbacks import TrainingCallback
+    from lowvram_lora.engine.parallel import ParallelConfig
+    from lowvram_lora.engine.train.placement import Split, Streamed
 
     calls = []
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, i: calls.append((round(f, 4), i)))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=80 * GB))
     plan = build_plan(flux_dev_like(), WL_1024, [], 1, True, budget_bytes=int(4 * GB))
-    handle = types.SimpleNamespace(plan=plan)
-    cuda0 = torch.device("cuda", 0)
+    cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+
+    def streamed(cfg, dev, handle=types.SimpleNamespace(plan=plan)):
+        placement = Streamed(cfg, dev)
+        placement.handle = handle
+        return placement
+
     with pytest.raises(RuntimeError, match="boom"):
-        with cap_allocator(handle, OffloadConfig(mode="auto", vram_budget_gb=4), cuda0, int(1 * GB)):
+        with streamed(OffloadConfig(mode="auto", vram_budget_gb=4), cuda0).cap_allocator({cuda0: int(1 * GB)},
+                                                                                          TrainingCallback()):
             assert calls == [(round(5 / 80, 4), 0)]
             raise RuntimeError("boom")
     assert calls[-1] == (1.0, 0)
     calls.clear()
-    for cfg, dev in [(OffloadConfig(mode="auto"), cuda0),  # budget 0: most of the free memory, no cap
-                     (OffloadConfig(mode="stream"), cuda0),
-                     (OffloadConfig(mode="auto", vram_budget_gb=4), torch.device("cpu"))]:
-        with cap_allocator(handle, cfg, dev, 0):
+    for placement in [streamed(OffloadConfig(mode="auto"), cuda0),  # budget 0: most of the free memory, no cap
+                      streamed(OffloadConfig(mode="stream"), cuda0),
+                      streamed(OffloadConfig(mode="auto", vram_budget_gb=4), torch.device("cpu")),
+                      streamed(OffloadConfig(mode="auto", vram_budget_gb=4), cuda0, handle=None)]:
+        with placement.cap_allocator({cuda0: 0}, TrainingCallback()):
             pass
-    with cap_allocator(None, OffloadConfig(mode="auto", vram_budget_gb=4), cuda0, 0):
-        pass
     assert calls == []
+
+    second = build_plan(flux_dev_like(), WL_1024, [], 1, True, budget_bytes=int(6 * GB))
+    for budgets, offload_gb, held, want in [
+            ((4.0, 6.0), 0, {cuda0: int(1 * GB), cuda1: int(2 * GB)}, [(5 / 80, 0), (8 / 80, 1)]),
+            ((0.0, 6.0), 0, {cuda0: 0, cuda1: 0}, [(6 / 80, 1)]),  # the first GPU's budget from its free memory
+            ((0.0, 0.0), 4, {cuda0: 0, cuda1: 0}, [(4 / 80, 0), (6 / 80, 1)])]:  # Offload Config's, for both
+        calls.clear()
+        split = Split(OffloadConfig(mode="auto", vram_budget_gb=offload_gb), cuda0,
+                      ParallelConfig(mode="split", devices=("cuda:0", "cuda:1"), vram_budget_gb=budgets))
+        split.handle = types.SimpleNamespace(plan=types.SimpleNamespace(plans=(plan, second)))
+        logs = []
+        cb = TrainingCallback()
+        cb.log = logs.append
+        with split.cap_allocator(held, cb):
+            assert calls == [(round(f, 4), i) for f, i in want]
+        assert calls[len(want):] == [(1.0, i) for _, i in reversed(want)]
+        assert len(logs) == len(want) and all("VRAM held to the budget on cuda:" in m for m in logs)

@@ -312,28 +312,28 @@ def resolve_budget_bytes(cfg: OffloadConfig, device: torch.device) -> Optional[i
 
 
 @contextlib.contextmanager
-def cap_allocator(handle: Optional["OffloadHandle"], cfg: Optional[OffloadConfig], device: torch.device,
-                  held_before: int, callback: Optional[TrainingCallback] = None):
-    """While training under an explicit auto budget (vram_budget_gb > 0), hold torch's caching allocator to
-    what the process held before training plus the budget (``torch.cuda.set_per_process_memory_fraction``).
+def cap_allocator(budget_bytes: Optional[int], device: torch.device, held_before: int,
+                  callback: Optional[TrainingCallback] = None):
+    """While training under an explicit budget (``budget_bytes``: the plan's, where the user gave one; None: no cap),
+    hold torch's caching allocator on ``device`` to what the process held before training plus the budget
+    (``torch.cuda.set_per_process_memory_fraction``).
 
     Why: the allocator keeps freed blocks cached and maps more memory when none of them fits, so without a
-    cap it reserves 0.6-1.05 GB more than it hands out (H100, Flux.1-dev streamed). A card of the budget's
-    size cannot do that: at its limit the allocator hands its cache back and retries. The cap makes a
-    large card behave the same, so a budget is kept in what the driver sees (reserved memory), not only in
-    what tensors hold; the planner keeps HEADROOM_BYTES for what cannot be handed back. The fraction goes
-    back to 1 afterwards."""
-    if (handle is None or cfg is None or cfg.mode != "auto" or not cfg.vram_budget_gb or device.type != "cuda"
-            or handle.plan.budget_bytes is None):
+    cap it reserves 0.6-1.05 GB more than it hands out (H100, Flux.1-dev streamed; a split's first GPU 12.2-13.0 GB
+    at 12, 2x H200, 2026-11-28). A card of the budget's size cannot do that: at its limit the allocator hands its
+    cache back and retries. The cap makes a large card behave the same, so a budget is kept in what the driver sees
+    (reserved memory), not only in what tensors hold; the planner keeps HEADROOM_BYTES for what cannot be handed
+    back. The fraction goes back to 1 afterwards."""
+    if not budget_bytes or device.type != "cuda":
         yield
         return
     index = device.index if device.index is not None else torch.cuda.current_device()
     total = torch.cuda.get_device_properties(index).total_memory
-    limit = held_before + handle.plan.budget_bytes
+    limit = held_before + budget_bytes
     torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), index)
     (callback or TrainingCallback()).log(
-        f"VRAM held to the budget: the allocator may reserve {limit / GB:.2f} GB ({handle.plan.budget_bytes / GB:.2f}"
-        f" GB budget + {held_before / GB:.2f} GB held before training)")
+        f"VRAM held to the budget on cuda:{index}: the allocator may reserve {limit / GB:.2f} GB "
+        f"({budget_bytes / GB:.2f} GB budget + {held_before / GB:.2f} GB held before training)")
     try:
         yield
     finally:

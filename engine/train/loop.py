@@ -145,9 +145,9 @@ def _train_lora(model_cfg, identity, dataset, lora, train, callback, preloaded, 
     device = training_device(train, split)
     dtype = resolve_dtype(model_cfg.dtype, device)
     _check_settings(train, offload, device)
-    # What the process holds on the GPU before training (ComfyUI's other models): the budget cap comes on top.
-    held_before = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
     placement = choose_placement(offload, split, device, cb)
+    # What the process holds on each GPU before training (ComfyUI's other models): each budget's cap comes on top.
+    held_before = {d: torch.cuda.memory_reserved(d) for d in placement.devices if d.type == "cuda"}
     run = _Run(cb=cb, ranks=ranks or Ranks(), dataset=dataset, train=train, resume=resume, placement=placement,
                dtype=dtype, held_before=held_before, loss=loss)
     placement.saves_state = resume is not None and resume.enabled
@@ -190,7 +190,7 @@ class _Run:
     resume: ResumeStore | None
     placement: Placement
     dtype: torch.dtype
-    held_before: int  # bytes the process held on the GPU before training, the model's own not counted
+    held_before: dict  # bytes the process held on each GPU before training, the model's own not counted
     model: Any = None
     family: Any = None
     variant: str = ""
@@ -305,13 +305,13 @@ def _load_model(run: _Run, model_cfg, identity: CheckpointIdentity | None, lora,
     if run.sigma_range != (0.0, 1.0):
         run.cb.log(f"{run.variant}: an expert of a mixture, trained on its own noise levels only: sigma in "
                    f"[{run.sigma_range[0]:g}, {run.sigma_range[1]:g}]")
-    if run.device.type == "cuda":  # the model's own tensors already there count in the plan, not as held
+    for device in run.held_before:  # the model's own tensors already there count in the plan, not as held
         from itertools import chain
 
-        index = run.device.index if run.device.index is not None else torch.cuda.current_device()
-        run.held_before -= sum(t.numel() * t.element_size() for t in chain(run.model.parameters(), run.model.buffers())
-                               if t.is_cuda and t.get_device() == index)
-        run.held_before = max(0, run.held_before)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        own = sum(t.numel() * t.element_size() for t in chain(run.model.parameters(), run.model.buffers())
+                  if t.is_cuda and t.get_device() == index)
+        run.held_before[device] = max(0, run.held_before[device] - own)
 
 
 def _new_result(run: _Run, model_cfg, lora: LoraSettings) -> TrainedLora:
