@@ -50,7 +50,8 @@ Host RAM beside peak VRAM (every row; rank 0's process, which holds both parts o
 slab's mapped file pages too) and ``peak_locked_gb``, sampled every 20 ms while the mode runs (bench_ram.py's
 fields); ``pinned_host_gb``: the pinned buffers the run reports (blocks, activations: cudaHostAlloc's pages do not
 show as locked); ``predicted_host_peak_gb``: the RAM plan's prediction. The process keeps the model's host copy from
-mode to mode, so a later mode's figure includes what an earlier one left pinned for reuse.
+mode to mode, so a later mode's figure includes what an earlier one left pinned for reuse. ``host_cpu_cores``: the
+process's CPU seconds per second over the timed steps (a pipelined split near 1.0 waits on Python, not the GPUs).
 """
 from __future__ import annotations
 
@@ -193,7 +194,9 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
             for d in range(torch.cuda.device_count()):
                 torch.cuda.reset_peak_memory_stats(d)
-        rec = StepRecorder(f"{mode} r{me.rank}")
+        clocks = []  # (wall, this process's CPU time) at each step's end
+        rec = StepRecorder(f"{mode} r{me.rank}", hook=lambda info: clocks.append((time.perf_counter(),
+                                                                                  time.process_time())))
         t = time.perf_counter()
         error, result = None, None
         with HostPeak() as host:
@@ -207,6 +210,11 @@ def main(argv=None) -> int:
                 print("ERROR", error, flush=True)
         row = training_row(rec, args.warmup, t, error, rows.get("resident", {}).get("step_s"), device)
         row.update(host.fields(rec.steps))  # host RAM beside peak VRAM
+        # The CPU cores this process kept busy over the timed steps: a pipelined split near 1 is bound by Python
+        # launching both GPUs' kernels under one interpreter lock (eager, one-image micro-batches), not by the GPUs.
+        if len(clocks) > args.warmup > 0:
+            (w0, c0), (w1, c1) = clocks[args.warmup - 1], clocks[-1]
+            row["host_cpu_cores"] = round((c1 - c0) / (w1 - w0), 2)
         world = me.world_size if mode == "dp" else 1
         row["images_per_s"] = round(world * batch / row["step_s"], 4) if row["step_s"] else None
         settings = result.settings if result is not None else {}

@@ -298,3 +298,14 @@ def train_input(api: dict, train_id: str, name: str):
         if socket in inputs and name in api[inputs[socket][0]]["inputs"]:
             return api[inputs[socket][0]]["inputs"][name]
     raise KeyError(f"Train LoRA {train_id} has no {name} (nor an options node that sets it)")
+
+
+def bench_module(name: str):
+    """bench/<name>.py imported as a module (the bench scripts are not a package): their functions tested directly."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import torch
+from helpers import bench_module
 from safetensors.torch import load_file
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_experts.py"
@@ -52,15 +53,6 @@ def test_the_experts_bench_smoke_trains_both_ways_to_the_same_loras(tmp_path):
     assert any(float(v.float().abs().max()) > 0 for k, v in high.items() if "lora_B" in k or "lora_up" in k)
 
 
-def _bench():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_experts", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_a_serial_pair_split_over_two_calls_joins_into_one_summary(tmp_path):
     """``--roles`` runs one one-expert run per call (a 16-step Wan pair exceeds one machine call); ``--summarize`` joins
     the newest experts row with the newest serial row of each role of the same settings: the serial wall is the two
@@ -70,7 +62,7 @@ def test_a_serial_pair_split_over_two_calls_joins_into_one_summary(tmp_path):
 
     from safetensors.torch import save_file
 
-    bench = _bench()
+    bench = bench_module("bench_experts")
     base = {"bench": "experts", "res": "64x48x5", "steps": 4, "budget_gb_per_gpu": 8.0, "seed": 1, "lora_rank": 2,
             "clips": 1, "model": "wan-tiny-high-noise + wan-tiny-low-noise"}
 

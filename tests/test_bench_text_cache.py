@@ -5,20 +5,11 @@ rows, the video connector's width then the audio one's (at full size (1024, 4096
 cross-attention widths)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import torch
+from helpers import bench_module
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_text_cache.py"
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_text_cache", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_ltx23_text_cache_bench_smoke_gives_the_family_specs_rows(tmp_path):
@@ -32,7 +23,7 @@ def test_the_ltx23_text_cache_bench_smoke_gives_the_family_specs_rows(tmp_path):
         1024, FAMILY.text_widths(FAMILY.load_config("ltx2.3"))[PROMPT_KEY]) == (1024, 4096 + 2048)
 
     out, work = tmp_path / "rows.jsonl", tmp_path / "work"
-    bench = _bench()
+    bench = bench_module("bench_text_cache")
     # The random-weight folder is written here, not in the child process the command starts (its imports would cost
     # seconds); the rest is the command's own code. One thread: 1024-token captions through 48 tiny layers are many
     # small ops, slow when two threads share busy cores.
