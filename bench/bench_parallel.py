@@ -89,6 +89,9 @@ def parse_args(argv=None):
                    help="images per batch in every mode, and the pipelined split's micro-batches (issue 42)")
     p.add_argument("--virtual-stages", type=int, default=2,
                    help="the interleave mode's chunks per GPU (Dual-GPU Split virtual_stages; 0: the planner's choice)")
+    p.add_argument("--compile", default="auto", choices=["auto", "blocks", "off"],
+                   help="Offload Config compile for every streamed mode (auto: eager on the split and for runs this "
+                        "short; blocks: the blocks compiled in every mode, the split too: --warmup 2)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: a smoke test of the script on a tiny model (no dp)")
     p.add_argument("--warmup", type=int, default=2)
@@ -180,7 +183,8 @@ def main(argv=None) -> int:
     gpus = max(me.world_size, 2 if cuda and torch.cuda.device_count() >= 2 else 1)
     base = {"run_id": run_id, "gpu": f"{gpus}x {_gpu_name(device)}", **_versions(), "model": args.variant,
             "lora_rank": args.rank, "lora_targets": "default", "batch": batch, "grad_ckpt": True, "res": args.res,
-            "precision": args.precision, "budget_gb_per_gpu": args.budget, "command": _command(), "note": args.note,
+            "precision": args.precision, "budget_gb_per_gpu": args.budget, "compile": args.compile,
+            "command": _command(), "note": args.note,
             "bench": "parallel"}
     emit = row_emitter(out, base) if me.is_main else (lambda row: row)
     lora = LoraSettings(rank=args.rank, alpha=float(args.rank))
@@ -257,20 +261,20 @@ def main(argv=None) -> int:
         if "resident" in args.modes:
             run("resident", model, family, dataset, None)
         to_streamed_form(model, family, args.precision, device)
-        auto = OffloadConfig(mode="auto", vram_budget_gb=args.budget)
+        auto = OffloadConfig(mode="auto", vram_budget_gb=args.budget, compile=args.compile)
         if "one" in args.modes:
             run("one", model, family, dataset, auto)
         # The split runs in this one process: it needs two GPUs, not two ranks (torchrun is for dp).
         two = not cuda or torch.cuda.device_count() >= 2
         if "split" in args.modes and two:
-            run("split", model, family, dataset, OffloadConfig(mode="auto"),
+            run("split", model, family, dataset, OffloadConfig(mode="auto", compile=args.compile),
                 split=ParallelConfig(mode="split", devices=pair, vram_budget_gb=(args.budget,)))
         if "pipeline" in args.modes and two and args.micro_batches > 1:
-            run("pipeline", model, family, dataset, OffloadConfig(mode="auto"),
+            run("pipeline", model, family, dataset, OffloadConfig(mode="auto", compile=args.compile),
                 split=ParallelConfig(mode="split", devices=pair, vram_budget_gb=(args.budget,),
                                      micro_batches=args.micro_batches))
         if "interleave" in args.modes and two and args.micro_batches > 1 and args.micro_batches % 2 == 0:
-            run("interleave", model, family, dataset, OffloadConfig(mode="auto"),
+            run("interleave", model, family, dataset, OffloadConfig(mode="auto", compile=args.compile),
                 split=ParallelConfig(mode="split", devices=pair, vram_budget_gb=(args.budget,),
                                      micro_batches=args.micro_batches, virtual_stages=args.virtual_stages))
         dp_flag.touch()
@@ -285,7 +289,8 @@ def main(argv=None) -> int:
             dataset = _cache(Path(tmp.name), family, args.variant, cfg, args.res)
             to_streamed_form(model, family, args.precision, device)
         torch.distributed.barrier()
-        run("dp", model, family, dataset, OffloadConfig(mode="auto", vram_budget_gb=args.budget), ranks=ranks)
+        run("dp", model, family, dataset, OffloadConfig(mode="auto", vram_budget_gb=args.budget, compile=args.compile),
+            ranks=ranks)
         shutdown()
     if me.is_main:
         if me.world_size >= 2:

@@ -622,9 +622,6 @@ def check_split_devices(split, offload: Optional[OffloadConfig]) -> None:
     if offload is not None and not offload.gradient_checkpointing:
         raise ConfigError("split mode needs gradient_checkpointing=True in Offload Config: the blocks' arguments "
                           "cross the cut inside the checkpoint function")
-    if offload is not None and offload.compile == "blocks":
-        raise ConfigError("compile='blocks' is not supported with Dual-GPU Split's split mode (never measured "
-                          "there); set Offload Config compile to 'off' or 'auto' (auto trains split runs eager)")
     for name in split.devices:
         dev = torch.device(name)
         if dev.type == "cuda":

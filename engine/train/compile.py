@@ -51,7 +51,7 @@ def why_not_auto(device: torch.device, steps: int, split: bool) -> str | None:
     if not triton_available():
         return "Triton is not installed"
     if split:
-        return "Dual-GPU Split trains eager"
+        return "Dual-GPU Split trains eager unless compile='blocks' (a compiled split is not yet timed on GPUs)"
     if steps < AUTO_MIN_STEPS:
         return f"fewer than {AUTO_MIN_STEPS} steps: the compile time would not pay back"
     return None
