@@ -281,7 +281,7 @@ def _step_fields(steps: list) -> dict:
             "engine_host_ram_gb": max((s.host_ram_gb for s in steps), default=None)}
 
 
-def run_serial(args, ctx) -> tuple[dict, list]:
+def run_serial(args, ctx) -> dict:
     """The high-noise expert, then the low-noise one, each a one-expert run through train_or_reuse on the first
     device, its LoRA saved when it ends."""
     from lowvram_lora.engine.lora_io import save_lora
@@ -289,7 +289,7 @@ def run_serial(args, ctx) -> tuple[dict, list]:
 
     sampler = HostSampler()
     t0 = time.perf_counter()
-    results, experts, peaks = [], [], []
+    experts, peaks = [], []
     try:
         for model, partner, role in [o for o in ctx.order if o[2] in args.roles]:
             rec = Recorder(f"serial {role}")
@@ -297,7 +297,6 @@ def run_serial(args, ctx) -> tuple[dict, list]:
             result = train_or_reuse(model, ctx.dataset, ctx.lora, ctx.train, ctx.tmp / "serial-runs", rec.callback,
                                     offload=ctx.offload(args.budget), preview_partner=partner)
             save_lora(result, ctx.loras / f"serial_{role}.safetensors", overwrite=True)
-            results.append(result)
             peaks.append(round(result.peak_vram_gb, 3))
             experts.append({"role": role, "device": ctx.devices[0], "wall_s": round(time.perf_counter() - t, 2),
                             "peak_alloc_gb": round(result.peak_vram_gb, 3), **_step_fields(rec.rec.steps)})
@@ -307,10 +306,10 @@ def run_serial(args, ctx) -> tuple[dict, list]:
     row = {"mode": "serial", "devices": [ctx.devices[0]], "wall_s": round(wall, 2), "experts": experts,
            "step_s": _mean([e["step_s"] for e in experts]), "peak_alloc_gb_per_gpu": [max(peaks)],
            "pinned_host_gb": max((e["pinned_host_gb"] or 0.0 for e in experts), default=None), **host}
-    return row, results
+    return row
 
 
-def run_experts(args, ctx) -> tuple[dict, list]:
+def run_experts(args, ctx) -> dict:
     """Both at once: train_or_reuse with Dual-GPU Split mode experts (the high-noise expert connected, the low-noise
     one its preview partner), then both LoRAs saved."""
     from lowvram_lora.engine.lora_io import save_lora
@@ -344,7 +343,7 @@ def run_experts(args, ctx) -> tuple[dict, list]:
            "step_s": _mean([e["step_s"] for e in experts]),
            "peak_alloc_gb_per_gpu": [e["peak_alloc_gb"] for e in experts], "pinned_host_gb": main["pinned_host_gb"],
            **host}
-    return row, [both, both.companion]
+    return row
 
 
 def project(serial: dict, experts: dict, steps: int, n: int) -> dict:
@@ -434,7 +433,8 @@ def summary_row(experts: dict, serials: list[dict], args, loras: Path, cuda: boo
 
 def summarize_rows(args, emit, loras: Path, cuda: bool) -> dict:
     """``--summarize``: the newest experts row and the newest serial run of each role in ``--out`` whose settings
-    are this command's (res, steps, budget, seed, rank, lr, clips, model), joined into one summary row."""
+    are this command's (res, steps, budget, seed, rank, clips; the serial rows the experts row's model), joined
+    into one summary row."""
     import json
 
     rows = [json.loads(line) for line in Path(args.out).read_text().splitlines() if line.strip()]
@@ -517,7 +517,7 @@ def main(argv=None) -> int:
     try:
         for mode in args.modes:
             try:
-                row, _ = (run_experts if mode == "experts" else run_serial)(args, ctx)
+                row = (run_experts if mode == "experts" else run_serial)(args, ctx)
             except Exception as exc:  # noqa: BLE001 - a row per failure
                 import traceback
 

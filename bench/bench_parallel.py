@@ -188,6 +188,7 @@ def main(argv=None) -> int:
             "bench": "parallel"}
     emit = row_emitter(out, base) if me.is_main else (lambda row: row)
     lora = LoraSettings(rank=args.rank, alpha=float(args.rank))
+    offload = lambda **kw: OffloadConfig(mode="auto", compile=args.compile, **kw)  # noqa: E731 - every streamed mode's
     steps = args.warmup + args.timed
     tmp = tempfile.TemporaryDirectory(prefix=f"parallel-bench-{me.rank}-")
     rows: dict = {}
@@ -261,20 +262,20 @@ def main(argv=None) -> int:
         if "resident" in args.modes:
             run("resident", model, family, dataset, None)
         to_streamed_form(model, family, args.precision, device)
-        auto = OffloadConfig(mode="auto", vram_budget_gb=args.budget, compile=args.compile)
+        auto = offload(vram_budget_gb=args.budget)
         if "one" in args.modes:
             run("one", model, family, dataset, auto)
         # The split runs in this one process: it needs two GPUs, not two ranks (torchrun is for dp).
         two = not cuda or torch.cuda.device_count() >= 2
         if "split" in args.modes and two:
-            run("split", model, family, dataset, OffloadConfig(mode="auto", compile=args.compile),
+            run("split", model, family, dataset, offload(),
                 split=ParallelConfig(mode="split", devices=pair, vram_budget_gb=(args.budget,)))
         if "pipeline" in args.modes and two and args.micro_batches > 1:
-            run("pipeline", model, family, dataset, OffloadConfig(mode="auto", compile=args.compile),
+            run("pipeline", model, family, dataset, offload(),
                 split=ParallelConfig(mode="split", devices=pair, vram_budget_gb=(args.budget,),
                                      micro_batches=args.micro_batches))
         if "interleave" in args.modes and two and args.micro_batches > 1 and args.micro_batches % 2 == 0:
-            run("interleave", model, family, dataset, OffloadConfig(mode="auto", compile=args.compile),
+            run("interleave", model, family, dataset, offload(),
                 split=ParallelConfig(mode="split", devices=pair, vram_budget_gb=(args.budget,),
                                      micro_batches=args.micro_batches, virtual_stages=args.virtual_stages))
         dp_flag.touch()
@@ -289,8 +290,7 @@ def main(argv=None) -> int:
             dataset = _cache(Path(tmp.name), family, args.variant, cfg, args.res)
             to_streamed_form(model, family, args.precision, device)
         torch.distributed.barrier()
-        run("dp", model, family, dataset, OffloadConfig(mode="auto", vram_budget_gb=args.budget, compile=args.compile),
-            ranks=ranks)
+        run("dp", model, family, dataset, offload(vram_budget_gb=args.budget), ranks=ranks)
         shutdown()
     if me.is_main:
         if me.world_size >= 2:

@@ -636,16 +636,24 @@ def check_split_devices(split, offload: Optional[OffloadConfig]) -> None:
                               f"to test a split on the CPU)")
 
 
+def given_budgets_gb(split, offload: OffloadConfig) -> tuple[float, ...]:
+    """Each device's budget as the user gave it, in GB (0: none given): the split's own value, else Offload Config's
+    vram_budget_gb. Mode 'auto' only (all 0 otherwise). The budgets planned from and the allocator's caps."""
+    if offload.mode != "auto":
+        return tuple(0.0 for _ in split.devices)
+    return tuple(gb or offload.vram_budget_gb or 0.0 for gb in split.vram_budget_gb)
+
+
 def split_budgets(split, offload: OffloadConfig) -> tuple[Optional[int], Optional[int]]:
-    """Each device's budget in bytes for mode='auto' (None otherwise): the split's own value, else
-    Offload Config's vram_budget_gb, else 90% of what is free on that GPU now."""
+    """Each device's budget in bytes for mode='auto' (None otherwise): the one given (``given_budgets_gb``), else
+    90% of what is free on that GPU now."""
     if offload.mode != "auto":
         return (None, None)
     out = []
-    for name, gb in zip(split.devices, split.vram_budget_gb):
+    for name, gb in zip(split.devices, given_budgets_gb(split, offload)):
         dev = torch.device(name)
-        if gb or offload.vram_budget_gb:
-            out.append(int((gb or offload.vram_budget_gb) * GB))
+        if gb:
+            out.append(int(gb * GB))
         elif dev.type == "cuda":
             out.append(int(0.9 * torch.cuda.mem_get_info(dev)[0]))
         else:

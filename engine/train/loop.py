@@ -305,9 +305,9 @@ def _load_model(run: _Run, model_cfg, identity: CheckpointIdentity | None, lora,
     if run.sigma_range != (0.0, 1.0):
         run.cb.log(f"{run.variant}: an expert of a mixture, trained on its own noise levels only: sigma in "
                    f"[{run.sigma_range[0]:g}, {run.sigma_range[1]:g}]")
-    for device in run.held_before:  # the model's own tensors already there count in the plan, not as held
-        from itertools import chain
+    from itertools import chain
 
+    for device in run.held_before:  # the model's own tensors already there count in the plan, not as held
         index = device.index if device.index is not None else torch.cuda.current_device()
         own = sum(t.numel() * t.element_size() for t in chain(run.model.parameters(), run.model.buffers())
                   if t.is_cuda and t.get_device() == index)

@@ -479,12 +479,12 @@ class Split(Placement):
         """Each part's device held to its own budget where one was given (the split's or Offload Config's), as one
         GPU's streamed run is: without it the first GPU reserved 12.2-13.0 GB under a 12 GB budget (2x H200)."""
         from ..offload.streamer import cap_allocator
+        from ..parallel.split import given_budgets_gb
 
         with contextlib.ExitStack() as stack:
-            if self.offload.mode == "auto":
-                for device, plan, gb in zip(self.devices, self.plans(), self.split.vram_budget_gb):
-                    budget = plan.budget_bytes if (gb or self.offload.vram_budget_gb) else None
-                    stack.enter_context(cap_allocator(budget, device, held_before.get(device, 0), callback))
+            for device, plan, gb in zip(self.devices, self.plans(), given_budgets_gb(self.split, self.offload)):
+                stack.enter_context(cap_allocator(plan.budget_bytes if gb else None, device,
+                                                  held_before.get(device, 0), callback))
             yield
 
     def pipeline(self):
