@@ -12,12 +12,15 @@ A run long enough for the target (16+ steps: about 18 s a step each) outlasts on
 can span calls on the same machine, the slabs and rows kept in /dev/shm between them (W=/dev/shm/experts-bench):
 
     bench_experts.py --modes --keep-slabs --workdir $W --ckpt-dir /dev/shm          # the slabs only
-    bench_experts.py --modes experts --steps 16 --budget 8 --keep-slabs --workdir $W --out $W/rows.jsonl
+    bench_experts.py --modes experts --steps 16 --budget 8 --keep-slabs --no-build --workdir $W --out $W/rows.jsonl
     bench_experts.py --modes serial --roles high_noise ...the same...
     bench_experts.py --modes serial --roles low_noise ...the same...
     bench_experts.py --summarize --steps 16 --budget 8 --workdir $W --out $W/rows.jsonl
 
 (the serial wall is then the two one-expert runs' walls added; each is timed from its own start, as in one call).
+The machine is given back when it idles for about 30 s between calls, and /dev/shm with it: so make the calls
+back to back, and copy $W/rows.jsonl to $OUT in each. ``--no-build`` makes a call on a fresh machine stop in
+seconds instead of rebuilding the slabs and then running out of the call's time (2026-11-28, twice).
 
 What runs, in order (``--modes``; experts first by default: a kernel or compile cache the first mode fills on disk
 then favours the serial runs, not the mode under test):
@@ -103,6 +106,10 @@ def parse_args(argv=None):
     p.add_argument("--build-jobs", type=int, default=0, choices=(0, 1, 2),
                    help="slabs built at once, in processes of their own (0: 2 on CUDA, 1 on the CPU)")
     p.add_argument("--keep-slabs", action="store_true", help="leave the slabs in --workdir (a rerun reuses them)")
+    p.add_argument("--no-build", action="store_true",
+                   help="stop at once when the slabs are not in --workdir, instead of building them: for a call that "
+                        "continues an earlier one, where the machine may have been given back meanwhile (rebuilding "
+                        "takes about 250 s, which a one-expert run of 16 steps then no longer fits beside)")
     p.add_argument("--project-steps", type=int, default=1000,
                    help="the summary also projects both walls to a run of this many steps from the measured parts")
     p.add_argument("--match-rtol", type=float, default=None,
@@ -281,6 +288,13 @@ def _step_fields(steps: list) -> dict:
             "engine_host_ram_gb": max((s.host_ram_gb for s in steps), default=None)}
 
 
+def _fixed_parts(result) -> dict:
+    """Where a run's time outside its steps went, from its result: the start-up's phases and the end (the training
+    loop's), and in experts mode the worker process's start (Python, imports, CUDA) and its exit after its result."""
+    keys = ("startup_s", "finish_s", "worker_ready_s", "worker_exit_s")
+    return {k: result.settings[k] for k in keys if result.settings.get(k) is not None}
+
+
 def run_serial(args, ctx) -> dict:
     """The high-noise expert, then the low-noise one, each a one-expert run through train_or_reuse on the first
     device, its LoRA saved when it ends."""
@@ -299,7 +313,8 @@ def run_serial(args, ctx) -> dict:
             save_lora(result, ctx.loras / f"serial_{role}.safetensors", overwrite=True)
             peaks.append(round(result.peak_vram_gb, 3))
             experts.append({"role": role, "device": ctx.devices[0], "wall_s": round(time.perf_counter() - t, 2),
-                            "peak_alloc_gb": round(result.peak_vram_gb, 3), **_step_fields(rec.rec.steps)})
+                            "peak_alloc_gb": round(result.peak_vram_gb, 3), **_step_fields(rec.rec.steps),
+                            **_fixed_parts(result)})
         wall = time.perf_counter() - t0
     finally:
         host = sampler.stop()
@@ -336,9 +351,10 @@ def run_experts(args, ctx) -> dict:
     relayed, losses = rec.relayed_steps()
     other = {"step_times": relayed, "losses": losses,
              "step_s": round(statistics.median(relayed), 4) if relayed else None, "pinned_host_gb": None}
-    experts = [{"role": high_role, "device": ctx.devices[0], "peak_alloc_gb": round(both.peak_vram_gb, 3), **main},
+    experts = [{"role": high_role, "device": ctx.devices[0], "peak_alloc_gb": round(both.peak_vram_gb, 3), **main,
+                **_fixed_parts(both)},
                {"role": low_role, "device": ctx.devices[1], "peak_alloc_gb": round(both.companion.peak_vram_gb, 3),
-                **other, "step_times_how": "arrival of the relayed step lines"}]
+                **other, "step_times_how": "arrival of the relayed step lines", **_fixed_parts(both.companion)}]
     row = {"mode": "experts", "devices": list(ctx.devices), "wall_s": round(wall, 2), "experts": experts,
            "step_s": _mean([e["step_s"] for e in experts]),
            "peak_alloc_gb_per_gpu": [e["peak_alloc_gb"] for e in experts], "pinned_host_gb": main["pinned_host_gb"],
@@ -485,6 +501,14 @@ def main(argv=None) -> int:
         high_first = sorted([args.variant, pairing[0]], key=lambda v: not _is_high(family, v))
         summarize_rows(args, _emitter(args, " + ".join(high_first), cuda, {}), workdir / "loras", cuda)
         return 0
+    if args.no_build:
+        import bench_ram
+
+        missing = [v for v in (args.variant, pairing[0])
+                   if not bench_ram.slab_path(SimpleNamespace(workdir=args.workdir, variant=v, bits=8)).exists()]
+        if missing:
+            raise SystemExit(f"--no-build: no slab of {', '.join(missing)} in {args.workdir} (a fresh machine?): "
+                             f"build them first with --modes and --keep-slabs, in a call of its own")
     slabs, slab_info = build_slabs(args, [args.variant, pairing[0]])  # before CUDA starts here (spawned builders)
 
     import torch

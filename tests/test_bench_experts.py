@@ -37,6 +37,12 @@ def test_the_experts_bench_smoke_trains_both_ways_to_the_same_loras(tmp_path):
     assert len(experts["experts"][0]["step_times"]) == 2 and len(experts["experts"][1]["step_times"]) == 1
     assert experts["host_workers_peak_gb"] > 0.05  # the two worker processes were sampled
     assert experts["wall_s"] > 0 and serial["wall_s"] > 0
+    # the time outside the steps, by part: the run's start-up and end; in experts mode each worker's start and exit
+    for e in experts["experts"] + serial["experts"]:
+        assert e["startup_s"]["total"] > 0 and e["finish_s"] >= 0
+    assert all(e["worker_ready_s"] > 0 and e["worker_exit_s"] >= 0 for e in experts["experts"])
+    assert not any("worker_ready_s" in e for e in serial["experts"])
+    assert all(e["wall_s"] > e["startup_s"]["total"] + e["finish_s"] for e in serial["experts"])
     assert summary["x_serial"] == round(experts["wall_s"] / serial["wall_s"], 3)
     assert summary["loras_match"] is True and summary["match_rtol"] == 1e-6
     # The files themselves, compared here: the same LoRA from both modes, and the two experts' differ (not vacuous).
@@ -112,3 +118,16 @@ def test_a_serial_pair_split_over_two_calls_joins_into_one_summary(tmp_path):
     assert not low["bit_equal"] and abs(low["max_rel_diff"] - 0.01) < 1e-6
     assert abs(low["max_abs_diff"] - float((b * 0.01).abs().max())) < 1e-6 and low["loss_max_diff"] == 0.05
     assert s["loras_match"] is False and s["match_rtol"] == 1e-3  # 1% is over the 1e-3 asked
+
+
+def test_a_continuing_call_stops_at_once_where_the_slabs_are_gone(tmp_path):
+    """``--no-build`` (a call continuing an earlier one, on a machine that may be a fresh one): no slab in --workdir
+    is a named stop before anything is built or trained, and nothing is written."""
+    import pytest
+
+    bench = bench_module("bench_experts")
+    out = tmp_path / "rows.jsonl"
+    with pytest.raises(SystemExit, match="no slab of wan-tiny-high-noise, wan-tiny-low-noise in .*build them first"):
+        bench.main(["--device", "cpu", "--variant", "wan-tiny-high-noise", "--modes", "serial", "--no-build",
+                    "--workdir", str(tmp_path / "work"), "--out", str(out)])
+    assert not out.exists() and not list((tmp_path / "work").glob("*.safetensors"))

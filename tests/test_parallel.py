@@ -114,7 +114,7 @@ def dp_run(tiny_pipeline, tiny_cache, tmp_path_factory):
     spec = root / "spec-latest.json"  # a copy: a later launch under cache/ would replace the kept one
     spec.write_bytes((root / "cache" / "parallel" / "spec-latest.json").read_bytes())
     return SimpleNamespace(model=model, lora=lora, train=train, result=result, steps=[s.step for s in rec.steps],
-                           folder=root / "cache", spec=spec)
+                           folder=root / "cache", spec=spec, logs=rec.logs)
 
 
 def test_data_parallel_equals_one_process_accumulating_both_batches(dp_run, tiny_cache):
@@ -271,6 +271,39 @@ def test_split_plan_balances_and_respects_budgets():
     with pytest.raises(ConfigError, match="cut=10 must be between 1 and 9"):
         plan_split(fp, [1000] * 10, 0, wl, auto, devs, (int(9 * GB), int(9 * GB)), cut=10)
     assert "split at block" in plan.describe() and plan.summary()["cut"] == plan.cut
+
+
+def test_worker_processes_share_the_cpus_and_say_where_their_start_up_went(dp_run, tmp_path, monkeypatch):
+    """Each worker process gets its share of the host's CPUs as torch threads (two processes each starting one thread
+    per CPU would run the host work two threads to a CPU); the user's OMP_NUM_THREADS is kept. Rank 0 reports how long
+    the worker took to be ready and the run's start-up by phase, in the log and the result's settings."""
+    from lowvram_lora.engine.runs import launch
+
+    cpus = len(os.sched_getaffinity(0))
+    # the fixture's run: two workers, so each had half of this machine's CPUs (or the threads the environment set)
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, cpus // 2))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert launch.usable_cpus() == cpus  # no quota file here
+    quota = tmp_path / "cpu.max"
+    monkeypatch.setattr(launch, "CPU_QUOTA", quota)
+    for text, want in (("max 100000\n", cpus), (f"{100000 * 3} 100000\n", min(cpus, 3)), ("50000 100000", 1),
+                       ("garbled", cpus)):
+        quota.write_text(text)
+        assert launch.usable_cpus() == want, text
+    quota.write_text(f"{100000 * 8} 100000")
+    assert launch.worker_env(2)["OMP_NUM_THREADS"] == str(max(1, min(cpus, 8) // 2))
+    assert launch.worker_env(1, processes=4)["OMP_NUM_THREADS"] == str(max(1, min(cpus, 8) // 4))
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert launch.worker_env(2)["OMP_NUM_THREADS"] == "5"
+    ready = [m for m in dp_run.logs if m.startswith("worker ready on cpu")]
+    assert len(ready) == 1 and f"with {threads} CPU threads" in ready[0], dp_run.logs  # rank 0 only speaks
+    settings = dp_run.result.settings
+    assert 0 < settings["worker_ready_s"] < 120
+    startup = settings["startup_s"]
+    assert list(startup) == ["model", "placement", "compute and optimizer", "data, window and previews", "total"]
+    assert startup["total"] == pytest.approx(sum(v for k, v in startup.items() if k != "total"), abs=2e-3)
+    assert any(m.startswith(f"start-up {startup['total']:.1f} s") for m in dp_run.logs)
+    assert settings["finish_s"] >= 0
 
 
 def test_worker_processes_share_the_runs_ram_budget():

@@ -217,6 +217,20 @@ def test_a_cpu_run_reports_no_gpu_only_figures():
     assert "waiting for block copies 0.000 s" in describe(parts, gpu=True)
 
 
+def test_the_phase_clock_splits_the_time_between_marks():
+    """Each mark closes the phase since the previous one; a phase marked twice adds up; the line leaves out phases
+    under 0.05 s."""
+    from lowvram_lora.engine.train import step_timing
+
+    now = iter([10.0, 12.5, 12.51, 20.0, 21.0])
+    clock = step_timing.PhaseClock(now=lambda: next(now))
+    assert clock.mark("model") == 2.5 and clock.mark("data") == pytest.approx(0.01)
+    clock.mark("placement")
+    assert clock.mark("model") == 3.5  # 2.5 + 1.0
+    assert clock.seconds == {"model": 3.5, "data": 0.01, "placement": 7.49} and clock.total() == 11.0
+    assert clock.describe("start-up") == "start-up 11.0 s: model 3.5 s, placement 7.5 s"
+
+
 def test_the_finite_check_before_a_save_names_the_bad_tensor():
     """The save-time check reads one flag per device, and still names the tensor that went non-finite."""
     from lowvram_lora.engine.errors import TrainingDivergedError

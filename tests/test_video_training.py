@@ -4,6 +4,7 @@ cached clip latents, checked against the reference model from the pipeline folde
 high-noise expert run draws every training sigma from its own range."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -259,8 +260,17 @@ def test_both_experts_in_one_run_equal_two_one_expert_runs(tmp_path, monkeypatch
             self.steps.append(info.step)
 
     log = Log()
+    t0 = time.perf_counter()
     both = train_or_reuse(m_high, cache, lora, train, tmp_path / "two", log, parallel=experts, preview_partner=m_low)
+    wall = time.perf_counter() - t0
     assert both.variant == "wan-tiny-high-noise" and both.companion.variant == "wan-tiny-low-noise"
+    # where the time outside the steps went, per expert: the worker's start, the run's start-up, the worker's exit
+    for got in (both, both.companion):
+        ready, exit_s, startup = (got.settings[k] for k in ("worker_ready_s", "worker_exit_s", "startup_s"))
+        assert 0 < ready and 0 <= exit_s and ready + startup["total"] + exit_s < wall
+    assert sum(line.startswith(("worker ready on cpu", "[low-noise expert (cpu)] worker ready on cpu"))
+               for line in log.lines) == 2, log.lines
+    assert any(line.startswith("experts: the workers exited") for line in log.lines)
     assert log.steps == [1, 2, 3]  # the connected expert drives the progress
     assert any("[low-noise expert (cpu)] step 3/3" in line for line in log.lines)
     for got, (model, partner) in ((both, (m_high, m_low)), (both.companion, (m_low, m_high))):

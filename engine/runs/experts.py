@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -128,7 +129,7 @@ def _run_workers(todo, experts, roles, keys, dataset, lora, train, cache_dir, cb
     """One worker process per expert still to train, each a one-rank run on its own device; their results."""
     run_root = Path(cache_dir) / "experts"
     run_root.mkdir(parents=True, exist_ok=True)
-    env = worker_env(1)
+    env = worker_env(1, processes=len(todo))
     offload = per_process_offload(offload, len(todo), cb)
     workers, run_dirs = [], {}
     try:
@@ -156,7 +157,11 @@ def _run_workers(todo, experts, roles, keys, dataset, lora, train, cache_dir, cb
             result = read_trained(run_dirs[i], "result")
             if result is None:
                 raise WorkerError(f"the {roles[i]}'s worker exited without a result; logs in {run_dirs[i]}")
+            # what the process's end took (freeing its pinned host memory and its GPU) after its result was written
+            result.settings["worker_exit_s"] = round(time.time() - (run_dirs[i] / "result.json").stat().st_mtime, 2)
             out[i] = result
+        cb.log("experts: the workers exited " + ", ".join(f"{out[i].settings['worker_exit_s']:.1f} s" for i in todo)
+               + " after writing their results")
         for d in run_dirs.values():
             shutil.rmtree(d, ignore_errors=True)
         return out

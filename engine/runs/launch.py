@@ -35,6 +35,9 @@ from ..parallel.data_parallel import NCCL_SAFE_ENV
 
 #: Lines rank 0 prints for the launcher start with this; anything else is passed on as a log line.
 EVENT_PREFIX = "@lowvram-event "
+CPU_QUOTA = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "<quota> <period>" in microseconds, or "max <period>"
+#: The wall-clock time (``time.time()``) a worker process was started at, in its environment.
+STARTED_AT = "LOWVRAM_STARTED_AT"
 STOP_GRACE_S = 300.0  # after a stop request: time for the ranks to finish the step and save
 
 
@@ -160,10 +163,33 @@ def train_data_parallel(model: ModelInfo, dataset, lora, train, callback, parall
         stop_workers(workers)
 
 
-def worker_env(world: int) -> dict:
-    """The environment every worker process starts with (its RANK / LOCAL_RANK are added per process)."""
-    return {**os.environ, **NCCL_SAFE_ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-            "WORLD_SIZE": str(world), "PYTHONUNBUFFERED": "1", "LOWVRAM_PARENT_PID": str(os.getpid())}
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask, within the container's CPU quota (cgroup v2
+    ``cpu.max``) where one is set."""
+    try:
+        count = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        count = os.cpu_count() or 1
+    try:
+        quota, period = CPU_QUOTA.read_text().split()[:2]
+        if quota != "max":
+            count = min(count, int(quota) // int(period))
+    except (OSError, ValueError):
+        pass
+    return max(1, count)
+
+
+def worker_env(world: int, processes: int | None = None) -> dict:
+    """The environment every worker process starts with (its RANK / LOCAL_RANK are added per process).
+    ``processes``: how many workers run on this host at once (default ``world``). Each gets that share of the
+    CPUs as its torch threads (``OMP_NUM_THREADS``, unless the user set it): by default every process would start
+    one thread per CPU, and the workers' host work (pinning and filling buffers, the host optimizer) would then
+    run with several threads per CPU."""
+    env = {**os.environ, **NCCL_SAFE_ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "WORLD_SIZE": str(world), "PYTHONUNBUFFERED": "1", "LOWVRAM_PARENT_PID": str(os.getpid())}
+    if not os.environ.get("OMP_NUM_THREADS"):
+        env["OMP_NUM_THREADS"] = str(max(1, usable_cpus() // (processes or world)))
+    return env
 
 
 class Worker:
@@ -185,6 +211,7 @@ class Worker:
         relay = main if relay is None else relay
         log_path = run_dir / f"{name}.log"
         log = open(log_path, "wb")
+        env = {**env, STARTED_AT: f"{time.time():.3f}"}  # the worker reports how long it took to be ready
         try:
             proc = subprocess.Popen([sys.executable, "-m", "lowvram_lora.engine.runs.worker", str(spec_path)],
                                     env=env, stdout=subprocess.PIPE if relay else log, stderr=log,

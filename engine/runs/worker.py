@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..callbacks import StepInfo, TrainingCallback
-from .launch import EVENT_PREFIX
+from .launch import EVENT_PREFIX, STARTED_AT
 
 
 class _Events(TrainingCallback):
@@ -87,6 +87,15 @@ def main(argv: list[str]) -> int:
         raise
 
 
+def _ready_seconds() -> float | None:
+    """Seconds from the launcher starting this process to now (None under torchrun, which does not say)."""
+    started = os.environ.get(STARTED_AT)
+    try:
+        return round(time.time() - float(started), 2) if started else None
+    except ValueError:
+        return None
+
+
 def _train(spec: dict, local_rank: int, events: _Events) -> int:
     import torch
 
@@ -104,6 +113,10 @@ def _train(spec: dict, local_rank: int, events: _Events) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     ranks = init_from_env(device)
+    ready_s = _ready_seconds()
+    if ready_s is not None:
+        events.log(f"worker ready on {device} {ready_s:.1f} s after it was started (Python, imports, CUDA), with "
+                   f"{torch.get_num_threads()} CPU threads")
     try:
         # The Load node's identity of the checkpoint, used as it is (a spec written before it was passed: the
         # ModelConfig alone, identified in train_lora).
@@ -133,6 +146,7 @@ def _train(spec: dict, local_rank: int, events: _Events) -> int:
             if not result.interrupted and result.state_dict:
                 store.discard()
             Path(spec["run_dir"]).mkdir(parents=True, exist_ok=True)  # torchrun on another host: made here
+            result.settings["worker_ready_s"] = ready_s
             write_trained(Path(spec["run_dir"]), "result", result, "the data-parallel result")
             if spec.get("save"):
                 from ..lora_io import save_lora

@@ -41,7 +41,7 @@ from .snapshots import Snapshots
 from .optimizers import check_optimizer, make_optimizer
 from .placement import MemoryOptions, Placement, choose_placement, training_device
 from .resume import ResumeStore, RngSnapshot
-from .step_timing import StepTimer
+from .step_timing import PhaseClock, StepTimer
 from .step_timing import describe as describe_step
 from ..lora_io.trained import TrainedLora
 
@@ -142,6 +142,7 @@ def _train_lora(model_cfg, identity, dataset, lora, train, callback, preloaded, 
     from ..parallel.data_parallel import Ranks
 
     cb = callback or TrainingCallback()
+    clock = PhaseClock()  # the start-up's phases and the end's, logged and in the result's settings
     device = training_device(train, split)
     dtype = resolve_dtype(model_cfg.dtype, device)
     _check_settings(train, offload, device)
@@ -158,24 +159,37 @@ def _train_lora(model_cfg, identity, dataset, lora, train, callback, preloaded, 
     _load_model(run, model_cfg, identity, lora, preloaded)
     run.result, run.lora = _new_result(run, model_cfg, lora), lora
     _prepare_model(run)
+    clock.mark("model")
     try:  # from the placement on, whatever happens, _finish takes the LoRA out and undoes every phase
         _mark_window(run, lora, step_window)
         _place(run, lora)
+        clock.mark("placement")
         _prepare_compute(run)
         _make_optimizer(run)
+        clock.mark("compute and optimizer")
         _prepare_data(run)
         _resume(run)
         _start_window(run, step_window)
         _make_sampler(run, sampling, sample_dir, preview_partner)
         _make_validator(run)
+        clock.mark("data, window and previews")
+        _report_startup(run, clock)
         _run_steps(run)
     finally:
+        end = PhaseClock()
         bad = _finish(run, drop_model=preloaded is None)
+        run.result.settings["finish_s"] = end.mark("finish")
     if bad:
         raise TrainingDivergedError(
             f"the LoRA weights became NaN/inf ({len(bad)} tensors, e.g. '{bad[0]}'); nothing was saved. "
             f"Lower learning_rate, keep max_grad_norm > 0, and check alpha")
     return run.result
+
+
+def _report_startup(run: _Run, clock: PhaseClock) -> None:
+    """The start-up's phases (before the first step) in the log and the result's settings."""
+    run.cb.log(clock.describe("start-up"))
+    run.result.settings["startup_s"] = {**clock.seconds, "total": clock.total()}
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Where a training step's time goes: the breakdown printed after step 2 and reported per step.
+"""Where a training step's time goes: the breakdown printed after step 2 and reported per step; and where the time
+before the first step and after the last goes (``PhaseClock``).
 
     data        host: reading and moving the cached latents / embeddings of the step
     compute     GPU: forward + backward of every micro-batch (CUDA events around them)
@@ -70,3 +71,28 @@ def describe(parts: dict[str, float], gpu: bool = True) -> str:
     return (f"step time {wall:.3f} s: compute {pct('compute')} of which waiting for block copies "
             f"{parts['copy_stall']:.3f} s, optimizer {pct('optimizer')}, data {parts['data']:.3f} s, "
             f"host outside GPU work {pct('host')}")
+
+
+class PhaseClock:
+    """Seconds per named phase of a run's start-up and end (wall clock, host side): ``mark(name)`` closes the phase
+    that ran since the previous mark (or since the clock was made). A long start-up (loading an expert, pinning tens
+    of GB of host buffers at 1-3 GB/s) is then shown by phase, in the log and in the result's settings."""
+
+    def __init__(self, now=time.perf_counter) -> None:
+        self.now = now
+        self.last = now()
+        self.seconds: dict[str, float] = {}
+
+    def mark(self, name: str) -> float:
+        now = self.now()
+        self.seconds[name] = round(self.seconds.get(name, 0.0) + now - self.last, 3)
+        self.last = now
+        return self.seconds[name]
+
+    def total(self) -> float:
+        return round(sum(self.seconds.values()), 3)
+
+    def describe(self, what: str) -> str:
+        """``what`` and its total, then each phase of at least 0.05 s: one line for the log."""
+        parts = ", ".join(f"{name} {s:.1f} s" for name, s in self.seconds.items() if s >= 0.05)
+        return f"{what} {self.total():.1f} s" + (f": {parts}" if parts else "")
