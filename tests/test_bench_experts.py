@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from helpers import bench_module
 from safetensors.torch import load_file
@@ -123,8 +124,6 @@ def test_a_serial_pair_split_over_two_calls_joins_into_one_summary(tmp_path):
 def test_a_continuing_call_stops_at_once_where_the_slabs_are_gone(tmp_path):
     """``--no-build`` (a call continuing an earlier one, on a machine that may be a fresh one): no slab in --workdir
     is a named stop before anything is built or trained, and nothing is written."""
-    import pytest
-
     bench = bench_module("bench_experts")
     out = tmp_path / "rows.jsonl"
     with pytest.raises(SystemExit, match="no slab of wan-tiny-high-noise, wan-tiny-low-noise in .*build them first"):

@@ -3,6 +3,8 @@ choices ``auto`` makes under a VRAM and a RAM budget together. Pure arithmetic o
 (57 blocks: 19 double of 2.4x the bytes of 38 single), no model."""
 from __future__ import annotations
 
+import os
+
 from pathlib import Path
 
 import pytest
@@ -35,6 +37,22 @@ def fake_tree(tmp_path, cgroup_line: str | None = None, files: dict | None = Non
 
 
 # --- the readers ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("files, want", [
+    ({}, None),  # no cpu.max: the affinity mask
+    ({"cpu.max": "max 100000\n", "app/cpu.max": "max 100000\n"}, None),
+    ({"app/cpu.max": "300000 100000\n"}, 3),  # the process's own cgroup
+    ({"cpu.max": "200000 100000\n", "app/cpu.max": "max 100000\n"}, 2),  # a parent's quota holds too
+    ({"app/cpu.max": "50000 100000"}, 1),  # below one CPU: one
+    ({"app/cpu.max": "garbled"}, None),
+])
+def test_usable_cpus_is_the_affinity_within_the_cgroups_cpu_quota(tmp_path, files, want):
+    """Worker processes take their share of these (engine/runs/launch.worker_env) as torch threads."""
+    cpus = len(os.sched_getaffinity(0))
+    root = fake_tree(tmp_path, "0::/app\n", files)
+    (root / "sys/fs/cgroup/app").mkdir(parents=True, exist_ok=True)
+    assert hostmem.usable_cpus(root) == (cpus if want is None else min(cpus, want))
 
 
 def test_no_cgroup_reads_meminfo(tmp_path):

@@ -270,7 +270,8 @@ def test_both_experts_in_one_run_equal_two_one_expert_runs(tmp_path, monkeypatch
         assert 0 < ready and 0 <= exit_s and ready + startup["total"] + exit_s < wall
     assert sum(line.startswith(("worker ready on cpu", "[low-noise expert (cpu)] worker ready on cpu"))
                for line in log.lines) == 2, log.lines
-    assert any(line.startswith("experts: the workers exited") for line in log.lines)
+    exits = [line for line in log.lines if line.startswith("experts: worker exit after writing the result")]
+    assert len(exits) == 1 and "high-noise expert's" in exits[0] and "low-noise expert's" in exits[0], log.lines
     assert log.steps == [1, 2, 3]  # the connected expert drives the progress
     assert any("[low-noise expert (cpu)] step 3/3" in line for line in log.lines)
     for got, (model, partner) in ((both, (m_high, m_low)), (both.companion, (m_low, m_high))):

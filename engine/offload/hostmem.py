@@ -122,6 +122,27 @@ def cgroup_limit_bytes(root: str | Path = "/") -> Optional[int]:
     return best
 
 
+def usable_cpus(root: str | Path = "/") -> int:
+    """The CPUs this process may run on: its affinity mask, within the CPU quota (cgroup v2 ``cpu.max``,
+    "<quota> <period>" or "max <period>") of its cgroup and of every cgroup above it. (The cgroup readers live
+    here; cgroup v1's CPU quota is not read.)"""
+    try:
+        count = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        count = os.cpu_count() or 1
+    cg = own_cgroup(root)
+    if cg is not None and cg.version == 2:
+        folder = cg.path
+        while True:
+            quota, _, period = (_read(folder / "cpu.max") or "").strip().partition(" ")
+            if quota.isdigit() and period.strip().isdigit() and int(period):
+                count = min(count, int(quota) // int(period))
+            if folder == cg.top or cg.top not in folder.parents:
+                break
+            folder = folder.parent
+    return max(1, count)
+
+
 def cgroup_usage_bytes(root: str | Path = "/") -> Optional[int]:
     """What the process's cgroup holds now, less its page cache (clean file pages are dropped before anything is
     OOM-killed; a slab read by the previous run sits there and would otherwise count as held); None without a

@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import tempfile
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -157,11 +156,16 @@ def _run_workers(todo, experts, roles, keys, dataset, lora, train, cache_dir, cb
             result = read_trained(run_dirs[i], "result")
             if result is None:
                 raise WorkerError(f"the {roles[i]}'s worker exited without a result; logs in {run_dirs[i]}")
-            # what the process's end took (freeing its pinned host memory and its GPU) after its result was written
-            result.settings["worker_exit_s"] = round(time.time() - (run_dirs[i] / "result.json").stat().st_mtime, 2)
+            # what the process's end took (freeing its pinned host memory and its GPU) after its result was written,
+            # both times from this host's clock
+            done_at, exited_at = result.settings.pop("worker_done_at", None), workers[todo.index(i)].exited_at
+            if done_at is not None and exited_at is not None:
+                result.settings["worker_exit_s"] = round(max(0.0, exited_at - done_at), 2)
             out[i] = result
-        cb.log("experts: the workers exited " + ", ".join(f"{out[i].settings['worker_exit_s']:.1f} s" for i in todo)
-               + " after writing their results")
+        exits = [f"the {roles[i]}'s {out[i].settings['worker_exit_s']:.1f} s" for i in todo
+                 if "worker_exit_s" in out[i].settings]
+        if exits:
+            cb.log(f"experts: worker exit after writing the result: {', '.join(exits)}")
         for d in run_dirs.values():
             shutil.rmtree(d, ignore_errors=True)
         return out

@@ -31,11 +31,11 @@ from ..callbacks import StepInfo, TrainingCallback
 from ..errors import ConfigError, LowVRAMError, WorkerError
 from ..fileio import write_json_atomic
 from ..models.inspect import ModelInfo
+from ..offload.hostmem import usable_cpus
 from ..parallel.data_parallel import NCCL_SAFE_ENV
 
 #: Lines rank 0 prints for the launcher start with this; anything else is passed on as a log line.
 EVENT_PREFIX = "@lowvram-event "
-CPU_QUOTA = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "<quota> <period>" in microseconds, or "max <period>"
 #: The wall-clock time (``time.time()``) a worker process was started at, in its environment.
 STARTED_AT = "LOWVRAM_STARTED_AT"
 STOP_GRACE_S = 300.0  # after a stop request: time for the ranks to finish the step and save
@@ -157,26 +157,11 @@ def train_data_parallel(model: ModelInfo, dataset, lora, train, callback, parall
         result = read_trained(run_dir, "result")
         if result is None:
             raise WorkerError(f"the workers exited without a result; logs in {run_dir}")
+        result.settings.pop("worker_done_at", None)  # experts mode times its workers' exit from it; not here
         shutil.rmtree(run_dir, ignore_errors=True)
         return result
     finally:
         stop_workers(workers)
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on: its affinity mask, within the container's CPU quota (cgroup v2
-    ``cpu.max``) where one is set."""
-    try:
-        count = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        count = os.cpu_count() or 1
-    try:
-        quota, period = CPU_QUOTA.read_text().split()[:2]
-        if quota != "max":
-            count = min(count, int(quota) // int(period))
-    except (OSError, ValueError):
-        pass
-    return max(1, count)
 
 
 def worker_env(world: int, processes: int | None = None) -> dict:
@@ -200,6 +185,7 @@ class Worker:
                  relay: bool):
         self.proc, self.log, self.log_path, self.run_dir = proc, log, log_path, run_dir
         self.label, self.main, self.relay = label, main, relay
+        self.exited_at: float | None = None  # time.time() when supervise first saw it gone
         self.stop_file = run_dir / "STOP"
 
     @classmethod
@@ -270,6 +256,9 @@ def supervise(workers: list[Worker], cb: TrainingCallback) -> None:
                 pending = exc
                 stop_deadline = stop_all()
         codes = [w.proc.poll() for w in workers]
+        for w, code in zip(workers, codes):
+            if code is not None and w.exited_at is None:
+                w.exited_at = time.time()
         failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
         if failed:
             _kill([w.proc for w in workers])

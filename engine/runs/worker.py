@@ -112,11 +112,11 @@ def _train(spec: dict, local_rank: int, events: _Events) -> int:
     device = torch.device(devices[local_rank] if local_rank < len(devices) else f"cuda:{local_rank}")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    ranks = init_from_env(device)
-    ready_s = _ready_seconds()
+    ready_s = _ready_seconds()  # before the process group, which waits for the other ranks
     if ready_s is not None:
         events.log(f"worker ready on {device} {ready_s:.1f} s after it was started (Python, imports, CUDA), with "
                    f"{torch.get_num_threads()} CPU threads")
+    ranks = init_from_env(device)
     try:
         # The Load node's identity of the checkpoint, used as it is (a spec written before it was passed: the
         # ModelConfig alone, identified in train_lora).
@@ -147,6 +147,7 @@ def _train(spec: dict, local_rank: int, events: _Events) -> int:
                 store.discard()
             Path(spec["run_dir"]).mkdir(parents=True, exist_ok=True)  # torchrun on another host: made here
             result.settings["worker_ready_s"] = ready_s
+            result.settings["worker_done_at"] = time.time()  # the launcher times the process's exit from here
             write_trained(Path(spec["run_dir"]), "result", result, "the data-parallel result")
             if spec.get("save"):
                 from ..lora_io import save_lora
