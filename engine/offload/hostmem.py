@@ -111,15 +111,23 @@ def cgroup_limit_bytes(root: str | Path = "/") -> Optional[int]:
     cg = own_cgroup(root)
     if cg is None:
         return None
-    best, folder = None, cg.path
-    while True:
+    best = None
+    for folder in _up_to_top(cg):
         raw = (_read(folder / _limit_file(cg)) or "").strip()
         if raw.isdigit() and int(raw) < _NO_LIMIT:
             best = int(raw) if best is None else min(best, int(raw))
-        if folder == cg.top or cg.top not in folder.parents:
-            break
-        folder = folder.parent
     return best
+
+
+def _up_to_top(cg: Cgroup):
+    """The process's cgroup folder, then each one above it up to the hierarchy's mount point (a limit anywhere on
+    the way holds)."""
+    folder = cg.path
+    while True:
+        yield folder
+        if folder == cg.top or cg.top not in folder.parents:
+            return
+        folder = folder.parent
 
 
 def usable_cpus(root: str | Path = "/") -> int:
@@ -131,15 +139,10 @@ def usable_cpus(root: str | Path = "/") -> int:
     except AttributeError:  # not Linux
         count = os.cpu_count() or 1
     cg = own_cgroup(root)
-    if cg is not None and cg.version == 2:
-        folder = cg.path
-        while True:
-            quota, _, period = (_read(folder / "cpu.max") or "").strip().partition(" ")
-            if quota.isdigit() and period.strip().isdigit() and int(period):
-                count = min(count, int(quota) // int(period))
-            if folder == cg.top or cg.top not in folder.parents:
-                break
-            folder = folder.parent
+    for folder in _up_to_top(cg) if cg is not None and cg.version == 2 else ():
+        quota, _, period = (_read(folder / "cpu.max") or "").strip().partition(" ")
+        if quota.isdigit() and period.strip().isdigit() and int(period):
+            count = min(count, int(quota) // int(period))
     return max(1, count)
 
 

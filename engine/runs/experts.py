@@ -30,10 +30,10 @@ from pathlib import Path
 from ..callbacks import TrainingCallback
 from ..errors import ConfigError, WorkerError
 from ..fileio import FileLock
-from ..lora_io.trained import TrainedLora, read_trained
+from ..lora_io.trained import TrainedLora
 from ..models.inspect import ModelInfo
-from .launch import (Worker, _importable_root, per_process_offload, run_spec, stop_workers, supervise,
-                     worker_env)
+from .launch import (Worker, _importable_root, per_process_offload, read_result, run_spec, stop_workers,
+                     supervise, worker_env)
 from .finished import (check_reused_samples, load_finished, model_key, resume_args, samples_made_with,
                        store_finished, training_key)
 
@@ -153,14 +153,9 @@ def _run_workers(todo, experts, roles, keys, dataset, lora, train, cache_dir, cb
         supervise(workers, cb)
         out = {}
         for i in todo:
-            result = read_trained(run_dirs[i], "result")
+            result = read_result(run_dirs[i], workers[todo.index(i)])
             if result is None:
                 raise WorkerError(f"the {roles[i]}'s worker exited without a result; logs in {run_dirs[i]}")
-            # what the process's end took (freeing its pinned host memory and its GPU) after its result was written,
-            # both times from this host's clock
-            done_at, exited_at = result.settings.pop("worker_done_at", None), workers[todo.index(i)].exited_at
-            if done_at is not None and exited_at is not None:
-                result.settings["worker_exit_s"] = round(max(0.0, exited_at - done_at), 2)
             out[i] = result
         exits = [f"the {roles[i]}'s {out[i].settings['worker_exit_s']:.1f} s" for i in todo
                  if "worker_exit_s" in out[i].settings]

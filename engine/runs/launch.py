@@ -124,8 +124,6 @@ def train_data_parallel(model: ModelInfo, dataset, lora, train, callback, parall
                         preview_partner: ModelInfo | None = None):
     """Train with one process per device in ``parallel.devices``; returns rank 0's TrainedLora. ``model`` (and
     ``preview_partner``): the Load node's, whose checkpoint identity each worker uses as it is."""
-    from ..lora_io.trained import read_trained
-
     if preloaded is not None:
         raise ConfigError("data parallel loads the model in each worker process; a preloaded model cannot be "
                           "shared (run the worker under torchrun with your own model instead)")
@@ -154,14 +152,27 @@ def train_data_parallel(model: ModelInfo, dataset, lora, train, callback, parall
             supervise(workers, cb)
         except WorkerError as exc:
             raise WorkerError(f"{exc}\n{_resume_note(store_args, train)}") from exc
-        result = read_trained(run_dir, "result")
+        result = read_result(run_dir, workers[0])
         if result is None:
             raise WorkerError(f"the workers exited without a result; logs in {run_dir}")
-        result.settings.pop("worker_done_at", None)  # experts mode times its workers' exit from it; not here
         shutil.rmtree(run_dir, ignore_errors=True)
         return result
     finally:
         stop_workers(workers)
+
+
+def read_result(run_dir: Path, worker: "Worker"):
+    """The TrainedLora ``worker`` wrote in ``run_dir`` (None if none), with ``worker_exit_s``: how long the process
+    took to end (freeing its pinned host memory and its GPU) after writing it, both times from this host's clock."""
+    from ..lora_io.trained import read_trained
+
+    result = read_trained(run_dir, "result")
+    if result is None:
+        return None
+    done_at = result.settings.pop("worker_done_at", None)
+    if done_at is not None and worker.exited_at is not None:
+        result.settings["worker_exit_s"] = round(max(0.0, worker.exited_at - done_at), 2)
+    return result
 
 
 def worker_env(world: int, processes: int | None = None) -> dict:
