@@ -219,3 +219,55 @@ def test_train_lora_interleaved_split_on_cpu_equals_unsplit(tiny_pipeline, tiny_
     assert split.loss_history == pytest.approx(whole.loss_history, rel=1e-4)
     for k, v in whole.state_dict.items():
         torch.testing.assert_close(split.state_dict[k], v, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("v", [1, 2])
+def test_the_runner_keeps_no_tensor_that_autograd_let_go(v):
+    """Flux.2's last double block returns its text and image streams, which the model only concatenates for the single
+    blocks: checkpointed, nothing keeps them after the concatenation, and a pipelined step must not either (the runner
+    once kept every block output it recorded for the micro-batch's whole backward: 1.0-1.4 GB more on the first GPU of
+    a Flux.2-dev split on 2x H200 than its plan, an out-of-memory under the per-GPU cap). The reference is one device's
+    forward, where they are gone once the forward returns."""
+    import weakref
+
+    from lowvram_lora.engine.offload.footprint import measure_footprint
+    from lowvram_lora.engine.parallel.split import apply_split, trainable_per_block
+
+    def outputs_alive_after_forward(model, family, run_pieces):
+        import threading
+
+        last_double = model.transformer_blocks[-1]
+        refs, alive = {}, []  # each micro-batch's thread its own outputs (the pipelined forwards overlap)
+        hook = last_double.register_forward_hook(
+            lambda m, a, out: refs.setdefault(threading.get_ident(), []).extend(weakref.ref(t) for t in out))
+        try:
+            pieces = _pieces(model, family, 4)
+
+            def watched(run):
+                def piece():
+                    refs[threading.get_ident()] = []
+                    out = run()
+                    alive.append(sum(r() is not None for r in refs[threading.get_ident()]))
+                    return out
+                return piece
+            run_pieces([watched(p) for p in pieces])
+        finally:
+            hook.remove()
+        return alive
+
+    model, family = _tiny("flux2", dict(num_layers=2, num_single_layers=4))
+
+    def one_device(pieces):
+        for p in pieces:
+            loss, _ = p()
+            loss.backward()
+    assert outputs_alive_after_forward(model, family, one_device) == [0] * 4
+    fp = measure_footprint(model, family)
+    per_block, outside = trainable_per_block(model, family)
+    plan = plan_split(fp, per_block, outside, Workload(4, 64, 7), OffloadConfig(mode="resident"), CPU2, (None, None),
+                      micro_batches=4, virtual_stages=v)
+    handle = apply_split(model, family, plan, OffloadConfig(mode="resident"))
+    try:
+        assert outputs_alive_after_forward(model, family, handle.pipeline.run) == [0] * 4
+    finally:
+        handle.remove()

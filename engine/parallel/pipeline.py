@@ -55,6 +55,7 @@ from __future__ import annotations
 import collections
 import copy
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -142,11 +143,13 @@ class _MicroBatch:
 
     index: int
     chunk: int = 0  # the chunk whose forward the thread runs (the first GPU's part, or chunk c of an interleaved split)
-    # id(tensor) -> (tensor, the chunk whose operation made it): block arguments and outputs, and the leaves made at
-    # each crossing (kept, so their ids stay unique while the micro-batch runs); a chunk's are dropped after its
-    # backward.
+    # id(tensor) -> (a weak reference to it, the chunk whose operation made it): block arguments and outputs, and the
+    # leaves made at each crossing; a chunk's are dropped after its backward. Weak, so that the runner keeps no tensor
+    # alive that autograd has let go (a block output the model only concatenates, e.g. Flux's last double block's):
+    # an entry counts only while its tensor is the one asked about (``_same``), so a reused id is never mistaken.
     made: dict = field(default_factory=dict)
-    leaf_of: dict = field(default_factory=dict)  # (id(tensor), chunk) -> the tensor's leaf (or copy) in that chunk
+    # (id(tensor), chunk) -> (a weak reference to the tensor, its leaf (or copy) in that chunk)
+    leaf_of: dict = field(default_factory=dict)
     entries: dict = field(default_factory=dict)  # chunk -> [(tensor, its leaf there, the chunk that made it)]
     returned: list = field(default_factory=list)  # (tensor, its leaf on the first device, maker) for the head
 
@@ -197,7 +200,12 @@ class PipelineRunner:
     @staticmethod
     def _maker(mb: _MicroBatch, x: torch.Tensor) -> Optional[int]:
         entry = mb.made.get(id(x))
-        return entry[1] if entry is not None and entry[0] is x else None
+        return entry[1] if entry is not None and entry[0]() is x else None
+
+    @staticmethod
+    def _leaf(mb: _MicroBatch, x: torch.Tensor, chunk: int) -> Optional[torch.Tensor]:
+        entry = mb.leaf_of.get((id(x), chunk))
+        return entry[1] if entry is not None and entry[0]() is x else None
 
     def _enter(self, mb: _MicroBatch, x: torch.Tensor, chunk: int, copy: torch.Tensor, maker: int) -> torch.Tensor:
         """``copy`` (``x`` on the chunk's device) becomes the chunk's leaf for ``x``: where ``x`` needs a gradient,
@@ -205,8 +213,8 @@ class PipelineRunner:
         if x.requires_grad:
             copy.requires_grad_(True)
             mb.entries.setdefault(chunk, []).append((x, copy, maker))
-        mb.leaf_of[(id(x), chunk)] = copy
-        mb.made[id(copy)] = (copy, chunk)
+        mb.leaf_of[(id(x), chunk)] = (weakref.ref(x), copy)
+        mb.made[id(copy)] = (weakref.ref(copy), chunk)
         return copy
 
     def block_arguments(self, block, args: tuple) -> tuple:
@@ -222,7 +230,8 @@ class PipelineRunner:
         tensors = [x for x in tree_flatten(args)[0] if isinstance(x, torch.Tensor)]
         if c == 0:  # what the first chunk takes (the embedders' tensors, its blocks' outputs) is its own
             for x in tensors:
-                mb.made.setdefault(id(x), (x, 0))
+                if self._maker(mb, x) is None:
+                    mb.made[id(x)] = (weakref.ref(x), 0)
             return args
         dev = self.devices[c % 2]
         if c != mb.chunk:
@@ -244,7 +253,7 @@ class PipelineRunner:
         def swap(x):
             if not isinstance(x, torch.Tensor):
                 return x
-            leaf = mb.leaf_of.get((id(x), c))
+            leaf = self._leaf(mb, x, c)
             if leaf is not None:
                 return leaf
             made = self._maker(mb, x)
@@ -277,7 +286,7 @@ class PipelineRunner:
             c = self.chunk_of_block[id(block)]
             for t in (out if isinstance(out, (tuple, list)) else (out,)):
                 if isinstance(t, torch.Tensor):
-                    mb.made[id(t)] = (t, c)
+                    mb.made[id(t)] = (weakref.ref(t), c)
         return out
 
     def head_arguments(self, args, kwargs):
