@@ -99,6 +99,11 @@ def parse_args(argv=None):
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--out", default="bench/results.jsonl")
     p.add_argument("--note", default="")
+    p.add_argument("--memory-history", type=int, default=0, metavar="N",
+                   help="record each GPU's last N allocator events and write, beside --out, what was alive at each "
+                        "mode's peak (memory_<mode>_r<rank>.json) and at an out-of-memory (oom_memory_r<rank>.json), "
+                        "by the line that allocated it (bench/memory_trace.py; 400000 for a Flux.2-dev step). Slows "
+                        "the run: not for timed rows")
     return p.parse_args(argv)
 
 
@@ -192,6 +197,11 @@ def main(argv=None) -> int:
     steps = args.warmup + args.timed
     tmp = tempfile.TemporaryDirectory(prefix=f"parallel-bench-{me.rank}-")
     rows: dict = {}
+    history = None
+    if cuda and args.memory_history:
+        from memory_trace import MemoryHistory
+
+        history = MemoryHistory(args.memory_history, Path(args.out).parent / f"oom_memory_r{me.rank}.json")
 
     def run(mode: str, model, family, dataset, offload, **kw) -> dict:
         gc.collect()
@@ -247,6 +257,10 @@ def main(argv=None) -> int:
             row["x_one_gpu_images_per_s"] = round(row["images_per_s"] / one["images_per_s"], 3)
             row["scaling_efficiency"] = round(row["x_one_gpu_images_per_s"] / world, 3)
             row["x_one_gpu_step"] = round(row["step_s"] / one["step_s"], 3)
+        if history is not None:  # what was alive at this mode's peak, by the line that allocated it
+            path = Path(args.out).parent / f"memory_{mode}_r{me.rank}.json"
+            history.write(path)
+            row["memory_trace"] = path.name
         rows[mode] = emit({"mode": mode, **row})
         return rows[mode]
 

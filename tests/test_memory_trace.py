@@ -1,0 +1,57 @@
+"""bench/memory_trace.py: what holds a GPU's memory at its peak, from torch's allocator history (a trace and a
+snapshot in the layout ``torch.cuda.memory._snapshot()`` returns; the expected figures worked out by hand)."""
+import json
+
+from helpers import bench_module
+
+mt = bench_module("memory_trace")
+
+TORCH = {"filename": "/usr/lib/python3/site-packages/torch/nn/functional.py", "line": 10, "name": "linear"}
+BLOCK = {"filename": "/x/site-packages/diffusers/models/transformers/transformer_flux2.py", "line": 600,
+         "name": "forward"}
+RUNNER = {"filename": "/x/lowvram_lora/engine/parallel/pipeline.py", "line": 250, "name": "block_arguments"}
+COPY = {"filename": "/x/lowvram_lora/engine/parallel/pipeline.py", "line": 120, "name": "start"}
+
+
+def test_where_names_the_first_line_outside_torch_and_the_engine_line_behind_it():
+    assert mt.where([TORCH, BLOCK, RUNNER]) == ("diffusers/models/transformers/transformer_flux2.py:600 forward <- "
+                                                "engine/parallel/pipeline.py:250 block_arguments")
+    assert mt.where([TORCH, COPY, RUNNER]) == "engine/parallel/pipeline.py:120 start"
+    assert mt.where([TORCH]) == "torch/nn/functional.py:10 linear"  # only torch: its innermost line
+
+
+def test_the_trace_is_replayed_to_its_peak():
+    """a 100 (block), b 200 (copy), b freed, c 400 (block), d 50 (copy), a freed, e 30: alive at most after d,
+    100 + 400 + 50 = 550 bytes; the block's line holds 500 of it in two allocations."""
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": [TORCH, BLOCK, RUNNER]},
+        {"action": "alloc", "addr": 2, "size": 200, "frames": [COPY]},
+        {"action": "free_requested", "addr": 2, "size": 200},
+        {"action": "free_completed", "addr": 2, "size": 200},
+        {"action": "alloc", "addr": 3, "size": 400, "frames": [TORCH, BLOCK, RUNNER]},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": [COPY]},
+        {"action": "free_requested", "addr": 1, "size": 100},
+        {"action": "alloc", "addr": 4, "size": 30, "frames": [COPY]},
+        {"action": "segment_alloc", "addr": 9, "size": 1 << 20},
+    ]
+    out = mt.trace_peak(trace)
+    assert out["peak_gb_from_trace_start"] == round(550 / 1e9, 4) and out["peak_event"] == 5
+    assert [(g["where"].split(" ")[0], g["count"]) for g in out["alive_at_peak"]] == [
+        ("diffusers/models/transformers/transformer_flux2.py:600", 2), ("engine/parallel/pipeline.py:120", 1)]
+
+
+def test_live_blocks_by_device_and_state(tmp_path):
+    snapshot = {"segments": [
+        {"device": 0, "blocks": [{"size": 3 * 10**8, "state": "active_allocated", "frames": [COPY]},
+                                 {"size": 10**8, "state": "inactive", "frames": []}]},
+        {"device": 1, "blocks": [{"size": 7 * 10**7, "state": "active_pending_free", "frames": [COPY]}]},
+        {"device": 0, "blocks": [{"size": 2 * 10**8, "state": "active_allocated", "frames": [COPY]}]}],
+        "device_traces": [[], []]}
+    out = mt.summarize(snapshot)
+    assert out["trace_peak"] == {}
+    assert out["live"]["0"]["gb_by_state"] == {"active_allocated": 0.5, "inactive": 0.1}
+    assert out["live"]["0"]["allocated"] == [{"where": "engine/parallel/pipeline.py:120 start", "gb": 0.5,
+                                               "count": 2}]
+    assert out["live"]["1"] == {"gb_by_state": {"active_pending_free": 0.07}, "allocated": []}
+    mt._write_json(tmp_path / "m.json", out)
+    assert json.loads((tmp_path / "m.json").read_text()) == out and not list(tmp_path.glob("*.tmp"))
