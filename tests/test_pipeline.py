@@ -147,7 +147,9 @@ def test_part_peak_counts_the_ring_at_the_large_blocks_and_the_second_micro_batc
     # pipelined first part: a second micro-batch's six inputs, the head and the crossing on top, everywhere
     peak2, added2 = part_peak(plan, held_micro_batches=2, head=True)
     assert added2["pipelined inputs"] == 6 * unit and added2["head and crossing"] == int(5 * unit)
-    assert peak2 == whole_step + 6 * unit + int(5 * unit)
+    # and the excess measured on the first GPU (part_memory.FIRST_PART_MEASURED_UNITS: 25 units, 2x H200)
+    assert added2["first GPU's measured excess"] == int(25 * unit)
+    assert peak2 == whole_step + 6 * unit + int(5 * unit) + int(25 * unit)
     # equal blocks: the ring is as full at the turn as anywhere, so the formula's turn is the peak
     even = make_plan(replace(fp, block_bytes=[int(GB)] * 6), wl, OffloadConfig(mode="stream", resident_blocks=0,
                                                                               prefetch_depth=1, activation_offload=False))

@@ -16,7 +16,8 @@ inputs as it reaches them. A split part breaks both assumptions:
   further chunk, a crossing tensor and gradient (``CROSSING_UNITS_PER_CHUNK``).
 * The first part also runs the head (the final norm and projection, with the embedders on the first GPU) for the
   micro-batch the second part has in flight, and holds the tensor at the cut and the gradient that crosses back:
-  ``HEAD_AND_CROSSING_UNITS`` more while pipelined.
+  ``HEAD_AND_CROSSING_UNITS`` more while pipelined, and ``FIRST_PART_MEASURED_UNITS`` that GPUs measured and no
+  model explains yet.
 * One micro-batch at a time, a part that ends with small blocks and starts with large streamed ones has the same
   ring effect with its own inputs (the Flux.2 split's first part: +0.71 GB over its prediction, 12.14 GB of 12).
 
@@ -34,6 +35,14 @@ from ..offload.schedule import BlockScheduler, RecordingCopyEngine
 #: takes it (1), and the head's tensors of the micro-batch the second part runs, between its forward and its backward
 #: (the final norm's input and output and the projection's input: 3; image tokens only, counted as a whole unit).
 HEAD_AND_CROSSING_UNITS = 5.0
+#: Measured on the first GPU of every pipelined Flux split beyond everything above, in the same units: Flux.2-dev int8
+#: 1.0-1.4 GB over the plan (17-24 units of 56.6 MB, v = 1 to 4, M = 4 and 8), Flux.1-dev bf16 0.25-0.47 GB (9-17
+#: units of 28 MB), 2x H200, 2026-11-28; the second GPU within -0.2/+0.4 GB. It came with the interleaved runner
+#: (c9e577d: the same v = 1 plan measured 10.21 GB before it, 11.27 after) and does not grow with M or v. The part
+#: the CPU shows (3-4 units of block outputs the runner kept) is fixed; the rest is not found (docs/multi-gpu.md).
+#: Under each GPU's allocator cap it was an out-of-memory mid-step (v = 4, M = 8 at 12 GB), so the plan keeps room
+#: for the largest measured until a GPU trace (bench_parallel.py --memory-history) names it.
+FIRST_PART_MEASURED_UNITS = 25.0
 #: Interleaved (virtual stages), per further chunk of a part: the tensor that crosses in before its chunk's forward
 #: takes it and the gradient that crosses out before the earlier chunk's backward takes it (B*T*D units).
 CROSSING_UNITS_PER_CHUNK = 2.0
@@ -78,6 +87,7 @@ def part_peak(plan: Plan, held_micro_batches: float = 1, head: bool = False,
         added["pipelined inputs"] = extra_inputs
     if head:
         added["head and crossing"] = int(HEAD_AND_CROSSING_UNITS * unit)
+        added["first GPU's measured excess"] = int(FIRST_PART_MEASURED_UNITS * unit)
     if crossings:
         added["interleaved crossings"] = int(crossings * CROSSING_UNITS_PER_CHUNK * unit)
     floor = plan.predicted_peak_bytes + sum(added.values())
@@ -91,8 +101,7 @@ def part_peak(plan: Plan, held_micro_batches: float = 1, head: bool = False,
                + sum(fp.block_bytes[i] for i in plan.resident))  # all but the ring
     over_step = max(ring + int((b + 1) * SAVED_INPUT_UNITS * unit) + (working if backward else 0)
                     for b, backward, ring in ring_by_visit(plan))
-    peak = (weights + plan.breakdown["lora+adam"] + extra_inputs + added.get("head and crossing", 0)
-            + added.get("interleaved crossings", 0) + over_step)
+    peak = weights + plan.breakdown["lora+adam"] + sum(added.values()) + over_step  # the inputs, head, crossings
     if peak > floor:
         added["ring at the backward's large blocks"] = peak - floor
     return max(floor, peak), added
