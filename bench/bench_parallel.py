@@ -87,8 +87,9 @@ def parse_args(argv=None):
     p.add_argument("--modes", nargs="+", default=["resident", "one", "split", "pipeline", "dp"])
     p.add_argument("--micro-batches", type=int, default=1,
                    help="images per batch in every mode, and the pipelined split's micro-batches (issue 42)")
-    p.add_argument("--virtual-stages", type=int, default=2,
-                   help="the interleave mode's chunks per GPU (Dual-GPU Split virtual_stages; 0: the planner's choice)")
+    p.add_argument("--virtual-stages", type=int, nargs="+", default=[2],
+                   help="the interleave mode's chunks per GPU (Dual-GPU Split virtual_stages; 0: the planner's choice); "
+                        "several: a row each, in one run")
     p.add_argument("--compile", default="auto", choices=["auto", "blocks", "off"],
                    help="Offload Config compile for every streamed mode (auto: eager on the split and for runs this "
                         "short; blocks: the blocks compiled in every mode, the split too: --warmup 2)")
@@ -99,6 +100,12 @@ def parse_args(argv=None):
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--out", default="bench/results.jsonl")
     p.add_argument("--note", default="")
+    p.add_argument("--plan-only", action="store_true",
+                   help="no GPU: print the split's plan for each --virtual-stages at --micro-batches (the planner on "
+                        "the full-size variant built on the meta device, at --budget per GPU, on --link-gbps): check a "
+                        "GPU command with it first")
+    p.add_argument("--link-gbps", type=float, default=55.0, help="--plan-only: the host->GPU link it plans for "
+                   "(55: 2x H200 measured, 2026-11-28)")
     p.add_argument("--memory-history", type=int, default=0, metavar="N",
                    help="record each GPU's last N allocator events and write, beside --out, what was alive at each "
                         "mode's peak (memory_<mode>_r<rank>.json) and at an out-of-memory (oom_memory_r<rank>.json), "
@@ -164,6 +171,53 @@ def _wait_for(path: Path) -> None:
         time.sleep(0.5)
 
 
+def plan_only(args) -> int:
+    """``--plan-only``: the pipelined split's plan (or the planner's refusal) for each ``--virtual-stages``, from the
+    full-size variant on the meta device (its blocks as int8 slab layers with ``--precision int8``), on two GPUs of
+    the assumed kind at ``--budget`` GB each. Nothing is trained: the figures are the planner's predictions."""
+    from lowvram_lora.engine.config import LoraSettings, TrainConfig
+    from lowvram_lora.engine.families import get_family, meta_model
+    from lowvram_lora.engine.offload import OffloadConfig
+    from lowvram_lora.engine.offload.footprint import lora_param_count, measure_footprint, workload_for
+    from lowvram_lora.engine.offload.steptime import Machine, peak_flops_for
+    from lowvram_lora.engine.parallel.split import plan_split, trainable_per_block
+    from lowvram_lora.engine.slab.layout import swap_in_int8_linears
+    from lowvram_lora.engine.train.lora_attach import attach_lora
+    from lowvram_lora.engine.train.optimizers import lora_bytes_per_param
+
+    family = get_family(args.family)
+    cfg = family.load_config(args.variant)
+    lora = LoraSettings(rank=args.rank, alpha=float(args.rank))
+    model = meta_model(family, cfg)
+    torch.nn.Module.to(model, dtype=torch.bfloat16)
+    model.requires_grad_(False)
+    attach_lora(model, family, lora, 0)
+    per_block, outside = trainable_per_block(model, family)
+    trainable = sum(per_block) + outside
+    if args.precision == "int8":
+        swap_in_int8_linears(model, family, 8)
+    fp = measure_footprint(model, family, f"{family.display_name} ({args.variant}, {args.precision})",
+                           trainable_params=trainable)
+    fp.lora_bytes_per_param = lora_bytes_per_param(TrainConfig())
+    assert trainable == lora_param_count(meta_model(family, cfg), family, lora)
+    machine = Machine(args.link_gbps * 1e9, peak_flops_for("NVIDIA H200"), "H200 (assumed)",
+                      f"assumed: {args.link_gbps:g} GB/s")
+    gpus = (torch.device("cuda:0"), torch.device("cuda:1"))
+    with tempfile.TemporaryDirectory(prefix="parallel-plan-") as tmp:
+        dataset = _cache(Path(tmp), family, args.variant, cfg, args.res)
+        workload = workload_for(dataset, family, args.variant, args.micro_batches)
+        for v in args.virtual_stages:
+            try:
+                plan = plan_split(fp, per_block, outside, workload, OffloadConfig(mode="auto"), gpus,
+                                  (int(args.budget * 1e9),) * 2, machines=(machine, machine),
+                                  micro_batches=args.micro_batches, virtual_stages=v)
+            except Exception as exc:  # noqa: BLE001 - the refusal is the answer
+                print(f"v = {v}: REFUSED: {type(exc).__name__}: {exc}")
+                continue
+            print(f"v = {v}, M = {args.micro_batches}: predicted step {plan.predicted_step_s:.3f} s; {plan.describe()}")
+    return 0
+
+
 def main(argv=None) -> int:
     from lowvram_lora.engine.config import LoraSettings, ModelConfig, TrainConfig
     from lowvram_lora.engine.offload import OffloadConfig
@@ -172,6 +226,8 @@ def main(argv=None) -> int:
     from lowvram_lora.engine.train import train_lora
 
     args = parse_args(argv)
+    if args.plan_only:
+        return plan_only(args)
     me = ranks_from_env()
     cuda = args.device == "cuda"
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', me.rank))}" if cuda else "cpu")
@@ -258,7 +314,8 @@ def main(argv=None) -> int:
             row["scaling_efficiency"] = round(row["x_one_gpu_images_per_s"] / world, 3)
             row["x_one_gpu_step"] = round(row["step_s"] / one["step_s"], 3)
         if history is not None:  # what was alive at this mode's peak, by the line that allocated it
-            path = Path(args.out).parent / f"memory_{mode}_r{me.rank}.json"
+            tag = f"-v{kw['split'].virtual_stages}" if mode == "interleave" else ""
+            path = Path(args.out).parent / f"memory_{mode}{tag}_r{me.rank}.json"
             history.write(path)
             row["memory_trace"] = path.name
         rows[mode] = emit({"mode": mode, **row})
@@ -289,9 +346,10 @@ def main(argv=None) -> int:
                 split=ParallelConfig(mode="split", devices=pair, vram_budget_gb=(args.budget,),
                                      micro_batches=args.micro_batches))
         if "interleave" in args.modes and two and args.micro_batches > 1 and args.micro_batches % 2 == 0:
-            run("interleave", model, family, dataset, offload(),
-                split=ParallelConfig(mode="split", devices=pair, vram_budget_gb=(args.budget,),
-                                     micro_batches=args.micro_batches, virtual_stages=args.virtual_stages))
+            for v in args.virtual_stages:  # one row each, in this order
+                run("interleave", model, family, dataset, offload(),
+                    split=ParallelConfig(mode="split", devices=pair, vram_budget_gb=(args.budget,),
+                                         micro_batches=args.micro_batches, virtual_stages=v))
         dp_flag.touch()
     else:
         _wait_for(dp_flag)

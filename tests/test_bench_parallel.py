@@ -1,0 +1,31 @@
+"""bench/bench_parallel.py --plan-only: the split's plans without a GPU (the full-size variants on the meta device; a
+tiny one here), one per --virtual-stages, each as the planner gives it."""
+import re
+
+import torch
+from helpers import bench_module
+
+from lowvram_lora.engine.parallel.split import plan_split
+
+
+def test_plan_only_prints_the_planners_plan_for_each_virtual_stage(capsys, monkeypatch):
+    bench = bench_module("bench_parallel")
+    seen = []
+
+    def recording(*args, **kw):  # the planner's own plan, to compare with what the script prints
+        plan = plan_split(*args, **kw)
+        seen.append(plan)
+        return plan
+
+    monkeypatch.setattr("lowvram_lora.engine.parallel.split.plan_split", recording)
+    assert bench.main(["--plan-only", "--variant", "flux1-tiny", "--res", "128", "--micro-batches", "2",
+                       "--virtual-stages", "1", "2", "--budget", "1"]) == 0
+    out = capsys.readouterr().out
+    heads = re.findall(r"^v = (\d), M = 2: predicted step ([\d.]+) s", out, re.M)
+    assert [int(v) for v, _ in heads] == [1, 2] == [p.chunks for p in seen]
+    assert all(p.micro_batches == 2 and p.devices == (torch.device("cuda:0"), torch.device("cuda:1")) for p in seen)
+    # the first GPU's plan keeps the pipelined first part's terms, the second's not
+    for plan in seen:
+        assert "first GPU's measured excess" in plan.plans[0].breakdown
+        assert "first GPU's measured excess" not in plan.plans[1].breakdown
+    assert out.count("first GPU's measured excess") == 2
