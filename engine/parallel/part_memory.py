@@ -43,6 +43,9 @@ HEAD_AND_CROSSING_UNITS = 5.0
 #: Under each GPU's allocator cap it was an out-of-memory mid-step (v = 4, M = 8 at 12 GB), so the plan keeps room
 #: for the largest measured until a GPU trace (bench_parallel.py --memory-history) names it.
 FIRST_PART_MEASURED_UNITS = 25.0
+#: ...and at most the largest measured (Flux.2-dev 1024², 1.38 GB): measured on Flux only, so a video model's far larger
+#: units (Wan 832x480x81: 0.34 GB) are not multiplied by a count no GPU has shown for them.
+FIRST_PART_MEASURED_MAX_BYTES = int(1.42e9)
 #: Interleaved (virtual stages), per further chunk of a part: the tensor that crosses in before its chunk's forward
 #: takes it and the gradient that crosses out before the earlier chunk's backward takes it (B*T*D units).
 CROSSING_UNITS_PER_CHUNK = 2.0
@@ -87,7 +90,7 @@ def part_peak(plan: Plan, held_micro_batches: float = 1, head: bool = False,
         added["pipelined inputs"] = extra_inputs
     if head:
         added["head and crossing"] = int(HEAD_AND_CROSSING_UNITS * unit)
-        added["first GPU's measured excess"] = int(FIRST_PART_MEASURED_UNITS * unit)
+        added["first GPU's measured excess"] = min(int(FIRST_PART_MEASURED_UNITS * unit), FIRST_PART_MEASURED_MAX_BYTES)
     if crossings:
         added["interleaved crossings"] = int(crossings * CROSSING_UNITS_PER_CHUNK * unit)
     floor = plan.predicted_peak_bytes + sum(added.values())

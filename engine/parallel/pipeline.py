@@ -146,7 +146,7 @@ class _MicroBatch:
     # id(tensor) -> (a weak reference to it, the chunk whose operation made it): block arguments and outputs, and the
     # leaves made at each crossing; a chunk's are dropped after its backward. Weak, so that the runner keeps no tensor
     # alive that autograd has let go (a block output the model only concatenates, e.g. Flux's last double block's):
-    # an entry counts only while its tensor is the one asked about (``_same``), so a reused id is never mistaken.
+    # an entry counts only while its tensor is the one asked about (``_maker``, ``_leaf``), so a reused id is never mistaken.
     made: dict = field(default_factory=dict)
     # (id(tensor), chunk) -> (a weak reference to the tensor, its leaf (or copy) in that chunk)
     leaf_of: dict = field(default_factory=dict)
