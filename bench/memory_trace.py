@@ -117,9 +117,9 @@ class MemoryHistory:
             attach(self._on_oom)
 
     def _start(self) -> None:
-        for d in range(self.torch.cuda.device_count()):
-            self.torch.cuda.memory._record_memory_history(max_entries=self.max_entries, stacks="python", device=d,
-                                                          clear_history=True)
+        # One call: the history is recorded for every device of the process (torch ignores its device argument).
+        self.torch.cuda.memory._record_memory_history(max_entries=self.max_entries, stacks="python",
+                                                      clear_history=True)
 
     def _on_oom(self, device, alloc, device_allocated, device_free) -> None:
         summary = summarize(self.torch.cuda.memory._snapshot())
