@@ -111,6 +111,9 @@ def parse_args(argv=None):
                         "mode's peak (memory_<mode>_r<rank>.json) and at an out-of-memory (oom_memory_r<rank>.json), "
                         "by the line that allocated it (bench/memory_trace.py; 400000 for a Flux.2-dev step). Slows "
                         "the run: not for timed rows")
+    p.add_argument("--memory-stacks", choices=("python", "all"), default="python",
+                   help="--memory-history's stacks: 'all' adds C++ frames, naming the backward's allocations (made on "
+                        "autograd's thread, which has no Python frame), at a slower snapshot")
     return p.parse_args(argv)
 
 
@@ -256,7 +259,8 @@ def main(argv=None) -> int:
     if cuda and args.memory_history:
         from memory_trace import MemoryHistory
 
-        history = MemoryHistory(args.memory_history, Path(args.out).parent / f"oom_memory_r{me.rank}.json")
+        history = MemoryHistory(args.memory_history, Path(args.out).parent / f"oom_memory_r{me.rank}.json",
+                                args.memory_stacks)
 
     def run(mode: str, model, family, dataset, offload, **kw) -> dict:
         gc.collect()

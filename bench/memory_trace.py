@@ -11,7 +11,8 @@ writes, beside ``--out``, ``memory_<mode>_r<rank>.json`` after each mode (each d
 the allocations alive then, grouped by the first line outside torch that made them) and, on an out-of-memory,
 ``oom_memory_r<rank>.json`` (every live block at that moment, grouped the same way). Each device keeps its last
 ``max_entries`` events; allocations made before the oldest one kept (the model's weights at placement, for a long
-run) are not in the replay, so its peak is counted from the trace's start and the totals say so.
+run) are not in the replay, so its peak is counted above the trace's start (frees of those older blocks lower it),
+and the totals say so.
 """
 from __future__ import annotations
 
@@ -55,9 +56,11 @@ def _group(items, top: int) -> list[dict]:
 
 def trace_peak(trace: list[dict], top: int = 25) -> dict:
     """One device's trace (``_snapshot()['device_traces'][d]``) replayed: an allocation is alive from its ``alloc`` to
-    its ``free_requested`` (when ``memory_allocated`` drops). At the event where the most bytes were alive: their
-    total (from the trace's start) and the allocations alive then, grouped by ``where``."""
-    live, total, peak, peak_at = {}, 0, 0, -1
+    its ``free_requested`` (when ``memory_allocated`` drops). A free of a block allocated before the trace's window
+    lowers the count too, so the peak is the most bytes alive above the window's start (which may be below it). At
+    that event: the total, what was freed from before the window, and the window's allocations alive then, grouped by
+    ``where``."""
+    live, total, peak, peak_at, older = {}, 0, 0, -1, 0
     for i, ev in enumerate(trace):
         action = ev.get("action")
         if action == "alloc":
@@ -65,15 +68,22 @@ def trace_peak(trace: list[dict], top: int = 25) -> dict:
             total += ev["size"]
             if total > peak:
                 peak, peak_at = total, i
-        elif action == "free_requested" and ev["addr"] in live:
-            total -= live.pop(ev["addr"])
-    alive = {}
+        elif action == "free_requested":
+            if ev["addr"] in live:
+                total -= live.pop(ev["addr"])
+            else:  # allocated before the window
+                total -= ev["size"]
+                older += ev["size"]
+    alive, older_at_peak = {}, 0
     for ev in trace[:peak_at + 1]:  # once more, to the peak, keeping the frames
         if ev.get("action") == "alloc":
             alive[ev["addr"]] = (ev["size"], ev.get("frames") or [])
         elif ev.get("action") == "free_requested":
-            alive.pop(ev["addr"], None)
-    return {"peak_gb_from_trace_start": round(peak / 1e9, 4), "events": len(trace), "peak_event": peak_at,
+            if alive.pop(ev["addr"], None) is None:
+                older_at_peak += ev["size"]
+    return {"peak_gb_above_trace_start": round(peak / 1e9, 4), "events": len(trace), "peak_event": peak_at,
+            "freed_from_before_the_trace_gb": {"by_peak": round(older_at_peak / 1e9, 4),
+                                               "in_all": round(older / 1e9, 4)},
             "alive_at_peak": _group(alive.values(), top)}
 
 
@@ -107,10 +117,10 @@ class MemoryHistory:
     """Records the allocator's history on every GPU of this process; ``write(path)`` summarizes it to JSON and starts
     a fresh history; on an out-of-memory, the moment's summary goes to ``oom_path`` before the error unwinds."""
 
-    def __init__(self, max_entries: int, oom_path: Path):
+    def __init__(self, max_entries: int, oom_path: Path, stacks: str = "python"):
         import torch
 
-        self.torch, self.max_entries, self.oom_path = torch, max_entries, Path(oom_path)
+        self.torch, self.max_entries, self.oom_path, self.stacks = torch, max_entries, Path(oom_path), stacks
         self._start()
         attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
         if attach is not None:
@@ -118,15 +128,22 @@ class MemoryHistory:
 
     def _start(self) -> None:
         # One call: the history is recorded for every device of the process (torch ignores its device argument).
-        self.torch.cuda.memory._record_memory_history(max_entries=self.max_entries, stacks="python",
+        # stacks="all" adds C++ frames, so the backward's allocations (made on autograd's thread, with no Python
+        # frame) are named too; symbolizing them makes each snapshot slower.
+        self.torch.cuda.memory._record_memory_history(max_entries=self.max_entries, stacks=self.stacks,
                                                       clear_history=True)
 
     def _on_oom(self, device, alloc, device_allocated, device_free) -> None:
-        summary = summarize(self.torch.cuda.memory._snapshot())
-        summary["oom"] = {"device": device, "request_gb": round(alloc / 1e9, 4),
-                          "allocated_gb": round(device_allocated / 1e9, 4), "free_gb": round(device_free / 1e9, 4)}
-        _write_json(self.oom_path, summary)
-        print(f"memory at the out-of-memory on cuda:{device}: {self.oom_path}", flush=True)
+        try:
+            summary = summarize(self.torch.cuda.memory._snapshot())
+            summary["oom"] = {"device": device, "request_gb": round(alloc / 1e9, 4),
+                              "allocated_gb": round(device_allocated / 1e9, 4),
+                              "free_gb": round(device_free / 1e9, 4)}
+            _write_json(self.oom_path, summary)
+            print(f"memory at the out-of-memory on cuda:{device}: {self.oom_path}", flush=True)
+        except Exception as exc:  # noqa: BLE001 - the out-of-memory itself is the error the run must show
+            print(f"memory at the out-of-memory on cuda:{device} not written: {type(exc).__name__}: {exc}",
+                  flush=True)
 
     def write(self, path: Path) -> dict:
         summary = summarize(self.torch.cuda.memory._snapshot())

@@ -35,9 +35,42 @@ def test_the_trace_is_replayed_to_its_peak():
         {"action": "segment_alloc", "addr": 9, "size": 1 << 20},
     ]
     out = mt.trace_peak(trace)
-    assert out["peak_gb_from_trace_start"] == round(550 / 1e9, 4) and out["peak_event"] == 5
+    assert out["peak_gb_above_trace_start"] == round(550 / 1e9, 4) and out["peak_event"] == 5
+    assert out["freed_from_before_the_trace_gb"] == {"by_peak": 0.0, "in_all": 0.0}
     assert [(g["where"].split(" ")[0], g["count"]) for g in out["alive_at_peak"]] == [
         ("diffusers/models/transformers/transformer_flux2.py:600", 2), ("engine/parallel/pipeline.py:120", 1)]
+
+
+def test_frees_of_blocks_from_before_the_trace_lower_the_count():
+    """Block 7 (900 bytes) was allocated before the window. a 300, 7 freed, c 500, d 200: above the start, the most
+    alive is 300 before 7's free (300 - 900 + 500 + 200 = 100 at the end). Without counting 7's free, the peak
+    would wrongly be 1000 after d."""
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 300, "frames": [COPY]},
+        {"action": "free_requested", "addr": 7, "size": 900},
+        {"action": "alloc", "addr": 3, "size": 500, "frames": [TORCH, BLOCK, RUNNER]},
+        {"action": "alloc", "addr": 4, "size": 200, "frames": [COPY]},
+    ]
+    out = mt.trace_peak(trace)
+    assert out["peak_gb_above_trace_start"] == round(300 / 1e9, 4) and out["peak_event"] == 0
+    assert out["freed_from_before_the_trace_gb"] == {"by_peak": 0.0, "in_all": round(900 / 1e9, 4)}
+    assert [(g["where"], g["count"]) for g in out["alive_at_peak"]] == [("engine/parallel/pipeline.py:120 start", 1)]
+
+
+def test_an_error_in_the_out_of_memory_summary_is_reported_not_raised(tmp_path, capsys):
+    """The observer runs inside the allocator's out-of-memory path: its own failure must not replace the OOM."""
+    class Broken:
+        class cuda:
+            class memory:
+                @staticmethod
+                def _snapshot():
+                    raise RuntimeError("snapshot failed")
+
+    history = mt.MemoryHistory.__new__(mt.MemoryHistory)
+    history.torch, history.oom_path = Broken, tmp_path / "oom.json"
+    history._on_oom(0, 10**9, 11 * 10**9, 0)
+    assert "not written: RuntimeError: snapshot failed" in capsys.readouterr().out
+    assert not (tmp_path / "oom.json").exists()
 
 
 def test_live_blocks_by_device_and_state(tmp_path):
