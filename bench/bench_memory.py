@@ -265,15 +265,13 @@ def plan_only(args, family_id: str) -> int:
     meta device: bf16 for the resident modes, the blocks swapped to int8 / int4 slab layers for the streamed ones
     when ``--precision`` says so (as the bench converts them); on an H100's measured link (DESIGN.md section 5, 53.8
     GB/s) and bf16 peak; compile as the mode says. Nothing is trained; the figures are predictions."""
-    from lowvram_lora.engine.config import LoraSettings, TrainConfig
-    from lowvram_lora.engine.families import get_family, meta_model
+    from lowvram_lora.engine.config import LoraSettings
+    from lowvram_lora.engine.families import get_family
     from lowvram_lora.engine.offload import OffloadConfig
-    from lowvram_lora.engine.offload.footprint import lora_param_count, measure_footprint, workload_for
+    from lowvram_lora.engine.offload.footprint import workload_for
     from lowvram_lora.engine.offload.plan import make_plan
     from lowvram_lora.engine.offload.steptime import Machine, peak_flops_for
-    from lowvram_lora.engine.slab.layout import swap_in_int8_linears
-    from lowvram_lora.engine.train.optimizers import lora_bytes_per_param
-    from train_bench import parse_res
+    from train_bench import meta_footprint, parse_res
 
     family = get_family(family_id)
     cfg = family.load_config(args.variant)
@@ -281,16 +279,7 @@ def plan_only(args, family_id: str) -> int:
     machine = Machine(53.8e9, peak_flops_for("H100"), "H100 (assumed)", "assumed: DESIGN.md section 5")
 
     def footprint(precision: str):
-        model = meta_model(family, cfg)
-        torch.nn.Module.to(model, dtype=torch.bfloat16)
-        model.requires_grad_(False)
-        trainable = lora_param_count(model, family, lora)
-        if precision in ("int8", "int4"):
-            swap_in_int8_linears(model, family, 4 if precision == "int4" else 8)
-        fp = measure_footprint(model, family, f"{family.display_name} ({args.variant}, {precision})",
-                               trainable_params=trainable)
-        fp.lora_bytes_per_param = lora_bytes_per_param(TrainConfig())
-        return fp
+        return meta_footprint(family, args.variant, cfg, precision, lora)[1]
 
     fps = {"bf16": footprint("bf16")}
     fps[args.precision] = fps.get(args.precision) or footprint(args.precision)

@@ -178,30 +178,19 @@ def plan_only(args) -> int:
     """``--plan-only``: the pipelined split's plan (or the planner's refusal) for each ``--virtual-stages``, from the
     full-size variant on the meta device (its blocks as int8 slab layers with ``--precision int8``), on two GPUs of
     the assumed kind at ``--budget`` GB each. Nothing is trained: the figures are the planner's predictions."""
-    from lowvram_lora.engine.config import LoraSettings, TrainConfig
-    from lowvram_lora.engine.families import get_family, meta_model
+    from lowvram_lora.engine.config import LoraSettings
+    from lowvram_lora.engine.families import get_family
     from lowvram_lora.engine.offload import OffloadConfig
-    from lowvram_lora.engine.offload.footprint import measure_footprint, workload_for
+    from lowvram_lora.engine.offload.footprint import workload_for
     from lowvram_lora.engine.offload.steptime import Machine, peak_flops_for
     from lowvram_lora.engine.parallel.split import plan_split, trainable_per_block
-    from lowvram_lora.engine.slab.layout import swap_in_int8_linears
-    from lowvram_lora.engine.train.lora_attach import attach_lora
-    from lowvram_lora.engine.train.optimizers import lora_bytes_per_param
+    from train_bench import meta_footprint
 
     family = get_family(args.family)
     cfg = family.load_config(args.variant)
     lora = LoraSettings(rank=args.rank, alpha=float(args.rank))
-    model = meta_model(family, cfg)
-    torch.nn.Module.to(model, dtype=torch.bfloat16)
-    model.requires_grad_(False)
-    attach_lora(model, family, lora, 0)
+    model, fp = meta_footprint(family, args.variant, cfg, args.precision, lora, attach=True)
     per_block, outside = trainable_per_block(model, family)
-    trainable = sum(per_block) + outside
-    if args.precision == "int8":
-        swap_in_int8_linears(model, family, 8)
-    fp = measure_footprint(model, family, f"{family.display_name} ({args.variant}, {args.precision})",
-                           trainable_params=trainable)
-    fp.lora_bytes_per_param = lora_bytes_per_param(TrainConfig())
     machine = Machine(args.link_gbps * 1e9, peak_flops_for("NVIDIA H200"), "H200 (assumed)",
                       f"assumed: {args.link_gbps:g} GB/s")
     gpus = (torch.device("cuda:0"), torch.device("cuda:1"))

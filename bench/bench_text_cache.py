@@ -105,8 +105,6 @@ def write_encoder(root: Path, layers_on_disk: int, device, smoke: bool = False) 
 def write_qwen25_encoder(root: Path, layers: int, device, smoke: bool = False) -> Path:
     """A Qwen2.5-VL-7B-shaped text encoder with random weights, one shard per layer (diffusers folder layout,
     transformers 5 names), and a word-level tokenizer with Qwen's turn tokens."""
-    from importlib import resources
-
     from safetensors.torch import save_file
 
     from lowvram_lora.engine.families import get_family, text_architecture_config

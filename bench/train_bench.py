@@ -82,6 +82,32 @@ def build_random_model(variant: str, device: torch.device, dtype: torch.dtype, s
     return model, family, cfg
 
 
+def meta_footprint(family, variant: str, cfg: dict, precision: str, lora, *, attach: bool = False):
+    """(model, footprint) of the full-size variant built on the meta device, as a ``--plan-only`` plans it: bf16, the
+    blocks swapped to int8 / int4 slab layers when ``precision`` says so (as the benches convert them), the LoRA's
+    trainable count and AdamW's bytes per parameter. ``attach``: the LoRA is attached to the model too, for planners
+    that count it per block."""
+    from lowvram_lora.engine.config import TrainConfig
+    from lowvram_lora.engine.families import meta_model
+    from lowvram_lora.engine.offload.footprint import lora_param_count, measure_footprint
+    from lowvram_lora.engine.slab.layout import swap_in_int8_linears
+    from lowvram_lora.engine.train.lora_attach import attach_lora
+    from lowvram_lora.engine.train.optimizers import lora_bytes_per_param
+
+    model = meta_model(family, cfg)
+    torch.nn.Module.to(model, dtype=torch.bfloat16)
+    model.requires_grad_(False)
+    trainable = lora_param_count(model, family, lora)
+    if attach:
+        attach_lora(model, family, lora, 0)
+    if precision in ("int8", "int4"):
+        swap_in_int8_linears(model, family, 4 if precision == "int4" else 8)
+    fp = measure_footprint(model, family, f"{family.display_name} ({variant}, {precision})",
+                           trainable_params=trainable)
+    fp.lora_bytes_per_param = lora_bytes_per_param(TrainConfig())
+    return model, fp
+
+
 # -------------------------------------------------------------------------- dataset
 
 def parse_res(token) -> tuple[int, int, int]:
