@@ -488,7 +488,7 @@ def main(argv=None) -> int:
     if pairing is None:
         raise SystemExit(f"--variant {args.variant} is not an expert of a two-expert model (e.g. "
                          f"wan2.2-t2v-a14b-high-noise, or wan-tiny-high-noise on the CPU)")
-    if args.device == "cuda":
+    if args.device == "cuda" and "experts" in args.modes:  # slabs and the one-expert runs need one GPU
         import torch
 
         if torch.cuda.device_count() < 2:
@@ -573,7 +573,8 @@ def _emitter(args, model: str, cuda: bool, extra: dict):
     out.parent.mkdir(parents=True, exist_ok=True)
     return row_emitter(out, {
         "run_id": new_run_id(), "bench": "experts",
-        "gpu": f"2x {_gpu_name(torch.device('cuda:0'))}" if cuda else _gpu_name(torch.device("cpu")),
+        "gpu": (f"{torch.cuda.device_count()}x {_gpu_name(torch.device('cuda:0'))}" if cuda
+                else _gpu_name(torch.device("cpu"))),  # the machine's GPUs (serial rows use the first)
         **_versions(), "model": model, "res": args.res, "precision": "int8", "budget_gb_per_gpu": args.budget,
         "lora_rank": args.rank, "batch": 1, "grad_ckpt": True, "steps": args.steps, "clips": args.clips,
         "seed": args.seed, "command": _command(), "note": args.note, **extra})

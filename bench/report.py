@@ -101,8 +101,9 @@ def render(rows: list[dict]) -> str:
     disk_tier = [r for r in rows if r.get("bench") == "disk_tier"]
     ram_rows = [r for r in rows if r.get("bench") == "ram"]
     experts_rows = [r for r in rows if r.get("bench") == "experts"]
+    pin_rows = [r for r in rows if r.get("bench") == "pin"]
     rows = [r for r in rows if r.get("mode") not in SLAB_ONLY + OTHER_ONLY
-            and r.get("bench") not in ("parallel", "sampling", "disk_tier", "ram", "experts")]
+            and r.get("bench") not in ("parallel", "sampling", "disk_tier", "ram", "experts", "pin")]
     out = [HEADER]
     models = sorted({r.get("model", "?") for r in rows})
     if not rows:
@@ -223,6 +224,8 @@ def render(rows: list[dict]) -> str:
         out.append("")
     if experts_rows:
         out.extend(experts_section(experts_rows))
+    if pin_rows:
+        out.extend(pin_section(pin_rows))
     if sampling:
         out.append("## Sampling during training (bench/bench_sampling.py)\n")
         out.append("| date | gpu | model | res | mode | s per image | × resident sampling | sample peak GB | training peak GB "
@@ -355,6 +358,26 @@ def render(rows: list[dict]) -> str:
                        f"{_fmt(b.get('host'))} | `{r.get('command')}` |")
         out.append("")
     return "\n".join(out)
+
+
+def pin_section(rows: list[dict]) -> list[str]:
+    """bench/bench_pin.py: how fast host memory is page-locked, by method."""
+    out = ["## Pinning host memory (bench/bench_pin.py)\n",
+           "Each mode pins the same bytes in the same pieces. `register`: cudaHostRegister on fresh memory (the engine "
+           "before 2026-11-29); `zero-register-tN`: the pages faulted in by zero_ on N torch threads first; "
+           "`engine-tN`: the engine's `_register`; `cuda-host-alloc`: `torch.empty(pin_memory=True)`. Copy GB/s: "
+           "host->GPU from the pinned pieces (a pageable buffer copies several times slower). Host RSS: after pinning "
+           "(the bytes the mode added).\n",
+           "| date | gpu | mode | pinned GB (pieces) | pin s | pin GB/s | copy GB/s | host RSS GB (added) | command |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        note = f" ({r['note']})" if r.get("note") else ""
+        out.append(f"| {r.get('date', '')[:16].replace('T', ' ')} | {r.get('gpu')} | {r.get('mode')} | "
+                   f"{_fmt(r.get('pinned_gb'), 2)} ({r.get('pieces')}) | {_fmt(r.get('pin_s'))} | "
+                   f"{_fmt(r.get('pin_gbps'), 2)} | {_fmt(r.get('copy_gbps'), 1)} | {_fmt(r.get('host_rss_gb'), 2)} "
+                   f"({_fmt(r.get('host_rss_added_gb'), 2)}) | `{r.get('command')}`{note} |")
+    out.append("")
+    return out
 
 
 def experts_section(rows: list[dict]) -> list[str]:

@@ -194,3 +194,23 @@ def test_train_lora_streamed_matches_resident(tmp_path):
         assert any("predicted peak" in m for m in logs) and any("measured" in m for m in logs)
     # the model is back as it was: every block's weights in pinned host memory or where they started
     assert all(p.device.type in ("cpu", "cuda") for p in model.parameters())
+
+
+def test_a_registered_buffer_is_page_locked_and_copies_exactly():
+    """engine/offload/host._register faults the pages in from torch's threads, then page-locks them: the buffer is
+    pinned as torch sees it (``is_pinned``), and bytes written after registering reach the GPU and come back equal."""
+    from lowvram_lora.engine.offload.host import _register, _unregister
+
+    threads = torch.get_num_threads()
+    for n in (1, max(2, threads)):
+        torch.set_num_threads(n)
+        try:
+            t = torch.empty(64 << 20, dtype=torch.uint8)
+            assert _register(t) and t.is_pinned()
+            t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(n)))
+            back = t.to(DEV, non_blocking=True).cpu()
+            assert torch.equal(back, t)
+            _unregister(t)
+            assert not t.is_pinned()
+        finally:
+            torch.set_num_threads(threads)

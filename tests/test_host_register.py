@@ -1,0 +1,51 @@
+"""engine/offload/host._register on the CPU: what it does before the driver page-locks a buffer (its GPU test is
+tests/test_offload_gpu.py::test_a_registered_buffer_is_page_locked_and_copies_exactly)."""
+import torch
+
+from lowvram_lora.engine.offload import host
+
+
+class _Cudart:
+    """cudaHostRegister as the driver sees it: the buffer's bytes at that moment."""
+
+    def __init__(self, result: int = 0):
+        self.seen, self.result = [], result
+
+    def cudaHostRegister(self, ptr, size, flags):
+        self.seen.append((ptr, size, flags, self.buffer.clone()))
+        return self.result
+
+
+def _register_with(monkeypatch, threads: int, result: int = 0):
+    cudart = _Cudart(result)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    t = cudart.buffer = torch.full((1 << 16,), 7, dtype=torch.uint8)  # "fresh" memory stands for untouched pages
+    return t, cudart
+
+
+def test_the_pages_are_faulted_in_by_torch_threads_before_the_driver_locks_them(monkeypatch):
+    t, cudart = _register_with(monkeypatch, threads=8)
+    assert host._register(t)
+    ptr, size, flags, at_register = cudart.seen[0]
+    assert (ptr, size, flags) == (t.data_ptr(), t.numel(), 0)
+    assert int(at_register.count_nonzero()) == 0  # every page written before cudaHostRegister
+
+
+def test_in_one_thread_the_driver_faults_them_in_itself(monkeypatch):
+    t, cudart = _register_with(monkeypatch, threads=1)
+    assert host._register(t)
+    assert bool((cudart.seen[0][3] == 7).all())  # untouched: no extra pass in one thread
+
+
+def test_a_refused_registration_says_what_to_do(monkeypatch):
+    import pytest
+
+    t, _ = _register_with(monkeypatch, threads=4, result=2)
+    with pytest.raises(RuntimeError, match="keep more blocks resident or free host RAM"):
+        host._register(t)
+
+
+def test_without_cuda_nothing_is_registered():
+    assert torch.cuda.is_available() or host._register(torch.empty(16, dtype=torch.uint8)) is False
