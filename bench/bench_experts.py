@@ -449,8 +449,8 @@ def summary_row(experts: dict, serials: list[dict], args, loras: Path, cuda: boo
 
 def summarize_rows(args, emit, loras: Path, cuda: bool) -> dict:
     """``--summarize``: the newest experts row and the newest serial run of each role in ``--out`` whose settings
-    are this command's (res, steps, budget, seed, rank, clips; the serial rows the experts row's model), joined
-    into one summary row."""
+    are this command's (res, steps, budget, seed, rank, clips; the serial rows the experts row's model and
+    machine), joined into one summary row (with the experts row's machine)."""
     import json
 
     rows = [json.loads(line) for line in Path(args.out).read_text().splitlines() if line.strip()]
@@ -463,7 +463,9 @@ def summarize_rows(args, emit, loras: Path, cuda: bool) -> dict:
         raise SystemExit(f"--summarize: no experts row with {want} in {args.out}")
     experts = experts[-1]
     serials, seen = [], set()
-    for row in reversed([r for r in rows if r["mode"] == "serial" and r["model"] == experts["model"]]):
+    # the one-expert runs of the same machine kind only (they run on one GPU, so a one-GPU machine can make them)
+    for row in reversed([r for r in rows if r["mode"] == "serial" and r["model"] == experts["model"]
+                         and r.get("gpu") == experts.get("gpu")]):
         roles = {e["role"] for e in row["experts"]}
         if roles & seen:
             continue
@@ -473,7 +475,7 @@ def summarize_rows(args, emit, loras: Path, cuda: bool) -> dict:
             break
     if seen != set(ROLES):
         raise SystemExit(f"--summarize: serial rows of {sorted(set(ROLES) - seen)} missing in {args.out} (with {want})")
-    return emit(summary_row(experts, serials, args, loras, cuda))
+    return emit({**summary_row(experts, serials, args, loras, cuda), "gpu": experts.get("gpu")})
 
 
 # --------------------------------------------------------------------------------------------- main

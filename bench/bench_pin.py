@@ -117,6 +117,7 @@ def main(argv=None) -> int:
                 torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
         del pieces
         gc.collect()
+        torch._C._host_emptyCache()  # cuda-host-alloc's pages go back, not into torch's pinned cache
         torch.cuda.synchronize(device)
         name = mode if mode in ("register", "cuda-host-alloc") else f"{mode}-t{n}"
         emit({"mode": name, "threads": n, "pinned_gb": round(total / GB, 3), "pieces": len(sizes),

@@ -197,8 +197,10 @@ def test_train_lora_streamed_matches_resident(tmp_path):
 
 
 def test_a_registered_buffer_is_page_locked_and_copies_exactly():
-    """engine/offload/host._register faults the pages in from torch's threads, then page-locks them: the buffer is
-    pinned as torch sees it (``is_pinned``), and bytes written after registering reach the GPU and come back equal."""
+    """engine/offload/host._register, in one thread and in several: the buffer is pinned as torch sees it
+    (``is_pinned``), and bytes written after registering reach the GPU and come back equal. A guard against a
+    registration that no longer pins or corrupts; the speed of the fault-in is bench/bench_pin.py's, and its order
+    (pages touched before the driver locks them) tests/test_host_register.py's."""
     from lowvram_lora.engine.offload.host import _register, _unregister
 
     threads = torch.get_num_threads()
