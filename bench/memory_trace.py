@@ -25,10 +25,19 @@ _MACHINERY = ("/torch/", "<")
 
 
 def where(frames: list[dict]) -> str:
-    """The innermost frame outside torch (``file:line function``, the file from its package directory on), and the
-    innermost frame of this package's engine when that is further out: the line that allocated and why."""
-    own = next((f for f in frames if not any(m in f.get("filename", "") for m in _MACHINERY)), None)
-    engine = next((f for f in frames if "/engine/" in f.get("filename", "")), None)
+    """The innermost Python frame outside torch (``file:line function``, the file from its package directory on),
+    and the innermost frame of this package's engine when that is further out: the line that allocated and why.
+    With C++ frames too (``--memory-stacks all``) those are passed over; an allocation with no Python frame (the
+    backward, on autograd's thread) is named by its autograd node, else by the ATen op that made it."""
+    python = [f for f in frames if f.get("filename", "").endswith(".py")]
+    if not python:
+        for marks in (("Backward",), ("at::native::", "at::_ops::")):
+            op = next((f for f in frames if any(m in f.get("name", "") for m in marks)), None)
+            if op is not None:
+                return f"{op['name'][:160]} (no Python frame)"
+        return "?"
+    own = next((f for f in python if not any(m in f.get("filename", "") for m in _MACHINERY)), None)
+    engine = next((f for f in python if "/engine/" in f.get("filename", "")), None)
 
     def name(f):
         path = f["filename"]
@@ -39,7 +48,7 @@ def where(frames: list[dict]) -> str:
         return f"{path}:{f.get('line')} {f.get('name')}"
 
     if own is None:
-        return name(frames[0]) if frames else "?"
+        return name(python[0])
     return name(own) if engine is None or engine is own else f"{name(own)} <- {name(engine)}"
 
 

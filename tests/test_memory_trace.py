@@ -2,6 +2,7 @@
 snapshot in the layout ``torch.cuda.memory._snapshot()`` returns; the expected figures worked out by hand)."""
 import json
 
+import pytest
 from helpers import bench_module
 
 mt = bench_module("memory_trace")
@@ -18,6 +19,18 @@ def test_where_names_the_first_line_outside_torch_and_the_engine_line_behind_it(
                                                 "engine/parallel/pipeline.py:250 block_arguments")
     assert mt.where([TORCH, COPY, RUNNER]) == "engine/parallel/pipeline.py:120 start"
     assert mt.where([TORCH]) == "torch/nn/functional.py:10 linear"  # only torch: its innermost line
+
+
+def test_with_cpp_frames_the_python_line_or_else_the_autograd_node_names_it():
+    """``stacks='all'`` frames as torch 2.11 gives them (C++ first, file ``??`` where unknown)."""
+    unwind = {"filename": "??", "line": 0, "name": "torch::unwind::unwind()"}
+    alloc = {"filename": "??", "line": 0, "name": "c10::cuda::CUDACachingAllocator::Native::malloc(...)"}
+    mm = {"filename": "??", "line": 0, "name": "at::native::mm(at::Tensor const&, at::Tensor const&)"}
+    node = {"filename": "??", "line": 0, "name": "torch::autograd::generated::MmBackward0::apply(...)"}
+    assert mt.where([unwind, alloc, TORCH, BLOCK, RUNNER]) == mt.where([TORCH, BLOCK, RUNNER])
+    assert mt.where([unwind, alloc, mm, node]) == "torch::autograd::generated::MmBackward0::apply(...) (no Python frame)"
+    assert mt.where([unwind, alloc, mm]) == "at::native::mm(at::Tensor const&, at::Tensor const&) (no Python frame)"
+    assert mt.where([unwind, alloc]) == "?"
 
 
 def test_the_trace_is_replayed_to_its_peak():
@@ -88,3 +101,46 @@ def test_live_blocks_by_device_and_state(tmp_path):
     assert out["live"]["1"] == {"gb_by_state": {"active_pending_free": 0.07}, "allocated": []}
     mt._write_json(tmp_path / "m.json", out)
     assert json.loads((tmp_path / "m.json").read_text()) == out and not list(tmp_path.glob("*.tmp"))
+
+
+def _cuda():
+    import torch
+
+    return torch.cuda.is_available()
+
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("stacks", ["python", "all"])
+def test_on_a_gpu_the_peak_and_the_out_of_memory_are_named_by_line(tmp_path, stacks):
+    """torch's own history on a real GPU: 64 MB and 32 MB allocated on known lines, the 32 MB freed, 16 MB more:
+    the replay's peak above the trace's start is the 96 MB (with torch's rounding), both named by this file's lines;
+    then an out-of-memory under a small cap writes its summary instead of hiding the error."""
+    import json
+
+    import torch
+
+    history = mt.MemoryHistory(100000, tmp_path / "oom.json", stacks)
+    try:
+        dev = torch.device("cuda", torch.cuda.current_device())
+        a = torch.empty(64 << 20, dtype=torch.uint8, device=dev)  # line A
+        b = torch.empty(32 << 20, dtype=torch.uint8, device=dev)  # line B
+        del b
+        c = torch.empty(16 << 20, dtype=torch.uint8, device=dev)
+        out = history.write(tmp_path / "m.json")
+        peak = out["trace_peak"][str(dev.index)]
+        assert abs(peak["peak_gb_above_trace_start"] - 0.1007) < 0.002, peak  # 96 MiB = 0.1007 GB
+        groups = {g["where"]: g for g in peak["alive_at_peak"]}
+        ours = [w for w in groups if "test_memory_trace.py" in w]
+        assert len(ours) == 2 and round(sum(groups[w]["gb"] for w in ours), 3) == 0.101, groups
+        total = torch.cuda.get_device_properties(dev).total_memory
+        torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved(dev) + (256 << 20)) / total, dev)
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+        oom = json.loads((tmp_path / "oom.json").read_text())
+        assert oom["oom"]["request_gb"] >= 1.07 and oom["live"][str(dev.index)]["allocated"], oom["oom"]
+        del a, c
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.memory._record_memory_history(enabled=None)
