@@ -216,3 +216,25 @@ def test_a_registered_buffer_is_page_locked_and_copies_exactly():
             assert not t.is_pinned()
         finally:
             torch.set_num_threads(threads)
+
+
+def test_a_pinned_buffer_takes_its_size_where_torch_pin_memory_rounds_up():
+    """PinnedBuffer (AdamW's moments on the host, a resume save's staging) adds its own bytes to the process's
+    resident memory; torch.empty(pin_memory=True), the reference, adds the next power of two (bench/bench_pin.py)."""
+    from lowvram_lora.engine.offload.host import PinnedBuffer
+    from lowvram_lora.engine.offload.hostmem import process_memory
+
+    n = 340_000_000  # bytes: 0.34 GB, rounded by torch to 2**29 (0.537 GB)
+    before = process_memory()
+    ours = PinnedBuffer(n // 4, torch.float32)
+    added = process_memory().rss - before.rss
+    assert ours.pinned and ours.tensor.is_pinned() and ours.tensor.numel() == n // 4
+    assert abs(added - n) < 0.02 * n, added
+    before = process_memory()
+    reference = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    reference_added = process_memory().rss - before.rss
+    assert reference_added > 1.4 * n, reference_added  # torch's rounding, which ours avoids
+    ours.tensor.copy_(torch.arange(n // 4, dtype=torch.float32))
+    assert torch.equal(ours.tensor.to(DEV, non_blocking=True).cpu(), ours.tensor)
+    del reference
+    torch._C._host_emptyCache()

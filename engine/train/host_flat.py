@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from ..offload.host import PinnedBuffer
+
 
 class HostFlat:
     """``tensors`` (fp32 values, any devices) copied into flat host buffers, one per device; ``views``: the host
@@ -24,7 +26,9 @@ class HostFlat:
         for t in tensors:
             self.slots.append((sizes.get(t.device, 0), t.numel()))
             sizes[t.device] = sizes.get(t.device, 0) + t.numel()
-        self.flat = {d: torch.empty(n, dtype=torch.float32, pin_memory=d.type == "cuda") for d, n in sizes.items()}
+        # Pinned at their exact size (torch's pinned allocator rounds up to a power of two); kept while this lives.
+        self._pinned = {d: PinnedBuffer(n, torch.float32, pin=d.type == "cuda") for d, n in sizes.items()}
+        self.flat = {d: b.tensor for d, b in self._pinned.items()}
         self.shapes = [t.shape for t in tensors]
         self.views = self._views(self.flat)
         self._work: dict[torch.device, torch.Tensor] = {}  # between to_device and to_host: the buffers on the device

@@ -35,6 +35,8 @@ from typing import Callable
 
 import torch
 
+from ..offload.host import PinnedBuffer
+
 _ALIGN = 64  # bytes: every view starts aligned for any dtype
 
 
@@ -53,6 +55,7 @@ class HostStaging:
 
     def __init__(self):
         self._buffer: torch.Tensor | None = None
+        self._pinned = None  # the PinnedBuffer that holds _buffer
         self._layout: tuple = ()  # (name, shape, dtype, device) of each tensor the views below were made for
         self._views: dict[str, torch.Tensor] = {}
 
@@ -89,9 +92,10 @@ class HostStaging:
             total += -(-nbytes // _ALIGN) * _ALIGN
         pinned = any(device.type == "cuda" for *_, device in layout)
         buf = self._buffer
-        if buf is None or buf.numel() < total or buf.is_pinned() != pinned:
-            self._buffer = buf = None  # the old one is given back before the new one is taken
-            buf = self._buffer = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pinned)
+        if buf is None or buf.numel() < total or self._pinned.pinned != pinned:
+            self._buffer = buf = self._pinned = None  # the old one is given back before the new one is taken
+            self._pinned = PinnedBuffer(total, torch.uint8, pin=pinned)  # its exact size (no power-of-two rounding)
+            buf = self._buffer = self._pinned.tensor
         views = {}
         for (name, shape, dtype, _), (start, nbytes) in zip(layout, offsets):
             views[name] = (buf[start:start + nbytes].view(dtype).view(shape) if nbytes
@@ -100,7 +104,7 @@ class HostStaging:
 
     def release(self) -> None:
         """Give the buffer back (the run is over)."""
-        self._buffer, self._layout, self._views = None, (), {}
+        self._buffer, self._pinned, self._layout, self._views = None, None, (), {}
 
 
 class StateWriter:
