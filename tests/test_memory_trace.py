@@ -121,6 +121,7 @@ def test_on_a_gpu_the_peak_and_the_out_of_memory_are_named_by_line(tmp_path, sta
 
     import torch
 
+    torch.empty(2 << 30, dtype=torch.uint8, device="cuda")  # a free cached 2 GiB, as other tests in the process leave
     history = mt.MemoryHistory(100000, tmp_path / "oom.json", stacks)
     try:
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -135,9 +136,11 @@ def test_on_a_gpu_the_peak_and_the_out_of_memory_are_named_by_line(tmp_path, sta
         ours = [w for w in groups if "test_memory_trace.py" in w]
         assert len(ours) == 2 and round(sum(groups[w]["gb"] for w in ours), 3) == 0.101, groups
         total = torch.cuda.get_device_properties(dev).total_memory
+        torch.cuda.empty_cache()  # the cap holds what the allocator reserves: its cached free blocks go first
         torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved(dev) + (256 << 20)) / total, dev)
         with pytest.raises(torch.OutOfMemoryError):
-            torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+            # larger than all the allocator holds, so no cached block serves it: a new segment, over the cap
+            torch.empty(torch.cuda.memory_reserved(dev) + (1 << 30), dtype=torch.uint8, device=dev)
         oom = json.loads((tmp_path / "oom.json").read_text())
         assert oom["oom"]["request_gb"] >= 1.07 and oom["live"][str(dev.index)]["allocated"], oom["oom"]
         del a, c
