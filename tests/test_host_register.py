@@ -80,3 +80,29 @@ def test_a_pinned_buffer_registers_exactly_its_bytes_and_lets_go_with_its_owner(
     assert driver.unregistered == [ptr]
     view.fill_(1.0)  # a view outlives the registration: still valid (pageable) memory
     assert host.PinnedBuffer(8, torch.uint8, pin=False).pinned is False and len(driver.registered) == 1
+
+
+def test_a_dropped_host_flat_waits_for_its_last_copies_before_its_buffers_go(monkeypatch):
+    """HostFlat's finalizer synchronizes its last copy-out events before its PinnedBuffers unregister (a run that ends
+    in an error drops it with no other wait)."""
+    import gc
+
+    from lowvram_lora.engine.offload import host as host_module
+    from lowvram_lora.engine.train.host_flat import HostFlat
+
+    order = []
+
+    class Event:
+        def synchronize(self):
+            order.append("wait")
+
+    monkeypatch.setattr(host_module, "_unregister", lambda buffer: order.append("unregister"))
+    flat = HostFlat([torch.ones(4)])
+    flat._done[torch.device("cpu")] = Event()
+    flat._pinned[torch.device("cpu")].pinned = True
+    import weakref
+
+    weakref.finalize(flat._pinned[torch.device("cpu")], host_module._unregister, None)
+    del flat
+    gc.collect()
+    assert order == ["wait", "unregister"]

@@ -10,9 +10,19 @@ host (a state save, a state dict) waits for that copy first (``wait``).
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..offload.host import PinnedBuffer
+
+
+def _wait_for(done: dict) -> None:
+    for event in list(done.values()):
+        try:
+            event.synchronize()
+        except Exception:  # interpreter shutdown: the driver is going away anyway
+            pass
 
 
 class HostFlat:
@@ -33,6 +43,9 @@ class HostFlat:
         self.views = self._views(self.flat)
         self._work: dict[torch.device, torch.Tensor] = {}  # between to_device and to_host: the buffers on the device
         self._done: dict[torch.device, torch.cuda.Event] = {}  # the last copy out of each GPU
+        # However this is dropped (a run ending in an error, a state loaded over it), the last copies out land before
+        # the buffers are unregistered: this finalizer runs before the PinnedBuffers it owns go.
+        weakref.finalize(self, _wait_for, self._done)
         for device in self.flat:  # the values in: one cat and one copy per device
             self._work[device] = torch.cat([t.detach().reshape(-1).float()
                                             for t, d in zip(tensors, self.devices) if d == device])

@@ -64,6 +64,7 @@ class HostStaging:
         copies are views of the staging buffer: valid until the next ``copy``."""
         layout = tuple((name, t.shape, t.dtype, t.device) for name, t in tensors.items())
         if layout != self._layout:  # the first save (later ones have the same tensors: the views are kept)
+            self._views = {}  # the old buffer's views let go first, so a larger one does not sit beside it
             self._views = self._make_views(layout)
             self._layout = layout
         on_host, devices = [], set()
