@@ -267,13 +267,15 @@ _KILLED_CHILD = textwrap.dedent("""
         with open(path, "wb") as f:
             f.write(b"\\0" * 10000)
             f.flush()
-        print("writing", flush=True)
+        sys.stdout.write("writing\\n")  # one write: print() writes the text and its newline apart, so the
+        sys.stdout.flush()  # training thread's line could land between them ("writingstepping", CI 2026-11-29)
         time.sleep(600)
 
     resume.save_file = half_then_hang
     store.save_in_background([("p", p)], opt, sched, RngSnapshot.take(8, 8), [1.0] * 8, [1e-2] * 8)
     train(2)  # training goes on while step 8 is written
-    print("stepping", flush=True)
+    sys.stdout.write("stepping\\n")
+    sys.stdout.flush()
     time.sleep(600)
 """)
 
