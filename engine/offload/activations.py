@@ -45,7 +45,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..families.block_part import BlockPart
-from .host import ALIGN, _register, _unregister
+from .host import ALIGN, PinnedBuffer
 from .plan import Workload
 
 
@@ -67,20 +67,18 @@ class _Arena:
 
     def __init__(self, nbytes: int, pin: bool):
         self.pin = pin
-        self.buffer = torch.empty(0, dtype=torch.uint8)
-        self._finalizer = None
+        self._host = PinnedBuffer(0, torch.uint8, pin=False)
         self.grow(nbytes)
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        return self._host.tensor
 
     def grow(self, nbytes: int) -> None:
         if nbytes <= self.buffer.numel():
             return
-        if self._finalizer is not None:
-            self._finalizer()
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8)
-        if self.pin and _register(self.buffer):
-            import weakref
-
-            self._finalizer = weakref.finalize(self, _unregister, self.buffer)
+        self._host.release()  # the old one unregistered before the new one is taken
+        self._host = PinnedBuffer(nbytes, torch.uint8, pin=self.pin)
 
     def views(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         sizes = [-(-t.numel() * t.element_size() // ALIGN) * ALIGN for t in tensors]
@@ -281,8 +279,8 @@ class ActivationOffloader:
         else:
             self.model.disable_gradient_checkpointing()
         for a in self.arenas:
-            if a is not None and a._finalizer is not None:
-                a._finalizer()
+            if a is not None:
+                a._host.release()
         self.arenas = []
 
 

@@ -36,7 +36,6 @@ import math
 import os
 import threading
 import time
-import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -46,7 +45,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from .host import Entry, HostBlock, _register, _unregister, frozen_tensors
+from .host import Entry, HostBlock, PinnedBuffer, frozen_tensors
 
 ALIGN = 4096  # O_DIRECT: buffer address, file offset and length in multiples of the logical block size (<= 4096)
 READERS = 4  # reader threads: an NVMe drive needs several requests in flight to reach its rate
@@ -419,10 +418,10 @@ class StagingRing:
         self.units, self.reader = units, reader
         self.source = next(iter(units.values())).source
         self.slot_bytes = max(u.nbytes for u in units.values())
-        self.memory = aligned_empty(slots * self.slot_bytes)  # one region: one registration
-        self.pinned = _register(self.memory) if pin else False
-        # unregistered before the memory can be freed, even when close() is never called
-        self._unpin = weakref.finalize(self, _unregister, self.memory) if self.pinned else None
+        # one region: one registration (unregistered before the memory can be freed, even without close())
+        self._host = PinnedBuffer(slots * self.slot_bytes, torch.uint8, pin,
+                                  memory=aligned_empty(slots * self.slot_bytes))
+        self.memory = self._host.tensor
         self.buffers = [_Buffer(self.memory[i * self.slot_bytes:(i + 1) * self.slot_bytes]) for i in range(slots)]
         self.policy = StagingPolicy(slots, predict)
         self.bytes_read = self.reads = self.sync_reads = self.reused = 0
@@ -498,9 +497,7 @@ class StagingRing:
             for f in b.futures:
                 f.cancel()
         self.reader.close()
-        if self._unpin is not None:
-            self._unpin()
-            self._unpin, self.pinned = None, False
+        self._host.release()
 
 
 # --- the plan's side ----------------------------------------------------------------------------------------------

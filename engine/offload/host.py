@@ -133,16 +133,23 @@ def _unregister(buffer: torch.Tensor) -> None:
 class PinnedBuffer:
     """``numel`` elements of ``dtype`` in host memory, page-locked where CUDA is (``_register``), exactly that size:
     ``torch.empty(pin_memory=True)`` rounds each allocation up to a power of two (0.34 GB took 0.54 GB,
-    bench/bench_pin.py). ``tensor`` is the buffer; it is unregistered when this object goes (views of it stay valid,
-    as pageable memory). For host state a step copies to and from asynchronously (AdamW's moments on the host, a
-    resume save's staging)."""
+    bench/bench_pin.py). ``tensor`` is the buffer; it is unregistered when this object goes or at ``release()``
+    (views of it stay valid, as pageable memory). The one home of every host buffer the engine page-locks: a block's
+    host copy, activation offload's arenas, the disk tier's staging ring (``memory``: its own aligned bytes), AdamW's
+    moments on the host, a resume save's staging."""
 
-    def __init__(self, numel: int, dtype: torch.dtype, pin: bool = True):
-        raw = torch.empty(max(numel, 1) * dtype.itemsize, dtype=torch.uint8)
+    def __init__(self, numel: int, dtype: torch.dtype, pin: bool = True, memory: Optional[torch.Tensor] = None):
+        raw = memory if memory is not None else torch.empty(numel * dtype.itemsize, dtype=torch.uint8)
         self.pinned = _register(raw) if pin else False
-        if self.pinned:  # the finalizer holds the buffer, so it is unregistered before it can be freed
-            weakref.finalize(self, _unregister, raw)
+        # The finalizer holds the buffer, so it is unregistered before it can be freed.
+        self._unpin = weakref.finalize(self, _unregister, raw) if self.pinned else None
         self.tensor = raw.view(dtype)[:numel]
+
+    def release(self) -> None:
+        """Unregister now, not when this object goes."""
+        if self._unpin is not None:
+            self._unpin()
+            self._unpin, self.pinned = None, False
 
 
 class HostBlock:
@@ -151,10 +158,8 @@ class HostBlock:
     def __init__(self, block: nn.Module, block_name: str, pin: bool):
         self.name = block_name
         self.entries, self.nbytes = layout(block, block_name)
-        self.buffer = torch.empty(self.nbytes, dtype=torch.uint8)  # (nbytes,) pageable until registered
-        self.pinned = _register(self.buffer) if pin else False
-        if self.pinned:  # the finalizer holds the buffer, so it is unregistered before it can be freed
-            weakref.finalize(self, _unregister, self.buffer)
+        self._host = PinnedBuffer(self.nbytes, torch.uint8, pin)  # kept with this block: never released early
+        self.buffer, self.pinned = self._host.tensor, self._host.pinned  # (nbytes,); subclasses set pinned too
         self._signature = self._signature_of(block)
 
     @staticmethod

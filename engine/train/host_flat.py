@@ -19,10 +19,14 @@ from ..offload.host import PinnedBuffer
 
 def _wait_for(done: dict) -> None:
     for event in list(done.values()):
-        try:
-            event.synchronize()
-        except Exception:  # interpreter shutdown: the driver is going away anyway
-            pass
+        event.synchronize()
+
+
+def _wait_quietly(done: dict) -> None:
+    try:
+        _wait_for(done)
+    except Exception:  # interpreter shutdown: the driver is going away anyway
+        pass
 
 
 class HostFlat:
@@ -45,7 +49,7 @@ class HostFlat:
         self._done: dict[torch.device, torch.cuda.Event] = {}  # the last copy out of each GPU
         # However this is dropped (a run ending in an error, a state loaded over it), the last copies out land before
         # the buffers are unregistered: this finalizer runs before the PinnedBuffers it owns go.
-        weakref.finalize(self, _wait_for, self._done)
+        weakref.finalize(self, _wait_quietly, self._done)
         for device in self.flat:  # the values in: one cat and one copy per device
             self._work[device] = torch.cat([t.detach().reshape(-1).float()
                                             for t, d in zip(tensors, self.devices) if d == device])
@@ -72,5 +76,4 @@ class HostFlat:
 
     def wait(self) -> None:
         """Until the last copies out have landed: the host views hold the values (before the host reads them)."""
-        for event in self._done.values():
-            event.synchronize()
+        _wait_for(self._done)

@@ -54,8 +54,7 @@ class HostStaging:
     """Host copies of a state's tensors, taken at a step boundary, in one reused buffer."""
 
     def __init__(self):
-        self._buffer: torch.Tensor | None = None
-        self._pinned = None  # the PinnedBuffer that holds _buffer
+        self._pinned: PinnedBuffer | None = None  # the staging buffer
         self._layout: tuple = ()  # (name, shape, dtype, device) of each tensor the views below were made for
         self._views: dict[str, torch.Tensor] = {}
 
@@ -92,11 +91,10 @@ class HostStaging:
             offsets.append((total, nbytes))
             total += -(-nbytes // _ALIGN) * _ALIGN
         pinned = any(device.type == "cuda" for *_, device in layout)
-        buf = self._buffer
-        if buf is None or buf.numel() < total or self._pinned.pinned != pinned:
-            self._buffer = buf = self._pinned = None  # the old one is given back before the new one is taken
+        if self._pinned is None or self._pinned.tensor.numel() < total or self._pinned.pinned != pinned:
+            self._pinned = None  # the old one is given back before the new one is taken
             self._pinned = PinnedBuffer(total, torch.uint8, pin=pinned)  # its exact size (no power-of-two rounding)
-            buf = self._buffer = self._pinned.tensor
+        buf = self._pinned.tensor
         views = {}
         for (name, shape, dtype, _), (start, nbytes) in zip(layout, offsets):
             views[name] = (buf[start:start + nbytes].view(dtype).view(shape) if nbytes
@@ -105,7 +103,7 @@ class HostStaging:
 
     def release(self) -> None:
         """Give the buffer back (the run is over)."""
-        self._buffer, self._pinned, self._layout, self._views = None, None, (), {}
+        self._pinned, self._layout, self._views = None, (), {}
 
 
 class StateWriter:
