@@ -549,7 +549,7 @@ def main(argv=None) -> int:
 
                 traceback.print_exc()
                 row = {"mode": mode, "error": f"{type(exc).__name__}: {str(exc)[:800]}", "wall_s": None}
-            rows[mode] = emit(row)
+            rows[mode] = emit(_with_common_fields(row))
         if "serial" in rows and "experts" in rows and set(args.roles) == set(ROLES):
             summary = emit(summary_row(rows["experts"], [rows["serial"]], args, loras, cuda))
             print(f"\nserial {summary['serial_wall_s']} s, experts {summary['experts_wall_s']} s: "
@@ -563,6 +563,13 @@ def main(argv=None) -> int:
                 manifest_path_for(slab).unlink(missing_ok=True)
                 slab.unlink(missing_ok=True)
     return 0
+
+
+def _with_common_fields(row: dict) -> dict:
+    """The figures every bench's rows carry under one name: peak VRAM (the highest GPU's) and host RAM (RSS; pinned
+    is ``pinned_host_gb``), from this bench's own per-GPU and sampled peaks."""
+    peaks = row.get("peak_alloc_gb_per_gpu") or []
+    return {**row, "peak_alloc_gb": max(peaks) if peaks else None, "host_rss_gb": row.get("host_rss_peak_gb")}
 
 
 def _emitter(args, model: str, cuda: bool, extra: dict):

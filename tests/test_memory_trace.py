@@ -138,11 +138,16 @@ def test_on_a_gpu_the_peak_and_the_out_of_memory_are_named_by_line(tmp_path, sta
         total = torch.cuda.get_device_properties(dev).total_memory
         torch.cuda.empty_cache()  # the cap holds what the allocator reserves: its cached free blocks go first
         torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved(dev) + (256 << 20)) / total, dev)
+        request = torch.cuda.memory_reserved(dev) + (1 << 30)
         with pytest.raises(torch.OutOfMemoryError):
             # larger than all the allocator holds, so no cached block serves it: a new segment, over the cap
-            torch.empty(torch.cuda.memory_reserved(dev) + (1 << 30), dtype=torch.uint8, device=dev)
+            torch.empty(request, dtype=torch.uint8, device=dev)
         oom = json.loads((tmp_path / "oom.json").read_text())
         assert oom["oom"]["request_gb"] >= 1.07 and oom["live"][str(dev.index)]["allocated"], oom["oom"]
+        # the figures against the allocator's own: the request (rounded up to 2 MiB) and what it holds allocated
+        assert abs(oom["oom"]["request_gb"] - request / 1e9) <= 0.0022, (oom["oom"], request)
+        live = oom["live"][str(dev.index)]
+        assert abs(live["gb_by_state"]["active_allocated"] - torch.cuda.memory_allocated(dev) / 1e9) <= 0.002, live
         del a, c
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
