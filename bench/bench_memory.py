@@ -61,6 +61,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gil_contention import Contention  # noqa: E402
 from train_bench import (  # noqa: E402
     StepRecorder, _command, _gpu_name, _versions, build_random_model, row_emitter, training_row,
     write_synthetic_cache, new_run_id,
@@ -102,6 +103,13 @@ def parse_args(argv=None):
                    help="override the family's allocator fragmentation factor (MemoryProfile.fragmentation: the plan "
                         "keeps max(0.5 GB, this x its largest tensor) free): measures whether a smaller margin holds "
                         "(Wan compiled: 2026-11-28's out-of-memory runs had 0.05-0.12 GB of holes against Wan's 2.2)")
+    p.add_argument("--contend", type=int, default=0, metavar="N",
+                   help="N busy Python threads beside each mode's run (bench/gil_contention.py): how much its step "
+                        "waits on the interpreter lock, which a pipelined split's two GPUs share; rows carry "
+                        "contending_threads and contender_share")
+    p.add_argument("--switch-interval", type=float, default=0.0, metavar="S",
+                   help="sys.setswitchinterval(S) for the whole run (Python's default 0.005): how long a thread that "
+                        "holds the interpreter lock keeps it from one that waits")
     p.add_argument("--snapshot", default="", help="a mode: record the allocator from its step 2 on and print what "
                                                   "is live at the peak (torch.cuda.memory._snapshot), by source line")
     return p.parse_args(argv)
@@ -318,6 +326,8 @@ def main(argv=None) -> int:
     from lowvram_lora.engine.train import train_lora
 
     args = parse_args(argv)
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     if args.fragmentation is not None:
         import dataclasses
 
@@ -355,6 +365,7 @@ def main(argv=None) -> int:
     base = {"run_id": run_id, "gpu": _gpu_name(device), **_versions(), "model": args.variant, "lora_rank": args.rank,
             "lora_targets": "default", "batch": args.batch, "grad_ckpt": True, "command": _command(),
             "note": args.note, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "bench": "memory",
+            "switch_interval_s": sys.getswitchinterval(),
             "real_link_gbps": round(machine.link_bytes_per_s / 1e9, 2) if machine else None}
     emit = row_emitter(out, base)
     from lowvram_lora.engine.families import families
@@ -410,7 +421,13 @@ def main(argv=None) -> int:
                         base_bytes[0] = torch.cuda.memory_allocated()
                         torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
 
-                rec = StepRecorder(f"{mode} {res}", start_recording)
+                contention = Contention(args.contend)
+
+                def on_step(info, start_recording=start_recording, contention=contention):
+                    contention.mark()
+                    start_recording(info)
+
+                rec = StepRecorder(f"{mode} {res}", on_step)
                 capped = bool(args.cap_gb) and mode.startswith("stream-")
                 if capped:
                     total = torch.cuda.get_device_properties(device).total_memory
@@ -418,12 +435,13 @@ def main(argv=None) -> int:
                 t = time.perf_counter()
                 error, result = None, None
                 try:
-                    result = train_lora(ModelConfig(dtype="bf16", family=family.id), datasets[res],
-                                        LoraSettings(rank=args.rank, alpha=float(args.rank)),
-                                        TrainConfig(steps=args.warmup + args.timed, device=device.type,
-                                                    learning_rate=1e-4, batch_size=args.batch),
-                                        rec.callback, preloaded=(model, family, args.variant), offload=offload,
-                                        step_window=step_window)
+                    with contention:
+                        result = train_lora(ModelConfig(dtype="bf16", family=family.id), datasets[res],
+                                            LoraSettings(rank=args.rank, alpha=float(args.rank)),
+                                            TrainConfig(steps=args.warmup + args.timed, device=device.type,
+                                                        learning_rate=1e-4, batch_size=args.batch),
+                                            rec.callback, preloaded=(model, family, args.variant), offload=offload,
+                                            step_window=step_window)
                 except Exception as exc:  # noqa: BLE001 - a row per failure
                     import traceback
 
@@ -455,6 +473,8 @@ def main(argv=None) -> int:
                                               or {}, args.warmup)
                 compiled_base = rows.get(("resident-compiled", res, None), {}).get("step_s")
                 timed_steps = rec.steps[args.warmup:]
+                if args.contend:  # the busy threads' share of the interpreter lock over the timed steps
+                    row.update(contending_threads=args.contend, contender_share=contention.share(args.warmup - 1))
                 row.update({  # the modulation window (issue 37) and the host memory beside the VRAM
                     "window": (result.settings.get("step_window") if result is not None else None) or {"steps": 0},
                     "x_resident_compiled": round(row["step_s"] / compiled_base, 3) if row["step_s"] and compiled_base

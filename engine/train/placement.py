@@ -439,6 +439,16 @@ class Split(Placement):
     def devices(self):
         return tuple(torch.device(d) for d in self.split.devices)
 
+    def window_blocker(self, train: TrainConfig) -> str:
+        # Found 2026-11-29 (H200, torch 2.11, tests/test_parallel_gpu.py): pipelined, the window serves each call the
+        # outputs of its micro-batch, which the calling thread names (step_window.served); dynamo traces that lookup
+        # into a compiled block and fails to guard it ('Unexpected type _MicroBatch'). One micro-batch serves as one
+        # GPU does (a tensor attribute the graph takes as an input).
+        if self.split.micro_batches > 1 and self.compiles(train)[0]:
+            return ("compiled blocks with a pipelined Dual-GPU Split: each micro-batch's thread picks its own "
+                    "outputs, which a compiled block cannot; the modulation runs in its blocks")
+        return ""
+
     def plan(self, model, family, variant: str, dataset, train: TrainConfig):
         """Both parts' plans and the cut, from each device's budget. LoRA must be attached: each part's
         trainable elements are counted off the model."""
