@@ -107,6 +107,10 @@ def parse_args(argv=None):
                    help="N busy Python threads beside each mode's run (bench/gil_contention.py): how much its step "
                         "waits on the interpreter lock, which a pipelined split's two GPUs share; rows carry "
                         "contending_threads and contender_share")
+    p.add_argument("--contend-kind", default="python", choices=["python", "ops"],
+                   help="what the busy threads run: a pure Python loop (the worst case: it lets go only when the "
+                        "switch interval forces it) or one-element torch operator calls (as another GPU's launching "
+                        "thread does)")
     p.add_argument("--switch-interval", type=float, default=0.0, metavar="S",
                    help="sys.setswitchinterval(S) for the whole run (Python's default 0.005): how long a thread that "
                         "holds the interpreter lock keeps it from one that waits")
@@ -421,7 +425,7 @@ def main(argv=None) -> int:
                         base_bytes[0] = torch.cuda.memory_allocated()
                         torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
 
-                contention = Contention(args.contend)
+                contention = Contention(args.contend, kind=args.contend_kind)
 
                 def on_step(info, start_recording=start_recording, contention=contention):
                     contention.mark()
@@ -474,7 +478,8 @@ def main(argv=None) -> int:
                 compiled_base = rows.get(("resident-compiled", res, None), {}).get("step_s")
                 timed_steps = rec.steps[args.warmup:]
                 if args.contend:  # the busy threads' share of the interpreter lock over the timed steps
-                    row.update(contending_threads=args.contend, contender_share=contention.share(args.warmup - 1))
+                    row.update(contending_threads=args.contend, contend_kind=args.contend_kind,
+                               contender_share=contention.share(args.warmup - 1))
                 row.update({  # the modulation window (issue 37) and the host memory beside the VRAM
                     "window": (result.settings.get("step_window") if result is not None else None) or {"steps": 0},
                     "x_resident_compiled": round(row["step_s"] / compiled_base, 3) if row["step_s"] and compiled_base

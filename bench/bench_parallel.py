@@ -106,6 +106,10 @@ def parse_args(argv=None):
                         "GPU command with it first")
     p.add_argument("--link-gbps", type=float, default=55.0, help="--plan-only: the host->GPU link it plans for "
                    "(55: 2x H200 measured, 2026-11-28)")
+    p.add_argument("--switch-interval", type=float, default=0.0, metavar="S",
+                   help="sys.setswitchinterval(S) for the whole run (Python's default 0.005 s): the pipelined split's "
+                        "two GPUs' threads share one interpreter lock (bench/gil_contention.py); rows carry "
+                        "switch_interval_s")
     p.add_argument("--memory-history", type=int, default=0, metavar="N",
                    help="record each GPU's last N allocator events and write, beside --out, what was alive at each "
                         "mode's peak (memory_<mode>_r<rank>.json) and at an out-of-memory (oom_memory_r<rank>.json), "
@@ -217,6 +221,8 @@ def main(argv=None) -> int:
     from lowvram_lora.engine.train import train_lora
 
     args = parse_args(argv)
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     if args.plan_only:
         return plan_only(args)
     me = ranks_from_env()
@@ -236,7 +242,7 @@ def main(argv=None) -> int:
     base = {"run_id": run_id, "gpu": f"{gpus}x {_gpu_name(device)}", **_versions(), "model": args.variant,
             "lora_rank": args.rank, "lora_targets": "default", "batch": batch, "grad_ckpt": True, "res": args.res,
             "precision": args.precision, "budget_gb_per_gpu": args.budget, "compile": args.compile,
-            "command": _command(), "note": args.note,
+            "command": _command(), "note": args.note, "switch_interval_s": sys.getswitchinterval(),
             "bench": "parallel"}
     emit = row_emitter(out, base) if me.is_main else (lambda row: row)
     lora = LoraSettings(rank=args.rank, alpha=float(args.rank))

@@ -1,27 +1,45 @@
-"""Busy Python threads beside a training run, to measure how much its step needs the interpreter lock.
+"""Busy threads beside a training run, to measure how much its step needs the interpreter lock.
 
 The pipelined split (engine/parallel/pipeline.py) drives both GPUs from one process: each micro-batch's forward and
 its checkpointed recompute are Python, so the two GPUs' threads take turns on one interpreter lock. On one GPU this
-cannot be timed as a split, but its cause can: ``Contention(n)`` runs ``n`` threads that loop in pure Python (each
-wants the lock all the time, as the other GPU's thread does while it launches a forward) while the run trains. A
+cannot be timed as a split, but its cause can: ``Contention(n)`` runs ``n`` busy threads while the run trains. A
 step that slows down beside them was waiting on Python, not on the GPU; ``share()`` is how much of the lock the
-busy threads got over the marked steps, against one such thread alone.
+busy threads got over the marked steps, against one such thread alone. Two kinds:
+
+- ``python``: a pure Python loop, which gives the lock up only when the switch interval
+  (``sys.setswitchinterval``, 5 ms by default) forces it. torch gives the lock up around every operator call, so
+  beside such a loop each call of the step can wait a whole interval (the worst case: a long Python stretch in one
+  pipeline thread);
+- ``ops``: a loop of one-element CPU torch operators, each of which gives the lock up and takes it back as a
+  launching thread does (the other GPU's thread of a pipelined split, which calls an operator every few
+  microseconds).
+
+Run alone (``python3 bench/gil_contention.py``), it measures the second effect on the host itself: how many operator
+calls per second one thread makes alone and beside an ``ops`` thread, at several switch intervals.
 
 Why not the profiler: its CPU tracing slows the launching thread itself (Flux.1-dev batch 1: 431 ms of "host late"
 idle profiled against a 0.913 s unprofiled step with 0.834 s of kernels), so it overstates the host's share.
 """
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 import threading
 import time
+from pathlib import Path
+
+KINDS = ("python", "ops")
 
 
 class Contention:
     """``with Contention(n) as c:`` n busy Python threads while the block runs; ``c.mark()`` at each step's end,
     ``c.share(first)`` the busy threads' loop rate from mark ``first`` to the last, over one thread's rate alone."""
 
-    def __init__(self, threads: int, probe_s: float = 0.5):
-        self.threads, self.probe_s = threads, probe_s
+    def __init__(self, threads: int, probe_s: float = 0.5, kind: str = "python"):
+        if kind not in KINDS:
+            raise ValueError(f"contention kind {kind!r} is not one of {', '.join(KINDS)}")
+        self.threads, self.probe_s, self.kind = threads, probe_s, kind
         self.counts = [0] * threads
         self.marks: list[tuple[float, int]] = []
         self.alone_rate = None
@@ -30,16 +48,28 @@ class Contention:
 
     def _spin(self, i: int) -> None:
         n, stop = 0, self._stop.is_set
-        while not stop():
-            n += 1
-            if not n & 1023:
-                self.counts[i] = n
+        if self.kind == "ops":
+            import torch
+
+            x, y = torch.zeros(1), torch.zeros(1)
+            while not stop():
+                torch.add(x, 1, out=y)
+                n += 1
+                if not n & 63:
+                    self.counts[i] = n
+        else:
+            while not stop():
+                n += 1
+                if not n & 1023:
+                    self.counts[i] = n
         self.counts[i] = n
 
     def _total(self) -> int:
         return sum(self.counts)
 
     def __enter__(self) -> "Contention":
+        if self.kind == "ops":
+            import torch  # noqa: F401 - before the probe: a first import inside it would be counted as no calls
         if self.threads:
             self._workers = [threading.Thread(target=self._spin, args=(i,), daemon=True, name=f"contender {i}")
                              for i in range(self.threads)]
@@ -68,3 +98,62 @@ class Contention:
             return None
         (t0, c0), (t1, c1) = self.marks[first], self.marks[-1]
         return round((c1 - c0) / (t1 - t0) / self.alone_rate, 3) if t1 > t0 else None
+
+
+def op_rate(seconds: float) -> float:
+    """One-element CPU torch operator calls per second from this thread."""
+    import torch
+
+    a, b = torch.zeros(1), torch.zeros(1)
+    n, end = 0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        torch.add(a, 1, out=b)
+        n += 1
+    return n / seconds
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="Operator calls per second, alone and beside a thread of operator calls")
+    p.add_argument("--intervals-ms", type=float, nargs="+", default=[5.0, 1.0, 0.5, 0.2, 0.1])
+    p.add_argument("--seconds", type=float, default=2.0)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default="", help="also append one row per interval to this results.jsonl")
+    args = p.parse_args(argv)
+    import statistics
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from train_bench import _command, _versions, new_run_id
+
+    from lowvram_lora.engine.offload.hostmem import host_rss_bytes
+
+    torch.set_num_threads(1)  # the operators' own work stays on this thread: the lock is what is measured
+    default = sys.getswitchinterval()
+    run_id = new_run_id()
+    try:
+        for ms in args.intervals_ms:
+            sys.setswitchinterval(ms / 1e3)
+            alone, beside = [], []
+            for _ in range(args.repeats):  # alternated, so a noisy neighbour on the host hits both
+                alone.append(op_rate(args.seconds))
+                with Contention(1, probe_s=0.1, kind="ops"):
+                    beside.append(op_rate(args.seconds))
+            a, b = statistics.median(alone), statistics.median(beside)
+            row = {"date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()), "run_id": run_id,
+                   "bench": "gil", "gpu": "none (host only)", **_versions(), "command": _command(),
+                   "switch_interval_ms": ms, "op_calls_per_s_alone": round(a), "op_calls_per_s_beside_ops": round(b),
+                   "x_alone": round(b / a, 3), "both_threads_x_one_alone": round(2 * b / a, 3),
+                   "host_rss_gb": round(host_rss_bytes() / 1e9, 3), "pinned_host_gb": 0.0, "peak_alloc_gb": 0.0}
+            print(f"switch interval {ms:5.2f} ms: {a:9.0f} op calls/s alone, {b:9.0f} beside an op thread "
+                  f"({b / a:.3f}x; both threads together {2 * b / a:.3f}x one alone)", flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+    finally:
+        sys.setswitchinterval(default)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

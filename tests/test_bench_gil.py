@@ -1,11 +1,14 @@
 """bench/gil_contention.py: the busy threads' share of the interpreter lock, which bench_memory --contend reports."""
+import json
 import sys
 import time
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from gil_contention import Contention  # noqa: E402
+from gil_contention import Contention, main  # noqa: E402
 
 
 def test_share_is_the_busy_rate_over_the_marked_steps_against_one_thread_alone():
@@ -17,22 +20,40 @@ def test_share_is_the_busy_rate_over_the_marked_steps_against_one_thread_alone()
     assert Contention(0).share(0) is None
 
 
-def _share_while(work) -> float:
-    with Contention(1, probe_s=0.2) as c:
+def _share_while(work, kind) -> float:
+    with Contention(1, probe_s=0.2, kind=kind) as c:
         c.mark()
         work()
         c.mark()
     return c.share(0)
 
 
-def test_a_step_that_holds_the_lock_leaves_the_busy_thread_less_than_one_that_waits():
+@pytest.mark.parametrize("kind", ["python", "ops"])
+def test_a_step_that_holds_the_lock_leaves_the_busy_thread_less_than_one_that_waits(kind):
     def python_loop():  # a launching thread that never lets go of the lock on its own
         end = time.perf_counter() + 0.4
         n = 0
         while time.perf_counter() < end:
             n += 1
 
-    waiting = _share_while(lambda: time.sleep(0.4))  # a thread blocked on the GPU lets go of the lock
-    holding = _share_while(python_loop)
+    waiting = _share_while(lambda: time.sleep(0.4), kind)  # a thread blocked on the GPU lets go of the lock
+    holding = _share_while(python_loop, kind)
     # Alone, the busy thread keeps its rate (about 1); against a Python loop it gets about half the lock.
     assert holding < 0.8 * waiting, (holding, waiting)
+
+
+def test_an_unknown_kind_is_refused():
+    with pytest.raises(ValueError, match="python, ops"):
+        Contention(1, kind="spin")
+
+
+def test_the_host_bench_writes_its_rates_and_puts_the_switch_interval_back(tmp_path):
+    before = sys.getswitchinterval()
+    out = tmp_path / "rows.jsonl"
+    main(["--intervals-ms", "0.5", "--seconds", "0.2", "--repeats", "1", "--out", str(out)])
+    assert sys.getswitchinterval() == before
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["switch_interval_ms"] == 0.5 and row["host_rss_gb"] > 0
+    assert row["op_calls_per_s_alone"] > 1000 and row["op_calls_per_s_beside_ops"] > 0
+    ratio = row["op_calls_per_s_beside_ops"] / row["op_calls_per_s_alone"]
+    assert row["x_alone"] == pytest.approx(ratio, abs=1e-3) and row["both_threads_x_one_alone"] == pytest.approx(2 * ratio, abs=2e-3)
