@@ -30,7 +30,7 @@ def _share_while(work, kind) -> float:
 
 @pytest.mark.parametrize("kind", ["python", "ops"])
 def test_a_step_that_holds_the_lock_leaves_the_busy_thread_less_than_one_that_waits(kind):
-    def python_loop():  # a launching thread that never lets go of the lock on its own
+    def python_loop():  # a pure-Python stretch: it lets go of the lock only when the switch interval forces it
         end = time.perf_counter() + 0.4
         n = 0
         while time.perf_counter() < end:
