@@ -106,6 +106,13 @@ def parse_args(argv=None):
                         "GPU command with it first")
     p.add_argument("--link-gbps", type=float, default=55.0, help="--plan-only: the host->GPU link it plans for "
                    "(55: 2x H200 measured, 2026-11-28)")
+    p.add_argument("--narrow", action="store_true",
+                   help="the variant's blocks at a tiny width (train_bench.narrow_config): every operator of a step, "
+                        "next to no GPU time, so each mode's step is its host's; with --split-devices cuda:0,cuda:0 "
+                        "one GPU shows what the split's two threads cost each other")
+    p.add_argument("--split-devices", default="",
+                   help="the split modes' two devices (default cuda:0,cuda:1; cpu,cpu with --device cpu); "
+                        "cuda:0,cuda:0 puts both parts on one GPU")
     p.add_argument("--switch-interval", type=float, default=0.0, metavar="S",
                    help="sys.setswitchinterval(S) for the whole run (Python's default 0.005 s): the pipelined split's "
                         "two GPUs' threads share one interpreter lock (bench/gil_contention.py); rows carry "
@@ -231,6 +238,8 @@ def main(argv=None) -> int:
     if cuda:
         torch.cuda.set_device(device)
     pair = ("cuda:0", "cuda:1") if cuda else ("cpu", "cpu")
+    if args.split_devices:
+        pair = tuple(d.strip() for d in args.split_devices.split(","))
     batch = args.micro_batches
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -243,6 +252,7 @@ def main(argv=None) -> int:
             "lora_rank": args.rank, "lora_targets": "default", "batch": batch, "grad_ckpt": True, "res": args.res,
             "precision": args.precision, "budget_gb_per_gpu": args.budget, "compile": args.compile,
             "command": _command(), "note": args.note, "switch_interval_s": sys.getswitchinterval(),
+            "narrow": args.narrow, "split_devices": list(pair),
             "bench": "parallel"}
     emit = row_emitter(out, base) if me.is_main else (lambda row: row)
     lora = LoraSettings(rank=args.rank, alpha=float(args.rank))
@@ -324,7 +334,7 @@ def main(argv=None) -> int:
     if me.is_main:
         t = time.perf_counter()
         model, family, cfg = build_random_model(args.variant, device, torch.bfloat16 if cuda else torch.float32, 0.02,
-                                                0, family_id=args.family)
+                                                0, family_id=args.family, narrow=args.narrow)
         print(f"random {args.variant}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params in "
               f"{time.perf_counter() - t:.0f} s", flush=True)
         dataset = _cache(Path(tmp.name), family, args.variant, cfg, args.res)
@@ -335,7 +345,7 @@ def main(argv=None) -> int:
         if "one" in args.modes:
             run("one", model, family, dataset, auto)
         # The split runs in this one process: it needs two GPUs, not two ranks (torchrun is for dp).
-        two = not cuda or torch.cuda.device_count() >= 2
+        two = not cuda or torch.cuda.device_count() > max(torch.device(d).index or 0 for d in pair)
         if "split" in args.modes and two:
             run("split", model, family, dataset, offload(),
                 split=ParallelConfig(mode="split", devices=pair, vram_budget_gb=(args.budget,)))
@@ -356,7 +366,7 @@ def main(argv=None) -> int:
         ranks = init_from_env(device)
         if not me.is_main:
             model, family, cfg = build_random_model(args.variant, device, torch.bfloat16, 0.02, 0,
-                                                    family_id=args.family)
+                                                    family_id=args.family, narrow=args.narrow)
             dataset = _cache(Path(tmp.name), family, args.variant, cfg, args.res)
             to_streamed_form(model, family, args.precision, device)
         torch.distributed.barrier()

@@ -48,14 +48,45 @@ GB, GIB = 1e9, 2 ** 30
 
 # ---------------------------------------------------------------------------- model
 
+#: ``narrow_config``'s attention head width: the variant's depth and operator sequence at a width whose kernels take
+#: next to no GPU time, so a step's time is its host's (Python, dispatch, launches).
+NARROW_HEAD_DIM = 32
+
+
+def narrow_config(cfg: dict) -> dict:
+    """``cfg`` (a Flux-style transformer config: attention_head_dim, num_attention_heads, axes_dims_rope,
+    joint_attention_dim, pooled_projection_dim where present) at two heads of ``NARROW_HEAD_DIM`` and 64-wide text
+    and pooled inputs; the block counts, and so every operator a step runs, stay the variant's."""
+    out = dict(cfg)
+    head = out.get("attention_head_dim")
+    if not head or head % NARROW_HEAD_DIM or "num_attention_heads" not in out:
+        raise SystemExit(f"--narrow: {cfg.get('_class_name')} has no attention_head_dim divisible by "
+                         f"{NARROW_HEAD_DIM} (narrowing is for the Flux-style families)")
+    scale = head // NARROW_HEAD_DIM
+    out.update(attention_head_dim=NARROW_HEAD_DIM, num_attention_heads=2)
+    if out.get("axes_dims_rope"):
+        axes = [a // scale for a in out["axes_dims_rope"]]
+        if sum(axes) != NARROW_HEAD_DIM or any(a % 2 for a in axes):
+            raise SystemExit(f"--narrow: axes_dims_rope {out['axes_dims_rope']} do not narrow to even parts of "
+                             f"{NARROW_HEAD_DIM}")
+        out["axes_dims_rope"] = axes
+    for key in ("joint_attention_dim", "pooled_projection_dim"):
+        if key in out:
+            out[key] = 64
+    return out
+
+
 def build_random_model(variant: str, device: torch.device, dtype: torch.dtype, std: float, seed: int,
-                       family_id: str = "flux1"):
+                       family_id: str = "flux1", narrow: bool = False):
     """(model, family, config) with random weights, built on ``meta`` and materialised
-    straight on ``device`` in ``dtype``: no CPU init of 12B (or 32B) parameters."""
+    straight on ``device`` in ``dtype``: no CPU init of 12B (or 32B) parameters. ``narrow``: the variant's blocks
+    at ``narrow_config``'s width."""
     from lowvram_lora.engine.families import get_family, meta_model
 
     family = get_family(family_id)
     cfg = family.load_config(variant)
+    if narrow:
+        cfg = narrow_config(cfg)
     # Parameters on meta; tensors a model computes at construction (Lumina 2's RoPE tables) stay real.
     model = meta_model(family, cfg)
     # Buffers a model computes at construction (Wan's RoPE tables) are real: kept as they are (their dtype too).

@@ -29,3 +29,26 @@ def test_plan_only_prints_the_planners_plan_for_each_virtual_stage(capsys, monke
         assert "first GPU's measured excess" in plan.plans[0].breakdown
         assert "first GPU's measured excess" not in plan.plans[1].breakdown
     assert out.count("first GPU's measured excess") == 2
+
+
+def test_narrow_keeps_every_block_of_the_variant_at_a_tiny_width():
+    """--narrow (train_bench.narrow_config): the variant's depth, so a step runs every operator the full model runs,
+    at a width whose kernels take next to no GPU time."""
+    import pytest
+
+    from lowvram_lora.engine.families import get_family, meta_model
+
+    train_bench = bench_module("train_bench")
+    for family_id, variant in (("flux1", "flux1-dev"), ("flux2", "flux2-dev")):
+        family = get_family(family_id)
+        full = family.load_config(variant)
+        cfg = train_bench.narrow_config(full)
+        assert cfg["num_layers"] == full["num_layers"] and cfg["num_single_layers"] == full["num_single_layers"]
+        assert cfg["attention_head_dim"] == 32 and sum(cfg["axes_dims_rope"]) == 32
+        model = meta_model(family, cfg)
+        ops = lambda m: sorted(type(x).__name__ for x in m.modules())  # noqa: E731
+        assert ops(model) == ops(meta_model(family, full))  # the same modules, so the same operators
+        narrow_params = sum(p.numel() for p in model.parameters())
+        assert narrow_params < 1e-3 * sum(p.numel() for p in meta_model(family, full).parameters())
+    with pytest.raises(SystemExit, match="attention_head_dim"):
+        train_bench.narrow_config({"_class_name": "WanTransformer3DModel", "num_attention_heads": 40})
