@@ -77,6 +77,12 @@ for _k, _v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     os.environ.setdefault(_k, _v)
 
 
+def _pipeline_switch_interval() -> float:
+    from lowvram_lora.engine.parallel import pipeline
+
+    return pipeline.SWITCH_INTERVAL_S
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--family", default="flux1", choices=["flux1", "flux2"])
@@ -114,9 +120,10 @@ def parse_args(argv=None):
                    help="the split modes' two devices (default cuda:0,cuda:1; cpu,cpu with --device cpu); "
                         "cuda:0,cuda:0 puts both parts on one GPU")
     p.add_argument("--switch-interval", type=float, default=0.0, metavar="S",
-                   help="sys.setswitchinterval(S) for the whole run (Python's default 0.005 s): the pipelined split's "
-                        "two GPUs' threads share one interpreter lock (bench/gil_contention.py); rows carry "
-                        "switch_interval_s")
+                   help="sys.setswitchinterval(S) for the whole run, and the pipelined step's own (engine/parallel/"
+                        "pipeline.py SWITCH_INTERVAL_S, 0.001 s; 0.005 is Python's default and the engine's before "
+                        "2026-11-29): the split's two GPUs' threads share one interpreter lock "
+                        "(bench/gil_contention.py); rows carry switch_interval_s and pipeline_switch_interval_s")
     p.add_argument("--memory-history", type=int, default=0, metavar="N",
                    help="record each GPU's last N allocator events and write, beside --out, what was alive at each "
                         "mode's peak (memory_<mode>_r<rank>.json) and at an out-of-memory (oom_memory_r<rank>.json), "
@@ -228,8 +235,11 @@ def main(argv=None) -> int:
     from lowvram_lora.engine.train import train_lora
 
     args = parse_args(argv)
-    if args.switch_interval:
+    if args.switch_interval:  # the process's, and the one a pipelined step runs at (engine/parallel/pipeline.py)
+        from lowvram_lora.engine.parallel import pipeline
+
         sys.setswitchinterval(args.switch_interval)
+        pipeline.SWITCH_INTERVAL_S = args.switch_interval
     if args.plan_only:
         return plan_only(args)
     me = ranks_from_env()
@@ -252,6 +262,7 @@ def main(argv=None) -> int:
             "lora_rank": args.rank, "lora_targets": "default", "batch": batch, "grad_ckpt": True, "res": args.res,
             "precision": args.precision, "budget_gb_per_gpu": args.budget, "compile": args.compile,
             "command": _command(), "note": args.note, "switch_interval_s": sys.getswitchinterval(),
+            "pipeline_switch_interval_s": _pipeline_switch_interval(),
             "narrow": args.narrow, "split_devices": list(pair),
             "bench": "parallel"}
     emit = row_emitter(out, base) if me.is_main else (lambda row: row)

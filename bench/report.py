@@ -102,8 +102,9 @@ def render(rows: list[dict]) -> str:
     ram_rows = [r for r in rows if r.get("bench") == "ram"]
     experts_rows = [r for r in rows if r.get("bench") == "experts"]
     pin_rows = [r for r in rows if r.get("bench") == "pin"]
+    gil_rows = [r for r in rows if r.get("bench") == "gil"]
     rows = [r for r in rows if r.get("mode") not in SLAB_ONLY + OTHER_ONLY
-            and r.get("bench") not in ("parallel", "sampling", "disk_tier", "ram", "experts", "pin")]
+            and r.get("bench") not in ("parallel", "sampling", "disk_tier", "ram", "experts", "pin", "gil")]
     out = [HEADER]
     models = sorted({r.get("model", "?") for r in rows})
     if not rows:
@@ -226,6 +227,8 @@ def render(rows: list[dict]) -> str:
         out.extend(experts_section(experts_rows))
     if pin_rows:
         out.extend(pin_section(pin_rows))
+    if gil_rows:
+        out.extend(gil_section(gil_rows))
     if sampling:
         out.append("## Sampling during training (bench/bench_sampling.py)\n")
         out.append("| date | gpu | model | res | mode | s per image | × resident sampling | sample peak GB | training peak GB "
@@ -376,6 +379,27 @@ def pin_section(rows: list[dict]) -> list[str]:
                    f"{_fmt(r.get('pinned_gb'), 2)} ({r.get('pieces')}) | {_fmt(r.get('pin_s'))} | "
                    f"{_fmt(r.get('pin_gbps'), 2)} | {_fmt(r.get('copy_gbps'), 1)} | {_fmt(r.get('host_rss_gb'), 2)} "
                    f"({_fmt(r.get('host_rss_added_gb'), 2)}) | `{r.get('command')}`{note} |")
+    out.append("")
+    return out
+
+
+def gil_section(rows: list[dict]) -> list[str]:
+    """bench/gil_contention.py: two threads under one interpreter lock (the pipelined split's two GPUs' threads)."""
+    out = ["## Two threads under one interpreter lock (bench/gil_contention.py)\n",
+           "`op calls`: one-element torch operator calls per second, one thread alone and beside a thread making such "
+           "calls; `trainers`: steps per second of a tiny Flux.1 with LoRA and checkpointing, one alone and two on two "
+           "threads at once. `both x one`: what the two threads did together, over one thread alone.\n",
+           "| date | gpu | python | mode | switch interval ms | alone | beside / two at once | both x one | host RSS GB | "
+           "command |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        trainers = r.get("mode") == "trainers"
+        alone = r.get("steps_per_s_alone") if trainers else r.get("op_calls_per_s_alone")
+        other = r.get("steps_per_s_two_threads") if trainers else r.get("op_calls_per_s_beside_ops")
+        out.append(f"| {r.get('date', '')[:16].replace('T', ' ')} | {r.get('gpu')} | {r.get('python')} | "
+                   f"{r.get('mode', 'op calls')} | {_fmt(r.get('switch_interval_ms'), 2)} | {_fmt(alone, 1)} | "
+                   f"{_fmt(other, 1)} | {_fmt(r.get('both_threads_x_one_alone'), 3)} | "
+                   f"{_fmt(r.get('host_rss_gb'), 2)} | `{r.get('command')}` |")
     out.append("")
     return out
 

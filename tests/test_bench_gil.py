@@ -57,3 +57,14 @@ def test_the_host_bench_writes_its_rates_and_puts_the_switch_interval_back(tmp_p
     assert row["op_calls_per_s_alone"] > 1000 and row["op_calls_per_s_beside_ops"] > 0
     ratio = row["op_calls_per_s_beside_ops"] / row["op_calls_per_s_alone"]
     assert row["x_alone"] == pytest.approx(ratio, abs=1e-3) and row["both_threads_x_one_alone"] == pytest.approx(2 * ratio, abs=2e-3)
+
+
+def test_two_tiny_trainers_report_their_rates_against_one_alone(tmp_path):
+    """--trainers: a tiny Flux.1 with LoRA and checkpointing, trained on one thread, then two at once; the row's ratio
+    is the two threads' summed rate over one alone."""
+    out = tmp_path / "rows.jsonl"
+    main(["--trainers", "--intervals-ms", "5", "--steps", "3", "--repeats", "1", "--out", str(out)])
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["mode"] == "trainers" and row["steps_per_s_alone"] > 0 and row["steps_per_s_two_threads"] > 0
+    assert row["both_threads_x_one_alone"] == pytest.approx(row["steps_per_s_two_threads"] / row["steps_per_s_alone"],
+                                                            abs=0.01)
