@@ -77,12 +77,6 @@ for _k, _v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     os.environ.setdefault(_k, _v)
 
 
-def _pipeline_switch_interval() -> float:
-    from lowvram_lora.engine.parallel import pipeline
-
-    return pipeline.SWITCH_INTERVAL_S
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--family", default="flux1", choices=["flux1", "flux2"])
@@ -120,10 +114,9 @@ def parse_args(argv=None):
                    help="the split modes' two devices (default cuda:0,cuda:1; cpu,cpu with --device cpu); "
                         "cuda:0,cuda:0 puts both parts on one GPU")
     p.add_argument("--switch-interval", type=float, default=0.0, metavar="S",
-                   help="sys.setswitchinterval(S) for the whole run, and the pipelined step's own (engine/parallel/"
-                        "pipeline.py SWITCH_INTERVAL_S, 0.001 s; 0.005 is Python's default and the engine's before "
-                        "2026-11-29): the split's two GPUs' threads share one interpreter lock "
-                        "(bench/gil_contention.py); rows carry switch_interval_s and pipeline_switch_interval_s")
+                   help="sys.setswitchinterval(S) for the whole run (Python's default 0.005 s): the pipelined split's "
+                        "two GPUs' threads share one interpreter lock (bench/gil_contention.py); rows carry "
+                        "switch_interval_s")
     p.add_argument("--memory-history", type=int, default=0, metavar="N",
                    help="record each GPU's last N allocator events and write, beside --out, what was alive at each "
                         "mode's peak (memory_<mode>_r<rank>.json) and at an out-of-memory (oom_memory_r<rank>.json), "
@@ -132,7 +125,12 @@ def parse_args(argv=None):
     p.add_argument("--memory-stacks", choices=("python", "all"), default="python",
                    help="--memory-history's stacks: 'all' adds C++ frames, naming the backward's allocations (made on "
                         "autograd's thread, which has no Python frame), at a slower snapshot")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.split_devices:
+        pair = [d.strip() for d in args.split_devices.split(",")]
+        if len(pair) != 2 or not all(d == "cpu" or (d.startswith("cuda:") and d[5:].isdigit()) for d in pair):
+            p.error(f"--split-devices {args.split_devices!r}: two devices, e.g. cuda:0,cuda:1 or cuda:0,cuda:0")
+    return args
 
 
 def _cache(root: Path, family, variant: str, cfg: dict, res: int):
@@ -235,11 +233,8 @@ def main(argv=None) -> int:
     from lowvram_lora.engine.train import train_lora
 
     args = parse_args(argv)
-    if args.switch_interval:  # the process's, and the one a pipelined step runs at (engine/parallel/pipeline.py)
-        from lowvram_lora.engine.parallel import pipeline
-
+    if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
-        pipeline.SWITCH_INTERVAL_S = args.switch_interval
     if args.plan_only:
         return plan_only(args)
     me = ranks_from_env()
@@ -262,7 +257,6 @@ def main(argv=None) -> int:
             "lora_rank": args.rank, "lora_targets": "default", "batch": batch, "grad_ckpt": True, "res": args.res,
             "precision": args.precision, "budget_gb_per_gpu": args.budget, "compile": args.compile,
             "command": _command(), "note": args.note, "switch_interval_s": sys.getswitchinterval(),
-            "pipeline_switch_interval_s": _pipeline_switch_interval(),
             "narrow": args.narrow, "split_devices": list(pair),
             "bench": "parallel"}
     emit = row_emitter(out, base) if me.is_main else (lambda row: row)
@@ -357,6 +351,9 @@ def main(argv=None) -> int:
             run("one", model, family, dataset, auto)
         # The split runs in this one process: it needs two GPUs, not two ranks (torchrun is for dp).
         two = not cuda or torch.cuda.device_count() > max(torch.device(d).index or 0 for d in pair)
+        if not two and any(m in args.modes for m in ("split", "pipeline", "interleave")):
+            print(f"split modes skipped: {pair[0]},{pair[1]} needs more GPUs than this machine's "
+                  f"{torch.cuda.device_count()} (--split-devices cuda:0,cuda:0 puts both parts on one)", flush=True)
         if "split" in args.modes and two:
             run("split", model, family, dataset, offload(),
                 split=ParallelConfig(mode="split", devices=pair, vram_budget_gb=(args.budget,)))

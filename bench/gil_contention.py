@@ -73,22 +73,34 @@ class Contention:
     def __enter__(self) -> "Contention":
         if self.kind == "ops":
             import torch  # noqa: F401 - before the probe: a first import inside it would be counted as no calls
+        self._stop.clear()  # the object may be entered again
+        self.counts, self.marks, self.alone_rate = [0] * self.threads, [], None
         if self.threads:
             self._workers = [threading.Thread(target=self._spin, args=(i,), daemon=True, name=f"contender {i}")
                              for i in range(self.threads)]
-            self._workers[0].start()  # one alone first: the rate the others' shares are against
-            time.sleep(0.05)
-            t0, c0 = time.perf_counter(), self._total()
-            time.sleep(self.probe_s)
-            self.alone_rate = (self._total() - c0) / (time.perf_counter() - t0)
-            for w in self._workers[1:]:
-                w.start()
+            try:
+                self._workers[0].start()  # one alone first: the rate the others' shares are against
+                time.sleep(0.05)
+                t0, c0 = time.perf_counter(), self._total()
+                time.sleep(self.probe_s)
+                self.alone_rate = (self._total() - c0) / (time.perf_counter() - t0)
+                for w in self._workers[1:]:
+                    w.start()
+            except BaseException:  # Ctrl-C in the probe: no thread left spinning
+                self.__exit__()
+                raise
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         for w in self._workers:
-            w.join()
+            if w.is_alive():
+                w.join()
+
+    def rate_between(self, first: int, last: int) -> float | None:
+        """The busy threads' loops per second between two marks."""
+        (t0, c0), (t1, c1) = self.marks[first], self.marks[last]
+        return (c1 - c0) / (t1 - t0) if t1 > t0 else None
 
     def mark(self) -> None:
         self.marks.append((time.perf_counter(), self._total()))
@@ -99,8 +111,8 @@ class Contention:
         thread)."""
         if not self.threads or not self.alone_rate or len(self.marks) <= first + 1 or first < 0:
             return None
-        (t0, c0), (t1, c1) = self.marks[first], self.marks[-1]
-        return round((c1 - c0) / (t1 - t0) / self.alone_rate, 3) if t1 > t0 else None
+        rate = self.rate_between(first, -1)
+        return round(rate / self.alone_rate, 3) if rate is not None else None
 
 
 def op_rate(seconds: float) -> float:
@@ -189,42 +201,51 @@ def main(argv=None) -> int:
 
     from lowvram_lora.engine.offload.hostmem import host_rss_bytes
 
+    threads_before = torch.get_num_threads()
     torch.set_num_threads(1)  # the operators' own work stays on this thread: the lock is what is measured
     default = sys.getswitchinterval()
     run_id = new_run_id()
+    samples = {ms: [] for ms in args.intervals_ms}
     try:
-        for ms in args.intervals_ms:
-            sys.setswitchinterval(ms / 1e3)
-            row = {"date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()), "run_id": run_id,
-                   "bench": "gil", **_versions(), "command": _command(), "switch_interval_ms": ms}
-            if args.trainers:
-                pairs = [two_trainers(args.steps, args.device) for _ in range(args.repeats)]
-                a, both = statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
-                row.update(gpu=args.device if args.device != "cpu" else "none (host only)", mode="trainers",
-                           steps_per_s_alone=round(a, 2), steps_per_s_two_threads=round(both, 2),
-                           both_threads_x_one_alone=round(both / a, 3))
-                print(f"switch interval {ms:5.2f} ms: one tiny trainer {a:6.1f} steps/s alone; two on two threads "
-                      f"{both:6.1f} steps/s together ({both / a:.3f}x one alone)", flush=True)
-            else:
-                alone, beside = [], []
-                for _ in range(args.repeats):  # alternated, so a noisy neighbour on the host hits both
-                    alone.append(op_rate(args.seconds))
-                    with Contention(1, probe_s=0.1, kind="ops"):
-                        beside.append(op_rate(args.seconds))
-                a, b = statistics.median(alone), statistics.median(beside)
-                row.update(gpu="none (host only)", mode="op calls", op_calls_per_s_alone=round(a),
-                           op_calls_per_s_beside_ops=round(b), x_alone=round(b / a, 3),
-                           both_threads_x_one_alone=round(2 * b / a, 3))
-                print(f"switch interval {ms:5.2f} ms: {a:9.0f} op calls/s alone, {b:9.0f} beside an op thread "
-                      f"({b / a:.3f}x; both threads together {2 * b / a:.3f}x one alone)", flush=True)
-            row.update(host_rss_gb=round(host_rss_bytes() / 1e9, 3), pinned_host_gb=0.0,
-                       peak_alloc_gb=round(torch.cuda.max_memory_allocated() / 1e9, 3)
-                       if args.device != "cpu" and torch.cuda.is_available() else 0.0)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+        for _ in range(args.repeats):  # the intervals alternate within each repeat: a drift of the host hits all
+            for ms in args.intervals_ms:
+                sys.setswitchinterval(ms / 1e3)
+                if args.trainers:
+                    samples[ms].append(two_trainers(args.steps, args.device))
+                    continue
+                alone = op_rate(args.seconds)
+                with Contention(1, probe_s=0.1, kind="ops") as c:
+                    c.mark()
+                    beside = op_rate(args.seconds)
+                    c.mark()
+                samples[ms].append((alone, beside, c.rate_between(0, 1) or 0.0))
     finally:
         sys.setswitchinterval(default)
+        torch.set_num_threads(threads_before)
+    for ms in args.intervals_ms:
+        med = [statistics.median(x[k] for x in samples[ms]) for k in range(len(samples[ms][0]))]
+        row = {"date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()), "run_id": run_id, "bench": "gil",
+               **_versions(), "command": _command(), "switch_interval_ms": ms, "repeats": args.repeats}
+        if args.trainers:
+            a, both = med
+            row.update(gpu=args.device if args.device != "cpu" else "none (host only)", mode="trainers",
+                       steps_per_s_alone=round(a, 2), steps_per_s_two_threads=round(both, 2),
+                       both_threads_x_one_alone=round(both / a, 3))
+            print(f"switch interval {ms:5.2f} ms: one tiny trainer {a:6.1f} steps/s alone; two on two threads "
+                  f"{both:6.1f} steps/s together ({both / a:.3f}x one alone; medians of {args.repeats})", flush=True)
+        else:
+            a, b, other = med
+            row.update(gpu="none (host only)", mode="op calls", op_calls_per_s_alone=round(a),
+                       op_calls_per_s_beside_ops=round(b), op_calls_per_s_contender=round(other),
+                       x_alone=round(b / a, 3), both_threads_x_one_alone=round((b + other) / a, 3))
+            print(f"switch interval {ms:5.2f} ms: {a:9.0f} op calls/s alone; beside an op thread {b:9.0f} + its "
+                  f"{other:9.0f} = {(b + other) / a:.3f}x one alone (medians of {args.repeats})", flush=True)
+        row.update(host_rss_gb=round(host_rss_bytes() / 1e9, 3), pinned_host_gb=0.0,
+                   peak_alloc_gb=round(torch.cuda.max_memory_allocated() / 1e9, 3)
+                   if args.device != "cpu" and torch.cuda.is_available() else 0.0)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
     return 0
 
 

@@ -20,26 +20,36 @@ def test_share_is_the_busy_rate_over_the_marked_steps_against_one_thread_alone()
     assert Contention(0).share(0) is None
 
 
-def _share_while(work, kind) -> float:
-    with Contention(1, probe_s=0.2, kind=kind) as c:
-        c.mark()
-        work()
-        c.mark()
-    return c.share(0)
-
-
 @pytest.mark.parametrize("kind", ["python", "ops"])
 def test_a_step_that_holds_the_lock_leaves_the_busy_thread_less_than_one_that_waits(kind):
-    def python_loop():  # a pure-Python stretch: it lets go of the lock only when the switch interval forces it
-        end = time.perf_counter() + 0.4
+    """One busy thread, two adjacent windows: while this thread sleeps (as one blocked on the GPU, which lets go of the
+    lock) the busy thread runs at its own rate; while this thread loops in pure Python (it lets go only when the switch
+    interval forces it) the busy thread gets about half the lock."""
+    def python_loop(seconds):
+        end = time.perf_counter() + seconds
         n = 0
         while time.perf_counter() < end:
             n += 1
 
-    waiting = _share_while(lambda: time.sleep(0.4), kind)  # a thread blocked on the GPU lets go of the lock
-    holding = _share_while(python_loop, kind)
-    # Alone, the busy thread keeps its rate (about 1); against a Python loop it gets about half the lock.
+    with Contention(1, probe_s=0.2, kind=kind) as c:
+        c.mark()
+        time.sleep(0.6)
+        c.mark()
+        python_loop(0.6)
+        c.mark()
+    waiting, holding = c.rate_between(0, 1), c.rate_between(1, 2)
     assert holding < 0.8 * waiting, (holding, waiting)
+
+
+def test_a_contention_can_be_entered_again():
+    c = Contention(1, probe_s=0.05)
+    for _ in range(2):
+        with c:
+            c.mark()
+            time.sleep(0.1)
+            c.mark()
+        assert c.alone_rate > 0 and c.share(0) is not None and len(c.marks) == 2
+    assert not any(w.is_alive() for w in c._workers)
 
 
 def test_an_unknown_kind_is_refused():
@@ -48,15 +58,19 @@ def test_an_unknown_kind_is_refused():
 
 
 def test_the_host_bench_writes_its_rates_and_puts_the_switch_interval_back(tmp_path):
-    before = sys.getswitchinterval()
+    import torch
+
+    before, threads = sys.getswitchinterval(), torch.get_num_threads()
     out = tmp_path / "rows.jsonl"
     main(["--intervals-ms", "0.5", "--seconds", "0.2", "--repeats", "1", "--out", str(out)])
     assert sys.getswitchinterval() == before
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert row["switch_interval_ms"] == 0.5 and row["host_rss_gb"] > 0
-    assert row["op_calls_per_s_alone"] > 1000 and row["op_calls_per_s_beside_ops"] > 0
-    ratio = row["op_calls_per_s_beside_ops"] / row["op_calls_per_s_alone"]
-    assert row["x_alone"] == pytest.approx(ratio, abs=1e-3) and row["both_threads_x_one_alone"] == pytest.approx(2 * ratio, abs=2e-3)
+    a, b, other = row["op_calls_per_s_alone"], row["op_calls_per_s_beside_ops"], row["op_calls_per_s_contender"]
+    assert a > 1000 and b > 0 and other > 0  # the contender's own calls are counted, not assumed equal to this one's
+    assert row["x_alone"] == pytest.approx(b / a, abs=1e-3)
+    assert row["both_threads_x_one_alone"] == pytest.approx((b + other) / a, abs=2e-3)
+    assert torch.get_num_threads() == threads  # the bench's one thread is put back
 
 
 def test_two_tiny_trainers_report_their_rates_against_one_alone(tmp_path):

@@ -120,6 +120,7 @@ def test_compiled_interleaved_split_trains_like_the_eager_one_device_run(mid, de
               f"{noise:.2e}); losses {[round(x, 5) for x in r.loss_history]} vs "
               f"{[round(x, 5) for x in ref.loss_history]}; graphs {r.settings['compile']}")
         assert r.settings["compile"]["graphs"] > 0  # the compiled forwards ran
+        assert "step_window" not in r.settings  # the window is off for a compiled split (placement.py)
         assert r.settings["offload_plan"]["virtual_stages"] == 2
         assert r.settings["offload_stats"]["pipelined_micro_batches"] == 4 * 4
         assert err < max(2e-2, 20 * noise)

@@ -1,7 +1,6 @@
 """The pipelined Dual-GPU Split (issue 42) on the CPU: the 1F1B schedule on its own, then micro-batches through
 two parts on ``cpu,cpu`` (threads, the same code path as two GPUs but for the peer copies) against one device."""
 import copy
-import sys
 from dataclasses import replace
 
 import pytest
@@ -16,7 +15,6 @@ from lowvram_lora.engine.offload.plan import GB, HEADROOM_BYTES, ModelFootprint,
 from lowvram_lora.engine.offload.streamer import InlineCopyEngine
 from lowvram_lora.engine.offload.steptime import Machine, peak_flops_for
 from lowvram_lora.engine.parallel import ParallelConfig
-from lowvram_lora.engine.parallel.pipeline import SWITCH_INTERVAL_S
 from lowvram_lora.engine.parallel.one_f_one_b import dependencies, in_flight, makespan, schedule
 from lowvram_lora.engine.parallel.part_memory import part_peak, ring_by_visit
 from lowvram_lora.engine.parallel.split import apply_split, pipelined_step_s, plan_split, trainable_per_block
@@ -262,11 +260,8 @@ def test_a_failing_micro_batch_stops_the_others(reference):
     handle = apply_split(model, FAMILY, plan, offload)
     batch = _batch([1, 2, 3])
 
-    seen = []
-
     def piece(k):
         def run():
-            seen.append(sys.getswitchinterval())
             inp, target = batch[k]
             if k == 1:
                 raise ValueError("bad micro-batch 1")
@@ -274,16 +269,11 @@ def test_a_failing_micro_batch_stops_the_others(reference):
             return loss, loss
         return run
 
-    before = sys.getswitchinterval()
     try:
         with pytest.raises(ValueError, match="bad micro-batch 1"):
             handle.pipeline.run([piece(k) for k in range(3)])
     finally:
         handle.remove()
-    # The micro-batches ran at the pipeline's switch interval (the threads hand the interpreter lock back sooner), and
-    # the process's own came back, also after a failure.
-    assert seen and all(v == pytest.approx(min(before, SWITCH_INTERVAL_S)) for v in seen)
-    assert sys.getswitchinterval() == before
 
 
 def test_train_lora_pipelined_split_on_cpu_equals_unsplit(tiny_pipeline, tiny_cache, monkeypatch):

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import collections
 import copy
-import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -67,12 +66,6 @@ from .one_f_one_b import Op, runnable_schedule
 
 #: How many blocks of the first part its thread may enqueue ahead of the GPU while a pipelined step runs.
 RUN_AHEAD_BLOCKS = 2
-#: The interpreter's switch interval while a pipelined step runs (Python's default is 5 ms; a lower one set before
-#: is kept). Both GPUs' threads call operators under one interpreter lock, and torch lets go of it around every call.
-#: Two tiny Flux.1 trainers (LoRA, checkpointing) on two threads together made 0.70x the steps of one alone at 5 ms,
-#: 0.90x at 1 ms and 0.88x at 0.2 ms (bench/gil_contention.py --trainers, median of 5, a 2-core CPU machine, 2026-11-29).
-#: Not yet timed on two GPUs: bench_parallel.py --switch-interval sets it for the A/B.
-SWITCH_INTERVAL_S = 0.001
 
 
 class _Aborted(Exception):
@@ -374,8 +367,6 @@ class PipelineRunner:
         threads = [threading.Thread(target=work, args=(k,), name=f"pipeline micro-batch {k}", daemon=True)
                    for k in range(len(pieces))]
         self._active = True
-        interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(interval, SWITCH_INTERVAL_S))
         try:
             for t in threads:
                 t.start()
@@ -389,7 +380,6 @@ class PipelineRunner:
                 t.join()
             raise
         finally:
-            sys.setswitchinterval(interval)
             self._active = False
             self._marks.clear()
         self.last_order = (self._lanes[0].ran, self._lanes[1].ran)

@@ -442,12 +442,16 @@ class Split(Placement):
     def window_blocker(self, train: TrainConfig) -> str:
         # Found 2026-11-29 (H200, torch 2.11, tests/test_parallel_gpu.py): pipelined, the window serves each call the
         # outputs of its micro-batch, which the calling thread names (step_window.served); dynamo traces that lookup
-        # into a compiled block and fails to guard it ('Unexpected type _MicroBatch'). One micro-batch serves as one
-        # GPU does (a tensor attribute the graph takes as an input).
-        if self.split.micro_batches > 1 and self.compiles(train)[0]:
+        # into a compiled block and fails to guard it ('Unexpected type _MicroBatch'). Not pipelined, resident parts
+        # checkpoint as Resident does, which fails compiled with the window on CUDA (Resident.window_blocker); not yet
+        # run on a GPU, so off as well.
+        if not self.compiles(train)[0]:
+            return ""
+        if self.split.micro_batches > 1:
             return ("compiled blocks with a pipelined Dual-GPU Split: each micro-batch's thread picks its own "
                     "outputs, which a compiled block cannot; the modulation runs in its blocks")
-        return ""
+        return ("compiled blocks with Dual-GPU Split: not yet run on a GPU with the window; the modulation runs in "
+                "its blocks")
 
     def plan(self, model, family, variant: str, dataset, train: TrainConfig):
         """Both parts' plans and the cut, from each device's budget. LoRA must be attached: each part's
