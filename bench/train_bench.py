@@ -354,10 +354,23 @@ def row_emitter(out: Path, base: dict):
     return emit
 
 
+def host_fields(steps: list) -> dict:
+    """Host RAM beside peak VRAM, under the names every row uses: the process's resident set now (RSS; anonymous +
+    shared, what cannot be reclaimed) and its locked pages (engine/offload/hostmem.py), and the most the steps
+    reported (their host RAM and pinned buffers)."""
+    from lowvram_lora.engine.offload.hostmem import process_memory
+
+    mem = process_memory()
+    return {"host_rss_gb": round(mem.rss / GB, 3), "host_unreclaimable_gb": round(mem.unreclaimable / GB, 3),
+            "host_locked_gb": round(mem.locked / GB, 3),
+            "host_ram_peak_gb": max((s.host_ram_gb for s in steps), default=None),
+            "pinned_host_gb": max((s.pinned_host_gb for s in steps), default=None)}
+
+
 def training_row(rec: "StepRecorder", warmup: int, started: float, error: str | None, resident_step: float | None,
                  device: torch.device) -> dict:
     """The timing/memory fields of one training mode: median of the timed steps, ratio to the resident
-    baseline of the same run, peak allocated/reserved, every step's time and loss."""
+    baseline of the same run, peak allocated/reserved, host RAM (``host_fields``), every step's time and loss."""
     cuda = device.type == "cuda"
     timed = [s.seconds_per_step for s in rec.steps][warmup:]
     step = statistics.median(timed) if timed and error is None else None
@@ -371,6 +384,7 @@ def training_row(rec: "StepRecorder", warmup: int, started: float, error: str | 
         "step_times": [round(s.seconds_per_step, 4) for s in rec.steps],
         "losses": [round(s.loss, 5) for s in rec.steps], "wall_s": round(time.perf_counter() - started, 1),
         "breakdown": _median_breakdown([s.breakdown for s in rec.steps][warmup:]),
+        **host_fields(rec.steps),
     }
 
 
@@ -508,15 +522,7 @@ def main(argv=None) -> int:
                     )
                 else:
                     row.update(peak_alloc_gb=None, peak_reserved_gb=None)
-                # Host RAM beside peak VRAM: the process's resident set now (RSS; anonymous + shared, what cannot be
-                # reclaimed) and its pinned/locked pages, and the most the steps reported (engine/offload/hostmem.py).
-                from lowvram_lora.engine.offload.hostmem import process_memory
-
-                mem = process_memory()
-                row.update(host_rss_gb=round(mem.rss / GB, 3), host_unreclaimable_gb=round(mem.unreclaimable / GB, 3),
-                           host_locked_gb=round(mem.locked / GB, 3),
-                           host_ram_peak_gb=max((s.host_ram_gb for s in rec.steps), default=None),
-                           pinned_host_gb=max((s.pinned_host_gb for s in rec.steps), default=None))
+                row.update(host_fields(rec.steps))
                 row.update(wall_s=round(time.perf_counter() - t_run, 2), command=command, note=args.note)
                 if prof is not None:
                     prof.stop()

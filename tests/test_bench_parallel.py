@@ -52,3 +52,17 @@ def test_narrow_keeps_every_block_of_the_variant_at_a_tiny_width():
         assert narrow_params < 1e-3 * sum(p.numel() for p in meta_model(family, full).parameters())
     with pytest.raises(SystemExit, match="attention_head_dim"):
         train_bench.narrow_config({"_class_name": "WanTransformer3DModel", "num_attention_heads": 40})
+
+
+def test_every_training_row_carries_host_ram_beside_vram():
+    """train_bench.host_fields (in every training_row): the process's RSS, read against /proc/self/status's own
+    VmRSS (within 5%), and the most host RAM and pinned memory the steps reported."""
+    from types import SimpleNamespace
+
+    train_bench = bench_module("train_bench")
+    steps = [SimpleNamespace(host_ram_gb=1.5, pinned_host_gb=0.25), SimpleNamespace(host_ram_gb=2.5, pinned_host_gb=0.75)]
+    fields = train_bench.host_fields(steps)
+    status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
+    vm_rss_gb = int(status["VmRSS"].split()[0]) * 1024 / 1e9
+    assert abs(fields["host_rss_gb"] - vm_rss_gb) < 0.05 * vm_rss_gb
+    assert fields["host_ram_peak_gb"] == 2.5 and fields["pinned_host_gb"] == 0.75
