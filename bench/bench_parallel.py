@@ -87,6 +87,10 @@ def parse_args(argv=None):
     p.add_argument("--modes", nargs="+", default=["resident", "one", "split", "pipeline", "dp"])
     p.add_argument("--micro-batches", type=int, default=1,
                    help="images per batch in every mode, and the pipelined split's micro-batches (issue 42)")
+    p.add_argument("--batch", type=int, default=0,
+                   help="images per batch in every mode, a multiple of --micro-batches (0: --micro-batches, one image "
+                        "a micro-batch); more puts several images in each micro-batch, so the split's threads make "
+                        "fewer host calls per image")
     p.add_argument("--virtual-stages", type=int, nargs="+", default=[2],
                    help="the interleave mode's chunks per GPU (Dual-GPU Split virtual_stages; 0: the planner's choice); "
                         "several: a row each, in one run")
@@ -126,6 +130,9 @@ def parse_args(argv=None):
                    help="--memory-history's stacks: 'all' adds C++ frames, naming the backward's allocations (made on "
                         "autograd's thread, which has no Python frame), at a slower snapshot")
     args = p.parse_args(argv)
+    args.batch = args.batch or args.micro_batches
+    if args.batch % args.micro_batches:
+        p.error(f"--batch {args.batch} is not a multiple of --micro-batches {args.micro_batches}")
     if args.split_devices:
         pair = [d.strip() for d in args.split_devices.split(",")]
         if len(pair) != 2 or not all(d == "cpu" or (d.startswith("cuda:") and d[5:].isdigit()) for d in pair):
@@ -133,12 +140,12 @@ def parse_args(argv=None):
     return args
 
 
-def _cache(root: Path, family, variant: str, cfg: dict, res: int):
+def _cache(root: Path, family, variant: str, cfg: dict, res: int, batch: int = 8):
     if family.id == "flux2":
         from bench_flux2 import write_synthetic_cache
     else:
         from train_bench import write_synthetic_cache
-    return write_synthetic_cache(root, family, variant, dict(cfg), res, 8, 0)
+    return write_synthetic_cache(root, family, variant, dict(cfg), res, max(8, batch), 0)
 
 
 class HostPeak:
@@ -211,8 +218,8 @@ def plan_only(args) -> int:
                       f"assumed: {args.link_gbps:g} GB/s")
     gpus = (torch.device("cuda:0"), torch.device("cuda:1"))
     with tempfile.TemporaryDirectory(prefix="parallel-plan-") as tmp:
-        dataset = _cache(Path(tmp), family, args.variant, cfg, args.res)
-        workload = workload_for(dataset, family, args.variant, args.micro_batches)
+        dataset = _cache(Path(tmp), family, args.variant, cfg, args.res, args.batch)
+        workload = workload_for(dataset, family, args.variant, args.batch)
         for v in args.virtual_stages:
             try:
                 plan = plan_split(fp, per_block, outside, workload, OffloadConfig(mode="auto"), gpus,
@@ -245,7 +252,7 @@ def main(argv=None) -> int:
     pair = ("cuda:0", "cuda:1") if cuda else ("cpu", "cpu")
     if args.split_devices:
         pair = tuple(d.strip() for d in args.split_devices.split(","))
-    batch = args.micro_batches
+    batch = args.batch
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     flag_dir = Path(os.environ.get("BENCH_FLAG_DIR", out.parent))
@@ -342,7 +349,7 @@ def main(argv=None) -> int:
                                                 0, family_id=args.family, narrow=args.narrow)
         print(f"random {args.variant}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params in "
               f"{time.perf_counter() - t:.0f} s", flush=True)
-        dataset = _cache(Path(tmp.name), family, args.variant, cfg, args.res)
+        dataset = _cache(Path(tmp.name), family, args.variant, cfg, args.res, batch)
         if "resident" in args.modes:
             run("resident", model, family, dataset, None)
         to_streamed_form(model, family, args.precision, device)
@@ -375,7 +382,7 @@ def main(argv=None) -> int:
         if not me.is_main:
             model, family, cfg = build_random_model(args.variant, device, torch.bfloat16, 0.02, 0,
                                                     family_id=args.family, narrow=args.narrow)
-            dataset = _cache(Path(tmp.name), family, args.variant, cfg, args.res)
+            dataset = _cache(Path(tmp.name), family, args.variant, cfg, args.res, batch)
             to_streamed_form(model, family, args.precision, device)
         torch.distributed.barrier()
         run("dp", model, family, dataset, offload(vram_budget_gb=args.budget), ranks=ranks)

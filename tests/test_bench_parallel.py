@@ -2,6 +2,7 @@
 tiny one here), one per --virtual-stages, each as the planner gives it."""
 import re
 
+import pytest
 import torch
 from helpers import bench_module
 
@@ -66,3 +67,25 @@ def test_every_training_row_carries_host_ram_beside_vram():
     vm_rss_gb = int(status["VmRSS"].split()[0]) * 1024 / 1e9
     assert abs(fields["host_rss_gb"] - vm_rss_gb) < 0.05 * vm_rss_gb
     assert fields["host_ram_peak_gb"] == 2.5 and fields["pinned_host_gb"] == 0.75
+
+
+def test_batch_puts_several_images_in_each_micro_batch(monkeypatch):
+    """--batch B with --micro-batches M: B images a step in every mode, B / M in each micro-batch (the split's host
+    calls are per micro-batch); the plan is made for that batch, and a B that M does not divide is refused."""
+    bench = bench_module("bench_parallel")
+    assert bench.parse_args(["--micro-batches", "4"]).batch == 4  # one image a micro-batch, as before
+    assert bench.parse_args(["--micro-batches", "4", "--batch", "8"]).batch == 8
+    seen = []
+
+    def recording(*args, **kw):
+        plan = plan_split(*args, **kw)
+        seen.append((args[3], plan))
+        return plan
+
+    monkeypatch.setattr("lowvram_lora.engine.parallel.split.plan_split", recording)
+    assert bench.main(["--plan-only", "--variant", "flux1-tiny", "--res", "128", "--micro-batches", "2",
+                       "--batch", "4", "--virtual-stages", "1", "--budget", "1"]) == 0
+    (workload, plan), = seen
+    assert workload.batch == 4 and plan.micro_batches == 2
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--micro-batches", "4", "--batch", "6"])

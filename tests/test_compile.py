@@ -1,5 +1,8 @@
 """Compiled blocks (engine/train/compile.py), CPU: the wiring with the aot_eager backend (dynamo's graph
 capture and the autograd split, without code generation). Speed is measured on the GPU (bench_w8a8.py)."""
+import threading
+import time
+
 import pytest
 import torch
 
@@ -85,6 +88,70 @@ def test_a_new_token_count_compiles_once_more_then_is_reused(tiny_pipeline):
     assert first < second
     handle.remove()
     detach_lora(model)
+
+
+def test_a_compile_on_one_thread_never_meets_a_compiled_call_on_another(tiny_pipeline):
+    """The pipelined split calls compiled blocks from one thread per micro-batch. While one thread compiles, torch.fx's
+    process-wide tracing flag is set, and a compiled call finishing on another thread then failed ("Detected that you
+    are using FX to symbolically trace a dynamo-optimized function": Flux.1-dev's split on CUDA, session 17). Here the
+    backend holds that flag (a real symbolic trace) for up to a second while another thread keeps calling the compiled
+    blocks: none of those calls may finish inside the compile, none may fail, and the outputs are eager's."""
+    model, family, _, _ = load_transformer(tiny_pipeline, dtype=torch.float32)
+    cfg = model.config
+
+    def forward(side):
+        g = torch.Generator().manual_seed(side)
+        lat = torch.randn(1, cfg.in_channels // 4, side, side, generator=g)
+        emb = {"prompt_embeds": torch.randn(1, 7, cfg.joint_attention_dim, generator=g),
+               "pooled_prompt_embeds": torch.randn(1, cfg.pooled_projection_dim, generator=g)}
+        with torch.no_grad():
+            return model(**family.model_inputs(model, lat, emb, torch.tensor([0.5]), 1.0))[0]
+
+    eager = {side: forward(side) for side in (16, 24)}
+    finished, during, errors, armed, stop = [], [], [], threading.Event(), threading.Event()
+
+    class HoldsTheFlag(torch.nn.Module):
+        def forward(self, x):  # runs inside torch.fx.symbolic_trace, the flag set, as while a backend traces
+            n, deadline = len(finished), time.monotonic() + 1.0
+            while len(finished) == n and time.monotonic() < deadline:
+                time.sleep(0.005)
+            during.append(len(finished) - n)
+            return x
+
+    def backend(gm, example_inputs):
+        if armed.is_set():
+            torch.fx.symbolic_trace(HoldsTheFlag())
+        return gm.forward
+
+    blocks = [b for blocks in family.memory.block_lists_of(model) for b in blocks]
+    hooks = [b.register_forward_hook(lambda m, a, o: finished.append(1)) for b in blocks]  # after the call returns
+    handle = compile_mod.compile_blocks(model, family, 1.0, backend=backend)
+    assert torch._dynamo.config.error_on_nested_fx_trace is False
+    torch.testing.assert_close(forward(16), eager[16], rtol=1e-5, atol=1e-6)  # compiled, the flag not held
+
+    def other_thread():
+        try:
+            while not stop.is_set():
+                torch.testing.assert_close(forward(16), eager[16], rtol=1e-5, atol=1e-6)
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            errors.append(e)
+
+    t = threading.Thread(target=other_thread)
+    t.start()
+    while len(finished) < 2 * len(blocks):  # the other thread is calling compiled blocks
+        time.sleep(0.005)
+    armed.set()
+    try:
+        torch.testing.assert_close(forward(24), eager[24], rtol=1e-5, atol=1e-6)  # a new token count recompiles
+    finally:
+        stop.set()
+        t.join()
+    handle.remove()
+    for h in hooks:
+        h.remove()
+    assert not errors, errors
+    assert during and all(n == 0 for n in during), during  # each compile ran with no other compiled call finishing
+    assert torch._dynamo.config.error_on_nested_fx_trace is True  # put back
 
 
 def test_dropout_stays_out_of_compiled_blocks(tiny_pipeline):

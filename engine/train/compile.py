@@ -19,12 +19,21 @@ block's ``forward`` only and ``nn.Module.__call__`` still runs the hooks around 
   below 1): dropout modules inside blocks (LoRA dropout) run eagerly, at the cost of a graph break.
 - Token-chunked recompute (``recompute_chunks`` > 1) nests checkpoints inside a block; those chunk
   calls run eagerly too (``run_in_token_chunks`` is excluded from tracing), the rest is compiled.
+- Threads: the pipelined split calls compiled blocks from one thread per micro-batch, and dynamo is not
+  thread-safe there. While one thread compiles, torch.fx's process-wide tracing flag is set, and a compiled
+  call on another thread fails on it ("Detected that you are using FX to symbolically trace a dynamo-optimized
+  function": Flux.1-dev's split on CUDA, bench/logs/compiled_split_threads_session17_h200.log). So every
+  compiled call holds one lock (a first call, which compiles, never overlaps another), and while the blocks
+  are installed a call that still meets the flag (a backward compiled lazily on autograd's thread) runs that
+  once eagerly instead of failing (``torch._dynamo.config.error_on_nested_fx_trace``). The lock costs no
+  overlap: the threads' host work is serialized by the interpreter lock already (bench/NOTES.md, session 17).
 
 Nothing here is ours that torch does: this module only decides where ``torch.compile`` applies and
 puts the model back afterwards.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -61,6 +70,18 @@ def why_not_auto(device: torch.device, steps: int, split: bool) -> str | None:
 _last_budget: list[float] = []
 
 
+#: Held by every compiled block call (see the module's notes on threads).
+_CALL_LOCK = threading.RLock()
+
+
+def _one_at_a_time(compiled: Callable) -> Callable:
+    def forward(*args, **kwargs):
+        with _CALL_LOCK:
+            return compiled(*args, **kwargs)
+
+    return forward
+
+
 def _unique_graphs() -> int:
     from torch._dynamo.utils import counters
 
@@ -74,6 +95,8 @@ class CompiledBlocks:
         self._patched: list[tuple[nn.Module, object]] = []
         self._graphs_at_start = _unique_graphs()
         self._saved_budget = torch._functorch.config.activation_memory_budget
+        self._saved_nested = torch._dynamo.config.error_on_nested_fx_trace
+        torch._dynamo.config.error_on_nested_fx_trace = False
         self.budget = budget
 
     def graphs(self) -> int:
@@ -92,6 +115,7 @@ class CompiledBlocks:
                 module.forward = previous
         self._patched.clear()
         torch._functorch.config.activation_memory_budget = self._saved_budget
+        torch._dynamo.config.error_on_nested_fx_trace = self._saved_nested
 
     def describe(self) -> str:
         return (f"compiled blocks: {self.graphs()} graph(s)"
@@ -142,6 +166,7 @@ def compile_blocks(model: nn.Module, family, budget: float = 1.0, backend: str |
             fn = getattr(forward, "__func__", forward)
             if fn not in compiled:
                 compiled[fn] = torch.compile(fn, backend=backend or DEFAULT_BACKEND, dynamic=None)
-            handle.set_forward(block, compiled[fn].__get__(block) if hasattr(forward, "__func__") else compiled[fn])
+            call = compiled[fn].__get__(block) if hasattr(forward, "__func__") else compiled[fn]
+            handle.set_forward(block, _one_at_a_time(call))
     return handle
 
