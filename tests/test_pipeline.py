@@ -1,6 +1,7 @@
 """The pipelined Dual-GPU Split (issue 42) on the CPU: the 1F1B schedule on its own, then micro-batches through
 two parts on ``cpu,cpu`` (threads, the same code path as two GPUs but for the peer copies) against one device."""
 import copy
+import unittest.mock
 from dataclasses import replace
 
 import pytest
@@ -20,7 +21,7 @@ from lowvram_lora.engine.parallel.part_memory import part_peak, ring_by_visit
 from lowvram_lora.engine.parallel.split import apply_split, pipelined_step_s, plan_split, trainable_per_block
 from lowvram_lora.engine.train import train_lora
 
-from helpers import assert_grads_close
+from helpers import assert_grads_close, bench_module
 from helpers import trained_grads as grads
 from test_offload_streaming import FAMILY, inputs, lora_model
 
@@ -114,12 +115,55 @@ def test_pipelined_plan_balances_time_and_holds_two_micro_batches_on_the_first_p
                       machines=(h100, h100))
     assert span.batches_per_pipeline == 2 and "every 2 accumulated batches" in span.describe()
     parts = [p.step_time.seconds for p in span.plans]
-    assert span.predicted_step_s == pytest.approx(pipelined_step_s([2 * s for s in parts], 4, 2 * span.crossing_s) / 2)
-    assert span.predicted_step_s < sum(parts)
+    assert span.gpu_step_s == pytest.approx(pipelined_step_s([2 * s for s in parts], 4, 2 * span.crossing_s) / 2)
+    assert span.gpu_step_s < sum(parts)
+    # 64 tokens: the GPUs' share is milliseconds, the step is the host's (two micro-batches a batch)
+    assert span.predicted_step_s == pytest.approx(span.host_floor_s) == pytest.approx(2 * span.host_s_per_piece)
     with pytest.raises(ConfigError, match="gradient_accumulation a multiple of micro_batches / batch_size"):
         plan_split(fp, [1000] * 10, 0, Workload(2, 64, 8), auto, devs, budgets, micro_batches=4, accumulation=3)
     with pytest.raises(ConfigError, match="LoRA elements sit outside the transformer blocks"):
         plan_split(fp, [1000] * 10, 50, wl, auto, devs, budgets, micro_batches=4)
+
+
+def test_the_pipelined_step_is_never_shorter_than_its_micro_batches_host_time():
+    """Both parts run in one process: its threads share the interpreter lock, so each micro-batch's operator calls are
+    made one after the other (one H200, Flux.1-dev's blocks at a tiny width on cuda:0,cuda:0: eight micro-batches took
+    4.93 s, 8.09x one alone, bench/results.jsonl 2026-11-29). The plan's step is the GPUs' makespan or M x one
+    micro-batch's host time, whichever is longer; the cuts are placed by the GPUs' time alone, and the plan says when
+    the host binds. Against the measured rows (2x H200, 2026-11-28, Flux.1-dev 1024² bf16, 12 GB per GPU, batch 8,
+    M = 8: 5.156 s at v = 1, 4.895 s at v = 2; the GPUs' makespan alone predicted 1.07-1.12x too little), the floored
+    prediction is within 10%."""
+    from lowvram_lora.engine.families import get_family
+    from lowvram_lora.engine.offload.steptime import HOST_S_PER_BLOCK, host_s_per_piece
+
+    devs = (torch.device("cuda:0"), torch.device("cuda:1"))
+    h200 = Machine(link_bytes_per_s=55 * GB, peak_flops=peak_flops_for("NVIDIA H200"), name="H200", source="probe")
+    family = get_family("flux1")
+    cfg = family.load_config("flux1-dev")
+    model, fp = bench_module("train_bench").meta_footprint(family, "flux1-dev", cfg, "bf16",
+                                                           LoraSettings(rank=16, alpha=16.0), attach=True)
+    per_block, outside = trainable_per_block(model, family)
+    assert host_s_per_piece(fp, False) == pytest.approx(57 * HOST_S_PER_BLOCK["eager"]) == pytest.approx(0.61, rel=0.01)
+    wl = Workload(8, 4096, 512)
+    for v, measured in ((1, 5.156), (2, 4.895)):
+        plan = plan_split(fp, per_block, outside, wl, OffloadConfig(mode="auto"), devs, (int(12 * GB),) * 2,
+                          machines=(h200, h200), micro_batches=8, virtual_stages=v)
+        assert plan.host_floor_s == pytest.approx(8 * 0.61, rel=0.01)
+        assert plan.host_bound and plan.predicted_step_s == plan.host_floor_s > plan.gpu_step_s
+        assert "host-bound: 8 micro-batches x 0.61 s of Python each" in plan.describe()
+        assert plan.summary()["predicted_host_floor_s"] == pytest.approx(plan.host_floor_s, abs=1e-4)
+        assert measured / plan.predicted_step_s == pytest.approx(1.0, abs=0.10), (v, plan.predicted_step_s)
+        assert measured / plan.gpu_step_s > 1.05  # what the GPUs alone predicted: too short
+    # the floor does not move the cut: the same plan with no host time places the same cuts
+    from lowvram_lora.engine.parallel import split as split_mod
+    plan = plan_split(fp, per_block, outside, wl, OffloadConfig(mode="auto"), devs, (int(12 * GB),) * 2,
+                      machines=(h200, h200), micro_batches=8, virtual_stages=2)
+    with unittest.mock.patch.object(split_mod, "host_s_per_piece", lambda fp, compiled: 0.0):
+        free = plan_split(fp, per_block, outside, wl, OffloadConfig(mode="auto"), devs, (int(12 * GB),) * 2,
+                          machines=(h200, h200), micro_batches=8, virtual_stages=2)
+    assert free.cuts == plan.cuts and free.predicted_step_s == pytest.approx(plan.gpu_step_s)
+    assert free.predicted_step_s < plan.predicted_step_s
+    assert "host-bound" not in free.describe()
 
 
 def test_part_peak_counts_the_ring_at_the_large_blocks_and_the_second_micro_batch():

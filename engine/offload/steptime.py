@@ -34,7 +34,8 @@ The model, per micro-step (one forward + backward; the loop synchronises after t
   streaming itself (checkpoint boundaries, events, a compiled graph per unit; issue 26 item 1), fitted.
 
 What it leaves out: host time (Python, launches: eager steps are launch-bound and the measured
-``compute_s_per_step`` includes that) and copies slowed by concurrent HBM traffic. bench/bench_memory.py prints the
+``compute_s_per_step`` includes that) and copies slowed by concurrent HBM traffic. Only the pipelined split, whose
+micro-batches all go through one interpreter, takes a host floor (``host_s_per_piece``, engine/parallel/split.py). bench/bench_memory.py prints the
 prediction beside the measured step so a drift shows.
 """
 from __future__ import annotations
@@ -75,6 +76,13 @@ LINEAR_PASSES, ATTENTION_PASSES = 3.0, 4.5
 # prefetch 2), int8 and bf16 streamed + activation offload with prefetch 1 and 2; each alone wants 0.6-0.9 ms. This is
 # the overhead issue 26 item 1 is removing: refit it when that lands (bench/bench_memory.py prints both figures).
 VISIT_OVERHEAD_S = 0.0008
+# Host (Python) seconds of one micro-batch through one block in a checkpointed LoRA step (its forward, recompute and
+# backward's operator calls: a count, whatever the width). Fitted on the H200 machine's host CPU (16 cores; one GPU,
+# 2026-11-29, bench/bench_parallel.py --narrow: each block at a tiny width, every operator, next to no GPU time):
+# Flux.1-dev's 57 blocks took 0.61 s a micro-batch eager and 0.405 s compiled, Flux.2-dev int8's 56 blocks 0.673 s
+# eager (its dequantisation's calls: the factor). One host's figures: a CPU with faster single threads needs less.
+HOST_S_PER_BLOCK = {"compiled": 0.0071, "eager": 0.0107}
+EAGER_INT8_HOST_FACTOR = 1.12
 DEFAULT_LINK_BYTES_PER_S = 25 * GB  # no probe (CPU, tests): a PCIe 4.0 x16 board, the common case
 # A plan with disk blocks on a machine whose disk was not probed (an explicit stream plan on the CPU, tests): a PCIe
 # 4.0 NVMe drive's sequential read. auto never puts blocks on disk without a measured rate.
@@ -152,10 +160,21 @@ def estimate_compute_s(fp, tokens: int, batch: int, peak_flops: float, compiled:
     flops = sum(LINEAR_PASSES * lin + ATTENTION_PASSES * att
                 for lin, att in block_flops(fp, tokens, batch, exact=False))
     seconds = flops / (peak_flops * FLOP_EFFICIENCY["compiled" if compiled else "eager"])
-    int8 = fp.block_params and sum(fp.block_bytes) < 1.5 * sum(fp.block_params)  # ~1 (int8) or ~0.56 (int4) B/weight
-    if int8 and not compiled:
+    if _slab_blocks(fp) and not compiled:
         seconds *= EAGER_INT8_FACTOR
     return seconds * (CHUNKED_FACTOR if recompute_chunks > 1 else 1.0)
+
+
+def _slab_blocks(fp) -> bool:
+    """The blocks are an int8 or int4 slab: ~1 or ~0.56 bytes a weight."""
+    return bool(fp.block_params) and sum(fp.block_bytes) < 1.5 * sum(fp.block_params)
+
+
+def host_s_per_piece(fp, compiled: bool) -> float:
+    """The Python time of one micro-batch through every block of ``fp`` (forward, recompute, backward): what the one
+    interpreter spends launching it, whichever GPU then runs it (``HOST_S_PER_BLOCK``)."""
+    per = HOST_S_PER_BLOCK["compiled" if compiled else "eager"]
+    return fp.num_blocks * per * (EAGER_INT8_HOST_FACTOR if _slab_blocks(fp) and not compiled else 1.0)
 
 
 class _Timeline:

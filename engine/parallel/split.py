@@ -57,7 +57,7 @@ from ..errors import ConfigError
 from ..offload.config import OffloadConfig
 from ..offload.footprint import named_blocks
 from ..offload.plan import GB, ModelFootprint, Plan, Workload, make_plan
-from ..offload.steptime import ATTENTION_PASSES, LINEAR_PASSES, Machine, block_flops
+from ..offload.steptime import ATTENTION_PASSES, LINEAR_PASSES, Machine, block_flops, host_s_per_piece
 from .config import check_virtual_stages
 from .one_f_one_b import bound, chunk_of, held_blocks, in_flight, makespan, schedule
 from .part_memory import part_peak
@@ -98,6 +98,7 @@ class SplitPlan:
     # chunk c on device c % 2; each device's part holds its chunks' blocks in order. Empty: the one cut.
     cuts: tuple[int, ...] = ()
     chunk_shares: tuple[float, ...] = ()  # each chunk's share of its device's part time (FLOPs); empty: one chunk each
+    host_s_per_piece: float = 0.0  # Python seconds of one micro-batch through every block (steptime.host_s_per_piece)
 
     @property
     def chunks(self) -> int:
@@ -129,13 +130,31 @@ class SplitPlan:
         return 2 * self.crossing_bytes / self.peer_bytes_per_s
 
     @property
-    def predicted_step_s(self) -> Optional[float]:
-        """One micro-step (as a part's ``step_time``): the parts one after the other, plus the crossing; pipelined,
-        the 1F1B schedule's makespan (None: a part has no step time)."""
+    def gpu_step_s(self) -> Optional[float]:
+        """One micro-step of the GPUs (as a part's ``step_time``): the parts one after the other, plus the crossing;
+        pipelined, the 1F1B schedule's makespan (None: a part has no step time). The cuts are placed by it."""
         if any(p.step_time is None for p in self.plans):
             return None
         return pipelined_step_s([p.step_time.seconds for p in self.plans], self.micro_batches, self.crossing_s,
                                 self.batches_per_pipeline, self.chunks, self.chunk_shares)
+
+    @property
+    def host_floor_s(self) -> float:
+        """The micro-step's Python: both parts run in this one process, and their threads share its interpreter lock,
+        so every micro-batch's operator calls are made one after the other, whichever GPU runs them (measured on one
+        GPU: eight micro-batches took 8.09x one alone, bench/NOTES.md session 17)."""
+        return self.host_s_per_piece * self.micro_batches / self.batches_per_pipeline
+
+    @property
+    def predicted_step_s(self) -> Optional[float]:
+        """One micro-step: the GPUs' (``gpu_step_s``) or, where longer, the host's (``host_floor_s``)."""
+        gpu = self.gpu_step_s
+        return None if gpu is None else max(gpu, self.host_floor_s)
+
+    @property
+    def host_bound(self) -> bool:
+        gpu = self.gpu_step_s
+        return gpu is not None and self.host_floor_s > gpu
 
     def describe(self) -> str:
         n = self.plans[0].footprint.num_blocks + self.plans[1].footprint.num_blocks
@@ -161,6 +180,13 @@ class SplitPlan:
                             if self.chunks > 1 else "(1F1B)")
                          + f" through the parts ({parts} s each alone), {self.crossing_s * 1e3:.1f} ms crossing "
                          + ("each cut" if self.chunks > 1 else "the cut"))
+            if self.host_bound:
+                pieces = self.micro_batches // self.batches_per_pipeline
+                lines.append(
+                    f"  host-bound: {pieces} micro-batches x {self.host_s_per_piece:.2f} s of Python each, made one "
+                    f"after the other (both GPUs' threads share this process's interpreter), against "
+                    f"{self.gpu_step_s:.3f} s of GPU work; fewer micro-batches of more images each (Train LoRA "
+                    f"batch_size a larger multiple of micro_batches) make fewer calls per image")
         elif step is not None:
             parts = " + ".join(f"{p.step_time.seconds:.3f}" for p in self.plans)
             lines.append(f"predicted step {step:.3f} s: the parts one after the other ({parts} s) + "
@@ -177,6 +203,8 @@ class SplitPlan:
                 "predicted_peak_gb": [round(p.predicted_peak_bytes / GB, 3) for p in self.plans],
                 "predicted_host_peak_gb": round(self.predicted_host_peak_bytes / GB, 3),
                 "predicted_step_s": round(step, 4) if step is not None else None,
+                "predicted_gpu_step_s": round(self.gpu_step_s, 4) if step is not None else None,
+                "predicted_host_floor_s": round(self.host_floor_s, 4),
                 "parts": [p.summary() for p in self.plans]}
 
 
@@ -348,9 +376,10 @@ def _best_split(fp, block_trainable, other_trainable, workload, offload, devices
         candidate = SplitPlan(cuts[0], devices, plans, crossing_bytes=_crossing_bytes(fp, workload),
                               micro_batches=micro_batches, batches_per_pipeline=span,
                               cuts=cuts if chunks > 1 else (),
-                              chunk_shares=chunk_shares(fp, workload, cuts) if chunks > 1 else ())
+                              chunk_shares=chunk_shares(fp, workload, cuts) if chunks > 1 else (),
+                              host_s_per_piece=host_s_per_piece(fp, compiled))
         peaks = [p.predicted_peak_bytes for p in plans]
-        step = candidate.predicted_step_s
+        step = candidate.gpu_step_s  # the host's floor is the same at every cut
         if micro_batches > 1 and step is not None:
             key = (step, max(peaks) - min(peaks))  # balanced time: compute and streaming per part
         else:
