@@ -151,6 +151,16 @@ def test_the_pipelined_step_is_never_shorter_than_its_micro_batches_host_time():
         assert plan.host_floor_s == pytest.approx(8 * 0.61, rel=0.01)
         assert plan.host_bound and plan.predicted_step_s == plan.host_floor_s > plan.gpu_step_s
         assert "host-bound: 8 micro-batches x 0.61 s of Python each" in plan.describe()
+        # The same batch in 4 micro-batches of two images: half the host time. One part per GPU, M = 4's larger
+        # bubble outweighs what it saves (5.03 s predicted), so nothing is suggested; interleaved, the plan names it.
+        if v == 1:
+            assert plan.fewer_pieces is None and "micro_batches 4 predicts" not in plan.describe()
+        else:
+            four = plan_split(fp, per_block, outside, wl, OffloadConfig(mode="auto"), devs, (int(12 * GB),) * 2,
+                              machines=(h200, h200), micro_batches=4, virtual_stages=v, suggest=False)
+            assert four.host_floor_s == pytest.approx(plan.host_floor_s / 2)
+            assert plan.fewer_pieces == (4, pytest.approx(four.predicted_step_s)) and four.predicted_step_s < 4.6
+            assert f"micro_batches 4 predicts {four.predicted_step_s:.3f} s" in plan.describe()
         assert plan.summary()["predicted_host_floor_s"] == pytest.approx(plan.host_floor_s, abs=1e-4)
         assert measured / plan.predicted_step_s == pytest.approx(1.0, abs=0.10), (v, plan.predicted_step_s)
         assert measured / plan.gpu_step_s > 1.05  # what the GPUs alone predicted: too short

@@ -99,6 +99,7 @@ class SplitPlan:
     cuts: tuple[int, ...] = ()
     chunk_shares: tuple[float, ...] = ()  # each chunk's share of its device's part time (FLOPs); empty: one chunk each
     host_s_per_piece: float = 0.0  # Python seconds of one micro-batch through every block (steptime.host_s_per_piece)
+    fewer_pieces: Optional[tuple[int, float]] = None  # host-bound: (micro_batches M / 2, its predicted step) if shorter
 
     @property
     def chunks(self) -> int:
@@ -185,8 +186,10 @@ class SplitPlan:
                 lines.append(
                     f"  host-bound: {pieces} micro-batches x {self.host_s_per_piece:.2f} s of Python each, made one "
                     f"after the other (both GPUs' threads share this process's interpreter), against "
-                    f"{self.gpu_step_s:.3f} s of GPU work; fewer micro-batches of more images each (Train LoRA "
-                    f"batch_size a larger multiple of micro_batches) make fewer calls per image")
+                    f"{self.gpu_step_s:.3f} s of GPU work; fewer micro-batches of more images each make fewer calls "
+                    f"per image" + (f": micro_batches {self.fewer_pieces[0]} predicts {self.fewer_pieces[1]:.3f} s"
+                                    if self.fewer_pieces else " (Train LoRA batch_size a larger multiple of "
+                                                              "micro_batches)"))
         elif step is not None:
             parts = " + ".join(f"{p.step_time.seconds:.3f}" for p in self.plans)
             lines.append(f"predicted step {step:.3f} s: the parts one after the other ({parts} s) + "
@@ -287,14 +290,16 @@ def plan_split(fp: ModelFootprint, block_trainable: list[int], other_trainable: 
                host_ram_bytes: Optional[int] = None, ram_budget_bytes: Optional[int] = None,
                machines: tuple[Optional[Machine], Optional[Machine]] = (None, None),
                compiled: bool = False, micro_batches: int = 1, host_extra: Optional[dict] = None,
-               accumulation: int = 1, virtual_stages: int = 1) -> SplitPlan:
+               accumulation: int = 1, virtual_stages: int = 1, suggest: bool = True) -> SplitPlan:
     """The plan for both parts: at ``cut``, or at the best cut when it is None (see the module doc).
     ``machines``: each device's link and GPU (engine/offload/link.py ``resolve_machine``; None: the default
     machine), so each part's step time is predicted where it runs. ``micro_batches`` > 1: pipelined (the batch
     in that many pieces, 1F1B; from ``accumulation``'s batches where the batch is smaller), refused where it cannot
     run (see ``check_pipelined``). ``virtual_stages`` v > 1: interleaved, the blocks in 2v chunks (every cut placed
     here); 0: the v of ``AUTO_VIRTUAL_STAGES`` with the shortest predicted step that fits. ``host_extra``: host bytes
-    the run holds beside the parts (the modulation window's weights), in the RAM budget once."""
+    the run holds beside the parts (the modulation window's weights), in the RAM budget once. ``suggest``: where the
+    pipelined step is host-bound, plan half as many micro-batches too and keep its step if shorter (``fewer_pieces``,
+    in the plan's text)."""
     span = 1
     if micro_batches > 1:
         span = check_pipelined(other_trainable, workload.batch, micro_batches, accumulation)
@@ -349,6 +354,19 @@ def plan_split(fp: ModelFootprint, block_trainable: list[int], other_trainable: 
         best.reason = "the cut that streams the fewest bytes per step, peaks balanced"
     if auto_note:
         best.reason += "; " + auto_note
+    half = micro_batches // 2
+    if suggest and best.host_bound and half >= 2 and span == 1 and workload.batch % half == 0 and cut is None:
+        # The same batch in half as many pieces (twice the images each): half the host calls, a larger bubble. As many
+        # chunks (one part per GPU: at the same cut, one plan rather than a sweep of every cut).
+        v = best.chunks if best.chunks == 1 or half % 2 == 0 else 1
+        try:
+            fewer = plan_split(fp, block_trainable, other_trainable, workload, offload, devices, budgets,
+                               best.cut if v == 1 else None, host_ram_bytes, ram_budget_bytes, machines, compiled,
+                               half, host_extra, accumulation, v, suggest=False)
+        except ConfigError:
+            fewer = None
+        if fewer is not None and fewer.predicted_step_s is not None and fewer.predicted_step_s < best.predicted_step_s:
+            best.fewer_pieces = (half, fewer.predicted_step_s)
     return best
 
 
