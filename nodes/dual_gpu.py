@@ -52,7 +52,7 @@ class LowVRAMDualGPUSplit(io.Node):
                 io.String("vram_budget_gb", default="0", tooltip=_help(
                     "vram_budget_gb", "Comma-separated, e.g. 12,12; one value applies to every GPU.")),
                 # optional: API graphs saved before it existed still validate (1 = no pipelining, as before)
-                io.Int("micro_batches", default=1, min=1, max=64, optional=True, tooltip=_help("micro_batches")),
+                io.Int("micro_batches", default=1, min=0, max=64, optional=True, tooltip=_help("micro_batches")),
                 io.Int("virtual_stages", default=1, min=0, max=_max_virtual_stages(), optional=True,
                        tooltip=_help("virtual_stages")),
             ])

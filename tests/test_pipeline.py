@@ -171,9 +171,43 @@ def test_the_pipelined_step_is_never_shorter_than_its_micro_batches_host_time():
     with unittest.mock.patch.object(split_mod, "host_s_per_piece", lambda fp, compiled: 0.0):
         free = plan_split(fp, per_block, outside, wl, OffloadConfig(mode="auto"), devs, (int(12 * GB),) * 2,
                           machines=(h200, h200), micro_batches=8, virtual_stages=2)
+    # micro_batches 0 (auto) takes that suggestion: batch 8 at v = 2 in 4 micro-batches of two images
+    auto = plan_split(fp, per_block, outside, wl, OffloadConfig(mode="auto"), devs, (int(12 * GB),) * 2,
+                      machines=(h200, h200), micro_batches=0, virtual_stages=2)
+    assert auto.micro_batches == 4 and auto.predicted_step_s == pytest.approx(plan.fewer_pieces[1])
+    assert "micro_batches auto: 4, 2 images each (at 8 the step is host-bound" in auto.describe()
     assert free.cuts == plan.cuts and free.predicted_step_s == pytest.approx(plan.gpu_step_s)
     assert free.predicted_step_s < plan.predicted_step_s
     assert "host-bound" not in free.describe()
+
+
+def test_auto_micro_batches_cuts_the_batch_or_says_why_not():
+    """micro_batches 0: one image a micro-batch where the GPUs bind; 1 (not pipelined, said why) for a one-image batch
+    or LoRA outside the blocks; an even count for interleaving; refused where interleaving cannot run."""
+    devs = (torch.device("cuda:0"), torch.device("cuda:1"))
+    h100 = Machine(link_bytes_per_s=50 * GB, peak_flops=peak_flops_for("NVIDIA H100 80GB HBM3"), name="H100",
+                   source="probe")
+    auto, budgets, fp = OffloadConfig(mode="auto"), (int(8 * GB), int(8 * GB)), _footprint(first_heavy=True)
+
+    def plan(batch, other=0, v=1, tokens=4096):
+        return plan_split(fp, [1000] * 10, other, Workload(batch, tokens, 512), auto, devs, budgets,
+                          machines=(h100, h100), micro_batches=0, virtual_stages=v)
+
+    four = plan(4)  # 4096 tokens: the GPUs bind, one image each
+    assert four.micro_batches == 4 and not four.host_bound and "micro_batches auto: 4, one image each" in four.reason
+    assert four.predicted_step_s == pytest.approx(plan_split(fp, [1000] * 10, 0, Workload(4, 4096, 512), auto, devs,
+                                                             budgets, machines=(h100, h100),
+                                                             micro_batches=4).predicted_step_s)
+    one = plan(1)
+    assert one.micro_batches == 1 and "micro_batches auto: 1, not pipelined (batch_size 1" in one.reason
+    outside = plan(4, other=50)
+    assert outside.micro_batches == 1 and "outside the transformer blocks" in outside.reason
+    assert plan(6, v=2).micro_batches == 6 and plan(9).micro_batches == 9
+    with pytest.raises(ConfigError, match="virtual_stages=2 interleaves"):
+        plan(3, v=2)
+    tiny = plan(4, tokens=64)  # 64 tokens: the host binds at 4 and at 2 alike; 2 is shorter, 1 is not pipelined
+    assert tiny.micro_batches == 2 and "micro_batches auto: 2, 2 images each (at 4 the step is host-bound" in \
+        tiny.reason
 
 
 def test_part_peak_counts_the_ring_at_the_large_blocks_and_the_second_micro_batch():
@@ -243,8 +277,12 @@ def test_config_and_node_take_micro_batches():
     schema = LowVRAMDualGPUSplit.define_schema()
     tip = next(i for i in schema.inputs if i.id == "micro_batches").tooltip
     assert "1F1B" in tip and "batch_size" in tip
-    for bad, match in [(dict(micro_batches=0), "from 1 to 64"), (dict(mode="data_parallel", micro_batches=2),
-                                                                   "only applies to split")]:
+    micro = next(i for i in schema.inputs if i.id == "micro_batches")
+    assert micro.options["min"] == 0 and "0 = auto" in micro.tooltip  # the node offers auto
+    assert ParallelConfig(devices=("cpu", "cpu"), micro_batches=0, virtual_stages=2).micro_batches == 0
+    for bad, match in [(dict(micro_batches=-1), "from 0 \\(auto\\) to 64"),
+                       (dict(mode="data_parallel", micro_batches=2), "only applies to split"),
+                       (dict(mode="data_parallel", micro_batches=0), "only applies to split")]:
         with pytest.raises(ConfigError, match=match):
             ParallelConfig(**{"devices": ("cpu", "cpu"), **bad})
 
@@ -354,6 +392,27 @@ def test_train_lora_pipelined_split_on_cpu_equals_unsplit(tiny_pipeline, tiny_ca
     whole = train_lora(cfg, tiny_cache, lora, train, preloaded=(base, family, variant), step_window=0)
     assert split.settings["offload_plan"]["micro_batches"] == 2
     assert split.settings["offload_stats"]["pipelined_micro_batches"] == 4  # 2 steps x 2 micro-batches
+    assert split.loss_history == pytest.approx(whole.loss_history, rel=1e-4)
+    for k, v in whole.state_dict.items():
+        torch.testing.assert_close(split.state_dict[k], v, rtol=1e-4, atol=1e-6)
+
+
+def test_train_lora_with_auto_micro_batches_equals_unsplit(tiny_pipeline, tiny_cache):
+    """Dual-GPU Split micro_batches 0 on cpu,cpu, batch 2: the plan pipelines the batch (a piece each; the tiny model
+    is host-bound, and one piece would not be pipelined), says so in the log, and the LoRA is the one-device run's."""
+    from helpers import LogRecorder
+
+    cfg = ModelConfig(transformer_path=str(tiny_pipeline))
+    lora, train = LoraSettings(rank=4), TrainConfig(steps=2, learning_rate=2e-3, seed=4, device="cpu", batch_size=2)
+    base, family, _, variant = load_transformer(tiny_pipeline, dtype=torch.float32)
+    logs = LogRecorder()
+    split = train_lora(cfg, tiny_cache, lora, train, logs, preloaded=(base, family, variant),
+                       offload=OffloadConfig(mode="resident"),
+                       split=ParallelConfig(mode="split", devices=("cpu", "cpu"), micro_batches=0))
+    assert split.settings["offload_plan"]["micro_batches"] == 2
+    assert split.settings["offload_stats"]["pipelined_micro_batches"] == 4
+    assert any("micro_batches auto: 2, one image each" in line for line in logs.logs), logs.logs
+    whole = train_lora(cfg, tiny_cache, lora, train, preloaded=(base, family, variant))
     assert split.loss_history == pytest.approx(whole.loss_history, rel=1e-4)
     for k, v in whole.state_dict.items():
         torch.testing.assert_close(split.state_dict[k], v, rtol=1e-4, atol=1e-6)

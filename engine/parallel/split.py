@@ -292,6 +292,7 @@ def plan_split(fp: ModelFootprint, block_trainable: list[int], other_trainable: 
                compiled: bool = False, micro_batches: int = 1, host_extra: Optional[dict] = None,
                accumulation: int = 1, virtual_stages: int = 1, suggest: bool = True) -> SplitPlan:
     """The plan for both parts: at ``cut``, or at the best cut when it is None (see the module doc).
+    ``micro_batches`` 0: auto (``_auto_micro_batches``).
     ``machines``: each device's link and GPU (engine/offload/link.py ``resolve_machine``; None: the default
     machine), so each part's step time is predicted where it runs. ``micro_batches`` > 1: pipelined (the batch
     in that many pieces, 1F1B; from ``accumulation``'s batches where the batch is smaller), refused where it cannot
@@ -300,6 +301,12 @@ def plan_split(fp: ModelFootprint, block_trainable: list[int], other_trainable: 
     the run holds beside the parts (the modulation window's weights), in the RAM budget once. ``suggest``: where the
     pipelined step is host-bound, plan half as many micro-batches too and keep its step if shorter (``fewer_pieces``,
     in the plan's text)."""
+    def again(m: int, v: int, at: Optional[int]) -> SplitPlan:
+        return plan_split(fp, block_trainable, other_trainable, workload, offload, devices, budgets, at, host_ram_bytes,
+                          ram_budget_bytes, machines, compiled, m, host_extra, accumulation, v, suggest=False)
+
+    if micro_batches == 0:
+        return _auto_micro_batches(workload.batch, other_trainable, accumulation, virtual_stages, cut, again)
     span = 1
     if micro_batches > 1:
         span = check_pipelined(other_trainable, workload.batch, micro_batches, accumulation)
@@ -354,20 +361,59 @@ def plan_split(fp: ModelFootprint, block_trainable: list[int], other_trainable: 
         best.reason = "the cut that streams the fewest bytes per step, peaks balanced"
     if auto_note:
         best.reason += "; " + auto_note
-    half = micro_batches // 2
-    if suggest and best.host_bound and half >= 2 and span == 1 and workload.batch % half == 0 and cut is None:
-        # The same batch in half as many pieces (twice the images each): half the host calls, a larger bubble. As many
-        # chunks (one part per GPU: at the same cut, one plan rather than a sweep of every cut).
-        v = best.chunks if best.chunks == 1 or half % 2 == 0 else 1
-        try:
-            fewer = plan_split(fp, block_trainable, other_trainable, workload, offload, devices, budgets,
-                               best.cut if v == 1 else None, host_ram_bytes, ram_budget_bytes, machines, compiled,
-                               half, host_extra, accumulation, v, suggest=False)
-        except ConfigError:
-            fewer = None
-        if fewer is not None and fewer.predicted_step_s is not None and fewer.predicted_step_s < best.predicted_step_s:
-            best.fewer_pieces = (half, fewer.predicted_step_s)
+    if suggest and best.host_bound:
+        fewer = _halved(best, again, workload.batch, span)
+        if fewer is not None and fewer.predicted_step_s < best.predicted_step_s:
+            best.fewer_pieces = (fewer.micro_batches, fewer.predicted_step_s)
     return best
+
+
+def _halved(plan: SplitPlan, again, batch: int, span: int) -> Optional[SplitPlan]:
+    """The same batch in half as many micro-batches (twice the images each): half the host calls, a larger bubble.
+    As many chunks, and one part per GPU at the same cut (one plan rather than a sweep of every cut); None where it
+    cannot run or has no step time."""
+    half = plan.micro_batches // 2
+    if half < 2 or span != 1 or batch % half:
+        return None
+    v = plan.chunks if plan.chunks == 1 or half % 2 == 0 else 1
+    try:
+        fewer = again(half, v, plan.cut if v == 1 else None)
+    except ConfigError:
+        return None
+    return fewer if fewer.predicted_step_s is not None else None
+
+
+def _auto_micro_batches(batch: int, other_trainable: int, accumulation: int, virtual_stages: int,
+                        cut: Optional[int], again) -> SplitPlan:
+    """micro_batches 0: the batch one image a micro-batch (the smallest bubble), halved while the step is host-bound
+    and half as many predicts a shorter one; 1 (the parts one after the other) where the batch is one image or the
+    LoRA reaches outside the blocks. ``again(m, v, cut)`` plans at m micro-batches."""
+    m = max((d for d in range(2, min(batch, 64) + 1)
+             if batch % d == 0 and (virtual_stages <= 1 or d % 2 == 0)), default=1)
+    why = f"micro_batches auto: {m}, one image each" if m > 1 else (
+        "micro_batches auto: 1, not pipelined (batch_size 1: raise batch_size, or set micro_batches to fill the "
+        "pipeline from gradient accumulation)" if batch == 1 else
+        f"micro_batches auto: 1, not pipelined (batch_size {batch} has no even divisor for virtual_stages "
+        f"{virtual_stages})")
+    if m > 1:
+        try:
+            check_pipelined(other_trainable, batch, m, accumulation)
+        except ConfigError:
+            m, why = 1, "micro_batches auto: 1, not pipelined (LoRA on layers outside the transformer blocks)"
+    plan = first = again(m, virtual_stages, cut)
+    while plan.host_bound:
+        fewer = _halved(plan, again, batch, 1)
+        if fewer is None or fewer.predicted_step_s >= plan.predicted_step_s:
+            break
+        plan = fewer
+    if plan is not first:
+        why = (f"micro_batches auto: {plan.micro_batches}, {batch // plan.micro_batches} images each (at "
+               f"{first.micro_batches} the step is host-bound: {first.predicted_step_s:.3f} s predicted, against "
+               f"{plan.predicted_step_s:.3f} s)")
+        if plan.chunks == 1:  # its cut is the first plan's (a halving keeps it)
+            plan.reason = f"the cut with the shortest predicted pipelined step at {first.micro_batches} micro-batches"
+    plan.reason += "; " + why
+    return plan
 
 
 def _best_split(fp, block_trainable, other_trainable, workload, offload, devices, budgets, cut, host_ram_bytes,

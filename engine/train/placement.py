@@ -447,7 +447,7 @@ class Split(Placement):
         # run on a GPU, so off as well.
         if not self.compiles(train)[0]:
             return ""
-        if self.split.micro_batches > 1:
+        if self.split.micro_batches != 1:  # 0: auto, pipelined wherever the batch allows
             return ("compiled blocks with a pipelined Dual-GPU Split: each micro-batch's thread picks its own "
                     "outputs, which a compiled block cannot; the modulation runs in its blocks")
         return ("compiled blocks with Dual-GPU Split: not yet run on a GPU with the window; the modulation runs in "
