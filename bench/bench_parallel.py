@@ -130,6 +130,8 @@ def parse_args(argv=None):
                    help="--memory-history's stacks: 'all' adds C++ frames, naming the backward's allocations (made on "
                         "autograd's thread, which has no Python frame), at a slower snapshot")
     args = p.parse_args(argv)
+    if args.batch < 0:
+        p.error(f"--batch {args.batch}: images per batch, at least 1 (0: --micro-batches)")
     args.batch = args.batch or args.micro_batches
     if args.batch % args.micro_batches:
         p.error(f"--batch {args.batch} is not a multiple of --micro-batches {args.micro_batches}")

@@ -76,13 +76,15 @@ LINEAR_PASSES, ATTENTION_PASSES = 3.0, 4.5
 # prefetch 2), int8 and bf16 streamed + activation offload with prefetch 1 and 2; each alone wants 0.6-0.9 ms. This is
 # the overhead issue 26 item 1 is removing: refit it when that lands (bench/bench_memory.py prints both figures).
 VISIT_OVERHEAD_S = 0.0008
-# Host (Python) seconds of one micro-batch through one block in a checkpointed LoRA step (its forward, recompute and
-# backward's operator calls: a count, whatever the width). Fitted on the H200 machine's host CPU (16 cores; one GPU,
-# 2026-11-29, bench/bench_parallel.py --narrow: each block at a tiny width, every operator, next to no GPU time):
-# Flux.1-dev's 57 blocks took 0.61 s a micro-batch eager and 0.405 s compiled, Flux.2-dev int8's 56 blocks 0.673 s
-# eager (its dequantisation's calls: the factor). One host's figures: a CPU with faster single threads needs less.
-HOST_S_PER_BLOCK = {"compiled": 0.0071, "eager": 0.0107}
-EAGER_INT8_HOST_FACTOR = 1.12
+# Host (Python) seconds of one micro-batch through one block of a pipelined split's checkpointed LoRA step (its
+# forward, recompute and backward's operator calls: a count, whatever the width), both parts' threads in one process.
+# Fitted on the H200 machine's host CPU (16 cores; one GPU, 2026-11-29, bench/bench_parallel.py --narrow: each block
+# at a tiny width, every operator, next to no GPU time, both parts on cuda:0; three timed steps each), 8 micro-batches:
+# eager, Flux.1-dev's 57 blocks 4.934 s (v = 1) and 4.935 s (v = 2), Flux.2-dev int8's 56 blocks 4.846 s (v = 4):
+# 10.8 ms a block, the int8 slab's calls no dearer; compiled, Flux.1-dev 4.479 s and 4.097 s: 9.4 ms (one micro-batch
+# alone compiled took 0.405 s, 7.1 ms a block: the threads cost the rest). One host's figures: a CPU with faster single
+# threads needs less.
+HOST_S_PER_BLOCK = {"compiled": 0.0094, "eager": 0.0108}
 DEFAULT_LINK_BYTES_PER_S = 25 * GB  # no probe (CPU, tests): a PCIe 4.0 x16 board, the common case
 # A plan with disk blocks on a machine whose disk was not probed (an explicit stream plan on the CPU, tests): a PCIe
 # 4.0 NVMe drive's sequential read. auto never puts blocks on disk without a measured rate.
@@ -166,15 +168,14 @@ def estimate_compute_s(fp, tokens: int, batch: int, peak_flops: float, compiled:
 
 
 def _slab_blocks(fp) -> bool:
-    """The blocks are an int8 or int4 slab: ~1 or ~0.56 bytes a weight."""
+    """The blocks are an int8 or int4 slab: ~1 or ~0.56 bytes a weight (EAGER_INT8_FACTOR was fitted on int8)."""
     return bool(fp.block_params) and sum(fp.block_bytes) < 1.5 * sum(fp.block_params)
 
 
 def host_s_per_piece(fp, compiled: bool) -> float:
     """The Python time of one micro-batch through every block of ``fp`` (forward, recompute, backward): what the one
     interpreter spends launching it, whichever GPU then runs it (``HOST_S_PER_BLOCK``)."""
-    per = HOST_S_PER_BLOCK["compiled" if compiled else "eager"]
-    return fp.num_blocks * per * (EAGER_INT8_HOST_FACTOR if _slab_blocks(fp) and not compiled else 1.0)
+    return fp.num_blocks * HOST_S_PER_BLOCK["compiled" if compiled else "eager"]
 
 
 class _Timeline:

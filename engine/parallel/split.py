@@ -141,9 +141,12 @@ class SplitPlan:
 
     @property
     def host_floor_s(self) -> float:
-        """The micro-step's Python: both parts run in this one process, and their threads share its interpreter lock,
-        so every micro-batch's operator calls are made one after the other, whichever GPU runs them (measured on one
-        GPU: eight micro-batches took 8.09x one alone, bench/NOTES.md session 17)."""
+        """Pipelined, the micro-step's Python: both parts run in this one process, and their threads share its
+        interpreter lock, so every micro-batch's operator calls are made one after the other, whichever GPU runs them
+        (measured on one GPU: eight micro-batches took 8.09x one alone, bench/NOTES.md session 17). Not pipelined, 0:
+        one thread launches ahead of the GPUs, as on one GPU (whose plan has no floor either)."""
+        if self.micro_batches <= 1:
+            return 0.0
         return self.host_s_per_piece * self.micro_batches / self.batches_per_pipeline
 
     @property
@@ -182,14 +185,16 @@ class SplitPlan:
                          + f" through the parts ({parts} s each alone), {self.crossing_s * 1e3:.1f} ms crossing "
                          + ("each cut" if self.chunks > 1 else "the cut"))
             if self.host_bound:
-                pieces = self.micro_batches // self.batches_per_pipeline
+                pieces = self.micro_batches / self.batches_per_pipeline
                 lines.append(
-                    f"  host-bound: {pieces} micro-batches x {self.host_s_per_piece:.2f} s of Python each, made one "
+                    f"  host-bound: {pieces:g} micro-batches x {self.host_s_per_piece:.2f} s of Python each, made one "
                     f"after the other (both GPUs' threads share this process's interpreter), against "
                     f"{self.gpu_step_s:.3f} s of GPU work; fewer micro-batches of more images each make fewer calls "
                     f"per image" + (f": micro_batches {self.fewer_pieces[0]} predicts {self.fewer_pieces[1]:.3f} s"
-                                    if self.fewer_pieces else " (Train LoRA batch_size a larger multiple of "
-                                                              "micro_batches)"))
+                                    if self.fewer_pieces else
+                                    " (Train LoRA batch_size a larger multiple of micro_batches)"
+                                    if self.batches_per_pipeline == 1 else
+                                    " (a larger batch_size: each micro-batch is now one accumulated image)"))
         elif step is not None:
             parts = " + ".join(f"{p.step_time.seconds:.3f}" for p in self.plans)
             lines.append(f"predicted step {step:.3f} s: the parts one after the other ({parts} s) + "
@@ -302,8 +307,10 @@ def plan_split(fp: ModelFootprint, block_trainable: list[int], other_trainable: 
     pipelined step is host-bound, plan half as many micro-batches too and keep its step if shorter (``fewer_pieces``,
     in the plan's text)."""
     def again(m: int, v: int, at: Optional[int]) -> SplitPlan:
-        return plan_split(fp, block_trainable, other_trainable, workload, offload, devices, budgets, at, host_ram_bytes,
-                          ram_budget_bytes, machines, compiled, m, host_extra, accumulation, v, suggest=False)
+        return plan_split(fp, block_trainable, other_trainable, workload, offload, devices, budgets, cut=at,
+                          host_ram_bytes=host_ram_bytes, ram_budget_bytes=ram_budget_bytes, machines=machines,
+                          compiled=compiled, micro_batches=m, host_extra=host_extra, accumulation=accumulation,
+                          virtual_stages=v, suggest=False)
 
     if micro_batches == 0:
         return _auto_micro_batches(workload.batch, other_trainable, accumulation, virtual_stages, cut, again)
@@ -331,7 +338,8 @@ def plan_split(fp: ModelFootprint, block_trainable: list[int], other_trainable: 
     if not found:
         raise last_error
     timed = {v: p.predicted_step_s for v, p in found.items() if p.predicted_step_s is not None}
-    v = min(timed, key=lambda v: (timed[v], v)) if len(timed) == len(found) else min(found)
+    # host-bound, every v predicts the host's floor: the GPUs' time then decides
+    v = (min(timed, key=lambda v: (timed[v], found[v].gpu_step_s, v)) if len(timed) == len(found) else min(found))
     best = found[v]
     if virtual_stages == 0 and len(choices) > 1:
         others = ", ".join(f"{timed[u]:.3f} s at {u}" for u in sorted(timed) if u != v)
@@ -362,57 +370,67 @@ def plan_split(fp: ModelFootprint, block_trainable: list[int], other_trainable: 
     if auto_note:
         best.reason += "; " + auto_note
     if suggest and best.host_bound:
-        fewer = _halved(best, again, workload.batch, span)
+        fewer = _halved(best, again, workload.batch, span, virtual_stages, cut)
         if fewer is not None and fewer.predicted_step_s < best.predicted_step_s:
             best.fewer_pieces = (fewer.micro_batches, fewer.predicted_step_s)
     return best
 
 
-def _halved(plan: SplitPlan, again, batch: int, span: int) -> Optional[SplitPlan]:
+def _halved(plan: SplitPlan, again, batch: int, span: int, virtual_stages: int,
+            cut: Optional[int]) -> Optional[SplitPlan]:
     """The same batch in half as many micro-batches (twice the images each): half the host calls, a larger bubble.
-    As many chunks, and one part per GPU at the same cut (one plan rather than a sweep of every cut); None where it
-    cannot run or has no step time."""
+    ``virtual_stages`` as asked: 0 chooses again; one part per GPU keeps the cut (one plan rather than a sweep of every
+    cut); v > 1 only halves to an even count. None where it cannot run or has no step time."""
     half = plan.micro_batches // 2
-    if half < 2 or span != 1 or batch % half:
+    if half < 2 or span != 1 or batch % half or (virtual_stages > 1 and half % 2):
         return None
-    v = plan.chunks if plan.chunks == 1 or half % 2 == 0 else 1
     try:
-        fewer = again(half, v, plan.cut if v == 1 else None)
+        fewer = again(half, virtual_stages, (cut if cut is not None else plan.cut) if virtual_stages == 1 else cut)
     except ConfigError:
         return None
-    return fewer if fewer.predicted_step_s is not None else None
+    if fewer.predicted_step_s is None:
+        return None
+    if virtual_stages == 1 and cut is None:  # the cut was placed for the plan it halves
+        fewer.reason = f"the cut with the shortest predicted pipelined step at {plan.micro_batches} micro-batches"
+    return fewer
 
 
 def _auto_micro_batches(batch: int, other_trainable: int, accumulation: int, virtual_stages: int,
                         cut: Optional[int], again) -> SplitPlan:
-    """micro_batches 0: the batch one image a micro-batch (the smallest bubble), halved while the step is host-bound
-    and half as many predicts a shorter one; 1 (the parts one after the other) where the batch is one image or the
-    LoRA reaches outside the blocks. ``again(m, v, cut)`` plans at m micro-batches."""
+    """micro_batches 0: the batch one image a micro-batch (the smallest bubble; at most 64), halved while the step is
+    host-bound and half as many predicts a shorter one; 1 (the parts one after the other) where the batch is one image
+    or the LoRA reaches outside the blocks, refused where ``virtual_stages`` > 1 then has no pipeline to interleave.
+    ``again(m, v, cut)`` plans at m micro-batches."""
     m = max((d for d in range(2, min(batch, 64) + 1)
              if batch % d == 0 and (virtual_stages <= 1 or d % 2 == 0)), default=1)
-    why = f"micro_batches auto: {m}, one image each" if m > 1 else (
-        "micro_batches auto: 1, not pipelined (batch_size 1: raise batch_size, or set micro_batches to fill the "
-        "pipeline from gradient accumulation)" if batch == 1 else
-        f"micro_batches auto: 1, not pipelined (batch_size {batch} has no even divisor for virtual_stages "
-        f"{virtual_stages})")
+    why = ""
     if m > 1:
         try:
             check_pipelined(other_trainable, batch, m, accumulation)
         except ConfigError:
-            m, why = 1, "micro_batches auto: 1, not pipelined (LoRA on layers outside the transformer blocks)"
+            m, why = 1, "LoRA on layers outside the transformer blocks"
+    else:
+        why = (f"batch_size {batch}: raise batch_size, or set micro_batches to fill the pipeline from gradient "
+               f"accumulation" if batch == 1 or virtual_stages <= 1 else f"batch_size {batch} is odd")
+    if m == 1 and virtual_stages > 1:
+        raise ConfigError(f"Dual-GPU Split micro_batches 0 (auto) found no pipeline for virtual_stages "
+                          f"{virtual_stages} to interleave ({why}); set virtual_stages to 0 or 1, or make batch_size "
+                          f"even")
     plan = first = again(m, virtual_stages, cut)
     while plan.host_bound:
-        fewer = _halved(plan, again, batch, 1)
+        fewer = _halved(plan, again, batch, 1, virtual_stages, cut)
         if fewer is None or fewer.predicted_step_s >= plan.predicted_step_s:
             break
         plan = fewer
-    if plan is not first:
-        why = (f"micro_batches auto: {plan.micro_batches}, {batch // plan.micro_batches} images each (at "
-               f"{first.micro_batches} the step is host-bound: {first.predicted_step_s:.3f} s predicted, against "
-               f"{plan.predicted_step_s:.3f} s)")
-        if plan.chunks == 1:  # its cut is the first plan's (a halving keeps it)
-            plan.reason = f"the cut with the shortest predicted pipelined step at {first.micro_batches} micro-batches"
-    plan.reason += "; " + why
+    each = batch // plan.micro_batches
+    if m == 1:
+        note = f"micro_batches auto: 1, not pipelined ({why})"
+    elif plan is first:
+        note = f"micro_batches auto: {m}, " + (f"{each} images each" if each > 1 else "one image each")
+    else:
+        note = (f"micro_batches auto: {plan.micro_batches}, {each} images each (at {first.micro_batches} the step is "
+                f"host-bound: {first.predicted_step_s:.3f} s predicted, against {plan.predicted_step_s:.3f} s)")
+    plan.reason += "; " + note
     return plan
 
 

@@ -23,16 +23,19 @@ block's ``forward`` only and ``nn.Module.__call__`` still runs the hooks around 
   thread-safe there. While one thread compiles, torch.fx's process-wide tracing flag is set, and a compiled
   call on another thread fails on it ("Detected that you are using FX to symbolically trace a dynamo-optimized
   function": Flux.1-dev's split on CUDA, bench/logs/compiled_split_threads_session17_h200.log). So every
-  compiled call holds one lock (a first call, which compiles, never overlaps another), and while the blocks
-  are installed a call that still meets the flag (a backward compiled lazily on autograd's thread) runs that
-  once eagerly instead of failing (``torch._dynamo.config.error_on_nested_fx_trace``). The lock costs no
-  overlap: the threads' host work is serialized by the interpreter lock already (bench/NOTES.md, session 17).
+  compiled call holds the blocks' one lock: a first call, which compiles, never overlaps another. Not covered:
+  inductor lowers a backward lazily, at its first run on autograd's thread, outside the lock; if that lowering
+  traces with the flag set, another thread's call could still fail (not seen: Flux.1-dev's compiled split at 8
+  micro-batches and the GPU test ran clean with the lock). Eager, the threads' host work did not overlap anyway
+  (8 micro-batches took 8.09x one, bench/NOTES.md session 17); compiled, with the lock, they took 10-11x, so the
+  lock may cost some of that: not measured without it on two GPUs.
 
 Nothing here is ours that torch does: this module only decides where ``torch.compile`` applies and
 puts the model back afterwards.
 """
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 
@@ -70,13 +73,11 @@ def why_not_auto(device: torch.device, steps: int, split: bool) -> str | None:
 _last_budget: list[float] = []
 
 
-#: Held by every compiled block call (see the module's notes on threads).
-_CALL_LOCK = threading.RLock()
-
-
-def _one_at_a_time(compiled: Callable) -> Callable:
+def _one_at_a_time(compiled: Callable, lock) -> Callable:
+    """``compiled`` called under ``lock`` (see the module's notes on threads)."""
+    @functools.wraps(compiled, updated=())  # the name and signature, not dynamo's attributes
     def forward(*args, **kwargs):
-        with _CALL_LOCK:
+        with lock:
             return compiled(*args, **kwargs)
 
     return forward
@@ -95,8 +96,7 @@ class CompiledBlocks:
         self._patched: list[tuple[nn.Module, object]] = []
         self._graphs_at_start = _unique_graphs()
         self._saved_budget = torch._functorch.config.activation_memory_budget
-        self._saved_nested = torch._dynamo.config.error_on_nested_fx_trace
-        torch._dynamo.config.error_on_nested_fx_trace = False
+        self.lock = threading.RLock()  # held by every call of these blocks' compiled forwards
         self.budget = budget
 
     def graphs(self) -> int:
@@ -115,7 +115,6 @@ class CompiledBlocks:
                 module.forward = previous
         self._patched.clear()
         torch._functorch.config.activation_memory_budget = self._saved_budget
-        torch._dynamo.config.error_on_nested_fx_trace = self._saved_nested
 
     def describe(self) -> str:
         return (f"compiled blocks: {self.graphs()} graph(s)"
@@ -167,6 +166,6 @@ def compile_blocks(model: nn.Module, family, budget: float = 1.0, backend: str |
             if fn not in compiled:
                 compiled[fn] = torch.compile(fn, backend=backend or DEFAULT_BACKEND, dynamic=None)
             call = compiled[fn].__get__(block) if hasattr(forward, "__func__") else compiled[fn]
-            handle.set_forward(block, _one_at_a_time(call))
+            handle.set_forward(block, _one_at_a_time(call, handle.lock))
     return handle
 

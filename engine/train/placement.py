@@ -448,8 +448,9 @@ class Split(Placement):
         if not self.compiles(train)[0]:
             return ""
         if self.split.micro_batches != 1:  # 0: auto, pipelined wherever the batch allows
-            return ("compiled blocks with a pipelined Dual-GPU Split: each micro-batch's thread picks its own "
-                    "outputs, which a compiled block cannot; the modulation runs in its blocks")
+            auto = " (micro_batches auto)" if self.split.micro_batches == 0 else ""
+            return (f"compiled blocks with a pipelined Dual-GPU Split{auto}: each micro-batch's thread picks its own "
+                    f"outputs, which a compiled block cannot; the modulation runs in its blocks")
         return ("compiled blocks with Dual-GPU Split: not yet run on a GPU with the window; the modulation runs in "
                 "its blocks")
 
