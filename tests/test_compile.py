@@ -58,21 +58,26 @@ def test_compiled_blocks_match_eager_and_keep_hooks(tiny_pipeline, tiny_flux2, f
     detach_lora(model)
 
 
+def _forward_at(model, family, side: int) -> torch.Tensor:
+    """The tiny Flux.1's output, without gradients, for side x side latents drawn from ``side`` as the seed."""
+    cfg = model.config
+    g = torch.Generator().manual_seed(side)
+    lat = torch.randn(1, cfg.in_channels // 4, side, side, generator=g)
+    emb = {"prompt_embeds": torch.randn(1, 7, cfg.joint_attention_dim, generator=g),
+           "pooled_prompt_embeds": torch.randn(1, cfg.pooled_projection_dim, generator=g)}
+    with torch.no_grad():
+        return model(**family.model_inputs(model, lat, emb, torch.tensor([0.5]), 1.0))[0]
+
+
 def test_a_new_token_count_compiles_once_more_then_is_reused(tiny_pipeline):
     model, family, _, _ = load_transformer(tiny_pipeline, dtype=torch.float32)
     params = attach_lora(model, family, LoraSettings(rank=4), 0)
     with torch.no_grad():
         for p in params:
             p.normal_(0, 0.05)  # a LoRA that changes the output, so a graph that drops it would show
-    cfg = model.config
 
     def forward(side):
-        g = torch.Generator().manual_seed(side)
-        lat = torch.randn(1, cfg.in_channels // 4, side, side, generator=g)
-        emb = {"prompt_embeds": torch.randn(1, 7, cfg.joint_attention_dim, generator=g),
-               "pooled_prompt_embeds": torch.randn(1, cfg.pooled_projection_dim, generator=g)}
-        with torch.no_grad():
-            return model(**family.model_inputs(model, lat, emb, torch.tensor([0.5]), 1.0))[0]
+        return _forward_at(model, family, side)
 
     eager = {side: forward(side) for side in (16, 20, 24, 12)}  # reference: the same model, not compiled
     handle = compile_mod.compile_blocks(model, family, 1.0, backend="aot_eager")
@@ -98,15 +103,9 @@ def test_a_compile_on_one_thread_never_meets_a_compiled_call_on_another(tiny_pip
     blocks: none of those calls may finish inside the compile, none may fail, and the outputs are eager's. Without
     the lock the other thread failed (tried)."""
     model, family, _, _ = load_transformer(tiny_pipeline, dtype=torch.float32)
-    cfg = model.config
 
     def forward(side):
-        g = torch.Generator().manual_seed(side)
-        lat = torch.randn(1, cfg.in_channels // 4, side, side, generator=g)
-        emb = {"prompt_embeds": torch.randn(1, 7, cfg.joint_attention_dim, generator=g),
-               "pooled_prompt_embeds": torch.randn(1, cfg.pooled_projection_dim, generator=g)}
-        with torch.no_grad():
-            return model(**family.model_inputs(model, lat, emb, torch.tensor([0.5]), 1.0))[0]
+        return _forward_at(model, family, side)
 
     eager = {side: forward(side) for side in (16, 24)}
     finished, during, errors, armed, stop = [], [], [], threading.Event(), threading.Event()
