@@ -35,8 +35,8 @@ The model, per micro-step (one forward + backward; the loop synchronises after t
 
 What it leaves out: host time (Python, launches: eager steps are launch-bound and the measured
 ``compute_s_per_step`` includes that) and copies slowed by concurrent HBM traffic. Only the pipelined split, whose
-micro-batches all go through one interpreter, takes a host floor (``host_s_per_piece``, engine/parallel/split.py). bench/bench_memory.py prints the
-prediction beside the measured step so a drift shows.
+micro-batches all go through one interpreter, takes a host floor (``host_s_per_piece``, engine/parallel/split.py).
+bench/bench_memory.py prints the prediction beside the measured step so a drift shows.
 """
 from __future__ import annotations
 

@@ -160,6 +160,13 @@ class SplitPlan:
         gpu = self.gpu_step_s
         return gpu is not None and self.host_floor_s > gpu
 
+    def _fewer_hint(self) -> str:
+        if self.fewer_pieces:
+            return f": micro_batches {self.fewer_pieces[0]} predicts {self.fewer_pieces[1]:.3f} s"
+        if self.batches_per_pipeline == 1:
+            return " (Train LoRA batch_size a larger multiple of micro_batches)"
+        return " (a larger batch_size: each micro-batch is now one accumulated image)"
+
     def describe(self) -> str:
         n = self.plans[0].footprint.num_blocks + self.plans[1].footprint.num_blocks
         if self.chunks > 1:
@@ -190,11 +197,7 @@ class SplitPlan:
                     f"  host-bound: {pieces:g} micro-batches x {self.host_s_per_piece:.2f} s of Python each, made one "
                     f"after the other (both GPUs' threads share this process's interpreter), against "
                     f"{self.gpu_step_s:.3f} s of GPU work; fewer micro-batches of more images each make fewer calls "
-                    f"per image" + (f": micro_batches {self.fewer_pieces[0]} predicts {self.fewer_pieces[1]:.3f} s"
-                                    if self.fewer_pieces else
-                                    " (Train LoRA batch_size a larger multiple of micro_batches)"
-                                    if self.batches_per_pipeline == 1 else
-                                    " (a larger batch_size: each micro-batch is now one accumulated image)"))
+                    f"per image{self._fewer_hint()}")
         elif step is not None:
             parts = " + ".join(f"{p.step_time.seconds:.3f}" for p in self.plans)
             lines.append(f"predicted step {step:.3f} s: the parts one after the other ({parts} s) + "
@@ -385,7 +388,7 @@ def _halved(plan: SplitPlan, again, batch: int, span: int, virtual_stages: int,
     if half < 2 or span != 1 or batch % half or (virtual_stages > 1 and half % 2):
         return None
     try:
-        fewer = again(half, virtual_stages, (cut if cut is not None else plan.cut) if virtual_stages == 1 else cut)
+        fewer = again(half, virtual_stages, plan.cut if virtual_stages == 1 else None)  # v != 1 takes no cut
     except ConfigError:
         return None
     if fewer.predicted_step_s is None:
