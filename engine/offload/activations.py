@@ -8,14 +8,12 @@ block's forward starts (a device-to-host copy on its own stream) and come back o
 block ahead of its backward (a host-to-device copy on another stream), so at most
 two blocks' inputs are on the GPU at any time.
 
-This needs its own checkpoint function: torch's non-reentrant checkpoint keeps the
-inputs alive in a closure, where saved-tensor hooks never see them. So the model's
-checkpoint function is replaced (``enable_gradient_checkpointing(fn)``, diffusers'
-public hook) by ``_OffloadedCheckpoint``, a reentrant-style autograd Function:
-forward runs the block without building a graph and packs the inputs away;
-backward brings them back, recomputes the block with grad (the streamer's pre-hook
-fires again, so its weights are loaded), and backpropagates through it. RNG and
-autocast state are replayed as torch.utils.checkpoint does.
+The model's checkpoint function is replaced (``enable_gradient_checkpointing(fn)``,
+diffusers' public hook) by the engine's block checkpoint (engine/offload/block_checkpoint.py)
+with this offloader as the place its inputs wait: forward runs the block without building
+a graph and packs the inputs away (``pack``); backward brings them back (``unpack``),
+recomputes the block with grad (the streamer's pre-hook fires again, so its weights are
+loaded), and backpropagates through it.
 
 Which inputs move: the per-token states (tensors of 3 or more dims). Position
 embeddings and the conditioning vector are shared by every block and stay: so does
@@ -29,22 +27,19 @@ per forward remains.
 
 Partial offload (the plan's ``offloaded_blocks``): only the units given as ``offloaded`` go
 through the offloading checkpoint; the others are checkpointed by the function the model had
-before (torch's non-reentrant checkpoint), keeping their inputs on the GPU, as without offload.
+before (the block checkpoint), keeping their inputs on the GPU, as without offload.
 Both recompute the same block under the same RNG state, so the gradients are the same.
 """
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Optional
 
 import torch
-import torch.utils.checkpoint
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..families.block_part import BlockPart
+from .block_checkpoint import checkpoint
 from .host import ALIGN, PinnedBuffer
 from .plan import Workload
 
@@ -136,9 +131,6 @@ class ActivationOffloader:
             # emulated slow link slows both directions of this traffic too.
             self.pacer = pacer_for(device)
         self.stack: list[_Packed] = []
-        # A reentrant checkpoint's outputs require grad only if an input does. Block 0's inputs come from
-        # frozen embedders, so without this its LoRA weights would get no gradient.
-        self._needs_grad = torch.empty(0, device=device, requires_grad=True)
         self.bytes_out = 0
         self.bytes_in = 0
         self.sync_fetches = 0
@@ -146,7 +138,7 @@ class ActivationOffloader:
         # What the units not offloaded are checkpointed with: the model's own function when it had one.
         self._recompute = model._gradient_checkpointing_func if self._was_checkpointing else None
         if self._recompute is None:
-            self._recompute = partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+            self._recompute = checkpoint
         model.enable_gradient_checkpointing(gradient_checkpointing_func=self.checkpoint)
 
     # -- the checkpoint function diffusers calls: fn(block, *args) ---------------
@@ -156,18 +148,7 @@ class ActivationOffloader:
             return block(*args)
         if id(block) not in self.index:  # partial offload: this unit keeps its inputs on the GPU
             return self._recompute(block, *args)
-        leaves, spec = tree_flatten(args)
-        is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
-        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        others = [None if t else x for t, x in zip(is_tensor, leaves)]
-        # A reentrant Function's outputs all require grad once any input does (``_needs_grad`` makes sure one
-        # does), even outputs that depend only on frozen tensors. A block part may say which of its outputs carry
-        # no gradient (``constant_outputs(*args)``: Wan's modulation vectors, handed from part to part, when the
-        # time embedding is frozen); they leave marked non-differentiable, so the next part is not asked for a
-        # gradient nobody uses (and compiled parts do not compute one: inductor returned it in the wrong shape).
-        constant = tuple(block.constant_outputs(*args)) if isinstance(block, BlockPart) else ()
-        return _OffloadedCheckpoint.apply(self, block, (spec, is_tensor, others, constant), self._needs_grad,
-                                          *tensors)
+        return checkpoint(block, *args, store=self)  # its inputs wait on the host (pack, unpack)
 
     # -- moving the inputs ------------------------------------------------------
 
@@ -275,72 +256,10 @@ class ActivationOffloader:
     def remove(self) -> None:
         self.stack.clear()
         if self._was_checkpointing:
-            self.model.enable_gradient_checkpointing()  # torch's non-reentrant checkpoint again
+            self.model.enable_gradient_checkpointing(gradient_checkpointing_func=self._recompute)  # the one before
         else:
             self.model.disable_gradient_checkpointing()
         for a in self.arenas:
             if a is not None:
                 a._host.release()
         self.arenas = []
-
-
-def _autocast_state(device_type: str) -> dict:
-    return {"device_type": device_type, "enabled": torch.is_autocast_enabled(device_type),
-            "dtype": torch.get_autocast_dtype(device_type), "cache_enabled": torch.is_autocast_cache_enabled()}
-
-
-class _OffloadedCheckpoint(torch.autograd.Function):
-    """Reentrant checkpoint whose saved inputs live on the host between forward and backward."""
-
-    @staticmethod
-    def forward(ctx, off: ActivationOffloader, block: nn.Module, layout, _needs_grad, *tensors):
-        ctx.off, ctx.block, ctx.layout = off, block, layout
-        ctx.autocast = [_autocast_state(off.device.type)] + ([_autocast_state("cpu")] if off.device.type != "cpu" else [])
-        ctx.cpu_rng = torch.get_rng_state()
-        ctx.dev_rng = torch.cuda.get_rng_state(off.device) if off.device.type == "cuda" else None
-        ctx.packed = off.pack(block, list(tensors))
-        outputs = block(*_rebuild(layout, tensors))  # grad mode is off inside Function.forward
-        if layout[3]:
-            ctx.mark_non_differentiable(*(outputs[i] for i in layout[3]))
-        return outputs
-
-    @staticmethod
-    def backward(ctx, *grads):
-        off = ctx.off
-        restored = off.unpack(ctx.packed)
-        ctx.packed = None
-        needs = ctx.needs_input_grad[4:]
-        inputs = [t.detach().requires_grad_(bool(n)) for t, n in zip(restored, needs)]
-        devices = [off.device] if off.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.set_rng_state(ctx.cpu_rng)
-            if ctx.dev_rng is not None:
-                torch.cuda.set_rng_state(ctx.dev_rng, off.device)
-            with torch.enable_grad(), _autocast_stack(ctx.autocast):
-                outputs = ctx.block(*_rebuild(ctx.layout, inputs))
-        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        pairs = [(o, g) for o, g in zip(outputs, grads)
-                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None, None, None, None) + tuple(t.grad if n else None for t, n in zip(inputs, needs))
-
-
-def _rebuild(layout, tensors):
-    spec, is_tensor, others, _constant = layout
-    it = iter(tensors)
-    leaves = [next(it) if t else o for t, o in zip(is_tensor, others)]
-    return tree_unflatten(leaves, spec)
-
-
-class _autocast_stack:
-    def __init__(self, states: list[dict]):
-        self.ctxs = [torch.autocast(**s) for s in states]
-
-    def __enter__(self):
-        for c in self.ctxs:
-            c.__enter__()
-
-    def __exit__(self, *exc):
-        for c in reversed(self.ctxs):
-            c.__exit__(*exc)

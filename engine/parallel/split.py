@@ -54,6 +54,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ..errors import ConfigError
+from ..offload.block_checkpoint import checkpoint as checkpoint_block
 from ..offload.config import OffloadConfig
 from ..offload.footprint import named_blocks
 from ..offload.plan import GB, ModelFootprint, Plan, Workload, make_plan
@@ -714,7 +715,7 @@ def _install_checkpoint(model: nn.Module, device_of: dict[int, torch.device], of
                         pipeline=None) -> None:
     """The model's checkpoint function (what diffusers calls for each block while training): move the
     block's arguments to its device, then checkpoint it as that part's activation offloader would, or with
-    torch's non-reentrant checkpoint (diffusers' default). Pipelined, the arguments cross the cut as leaves
+    the engine's block checkpoint (engine/offload/block_checkpoint.py). Pipelined, the arguments cross the cut as leaves
     (engine/parallel/pipeline.py)."""
 
     def checkpoint(block, *args):
@@ -725,7 +726,7 @@ def _install_checkpoint(model: nn.Module, device_of: dict[int, torch.device], of
         if offloader is not None:
             out = offloader.checkpoint(block, *args)
         else:
-            out = torch.utils.checkpoint.checkpoint(block.__call__, *args, use_reentrant=False)
+            out = checkpoint_block(block, *args)
         return pipeline.block_outputs(block, out) if pipeline is not None else out
 
     model.enable_gradient_checkpointing(gradient_checkpointing_func=checkpoint)

@@ -157,7 +157,9 @@ class Placement(ABC):
         """Gradient checkpointing (when asked) and LoRA, fp32, wherever the layers are now."""
         self._model = model
         if checkpointing:
-            model.enable_gradient_checkpointing()
+            from ..offload.block_checkpoint import checkpoint
+
+            model.enable_gradient_checkpointing(gradient_checkpointing_func=checkpoint)
             self._checkpointing_on = True
         try:
             return attach_lora(model, family, lora, train.seed)

@@ -16,6 +16,7 @@ from lowvram_lora.engine.families.ltx2 import FAMILY
 from lowvram_lora.engine.testing import LiveBytes
 from lowvram_lora.engine.families.ltx2.i2v import example_first_frame
 from lowvram_lora.engine.families.ltx2.text import PROMPT_KEY
+from lowvram_lora.engine.offload.block_checkpoint import checkpoint
 from lowvram_lora.engine.offload.footprint import measure_footprint, per_token_timestep
 from lowvram_lora.engine.offload.plan import Workload, token_modulation_bytes
 
@@ -31,7 +32,7 @@ def measured_peak(model, latents, embeds, sigma) -> int:
 
 
 def test_the_planners_modulation_term_is_the_measured_growth():
-    """Tiny model in bf16, every block checkpointed as training runs it (diffusers' non-reentrant checkpoint), a
+    """Tiny model in bf16, every block checkpointed as training runs it (the engine's block checkpoint), a
     trainable query Linear in each block (LoRA's place: the blocks' activations then need grad), 8 x 24 x 24 latents
     (4,608 video tokens, so the modulation dominates the other differences): peak(I2V) - peak(T2V) equals the
     planner's ``token_modulation_bytes`` within 2%."""
@@ -41,7 +42,7 @@ def test_the_planners_modulation_term_is_the_measured_growth():
     model.requires_grad_(False)
     for block in model.transformer_blocks:
         block.attn1.to_q.weight.requires_grad_(True)
-    model.enable_gradient_checkpointing()
+    model.enable_gradient_checkpointing(gradient_checkpointing_func=checkpoint)
     model.train()
 
     g = torch.Generator().manual_seed(1)
