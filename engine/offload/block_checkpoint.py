@@ -18,9 +18,11 @@ Why ours, not torch.utils.checkpoint:
   no input that requires grad (the first block, whose inputs come from frozen embedders) its outputs require none,
   so that block's LoRA would get no gradient.
 
-So the arguments are flattened (every tensor an input), one empty leaf that requires grad goes in with them
-(``_needs_grad``), and RNG and autocast state are replayed as torch.utils.checkpoint does. The gradients are those of
-torch's checkpoint: the same operations, recomputed under the same RNG state.
+So the arguments are flattened (every tensor an input); where none needs a gradient but the block trains, one empty
+leaf that requires grad goes in with them (``_needs_grad``), and where neither, the block runs plainly (recording
+nothing, as torch's checkpoint would not either); RNG and autocast state are replayed as torch.utils.checkpoint does.
+The gradients are those of torch's checkpoint: the same operations, recomputed under the same RNG state. Not handled
+(no family here needs them): keyword arguments, and outputs nested deeper than one tuple.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from typing import Protocol
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..families.block_part import BlockPart
@@ -42,15 +45,23 @@ class InputStore(Protocol):
 
 
 class KeepInputs:
-    """The inputs stay where they are (the checkpoint of every block that is not activation-offloaded)."""
+    """The inputs stay where they are (the checkpoint of every block that is not activation-offloaded). Their versions
+    are kept too: an input changed in place before the backward would be recomputed from the changed values (torch's
+    ``save_for_backward`` refuses that as well)."""
 
     @staticmethod
-    def pack(block: nn.Module, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    def pack(block: nn.Module, tensors: list[torch.Tensor]):
+        return tensors, [None if t.is_inference() else t._version for t in tensors]
+
+    @staticmethod
+    def unpack(packed) -> list[torch.Tensor]:
+        tensors, versions = packed
+        for i, (t, v) in enumerate(zip(tensors, versions)):
+            if v is not None and t._version != v:
+                raise RuntimeError(f"input {i} of a checkpointed block (shape {tuple(t.shape)}) was changed in place "
+                                   f"between the block's forward and its backward, so its recompute would not be the "
+                                   f"forward that ran; change a copy instead (x = x.clone()) where it is changed")
         return tensors
-
-    @staticmethod
-    def unpack(packed: list[torch.Tensor]) -> list[torch.Tensor]:
-        return packed
 
 
 KEEP = KeepInputs()
@@ -68,12 +79,19 @@ def _needs_grad(device: torch.device) -> torch.Tensor:
 
 def checkpoint(block: nn.Module, *args, store: InputStore = KEEP):
     """``block(*args)``, checkpointed (diffusers' checkpoint function signature: ``fn(block, *args)``); without grad,
-    the plain call."""
+    or where nothing in it needs a gradient (no input does and the block trains nothing: the blocks before the first
+    trained one), the plain call, which records nothing."""
     if not torch.is_grad_enabled():
         return block(*args)
     leaves, spec = tree_flatten(args)
     is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    if any(t.requires_grad for t in tensors):
+        needs_grad = None
+    elif any(p.requires_grad for p in block.parameters()):
+        needs_grad = True  # the first trained block: its inputs come from frozen layers
+    else:
+        return block(*args)
     others = [None if t else x for t, x in zip(is_tensor, leaves)]
     device = next((t.device for t in tensors if t.device.type != "cpu"), torch.device("cpu"))
     # A reentrant Function's outputs all require grad once any input does, even outputs that depend only on frozen
@@ -82,8 +100,8 @@ def checkpoint(block: nn.Module, *args, store: InputStore = KEEP):
     # non-differentiable, so the next part is not asked for a gradient nobody uses (and compiled parts do not compute
     # one: inductor returned it in the wrong shape).
     constant = tuple(block.constant_outputs(*args)) if isinstance(block, BlockPart) else ()
-    return BlockCheckpoint.apply(store, block, (spec, is_tensor, others, constant, device), _needs_grad(device),
-                                 *tensors)
+    return BlockCheckpoint.apply(store, block, (spec, is_tensor, others, constant, device),
+                                 _needs_grad(device) if needs_grad else None, *tensors)
 
 
 class BlockCheckpoint(torch.autograd.Function):
@@ -93,7 +111,9 @@ class BlockCheckpoint(torch.autograd.Function):
     def forward(ctx, store: InputStore, block: nn.Module, layout, _needs_grad, *tensors):
         device = layout[4]
         ctx.store, ctx.block, ctx.layout = store, block, layout
-        ctx.autocast = [_autocast_state(device.type)] + ([_autocast_state("cpu")] if device.type != "cpu" else [])
+        ctx.set_materialize_grads(False)  # an output nobody used gets no gradient, not zeros to backpropagate
+        ctx.autocast = [_autocast_state(t) for t in dict.fromkeys([device.type, "cpu"])
+                        if torch.amp.is_autocast_available(t)]
         ctx.cpu_rng = torch.get_rng_state()
         ctx.dev_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
         ctx.packed = store.pack(block, list(tensors))
@@ -117,10 +137,15 @@ class BlockCheckpoint(torch.autograd.Function):
             with torch.enable_grad(), _autocast_stack(ctx.autocast):
                 outputs = ctx.block(*_rebuild(ctx.layout, inputs))
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        pairs = [(o, g) for o, g in zip(outputs, grads)
+        # The backward starts from the outputs' gradient edges, not the outputs: their values are not needed, so they
+        # are freed first (one block's output less at the block's backward peak than holding them through it).
+        edges = [(get_gradient_edge(o), g) for o, g in zip(outputs, grads)
                  if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        del outputs, grads
+        if edges:
+            roots, root_grads = [e for e, _ in edges], [g for _, g in edges]
+            del edges
+            torch.autograd.backward(roots, root_grads)
         return (None, None, None, None) + tuple(t.grad if n else None for t, n in zip(inputs, needs))
 
 

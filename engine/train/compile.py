@@ -7,7 +7,10 @@ block's ``forward`` only and ``nn.Module.__call__`` still runs the hooks around 
 
 - One compile per block class, not per block: every block of a class runs the same code, and
   dynamo (with nn-module inlining, torch's default) passes each block's weights as graph inputs,
-  so a streamed block whose weights were re-pointed into a GPU slot needs no recompile.
+  so a streamed block whose weights were re-pointed into a GPU slot needs no recompile. Each class
+  gets two graphs: the block checkpoint's forward runs without grad, its recompute with
+  (engine/offload/block_checkpoint.py; Flux.1-dev 1024² on an H200 with cold caches: 7 graphs and
+  44.7 s of first step, against 4 and 41.8 s under torch's checkpoint).
 - Aspect-ratio buckets: the first new token count makes dynamo recompile with a dynamic
   sequence length (``dynamic=None``); later buckets reuse that graph. ``graphs()`` counts what
   was compiled, and training reports it.
