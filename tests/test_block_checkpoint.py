@@ -225,3 +225,16 @@ def test_an_output_nobody_uses_sends_no_gradient_back():
     used, _unused = checkpoint(TwoOut(), x, y)
     used.sum().backward()
     assert x.grad is not None and y.grad is None
+
+
+def test_torch_before_2_7_backpropagates_from_the_outputs(monkeypatch):
+    """Where ``torch.autograd.backward`` takes no gradient edges (torch < 2.7, which the package still allows), the
+    recompute backpropagates from the outputs themselves: the same gradients (rtol 1e-6)."""
+    from lowvram_lora.engine.offload import block_checkpoint
+
+    _, want = _train(checkpoint, True)
+    monkeypatch.setattr(block_checkpoint, "BACKWARD_FROM_EDGES", False)
+    monkeypatch.setattr(block_checkpoint, "get_gradient_edge", None)  # never called on that path
+    _, got = _train(checkpoint, True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)

@@ -65,6 +65,8 @@ class KeepInputs:
 
 
 KEEP = KeepInputs()
+#: ``torch.autograd.backward`` takes gradient edges from torch 2.7 on (pytorch#144744); before, the outputs themselves.
+BACKWARD_FROM_EDGES = torch.__version__ >= (2, 7)
 _NEEDS_GRAD: dict[torch.device, torch.Tensor] = {}
 
 
@@ -138,8 +140,9 @@ class BlockCheckpoint(torch.autograd.Function):
                 outputs = ctx.block(*_rebuild(ctx.layout, inputs))
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         # The backward starts from the outputs' gradient edges, not the outputs: their values are not needed, so they
-        # are freed first (one block's output less at the block's backward peak than holding them through it).
-        edges = [(get_gradient_edge(o), g) for o, g in zip(outputs, grads)
+        # are freed first (one block's output less at the block's backward peak than holding them through it; torch
+        # before 2.7 takes only tensors, which then stay until the backward ends).
+        edges = [(get_gradient_edge(o) if BACKWARD_FROM_EDGES else o, g) for o, g in zip(outputs, grads)
                  if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
         del outputs, grads
         if edges:
