@@ -71,8 +71,9 @@ _NEEDS_GRAD: dict[torch.device, torch.Tensor] = {}
 
 
 def _needs_grad(device: torch.device) -> torch.Tensor:
-    """An empty leaf that requires grad, one per device: an input of every checkpoint, so that its outputs require
-    grad (and its backward runs) even where no argument does."""
+    """An empty leaf that requires grad, one per device: an input of the checkpoint of a block that trains while none
+    of its arguments needs a gradient (the first trained block), so that its outputs require grad and its backward
+    runs."""
     t = _NEEDS_GRAD.get(device)
     if t is None:
         t = _NEEDS_GRAD[device] = torch.empty(0, device=device, requires_grad=True)
