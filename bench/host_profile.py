@@ -14,6 +14,7 @@ Per compile mode (``--compile off blocks``):
   (``enable_gradient_checkpointing``: torch's non-reentrant checkpoint), ``model(**kwargs)`` with the engine's own
   arguments of its last step, loss = mean square, backward;
 * ``raw-block-ckpt``: the same with the engine's own block checkpoint (engine/offload/block_checkpoint.py);
+  each raw row's ``grad_rel_err_vs_torch_ckpt``: its LoRA gradients against ``raw-ckpt``'s (largest relative L2);
 * ``raw``: the same without checkpointing;
 * ``raw-frozen``: no LoRA, torch's checkpoint, the latents requiring grad (so the backward runs): what LoRA costs.
 
@@ -85,12 +86,15 @@ def torch_checkpoint(block, *args):
     return torch.utils.checkpoint.checkpoint(block.__call__, *args, use_reentrant=False)
 
 
-def _raw_step(model, kwargs: dict, params) -> None:
+def _raw_step(model, kwargs: dict, params) -> list[torch.Tensor]:
+    """One forward + backward; returns the parameters' gradients (fp32 copies) and clears them."""
     out = model(**kwargs)
     out = out[0] if isinstance(out, tuple) else out.sample
     out.float().pow(2).mean().backward()
+    grads = [p.grad.detach().float().clone() for p in params]
     for p in params:
         p.grad = None
+    return grads
 
 
 def _reset_peak(device: torch.device) -> None:
@@ -102,18 +106,23 @@ def _peak_gb(device: torch.device):
     return round(torch.cuda.max_memory_allocated(device) / 1e9, 3) if device.type == "cuda" else 0.0
 
 
-def time_raw(model, kwargs: dict, params, device, warmup: int, timed: int) -> float:
-    """Median seconds of one forward + backward (``_raw_step``)."""
+def time_raw(model, kwargs: dict, params, device, warmup: int, timed: int) -> tuple[float, list[torch.Tensor]]:
+    """(median seconds of one forward + backward (``_raw_step``), the last step's gradients)."""
     _reset_peak(device)
     times = []
     for i in range(warmup + timed):
         _sync(device)
         t = time.perf_counter()
-        _raw_step(model, kwargs, params)
+        grads = _raw_step(model, kwargs, params)
         _sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
+    return sorted(times)[len(times) // 2], grads
+
+
+def rel_err(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    """The largest relative L2 error over the parameters' gradients."""
+    return max(((g - w).norm() / w.norm().clamp_min(1e-30)).item() for g, w in zip(got, want))
 
 
 def main(argv=None) -> int:
@@ -187,7 +196,8 @@ def main(argv=None) -> int:
         params = attach_lora(model, family, lora, 0)
         handle = compile_blocks(model, family, backend="aot_eager" if args.tiny else None) \
             if compile_mode == "blocks" else None
-        warm = max(2, args.warmup if compile_mode == "blocks" else 2)
+        warm = max(2, args.warmup) if compile_mode == "blocks" else 2
+        reference = None  # torch's checkpoint's gradients: every raw mode's are checked against them
         try:
             for mode, ckpt in (("raw-ckpt", torch_checkpoint), ("raw-block-ckpt", block_checkpoint), ("raw", None)):
                 if ckpt is None:
@@ -195,8 +205,10 @@ def main(argv=None) -> int:
                 else:
                     model.enable_gradient_checkpointing(gradient_checkpointing_func=ckpt)
                 with HostPeak() as host:
-                    s = time_raw(model, kwargs, params, device, warm, args.timed)
-                rows.append((mode, s, dict(host.fields([]), peak_alloc_gb=_peak_gb(device))))
+                    s, grads = time_raw(model, kwargs, params, device, warm, args.timed)
+                reference = reference or grads
+                rows.append((mode, s, dict(host.fields([]), peak_alloc_gb=_peak_gb(device),
+                                           grad_rel_err_vs_torch_ckpt=rel_err(grads, reference))))
         finally:
             if handle is not None:
                 handle.remove()
@@ -205,7 +217,7 @@ def main(argv=None) -> int:
         frozen = dict(kwargs, **{first: kwargs[first].clone().requires_grad_(True)})
         model.enable_gradient_checkpointing()
         with HostPeak() as host:
-            s = time_raw(model, frozen, [frozen[first]], device, 2, args.timed)
+            s, _ = time_raw(model, frozen, [frozen[first]], device, 2, args.timed)
         rows.append(("raw-frozen", s, dict(host.fields([]), peak_alloc_gb=_peak_gb(device))))
         model.disable_gradient_checkpointing()
         for mode, s, mem in rows:

@@ -31,6 +31,7 @@ from ..config import TrainConfig
 from ..errors import ConfigError
 from ..models import resolve_device
 from ..offload import OffloadConfig
+from ..offload.block_checkpoint import checkpoint
 from .lora_attach import attach_lora, detach_lora
 from .optimizers import lora_bytes_per_param
 
@@ -157,8 +158,6 @@ class Placement(ABC):
         """Gradient checkpointing (when asked) and LoRA, fp32, wherever the layers are now."""
         self._model = model
         if checkpointing:
-            from ..offload.block_checkpoint import checkpoint
-
             model.enable_gradient_checkpointing(gradient_checkpointing_func=checkpoint)
             self._checkpointing_on = True
         try:
