@@ -20,7 +20,11 @@ then builds its own model for data parallel):
 - ``interleave``: the pipelined split with interleaved stages, ``virtual_stages=--virtual-stages`` (2 by default;
   0: the planner's choice): each GPU holds that many chunks of blocks, not next to each other (issue 42; skipped when
   --micro-batches is 1 or odd);
-- ``dp``: data parallel, one process per GPU, ``auto`` at ``--budget`` GB each.
+- ``dp``: data parallel, one process per GPU, ``auto`` at ``--budget`` GB each;
+- ``procs``: the pipelined split with one process per part (engine/parallel/process_split.py), ``--micro-batches``
+  pieces, ``--budget`` GB each: each GPU's host work in an interpreter of its own. Needs torchrun's two processes;
+  ``--split-devices cuda:0,cuda:0`` puts both on one GPU (gloo between them: a measure of the host floor, with
+  ``--narrow``).
 
 Every mode trains batches of ``--micro-batches`` images (1 by default), so their images/s compare; issue 42's
 targets (pipelined split >= 1.8x one GPU at the same per-GPU budget):
@@ -248,12 +252,14 @@ def main(argv=None) -> int:
         return plan_only(args)
     me = ranks_from_env()
     cuda = args.device == "cuda"
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', me.rank))}" if cuda else "cpu")
-    if cuda:
-        torch.cuda.set_device(device)
     pair = ("cuda:0", "cuda:1") if cuda else ("cpu", "cpu")
     if args.split_devices:
         pair = tuple(d.strip() for d in args.split_devices.split(","))
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', me.rank))}" if cuda else "cpu")
+    if cuda and "procs" in args.modes and me.world_size == 2:
+        device = torch.device(pair[me.rank])  # each process on its part's GPU (both on one: --split-devices)
+    if cuda:
+        torch.cuda.set_device(device)
     batch = args.batch
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -317,7 +323,13 @@ def main(argv=None) -> int:
         if predicted and row["step_s"]:  # issue 42: the split's prediction within 10% of the measured step
             row["predicted_step_s"] = predicted
             row["measured_over_predicted"] = round(row["step_s"] / predicted, 3)
-        if mode in ("split", "pipeline", "interleave"):
+        if mode == "procs":  # both processes' figures (the row is rank 0's)
+            row["peak_alloc_gb_per_gpu"] = (settings.get("process_split") or {}).get("peak_vram_gb")
+            row["peak_host_gb_per_process"] = kw["ranks"].gather(row["peak_host_gb"] or 0.0, device)
+            row["pinned_host_gb_per_process"] = kw["ranks"].gather(row.get("pinned_host_gb") or 0.0, device)
+            row["micro_batches"] = (row["plan"] or {}).get("micro_batches")
+            row["cut"] = (row["plan"] or {}).get("cut")
+        elif mode in ("split", "pipeline", "interleave"):
             row["peak_alloc_gb_per_gpu"] = settings.get("split_peak_vram_gb")
             row["micro_batches"] = (row["plan"] or {}).get("micro_batches")
             row["cut"] = (row["plan"] or {}).get("cut")
@@ -388,6 +400,20 @@ def main(argv=None) -> int:
             to_streamed_form(model, family, args.precision, device)
         torch.distributed.barrier()
         run("dp", model, family, dataset, offload(vram_budget_gb=args.budget), ranks=ranks)
+        shutdown()
+    if "procs" in args.modes and me.world_size == 2:
+        from lowvram_lora.engine.parallel.process_split import init_process_split
+
+        ranks = init_process_split(pair)
+        if model is None:
+            model, family, cfg = build_random_model(args.variant, device, torch.bfloat16 if cuda else torch.float32,
+                                                    0.02, 0, family_id=args.family, narrow=args.narrow)
+            dataset = _cache(Path(tmp.name), family, args.variant, cfg, args.res, batch)
+            to_streamed_form(model, family, args.precision, device)
+        torch.distributed.barrier()
+        run("procs", model, family, dataset, offload(),
+            split=ParallelConfig(mode="split", devices=pair, vram_budget_gb=(args.budget,),
+                                 micro_batches=args.micro_batches), ranks=ranks)
         shutdown()
     if me.is_main:
         if me.world_size >= 2:

@@ -40,6 +40,14 @@ class Ranks:
 
     rank: int = 0
     world_size: int = 1
+    #: The key of what the run records about its ranks (``_check_ranks_agree`` in engine/train/loop.py).
+    kind = "data_parallel"
+
+    @property
+    def stage(self):
+        """The split part this process runs (engine/parallel/process_split.py), None where each rank runs the whole
+        model."""
+        return None
 
     @property
     def is_main(self) -> bool:
@@ -77,6 +85,16 @@ class Ranks:
             flat.div_(self.world_size)
             for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
                 g.copy_(reduced)
+
+    def clip(self, params: Sequence[torch.nn.Parameter], max_norm: float) -> float:
+        """The gradients' norm, clipped to ``max_norm`` first where it is > 0."""
+        if max_norm and max_norm > 0:
+            return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        norms = [p.grad.norm().to("cpu") for p in params if p.grad is not None]  # split: grads on two devices
+        return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+
+    def after_step(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """After the optimizer's step: every rank stepped the same weights already."""
 
     def mean(self, value: float, device: torch.device) -> float:
         if not self.distributed:

@@ -162,6 +162,9 @@ class PipelineRunner:
     """Runs a step's micro-batches through a split's two parts in the 1F1B order, or through the chunks of an
     interleaved split in the interleaved order (see the module doc)."""
 
+    #: The fewest pieces a batch is run through the pipeline with (one piece runs through the loop as unsplit).
+    min_pieces = 2
+
     def __init__(self, devices: tuple[torch.device, torch.device], chunk_of_block: dict[int, int],
                  lane_of_module: Optional[dict[int, int]] = None, batches: int = 1, chunks: int = 1):
         self.devices = devices
@@ -179,6 +182,11 @@ class PipelineRunner:
         self._marks: collections.deque = collections.deque()
         self._marks_lock = threading.Lock()
         self.last_order: tuple[list[Op], list[Op]] = ([], [])  # each GPU's ops in the order the last step ran them
+
+    @property
+    def bytes_copied(self) -> int:
+        """Bytes copied between the devices so far."""
+        return self.copies.bytes
 
     def _op(self, kind: str, k: int, chunk: int) -> Op:
         """The schedule's name of an op (one_f_one_b.py: (kind, k) with one chunk per device)."""

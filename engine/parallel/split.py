@@ -608,7 +608,7 @@ class SplitHandle:
         if self.plan.chunks > 1:
             out["cuts"] = list(self.plan.cuts)
         if self.pipeline is not None:
-            out.update(peer_bytes_copied=self.pipeline.copies.bytes,
+            out.update(peer_bytes_copied=self.pipeline.bytes_copied,
                        pipelined_micro_batches=self.pipeline.micro_batches_run)
         return out
 
@@ -627,12 +627,14 @@ class SplitHandle:
 
 
 def apply_split(model: nn.Module, family, plan: SplitPlan, offload: OffloadConfig, callback=None,
-                _engine_factory=None) -> SplitHandle:
+                _engine_factory=None, ranks=None) -> SplitHandle:
     """Place (and stream) each part on its device per ``plan``; LoRA must be attached and gradient
-    checkpointing enabled. ``_engine_factory``: the copy engine for tests (CPU)."""
-    from ..offload.host import step_constant_tensors
+    checkpointing enabled. ``_engine_factory``: the copy engine for tests (CPU). ``ranks`` with a ``stage``: this
+    process runs that part only (engine/parallel/process_split.py)."""
     from ..offload.streamer import apply_offload
 
+    if ranks is not None and ranks.stage is not None:
+        return _apply_stage(model, family, plan, offload, ranks, callback, _engine_factory)
     blocks = named_blocks(model, family)
     # Each device's part: its chunks' blocks in execution order (one range each unless interleaved), one streamer
     # and one plan per device: the scheduler indexes the part's blocks 0..n-1 whatever their places in the model, and
@@ -642,15 +644,7 @@ def apply_split(model: nn.Module, family, plan: SplitPlan, offload: OffloadConfi
     parts = tuple([blocks[i] for c, r in enumerate(plan.chunk_ranges) if c % 2 == d for i in r] for d in (0, 1))
     dev0, dev1 = plan.devices
     block_ids = {id(b) for _, b in blocks}
-    # Everything outside the blocks (and its LoRA, if any) lives on the first device.
-    restore: list[tuple[torch.Tensor, torch.Tensor]] = []
-    window = step_constant_tensors(model)  # the modulation window holds those (engine/train/step_window.py)
-    for t in [t for m in _non_block_modules(model, block_ids) for t in list(m.parameters(recurse=False))
-              + list(m.buffers(recurse=False))]:
-        if t.device != dev0 and id(t) not in window:
-            if not t.requires_grad:
-                restore.append((t, t.data))
-            t.data = t.data.to(dev0)
+    restore = outside_to(model, block_ids, dev0)  # everything outside the blocks (and its LoRA, if any)
     if callback is not None:
         callback.log(plan.describe().splitlines()[0])  # each part's own plan follows, from apply_offload
     handles = []
@@ -690,6 +684,66 @@ def apply_split(model: nn.Module, family, plan: SplitPlan, offload: OffloadConfi
     return handle
 
 
+def _apply_stage(model, family, plan: SplitPlan, offload: OffloadConfig, ranks, callback=None,
+                 _engine_factory=None) -> SplitHandle:
+    """Place (and stream) this process's part only, on its device, with everything outside the blocks there too (each
+    process runs those layers itself); the model's checkpoint function runs the other part's blocks through the
+    runner (engine/parallel/process_split.py)."""
+    from ..offload.streamer import apply_offload
+    from .process_split import RankPipeline
+
+    if plan.chunks > 1:
+        raise ConfigError(f"virtual_stages={plan.chunks}: one process per GPU runs one part each (virtual_stages 1) "
+                          f"so far; set virtual_stages 1, or use the threaded split")
+    blocks = named_blocks(model, family)
+    block_ids = {id(b) for _, b in blocks}
+    outside = [n for m in _non_block_modules(model, block_ids) for n, p in m.named_parameters(recurse=False)
+               if p.requires_grad]
+    if outside:
+        raise ConfigError(f"LoRA outside the transformer blocks ({outside[0]}, ...) with one process per GPU: its "
+                          f"gradient would come from both processes; target the blocks only")
+    stage, dev = ranks.stage, plan.devices[ranks.stage]
+    part = [blocks[i] for i in plan.chunk_ranges[stage]]
+    restore = outside_to(model, block_ids, dev)
+    if callback is not None:
+        callback.log(f"process split: this process (stage {stage}) runs blocks {plan.chunk_ranges[stage].start}-"
+                     f"{plan.chunk_ranges[stage].stop - 1} on {dev}")
+    try:
+        handle = apply_offload(model, family, offload, dev, callback, plan=plan.plans[stage], blocks=part,
+                               _engine_factory=_engine_factory)
+    except BaseException:
+        for t, data in restore:
+            t.data = data
+        raise
+    ranks.owned = {id(p) for _, b in part for p in b.parameters() if p.requires_grad}
+    runner = RankPipeline(stage, plan.devices, id(blocks[plan.cut][1]), plan.batches_per_pipeline)
+    hooks = [block.register_forward_pre_hook(_arguments_to(dev), with_kwargs=True) for _, block in part]
+    for name, child in model.named_children():  # after the blocks: the final norm and projection
+        if not isinstance(child, nn.ModuleList):
+            hooks.append(child.register_forward_pre_hook(_arguments_to(dev), with_kwargs=True))
+    offloaders = {id(b): handle.activations for _, b in part} if handle.activations is not None else {}
+    _install_checkpoint(model, {id(b): dev for _, b in part}, offloaders, runner)
+    out = SplitHandle(model, plan, [handle], hooks, restore, runner)
+    out.module_devices = {id(m): dev for _, b in part for m in b.modules()}
+    return out
+
+
+def outside_to(model: nn.Module, block_ids: set[int], device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every tensor outside the blocks (the modulation window's excepted: it holds those) moved to ``device``; returns
+    (tensor, its data before) for the frozen ones, which ``SplitHandle.remove`` puts back."""
+    from ..offload.host import step_constant_tensors
+
+    restore: list[tuple[torch.Tensor, torch.Tensor]] = []
+    window = step_constant_tensors(model)  # engine/train/step_window.py
+    for t in [t for m in _non_block_modules(model, block_ids) for t in list(m.parameters(recurse=False))
+              + list(m.buffers(recurse=False))]:
+        if t.device != device and id(t) not in window:
+            if not t.requires_grad:
+                restore.append((t, t.data))
+            t.data = t.data.to(device)
+    return restore
+
+
 def _non_block_modules(model: nn.Module, block_ids: set[int]):
     """Every module that is not inside a block (the model itself included)."""
     stack = [model]
@@ -716,9 +770,11 @@ def _install_checkpoint(model: nn.Module, device_of: dict[int, torch.device], of
     """The model's checkpoint function (what diffusers calls for each block while training): move the
     block's arguments to its device, then checkpoint it as that part's activation offloader would, or with
     the engine's block checkpoint (engine/offload/block_checkpoint.py). Pipelined, the arguments cross the cut as leaves
-    (engine/parallel/pipeline.py)."""
+    (engine/parallel/pipeline.py); with one process per part, the other part's blocks are the runner's."""
 
     def checkpoint(block, *args):
+        if id(block) not in device_of:  # a block the other process runs (engine/parallel/process_split.py)
+            return pipeline.remote_block(block, args)
         if pipeline is not None:
             args = pipeline.block_arguments(block, args)
         args = tree_map(_to(device_of[id(block)]), args)

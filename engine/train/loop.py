@@ -143,10 +143,15 @@ def _train_lora(model_cfg, identity, dataset, lora, train, callback, preloaded, 
 
     cb = callback or TrainingCallback()
     clock = PhaseClock()  # the start-up's phases and the end's, logged and in the result's settings
-    device = training_device(train, split)
+    device = training_device(train, split, ranks.stage if ranks is not None else None)
     dtype = resolve_dtype(model_cfg.dtype, device)
     _check_settings(train, offload, device)
     placement = choose_placement(offload, split, device, cb)
+    placement.ranks = ranks
+    if ranks is not None and ranks.stage is not None:
+        from ..parallel.process_split import check_stage_run
+
+        check_stage_run(sampling, dataset.validation_items, resume, loss)
     # What the process holds on each GPU before training (ComfyUI's other models): each budget's cap comes on top.
     held_before = {d: torch.cuda.memory_reserved(d) for d in placement.devices if d.type == "cuda"}
     run = _Run(cb=cb, ranks=ranks or Ranks(), dataset=dataset, train=train, resume=resume, placement=placement,
@@ -699,7 +704,7 @@ def _optimizer_step(run: _Run, step: int, loss_sum: float) -> tuple[float, float
     train, resume = run.train, run.resume
     run.ranks.average_gradients(run.params)  # data parallel: every rank takes the same step
     loss_sum = run.ranks.mean(loss_sum, run.device)
-    grad_norm = _clip(run.params, train.max_grad_norm)
+    grad_norm = run.ranks.clip(run.params, train.max_grad_norm)  # a process split: the global norm
     if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
         raise TrainingDivergedError(
             f"training diverged at step {step}/{train.steps}: the loss is {loss_sum / train.gradient_accumulation} "
@@ -707,6 +712,7 @@ def _optimizer_step(run: _Run, step: int, loss_sum: float) -> tuple[float, float
             f"max_grad_norm > 0, and check alpha and the dataset cache"
             + (f"; the state of step {resume.last_saved_step} is kept" if resume and resume.last_saved_step else ""))
     run.optimizer.step()
+    run.ranks.after_step(run.params)  # a process split: each part's LoRA to the other process
     if run.ema is not None:
         run.ema.update()
     run.scheduler.step()
@@ -819,7 +825,7 @@ def _check_ranks_agree(run: _Run) -> None:
     """Every rank must hold the same weights (same averaged gradients, same steps): recorded, and checked."""
     ranks, device, result = run.ranks, run.device, run.result
     sums = ranks.gather(float(sum(p.detach().double().sum().item() for p in run.params)), device)
-    result.settings["data_parallel"] = {"world_size": ranks.world_size, "weight_checksums": sums,
+    result.settings[ranks.kind] = {"world_size": ranks.world_size, "weight_checksums": sums,
                                         "peak_vram_gb": ranks.gather(result.peak_vram_gb, device)}
     if max(sums) - min(sums) > 1e-6 * max(1.0, max(abs(v) for v in sums)):
         run.cb.log(f"warning: the ranks' LoRA weights differ (checksums {sums}); rank 0's are returned")
@@ -982,7 +988,7 @@ def _micro_step(model, family, latents, embeds, cfg: TrainConfig, gen: torch.Gen
     jobs = _batch_jobs(model, family, latents, embeds, cfg, gen, autocast, scale, micro_batch, sigma_range, weights,
                        loss_opts)
     pieces, shares, piece_loss = jobs.pieces, jobs.shares, jobs.piece_loss
-    if pipeline is not None and len(pieces) > 1 and preserve is None:
+    if pipeline is not None and len(pieces) >= pipeline.min_pieces and preserve is None:
         return _pipelined([jobs], calls, window, pipeline)[0]
     total = 0.0
     noisy, sigmas = jobs.noisy, jobs.sigmas
@@ -1083,8 +1089,3 @@ def _draw_levels(family, latents, cfg: TrainConfig, gen, sigma_range, loss_opts)
     return sigmas, loss_weights(scheme, sigmas, loss_opts.snr_gamma if loss_opts is not None else 5.0)
 
 
-def _clip(params, max_norm: float) -> float:
-    if max_norm and max_norm > 0:
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    norms = [p.grad.norm().to("cpu") for p in params if p.grad is not None]  # split: grads on two devices
-    return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0

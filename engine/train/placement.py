@@ -54,9 +54,10 @@ def ram_budget(offload: OffloadConfig) -> tuple[int, int, str]:
     return ram.bytes, ram_cap_bytes(), "" if ram.source == "set" else f" (0 = auto: {ram.describe()})"
 
 
-def training_device(train: TrainConfig, split=None) -> torch.device:
-    """The device training runs on: the split's first device, else TrainConfig's."""
-    return torch.device(split.devices[0]) if split is not None else resolve_device(train.device)
+def training_device(train: TrainConfig, split=None, stage=None) -> torch.device:
+    """The device training runs on: the split's first device (with one process per part, ``stage``: its part's
+    device), else TrainConfig's."""
+    return torch.device(split.devices[stage or 0]) if split is not None else resolve_device(train.device)
 
 
 def choose_placement(offload: Optional[OffloadConfig], split, device: torch.device,
@@ -109,6 +110,7 @@ class Placement(ABC):
         # The modulation window's weights stay in the slab file's map, read once per window, and its host bytes go to
         # blocks instead (Streamed.plan decides when host RAM is short; engine/train/step_window.py).
         self.window_from_file = False
+        self.ranks = None  # the run's ranks (the loop says): a process split places only its own part
         self._model = None  # the model LoRA is attached to, until remove()
         self._checkpointing_on = False  # whether apply turned gradient checkpointing on
 
@@ -481,7 +483,7 @@ class Split(Placement):
         params = self._attach(model, family, lora, train, True)  # on the CPU: placed with their blocks below
         try:
             self.handle = apply_split(model, family, self.plan(model, family, variant, dataset, train),
-                                      self.offload, callback)
+                                      self.offload, callback, ranks=self.ranks)
         except BaseException:
             self.remove()
             raise
@@ -497,8 +499,10 @@ class Split(Placement):
         from ..offload.streamer import cap_allocator
         from ..parallel.split import given_budgets_gb
 
+        mine = list(zip(self.devices, self.plans(), given_budgets_gb(self.split, self.offload)))
+        stage = self.ranks.stage if self.ranks is not None else None
         with contextlib.ExitStack() as stack:
-            for device, plan, gb in zip(self.devices, self.plans(), given_budgets_gb(self.split, self.offload)):
+            for device, plan, gb in mine if stage is None else mine[stage:stage + 1]:  # a process split: its own
                 stack.enter_context(cap_allocator(plan.budget_bytes if gb else None, device,
                                                   held_before.get(device, 0), callback))
             yield
