@@ -55,13 +55,16 @@ class LowVRAMDualGPUSplit(io.Node):
                 io.Int("micro_batches", default=1, min=0, max=64, optional=True, tooltip=_help("micro_batches")),
                 io.Int("virtual_stages", default=1, min=0, max=_max_virtual_stages(), optional=True,
                        tooltip=_help("virtual_stages")),
+                io.Boolean("one_process_per_gpu", default=False, optional=True, tooltip=_help("one_process_per_gpu")),
             ])
 
     @classmethod
     def execute(cls, mode: str = "split", devices: str = "cuda:0,cuda:1", cut: int = -1,
-                vram_budget_gb: str = "0", micro_batches: int = 1, virtual_stages: int = 1) -> io.NodeOutput:
+                vram_budget_gb: str = "0", micro_batches: int = 1, virtual_stages: int = 1,
+                one_process_per_gpu: bool = False) -> io.NodeOutput:
         from ..engine.parallel.config import ParallelConfig, parse_budgets, parse_devices
 
         return io.NodeOutput(ParallelConfig(mode=mode, devices=parse_devices(devices), cut=cut,
                                             vram_budget_gb=parse_budgets(vram_budget_gb),
-                                            micro_batches=int(micro_batches), virtual_stages=int(virtual_stages)))
+                                            micro_batches=int(micro_batches), virtual_stages=int(virtual_stages),
+                                            one_process_per_gpu=bool(one_process_per_gpu)))

@@ -127,3 +127,40 @@ def test_what_a_process_split_does_not_run_yet_is_refused():
 
     with pytest.raises(ConfigError, match=r"previews \(sample_every\).*threaded"):
         check_stage_run(SamplingConfig(every=5), None, None, None)
+
+
+def test_the_node_starts_both_processes_through_train_or_reuse(tiny_pipeline, tiny_cache, tmp_path):
+    """What Train LoRA runs with Dual-GPU Split one_process_per_gpu on: train_or_reuse starts the two worker
+    processes (engine/runs/launch.py), each trains its part, and rank 0's LoRA is the unsplit run's (rtol 1e-4)."""
+    from helpers import LogRecorder
+
+    from lowvram_lora.engine.models.inspect import inspect_transformer
+    from lowvram_lora.engine.runs.result_reuse import train_or_reuse
+    from lowvram_lora.nodes.dual_gpu import LowVRAMDualGPUSplit
+
+    parallel = LowVRAMDualGPUSplit.execute(devices="cpu,cpu", micro_batches=2, one_process_per_gpu=True).args[0]
+    assert parallel.one_process_per_gpu and parallel.micro_batches == 2
+    model = inspect_transformer(ModelConfig(transformer_path=str(tiny_pipeline)))
+    lora, train = LoraSettings(rank=4), TrainConfig(steps=2, learning_rate=2e-3, seed=5, device="cpu", batch_size=2)
+    logs = LogRecorder()
+    got = train_or_reuse(model, tiny_cache, lora, train, tmp_path, logs, parallel=parallel)
+    assert got.steps == 2 and not got.interrupted
+    assert any("the split's processes: starting 2 worker processes" in m for m in logs.logs), logs.logs
+    assert any("process split: this process (stage 0) runs blocks 0-" in m for m in logs.logs), logs.logs
+    whole = train_lora(model.config, tiny_cache, lora, train)
+    assert got.loss_history == pytest.approx(whole.loss_history, rel=1e-5)
+    for k, v in whole.state_dict.items():
+        torch.testing.assert_close(got.state_dict[k], v, rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_one_process_per_gpu_settings_say_what_they_need():
+    from lowvram_lora.nodes.dual_gpu import LowVRAMDualGPUSplit
+
+    tip = next(i for i in LowVRAMDualGPUSplit.define_schema().inputs if i.id == "one_process_per_gpu").tooltip
+    assert "interpreter" in tip and "starts over" in tip
+    assert ParallelConfig(devices=("cpu", "cpu"), micro_batches=0, one_process_per_gpu=True).one_process_per_gpu
+    for bad, match in [(dict(micro_batches=1), "micro_batches is 1: set micro_batches to 0 \\(auto\\) or 2"),
+                       (dict(micro_batches=4, virtual_stages=2), "virtual_stages is 2: set it to 1"),
+                       (dict(mode="data_parallel"), "only applies to split mode")]:
+        with pytest.raises(ConfigError, match=match):
+            ParallelConfig(**{"devices": ("cpu", "cpu"), "one_process_per_gpu": True, **bad})

@@ -30,10 +30,12 @@ Around the step (``SplitRanks``): the losses come from stage 1 (one broadcast pe
 norm (one all-reduce), each process's optimizer steps its own part's LoRA (the other part's gets no gradient there),
 and then each part's LoRA goes to the other process (one all-reduce), so both hold the whole LoRA after every step.
 
-The placement of this process's part is split.py's (``apply_split`` with ``ranks``). Not yet: interleaved stages (a forward paused between chunks needs a thread per micro-batch, as pipeline.py has),
-previews and validation (their forwards run every block), resuming, and the node (Dual-GPU Split does not start these
-processes; ``bench/bench_parallel.py --modes procs`` does, under torchrun). Each process still holds the other part's
-frozen weights where the model was loaded (on the host for a real checkpoint).
+The placement of this process's part is split.py's (``apply_split`` with ``ranks``). Dual-GPU Split's
+``one_process_per_gpu`` starts the two processes (engine/runs/launch.py, worker.py: as data parallel's workers);
+``bench/bench_parallel.py --modes procs`` runs them under torchrun. Not yet: interleaved stages (a forward paused
+between chunks needs a thread per micro-batch, as pipeline.py has), previews, validation and preservation's passes
+(their forwards run outside the pipeline), resuming. Each process still holds the other part's frozen weights where
+the model was loaded (on the host for a real checkpoint).
 """
 from __future__ import annotations
 
@@ -71,7 +73,8 @@ class SplitRanks(Ranks):
     """The two processes of a process split, rank r running part r. Both draw every batch and every noise."""
 
     world_size: int = 2
-    owned: set = field(default_factory=set)  # ids of this part's LoRA parameters (apply_stage fills it)
+    owned: set = field(default_factory=set)  # ids of this part's LoRA parameters (the split's placement fills it)
+    device: torch.device = torch.device("cpu")  # this part's device (the placement sets it)
     kind = "process_split"
 
     @property
@@ -101,8 +104,11 @@ class SplitRanks(Ranks):
         import torch.distributed as dist
 
         grads = [p.grad for p in params if p.grad is not None and id(p) in self.owned]
-        sq = sum((g.detach().double().pow(2).sum().cpu() for g in grads), torch.zeros((), dtype=torch.float64))
-        total = sq.reshape(1).to(_wire_device(None, grads[0].device if grads else torch.device("cpu")))
+        wire = _wire_device(None, self.device)
+        total = torch.zeros(1, dtype=torch.float64, device=wire)
+        if grads:  # one transfer: the squared norms summed where the gradients are
+            norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads])
+            total += norms.pow(2).sum().to(wire)
         dist.all_reduce(total)
         norm = math.sqrt(float(total.item()))
         if max_norm and max_norm > 0:
@@ -119,7 +125,7 @@ class SplitRanks(Ranks):
 
         for ps in _buckets(list(params), BUCKET_BYTES):  # runs of one device and dtype
             flat = _flatten_dense_tensors([p.data if id(p) in self.owned else torch.zeros_like(p.data) for p in ps])
-            wire = flat.to(_wire_device(None, flat.device))
+            wire = flat.to(_wire_device(None, self.device))
             dist.all_reduce(wire)
             for p, value in zip(ps, _unflatten_dense_tensors(wire.to(flat.device), [p.data for p in ps])):
                 if id(p) not in self.owned:
@@ -182,7 +188,7 @@ class RankPipeline:
         import torch.distributed as dist
 
         for t in tensors:
-            wire = t.detach().contiguous().reshape(-1).view(torch.uint8).to(_wire_device(group, t.device))
+            wire = t.detach().contiguous().reshape(-1).view(torch.uint8).to(_wire_device(group, self.device))
             self.bytes_copied += wire.numel()
             self._sends.append((dist.isend(wire, self.peer, group=group), wire))
 

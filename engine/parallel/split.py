@@ -706,6 +706,7 @@ def _apply_stage(model, family, plan: SplitPlan, offload: OffloadConfig, ranks, 
     part = [blocks[i] for i in plan.chunk_ranges[stage]]
     restore = outside_to(model, block_ids, dev)
     if callback is not None:
+        callback.log(plan.describe().splitlines()[0])
         callback.log(f"process split: this process (stage {stage}) runs blocks {plan.chunk_ranges[stage].start}-"
                      f"{plan.chunk_ranges[stage].stop - 1} on {dev}")
     try:
@@ -716,6 +717,7 @@ def _apply_stage(model, family, plan: SplitPlan, offload: OffloadConfig, ranks, 
             t.data = data
         raise
     ranks.owned = {id(p) for _, b in part for p in b.parameters() if p.requires_grad}
+    ranks.device = dev
     runner = RankPipeline(stage, plan.devices, id(blocks[plan.cut][1]), plan.batches_per_pipeline)
     hooks = [block.register_forward_pre_hook(_arguments_to(dev), with_kwargs=True) for _, block in part]
     for name, child in model.named_children():  # after the blocks: the final norm and projection

@@ -41,9 +41,9 @@ STARTED_AT = "LOWVRAM_STARTED_AT"
 STOP_GRACE_S = 300.0  # after a stop request: time for the ranks to finish the step and save
 
 
-def check_devices(devices: tuple[str, ...]) -> None:
+def check_devices(devices: tuple[str, ...], matching: bool = True) -> None:
     """Data parallel needs the GPUs it names, and matching ones (the slowest sets the pace, the smallest
-    the memory plan)."""
+    the memory plan); a split's processes (``matching`` False) only GPUs that exist."""
     import torch
 
     cuda = [d for d in devices if d.startswith("cuda")]
@@ -59,6 +59,8 @@ def check_devices(devices: tuple[str, ...]) -> None:
             + (f" ({', '.join(f'cuda:{i}' for i in range(count))})" if count else "")
             + f"; {', '.join(missing)} {'does' if len(missing) == 1 else 'do'} not exist. Name only GPUs that "
             f"exist, or train on one GPU without Dual-GPU Split")
+    if not matching:
+        return
     props = [torch.cuda.get_device_properties(int(d.split(":")[1])) for d in cuda]
     names = {p.name for p in props}
     mems = [p.total_memory for p in props]
@@ -116,19 +118,23 @@ def run_spec(model: ModelInfo, dataset, lora, train, parallel, store_args: dict,
         "sample_dir": str(sample_dir) if sample_dir is not None else None,
         "preview_partner": asdict(preview_partner.config) if preview_partner is not None else None,
         "preview_partner_info": preview_partner.to_json() if preview_partner is not None else None,
+        # one process per part of a pipelined split (engine/parallel/process_split.py); None: data parallel
+        "split": asdict(parallel) if parallel.one_process_per_gpu else None,
     }
 
 
 def train_data_parallel(model: ModelInfo, dataset, lora, train, callback, parallel, store_args: dict,
                         cache_dir: Path, offload=None, preloaded=None, sampling=None, sample_dir=None,
                         preview_partner: ModelInfo | None = None):
-    """Train with one process per device in ``parallel.devices``; returns rank 0's TrainedLora. ``model`` (and
-    ``preview_partner``): the Load node's, whose checkpoint identity each worker uses as it is."""
+    """Train with one process per device in ``parallel.devices`` (data parallel, or each part of a split with
+    ``one_process_per_gpu``); returns rank 0's TrainedLora. ``model`` (and ``preview_partner``): the Load node's,
+    whose checkpoint identity each worker uses as it is."""
+    what = "the split's processes" if parallel.one_process_per_gpu else "data parallel"
     if preloaded is not None:
-        raise ConfigError("data parallel loads the model in each worker process; a preloaded model cannot be "
-                          "shared (run the worker under torchrun with your own model instead)")
+        raise ConfigError(f"{what}: each worker process loads the model; a preloaded model cannot be "
+                          f"shared (run the worker under torchrun with your own model instead)")
     cb = callback or TrainingCallback()
-    check_devices(parallel.devices)
+    check_devices(parallel.devices, matching=not parallel.one_process_per_gpu)
     world = len(parallel.devices)
     run_root = Path(cache_dir) / "parallel"
     run_root.mkdir(parents=True, exist_ok=True)
@@ -141,13 +147,13 @@ def train_data_parallel(model: ModelInfo, dataset, lora, train, callback, parall
     write_json_atomic(run_root / "spec-latest.json", spec, "the data-parallel run description")
     env = worker_env(world)
     env["PYTHONPATH"] = os.pathsep.join([_importable_root(run_dir)] + [p for p in [env.get("PYTHONPATH")] if p])
-    cb.log(f"data parallel: starting {world} worker processes on {', '.join(parallel.devices)} "
+    cb.log(f"{what}: starting {world} worker processes on {', '.join(parallel.devices)} "
            f"(run description for torchrun: {run_root / 'spec-latest.json'})")
     workers = []
     try:
         for rank in range(world):
             workers.append(Worker.start(spec_path, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, run_dir,
-                                        f"rank{rank}", f"data-parallel worker rank {rank}", main=rank == 0))
+                                        f"rank{rank}", f"{what} worker rank {rank}", main=rank == 0))
         try:
             supervise(workers, cb)
         except WorkerError as exc:

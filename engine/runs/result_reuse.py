@@ -42,9 +42,15 @@ def train_or_reuse(model: ModelInfo, dataset, lora: LoraSettings, train: TrainCo
     # goes into what the samples were made with, not into the run's key; the loop takes it as it is.
     partner: ModelInfo | None = train_kwargs.get("preview_partner")
     partner_identity = partner.identity if partner is not None else None
-    if world > 1 and (train_kwargs.get("loss") is not None or train_kwargs.get("log_dir")):
-        raise ConfigError("Loss & Validation Options (masked loss weight, validation, logs) are not built for data "
-                          "parallel training yet; unplug them or train on one GPU (or split mode)")
+    workers = world > 1 or (parallel is not None and parallel.one_process_per_gpu)  # training in worker processes
+    if workers and (train_kwargs.get("loss") is not None or train_kwargs.get("log_dir")):
+        raise ConfigError("Loss & Validation Options (masked loss weight, validation, logs) are not built for "
+                          "training in worker processes (data parallel, one_process_per_gpu) yet; unplug them, or "
+                          "train in one process (split mode without one_process_per_gpu)")
+    if parallel is not None and parallel.one_process_per_gpu:
+        from ..parallel.process_split import check_stage_run
+
+        check_stage_run(train_kwargs.get("sampling"), dataset.validation_items, None, None)
     key = training_key(model_key(model), dataset.dataset_hash, lora, train, world, train_kwargs.get("loss"))
     found = load_finished(Path(cache_dir), key)
     if found is not None:
@@ -76,7 +82,7 @@ def _train_and_store(model, dataset, lora: LoraSettings, train: TrainConfig, cac
     from ..train.resume import ResumeStore
 
     store_args = resume_args(model, dataset, lora, train, cache_dir, key)
-    if parallel is not None and parallel.mode == "data_parallel":
+    if parallel is not None and (parallel.mode == "data_parallel" or parallel.one_process_per_gpu):
         from .launch import train_data_parallel
 
         result = train_data_parallel(model, dataset, lora, train, callback, parallel, store_args,

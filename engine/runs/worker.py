@@ -1,4 +1,5 @@
-"""One data-parallel training process: ``python -m lowvram_lora.engine.runs.worker SPEC.json``.
+"""One training worker process: ``python -m lowvram_lora.engine.runs.worker SPEC.json``: a data-parallel rank, or one
+part of a split with one process per GPU (the spec's ``split``).
 
 Started by engine/runs/launch.py (one per GPU, RANK/WORLD_SIZE/MASTER_* in the
 environment), or by ``torchrun`` on several hosts with the spec the launcher wrote
@@ -116,7 +117,15 @@ def _train(spec: dict, local_rank: int, events: _Events) -> int:
     if ready_s is not None:
         events.log(f"worker ready on {device} {ready_s:.1f} s after it was started (Python, imports, CUDA), with "
                    f"{torch.get_num_threads()} CPU threads")
-    ranks = init_from_env(device)
+    split = None
+    if spec.get("split"):  # one process per part of a pipelined split (engine/parallel/process_split.py)
+        from ..parallel.config import ParallelConfig
+        from ..parallel.process_split import init_process_split
+
+        split = ParallelConfig(**spec["split"])
+        ranks = init_process_split(split.devices)
+    else:
+        ranks = init_from_env(device)
     try:
         # The Load node's identity of the checkpoint, used as it is (a spec written before it was passed: the
         # ModelConfig alone, identified in train_lora).
@@ -125,9 +134,13 @@ def _train(spec: dict, local_rank: int, events: _Events) -> int:
         offload = spec["offload"]
         offload = OffloadConfig(**offload) if offload is not None else None
         budgets = spec.get("budgets_gb") or []
-        if offload is not None and offload.mode == "auto" and local_rank < len(budgets) and budgets[local_rank]:
-            offload = replace(offload, vram_budget_gb=budgets[local_rank])
+        if split is None and offload is not None and offload.mode == "auto" and local_rank < len(budgets) \
+                and budgets[local_rank]:
+            offload = replace(offload, vram_budget_gb=budgets[local_rank])  # (a split's come from its own settings)
         store = ResumeStore.from_args(spec["resume"], log=events.log)
+        if split is not None:
+            events.log("one process per GPU: no resumable states yet; a stopped run starts over")
+            store = None
         sampling = None
         if spec.get("sampling"):
             from ..sampling import SamplingConfig
@@ -141,9 +154,9 @@ def _train(spec: dict, local_rank: int, events: _Events) -> int:
         result = train_lora(model, open_dataset_cache(spec["dataset_manifest"]), LoraSettings(**spec["lora"]),
                             TrainConfig(**{**spec["train"], "device": str(device)}), events, offload=offload,
                             resume=store, ranks=ranks, sampling=sampling, sample_dir=spec.get("sample_dir"),
-                            preview_partner=partner)
+                            preview_partner=partner, split=split)
         if ranks.is_main:
-            if not result.interrupted and result.state_dict:
+            if not result.interrupted and result.state_dict and store is not None:
                 store.discard()
             Path(spec["run_dir"]).mkdir(parents=True, exist_ok=True)  # torchrun on another host: made here
             result.settings["worker_ready_s"] = ready_s

@@ -723,13 +723,16 @@ def test_both_wan_experts_train_at_once_through_comfy_run(comfy, tmp_path):
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 
 
-@pytest.mark.parametrize("virtual_stages,micro_batches", [(1, 2), (2, 2), (1, 0)])
-def test_pipelined_dual_gpu_template_trains_through_comfy_run(comfy, tmp_path, virtual_stages, micro_batches):
+@pytest.mark.parametrize("virtual_stages,micro_batches,processes", [(1, 2, False), (2, 2, False), (1, 0, False),
+                                                                      (1, 2, True)])
+def test_pipelined_dual_gpu_template_trains_through_comfy_run(comfy, tmp_path, virtual_stages, micro_batches,
+                                                              processes):
     """Issue 42: the shipped flux2_dev_dual_gpu UI workflow on the tiny Flux.2 under its file names, with Dual-GPU
     Split on cpu,cpu and micro_batches 2 (Train LoRA batch_size 2, four same-size images), one part per device or
     interleaved (virtual_stages 2: the tiny model's 4 blocks in 4 chunks, two per device), or micro_batches 0 (auto:
-    the batch of two in a piece each): comfy run exits 0, the log says each batch was pipelined in 2 micro-batches,
-    and the LoRA lowers diffusers' reference model's loss."""
+    the batch of two in a piece each), or one_process_per_gpu (each part in a worker process of its own): comfy run
+    exits 0, the log says each batch was pipelined in 2 micro-batches, and the LoRA lowers diffusers' reference
+    model's loss."""
     from datetime import datetime
 
     from helpers import write_template_files
@@ -746,9 +749,10 @@ def test_pipelined_dual_gpu_template_trains_through_comfy_run(comfy, tmp_path, v
             "LowVRAMTrainLoRA": {"steps": 6, "learning_rate": 0.01, "warmup_steps": 0, "sample_every": 0,
                                  # a seed of its own: how a run is split does not change the run, so the other
                                  # parameter's finished run would be reused
-                                 "batch_size": 2, "training_seed": 4242 + virtual_stages + 10 * micro_batches},
+                                 "batch_size": 2,
+                                 "training_seed": 4242 + virtual_stages + 10 * micro_batches + 100 * processes},
             "LowVRAMDualGPUSplit": {"devices": "cpu,cpu", "micro_batches": micro_batches,
-                                    "virtual_stages": virtual_stages},
+                                    "virtual_stages": virtual_stages, "one_process_per_gpu": processes},
         })
         (tmp_path / "pipelined.json").write_text(json.dumps(ui))
         pattern = f"{template.save['filename_prefix']}_*_.safetensors"
@@ -764,6 +768,9 @@ def test_pipelined_dual_gpu_template_trains_through_comfy_run(comfy, tmp_path, v
             assert "split interleaved, virtual_stages 2: 4 blocks in 4 chunks" in log, log[-3000:]
         if micro_batches == 0:
             assert "micro_batches auto: 2, one image each" in log, log[-3000:]
+        if processes:
+            assert "the split's processes: starting 2 worker processes on cpu, cpu" in log, log[-3000:]
+            assert "process split: this process (stage 0) runs blocks 0-" in log, log[-3000:]
         assert "[lowvram-lora] step 6/6" in log, log[-3000:]
         saved = sorted(set((comfy.base / "output").glob(pattern)) - before)
         assert len(saved) == 1, log[-3000:]
