@@ -131,7 +131,8 @@ def test_what_a_process_split_does_not_run_yet_is_refused():
 
 def test_the_node_starts_both_processes_through_train_or_reuse(tiny_pipeline, tiny_cache, tmp_path):
     """What Train LoRA runs with Dual-GPU Split one_process_per_gpu on: train_or_reuse starts the two worker
-    processes (engine/runs/launch.py), each trains its part, and rank 0's LoRA is the unsplit run's (rtol 1e-4)."""
+    processes (engine/runs/launch.py), each loads the model, trains its part and releases the other part's frozen
+    weights, and rank 0's LoRA is the unsplit run's (rtol 1e-4)."""
     from helpers import LogRecorder
 
     from lowvram_lora.engine.models.inspect import inspect_transformer
@@ -147,6 +148,8 @@ def test_the_node_starts_both_processes_through_train_or_reuse(tiny_pipeline, ti
     assert got.steps == 2 and not got.interrupted
     assert any("the split's processes: starting 2 worker processes" in m for m in logs.logs), logs.logs
     assert any("process split: this process (stage 0) runs blocks 0-" in m for m in logs.logs), logs.logs
+    # the model is the worker's own: the part it does not run lets go of its frozen weights (never read: same LoRA)
+    assert any("process split: released" in m and "of the other part's frozen weights" in m for m in logs.logs)
     whole = train_lora(model.config, tiny_cache, lora, train)
     assert got.loss_history == pytest.approx(whole.loss_history, rel=1e-5)
     for k, v in whole.state_dict.items():

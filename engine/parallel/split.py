@@ -594,6 +594,7 @@ class SplitHandle:
         self.device = plan.devices[0]
         self.pipeline = pipeline  # PipelineRunner (engine/parallel/pipeline.py) when micro_batches > 1
         self.module_devices: dict[int, torch.device] = {}  # id(module inside a block) -> its part's device
+        self.remote_modules: set[int] = set()  # id(module inside a block the other process runs): a process split
 
     @property
     def devices(self) -> tuple[torch.device, torch.device]:
@@ -627,14 +628,15 @@ class SplitHandle:
 
 
 def apply_split(model: nn.Module, family, plan: SplitPlan, offload: OffloadConfig, callback=None,
-                _engine_factory=None, ranks=None) -> SplitHandle:
+                _engine_factory=None, ranks=None, release_remote: bool = False) -> SplitHandle:
     """Place (and stream) each part on its device per ``plan``; LoRA must be attached and gradient
     checkpointing enabled. ``_engine_factory``: the copy engine for tests (CPU). ``ranks`` with a ``stage``: this
-    process runs that part only (engine/parallel/process_split.py)."""
+    process runs that part only (engine/parallel/process_split.py), and with ``release_remote`` (the model is the
+    run's own, dropped after it) lets go of the other part's frozen weights."""
     from ..offload.streamer import apply_offload
 
     if ranks is not None and ranks.stage is not None:
-        return _apply_stage(model, family, plan, offload, ranks, callback, _engine_factory)
+        return _apply_stage(model, family, plan, offload, ranks, callback, _engine_factory, release_remote)
     blocks = named_blocks(model, family)
     # Each device's part: its chunks' blocks in execution order (one range each unless interleaved), one streamer
     # and one plan per device: the scheduler indexes the part's blocks 0..n-1 whatever their places in the model, and
@@ -685,7 +687,7 @@ def apply_split(model: nn.Module, family, plan: SplitPlan, offload: OffloadConfi
 
 
 def _apply_stage(model, family, plan: SplitPlan, offload: OffloadConfig, ranks, callback=None,
-                 _engine_factory=None) -> SplitHandle:
+                 _engine_factory=None, release_remote: bool = False) -> SplitHandle:
     """Place (and stream) this process's part only, on its device, with everything outside the blocks there too (each
     process runs those layers itself); the model's checkpoint function runs the other part's blocks through the
     runner (engine/parallel/process_split.py)."""
@@ -718,6 +720,10 @@ def _apply_stage(model, family, plan: SplitPlan, offload: OffloadConfig, ranks, 
         raise
     ranks.owned = {id(p) for _, b in part for p in b.parameters() if p.requires_grad}
     ranks.device = dev
+    if release_remote:  # never read here: the other process runs these blocks (their LoRA stays, for the exchange)
+        released = _release_frozen([b for i, (_, b) in enumerate(blocks) if i not in plan.chunk_ranges[stage]])
+        if callback is not None and released:
+            callback.log(f"process split: released {released / GB:.2f} GB of the other part's frozen weights")
     runner = RankPipeline(stage, plan.devices, id(blocks[plan.cut][1]), plan.batches_per_pipeline)
     hooks = [block.register_forward_pre_hook(_arguments_to(dev), with_kwargs=True) for _, block in part]
     for name, child in model.named_children():  # after the blocks: the final norm and projection
@@ -727,7 +733,21 @@ def _apply_stage(model, family, plan: SplitPlan, offload: OffloadConfig, ranks, 
     _install_checkpoint(model, {id(b): dev for _, b in part}, offloaders, runner)
     out = SplitHandle(model, plan, [handle], hooks, restore, runner)
     out.module_devices = {id(m): dev for _, b in part for m in b.modules()}
+    out.remote_modules = {id(m) for i, (_, b) in enumerate(blocks) if i not in plan.chunk_ranges[stage]
+                          for m in b.modules()}
     return out
+
+
+def _release_frozen(blocks) -> int:
+    """The frozen plain tensors of ``blocks`` replaced by empty ones (their memory goes back once nothing else holds
+    it); returns the bytes let go. Tensor subclasses (quantized weights) are left as they are."""
+    released = 0
+    for block in blocks:
+        for t in [*block.parameters(), *block.buffers()]:
+            if not t.requires_grad and type(t.data) is torch.Tensor and t.numel():
+                released += t.numel() * t.element_size()
+                t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+    return released
 
 
 def outside_to(model: nn.Module, block_ids: set[int], device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:

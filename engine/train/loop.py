@@ -318,6 +318,7 @@ def _load_model(run: _Run, model_cfg, identity: CheckpointIdentity | None, lora,
         run.dataset.check_fits(ident.family, ident.config)
         run.placement.plan_before_loading(ident, model_cfg.family, run.dataset, lora, run.train, run.dtype)
         run.model, run.family, _, run.variant = load_transformer(ident, model_cfg.family, run.dtype)
+        run.placement.model_is_own = True
     else:
         run.model, run.family, run.variant = preloaded
     run.sigma_range = run.family.schedule.train_sigma_range(run.variant)
@@ -395,6 +396,7 @@ def _start_window(run: _Run, step_window: int | None) -> None:
 
     if run.window is None:
         return
+    run.window.drop(run.placement.remote_modules())  # a process split: the other process runs those
     release_map = None
     if run.placement.window_from_file:  # host RAM is short: the weights stay in the slab's map (Streamed.plan)
         from ..slab.source import slab_source_of

@@ -111,6 +111,9 @@ class Placement(ABC):
         # blocks instead (Streamed.plan decides when host RAM is short; engine/train/step_window.py).
         self.window_from_file = False
         self.ranks = None  # the run's ranks (the loop says): a process split places only its own part
+        # The run loaded the model itself and drops it at the end (the loop says): a process split then releases the
+        # frozen weights of the part it does not run.
+        self.model_is_own = False
         self._model = None  # the model LoRA is attached to, until remove()
         self._checkpointing_on = False  # whether apply turned gradient checkpointing on
 
@@ -144,6 +147,10 @@ class Placement(ABC):
         """id(module inside a block) -> the device it runs on, where that is not the training device (a split's second
         part): the modulation window keeps a flagged module's outputs there. None: every module on ``device``."""
         return None
+
+    def remote_modules(self) -> set[int]:
+        """id(module) of every module inside a block another process runs (a process split's other part)."""
+        return set()
 
     def plan_before_loading(self, ident, family_id: str, dataset, lora, train: TrainConfig,
                             dtype: torch.dtype) -> None:
@@ -483,7 +490,7 @@ class Split(Placement):
         params = self._attach(model, family, lora, train, True)  # on the CPU: placed with their blocks below
         try:
             self.handle = apply_split(model, family, self.plan(model, family, variant, dataset, train),
-                                      self.offload, callback, ranks=self.ranks)
+                                      self.offload, callback, ranks=self.ranks, release_remote=self.model_is_own)
         except BaseException:
             self.remove()
             raise
@@ -509,6 +516,9 @@ class Split(Placement):
 
     def pipeline(self):
         return self.handle.pipeline if self.handle is not None else None
+
+    def remote_modules(self) -> set[int]:
+        return self.handle.remote_modules if self.handle is not None else set()
 
     def module_devices(self):
         return self.handle.module_devices if self.handle is not None else None

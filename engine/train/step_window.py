@@ -67,6 +67,13 @@ class WindowModules:
         for _, m in self.all():
             m.__dict__.pop(STEP_CONSTANT, None)
 
+    def drop(self, module_ids: set[int]) -> None:
+        """Unflag the modules ``module_ids`` names (a process split's other part: this process never runs them)."""
+        for _, m, _ in self.modules:
+            if id(m) in module_ids:
+                m.__dict__.pop(STEP_CONSTANT, None)
+        self.modules = [entry for entry in self.modules if id(entry[1]) not in module_ids]
+
 
 def mark(model: nn.Module, family, lora_targets: list[str], log: Callable[[str], None]) -> Optional[WindowModules]:
     """Flag the family's per-step-constant modules that ``lora_targets`` (peft's target names) leave alone; None when
