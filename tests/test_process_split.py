@@ -167,3 +167,38 @@ def test_one_process_per_gpu_settings_say_what_they_need():
                        (dict(mode="data_parallel"), "only applies to split mode")]:
         with pytest.raises(ConfigError, match=match):
             ParallelConfig(**{"devices": ("cpu", "cpu"), "one_process_per_gpu": True, **bad})
+
+
+def test_the_plan_counts_each_process_s_own_python():
+    """One process per part: the pipelined step's host floor is the 1F1B makespan of each part's own Python (its share
+    of the blocks), not every micro-batch's Python one after the other. Flux.1-dev 1024² bf16, batch 8 in 8
+    micro-batches, 12 GB per H200: the threaded split's floor (8 x 0.62 s = 4.92 s) binds over the GPUs' 4.66 s; the
+    processes' (3.49 s) does not, and the plan predicts the GPUs' makespan."""
+    from helpers import bench_module
+
+    from lowvram_lora.engine.families import get_family
+    from lowvram_lora.engine.offload import OffloadConfig, Workload
+    from lowvram_lora.engine.offload.plan import GB
+    from lowvram_lora.engine.offload.steptime import Machine, host_s_per_piece, peak_flops_for
+    from lowvram_lora.engine.parallel.split import pipelined_step_s, plan_split, trainable_per_block
+
+    devs = (torch.device("cuda:0"), torch.device("cuda:1"))
+    h200 = Machine(link_bytes_per_s=55 * GB, peak_flops=peak_flops_for("NVIDIA H200"), name="H200", source="probe")
+    family = get_family("flux1")
+    model, fp = bench_module("train_bench").meta_footprint(family, "flux1-dev", family.load_config("flux1-dev"), "bf16",
+                                                           LoraSettings(rank=16, alpha=16.0), attach=True)
+    per_block, outside = trainable_per_block(model, family)
+
+    def plan(processes):
+        return plan_split(fp, per_block, outside, Workload(8, 4096, 512), OffloadConfig(mode="auto"), devs,
+                          (int(12 * GB),) * 2, machines=(h200, h200), micro_batches=8, processes=processes)
+
+    threads, procs = plan(False), plan(True)
+    assert threads.host_bound and threads.host_floor_s == pytest.approx(8 * host_s_per_piece(fp, False))
+    halves = [host_s_per_piece(fp, False) * p.footprint.num_blocks / 57 for p in procs.plans]
+    assert procs.host_floor_s == pytest.approx(pipelined_step_s([8 * h for h in halves], 8))
+    # the GPUs' cut (19: Flux.1's double blocks on the first) gives the processes 19 and 38 blocks' Python
+    assert procs.cut == threads.cut == 19 and procs.host_floor_s == pytest.approx(3.49, abs=0.01)
+    assert procs.host_floor_s < 0.75 * threads.host_floor_s
+    assert not procs.host_bound and procs.predicted_step_s == procs.gpu_step_s < threads.predicted_step_s
+    assert "host-bound" not in procs.describe()

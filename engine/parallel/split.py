@@ -101,6 +101,7 @@ class SplitPlan:
     chunk_shares: tuple[float, ...] = ()  # each chunk's share of its device's part time (FLOPs); empty: one chunk each
     host_s_per_piece: float = 0.0  # Python seconds of one micro-batch through every block (steptime.host_s_per_piece)
     fewer_pieces: Optional[tuple[int, float]] = None  # host-bound: (micro_batches M / 2, its predicted step) if shorter
+    processes: bool = False  # one process per part (engine/parallel/process_split.py): each part's Python its own
 
     @property
     def chunks(self) -> int:
@@ -144,10 +145,18 @@ class SplitPlan:
     def host_floor_s(self) -> float:
         """Pipelined, the micro-step's Python: both parts run in this one process, and their threads share its
         interpreter lock, so every micro-batch's operator calls are made one after the other, whichever GPU runs them
-        (measured on one GPU: eight micro-batches took 8.09x one alone, bench/NOTES.md session 17). Not pipelined, 0:
-        one thread launches ahead of the GPUs, as on one GPU (whose plan has no floor either)."""
+        (measured on one GPU: eight micro-batches took 8.09x one alone, bench/NOTES.md session 17). With one process
+        per part, each process's calls are its part's, in the 1F1B order (measured on one GPU at M = 8, compiled:
+        2.26 s against 2.44 s predicted; eager 3.80 against 2.88 s, where both processes' many small kernels also took
+        turns on the one GPU). Not pipelined, 0: one thread launches ahead of the GPUs, as on one GPU (whose plan has
+        no floor either)."""
         if self.micro_batches <= 1:
             return 0.0
+        if self.processes:  # each process makes its own part's calls: the 1F1B makespan of the parts' Python
+            n = sum(p.footprint.num_blocks for p in self.plans)
+            per_piece = [self.host_s_per_piece * p.footprint.num_blocks / n for p in self.plans]
+            return pipelined_step_s([h * self.micro_batches / self.batches_per_pipeline for h in per_piece],
+                                    self.micro_batches, 0.0, self.batches_per_pipeline)
         return self.host_s_per_piece * self.micro_batches / self.batches_per_pipeline
 
     @property
@@ -194,11 +203,12 @@ class SplitPlan:
                          + ("each cut" if self.chunks > 1 else "the cut"))
             if self.host_bound:
                 pieces = self.micro_batches / self.batches_per_pipeline
+                how = ("each process making its part's share of them, in the 1F1B order" if self.processes else
+                       "made one after the other (both GPUs' threads share this process's interpreter)")
                 lines.append(
-                    f"  host-bound: {pieces:g} micro-batches x {self.host_s_per_piece:.2f} s of Python each, made one "
-                    f"after the other (both GPUs' threads share this process's interpreter), against "
-                    f"{self.gpu_step_s:.3f} s of GPU work; fewer micro-batches of more images each make fewer calls "
-                    f"per image{self._fewer_hint()}")
+                    f"  host-bound: {pieces:g} micro-batches x {self.host_s_per_piece:.2f} s of Python each, {how}: "
+                    f"{self.host_floor_s:.3f} s against {self.gpu_step_s:.3f} s of GPU work; fewer micro-batches of "
+                    f"more images each make fewer calls per image{self._fewer_hint()}")
         elif step is not None:
             parts = " + ".join(f"{p.step_time.seconds:.3f}" for p in self.plans)
             lines.append(f"predicted step {step:.3f} s: the parts one after the other ({parts} s) + "
@@ -299,7 +309,8 @@ def plan_split(fp: ModelFootprint, block_trainable: list[int], other_trainable: 
                host_ram_bytes: Optional[int] = None, ram_budget_bytes: Optional[int] = None,
                machines: tuple[Optional[Machine], Optional[Machine]] = (None, None),
                compiled: bool = False, micro_batches: int = 1, host_extra: Optional[dict] = None,
-               accumulation: int = 1, virtual_stages: int = 1, suggest: bool = True) -> SplitPlan:
+               accumulation: int = 1, virtual_stages: int = 1, suggest: bool = True,
+               processes: bool = False) -> SplitPlan:
     """The plan for both parts: at ``cut``, or at the best cut when it is None (see the module doc).
     ``micro_batches`` 0: auto (``_auto_micro_batches``).
     ``machines``: each device's link and GPU (engine/offload/link.py ``resolve_machine``; None: the default
@@ -309,12 +320,12 @@ def plan_split(fp: ModelFootprint, block_trainable: list[int], other_trainable: 
     here); 0: the v of ``AUTO_VIRTUAL_STAGES`` with the shortest predicted step that fits. ``host_extra``: host bytes
     the run holds beside the parts (the modulation window's weights), in the RAM budget once. ``suggest``: where the
     pipelined step is host-bound, plan half as many micro-batches too and keep its step if shorter (``fewer_pieces``,
-    in the plan's text)."""
+    in the plan's text). ``processes``: one process per part (``SplitPlan.host_floor_s``)."""
     def again(m: int, v: int, at: Optional[int]) -> SplitPlan:
         return plan_split(fp, block_trainable, other_trainable, workload, offload, devices, budgets, cut=at,
                           host_ram_bytes=host_ram_bytes, ram_budget_bytes=ram_budget_bytes, machines=machines,
                           compiled=compiled, micro_batches=m, host_extra=host_extra, accumulation=accumulation,
-                          virtual_stages=v, suggest=False)
+                          virtual_stages=v, suggest=False, processes=processes)
 
     if micro_batches == 0:
         return _auto_micro_batches(workload.batch, other_trainable, accumulation, virtual_stages, cut, again)
@@ -337,6 +348,7 @@ def plan_split(fp: ModelFootprint, block_trainable: list[int], other_trainable: 
         try:
             found[v] = _best_split(fp, block_trainable, other_trainable, workload, offload, devices, budgets, cut,
                                    host_ram_bytes, machines, compiled, micro_batches, span, v)
+            found[v].processes = processes  # (the cut itself is placed on the GPUs' time)
         except ConfigError as exc:
             last_error = exc
     if not found:
