@@ -147,9 +147,9 @@ class SplitPlan:
         interpreter lock, so every micro-batch's operator calls are made one after the other, whichever GPU runs them
         (measured on one GPU: eight micro-batches took 8.09x one alone, bench/NOTES.md session 17). With one process
         per part, each process's calls are its part's, in the 1F1B order (measured on one GPU at M = 8, compiled:
-        2.26 s against 2.44 s predicted; eager 3.80 against 2.88 s, where both processes' many small kernels also took
-        turns on the one GPU). Not pipelined, 0: one thread launches ahead of the GPUs, as on one GPU (whose plan has
-        no floor either)."""
+        2.26 s against 2.44 s predicted; eager 3.80 against 2.88 s, likely as both processes' many small kernels took
+        turns on the one GPU: not yet checked on two). Not pipelined, 0: one thread launches ahead of the GPUs, as on
+        one GPU (whose plan has no floor either)."""
         if self.micro_batches <= 1:
             return 0.0
         if self.processes:  # each process makes its own part's calls: the 1F1B makespan of the parts' Python
