@@ -41,6 +41,8 @@ from .finished import (check_reused_samples, load_finished, model_key, resume_ar
 class _OneDevice:
     """The part of a ParallelConfig one expert's worker reads: its device and its budget."""
 
+    one_process_per_gpu = False  # each expert's worker trains its whole model
+
     def __init__(self, device: str, budget_gb: float):
         self.devices, self.vram_budget_gb = (device,), (budget_gb,)
 
