@@ -391,13 +391,17 @@ def main(argv=None) -> int:
     else:
         _wait_for(dp_flag)
         seen_flag.touch()
+    def own_model():
+        """Rank 1's model and cache, built once, as rank 0's were (its process ran no one-process mode)."""
+        built = build_random_model(args.variant, device, torch.bfloat16 if cuda else torch.float32, 0.02, 0,
+                                   family_id=args.family, narrow=args.narrow)
+        to_streamed_form(built[0], built[1], args.precision, device)
+        return built[0], built[1], _cache(Path(tmp.name), built[1], args.variant, built[2], args.res, batch)
+
     if "dp" in args.modes and me.world_size >= 2 and cuda:
         ranks = init_from_env(device)
-        if not me.is_main:
-            model, family, cfg = build_random_model(args.variant, device, torch.bfloat16, 0.02, 0,
-                                                    family_id=args.family, narrow=args.narrow)
-            dataset = _cache(Path(tmp.name), family, args.variant, cfg, args.res, batch)
-            to_streamed_form(model, family, args.precision, device)
+        if model is None:
+            model, family, dataset = own_model()
         torch.distributed.barrier()
         run("dp", model, family, dataset, offload(vram_budget_gb=args.budget), ranks=ranks)
         shutdown()
@@ -406,10 +410,7 @@ def main(argv=None) -> int:
 
         ranks = init_process_split(pair)
         if model is None:
-            model, family, cfg = build_random_model(args.variant, device, torch.bfloat16 if cuda else torch.float32,
-                                                    0.02, 0, family_id=args.family, narrow=args.narrow)
-            dataset = _cache(Path(tmp.name), family, args.variant, cfg, args.res, batch)
-            to_streamed_form(model, family, args.precision, device)
+            model, family, dataset = own_model()
         torch.distributed.barrier()
         run("procs", model, family, dataset, offload(),
             split=ParallelConfig(mode="split", devices=pair, vram_budget_gb=(args.budget,),

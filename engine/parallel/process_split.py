@@ -160,12 +160,11 @@ class RankPipeline:
     ``block_arguments``, ``block_outputs``)."""
 
     min_pieces = 1  # a batch of one piece crosses too: the other part's blocks are only here
-    chunks = 1
 
-    def __init__(self, stage: int, devices: tuple[torch.device, torch.device], first_remote: int, batches: int = 1):
+    def __init__(self, stage: int, device: torch.device, first_remote: int, batches: int = 1):
         import torch.distributed as dist
 
-        self.stage, self.devices, self.device = stage, devices, devices[stage]
+        self.stage, self.device = stage, device  # this process's part and its device
         self.first_local_of_stage1 = first_remote  # id of the second part's first block (the crossing)
         self.batches = batches  # accumulated batches one run spans (SplitPlan.batches_per_pipeline)
         self.peer = 1 - stage
@@ -173,7 +172,6 @@ class RankPipeline:
         self.forward_group, self.backward_group = dist.new_group([0, 1]), dist.new_group([0, 1])
         self.micro_batches_run = 0
         self.bytes_copied = 0
-        self.last_order: list = []  # this lane's ops as the last run played them
         self._k: Optional[int] = None  # the micro-batch whose forward runs now
         self._at: Optional[int] = None  # the micro-batch whose forward or backward runs now
         self._shapes: list = []  # stage 0: its blocks' outputs this forward; stage 1: the header's, served in order
@@ -286,8 +284,6 @@ class RankPipeline:
         from placeholders (leaves where they need a gradient)."""
         if self.stage == 0 or self._k is None or id(block) != self.first_local_of_stage1:
             return args
-        if self._arguments is None:  # the first part ran no block of stage 0's (cut 0 is refused; kept safe)
-            self._receive_header()
         flat, spec = tree_flatten(args)
         at = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
         if len(at) != len(self._arguments):
@@ -328,7 +324,6 @@ class RankPipeline:
                     held[k] = self._forward(k, pieces[k])
                 else:
                     losses[k] = self._backward(k, held.pop(k))
-            self.last_order = list(ops)
         finally:
             self._k = self._at = None
             for work, _ in self._sends:

@@ -680,15 +680,10 @@ def apply_split(model: nn.Module, family, plan: SplitPlan, offload: OffloadConfi
         pipeline = PipelineRunner(plan.devices, chunk_of, {id(m): d for d, part in enumerate(parts) for _, b in part
                                                           for m in b.modules()},
                                   plan.batches_per_pipeline, plan.chunks)
-    hooks = []
-    for part, dev in zip(parts, plan.devices):
-        for _, block in part:
-            hooks.append(block.register_forward_pre_hook(_arguments_to(dev), with_kwargs=True))
+    hooks = [hook for part, dev in zip(parts, plan.devices) for hook in _device_hooks(part, dev)]
     if pipeline is not None and pipeline.copies.cuda:
         hooks += [block.register_forward_pre_hook(pipeline.throttle) for _, block in parts[0]]
-    for name, child in model.named_children():  # after the blocks: the final norm and projection
-        if not isinstance(child, nn.ModuleList):
-            hooks.append(child.register_forward_pre_hook(_arguments_to(dev0, pipeline), with_kwargs=True))
+    hooks += _head_hooks(model, dev0, pipeline)
     offloaders = {id(b): h.activations for part, h in zip(parts, handles) if h.activations is not None
                   for _, b in part}
     _install_checkpoint(model, device_of, offloaders, pipeline)
@@ -732,22 +727,30 @@ def _apply_stage(model, family, plan: SplitPlan, offload: OffloadConfig, ranks, 
         raise
     ranks.owned = {id(p) for _, b in part for p in b.parameters() if p.requires_grad}
     ranks.device = dev
+    remote = [b for i, (_, b) in enumerate(blocks) if i not in plan.chunk_ranges[stage]]  # the other process's
     if release_remote:  # never read here: the other process runs these blocks (their LoRA stays, for the exchange)
-        released = _release_frozen([b for i, (_, b) in enumerate(blocks) if i not in plan.chunk_ranges[stage]])
+        released = _release_frozen(remote)
         if callback is not None and released:
             callback.log(f"process split: released {released / GB:.2f} GB of the other part's frozen weights")
-    runner = RankPipeline(stage, plan.devices, id(blocks[plan.cut][1]), plan.batches_per_pipeline)
-    hooks = [block.register_forward_pre_hook(_arguments_to(dev), with_kwargs=True) for _, block in part]
-    for name, child in model.named_children():  # after the blocks: the final norm and projection
-        if not isinstance(child, nn.ModuleList):
-            hooks.append(child.register_forward_pre_hook(_arguments_to(dev), with_kwargs=True))
+    runner = RankPipeline(stage, dev, id(blocks[plan.cut][1]), plan.batches_per_pipeline)
+    hooks = _device_hooks(part, dev) + _head_hooks(model, dev)
     offloaders = {id(b): handle.activations for _, b in part} if handle.activations is not None else {}
     _install_checkpoint(model, {id(b): dev for _, b in part}, offloaders, runner)
     out = SplitHandle(model, plan, [handle], hooks, restore, runner)
     out.module_devices = {id(m): dev for _, b in part for m in b.modules()}
-    out.remote_modules = {id(m) for i, (_, b) in enumerate(blocks) if i not in plan.chunk_ranges[stage]
-                          for m in b.modules()}
+    out.remote_modules = {id(m) for b in remote for m in b.modules()}
     return out
+
+
+def _device_hooks(part, device: torch.device) -> list:
+    """Each block of ``part`` gets its tensor arguments on ``device``."""
+    return [block.register_forward_pre_hook(_arguments_to(device), with_kwargs=True) for _, block in part]
+
+
+def _head_hooks(model: nn.Module, device: torch.device, pipeline=None) -> list:
+    """The layers after the blocks (the final norm and projection) get their arguments on ``device``."""
+    return [child.register_forward_pre_hook(_arguments_to(device, pipeline), with_kwargs=True)
+            for _, child in model.named_children() if not isinstance(child, nn.ModuleList)]
 
 
 def _release_frozen(blocks) -> int:

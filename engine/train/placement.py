@@ -482,7 +482,8 @@ class Split(Placement):
                           machines=tuple(resolve_machine(d) for d in self.devices),
                           compiled=self.compiles(train)[0], micro_batches=self.split.micro_batches,
                           host_extra=self.host_extra, accumulation=train.gradient_accumulation,
-                          virtual_stages=self.split.virtual_stages, processes=self.split.one_process_per_gpu)
+                          virtual_stages=self.split.virtual_stages,
+                          processes=self.ranks is not None and self.ranks.stage is not None)  # how it runs
 
     def apply(self, model, family, variant, dataset, lora, train, callback):
         from ..parallel.split import apply_split
